@@ -1,0 +1,37 @@
+# dtrain: `make run` trains on localhost, `make test` runs the suite; both set up .venv first.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+DTRAIN := $(VENV)/bin/dtrain
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: install sysdeps test run bench lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first, pinned, so the CPU wheel on local disk is used instead of a CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# The tests start real sshd and network namespaces; as root we install what they need.
+sysdeps:
+	@bash tests/cluster/install_sysdeps.sh
+
+test: install sysdeps
+	$(PY) -m pytest -q -ra tests
+
+run: install
+	$(DTRAIN) launch --nproc-per-node 2 -- $(PY) -m trainer.hello
+
+bench: install sysdeps
+	$(PY) -m bench.run_all
+
+lint: install
+	$(VENV)/bin/ruff check launcher trainer tests bench workerenv.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,52 @@
+"""The launcher's exceptions: one hierarchy, one message shape.
+
+Every message reads ``<what failed> [<where>]: <why>. <how to fix>`` so a user can act on it
+without reading code; ``where`` is a ``path:line``, a host, a rank or an option.
+"""
+
+from __future__ import annotations
+
+
+class DtrainError(Exception):
+    """Base of every error the launcher reports to a user (exit code 2 unless stated)."""
+
+    exit_code = 2
+
+    def __init__(self, what: str, where: str, why: str, fix: str = "") -> None:
+        self.what, self.where, self.why, self.fix = what, where, why, fix
+        text = f"{what} [{where}]: {why}" if where else f"{what}: {why}"
+        if fix:
+            text += f". {fix}"
+        super().__init__(text)
+
+
+class UsageError(DtrainError):
+    """A command-line option or combination of options is wrong."""
+
+
+class HostfileError(DtrainError):
+    """The hostfile or an inline host list cannot be used; raised before any connection."""
+
+
+class EnvironmentFileError(DtrainError):
+    """A .dtrainenv file or an --env value is malformed."""
+
+
+class ConnectError(DtrainError):
+    """A host could not be reached, authenticated or verified; nothing was started."""
+
+    exit_code = 255
+
+
+class HostKeyError(ConnectError):
+    """A host key is unknown (and --ssh-accept-new was not given) or has changed."""
+
+
+class AgentError(DtrainError):
+    """The per-host agent could not start, speaks another version, or broke the protocol."""
+
+    exit_code = 255
+
+
+class PmiError(DtrainError):
+    """A PMI-1 client sent something the server refuses."""

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Installs the system tools the tests use (sshd, ip) when running as root; otherwise only reports.
+set -euo pipefail
+need=()
+command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
+command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
+[ ${#need[@]} -eq 0 ] && exit 0
+if [ "$(id -u)" -ne 0 ]; then
+    echo "sysdeps: not root; tests needing ${need[*]} will be skipped" >&2
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null

@@ -1,0 +1,127 @@
+"""The worker contract: the environment every rank started by `dtrain launch` receives.
+
+This module is the one place the contract is written down. `launcher/` produces it and
+`trainer/` consumes it; neither package imports the other, both import this module.
+
+torchrun-compatible variables (an unmodified ``torch.distributed`` ``env://`` script runs):
+
+    RANK              global rank, 0..WORLD_SIZE-1, filled host by host in hostfile order
+    WORLD_SIZE        number of ranks in the job
+    LOCAL_RANK        index of the rank on its host (also the GPU index within CUDA_VISIBLE_DEVICES)
+    LOCAL_WORLD_SIZE  number of ranks on this host
+    GROUP_RANK        index of this host in the job (torchrun's name); NODE_RANK is the same value
+    NODE_RANK
+    MASTER_ADDR       an address of rank 0's host that the other hosts can reach
+    MASTER_PORT       a TCP port on MASTER_ADDR free for a rendezvous store
+
+MPICH wire-up (PMI-1, served through the per-host agent):
+
+    PMI_FD            a socket inherited from the agent (default), or
+    PMI_PORT, PMI_ID  a loopback port of the agent and this rank's one-time id
+    PMI_RANK, PMI_SIZE
+
+dtrain's own:
+
+    DTRAIN_JOB_ID     identifies the job (log names, checkpoints, telemetry)
+    DTRAIN_HOST       the host name as written in the hostfile
+    OMP_NUM_THREADS   1 unless the user set it
+    CUDA_VISIBLE_DEVICES  only when --include/--exclude selected GPU slots on this host
+
+Inherited PMI_*, PMIX_*, OMPI_*, SLURM_* variables are removed before the launcher adds its own,
+because MPICH refuses to start when PMIX_* is set and a stale PMI_* would point at another job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+RANK = "RANK"
+WORLD_SIZE = "WORLD_SIZE"
+LOCAL_RANK = "LOCAL_RANK"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+GROUP_RANK = "GROUP_RANK"
+NODE_RANK = "NODE_RANK"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+PMI_FD = "PMI_FD"
+PMI_PORT = "PMI_PORT"
+PMI_ID = "PMI_ID"
+PMI_RANK = "PMI_RANK"
+PMI_SIZE = "PMI_SIZE"
+JOB_ID = "DTRAIN_JOB_ID"
+HOST = "DTRAIN_HOST"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+#: Prefixes of inherited variables that belong to another launcher and are always removed.
+SCRUBBED_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "SLURM_")
+
+#: Prefixes of head-node variables forwarded to every rank (like DeepSpeed's export list).
+FORWARDED_PREFIXES = (
+    "NCCL_", "PYTHON", "CUDA_", "MPICH_", "MPIR_CVAR_", "TORCH_", "UCX_", "FI_", "HF_",
+    "WANDB_", "MLFLOW_", "GLOO_", "OMP_", "MKL_", "LANG", "LC_", "TZ",
+)
+
+
+class ContractError(RuntimeError):
+    """The environment does not hold the worker contract (the process was not started by dtrain)."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """The contract as one rank sees it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    job_id: str
+    host: str
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+        """Read the contract; a missing or malformed variable names itself and the fix."""
+        env = os.environ if environ is None else environ
+        return cls(
+            rank=_int(env, RANK),
+            world_size=_int(env, WORLD_SIZE),
+            local_rank=_int(env, LOCAL_RANK),
+            local_world_size=_int(env, LOCAL_WORLD_SIZE),
+            node_rank=_int(env, GROUP_RANK),
+            master_addr=env.get(MASTER_ADDR, "127.0.0.1"),
+            master_port=_int(env, MASTER_PORT, default="29500"),
+            job_id=env.get(JOB_ID, "standalone"),
+            host=env.get(HOST, "localhost"),
+        )
+
+    @classmethod
+    def single_process(cls) -> "WorkerEnv":
+        """The contract of a process started by hand: one rank, world of one."""
+        return cls(0, 1, 0, 1, 0, "127.0.0.1", 29500, "standalone", "localhost")
+
+
+def in_launched_job(environ: Mapping[str, str] | None = None) -> bool:
+    """True when the process was started by a launcher that set RANK and WORLD_SIZE."""
+    env = os.environ if environ is None else environ
+    return RANK in env and WORLD_SIZE in env
+
+
+def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
+    raw = env.get(name, default)
+    if raw is None:
+        raise ContractError(
+            f"worker environment incomplete [{name}]: the variable is not set. "
+            "Start the program with `dtrain launch` (or torchrun), which sets it"
+        )
+    try:
+        return int(raw)
+    except ValueError:
+        raise ContractError(
+            f"worker environment malformed [{name}={raw!r}]: not an integer. "
+            "Do not override the launcher's rank variables"
+        ) from None
