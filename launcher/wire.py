@@ -36,6 +36,8 @@ class Kind(enum.IntEnum):
     ERROR = 11      # agent -> head: {"what", "why"}: the agent cannot go on
     DONE = 12       # agent -> head: every rank has exited, the agent is leaving
     BYE = 13        # head -> agent: leave now (after KILL or when the job is over)
+    READY = 14      # agent -> head: the SPEC was checked (cwd, program) and can start
+    START = 15      # head -> agent: start the ranks (sent once every host is READY)
 
 
 class WireError(ValueError):

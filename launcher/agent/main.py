@@ -1,0 +1,216 @@
+"""The per-host agent: `python -m launcher.agent` (a constant command; the job comes as data).
+
+It says HELLO, checks the SPEC it is sent (READY or ERROR), starts its host's ranks on START,
+relays their output, exit statuses and PMI traffic, and stops every rank (SIGTERM, grace,
+SIGKILL to each rank's process group) when the head says KILL or BYE, when the stream from the
+head closes, or when the head falls silent for `misses` heartbeat intervals.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import sys
+import time
+from typing import Any
+
+from launcher import wire
+from launcher.agent import facts
+from launcher.agent.link import Eof, HeadLink
+from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
+from launcher.environment import scrub
+
+HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
+AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway
+EOF_GRACE_S = 3.0        # the head is gone: short grace, nobody is waiting for a clean exit
+
+
+class Agent:
+    def __init__(self) -> None:
+        self.events: "queue.Queue[Any]" = queue.Queue()
+        self.link = HeadLink(self.events)
+        self.ranks: dict[int, RankProcess] = {}
+        self.spec: dict[str, Any] = {}
+        self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
+        self.interval = 5.0
+        self.silence_limit = HELLO_SILENCE_S
+        self.last_heard = self.last_sent = time.monotonic()
+        self.kill_at: float | None = None
+        self.leave_at: float | None = None
+        self.exit_code = 0
+
+    # -- main loop --------------------------------------------------------------------------
+    def run(self) -> int:
+        self.link.send_json(wire.Kind.HELLO, facts.hello())
+        while True:
+            now = time.monotonic()
+            if self._deadlines(now):
+                return self.exit_code
+            try:
+                event = self.events.get(timeout=self._wait_time(now))
+            except queue.Empty:
+                continue
+            if isinstance(event, wire.Frame):
+                self.last_heard = time.monotonic()
+                if self._on_frame(event):
+                    return self.exit_code
+            elif isinstance(event, RankExited):
+                self._on_exit(event)
+            elif isinstance(event, Eof):
+                self._stop(signal.SIGTERM, EOF_GRACE_S)
+                return self._leave(1 if self.ranks else 0)
+
+    def _wait_time(self, now: float) -> float:
+        waits = [self.interval - (now - self.last_sent), 1.0]
+        if self.kill_at is not None:
+            waits.append(self.kill_at - now)
+        return max(0.01, min(waits))
+
+    def _deadlines(self, now: float) -> bool:
+        """Heartbeats and timers; True when the agent must leave now."""
+        if now - self.last_sent >= self.interval:
+            self.link.send(wire.encode(wire.Kind.HEARTBEAT))
+            self.last_sent = now
+        if self.kill_at is not None and now >= self.kill_at:
+            self._signal_all(signal.SIGKILL)
+            self.kill_at = None
+        if now - self.last_heard > self.silence_limit:
+            # The head is gone or cut off: nobody will ever collect these ranks.
+            self._stop(signal.SIGTERM, EOF_GRACE_S)
+            self._leave(1)
+            return True
+        if self.leave_at is not None and now >= self.leave_at:
+            self._leave(self.exit_code)
+            return True
+        return False
+
+    # -- frames from the head -----------------------------------------------------------------
+    def _on_frame(self, frame: wire.Frame) -> bool:
+        kind = frame.kind
+        if kind is wire.Kind.SPEC:
+            self._on_spec(frame.json())
+        elif kind is wire.Kind.START:
+            self._start_all()
+        elif kind is wire.Kind.KILL:
+            body = frame.json()
+            self._stop(int(body.get("signal", signal.SIGTERM)), float(body.get("grace", 10.0)))
+        elif kind is wire.Kind.PMI and self.pmi is not None:
+            self.pmi.from_head(frame.json())
+        elif kind is wire.Kind.QUERY:
+            self.link.send_json(wire.Kind.REPLY, facts.answer(frame.json()))
+        elif kind is wire.Kind.BYE:
+            self._stop(signal.SIGKILL, 0.0)
+            self._leave(self.exit_code)
+            return True
+        return False
+
+    def _on_spec(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.interval = float(spec.get("heartbeat", 5.0))
+        self.silence_limit = self.interval * int(spec.get("misses", 3))
+        problem = self._check_spec(spec)
+        if problem:
+            self.link.send_json(wire.Kind.ERROR, problem)
+            return
+        pmi = spec.get("pmi") or {}
+        if pmi.get("mode", "off") != "off":
+            from launcher.agent.pmi_sockets import PmiSockets
+
+            self.pmi = PmiSockets(
+                mode=pmi["mode"], ranks=[r["rank"] for r in spec["ranks"]],
+                world_size=int(pmi["world_size"]), kvsname=pmi["kvsname"],
+                process_mapping=pmi["process_mapping"],
+                send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
+            )
+        self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"])})
+
+    def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
+        cwd = spec["cwd"]
+        if not os.path.isdir(cwd):
+            return {"what": "working directory missing", "why": f"{cwd} does not exist here",
+                    "fix": "create it on every host, or pass --chdir DIR"}
+        argv = spec["argv"]
+        env = self._rank_env(spec["ranks"][0]) if spec["ranks"] else dict(os.environ)
+        if find_program(argv[0], env, cwd) is None:
+            return {"what": "program not found", "why": f"{argv[0]!r} is not an executable in "
+                    f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
+        return None
+
+    def _rank_env(self, rank_spec: dict[str, Any]) -> dict[str, str]:
+        env = scrub(os.environ)
+        env.update(rank_spec["env"])
+        if self.pmi is not None:
+            env.update(self.pmi.rank_env(rank_spec["rank"]))
+        return env
+
+    # -- ranks ---------------------------------------------------------------------------------
+    def _start_all(self) -> None:
+        for rank_spec in self.spec["ranks"]:
+            rank = rank_spec["rank"]
+            fds = self.pmi.rank_fds(rank) if self.pmi else []
+            try:
+                rp = start_rank(rank, self.spec["argv"], self._rank_env(rank_spec),
+                                self.spec["cwd"], fds, self._relay_output, self.events)
+            except OSError as exc:
+                self.link.send_json(wire.Kind.ERROR, {
+                    "what": "rank did not start", "why": f"rank {rank}: {exc}",
+                    "fix": "check the program and the working directory on this host"})
+                self._stop(signal.SIGTERM, float(self.spec.get("grace", 10.0)))
+                return
+            if self.pmi:
+                self.pmi.started(rank)
+            self.ranks[rank] = rp
+            self.link.send_json(wire.Kind.STARTED, {"rank": rank, "pid": rp.pid})
+
+    def _relay_output(self, rank: int, stream: int, data: bytes) -> None:
+        self.link.send(wire.encode_output(rank, stream, data))
+
+    def _on_exit(self, ev: RankExited) -> None:
+        rp = self.ranks.pop(ev.rank, None)
+        if rp is not None:
+            rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
+        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal})
+        if not self.ranks:
+            self.kill_at = None
+            self.link.send_json(wire.Kind.DONE)
+            self.leave_at = time.monotonic() + AFTER_DONE_S
+
+    def _stop(self, sig: int, grace: float) -> None:
+        if not self.ranks:
+            return
+        self._signal_all(sig)
+        if sig != signal.SIGKILL:
+            deadline = time.monotonic() + grace
+            self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
+
+    def _signal_all(self, sig: int) -> None:
+        for rp in list(self.ranks.values()):
+            rp.signal_group(sig)
+
+    def _leave(self, code: int) -> int:
+        """Leave for good: nothing of the job may outlive the agent."""
+        deadline = time.monotonic() + EOF_GRACE_S
+        while self.ranks and time.monotonic() < deadline:
+            try:
+                event = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(event, RankExited):
+                self._on_exit(event)
+        self._signal_all(signal.SIGKILL)
+        if self.pmi is not None:
+            self.pmi.close()
+        self.exit_code = code
+        return code
+
+
+def main() -> None:
+    # Ctrl-C in the head's terminal must not reach a local agent directly: the head decides.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    agent = Agent()
+    signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
+    code = agent.run()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,185 @@
+"""The agent's PMI-1 sockets: the adapter around the pure `launcher.pmi.proxy.PmiProxy` core.
+
+Two ways for a rank to reach its agent, both local to the host, so the head's key-value space
+is never exposed on the network:
+
+* ``fd`` (default): a socketpair per rank, the child end inherited as ``PMI_FD``;
+* ``port``: a listener on 127.0.0.1 (``PMI_PORT``), each rank with a one-time ``PMI_ID``
+  token; a forged or reused id is refused by the proxy core without harming the job.
+
+One selector thread owns the sockets and the proxy; messages from the head are handed to it
+through a queue and a wake-up socket, so no lock is needed around the core.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import selectors
+import socket
+import threading
+from typing import Any, Callable, Mapping, Sequence
+
+import workerenv
+from launcher.pmi import proxy as pmi_proxy
+
+
+class PmiSockets:
+    def __init__(
+        self,
+        *,
+        mode: str,
+        ranks: Sequence[int],
+        world_size: int,
+        kvsname: str,
+        process_mapping: str,
+        send_head: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.mode = mode
+        self._send_head = send_head
+        self._sel = selectors.DefaultSelector()
+        self._conns: dict[int, socket.socket] = {}
+        self._ids = itertools.count(1)
+        self._inbox: "queue.Queue[Mapping[str, Any]]" = queue.Queue()
+        self._child_end: dict[int, socket.socket] = {}
+        self._env: dict[int, dict[str, str]] = {}
+        tokens: dict[str, int] = {}
+        if mode == "port":
+            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            self._listener.bind(("127.0.0.1", 0))
+            self._listener.listen(max(16, len(ranks)))
+            self._listener.setblocking(False)
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+            port = self._listener.getsockname()[1]
+            for rank in ranks:
+                token = str(rank)
+                tokens[token] = rank
+                self._env[rank] = {workerenv.PMI_PORT: f"127.0.0.1:{port}", workerenv.PMI_ID: token}
+        self.proxy = pmi_proxy.PmiProxy(
+            ranks=ranks, world_size=world_size, kvsname=kvsname,
+            process_mapping=process_mapping, id_tokens=tokens or None,
+        )
+        if mode == "fd":
+            for rank in ranks:
+                ours, theirs = socket.socketpair()
+                conn = next(self._ids)
+                self._add(conn, ours)
+                self._run(self.proxy.open(conn, rank))
+                self._child_end[rank] = theirs
+                self._env[rank] = {workerenv.PMI_FD: str(theirs.fileno())}
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
+        self._stopped = False
+        threading.Thread(target=self._loop, name="pmi", daemon=True).start()
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        return dict(self._env.get(rank, {}))
+
+    def rank_fds(self, rank: int) -> list[int]:
+        end = self._child_end.get(rank)
+        return [end.fileno()] if end is not None else []
+
+    def started(self, rank: int) -> None:
+        """The rank has its copy of the inherited socket; close ours so EOF means it is gone."""
+        end = self._child_end.pop(rank, None)
+        if end is not None:
+            end.close()
+
+    def from_head(self, msg: Mapping[str, Any]) -> None:
+        self._inbox.put(msg)
+        self._wake()
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _add(self, conn: int, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        self._conns[conn] = sock
+        self._sel.register(sock, selectors.EVENT_READ, conn)
+
+    def _drop(self, conn: int) -> None:
+        sock = self._conns.pop(conn, None)
+        if sock is not None:
+            self._sel.unregister(sock)
+            sock.close()
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            for key, _ in self._sel.select(timeout=1.0):
+                if key.data == "wake":
+                    key.fileobj.recv(4096)  # type: ignore[union-attr]
+                    self._drain_inbox()
+                elif key.data == "accept":
+                    self._accept()
+                else:
+                    self._read(key.data)
+        for conn in list(self._conns):
+            self._drop(conn)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            self._run(self.proxy.upstream(msg))
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except OSError:
+            return
+        conn = next(self._ids)
+        self._add(conn, sock)
+        self._run(self.proxy.open(conn, None))
+
+    def _read(self, conn: int) -> None:
+        sock = self._conns.get(conn)
+        if sock is None:
+            return
+        try:
+            data = sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if data:
+            self._run(self.proxy.feed(conn, data))
+        else:
+            self._run(self.proxy.closed(conn))
+            self._drop(conn)
+
+    def _run(self, actions: Sequence[Any]) -> None:
+        for action in actions:
+            if isinstance(action, pmi_proxy.Reply):
+                sock = self._conns.get(action.conn)
+                if sock is not None:
+                    self._reply(action.conn, sock, action.data)
+            elif isinstance(action, pmi_proxy.Close):
+                self._drop(action.conn)
+            elif isinstance(action, pmi_proxy.Send):
+                self._send_head(dict(action.msg))
+            elif isinstance(action, pmi_proxy.RankFailed):
+                self._send_head({"op": "rank_failed", "rank": action.rank, "reason": action.reason})
+            elif isinstance(action, pmi_proxy.Abort):
+                self._send_head({"op": "abort", "rank": action.rank, "code": action.code,
+                                 "message": action.message})
+
+    def _reply(self, conn: int, sock: socket.socket, data: bytes) -> None:
+        # Replies are short and the rank is waiting for them; a rank that stopped reading
+        # has failed anyway, so a bounded blocking send is enough.
+        try:
+            sock.setblocking(True)
+            sock.settimeout(10.0)
+            sock.sendall(data)
+            sock.setblocking(False)
+        except OSError:
+            self._run(self.proxy.closed(conn))
+            self._drop(conn)

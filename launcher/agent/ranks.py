@@ -1,0 +1,128 @@
+"""Starting, watching and stopping one host's rank processes (the agent's subprocess adapter).
+
+Each rank runs in its own session, hence its own process group, so a signal to the group
+reaches everything the rank started (shells, data-loader workers) and nothing outside the job.
+Each rank also gets PR_SET_PDEATHSIG=SIGKILL: if the agent itself is SIGKILLed, the kernel
+kills the ranks, so no path leaves an orphan holding a GPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+_PR_SET_PDEATHSIG = 1
+try:
+    _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
+except OSError:  # not Linux: no parent-death signal, the EOF/heartbeat paths still apply
+    _libc = None
+
+
+def _child_setup() -> None:
+    # Runs in the child between fork and exec: plain system calls only. The agent ignores
+    # SIGINT/SIGHUP (the head decides), and ignored signals survive exec; the rank must get
+    # the defaults back so a forwarded Ctrl-C reaches it (KeyboardInterrupt in Python).
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        _libc.signal(signal.SIGINT, 0)   # 0 == SIG_DFL
+        _libc.signal(signal.SIGHUP, 0)
+
+
+@dataclass(frozen=True)
+class RankExited:
+    """Queued when a rank's process has exited and all of its output has been relayed."""
+
+    rank: int
+    code: int          # exit status, or 128+signal when killed by a signal
+    signal: int | None
+
+
+@dataclass
+class RankProcess:
+    rank: int
+    proc: subprocess.Popen[bytes]
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal_group(self, sig: int) -> None:
+        """Signal the rank's whole process group; a group already gone is not an error."""
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def find_program(argv0: str, env: Mapping[str, str], cwd: str) -> str | None:
+    """The path argv[0] would run, looked up like execvp would; None when not found."""
+    if os.sep in argv0:
+        path = argv0 if os.path.isabs(argv0) else os.path.join(cwd, argv0)
+        return path if os.access(path, os.X_OK) and not os.path.isdir(path) else None
+    return shutil.which(argv0, path=env.get("PATH", os.defpath))
+
+
+def start_rank(
+    rank: int,
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str,
+    pass_fds: Sequence[int],
+    on_output: Callable[[int, int, bytes], None],
+    events: "queue.Queue[Any]",
+) -> RankProcess:
+    """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads."""
+    proc = subprocess.Popen(
+        list(argv),
+        env=dict(env),
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=tuple(pass_fds),
+        start_new_session=True,
+        preexec_fn=_child_setup,
+    )
+    rp = RankProcess(rank, proc)
+    for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
+        t = threading.Thread(
+            target=_pump, args=(rank, stream, pipe, on_output), daemon=True,
+            name=f"rank{rank}-{stream}",
+        )
+        t.start()
+        rp.pumps.append(t)
+    threading.Thread(target=_reap, args=(rp, events), daemon=True, name=f"reap{rank}").start()
+    return rp
+
+
+def _pump(rank: int, stream: int, pipe: Any, on_output: Callable[[int, int, bytes], None]) -> None:
+    fd = pipe.fileno()
+    try:
+        while True:
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            on_output(rank, stream, data)
+    except OSError:
+        pass
+    finally:
+        pipe.close()
+
+
+def _reap(rp: RankProcess, events: "queue.Queue[Any]") -> None:
+    status = rp.proc.wait()
+    # The rank's children may keep the pipes open; do not let them delay the exit report.
+    for t in rp.pumps:
+        t.join(timeout=2.0)
+    if status < 0:
+        events.put(RankExited(rp.rank, 128 - status, -status))
+    else:
+        events.put(RankExited(rp.rank, status, None))

@@ -1,0 +1,121 @@
+"""The `dtrain` command: `dtrain launch [OPTIONS] -- PROGRAM ARGS...` and `dtrain check`.
+
+    dtrain launch --hostfile hostfiles/cluster -- python -m trainer.train --dp 2 --tp 2 --pp 2
+    dtrain launch --nproc-per-node 4 -- python train.py        # localhost, no sshd needed
+    dtrain check --hostfile hostfiles/cluster
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import click
+
+from launcher import __version__
+from launcher.errors import DtrainError
+from launcher.launch import HostRequest, LaunchRequest, run_launch
+from launcher.supervisor import SuperviseOptions
+
+
+def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Options that choose hosts and slots, shared by launch and check."""
+    opts = [
+        click.option("--hostfile", "-f", type=click.Path(dir_okay=False),
+                     help="Hostfile (DeepSpeed `host slots=N`, Open MPI or MPICH `host:N` form)."),
+        click.option("-H", "--hosts", help="Inline host list, e.g. node1:4,node2:4."),
+        click.option("--include", "-i", help="Hosts/slots to use, e.g. node1:0,1@node2."),
+        click.option("--exclude", "-e", help="Hosts/slots to leave out, same syntax."),
+        click.option("--num-nodes", type=click.IntRange(min=1), help="Use the first N hosts."),
+        click.option("--nproc-per-node", type=click.IntRange(min=1),
+                     help="Ranks per host (no hostfile: ranks on localhost; default 1)."),
+        click.option("--ssh-config", type=click.Path(dir_okay=False),
+                     help="ssh_config file (default ~/.ssh/config)."),
+        click.option("--known-hosts", type=click.Path(dir_okay=False),
+                     help="known_hosts file (default from ssh_config or ~/.ssh/known_hosts)."),
+        click.option("--ssh-accept-new", is_flag=True,
+                     help="Trust and record unknown host keys (changed keys are always refused)."),
+        click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True,
+                     help="Seconds to wait for each host's TCP connection."),
+    ]
+    return functools.reduce(lambda f, opt: opt(f), reversed(opts), fn)
+
+
+def _host_request(kw: dict[str, Any]) -> HostRequest:
+    return HostRequest(hostfile=kw.pop("hostfile"), hosts=kw.pop("hosts"),
+                       include=kw.pop("include"), exclude=kw.pop("exclude"),
+                       num_nodes=kw.pop("num_nodes"), nproc_per_node=kw.pop("nproc_per_node"))
+
+
+def _ssh_options(kw: dict[str, Any]) -> dict[str, Any]:
+    """Keyword arguments of launcher.ssh.SSHOptions (built only when a host is remote)."""
+    config, known = kw.pop("ssh_config"), kw.pop("known_hosts")
+    return {"config_file": Path(config) if config else None,
+            "known_hosts": Path(known) if known else None,
+            "accept_new": kw.pop("ssh_accept_new"),
+            "connect_timeout": kw.pop("ssh_connect_timeout")}
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="dtrain")
+def main() -> None:
+    """Start and supervise distributed training jobs on bare-metal clusters."""
+
+
+@main.command(context_settings={"ignore_unknown_options": False})
+@host_options
+@click.option("--env", "env", multiple=True, metavar="K=V", help="Extra variable for every rank.")
+@click.option("--master-addr", help="Rendezvous address (default: rank 0's routable address).")
+@click.option("--master-port", type=click.IntRange(1, 65535),
+              help="Rendezvous port (default: a free port on rank 0's host).")
+@click.option("--chdir", type=click.Path(file_okay=False),
+              help="Working directory of the ranks (default: the current one, on every host).")
+@click.option("--remote-python", default=sys.executable, show_default=True,
+              help="Interpreter that runs the agent on every host.")
+@click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
+@click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
+@click.option("--log-dir", type=click.Path(file_okay=False), help="Also write rank-N.log files.")
+@click.option("--timeout", type=float, help="Stop the job after this many seconds (exit 124).")
+@click.option("--grace", type=float, default=10.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=5.0,
+              show_default=True, help="Seconds between heartbeats (a host is lost after 3 misses).")
+@click.option("--launch-timeout", type=float, default=120.0, show_default=True,
+              help="Seconds from connecting to every rank running.")
+@click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
+              help="How MPI ranks reach the PMI-1 server of their agent.")
+@click.option("--dry-run", is_flag=True, help="Print hosts, ranks and environments; start nothing.")
+@click.argument("program", nargs=-1, required=True, type=click.UNPROCESSED)
+def launch(program: tuple[str, ...], **kw: Any) -> None:
+    """Start PROGRAM once per slot on every host and supervise it to the end.
+
+    Exit code: 0 when every rank exits 0; otherwise the first failing rank's code (128+N for
+    signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host.
+    """
+    hosts = _host_request(kw)
+    ssh = _ssh_options(kw)
+    req = LaunchRequest(
+        argv=program, hosts=hosts, cwd=os.path.abspath(kw["chdir"] or os.getcwd()),
+        env=kw["env"], master_addr=kw["master_addr"], master_port=kw["master_port"], ssh=ssh,
+        remote_python=kw["remote_python"], prefix=not kw["no_prefix"], raw=kw["raw"],
+        log_dir=Path(kw["log_dir"]) if kw["log_dir"] else None, dry_run=kw["dry_run"],
+        supervise=SuperviseOptions(heartbeat=kw["heartbeat_interval"], grace=kw["grace"],
+                                   timeout=kw["timeout"], launch_timeout=kw["launch_timeout"],
+                                   pmi=kw["pmi"]),
+    )
+    sys.exit(_guard(lambda: run_launch(req)))
+
+
+def _guard(action: Callable[[], int]) -> int:
+    """Run a command; a DtrainError becomes its message and exit code, Ctrl-C becomes 130."""
+    try:
+        return action()
+    except DtrainError as exc:
+        click.echo(f"dtrain: error: {exc}", err=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("dtrain: interrupted before the job started; nothing is running", err=True)
+        return 130

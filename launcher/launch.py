@@ -1,0 +1,152 @@
+"""`dtrain launch`: hosts -> connections -> agents -> supervised job -> exit report and code.
+
+Everything that can be checked before a connection is checked first (hostfile, filters,
+environment); every connection is made before any agent starts; every agent checks its part of
+the job before any rank starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from launcher import environment, hostfile, plan as planning, selection
+from launcher.errors import ConnectError, UsageError
+from launcher.local import LocalAgentStream, agent_command
+from launcher.output import OutputSink
+from launcher.report import print_report
+from launcher.supervisor import SuperviseOptions, Supervisor
+from launcher.transport import AgentStream
+
+
+@dataclass(frozen=True)
+class HostRequest:
+    """Which hosts and slots: the options shared by `launch` and `check`."""
+
+    hostfile: str | None = None
+    hosts: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    num_nodes: int | None = None
+    nproc_per_node: int | None = None
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    argv: tuple[str, ...]
+    hosts: HostRequest = HostRequest()
+    cwd: str = field(default_factory=os.getcwd)
+    env: tuple[str, ...] = ()
+    master_addr: str | None = None
+    master_port: int | None = None
+    ssh: dict[str, Any] = field(default_factory=dict)  # launcher.ssh.SSHOptions keyword args
+    remote_python: str = sys.executable
+    prefix: bool = True
+    raw: bool = False
+    log_dir: Path | None = None
+    dry_run: bool = False
+    supervise: SuperviseOptions = SuperviseOptions()
+
+
+def select(req: HostRequest) -> list[selection.HostSlots]:
+    if req.hostfile and req.hosts:
+        raise UsageError("conflicting host options", "--hostfile/-H",
+                         "both were given", "use one of them")
+    if req.hostfile:
+        entries = hostfile.parse_hostfile(req.hostfile)
+    elif req.hosts:
+        entries = hostfile.parse_host_list(req.hosts)
+    else:
+        entries = hostfile.local_hosts(req.nproc_per_node or 1)
+    nproc = req.nproc_per_node if (req.hostfile or req.hosts) else None
+    return selection.select_hosts(entries, include=req.include, exclude=req.exclude,
+                                  num_nodes=req.num_nodes, nproc_per_node=nproc)
+
+
+def validate_remote_python(path: str) -> str:
+    """The interpreter path goes into the (constant) remote command: allow only plain paths."""
+    if not os.path.isabs(path) or any(c.isspace() or c in "'\"`$;&|<>\\()*?[]{}!#~" for c in path):
+        raise UsageError("unusable interpreter path", "--remote-python", f"{path!r}",
+                         "give an absolute path without spaces or shell characters")
+    return path
+
+
+def open_streams(selected: Sequence[selection.HostSlots], req: LaunchRequest) -> list[AgentStream]:
+    """One agent per host: local subprocess for localhost, one SSH session otherwise."""
+    python = validate_remote_python(req.remote_python)
+    remote = [h for h in selected if not h.entry.is_local]
+    conns: dict[str, Any] = {}
+    if remote:
+        from launcher import ssh  # paramiko is imported only when a remote host needs it
+
+        opts = ssh.SSHOptions(**req.ssh)
+        resolved = [ssh.resolve_host(h.entry.name, user=h.entry.user, port=h.entry.port, opts=opts)
+                    for h in remote]
+        results = ssh.open_all(resolved, opts)
+        errors = [r for r in results if isinstance(r, ConnectError)]
+        if errors:
+            for r in results:
+                if not isinstance(r, ConnectError):
+                    r.close()
+            raise errors[0] if len(errors) == 1 else ConnectError(
+                f"{len(errors)} hosts could not be reached", "",
+                "; ".join(str(e) for e in errors), "nothing was started anywhere")
+        conns = {h.entry.name: c for h, c in zip(remote, results)}
+    command = shlex.join(agent_command(python))
+    streams: list[AgentStream] = []
+    for h in selected:
+        if h.entry.is_local:
+            streams.append(LocalAgentStream(h.entry.name, python=python))
+        else:
+            stream = conns[h.entry.name].exec_stream(command)
+            stream.connection = conns[h.entry.name]
+            streams.append(stream)
+    return streams
+
+
+def run_launch(req: LaunchRequest) -> int:
+    if not req.argv:
+        raise UsageError("nothing to run", "launch", "no program after the options",
+                         "add the command after `--`, e.g. `dtrain launch -- python train.py`")
+    selected = select(req.hosts)
+    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
+    job_id = planning.new_job_id()
+
+    def build_plan(addr: str, port: int) -> planning.JobPlan:
+        return planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=job_id,
+                                  master_addr=addr, master_port=port, base_env=base_env)
+
+    if req.dry_run:
+        from launcher.dryrun import print_plan
+
+        shown = build_plan(req.master_addr or "auto", req.master_port or 29500)
+        print_plan(shown, auto_master=(req.master_addr is None, req.master_port is None),
+                   out=sys.stdout)
+        return 0
+    t0 = time.monotonic()
+    streams = open_streams(selected, req)
+
+    def sink(p: planning.JobPlan) -> OutputSink:
+        return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
+                          prefix=req.prefix, raw=req.raw, log_dir=req.log_dir)
+
+    sup = Supervisor(streams, sink, req.supervise)
+    previous = {s: signal.signal(s, sup.on_signal)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        outcome = sup.run(build_plan, (req.master_addr, req.master_port))
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for stream in streams:
+            conn = getattr(stream, "connection", None)
+            if conn is not None:
+                conn.close()
+    print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
+    return outcome.exit_code

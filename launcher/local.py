@@ -1,0 +1,81 @@
+"""The agent as a local subprocess: localhost hosts (`make run`, CI smoke runs) need no sshd.
+
+Same agent, same frames, same code path as a remote host; only the byte stream differs.
+If the head dies, the pipe closes and the agent stops its ranks (EOF), exactly as over SSH.
+"""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import threading
+from typing import Sequence
+
+AGENT_MODULE = "launcher.agent"
+
+
+def agent_command(python: str) -> list[str]:
+    """The constant agent command: the interpreter, then `-m launcher.agent`, nothing else."""
+    return [python, "-u", "-m", AGENT_MODULE]
+
+
+class LocalAgentStream:
+    """AgentStream over the stdin/stdout pipes of a local agent process."""
+
+    is_local = True
+
+    def __init__(self, host: str, python: str = sys.executable, cwd: str | None = None,
+                 extra_args: Sequence[str] = ()) -> None:
+        self.host = host
+        self._proc = subprocess.Popen(
+            agent_command(python) + list(extra_args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            # Its own session: a terminal's Ctrl-C reaches the head, which decides what to do.
+            start_new_session=True,
+        )
+        self._stderr: collections.deque[str] = collections.deque(maxlen=200)
+        threading.Thread(target=self._collect_stderr, daemon=True).start()
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def write(self, data: bytes) -> None:
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(data)
+        self._proc.stdin.flush()
+
+    def read(self, max_bytes: int = 65536) -> bytes:
+        assert self._proc.stdout is not None
+        return self._proc.stdout.read1(max_bytes)
+
+    def close(self) -> None:
+        try:
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()
+        except OSError:
+            pass
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        try:
+            return self._proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        """Last resort when the agent does not leave after BYE and EOF."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+    def stderr_text(self) -> str:
+        return "".join(self._stderr)
+
+    def _collect_stderr(self) -> None:
+        assert self._proc.stderr is not None
+        for raw in self._proc.stderr:
+            self._stderr.append(raw.decode("utf-8", errors="replace"))

@@ -1,0 +1,101 @@
+"""How a job ended, and the exit-code rule of `dtrain launch` (pure; documented in the README).
+
+Exit-code rule, first match wins:
+
+1. the head was interrupted: 130 for Ctrl-C (SIGINT), 143 for SIGTERM, 129 for SIGHUP;
+2. `--timeout` expired: 124;
+3. a rank called MPI_Abort / PMI abort: the abort's exit code;
+4. the first failure the head observed: a rank's exit code, or 128+N when signal N killed it;
+   a rank that closed its PMI connection before finalize counts as 1 unless its exit code is
+   known; a host lost (agent gone, heartbeat silence) is 255;
+5. otherwise 0.
+
+Ranks stopped by dtrain because another rank failed are reported as "stopped", not as failures.
+"""
+
+from __future__ import annotations
+
+import signal as _signal
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankOutcome:
+    rank: int
+    host: str
+    state: str = "pending"     # pending, running, exited, stopped, lost
+    code: int | None = None
+    signal: int | None = None
+    pid: int | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.state == "exited" and self.code not in (0, None)
+
+    def describe(self) -> str:
+        if self.signal:
+            return f"killed by {signal_name(self.signal)}"
+        if self.code is None:
+            return self.state
+        return f"exit {self.code}"
+
+
+@dataclass
+class Failure:
+    code: int
+    where: str   # "rank 3@node2" or "host node2"
+    why: str
+
+
+@dataclass
+class JobOutcome:
+    ranks: dict[int, RankOutcome]
+    interrupted_by: int | None = None
+    timed_out: bool = False
+    abort: Failure | None = None
+    failures: list[Failure] = field(default_factory=list)
+
+    def record_failure(self, failure: Failure) -> bool:
+        """Record a failure; True when it is the first (the caller then stops the job)."""
+        self.failures.append(failure)
+        return len(self.failures) == 1 and self.abort is None
+
+    @property
+    def exit_code(self) -> int:
+        if self.interrupted_by is not None:
+            return 128 + self.interrupted_by
+        if self.timed_out:
+            return 124
+        if self.abort is not None:
+            return self.abort.code
+        if self.failures:
+            return self.failures[0].code
+        return 0
+
+    @property
+    def summary(self) -> str:
+        if self.interrupted_by is not None:
+            return f"interrupted by {signal_name(self.interrupted_by)}"
+        if self.timed_out:
+            return "stopped by --timeout"
+        if self.abort is not None:
+            return f"aborted by {self.abort.where}: {self.abort.why}"
+        if self.failures:
+            f = self.failures[0]
+            return f"first failure: {f.where}: {f.why}"
+        return "all ranks exited 0"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return _signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def exit_status_why(code: int, signum: int | None) -> str:
+    """Human reason for a rank's status, with the usual hint for SIGKILL (often the OOM killer)."""
+    if signum:
+        hint = " (the kernel's OOM killer sends this too)" if signum == _signal.SIGKILL else ""
+        return f"killed by {signal_name(signum)}{hint}"
+    return f"exited with code {code}"

@@ -1,0 +1,47 @@
+"""The final per-rank exit report printed on the head's stderr (rich table)."""
+
+from __future__ import annotations
+
+from typing import Callable, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from launcher.outcome import JobOutcome
+
+MAX_ROWS = 64
+
+
+def print_report(outcome: JobOutcome, tail: Callable[[int], list[str]], elapsed: float,
+                 stream: TextIO) -> None:
+    console = Console(file=stream, highlight=False, soft_wrap=True)
+    ranks = sorted(outcome.ranks.values(), key=lambda r: r.rank)
+    hosts = {r.host for r in ranks}
+    code = outcome.exit_code
+    if code == 0:
+        console.print(f"dtrain: {len(ranks)} ranks on {len(hosts)} hosts exited 0 "
+                      f"in {elapsed:.1f}s")
+        return
+    shown = [r for r in ranks if r.state != "exited" or r.code != 0]
+    if len(ranks) <= MAX_ROWS:
+        shown = ranks
+    table = Table(title=f"dtrain: job ended with exit code {code} ({outcome.summary})",
+                  title_justify="left")
+    for col in ("rank", "host", "pid", "state", "code", "status"):
+        table.add_column(col)
+    for r in shown[:MAX_ROWS]:
+        table.add_row(str(r.rank), r.host, str(r.pid or "-"), r.state,
+                      "-" if r.code is None else str(r.code), r.describe())
+    console.print(table)
+    if len(shown) > MAX_ROWS:
+        console.print(f"... and {len(shown) - MAX_ROWS} more ranks not shown")
+    for f in outcome.failures[:8]:
+        console.print(f"[bold red]failure[/] {f.where}: {f.why}", markup=True)
+    for r in ranks:
+        if r.failed or (r.signal and r.state == "exited"):
+            lines = tail(r.rank)
+            if lines:
+                console.print(f"--- last stderr lines of rank {r.rank}@{r.host} ---")
+                for line in lines[-10:]:
+                    console.print(line, markup=False)
+    console.print(f"elapsed {elapsed:.1f}s")

@@ -1,0 +1,229 @@
+"""Runs one job over connected agents: start everywhere or nowhere, then supervise to the end.
+
+Start-up is two-phase: every agent checks the SPEC (working directory, program) and answers
+READY; only when all hosts are READY does any rank start, so a bad host starts nothing anywhere.
+Then the supervisor relays output, serves PMI from the head's key-value space, and stops the
+whole job on the first failure, on Ctrl-C/SIGTERM, on --timeout, or when a host falls silent.
+"""
+
+from __future__ import annotations
+
+import queue
+import signal
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from launcher import wire
+from launcher.agentlink import AgentLink, Closed, Received
+from launcher.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
+from launcher.output import OutputSink
+from launcher.plan import JobPlan
+from launcher.startup import Startup
+from launcher.transport import AgentStream
+
+LOST_CODE = 255
+
+
+@dataclass(frozen=True)
+class SuperviseOptions:
+    heartbeat: float = 5.0          # seconds between heartbeats, both directions
+    misses: int = 3                 # silent intervals before a host counts as lost
+    grace: float = 10.0             # SIGTERM -> SIGKILL delay when stopping ranks
+    timeout: float | None = None    # whole-job limit (--timeout)
+    launch_timeout: float = 120.0   # connect-to-all-running limit
+    pmi: str = "fd"                 # fd, port or off
+
+
+class Supervisor:
+    def __init__(self, streams: Sequence[AgentStream], sink_factory: Callable[[JobPlan], OutputSink],
+                 opts: SuperviseOptions) -> None:
+        self.events: "queue.Queue[Any]" = queue.Queue()
+        self.links = [AgentLink(i, s, self.events) for i, s in enumerate(streams)]
+        self.opts = opts
+        self._sink_factory = sink_factory
+        self.outcome: JobOutcome | None = None
+        self.sink: OutputSink | None = None
+        self.kvs: Any = None  # launcher.pmi.kvs.KeyValueSpace when PMI is on
+        self.stopping = False
+        self.killed_hard = False
+        self.done_hosts: set[int] = set()
+        self._give_up_at = float("inf")
+        self.timings: dict[str, float] = {}
+
+    # -- signals (installed by the CLI; run in the main thread) -----------------------------
+    def on_signal(self, signum: int, _frame: Any = None) -> None:
+        self.events.put(("signal", signum))
+
+    # -- the whole job ------------------------------------------------------------------------
+    def run(self, build_plan: Callable[[str, int], JobPlan],
+            master: tuple[str | None, int | None] = (None, None)) -> JobOutcome:
+        t0 = time.monotonic()
+        startup = Startup(self.links, self.events, self.opts)
+        try:
+            plan = startup.prepare(build_plan, master)
+        except BaseException:
+            self._dismiss_all()
+            raise
+        self.plan = plan
+        self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
+                                   for hp in plan.hosts for r in hp.ranks})
+        self.sink = self._sink_factory(plan)
+        if self.opts.pmi != "off":
+            from launcher.pmi.kvs import KeyValueSpace
+
+            self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=plan.job_id)
+        startup.start(self.outcome, self._handle)
+        self.timings["all_running"] = time.monotonic() - t0
+        self._loop(t0)
+        self.timings["exit"] = time.monotonic() - t0
+        self.sink.close()
+        return self.outcome
+
+    def _loop(self, t0: float) -> None:
+        deadline = t0 + self.opts.timeout if self.opts.timeout else None
+        last_beat = time.monotonic()
+        while len(self.done_hosts) < len(self.links):
+            now = time.monotonic()
+            if now - last_beat >= self.opts.heartbeat:
+                for link in self.links:
+                    if link.index not in self.done_hosts and not link.send(
+                            wire.encode(wire.Kind.HEARTBEAT)):
+                        self._host_lost(link, "the stream to its agent broke")
+                last_beat = now
+            self._check_silence(now)
+            if deadline is not None and now >= deadline and not self.stopping:
+                self.outcome.timed_out = True
+                self._stop(signal.SIGTERM, self.opts.grace)
+            if self.stopping and now >= self._give_up_at:
+                self._dismiss_all()
+                break
+            try:
+                event = self.events.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            self._handle(event)
+        self._dismiss_all()
+
+    def _check_silence(self, now: float) -> None:
+        limit = self.opts.heartbeat * self.opts.misses
+        for link in self.links:
+            if link.index not in self.done_hosts and now - link.last_heard > limit:
+                self._host_lost(link, f"no heartbeat for {now - link.last_heard:.1f}s "
+                                      "(host down or network cut?)")
+
+    # -- events -----------------------------------------------------------------------------------
+    def _handle(self, event: Any) -> None:
+        if isinstance(event, Received):
+            link = self.links[event.host]
+            link.last_heard = time.monotonic()
+            self._on_frame(link, event.frame)
+        elif isinstance(event, Closed):
+            link = self.links[event.host]
+            if event.host not in self.done_hosts:
+                self._host_lost(link, event.reason)
+        elif isinstance(event, tuple) and event[0] == "signal":
+            self._on_signal(event[1])
+
+    def _on_frame(self, link: AgentLink, frame: wire.Frame) -> None:
+        kind = frame.kind
+        if kind is wire.Kind.OUTPUT:
+            out = wire.decode_output(frame)
+            self.sink.write(out.rank, out.stream, out.data)
+        elif kind is wire.Kind.STARTED:
+            body = frame.json()
+            r = self.outcome.ranks[int(body["rank"])]
+            r.state, r.pid = "running", int(body["pid"])
+        elif kind is wire.Kind.EXIT:
+            self._on_exit(frame.json())
+        elif kind is wire.Kind.PMI:
+            self._on_pmi(link, frame.json())
+        elif kind is wire.Kind.DONE:
+            self.done_hosts.add(link.index)
+            link.send_json(wire.Kind.BYE)
+        elif kind is wire.Kind.ERROR:
+            body = frame.json()
+            self._fail(Failure(LOST_CODE, f"host {link.name}",
+                               f"{body.get('what')}: {body.get('why')}"))
+
+    def _on_exit(self, body: dict[str, Any]) -> None:
+        r = self.outcome.ranks[int(body["rank"])]
+        r.code, r.signal = int(body["code"]), body.get("signal")
+        self.sink.flush_rank(r.rank)
+        if self.stopping and r.code != 0:
+            r.state = "stopped"  # we asked it to stop; not a failure of its own
+            return
+        r.state = "exited"
+        if r.code != 0:
+            self._fail(Failure(r.code, f"rank {r.rank}@{r.host}", exit_status_why(r.code, r.signal)))
+
+    def _on_pmi(self, link: AgentLink, msg: dict[str, Any]) -> None:
+        op = msg.get("op")
+        if op == "abort":
+            if self.outcome.abort is None:
+                self.outcome.abort = Failure(int(msg.get("code", 1)),
+                                             f"rank {msg.get('rank')}@{link.name}",
+                                             f"MPI_Abort: {msg.get('message') or 'no message'}")
+                self._stop(signal.SIGTERM, self.opts.grace)
+            return
+        if op == "rank_failed":
+            self._fail(Failure(1, f"rank {msg.get('rank')}@{link.name}", str(msg.get("reason"))))
+            return
+        if self.kvs is None:
+            return
+        for host, reply in self.kvs.handle(link.index, msg):
+            self.links[host].send_json(wire.Kind.PMI, reply)
+
+    def _on_signal(self, signum: int) -> None:
+        if self.outcome is None:
+            return
+        if self.outcome.interrupted_by is not None or self.stopping:
+            # A second Ctrl-C: no more grace.
+            if self.outcome.interrupted_by is None:
+                self.outcome.interrupted_by = signum
+            self._stop(signal.SIGKILL, 0.0)
+            return
+        self.outcome.interrupted_by = signum
+        forwarded = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
+        self._stop(forwarded, self.opts.grace)
+
+    # -- stopping ----------------------------------------------------------------------------------
+    def _fail(self, failure: Failure) -> None:
+        if self.outcome.record_failure(failure):
+            self._stop(signal.SIGTERM, self.opts.grace)
+
+    def _host_lost(self, link: AgentLink, why: str) -> None:
+        if link.index in self.done_hosts:
+            return
+        self.done_hosts.add(link.index)
+        link.close()
+        for r in self.outcome.ranks.values():
+            if r.host == link.name and r.state in ("pending", "running"):
+                r.state = "lost"
+        if not self.stopping or self.outcome.failures:
+            stderr = link.stderr_text().strip().splitlines()[-3:]
+            detail = f" (agent stderr: {' | '.join(stderr)})" if stderr else ""
+            self._fail(Failure(LOST_CODE, f"host {link.name}", why + detail))
+
+    def _stop(self, sig: int, grace: float) -> None:
+        if self.killed_hard:
+            return
+        self.killed_hard = sig == signal.SIGKILL
+        self.stopping = True
+        # The agents SIGKILL after `grace`; give them a little longer to report back.
+        self._give_up_at = time.monotonic() + grace + max(5.0, 2 * self.opts.heartbeat)
+        for link in self.links:
+            if link.index not in self.done_hosts:
+                link.send_json(wire.Kind.KILL, {"signal": int(sig), "grace": grace})
+
+    def _dismiss_all(self) -> None:
+        """BYE and close every stream; agents still holding ranks SIGKILL them on BYE/EOF."""
+        for link in self.links:
+            link.send_json(wire.Kind.BYE)
+            link.close()
+        for link in self.links:
+            if link.stream.wait(timeout=5.0) is None:
+                kill = getattr(link.stream, "kill", None)
+                if kill is not None:
+                    kill()
+
