@@ -22,7 +22,6 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 from launcher.errors import HostfileError, UsageError
 
@@ -193,7 +192,7 @@ def _read_bounded(shown: str) -> bytes:
 
 def _clean_line(raw: str, where: str) -> str:
     """Strip CR, comment and blanks; refuse long lines and control characters."""
-    line = raw[:-1] if raw.endswith("\r") else raw
+    line = raw.removesuffix("\r")
     if len(line) > MAX_LINE_CHARS:
         raise HostfileError("hostfile line too long", where, f"{len(line)} characters "
                             f"(limit {MAX_LINE_CHARS})", "Put one host per line")

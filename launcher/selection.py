@@ -20,8 +20,8 @@ written in brackets: `[fe80::1]:0,1`.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Mapping
 
 from launcher.errors import UsageError
 from launcher.hostfile import HostEntry

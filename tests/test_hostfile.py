@@ -9,8 +9,13 @@ import pytest
 
 from launcher.errors import HostfileError, UsageError
 from launcher.hostfile import (
-    MAX_LINE_CHARS, HostEntry, local_hosts, parse_host_list, parse_hostfile,
-    parse_hostfile_text, validate_host_name,
+    MAX_LINE_CHARS,
+    HostEntry,
+    local_hosts,
+    parse_host_list,
+    parse_hostfile,
+    parse_hostfile_text,
+    validate_host_name,
 )
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,0 +1,190 @@
+"""The environment every rank gets on top of its contract variables (the plan's base_env).
+
+Composed on the head node, later sources winning:
+
+1. head variables whose names start with an allow-listed prefix (`workerenv.FORWARDED_PREFIXES`:
+   NCCL_, PYTHON, CUDA_, ...). Never the whole environment: LD_PRELOAD, BASH_ENV and secrets
+   stay home. CUDA_VISIBLE_DEVICES is not forwarded either: it describes the head's GPUs, not
+   the workers' (select GPUs with --include host:0,1);
+2. `~/.dtrainenv`, then `./.dtrainenv` (in the launch directory), when they exist, like
+   DeepSpeed's `.deepspeed_env`;
+3. `--env KEY=VALUE`, in order.
+
+A `.dtrainenv` line is `KEY=VALUE`, optionally after `export `; `#` lines and blank lines are
+skipped. VALUE is literal (no `$VAR` expansion) and may be quoted: '...' keeps everything,
+"..." understands \\" \\\\ \\n \\t; an unquoted value ends at ` #` (a comment). Values can hold any
+character except NUL, because they travel to the agent as data and never through a shell.
+
+Variables that belong to another launcher (PMI_*, PMIX_*, OMPI_*, SLURM_*) and the contract
+variables the plan writes (RANK, MASTER_ADDR, ...) are refused when given explicitly, since a
+silently ignored setting is worse than an error; inherited ones are dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import workerenv as we
+from launcher.errors import EnvironmentFileError, UsageError
+
+ENV_FILE_NAME = ".dtrainenv"
+#: Contract variables only the plan may set (CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS may be set).
+LAUNCHER_OWNED = frozenset({
+    we.RANK, we.WORLD_SIZE, we.LOCAL_RANK, we.LOCAL_WORLD_SIZE, we.GROUP_RANK, we.NODE_RANK,
+    we.MASTER_ADDR, we.MASTER_PORT, we.JOB_ID, we.HOST,
+})
+NOT_FORWARDED = frozenset({we.CUDA_VISIBLE_DEVICES})
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_COMMENT_RE = re.compile(r"\s#")
+_ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t"}
+
+
+def forwarded_env(head_environ: Mapping[str, str],
+                  prefixes: Sequence[str] = we.FORWARDED_PREFIXES) -> dict[str, str]:
+    """Head variables with an allow-listed prefix, minus scrubbed and launcher-owned names."""
+    prefixes = tuple(prefixes)
+    return {name: value for name, value in scrub(head_environ).items()
+            if name.startswith(prefixes) and _NAME_RE.match(name)
+            and name not in NOT_FORWARDED and name not in LAUNCHER_OWNED}
+
+
+def scrub(environ: Mapping[str, str]) -> dict[str, str]:
+    """Drop variables of other launchers (workerenv.SCRUBBED_PREFIXES)."""
+    return {k: v for k, v in environ.items() if not k.startswith(we.SCRUBBED_PREFIXES)}
+
+
+def read_env_file(path: str | os.PathLike) -> dict[str, str]:
+    """Parse a `.dtrainenv` file; errors name `file:line` and never echo a value."""
+    shown = os.fspath(path)
+    try:
+        data = Path(shown).read_bytes()
+    except OSError as err:
+        raise EnvironmentFileError("environment file unreadable", shown,
+                                   err.strerror or str(err), "Check the path and its "
+                                   "permissions") from None
+    result: dict[str, str] = {}
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{shown}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise EnvironmentFileError("environment file is not UTF-8", where, "the line "
+                                       "holds bytes that are not UTF-8",
+                                       "Save the file as UTF-8") from None
+        parsed = _parse_line(line.removesuffix("\r"), where)
+        if parsed is not None:
+            result[parsed[0]] = parsed[1]
+    return result
+
+
+def parse_env_assignments(items: Sequence[str], where: str = "--env") -> dict[str, str]:
+    """Parse `KEY=VALUE` items (VALUE taken verbatim, may be empty); later items win."""
+    result: dict[str, str] = {}
+    for index, item in enumerate(items, start=1):
+        name, eq, value = item.partition("=")
+        place = f"{where} {name}" if _NAME_RE.match(name) else f"{where} item {index}"
+        if not eq:
+            raise EnvironmentFileError("missing '='", place, "expected KEY=VALUE",
+                                       f"Write {where} NAME=value (NAME=$NAME copies yours)")
+        _check_name(name, place, UsageError)
+        _check_value(value, place)
+        result[name] = value
+    return result
+
+
+def compose_base_env(head_environ: Mapping[str, str], *, cwd: str, cli_env: Sequence[str] = (),
+                     env_files: Sequence[Path] | None = None) -> dict[str, str]:
+    """forwarded prefixes, then env files (default ~/.dtrainenv, ./.dtrainenv), then --env."""
+    env = forwarded_env(head_environ)
+    files = default_env_files(head_environ, cwd) if env_files is None else env_files
+    for path in files:
+        env.update(read_env_file(path))
+    env.update(parse_env_assignments(cli_env))
+    return env
+
+
+def default_env_files(head_environ: Mapping[str, str], cwd: str) -> list[Path]:
+    """`~/.dtrainenv` then `<cwd>/.dtrainenv`, those that exist, each once."""
+    home = head_environ.get("HOME") or str(Path.home())
+    found: list[Path] = []
+    for path in (Path(home) / ENV_FILE_NAME, Path(cwd) / ENV_FILE_NAME):
+        if path.is_file() and all(not path.samefile(seen) for seen in found):
+            found.append(path)
+    return found
+
+
+def _parse_line(line: str, where: str) -> tuple[str, str] | None:
+    text = line.strip()
+    if not text or text.startswith("#"):
+        return None
+    if text.startswith(("export ", "export\t")):
+        text = text[len("export"):].lstrip()
+    name, eq, rest = text.partition("=")
+    if not eq:
+        raise EnvironmentFileError("malformed line", where, "expected KEY=VALUE",
+                                   "Write one NAME=value per line")
+    _check_name(name, where, EnvironmentFileError)
+    value = _parse_value(rest, where)
+    _check_value(value, where)
+    return name, value
+
+
+def _parse_value(rest: str, where: str) -> str:
+    if rest[:1] == "'":
+        value, quote, tail = rest[1:].partition("'")
+        if not quote:
+            _unterminated(where, "'")
+    elif rest[:1] == '"':
+        value, tail = _double_quoted(rest[1:], where)
+    else:
+        match = _COMMENT_RE.search(rest)
+        return (rest[:match.start()] if match else rest).strip()
+    if tail.strip() and not tail.strip().startswith("#"):
+        raise EnvironmentFileError("text after a quoted value", where, "only a # comment may "
+                                   "follow the closing quote", "Quote the whole value")
+    return value
+
+
+def _double_quoted(text: str, where: str) -> tuple[str, str]:
+    out, index = [], 0
+    while index < len(text):
+        ch = text[index]
+        if ch == '"':
+            return "".join(out), text[index + 1:]
+        if ch == "\\" and index + 1 < len(text) and text[index + 1] in _ESCAPES:
+            out.append(_ESCAPES[text[index + 1]])
+            index += 2
+            continue
+        out.append(ch)
+        index += 1
+    _unterminated(where, '"')
+
+
+def _unterminated(where: str, quote: str) -> NoReturn:
+    raise EnvironmentFileError("unterminated quote", where, f"the value opens {quote} and the "
+                               "line ends first", "Close the quote on the same line")
+
+
+def _check_name(name: str, where: str, error: type[UsageError | EnvironmentFileError]
+                ) -> None:
+    if not _NAME_RE.match(name):
+        raise EnvironmentFileError("bad variable name", where, f"{name[:40]!r} is not a name "
+                                   "([A-Za-z_][A-Za-z0-9_]*)", "Write NAME=value without "
+                                   "spaces around '='")
+    if name.startswith(we.SCRUBBED_PREFIXES):
+        raise error("variable of another launcher", where, f"{name} starts with one of "
+                    f"{', '.join(we.SCRUBBED_PREFIXES)}, which dtrain removes so MPICH does "
+                    "not join a stale job", "Remove it; the agent sets the PMI variables")
+    if name in LAUNCHER_OWNED:
+        raise error("launcher variable", where, f"{name} is set per rank by dtrain's plan",
+                    "Remove it; use the launcher's options to change it")
+
+
+def _check_value(value: str, where: str) -> None:
+    if "\0" in value:
+        raise EnvironmentFileError("NUL in value", where, "an environment value cannot "
+                                   "contain NUL", "Remove the NUL byte")

@@ -1,0 +1,173 @@
+"""The job plan: every rank's host, global/node/local rank and contract environment.
+
+Ranks are filled host by host in hostfile order (block mapping, like Hydra's and DeepSpeed's):
+host 0 gets ranks 0..n0-1, host 1 the next n1, and so on. LOCAL_RANK is the rank's index on its
+host; when a filter chose specific GPUs the host gets CUDA_VISIBLE_DEVICES=<those slots> and
+LOCAL_RANK indexes into that list, so `torch.cuda.set_device(LOCAL_RANK)` is always right.
+
+PMI_FD / PMI_PORT / PMI_ID are not planned here: the per-host agent creates those sockets.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+import workerenv as we
+from launcher.errors import UsageError
+from launcher.hostfile import HostEntry
+from launcher.selection import HostSlots
+
+_JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
+_ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """One rank: where it runs and the contract variables it receives."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    host: str
+    env: Mapping[str, str]   # contract variables for this rank (see workerenv.py)
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """One host and its ranks, in local-rank order."""
+
+    entry: HostEntry
+    node_rank: int
+    ranks: tuple[RankSpec, ...]
+    cuda_visible_devices: str | None
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything needed to start the job; the same plan drives the agents and `mpirun`."""
+
+    job_id: str
+    hosts: tuple[HostPlan, ...]
+    world_size: int
+    master_addr: str
+    master_port: int
+    argv: tuple[str, ...]
+    cwd: str
+    base_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    def rank_env(self, spec: RankSpec) -> dict[str, str]:
+        """The rank's full added environment: base_env, then the contract on top."""
+        return {**self.base_env, **spec.env}
+
+    @property
+    def ranks(self) -> tuple[RankSpec, ...]:
+        """Every rank in global-rank order."""
+        return tuple(spec for host in self.hosts for spec in host.ranks)
+
+    @property
+    def process_mapping(self) -> str:
+        """The PMI_process_mapping value MPICH asks the PMI server for."""
+        return process_mapping([len(host.ranks) for host in self.hosts])
+
+
+def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_id: str,
+              master_addr: str, master_port: int, base_env: Mapping[str, str]) -> JobPlan:
+    """Place ranks on the selected hosts and write each rank's contract variables."""
+    _check_inputs(selected, argv, cwd, job_id, master_addr, master_port, base_env)
+    world_size = sum(len(host.slots) for host in selected)
+    shared = {
+        we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size),
+        we.MASTER_ADDR: master_addr, we.MASTER_PORT: str(master_port), we.JOB_ID: job_id,
+    }
+    if we.OMP_NUM_THREADS not in base_env:  # one thread per rank unless the user chose
+        shared[we.OMP_NUM_THREADS] = "1"
+    hosts, next_rank = [], 0
+    for node_rank, host in enumerate(selected):
+        hosts.append(_host_plan(host, node_rank, next_rank, shared))
+        next_rank += len(host.slots)
+    return JobPlan(job_id=job_id, hosts=tuple(hosts), world_size=world_size,
+                   master_addr=master_addr, master_port=master_port, argv=tuple(argv),
+                   cwd=cwd, base_env=MappingProxyType(dict(base_env)))
+
+
+def new_job_id() -> str:
+    """A job id that sorts by start time (UTC) and is unique: `20251122-023900-1a2b3c`."""
+    return time.strftime("%Y%m%d-%H%M%S", time.gmtime()) + "-" + secrets.token_hex(3)
+
+
+def process_mapping(ranks_per_host: Sequence[int]) -> str:
+    """MPICH's PMI_process_mapping for block mapping (`src/mpl/src/mpl_rankmap.c`).
+
+    Format: `(vector,(start_node,num_nodes,ranks_per_node)...)`, one triple per run of hosts
+    with equal rank counts: 2 hosts x 8 -> `(vector,(0,2,8))`; [2, 2, 1] ->
+    `(vector,(0,2,2),(2,1,1))`. Hydra leaves the key out above 1024 characters; that choice
+    belongs to the PMI server, which can check len() of this value.
+    """
+    counts = list(ranks_per_host)
+    if not counts or any(not isinstance(n, int) or n < 1 for n in counts):
+        raise ValueError(f"process_mapping needs positive rank counts, got {counts!r}")
+    blocks, start = [], 0
+    while start < len(counts):
+        end = start
+        while end < len(counts) and counts[end] == counts[start]:
+            end += 1
+        blocks.append(f"({start},{end - start},{counts[start]})")
+        start = end
+    return "(vector," + ",".join(blocks) + ")"
+
+
+def _host_plan(host: HostSlots, node_rank: int, first_rank: int,
+               shared: Mapping[str, str]) -> HostPlan:
+    entry, count = host.entry, len(host.slots)
+    # An unrestricted host always uses slots 0..n-1, where LOCAL_RANK is the GPU index already;
+    # anything else needs CUDA_VISIBLE_DEVICES to make LOCAL_RANK index the chosen GPUs.
+    natural = host.slots == tuple(range(count))
+    visible = None if natural and not host.restricted else ",".join(map(str, host.slots))
+    ranks = []
+    for local_rank in range(count):
+        rank = first_rank + local_rank
+        env = dict(shared)
+        env.update({
+            we.RANK: str(rank), we.PMI_RANK: str(rank), we.LOCAL_RANK: str(local_rank),
+            we.LOCAL_WORLD_SIZE: str(count), we.GROUP_RANK: str(node_rank),
+            we.NODE_RANK: str(node_rank), we.HOST: entry.name,
+        })
+        if visible is not None:
+            env[we.CUDA_VISIBLE_DEVICES] = visible
+        ranks.append(RankSpec(rank, local_rank, node_rank, entry.name, MappingProxyType(env)))
+    return HostPlan(entry, node_rank, tuple(ranks), visible)
+
+
+def _check_inputs(selected: list[HostSlots], argv: Sequence[str], cwd: str, job_id: str,
+                  master_addr: str, master_port: int, base_env: Mapping[str, str]) -> None:
+    if not selected or any(not host.slots for host in selected):
+        raise UsageError("nothing to run on", "hosts", "no host with a slot was selected",
+                         "Check the hostfile and --include/--exclude")
+    if not argv:
+        raise UsageError("no program given", "launch", "the command after `--` is empty",
+                         "Write e.g. dtrain launch -- python train.py")
+    for index, arg in enumerate(argv):
+        if "\0" in arg:
+            raise UsageError("NUL byte in argument", f"argv[{index}]", "a program argument "
+                             "cannot contain NUL", "Remove it")
+    if not cwd.startswith("/") or "\0" in cwd:
+        raise UsageError("bad working directory", "cwd", f"{cwd!r} is not an absolute path",
+                         "Give an absolute directory that exists on every host")
+    if not _JOB_ID_RE.match(job_id):
+        raise UsageError("bad job id", "job id", f"{job_id!r} is not 1-64 letters, digits, "
+                         "'.', '-', '_'", "It names log files; choose a plain one")
+    if not master_addr or any(c.isspace() or c == "\0" for c in master_addr):
+        raise UsageError("bad master address", "MASTER_ADDR", f"{master_addr!r} is not an "
+                         "address", "Give a host name or IP that every host can reach")
+    if isinstance(master_port, bool) or not 1 <= master_port <= 65535:
+        raise UsageError("bad master port", "MASTER_PORT", f"{master_port!r} is not a TCP "
+                         "port", "Give a free port in 1..65535")
+    for name, value in base_env.items():
+        if not _ENV_NAME_RE.match(name) or "\0" in value:
+            raise UsageError("bad environment variable", name, "the name is not an "
+                             "identifier or the value holds NUL", "Fix the --env/.dtrainenv entry")
