@@ -1,0 +1,223 @@
+"""Atomic, self-describing checkpoints: save every N steps, keep the last K, resume the newest.
+
+Layout of one checkpoint (``<run_dir>/checkpoints/step-<N>/``):
+
+    model-tp00-pp00.pt   model state_dict of the (tp, pp) shard; today only shard (0, 0) exists
+    optim-tp00-pp00.pt   optimizer state_dict of that shard
+    rng.pt               torch (CPU and CUDA) and Python ``random`` states of the writing rank
+    meta.json            step, data position, full config, model config, parallel layout
+    COMMITTED            written last; a folder without it is not a checkpoint
+
+Under data parallelism every DP rank holds the same state, so the rank with dp=tp=pp=0 writes.
+Per-(tp, pp) file names leave room for sharded model state later without a format change.
+
+Crash safety: files are written into ``step-<N>.tmp-<random>/`` and fsynced, the folder is
+renamed to ``step-<N>/`` and the parent fsynced, then ``COMMITTED`` is written and fsynced.
+``latest()`` only returns folders with the marker, so a save killed at any point leaves the
+previous checkpoint as the resume point. Pruning deletes a folder's marker before its files.
+
+Fault hook for tests: ``DTRAIN_FAULT=ckpt_before_commit`` (SIGKILL after the files are written,
+before the rename) or ``DTRAIN_FAULT=ckpt_before_marker`` (after the rename, before the marker);
+append ``@<step>`` to fire only when saving that step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import shutil
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.errors import TrainerError
+
+FORMAT_VERSION = 1
+MARKER = "COMMITTED"
+FAULT_ENV = "DTRAIN_FAULT"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
+#: Layout axes whose change makes a checkpoint unusable (model state is sharded along them).
+#: dp is not one: DP state is replicated and the data position is the step, whatever dp is.
+SHARDED_AXES = ("tp", "pp")
+
+
+class CheckpointError(TrainerError):
+    """A checkpoint cannot be written, read, or does not fit this run."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What ``load`` returns: the state to put back, and where it came from."""
+
+    path: Path
+    step: int
+    meta: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    optim: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def shard_name(kind: str, tp_rank: int = 0, pp_rank: int = 0) -> str:
+    return f"{kind}-tp{tp_rank:02d}-pp{pp_rank:02d}.pt"
+
+
+def step_dirs(root: Path) -> dict[int, Path]:
+    """Committed checkpoints under ``root`` by step."""
+    found = {}
+    if root.is_dir():
+        for child in root.iterdir():
+            match = _STEP_DIR.match(child.name)
+            if match and (child / MARKER).is_file():
+                found[int(match.group(1))] = child
+    return found
+
+
+def step_of(path: Path) -> int:
+    """The step of a ``step-<N>`` folder."""
+    match = _STEP_DIR.match(path.name)
+    if not match:
+        raise CheckpointError("not a checkpoint folder", str(path),
+                              "its name is not step-<N>", "Pass a step-<N> folder")
+    return int(match.group(1))
+
+
+def latest(root: Path) -> Path | None:
+    """The newest committed checkpoint, ignoring temporaries and uncommitted folders."""
+    found = step_dirs(root)
+    return found[max(found)] if found else None
+
+
+def capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, Any],
+         meta: dict[str, Any], keep: int = 0) -> Path:
+    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all)."""
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    if (final / MARKER).is_file():
+        return final  # the same step is already committed (e.g. resumed, then saved at the end)
+    tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
+    try:
+        tmp.mkdir()
+        _write_torch(tmp / shard_name("model"), model)
+        _write_torch(tmp / shard_name("optim"), optim)
+        _write_torch(tmp / "rng.pt", capture_rng())
+        body = {"format": FORMAT_VERSION, "step": step, **meta}
+        _write_bytes(tmp / "meta.json", json.dumps(body, indent=2, sort_keys=True).encode())
+        _fsync_dir(tmp)
+        _fault("ckpt_before_commit", step)
+        if final.exists():
+            _remove(final)  # an uncommitted leftover of a save that died after its rename
+        tmp.rename(final)
+        _fsync_dir(root)
+        _fault("ckpt_before_marker", step)
+        _write_bytes(final / MARKER, json.dumps({"step": step}).encode())
+        _fsync_dir(final)
+    except OSError as exc:
+        raise CheckpointError("checkpoint save failed", str(tmp), exc.strerror or str(exc),
+                              "Check free space and permissions of --run-dir") from exc
+    prune(root, keep=keep, current=step)
+    return final
+
+
+def prune(root: Path, *, keep: int, current: int) -> None:
+    """Delete old committed checkpoints beyond ``keep`` and dead temporaries up to ``current``."""
+    committed = step_dirs(root)
+    if keep > 0:
+        for step in sorted(committed)[:-keep]:
+            _remove(committed[step])
+    for child in root.iterdir():
+        tmp = _TMP_DIR.match(child.name)
+        bare = _STEP_DIR.match(child.name)
+        dead = tmp or (bare and not (child / MARKER).exists())
+        if dead and int(dead.group(1)) <= current:
+            _remove(child)
+
+
+def load(path: Path, *, map_location: str | torch.device = "cpu") -> Checkpoint:
+    """Read a committed checkpoint folder (shard (0, 0))."""
+    if not (path / MARKER).is_file():
+        raise CheckpointError("not a committed checkpoint", str(path),
+                              f"the folder has no {MARKER} marker (the save did not finish)",
+                              "Resume from an older step-<N> folder, or let --resume pick one")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        model = torch.load(path / shard_name("model"), map_location=map_location)
+        optim = torch.load(path / shard_name("optim"), map_location=map_location)
+        rng = torch.load(path / "rng.pt")
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError("checkpoint unreadable", str(path), str(exc),
+                              "Delete this step folder to fall back to the previous one") from exc
+    return Checkpoint(path, int(meta["step"]), meta, model, optim, rng)
+
+
+def check_compatible(meta: dict[str, Any], *, model: dict[str, Any], layout: dict[str, int],
+                     path: Path) -> None:
+    """Refuse a checkpoint of another model config or sharded layout, listing every difference."""
+    diffs = [f"{key}: checkpoint {meta['model'].get(key)!r}, now {value!r}"
+             for key, value in model.items() if meta["model"].get(key) != value]
+    diffs += [f"{axis}: checkpoint {meta['layout'].get(axis)!r}, now {layout[axis]!r}"
+              for axis in SHARDED_AXES if meta["layout"].get(axis) != layout[axis]]
+    if diffs:
+        raise CheckpointError("checkpoint does not match this run", str(path),
+                              "differing fields: " + "; ".join(diffs),
+                              "Resume with the checkpoint's settings, or use a new --run-dir")
+
+
+def _fault(name: str, step: int) -> None:
+    """The documented test hook: die like a power cut at the named point of a save."""
+    spec = os.environ.get(FAULT_ENV, "")
+    point, _, at = spec.partition("@")
+    if point == name and (not at or int(at) == step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_torch(path: Path, obj: Any) -> None:
+    with open(path, "wb") as fh:
+        torch.save(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    # The marker goes first: a crash half-way through deleting must not leave a folder that
+    # looks committed but lacks files.
+    marker = path / MARKER
+    if marker.exists():
+        marker.unlink()
+        _fsync_dir(path)
+    shutil.rmtree(path, ignore_errors=True)

@@ -1,0 +1,259 @@
+"""Megatron-style data parallelism on the `Communicator` (not torch DDP).
+
+Every DP rank holds the whole model. Gradients live in ONE contiguous fp32 buffer laid out in
+*reverse* parameter order (roughly the order backward produces them) and cut into buckets of
+about ``bucket_size`` elements (a parameter is never split). ``param.main_grad`` is the
+parameter's view of the buffer; for fp32 parameters ``param.grad`` *is* that view, so autograd
+accumulates straight into the buffer and nothing is copied (torch DDP's
+``gradient_as_bucket_view``).
+
+A post-accumulate-grad hook on each parameter marks it ready. When every parameter of a bucket
+is ready the bucket is scaled by 1/dp and its all-reduce is started asynchronously, so it runs
+while backward computes the next buckets. Buckets are launched strictly in index order (bucket
+k only after buckets < k), so every rank issues the same collectives in the same order whatever
+order its hooks fire in. ``finish_grad_sync()`` waits for them all before the optimizer step.
+
+Gradient accumulation: run every microbatch but the last inside ``no_sync()``; hooks then only
+accumulate and the reduction happens once, on the last microbatch's backward (Megatron's
+``is_last_microbatch``; the karpathy/build-nanogpt#30 and FunASR#3472 bugs were syncing on the
+wrong micro-step). With ``overlap=False`` the buckets are reduced synchronously in
+``finish_grad_sync()`` instead (the baseline of the overlap benchmark).
+
+Failure modes turned into errors instead of hangs: a parameter that got no gradient (its bucket
+would never complete, pytorch#43259) is named by ``finish_grad_sync()``; ranks whose models differ
+(so their bucket layouts differ, horovod#2107) are refused at construction, before any rank
+posts a collective that the others would not match.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from trainer.comm.protocol import Communicator, Handle, ReduceOp
+from trainer.errors import TrainerError
+
+
+class GradSyncError(TrainerError):
+    """Data-parallel gradient synchronisation cannot proceed safely."""
+
+
+def plan_buckets(numels: Sequence[int], bucket_size: int) -> list[tuple[int, int, range]]:
+    """Cut parameters (given in buffer order) into buckets: (start, end, parameter indices).
+
+    A bucket is closed as soon as it holds >= ``bucket_size`` elements, so a parameter bigger
+    than the bucket size gets a bucket of its own and no parameter straddles two buckets."""
+    buckets, first, start, offset = [], 0, 0, 0
+    for i, n in enumerate(numels):
+        offset += n
+        if offset - start >= bucket_size or i == len(numels) - 1:
+            buckets.append((start, offset, range(first, i + 1)))
+            first, start = i + 1, offset
+    return buckets
+
+
+@dataclass
+class CommStats:
+    """Seconds this rank spent on DP communication since the last ``reset()``."""
+
+    exposed_s: float = 0.0
+    """Blocked in finish_grad_sync (waiting for, or with overlap off running, the reductions)."""
+    launch_s: float = 0.0
+    """Inside bucket launches during backward (scaling + posting the async all-reduce)."""
+    launches: int = 0
+
+    def reset(self) -> None:
+        self.exposed_s = self.launch_s = 0.0
+        self.launches = 0
+
+
+@dataclass
+class _Bucket:
+    index: int
+    view: torch.Tensor
+    params: list[nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    handle: Handle | None = None
+    launched: bool = False
+
+
+class DataParallel:
+    """Gradient synchronisation for ``model`` across the DP communicator ``comm``."""
+
+    def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
+                 overlap: bool = True, allow_unused: bool = False) -> None:
+        self.model, self.comm, self.overlap = model, comm, overlap
+        self.allow_unused = allow_unused
+        self.stats = CommStats()
+        self.launch_order: list[int] = []
+        """Bucket indices in the order they were launched since the last zero_grad()."""
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in reversed(named)}
+        self.params = [p for _, p in reversed(named)]
+        self.buffer = self._make_buffer()
+        self._check_same_model_everywhere()
+        self._broadcast_from_rank0()
+        self.buckets = self._make_buckets(bucket_size)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._sync, self._next = True, 0
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self.zero_grad()
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def _make_buffer(self) -> torch.Tensor:
+        device = self.params[0].device if self.params else torch.device("cpu")
+        buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32,
+                             device=device)
+        offset = 0
+        for p in self.params:
+            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return buffer
+
+    def _make_buckets(self, bucket_size: int) -> list[_Bucket]:
+        plan = plan_buckets([p.numel() for p in self.params], bucket_size)
+        return [_Bucket(k, self.buffer[start:end], [self.params[i] for i in idx])
+                for k, (start, end, idx) in enumerate(plan)]
+
+    def _check_same_model_everywhere(self) -> None:
+        """Compare a digest of (name, shape, dtype) over the ranks with one tiny all-reduce."""
+        text = ";".join(f"{self._names[id(p)]}:{tuple(p.shape)}:{p.dtype}" for p in self.params)
+        digest = zlib.crc32(text.encode())
+        probe = torch.tensor([digest, -digest], dtype=torch.int64, device=self.buffer.device)
+        self.comm.all_reduce(probe, ReduceOp.MAX)
+        if int(probe[0]) != digest or -int(probe[1]) != digest:
+            raise GradSyncError(
+                "data-parallel ranks hold different models", f"dp rank {self.comm.rank}",
+                "the parameter names, shapes or dtypes differ between ranks, so their gradient "
+                "buckets would not match and the all-reduces would mix unrelated tensors",
+                "Build the same model config on every rank")
+
+    @torch.no_grad()
+    def _broadcast_from_rank0(self) -> None:
+        """Start from rank 0's weights and buffers (one flat broadcast per dtype)."""
+        if self.comm.size == 1:
+            return
+        tensors = [p.data for p in self.model.parameters()] + list(self.model.buffers())
+        for dtype in sorted({t.dtype for t in tensors}, key=str):
+            group = [t for t in tensors if t.dtype == dtype]
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.comm.broadcast(flat, 0)
+            for t, part in zip(group, flat.split([t.numel() for t in group])):
+                t.copy_(part.view_as(t))
+
+    # -- the training-step API ---------------------------------------------------------------
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally (every microbatch but the last)."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    def zero_grad(self) -> None:
+        """Zero the buffer and point every fp32 ``param.grad`` at its bucket view again."""
+        self.buffer.zero_()
+        for p in self.params:
+            p.grad = p.main_grad if p.dtype == torch.float32 else None
+        self._reset_buckets()
+        self.launch_order = []
+
+    def finish_grad_sync(self) -> None:
+        """Finish (or, with overlap off, run) every bucket's all-reduce; grads are then averaged
+        over the DP ranks and ready for the optimizer."""
+        start = time.perf_counter()
+        if not self._sync:
+            raise GradSyncError("finish_grad_sync called inside no_sync()", "data parallel",
+                                "gradients of non-final microbatches are never reduced",
+                                "Run the last microbatch's backward outside no_sync()")
+        self._check_all_ready()
+        self._launch_ready(final=True)
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+        for p in self.params:
+            if p.dtype != torch.float32:
+                p.grad = p.main_grad.to(p.dtype)
+        self._reset_buckets()
+        self.stats.exposed_s += time.perf_counter() - start
+
+    # -- hooks and launching -----------------------------------------------------------------
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        # Autograd accumulated into p.grad; if that is not our view (non-fp32 parameter, or
+        # someone set .grad to None), move it into the buffer.
+        if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():
+            p.main_grad.add_(p.grad)
+            p.grad = p.main_grad if p.dtype == torch.float32 else None
+        if not self._sync:
+            return
+        bucket = self._bucket_of[id(p)]
+        if bucket.launched or id(p) in bucket.ready:
+            raise GradSyncError("gradient arrived twice in one synchronised backward",
+                                self._names[id(p)],
+                                "a second backward ran outside no_sync() before "
+                                "finish_grad_sync(), so its bucket was already reduced",
+                                "Wrap every microbatch but the last in no_sync()")
+        bucket.ready.add(id(p))
+        if self.overlap:
+            self._launch_ready(final=False)
+            self._poll()
+
+    def _launch_ready(self, *, final: bool) -> None:
+        """Launch complete buckets in index order; ``final`` launches every remaining one."""
+        while self._next < len(self.buckets):
+            bucket = self.buckets[self._next]
+            if not final and len(bucket.ready) < len(bucket.params):
+                return
+            self._launch(bucket, async_op=self.overlap)
+            self._next += 1
+
+    def _launch(self, bucket: _Bucket, *, async_op: bool) -> None:
+        start = time.perf_counter()
+        bucket.launched = True
+        self.launch_order.append(bucket.index)
+        self.stats.launches += 1
+        if self.comm.size > 1:
+            # Pre-scale so the SUM is the mean (Megatron's gradient_scaling_factor = 1/dp).
+            bucket.view.mul_(1.0 / self.comm.size)
+            bucket.handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=async_op)
+        if async_op:
+            self.stats.launch_s += time.perf_counter() - start
+
+    def _poll(self) -> None:
+        """Let backends that progress only inside library calls (MPI) advance in-flight
+        reductions while backward runs; the oldest unfinished one is enough."""
+        for bucket in self.buckets[:self._next]:
+            test = getattr(bucket.handle, "is_completed", None)
+            if test is not None and not test():
+                return
+
+    def _check_all_ready(self) -> None:
+        missing = [self._names[id(p)] for b in self.buckets for p in b.params
+                   if id(p) not in b.ready]
+        if missing and not self.allow_unused:
+            for bucket in self.buckets[:self._next]:  # leave no request in flight
+                if bucket.handle is not None:
+                    bucket.handle.wait()
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise GradSyncError("parameters got no gradient", shown,
+                                f"{len(missing)} parameter(s) took no part in the loss, so "
+                                "their buckets never completed",
+                                "Use every parameter in the forward pass, freeze the unused "
+                                "ones (requires_grad=False), or pass allow_unused=True")
+
+    def _reset_buckets(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.handle, bucket.launched = None, False
+        self._next = 0

@@ -1,0 +1,234 @@
+"""A plain single-device GPT: the reference every parallel test compares against.
+
+No parallel code lives here. Tensor and pipeline parallelism are applied later, in one place,
+by replacing or removing the named submodules below (torchtitan's ``parallelize`` pattern):
+
+    tok_emb                      nn.Embedding(vocab, d_model)
+    blocks["0"] .. blocks["L-1"] Block: ln1 -> attn (qkv, proj) -> +res, ln2 -> mlp (fc, proj) -> +res
+    ln_f                         final norm
+    head                         nn.Linear(d_model, vocab); its weight *is* tok_emb.weight when tied
+
+``blocks`` is an ``nn.ModuleDict`` keyed by the *global* layer index, so a pipeline stage that
+deletes the layers it does not own keeps the global parameter names (``blocks.5.attn.qkv.weight``)
+and checkpoints cannot silently load layer 0 of one layout into layer 5 of another. ``forward``
+skips ``tok_emb``/``ln_f``/``head`` when they are ``None`` for the same reason.
+
+Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORMS = ("layernorm", "rmsnorm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """Model size and shape. Everything that changes the parameter set or the math is here."""
+
+    vocab_size: int = 256
+    """Byte-level by default: one token per byte."""
+    n_layer: int = 2
+    n_head: int = 2
+    d_model: int = 64
+    seq_len: int = 64
+    """Maximum (and training) context length; the RoPE tables are built for it."""
+    dropout: float = 0.0
+    tied: bool = True
+    """Share the output head weight with the token embedding."""
+    norm: str = "layernorm"
+    """'layernorm' or 'rmsnorm'; both pre-norm."""
+    bias: bool = False
+    """Biases on the linear layers (norms always have a weight, LayerNorm also a bias)."""
+    mlp_ratio: int = 4
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        # A ValueError here is turned into the trainer's ConfigError by trainer.config, which
+        # knows the flag or file the value came from.
+        positive = ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+        if (self.d_model // self.n_head) % 2:
+            raise ValueError(f"head dim d_model/n_head ({self.d_model // self.n_head}) must be even "
+                             "for rotary embeddings")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.norm not in NORMS:
+            raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+#: Named sizes for ``--model``. ``125m`` is GPT-2 small's shape (with a byte vocabulary).
+PRESETS: dict[str, GPTConfig] = {
+    "tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=64),
+    "small": GPTConfig(n_layer=4, n_head=4, d_model=256, seq_len=256),
+    "125m": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, tied=True),
+}
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale (no mean subtraction, no bias)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: GPTConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (T, K/2) for rotary position embeddings (Su et al. 2021)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x_BHTK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each (even, odd) pair of channels by its position's angle."""
+    T = x_BHTK.shape[-2]
+    cos, sin = cos[:T].to(x_BHTK.dtype), sin[:T].to(x_BHTK.dtype)
+    x1, x2 = x_BHTK[..., 0::2], x_BHTK[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with RoPE. TP splits qkv by columns, proj by rows."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head, self.head_dim, self.dropout = cfg.n_head, cfg.head_dim, cfg.dropout
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x_BTD.shape
+        # The head count is taken from the weight, so a TP shard with fewer heads works as is.
+        qkv = self.qkv(x_BTD).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y_BTD = y.transpose(1, 2).reshape(B, T, -1)
+        return self.resid_drop(self.proj(y_BTD))
+
+
+class MLP(nn.Module):
+    """fc (D -> ratio*D) -> GELU -> proj (ratio*D -> D)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = cfg.mlp_ratio * cfg.d_model
+        self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x_BTD))))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn = make_norm(cfg), Attention(cfg)
+        self.ln2, self.mlp = make_norm(cfg), MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V). Initialised deterministically from ``seed``."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.emb_drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+        self.ln_f: nn.Module | None = make_norm(cfg)
+        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied:
+            self.head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+        # Derived from the config, so not saved: a checkpoint holds only learned state.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init from a private generator, in parameter-name order, so it is reproducible
+        and independent of the global RNG: N(0, 0.02), residual projections scaled by
+        1/sqrt(2 * n_layer), zero biases, unit norm weights."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln" in name or name.startswith("ln_f"):
+                p.fill_(1.0)
+            else:
+                std = resid_std if name.endswith("proj.weight") else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        h = self.emb_drop(self.tok_emb(idx_BT)) if self.tok_emb is not None else idx_BT
+        for block in self.blocks.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.ln_f is not None:
+            h = self.ln_f(h)
+        return self.head(h) if self.head is not None else h
+
+    def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy over every position of the batch."""
+        logits = self(idx_BT)
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets_BT.flatten())
+
+    def num_params(self) -> int:
+        """Parameter count, a tied weight counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def layers(self) -> Iterator[tuple[int, Block]]:
+        """(global layer index, block) pairs of the layers this model (or stage) holds."""
+        for key, block in self.blocks.items():
+            yield int(key), block
+
+
+def flops_per_token(cfg: GPTConfig, num_params: int) -> float:
+    """Training FLOPs per token: 6N plus the attention term 12*L*D*T (PaLM appendix B)."""
+    return 6.0 * num_params + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len

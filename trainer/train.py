@@ -1,0 +1,226 @@
+"""Train a byte-level GPT, data parallel over the ranks of the job.
+
+    python -m trainer.train --model tiny --steps 100 --run-dir runs/tiny           # one process
+    mpiexec -n 4 python -m trainer.train --model small --global-batch 32 --run-dir runs/s
+    dtrain launch --nproc-per-node 2 -- python -m trainer.train --model tiny --run-dir runs/t
+    python -m trainer.train --config run.toml --resume        # continue the newest checkpoint
+
+Each step: the global batch of the step (derived from seed and step alone) is split over the DP
+ranks and into microbatches; backward runs with bucketed, overlapped gradient all-reduce
+(`trainer.data_parallel`); gradients are clipped and AdamW steps. Rank 0 logs, writes
+``metrics.jsonl`` every step, ``loss.png`` at the end, and checkpoints every ``--save-every``
+steps and at the end. ``--resume`` continues bit-exactly from the newest committed checkpoint
+(the run dir must be visible to every rank, as with Megatron or DeepSpeed). Dropout is reseeded
+from (seed, step, dp rank) every step, so the random stream needs no state across a resume.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from trainer import checkpoint
+from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.topology import ParallelDims
+from trainer.config import TrainConfig, parse_args, resolve_dp
+from trainer.data import BatchPlan, Corpus, ShardedBatches, load_corpus, step_seed
+from trainer.data_parallel import DataParallel
+from trainer.errors import TrainerError
+from trainer.metrics import MetricsLog, StepRecord
+from trainer.model import GPT
+from trainer.optim import Schedule, build_optimizer, grad_norm_and_clip, set_lr
+
+_DROPOUT_STREAM = 1
+
+
+@dataclass
+class TrainResult:
+    """What a run did (on every rank): the losses of the steps it ran, and where it ended."""
+
+    start_step: int
+    final_step: int
+    losses: list[float] = field(default_factory=list)
+    checkpoint: Path | None = None
+
+
+@dataclass
+class Run:
+    """Everything one rank trains with (built by `build_run`)."""
+
+    cfg: TrainConfig
+    model: GPT
+    optimizer: torch.optim.Optimizer
+    dp: DataParallel
+    batches: ShardedBatches
+    corpus: Corpus
+    schedule: Schedule
+    dp_rank: int
+    is_writer: bool
+    start_step: int = 0
+
+
+def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
+              device: torch.device) -> Run:
+    """Model, optimizer, data and DP for this rank, restored from a checkpoint on --resume."""
+    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
+    _require_same(dp_comm, int(corpus.fingerprint[:15], 16), device,
+                  "ranks read different training data", corpus.source,
+                  "Give every host the same --data (or the same Python for the default corpus)")
+    model = GPT(cfg.gpt, seed=cfg.seed).to(device)
+    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start = _maybe_resume(cfg, model, optimizer, dp_comm, device) if cfg.resume else 0
+    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap)
+    plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
+    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
+                             dp_rank=dp_comm.rank, device=device)
+    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                        decay_steps=cfg.schedule_end)
+    return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
+               is_writer=rank == 0, start_step=start)
+
+
+def _maybe_resume(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
+                  comm: Communicator, device: torch.device) -> int:
+    """Load the newest committed checkpoint (rank 0 picks it, every rank reads it)."""
+    root = Path(cfg.run_dir) / "checkpoints"
+    found = checkpoint.latest(root)
+    choice = torch.tensor([checkpoint.step_of(found) if found else -1], device=device)
+    comm.broadcast(choice, 0)
+    step = int(choice.item())
+    if step < 0:
+        return 0
+    ckpt = checkpoint.load(root / f"step-{step}", map_location=device)
+    layout = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
+    checkpoint.check_compatible(ckpt.meta, model=cfg.gpt.to_dict(), layout=layout,
+                                path=ckpt.path)
+    model.load_state_dict(ckpt.model)
+    optimizer.load_state_dict(ckpt.optim)
+    checkpoint.restore_rng(ckpt.rng)
+    return ckpt.step
+
+
+def _require_same(comm: Communicator, value: int, device: torch.device, what: str,
+                  where: str, fix: str) -> None:
+    """Fail on every rank together when ``value`` differs between ranks (max == min test)."""
+    probe = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    comm.all_reduce(probe, ReduceOp.MAX)
+    if int(probe[0]) != value or -int(probe[1]) != value:
+        raise TrainerError(what, where, "the value differs between ranks", fix)
+
+
+def train_step(run: Run, step: int) -> StepRecord:
+    """One optimizer step (all microbatches); returns rank 0's view of it."""
+    start = time.perf_counter()
+    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank))
+    lr = run.schedule.lr_at(step)
+    set_lr(run.optimizer, lr)
+    run.dp.zero_grad()
+    run.dp.stats.reset()
+    micro = run.batches.microbatches(step)
+    loss_sum = torch.zeros((), device=run.dp.buffer.device)
+    for i, (x, y) in enumerate(micro):
+        last = i == len(micro) - 1
+        with nullcontext() if last else run.dp.no_sync():
+            # Mean over the step's tokens = mean over microbatches of microbatch means.
+            loss = run.model.loss(x, y) / len(micro)
+            loss.backward()
+        loss_sum += loss.detach()
+    run.dp.finish_grad_sync()
+    grad_norm = grad_norm_and_clip(run.dp.params, run.cfg.grad_clip)
+    run.optimizer.step()
+    run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
+    step_s = time.perf_counter() - start
+    exposed = run.dp.stats.exposed_s
+    return StepRecord(step=step, loss=float(loss_sum), lr=lr, grad_norm=grad_norm,
+                      tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
+                      compute_s=step_s - exposed, comm_exposed_s=exposed)
+
+
+def save_checkpoint(run: Run, step: int) -> Path | None:
+    """Rank 0 writes the (replicated) state; other ranks return None."""
+    if not run.is_writer:
+        return None
+    cfg = run.cfg
+    meta = {
+        "config": cfg.to_dict(),
+        "model": cfg.gpt.to_dict(),
+        "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
+        "data": {"position": step, "source": run.corpus.source,
+                 "fingerprint": run.corpus.fingerprint},
+    }
+    return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step,
+                           model=run.model.state_dict(), optim=run.optimizer.state_dict(),
+                           meta=meta, keep=cfg.keep)
+
+
+def train(cfg: TrainConfig, world: World) -> TrainResult:
+    """Run training on this rank of ``world``."""
+    cfg = resolve_dp(cfg, world.size)
+    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
+    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device)
+    log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
+                     start_step=run.start_step, log_every=cfg.log_every)
+    log.info(_banner(run, world.size))
+    result = TrainResult(run.start_step, run.start_step)
+    try:
+        for step in range(run.start_step + 1, cfg.steps + 1):
+            rec = train_step(run, step)
+            log.record(rec)
+            result.losses.append(rec.loss)
+            result.final_step = step
+            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+                save_checkpoint(run, step)
+        result.checkpoint = save_checkpoint(run, result.final_step)
+    finally:
+        log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, global batch {cfg.global_batch}")
+    return result
+
+
+def _banner(run: Run, world_size: int) -> str:
+    cfg = run.cfg
+    resumed = f", resumed at step {run.start_step}" if run.start_step else ""
+    return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters | world {world_size}"
+            f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} | {len(run.dp.buckets)} grad bucket(s),"
+            f" overlap {'on' if cfg.overlap else 'off'} | global batch {cfg.global_batch} x "
+            f"{cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | data "
+            f"{run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"
+            f"{resumed}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: exit 0 on success, 2 on a reported error (all ranks are aborted)."""
+    world = None
+    try:
+        cfg = parse_args(argv)
+        world = init(backend=cfg.backend)
+        train(cfg, world)
+        return 0
+    except TrainerError as exc:
+        return _fail(world, f"error: {exc}", 2)
+    except KeyboardInterrupt:
+        return _fail(world, "interrupted", 130)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        return _fail(world, f"error: unexpected {type(exc).__name__}: {exc}", 1)
+
+
+def _fail(world: World | None, message: str, code: int) -> int:
+    many = world is not None and world.size > 1
+    print((f"[rank {world.rank}] " if many else "") + message, file=sys.stderr, flush=True)
+    if many:
+        # One rank's error must not leave the others blocked in a collective.
+        world.mpi_comm.Abort(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
