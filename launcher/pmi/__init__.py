@@ -1,0 +1,20 @@
+"""PMI-1 for MPICH-ABI workers, served without mpiexec (DESIGN.md section 3).
+
+    codec   lines on the wire: parse a request, format a reply, cut the stream into lines
+    proxy   PmiProxy, the per-host core the agent runs: serves its ranks, relays to the head
+    kvs     KeyValueSpace, the head's core: combines barriers across hosts, answers gets
+
+All three are pure; the agent and the supervisor own the sockets and call them.
+"""
+
+from launcher.pmi.codec import (
+    MAX_LINE, LineBuffer, PmiCommand, PmiProtocolError, format_reply, parse_line,
+)
+from launcher.pmi.kvs import KeyValueSpace, process_mapping
+from launcher.pmi.proxy import Abort, Action, Close, PmiProxy, RankFailed, Reply, Send
+
+__all__ = [
+    "MAX_LINE", "LineBuffer", "PmiCommand", "PmiProtocolError", "format_reply", "parse_line",
+    "KeyValueSpace", "process_mapping",
+    "Abort", "Action", "Close", "PmiProxy", "RankFailed", "Reply", "Send",
+]

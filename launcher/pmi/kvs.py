@@ -1,0 +1,121 @@
+"""The head's PMI-1 key-value space: one per job, fed by the per-host proxies.
+
+Pure: the supervisor passes each PMI relay message from host ``h`` to ``handle(h, msg)`` and
+sends the returned ``(host, reply)`` pairs. The messages are those of ``launcher.pmi.proxy``.
+
+A barrier is complete when every host sent ``barrier_in`` (each proxy sends one only after all
+of its ranks entered); the head then sends every host one ``barrier_out`` carrying all keys put
+in that epoch, so a barrier costs 2 x hosts messages whatever the number of ranks, and each
+proxy can answer the gets that follow from its own cache.
+
+Conflicting puts: MPICH never puts the same key twice with different values, so the last
+writer wins (hosts are merged in arrival order) and the key is recorded in ``conflicts`` for a
+diagnosis rather than failing the job.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from launcher.errors import PmiError
+
+
+class KeyValueSpace:
+    """The job's committed keys plus the epoch being gathered; see the module docstring."""
+
+    def __init__(self, *, hosts: int, kvsname: str) -> None:
+        if hosts < 1:
+            raise ValueError("a key-value space needs at least one host")
+        self.hosts, self.kvsname = hosts, kvsname
+        self.epoch = 0                          # completed barriers
+        self.conflicts: list[str] = []          # keys put twice with different values
+        self._store: dict[str, str] = {}        # committed by completed barriers
+        self._epoch_puts: dict[str, str] = {}
+        self._entered: set[int] = set()
+        self._aborted: tuple[int, int, str] | None = None
+
+    @property
+    def aborted(self) -> tuple[int, int, str] | None:
+        """``(rank, code, message)`` of the first abort, or None."""
+        return self._aborted
+
+    def handle(self, host: int, msg: Mapping) -> list[tuple[int, dict]]:
+        """One relay message from ``host``; returns the ``(host, reply)`` pairs to send."""
+        if not 0 <= host < self.hosts:
+            raise _error(f"host index {host} outside 0..{self.hosts - 1}")
+        op = msg.get("op")
+        if op == "barrier_in":
+            return self._barrier_in(host, msg.get("puts"))
+        if op == "get":
+            return [(host, self._get(msg))]
+        if op == "abort":
+            self._abort(msg)
+            return []
+        raise _error(f"unknown op {op!r} from host {host}")
+
+    def waiting_hosts(self) -> list[int]:
+        """Hosts that have not entered the current barrier (empty when none is under way)."""
+        if not self._entered:
+            return []
+        return [h for h in range(self.hosts) if h not in self._entered]
+
+    def get(self, key: str) -> str | None:
+        """A committed value (for tests and diagnosis)."""
+        return self._store.get(key)
+
+    def _barrier_in(self, host: int, puts: object) -> list[tuple[int, dict]]:
+        if not isinstance(puts, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in puts.items()):
+            raise _error(f"barrier_in from host {host} without a string-to-string puts object")
+        if host in self._entered:
+            raise _error(f"host {host} entered barrier {self.epoch} twice")
+        self._merge(puts)
+        self._entered.add(host)
+        if len(self._entered) < self.hosts:
+            return []
+        kv, self._epoch_puts = self._epoch_puts, {}
+        self._store.update(kv)
+        self._entered.clear()
+        self.epoch += 1
+        return [(h, {"op": "barrier_out", "kv": kv}) for h in range(self.hosts)]
+
+    def _merge(self, puts: Mapping[str, str]) -> None:
+        for key, value in puts.items():
+            old = self._epoch_puts.get(key, self._store.get(key))
+            if old is not None and old != value:
+                self.conflicts.append(key)
+            self._epoch_puts[key] = value
+
+    def _get(self, msg: Mapping) -> dict:
+        key, req = msg.get("key"), msg.get("req")
+        value = self._store.get(key) if isinstance(key, str) else None
+        return {"op": "get_result", "req": req, "found": value is not None,
+                "value": value or ""}
+
+    def _abort(self, msg: Mapping) -> None:
+        if self._aborted is None:
+            self._aborted = (int(msg.get("rank", -1)), int(msg.get("code", 1)),
+                             str(msg.get("message", "")))
+
+
+def process_mapping(ranks_per_host: Sequence[int]) -> str:
+    """MPICH's ``PMI_process_mapping`` for ranks filled host by host in order.
+
+    ``(vector,(start_node,num_nodes,ranks_per_node),...)`` with consecutive hosts of equal size
+    merged into one block: 2 hosts x 8 -> ``(vector,(0,2,8))``; 2x2 then 2x4 ->
+    ``(vector,(0,2,2),(2,2,4))``. Returns "" (absent, as Hydra does) beyond 1024 characters;
+    MPICH then exchanges host names instead.
+    """
+    blocks: list[list[int]] = []
+    for node, count in enumerate(ranks_per_host):
+        if blocks and blocks[-1][2] == count:
+            blocks[-1][1] += 1
+        else:
+            blocks.append([node, 1, count])
+    text = "(vector," + ",".join(f"({a},{b},{c})" for a, b, c in blocks) + ")"
+    return text if blocks and len(text) <= 1024 else ""
+
+
+def _error(why: str) -> PmiError:
+    return PmiError("PMI relay message rejected", "head", why,
+                    "This is a bug in dtrain; please report it with the agent log")

@@ -1,0 +1,94 @@
+"""The head's key-value space: barriers combined across hosts, gets, aborts."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.errors import PmiError
+from launcher.pmi.kvs import KeyValueSpace, process_mapping
+
+
+def barrier(kvs: KeyValueSpace, host: int, **puts: str) -> list:
+    return kvs.handle(host, {"op": "barrier_in", "puts": puts})
+
+
+def test_the_barrier_completes_when_the_last_host_enters():
+    kvs = KeyValueSpace(hosts=3, kvsname="k")
+    assert barrier(kvs, 0, a="1") == []
+    assert barrier(kvs, 2, c="3") == []
+    assert kvs.waiting_hosts() == [1]
+    out = barrier(kvs, 1, b="2")
+    kv = {"a": "1", "c": "3", "b": "2"}
+    assert out == [(h, {"op": "barrier_out", "kv": kv}) for h in range(3)]
+    assert kvs.epoch == 1 and kvs.waiting_hosts() == []
+
+
+def test_each_barrier_out_carries_only_that_epochs_puts():
+    kvs = KeyValueSpace(hosts=1, kvsname="k")
+    barrier(kvs, 0, a="1")
+    assert barrier(kvs, 0, b="2") == [(0, {"op": "barrier_out", "kv": {"b": "2"}})]
+
+
+def test_a_get_is_answered_from_committed_keys_only():
+    kvs = KeyValueSpace(hosts=2, kvsname="k")
+    barrier(kvs, 0, a="1")
+    assert kvs.handle(1, {"op": "get", "key": "a", "req": 5}) == [
+        (1, {"op": "get_result", "req": 5, "found": False, "value": ""})]
+    barrier(kvs, 1)
+    assert kvs.handle(1, {"op": "get", "key": "a", "req": 6}) == [
+        (1, {"op": "get_result", "req": 6, "found": True, "value": "1"})]
+
+
+def test_a_conflicting_put_is_last_writer_wins_and_recorded():
+    kvs = KeyValueSpace(hosts=2, kvsname="k")
+    barrier(kvs, 0, a="1")
+    barrier(kvs, 1, a="2")
+    assert kvs.get("a") == "2" and kvs.conflicts == ["a"]
+
+
+def test_the_same_value_put_twice_is_not_a_conflict():
+    kvs = KeyValueSpace(hosts=2, kvsname="k")
+    barrier(kvs, 0, a="1")
+    barrier(kvs, 1, a="1")
+    assert kvs.conflicts == []
+
+
+def test_the_first_abort_is_kept():
+    kvs = KeyValueSpace(hosts=2, kvsname="k")
+    assert kvs.aborted is None
+    assert kvs.handle(1, {"op": "abort", "rank": 3, "code": 42, "message": "abort"}) == []
+    kvs.handle(0, {"op": "abort", "rank": 0, "code": 1, "message": "later"})
+    assert kvs.aborted == (3, 42, "abort")
+
+
+@pytest.mark.parametrize("host, msg, why", [
+    (2, {"op": "get", "key": "a", "req": 1}, "host index 2 outside 0..1"),
+    (0, {"op": "nope"}, "unknown op 'nope' from host 0"),
+    (0, {"op": "barrier_in"}, "without a string-to-string puts object"),
+    (0, {"op": "barrier_in", "puts": {"a": 1}}, "without a string-to-string puts object"),
+])
+def test_a_malformed_relay_message_is_rejected_as_a_dtrain_bug(host, msg, why):
+    with pytest.raises(PmiError, match=why):
+        KeyValueSpace(hosts=2, kvsname="k").handle(host, msg)
+
+
+def test_a_host_entering_the_same_barrier_twice_is_rejected():
+    kvs = KeyValueSpace(hosts=2, kvsname="k")
+    barrier(kvs, 0)
+    with pytest.raises(PmiError, match="host 0 entered barrier 0 twice"):
+        barrier(kvs, 0)
+
+
+@pytest.mark.parametrize("counts, expected", [
+    ([8, 8], "(vector,(0,2,8))"),
+    ([2, 2, 4, 4], "(vector,(0,2,2),(2,2,4))"),
+    ([1], "(vector,(0,1,1))"),
+    ([3, 1, 3], "(vector,(0,1,3),(1,1,1),(2,1,3))"),
+    ([], ""),
+])
+def test_the_process_mapping_merges_equal_consecutive_hosts(counts, expected):
+    assert process_mapping(counts) == expected
+
+
+def test_a_process_mapping_beyond_1024_characters_is_left_out():
+    assert process_mapping([1, 2] * 200) == ""
