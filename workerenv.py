@@ -111,6 +111,33 @@ def in_launched_job(environ: Mapping[str, str] | None = None) -> bool:
     return RANK in env and WORLD_SIZE in env
 
 
+#: Rank variables set by MPI launchers (MPICH Hydra, Open MPI), mapped onto the contract.
+_MPI_RANK_VARS = {
+    RANK: ("PMI_RANK", "OMPI_COMM_WORLD_RANK"),
+    WORLD_SIZE: ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"),
+    LOCAL_RANK: ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    LOCAL_WORLD_SIZE: ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+}
+
+
+def from_mpi_launcher(environ: Mapping[str, str]) -> dict[str, str]:
+    """The contract variables derived from an MPI launcher's own (`dtrain launch --launcher
+    mpirun`). The host index assumes block placement of equal counts: rank // local size."""
+    found: dict[str, str] = {}
+    for name, sources in _MPI_RANK_VARS.items():
+        for source in sources:
+            if source in environ:
+                found[name] = environ[source]
+                break
+        else:
+            raise ContractError(
+                f"MPI launcher variables missing [{' or '.join(sources)}]: this program was "
+                "not started by mpiexec/mpirun. Start it with `dtrain launch`")
+    node = str(int(found[RANK]) // max(1, int(found[LOCAL_WORLD_SIZE])))
+    found[GROUP_RANK] = found[NODE_RANK] = node
+    return found
+
+
 def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
     raw = env.get(name, default)
     if raw is None:
@@ -125,3 +152,24 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
             f"worker environment malformed [{name}={raw!r}]: not an integer. "
             "Do not override the launcher's rank variables"
         ) from None
+
+
+def _exec_with_contract(argv: list[str]) -> None:
+    """`python -m workerenv -- PROGRAM ARGS`: add the contract to an MPI rank, then exec."""
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        raise SystemExit("usage: python -m workerenv -- PROGRAM [ARGS...]")
+    env = dict(os.environ)
+    try:
+        env.update(from_mpi_launcher(env))
+    except ContractError as exc:
+        raise SystemExit(str(exc)) from None
+    env.setdefault(OMP_NUM_THREADS, "1")
+    os.execvpe(argv[0], argv, env)
+
+
+if __name__ == "__main__":
+    import sys
+
+    _exec_with_contract(sys.argv[1:])

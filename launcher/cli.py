@@ -87,6 +87,11 @@ def main() -> None:
               help="Seconds from connecting to every rank running.")
 @click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
+@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "mpirun"]), default="ssh",
+              show_default=True, help="dtrain's agents over SSH, or an mpiexec/mpirun command.")
+@click.option("--mpirun", "mpirun_path", help="mpiexec/mpirun to use with --launcher mpirun.")
+@click.option("--mpi-flavour", type=click.Choice(["hydra", "openmpi"]),
+              help="Kind of --mpirun (detected from its --version by default).")
 @click.option("--dry-run", is_flag=True, help="Print hosts, ranks and environments; start nothing.")
 @click.argument("program", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(program: tuple[str, ...], **kw: Any) -> None:
@@ -105,6 +110,7 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
         supervise=SuperviseOptions(heartbeat=kw["heartbeat_interval"], grace=kw["grace"],
                                    timeout=kw["timeout"], launch_timeout=kw["launch_timeout"],
                                    pmi=kw["pmi"]),
+        launcher=kw["launcher_kind"], mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
     )
     sys.exit(_guard(lambda: run_launch(req)))
 
@@ -119,3 +125,21 @@ def _guard(action: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         click.echo("dtrain: interrupted before the job started; nothing is running", err=True)
         return 130
+
+
+@main.command()
+@host_options
+@click.option("--remote-python", default=sys.executable, show_default=True,
+              help="Interpreter that runs the agent on every host.")
+@click.option("--chdir", type=click.Path(file_okay=False),
+              help="Working directory to look for (default: the current one).")
+def check(**kw: Any) -> None:
+    """Preflight every host in parallel: SSH, versions, GPUs, working directory."""
+    from launcher.check import run_check
+    from launcher.launch import select, validate_remote_python
+
+    hosts = _host_request(kw)
+    ssh = _ssh_options(kw)
+    sys.exit(_guard(lambda: run_check(
+        select(hosts), ssh_kwargs=ssh, python=validate_remote_python(kw["remote_python"]),
+        cwd=os.path.abspath(kw["chdir"] or os.getcwd()))))

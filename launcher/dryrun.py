@@ -12,11 +12,11 @@ from launcher.plan import JobPlan
 
 
 def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO) -> None:
-    console = Console(file=out, highlight=False, soft_wrap=True, width=160)
+    console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=160)
     console.print(f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} hosts",
                   markup=False)
-    console.print(f"command: {shlex.join(plan.argv)}", markup=False)
-    console.print(f"cwd: {plan.cwd}", markup=False)
+    console.print(f"command: {shlex.join(plan.argv)}")
+    console.print(f"cwd: {plan.cwd}")
     hosts = Table(title="hosts", title_justify="left")
     for col in ("node", "host", "user", "port", "ranks", "CUDA_VISIBLE_DEVICES", "from"):
         hosts.add_column(col)
@@ -34,12 +34,12 @@ def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO) ->
     if auto_master[1]:
         notes.append("MASTER_PORT is chosen at launch: a free port on rank 0's host")
     for note in notes:
-        console.print(f"note: {note}", markup=False)
+        console.print(f"note: {note}")
     if plan.base_env:
         console.print("environment added to every rank:")
         for key in sorted(plan.base_env):
-            console.print(f"  {key}={plan.base_env[key]}", markup=False)
+            console.print(f"  {key}={plan.base_env[key]}")
     console.print("per-rank environment (plus PMI_FD or PMI_PORT/PMI_ID set by the agent):")
     for spec in plan.ranks:
         pairs = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
-        console.print(f"  rank {spec.rank}@{spec.host}: {pairs}", markup=False)
+        console.print(f"  rank {spec.rank}@{spec.host}: {pairs}")

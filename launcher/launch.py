@@ -52,6 +52,9 @@ class LaunchRequest:
     log_dir: Path | None = None
     dry_run: bool = False
     supervise: SuperviseOptions = SuperviseOptions()
+    launcher: str = "ssh"                # ssh (agents) or mpirun
+    mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
+    mpi_flavour: str | None = None       # hydra or openmpi; detected when None
 
 
 def select(req: HostRequest) -> list[selection.HostSlots]:
@@ -122,6 +125,8 @@ def run_launch(req: LaunchRequest) -> int:
         return planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=job_id,
                                   master_addr=addr, master_port=port, base_env=base_env)
 
+    if req.launcher == "mpirun":
+        return _run_mpirun(req, build_plan, selected)
     if req.dry_run:
         from launcher.dryrun import print_plan
 
@@ -150,3 +155,21 @@ def run_launch(req: LaunchRequest) -> int:
                 conn.close()
     print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
     return outcome.exit_code
+
+
+def _run_mpirun(req: LaunchRequest, build_plan: Any, selected: Sequence[selection.HostSlots]) -> int:
+    from launcher import mpirun
+
+    first = selected[0].entry
+    addr = req.master_addr or ("127.0.0.1" if first.is_local else first.name)
+    plan = build_plan(addr, req.master_port or 29500)
+    exe = mpirun.find_mpirun(req.mpirun)
+    flavour = req.mpi_flavour or mpirun.detect_flavour(exe)
+    cmd = mpirun.build_command(plan, mpirun=exe, flavour=flavour,
+                               python=validate_remote_python(req.remote_python))
+    if req.dry_run:
+        print(shlex.join(cmd.argv))
+        if cmd.hostfile_text:
+            print("# hostfile:\n" + cmd.hostfile_text, end="")
+        return 0
+    return mpirun.run_command(cmd)

@@ -14,7 +14,7 @@ MAX_ROWS = 64
 
 def print_report(outcome: JobOutcome, tail: Callable[[int], list[str]], elapsed: float,
                  stream: TextIO) -> None:
-    console = Console(file=stream, highlight=False, soft_wrap=True)
+    console = Console(file=stream, highlight=False, markup=False, soft_wrap=True)
     ranks = sorted(outcome.ranks.values(), key=lambda r: r.rank)
     hosts = {r.host for r in ranks}
     code = outcome.exit_code
@@ -36,12 +36,12 @@ def print_report(outcome: JobOutcome, tail: Callable[[int], list[str]], elapsed:
     if len(shown) > MAX_ROWS:
         console.print(f"... and {len(shown) - MAX_ROWS} more ranks not shown")
     for f in outcome.failures[:8]:
-        console.print(f"[bold red]failure[/] {f.where}: {f.why}", markup=True)
+        console.print(f"failure {f.where}: {f.why}")
     for r in ranks:
         if r.failed or (r.signal and r.state == "exited"):
             lines = tail(r.rank)
             if lines:
                 console.print(f"--- last stderr lines of rank {r.rank}@{r.host} ---")
                 for line in lines[-10:]:
-                    console.print(line, markup=False)
+                    console.print(line)
     console.print(f"elapsed {elapsed:.1f}s")

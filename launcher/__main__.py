@@ -1,0 +1,5 @@
+"""`python -m launcher` is `dtrain`."""
+
+from launcher.cli import main
+
+main()

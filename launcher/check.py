@@ -1,0 +1,151 @@
+"""`dtrain check`: a preflight table of every host, checked in parallel.
+
+For each host: reachable and authenticated (with the connection latency), the agent starts
+with the same Python and dtrain/torch/mpi4py versions as the head, slots fit the GPUs that
+`nvidia-smi` lists (when it is there), and the working directory exists. Exit code 1 when any
+host has a problem, so scripts can gate a launch on it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence, TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from launcher import wire
+from launcher.agent.facts import host_facts
+from launcher.errors import DtrainError
+from launcher.local import LocalAgentStream, agent_command
+from launcher.selection import HostSlots
+from launcher.transport import AgentStream
+
+COMPARED = ("torch", "mpi4py", "mpich")
+
+
+@dataclass
+class HostCheck:
+    host: str
+    slots: int
+    latency_ms: float | None = None
+    facts: dict[str, Any] | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def compare(head: dict[str, Any], remote: dict[str, Any], slots: int) -> list[str]:
+    """What differs between the head and a host, as sentences a user can act on (pure)."""
+    problems = []
+    if remote.get("python") != head.get("python"):
+        problems.append(f"python {remote.get('python')} (head {head.get('python')})")
+    if remote.get("dtrain") != head.get("dtrain"):
+        problems.append(f"dtrain {remote.get('dtrain')} (head {head.get('dtrain')})")
+    for name in COMPARED:
+        mine, theirs = head["versions"].get(name), remote.get("versions", {}).get(name)
+        if mine != theirs:
+            problems.append(f"{name} {theirs or 'missing'} (head {mine or 'missing'})")
+    gpus = remote.get("gpus")
+    if gpus is not None and slots > gpus:
+        problems.append(f"{slots} slots but nvidia-smi lists {gpus} GPUs")
+    if not remote.get("cwd_exists"):
+        problems.append("working directory missing")
+    return problems
+
+
+def ask_facts(stream: AgentStream, cwd: str, timeout: float) -> dict[str, Any]:
+    """HELLO, one facts QUERY, BYE: a short synchronous conversation with an agent."""
+    decoder = wire.Decoder()
+    stream.write(wire.encode_json(wire.Kind.QUERY, {"op": "facts", "cwd": cwd}))
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            data = stream.read(65536)
+            if not data:
+                stderr = getattr(stream, "stderr_text", lambda: "")().strip()
+                raise RuntimeError("agent exited" + (f": {stderr.splitlines()[-1]}" if stderr else ""))
+            for frame in decoder.feed(data):
+                if frame.kind is wire.Kind.REPLY:
+                    return frame.json()
+        raise RuntimeError(f"agent did not answer within {timeout}s")
+    finally:
+        stream.write(wire.encode_json(wire.Kind.BYE))
+        stream.close()
+
+
+def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], python: str,
+                cwd: str, timeout: float = 60.0) -> list[HostCheck]:
+    rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
+    streams: dict[str, AgentStream] = {}
+    remote = [h for h in selected if not h.entry.is_local]
+    if remote:
+        from launcher import ssh
+
+        opts = ssh.SSHOptions(**ssh_kwargs)
+        for h, res in zip(remote, ssh.open_all(
+                [ssh.resolve_host(h.entry.name, user=h.entry.user, port=h.entry.port, opts=opts)
+                 for h in remote], opts)):
+            if isinstance(res, DtrainError):
+                rows[h.entry.name].problems.append(str(res))
+                continue
+            rows[h.entry.name].latency_ms = res.latency_ms
+            stream = res.exec_stream(shlex.join(agent_command(python)))
+            stream.connection = res
+            streams[h.entry.name] = stream
+    for h in selected:
+        if h.entry.is_local:
+            streams[h.entry.name] = LocalAgentStream(h.entry.name, python=python)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(streams) or 1)) as pool:
+        futures = {name: pool.submit(ask_facts, s, cwd, timeout) for name, s in streams.items()}
+    head = host_facts(cwd)
+    for name, fut in futures.items():
+        try:
+            rows[name].facts = fut.result()
+        except (OSError, RuntimeError, wire.WireError) as exc:
+            rows[name].problems.append(f"agent failed: {exc}")
+            continue
+        rows[name].problems += compare(head, rows[name].facts, rows[name].slots)
+    for s in streams.values():
+        conn = getattr(s, "connection", None)
+        if conn is not None:
+            conn.close()
+    return list(rows.values())
+
+
+def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
+    console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=200)
+    table = Table(title="dtrain check", title_justify="left")
+    for col in ("host", "hostname", "ssh ms", "python", "dtrain", *COMPARED, "slots/gpus", "result"):
+        table.add_column(col)
+    for r in rows:
+        f = r.facts or {}
+        v = f.get("versions", {})
+        gpus = f.get("gpus")
+        table.add_row(r.host, f.get("hostname", "-"),
+                      "local" if r.latency_ms is None and f else
+                      (f"{r.latency_ms:.0f}" if r.latency_ms is not None else "-"),
+                      f.get("python", "-"), f.get("dtrain", "-"),
+                      *[str(v.get(n) or "-") for n in COMPARED],
+                      f"{r.slots}/{'-' if gpus is None else gpus}",
+                      "ok" if r.ok else "; ".join(r.problems))
+    console.print(table)
+
+
+def run_check(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any],
+              python: str = sys.executable, cwd: str | None = None) -> int:
+    rows = check_hosts(selected, ssh_kwargs=ssh_kwargs, python=python, cwd=cwd or os.getcwd())
+    print_table(rows, sys.stdout)
+    bad = [r.host for r in rows if not r.ok]
+    if bad:
+        print(f"dtrain check: problems on {len(bad)} of {len(rows)} hosts: {', '.join(bad)}",
+              file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,125 @@
+"""`dtrain launch --launcher mpirun`: the same hosts, filters and environment as an MPI command.
+
+For Open MPI clusters (Open MPI 5 speaks only PMIx, not the PMI-1 dtrain serves) and for sites
+that want their MPI's own launcher. MPICH Hydra gets `-hosts h:n,... -genv K V`, Open MPI gets
+`--hostfile F --map-by slot -x K=V`. Rank variables (RANK, LOCAL_RANK...) cannot be set per rank
+by these launchers, so the program runs under `python -m workerenv --`, which derives them from
+the MPI launcher's own variables and then execs the program unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Sequence
+
+import workerenv
+from launcher.errors import UsageError
+from launcher.plan import JobPlan
+
+FLAVOURS = ("hydra", "openmpi")
+
+
+@dataclass(frozen=True)
+class MpiCommand:
+    argv: tuple[str, ...]
+    hostfile_text: str | None = None   # Open MPI: written to a temporary file at run time
+
+
+def detect_flavour(mpirun: str) -> str:
+    """Which MPI launcher `mpirun` is, from its --version banner."""
+    try:
+        out = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise UsageError("cannot run the MPI launcher", mpirun, str(exc),
+                         "install MPI or pass --mpirun PATH") from None
+    banner = out.stdout + out.stderr
+    if "Open MPI" in banner or "OpenRTE" in banner or "PRRTE" in banner:
+        return "openmpi"
+    if "HYDRA" in banner or "MPICH" in banner or "Intel(R) MPI" in banner:
+        return "hydra"
+    raise UsageError("unknown MPI launcher", mpirun, f"--version says {banner[:80]!r}",
+                     "pass --mpi-flavour hydra or openmpi")
+
+
+def shared_env(plan: JobPlan) -> dict[str, str]:
+    """Variables equal on every rank: the base environment plus the job-wide contract."""
+    env = dict(plan.base_env)
+    first = plan.ranks[0].env
+    for key in (workerenv.WORLD_SIZE, workerenv.MASTER_ADDR, workerenv.MASTER_PORT,
+                workerenv.JOB_ID, workerenv.OMP_NUM_THREADS):
+        if key in first:
+            env[key] = first[key]
+    return env
+
+
+def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str) -> MpiCommand:
+    """The MPI command for a plan (pure)."""
+    for hp in plan.hosts:
+        if hp.cuda_visible_devices is not None:
+            raise UsageError("slot selection unsupported with --launcher mpirun",
+                             f"host {hp.entry.name}", "MPI launchers cannot give each host its "
+                             "own CUDA_VISIBLE_DEVICES", "use the default SSH launcher for "
+                             "--include/--exclude of GPU slots")
+    program = (python, "-m", "workerenv", "--", *plan.argv)
+    env = shared_env(plan)
+    n = str(plan.world_size)
+    if flavour == "hydra":
+        for hp in plan.hosts:
+            if hp.entry.user or hp.entry.port:
+                raise UsageError("user@/port= unsupported with Hydra", hp.entry.source or
+                                 hp.entry.name, "mpiexec -hosts takes plain names",
+                                 "put User/Port in ~/.ssh/config instead")
+        hosts = ",".join(f"{hp.entry.name}:{len(hp.ranks)}" for hp in plan.hosts)
+        genv = [a for k in sorted(env) for a in ("-genv", k, env[k])]
+        return MpiCommand((mpirun, "-launcher", "ssh", "-hosts", hosts, "-n", n,
+                           "-wdir", plan.cwd, *genv, *program))
+    if flavour == "openmpi":
+        lines = []
+        for hp in plan.hosts:
+            name = f"{hp.entry.user}@{hp.entry.name}" if hp.entry.user else hp.entry.name
+            lines.append(f"{name} slots={len(hp.ranks)}")
+        exports = [a for k in sorted(env) for a in ("-x", f"{k}={env[k]}")]
+        return MpiCommand((mpirun, "--hostfile", "{hostfile}", "-np", n, "--map-by", "slot",
+                           "--wdir", plan.cwd, *exports, *program), "\n".join(lines) + "\n")
+    raise UsageError("unknown MPI flavour", "--mpi-flavour", flavour, f"use one of {FLAVOURS}")
+
+
+def run_command(cmd: MpiCommand) -> int:
+    """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours."""
+    with tempfile.TemporaryDirectory(prefix="dtrain-mpirun-") as tmp:
+        argv = list(cmd.argv)
+        if cmd.hostfile_text is not None:
+            path = os.path.join(tmp, "hostfile")
+            with open(path, "w") as f:
+                f.write(cmd.hostfile_text)
+            argv = [path if a == "{hostfile}" else a for a in argv]
+        from launcher.environment import scrub
+
+        proc = subprocess.Popen(argv, env=scrub(os.environ))
+        forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
+                   for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = proc.wait()
+        finally:
+            for s, handler in forward.items():
+                signal.signal(s, handler)
+    return 128 - code if code < 0 else code
+
+
+def find_mpirun(name: str | None) -> str:
+    candidates: Sequence[str] = (name,) if name else ("mpiexec", "mpirun")
+    for cand in candidates:
+        # The venv's bin first: that is where the `mpich` wheel puts its Hydra.
+        here = os.path.join(os.path.dirname(sys.executable), cand)
+        path = here if os.access(here, os.X_OK) else shutil.which(cand)
+        if path:
+            return path
+    raise UsageError("no MPI launcher found", "--launcher mpirun",
+                     f"none of {', '.join(candidates)} is installed",
+                     "install MPI (e.g. `pip install mpich`) or pass --mpirun PATH")

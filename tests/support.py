@@ -1,0 +1,78 @@
+"""Helpers for tests that run `dtrain` as a user would: a real process, real ranks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Sequence
+
+PYTHON = sys.executable
+REPO = Path(__file__).resolve().parent.parent
+
+
+def dtrain_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra or {})
+    return env
+
+
+def dtrain_cmd(args: Sequence[str]) -> list[str]:
+    return [PYTHON, "-m", "launcher", *args]
+
+
+def run_dtrain(args: Sequence[str], *, timeout: float = 60, cwd: Path | None = None,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(dtrain_cmd(args), capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or REPO, env=dtrain_env(env))
+
+
+def start_dtrain(args: Sequence[str], *, cwd: Path | None = None,
+                 env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(dtrain_cmd(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=cwd or REPO, env=dtrain_env(env))
+
+
+def alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> set[int]:
+    """Wait until none of ``pids`` is alive; returns those still alive at the deadline."""
+    pending = set(pids)
+    deadline = time.monotonic() + timeout
+    while pending and time.monotonic() < deadline:
+        pending = {p for p in pending if alive(p)}
+        if pending:
+            time.sleep(0.1)
+    return pending
+
+
+def kill_recorded(pids: Iterable[int]) -> None:
+    """Cleanup after a failed test: SIGKILL exactly the PIDs the test recorded."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for_lines(path: Path, count: int, timeout: float = 30.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            lines = path.read_text().split()
+            if len(lines) >= count:
+                return lines
+        time.sleep(0.05)
+    raise TimeoutError(f"{path} did not get {count} lines in {timeout}s")
