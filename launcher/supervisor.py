@@ -167,6 +167,8 @@ class Supervisor:
                 self._stop(signal.SIGTERM, self.opts.grace)
             return
         if op == "rank_failed":
+            if self.stopping:
+                return  # a consequence of our own stop, not a new failure
             self._fail(Failure(1, f"rank {msg.get('rank')}@{link.name}", str(msg.get("reason"))))
             return
         if self.kvs is None:

@@ -168,9 +168,7 @@ class PmiSockets:
                 self._send_head(dict(action.msg))
             elif isinstance(action, pmi_proxy.RankFailed):
                 self._send_head({"op": "rank_failed", "rank": action.rank, "reason": action.reason})
-            elif isinstance(action, pmi_proxy.Abort):
-                self._send_head({"op": "abort", "rank": action.rank, "code": action.code,
-                                 "message": action.message})
+            # pmi_proxy.Abort needs nothing here: the proxy also Sends the abort to the head.
 
     def _reply(self, conn: int, sock: socket.socket, data: bytes) -> None:
         # Replies are short and the rank is waiting for them; a rank that stopped reading
