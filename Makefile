@@ -25,7 +25,7 @@ test: install sysdeps
 	$(PY) -m pytest -q -ra tests
 
 run: install
-	$(DTRAIN) launch --nproc-per-node 2 -- $(PY) -m trainer.hello
+	$(DTRAIN) launch --nproc-per-node 2 -- $(PY) -m trainer.train --model tiny --steps 300 --log-every 25 --save-every 100 --run-dir runs/make-run
 
 bench: install sysdeps
 	$(PY) -m bench.run_all
