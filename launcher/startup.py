@@ -150,9 +150,12 @@ def _is_local(link: AgentLink) -> bool:
 
 def _address_of(link: AgentLink) -> str:
     """The address the head reached this host at (the SSH peer), else its name resolved."""
-    peer = getattr(link.stream, "peer_address", None)
-    if peer:
-        return str(peer)
+    conn = getattr(link.stream, "connection", None)
+    if conn is not None:
+        try:
+            return str(conn.transport.getpeername()[0])
+        except (OSError, AttributeError, IndexError):
+            pass
     return socket.getaddrinfo(link.name, None, type=socket.SOCK_STREAM)[0][4][0]
 
 
