@@ -1,0 +1,1 @@
+"""Worker scripts run under `mpiexec` by the communication tests, and the helper that runs them."""

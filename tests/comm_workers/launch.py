@@ -1,0 +1,82 @@
+"""Run a worker under the MPICH wheel's `mpiexec` with a clean environment and a hard timeout.
+
+Hydra's proxy puts every rank in a session of its own, so killing mpiexec's process group would
+orphan the ranks. On timeout this helper records mpiexec's descendants by PID first, asks
+mpiexec to stop (it forwards SIGTERM to the ranks), then SIGKILLs whatever recorded PID is left.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+REPO = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+_CONTRACT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def mpiexec_path() -> str:
+    beside = Path(PYTHON).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpiexec beside the interpreter or on PATH; run `make install`")
+    return found
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment without another launcher's or job's variables."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "OMPI_", "SLURM_", "DTRAIN_"))
+           and k not in _CONTRACT_VARS}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(REPO)
+    env.update(extra or {})
+    return env
+
+
+def descendants(pid: int) -> list[int]:
+    """PIDs of every live descendant of ``pid`` (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def run_mpiexec(
+    n: int, args: Sequence[str], *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N args...`` from the repository root; stdout and stderr together."""
+    cmd = [mpiexec_path(), "-n", str(n), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=REPO, env=env or clean_env())
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        family = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(2)
+        for pid in [*family, proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

@@ -1,0 +1,198 @@
+"""Join the job: MPI world, device, world communicator, then the DP/TP/PP sub-communicators.
+
+``init()`` works the same under ``dtrain launch`` (the worker contract of ``workerenv`` is set and
+PMI-1 comes from the launcher), under plain ``mpiexec -n N`` (no contract: MPI's rank and size,
+local rank from the shared-memory split) and as a plain ``python`` process (a world of one).
+
+Under the contract, MPI's world must be the job's world. When it is not, the usual causes are an
+MPI library that cannot speak to dtrain's PMI-1 server (Open MPI 5 speaks only PMIx: each rank
+then starts as a singleton world of one) or a worker started by hand or by torchrun with
+``RANK``/``WORLD_SIZE`` copied into its environment; `check_world` names the cause it sees.
+
+Nothing is global: `World` and `ParallelGroups` are explicit objects passed to whoever needs them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+import workerenv
+from trainer.comm.protocol import Communicator
+from trainer.comm.topology import AXES, Coords, ParallelDims
+from trainer.errors import BootstrapError
+
+BACKENDS = ("auto", "mpi", "nccl")
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place in the job and the world communicator."""
+
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+    comm: Communicator
+    mpi_comm: Any
+    local_size: int = 1
+
+
+@dataclass(frozen=True)
+class ParallelGroups:
+    """The three sub-communicators of a 3-D layout, and this rank's coordinates in it."""
+
+    tp: Communicator
+    dp: Communicator
+    pp: Communicator
+    dims: ParallelDims
+    coords: Coords
+
+    def on(self, axis: str) -> Communicator:
+        return getattr(self, axis)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Rank, size and local rank as decided before any communicator exists (pure)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+
+
+def check_world(
+    mpi_rank: int, mpi_size: int, environ: Mapping[str, str], mpi_library: str
+) -> Placement | None:
+    """Compare MPI's world with the worker contract; ``None`` when there is no contract.
+
+    Pure, so every mismatch message is tested without starting processes.
+    """
+    if not workerenv.in_launched_job(environ):
+        return None
+    try:
+        env = workerenv.WorkerEnv.from_environ(environ)
+    except workerenv.ContractError as exc:
+        raise BootstrapError("worker environment unusable", "RANK/WORLD_SIZE", str(exc)) from None
+    where = f"rank {env.rank} of WORLD_SIZE={env.world_size}"
+    if mpi_size != env.world_size:
+        raise BootstrapError(
+            "MPI world does not match the job", where,
+            f"MPI.COMM_WORLD has {mpi_size} rank(s) but the launcher started {env.world_size}",
+            _mismatch_fix(mpi_size, environ, mpi_library),
+        )
+    if mpi_rank != env.rank:
+        raise BootstrapError(
+            "MPI rank does not match the job", where,
+            f"MPI.COMM_WORLD rank is {mpi_rank} but RANK is {env.rank}",
+            "Do not override RANK or PMI_RANK; start the job with `dtrain launch`",
+        )
+    return Placement(env.rank, env.world_size, env.local_rank, env.local_world_size)
+
+
+def _mismatch_fix(mpi_size: int, environ: Mapping[str, str], mpi_library: str) -> str:
+    has_pmi = any(k in environ for k in (workerenv.PMI_FD, workerenv.PMI_PORT))
+    if "open mpi" in mpi_library.lower():
+        return ("mpi4py is linked to Open MPI, which cannot join dtrain's PMI-1 wire-up: "
+                "use `dtrain launch --launcher mpirun`, or install the MPICH wheel "
+                "(`pip install mpich mpi4py`) in the workers' environment")
+    if mpi_size == 1 and not has_pmi:
+        return ("the process has RANK/WORLD_SIZE but no PMI_FD/PMI_PORT, so it was started "
+                "outside dtrain (by hand, torchrun or a copied environment): start it with "
+                "`dtrain launch`, or with `mpiexec -n N` and no RANK/WORLD_SIZE set")
+    return (f"the MPI library ({mpi_library.splitlines()[0] if mpi_library else 'unknown'}) "
+            "formed a different world: check that every host runs the same MPICH-ABI library, "
+            "or use `dtrain launch --launcher mpirun`")
+
+
+def init(*, backend: str = "auto", environ: Mapping[str, str] | None = None) -> World:
+    """Join the MPI world, pick the device from LOCAL_RANK and build the world communicator."""
+    if backend not in BACKENDS:
+        raise BootstrapError(
+            "unknown communication backend", f"backend={backend!r}",
+            f"the backends are {', '.join(BACKENDS)}", "Pass one of them",
+        )
+    mpi = _import_mpi()
+    world = mpi.COMM_WORLD
+    env = os.environ if environ is None else environ
+    placement = check_world(world.Get_rank(), world.Get_size(), env, mpi.Get_library_version())
+    if placement is None:
+        placement = _placement_from_mpi(mpi, world)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "mpi"
+    if backend == "nccl":
+        return _init_nccl(placement, world)
+    from trainer.comm.mpi import MpiCommunicator
+
+    return World(placement.rank, placement.size, placement.local_rank, torch.device("cpu"),
+                 MpiCommunicator(world, "world"), world, placement.local_size)
+
+
+def build_groups(world: World, dims: ParallelDims) -> ParallelGroups:
+    """Split the world into TP, DP and PP groups (collective; same call order on every rank)."""
+    dims.check_world(world.size)
+    made = {}
+    for axis in AXES:  # tp, dp, pp on every rank: splits are collective and must line up
+        color = dims.group_index(axis, world.rank)
+        key = dims.coords(world.rank).on(axis)
+        made[axis] = world.comm.split(color, key, name=axis)
+    return ParallelGroups(made["tp"], made["dp"], made["pp"], dims, dims.coords(world.rank))
+
+
+def _import_mpi() -> Any:
+    try:
+        from mpi4py import MPI
+    except Exception as exc:  # MPI_Init failures surface here, e.g. a stale PMIX_* variable
+        raise BootstrapError(
+            "MPI could not start", "from mpi4py import MPI", f"{type(exc).__name__}: {exc}",
+            "Start workers with `dtrain launch` or `mpiexec`, and unset inherited PMI_*/PMIX_* "
+            "variables of another job",
+        ) from None
+    return MPI
+
+
+def _placement_from_mpi(mpi: Any, world: Any) -> Placement:
+    """No worker contract: plain mpiexec (or python). Local rank = rank among this host's ranks."""
+    local = world.Split_type(mpi.COMM_TYPE_SHARED, key=world.Get_rank())
+    try:
+        return Placement(world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size())
+    finally:
+        local.Free()
+
+
+def _init_nccl(placement: Placement, world: Any) -> World:
+    from trainer.comm.nccl import NcclCommunicator
+
+    # Every rank learns whether every rank has a GPU before any rank enters NCCL's collective
+    # init: a rank that failed alone would otherwise leave the others waiting forever.
+    problem = _gpu_problem(placement)
+    problems = [p for p in world.allgather(problem) if p is not None]
+    if problems:
+        what, where, why, fix = problems[0]
+        raise BootstrapError(what, where, why, fix)
+    torch.cuda.set_device(placement.local_rank)
+    comm = NcclCommunicator.create(world, placement.local_rank, "world")
+    return World(placement.rank, placement.size, placement.local_rank,
+                 torch.device("cuda", placement.local_rank), comm, world, placement.local_size)
+
+
+def _gpu_problem(placement: Placement) -> tuple[str, str, str, str] | None:
+    where = f"rank {placement.rank}, LOCAL_RANK={placement.local_rank}"
+    if not torch.cuda.is_available():
+        return ("NCCL backend needs a GPU", where, "torch.cuda.is_available() is False",
+                "Run with backend='mpi' (CPU), or install a CUDA build of torch on a GPU host")
+    count = torch.cuda.device_count()
+    if placement.local_rank >= count:
+        return ("no GPU for this rank", where, f"only {count} GPU(s) are visible on this host",
+                "Start at most one rank per GPU (--nproc-per-node), or check CUDA_VISIBLE_DEVICES")
+    from trainer.comm.nccl import import_nccl
+
+    try:
+        import_nccl()
+    except BootstrapError as exc:
+        return (exc.what, f"{where}: {exc.where}", exc.why, exc.fix)
+    return None

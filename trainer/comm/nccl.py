@@ -1,0 +1,330 @@
+"""`Communicator` over nccl4py (``import nccl.core``) for CUDA tensors.
+
+nccl4py is imported lazily, so this module imports on a machine without it (or without a GPU);
+`import_nccl` raises a `BootstrapError` with the install command when it is missing.
+
+The pitfalls of nccl4py (reference/training.md §4) and how this module meets them:
+
+* ``stream=None`` means the legacy default stream, not torch's: every call passes a stream
+  handle explicitly, ``torch.cuda.current_stream().cuda_stream`` for synchronous calls.
+* nccl4py does not check contiguity (a strided view would be read as if dense): non-contiguous
+  tensors are staged in a contiguous copy that is copied back on the same stream.
+* Sends and receives that must progress together are posted inside one ``nccl.group()``
+  (`batch_p2p`), otherwise two ranks that both send first deadlock.
+* The CUDA device is set before ``Communicator.init`` (bootstrap does ``torch.cuda.set_device``
+  and `create` enters ``torch.cuda.device`` as well).
+
+Asynchronous operations run on a side stream of the communicator that first waits for the
+caller's current stream (so inputs are ready), and the handle is a CUDA event recorded after
+them: ``wait()`` makes the caller's current stream wait for it, like ``torch.distributed``'s
+``Work.wait()``; the host is not blocked. Tensors used on the side stream are marked with
+``record_stream`` so the caching allocator does not reuse their memory too early.
+
+Sub-communicators: `split` splits the MPI communicator kept alongside, then the rank 0 of each
+new group creates a fresh NCCL unique id and broadcasts it over its MPI sub-communicator
+(DESIGN.md §4); a failure to create the id is broadcast too, so no rank waits forever.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from trainer.comm import checks
+from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
+from trainer.errors import BootstrapError, CommError
+
+_UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
+
+
+def import_nccl() -> Any:
+    """The ``nccl.core`` module, or a `BootstrapError` saying how to install it."""
+    try:
+        import nccl.core as nccl
+    except ImportError as exc:
+        raise BootstrapError(
+            "NCCL backend unavailable", "import nccl.core", f"nccl4py cannot be imported ({exc})",
+            "Install it with `pip install 'nccl4py[cu12]'` (cu13 for CUDA 13 torch builds), "
+            "or run on CPU with init(backend='mpi')",
+        ) from None
+    return nccl
+
+
+def nccl_version() -> str:
+    """nccl4py's and libnccl's versions as one line (API differs between nccl4py releases)."""
+    nccl = import_nccl()
+    if hasattr(nccl, "get_version"):
+        return str(nccl.get_version())
+    return f"libnccl {nccl.get_lib_version()}"
+
+
+def share_unique_id(mpi_comm: Any) -> Any:
+    """Rank 0 of ``mpi_comm`` creates an NCCL unique id and broadcasts it; every rank returns it."""
+    nccl = import_nccl()
+    message: tuple[str, Any] | None = None
+    if mpi_comm.Get_rank() == 0:
+        try:
+            message = ("ok", bytes(nccl.get_unique_id().as_bytes))
+        except Exception as exc:  # broadcast the failure: the other ranks are waiting in bcast
+            message = ("error", f"{type(exc).__name__}: {exc}")
+    status, payload = mpi_comm.bcast(message, root=0)
+    if status != "ok":
+        raise BootstrapError(
+            "NCCL unique id not created", "rank 0 of the group", payload,
+            "Check that libnccl is installed (nvidia-nccl-cu12) and a GPU is visible",
+        )
+    return nccl.UniqueId.from_bytes(payload)
+
+
+class NcclHandle:
+    """Work enqueued on the side stream; ``wait()`` orders the current stream after it."""
+
+    def __init__(self, event: Any, keep: object, finish: Callable[[], None]) -> None:
+        self._event, self._keep, self._finish = event, keep, finish
+
+    def wait(self) -> None:
+        if self._event is None:
+            return
+        torch.cuda.current_stream().wait_event(self._event)
+        self._finish()  # copy-back of staged tensors, on the current stream after the event
+        self._event = self._keep = None
+
+    def is_completed(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+
+class _Staged:
+    """A contiguous tensor NCCL can take, and the copy back to a strided original."""
+
+    def __init__(self, t: torch.Tensor, *, copy: bool = False) -> None:
+        self.user = t.detach()
+        contiguous = self.user.is_contiguous() and not copy
+        self.work = self.user if contiguous else self.user.clone(
+            memory_format=torch.contiguous_format)
+
+    def copy_back(self) -> None:
+        if self.work is not self.user:
+            self.user.copy_(self.work)
+
+
+class NcclCommunicator:
+    """A `Communicator` on one nccl4py ``Communicator`` plus the MPI communicator of its ranks."""
+
+    backend = "nccl"
+
+    def __init__(self, comm: Any, mpi_comm: Any, device: int, name: str = "world") -> None:
+        self._nccl = import_nccl()
+        self._comm, self._mpi = comm, mpi_comm
+        self._device = torch.device("cuda", device)
+        self._name = name
+        self._rank, self._size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self._side: torch.cuda.Stream | None = None
+
+    @classmethod
+    def create(cls, mpi_comm: Any, device: int, name: str = "world") -> "NcclCommunicator":
+        """Collective over ``mpi_comm``: share a unique id, then ``Communicator.init``."""
+        nccl = import_nccl()
+        uid = share_unique_id(mpi_comm)
+        with torch.cuda.device(device):
+            comm = nccl.Communicator.init(
+                nranks=mpi_comm.Get_size(), rank=mpi_comm.Get_rank(), unique_id=uid
+            )
+        return cls(comm, mpi_comm, device, name)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def mpi_comm(self) -> Any:
+        return self._mpi
+
+    @property
+    def nccl_comm(self) -> Any:
+        return self._comm
+
+    def __repr__(self) -> str:
+        return f"NcclCommunicator({self._name!r}, rank={self._rank}, size={self._size})"
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce(
+        self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Handle | None:
+        self._check("all_reduce", t)
+        checks.check_reduce("all_reduce", self._where(), t, op)
+        s = _Staged(t)
+        nop = self._op(op)
+        return self._launch(
+            lambda st: self._comm.allreduce(s.work, s.work, nop, stream=st),
+            [s.user, s.work], s.copy_back, async_op,
+        )
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False
+    ) -> Handle | None:
+        self._check("all_gather", out, inp)
+        checks.check_gather("all_gather", self._where(), out, inp, self._size)
+        so = _Staged(out)
+        in_place = checks.is_own_block(out, inp, self._rank)
+        si = _Staged(inp, copy=not in_place and checks.overlaps(out, inp))
+        return self._launch(
+            lambda st: self._comm.allgather(si.work, so.work, stream=st),
+            [so.user, so.work, si.work], so.copy_back, async_op,
+        )
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Handle | None:
+        self._check("reduce_scatter", out, inp)
+        checks.check_reduce("reduce_scatter", self._where(), inp, op)
+        checks.check_scatter("reduce_scatter", self._where(), out, inp, self._size)
+        si = _Staged(inp)
+        in_place = checks.is_own_block(inp, out, self._rank)  # NCCL's in-place layout
+        so = _Staged(out, copy=not in_place and checks.overlaps(out, inp))
+        nop = self._op(op)
+        return self._launch(
+            lambda st: self._comm.reduce_scatter(si.work, so.work, nop, stream=st),
+            [so.user, so.work, si.work], so.copy_back, async_op,
+        )
+
+    def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
+        self._check("broadcast", t)
+        checks.check_peer("broadcast", self._where(), src, self._size, "src")
+        s = _Staged(t)
+        return self._launch(
+            lambda st: self._comm.broadcast(s.work, s.work, src, stream=st),
+            [s.user, s.work], s.copy_back, async_op,
+        )
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        self._check("all_to_all", out, inp)
+        checks.check_all_to_all(self._where(), out, inp, self._size)
+        si = _Staged(inp, copy=checks.overlaps(out, inp))
+        so = _Staged(out)
+        self._comm.alltoall(si.work, so.work, stream=self._current())
+        so.copy_back()
+
+    def barrier(self) -> None:
+        """One-element all-reduce, then wait for it on the host (NCCL has no barrier)."""
+        token = torch.zeros(1, device=self._device)
+        self._comm.allreduce(token, token, self._nccl.SUM, stream=self._current())
+        torch.cuda.current_stream(self._device).synchronize()
+
+    # -- point to point ----------------------------------------------------------------------
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        self._check("send", t)
+        checks.check_peer("send", self._where(), dst, self._size, "dst")
+        self._comm.send(_Staged(t).work, dst, stream=self._current())
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        self._check("recv", t)
+        checks.check_peer("recv", self._where(), src, self._size, "src")
+        s = _Staged(t)
+        self._comm.recv(s.work, src, stream=self._current())
+        s.copy_back()
+
+    def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
+        loc = self._where()
+        for op in ops:
+            checks.check_p2p_kind(loc, op.kind)
+            self._check("batch_p2p", op.tensor)
+            checks.check_peer("batch_p2p", loc, op.peer, self._size)
+        if not ops:
+            return [DoneHandle()]
+        staged = [(op, _Staged(op.tensor)) for op in ops]
+
+        def enqueue(stream: int) -> None:
+            with self._nccl.group():  # paired sends and receives progress together
+                for op, s in staged:
+                    if op.kind == "send":
+                        self._comm.send(s.work, op.peer, stream=stream)
+                    else:
+                        self._comm.recv(s.work, op.peer, stream=stream)
+
+        def finish() -> None:
+            for op, s in staged:
+                if op.kind == "recv":
+                    s.copy_back()
+
+        keep = [t for _, s in staged for t in (s.user, s.work)]
+        handle = self._launch(enqueue, keep, finish, async_op=True)
+        return [handle] * len(ops)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def split(self, color: int, key: int, *, name: str = "") -> "NcclCommunicator":
+        checks.check_split(self._where(), color, key)
+        sub = self._mpi.Split(color, key)
+        return NcclCommunicator.create(sub, self._device.index, name or f"{self._name}/{color}")
+
+    def close(self) -> None:
+        """Destroy the NCCL communicator (collective over the group's ranks on each host)."""
+        if self._comm is not None:
+            self._comm.destroy()
+            self._comm = None
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _where(self) -> str:
+        return checks.where(self.backend, self._name, self._rank, self._size)
+
+    def _check(self, op: str, *tensors: torch.Tensor) -> None:
+        loc = self._where()
+        for t in tensors:
+            checks.check_device(op, loc, t, "cuda")
+            if t.device != self._device:
+                raise CommError(
+                    f"{op} failed", loc,
+                    f"the tensor is on {t.device} but this communicator runs on {self._device}",
+                    "Create tensors on torch.cuda.current_device() (bootstrap set it from LOCAL_RANK)",
+                )
+            if t.dtype in _UNSUPPORTED:
+                raise CommError(
+                    f"{op} failed", loc, f"NCCL has no datatype for {t.dtype}",
+                    "Convert the tensor (int16 to int32, complex to a real view) first",
+                )
+
+    def _op(self, op: ReduceOp) -> Any:
+        return {ReduceOp.SUM: self._nccl.SUM, ReduceOp.MAX: self._nccl.MAX,
+                ReduceOp.MIN: self._nccl.MIN, ReduceOp.AVG: self._nccl.AVG}[op]
+
+    def _current(self) -> int:
+        return torch.cuda.current_stream(self._device).cuda_stream
+
+    def _launch(
+        self,
+        enqueue: Callable[[int], None],
+        tensors: list[torch.Tensor],
+        finish: Callable[[], None],
+        async_op: bool,
+    ) -> Handle | None:
+        current = torch.cuda.current_stream(self._device)
+        if not async_op:
+            enqueue(current.cuda_stream)
+            finish()
+            return None
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self._device)
+        self._side.wait_stream(current)  # inputs written on the current stream are ready
+        enqueue(self._side.cuda_stream)
+        for t in tensors:
+            t.record_stream(self._side)
+        event = torch.cuda.Event()
+        event.record(self._side)
+        return NcclHandle(event, tensors, finish)

@@ -1,0 +1,119 @@
+"""The one communication interface every parallel algorithm in the trainer is written against.
+
+Two backends implement it: `trainer.comm.mpi.MpiCommunicator` (torch CPU tensors over mpi4py,
+used for CPU runs and every test) and `trainer.comm.nccl.NcclCommunicator` (CUDA tensors over
+nccl4py). Code above this protocol (DP buckets, TP layers, PP schedules) never names a backend,
+so an algorithm tested on CPU runs unchanged on GPUs.
+
+Semantics shared by both backends (they are the ones of ``torch.distributed`` and NCCL):
+
+* Collectives are called by every member of the communicator, in the same order.
+* ``all_reduce`` and ``broadcast`` work in place. ``all_gather``, ``reduce_scatter`` and
+  ``all_to_all`` split or concatenate along dim 0 into equal blocks, block ``i`` belonging to
+  the member of rank ``i``.
+* ``async_op=True`` returns a `Handle`; the result may be read only after ``handle.wait()``, and
+  the tensors must stay untouched until then. On MPI ``wait()`` blocks the host until done; on
+  NCCL it orders the caller's current CUDA stream after the operation (like ``torch.distributed``).
+* Point-to-point messages between one pair of ranks are matched in the order they were posted.
+  ``batch_p2p`` posts all its operations together, so sends and receives that pair up across ranks
+  never deadlock whatever their order in the list.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal, Protocol, Sequence, runtime_checkable
+
+import torch
+
+
+class ReduceOp(enum.Enum):
+    """Reductions both backends offer. AVG is defined for floating-point tensors only."""
+
+    SUM = "sum"
+    MAX = "max"
+    MIN = "min"
+    AVG = "avg"
+
+
+@runtime_checkable
+class Handle(Protocol):
+    """An operation in flight; ``wait()`` completes it (idempotent)."""
+
+    def wait(self) -> None: ...
+
+
+class DoneHandle:
+    """A handle for work that already finished (e.g. an empty batch)."""
+
+    def wait(self) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class P2POp:
+    """One send or receive of a `Communicator.batch_p2p` call; ``peer`` is a rank of that communicator."""
+
+    kind: Literal["send", "recv"]
+    tensor: torch.Tensor
+    peer: int
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """A group of ranks and the operations they run together.
+
+    ``rank`` and ``size`` are this communicator's (a sub-communicator numbers its members from 0);
+    ``name`` says which group it is ("world", "tp", ...) and ``backend`` is "mpi" or "nccl".
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    def all_reduce(
+        self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
+    ) -> Handle | None: ...
+
+    def all_gather(
+        self, out: torch.Tensor, inp: torch.Tensor, *, async_op: bool = False
+    ) -> Handle | None: ...
+
+    def reduce_scatter(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        op: ReduceOp = ReduceOp.SUM,
+        *,
+        async_op: bool = False,
+    ) -> Handle | None: ...
+
+    def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None: ...
+
+    def send(self, t: torch.Tensor, dst: int) -> None: ...
+
+    def recv(self, t: torch.Tensor, src: int) -> None: ...
+
+    def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]: ...
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+
+    def barrier(self) -> None: ...
+
+    def split(self, color: int, key: int, *, name: str = "") -> "Communicator": ...
+
+
+def wait_all(handles: Sequence[Handle | None]) -> None:
+    """Wait for every handle (``None`` entries, from synchronous calls, are skipped)."""
+    for handle in handles:
+        if handle is not None:
+            handle.wait()

@@ -1,0 +1,35 @@
+"""The trainer's exceptions: one hierarchy, one message shape.
+
+Every message reads ``<what failed> [<where>]: <why>. <how to fix>`` (the launcher's shape,
+see ``launcher/errors.py``; the trainer does not import the launcher, so the base is repeated
+here). ``where`` names a rank, a communicator, an option or a file.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Base of every error the trainer reports to a user."""
+
+    def __init__(self, what: str, where: str, why: str, fix: str = "") -> None:
+        self.what, self.where, self.why, self.fix = what, where, why, fix
+        text = f"{what} [{where}]: {why}" if where else f"{what}: {why}"
+        if fix:
+            text += f". {fix}"
+        super().__init__(text)
+
+
+class BootstrapError(TrainerError):
+    """The process could not join the job: MPI world, worker contract or device mismatch."""
+
+
+class TopologyError(TrainerError):
+    """A parallel layout (dp, tp, pp) does not fit the world or names a rank outside it."""
+
+
+class CommError(TrainerError):
+    """A collective or point-to-point call got arguments it cannot honour."""
+
+
+class ConfigError(TrainerError):
+    """A trainer option or combination of options is wrong."""
