@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import PmiError
-from launcher.pmi.kvs import KeyValueSpace, process_mapping
+from launcher.pmi.kvs import KeyValueSpace
 
 
 def barrier(kvs: KeyValueSpace, host: int, **puts: str) -> list:
@@ -77,18 +77,3 @@ def test_a_host_entering_the_same_barrier_twice_is_rejected():
     barrier(kvs, 0)
     with pytest.raises(PmiError, match="host 0 entered barrier 0 twice"):
         barrier(kvs, 0)
-
-
-@pytest.mark.parametrize("counts, expected", [
-    ([8, 8], "(vector,(0,2,8))"),
-    ([2, 2, 4, 4], "(vector,(0,2,2),(2,2,4))"),
-    ([1], "(vector,(0,1,1))"),
-    ([3, 1, 3], "(vector,(0,1,3),(1,1,1),(2,1,3))"),
-    ([], ""),
-])
-def test_the_process_mapping_merges_equal_consecutive_hosts(counts, expected):
-    assert process_mapping(counts) == expected
-
-
-def test_a_process_mapping_beyond_1024_characters_is_left_out():
-    assert process_mapping([1, 2] * 200) == ""

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import PmiError
-from launcher.pmi.proxy import Abort, Close, PmiProxy, RankFailed, Reply, Send
+from launcher.pmi.proxy import (
+    Abort, Close, PmiProxy, RankFailed, Reply, Send, shm_segment_prefixes,
+)
 
 MAPPING = "(vector,(0,2,2))"
 
@@ -62,8 +64,9 @@ def test_job_queries_are_answered_locally(line, expected):
     assert reply_of(ask(proxy, 1, line)) == expected
 
 
-def test_an_empty_process_mapping_is_answered_as_absent():
-    proxy = PmiProxy(ranks=[0], world_size=1, kvsname="k", process_mapping="")
+@pytest.mark.parametrize("mapping", ["", "(vector," + "(0,1,1)," * 200 + "(0,1,1))"])
+def test_an_empty_or_over_long_process_mapping_is_answered_as_absent(mapping):
+    proxy = PmiProxy(ranks=[0], world_size=1, kvsname="k", process_mapping=mapping)
     started(proxy, 1, 0)
     assert "rc=1" in reply_of(ask(proxy, 1, "cmd=get kvsname=k key=PMI_process_mapping"))
 
@@ -364,3 +367,8 @@ def test_anything_but_initack_on_an_unidentified_connection_closes_it_alone():
     proxy.open(2, None)
     assert [type(a) for a in proxy.feed(2, b"\x16\x03\x01garbage\n")] == [Close]
     assert proxy.waiting()["never_connected"] == [2, 3]
+
+
+def test_shm_segment_prefixes_follow_mpichs_hash_of_the_kvsname():
+    # Observed with the mpich 5.0.2 wheel: kvsname "kvs_test_1" -> /dev/shm/mpich_shm_7bd7e2ae_0
+    assert shm_segment_prefixes("kvs_test_1") == ("mpich_shm_7bd7e2ae_", "mpich_vci_7bd7e2ae_")

@@ -10,11 +10,14 @@ All three are pure; the agent and the supervisor own the sockets and call them.
 from launcher.pmi.codec import (
     MAX_LINE, LineBuffer, PmiCommand, PmiProtocolError, format_reply, parse_line,
 )
-from launcher.pmi.kvs import KeyValueSpace, process_mapping
-from launcher.pmi.proxy import Abort, Action, Close, PmiProxy, RankFailed, Reply, Send
+from launcher.pmi.kvs import KeyValueSpace
+from launcher.pmi.proxy import (
+    Abort, Action, Close, PmiProxy, RankFailed, Reply, Send, shm_segment_prefixes,
+)
 
 __all__ = [
     "MAX_LINE", "LineBuffer", "PmiCommand", "PmiProtocolError", "format_reply", "parse_line",
-    "KeyValueSpace", "process_mapping",
+    "KeyValueSpace",
     "Abort", "Action", "Close", "PmiProxy", "RankFailed", "Reply", "Send",
+    "shm_segment_prefixes",
 ]

@@ -15,7 +15,7 @@ diagnosis rather than failing the job.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from launcher.errors import PmiError
 
@@ -96,24 +96,6 @@ class KeyValueSpace:
         if self._aborted is None:
             self._aborted = (int(msg.get("rank", -1)), int(msg.get("code", 1)),
                              str(msg.get("message", "")))
-
-
-def process_mapping(ranks_per_host: Sequence[int]) -> str:
-    """MPICH's ``PMI_process_mapping`` for ranks filled host by host in order.
-
-    ``(vector,(start_node,num_nodes,ranks_per_node),...)`` with consecutive hosts of equal size
-    merged into one block: 2 hosts x 8 -> ``(vector,(0,2,8))``; 2x2 then 2x4 ->
-    ``(vector,(0,2,2),(2,2,4))``. Returns "" (absent, as Hydra does) beyond 1024 characters;
-    MPICH then exchanges host names instead.
-    """
-    blocks: list[list[int]] = []
-    for node, count in enumerate(ranks_per_host):
-        if blocks and blocks[-1][2] == count:
-            blocks[-1][1] += 1
-        else:
-            blocks.append([node, 1, count])
-    text = "(vector," + ",".join(f"({a},{b},{c})" for a, b, c in blocks) + ")"
-    return text if blocks and len(text) <= 1024 else ""
 
 
 def _error(why: str) -> PmiError:

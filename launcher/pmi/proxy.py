@@ -95,7 +95,10 @@ class PmiProxy:
                  id_tokens: Mapping[str, int] | None = None) -> None:
         self._ranks = frozenset(ranks)
         self._world, self._kvsname, self._appnum = world_size, kvsname, appnum
-        # PMI_ keys are job attributes served here; "" means absent (MPICH then computes it).
+        # PMI_ keys are job attributes served here; "" means absent. Like Hydra, a mapping too
+        # long for one value is left out: MPICH then exchanges host names instead.
+        if len(process_mapping) > VALLEN_MAX:
+            process_mapping = ""
         self._attrs = {"PMI_process_mapping": process_mapping, "universeSize": str(world_size)}
         self._tokens = dict(id_tokens or {})
         self._conns: dict[int, _Conn] = {}
@@ -380,6 +383,22 @@ class PmiProxy:
             self._cache[key] = value
             return [Reply(conn, format_reply("get_result", rc=0, value=value))]
         return [Reply(conn, format_reply("get_result", rc=1, msg="key_not_found"))]
+
+
+def shm_segment_prefixes(kvsname: str) -> tuple[str, str]:
+    """Name prefixes of the /dev/shm segments MPICH ranks of this job create on a host.
+
+    MPICH names its node-local segments ``mpich_shm_<world_id>_<node>`` and
+    ``mpich_vci_<world_id>_<node>``, ``world_id`` being the 32-bit FNV-1a hash of the kvsname
+    (``mpir_pmi.c``, ``posix_init.c``), and nothing removes them when ranks are killed. Two
+    consequences: the kvsname must be unique per job (a stale segment of the same name makes
+    MPI_Init fail with "Out of memory"), and an agent that kills its ranks should remove the
+    files under /dev/shm that start with these prefixes.
+    """
+    world_id = 2166136261
+    for byte in kvsname.encode("utf-8"):
+        world_id = ((world_id ^ byte) * 16777619) & 0xFFFFFFFF
+    return f"mpich_shm_{world_id:x}_", f"mpich_vci_{world_id:x}_"
 
 
 def _value_problem(key: str, value: str) -> str:
