@@ -1,0 +1,57 @@
+"""Shared fixtures: a real sshd on loopback, a 3-host network-namespace cluster, the venv python.
+
+Tests using `sshd` or `netns_cluster` are marked ``sshd``/``netns`` automatically, so
+``pytest -m "not netns"`` deselects them; they skip with the reason when the machine cannot
+run them (not root, no sshd binary, no ``ip netns``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator
+
+import pytest
+
+from tests.cluster.netns import NetnsCluster, netns_available
+from tests.cluster.sshd import SshdServer, sshd_available
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def sshd() -> Iterator[SshdServer]:
+    """One OpenSSH sshd on 127.0.0.1 for the session; see `SshdServer` for its files."""
+    if os.geteuid() != 0:
+        pytest.skip("sshd fixture needs root (sshd must run as root to switch users)")
+    if not sshd_available():
+        pytest.skip("no OpenSSH sshd/ssh-keygen; run `make sysdeps` as root")
+    server = SshdServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="session")
+def netns_cluster() -> Iterator[NetnsCluster]:
+    """Hosts node1..node3 in network namespaces behind a bridge, each with its own sshd."""
+    usable, reason = netns_available()
+    if not usable:
+        pytest.skip(f"netns cluster: {reason}")
+    cluster = NetnsCluster(3)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def venv_python() -> str:
+    """The interpreter running the tests (the project's venv), for subprocesses and agents."""
+    return sys.executable
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        if "sshd" in names:
+            item.add_marker(pytest.mark.sshd)
+        if "netns_cluster" in names:
+            item.add_marker(pytest.mark.netns)
