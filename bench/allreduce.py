@@ -18,8 +18,9 @@ import os
 import socket
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_SIZES = "1K,16K,256K,1M,4M,16M,64M"

@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 from tests.comm_workers.launch import PYTHON, REPO, clean_env, run_mpiexec
+from trainer.comm.bandwidth import Sample, format_size, parse_size, parse_sizes
 from trainer.comm.bootstrap import check_world
-from trainer.errors import BootstrapError
+from trainer.errors import BootstrapError, ConfigError
 
 WORKER = REPO / "tests" / "comm_workers" / "contract.py"
 WORLD_SIZES = (1, 2, 4)
@@ -31,7 +32,7 @@ OPS = ("all_reduce_sum", "all_reduce_max", "all_reduce_min", "all_reduce_avg",
 COMMS = ("world", "rows", "cols", "reversed", "grid_tp", "grid_dp", "grid_pp")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def contract(world_size: int) -> tuple[int, str, tuple[dict, ...]]:
     """Run the worker once per world size; (exit code, output, per-rank reports)."""
     with tempfile.TemporaryDirectory(prefix="dtrain-contract-") as out:
@@ -116,6 +117,7 @@ def test_rank_that_differs_from_mpi_rank_is_rejected():
 def test_python_started_by_hand_with_a_copied_world_size_fails_with_the_remedy():
     code = "from trainer.comm import bootstrap; bootstrap.init()"
     proc = subprocess.run([PYTHON, "-c", code], capture_output=True, text=True, timeout=60,
+                          check=False,
                           cwd=REPO, env=clean_env(CONTRACT))
     assert proc.returncode != 0
     assert "BootstrapError: MPI world does not match the job" in proc.stderr
@@ -132,3 +134,22 @@ def test_diagnose_under_plain_mpiexec_reports_every_rank_and_the_bandwidth_table
         assert f"[rank {rank}]" in proc.stdout
     assert "cpu: MPI backend" in proc.stdout
     assert "bus bandwidth" in proc.stdout and "grid_tp" in proc.stdout
+
+
+# -- bandwidth arithmetic (shared by diagnose and bench) --------------------------------------
+
+def test_message_sizes_parse_with_binary_units():
+    assert parse_sizes("1K, 64k,16M,1G,512") == [1024, 65536, 16 << 20, 1 << 30, 512]
+    assert format_size(16 << 20) == "16M" and format_size(1536) == "1536B"
+
+
+@pytest.mark.parametrize("bad", ["", "K", "-1K", "1.5M", "12X"])
+def test_malformed_message_size_names_itself(bad):
+    with pytest.raises(ConfigError, match="invalid message size"):
+        parse_size(bad)
+
+
+def test_bus_bandwidth_uses_the_ring_factor_two_n_minus_one_over_n():
+    sample = Sample.of(nbytes=1_000_000_000, ranks=4, seconds=1.0)
+    assert sample.algbw_gbps == 1.0 and sample.busbw_gbps == 1.5
+    assert Sample.of(1000, 1, 1.0).busbw_gbps == 0.0

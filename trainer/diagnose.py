@@ -14,7 +14,8 @@ import hashlib
 import os
 import socket
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -42,20 +43,20 @@ def rank_info(world: bootstrap.World) -> dict[str, Any]:
 
 
 def _nccl_version() -> str:
-    from trainer.comm.nccl import nccl_version
+    from trainer.comm.nccl_setup import nccl_version
 
     try:
         return nccl_version()
     except TrainerError:
         return "nccl4py not installed"
-    except Exception as exc:  # libnccl not loadable on this host: report it, do not fail
+    except Exception as exc:  # noqa: BLE001 - libnccl not loadable here: report, do not fail
         return f"unavailable ({type(exc).__name__}: {exc})"
 
 
 def _unique_id_check(world: bootstrap.World) -> str:
     if world.comm.backend != "nccl":
         return "cpu: MPI backend"
-    from trainer.comm.nccl import share_unique_id
+    from trainer.comm.nccl_setup import share_unique_id
 
     digest = hashlib.sha1(bytes(share_unique_id(world.mpi_comm).as_bytes)).hexdigest()[:12]
     digests = set(world.mpi_comm.allgather(digest))

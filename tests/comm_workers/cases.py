@@ -9,8 +9,8 @@ comparison is exact equality, whatever order a backend reduces in.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -19,13 +19,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import cases
+import torch
 
-import cases  # noqa: E402
-from trainer.comm import bootstrap  # noqa: E402
-from trainer.comm.protocol import ReduceOp  # noqa: E402
-from trainer.comm.topology import ParallelDims  # noqa: E402
-from trainer.errors import CommError  # noqa: E402
+from trainer.comm import bootstrap
+from trainer.comm.protocol import ReduceOp
+from trainer.comm.topology import ParallelDims
+from trainer.errors import CommError
 
 
 def split_group(world: bootstrap.World, label: str, color_of, key_of) -> cases.Group:
@@ -63,7 +63,7 @@ def run_case(name: str, thunk) -> dict:
             if got.dtype != expected.dtype or not torch.equal(got, expected):
                 return {"ok": False, "error": f"got {got.tolist()} expected {expected.tolist()}"}
         return {"ok": True, "error": ""}
-    except Exception:  # recorded, so the other cases still run and the report names this one
+    except Exception:  # noqa: BLE001 - recorded, so the other cases still run and are reported
         return {"ok": False, "error": traceback.format_exc(limit=4)}
 
 

@@ -4,7 +4,14 @@ Importing this package starts nothing: MPI is initialised by `bootstrap.init` (o
 `trainer.comm.mpi`), and nccl4py is imported only when the NCCL backend is used.
 """
 
-from trainer.comm.protocol import Communicator, DoneHandle, Handle, P2POp, ReduceOp, wait_all
+from trainer.comm.protocol import (
+    Communicator,
+    DoneHandle,
+    Handle,
+    P2POp,
+    ReduceOp,
+    wait_all,
+)
 from trainer.comm.topology import AXES, Coords, ParallelDims
 
 __all__ = [

@@ -57,7 +57,7 @@ class Sample:
     busbw_gbps: float
 
     @classmethod
-    def of(cls, nbytes: int, ranks: int, seconds: float) -> "Sample":
+    def of(cls, nbytes: int, ranks: int, seconds: float) -> Sample:
         algbw = nbytes / seconds / 1e9 if seconds > 0 else 0.0
         return cls(nbytes, ranks, seconds, algbw, algbw * bus_factor(ranks))
 

@@ -15,8 +15,9 @@ Nothing is global: `World` and `ParallelGroups` are explicit objects passed to w
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
@@ -146,7 +147,7 @@ def build_groups(world: World, dims: ParallelDims) -> ParallelGroups:
 def _import_mpi() -> Any:
     try:
         from mpi4py import MPI
-    except Exception as exc:  # MPI_Init failures surface here, e.g. a stale PMIX_* variable
+    except Exception as exc:  # noqa: BLE001 - MPI_Init failures (e.g. a stale PMIX_* variable)
         raise BootstrapError(
             "MPI could not start", "from mpi4py import MPI", f"{type(exc).__name__}: {exc}",
             "Start workers with `dtrain launch` or `mpiexec`, and unset inherited PMI_*/PMIX_* "
@@ -189,7 +190,7 @@ def _gpu_problem(placement: Placement) -> tuple[str, str, str, str] | None:
     if placement.local_rank >= count:
         return ("no GPU for this rank", where, f"only {count} GPU(s) are visible on this host",
                 "Start at most one rank per GPU (--nproc-per-node), or check CUDA_VISIBLE_DEVICES")
-    from trainer.comm.nccl import import_nccl
+    from trainer.comm.nccl_setup import import_nccl
 
     try:
         import_nccl()

@@ -24,7 +24,7 @@ partial on CPU; correctness does not depend on it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from mpi4py import MPI
@@ -230,7 +230,7 @@ class MpiCommunicator:
 
     # -- groups ------------------------------------------------------------------------------
 
-    def split(self, color: int, key: int, *, name: str = "") -> "MpiCommunicator":
+    def split(self, color: int, key: int, *, name: str = "") -> MpiCommunicator:
         checks.check_split(self._where(), color, key)
         return MpiCommunicator(self._comm.Split(color, key), name or f"{self._name}/{color}")
 

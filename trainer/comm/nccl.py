@@ -1,7 +1,7 @@
 """`Communicator` over nccl4py (``import nccl.core``) for CUDA tensors.
 
-nccl4py is imported lazily, so this module imports on a machine without it (or without a GPU);
-`import_nccl` raises a `BootstrapError` with the install command when it is missing.
+nccl4py is imported lazily (`trainer.comm.nccl_setup`), so this module imports on a machine
+without it or without a GPU; using the backend there raises a `BootstrapError` with the fix.
 
 The pitfalls of nccl4py (reference/training.md §4) and how this module meets them:
 
@@ -27,54 +27,19 @@ new group creates a fresh NCCL unique id and broadcasts it over its MPI sub-comm
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from trainer.comm import checks
+from trainer.comm.nccl_setup import import_nccl, nccl_version, share_unique_id
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
-from trainer.errors import BootstrapError, CommError
+from trainer.errors import CommError
+
+__all__ = ["NcclCommunicator", "NcclHandle", "import_nccl", "nccl_version", "share_unique_id"]
 
 _UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
-
-
-def import_nccl() -> Any:
-    """The ``nccl.core`` module, or a `BootstrapError` saying how to install it."""
-    try:
-        import nccl.core as nccl
-    except ImportError as exc:
-        raise BootstrapError(
-            "NCCL backend unavailable", "import nccl.core", f"nccl4py cannot be imported ({exc})",
-            "Install it with `pip install 'nccl4py[cu12]'` (cu13 for CUDA 13 torch builds), "
-            "or run on CPU with init(backend='mpi')",
-        ) from None
-    return nccl
-
-
-def nccl_version() -> str:
-    """nccl4py's and libnccl's versions as one line (API differs between nccl4py releases)."""
-    nccl = import_nccl()
-    if hasattr(nccl, "get_version"):
-        return str(nccl.get_version())
-    return f"libnccl {nccl.get_lib_version()}"
-
-
-def share_unique_id(mpi_comm: Any) -> Any:
-    """Rank 0 of ``mpi_comm`` creates an NCCL unique id and broadcasts it; every rank returns it."""
-    nccl = import_nccl()
-    message: tuple[str, Any] | None = None
-    if mpi_comm.Get_rank() == 0:
-        try:
-            message = ("ok", bytes(nccl.get_unique_id().as_bytes))
-        except Exception as exc:  # broadcast the failure: the other ranks are waiting in bcast
-            message = ("error", f"{type(exc).__name__}: {exc}")
-    status, payload = mpi_comm.bcast(message, root=0)
-    if status != "ok":
-        raise BootstrapError(
-            "NCCL unique id not created", "rank 0 of the group", payload,
-            "Check that libnccl is installed (nvidia-nccl-cu12) and a GPU is visible",
-        )
-    return nccl.UniqueId.from_bytes(payload)
 
 
 class NcclHandle:
@@ -122,7 +87,7 @@ class NcclCommunicator:
         self._side: torch.cuda.Stream | None = None
 
     @classmethod
-    def create(cls, mpi_comm: Any, device: int, name: str = "world") -> "NcclCommunicator":
+    def create(cls, mpi_comm: Any, device: int, name: str = "world") -> NcclCommunicator:
         """Collective over ``mpi_comm``: share a unique id, then ``Communicator.init``."""
         nccl = import_nccl()
         uid = share_unique_id(mpi_comm)
@@ -268,7 +233,7 @@ class NcclCommunicator:
 
     # -- groups ------------------------------------------------------------------------------
 
-    def split(self, color: int, key: int, *, name: str = "") -> "NcclCommunicator":
+    def split(self, color: int, key: int, *, name: str = "") -> NcclCommunicator:
         checks.check_split(self._where(), color, key)
         sub = self._mpi.Split(color, key)
         return NcclCommunicator.create(sub, self._device.index, name or f"{self._name}/{color}")

@@ -22,8 +22,9 @@ Semantics shared by both backends (they are the ones of ``torch.distributed`` an
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence, runtime_checkable
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
@@ -109,7 +110,7 @@ class Communicator(Protocol):
 
     def barrier(self) -> None: ...
 
-    def split(self, color: int, key: int, *, name: str = "") -> "Communicator": ...
+    def split(self, color: int, key: int, *, name: str = "") -> Communicator: ...
 
 
 def wait_all(handles: Sequence[Handle | None]) -> None:

@@ -54,7 +54,7 @@ class ParallelDims:
                 )
 
     @classmethod
-    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> "ParallelDims":
+    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
         """Megatron's rule: dp is what remains of the world after tp and pp."""
         if world_size % (tp * pp):
             raise TopologyError(
@@ -74,7 +74,7 @@ class ParallelDims:
     def stride(self, axis: Axis) -> int:
         return {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}[_axis(axis)]
 
-    def check_world(self, world_size: int) -> "ParallelDims":
+    def check_world(self, world_size: int) -> ParallelDims:
         """Raise unless the layout uses exactly ``world_size`` ranks; returns self."""
         if self.world_size != world_size:
             raise TopologyError(
