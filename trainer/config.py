@@ -27,6 +27,8 @@ from trainer.model import PRESETS, GPTConfig
 HELP: dict[str, str] = {
     "model": "model size preset: " + ", ".join(PRESETS),
     "steps": "optimizer steps to train in total (a resumed run stops at the same step)",
+    "stop_at": "stop after this step with a checkpoint, to split a run into jobs (0 = --steps);"
+               " the learning-rate schedule still spans --steps",
     "global_batch": "sequences per optimizer step, summed over data-parallel ranks",
     "microbatches": "gradient-accumulation microbatches per step on each DP rank",
     "lr": "peak learning rate",
@@ -59,6 +61,7 @@ class TrainConfig:
     model: str = "small"
     gpt: GPTConfig = field(default_factory=lambda: PRESETS["small"])
     steps: int = 200
+    stop_at: int = 0
     global_batch: int = 32
     microbatches: int = 1
     lr: float = 1e-3
@@ -85,7 +88,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        for name in ("warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed"):
+        for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "data_cap_mb"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
@@ -101,6 +104,11 @@ class TrainConfig:
     @property
     def schedule_end(self) -> int:
         return self.decay_steps or self.steps
+
+    @property
+    def last_step(self) -> int:
+        """The step this invocation stops after."""
+        return min(self.steps, self.stop_at) if self.stop_at else self.steps
 
     def to_dict(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "gpt"}

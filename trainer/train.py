@@ -170,12 +170,12 @@ def train(cfg: TrainConfig, world: World) -> TrainResult:
     log.info(_banner(run, world.size))
     result = TrainResult(run.start_step, run.start_step)
     try:
-        for step in range(run.start_step + 1, cfg.steps + 1):
+        for step in range(run.start_step + 1, cfg.last_step + 1):
             rec = train_step(run, step)
             log.record(rec)
             result.losses.append(rec.loss)
             result.final_step = step
-            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.last_step:
                 save_checkpoint(run, step)
         result.checkpoint = save_checkpoint(run, result.final_step)
     finally:

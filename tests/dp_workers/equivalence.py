@@ -1,0 +1,119 @@
+"""One DP rank of the equivalence test; writes what it saw to ``OUT/rank<r>.pt``.
+
+    mpiexec -n 4 python -m tests.dp_workers.equivalence OUT
+
+For every case of `tests.dp_workers.cases` it trains with the trainer's own step function
+(``trainer.train.build_run`` + ``train_step``, the code users run) and records the losses, the
+bucket launch order of every step and the final parameters. Then it probes the gradient-sync
+rules: no reduction inside ``no_sync()``, a parameter without gradient, a second backward outside
+``no_sync()``, and (dp > 1) ranks holding different models. Any unexpected exception aborts
+every rank, so the test sees a failure instead of a hang.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tests.dp_workers.cases import CASES, STEPS, case_config
+from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.protocol import Communicator
+from trainer.comm.topology import ParallelDims
+from trainer.config import resolve_dp
+from trainer.data_parallel import DataParallel, GradSyncError
+from trainer.model import GPT, GPTConfig
+from trainer.train import build_run, train_step
+
+
+def run_case(name: str, world: World, dp_comm: Communicator, out: Path) -> dict[str, Any]:
+    cfg = resolve_dp(replace(case_config(name), run_dir=str(out / name)), world.size)
+    run = build_run(cfg, rank=world.rank, dp_comm=dp_comm, device=world.device)
+    losses, orders = [], []
+    for step in range(1, STEPS + 1):
+        losses.append(train_step(run, step).loss)
+        orders.append(list(run.dp.launch_order))
+    params = {n: p.detach().clone() for n, p in run.model.named_parameters()}
+    return {"losses": losses, "orders": orders, "buckets": len(run.dp.buckets), "params": params}
+
+
+def probe_no_sync(world: World, dp_comm: Communicator, out: Path) -> dict[str, Any]:
+    """Inside no_sync nothing is launched and grads stay local; the last microbatch reduces."""
+    cfg = resolve_dp(replace(case_config("accumulation"), run_dir=str(out)), world.size)
+    run = build_run(cfg, rank=world.rank, dp_comm=dp_comm, device=world.device)
+    (x0, y0), (x1, y1) = run.batches.microbatches(1)
+    run.dp.zero_grad()
+    with run.dp.no_sync():
+        run.model.loss(x0, y0).backward()
+    local = run.dp.buffer.clone()
+    launched_inside = len(run.dp.launch_order)
+    run.model.loss(x1, y1).backward()
+    run.dp.finish_grad_sync()
+    return {"launched_inside": launched_inside, "local": local,
+            "synced": run.dp.buffer.clone(), "launched": list(run.dp.launch_order)}
+
+
+def probe_unused(dp_comm: Communicator) -> str:
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=1)
+    model.spare = nn.Linear(4, 4)  # never used by forward
+    dp = DataParallel(model, dp_comm, bucket_size=500)
+    x = torch.randint(0, 256, (2, 8))
+    model.loss(x, x).backward()
+    try:
+        dp.finish_grad_sync()
+    except GradSyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+def probe_second_backward(dp_comm: Communicator) -> str:
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=1)
+    dp = DataParallel(model, dp_comm, bucket_size=10**9)
+    x = torch.randint(0, 256, (2, 8))
+    model.loss(x, x).backward()
+    try:
+        model.loss(x, x).backward()
+    except GradSyncError as exc:
+        return str(exc)
+    finally:
+        for bucket in dp.buckets:  # leave no request in flight for the next probe
+            if bucket.handle is not None:
+                bucket.handle.wait()
+    return "no error"
+
+
+def probe_mismatch(world: World, dp_comm: Communicator) -> str:
+    model = GPT(GPTConfig(n_layer=1 + world.rank % 2, n_head=2, d_model=16, seq_len=8))
+    try:
+        DataParallel(model, dp_comm)
+    except GradSyncError as exc:
+        return str(exc)
+    return "no error"
+
+
+def main(out: Path) -> None:
+    world = init(backend="mpi")
+    dp_comm = build_groups(world, ParallelDims(dp=world.size)).dp
+    result: dict[str, Any] = {name: run_case(name, world, dp_comm, out) for name in CASES}
+    result["no_sync"] = probe_no_sync(world, dp_comm, out)
+    result["unused"] = probe_unused(dp_comm)
+    result["second_backward"] = probe_second_backward(dp_comm)
+    if world.size > 1:
+        result["mismatch"] = probe_mismatch(world, dp_comm)
+    torch.save(result, out / f"rank{world.rank}.pt")
+
+
+if __name__ == "__main__":
+    try:
+        main(Path(sys.argv[1]))
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)

@@ -1,0 +1,177 @@
+"""Data parallelism equals the single-process model, with real MPI ranks (mpiexec -n 1, 2, 4).
+
+The worker (`tests/dp_workers/equivalence.py`) trains every case of `tests/dp_workers/cases.py`
+with the trainer's own step function and saves what each rank saw; the single-process reference
+is computed here, in the pytest process, with the plain model, plain ``loss.backward()`` on the
+whole global batch and the same optimizer.
+
+Tolerance: fp32 and a few steps, so rtol 1e-5 / atol 1e-6 (torch.testing.assert_close). DP sums
+the same per-sequence gradients in another order (per rank, then across ranks) and Adam turns
+the rounding difference into parameter differences of ~1e-7; across ranks the parameters must
+be bit-identical (every rank applies the same reduced gradient).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dp_workers.cases import CASES, STEPS, case_config
+from tests.support import REPO, dtrain_env
+from trainer.data import BatchPlan, ShardedBatches, load_corpus
+from trainer.data_parallel import plan_buckets
+from trainer.metrics import read_records
+from trainer.model import GPT
+from trainer.optim import Schedule, build_optimizer, grad_norm_and_clip, set_lr
+
+MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
+RTOL, ATOL = 1e-5, 1e-6
+
+
+def run_mpi(n: int, args: list[str], *, timeout: float = 180) -> subprocess.CompletedProcess:
+    """``mpiexec -n n python <args>`` in its own session; killed by its process group on timeout."""
+    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, *args], cwd=REPO,
+                            env=dtrain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the group this test created: mpiexec + its ranks
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"dp{n}")
+def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """What every rank of one ``mpiexec -n N`` worker run saw, by rank."""
+    n, out = request.param, tmp_path_factory.mktemp(f"dp{request.param}")
+    done = run_mpi(n, ["-m", "tests.dp_workers.equivalence", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [torch.load(out / f"rank{r}.pt") for r in range(n)]
+
+
+@functools.cache
+def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single process, whole global batch, no DataParallel: losses and final parameters."""
+    cfg = case_config(name)
+    model = GPT(cfg.gpt, seed=cfg.seed)
+    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
+    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=BatchPlan(cfg.global_batch, 1, 1),
+                             seed=cfg.seed, dp_rank=0)
+    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
+                        decay_steps=cfg.schedule_end)
+    losses = []
+    for step in range(1, STEPS + 1):
+        x, y = batches.global_batch(step)
+        set_lr(optimizer, schedule.lr_at(step))
+        optimizer.zero_grad()
+        loss = model.loss(x, y)
+        loss.backward()
+        grad_norm_and_clip(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_losses_match_the_single_process_model(ranks: list[dict], case: str) -> None:
+    expected, _ = reference(case)
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank[case]["losses"]), torch.tensor(expected),
+                                   rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_parameters_match_the_single_process_model(ranks: list[dict], case: str) -> None:
+    _, expected = reference(case)
+    got = ranks[0][case]["params"]
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_ends_with_bit_identical_parameters(ranks: list[dict], case: str) -> None:
+    first = ranks[0][case]["params"]
+    for rank in ranks[1:]:
+        assert all(torch.equal(rank[case]["params"][n], first[n]) for n in first)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_buckets_launch_in_index_order_every_step(ranks: list[dict], case: str) -> None:
+    for rank in ranks:
+        nb = rank[case]["buckets"]
+        assert rank[case]["orders"] == [list(range(nb))] * STEPS
+
+
+def test_small_bucket_case_keeps_many_buckets_in_flight(ranks: list[dict]) -> None:
+    assert ranks[0]["small_buckets"]["buckets"] >= 8
+    assert ranks[0]["one_bucket"]["buckets"] == 1
+
+
+def test_no_sync_microbatches_launch_nothing_and_the_last_one_reduces(ranks: list[dict]) -> None:
+    probes = [rank["no_sync"] for rank in ranks]
+    for probe in probes:
+        assert probe["launched_inside"] == 0
+        assert probe["launched"] == list(range(len(probe["launched"])))
+    for probe in probes[1:]:
+        assert not torch.equal(probe["local"], probes[0]["local"])  # each rank's own data
+        assert torch.equal(probe["synced"], probes[0]["synced"])    # averaged everywhere
+
+
+def test_parameter_without_gradient_is_named_instead_of_hanging(ranks: list[dict]) -> None:
+    for rank in ranks:
+        assert "parameters got no gradient [spare.bias, spare.weight]" in rank["unused"]
+        assert "allow_unused=True" in rank["unused"]
+
+
+def test_second_backward_outside_no_sync_is_refused(ranks: list[dict]) -> None:
+    for rank in ranks:
+        assert "gradient arrived twice" in rank["second_backward"]
+        assert "no_sync()" in rank["second_backward"]
+
+
+def test_ranks_holding_different_models_are_refused_before_any_bucket(ranks: list[dict]) -> None:
+    if len(ranks) == 1:
+        pytest.skip("needs dp > 1")
+    for r, rank in enumerate(ranks):
+        assert f"data-parallel ranks hold different models [dp rank {r}]" in rank["mismatch"]
+
+
+def test_buckets_follow_reverse_parameter_order_and_never_split_a_parameter() -> None:
+    numels = [5, 3, 8, 1, 1, 2]
+    plan = plan_buckets(numels, 6)
+    assert [(s, e, list(idx)) for s, e, idx in plan] == [
+        (0, 8, [0, 1]), (8, 16, [2]), (16, 20, [3, 4, 5])]
+
+
+def test_one_huge_bucket_size_gives_a_single_bucket() -> None:
+    assert [(s, e) for s, e, _ in plan_buckets([4, 4, 4], 10**9)] == [(0, 12)]
+
+
+def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path) -> None:
+    """End to end through ``python -m trainer.train``: 2 ranks train and checkpoint, then one
+    process resumes (dp is not a sharded axis) and finishes; every loss matches the reference."""
+    cfg = case_config("one_bucket")
+    flags = ["-m", "trainer.train", "--model", "tiny", "--n-layer", "2", "--d-model", "32",
+             "--seq-len", "32", "--global-batch", "8", "--lr", str(cfg.lr), "--warmup-steps", "1",
+             "--seed", str(cfg.seed), "--data-cap-mb", str(cfg.data_cap_mb),
+             "--run-dir", str(tmp_path), "--steps", str(STEPS)]
+    first = run_mpi(2, [*flags, "--stop-at", "2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_mpi(1, [*flags, "--resume"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed at step 2" in second.stderr
+    losses = [r["loss"] for r in read_records(tmp_path / "metrics.jsonl")]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference("one_bucket")[0]),
+                               rtol=RTOL, atol=ATOL)
+    assert (tmp_path / "loss.png").stat().st_size > 0
