@@ -6,7 +6,13 @@ import pytest
 
 from launcher.errors import DtrainError, PmiError
 from launcher.pmi.codec import (
-    MAX_LINE, LineBuffer, PmiProtocolError, format_reply, parse_line, parse_mcmd_line,
+    MAX_LINE,
+    LineBuffer,
+    PmiProtocolError,
+    SpawnBlock,
+    format_reply,
+    parse_line,
+    parse_mcmd_line,
 )
 
 
@@ -132,3 +138,22 @@ def test_the_line_buffer_refuses_everything_after_an_oversized_line():
 def test_a_line_of_exactly_the_limit_is_accepted():
     buf = LineBuffer(max_line=10)
     assert buf.feed(b"x" * 10 + b"\n") == [b"x" * 10]
+
+
+def test_a_spawn_block_ends_at_the_endcmd_of_its_last_command():
+    block = SpawnBlock()
+    lines = [b"nprocs=1", b"totspawns=2", b"endcmd", b"mcmd=spawn", b"nprocs=3", b"endcmd"]
+    assert [block.feed(line) for line in lines] == [False] * 5 + [True]
+
+
+@pytest.mark.parametrize("lines, why", [
+    ([b"nprocs=1", b"endcmd"], "without totspawns"),
+    ([b"totspawns=0"], "totspawns='0'"),
+    ([b"totspawns=x"], "totspawns='x'"),
+    ([b"=1"], "expected a key"),
+])
+def test_a_malformed_spawn_block_is_a_protocol_error(lines, why):
+    block = SpawnBlock()
+    with pytest.raises(PmiProtocolError, match=why):
+        for line in lines:
+            block.feed(line)

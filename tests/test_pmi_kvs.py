@@ -77,3 +77,13 @@ def test_a_host_entering_the_same_barrier_twice_is_rejected():
     barrier(kvs, 0)
     with pytest.raises(PmiError, match="host 0 entered barrier 0 twice"):
         barrier(kvs, 0)
+
+
+@pytest.mark.parametrize("driver", ["run_cores", "run_sockets"])
+def test_a_barrier_costs_two_head_messages_per_host_whatever_the_rank_count(driver):
+    from bench import pmi_scaling  # the simulated MPICH clients of the scaling bench
+
+    row = getattr(pmi_scaling, driver)(64)
+    assert (row["ranks"], row["hosts"], row["barriers"]) == (64, 8, 2)
+    assert row["head_msgs_per_barrier"] == 2 * 8
+    assert row["upstream_gets"] == 0  # every get after a barrier is served by the proxy

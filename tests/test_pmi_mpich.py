@@ -23,7 +23,14 @@ import pytest
 
 from launcher.plan import process_mapping
 from launcher.pmi import (
-    Abort, Close, KeyValueSpace, PmiProxy, RankFailed, Reply, Send, shm_segment_prefixes,
+    Abort,
+    Close,
+    KeyValueSpace,
+    PmiProxy,
+    RankFailed,
+    Reply,
+    Send,
+    shm_segment_prefixes,
 )
 from workerenv import SCRUBBED_PREFIXES
 
@@ -252,7 +259,7 @@ def test_two_hosts_form_one_world_over_the_pmi_port_despite_a_forged_client():
 
 
 def test_mpi_abort_in_one_rank_surfaces_as_abort_with_its_code():
-    job, codes, _ = run_job([[0], [1]], ABORT)
+    job, _, _ = run_job([[0], [1]], ABORT)
     assert job.events[0] == Abort(1, 42, "abort")  # MPICH sends "abort" as the message
     assert job.kvs.aborted == (1, 42, "abort")
 

@@ -6,7 +6,13 @@ import pytest
 
 from launcher.errors import PmiError
 from launcher.pmi.proxy import (
-    Abort, Close, PmiProxy, RankFailed, Reply, Send, shm_segment_prefixes,
+    Abort,
+    Close,
+    PmiProxy,
+    RankFailed,
+    Reply,
+    Send,
+    shm_segment_prefixes,
 )
 
 MAPPING = "(vector,(0,2,2))"
@@ -97,14 +103,14 @@ def test_a_bad_put_is_refused_with_rc_1_and_the_connection_stays_usable(line, ms
 
 
 @pytest.mark.parametrize("line, expected", [
-    ("cmd=spawn nprocs=2 execname=a.out", "cmd=spawn_result rc=-1 "
-     "msg=dtrain_does_not_support_MPI_Comm_spawn\n"),
-    ("cmd=publish_name service=s port=p", "cmd=publish_result rc=-1 "
-     "msg=dtrain_does_not_support_MPI_Publish_name\n"),
-    ("cmd=unpublish_name service=s", "cmd=unpublish_result rc=-1 "
-     "msg=dtrain_does_not_support_MPI_Unpublish_name\n"),
-    ("cmd=lookup_name service=s", "cmd=lookup_result rc=-1 "
-     "msg=dtrain_does_not_support_MPI_Lookup_name\n"),
+    ("cmd=spawn nprocs=2 execname=a.out", ("cmd=spawn_result rc=-1 "
+      "msg=dtrain_does_not_support_MPI_Comm_spawn\n")),
+    ("cmd=publish_name service=s port=p", ("cmd=publish_result rc=-1 "
+      "msg=dtrain_does_not_support_MPI_Publish_name\n")),
+    ("cmd=unpublish_name service=s", ("cmd=unpublish_result rc=-1 "
+      "msg=dtrain_does_not_support_MPI_Unpublish_name\n")),
+    ("cmd=lookup_name service=s", ("cmd=lookup_result rc=-1 "
+      "msg=dtrain_does_not_support_MPI_Lookup_name\n")),
 ])
 def test_spawn_and_name_service_are_refused_clearly(line, expected):
     proxy = make_proxy()
@@ -127,7 +133,8 @@ def test_a_multiline_spawn_block_is_swallowed_and_refused_once():
 def test_a_spawn_block_without_totspawns_closes_the_connection():
     proxy = make_proxy()
     started(proxy, 1, 2)
-    closed_with_failure(proxy.feed(1, b"mcmd=spawn\nnprocs=1\nendcmd\n"), 1, 2)
+    why = closed_with_failure(proxy.feed(1, b"mcmd=spawn\nnprocs=1\nendcmd\n"), 1, 2)
+    assert why == "broke the PMI protocol: spawn block without totspawns"
 
 
 def test_a_pmi_2_init_is_refused_so_the_client_fails_cleanly():

@@ -8,16 +8,39 @@ All three are pure; the agent and the supervisor own the sockets and call them.
 """
 
 from launcher.pmi.codec import (
-    MAX_LINE, LineBuffer, PmiCommand, PmiProtocolError, format_reply, parse_line,
+    MAX_LINE,
+    LineBuffer,
+    PmiCommand,
+    PmiProtocolError,
+    format_reply,
+    parse_line,
 )
 from launcher.pmi.kvs import KeyValueSpace
 from launcher.pmi.proxy import (
-    Abort, Action, Close, PmiProxy, RankFailed, Reply, Send, shm_segment_prefixes,
+    Abort,
+    Action,
+    Close,
+    PmiProxy,
+    RankFailed,
+    Reply,
+    Send,
+    shm_segment_prefixes,
 )
 
 __all__ = [
-    "MAX_LINE", "LineBuffer", "PmiCommand", "PmiProtocolError", "format_reply", "parse_line",
+    "MAX_LINE",
+    "Abort",
+    "Action",
+    "Close",
     "KeyValueSpace",
-    "Abort", "Action", "Close", "PmiProxy", "RankFailed", "Reply", "Send",
+    "LineBuffer",
+    "PmiCommand",
+    "PmiProtocolError",
+    "PmiProxy",
+    "RankFailed",
+    "Reply",
+    "Send",
+    "format_reply",
+    "parse_line",
     "shm_segment_prefixes",
 ]

@@ -11,8 +11,8 @@ rest of the line verbatim (MPICH itself sends ``message=abort``).
 
 Spawn is the only multi-line request: a ``mcmd=spawn`` line followed by ``key=value`` lines
 (values may hold spaces there) and one ``endcmd`` line per spawned command. The codec only
-recognises it (``PmiCommand.multiline``) and parses the following lines one at a time
-(``parse_mcmd_line``) so the proxy can swallow the block and refuse it.
+recognises it (``PmiCommand.multiline``) and tells where it ends (``SpawnBlock``) so the proxy
+can swallow the block and refuse it.
 
 Limits: a line may hold at most ``MAX_LINE`` bytes (MPICH's largest value, 1024, plus keys and
 room to spare). ``LineBuffer`` enforces it on the unfinished line too, so a client that streams
@@ -21,9 +21,9 @@ bytes without a newline is cut off at 4 KiB instead of growing the agent's memor
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping
 
 from launcher.errors import PmiError
 
@@ -149,6 +149,28 @@ def parse_mcmd_line(line: bytes) -> tuple[str, str]:
     if text[pos] != "=":
         raise PmiProtocolError(f"expected key=value in a spawn block, found {text[:40]!r}")
     return key, _read_value(text, pos + 1, stop="")[0]
+
+
+class SpawnBlock:
+    """The lines that follow ``mcmd=spawn``: ``feed`` each one until it returns True, which it
+    does at the ``endcmd`` of the last command (``totspawns`` of them)."""
+
+    def __init__(self) -> None:
+        self._total: int | None = None
+        self._done = 0
+
+    def feed(self, line: bytes) -> bool:
+        key, value = parse_mcmd_line(line)
+        if key == "totspawns" and self._total is None:
+            if not value.isdigit() or int(value) < 1:
+                raise PmiProtocolError(f"spawn block with totspawns={value!r}")
+            self._total = int(value)
+        if key != "endcmd":
+            return False
+        if self._total is None:
+            raise PmiProtocolError("spawn block without totspawns")
+        self._done += 1
+        return self._done >= self._total
 
 
 def _escape(value: str) -> str:

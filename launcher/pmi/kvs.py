@@ -15,7 +15,7 @@ diagnosis rather than failing the job.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from launcher.errors import PmiError
 

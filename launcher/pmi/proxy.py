@@ -24,12 +24,17 @@ claimed twice - is closed without touching anything else.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence, Union
 
 from launcher.errors import PmiError
 from launcher.pmi.codec import (
-    LineBuffer, PmiCommand, PmiProtocolError, format_reply, parse_line, parse_mcmd_line,
+    LineBuffer,
+    PmiCommand,
+    PmiProtocolError,
+    SpawnBlock,
+    format_reply,
+    parse_line,
 )
 
 KVSNAME_MAX, KEYLEN_MAX, VALLEN_MAX = 256, 64, 1024
@@ -71,7 +76,7 @@ class Abort:
     message: str
 
 
-Action = Union[Reply, Close, Send, RankFailed, Abort]
+Action = Reply | Close | Send | RankFailed | Abort
 
 
 @dataclass
@@ -83,8 +88,7 @@ class _Conn:
     finalized: bool = False
     aborted: bool = False
     pending: str | None = None  # the request whose answer comes from the head
-    spawn_total: int | None = None
-    spawn_done: int = -1        # >= 0 while swallowing an mcmd=spawn block
+    spawn: SpawnBlock | None = None  # while swallowing an mcmd=spawn block
 
 
 class PmiProxy:
@@ -94,7 +98,7 @@ class PmiProxy:
                  process_mapping: str, appnum: int = 0,
                  id_tokens: Mapping[str, int] | None = None) -> None:
         self._ranks = frozenset(ranks)
-        self._world, self._kvsname, self._appnum = world_size, kvsname, appnum
+        self._world, self._kvsname = world_size, kvsname
         # PMI_ keys are job attributes served here; "" means absent. Like Hydra, a mapping too
         # long for one value is left out: MPICH then exchanges host names instead.
         if len(process_mapping) > VALLEN_MAX:
@@ -110,12 +114,18 @@ class PmiProxy:
         self._gets: dict[int, tuple[int, str]] = {}  # req -> (conn, key)
         self._next_req = 0
         self._epoch = 0
-        self._handlers: dict[str, Callable[[int, _Conn, PmiCommand], list[Action]]] = {
-            "init": self._init, "get_maxes": self._maxes, "get_appnum": self._appnum_,
-            "get_my_kvsname": self._my_kvsname, "get_universe_size": self._universe,
-            "put": self._put, "get": self._get, "barrier_in": self._barrier_in,
-            "finalize": self._finalize, "abort": self._abort,
+        self._fixed = {  # requests whose answer never changes during the job
+            "get_maxes": format_reply("maxes", rc=0, kvsname_max=KVSNAME_MAX,
+                                      keylen_max=KEYLEN_MAX, vallen_max=VALLEN_MAX),
+            "get_appnum": format_reply("appnum", rc=0, appnum=appnum),
+            "get_my_kvsname": format_reply("my_kvsname", rc=0, kvsname=kvsname),
+            "get_universe_size": format_reply("universe_size", rc=0, size=world_size),
         }
+        self._handlers: dict[str, Callable[[int, _Conn, PmiCommand], list[Action]]] = {
+            "init": self._init, "put": self._put, "get": self._get,
+            "barrier_in": self._barrier_in, "finalize": self._finalize, "abort": self._abort,
+        }
+        self._handlers.update(dict.fromkeys(self._fixed, self._fixed_reply))
 
     # ----- adapter entry points -------------------------------------------------------------
 
@@ -190,7 +200,7 @@ class PmiProxy:
         if c.aborted:
             return []  # MPICH may still send barrier_in on its way out; the job is going down
         try:
-            if c.spawn_done >= 0:
+            if c.spawn is not None:
                 return self._spawn_line(conn, c, line)
             cmd = parse_line(line)
         except PmiProtocolError as exc:
@@ -201,7 +211,7 @@ class PmiProxy:
         if c.rank is None:
             return self._initack(conn, c, cmd)
         if cmd.multiline:
-            c.spawn_done, c.spawn_total = 0, None
+            c.spawn = SpawnBlock()
             return []
         if cmd.cmd in _UNSUPPORTED:
             return [self._refuse(conn, cmd.cmd)]
@@ -266,18 +276,8 @@ class PmiProxy:
         return [Reply(conn, format_reply("response_to_init", rc=0, pmi_version=1,
                                          pmi_subversion=1))]
 
-    def _maxes(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
-        return [Reply(conn, format_reply("maxes", rc=0, kvsname_max=KVSNAME_MAX,
-                                         keylen_max=KEYLEN_MAX, vallen_max=VALLEN_MAX))]
-
-    def _appnum_(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
-        return [Reply(conn, format_reply("appnum", rc=0, appnum=self._appnum))]
-
-    def _my_kvsname(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
-        return [Reply(conn, format_reply("my_kvsname", rc=0, kvsname=self._kvsname))]
-
-    def _universe(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
-        return [Reply(conn, format_reply("universe_size", rc=0, size=self._world))]
+    def _fixed_reply(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+        return [Reply(conn, self._fixed[cmd.cmd])]
 
     def _put(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         key, value = cmd.get("key", ""), cmd.get("value", "")
@@ -337,18 +337,10 @@ class PmiProxy:
         return Reply(conn, format_reply(reply, rc=-1, msg=f"dtrain_does_not_support_{feature}"))
 
     def _spawn_line(self, conn: int, c: _Conn, line: bytes) -> list[Action]:
-        """Swallow an mcmd=spawn block (one endcmd per command) and refuse it as a whole."""
-        key, value = parse_mcmd_line(line)
-        if key == "totspawns" and c.spawn_total is None:
-            c.spawn_total = int(value) if value.isdigit() else 0
-        if key != "endcmd":
+        """Swallow the mcmd=spawn block, then refuse it as a whole."""
+        if not c.spawn.feed(line):
             return []
-        c.spawn_done += 1
-        if not c.spawn_total:
-            return self._reject(conn, "spawn block without a valid totspawns")
-        if c.spawn_done < c.spawn_total:
-            return []
-        c.spawn_done = -1
+        c.spawn = None
         return [self._refuse(conn, "spawn")]
 
     # ----- head messages -----------------------------------------------------------------------
