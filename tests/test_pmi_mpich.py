@@ -96,11 +96,13 @@ class Job:
 
     def start(self, code: str) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith(SCRUBBED_PREFIXES)}
-        env.update(OMP_NUM_THREADS="1", PMI_SIZE=str(self.world))
+        env["OMP_NUM_THREADS"] = "1"
         for host, ranks in enumerate(self.hosts):
             port = self._listen(host) if self.port_mode else 0
             for rank in ranks:
-                self._spawn(host, rank, code, dict(env, PMI_RANK=str(rank)), port)
+                # In PMI_PORT mode rank and size reach MPICH only through initack's set lines.
+                ids = {} if port else {"PMI_RANK": str(rank), "PMI_SIZE": str(self.world)}
+                self._spawn(host, rank, code, dict(env, **ids), port)
 
     def _listen(self, host: int) -> int:
         lsock = socket.create_server(("127.0.0.1", 0))

@@ -92,7 +92,13 @@ class _Conn:
 
 
 class PmiProxy:
-    """PMI-1 server for the ranks of one host; see the module docstring."""
+    """PMI-1 server for the ranks of one host; see the module docstring.
+
+    ``id_tokens`` maps each PMI_ID handed to a rank (PMI_PORT mode) to that rank; each works
+    once. MPICH reads PMI_ID with ``atoi`` and sends it back with ``%d``, so ids must be
+    positive decimal numbers below 2**31 without leading zeros (a random one per rank keeps a
+    local process from guessing another rank's id).
+    """
 
     def __init__(self, *, ranks: Sequence[int], world_size: int, kvsname: str,
                  process_mapping: str, appnum: int = 0,
