@@ -45,13 +45,15 @@ _UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
 class NcclHandle:
     """Work enqueued on the side stream; ``wait()`` orders the current stream after it."""
 
-    def __init__(self, event: Any, keep: object, finish: Callable[[], None]) -> None:
-        self._event, self._keep, self._finish = event, keep, finish
+    def __init__(
+        self, event: Any, device: torch.device, keep: object, finish: Callable[[], None]
+    ) -> None:
+        self._event, self._device, self._keep, self._finish = event, device, keep, finish
 
     def wait(self) -> None:
         if self._event is None:
             return
-        torch.cuda.current_stream().wait_event(self._event)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
         self._finish()  # copy-back of staged tensors, on the current stream after the event
         self._event = self._keep = None
 
@@ -292,4 +294,4 @@ class NcclCommunicator:
             t.record_stream(self._side)
         event = torch.cuda.Event()
         event.record(self._side)
-        return NcclHandle(event, tensors, finish)
+        return NcclHandle(event, self._device, tensors, finish)
