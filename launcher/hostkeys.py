@@ -20,8 +20,8 @@ import fcntl
 import hashlib
 import os
 import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import paramiko
 
@@ -114,14 +114,14 @@ def check_not_revoked(name: str, key: paramiko.PKey, paths: Iterable[Path], wher
     """Refuse a key listed on a matching ``@revoked`` line (OpenSSH fails closed on these)."""
     blob = key.get_base64()
     for path, lineno, fields in _known_lines(paths):
-        if fields[0] == "@revoked" and len(fields) >= 4 and _names_match(fields[1], name):
-            if _key_of(fields)[1] == blob:
-                raise HostKeyError(
-                    f"host key of {name} is revoked", where,
-                    f"the server presented {key.get_name()} {fingerprint(key)}, which "
-                    f"{path}:{lineno} marks @revoked",
-                    "Do not connect; ask the host's administrator for its current key",
-                )
+        revoked = fields[0] == "@revoked" and len(fields) >= 4
+        if revoked and _names_match(fields[1], name) and _key_of(fields)[1] == blob:
+            raise HostKeyError(
+                f"host key of {name} is revoked", where,
+                f"the server presented {key.get_name()} {fingerprint(key)}, which "
+                f"{path}:{lineno} marks @revoked",
+                "Do not connect; ask the host's administrator for its current key",
+            )
 
 
 def unknown_key_error(name: str, key: paramiko.PKey, where: str, port: int, host: str,

@@ -29,20 +29,28 @@ import shlex
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import paramiko
-from paramiko.auth_strategy import AuthFailure, AuthStrategy, InMemoryPrivateKey
-from paramiko.auth_strategy import OnDiskPrivateKey
+from paramiko.auth_strategy import (
+    AuthFailure,
+    AuthStrategy,
+    InMemoryPrivateKey,
+    OnDiskPrivateKey,
+)
 
 from launcher import hostkeys
-from launcher.errors import ConnectError, HostKeyError
+from launcher.errors import ConnectError
 
 # paramiko DEBUG/INFO carries fingerprints and auth chatter; users opt in with --debug-ssh.
+# Its transport thread also logs a traceback at ERROR for every failed handshake, which
+# ConnectError already explains: without a handler configured by the application those would
+# reach stderr through logging's last-resort handler, so give the logger a NullHandler.
 logging.getLogger("paramiko").setLevel(logging.WARNING)
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 _SETTING = re.compile(r"^\s*(\w+)(?:\s*=\s*|\s+)(.+?)\s*$")
 _HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
@@ -178,13 +186,15 @@ def _known_hosts_files(found: paramiko.SSHConfigDict, opts: SSHOptions) -> tuple
     return (*user_files, *hostkeys.GLOBAL_KNOWN_HOSTS)
 
 
-def _int_setting(found: paramiko.SSHConfigDict, key: str, where: str) -> float | None:
+def _number(found: paramiko.SSHConfigDict, key: str, where: str, kind: type = float):
+    """A numeric ssh config value, None when absent; ConnectError naming the file when bad."""
     if key not in found:
         return None
     try:
-        return float(found[key])
+        return kind(found[key])
     except ValueError:
-        raise ConnectError(f"bad {key} in ssh config", where, f"{found[key]!r} is not a number",
+        raise ConnectError(f"bad {key} in ssh config", where,
+                           f"{found[key]!r} is not a{'n integer' if kind is int else ' number'}",
                            "Fix the value") from None
 
 
@@ -230,7 +240,7 @@ def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
     _check_name(hostname, "host name", f"{name} (HostName)", _HOST_OK)
     user = user or found.get("user") or getpass.getuser()
     _check_name(user, "user name", name, _USER_OK)
-    port = port or int(_int_setting(found, "port", origin) or 22)
+    port = port or _number(found, "port", origin, int) or 22
     if not 0 < port < 65536:
         raise ConnectError("bad port", name, f"{port} is outside 1..65535", "Fix the port")
     files = tuple(os.path.expanduser(f) for f in found.get("identityfile", []) if f != "none")
@@ -240,7 +250,7 @@ def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
         identity_files=files or tuple(os.path.expanduser(f) for f in _DEFAULT_KEYS),
         known_hosts=read_from[0], read_known_hosts=read_from,
         identities_only=found.get("identitiesonly", "no").lower() == "yes",
-        connect_timeout=_int_setting(found, "connecttimeout", origin) or opts.connect_timeout,
+        connect_timeout=_number(found, "connecttimeout", origin) or opts.connect_timeout,
         proxy_command=proxy or None,
         jump=_parse_jump(found.get("proxyjump"), opts, depth),
     )
@@ -281,21 +291,18 @@ class _PublicKeyAuth(AuthStrategy):
         super().__init__(ssh_config=None)
         self.host = host
         self.tried: list[str] = []
+        self._agent: paramiko.Agent | None = None
 
-    def get_sources(self):  # noqa: ANN201 (paramiko's generator protocol)
+    def get_sources(self):
         files = [(path, *_load_identity(path)) for path in self.host.identity_files]
         wanted = {_public_blob(path, key) for path, key, _ in files}
         offered = set()
-        agent = paramiko.Agent()
-        try:
-            for key in agent.get_keys():
-                if self.host.identities_only and key.get_base64() not in wanted:
-                    continue
-                offered.add(key.get_base64())
-                self.tried.append(f"agent key {hostkeys.fingerprint(key)} (rejected)")
-                yield InMemoryPrivateKey(self.host.user, key)
-        finally:
-            agent.close()
+        for key in self._agent.get_keys() if self._agent else ():
+            if self.host.identities_only and key.get_base64() not in wanted:
+                continue
+            offered.add(key.get_base64())
+            self.tried.append(f"agent key {hostkeys.fingerprint(key)} (rejected)")
+            yield InMemoryPrivateKey(self.host.user, key)
         for path, key, note in files:
             if key is not None and key.get_base64() in offered:
                 continue
@@ -303,11 +310,15 @@ class _PublicKeyAuth(AuthStrategy):
             if key is not None:
                 yield OnDiskPrivateKey(self.host.user, "ssh-config", Path(path), key)
 
-    def authenticate(self, transport: paramiko.Transport):  # noqa: ANN201
+    def authenticate(self, transport: paramiko.Transport):
         # Last host-key check before we sign anything: paramiko ignores @revoked lines.
         hostkeys.check_not_revoked(self.host.key_name, transport.get_remote_server_key(),
                                    self.host.read_known_hosts, self.host.where)
-        return super().authenticate(transport)
+        self._agent = paramiko.Agent()  # no keys (not an error) when SSH_AUTH_SOCK is dead
+        try:
+            return super().authenticate(transport)
+        finally:
+            self._agent.close()  # agent keys sign only during authentication
 
 
 # ---------------------------------------------------------------- connecting
@@ -343,15 +354,16 @@ def _tcp_error(host: ResolvedHost, exc: OSError | None) -> ConnectError:
         why, fix = (f"no route to host ({os.strerror(code)})",
                     "Check that the host is up and its network link and routes")
     elif exc is None or isinstance(exc, TimeoutError):
-        why, fix = (f"TCP connect timed out after {host.connect_timeout:g} s (host down, "
-                    "firewalled, or packets dropped)", "Check that the host is up and that "
-                    "the SSH port is open; raise ConnectTimeout for slow networks")
+        why = (f"TCP connect timed out after {host.connect_timeout:g} s (host down, "
+               "firewalled, or packets dropped)")
+        fix = ("Check that the host is up and that the SSH port is open; raise "
+               "ConnectTimeout for slow networks")
     else:
         why, fix = f"TCP connect failed: {exc}", "Check the host and its network"
     return ConnectError(f"cannot connect to {host.alias}", host.where, why, fix)
 
 
-def _tcp_connect(host: ResolvedHost) -> socket.socket:
+def _tcp_connect(host: ResolvedHost, keepalive: float) -> socket.socket:
     """A connected socket, all of it (DNS + SYNs) within ``host.connect_timeout``."""
     deadline = time.monotonic() + host.connect_timeout
     last: OSError | None = None
@@ -367,16 +379,21 @@ def _tcp_connect(host: ResolvedHost) -> socket.socket:
             sock.close()
             last = exc
             continue
-        _bound_unacked_data(sock)
+        _bound_unacked_data(sock, keepalive)
         return sock
     raise _tcp_error(host, last)
 
 
-def _bound_unacked_data(sock: socket.socket) -> None:
-    """Make a silently partitioned peer fail writes in ~1 minute instead of ~15 (RTO limit)."""
+def _bound_unacked_data(sock: socket.socket, keepalive: float) -> None:
+    """Drop the connection when sent data stays unacknowledged for 4 keepalive intervals.
+
+    paramiko's keepalive only *sends*; on a silently partitioned link the kernel would keep
+    retransmitting for ~15 minutes. With TCP_USER_TIMEOUT the transport fails after ~4
+    intervals (60 s by default), the channel reads EOF, and the head learns the host is gone.
+    """
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, 60_000)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(4000 * keepalive))
 
 
 def _tunnel(host: ResolvedHost, jump: SSHConnection) -> paramiko.Channel:
@@ -395,8 +412,9 @@ def _tunnel(host: ResolvedHost, jump: SSHConnection) -> paramiko.Channel:
 def _handshake_error(host: ResolvedHost, exc: BaseException, opts: SSHOptions,
                      auth: _PublicKeyAuth) -> ConnectError:
     what = f"cannot connect to {host.alias}"
-    if isinstance(exc, AuthFailure) or (isinstance(exc, paramiko.AuthenticationException)
-                                        and "timeout" not in str(exc).lower()):
+    timed_out = "timeout" in str(exc).lower() or (isinstance(exc, AuthFailure) and any(
+        "timeout" in str(attempt.result).lower() for attempt in exc.result))
+    if isinstance(exc, paramiko.AuthenticationException) and not timed_out:
         tried = "; ".join(auth.tried) or "no key (no agent keys, no identity files)"
         return ConnectError(what, host.where, f"authentication failed (publickey) as "
                             f"{host.user}; tried: {tried}",
@@ -436,15 +454,21 @@ class SSHConnection:
 
     @classmethod
     def open(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
-        """Connect, verify the host key and authenticate; raises ConnectError/HostKeyError."""
-        for attempt in range(3):
+        """Connect, verify the host key and authenticate; raises ConnectError/HostKeyError.
+
+        A connection dropped before the banner (sshd's MaxStartups throttling a burst of
+        handshakes, e.g. on a shared jump host) is retried twice with jittered backoff.
+        ``latency_ms`` covers TCP connect (and jump hosts) through authentication.
+        """
+        attempt = 0
+        while True:
             try:
                 return cls._open_once(host, opts)
             except _Retry as retry:
-                if attempt == 2:
+                attempt += 1
+                if attempt == 3:
                     raise retry.error from None
                 time.sleep(0.25 * 2 ** attempt + random.uniform(0, 0.25))
-        raise AssertionError("unreachable")
 
     @classmethod
     def _open_once(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
@@ -458,7 +482,7 @@ class SSHConnection:
             elif host.proxy_command:
                 sock = paramiko.ProxyCommand(host.proxy_command)
             else:
-                sock = _tcp_connect(host)
+                sock = _tcp_connect(host, opts.keepalive)
             hostkeys.load_into(client.get_host_keys(), host.read_known_hosts)
             client.set_missing_host_key_policy(hostkeys.KnownHostsPolicy(
                 known_hosts=host.known_hosts, read_from=host.read_known_hosts,
@@ -527,8 +551,8 @@ class SSHConnection:
                 out += chunk
             code = stream.wait(max(0.0, deadline - time.monotonic()))
             if code is None and not stream.exited():
-                raise socket.timeout()
-        except socket.timeout:
+                raise TimeoutError()
+        except TimeoutError:
             raise ConnectError(f"remote command timed out on {self.host.alias}", self.host.where,
                                f"`{command}` did not finish within {timeout:g} s",
                                "Check the host for a hung process or load") from None
@@ -570,7 +594,7 @@ class SSHAgentStream:
         while True:
             try:
                 data = self._channel.recv_stderr(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except (OSError, EOFError, paramiko.SSHException):
                 return
@@ -646,7 +670,7 @@ def open_all(hosts: Sequence[ResolvedHost],
             return SSHConnection.open(host, opts)
         except ConnectError as exc:
             return exc
-        except Exception as exc:  # one host's surprise must not lose the others' results
+        except Exception as exc:  # noqa: BLE001 (one host's bug must not lose the others)
             return ConnectError(f"cannot connect to {host.alias}", host.where,
                                 f"unexpected {type(exc).__name__}: {exc}", "Report this bug")
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
 from launcher.ssh import SSHConnection, SSHOptions, resolve_host
-from tests.cluster.netns import NetnsCluster, netns_available
+from tests.cluster.netns import NetnsCluster, netns_available, reap_stale
 
 
 def _open(cluster: NetnsCluster, host: str) -> SSHConnection:
@@ -57,10 +59,36 @@ def test_closing_leaves_no_namespace_link_or_process_behind():
     daemon = cluster.sshd_pid("node1")
     cluster.close()
     cluster.close()  # idempotent
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    links = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
     assert namespace not in namespaces
     assert bridge not in links and f"dtv{cluster.suffix}" not in links
     assert not cluster.dir.exists()
     with pytest.raises(ProcessLookupError):
         os.kill(daemon, 0)
+
+
+def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
+    usable, reason = netns_available()
+    if not usable:
+        pytest.skip(f"netns cluster: {reason}")
+    script = ("from tests.cluster.netns import NetnsCluster; import time; "
+              "c = NetnsCluster(1); print(c.namespace('node1'), c.sshd_pid('node1'), "
+              "flush=True); time.sleep(60)")
+    session = subprocess.Popen([venv_python, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=os.getcwd())
+    try:
+        namespace, daemon = session.stdout.readline().split()
+    finally:
+        session.kill()  # SIGKILL: no atexit, the namespace and its sshd are left behind
+        session.wait()
+        session.stdout.close()
+    assert namespace in subprocess.run(["ip", "netns", "list"], check=False,
+                                       capture_output=True, text=True).stdout
+    reap_stale()
+    assert namespace not in subprocess.run(["ip", "netns", "list"], check=False,
+                                           capture_output=True, text=True).stdout
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{daemon}").exists()

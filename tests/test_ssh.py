@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import ConnectError, HostKeyError
-from launcher.ssh import (SSHConnection, SSHOptions, open_all, resolve_host)
+from launcher.ssh import SSHConnection, SSHOptions, open_all, resolve_host
 from tests.cluster.sshd import SshdServer, free_port
 
 
@@ -102,6 +102,14 @@ def test_accept_new_records_the_key_with_mode_0600_and_reuses_it(sshd, tmp_path)
     assert known.read_text() == sshd.host_key_line()  # recorded once
 
 
+def test_non_22_port_is_not_matched_by_a_bare_host_entry(sshd, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text(sshd.host_key_line().replace(f"[127.0.0.1]:{sshd.port}", "127.0.0.1"))
+    config = _config(tmp_path, sshd.config_block("loopback", known_hosts=known))
+    with pytest.raises(HostKeyError, match="is not known"):
+        _connect("loopback", config_file=config)
+
+
 def test_changed_host_key_is_refused_even_with_accept_new(private_sshd, tmp_path):
     private_sshd.regenerate_host_key()
     marker = tmp_path / "ran"
@@ -159,6 +167,69 @@ def test_failed_auth_lists_tried_keys_and_never_prompts(sshd, tmp_path, monkeypa
     assert f"{stranger} (rejected)" in message and "never prompts" in message
 
 
+def test_passphrase_protected_key_without_agent_is_explained(sshd, tmp_path, monkeypatch):
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    locked = tmp_path / "locked_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "s3cret", "-f", str(locked)],
+                   check=True)
+    config = _config(tmp_path, sshd.config_block("loopback", identity=locked))
+    with pytest.raises(ConnectError) as info:
+        _connect("loopback", config_file=config)
+    assert f"{locked} (passphrase-protected: load it into ssh-agent)" in str(info.value)
+    assert "s3cret" not in str(info.value)
+
+
+@pytest.fixture
+def ssh_agent(tmp_path, monkeypatch):
+    """A real ssh-agent of this test, reachable through SSH_AUTH_SOCK."""
+    if shutil.which("ssh-agent") is None or shutil.which("ssh-add") is None:
+        pytest.skip("no OpenSSH ssh-agent/ssh-add")
+    sock = tmp_path / "agent.sock"
+    agent = subprocess.Popen(["ssh-agent", "-D", "-a", str(sock)], stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + 5
+    while not sock.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    monkeypatch.setenv("SSH_AUTH_SOCK", str(sock))
+    yield sock
+    agent.kill()
+    agent.wait()
+
+
+def _ssh_add(key: Path, passphrase: str, tmp_path: Path) -> None:
+    askpass = tmp_path / "askpass.sh"
+    askpass.write_text(f"#!/bin/sh\necho {passphrase}\n")
+    askpass.chmod(0o700)
+    env = {**os.environ, "SSH_ASKPASS": str(askpass), "SSH_ASKPASS_REQUIRE": "force"}
+    subprocess.run(["ssh-add", str(key)], env=env, check=True, capture_output=True,
+                   stdin=subprocess.DEVNULL)
+
+
+def test_identities_only_uses_the_agent_copy_of_a_passphrase_protected_key(
+        sshd, tmp_path, ssh_agent):
+    locked = tmp_path / "locked_ed25519"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "s3cret", "-f", str(locked)],
+                   check=True)
+    with open(sshd.authorized_keys, "a") as f:
+        f.write(Path(f"{locked}.pub").read_text())
+    _ssh_add(locked, "s3cret", tmp_path)
+    config = _config(tmp_path, sshd.config_block("loopback", identity=locked))
+    conn = _connect("loopback", config_file=config)
+    assert conn.run("echo agent", timeout=10)[1] == b"agent\n"
+    conn.close()
+
+
+def test_identities_only_does_not_offer_unlisted_agent_keys(sshd, tmp_path, ssh_agent):
+    _ssh_add(sshd.client_key, "unused", tmp_path)  # authorized, but not the IdentityFile
+    stranger = sshd.new_client_key("stranger2", authorize=False)
+    config = _config(tmp_path, sshd.config_block("loopback", identity=stranger))
+    with pytest.raises(ConnectError) as info:
+        _connect("loopback", config_file=config)
+    assert "agent key" not in str(info.value)
+    unrestricted = _config(tmp_path, sshd.config_block("loopback", identity=stranger)
+                           .replace("IdentitiesOnly yes", "IdentitiesOnly no"))
+    _connect("loopback", config_file=unrestricted).close()  # the agent key is offered now
+
+
 def test_key_auth_works_with_a_dead_agent_socket(sshd, tmp_path, monkeypatch):
     monkeypatch.setenv("SSH_AUTH_SOCK", str(tmp_path / "dead-agent.sock"))
     conn = _connect("loopback", config_file=sshd.ssh_config)
@@ -176,9 +247,10 @@ def test_match_exec_in_config_is_refused_and_its_command_not_run(sshd, tmp_path,
     assert not marker.exists()
     # The refusal is what kept it from running: with the opt-in, paramiko runs it (through
     # invoke, which mirrors sys.stdin: give it one that pytest's capture does not guard).
-    monkeypatch.setattr(sys, "stdin", open(os.devnull))
-    resolve_host("loopback", user=None, port=None,
-                 opts=SSHOptions(config_file=config, allow_config_exec=True))
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)
+        resolve_host("loopback", user=None, port=None,
+                     opts=SSHOptions(config_file=config, allow_config_exec=True))
     assert marker.exists()
 
 
@@ -257,6 +329,38 @@ def test_wait_reports_none_not_minus_one_when_killed_by_a_signal(sshd):
         assert conn.run("kill -9 $$", timeout=10)[0] == 255
     finally:
         conn.close()
+
+
+def test_partitioned_host_is_detected_by_keepalive_and_leaves_nothing(netns_cluster):
+    conn = _connect("node1", config_file=netns_cluster.ssh_config, keepalive=1.0)
+    stream = conn.exec_stream("exec cat")
+    try:
+        stream.write(b"ping\n")
+        assert stream.read() == b"ping\n"
+        netns_cluster.link_down("node1")
+        start = time.monotonic()
+        assert stream.read() == b""  # transport dropped after ~4 unacknowledged keepalives
+        assert time.monotonic() - start < 15
+        assert stream.wait(1) is None
+    finally:
+        netns_cluster.link_up("node1")
+        conn.close()
+    # sshd's ClientAliveInterval gave up on us too, so cat lost its stdin and exited.
+    assert netns_cluster.wait_no_job_pids(timeout=15) == {}
+
+
+def test_killed_sshd_session_reads_as_eof_and_unknown_status(netns_cluster):
+    conn = _connect("node2", config_file=netns_cluster.ssh_config)
+    try:
+        stream = conn.exec_stream("echo up; exec sleep 60")
+        assert stream.read() == b"up\n"
+        for pid in netns_cluster.job_pids("node2"):
+            os.kill(pid, 9)
+        assert stream.read() == b""
+        assert stream.wait(5) is None
+    finally:
+        conn.close()
+    assert netns_cluster.wait_no_job_pids(timeout=10) == {}
 
 
 def test_run_times_out_with_a_clear_error(sshd):

@@ -30,9 +30,16 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.cluster.sshd import (SSHD, ensure_privsep_dir, keygen, kill_pids,
-                                public_key_fields, sshd_config_text, stop_process,
-                                wait_for_port)
+from tests.cluster.sshd import (
+    SSHD,
+    ensure_privsep_dir,
+    keygen,
+    kill_pids,
+    public_key_fields,
+    sshd_config_text,
+    stop_process,
+    wait_for_port,
+)
 
 STATE_DIR = Path("/run/dtrain-test-netns")
 
@@ -46,14 +53,14 @@ def netns_available() -> tuple[bool, str]:
             return False, f"needs the `{tool}` command"
     if not os.path.isfile(SSHD):
         return False, "needs an OpenSSH sshd binary"
-    probe = subprocess.run(["ip", "netns", "list"], capture_output=True)
+    probe = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True)
     if probe.returncode != 0:
         return False, f"`ip netns` unusable: {probe.stderr.decode().strip()}"
     return True, ""
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    result = subprocess.run(["ip", *args], check=False, capture_output=True, text=True)
     if check and result.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {result.stderr.strip()}")
     return result
