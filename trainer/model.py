@@ -177,11 +177,14 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
-        self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        # torch's layer constructors draw their default init from the global RNG; fork it so
+        # building a model never shifts the data or dropout streams of the caller.
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+            self.ln_f: nn.Module | None = make_norm(cfg)
+            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-        self.ln_f: nn.Module | None = make_norm(cfg)
-        self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.head.weight = self.tok_emb.weight
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)

@@ -1,0 +1,175 @@
+"""Checkpoints: atomic save, newest-committed resume, pruning, refusal of foreign checkpoints,
+and bit-exact resume of ``python -m trainer.train`` (also after a save killed half-way)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import REPO, dtrain_env
+from trainer import checkpoint
+from trainer.checkpoint import CheckpointError
+from trainer.metrics import read_records
+from trainer.model import GPT, GPTConfig
+from trainer.optim import build_optimizer
+
+TINY = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
+META = {"model": TINY.to_dict(), "layout": {"dp": 1, "tp": 1, "pp": 1}, "data": {"position": 0}}
+
+
+def state(seed: int = 0) -> tuple[dict, dict]:
+    model = GPT(TINY, seed=seed)
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    model.loss(torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 8, dtype=torch.long)).backward()
+    optimizer.step()  # so the optimizer has moments to save
+    return model.state_dict(), optimizer.state_dict()
+
+
+def save(root: Path, step: int, keep: int = 0) -> Path:
+    model, optim = state(step)
+    return checkpoint.save(root, step, model=model, optim=optim, meta=META, keep=keep)
+
+
+def test_save_then_load_round_trips_model_optimizer_and_meta(tmp_path: Path) -> None:
+    model, optim = state(3)
+    path = checkpoint.save(tmp_path, 7, model=model, optim=optim, meta=META)
+    loaded = checkpoint.load(path)
+    assert loaded.step == 7 and path.name == "step-7"
+    assert all(torch.equal(loaded.model[k], v) for k, v in model.items())
+    assert torch.equal(loaded.optim["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])
+    assert loaded.meta["layout"] == {"dp": 1, "tp": 1, "pp": 1}
+    assert sorted(p.name for p in path.iterdir()) == [
+        "COMMITTED", "meta.json", "model-tp00-pp00.pt", "optim-tp00-pp00.pt", "rng.pt"]
+
+
+def test_latest_ignores_temporaries_and_folders_without_the_marker(tmp_path: Path) -> None:
+    save(tmp_path, 2)
+    (tmp_path / "step-9.tmp-abcd1234").mkdir()
+    (tmp_path / "step-8").mkdir()  # renamed but never committed
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+    assert checkpoint.latest(tmp_path / "absent") is None
+
+
+def test_keep_prunes_the_oldest_checkpoints_and_dead_temporaries(tmp_path: Path) -> None:
+    (tmp_path / "step-1.tmp-00ff00ff").mkdir(parents=True)
+    for step in (1, 2, 3):
+        save(tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2", "step-3"]
+
+
+def test_loading_an_uncommitted_folder_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "step-4").mkdir()
+    with pytest.raises(CheckpointError, match=r"not a committed checkpoint \[.*step-4\]"):
+        checkpoint.load(tmp_path / "step-4")
+
+
+def test_checkpoint_of_another_model_config_is_refused_listing_every_difference() -> None:
+    now = {**TINY.to_dict(), "n_layer": 3, "d_model": 32}
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.check_compatible(META, model=now, layout=META["layout"], path=Path("c/step-5"))
+    text = str(err.value)
+    assert text.startswith("checkpoint does not match this run [c/step-5]: differing fields:")
+    assert "n_layer: checkpoint 1, now 3" in text and "d_model: checkpoint 16, now 32" in text
+
+
+def test_checkpoint_of_another_tensor_or_pipeline_layout_is_refused() -> None:
+    with pytest.raises(CheckpointError, match="tp: checkpoint 1, now 2; pp: checkpoint 1, now 4"):
+        checkpoint.check_compatible(META, model=TINY.to_dict(),
+                                    layout={"dp": 1, "tp": 2, "pp": 4}, path=Path("x"))
+
+
+def test_a_different_dp_size_is_accepted_because_dp_state_is_replicated() -> None:
+    checkpoint.check_compatible(META, model=TINY.to_dict(), layout={"dp": 8, "tp": 1, "pp": 1},
+                                path=Path("x"))
+
+
+def test_save_killed_after_the_rename_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """DTRAIN_FAULT=ckpt_before_marker: the folder is renamed but never gets its marker."""
+    save(tmp_path, 2)
+    code = ("import sys; from pathlib import Path; from tests.test_checkpoint import save; "
+            "save(Path(sys.argv[1]), 4)")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, timeout=60,
+                          env=dtrain_env({"DTRAIN_FAULT": "ckpt_before_marker@4"}))
+    assert done.returncode == -signal.SIGKILL
+    assert (tmp_path / "step-4" / "meta.json").exists()
+    assert not (tmp_path / "step-4" / "COMMITTED").exists()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-2"
+
+
+# -- end to end: python -m trainer.train ------------------------------------------------------
+
+FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
+         "--global-batch", "4", "--microbatches", "2", "--dropout", "0.1", "--steps", "6",
+         "--warmup-steps", "2", "--data-cap-mb", "0.25", "--log-every", "2"]
+
+
+def train(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
+    env = dtrain_env({"DTRAIN_FAULT": fault} if fault else None)
+    return subprocess.run([sys.executable, "-m", "trainer.train", *FLAGS, "--run-dir",
+                           str(run_dir), *extra], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return checkpoint.load(checkpoint.latest(run_dir / "checkpoints")).model
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_records(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    done = train(run_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def test_resume_continues_bit_exactly(uninterrupted: Path, tmp_path: Path) -> None:
+    first = train(tmp_path, "--stop-at", "3")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train(tmp_path, "--resume")
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed at step 3" in second.stderr
+    assert losses(tmp_path) == losses(uninterrupted)  # dropout on: the RNG stream resumes too
+    ref = final_state(uninterrupted)
+    assert all(torch.equal(v, ref[k]) for k, v in final_state(tmp_path).items())
+
+
+def test_training_killed_mid_save_resumes_from_the_previous_checkpoint(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    killed = train(tmp_path, "--save-every", "2", fault="ckpt_before_commit@4")
+    assert killed.returncode == -signal.SIGKILL
+    ckpts = tmp_path / "checkpoints"
+    assert any(p.name.startswith("step-4.tmp-") for p in ckpts.iterdir())
+    assert checkpoint.latest(ckpts) == ckpts / "step-2"
+    resumed = train(tmp_path, "--save-every", "2", "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed at step 2" in resumed.stderr
+    assert losses(tmp_path) == losses(uninterrupted)
+    ref = final_state(uninterrupted)
+    assert all(torch.equal(v, ref[k]) for k, v in final_state(tmp_path).items())
+    assert not any(".tmp-" in p.name for p in ckpts.iterdir())  # the dead temporary was pruned
+
+
+def test_resume_with_another_model_is_refused_naming_the_fields(uninterrupted: Path) -> None:
+    done = train(uninterrupted, "--resume", "--d-model", "64")
+    assert done.returncode == 2
+    assert "checkpoint does not match this run" in done.stderr
+    assert "d_model: checkpoint 32, now 64" in done.stderr
+
+
+def test_run_dir_holds_metrics_plot_and_the_meta_of_the_run(uninterrupted: Path) -> None:
+    records = read_records(uninterrupted / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert {"loss", "tokens_per_s", "compute_s", "comm_exposed_s"} <= records[0].keys()
+    assert (uninterrupted / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    meta = json.loads((uninterrupted / "checkpoints" / "step-6" / "meta.json").read_text())
+    assert meta["data"]["position"] == 6 and meta["config"]["microbatches"] == 2

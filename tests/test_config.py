@@ -1,0 +1,98 @@
+"""Training configuration: flags, TOML, precedence, and errors that name the key and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from trainer.config import TrainConfig, parse_args, resolve_dp
+from trainer.errors import ConfigError
+from trainer.model import PRESETS
+
+
+def toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_give_the_small_preset_and_derive_dp_later() -> None:
+    cfg = parse_args([])
+    assert cfg.model == "small" and cfg.gpt == PRESETS["small"] and cfg.dp == 0
+
+
+def test_a_toml_file_sets_options_and_gpt_fields_and_flags_override_it(tmp_path: Path) -> None:
+    path = toml(tmp_path, 'model = "tiny"\nsteps = 5\nlr = 1\n[gpt]\nn_layer = 3\n')
+    cfg = parse_args(["--config", path, "--steps", "7", "--no-overlap", "--d-model", "128"])
+    assert (cfg.model, cfg.steps, cfg.lr, cfg.overlap) == ("tiny", 7, 1.0, False)
+    assert (cfg.gpt.n_layer, cfg.gpt.d_model, cfg.gpt.seq_len) == (3, 128, PRESETS["tiny"].seq_len)
+
+
+def test_an_unknown_toml_key_is_rejected_naming_the_key_and_the_file(tmp_path: Path) -> None:
+    path = toml(tmp_path, "stesp = 3\n")
+    with pytest.raises(ConfigError) as err:
+        parse_args(["--config", path])
+    assert str(err.value) == (f"unknown config key [{path}: stesp]: 'stesp' is not an option "
+                              "of the trainer. Did you mean 'steps'?")
+
+
+def test_an_unknown_gpt_key_is_rejected_with_its_table(tmp_path: Path) -> None:
+    path = toml(tmp_path, "[gpt]\nn_layers = 3\n")
+    with pytest.raises(ConfigError, match=r"\[.*run.toml: gpt.n_layers\].*'gpt.n_layer'"):
+        parse_args(["--config", path])
+
+
+def test_a_wrongly_typed_toml_value_is_rejected(tmp_path: Path) -> None:
+    path = toml(tmp_path, 'steps = "3"\n')
+    with pytest.raises(ConfigError, match=r"run.toml: steps = '3'\]: expected int, got str"):
+        parse_args(["--config", path])
+
+
+def test_invalid_toml_syntax_names_the_file(tmp_path: Path) -> None:
+    path = toml(tmp_path, "steps = = 3\n")
+    with pytest.raises(ConfigError, match=r"config file is not valid TOML \[.*run.toml\]"):
+        parse_args(["--config", path])
+
+
+@pytest.mark.parametrize("flag, word", [("--tp", "tensor"), ("--pp", "pipeline")])
+def test_model_parallel_sizes_above_one_are_refused_as_not_supported_yet(flag, word) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_args([flag, "2"])
+    assert str(err.value).startswith(f"{word} parallelism is not supported yet [{flag} 2]")
+    assert f"Use {flag} 1" in str(err.value)
+
+
+def test_an_unknown_preset_lists_the_presets() -> None:
+    with pytest.raises(ConfigError, match=r"unknown model preset \[--model huge\]: choose one of "
+                                          "tiny, small, 125m"):
+        parse_args(["--model", "huge"])
+
+
+def test_an_invalid_model_shape_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="must be divisible by n_head"):
+        parse_args(["--model", "tiny", "--n-head", "3"])
+
+
+def test_out_of_range_values_name_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"invalid option \[--microbatches 0\]: must be >= 1"):
+        parse_args(["--microbatches", "0"])
+
+
+def test_dp_defaults_to_the_world_size() -> None:
+    assert resolve_dp(TrainConfig(global_batch=8), 4).dp == 4
+
+
+def test_a_dp_that_does_not_fill_the_world_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 2 but 4 ranks were started"):
+        resolve_dp(TrainConfig(dp=2), 4)
+
+
+def test_a_global_batch_that_does_not_split_over_dp_and_microbatches_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"\[--global-batch 10\].*dp\*microbatches = 4\*1"):
+        resolve_dp(TrainConfig(global_batch=10), 4)
+
+
+def test_stop_at_ends_the_invocation_early_without_moving_the_schedule() -> None:
+    cfg = TrainConfig(steps=100, stop_at=40)
+    assert cfg.last_step == 40 and cfg.schedule_end == 100
