@@ -7,8 +7,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -63,6 +65,9 @@ def _ssh_options(kw: dict[str, Any]) -> dict[str, Any]:
 @click.version_option(__version__, prog_name="dtrain")
 def main() -> None:
     """Start and supervise distributed training jobs on bare-metal clusters."""
+    # `kill -USR1 <dtrain pid>` prints every thread's stack: the first thing to ask for
+    # when a launch looks stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
 @main.command(context_settings={"ignore_unknown_options": False})

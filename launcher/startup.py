@@ -55,7 +55,12 @@ class Startup:
             try:
                 handle(self.events.get(timeout=0.2))
             except queue.Empty:
-                continue
+                pass
+            try:
+                self._check_silence({link.index for link in self.links}, "start its ranks")
+            except AgentError as exc:
+                index = next(link.index for link in self.links if link.name in exc.where)
+                handle(Closed(index, exc.why))
 
     def _spec(self, plan: JobPlan, host_plan: Any) -> dict[str, Any]:
         return {
@@ -86,8 +91,21 @@ class Startup:
             try:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
+                self._check_silence(waiting, doing)
                 continue
             self._expect(event, kind, doing, waiting, on_body)
+            self._check_silence(waiting, doing)
+
+    def _check_silence(self, waiting: set[int], doing: str) -> None:
+        # Agents send heartbeats every 5 s until the SPEC sets the job's interval.
+        limit = max(self.opts.heartbeat * self.opts.misses, 15.0)
+        now = time.monotonic()
+        for index in waiting:
+            link = self.links[index]
+            if now - link.last_heard > limit:
+                raise AgentError(f"agent did not {doing}", f"host {link.name}",
+                                 f"no heartbeat for {now - link.last_heard:.1f}s (host down or "
+                                 "network cut?)", "nothing was started; check the host")
 
     def _expect(self, event: Any, kind: wire.Kind, doing: str, waiting: set[int],
                 on_body: Callable[[AgentLink, dict], None]) -> None:

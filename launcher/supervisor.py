@@ -48,6 +48,7 @@ class Supervisor:
         self.stopping = False
         self.killed_hard = False
         self.done_hosts: set[int] = set()
+        self.lost_hosts: set[int] = set()
         self._give_up_at = float("inf")
         self.timings: dict[str, float] = {}
 
@@ -198,7 +199,11 @@ class Supervisor:
         if link.index in self.done_hosts:
             return
         self.done_hosts.add(link.index)
+        self.lost_hosts.add(link.index)
         link.close()
+        abort = getattr(link.stream, "abort", None)
+        if abort is not None:
+            abort()  # nothing more will come from it; do not wait on a dead connection
         for r in self.outcome.ranks.values():
             if r.host == link.name and r.state in ("pending", "running"):
                 r.state = "lost"
@@ -223,8 +228,11 @@ class Supervisor:
         for link in self.links:
             link.send_json(wire.Kind.BYE)
             link.close()
+        deadline = time.monotonic() + 5.0
         for link in self.links:
-            if link.stream.wait(timeout=5.0) is None:
+            if link.index in self.lost_hosts:
+                continue
+            if link.stream.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
                 kill = getattr(link.stream, "kill", None)
                 if kill is not None:
                     kill()

@@ -201,6 +201,7 @@ class Agent:
         self._signal_all(signal.SIGKILL)
         if self.pmi is not None:
             self.pmi.close()
+            self.pmi.remove_shared_memory()
         self.exit_code = code
         return code
 

@@ -11,17 +11,24 @@ One selector thread owns the sockets and the proxy; messages from the head are h
 through a queue and a wake-up socket, so no lock is needed around the core.
 """
 
+
 from __future__ import annotations
 
 import itertools
+import os
 import queue
+import secrets
 import selectors
 import socket
 import threading
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import workerenv
 from launcher.pmi import proxy as pmi_proxy
+
+#: A PMI_PORT connection that has not said anything after this long is dropped (slowloris).
+SILENT_CONNECTION_S = 30.0
 
 
 class PmiSockets:
@@ -52,7 +59,10 @@ class PmiSockets:
             self._sel.register(self._listener, selectors.EVENT_READ, "accept")
             port = self._listener.getsockname()[1]
             for rank in ranks:
-                token = str(rank)
+                # MPICH reads PMI_ID with atoi and echoes it with %d: a positive int32.
+                token = str(secrets.randbelow(2**31 - 2) + 1)
+                while token in tokens:
+                    token = str(secrets.randbelow(2**31 - 2) + 1)
                 tokens[token] = rank
                 self._env[rank] = {workerenv.PMI_PORT: f"127.0.0.1:{port}", workerenv.PMI_ID: token}
         self.proxy = pmi_proxy.PmiProxy(
@@ -67,6 +77,8 @@ class PmiSockets:
                 self._run(self.proxy.open(conn, rank))
                 self._child_end[rank] = theirs
                 self._env[rank] = {workerenv.PMI_FD: str(theirs.fileno())}
+        self._silent: dict[int, float] = {}  # accepted connections that have not spoken yet
+        self._kvsname = kvsname
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopped = False
@@ -93,6 +105,22 @@ class PmiSockets:
         self._stopped = True
         self._wake()
 
+    def remove_shared_memory(self) -> None:
+        """Delete the /dev/shm segments of this job's MPICH ranks; killed ranks leave them."""
+        from launcher.pmi.proxy import shm_segment_prefixes
+
+        prefixes = shm_segment_prefixes(self._kvsname)
+        try:
+            names = os.listdir("/dev/shm")
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(prefixes):
+                try:
+                    os.unlink(os.path.join("/dev/shm", name))
+                except OSError:
+                    pass
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
@@ -112,6 +140,7 @@ class PmiSockets:
 
     def _loop(self) -> None:
         while not self._stopped:
+            self._drop_silent()
             for key, _ in self._sel.select(timeout=1.0):
                 if key.data == "wake":
                     key.fileobj.recv(4096)  # type: ignore[union-attr]
@@ -131,6 +160,14 @@ class PmiSockets:
                 return
             self._run(self.proxy.upstream(msg))
 
+    def _drop_silent(self) -> None:
+        now = time.monotonic()
+        for conn, since in list(self._silent.items()):
+            if now - since > SILENT_CONNECTION_S:
+                self._silent.pop(conn)
+                self._run(self.proxy.closed(conn))
+                self._drop(conn)
+
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
@@ -138,6 +175,7 @@ class PmiSockets:
             return
         conn = next(self._ids)
         self._add(conn, sock)
+        self._silent[conn] = time.monotonic()
         self._run(self.proxy.open(conn, None))
 
     def _read(self, conn: int) -> None:
@@ -150,6 +188,7 @@ class PmiSockets:
             return
         except OSError:
             data = b""
+        self._silent.pop(conn, None)
         if data:
             self._run(self.proxy.feed(conn, data))
         else:
@@ -163,6 +202,7 @@ class PmiSockets:
                 if sock is not None:
                     self._reply(action.conn, sock, action.data)
             elif isinstance(action, pmi_proxy.Close):
+                self._silent.pop(action.conn, None)
                 self._drop(action.conn)
             elif isinstance(action, pmi_proxy.Send):
                 self._send_head(dict(action.msg))

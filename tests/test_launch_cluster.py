@@ -1,0 +1,210 @@
+"""`dtrain launch` across a cluster of network-namespace hosts, each with its own sshd.
+
+After every scenario no process of the job may remain on any host within 10 s
+(`ip netns pids`, minus the host's sshd daemon).
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import PYTHON, REPO, run_dtrain, start_dtrain
+
+PROBE = str(REPO / "tests" / "workers" / "probe.py")
+
+
+@pytest.fixture
+def cluster(netns_cluster):
+    yield netns_cluster
+    for host in netns_cluster.hosts:
+        netns_cluster.link_up(host)
+    left = netns_cluster.wait_no_job_pids(10)
+    assert not left, f"job processes left on hosts: {left}"
+
+
+def _hostfile(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "hostfile"
+    path.write_text(text)
+    return str(path)
+
+
+def _ssh(cluster) -> list[str]:
+    return ["--ssh-config", str(cluster.ssh_config)]
+
+
+def _rank_json(stdout: str) -> dict[int, object]:
+    out = {}
+    for line in stdout.splitlines():
+        if line.startswith("[") and "] " in line:
+            tag, _, rest = line.partition("] ")
+            out[int(tag[1:].split("@")[0])] = json.loads(rest)
+    return out
+
+
+def test_ranks_on_three_hosts_get_their_contract_and_their_host(cluster, tmp_path):
+    hf = _hostfile(tmp_path, "node1 slots=2\nnode2 slots=1  # one GPU\nnode3:1\n")
+    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster), "--", PYTHON, PROBE, "env"])
+    assert res.returncode == 0, res.stderr
+    envs = _rank_json(res.stdout)
+    expect = {0: ("node1", 0, 0, 2), 1: ("node1", 1, 0, 2), 2: ("node2", 0, 1, 1),
+              3: ("node3", 0, 2, 1)}
+    assert sorted(envs) == [0, 1, 2, 3]
+    for rank, (host, local, node, local_size) in expect.items():
+        e = envs[rank]
+        assert e["hostname"] == e["DTRAIN_HOST"] == host
+        assert (e["RANK"], e["LOCAL_RANK"], e["NODE_RANK"], e["LOCAL_WORLD_SIZE"]) == (
+            str(rank), str(local), str(node), str(local_size))
+        assert e["WORLD_SIZE"] == "4"
+        assert e["MASTER_ADDR"] == cluster.address("node1")
+
+
+def test_awkward_arguments_arrive_byte_exact_over_ssh(cluster):
+    awkward = ["a b", "'q'", '"dq"', "$(touch /tmp/dtrain-pwned-ssh)", "; echo x", "a\nb",
+               "`id`", "", "ü", "$HOME", "\\n"]
+    res = run_dtrain(["launch", "-H", "node2:1,node3:1", *_ssh(cluster), "--",
+                      PYTHON, PROBE, "argv", *awkward])
+    assert res.returncode == 0, res.stderr
+    assert list(_rank_json(res.stdout).values()) == [awkward, awkward]
+    assert not Path("/tmp/dtrain-pwned-ssh").exists()
+
+
+def test_unknown_host_key_is_refused_with_its_fingerprint_and_nothing_starts(cluster, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    res = run_dtrain(["launch", "-H", "node1:1,node2:1", *_ssh(cluster), "--known-hosts",
+                      str(empty), "--", PYTHON, PROBE, "sleep", "30"])
+    assert res.returncode == 255
+    assert "SHA256:" in res.stderr and "--ssh-accept-new" in res.stderr
+    assert empty.read_text() == ""
+
+
+def test_accept_new_records_unknown_host_keys_and_launches(cluster, tmp_path):
+    known = tmp_path / "ssh" / "known_hosts"  # does not exist yet: dtrain creates it 0600
+    args = ["launch", "-H", "node1:1,node2:1", *_ssh(cluster), "--known-hosts", str(known)]
+    res = run_dtrain([*args, "--ssh-accept-new", "--", PYTHON, PROBE, "argv", "ok"])
+    assert res.returncode == 0, res.stderr
+    assert len(known.read_text().splitlines()) == 2
+    assert known.stat().st_mode & 0o777 == 0o600
+    again = run_dtrain([*args, "--", PYTHON, PROBE, "argv", "ok"])  # no flag: keys now known
+    assert again.returncode == 0, again.stderr
+
+
+def test_unreachable_host_fails_within_the_timeout_and_starts_nothing(cluster, tmp_path):
+    cluster.link_down("node3")
+    t0 = time.monotonic()
+    res = run_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster),
+                      "--ssh-connect-timeout", "2", "--", PYTHON, PROBE, "sleep", "30"])
+    elapsed = time.monotonic() - t0
+    assert res.returncode == 255
+    assert "node3" in res.stderr and "nothing was started" not in res.stdout
+    assert elapsed < 15
+    assert not cluster.job_pids("node1") and not cluster.job_pids("node2")
+
+
+def test_refused_port_gives_a_clear_error_at_once(cluster, tmp_path):
+    hf = _hostfile(tmp_path, "node1 slots=1\nnode2 slots=1 port=2\n")
+    t0 = time.monotonic()
+    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster), "--", PYTHON, PROBE, "sleep", "30"])
+    assert res.returncode == 255
+    assert "refused" in res.stderr and "node2" in res.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_failed_authentication_gives_a_clear_error(cluster, tmp_path):
+    from tests.cluster.sshd import keygen
+
+    stranger = tmp_path / "stranger"
+    keygen(stranger, "not-authorized")
+    config = cluster.ssh_config.read_text().replace(str(cluster.client_key), str(stranger))
+    (tmp_path / "ssh_config").write_text(config)
+    res = run_dtrain(["launch", "-H", "node1:1", "--ssh-config", str(tmp_path / "ssh_config"),
+                      "--", PYTHON, PROBE, "sleep", "30"])
+    assert res.returncode == 255
+    assert "node1" in res.stderr and "auth" in res.stderr.lower()
+
+
+def test_a_failing_rank_on_one_host_stops_every_host(cluster):
+    res = run_dtrain(["launch", "-H", "node1:2,node2:1,node3:1", *_ssh(cluster), "--grace", "2",
+                      "--", PYTHON, PROBE, "fail", "2", "7"])
+    assert res.returncode == 7
+    assert "first failure: rank 2@node2: exited with code 7" in res.stderr
+
+
+def test_a_rank_killed_by_a_signal_stops_every_host(cluster):
+    res = run_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster), "--",
+                      PYTHON, PROBE, "signal", "1", str(int(signal.SIGSEGV))])
+    assert res.returncode == 139
+    assert "rank 1@node2: killed by SIGSEGV" in res.stderr
+
+
+def _start_sleeping_job(cluster, extra: list[str] = ()) -> object:
+    """Start 3 ranks (one per host) that each start a child, and wait until all are up."""
+    head = start_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster), *extra,
+                         "--", PYTHON, PROBE, "child", "120"])
+    up, deadline = 0, time.monotonic() + 30
+    while up < 3 and time.monotonic() < deadline:
+        ready, _, _ = select.select([head.stdout], [], [], 0.5)
+        if ready:
+            line = head.stdout.readline()
+            if not line:
+                break
+            up += "sleeping" in line
+    if up < 3:
+        head.kill()
+        raise AssertionError(f"job did not start: {head.communicate()}")
+    return head
+
+
+def test_ctrl_c_to_the_head_stops_every_host_with_exit_code_130(cluster):
+    head = _start_sleeping_job(cluster)
+    try:
+        head.send_signal(signal.SIGINT)
+        _, err = head.communicate(timeout=30)
+        assert head.returncode == 130, err
+    finally:
+        head.kill()
+
+
+def test_sigkill_of_the_head_leaves_nothing_on_any_host(cluster):
+    head = _start_sleeping_job(cluster)
+    head.kill()
+    head.communicate(timeout=10)
+    assert not cluster.wait_no_job_pids(10)
+
+
+def test_a_host_whose_link_goes_down_is_detected_within_the_heartbeat_budget(cluster):
+    head = _start_sleeping_job(cluster, ["--heartbeat-interval", "0.5", "--grace", "1"])
+    try:
+        cluster.link_down("node2")
+        t0 = time.monotonic()
+        _, err = head.communicate(timeout=30)
+        detected = time.monotonic() - t0
+        assert head.returncode == 255, err
+        assert "host node2" in err and "no heartbeat" in err
+        assert detected < 0.5 * 3 + 5
+        # node2's agent misses the head's heartbeats and stops its ranks on its own.
+        assert not cluster.wait_no_job_pids(10)
+    finally:
+        head.kill()
+
+
+def test_mpi_world_across_two_hosts_broadcasts_a_128_byte_id(cluster):
+    code = ("from mpi4py import MPI; import hashlib, os\n"
+            "c = MPI.COMM_WORLD\n"
+            "uid = bytearray(os.urandom(128)) if c.rank == 0 else bytearray(128)\n"
+            "c.Bcast(uid, root=0)\n"
+            "import json; print(json.dumps([c.size, c.allreduce(c.rank + 1), "
+            "hashlib.sha256(uid).hexdigest(), MPI.Get_processor_name()]))\n")
+    res = run_dtrain(["launch", "-H", "node1:2,node2:2", *_ssh(cluster), "--", PYTHON, "-c", code])
+    assert res.returncode == 0, res.stderr
+    got = _rank_json(res.stdout)
+    assert sorted(got) == [0, 1, 2, 3]
+    assert {tuple(v[:2]) for v in got.values()} == {(4, 10)}
+    assert len({v[2] for v in got.values()}) == 1
+    assert [got[r][3] for r in range(4)] == ["node1", "node1", "node2", "node2"]
