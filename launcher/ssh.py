@@ -17,6 +17,7 @@ Every failure is a `ConnectError` (exit code 255) whose ``where`` is ``user@host
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import getpass
@@ -27,6 +28,7 @@ import random
 import re
 import shlex
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Sequence
@@ -284,6 +286,22 @@ def _load_identity(path: str) -> tuple[paramiko.PKey | None, str]:
         return None, f"unusable: {exc}"
 
 
+def _agent() -> paramiko.Agent | None:
+    """The ssh-agent, or None when SSH_AUTH_SOCK is unset or dead (not an error: no keys).
+
+    Probed first because paramiko leaks its socket when the agent's socket refuses.
+    """
+    path = os.environ.get("SSH_AUTH_SOCK")
+    if not path:
+        return None
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return None
+    return paramiko.Agent()
+
+
 class _PublicKeyAuth(AuthStrategy):
     """publickey only, in OpenSSH's order: agent keys, then identity files (BatchMode-like)."""
 
@@ -314,11 +332,12 @@ class _PublicKeyAuth(AuthStrategy):
         # Last host-key check before we sign anything: paramiko ignores @revoked lines.
         hostkeys.check_not_revoked(self.host.key_name, transport.get_remote_server_key(),
                                    self.host.read_known_hosts, self.host.where)
-        self._agent = paramiko.Agent()  # no keys (not an error) when SSH_AUTH_SOCK is dead
+        self._agent = _agent()
         try:
             return super().authenticate(transport)
         finally:
-            self._agent.close()  # agent keys sign only during authentication
+            if self._agent is not None:
+                self._agent.close()  # agent keys sign only during authentication
 
 
 # ---------------------------------------------------------------- connecting
@@ -437,11 +456,71 @@ def _handshake_error(host: ResolvedHost, exc: BaseException, opts: SSHOptions,
     return ConnectError(what, host.where, why, "Check sshd on the host and its logs")
 
 
+_HANDSHAKES_PER_HOST = 8
+_handshake_slots: dict[str, threading.BoundedSemaphore] = {}
+_slots_lock = threading.Lock()
+
+
+def _handshake_slot(key_name: str) -> threading.BoundedSemaphore:
+    """At most 8 concurrent handshakes per endpoint (Hydra's throttle): a jump host shared by
+    many targets would otherwise see a burst beyond sshd's MaxStartups (10:30:100)."""
+    with _slots_lock:
+        return _handshake_slots.setdefault(key_name,
+                                           threading.BoundedSemaphore(_HANDSHAKES_PER_HOST))
+
+
 def _transient(exc: BaseException) -> bool:
     """A dropped connection before the banner: sshd's MaxStartups throttling, worth a retry."""
     cause = exc.__context__ or exc.__cause__
     return ("banner" in str(exc) and isinstance(cause, (EOFError, ConnectionResetError))) or \
         isinstance(exc, (EOFError, ConnectionResetError))
+
+
+def _open_socket(host: ResolvedHost, opts: SSHOptions,
+                 jump: SSHConnection | None) -> socket.socket | paramiko.Channel:
+    if jump is not None:
+        return _tunnel(host, jump)
+    if host.proxy_command:
+        return paramiko.ProxyCommand(host.proxy_command)
+    return _tcp_connect(host, opts.keepalive)
+
+
+def _handshake(client: paramiko.SSHClient, sock: object, host: ResolvedHost,
+               opts: SSHOptions, auth: _PublicKeyAuth) -> None:
+    """Verify the host key and authenticate over an open socket."""
+    hostkeys.load_into(client.get_host_keys(), host.read_known_hosts)
+    client.set_missing_host_key_policy(hostkeys.KnownHostsPolicy(
+        known_hosts=host.known_hosts, read_from=host.read_known_hosts,
+        accept_new=opts.accept_new, where=host.where, host=host.hostname, port=host.port))
+    client.connect(host.hostname, port=host.port, username=host.user, sock=sock,
+                   timeout=opts.handshake_timeout, banner_timeout=opts.banner_timeout,
+                   auth_timeout=opts.auth_timeout, auth_strategy=auth)
+
+
+def _shutdown(client: paramiko.SSHClient, sock: object) -> None:
+    """Close the transport, wait for its thread, then the socket (and reap a ProxyCommand).
+
+    The order matters for ProxyCommand: paramiko's thread closes it by ``kill(pid)``, so the
+    process may be reaped (its PID freed) only after that thread is gone.
+    """
+    transport = client.get_transport()
+    client.close()
+    if transport is not None:
+        transport.join(5)
+    if sock is not None:
+        _close_socket(sock)
+
+
+def _close_socket(sock: object) -> None:
+    """Close a socket, channel or ProxyCommand; a ProxyCommand's process is also reaped."""
+    with contextlib.suppress(OSError):
+        sock.close()  # type: ignore[attr-defined]
+    if isinstance(sock, paramiko.ProxyCommand):
+        try:
+            sock.process.wait(5)
+        except subprocess.TimeoutExpired:
+            sock.process.kill()
+            sock.process.wait()
 
 
 class SSHConnection:
@@ -451,6 +530,7 @@ class SSHConnection:
                  opts: SSHOptions, jump: SSHConnection | None = None) -> None:
         self.host, self.latency_ms = host, latency_ms
         self._client, self._opts, self._jump = client, opts, jump
+        self._sock: object = None
 
     @classmethod
     def open(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
@@ -474,25 +554,13 @@ class SSHConnection:
     def _open_once(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
         start = time.monotonic()
         jump = cls.open(host.jump, opts) if host.jump else None
-        client = paramiko.SSHClient()
-        auth = _PublicKeyAuth(host)
+        client, auth, sock = paramiko.SSHClient(), _PublicKeyAuth(host), None
         try:
-            if jump is not None:
-                sock = _tunnel(host, jump)
-            elif host.proxy_command:
-                sock = paramiko.ProxyCommand(host.proxy_command)
-            else:
-                sock = _tcp_connect(host, opts.keepalive)
-            hostkeys.load_into(client.get_host_keys(), host.read_known_hosts)
-            client.set_missing_host_key_policy(hostkeys.KnownHostsPolicy(
-                known_hosts=host.known_hosts, read_from=host.read_known_hosts,
-                accept_new=opts.accept_new, where=host.where, host=host.hostname,
-                port=host.port))
-            client.connect(host.hostname, port=host.port, username=host.user, sock=sock,
-                           timeout=opts.handshake_timeout, banner_timeout=opts.banner_timeout,
-                           auth_timeout=opts.auth_timeout, auth_strategy=auth)
+            with _handshake_slot(host.key_name):
+                sock = _open_socket(host, opts, jump)
+                _handshake(client, sock, host, opts, auth)
         except BaseException as exc:
-            client.close()
+            _shutdown(client, sock)
             if jump is not None:
                 jump.close()
             if isinstance(exc, ConnectError):
@@ -507,7 +575,9 @@ class SSHConnection:
                 raise _Retry(error) from None
             raise error from None
         client.get_transport().set_keepalive(max(1, int(opts.keepalive)))
-        return cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump)
+        conn = cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump)
+        conn._sock = sock
+        return conn
 
     @property
     def transport(self) -> paramiko.Transport:
@@ -562,7 +632,8 @@ class SSHConnection:
 
     def close(self) -> None:
         """Close the transport (every channel on it) and the jump host's; idempotent."""
-        self._client.close()
+        _shutdown(self._client, self._sock)
+        self._sock = None
         if self._jump is not None:
             self._jump.close()
 
