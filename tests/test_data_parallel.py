@@ -14,8 +14,6 @@ be bit-identical (every rank applies the same reduced gradient).
 from __future__ import annotations
 
 import functools
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,29 +22,20 @@ import pytest
 import torch
 
 from tests.dp_workers.cases import CASES, STEPS, case_config
-from tests.support import REPO, dtrain_env
+from tests.comm_workers.launch import clean_env, run_mpiexec
 from trainer.data import BatchPlan, ShardedBatches, load_corpus
 from trainer.data_parallel import plan_buckets
 from trainer.metrics import read_records
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, grad_norm_and_clip, set_lr
 
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 RTOL, ATOL = 1e-5, 1e-6
 
 
 def run_mpi(n: int, args: list[str], *, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``mpiexec -n n python <args>`` in its own session; killed by its process group on timeout."""
-    proc = subprocess.Popen([MPIEXEC, "-n", str(n), sys.executable, *args], cwd=REPO,
-                            env=dtrain_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the group this test created: mpiexec + its ranks
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    """``mpiexec -n n python <args>``, clean env, hard timeout (ranks killed by recorded PID);
+    stdout and stderr together in ``.stdout``."""
+    return run_mpiexec(n, [sys.executable, *args], timeout=timeout, env=clean_env())
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"dp{n}")
@@ -54,7 +43,7 @@ def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     """What every rank of one ``mpiexec -n N`` worker run saw, by rank."""
     n, out = request.param, tmp_path_factory.mktemp(f"dp{request.param}")
     done = run_mpi(n, ["-m", "tests.dp_workers.equivalence", str(out)])
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-3000:]
     return [torch.load(out / f"rank{r}.pt") for r in range(n)]
 
 
@@ -167,10 +156,10 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
              "--seed", str(cfg.seed), "--data-cap-mb", str(cfg.data_cap_mb),
              "--run-dir", str(tmp_path), "--steps", str(STEPS)]
     first = run_mpi(2, [*flags, "--stop-at", "2"])
-    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.returncode == 0, first.stdout[-3000:]
     second = run_mpi(1, [*flags, "--resume"])
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed at step 2" in second.stderr
+    assert second.returncode == 0, second.stdout[-3000:]
+    assert "resumed at step 2" in second.stdout
     losses = [r["loss"] for r in read_records(tmp_path / "metrics.jsonl")]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference("one_bucket")[0]),
                                rtol=RTOL, atol=ATOL)

@@ -13,6 +13,14 @@ while backward computes the next buckets. Buckets are launched strictly in index
 k only after buckets < k), so every rank issues the same collectives in the same order whatever
 order its hooks fire in. ``finish_grad_sync()`` waits for them all before the optimizer step.
 
+How "asynchronously" is done depends on the backend. NCCL runs the all-reduce on the GPU by
+itself, so the communicator's ``async_op=True`` is used as is. MPI progresses a nonblocking
+collective only while some MPI call is running, so an ``Iallreduce`` posted from a hook would
+mostly run inside the final wait; for MPI the blocking all-reduces are therefore run, in bucket
+order, by one background thread (mpi4py releases the GIL inside MPI calls, and the main thread
+makes no call on this communicator until ``finish_grad_sync`` has joined them). This is what
+torch's gloo backend does with its worker threads. ``comm_thread`` overrides the choice.
+
 Gradient accumulation: run every microbatch but the last inside ``no_sync()``; hooks then only
 accumulate and the reduction happens once, on the last microbatch's backward (Megatron's
 ``is_last_microbatch``; the karpathy/build-nanogpt#30 and FunASR#3472 bugs were syncing on the
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -66,11 +75,27 @@ class CommStats:
     """Blocked in finish_grad_sync (waiting for, or with overlap off running, the reductions)."""
     launch_s: float = 0.0
     """Inside bucket launches during backward (scaling + posting the async all-reduce)."""
+    comm_s: float = 0.0
+    """Inside the all-reduce calls themselves, wherever they ran (comm thread or sync mode);
+    0 for a backend's native async ops, whose duration the host cannot see."""
     launches: int = 0
 
     def reset(self) -> None:
-        self.exposed_s = self.launch_s = 0.0
+        self.exposed_s = self.launch_s = self.comm_s = 0.0
         self.launches = 0
+
+
+class _FutureHandle:
+    """A `Handle` for an all-reduce running on the comm thread."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()  # re-raises the thread's exception here, on the main thread
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
 
 @dataclass
@@ -87,7 +112,8 @@ class DataParallel:
     """Gradient synchronisation for ``model`` across the DP communicator ``comm``."""
 
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
-                 overlap: bool = True, allow_unused: bool = False) -> None:
+                 overlap: bool = True, allow_unused: bool = False,
+                 comm_thread: bool | None = None) -> None:
         self.model, self.comm, self.overlap = model, comm, overlap
         self.allow_unused = allow_unused
         self.stats = CommStats()
@@ -102,6 +128,10 @@ class DataParallel:
         self.buckets = self._make_buckets(bucket_size)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync, self._next = True, 0
+        if comm_thread is None:
+            comm_thread = comm.backend == "mpi"
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="dp-grad-sync") \
+            if comm_thread and overlap and comm.size > 1 else None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.zero_grad()
@@ -207,7 +237,8 @@ class DataParallel:
         bucket.ready.add(id(p))
         if self.overlap:
             self._launch_ready(final=False)
-            self._poll()
+            if self._thread is None:
+                self._poll()
 
     def _launch_ready(self, *, final: bool) -> None:
         """Launch complete buckets in index order; ``final`` launches every remaining one."""
@@ -223,12 +254,25 @@ class DataParallel:
         bucket.launched = True
         self.launch_order.append(bucket.index)
         self.stats.launches += 1
-        if self.comm.size > 1:
-            # Pre-scale so the SUM is the mean (Megatron's gradient_scaling_factor = 1/dp).
+        if self.comm.size == 1:
+            return
+        if not async_op:
+            self._reduce(bucket)
+        elif self._thread is not None:
+            bucket.handle = _FutureHandle(self._thread.submit(self._reduce, bucket))
+        else:
             bucket.view.mul_(1.0 / self.comm.size)
-            bucket.handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=async_op)
+            bucket.handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=True)
         if async_op:
             self.stats.launch_s += time.perf_counter() - start
+
+    def _reduce(self, bucket: _Bucket) -> None:
+        """Blocking reduction of one bucket (main thread in sync mode, else the comm thread)."""
+        start = time.perf_counter()
+        # Pre-scale so the SUM is the mean (Megatron's gradient_scaling_factor = 1/dp).
+        bucket.view.mul_(1.0 / self.comm.size)
+        self.comm.all_reduce(bucket.view, ReduceOp.SUM)
+        self.stats.comm_s += time.perf_counter() - start
 
     def _poll(self) -> None:
         """Let backends that progress only inside library calls (MPI) advance in-flight

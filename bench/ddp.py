@@ -1,0 +1,254 @@
+"""Data-parallel step time: dtrain's Megatron-style DP against torch DDP (gloo), same everything.
+
+    python -m bench.ddp [--ranks 2,4] [--model small] [--seq-len 128] [--global-batch 8]
+                        [--bucket-size 1000000] [--steps 8] [--json PATH]
+
+Three sides run one after the other in one invocation, each as N ranks under the MPICH wheel's
+``mpiexec``, on the same model (GPT preset, seed 0), the same global batch split the same way,
+the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket size x 4 bytes):
+
+* ``ours``       `trainer.data_parallel.DataParallel` over MPI, overlap on (async bucket
+                 all-reduce launched from the grad hooks);
+* ``ours-sync``  the same with overlap off (every bucket reduced after backward);
+* ``torch-ddp``  ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group
+                 (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours).
+
+Per step the slowest rank's wall time counts (a step ends when the last rank ends); the table
+shows the median over the timed steps. Exposed communication is the time our ranks spend blocked
+in ``finish_grad_sync``; "comm alone" is the time to all-reduce every bucket with no compute
+running (same buckets, same communicator), the total that overlap can hide. Targets from the
+brief: ours <= 0.8x torch DDP step time; exposed <= 30% of total comm with overlap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Callable
+
+REPO = Path(__file__).resolve().parent.parent
+SIDES = ("ours", "ours-sync", "torch-ddp")
+WARMUP = 2
+
+
+def _build(args: argparse.Namespace, dp_rank: int, dp: int) -> tuple[Any, Any, Any]:
+    """Model, optimizer and this rank's batches: identical recipe on every side."""
+    from dataclasses import replace
+
+    from trainer.data import BatchPlan, ShardedBatches, load_corpus
+    from trainer.model import GPT, PRESETS
+    from trainer.optim import build_optimizer
+
+    cfg = replace(PRESETS[args.model], seq_len=args.seq_len)
+    model = GPT(cfg, seed=0)
+    optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.1)
+    plan = BatchPlan(args.global_batch, dp, args.microbatches)
+    batches = ShardedBatches(load_corpus(cap_bytes=1 << 20), seq_len=cfg.seq_len, plan=plan,
+                             seed=0, dp_rank=dp_rank)
+    return model, optimizer, batches
+
+
+class OursSide:
+    """dtrain's DataParallel over the MPI world communicator."""
+
+    def __init__(self, args: argparse.Namespace, world: Any, *, overlap: bool) -> None:
+        from trainer.data_parallel import DataParallel
+
+        self.model, self.optimizer, self.batches = _build(args, world.rank, world.size)
+        self.dp = DataParallel(self.model, world.comm, bucket_size=args.bucket_size,
+                               overlap=overlap)
+
+    def step(self, i: int) -> tuple[float, float]:
+        """One training step; (exposed comm, comm in situ) seconds."""
+        self.dp.zero_grad()
+        self.dp.stats.reset()
+        _micro_loop(self.model.loss, self.batches, i, self.dp.no_sync)
+        self.dp.finish_grad_sync()
+        self.optimizer.step()
+        return self.dp.stats.exposed_s, self.dp.stats.comm_s
+
+    def comm_alone(self) -> float:
+        """Every bucket all-reduced with nothing else running (the total overlap can hide)."""
+        self.dp.comm.barrier()
+        start = time.perf_counter()
+        for bucket in self.dp.buckets:
+            self.dp.comm.all_reduce(bucket.view)
+        return time.perf_counter() - start
+
+
+class DdpSide:
+    """torch.nn.parallel.DistributedDataParallel on a gloo process group."""
+
+    def __init__(self, args: argparse.Namespace, world: Any) -> None:
+        import torch.nn.functional as F
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model, self.optimizer, self.batches = _build(args, world.rank, world.size)
+        self.ddp = DistributedDataParallel(self.model, bucket_cap_mb=args.bucket_size * 4 / 2**20,
+                                           broadcast_buffers=False, gradient_as_bucket_view=True)
+        # The loss must run through DDP's forward, which arms its reducer for the backward.
+        self.loss = lambda x, y: F.cross_entropy(self.ddp(x).flatten(0, 1), y.flatten())
+
+    def step(self, i: int) -> tuple[float, float]:
+        self.optimizer.zero_grad(set_to_none=False)
+        _micro_loop(self.loss, self.batches, i, self.ddp.no_sync)
+        self.optimizer.step()
+        return float("nan"), float("nan")
+
+
+def _micro_loop(loss: Callable[[Any, Any], Any], batches: Any, i: int,
+                no_sync: Callable[[], Any]) -> None:
+    micro = batches.microbatches(i)
+    for k, (x, y) in enumerate(micro):
+        if k < len(micro) - 1:
+            with no_sync():
+                (loss(x, y) / len(micro)).backward()
+        else:
+            (loss(x, y) / len(micro)).backward()
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """All three sides in the same processes, their steps interleaved (the order rotating each
+    round), so machine noise hits every side alike."""
+    import torch.distributed as dist
+
+    from trainer.comm.bootstrap import init
+
+    world = init(backend="mpi")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}",
+                            rank=world.rank, world_size=world.size)
+    sides = {"ours": OursSide(args, world, overlap=True),
+             "ours-sync": OursSide(args, world, overlap=False), "torch-ddp": DdpSide(args, world)}
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in SIDES}
+    for i in range(1, WARMUP + args.steps + 1):
+        order = SIDES[i % 3:] + SIDES[:i % 3]
+        for name in order:
+            world.comm.barrier()  # every rank starts the step together
+            start = time.perf_counter()
+            exposed, comm = sides[name].step(i)
+            if i > WARMUP:
+                rows[name].append({"step_s": time.perf_counter() - start, "exposed_s": exposed,
+                                   "comm_s": comm})
+    alone = statistics.median(sides["ours"].comm_alone() for _ in range(args.steps))
+    dist.destroy_process_group()
+    return {"rank": world.rank, "sides": rows, "comm_alone_s": alone,
+            "buckets": len(sides["ours"].dp.buckets), "params": sides["ours"].model.num_params()}
+
+
+def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO))
+    from tests.comm_workers.launch import clean_env, run_mpiexec
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-ddp-") as tmp:
+        env = clean_env({"BENCH_PORT": str(_free_port())})
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k in ("model", "seq_len", "global_batch", "microbatches", "bucket_size",
+                          "steps")]
+        proc = run_mpiexec(ranks, [sys.executable, "-m", "bench.ddp", "--worker",
+                                   "--out", tmp, *flags], timeout=args.timeout, env=env)
+        files = sorted(Path(tmp).glob("rank*.json"))
+        if proc.returncode != 0 or len(files) != ranks:
+            raise RuntimeError(f"bench.ddp on {ranks} ranks failed:\n{proc.stdout[-3000:]}")
+        return [json.loads(f.read_text()) for f in files]
+
+
+def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Slowest rank per step, median over steps; comm times averaged over ranks."""
+    steps = [r["sides"][side] for r in per_rank]
+    step_s = [max(rank[i]["step_s"] for rank in steps) for i in range(len(steps[0]))]
+
+    def mean_ms(key: str) -> float:
+        return 1e3 * statistics.median(statistics.mean(rank[i][key] for rank in steps)
+                                       for i in range(len(steps[0])))
+
+    return {"side": side, "ranks": ranks, "step_ms": 1e3 * statistics.median(step_s),
+            "exposed_ms": mean_ms("exposed_s"), "comm_ms": mean_ms("comm_s"),
+            "comm_alone_ms": 1e3 * statistics.mean(r["comm_alone_s"] for r in per_rank),
+            "buckets": per_rank[0]["buckets"], "params": per_rank[0]["params"]}
+
+
+def run(ranks: Sequence[int] = (2, 4), **options: Any) -> list[dict[str, Any]]:
+    """Every side at every rank count; one row per (ranks, side), plus derived ratios."""
+    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
+    rows = []
+    for n in ranks:
+        per_rank = _ranks(n, args)
+        got = {side: summarize(side, n, per_rank) for side in SIDES}
+        ours, sync, ddp = got["ours"], got["ours-sync"], got["torch-ddp"]
+        for row in (ours, sync):
+            row["vs_ddp"] = row["step_ms"] / ddp["step_ms"]
+            row["exposed_of_comm"] = row["exposed_ms"] / max(row["comm_ms"], 1e-9)
+            row["exposed_of_comm_alone"] = row["exposed_ms"] / max(row["comm_alone_ms"], 1e-9)
+        rows += [ours, sync, ddp]
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="DP step time on CPU: dtrain DataParallel (MPI) vs torch DDP (gloo)")
+    for col in ("ranks", "side", "step ms", "vs DDP", "exposed comm ms", "comm ms (in step)",
+                "comm alone ms", "exposed / comm", "buckets"):
+        table.add_column(col, justify="right")
+    for r in rows:
+        ours = r["side"] != "torch-ddp"
+        table.add_row(str(r["ranks"]), r["side"], f"{r['step_ms']:.1f}",
+                      f"{r['vs_ddp']:.2f}x" if ours else "",
+                      f"{r['exposed_ms']:.2f}" if ours else "n/a",
+                      f"{r['comm_ms']:.2f}" if ours else "n/a",
+                      f"{r['comm_alone_ms']:.2f}" if ours else "n/a",
+                      f"{r['exposed_of_comm']:.0%}" if ours else "",
+                      str(r["buckets"]) if ours else "")
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.ddp", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", default="2,4", help="DP sizes, e.g. 2,4")
+    ap.add_argument("--model", default="small", help="GPT preset")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--microbatches", type=int, default=1)
+    ap.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per bucket")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warmup steps)")
+    ap.add_argument("--timeout", type=float, default=300)
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    if args.worker:
+        result = worker(args)
+        Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
+        return 0
+    options = {k: v for k, v in vars(args).items()
+               if k not in ("ranks", "json", "worker", "out")}
+    rows = run([int(n) for n in args.ranks.split(",")], **options)
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
