@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import ipaddress
 import json
 import os
@@ -44,8 +45,9 @@ from tests.cluster.sshd import (
 STATE_DIR = Path("/run/dtrain-test-netns")
 
 
+@functools.lru_cache(maxsize=1)
 def netns_available() -> tuple[bool, str]:
-    """(usable, reason) — needs root, ip with netns support, unshare and sshd."""
+    """(usable, reason): root, the tools, and a real probe (containers often lack the caps)."""
     if os.geteuid() != 0:
         return False, "needs root (network namespaces, veth, bridge)"
     for tool in ("ip", "unshare", "ssh-keygen"):
@@ -53,9 +55,17 @@ def netns_available() -> tuple[bool, str]:
             return False, f"needs the `{tool}` command"
     if not os.path.isfile(SSHD):
         return False, "needs an OpenSSH sshd binary"
-    probe = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True)
-    if probe.returncode != 0:
-        return False, f"`ip netns` unusable: {probe.stderr.decode().strip()}"
+    probe = f"dtprobe{secrets.token_hex(3)}"
+    steps = (["ip", "netns", "add", probe], ["ip", "link", "add", probe, "type", "bridge"],
+             ["unshare", "--uts", "--", "true"])
+    try:
+        for step in steps:
+            done = subprocess.run(step, check=False, capture_output=True, text=True)
+            if done.returncode != 0:
+                return False, f"`{' '.join(step[:3])}` failed: {done.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "link", "del", probe], check=False, capture_output=True)
+        subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True)
     return True, ""
 
 
