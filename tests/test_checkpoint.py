@@ -94,7 +94,8 @@ def test_save_killed_after_the_rename_leaves_the_previous_checkpoint(tmp_path: P
     save(tmp_path, 2)
     code = ("import sys; from pathlib import Path; from tests.test_checkpoint import save; "
             "save(Path(sys.argv[1]), 4)")
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=REPO, timeout=60,
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False, cwd=REPO,
+                          timeout=60,
                           env=dtrain_env({"DTRAIN_FAULT": "ckpt_before_marker@4"}))
     assert done.returncode == -signal.SIGKILL
     assert (tmp_path / "step-4" / "meta.json").exists()
@@ -112,8 +113,8 @@ FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "3
 def train(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
     env = dtrain_env({"DTRAIN_FAULT": fault} if fault else None)
     return subprocess.run([sys.executable, "-m", "trainer.train", *FLAGS, "--run-dir",
-                           str(run_dir), *extra], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=120)
+                           str(run_dir), *extra], check=False, cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:

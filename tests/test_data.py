@@ -7,8 +7,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import (BatchPlan, DataError, ShardedBatches, load_corpus, stdlib_dir,
-                          window_starts)
+from trainer.data import (
+    BatchPlan,
+    DataError,
+    ShardedBatches,
+    load_corpus,
+    stdlib_dir,
+    window_starts,
+)
 
 CAP = 64 * 1024
 

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dp_workers.cases import CASES, STEPS, case_config
 from tests.comm_workers.launch import clean_env, run_mpiexec
+from tests.dp_workers.cases import CASES, STEPS, case_config
 from trainer.data import BatchPlan, ShardedBatches, load_corpus
 from trainer.data_parallel import plan_buckets
 from trainer.metrics import read_records
@@ -54,8 +54,8 @@ def reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     model = GPT(cfg.gpt, seed=cfg.seed)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
-    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=BatchPlan(cfg.global_batch, 1, 1),
-                             seed=cfg.seed, dp_rank=0)
+    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len,
+                             plan=BatchPlan(cfg.global_batch, 1, 1), seed=cfg.seed, dp_rank=0)
     schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                         decay_steps=cfg.schedule_end)
     losses = []

@@ -17,8 +17,9 @@ import difflib
 import tomllib
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
-from typing import Any, Sequence
+from typing import Any
 
 from trainer.comm.bootstrap import BACKENDS
 from trainer.errors import ConfigError
@@ -98,7 +99,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value != 1:
                 raise ConfigError(f"{what} parallelism is not supported yet", f"--{name} {value}",
-                                  f"this version of the trainer runs only data parallelism",
+                                  "this version of the trainer runs only data parallelism",
                                   f"Use --{name} 1 (and raise --dp instead)")
 
     @property

@@ -18,9 +18,9 @@ from __future__ import annotations
 import hashlib
 import os
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import torch
 from torch import nn

@@ -15,7 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -95,7 +101,8 @@ class MetricsLog:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         truncate_after(self.path, start_step)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # Open for the whole run (closed in close()), one flushed line per step.
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if self._console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),

@@ -4,7 +4,8 @@ No parallel code lives here. Tensor and pipeline parallelism are applied later, 
 by replacing or removing the named submodules below (torchtitan's ``parallelize`` pattern):
 
     tok_emb                      nn.Embedding(vocab, d_model)
-    blocks["0"] .. blocks["L-1"] Block: ln1 -> attn (qkv, proj) -> +res, ln2 -> mlp (fc, proj) -> +res
+    blocks["0"] .. blocks["L-1"] Block: ln1 -> attn (qkv, proj) -> +res,
+                                        ln2 -> mlp (fc, proj) -> +res
     ln_f                         final norm
     head                         nn.Linear(d_model, vocab); its weight *is* tok_emb.weight when tied
 
@@ -19,8 +20,9 @@ Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,10 +61,11 @@ class GPTConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_head ({self.n_head})")
         if (self.d_model // self.n_head) % 2:
-            raise ValueError(f"head dim d_model/n_head ({self.d_model // self.n_head}) must be even "
-                             "for rotary embeddings")
+            raise ValueError(f"head dim d_model/n_head ({self.d_model // self.n_head}) must be "
+                             "even for rotary embeddings")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.norm not in NORMS:

@@ -9,8 +9,8 @@ the step, so a resumed run gets the same learning rates without saving scheduler
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 from torch import nn

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -206,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(world, f"error: {exc}", 2)
     except KeyboardInterrupt:
         return _fail(world, "interrupted", 130)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - report, then abort the other ranks
         import traceback
 
         traceback.print_exc()

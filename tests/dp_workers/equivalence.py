@@ -111,7 +111,7 @@ def main(out: Path) -> None:
 if __name__ == "__main__":
     try:
         main(Path(sys.argv[1]))
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - any failure must abort every rank, not hang them
         traceback.print_exc()
         sys.stderr.flush()
         from mpi4py import MPI
