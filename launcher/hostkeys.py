@@ -190,6 +190,9 @@ def append_known_host(path: Path, name: str, key: paramiko.PKey, where: str) -> 
             if same is not None:
                 raise changed_key_error(name, key, same, [path], where)
         line = f"{name} {key.get_name()} {key.get_base64()}\n"
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            line = "\n" + line  # a hand-edited file without a final newline
         os.write(fd, line.encode())
         os.fsync(fd)
     finally:

@@ -110,6 +110,26 @@ def test_non_22_port_is_not_matched_by_a_bare_host_entry(sshd, tmp_path):
         _connect("loopback", config_file=config)
 
 
+def test_accept_new_appends_after_a_last_line_without_newline(sshd, tmp_path):
+    known = tmp_path / "known_hosts"
+    known.write_text("other.example ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIOnly1NeWline4X0000000")
+    config = _config(tmp_path, sshd.config_block("loopback", known_hosts=known))
+    _connect("loopback", config_file=config, accept_new=True).close()
+    assert known.read_text().splitlines()[1] == sshd.host_key_line().strip()
+
+
+def test_parallel_first_contacts_record_the_key_once(sshd, tmp_path):
+    known = tmp_path / "known_hosts"
+    aliases = [f"twin{i}" for i in range(4)]
+    config = _config(tmp_path, "".join(sshd.config_block(a, known_hosts=known) for a in aliases))
+    opts = SSHOptions(config_file=config, accept_new=True)
+    conns = open_all([resolve_host(a, user=None, port=None, opts=opts) for a in aliases], opts)
+    assert all(isinstance(c, SSHConnection) for c in conns), conns
+    for conn in conns:
+        conn.close()
+    assert known.read_text() == sshd.host_key_line()
+
+
 def test_changed_host_key_is_refused_even_with_accept_new(private_sshd, tmp_path):
     private_sshd.regenerate_host_key()
     marker = tmp_path / "ran"
