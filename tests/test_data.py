@@ -38,6 +38,9 @@ def test_default_corpus_is_the_stdlib_python_source_read_deterministically(corpu
 
 
 def test_a_folder_corpus_reads_files_in_sorted_order_and_folders_after_files(tmp_path) -> None:
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("hidden")
+    (tmp_path / ".notes").write_text("hidden")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "a.txt").write_text("third")
     (tmp_path / "b.txt").write_text("second")

@@ -57,17 +57,19 @@ def stdlib_dir() -> Path:
 def corpus_files(root: Path) -> Iterator[Path]:
     """Files under ``root`` in a host-independent order, lazily (reading stops at the cap).
 
-    Depth first; in each folder its files by name, then its subfolders by name. For the default
-    stdlib corpus only ``.py`` files count and ``site-packages`` is skipped, so what a user
-    installed into the interpreter does not change the data."""
+    Depth first; in each folder its files by name, then its subfolders by name; hidden entries
+    (``.git``, ``.DS_Store``) are skipped. For the default stdlib corpus only ``.py`` files count
+    and ``site-packages`` is skipped, so what a user installed into the interpreter does not
+    change the data."""
     if root.is_file():
         yield root
         return
     stdlib = root == stdlib_dir()
     for folder, subdirs, names in os.walk(root):
-        subdirs[:] = sorted(d for d in subdirs if d not in ("site-packages", "__pycache__"))
+        subdirs[:] = sorted(d for d in subdirs
+                            if d not in ("site-packages", "__pycache__") and d[0] != ".")
         for name in sorted(names):
-            if not stdlib or name.endswith(".py"):
+            if name[0] != "." and (not stdlib or name.endswith(".py")):
                 yield Path(folder, name)
 
 

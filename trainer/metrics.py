@@ -39,6 +39,9 @@ class StepRecord:
     step_s: float
     compute_s: float
     comm_exposed_s: float
+    """Blocked waiting for (or running) the DP gradient all-reduces after backward."""
+    comm_total_s: float = 0.0
+    """Inside the DP all-reduces wherever they ran (0 when the backend hides it, e.g. NCCL)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -148,7 +151,9 @@ def summarize(window: list[StepRecord]) -> str:
     tokens = sum(r.tokens for r in window)
     compute = sum(r.compute_s for r in window) / n
     comm = sum(r.comm_exposed_s for r in window) / n
+    total = sum(r.comm_total_s for r in window) / n
+    of_total = f" of {1e3 * total:.1f}" if total > 0 else ""
     return (f"step {last.step:>6} | loss {last.loss:.4f} | lr {last.lr:.2e} | "
             f"gnorm {last.grad_norm:.3f} | {tokens / step_s if step_s else 0:,.0f} tok/s | "
             f"step {1e3 * step_s / n:.1f} ms = compute {1e3 * compute:.1f} + "
-            f"exposed comm {1e3 * comm:.1f} ms")
+            f"exposed comm {1e3 * comm:.1f}{of_total} ms")

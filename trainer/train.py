@@ -38,6 +38,9 @@ from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, grad_norm_and_clip, set_lr
 
 _DROPOUT_STREAM = 1
+#: Options that steer one invocation rather than the training math (not reported on resume).
+_RUN_CONTROL = {"steps", "stop_at", "resume", "save_every", "keep", "log_every", "run_dir",
+                "dp", "backend", "gpt"}
 
 
 @dataclass
@@ -64,6 +67,8 @@ class Run:
     dp_rank: int
     is_writer: bool
     start_step: int = 0
+    changed: list[str] = field(default_factory=list)
+    """Training options that differ from the checkpoint resumed from (reported, not refused)."""
 
 
 def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
@@ -75,7 +80,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
                   "Give every host the same --data (or the same Python for the default corpus)")
     model = GPT(cfg.gpt, seed=cfg.seed).to(device)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start = _maybe_resume(cfg, model, optimizer, dp_comm, device) if cfg.resume else 0
+    start, changed = _maybe_resume(cfg, model, optimizer, dp_comm, device) \
+        if cfg.resume else (0, [])
     dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap)
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
@@ -83,27 +89,37 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                         decay_steps=cfg.schedule_end)
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
-               is_writer=rank == 0, start_step=start)
+               is_writer=rank == 0, start_step=start, changed=changed)
 
 
 def _maybe_resume(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-                  comm: Communicator, device: torch.device) -> int:
-    """Load the newest committed checkpoint (rank 0 picks it, every rank reads it)."""
+                  comm: Communicator, device: torch.device) -> tuple[int, list[str]]:
+    """Load the newest committed checkpoint (rank 0 picks it, every rank reads it); returns
+    its step and the training options that changed since it was written."""
     root = Path(cfg.run_dir) / "checkpoints"
     found = checkpoint.latest(root)
     choice = torch.tensor([checkpoint.step_of(found) if found else -1], device=device)
     comm.broadcast(choice, 0)
     step = int(choice.item())
     if step < 0:
-        return 0
-    ckpt = checkpoint.load(root / f"step-{step}", map_location=device)
+        return 0, []
+    path = root / f"step-{step}"
+    if not path.is_dir():
+        raise checkpoint.CheckpointError(
+            "checkpoint not visible on this rank", str(path),
+            f"rank 0 resumes from step {step} but DP rank {comm.rank} cannot see the folder",
+            "Put --run-dir on a filesystem that every host shares")
+    ckpt = checkpoint.load(path, map_location=device)
     layout = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
     checkpoint.check_compatible(ckpt.meta, model=cfg.gpt.to_dict(), layout=layout,
                                 path=ckpt.path)
     model.load_state_dict(ckpt.model)
     optimizer.load_state_dict(ckpt.optim)
     checkpoint.restore_rng(ckpt.rng)
-    return ckpt.step
+    before, now = ckpt.meta.get("config", {}), cfg.to_dict()
+    changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()
+               if k not in _RUN_CONTROL and k in before and before[k] != v]
+    return ckpt.step, changed
 
 
 def _require_same(comm: Communicator, value: int, device: torch.device, what: str,
@@ -140,7 +156,8 @@ def train_step(run: Run, step: int) -> StepRecord:
     exposed = run.dp.stats.exposed_s
     return StepRecord(step=step, loss=float(loss_sum), lr=lr, grad_norm=grad_norm,
                       tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                      compute_s=step_s - exposed, comm_exposed_s=exposed)
+                      compute_s=step_s - exposed, comm_exposed_s=exposed,
+                      comm_total_s=run.dp.stats.comm_s)
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
@@ -186,6 +203,8 @@ def train(cfg: TrainConfig, world: World) -> TrainResult:
 def _banner(run: Run, world_size: int) -> str:
     cfg = run.cfg
     resumed = f", resumed at step {run.start_step}" if run.start_step else ""
+    if run.changed:
+        resumed += " with changed options: " + ", ".join(run.changed)
     return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters | world {world_size}"
             f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} | {len(run.dp.buckets)} grad bucket(s),"
             f" overlap {'on' if cfg.overlap else 'off'} | global batch {cfg.global_batch} x "
