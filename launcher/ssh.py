@@ -527,10 +527,10 @@ class SSHConnection:
     """An authenticated connection to one host; channels are opened on it."""
 
     def __init__(self, host: ResolvedHost, client: paramiko.SSHClient, latency_ms: float,
-                 opts: SSHOptions, jump: SSHConnection | None = None) -> None:
+                 opts: SSHOptions, jump: SSHConnection | None = None,
+                 sock: object = None) -> None:
         self.host, self.latency_ms = host, latency_ms
-        self._client, self._opts, self._jump = client, opts, jump
-        self._sock: object = None
+        self._client, self._opts, self._jump, self._sock = client, opts, jump, sock
 
     @classmethod
     def open(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
@@ -575,9 +575,7 @@ class SSHConnection:
                 raise _Retry(error) from None
             raise error from None
         client.get_transport().set_keepalive(max(1, int(opts.keepalive)))
-        conn = cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump)
-        conn._sock = sock
-        return conn
+        return cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump, sock)
 
     @property
     def transport(self) -> paramiko.Transport:
