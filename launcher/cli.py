@@ -92,6 +92,8 @@ def main() -> None:
               help="Seconds from connecting to every rank running.")
 @click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
+@click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+              help="Seconds after which a waiting PMI barrier names the ranks it waits for.")
 @click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "mpirun"]), default="ssh",
               show_default=True, help="dtrain's agents over SSH, or an mpiexec/mpirun command.")
 @click.option("--mpirun", "mpirun_path", help="mpiexec/mpirun to use with --launcher mpirun.")
@@ -114,7 +116,7 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
         log_dir=Path(kw["log_dir"]) if kw["log_dir"] else None, dry_run=kw["dry_run"],
         supervise=SuperviseOptions(heartbeat=kw["heartbeat_interval"], grace=kw["grace"],
                                    timeout=kw["timeout"], launch_timeout=kw["launch_timeout"],
-                                   pmi=kw["pmi"]),
+                                   pmi=kw["pmi"], pmi_stall=kw["pmi_stall"]),
         launcher=kw["launcher_kind"], mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
     )
     sys.exit(_guard(lambda: run_launch(req)))

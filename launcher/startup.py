@@ -76,6 +76,7 @@ class Startup:
                 "kvsname": plan.job_id,
                 "world_size": plan.world_size,
                 "process_mapping": plan.process_mapping,
+                "stall": self.opts.pmi_stall,
             },
         }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -33,6 +34,7 @@ class SuperviseOptions:
     timeout: float | None = None    # whole-job limit (--timeout)
     launch_timeout: float = 120.0   # connect-to-all-running limit
     pmi: str = "fd"                 # fd, port or off
+    pmi_stall: float = 30.0         # name the ranks a PMI barrier waits for after this long
 
 
 class Supervisor:
@@ -50,6 +52,8 @@ class Supervisor:
         self.done_hosts: set[int] = set()
         self.lost_hosts: set[int] = set()
         self._give_up_at = float("inf")
+        self._barrier_since: float | None = None
+        self._stall_reported = 0.0
         self.timings: dict[str, float] = {}
 
     # -- signals (installed by the CLI; run in the main thread) -----------------------------
@@ -93,6 +97,7 @@ class Supervisor:
                         self._host_lost(link, "the stream to its agent broke")
                 last_beat = now
             self._check_silence(now)
+            self._check_pmi_stall(now)
             if deadline is not None and now >= deadline and not self.stopping:
                 self.outcome.timed_out = True
                 self._stop(signal.SIGTERM, self.opts.grace)
@@ -112,6 +117,27 @@ class Supervisor:
             if link.index not in self.done_hosts and now - link.last_heard > limit:
                 self._host_lost(link, f"no heartbeat for {now - link.last_heard:.1f}s "
                                       "(host down or network cut?)")
+
+    def _check_pmi_stall(self, now: float) -> None:
+        """A barrier some hosts entered long ago: say which ranks it is waiting for."""
+        waiting = self.kvs.waiting_hosts() if self.kvs is not None else []
+        if not waiting:
+            self._barrier_since = None
+            return
+        if self._barrier_since is None:
+            self._barrier_since, self._stall_reported = now, 0.0
+        stalled = now - self._barrier_since
+        if stalled >= self.opts.pmi_stall and stalled - self._stall_reported >= self.opts.pmi_stall:
+            self._stall_reported = stalled
+            parts = [f"{self.links[h].name} (ranks "
+                     f"{','.join(str(r.rank) for r in self.plan.hosts[h].ranks)})" for h in waiting]
+            self._say(f"PMI barrier (MPI_Init or a fence) has waited {stalled:.0f}s for hosts "
+                      f"{'; '.join(parts)}")
+
+    @staticmethod
+    def _say(text: str) -> None:
+        sys.stderr.write(f"dtrain: {text}\n")
+        sys.stderr.flush()
 
     # -- events -----------------------------------------------------------------------------------
     def _handle(self, event: Any) -> None:
@@ -166,6 +192,11 @@ class Supervisor:
                                              f"rank {msg.get('rank')}@{link.name}",
                                              f"MPI_Abort: {msg.get('message') or 'no message'}")
                 self._stop(signal.SIGTERM, self.opts.grace)
+            return
+        if op == "stall":
+            ranks = ",".join(str(r) for r in msg.get("ranks", []))
+            self._say(f"PMI barrier (MPI_Init or a fence) on {link.name} has waited "
+                      f"{msg.get('seconds')}s for ranks {ranks}")
             return
         if op == "rank_failed":
             if self.stopping:

@@ -121,6 +121,7 @@ class Agent:
                 mode=pmi["mode"], ranks=[r["rank"] for r in spec["ranks"]],
                 world_size=int(pmi["world_size"]), kvsname=pmi["kvsname"],
                 process_mapping=pmi["process_mapping"],
+                stall_after=float(pmi.get("stall", 30.0)),
                 send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
             )
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"])})

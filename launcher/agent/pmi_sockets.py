@@ -41,8 +41,14 @@ class PmiSockets:
         kvsname: str,
         process_mapping: str,
         send_head: Callable[[dict[str, Any]], None],
+        stall_after: float = 30.0,
     ) -> None:
         self.mode = mode
+        self._stall_after = stall_after
+        self._barrier_since: float | None = None
+        self._stall_reported = 0.0
+        self._conn_rank: dict[int, int] = {}   # fd mode: which rank each socketpair serves
+        self._spoke: set[int] = set()          # connections that have sent something
         self._send_head = send_head
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, socket.socket] = {}
@@ -73,6 +79,7 @@ class PmiSockets:
             for rank in ranks:
                 ours, theirs = socket.socketpair()
                 conn = next(self._ids)
+                self._conn_rank[conn] = rank
                 self._add(conn, ours)
                 self._run(self.proxy.open(conn, rank))
                 self._child_end[rank] = theirs
@@ -141,6 +148,7 @@ class PmiSockets:
     def _loop(self) -> None:
         while not self._stopped:
             self._drop_silent()
+            self._report_stall()
             for key, _ in self._sel.select(timeout=1.0):
                 if key.data == "wake":
                     key.fileobj.recv(4096)  # type: ignore[union-attr]
@@ -159,6 +167,25 @@ class PmiSockets:
             except queue.Empty:
                 return
             self._run(self.proxy.upstream(msg))
+
+    def _report_stall(self) -> None:
+        """Some local ranks are in a barrier and others are not: after a while, say which."""
+        missing = set(self.proxy.waiting()["not_in_barrier"])
+        if self._spoke & self._conn_rank.keys():
+            # Others started MPI_Init: a rank that never spoke holds them up (MPICH then
+            # waits in its node-local shared-memory setup, where PMI sees nothing).
+            missing |= {r for c, r in self._conn_rank.items() if c not in self._spoke}
+        missing = sorted(missing)
+        now = time.monotonic()
+        if not missing:
+            self._barrier_since = None
+            return
+        if self._barrier_since is None:
+            self._barrier_since, self._stall_reported = now, 0.0
+        stalled = now - self._barrier_since
+        if stalled >= self._stall_after and stalled - self._stall_reported >= self._stall_after:
+            self._stall_reported = stalled
+            self._send_head({"op": "stall", "ranks": missing, "seconds": round(stalled)})
 
     def _drop_silent(self) -> None:
         now = time.monotonic()
@@ -189,6 +216,7 @@ class PmiSockets:
         except OSError:
             data = b""
         self._silent.pop(conn, None)
+        self._spoke.add(conn)
         if data:
             self._run(self.proxy.feed(conn, data))
         else:
