@@ -208,3 +208,16 @@ def test_mpi_world_across_two_hosts_broadcasts_a_128_byte_id(cluster):
     assert {tuple(v[:2]) for v in got.values()} == {(4, 10)}
     assert len({v[2] for v in got.values()}) == 1
     assert [got[r][3] for r in range(4)] == ["node1", "node1", "node2", "node2"]
+
+
+def test_training_across_two_hosts_completes_and_its_loss_falls(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    res = run_dtrain(["launch", "-H", "node1:1,node2:1", *_ssh(cluster), "--", PYTHON, "-m",
+                      "trainer.train", "--model", "tiny", "--steps", "40", "--log-every", "10",
+                      "--data-cap-mb", "1", "--run-dir", str(run_dir)], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) >= 40
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert "dp 2" in res.stdout + res.stderr
