@@ -1,0 +1,101 @@
+"""Launch time: command start to every rank running, and to the launcher's exit.
+
+    python -m bench.launch_time [--hosts 1,2,4,8] [--reps 5] [--per-host 4] [--json PATH]
+
+One cluster of network-namespace hosts (one sshd each, `tests.cluster.netns`) is built once;
+on the first N hosts x 4 ranks three launchers start the same rank program
+(``bench/workers/stamp.py``, no MPI: it stamps ``time.time()`` first thing and exits 0):
+
+* ``dtrain``  ``dtrain launch -H node1:4,... --ssh-config CFG -- python stamp.py DIR``;
+* ``hydra``   ``mpiexec.hydra -launcher ssh -hosts node1:4,... -n 4N`` (the MPICH wheel's);
+* ``pdsh``    ``pdsh -w node1,...`` running ``for i in 0 1 2 3; do python stamp.py DIR $i &
+              done; wait`` on every host (DeepSpeed's pdsh mode without its per-host launcher).
+
+All three use the same ssh_config, keys and known_hosts. Per run: ``start`` = last rank's
+stamp - t0 (every rank running), ``first`` = first rank's stamp - t0, ``exit`` = launcher
+returned - t0, with t0 taken just before ``Popen``. Tables show the median and the minimum
+over the repetitions, dtrain/Hydra ratios of the medians (target <= 1) and each tool's growth
+over its 1-host time (target: flat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+HOSTS = (1, 2, 4, 8)
+TOOLS = ("dtrain", "hydra", "pdsh")
+PER_HOST = 4
+SCRIPT = common.WORKERS / "stamp.py"
+KEYS = ("start", "first", "exit")
+COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ranks", "ranks"), ("ok", "ok"),
+           ("running s", "start_s"), ("min", "start_min_s"), ("first s", "first_s"),
+           ("exit s", "exit_s"), ("min", "exit_min_s"), ("running/Hydra", "start_s_vs_hydra"),
+           ("exit/Hydra", "exit_s_vs_hydra"), ("running/1 host", "start_s_growth")]
+SUMMARY_COLUMNS = COLUMNS
+
+
+def metrics(t0: float, t_exit: float, stamps: list[dict]) -> dict[str, float]:
+    starts = [s["start"] for s in stamps]
+    return {"start": max(starts) - t0, "first": min(starts) - t0, "exit": t_exit - t0}
+
+
+def run(hosts: Sequence[int] = HOSTS, reps: int = 5, *, tools: Sequence[str] = TOOLS,
+        per_host: int = PER_HOST, warmup: bool = True, cluster: Any = None,
+        progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Rows {tool, hosts, ranks, start_s, first_s, exit_s (medians), *_min_s, ratios, ...}.
+
+    Builds a cluster of max(hosts) hosts unless ``cluster`` is given (then left open); raises
+    `common.Skip` when network namespaces are unavailable.
+    """
+    with common.bench_cluster(max(hosts), cluster) as used:
+        def one(tool: str, n: int) -> common.Sample:
+            return common.run_one(used, tool, n, per_host, SCRIPT, metrics)
+
+        results = common.collect(used, list(tools), list(hosts), reps, one, warmup, progress)
+    rows = common.summarize("launch_time", results, per_host, KEYS)
+    rows.sort(key=lambda r: (tools.index(r["tool"]), r["hosts"]))
+    for key in ("start_s", "exit_s"):
+        if "hydra" in tools:
+            common.add_ratios(rows, key)
+    common.add_growth(rows, "start_s")
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    common.print_rows(f"Launch time over SSH: command start to every rank running and to exit, "
+                      f"{common.describe(rows)} (dtrain vs mpiexec.hydra vs pdsh)", rows, COLUMNS)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.launch_time", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", default="1,2,4,8", help="host counts, e.g. 1,2,4,8")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--per-host", type=int, default=PER_HOST)
+    ap.add_argument("--tools", default=",".join(TOOLS))
+    ap.add_argument("--json", help="also write the rows to this file")
+    args = ap.parse_args(argv)
+    if args.reps < 1 or args.per_host < 1:
+        ap.error("--reps and --per-host must be at least 1")
+    try:
+        rows = run([int(n) for n in args.hosts.split(",")], args.reps,
+                   tools=args.tools.split(","), per_host=args.per_host,
+                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except common.Skip as why:
+        print(f"launch_time skipped: {why}", file=sys.stderr)
+        return 0
+    print_table(rows)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""`make bench`: run every benchmark, print its table, keep its rows and a markdown summary.
+
+    python -m bench.run_all [--only NAME[,NAME...]] [--quick] [--results DIR]
+
+Benches are imported lazily, so one that is missing (still being written) or broken is
+reported and the others still run. The network-namespace benches (launch_time, wireup) need
+root and are skipped with the reason otherwise. Each finished bench writes
+``<results>/<name>.json`` ({bench, options, machine, seconds, rows}); then
+``<results>/summary.md`` is rebuilt from every JSON file there, so ``--only`` refreshes one
+bench without dropping the others from the summary. ``--quick`` runs small configurations
+(a sanity pass, not numbers to quote). Exit code 1 when a bench failed, 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import inspect
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import common
+
+RESULTS = common.REPO / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Bench:
+    """A bench module ``bench.<name>`` with ``run(**options) -> list[dict]``."""
+
+    name: str
+    title: str
+    needs_root: bool = False
+    full: dict[str, Any] = field(default_factory=dict)
+    quick: dict[str, Any] = field(default_factory=dict)
+
+
+BENCHES = (
+    Bench("launch_time", "Launch time: dtrain vs mpiexec.hydra vs pdsh over SSH", True,
+          quick={"hosts": (1, 2), "reps": 2}),
+    Bench("wireup", "MPI wire-up: dtrain vs mpiexec.hydra over SSH", True,
+          quick={"hosts": (1, 2), "reps": 2}),
+    Bench("pmi_scaling", "PMI-1 server scaling (simulated MPICH clients)",
+          quick={"sizes": (64, 256)}),
+    Bench("allreduce", "CPU all-reduce: dtrain MPI vs torch gloo",
+          quick={"ranks": (2,), "sizes": "1K,64K,1M"}),
+    Bench("ddp", "Data-parallel step: dtrain DataParallel vs torch DDP",
+          quick={"ranks": (2,), "model": "tiny", "steps": 3}),
+)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    name: str
+    status: str            # "ok", "skipped" or "failed"
+    detail: str = ""
+
+
+def machine() -> dict[str, Any]:
+    """Where the numbers came from; the load average says how noisy they may be."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "loadavg": list(os.getloadavg()),
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def run_bench(bench: Bench, quick: bool, results: Path) -> Outcome:
+    """Import, run, print and save one bench; never raises for the bench's own failures."""
+    if bench.needs_root and os.geteuid() != 0:
+        return Outcome(bench.name, "skipped", "needs root for network namespaces (sudo make bench)")
+    try:
+        module = importlib.import_module(f"bench.{bench.name}")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"bench.{bench.name}":
+            return Outcome(bench.name, "skipped", f"bench/{bench.name}.py is not present")
+        return Outcome(bench.name, "failed", f"import failed: {exc}")
+    options = dict(bench.quick if quick else bench.full)
+    if "progress" in inspect.signature(module.run).parameters:
+        options["progress"] = lambda line: print(f"  {bench.name}: {line}", flush=True)
+    print(f"\n== {bench.name}: {bench.title}{' (quick)' if quick else ''}", flush=True)
+    started, t0 = machine(), time.monotonic()
+    try:
+        rows = module.run(**options)
+    except common.Skip as why:
+        return Outcome(bench.name, "skipped", str(why))
+    except Exception as exc:  # noqa: BLE001 - a broken bench must not stop the others
+        traceback.print_exc()
+        return Outcome(bench.name, "failed", f"{type(exc).__name__}: {exc}")
+    seconds = time.monotonic() - t0
+    show(module, bench, rows)
+    saved = {"bench": bench.name, "title": bench.title, "quick": quick,
+             "options": {k: v for k, v in options.items() if k != "progress"},
+             "machine": started, "seconds": round(seconds, 1), "rows": rows}
+    results.mkdir(parents=True, exist_ok=True)
+    (results / f"{bench.name}.json").write_text(json.dumps(saved, indent=1, default=str))
+    return Outcome(bench.name, "ok", f"{seconds:.0f}s")
+
+
+def show(module: Any, bench: Bench, rows: list[dict[str, Any]]) -> None:
+    if hasattr(module, "print_table"):
+        module.print_table(rows)
+    else:
+        common.print_rows(bench.title, rows, columns_for(module, rows))
+
+
+def columns_for(module: Any, rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The module's SUMMARY_COLUMNS, else every scalar key in first-seen order."""
+    if module is not None and hasattr(module, "SUMMARY_COLUMNS"):
+        return list(module.SUMMARY_COLUMNS)
+    keys: dict[str, None] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key != "bench" and not isinstance(value, (list, dict)):
+                keys.setdefault(key, None)
+    return [(k, k) for k in keys]
+
+
+def markdown_table(rows: list[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
+    first = rows[0] if rows else {}
+    align = [":---" if isinstance(first.get(k), str) else "---:" for _, k in columns]
+    lines = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join(align) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(common.fmt(row.get(k)) for _, k in columns) + " |")
+    return "\n".join(lines)
+
+
+def summary(results: Path, outcomes: Sequence[Outcome]) -> str:
+    """summary.md from every saved result (in BENCHES order) and this run's outcomes."""
+    parts = ["# Benchmark results", "",
+             ("Written by `make bench` (`python -m bench.run_all`); one section per bench, "
+              "from `bench/results/<name>.json`."), ""]
+    for bench in BENCHES:
+        path = results / f"{bench.name}.json"
+        if not path.exists():
+            continue
+        saved = json.loads(path.read_text())
+        m = saved["machine"]
+        module = _module_or_none(bench.name)
+        parts += [f"## {bench.name}: {saved['title']}", "",
+                  (f"{m['date']}, {m['cpus']} CPUs, {m['platform']}, Python {m['python']}, "
+                   f"load average {m['loadavg'][0]:.1f} at start, {saved['seconds']}s"
+                   f"{', quick configuration' if saved['quick'] else ''}."), "",
+                  markdown_table(saved["rows"], columns_for(module, saved["rows"])), ""]
+    notes = [f"- {o.name}: {o.status}, {o.detail}" for o in outcomes if o.status != "ok"]
+    if notes:
+        parts += ["## Not run this time", "", *notes, ""]
+    return "\n".join(parts)
+
+
+def _module_or_none(name: str) -> Any:
+    try:
+        return importlib.import_module(f"bench.{name}")
+    except ImportError:
+        return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run_all", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", help="comma-separated bench names: "
+                    + ", ".join(b.name for b in BENCHES))
+    ap.add_argument("--quick", action="store_true", help="small configurations, fast")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where JSON and summary go")
+    args = ap.parse_args(argv)
+    chosen = list(BENCHES)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = sorted(set(wanted) - {b.name for b in BENCHES})
+        if unknown:
+            ap.error(f"unknown bench {', '.join(unknown)}; choose from "
+                     + ", ".join(b.name for b in BENCHES))
+        chosen = [b for b in BENCHES if b.name in wanted]
+    outcomes = [run_bench(b, args.quick, args.results) for b in chosen]
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / "summary.md").write_text(summary(args.results, outcomes))
+    print()
+    for o in outcomes:
+        print(f"{o.name:<12} {o.status:<8} {o.detail}")
+    print(f"results: {args.results}/")
+    return 1 if any(o.status == "failed" for o in outcomes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

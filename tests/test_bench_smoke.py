@@ -1,0 +1,69 @@
+"""The launch benches and the bench runner in tiny configurations: well-formed rows only.
+
+Timings are never asserted (this machine is shared and loaded); what is checked is that every
+tool's run worked, every rank left its stamp, the derived columns exist, the ordering of events
+is causal, and nothing is left running on the hosts afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import common, launch_time, run_all, wireup
+
+
+def _usable(tools):
+    return [t for t in tools if common.tool_missing(t) is None]
+
+
+def _check_rows(rows, tools, keys):
+    assert [r["tool"] for r in rows] == tools
+    for row in rows:
+        assert row["ok"] == row["reps"] == 1, row.get("error")
+        assert (row["hosts"], row["ranks"]) == (1, 4)
+        for key in keys:
+            assert isinstance(row[f"{key}_s"], float) and row[f"{key}_s"] > 0, (key, row)
+            assert row[f"{key}_min_s"] == row[f"{key}_s"]  # one repetition: median is min
+        assert len(row["samples"]) == 1
+    json.dumps(rows)  # run_all saves them as JSON
+
+
+def test_launch_time_on_one_host_starts_every_rank_under_every_tool(netns_cluster):
+    tools = _usable(launch_time.TOOLS)
+    rows = launch_time.run(hosts=(1,), reps=1, tools=tools, warmup=False, cluster=netns_cluster)
+    _check_rows(rows, tools, ("start", "first", "exit"))
+    for row in rows:
+        assert row["first_s"] <= row["start_s"] <= row["exit_s"]
+        assert row["start_s_growth"] == 1.0
+    if "hydra" in tools:
+        assert isinstance(rows[0]["start_s_vs_hydra"], float)
+    assert netns_cluster.wait_no_job_pids(5) == {}
+
+
+def test_wireup_on_one_host_forms_one_world_under_dtrain_and_hydra(netns_cluster):
+    tools = _usable(wireup.TOOLS)
+    rows = wireup.run(hosts=(1,), reps=1, tools=tools, warmup=False, cluster=netns_cluster)
+    _check_rows(rows, tools, ("world", "barrier", "exit", "init"))
+    for row in rows:
+        assert row["world_s"] <= row["barrier_s"] <= row["exit_s"]
+    assert netns_cluster.wait_no_job_pids(5) == {}
+
+
+def test_a_world_of_singletons_is_rejected_by_the_wireup_check():
+    stamps = [{"rank": 0, "size": 1, "start": 0.0, "init": 1.0, "barrier": 1.0}] * 4
+    assert "world sizes [1], expected 4" in wireup.one_world(stamps, 4)
+    assert "3 of 4 ranks" in wireup.one_world(stamps[:3], 4)
+
+
+def test_run_all_saves_json_and_a_markdown_summary_and_rejects_unknown_names(tmp_path, capsys):
+    assert run_all.main(["--only", "pmi_scaling", "--quick", "--results", str(tmp_path)]) == 0
+    saved = json.loads((tmp_path / "pmi_scaling.json").read_text())
+    assert saved["bench"] == "pmi_scaling" and saved["quick"] and saved["rows"]
+    summary = (tmp_path / "summary.md").read_text()
+    assert "## pmi_scaling" in summary and "| ranks |" in summary
+    with pytest.raises(SystemExit) as exit_info:
+        run_all.main(["--only", "no_such_bench", "--results", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "unknown bench no_such_bench" in capsys.readouterr().err
