@@ -73,15 +73,13 @@ class CommStats:
 
     exposed_s: float = 0.0
     """Blocked in finish_grad_sync (waiting for, or with overlap off running, the reductions)."""
-    launch_s: float = 0.0
-    """Inside bucket launches during backward (scaling + posting the async all-reduce)."""
     comm_s: float = 0.0
     """Inside the all-reduce calls themselves, wherever they ran (comm thread or sync mode);
     0 for a backend's native async ops, whose duration the host cannot see."""
     launches: int = 0
 
     def reset(self) -> None:
-        self.exposed_s = self.launch_s = self.comm_s = 0.0
+        self.exposed_s = self.comm_s = 0.0
         self.launches = 0
 
 
@@ -250,7 +248,6 @@ class DataParallel:
             self._next += 1
 
     def _launch(self, bucket: _Bucket, *, async_op: bool) -> None:
-        start = time.perf_counter()
         bucket.launched = True
         self.launch_order.append(bucket.index)
         self.stats.launches += 1
@@ -263,8 +260,6 @@ class DataParallel:
         else:
             bucket.view.mul_(1.0 / self.comm.size)
             bucket.handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=True)
-        if async_op:
-            self.stats.launch_s += time.perf_counter() - start
 
     def _reduce(self, bucket: _Bucket) -> None:
         """Blocking reduction of one bucket (main thread in sync mode, else the comm thread)."""
