@@ -152,8 +152,8 @@ def summarize(window: list[StepRecord]) -> str:
     compute = sum(r.compute_s for r in window) / n
     comm = sum(r.comm_exposed_s for r in window) / n
     total = sum(r.comm_total_s for r in window) / n
-    of_total = f" of {1e3 * total:.1f}" if total > 0 else ""
+    in_calls = f" (all-reduce calls {1e3 * total:.1f} ms)" if total > 0 else ""
     return (f"step {last.step:>6} | loss {last.loss:.4f} | lr {last.lr:.2e} | "
             f"gnorm {last.grad_norm:.3f} | {tokens / step_s if step_s else 0:,.0f} tok/s | "
             f"step {1e3 * step_s / n:.1f} ms = compute {1e3 * compute:.1f} + "
-            f"exposed comm {1e3 * comm:.1f}{of_total} ms")
+            f"exposed comm {1e3 * comm:.1f} ms{in_calls}")
