@@ -1,19 +1,12 @@
 """The per-host PMI-1 proxy core: serves the ranks of one host, relays to the head.
 
 Pure: the agent's adapter owns the sockets, calls ``open``/``feed``/``closed`` with what they
-did, ``upstream`` with what the head sent, and carries out the returned actions in order.
+did, ``upstream`` with what the head sent, and carries out the returned actions in order
+(`launcher.pmi.actions`, which also describes the upstream protocol and the stateless rules).
 Like Hydra's ``pmi_proxy`` it answers everything it can locally (init, maxes, job attributes,
 puts, gets of keys it has cached) and talks to the head only to combine barriers, one message
 per host per barrier carrying every put of this host since the previous barrier, which keeps
 the head at O(hosts) messages instead of O(ranks).
-
-Upstream protocol (JSON-able dicts; the head side is ``launcher.pmi.kvs``):
-
-    -> {"op": "barrier_in", "puts": {key: value}}     every local rank entered the barrier
-    <- {"op": "barrier_out", "kv": {key: value}}      all puts of all hosts in that epoch
-    -> {"op": "get", "key": k, "req": n}              a key this host has not seen
-    <- {"op": "get_result", "req": n, "found": bool, "value": str}
-    -> {"op": "abort", "rank": r, "code": n, "message": s}
 
 Failure rules (Hydra's): a rank whose connection closes after it spoke PMI but before
 ``finalize`` has failed; a connection that never sent a byte (a non-MPI program) has not.
@@ -27,7 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from launcher.errors import PmiError
+from launcher.pmi import actions
+from launcher.pmi.actions import (
+    Abort,
+    Action,
+    Close,
+    RankFailed,
+    Reply,
+    Send,
+    shm_segment_prefixes,
+)
 from launcher.pmi.codec import (
     LineBuffer,
     PmiCommand,
@@ -37,46 +39,9 @@ from launcher.pmi.codec import (
     parse_line,
 )
 
-KVSNAME_MAX, KEYLEN_MAX, VALLEN_MAX = 256, 64, 1024
-_UNSUPPORTED = {  # request -> (reply, what to tell the user); no MPI_Comm_spawn, no name service
-    "spawn": ("spawn_result", "MPI_Comm_spawn"),
-    "publish_name": ("publish_result", "MPI_Publish_name"),
-    "unpublish_name": ("unpublish_result", "MPI_Unpublish_name"),
-    "lookup_name": ("lookup_result", "MPI_Lookup_name"),
-}
-
-
-@dataclass(frozen=True)
-class Reply:
-    conn: int
-    data: bytes
-
-
-@dataclass(frozen=True)
-class Close:
-    conn: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Send:
-    msg: dict
-
-
-@dataclass(frozen=True)
-class RankFailed:
-    rank: int
-    reason: str
-
-
-@dataclass(frozen=True)
-class Abort:
-    rank: int
-    code: int
-    message: str
-
-
-Action = Reply | Close | Send | RankFailed | Abort
+# Re-exported: callers import the actions and shm_segment_prefixes from here.
+__all__ = ["Abort", "Action", "Close", "PmiProxy", "RankFailed", "Reply", "Send",
+           "shm_segment_prefixes"]
 
 
 @dataclass
@@ -107,7 +72,7 @@ class PmiProxy:
         self._world, self._kvsname = world_size, kvsname
         # PMI_ keys are job attributes served here; "" means absent. Like Hydra, a mapping too
         # long for one value is left out: MPICH then exchanges host names instead.
-        if len(process_mapping) > VALLEN_MAX:
+        if len(process_mapping) > actions.VALLEN_MAX:
             process_mapping = ""
         self._attrs = {"PMI_process_mapping": process_mapping, "universeSize": str(world_size)}
         self._tokens = dict(id_tokens or {})
@@ -120,13 +85,7 @@ class PmiProxy:
         self._gets: dict[int, tuple[int, str]] = {}  # req -> (conn, key)
         self._next_req = 0
         self._epoch = 0
-        self._fixed = {  # requests whose answer never changes during the job
-            "get_maxes": format_reply("maxes", rc=0, kvsname_max=KVSNAME_MAX,
-                                      keylen_max=KEYLEN_MAX, vallen_max=VALLEN_MAX),
-            "get_appnum": format_reply("appnum", rc=0, appnum=appnum),
-            "get_my_kvsname": format_reply("my_kvsname", rc=0, kvsname=kvsname),
-            "get_universe_size": format_reply("universe_size", rc=0, size=world_size),
-        }
+        self._fixed = actions.fixed_replies(world_size=world_size, kvsname=kvsname, appnum=appnum)
         self._handlers: dict[str, Callable[[int, _Conn, PmiCommand], list[Action]]] = {
             "init": self._init, "put": self._put, "get": self._get,
             "barrier_in": self._barrier_in, "finalize": self._finalize, "abort": self._abort,
@@ -159,14 +118,14 @@ class PmiProxy:
             lines = c.lines.feed(data)
         except PmiProtocolError as exc:
             lines, error = list(exc.lines), exc
-        actions: list[Action] = []
+        out: list[Action] = []
         for line in lines:
-            actions += self._line(conn, c, line)
+            out += self._line(conn, c, line)
             if conn not in self._conns:
-                return actions
+                return out
         if error is not None:
-            actions += self._reject(conn, error.why)
-        return actions
+            out += self._reject(conn, error.why)
+        return out
 
     def closed(self, conn: int) -> list[Action]:
         """``conn`` reached EOF (or broke)."""
@@ -185,7 +144,7 @@ class PmiProxy:
             return self._barrier_out(msg.get("kv"))
         if op == "get_result":
             return self._get_result(msg)
-        raise _relay_error(f"unknown op {op!r}")
+        raise actions.relay_error(f"unknown op {op!r}")
 
     def waiting(self) -> dict:
         """Who holds things up, for a diagnosis when the job hangs."""
@@ -211,7 +170,9 @@ class PmiProxy:
             cmd = parse_line(line)
         except PmiProtocolError as exc:
             return self._reject(conn, exc.why)
-        problem = self._order_problem(c, cmd)
+        problem = actions.order_problem(cmd, bound=c.rank is not None, known=self._handlers,
+                                        initialized=c.initialized, finalized=c.finalized,
+                                        pending=c.pending)
         if problem:
             return self._reject(conn, problem)
         if c.rank is None:
@@ -219,40 +180,18 @@ class PmiProxy:
         if cmd.multiline:
             c.spawn = SpawnBlock()
             return []
-        if cmd.cmd in _UNSUPPORTED:
-            return [self._refuse(conn, cmd.cmd)]
+        if cmd.cmd in actions.UNSUPPORTED:
+            return [actions.refusal(conn, cmd.cmd)]
         return self._handlers[cmd.cmd](conn, c, cmd)
-
-    def _order_problem(self, c: _Conn, cmd: PmiCommand) -> str:
-        name = cmd.cmd
-        if c.rank is None:
-            return "" if name == "initack" else f"sent {name} before initack (PMI_PORT mode)"
-        if c.finalized:
-            return f"sent {name} after finalize"
-        if name == "abort":
-            return ""  # accepted even before init or with a request pending
-        if c.pending:
-            return f"sent {name} while its {c.pending} was pending (one request at a time)"
-        if name == "initack":
-            return "sent initack on a connection that already has a rank"
-        if cmd.multiline and name != "spawn":
-            return f"unknown multi-line command mcmd={name}"
-        if name not in self._handlers and name not in _UNSUPPORTED:
-            return f"unknown command {name}"
-        if not c.initialized and name != "init":
-            return f"sent {name} before init"
-        if c.initialized and name == "init":
-            return "sent init twice"
-        return ""
 
     def _reject(self, conn: int, why: str) -> list[Action]:
         c = self._conns.pop(conn)
-        actions: list[Action] = [Close(conn, why)]
+        out: list[Action] = [Close(conn, why)]
         if c.rank is not None and self._owner.get(c.rank) == conn:
             del self._owner[c.rank]
             if not (c.finalized or c.aborted):
-                actions.append(RankFailed(c.rank, f"broke the PMI protocol: {why}"))
-        return actions
+                out.append(RankFailed(c.rank, f"broke the PMI protocol: {why}"))
+        return out
 
     def _bind(self, conn: int, rank: int) -> None:
         self._conns[conn].rank = rank
@@ -287,7 +226,7 @@ class PmiProxy:
 
     def _put(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         key, value = cmd.get("key", ""), cmd.get("value", "")
-        problem = self._kv_problem(cmd) or _value_problem(key, value)
+        problem = actions.key_problem(cmd, self._kvsname) or actions.value_problem(key, value)
         if problem:
             return [Reply(conn, format_reply("put_result", rc=1, msg=problem))]
         self._cache[key] = self._epoch_puts[key] = value
@@ -295,7 +234,7 @@ class PmiProxy:
 
     def _get(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         key = cmd.get("key")
-        problem = self._kv_problem(cmd)
+        problem = actions.key_problem(cmd, self._kvsname)
         if problem:
             return [Reply(conn, format_reply("get_result", rc=1, msg=problem))]
         value = self._attrs.get(key) if key in self._attrs else self._cache.get(key)
@@ -306,14 +245,6 @@ class PmiProxy:
         c.pending, self._next_req = "get", self._next_req + 1
         self._gets[self._next_req] = (conn, key)
         return [Send({"op": "get", "key": key, "req": self._next_req})]
-
-    def _kv_problem(self, cmd: PmiCommand) -> str:
-        key = cmd.get("key")
-        if cmd.get("kvsname") != self._kvsname:
-            return "unknown_kvsname"
-        if not key:
-            return "key_missing"
-        return f"key_longer_than_{KEYLEN_MAX}" if len(key) > KEYLEN_MAX else ""
 
     def _barrier_in(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         c.pending = "barrier"
@@ -328,49 +259,38 @@ class PmiProxy:
         return [Reply(conn, format_reply("finalize_ack", rc=0))]
 
     def _abort(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
-        text = cmd.get("exitcode", cmd.get("exit_code", "1"))  # flux's spelling too
-        try:
-            code = int(text)
-        except ValueError:
-            code = 1
-        message = cmd.get("message", cmd.get("error_msg", ""))
         c.aborted = True
-        return [Abort(c.rank, code, message),
-                Send({"op": "abort", "rank": c.rank, "code": code, "message": message})]
-
-    def _refuse(self, conn: int, name: str) -> Reply:
-        reply, feature = _UNSUPPORTED[name]
-        return Reply(conn, format_reply(reply, rc=-1, msg=f"dtrain_does_not_support_{feature}"))
+        return actions.abort_actions(c.rank, cmd)
 
     def _spawn_line(self, conn: int, c: _Conn, line: bytes) -> list[Action]:
         """Swallow the mcmd=spawn block, then refuse it as a whole."""
         if not c.spawn.feed(line):
             return []
         c.spawn = None
-        return [self._refuse(conn, "spawn")]
+        return [actions.refusal(conn, "spawn")]
 
     # ----- head messages -----------------------------------------------------------------------
 
     def _barrier_out(self, kv: object) -> list[Action]:
         if not isinstance(kv, dict):
-            raise _relay_error("barrier_out without a kv object")
+            raise actions.relay_error("barrier_out without a kv object")
         if len(self._barrier) < len(self._ranks):
-            raise _relay_error("barrier_out before every local rank entered the barrier")
+            raise actions.relay_error("barrier_out before every local rank entered the barrier")
         self._cache.update(kv)
         self._epoch += 1
-        actions: list[Action] = []
+        out: list[Action] = []
         for rank in sorted(self._barrier):
             conn = self._owner.get(rank)
             if conn is not None:
                 self._conns[conn].pending = None
-                actions.append(Reply(conn, format_reply("barrier_out", rc=0)))
+                out.append(Reply(conn, format_reply("barrier_out", rc=0)))
         self._barrier.clear()
-        return actions
+        return out
 
     def _get_result(self, msg: Mapping) -> list[Action]:
         entry = self._gets.pop(msg.get("req"), None)
         if entry is None:
-            raise _relay_error(f"get_result for unknown request {msg.get('req')!r}")
+            raise actions.relay_error(f"get_result for unknown request {msg.get('req')!r}")
         conn, key = entry
         c = self._conns.get(conn)
         if c is None:
@@ -382,31 +302,3 @@ class PmiProxy:
             return [Reply(conn, format_reply("get_result", rc=0, value=value))]
         return [Reply(conn, format_reply("get_result", rc=1, msg="key_not_found"))]
 
-
-def shm_segment_prefixes(kvsname: str) -> tuple[str, str]:
-    """Name prefixes of the /dev/shm segments MPICH ranks of this job create on a host.
-
-    MPICH names its node-local segments ``mpich_shm_<world_id>_<node>`` and
-    ``mpich_vci_<world_id>_<node>``, ``world_id`` being the 32-bit FNV-1a hash of the kvsname
-    (``mpir_pmi.c``, ``posix_init.c``), and nothing removes them when ranks are killed. Two
-    consequences: the kvsname must be unique per job (a stale segment of the same name makes
-    MPI_Init fail with "Out of memory"), and an agent that kills its ranks should remove the
-    files under /dev/shm that start with these prefixes.
-    """
-    world_id = 2166136261
-    for byte in kvsname.encode("utf-8"):
-        world_id = ((world_id ^ byte) * 16777619) & 0xFFFFFFFF
-    return f"mpich_shm_{world_id:x}_", f"mpich_vci_{world_id:x}_"
-
-
-def _value_problem(key: str, value: str) -> str:
-    if key.startswith("PMI_"):
-        return "keys_with_PMI_prefix_are_reserved"  # Hydra's rule: they are job attributes
-    if not value:
-        return "empty_value"  # a reply "value=" would not parse in MPICH's client
-    return f"value_longer_than_{VALLEN_MAX}" if len(value) > VALLEN_MAX else ""
-
-
-def _relay_error(why: str) -> PmiError:
-    return PmiError("PMI relay message rejected", "head", why,
-                    "This is a bug in dtrain; please report it with the agent log")

@@ -1,0 +1,227 @@
+"""ssh_config resolution: a host name becomes a `ResolvedHost`, with nothing executed.
+
+``~/.ssh/config`` is read with paramiko's parser (`resolve_host`): Host aliases, HostName,
+User, Port, IdentityFile, IdentitiesOnly, UserKnownHostsFile, ConnectTimeout, ProxyJump and
+Include (spliced in place, an approximation of OpenSSH's rule). ``ProxyCommand`` and
+``Match exec`` run local shell commands, so they are refused unless
+``SSHOptions.allow_config_exec``. Explicit ``user``/``port`` arguments win over the config (as
+``ssh -l/-p`` do); a config ``ConnectTimeout`` wins over ``SSHOptions.connect_timeout``.
+
+Every failure is a `ConnectError` (exit code 255).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import glob
+import os
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from launcher import hostkeys
+from launcher.errors import ConnectError
+
+_SETTING = re.compile(r"^\s*(\w+)(?:\s*=\s*|\s+)(.+?)\s*$")
+_HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
+_USER_OK = re.compile(r"^[A-Za-z0-9._@\\$-]+$")
+_DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
+_MAX_JUMPS = 8
+
+
+@dataclass(frozen=True)
+class SSHOptions:
+    """How to reach hosts; one instance per launch (CLI options map onto these fields)."""
+
+    config_file: Path | None = None      # None -> ~/.ssh/config when it exists
+    known_hosts: Path | None = None      # None -> UserKnownHostsFile from config, else ~/.ssh/
+    accept_new: bool = False             # opt-in TOFU; a CHANGED key is always refused
+    connect_timeout: float = 10.0
+    banner_timeout: float = 15.0
+    auth_timeout: float = 30.0
+    keepalive: float = 15.0
+    max_parallel: int = 32               # bounded parallel handshakes
+    allow_config_exec: bool = False      # ProxyCommand / Match exec are refused unless True
+    handshake_timeout: float = 30.0      # banner + key exchange, whole
+    channel_timeout: float = 30.0        # opening a session channel
+
+
+@dataclass(frozen=True)
+class ResolvedHost:
+    """A host name after ssh config lookup: everything needed to connect, nothing executed."""
+
+    alias: str
+    hostname: str
+    port: int
+    user: str
+    identity_files: tuple[str, ...]
+    known_hosts: Path                    # where accept_new writes (first UserKnownHostsFile)
+    read_known_hosts: tuple[Path, ...] = ()   # every file consulted, global ones included
+    identities_only: bool = False
+    connect_timeout: float = 10.0
+    proxy_command: str | None = None     # only set when allow_config_exec
+    jump: ResolvedHost | None = None     # ProxyJump: connect through this host first
+
+    @property
+    def key_name(self) -> str:
+        """The known_hosts name: ``host`` for port 22, ``[host]:port`` otherwise."""
+        return hostkeys.key_name(self.hostname, self.port)
+
+    @property
+    def where(self) -> str:
+        return f"{self.user}@{self.hostname}:{self.port}"
+
+
+def _config_lines(path: Path, depth: int = 0) -> list[tuple[str, str]]:
+    """(line, "file:lineno") of a config file with Include directives spliced in."""
+    if depth > 16:
+        raise ConnectError("ssh config Include nesting too deep", str(path),
+                           "more than 16 levels (an Include loop?)", "Fix the Include lines")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConnectError("cannot read ssh config", str(path), str(exc),
+                           "Fix the file or pass another with --ssh-config") from None
+    lines: list[tuple[str, str]] = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        match = _SETTING.match(line)
+        if not (match and match.group(1).lower() == "include"):
+            lines.append((line, f"{path}:{lineno}"))
+            continue
+        for pattern in shlex.split(match.group(2)):
+            full = Path(os.path.expanduser(pattern))
+            full = full if full.is_absolute() else Path.home() / ".ssh" / full
+            for included in sorted(glob.glob(str(full))):
+                lines += _config_lines(Path(included), depth + 1)
+    return lines
+
+
+def _first_directive(lines: list[tuple[str, str]], key: str) -> str | None:
+    """The origin of the first line setting ``key`` (for error messages)."""
+    for text, origin in lines:
+        match = _SETTING.match(text)
+        if match and match.group(1).lower() == key:
+            return origin
+    return None
+
+
+def _refuse_match_exec(lines: list[tuple[str, str]]) -> None:
+    """paramiko runs ``Match exec`` commands during lookup, so refuse before looking up."""
+    for text, origin in lines:
+        match = _SETTING.match(text)
+        if match and match.group(1).lower() == "match":
+            words = match.group(2).replace("=", " ").split()
+            if any(w.lstrip("!").lower() == "exec" for w in words):
+                raise ConnectError(
+                    "ssh config directive `Match exec` refused", origin,
+                    "looking up any host in this file would run its local shell command",
+                    "Remove the Match exec block, point --ssh-config at another file, or "
+                    "pass --ssh-allow-config-exec if you trust this file")
+
+
+def _load_config(opts: SSHOptions) -> tuple[paramiko.SSHConfig, list[tuple[str, str]]]:
+    path = opts.config_file
+    if path is None:
+        default = Path.home() / ".ssh" / "config"
+        if not default.is_file():
+            return paramiko.SSHConfig(), []
+        path = default
+    lines = _config_lines(Path(path))
+    if not opts.allow_config_exec:
+        _refuse_match_exec(lines)
+    try:
+        return paramiko.SSHConfig.from_text("\n".join(t for t, _ in lines)), lines
+    except paramiko.ssh_exception.ConfigParseError as exc:
+        raise ConnectError("cannot parse ssh config", str(path), str(exc),
+                           "Fix the line or pass another file with --ssh-config") from None
+
+
+def _check_name(value: str, kind: str, where: str, pattern: re.Pattern[str]) -> None:
+    """Names flow into %h expansions, MASTER_ADDR and logs: no options, no metacharacters."""
+    if not value or value.startswith("-") or not pattern.fullmatch(value):
+        raise ConnectError(f"{kind} {value!r} refused", where,
+                           "it is empty, starts with '-' or contains whitespace, control or "
+                           "shell characters", f"Use a plain {kind}")
+
+
+def _known_hosts_files(found: paramiko.SSHConfigDict, opts: SSHOptions) -> tuple[Path, ...]:
+    configured = [Path(os.path.expanduser(p)) for p in found.get("userknownhostsfile", "").split()]
+    if opts.known_hosts is not None:
+        configured = [Path(opts.known_hosts)]
+    user_files = configured or [Path.home() / ".ssh" / "known_hosts"]
+    return (*user_files, *hostkeys.GLOBAL_KNOWN_HOSTS)
+
+
+def _number(found: paramiko.SSHConfigDict, key: str, where: str, kind: type = float):
+    """A numeric ssh config value, None when absent; ConnectError naming the file when bad."""
+    if key not in found:
+        return None
+    try:
+        return kind(found[key])
+    except ValueError:
+        raise ConnectError(f"bad {key} in ssh config", where,
+                           f"{found[key]!r} is not a{'n integer' if kind is int else ' number'}",
+                           "Fix the value") from None
+
+
+def _parse_jump(spec: str | None, opts: SSHOptions, depth: int) -> ResolvedHost | None:
+    """``ProxyJump [user@]host[:port][,...]``: later hops go through earlier ones."""
+    if not spec or spec.lower() == "none":
+        return None
+    if depth >= _MAX_JUMPS:
+        raise ConnectError("ProxyJump chain refused", spec, f"more than {_MAX_JUMPS} hops "
+                           "(a loop between Host blocks?)", "Fix ProxyJump in the ssh config")
+    previous = None
+    for hop in spec.split(","):
+        hop = hop.strip().removeprefix("ssh://")
+        user, _, hostport = hop.rpartition("@")
+        host, port = hostport, None
+        match = re.match(r"^\[(.+)\]:(\d+)$|^([^:]+):(\d+)$", hostport)
+        if match:
+            host, port = (match.group(1) or match.group(3)), int(match.group(2) or match.group(4))
+        resolved = _resolve(host, user or None, port, opts, depth + 1)
+        previous = dataclasses.replace(resolved, jump=previous) if previous else resolved
+    return previous
+
+
+def resolve_host(name: str, *, user: str | None, port: int | None,
+                 opts: SSHOptions) -> ResolvedHost:
+    """Apply the ssh config to ``name``; raises ConnectError, never executes anything."""
+    return _resolve(name, user, port, opts, 0)
+
+
+def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
+             depth: int) -> ResolvedHost:
+    _check_name(name, "host name", name, _HOST_OK)
+    config, lines = _load_config(opts)
+    found = config.lookup(name)
+    origin = str(opts.config_file or Path.home() / ".ssh" / "config")
+    proxy = found.get("proxycommand")
+    if proxy and not opts.allow_config_exec:
+        raise ConnectError(
+            "ssh config directive `ProxyCommand` refused", _first_directive(lines, "proxycommand")
+            or origin, f"host {name} would run the local shell command `{proxy}`",
+            "Use ProxyJump instead, or pass --ssh-allow-config-exec if you trust the file")
+    hostname = found["hostname"]
+    _check_name(hostname, "host name", f"{name} (HostName)", _HOST_OK)
+    user = user or found.get("user") or getpass.getuser()
+    _check_name(user, "user name", name, _USER_OK)
+    port = port or _number(found, "port", origin, int) or 22
+    if not 0 < port < 65536:
+        raise ConnectError("bad port", name, f"{port} is outside 1..65535", "Fix the port")
+    files = tuple(os.path.expanduser(f) for f in found.get("identityfile", []) if f != "none")
+    read_from = _known_hosts_files(found, opts)
+    return ResolvedHost(
+        alias=name, hostname=hostname, port=port, user=user,
+        identity_files=files or tuple(os.path.expanduser(f) for f in _DEFAULT_KEYS),
+        known_hosts=read_from[0], read_known_hosts=read_from,
+        identities_only=found.get("identitiesonly", "no").lower() == "yes",
+        connect_timeout=_number(found, "connecttimeout", origin) or opts.connect_timeout,
+        proxy_command=proxy or None,
+        jump=_parse_jump(found.get("proxyjump"), opts, depth),
+    )
+
