@@ -34,8 +34,8 @@ because MPICH refuses to start when PMIX_* is set and a stale PMI_* would point 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -84,7 +84,7 @@ class WorkerEnv:
     host: str
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         """Read the contract; a missing or malformed variable names itself and the fix."""
         env = os.environ if environ is None else environ
         return cls(
@@ -100,7 +100,7 @@ class WorkerEnv:
         )
 
     @classmethod
-    def single_process(cls) -> "WorkerEnv":
+    def single_process(cls) -> WorkerEnv:
         """The contract of a process started by hand: one rank, world of one."""
         return cls(0, 1, 0, 1, 0, "127.0.0.1", 29500, "standalone", "localhost")
 

@@ -27,7 +27,7 @@ class Closed:
 class AgentLink:
     """One host's agent as the supervisor sees it."""
 
-    def __init__(self, index: int, stream: AgentStream, events: "queue.Queue[Any]") -> None:
+    def __init__(self, index: int, stream: AgentStream, events: queue.Queue[Any]) -> None:
         self.index = index
         self.stream = stream
         self.name = stream.host

@@ -13,8 +13,9 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence, TextIO
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -71,7 +72,8 @@ def ask_facts(stream: AgentStream, cwd: str, timeout: float) -> dict[str, Any]:
             data = stream.read(65536)
             if not data:
                 stderr = getattr(stream, "stderr_text", lambda: "")().strip()
-                raise RuntimeError("agent exited" + (f": {stderr.splitlines()[-1]}" if stderr else ""))
+                last = f": {stderr.splitlines()[-1]}" if stderr else ""
+                raise RuntimeError("agent exited" + last)
             for frame in decoder.feed(data):
                 if frame.kind is wire.Kind.REPLY:
                     return frame.json()
@@ -90,9 +92,9 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
         from launcher import ssh
 
         opts = ssh.SSHOptions(**ssh_kwargs)
-        for h, res in zip(remote, ssh.open_all(
-                [ssh.resolve_host(h.entry.name, user=h.entry.user, port=h.entry.port, opts=opts)
-                 for h in remote], opts)):
+        resolved = [ssh.resolve_host(h.entry.name, user=h.entry.user, port=h.entry.port,
+                                     opts=opts) for h in remote]
+        for h, res in zip(remote, ssh.open_all(resolved, opts), strict=True):
             if isinstance(res, DtrainError):
                 rows[h.entry.name].problems.append(str(res))
                 continue
@@ -123,7 +125,8 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
 def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
     console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=200)
     table = Table(title="dtrain check", title_justify="left")
-    for col in ("host", "hostname", "ssh ms", "python", "dtrain", *COMPARED, "slots/gpus", "result"):
+    columns = ("host", "hostname", "ssh ms", "python", "dtrain", *COMPARED, "slots/gpus", "result")
+    for col in columns:
         table.add_column(col)
     for r in rows:
         f = r.facts or {}

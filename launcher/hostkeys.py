@@ -86,7 +86,7 @@ def load_into(keys: paramiko.HostKeys, paths: Iterable[Path]) -> None:
     paramiko's own ``HostKeys.load`` raises on ``@revoked``/``@cert-authority`` lines (their
     key field is not base64), which would make one such line break every connection.
     """
-    for path, lineno, fields in _known_lines(paths):
+    for _path, lineno, fields in _known_lines(paths):
         if fields[0].startswith("@"):
             continue
         try:

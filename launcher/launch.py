@@ -12,11 +12,13 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
-from launcher import environment, hostfile, plan as planning, selection
+from launcher import environment, hostfile, selection
+from launcher import plan as planning
 from launcher.errors import ConnectError, UsageError
 from launcher.local import LocalAgentStream, agent_command
 from launcher.output import OutputSink
@@ -100,7 +102,7 @@ def open_streams(selected: Sequence[selection.HostSlots], req: LaunchRequest) ->
             raise errors[0] if len(errors) == 1 else ConnectError(
                 f"{len(errors)} hosts could not be reached", "",
                 "; ".join(str(e) for e in errors), "nothing was started anywhere")
-        conns = {h.entry.name: c for h, c in zip(remote, results)}
+        conns = {h.entry.name: c for h, c in zip(remote, results, strict=True)}
     command = shlex.join(agent_command(python))
     streams: list[AgentStream] = []
     for h in selected:
@@ -157,7 +159,8 @@ def run_launch(req: LaunchRequest) -> int:
     return outcome.exit_code
 
 
-def _run_mpirun(req: LaunchRequest, build_plan: Any, selected: Sequence[selection.HostSlots]) -> int:
+def _run_mpirun(req: LaunchRequest, build_plan: Any,
+                selected: Sequence[selection.HostSlots]) -> int:
     from launcher import mpirun
 
     first = selected[0].entry

@@ -10,7 +10,7 @@ import collections
 import subprocess
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 AGENT_MODULE = "launcher.agent"
 

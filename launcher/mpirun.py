@@ -15,8 +15,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import workerenv
 from launcher.errors import UsageError

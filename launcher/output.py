@@ -10,8 +10,9 @@ from __future__ import annotations
 import collections
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import BinaryIO, Mapping
+from typing import BinaryIO
 
 _SEGMENT = re.compile(rb"[^\r\n]*(?:\r\n|\n|\r)")
 TAIL_LINES = 20

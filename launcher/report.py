@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, TextIO
+from collections.abc import Callable
+from typing import TextIO
 
 from rich.console import Console
 from rich.table import Table

@@ -8,7 +8,8 @@ from __future__ import annotations
 import queue
 import socket
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from launcher import wire
 from launcher.agent.facts import route_source
@@ -19,7 +20,7 @@ from launcher.plan import JobPlan
 
 
 class Startup:
-    def __init__(self, links: Sequence[AgentLink], events: "queue.Queue[Any]", opts: Any) -> None:
+    def __init__(self, links: Sequence[AgentLink], events: queue.Queue[Any], opts: Any) -> None:
         self.links = list(links)
         self.events = events
         self.opts = opts
@@ -35,12 +36,13 @@ class Startup:
         for link in self.links:
             if link.hello.get("protocol") != wire.PROTOCOL_VERSION:
                 raise AgentError("agent speaks another protocol", f"host {link.name}",
-                                 f"head {wire.PROTOCOL_VERSION}, agent {link.hello.get('protocol')} "
+                                 f"head {wire.PROTOCOL_VERSION}, "
+                                 f"agent {link.hello.get('protocol')} "
                                  f"(dtrain {link.hello.get('dtrain')})",
                                  "install the same dtrain version on every host")
         addr, port = master
         plan = build_plan(addr or self._master_addr(), port or self._free_port())
-        for link, host_plan in zip(self.links, plan.hosts):
+        for link, host_plan in zip(self.links, plan.hosts, strict=True):
             link.send_json(wire.Kind.SPEC, self._spec(plan, host_plan))
         self._gather(wire.Kind.READY, "check the job", lambda *_: None)
         return plan
@@ -80,14 +82,16 @@ class Startup:
             },
         }
 
-    def _gather(self, kind: wire.Kind, doing: str, on_body: Callable[[AgentLink, dict], None]) -> None:
+    def _gather(self, kind: wire.Kind, doing: str,
+                on_body: Callable[[AgentLink, dict], None]) -> None:
         waiting = {link.index for link in self.links}
         while waiting:
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
                 names = ", ".join(self.links[i].name for i in sorted(waiting))
                 raise AgentError(f"agents did not {doing} in time", names,
-                                 f"no answer within the launch timeout ({self.opts.launch_timeout}s)",
+                                 "no answer within the launch timeout "
+                                 f"({self.opts.launch_timeout}s)",
                                  "check those hosts with `dtrain check`")
             try:
                 event = self.events.get(timeout=min(remaining, 0.5))

@@ -12,8 +12,9 @@ import queue
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from launcher import wire
 from launcher.agentlink import AgentLink, Closed, Received
@@ -38,9 +39,10 @@ class SuperviseOptions:
 
 
 class Supervisor:
-    def __init__(self, streams: Sequence[AgentStream], sink_factory: Callable[[JobPlan], OutputSink],
+    def __init__(self, streams: Sequence[AgentStream],
+                 sink_factory: Callable[[JobPlan], OutputSink],
                  opts: SuperviseOptions) -> None:
-        self.events: "queue.Queue[Any]" = queue.Queue()
+        self.events: queue.Queue[Any] = queue.Queue()
         self.links = [AgentLink(i, s, self.events) for i, s in enumerate(streams)]
         self.opts = opts
         self._sink_factory = sink_factory
@@ -182,7 +184,8 @@ class Supervisor:
             return
         r.state = "exited"
         if r.code != 0:
-            self._fail(Failure(r.code, f"rank {r.rank}@{r.host}", exit_status_why(r.code, r.signal)))
+            why = exit_status_why(r.code, r.signal)
+            self._fail(Failure(r.code, f"rank {r.rank}@{r.host}", why))
 
     def _on_pmi(self, link: AgentLink, msg: dict[str, Any]) -> None:
         op = msg.get("op")

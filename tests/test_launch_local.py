@@ -10,8 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import (PYTHON, REPO, alive, dtrain_cmd, dtrain_env, kill_recorded, run_dtrain, start_dtrain, wait_for_lines,
-                           wait_gone)
+from tests.support import (
+    PYTHON,
+    REPO,
+    alive,
+    dtrain_cmd,
+    dtrain_env,
+    kill_recorded,
+    run_dtrain,
+    start_dtrain,
+    wait_for_lines,
+    wait_gone,
+)
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
 

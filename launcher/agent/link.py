@@ -25,7 +25,7 @@ class Eof:
 class HeadLink:
     """Thread-safe frame writer plus a reader thread that queues incoming frames."""
 
-    def __init__(self, events: "queue.Queue[Any]") -> None:
+    def __init__(self, events: queue.Queue[Any]) -> None:
         self._out: BinaryIO = os.fdopen(os.dup(1), "wb", buffering=0)
         self._in_fd = os.dup(0)
         devnull = os.open(os.devnull, os.O_RDONLY)

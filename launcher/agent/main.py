@@ -28,7 +28,7 @@ EOF_GRACE_S = 3.0        # the head is gone: short grace, nobody is waiting for 
 
 class Agent:
     def __init__(self) -> None:
-        self.events: "queue.Queue[Any]" = queue.Queue()
+        self.events: queue.Queue[Any] = queue.Queue()
         self.link = HeadLink(self.events)
         self.ranks: dict[int, RankProcess] = {}
         self.spec: dict[str, Any] = {}

@@ -22,7 +22,8 @@ import selectors
 import socket
 import threading
 import time
-from typing import Any, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import workerenv
 from launcher.pmi import proxy as pmi_proxy
@@ -53,7 +54,7 @@ class PmiSockets:
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, socket.socket] = {}
         self._ids = itertools.count(1)
-        self._inbox: "queue.Queue[Mapping[str, Any]]" = queue.Queue()
+        self._inbox: queue.Queue[Mapping[str, Any]] = queue.Queue()
         self._child_end: dict[int, socket.socket] = {}
         self._env: dict[int, dict[str, str]] = {}
         tokens: dict[str, int] = {}

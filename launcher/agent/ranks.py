@@ -15,8 +15,9 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 try:
@@ -77,7 +78,7 @@ def start_rank(
     cwd: str,
     pass_fds: Sequence[int],
     on_output: Callable[[int, int, bytes], None],
-    events: "queue.Queue[Any]",
+    events: queue.Queue[Any],
 ) -> RankProcess:
     """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads."""
     proc = subprocess.Popen(
@@ -117,7 +118,7 @@ def _pump(rank: int, stream: int, pipe: Any, on_output: Callable[[int, int, byte
         pipe.close()
 
 
-def _reap(rp: RankProcess, events: "queue.Queue[Any]") -> None:
+def _reap(rp: RankProcess, events: queue.Queue[Any]) -> None:
     status = rp.proc.wait()
     # The rank's children may keep the pipes open; do not let them delay the exit report.
     for t in rp.pumps:

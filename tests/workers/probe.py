@@ -12,7 +12,6 @@ The PID (and children's PIDs) go to $PROBE_PID_DIR/<rank>.pid when that variable
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -42,7 +41,8 @@ def main():
     if mode == "env":
         env = {k: os.environ.get(k) for k in KEYS}
         env["hostname"] = os.uname().nodename
-        env["scrubbed"] = sorted(k for k in os.environ if k.startswith(("PMIX_", "OMPI_", "SLURM_")))
+        foreign = ("PMIX_", "OMPI_", "SLURM_")
+        env["scrubbed"] = sorted(k for k in os.environ if k.startswith(foreign))
         print(json.dumps(env), flush=True)
     elif mode == "argv":
         print(json.dumps(args), flush=True)
