@@ -39,6 +39,12 @@ COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ranks", "ranks"), ("ok", "ok"
            ("exit s", "exit_s"), ("min", "exit_min_s"), ("running/Hydra", "start_s_vs_hydra"),
            ("exit/Hydra", "exit_s_vs_hydra"), ("running/1 host", "start_s_growth")]
 SUMMARY_COLUMNS = COLUMNS
+SUMMARY_NOTE = (
+    "All namespace hosts share this one machine's CPUs and kernel: N hosts x 4 ranks start 4N "
+    "Python processes on the same cores, so growth with the host count includes CPU contention "
+    "that separate machines would not have. Each tool's runs are interleaved with the others' "
+    "(tool order rotated every repetition), so contention and load from other work hit all "
+    "tools alike; compare the ratios, not the absolute seconds.")
 
 
 def metrics(t0: float, t_exit: float, stamps: list[dict]) -> dict[str, float]:

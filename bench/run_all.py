@@ -149,10 +149,21 @@ def summary(results: Path, outcomes: Sequence[Outcome]) -> str:
                    f"load average {m['loadavg'][0]:.1f} at start, {saved['seconds']}s"
                    f"{', quick configuration' if saved['quick'] else ''}."), "",
                   markdown_table(saved["rows"], columns_for(module, saved["rows"])), ""]
+        parts += failure_notes(saved["rows"])
+        if getattr(module, "SUMMARY_NOTE", None):
+            parts += [module.SUMMARY_NOTE, ""]
     notes = [f"- {o.name}: {o.status}, {o.detail}" for o in outcomes if o.status != "ok"]
     if notes:
         parts += ["## Not run this time", "", *notes, ""]
     return "\n".join(parts)
+
+
+def failure_notes(rows: list[dict[str, Any]]) -> list[str]:
+    """A bullet per row that had failed runs (rows with an ``error``), then a blank line."""
+    notes = [f"- {r.get('tool', '')} on {r.get('hosts', '?')} hosts: {r.get('ok')}/"
+             f"{r.get('reps')} runs worked; first failure: {r['error']}"
+             for r in rows if r.get("error")]
+    return [*notes, ""] if notes else []
 
 
 def _module_or_none(name: str) -> Any:

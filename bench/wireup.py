@@ -7,9 +7,10 @@ Same cluster and protocol as `bench.launch_time`, with a rank program that does
 (``bench/workers/mpi_stamp.py``). dtrain serves PMI-1 from its per-host agents over the SSH
 channel; ``mpiexec.hydra -launcher ssh`` serves it from its ``hydra_pmi_proxy`` per host. Per
 run: ``world`` = last rank past MPI_Init - t0, ``barrier`` = last rank past the first barrier -
-t0, ``exit`` = launcher returned - t0, ``init`` = the longest ``from mpi4py import MPI`` inside
-one rank (loading the library plus the PMI exchange of MPI_Init; the launch itself excluded). A run whose ranks do not see one world of
-the expected size counts as failed. Target: dtrain's world time <= Hydra's.
+t0, ``exit`` = launcher returned - t0, ``init`` = the longest ``import mpi4py.MPI`` inside one
+rank (loading the library plus MPI_Init's PMI exchange; the launch itself excluded). A run
+whose ranks do not see one world of the expected size counts as failed. Target: dtrain's
+world time <= Hydra's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ranks", "ranks"), ("ok", "ok"
            ("exit s", "exit_s"), ("in-rank init s", "init_s"), ("world/Hydra", "world_s_vs_hydra"),
            ("init/Hydra", "init_s_vs_hydra"), ("world/1 host", "world_s_growth")]
 SUMMARY_COLUMNS = COLUMNS
+SUMMARY_NOTE = (
+    "All namespace hosts share this one machine's CPUs and kernel: N hosts x 4 ranks start 4N "
+    "Python processes on the same cores, so growth with the host count includes CPU contention "
+    "that separate machines would not have. Each tool's runs are interleaved with the others' "
+    "(tool order rotated every repetition), so contention and load from other work hit all "
+    "tools alike; compare the ratios, not the absolute seconds.")
 
 
 def metrics(t0: float, t_exit: float, stamps: list[dict]) -> dict[str, float]:
