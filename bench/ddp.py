@@ -175,8 +175,9 @@ def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the timed steps of: slowest rank's step time, mean wait, skew-free exposed."""
-    steps = list(zip(*(r["sides"][side] for r in per_rank)))  # steps[i] = every rank's step i
+    """Medians over the timed steps of the slowest rank's step time, the mean wait and the
+    skew-free exposed time."""
+    steps = list(zip(*(r["sides"][side] for r in per_rank), strict=True))  # [step][rank]
     row = {"side": side, "ranks": ranks, "buckets": per_rank[0]["buckets"],
            "params": per_rank[0]["params"],
            "step_ms": 1e3 * statistics.median(max(r["step_s"] for r in s) for s in steps)}

@@ -117,6 +117,18 @@ def test_no_sync_microbatches_launch_nothing_and_the_last_one_reduces(ranks: lis
         assert torch.equal(probe["synced"], probes[0]["synced"])    # averaged everywhere
 
 
+def test_thread_native_async_and_sync_launch_paths_reduce_to_the_same_gradients(
+        ranks: list[dict]) -> None:
+    for rank in ranks:
+        got = rank["async_paths"]
+        assert got["thread_order"] == got["native_order"] == got["sync_order"]
+        assert len(got["thread_order"]) > 4
+        torch.testing.assert_close(got["native"], got["thread"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["sync"], got["thread"], rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(got["thread"], ranks[0]["async_paths"]["thread"], rtol=0,
+                                   atol=0)
+
+
 def test_parameter_without_gradient_is_named_instead_of_hanging(ranks: list[dict]) -> None:
     for rank in ranks:
         assert "parameters got no gradient [spare.bias, spare.weight]" in rank["unused"]

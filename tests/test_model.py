@@ -18,7 +18,7 @@ def tokens(batch: int = 2, seq: int = 16, seed: int = 0) -> torch.Tensor:
 
 def test_same_seed_builds_bit_identical_weights_and_another_seed_does_not() -> None:
     a, b, c = GPT(TINY, seed=5), GPT(TINY, seed=5), GPT(TINY, seed=6)
-    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
     assert not torch.equal(a.tok_emb.weight, c.tok_emb.weight)
 
 

@@ -174,7 +174,7 @@ class DataParallel:
             group = [t for t in tensors if t.dtype == dtype]
             flat = torch.cat([t.reshape(-1) for t in group])
             self.comm.broadcast(flat, 0)
-            for t, part in zip(group, flat.split([t.numel() for t in group])):
+            for t, part in zip(group, flat.split([t.numel() for t in group]), strict=True):
                 t.copy_(part.view_as(t))
 
     # -- the training-step API ---------------------------------------------------------------

@@ -58,6 +58,23 @@ def probe_no_sync(world: World, dp_comm: Communicator, out: Path) -> dict[str, A
             "synced": run.dp.buffer.clone(), "launched": list(run.dp.launch_order)}
 
 
+def probe_async_paths(world: World, dp_comm: Communicator) -> dict[str, Any]:
+    """The same backward reduced by every launch path: comm thread (the MPI default), the
+    backend's own async ops (what NCCL uses), and synchronously after backward."""
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8)
+    x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(world.rank))
+    grads = {}
+    for name, kwargs in (("thread", {"comm_thread": True}), ("native", {"comm_thread": False}),
+                         ("sync", {"overlap": False})):
+        model = GPT(cfg, seed=3)
+        dp = DataParallel(model, dp_comm, bucket_size=300, **kwargs)
+        model.loss(x, x).backward()
+        dp.finish_grad_sync()
+        grads[name] = dp.buffer.clone()
+        grads[name + "_order"] = list(dp.launch_order)
+    return grads
+
+
 def probe_unused(dp_comm: Communicator) -> str:
     model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=1)
     model.spare = nn.Linear(4, 4)  # never used by forward
@@ -101,6 +118,7 @@ def main(out: Path) -> None:
     dp_comm = build_groups(world, ParallelDims(dp=world.size)).dp
     result: dict[str, Any] = {name: run_case(name, world, dp_comm, out) for name in CASES}
     result["no_sync"] = probe_no_sync(world, dp_comm, out)
+    result["async_paths"] = probe_async_paths(world, dp_comm)
     result["unused"] = probe_unused(dp_comm)
     result["second_backward"] = probe_second_backward(dp_comm)
     if world.size > 1:
