@@ -26,6 +26,10 @@ dtrain's own:
     DTRAIN_HOST       the host name as written in the hostfile
     OMP_NUM_THREADS   1 unless the user set it
     CUDA_VISIBLE_DEVICES  only when --include/--exclude selected GPU slots on this host
+    GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
+                      the network interface of this host that routes to MASTER_ADDR, unless
+                      the user set them (gloo and NCCL otherwise guess from the host name or
+                      take the first interface, often a bridge or docker0)
 
 Inherited PMI_*, PMIX_*, OMPI_*, SLURM_* variables are removed before the launcher adds its own,
 because MPICH refuses to start when PMIX_* is set and a stale PMI_* would point at another job.

@@ -43,6 +43,8 @@ def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="Trust and record unknown host keys (changed keys are always refused)."),
         click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True,
                      help="Seconds to wait for each host's TCP connection."),
+        click.option("--ssh-allow-config-exec", is_flag=True,
+                     help="Let ssh_config ProxyCommand / Match exec run (refused by default)."),
     ]
     return functools.reduce(lambda f, opt: opt(f), reversed(opts), fn)
 
@@ -59,7 +61,8 @@ def _ssh_options(kw: dict[str, Any]) -> dict[str, Any]:
     return {"config_file": Path(config) if config else None,
             "known_hosts": Path(known) if known else None,
             "accept_new": kw.pop("ssh_accept_new"),
-            "connect_timeout": kw.pop("ssh_connect_timeout")}
+            "connect_timeout": kw.pop("ssh_connect_timeout"),
+            "allow_config_exec": kw.pop("ssh_allow_config_exec")}
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

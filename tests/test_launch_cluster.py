@@ -221,3 +221,19 @@ def test_training_across_two_hosts_completes_and_its_loss_falls(cluster, tmp_pat
     assert len(losses) >= 40
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     assert "dp 2" in res.stdout + res.stderr
+
+
+def test_an_unmodified_torch_env_script_runs_across_hosts(cluster):
+    script = str(REPO / "tests" / "workers" / "torch_env_script.py")
+    res = run_dtrain(["launch", "-H", "node1:1,node3:1", *_ssh(cluster), "--", PYTHON, script],
+                     timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "rank 1 of 2 sum 3" in res.stdout
+
+
+def test_diagnose_reports_mpi_and_bandwidth_across_hosts(cluster):
+    res = run_dtrain(["launch", "-H", "node1:2,node2:2", *_ssh(cluster), "--", PYTHON, "-m",
+                      "trainer.diagnose", "--sizes", "1K,64K", "--iters", "3"], timeout=180)
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert "MPICH" in out and "node2" in out

@@ -205,3 +205,10 @@ def test_partial_lines_and_carriage_returns_keep_their_rank_prefix():
                          timeout=60, env=dtrain_env(), cwd=REPO)
     assert res.returncode == 0, res.stderr
     assert res.stdout == b"[0@localhost] 10%\r[0@localhost] 100%\r\n[0@localhost] done\n"
+
+
+def test_an_unmodified_torch_env_script_runs():
+    script = str(REPO / "tests" / "workers" / "torch_env_script.py")
+    res = run_dtrain(["launch", "--nproc-per-node", "2", "--", PYTHON, script], timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "rank 0 of 2 sum 3" in res.stdout and "rank 1 of 2 sum 3" in res.stdout

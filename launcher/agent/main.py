@@ -24,6 +24,8 @@ from launcher.environment import scrub
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway
 EOF_GRACE_S = 3.0        # the head is gone: short grace, nobody is waiting for a clean exit
+# Set to the interface that reaches MASTER_ADDR unless the user set them (workerenv.py).
+SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class Agent:
@@ -32,6 +34,7 @@ class Agent:
         self.link = HeadLink(self.events)
         self.ranks: dict[int, RankProcess] = {}
         self.spec: dict[str, Any] = {}
+        self.interface: str | None = None  # the NIC that reaches MASTER_ADDR
         self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
         self.interval = 5.0
         self.silence_limit = HELLO_SILENCE_S
@@ -109,6 +112,8 @@ class Agent:
         self.spec = spec
         self.interval = float(spec.get("heartbeat", 5.0))
         self.silence_limit = self.interval * int(spec.get("misses", 3))
+        master = spec["ranks"][0]["env"].get("MASTER_ADDR") if spec["ranks"] else None
+        self.interface = facts.interface_for(master) if master else None
         problem = self._check_spec(spec)
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
@@ -141,6 +146,9 @@ class Agent:
     def _rank_env(self, rank_spec: dict[str, Any]) -> dict[str, str]:
         env = scrub(os.environ)
         env.update(rank_spec["env"])
+        if self.interface:
+            for name in SOCKET_IFNAME_VARS:
+                env.setdefault(name, self.interface)
         if self.pmi is not None:
             env.update(self.pmi.rank_env(rank_spec["rank"]))
         return env
