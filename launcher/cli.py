@@ -147,7 +147,8 @@ def _guard(action: Callable[[], int]) -> int:
 def check(**kw: Any) -> None:
     """Preflight every host in parallel: SSH, versions, GPUs, working directory."""
     from launcher.check import run_check
-    from launcher.launch import select, validate_remote_python
+    from launcher.connect import validate_remote_python
+    from launcher.launch import select
 
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)

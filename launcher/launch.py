@@ -19,12 +19,10 @@ from typing import Any
 
 from launcher import environment, hostfile, selection
 from launcher import plan as planning
-from launcher.errors import ConnectError, UsageError
-from launcher.local import LocalAgentStream, agent_command
+from launcher.connect import close_streams, open_streams, validate_remote_python
+from launcher.errors import UsageError
 from launcher.output import OutputSink
-from launcher.report import print_report
 from launcher.supervisor import SuperviseOptions, Supervisor
-from launcher.transport import AgentStream
 
 
 @dataclass(frozen=True)
@@ -74,47 +72,6 @@ def select(req: HostRequest) -> list[selection.HostSlots]:
                                   num_nodes=req.num_nodes, nproc_per_node=nproc)
 
 
-def validate_remote_python(path: str) -> str:
-    """The interpreter path goes into the (constant) remote command: allow only plain paths."""
-    if not os.path.isabs(path) or any(c.isspace() or c in "'\"`$;&|<>\\()*?[]{}!#~" for c in path):
-        raise UsageError("unusable interpreter path", "--remote-python", f"{path!r}",
-                         "give an absolute path without spaces or shell characters")
-    return path
-
-
-def open_streams(selected: Sequence[selection.HostSlots], req: LaunchRequest) -> list[AgentStream]:
-    """One agent per host: local subprocess for localhost, one SSH session otherwise."""
-    python = validate_remote_python(req.remote_python)
-    remote = [h for h in selected if not h.entry.is_local]
-    conns: dict[str, Any] = {}
-    if remote:
-        from launcher import ssh  # paramiko is imported only when a remote host needs it
-
-        opts = ssh.SSHOptions(**req.ssh)
-        resolved = [ssh.resolve_host(h.entry.name, user=h.entry.user, port=h.entry.port, opts=opts)
-                    for h in remote]
-        results = ssh.open_all(resolved, opts)
-        errors = [r for r in results if isinstance(r, ConnectError)]
-        if errors:
-            for r in results:
-                if not isinstance(r, ConnectError):
-                    r.close()
-            raise errors[0] if len(errors) == 1 else ConnectError(
-                f"{len(errors)} hosts could not be reached", "",
-                "; ".join(str(e) for e in errors), "nothing was started anywhere")
-        conns = {h.entry.name: c for h, c in zip(remote, results, strict=True)}
-    command = shlex.join(agent_command(python))
-    streams: list[AgentStream] = []
-    for h in selected:
-        if h.entry.is_local:
-            streams.append(LocalAgentStream(h.entry.name, python=python))
-        else:
-            stream = conns[h.entry.name].exec_stream(command)
-            stream.connection = conns[h.entry.name]
-            streams.append(stream)
-    return streams
-
-
 def run_launch(req: LaunchRequest) -> int:
     if not req.argv:
         raise UsageError("nothing to run", "launch", "no program after the options",
@@ -137,7 +94,7 @@ def run_launch(req: LaunchRequest) -> int:
                    out=sys.stdout)
         return 0
     t0 = time.monotonic()
-    streams = open_streams(selected, req)
+    streams = open_streams(selected, python=req.remote_python, ssh_kwargs=req.ssh)
 
     def sink(p: planning.JobPlan) -> OutputSink:
         return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
@@ -151,10 +108,9 @@ def run_launch(req: LaunchRequest) -> int:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for stream in streams:
-            conn = getattr(stream, "connection", None)
-            if conn is not None:
-                conn.close()
+        close_streams(streams)
+    from launcher.report import print_report  # rich: only once the job is over
+
     print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
     return outcome.exit_code
 

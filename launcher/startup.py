@@ -1,6 +1,9 @@
-"""Job start-up over connected agents: HELLO from all, rendezvous address, SPEC/READY, START.
+"""Job start-up over connected agents: HELLO -> SPEC -> READY per host, then START everywhere.
 
-Nothing starts anywhere until every agent has checked its SPEC and answered READY.
+Each agent gets its SPEC as soon as it says HELLO, so hosts check their part of the job while
+others are still starting. Rank 0's host answers a probe in its READY (its address towards the
+next host, a free port), and START carries MASTER_ADDR/MASTER_PORT to every rank: no extra
+round trips. Nothing starts anywhere until every agent has answered READY.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from launcher import wire
-from launcher.agent.facts import route_source
+import workerenv
+from launcher import netroute, wire
 from launcher.agentlink import AgentLink, Closed, Received
 from launcher.errors import AgentError
 from launcher.outcome import JobOutcome
 from launcher.plan import JobPlan
+
+PROVISIONAL_ADDR, PROVISIONAL_PORT = "127.0.0.1", 29500  # replaced by START's env
 
 
 class Startup:
@@ -25,32 +30,45 @@ class Startup:
         self.events = events
         self.opts = opts
         self.deadline = time.monotonic() + opts.launch_timeout
+        self.master_env: dict[str, str] = {}
 
-    def prepare(self, build_plan: Callable[[str | None, int | None], JobPlan],
+    def prepare(self, build_plan: Callable[[str, int], JobPlan],
                 master: tuple[str | None, int | None]) -> JobPlan:
-        """HELLO from all, rendezvous address, SPEC to all, READY from all.
+        """SPEC to each host on its HELLO; READY from all; returns the final plan.
 
-        ``master`` holds the user's --master-addr/--master-port; a None is chosen here.
+        ``master`` holds the user's --master-addr/--master-port; a None is chosen by rank 0's
+        host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
-        self._gather(wire.Kind.HELLO, "say hello", lambda link, body: setattr(link, "hello", body))
-        for link in self.links:
-            if link.hello.get("protocol") != wire.PROTOCOL_VERSION:
-                raise AgentError("agent speaks another protocol", f"host {link.name}",
-                                 f"head {wire.PROTOCOL_VERSION}, "
-                                 f"agent {link.hello.get('protocol')} "
-                                 f"(dtrain {link.hello.get('dtrain')})",
-                                 "install the same dtrain version on every host")
-        addr, port = master
-        plan = build_plan(addr or self._master_addr(), port or self._free_port())
-        for link, host_plan in zip(self.links, plan.hosts, strict=True):
-            link.send_json(wire.Kind.SPEC, self._spec(plan, host_plan))
-        self._gather(wire.Kind.READY, "check the job", lambda *_: None)
-        return plan
+        user_addr, user_port = master
+        plan = build_plan(user_addr or PROVISIONAL_ADDR, user_port or PROVISIONAL_PORT)
+        probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
+                 "free_port": user_port is None}
+        ready: dict[int, dict[str, Any]] = {}
+
+        def on_frame(link: AgentLink, frame: wire.Frame) -> None:
+            if frame.kind is wire.Kind.HELLO:
+                _check_protocol(link, frame.json())
+                spec = self._spec(plan, plan.hosts[link.index])
+                if link.index == 0:
+                    spec["probe"] = probe
+                link.send_json(wire.Kind.SPEC, spec)
+            elif frame.kind is wire.Kind.READY:
+                ready[link.index] = frame.json()
+
+        self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
+        answer = ready[0]
+        if "probe_error" in answer:
+            raise AgentError("rendezvous address not found", f"host {self.links[0].name}",
+                             answer["probe_error"], "pass --master-addr and --master-port")
+        addr = user_addr or answer.get("address") or PROVISIONAL_ADDR
+        port = user_port or int(answer["port"])
+        self.master_env = {workerenv.MASTER_ADDR: addr, workerenv.MASTER_PORT: str(port)}
+        return build_plan(addr, port)
 
     def start(self, outcome: JobOutcome, handle: Callable[[Any], None]) -> None:
         """START everywhere, then feed events to the supervisor until every rank has started."""
         for link in self.links:
-            link.send_json(wire.Kind.START)
+            link.send_json(wire.Kind.START, {"env": self.master_env})
         while any(r.state == "pending" for r in outcome.ranks.values()):
             if time.monotonic() > self.deadline or outcome.failures:
                 return
@@ -58,11 +76,17 @@ class Startup:
                 handle(self.events.get(timeout=0.2))
             except queue.Empty:
                 pass
-            try:
-                self._check_silence({link.index for link in self.links}, "start its ranks")
-            except AgentError as exc:
-                index = next(link.index for link in self.links if link.name in exc.where)
-                handle(Closed(index, exc.why))
+            silent = self._silent({link.index for link in self.links})
+            if silent is not None:
+                handle(Closed(silent.index, "no heartbeat while starting its ranks"))
+
+    def _next_host(self) -> str:
+        """An address of host 1 as seen from host 0, for rank 0's host to route towards."""
+        first, second = self.links[0], self.links[1]
+        if getattr(second.stream, "is_local", False):
+            # Host 1 is the head itself: its address on the route towards host 0.
+            return netroute.route_source(_address_of(first))
+        return _address_of(second)
 
     def _spec(self, plan: JobPlan, host_plan: Any) -> dict[str, Any]:
         return {
@@ -82,97 +106,61 @@ class Startup:
             },
         }
 
-    def _gather(self, kind: wire.Kind, doing: str,
-                on_body: Callable[[AgentLink, dict], None]) -> None:
-        waiting = {link.index for link in self.links}
-        while waiting:
+    def _until(self, done: Callable[[], bool], doing: str,
+               on_frame: Callable[[AgentLink, wire.Frame], None]) -> None:
+        """Handle start-up events until ``done()``; errors, silence and Ctrl-C raise."""
+        while not done():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
-                names = ", ".join(self.links[i].name for i in sorted(waiting))
-                raise AgentError(f"agents did not {doing} in time", names,
-                                 "no answer within the launch timeout "
+                raise AgentError(f"agents did not {doing} in time", "launch",
+                                 f"no answer within the launch timeout "
                                  f"({self.opts.launch_timeout}s)",
-                                 "check those hosts with `dtrain check`")
+                                 "check the hosts with `dtrain check`")
             try:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                self._check_silence(waiting, doing)
-                continue
-            self._expect(event, kind, doing, waiting, on_body)
-            self._check_silence(waiting, doing)
+                event = None
+            if isinstance(event, Closed):
+                _agent_failed(self.links[event.host], f"could not {doing}", event.reason)
+            elif isinstance(event, tuple) and event[0] == "signal":
+                raise KeyboardInterrupt
+            elif isinstance(event, Received):
+                link = self.links[event.host]
+                link.last_heard = time.monotonic()
+                if event.frame.kind is wire.Kind.ERROR:
+                    body = event.frame.json()
+                    raise AgentError(str(body.get("what")), f"host {link.name}",
+                                     str(body.get("why")), str(body.get("fix", "")))
+                on_frame(link, event.frame)
+            silent = self._silent({link.index for link in self.links})
+            if silent is not None:
+                raise AgentError(f"agent did not {doing}", f"host {silent.name}",
+                                 "no heartbeat (host down or network cut?)",
+                                 "nothing was started; check the host")
 
-    def _check_silence(self, waiting: set[int], doing: str) -> None:
+    def _silent(self, indices: set[int]) -> AgentLink | None:
         # Agents send heartbeats every 5 s until the SPEC sets the job's interval.
         limit = max(self.opts.heartbeat * self.opts.misses, 15.0)
         now = time.monotonic()
-        for index in waiting:
-            link = self.links[index]
-            if now - link.last_heard > limit:
-                raise AgentError(f"agent did not {doing}", f"host {link.name}",
-                                 f"no heartbeat for {now - link.last_heard:.1f}s (host down or "
-                                 "network cut?)", "nothing was started; check the host")
-
-    def _expect(self, event: Any, kind: wire.Kind, doing: str, waiting: set[int],
-                on_body: Callable[[AgentLink, dict], None]) -> None:
-        if isinstance(event, Closed):
-            link = self.links[event.host]
-            _agent_failed(link, f"could not {doing}", event.reason)
-        if not isinstance(event, Received):
-            if isinstance(event, tuple) and event[0] == "signal":
-                raise KeyboardInterrupt
-            return
-        link = self.links[event.host]
-        link.last_heard = time.monotonic()
-        if event.frame.kind is wire.Kind.ERROR:
-            body = event.frame.json()
-            raise AgentError(str(body.get("what")), f"host {link.name}", str(body.get("why")),
-                             str(body.get("fix", "")))
-        if event.frame.kind is kind:
-            on_body(link, event.frame.json())
-            waiting.discard(event.host)
-
-    def _query(self, link: AgentLink, query: dict[str, Any]) -> dict[str, Any]:
-        link.send_json(wire.Kind.QUERY, query)
-        answer: dict[str, Any] = {}
-        self._gather_one(link, wire.Kind.REPLY, answer)
-        if "error" in answer:
-            raise AgentError(f"query {query['op']} failed", f"host {link.name}", answer["error"])
-        return answer
-
-    def _gather_one(self, link: AgentLink, kind: wire.Kind, into: dict[str, Any]) -> None:
-        waiting = {link.index}
-        while waiting:
-            if time.monotonic() > self.deadline:
-                raise AgentError("agent did not answer", f"host {link.name}", "launch timeout")
-            try:
-                event = self.events.get(timeout=0.5)
-            except queue.Empty:
-                continue
-            if isinstance(event, Received) and event.host != link.index:
-                continue
-            self._expect(event, kind, "answer", waiting, lambda _l, body: into.update(body))
-
-    def _master_addr(self) -> str:
-        """An address of rank 0's host that the other hosts can reach."""
-        first = self.links[0]
-        others = [link for link in self.links[1:]]
-        if not others:
-            return "127.0.0.1"
-        dest = _address_of(others[0])
-        if _is_local(first):
-            return route_source(dest)
-        return str(self._query(first, {"op": "route_source", "dest": dest})["address"])
-
-    def _free_port(self) -> int:
-        return int(self._query(self.links[0], {"op": "free_port"})["port"])
+        for index in sorted(indices):
+            if now - self.links[index].last_heard > limit:
+                return self.links[index]
+        return None
 
 
-def _is_local(link: AgentLink) -> bool:
-    return bool(getattr(link.stream, "is_local", False))
+def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:
+    link.hello = hello
+    if hello.get("protocol") != wire.PROTOCOL_VERSION:
+        raise AgentError("agent speaks another protocol", f"host {link.name}",
+                         f"head {wire.PROTOCOL_VERSION}, agent {hello.get('protocol')} "
+                         f"(dtrain {hello.get('dtrain')})",
+                         "install the same dtrain version on every host")
 
 
 def _address_of(link: AgentLink) -> str:
     """The address the head reached this host at (the SSH peer), else its name resolved."""
+    if getattr(link.stream, "is_local", False):
+        return "127.0.0.1"
     conn = getattr(link.stream, "connection", None)
     if conn is not None:
         try:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import os
-import platform
-import shutil
 import socket
-import subprocess
 import sys
-from importlib import metadata
 from typing import Any
 
 from launcher import __version__, wire
+from launcher.netroute import free_port, route_source
 
 _PACKAGES = ("torch", "mpi4py", "mpich", "paramiko")
 
@@ -21,7 +18,7 @@ def hello() -> dict[str, Any]:
         "protocol": wire.PROTOCOL_VERSION,
         "dtrain": __version__,
         "hostname": socket.gethostname(),
-        "python": platform.python_version(),
+        "python": ".".join(map(str, sys.version_info[:3])),
         "executable": sys.executable,
         "pid": os.getpid(),
     }
@@ -42,48 +39,10 @@ def answer(query: dict[str, Any]) -> dict[str, Any]:
     return {"op": op, "error": f"unknown query {op!r}"}
 
 
-def route_source(dest: str) -> str:
-    """The local address the kernel would use to reach ``dest``: reachable from there."""
-    family = socket.AF_INET6 if ":" in dest else socket.AF_INET
-    with socket.socket(family, socket.SOCK_DGRAM) as s:
-        s.connect((dest, 9))  # UDP connect sends nothing; it only picks the route
-        return s.getsockname()[0]
-
-
-def interface_for(dest: str) -> str | None:
-    """The network interface this host uses to reach ``dest`` (IPv4), or None if unknown.
-
-    Gloo and NCCL pick an interface from the host name or by a first-fit rule, which on
-    hosts with bridges, veths or docker0 often is not the one that reaches rank 0.
-    """
-    import fcntl
-    import struct
-
-    try:
-        source = route_source(dest)
-    except OSError:
-        return None
-    siocgifaddr = 0x8915
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for _, name in socket.if_nameindex():
-            try:
-                request = struct.pack("256s", name.encode()[:15])
-                packed = fcntl.ioctl(s.fileno(), siocgifaddr, request)
-            except OSError:
-                continue
-            if socket.inet_ntoa(packed[20:24]) == source:
-                return name
-    return None
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def host_facts(cwd: str) -> dict[str, Any]:
     """Versions and resources for `dtrain check` (package versions read without importing)."""
+    from importlib import metadata  # only `dtrain check` needs it: keep it off the start path
+
     versions = {}
     for name in _PACKAGES:
         try:
@@ -100,6 +59,9 @@ def host_facts(cwd: str) -> dict[str, Any]:
 
 def gpu_count() -> int | None:
     """GPUs `nvidia-smi -L` lists, or None when there is no nvidia-smi on this host."""
+    import shutil
+    import subprocess
+
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return None

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from launcher import wire
+from launcher import netroute, wire
 from launcher.agent import facts
 from launcher.agent.link import Eof, HeadLink
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
@@ -94,7 +94,7 @@ class Agent:
         if kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
         elif kind is wire.Kind.START:
-            self._start_all()
+            self._start_all(frame.json().get("env", {}))
         elif kind is wire.Kind.KILL:
             body = frame.json()
             self._stop(int(body.get("signal", signal.SIGTERM)), float(body.get("grace", 10.0)))
@@ -112,8 +112,6 @@ class Agent:
         self.spec = spec
         self.interval = float(spec.get("heartbeat", 5.0))
         self.silence_limit = self.interval * int(spec.get("misses", 3))
-        master = spec["ranks"][0]["env"].get("MASTER_ADDR") if spec["ranks"] else None
-        self.interface = facts.interface_for(master) if master else None
         problem = self._check_spec(spec)
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
@@ -129,7 +127,21 @@ class Agent:
                 stall_after=float(pmi.get("stall", 30.0)),
                 send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
             )
-        self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"])})
+        self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"]),
+                                               **self._probe(spec.get("probe") or {})})
+
+    @staticmethod
+    def _probe(probe: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's host picks the rendezvous: its address towards the next host, a free port."""
+        found: dict[str, Any] = {}
+        try:
+            if probe.get("route_to"):
+                found["address"] = netroute.route_source(str(probe["route_to"]))
+            if probe.get("free_port"):
+                found["port"] = netroute.free_port()
+        except OSError as exc:
+            found["probe_error"] = str(exc)
+        return found
 
     def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
         cwd = spec["cwd"]
@@ -154,7 +166,12 @@ class Agent:
         return env
 
     # -- ranks ---------------------------------------------------------------------------------
-    def _start_all(self) -> None:
+    def _start_all(self, job_env: dict[str, str]) -> None:
+        """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
+        for rank_spec in self.spec["ranks"]:
+            rank_spec["env"].update(job_env)
+        master = job_env.get("MASTER_ADDR")
+        self.interface = netroute.interface_for(master) if master else None
         for rank_spec in self.spec["ranks"]:
             rank = rank_spec["rank"]
             fds = self.pmi.rank_fds(rank) if self.pmi else []

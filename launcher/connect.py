@@ -1,0 +1,84 @@
+"""One agent per host over the right transport: a local subprocess or one SSH session.
+
+Each remote host is connected and its agent started in one worker, so a host's agent boots
+while other hosts are still shaking hands. Agents start no rank until told to, so when any
+host fails, closing the others' streams leaves nothing anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from launcher.errors import ConnectError, UsageError
+from launcher.local import LocalAgentStream, agent_command
+from launcher.selection import HostSlots
+from launcher.transport import AgentStream
+
+_SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
+
+
+def validate_remote_python(path: str) -> str:
+    """The interpreter path goes into the (constant) remote command: allow only plain paths."""
+    if not os.path.isabs(path) or any(c.isspace() or c in _SHELL_CHARS for c in path):
+        raise UsageError("unusable interpreter path", "--remote-python", f"{path!r}",
+                         "give an absolute path without spaces or shell characters")
+    return path
+
+
+def open_streams(selected: Sequence[HostSlots], *, python: str,
+                 ssh_kwargs: dict[str, Any]) -> list[AgentStream]:
+    """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
+    python = validate_remote_python(python)
+    streams: dict[int, AgentStream] = {
+        i: LocalAgentStream(h.entry.name, python=python)
+        for i, h in enumerate(selected) if h.entry.is_local}
+    remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
+    errors: list[ConnectError] = []
+    if remote:
+        from launcher import ssh  # paramiko is imported only when a remote host needs it
+
+        opts = ssh.SSHOptions(**ssh_kwargs)
+        command = shlex.join(agent_command(python))
+
+        def start(host: HostSlots) -> AgentStream | ConnectError:
+            e = host.entry
+            try:
+                conn = ssh.SSHConnection.open(
+                    ssh.resolve_host(e.name, user=e.user, port=e.port, opts=opts), opts)
+            except ConnectError as exc:
+                return exc
+            try:
+                stream = conn.exec_stream(command)
+            except ConnectError as exc:
+                conn.close()
+                return exc
+            stream.connection = conn
+            return stream
+
+        workers = max(1, min(opts.max_parallel, len(remote)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
+            for (i, _), result in zip(remote, pool.map(start, [h for _, h in remote]),
+                                      strict=True):
+                if isinstance(result, ConnectError):
+                    errors.append(result)
+                else:
+                    streams[i] = result
+    if errors:
+        close_streams(list(streams.values()))
+        raise errors[0] if len(errors) == 1 else ConnectError(
+            f"{len(errors)} hosts could not be reached", "",
+            "; ".join(str(e) for e in errors), "nothing was started anywhere")
+    return [streams[i] for i in range(len(selected))]
+
+
+def close_streams(streams: Sequence[AgentStream]) -> None:
+    """Close agent streams and their SSH connections (agents stop on EOF)."""
+    for stream in streams:
+        stream.close()
+        conn = getattr(stream, "connection", None)
+        if conn is not None:
+            conn.close()
