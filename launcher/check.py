@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -22,8 +21,8 @@ from rich.table import Table
 
 from launcher import wire
 from launcher.agent.facts import host_facts
+from launcher.connect import close_streams, start_agents
 from launcher.errors import DtrainError
-from launcher.local import LocalAgentStream, agent_command
 from launcher.selection import HostSlots
 from launcher.transport import AgentStream
 
@@ -87,24 +86,14 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
                 cwd: str, timeout: float = 60.0) -> list[HostCheck]:
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
     streams: dict[str, AgentStream] = {}
-    remote = [h for h in selected if not h.entry.is_local]
-    if remote:
-        from launcher import ssh
-
-        opts = ssh.SSHOptions(**ssh_kwargs)
-        resolved = [ssh.resolve_host(h.entry.name, user=h.entry.user, port=h.entry.port,
-                                     opts=opts) for h in remote]
-        for h, res in zip(remote, ssh.open_all(resolved, opts), strict=True):
-            if isinstance(res, DtrainError):
-                rows[h.entry.name].problems.append(str(res))
-                continue
-            rows[h.entry.name].latency_ms = res.latency_ms
-            stream = res.exec_stream(shlex.join(agent_command(python)))
-            stream.connection = res
-            streams[h.entry.name] = stream
-    for h in selected:
-        if h.entry.is_local:
-            streams[h.entry.name] = LocalAgentStream(h.entry.name, python=python)
+    results = start_agents(selected, python=python, ssh_kwargs=ssh_kwargs)
+    for h, res in zip(selected, results, strict=True):
+        if isinstance(res, DtrainError):
+            rows[h.entry.name].problems.append(str(res))
+            continue
+        conn = getattr(res, "connection", None)
+        rows[h.entry.name].latency_ms = conn.latency_ms if conn is not None else None
+        streams[h.entry.name] = res
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(streams) or 1)) as pool:
         futures = {name: pool.submit(ask_facts, s, cwd, timeout) for name, s in streams.items()}
     head = host_facts(cwd)
@@ -115,10 +104,7 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
             rows[name].problems.append(f"agent failed: {exc}")
             continue
         rows[name].problems += compare(head, rows[name].facts, rows[name].slots)
-    for s in streams.values():
-        conn = getattr(s, "connection", None)
-        if conn is not None:
-            conn.close()
+    close_streams(list(streams.values()))
     return list(rows.values())
 
 

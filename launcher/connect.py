@@ -32,12 +32,24 @@ def validate_remote_python(path: str) -> str:
 def open_streams(selected: Sequence[HostSlots], *, python: str,
                  ssh_kwargs: dict[str, Any]) -> list[AgentStream]:
     """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
+    results = start_agents(selected, python=python, ssh_kwargs=ssh_kwargs)
+    errors = [r for r in results if isinstance(r, ConnectError)]
+    if errors:
+        close_streams([r for r in results if not isinstance(r, ConnectError)])
+        raise errors[0] if len(errors) == 1 else ConnectError(
+            f"{len(errors)} hosts could not be reached", "",
+            "; ".join(str(e) for e in errors), "nothing was started anywhere")
+    return results  # type: ignore[return-value]  (no errors left)
+
+
+def start_agents(selected: Sequence[HostSlots], *, python: str,
+                 ssh_kwargs: dict[str, Any]) -> list[AgentStream | ConnectError]:
+    """An agent stream, or why there is none, for every host, in host order."""
     python = validate_remote_python(python)
-    streams: dict[int, AgentStream] = {
+    results: dict[int, AgentStream | ConnectError] = {
         i: LocalAgentStream(h.entry.name, python=python)
         for i, h in enumerate(selected) if h.entry.is_local}
     remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
-    errors: list[ConnectError] = []
     if remote:
         from launcher import ssh  # paramiko is imported only when a remote host needs it
 
@@ -63,16 +75,8 @@ def open_streams(selected: Sequence[HostSlots], *, python: str,
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
             for (i, _), result in zip(remote, pool.map(start, [h for _, h in remote]),
                                       strict=True):
-                if isinstance(result, ConnectError):
-                    errors.append(result)
-                else:
-                    streams[i] = result
-    if errors:
-        close_streams(list(streams.values()))
-        raise errors[0] if len(errors) == 1 else ConnectError(
-            f"{len(errors)} hosts could not be reached", "",
-            "; ".join(str(e) for e in errors), "nothing was started anywhere")
-    return [streams[i] for i in range(len(selected))]
+                results[i] = result
+    return [results[i] for i in range(len(selected))]
 
 
 def close_streams(streams: Sequence[AgentStream]) -> None:

@@ -1,0 +1,51 @@
+"""`dtrain check`: the preflight table, locally and across namespace hosts."""
+
+from __future__ import annotations
+
+from launcher.check import compare
+from tests.support import run_dtrain
+
+HEAD = {"python": "3.11.7", "dtrain": "0.1.0",
+        "versions": {"torch": "2.13.0", "mpi4py": "4.1.2", "mpich": "5.0.2"}}
+
+
+def test_compare_names_every_difference_a_user_can_fix():
+    remote = {"python": "3.10.1", "dtrain": "0.1.0", "gpus": 2, "cwd_exists": False,
+              "versions": {"torch": "2.12.0", "mpi4py": "4.1.2", "mpich": None}}
+    problems = compare(HEAD, remote, slots=4)
+    assert problems == ["python 3.10.1 (head 3.11.7)", "torch 2.12.0 (head 2.13.0)",
+                        "mpich missing (head 5.0.2)", "4 slots but nvidia-smi lists 2 GPUs",
+                        "working directory missing"]
+    assert compare(HEAD, {**HEAD, "gpus": None, "cwd_exists": True}, slots=8) == []
+
+
+def test_check_of_localhost_passes():
+    res = run_dtrain(["check", "--nproc-per-node", "2"])
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "localhost" in res.stdout and "ok" in res.stdout
+
+
+def test_check_across_hosts_reports_each_host_and_its_latency(netns_cluster):
+    res = run_dtrain(["check", "-H", "node1:2,node2:2,node3:1", "--ssh-config",
+                      str(netns_cluster.ssh_config)])
+    assert res.returncode == 0, res.stdout + res.stderr
+    for host in netns_cluster.hosts:
+        assert host in res.stdout
+    assert "local" not in res.stdout.split("ssh ms", 1)[1]  # a latency figure, not "local"
+
+
+def test_check_fails_when_a_host_is_unreachable_and_names_it(netns_cluster):
+    netns_cluster.link_down("node3")
+    try:
+        res = run_dtrain(["check", "-H", "node1:1,node3:1", "--ssh-config",
+                          str(netns_cluster.ssh_config), "--ssh-connect-timeout", "1.5"])
+    finally:
+        netns_cluster.link_up("node3")
+    assert res.returncode == 1
+    assert "problems on 1 of 2 hosts: node3" in res.stderr
+
+
+def test_check_fails_when_the_working_directory_is_missing(tmp_path):
+    res = run_dtrain(["check", "--chdir", str(tmp_path / "nowhere")])
+    assert res.returncode == 1
+    assert "working directory missing" in res.stdout
