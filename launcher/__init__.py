@@ -22,4 +22,9 @@ adapters named as such):
     errors          the exception hierarchy
 """
 
+import time as _time
+
 __version__ = "0.1.0"
+
+#: When the launcher was first imported: the origin of `dtrain launch --timings`.
+STARTED = _time.monotonic()

@@ -104,6 +104,8 @@ def main() -> None:
 @click.option("--mpi-flavour", type=click.Choice(["hydra", "openmpi"]),
               help="Kind of --mpirun (detected from its --version by default).")
 @click.option("--dry-run", is_flag=True, help="Print hosts, ranks and environments; start nothing.")
+@click.option("--timings", is_flag=True,
+              help="Print when connecting, agents, ranks and exit completed.")
 @click.argument("program", nargs=-1, required=True, type=click.UNPROCESSED)
 def launch(program: tuple[str, ...], **kw: Any) -> None:
     """Start PROGRAM once per slot on every host and supervise it to the end.
@@ -118,6 +120,7 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
         env=kw["env"], master_addr=kw["master_addr"], master_port=kw["master_port"], ssh=ssh,
         remote_python=kw["remote_python"], prefix=not kw["no_prefix"], raw=kw["raw"],
         log_dir=Path(kw["log_dir"]) if kw["log_dir"] else None, dry_run=kw["dry_run"],
+        timings=kw["timings"],
         supervise=SuperviseOptions(heartbeat=kw["heartbeat_interval"], grace=kw["grace"],
                                    timeout=kw["timeout"], launch_timeout=kw["launch_timeout"],
                                    pmi=kw["pmi"], pmi_stall=kw["pmi_stall"]),

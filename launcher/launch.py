@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import environment, hostfile, selection
+from launcher import STARTED, environment, hostfile, selection
 from launcher import plan as planning
 from launcher.connect import close_streams, open_streams, validate_remote_python
 from launcher.errors import UsageError
@@ -51,6 +51,7 @@ class LaunchRequest:
     raw: bool = False
     log_dir: Path | None = None
     dry_run: bool = False
+    timings: bool = False                # print when each start-up phase completed
     supervise: SuperviseOptions = SuperviseOptions()
     launcher: str = "ssh"                # ssh (agents) or mpirun
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
@@ -95,6 +96,7 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     t0 = time.monotonic()
     streams = open_streams(selected, python=req.remote_python, ssh_kwargs=req.ssh)
+    connected = time.monotonic()
 
     def sink(p: planning.JobPlan) -> OutputSink:
         return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
@@ -112,6 +114,10 @@ def run_launch(req: LaunchRequest) -> int:
     from launcher.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
+    if req.timings:
+        stamps = {"connected": connected, **sup.timings}
+        sys.stderr.write("dtrain: timings since start: " + ", ".join(
+            f"{k} {v - STARTED:.3f}s" for k, v in stamps.items() if v) + "\n")
     return outcome.exit_code
 
 

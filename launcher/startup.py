@@ -31,6 +31,7 @@ class Startup:
         self.opts = opts
         self.deadline = time.monotonic() + opts.launch_timeout
         self.master_env: dict[str, str] = {}
+        self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
     def prepare(self, build_plan: Callable[[str, int], JobPlan],
                 master: tuple[str | None, int | None]) -> JobPlan:
@@ -48,6 +49,7 @@ class Startup:
         def on_frame(link: AgentLink, frame: wire.Frame) -> None:
             if frame.kind is wire.Kind.HELLO:
                 _check_protocol(link, frame.json())
+                self.hello_at = time.monotonic()
                 spec = self._spec(plan, plan.hosts[link.index])
                 if link.index == 0:
                     spec["probe"] = probe
@@ -56,6 +58,7 @@ class Startup:
                 ready[link.index] = frame.json()
 
         self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
+        self.ready_at = time.monotonic()
         answer = ready[0]
         if "probe_error" in answer:
             raise AgentError("rendezvous address not found", f"host {self.links[0].name}",

@@ -81,9 +81,10 @@ class Supervisor:
 
             self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=plan.job_id)
         startup.start(self.outcome, self._handle)
-        self.timings["all_running"] = time.monotonic() - t0
+        self.timings.update(hello=startup.hello_at, ready=startup.ready_at,
+                            running=time.monotonic())
         self._loop(t0)
-        self.timings["exit"] = time.monotonic() - t0
+        self.timings["exit"] = time.monotonic()
         self.sink.close()
         return self.outcome
 

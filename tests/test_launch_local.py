@@ -212,3 +212,11 @@ def test_an_unmodified_torch_env_script_runs():
     res = run_dtrain(["launch", "--nproc-per-node", "2", "--", PYTHON, script], timeout=120)
     assert res.returncode == 0, res.stderr
     assert "rank 0 of 2 sum 3" in res.stdout and "rank 1 of 2 sum 3" in res.stdout
+
+
+def test_timings_show_when_each_start_up_phase_completed():
+    res = run_dtrain(["launch", "--timings", "--", PYTHON, PROBE, "argv"])
+    assert res.returncode == 0, res.stderr
+    line = next(x for x in res.stderr.splitlines() if x.startswith("dtrain: timings"))
+    names = [part.split()[0] for part in line.split(": ", 1)[1].split(", ")]
+    assert names == ["connected", "hello", "ready", "running", "exit"]
