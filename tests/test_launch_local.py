@@ -218,5 +218,5 @@ def test_timings_show_when_each_start_up_phase_completed():
     res = run_dtrain(["launch", "--timings", "--", PYTHON, PROBE, "argv"])
     assert res.returncode == 0, res.stderr
     line = next(x for x in res.stderr.splitlines() if x.startswith("dtrain: timings"))
-    names = [part.split()[0] for part in line.split(": ", 1)[1].split(", ")]
+    names = [part.split()[0] for part in line.split("start: ", 1)[1].split(", ")]
     assert names == ["connected", "hello", "ready", "running", "exit"]
