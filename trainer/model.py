@@ -14,13 +14,18 @@ deletes the layers it does not own keeps the global parameter names (``blocks.5.
 and checkpoints cannot silently load layer 0 of one layout into layer 5 of another. ``forward``
 skips ``tok_emb``/``ln_f``/``head`` when they are ``None`` for the same reason.
 
+Two plain-attribute hooks let ``trainer.parallelize`` change what it cannot reach by swapping
+modules: ``Attention.probs_rng`` (the random stream of attention-probability dropout) and
+``GPT.criterion`` (the loss on the head's logits). Both default to the serial behaviour.
+
 Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -103,6 +108,11 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in fp32."""
+    return F.cross_entropy(logits_NV.float(), targets_N)
+
+
 def make_norm(cfg: GPTConfig) -> nn.Module:
     if cfg.norm == "rmsnorm":
         return RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -134,6 +144,10 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.probs_rng: Callable[[], AbstractContextManager] = nullcontext
+        """Context the attention-probability dropout draws its mask under. Hook for tensor
+        parallelism, where those probabilities are per rank (split heads) and need a random
+        stream of their own; the serial model uses the default generator."""
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x_BTD.shape
@@ -141,8 +155,9 @@ class Attention(nn.Module):
         qkv = self.qkv(x_BTD).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        with self.probs_rng():
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y_BTD = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y_BTD))
 
@@ -188,6 +203,9 @@ class GPT(nn.Module):
             self.ln_f: nn.Module | None = make_norm(cfg)
             self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)
+        self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+        """(logits (N, V), targets (N,)) -> mean loss. Hook for tensor parallelism, whose
+        head yields vocabulary-sharded logits."""
         if cfg.tied:
             self.head.weight = self.tok_emb.weight
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
@@ -223,7 +241,7 @@ class GPT(nn.Module):
     def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over every position of the batch."""
         logits = self(idx_BT)
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets_BT.flatten())
+        return self.criterion(logits.flatten(0, 1), targets_BT.flatten())
 
     def num_params(self) -> int:
         """Parameter count, a tied weight counted once."""

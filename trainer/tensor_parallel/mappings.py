@@ -1,0 +1,157 @@
+"""The f/g operators of Megatron tensor parallelism: collectives with their autograd adjoints.
+
+Every TP layer is built from these; each is an identity on a TP group of one. The backward of
+each is the adjoint of its forward, which is what makes the sharded model's gradients equal the
+serial model's (Shoeybi et al. 2019, "f" and "g"; Megatron ``tensor_parallel/mappings.py``)::
+
+    function                            forward                    backward
+    copy_to_region              (f)     identity                   all-reduce
+    reduce_from_region          (g)     all-reduce                 identity
+    scatter_to_region                   keep own last-dim block    all-gather last dim
+    gather_from_region                  all-gather last dim        keep own last-dim block
+    scatter_to_sequence_region          keep own sequence block    all-gather sequence dim
+    gather_from_sequence_region         all-gather sequence dim    reduce-scatter sequence dim
+    reduce_scatter_to_sequence_region   reduce-scatter seq. dim    all-gather sequence dim
+
+Activations here are batch-first ``(B, T, D)``, so the sequence dimension is 1 (Megatron's
+are ``(T, B, D)``); every sequence function takes ``dim``. The `Communicator` gathers and
+scatters along dim 0, so the helpers move the working dimension there and back.
+
+Collectives never run on autograd's own buffers: the forward reduces a private copy (the input
+may be saved by another function for its backward) and the backward a contiguous copy of the
+incoming gradient (autograd may hand the same gradient tensor to several consumers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.autograd import Function
+
+from trainer.comm.protocol import Communicator, ReduceOp
+
+
+def all_reduce(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    comm.all_reduce(out, ReduceOp.SUM)
+    return out
+
+
+def split(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim`` (no communication)."""
+    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+def all_gather(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim``, in rank order."""
+    moved = x.detach().movedim(dim, 0).contiguous()
+    out = moved.new_empty((comm.size * moved.shape[0], *moved.shape[1:]))
+    comm.all_gather(out, moved)
+    return out.movedim(0, dim).contiguous()
+
+
+def reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    """Sum ``x`` over the ranks and keep this rank's block along ``dim``."""
+    moved = x.detach().movedim(dim, 0).contiguous()
+    out = moved.new_empty((moved.shape[0] // comm.size, *moved.shape[1:]))
+    comm.reduce_scatter(out, moved, ReduceOp.SUM)
+    return out.movedim(0, dim).contiguous()
+
+
+class _CopyToRegion(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return all_reduce(grad, ctx.comm), None
+
+
+class _ReduceFromRegion(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+        return all_reduce(x, comm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class _Scatter(Function):
+    """Forward keeps this rank's block along ``dim``; backward all-gathers along it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return split(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return all_gather(grad, ctx.comm, ctx.dim), None, None
+
+
+class _Gather(Function):
+    """Forward all-gathers along ``dim``; backward reduce-scatters (``reduce_grad``: the
+    consumers of the gathered tensor differ per rank) or keeps this rank's block."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int,
+                reduce_grad: bool) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.reduce_grad = comm, dim, reduce_grad
+        return all_gather(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        if ctx.reduce_grad:
+            return reduce_scatter(grad, ctx.comm, ctx.dim), None, None, None
+        return split(grad, ctx.comm, ctx.dim), None, None, None
+
+
+class _ReduceScatter(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
+        return reduce_scatter(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return all_gather(grad, ctx.comm, ctx.dim), None, None
+
+
+def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """f: enter a TP region with a replicated input (backward sums the ranks' input grads)."""
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """g: leave a TP region by summing the ranks' partial outputs."""
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def scatter_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """Keep this rank's block of the last dimension."""
+    return x if comm.size == 1 else _Scatter.apply(x, comm, -1)
+
+
+def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    """All-gather the last dimension (backward keeps this rank's block)."""
+    return x if comm.size == 1 else _Gather.apply(x, comm, -1, False)
+
+
+def scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1
+                               ) -> torch.Tensor:
+    """Sequence parallelism: keep this rank's block of the sequence."""
+    return x if comm.size == 1 else _Scatter.apply(x, comm, dim)
+
+
+def gather_from_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1,
+                                reduce_grad: bool = True) -> torch.Tensor:
+    """Sequence parallelism: all-gather the sequence before a column-parallel layer."""
+    return x if comm.size == 1 else _Gather.apply(x, comm, dim, reduce_grad)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1
+                                      ) -> torch.Tensor:
+    """Sequence parallelism: sum a row-parallel layer's partial outputs, keep own sequence."""
+    return x if comm.size == 1 else _ReduceScatter.apply(x, comm, dim)
