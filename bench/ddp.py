@@ -2,13 +2,15 @@
 
     python -m bench.ddp [--ranks 2,4] [--model small] [--seq-len 128] [--global-batch 8]
                         [--bucket-size 1000000] [--steps 8] [--json PATH]
+    python -m bench.ddp --d-model 512 --n-layer 8 --seq-len 32 --global-batch 4   # comm-bound
 
 Three sides run one after the other in one invocation, each as N ranks under the MPICH wheel's
 ``mpiexec``, on the same model (GPT preset, seed 0), the same global batch split the same way,
 the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket size x 4 bytes):
 
 * ``ours``       `trainer.data_parallel.DataParallel` over MPI, overlap on (async bucket
-                 all-reduce launched from the grad hooks);
+                 all-reduce launched from the grad hooks; driven by a comm thread when the host
+                 has a core per rank, else by MPI's own nonblocking calls: the table says which);
 * ``ours-sync``  the same with overlap off (every bucket reduced after backward);
 * ``torch-ddp``  ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group
                  (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours).
@@ -60,6 +62,10 @@ def _build(args: argparse.Namespace, dp_rank: int, dp: int) -> tuple[Any, Any, A
     from trainer.optim import build_optimizer
 
     cfg = replace(PRESETS[args.model], seq_len=args.seq_len)
+    if args.d_model:  # heads of 64 channels, as in GPT-2
+        cfg = replace(cfg, d_model=args.d_model, n_head=max(1, args.d_model // 64))
+    if args.n_layer:
+        cfg = replace(cfg, n_layer=args.n_layer)
     model = GPT(cfg, seed=0)
     optimizer = build_optimizer(model, lr=1e-4, weight_decay=0.1)
     plan = BatchPlan(args.global_batch, dp, args.microbatches)
@@ -154,7 +160,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     alone = statistics.median(sides["ours"].comm_alone() for _ in range(args.steps))
     dist.destroy_process_group()
     return {"rank": world.rank, "sides": rows, "comm_alone_s": alone,
-            "buckets": len(sides["ours"].dp.buckets), "params": sides["ours"].model.num_params()}
+            "buckets": len(sides["ours"].dp.buckets), "params": sides["ours"].model.num_params(),
+            "comm_thread": sides["ours"].dp.uses_comm_thread}
 
 
 def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -165,7 +172,7 @@ def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
         env = clean_env({"BENCH_PORT": str(_free_port())})
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("model", "seq_len", "global_batch", "microbatches", "bucket_size",
-                          "steps")]
+                          "steps", "d_model", "n_layer")]
         proc = run_mpiexec(ranks, [sys.executable, "-m", "bench.ddp", "--worker",
                                    "--out", tmp, *flags], timeout=args.timeout, env=env)
         files = sorted(Path(tmp).glob("rank*.json"))
@@ -178,10 +185,12 @@ def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str
     """Medians over the timed steps of the slowest rank's step time, the mean wait and the
     skew-free exposed time."""
     steps = list(zip(*(r["sides"][side] for r in per_rank), strict=True))  # [step][rank]
-    row = {"side": side, "ranks": ranks, "buckets": per_rank[0]["buckets"],
+    how = " (comm thread)" if per_rank[0]["comm_thread"] else " (MPI async)"
+    row = {"side": side + (how if side == "ours" else ""), "ranks": ranks,
+           "buckets": per_rank[0]["buckets"],
            "params": per_rank[0]["params"],
            "step_ms": 1e3 * statistics.median(max(r["step_s"] for r in s) for s in steps)}
-    if side != "torch-ddp":
+    if side.startswith("ours"):
         row["wait_ms"] = 1e3 * statistics.median(
             statistics.mean(r["wait_s"] for r in s) for s in steps)
         row["exposed_ms"] = 1e3 * statistics.median(
@@ -213,7 +222,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                 "exposed / total", "buckets"):
         table.add_column(col, justify="right")
     for r in rows:
-        ours = r["side"] != "torch-ddp"
+        ours = r["side"].startswith("ours")
         table.add_row(str(r["ranks"]), r["side"], f"{r['step_ms']:.1f}",
                       f"{r['vs_ddp']:.2f}x" if ours else "",
                       f"{r['wait_ms']:.2f}" if ours else "",
@@ -230,6 +239,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ranks", default="2,4", help="DP sizes, e.g. 2,4")
     ap.add_argument("--model", default="small", help="GPT preset")
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=0, help="override the preset's width")
+    ap.add_argument("--n-layer", type=int, default=0, help="override the preset's depth")
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per bucket")

@@ -22,7 +22,9 @@ call on this communicator until ``finish_grad_sync`` has joined them), as torch'
 does with its worker threads. The thread tests for completion every ``poll_interval`` seconds
 instead of blocking: MPICH busy-polls inside a blocking call, which would take the core that
 backward runs on (measured on 2 and 4 ranks of a 2-core host: 10-20% slower steps when it
-spins). ``comm_thread`` overrides the choice.
+spins). The thread needs CPU time of its own, so by default (`wants_comm_thread`) it is not used
+on a host with more ranks than cores, where it only slows backward down; ``comm_thread``
+overrides the choice.
 
 Gradient accumulation: run every microbatch but the last inside ``no_sync()``; hooks then only
 accumulate and the reduction happens once, on the last microbatch's backward (Megatron's
@@ -38,6 +40,7 @@ posts a collective that the others would not match.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import zlib
@@ -69,6 +72,17 @@ def plan_buckets(numels: Sequence[int], bucket_size: int) -> list[tuple[int, int
             buckets.append((start, offset, range(first, i + 1)))
             first, start = i + 1, offset
     return buckets
+
+
+def wants_comm_thread(backend: str, local_ranks: int | None = None) -> bool:
+    """Whether DP should drive its reductions from a host thread: only MPI needs one, and only a
+    host with a core per local rank has the CPU time for it. ``local_ranks`` defaults to the
+    launcher's count: LOCAL_WORLD_SIZE (dtrain launch, torchrun) or MPI_LOCALNRANKS (MPICH's
+    mpiexec), else 1."""
+    if local_ranks is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
+        local_ranks = int(raw) if raw.isdigit() else 1
+    return backend == "mpi" and local_ranks <= len(os.sched_getaffinity(0))
 
 
 @dataclass
@@ -128,12 +142,16 @@ class DataParallel:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync, self._next = True, 0
         if comm_thread is None:
-            comm_thread = comm.backend == "mpi"
+            comm_thread = wants_comm_thread(comm.backend)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dp-grad-sync") \
             if comm_thread and overlap and comm.size > 1 else None
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.zero_grad()
+
+    @property
+    def uses_comm_thread(self) -> bool:
+        return self._thread is not None
 
     # -- set-up ------------------------------------------------------------------------------
 
