@@ -2,14 +2,16 @@
 
 Layout of one checkpoint (``<run_dir>/checkpoints/step-<N>/``):
 
-    model-tp00-pp00.pt   model state_dict of the (tp, pp) shard; today only shard (0, 0) exists
+    model-tp00-pp00.pt   model state_dict of the (tp, pp) shard, one file per model shard
     optim-tp00-pp00.pt   optimizer state_dict of that shard
-    rng.pt               torch (CPU and CUDA) and Python ``random`` states of the writing rank
+    rng.pt               torch (CPU and CUDA) and Python ``random`` states of the leading rank
     meta.json            step, data position, full config, model config, parallel layout
     COMMITTED            written last; a folder without it is not a checkpoint
 
-Under data parallelism every DP rank holds the same state, so the rank with dp=tp=pp=0 writes.
-Per-(tp, pp) file names leave room for sharded model state later without a format change.
+Under data parallelism every DP rank holds the same state, so only DP rank 0 writes. A model
+split over tensor parallelism is written by the ranks of DP rank 0's TP group together
+(``writers``), each its own ``model-tpNN``/``optim-tpNN`` files into one shared temporary
+folder; the group agrees that every shard is on disk before its rank 0 commits.
 
 Crash safety: files are written into ``step-<N>.tmp-<random>/`` and fsynced, the folder is
 renamed to ``step-<N>/`` and the parent fsynced, then ``COMMITTED`` is written and fsynced.
@@ -30,12 +32,15 @@ import re
 import secrets
 import shutil
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.errors import TrainerError
 
 FORMAT_VERSION = 1
@@ -109,34 +114,107 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, Any],
-         meta: dict[str, Any], keep: int = 0) -> Path:
-    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all)."""
+         meta: dict[str, Any], keep: int = 0, shard: tuple[int, int] = (0, 0),
+         writers: Communicator | None = None) -> Path:
+    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all).
+
+    ``shard`` is this rank's (tp, pp) model shard. With ``writers`` (the group of ranks that
+    hold the different shards, every one calling ``save``) the call is collective: rank 0 of
+    the group names the temporary folder and commits it once every shard is written."""
+    if writers is not None and writers.size > 1:
+        return _save_together(root, step, model=model, optim=optim, meta=meta, keep=keep,
+                              shard=shard, writers=writers)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     if (final / MARKER).is_file():
         return final  # the same step is already committed (e.g. resumed, then saved at the end)
     tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
-    try:
+    with _save_errors(tmp):
         tmp.mkdir()
-        _write_torch(tmp / shard_name("model"), model)
-        _write_torch(tmp / shard_name("optim"), optim)
-        _write_torch(tmp / "rng.pt", capture_rng())
-        body = {"format": FORMAT_VERSION, "step": step, **meta}
-        _write_bytes(tmp / "meta.json", json.dumps(body, indent=2, sort_keys=True).encode())
-        _fsync_dir(tmp)
-        _fault("ckpt_before_commit", step)
-        if final.exists():
-            _remove(final)  # an uncommitted leftover of a save that died after its rename
-        tmp.rename(final)
-        _fsync_dir(root)
-        _fault("ckpt_before_marker", step)
-        _write_bytes(final / MARKER, json.dumps({"step": step}).encode())
-        _fsync_dir(final)
+        _write_shard(tmp, model, optim, shard)
+        _commit(root, tmp, final, step, meta)
+    prune(root, keep=keep, current=step)
+    return final
+
+
+def _save_together(root: Path, step: int, *, model: dict[str, torch.Tensor],
+                   optim: dict[str, Any], meta: dict[str, Any], keep: int,
+                   shard: tuple[int, int], writers: Communicator) -> Path:
+    """`save` by a group: folder named by rank 0, shards written by all, commit by rank 0.
+    Every phase ends with an agreement, so a failure on one rank fails every rank (no hang)."""
+    final, leader = root / f"step-{step}", writers.rank == 0
+    device = next((t.device for t in model.values()), torch.device("cpu"))
+    token = torch.tensor([-1], dtype=torch.int64, device=device)
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
+        if not (final / MARKER).is_file():
+            token[0] = secrets.randbits(31)
+    writers.broadcast(token, 0)
+    if int(token) < 0:
+        return final  # already committed: nobody writes
+    tmp = root / f"step-{step}.tmp-{int(token):08x}"
+
+    def create() -> None:
+        if leader:
+            tmp.mkdir()
+
+    def commit() -> None:
+        if leader:
+            _commit(root, tmp, final, step, meta)
+
+    for what, action in (("create the folder", create),
+                         ("write its shard", lambda: _write_shard(tmp, model, optim, shard)),
+                         ("commit", commit)):
+        error = None
+        try:
+            with _save_errors(tmp):
+                action()
+        except CheckpointError as exc:
+            error = exc
+        failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
+        writers.all_reduce(failed, ReduceOp.SUM)
+        if error is not None:
+            raise error
+        if int(failed):
+            raise CheckpointError("checkpoint save failed", str(tmp),
+                                  f"{int(failed)} other writer(s) failed to {what}",
+                                  "See their messages; check free space and permissions of "
+                                  "--run-dir")
+    if leader:
+        prune(root, keep=keep, current=step)
+    return final
+
+
+@contextmanager
+def _save_errors(tmp: Path) -> Iterator[None]:
+    """OSError of a save becomes the CheckpointError users see."""
+    try:
+        yield
     except OSError as exc:
         raise CheckpointError("checkpoint save failed", str(tmp), exc.strerror or str(exc),
                               "Check free space and permissions of --run-dir") from exc
-    prune(root, keep=keep, current=step)
-    return final
+
+
+def _write_shard(tmp: Path, model: dict[str, torch.Tensor], optim: dict[str, Any],
+                 shard: tuple[int, int]) -> None:
+    _write_torch(tmp / shard_name("model", *shard), model)
+    _write_torch(tmp / shard_name("optim", *shard), optim)
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any]) -> None:
+    """RNG and meta into ``tmp``, rename it to ``final``, then the marker (the commit)."""
+    _write_torch(tmp / "rng.pt", capture_rng())
+    body = {"format": FORMAT_VERSION, "step": step, **meta}
+    _write_bytes(tmp / "meta.json", json.dumps(body, indent=2, sort_keys=True).encode())
+    _fsync_dir(tmp)
+    _fault("ckpt_before_commit", step)
+    if final.exists():
+        _remove(final)  # an uncommitted leftover of a save that died after its rename
+    tmp.rename(final)
+    _fsync_dir(root)
+    _fault("ckpt_before_marker", step)
+    _write_bytes(final / MARKER, json.dumps({"step": step}).encode())
+    _fsync_dir(final)
 
 
 def prune(root: Path, *, keep: int, current: int) -> None:
@@ -153,16 +231,26 @@ def prune(root: Path, *, keep: int, current: int) -> None:
             _remove(child)
 
 
-def load(path: Path, *, map_location: str | torch.device = "cpu") -> Checkpoint:
-    """Read a committed checkpoint folder (shard (0, 0))."""
+def read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of a committed checkpoint folder (to check it before loading shards)."""
     if not (path / MARKER).is_file():
         raise CheckpointError("not a committed checkpoint", str(path),
                               f"the folder has no {MARKER} marker (the save did not finish)",
                               "Resume from an older step-<N> folder, or let --resume pick one")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-        model = torch.load(path / shard_name("model"), map_location=map_location)
-        optim = torch.load(path / shard_name("optim"), map_location=map_location)
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError("checkpoint unreadable", str(path), str(exc),
+                              "Delete this step folder to fall back to the previous one") from exc
+
+
+def load(path: Path, *, map_location: str | torch.device = "cpu",
+         shard: tuple[int, int] = (0, 0)) -> Checkpoint:
+    """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``."""
+    meta = read_meta(path)
+    try:
+        model = torch.load(path / shard_name("model", *shard), map_location=map_location)
+        optim = torch.load(path / shard_name("optim", *shard), map_location=map_location)
         rng = torch.load(path / "rng.pt")
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError("checkpoint unreadable", str(path), str(exc),

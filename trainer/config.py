@@ -40,7 +40,7 @@ HELP: dict[str, str] = {
     "grad_clip": "clip the global gradient norm to this value (0 = off)",
     "seed": "seed of initialisation, data order and dropout",
     "dp": "data-parallel size (0 = world size / (tp*pp))",
-    "tp": "tensor-parallel size (only 1 for now)",
+    "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp adjacent ranks",
     "pp": "pipeline-parallel size (only 1 for now)",
     "backend": "communication backend: auto (nccl on GPU, else mpi), mpi or nccl",
     "bucket_size": "DP gradient bucket size in elements",
@@ -87,7 +87,7 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every"):
+        for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every", "tp"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
@@ -95,12 +95,10 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
-        for name, what in (("tp", "tensor"), ("pp", "pipeline")):
-            value = getattr(self, name)
-            if value != 1:
-                raise ConfigError(f"{what} parallelism is not supported yet", f"--{name} {value}",
-                                  "this version of the trainer runs only data parallelism",
-                                  f"Use --{name} 1 (and raise --dp instead)")
+        if self.pp != 1:
+            raise ConfigError("pipeline parallelism is not supported yet", f"--pp {self.pp}",
+                              "this version of the trainer runs data and tensor parallelism",
+                              "Use --pp 1 (and raise --dp or --tp instead)")
 
     @property
     def schedule_end(self) -> int:

@@ -1,7 +1,8 @@
-"""Train a byte-level GPT, data parallel over the ranks of the job.
+"""Train a byte-level GPT, data and tensor parallel over the ranks of the job.
 
     python -m trainer.train --model tiny --steps 100 --run-dir runs/tiny           # one process
     mpiexec -n 4 python -m trainer.train --model small --global-batch 32 --run-dir runs/s
+    mpiexec -n 4 python -m trainer.train --model small --tp 2 --run-dir runs/tp  # dp 2 x tp 2
     dtrain launch --nproc-per-node 2 -- python -m trainer.train --model tiny --run-dir runs/t
     python -m trainer.train --config run.toml --resume        # continue the newest checkpoint
 
@@ -12,6 +13,11 @@ ranks and into microbatches; backward runs with bucketed, overlapped gradient al
 steps and at the end. ``--resume`` continues bit-exactly from the newest committed checkpoint
 (the run dir must be visible to every rank, as with Megatron or DeepSpeed). Dropout is reseeded
 from (seed, step, dp rank) every step, so the random stream needs no state across a resume.
+
+With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
+replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
+(`trainer.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp rank,
+tp rank), and each TP rank of DP replica 0 writes its own checkpoint shard.
 """
 
 from __future__ import annotations
@@ -26,18 +32,22 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint
-from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.bootstrap import ParallelGroups, World, build_groups, init
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.comm.topology import ParallelDims
 from trainer.config import TrainConfig, parse_args, resolve_dp
 from trainer.data import BatchPlan, Corpus, ShardedBatches, load_corpus, step_seed
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
+from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
 from trainer.metrics import MetricsLog, StepRecord
 from trainer.model import GPT
-from trainer.optim import Schedule, build_optimizer, grad_norm_and_clip, set_lr
+from trainer.optim import Schedule, build_optimizer, set_lr
+from trainer.parallelize import parallelize
+from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
 
 _DROPOUT_STREAM = 1
+_TP_DROPOUT_STREAM = 2
 #: Options that steer one invocation rather than the training math (not reported on resume).
 _RUN_CONTROL = {"steps", "stop_at", "resume", "save_every", "keep", "log_every", "run_dir",
                 "dp", "backend", "gpt"}
@@ -69,18 +79,36 @@ class Run:
     start_step: int = 0
     changed: list[str] = field(default_factory=list)
     """Training options that differ from the checkpoint resumed from (reported, not refused)."""
+    tp_comm: Communicator | None = None
+    tracker: RNGStatesTracker | None = None
+    norm_scope: NormScope = field(default_factory=NormScope)
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_comm.rank if self.tp_comm is not None else 0
 
 
 def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
-              device: torch.device) -> Run:
-    """Model, optimizer, data and DP for this rank, restored from a checkpoint on --resume."""
+              device: torch.device, groups: ParallelGroups | None = None) -> Run:
+    """Model, optimizer, data and DP for this rank, restored from a checkpoint on --resume.
+    ``groups`` (needed when cfg.tp > 1) supplies the TP group; DP runs on ``dp_comm``."""
+    tp_comm = groups.tp if groups is not None else None
+    if cfg.tp != (tp_comm.size if tp_comm is not None else 1):
+        raise TrainerError("tensor-parallel group does not match --tp", f"--tp {cfg.tp}",
+                           "build_run got no TP group of that size",
+                           "Pass groups=build_groups(world, ParallelDims(dp, tp, pp))")
     corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
-    _require_same(dp_comm, int(corpus.fingerprint[:15], 16), device,
-                  "ranks read different training data", corpus.source,
-                  "Give every host the same --data (or the same Python for the default corpus)")
+    for comm in (dp_comm, tp_comm) if tp_comm is not None else (dp_comm,):
+        _require_same(comm, int(corpus.fingerprint[:15], 16), device,
+                      "ranks read different training data", corpus.source,
+                      "Give every host the same --data (or the same Python for the default "
+                      "corpus)")
+    tracker = RNGStatesTracker(device)
     model = GPT(cfg.gpt, seed=cfg.seed).to(device)
+    if groups is not None:
+        model = parallelize(model, groups, tracker=tracker)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start, changed = _maybe_resume(cfg, model, optimizer, dp_comm, device) \
+    start, changed = _maybe_resume(cfg, model, optimizer, dp_comm, tp_comm, device) \
         if cfg.resume else (0, [])
     dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap)
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
@@ -89,17 +117,22 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                         decay_steps=cfg.schedule_end)
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
-               is_writer=rank == 0, start_step=start, changed=changed)
+               is_writer=rank == 0, start_step=start, changed=changed, tp_comm=tp_comm,
+               tracker=tracker,
+               norm_scope=tp_scope(tp_comm) if tp_comm is not None else NormScope())
 
 
 def _maybe_resume(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-                  comm: Communicator, device: torch.device) -> tuple[int, list[str]]:
-    """Load the newest committed checkpoint (rank 0 picks it, every rank reads it); returns
-    its step and the training options that changed since it was written."""
+                  comm: Communicator, tp_comm: Communicator | None,
+                  device: torch.device) -> tuple[int, list[str]]:
+    """Load the newest committed checkpoint (rank 0 picks it, every rank reads its own TP
+    shard); returns its step and the training options that changed since it was written."""
     root = Path(cfg.run_dir) / "checkpoints"
     found = checkpoint.latest(root)
     choice = torch.tensor([checkpoint.step_of(found) if found else -1], device=device)
     comm.broadcast(choice, 0)
+    if tp_comm is not None:
+        tp_comm.broadcast(choice, 0)  # DP rank 0 of TP rank 0, i.e. global rank 0, decides
     step = int(choice.item())
     if step < 0:
         return 0, []
@@ -109,10 +142,11 @@ def _maybe_resume(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer
             "checkpoint not visible on this rank", str(path),
             f"rank 0 resumes from step {step} but DP rank {comm.rank} cannot see the folder",
             "Put --run-dir on a filesystem that every host shares")
-    ckpt = checkpoint.load(path, map_location=device)
     layout = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
-    checkpoint.check_compatible(ckpt.meta, model=cfg.gpt.to_dict(), layout=layout,
-                                path=ckpt.path)
+    checkpoint.check_compatible(checkpoint.read_meta(path), model=cfg.gpt.to_dict(),
+                                layout=layout, path=path)
+    shard = (tp_comm.rank if tp_comm is not None else 0, 0)
+    ckpt = checkpoint.load(path, map_location=device, shard=shard)
     model.load_state_dict(ckpt.model)
     optimizer.load_state_dict(ckpt.optim)
     checkpoint.restore_rng(ckpt.rng)
@@ -135,6 +169,8 @@ def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step (all microbatches); returns rank 0's view of it."""
     start = time.perf_counter()
     torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank))
+    run.tracker.seed(TP_RNG, step_seed(run.cfg.seed, step, _TP_DROPOUT_STREAM, run.dp_rank,
+                                       run.tp_rank))
     lr = run.schedule.lr_at(step)
     set_lr(run.optimizer, lr)
     run.dp.zero_grad()
@@ -149,7 +185,7 @@ def train_step(run: Run, step: int) -> StepRecord:
             loss.backward()
         loss_sum += loss.detach()
     run.dp.finish_grad_sync()
-    grad_norm = grad_norm_and_clip(run.dp.params, run.cfg.grad_clip)
+    grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
     run.optimizer.step()
     run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
     step_s = time.perf_counter() - start
@@ -161,8 +197,8 @@ def train_step(run: Run, step: int) -> StepRecord:
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
-    """Rank 0 writes the (replicated) state; other ranks return None."""
-    if not run.is_writer:
+    """DP replica 0 writes: its TP ranks one shard each, together; other ranks return None."""
+    if run.dp_rank != 0:
         return None
     cfg = run.cfg
     meta = {
@@ -174,14 +210,16 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
     }
     return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step,
                            model=run.model.state_dict(), optim=run.optimizer.state_dict(),
-                           meta=meta, keep=cfg.keep)
+                           meta=meta, keep=cfg.keep, shard=(run.tp_rank, 0),
+                           writers=run.tp_comm)
 
 
 def train(cfg: TrainConfig, world: World) -> TrainResult:
     """Run training on this rank of ``world``."""
     cfg = resolve_dp(cfg, world.size)
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device)
+    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
+                    groups=groups)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
                      start_step=run.start_step, log_every=cfg.log_every)
     log.info(_banner(run, world.size))
@@ -205,7 +243,9 @@ def _banner(run: Run, world_size: int) -> str:
     resumed = f", resumed at step {run.start_step}" if run.start_step else ""
     if run.changed:
         resumed += " with changed options: " + ", ".join(run.changed)
-    return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters | world {world_size}"
+    per_rank = " per TP rank" if cfg.tp > 1 else ""
+    return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters{per_rank} | "
+            f"world {world_size}"
             f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} | {len(run.dp.buckets)} grad bucket(s),"
             f" overlap {'on' if cfg.overlap else 'off'} | global batch {cfg.global_batch} x "
             f"{cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | data "

@@ -1,0 +1,198 @@
+"""Tensor-parallel training equals the single-process model, for tp in {1, 2, 4} x dp in {1, 2}.
+
+The worker (`tests.tp_workers.worker`, one ``mpiexec`` run per world size 1, 2 and 4) trains each
+case of `tests.tp_workers.cases` at every layout of its world with the trainer's own
+``build_run``/``train_step`` (dropout off, clipping on) and re-assembles the sharded parameters;
+the single-process reference is computed here with the plain model, the whole global batch and
+torch's ``clip_grad_norm_``. TP and DP change only the order of sums, so losses and gradient
+norms agree to fp32 rounding (rtol 1e-5, atol 1e-6, as in the DP tests). Parameters get one more
+allowance: Adam divides by ``sqrt(v) + eps``, so for a gradient element near zero (a few exist
+after clipping, ~1e-9 against eps = 1e-8) a rounding difference d in the gradient becomes an
+update difference up to ``lr * d / eps``. Measured worst case here ~1.3e-6 (the same at tp = 1
+with microbatches); allowed: 1e-3 of one step, ``lr * 1e-3`` = 3e-6. A wrong shard or a missing
+reduction moves parameters by O(lr) = 3e-3.
+
+Then dropout (masks identical across TP ranks outside TP regions, different inside them) and
+checkpoints of a tp 2 x dp 2 run through ``python -m trainer.train``: one shard per TP rank,
+bit-exact resume, refusal of another layout naming the difference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.comm_workers.launch import clean_env, run_mpiexec
+from tests.tp_workers.cases import CASES, STEPS, case_config, cli_flags, layouts, serial_reference
+from tests.tp_workers.launch import world_results
+from trainer.checkpoint import shard_name
+from trainer.config import parse_args
+from trainer.errors import ConfigError
+from trainer.metrics import read_records
+from trainer.tensor_parallel import ShardSpec, shard_tensor
+
+RTOL, ATOL = 1e-5, 1e-6
+PARAM_ATOL = 1e-3 * case_config("tied").lr  # 1e-3 of one Adam step (see above)
+LAYOUTS = [(world, tp, dp) for world in (1, 2, 4) for tp, dp in layouts(world)]
+
+
+def layout_id(item: tuple[int, int, int]) -> str:
+    return f"tp{item[1]}dp{item[2]}"
+
+
+@pytest.fixture(scope="module", params=LAYOUTS, ids=layout_id)
+def layout(request: pytest.FixtureRequest) -> tuple[int, int, list[dict]]:
+    """(tp, dp, what every rank trained at that layout)."""
+    world, tp, dp = request.param
+    return tp, dp, [r[f"tp{tp}dp{dp}"] for r in world_results(world)]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_losses_match_the_single_process_model(layout: tuple, case: str) -> None:
+    _, _, ranks = layout
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank[case]["losses"]),
+                                   torch.tensor(serial_reference(case)["losses"]),
+                                   rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grad_norm_counts_replicated_parameters_once_and_equals_the_serial_norm(
+        layout: tuple, case: str) -> None:
+    _, _, ranks = layout
+    for rank in ranks:
+        torch.testing.assert_close(torch.tensor(rank[case]["norms"]),
+                                   torch.tensor(serial_reference(case)["norms"]),
+                                   rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_reassembled_parameters_match_the_single_process_model(layout: tuple, case: str) -> None:
+    _, _, ranks = layout
+    expected = serial_reference(case)["params"]
+    got = ranks[0][case]["params"]
+    assert got.keys() == expected.keys()
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, rtol=RTOL, atol=PARAM_ATOL, msg=name)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_ends_with_bit_identical_reassembled_parameters(layout: tuple,
+                                                                   case: str) -> None:
+    _, _, ranks = layout
+    first = ranks[0][case]["params"]
+    for rank in ranks[1:]:
+        assert all(torch.equal(rank[case]["params"][n], first[n]) for n in first)
+
+
+def test_each_tp_rank_holds_only_its_shard(layout: tuple) -> None:
+    tp, _, ranks = layout
+    shapes = ranks[0]["untied"]["local_shapes"]
+    assert shapes["blocks.0.attn.qkv.weight"] == (3 * 32 // tp, 32)
+    assert shapes["blocks.0.mlp.proj.weight"] == (32, 128 // tp)
+    assert shapes["tok_emb.weight"] == shapes["head.weight"] == (256 // tp, 32)
+    assert shapes["blocks.0.mlp.proj.bias"] == (32,)       # row-parallel bias: replicated
+
+
+# -- dropout ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
+def dropout(request: pytest.FixtureRequest) -> list[dict]:
+    return [r["dropout"] for r in world_results(request.param)]
+
+
+def _same_everywhere(ranks: list[dict], run: str, key: str) -> bool:
+    return all(torch.equal(r[run][key], ranks[0][run][key]) for r in ranks[1:])
+
+
+def test_dropout_outside_tp_regions_is_identical_on_every_tp_rank(dropout: list[dict]) -> None:
+    emb = dropout[0]["model"]["emb"]
+    assert 0.1 < (emb == 0).float().mean() < 0.3  # dropout 0.2 really ran
+    for key in ("emb", "block0", "block1"):
+        assert _same_everywhere(dropout, "model", key), key
+        assert _same_everywhere(dropout, "same_heads", key), key
+
+
+def test_attention_dropout_inside_tp_regions_differs_between_tp_ranks(dropout: list[dict]
+                                                                      ) -> None:
+    """Every rank is given the same heads: their attention outputs then differ only through
+    the probability masks, which come from the per-rank TP stream."""
+    for key in ("heads0", "heads1"):
+        assert not any(torch.equal(r["same_heads"][key], dropout[0]["same_heads"][key])
+                       for r in dropout[1:]), key
+        assert _same_everywhere(dropout, "same_heads_eval", key), key       # no dropout
+        assert _same_everywhere(dropout, "same_heads_one_seed", key), key   # same TP seed
+
+
+# -- checkpoints through the training entry --------------------------------------------------
+
+CKPT_CASE = "tied"
+
+
+def run_train(n: int, flags: list[str]) -> tuple[int, str]:
+    done = run_mpiexec(n, [sys.executable, "-m", "trainer.train", *flags], timeout=300,
+                       env=clean_env())
+    return done.returncode, done.stdout
+
+
+@pytest.fixture(scope="module")
+def tp_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tp 2 x dp 2 (4 ranks): train to step 2 and checkpoint, then resume and finish."""
+    run_dir = tmp_path_factory.mktemp("tp2dp2")
+    flags = [*cli_flags(CKPT_CASE), "--tp", "2", "--run-dir", str(run_dir), "--save-every", "1"]
+    code, out = run_train(4, [*flags, "--stop-at", "2"])
+    assert code == 0, out[-3000:]
+    code, out = run_train(4, [*flags, "--resume"])
+    assert code == 0, out[-3000:]
+    assert "resumed at step 2" in out and "dp 2 x tp 2" in out
+    return run_dir
+
+
+def spec_of(name: str) -> ShardSpec | None:
+    """How trainer.parallelize splits a GPT parameter (None: replicated)."""
+    if name.endswith("attn.qkv.weight"):
+        return ShardSpec(0, 3)
+    if name.endswith(("proj.weight",)):
+        return ShardSpec(1)
+    if name.endswith(("fc.weight", "tok_emb.weight", "head.weight")):
+        return ShardSpec(0)
+    return None
+
+
+def test_each_tp_rank_writes_its_own_model_and_optimizer_shard(tp_run_dir: Path) -> None:
+    step = tp_run_dir / "checkpoints" / "step-2"
+    assert sorted(p.name for p in step.iterdir()) == sorted(
+        ["COMMITTED", "meta.json", "rng.pt", *(shard_name(kind, tp) for kind in
+                                               ("model", "optim") for tp in (0, 1))])
+
+
+def test_resumed_tp_dp_run_is_bit_identical_to_an_uninterrupted_one(tp_run_dir: Path) -> None:
+    uninterrupted = world_results(4)[0]["tp2dp2"][CKPT_CASE]
+    losses = [r["loss"] for r in read_records(tp_run_dir / "metrics.jsonl")]
+    assert len(losses) == STEPS
+    assert losses == uninterrupted["losses"]  # exact: same floats, not just close
+    final = tp_run_dir / "checkpoints" / f"step-{STEPS}"
+    for tp in (0, 1):
+        shard = torch.load(final / shard_name("model", tp), weights_only=True)
+        for name, full in uninterrupted["params"].items():
+            spec = spec_of(name)
+            want = full if spec is None else shard_tensor(full, tp, 2, spec)
+            assert torch.equal(shard[name], want), (tp, name)
+
+
+def test_resuming_a_tp2_checkpoint_at_tp1_is_refused_showing_the_difference(
+        tp_run_dir: Path) -> None:
+    code, out = run_train(1, [*cli_flags(CKPT_CASE), "--tp", "1", "--run-dir", str(tp_run_dir),
+                              "--steps", str(STEPS + 1), "--resume"])
+    assert code == 2, out[-3000:]
+    assert "checkpoint does not match this run" in out
+    assert "tp: checkpoint 2, now 1" in out
+
+
+def test_the_training_entry_accepts_tp_and_still_refuses_pp() -> None:
+    assert parse_args(["--tp", "2"]).tp == 2
+    with pytest.raises(ConfigError, match=r"pipeline parallelism is not supported yet \[--pp 2\]"):
+        parse_args(["--pp", "2"])

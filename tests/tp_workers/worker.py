@@ -1,0 +1,53 @@
+"""One rank of the tensor-parallel tests; writes what it saw to ``OUT/rank<r>.pt``.
+
+    mpiexec -n N python -m tests.tp_workers.worker OUT
+
+With N > 1 it first probes the TP layers, the collective counts, dropout streams, recompute
+and the refusal of a model that does not split, all at tp = N. Then it trains every case of
+`tests.tp_workers.cases` at every (tp, dp) layout of N ranks (`cases.layouts`), through the
+trainer's own ``build_run``/``train_step``. Any exception aborts every rank, so the test sees a
+failure instead of a hang.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.tp_workers.cases import layouts
+from tests.tp_workers.layer_probes import all_layer_probes, count_probe, refusal_probe
+from tests.tp_workers.model_probes import dropout_probe, recompute_probe, train_all
+from trainer.comm.bootstrap import build_groups, init
+from trainer.comm.topology import ParallelDims
+
+
+def main(out: Path) -> None:
+    world = init(backend="mpi")
+    result: dict[str, Any] = {"rank": world.rank}
+    if world.size > 1:
+        groups = build_groups(world, ParallelDims(tp=world.size))
+        result["layers"] = all_layer_probes(groups.tp)
+        result["counts"] = count_probe(groups)
+        result["dropout"] = dropout_probe(groups)
+        result["recompute"] = recompute_probe(groups)
+        result["refusal"] = refusal_probe(groups)
+    for tp, dp in layouts(world.size):
+        groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
+        result[f"tp{tp}dp{dp}"] = {"coords": groups.coords,
+                                   **train_all(world, groups, out)}
+    torch.save(result, out / f"rank{world.rank}.pt")
+
+
+if __name__ == "__main__":
+    try:
+        main(Path(sys.argv[1]))
+    except BaseException:  # noqa: BLE001 - any failure must abort every rank, not hang them
+        traceback.print_exc()
+        sys.stderr.flush()
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(1)
