@@ -55,12 +55,15 @@ def test_invalid_toml_syntax_names_the_file(tmp_path: Path) -> None:
         parse_args(["--config", path])
 
 
-@pytest.mark.parametrize("flag, word", [("--tp", "tensor"), ("--pp", "pipeline")])
-def test_model_parallel_sizes_above_one_are_refused_as_not_supported_yet(flag, word) -> None:
+def test_pipeline_parallel_size_above_one_is_refused_as_not_supported_yet() -> None:
     with pytest.raises(ConfigError) as err:
-        parse_args([flag, "2"])
-    assert str(err.value).startswith(f"{word} parallelism is not supported yet [{flag} 2]")
-    assert f"Use {flag} 1" in str(err.value)
+        parse_args(["--pp", "2"])
+    assert str(err.value).startswith("pipeline parallelism is not supported yet [--pp 2]")
+    assert "Use --pp 1" in str(err.value)
+
+
+def test_tensor_parallel_size_counts_in_the_derived_dp() -> None:
+    assert resolve_dp(parse_args(["--tp", "2", "--global-batch", "8"]), 8).dp == 4
 
 
 def test_an_unknown_preset_lists_the_presets() -> None:
