@@ -152,7 +152,8 @@ def summarize(per_rank: list[dict[str, Any]], index: int) -> dict[str, Any]:
            "step_ms": 1e3 * med(max(r["step_s"] for r in s) for s in steps)}
     for group in ("tp", "dp"):
         size = first[group]
-        row[f"{group}_calls"] = med(s[0][f"{group}_calls"] for s in steps) if size > 1 else 0
+        row[f"{group}_calls"] = statistics.median_low(s[0][f"{group}_calls"] for s in steps) \
+            if size > 1 else 0
         row[f"{group}_mb"] = med(s[0][f"{group}_bytes"] for s in steps) / 1e6 if size > 1 \
             else 0.0
         row[f"{group}_comm_ms"] = 1e3 * med(statistics.mean(r[f"{group}_s"] for r in s)

@@ -53,8 +53,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         check_divisible("output features", weight.shape[0], comm.size * stride, name,
                         "Choose sizes that divide by tp (times the stride)")
-        self.comm, self.gather_output, self.sequence_parallel = comm, gather_output, \
-            sequence_parallel
+        self.comm, self.gather_output = comm, gather_output
+        self.sequence_parallel = sequence_parallel
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         spec = ShardSpec(0, stride)
         self.weight = _sharded_param(weight, comm, spec)
