@@ -1,6 +1,7 @@
 """Pipeline schedules on equal-cost stages: measured bubble vs theory, activation memory, step time.
 
-    python -m bench.pipeline [--ps 2,4] [--ms 4,8,16] [--v 2] [--forward-ms 10] [--reps 3]
+    python -m bench.pipeline [--ps 2,4] [--ms 4,8,16] [--v 2] [--forward-ms 50] [--reps 3]
+                             [--act-mb 4] [--polite 1] [--results DIR]
 
 Each pipeline size p runs as p ranks under the MPICH wheel's ``mpiexec``; every rank executes
 its action list with `trainer.pipeline.runtime.run_schedule` over MPI. The stages are synthetic
@@ -9,7 +10,14 @@ and equal-cost: a forward *sleeps* ``forward_ms / v`` per chunk and a backward t
 measure CPU contention instead of the schedule). Each stage boundary is a real (64, 1024) fp32
 tensor sent with ``batch_p2p``, and each forward really allocates and keeps a "saved activation"
 of ``act_mb / v`` MB until its backward, reported to the runtime through
-``Stage.activation_bytes``.
+``Stage.activation_bytes``. Ranks wait for p2p by polling with 100 us sleeps (``--polite 0``:
+MPI's spinning wait), so on a host with fewer free cores than ranks the waiting ranks do not
+take the CPU that a waking rank needs.
+
+The theory ignores p2p latency; here every p2p batch costs a wake-up and a copy on a shared
+host (0.1 ms round trip unloaded, a few ms under load), so the measured bubble sits above the
+theory by roughly (p2p batches on the critical path x latency) / compute. Longer stages
+(``--forward-ms``) bring it closer.
 
 Per (p, m, schedule) one warm-up step, then ``reps`` timed steps (schedules rotated each round);
 the row is the median step. Columns:
@@ -86,9 +94,19 @@ class SleepStage:
 # -- worker (one rank under mpiexec) ---------------------------------------------------------
 
 
+def polite_wait(handles: Sequence[Any]) -> None:
+    """Wait for p2p handles without spinning: MPI's blocking wait busy-polls, which on a host
+    with more ranks than free cores steals the CPU that the other ranks need to progress."""
+    while not all(h.is_completed() for h in handles if hasattr(h, "is_completed")):
+        time.sleep(100e-6)
+    for h in handles:
+        h.wait()
+
+
 def _step(comm: Any, name: str, m: int, v: int, args: argparse.Namespace) -> dict[str, Any]:
     from dataclasses import asdict
 
+    from trainer.comm.protocol import wait_all
     from trainer.pipeline.runtime import P2PSpec, run_schedule
     from trainer.pipeline.schedule import build, chunks_of
     from trainer.pipeline.timeline import gather
@@ -96,7 +114,8 @@ def _step(comm: Any, name: str, m: int, v: int, args: argparse.Namespace) -> dic
     v = chunks_of(name, v)
     actions = build(name, comm.size, m, v)[comm.rank]
     stage = SleepStage(comm.size, v, comm.rank, args.forward_ms / 1e3, args.act_mb)
-    result = run_schedule(actions, stage, comm, P2PSpec(BOUNDARY), v=v)
+    wait = polite_wait if args.polite else wait_all
+    result = run_schedule(actions, stage, comm, P2PSpec(BOUNDARY), v=v, wait=wait)
     events = gather(comm, result.timeline)  # collective: every rank gathers, rank 0 keeps them
     return {"events": [asdict(e) for e in events] if comm.rank == 0 else [],
             "peak": result.peak_activation_bytes, "in_flight": result.max_in_flight}
@@ -127,7 +146,7 @@ def _ranks(p: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-pp-") as tmp:
         flags = [f"--ms={','.join(map(str, args.ms))}", f"--v={args.v}",
                  f"--forward-ms={args.forward_ms}", f"--act-mb={args.act_mb}",
-                 f"--reps={args.reps}"]
+                 f"--reps={args.reps}", f"--polite={int(args.polite)}"]
         proc = run_mpiexec(p, [sys.executable, "-m", "bench.pipeline", "--worker", "--out", tmp,
                                *flags], timeout=args.timeout, env=clean_env())
         files = sorted(Path(tmp).glob("rank*.json"))
@@ -184,12 +203,12 @@ def _pictures(rows: list[dict[str, Any]], results: Path) -> None:
 
 
 def run(ps: Sequence[int] = (2, 4), ms: Sequence[int] = (4, 8, 16), v: int = 2,
-        forward_ms: float = 10.0, act_mb: float = 4.0, reps: int = 3, timeout: float = 500,
-        results: Path | str = RESULTS,
+        forward_ms: float = 50.0, act_mb: float = 4.0, reps: int = 3, polite: bool = True,
+        timeout: float = 500, results: Path | str = RESULTS,
         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """One row per (p, m, schedule); pictures of the largest p at m = 8 go to ``results``."""
     args = argparse.Namespace(ms=list(ms), v=v, forward_ms=forward_ms, act_mb=act_mb, reps=reps,
-                              timeout=timeout)
+                              polite=polite, timeout=timeout)
     rows = []
     for p in ps:
         if progress:
@@ -216,9 +235,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ps", type=ints, default=[2, 4], help="pipeline sizes, e.g. 2,4")
     ap.add_argument("--ms", type=ints, default=[4, 8, 16], help="microbatch counts")
     ap.add_argument("--v", type=int, default=2, help="chunks per rank for interleaved 1F1B")
-    ap.add_argument("--forward-ms", type=float, default=10.0, help="forward time of one stage")
+    ap.add_argument("--forward-ms", type=float, default=50.0, help="forward time of one stage")
     ap.add_argument("--act-mb", type=float, default=4.0, help="saved activation per stage, MB")
     ap.add_argument("--reps", type=int, default=3, help="timed steps per configuration")
+    ap.add_argument("--polite", type=int, default=1, help="1: poll p2p with short sleeps")
     ap.add_argument("--timeout", type=float, default=500)
     ap.add_argument("--results", type=Path, default=RESULTS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -233,8 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = worker(args)
         Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
         return 0
-    rows = run(args.ps, args.ms, args.v, args.forward_ms, args.act_mb, args.reps, args.timeout,
-               args.results, progress=print)
+    rows = run(args.ps, args.ms, args.v, args.forward_ms, args.act_mb, args.reps,
+               bool(args.polite), args.timeout, args.results, progress=print)
     print_table(rows)
     print(f"pictures: {args.results}/pipeline_timeline.png")
     return 0

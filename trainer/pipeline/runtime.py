@@ -30,7 +30,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from trainer.comm.protocol import Communicator, P2POp, wait_all
+from trainer.comm.protocol import Communicator, Handle, P2POp, wait_all
 from trainer.pipeline.actions import Action, Kind, ScheduleError, batches, stage_of
 from trainer.pipeline.timeline import Timeline
 
@@ -97,8 +97,9 @@ def agree_on_spec(comm: Communicator, spec: P2PSpec) -> None:
 
 class _Runner:
     def __init__(self, stage: Stage, comm: Communicator, spec: P2PSpec, v: int,
-                 clock: Callable[[], float], t0: float) -> None:
-        self.stage, self.comm, self.spec, self.v = stage, comm, spec, v
+                 clock: Callable[[], float], t0: float,
+                 wait: Callable[[Sequence[Handle]], None]) -> None:
+        self.stage, self.comm, self.spec, self.v, self.wait = stage, comm, spec, v, wait
         self.rank, self.p = comm.rank, comm.size
         self.clock, self.t0 = clock, t0
         self.inbox: dict[tuple[str, int, int], torch.Tensor] = {}
@@ -176,7 +177,7 @@ class _Runner:
                 buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.spec.device)
                 self.inbox[key] = buf
                 ops.append(P2POp("recv", buf, a.peer))  # type: ignore[arg-type]
-        wait_all(self.comm.batch_p2p(ops))
+        self.wait(self.comm.batch_p2p(ops))
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
@@ -190,10 +191,12 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
 
 def run_schedule(actions: Sequence[Action], stage: Stage, comm: Communicator, spec: P2PSpec, *,
                  v: int = 1, clock: Callable[[], float] = time.perf_counter,
-                 t0: float | None = None) -> StepResult:
+                 t0: float | None = None,
+                 wait: Callable[[Sequence[Handle]], None] = wait_all) -> StepResult:
     """Run this rank's action list (``comm`` is the PP communicator: its rank is the pipeline
-    rank). Without ``t0`` a barrier on ``comm`` starts the step, so all ranks share time zero."""
+    rank). Without ``t0`` a barrier on ``comm`` starts the step, so all ranks share time zero.
+    ``wait`` completes each p2p batch's handles (all of them, before the next step)."""
     if t0 is None:
         comm.barrier()
         t0 = clock()
-    return _Runner(stage, comm, spec, v, clock, t0).run(actions)
+    return _Runner(stage, comm, spec, v, clock, t0, wait).run(actions)
