@@ -196,3 +196,16 @@ def test_the_training_entry_accepts_tp_and_still_refuses_pp() -> None:
     assert parse_args(["--tp", "2"]).tp == 2
     with pytest.raises(ConfigError, match=r"pipeline parallelism is not supported yet \[--pp 2\]"):
         parse_args(["--pp", "2"])
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"tp{n}")
+def test_a_shard_that_cannot_be_written_fails_every_writer_and_commits_nothing(world: int
+                                                                               ) -> None:
+    for rank in world_results(world):
+        got = rank["checkpoint_failure"]
+        assert got["latest"] is None
+        assert got["message"].startswith("checkpoint save failed [")
+        if rank["rank"] == 1:
+            assert "pickle" in got["message"].lower()
+        else:
+            assert "1 other writer(s) failed to write its shard" in got["message"]

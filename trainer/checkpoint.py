@@ -171,6 +171,10 @@ def _save_together(root: Path, step: int, *, model: dict[str, torch.Tensor],
                 action()
         except CheckpointError as exc:
             error = exc
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable state: the others wait
+            error = CheckpointError("checkpoint save failed", str(tmp),
+                                    f"{type(exc).__name__}: {exc}",
+                                    "Save only tensors and plain Python values")
         failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
         writers.all_reduce(failed, ReduceOp.SUM)
         if error is not None:

@@ -8,12 +8,14 @@ test builds the same serial computation from `cases.layer_tensors` and compares.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from tests.tp_workers.cases import LINEAR_VARIANTS, layer_tensors
+from trainer import checkpoint
 from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.protocol import Communicator
 from trainer.model import GPT, GPTConfig
@@ -121,3 +123,20 @@ def refusal_probe(groups: ParallelGroups) -> str:
 
 def grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def checkpoint_failure_probe(groups: ParallelGroups, out: Path) -> dict[str, Any]:
+    """The TP writers save together and rank 1's shard cannot be written (unpicklable):
+    every writer must fail with the cause, none may hang, nothing may be committed."""
+    state: dict[str, Any] = {"w": torch.zeros(2)}
+    if groups.tp.rank == 1:
+        state["bad"] = lambda: None
+    root = out / "ckpt-failure"
+    try:
+        checkpoint.save(root, 1, model=state, optim={}, meta={}, shard=(groups.tp.rank, 0),
+                        writers=groups.tp)
+        message = "no error"
+    except checkpoint.CheckpointError as exc:
+        message = str(exc)
+    groups.tp.barrier()
+    return {"message": message, "latest": checkpoint.latest(root)}

@@ -2,10 +2,10 @@
 
     mpiexec -n N python -m tests.tp_workers.worker OUT
 
-With N > 1 it first probes the TP layers, the collective counts, dropout streams, recompute
-and the refusal of a model that does not split, all at tp = N. Then it trains every case of
-`tests.tp_workers.cases` at every (tp, dp) layout of N ranks (`cases.layouts`), through the
-trainer's own ``build_run``/``train_step``. Any exception aborts every rank, so the test sees a
+With N > 1 it first probes the TP layers, the collective counts, dropout streams, recompute,
+the refusal of a model that does not split and a sharded checkpoint save that fails on one
+writer, all at tp = N. Then it trains every case of `tests.tp_workers.cases` at every (tp, dp)
+layout of N ranks (`cases.layouts`), through the trainer's own ``build_run``/``train_step``. Any exception aborts every rank, so the test sees a
 failure instead of a hang.
 """
 
@@ -19,7 +19,12 @@ from typing import Any
 import torch
 
 from tests.tp_workers.cases import layouts
-from tests.tp_workers.layer_probes import all_layer_probes, count_probe, refusal_probe
+from tests.tp_workers.layer_probes import (
+    all_layer_probes,
+    checkpoint_failure_probe,
+    count_probe,
+    refusal_probe,
+)
 from tests.tp_workers.model_probes import dropout_probe, recompute_probe, train_all
 from trainer.comm.bootstrap import build_groups, init
 from trainer.comm.topology import ParallelDims
@@ -35,6 +40,7 @@ def main(out: Path) -> None:
         result["dropout"] = dropout_probe(groups)
         result["recompute"] = recompute_probe(groups)
         result["refusal"] = refusal_probe(groups)
+        result["checkpoint_failure"] = checkpoint_failure_probe(groups, out)
     for tp, dp in layouts(world.size):
         groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
         result[f"tp{tp}dp{dp}"] = {"coords": groups.coords,
