@@ -43,6 +43,15 @@ class Action:
     chunk: int = 0
     peer: int | None = None
 
+    @property
+    def to(self) -> int:
+        """The peer rank of a p2p action (-1 for compute, which has none)."""
+        return -1 if self.peer is None else self.peer
+
+    def channel(self, rank: int) -> tuple[int, int]:
+        """(sender, receiver) of this p2p action when ``rank`` runs it."""
+        return (rank, self.to) if self.kind.is_send else (self.to, rank)
+
     def __str__(self) -> str:
         text = f"{self.kind.value}{self.microbatch}"
         if self.chunk:

@@ -174,17 +174,18 @@ class _Sim:
                 raise self._error(st, a, "it is sent twice", "Send every result once")
             st.sent.add((a.kind, a.microbatch, a.chunk))
             post = _Post(st.rank, a, (kind, a.microbatch, other), st.clock)
-            self._pair((st.rank, a.peer), post, None)
         else:
             post = _Post(st.rank, a, (kind, a.microbatch, s), st.clock)
-            self._pair((a.peer, st.rank), None, post)
+        self._pair(a.channel(st.rank), post)
         return post
 
-    def _pair(self, channel: tuple[int, int], send: _Post | None, recv: _Post | None) -> None:
+    def _pair(self, channel: tuple[int, int], post: _Post) -> None:
+        """Queue ``post`` on its channel and match it with the partner of the same index."""
         sends = self.sends.setdefault(channel, [])
         recvs = self.recvs.setdefault(channel, [])
-        (sends if send else recvs).append(send or recv)  # type: ignore[arg-type]
-        k = len(sends) - 1 if send else len(recvs) - 1
+        mine = sends if post.action.kind.is_send else recvs
+        mine.append(post)
+        k = len(mine) - 1
         if k >= len(sends) or k >= len(recvs):
             return
         s, r = sends[k], recvs[k]

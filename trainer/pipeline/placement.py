@@ -78,7 +78,7 @@ class _Placer:
         for st in self.ranks:
             for slot in st.slots:
                 for send in sends_of(st.rank, slot, p, v):
-                    self.stream.setdefault((st.rank, send.peer), []).append(  # type: ignore[arg-type]
+                    self.stream.setdefault(send.channel(st.rank), []).append(
                         _as_recv(send, st.rank, p))
         self.taken = dict.fromkeys(self.stream, 0)
         self.sent = dict.fromkeys(self.stream, 0)
@@ -116,7 +116,7 @@ class _Placer:
         if st.gap > 0:
             for send in sends_of(st.rank, st.slots[st.gap - 1], self.p, self.v):
                 batch.append(send)
-                self.sent[(st.rank, send.peer)] += 1  # type: ignore[index]
+                self.sent[send.channel(st.rank)] += 1
         if st.gap < len(st.slots):
             for need in _needs(st.rank, st.slots[st.gap], self.p, self.v):
                 batch += self._take_through(st.rank, need)
@@ -124,25 +124,25 @@ class _Placer:
 
     def _take_through(self, rank: int, need: Action) -> list[Action]:
         """Receives from ``need.peer`` up to and including ``need`` (FIFO), unless taken."""
-        key = (need.peer, rank)
-        stream = self.stream.get(key, [])  # type: ignore[arg-type]
-        if need in stream[: self.taken.get(key, 0)]:  # type: ignore[arg-type]
+        key = need.channel(rank)
+        stream = self.stream.get(key, [])
+        if need in stream[: self.taken.get(key, 0)]:
             return []
         if need not in stream:
             raise ScheduleError("schedule needs a message nobody sends", f"rank {rank}",
                                 f"{need} has no matching send on rank {need.peer}",
                                 "Give every stage's input a producer")
         end = stream.index(need) + 1
-        got = stream[self.taken[key]:end]  # type: ignore[index]
-        self.taken[key] = end  # type: ignore[index]
+        got = stream[self.taken[key]:end]
+        self.taken[key] = end
         return got
 
     def _complete(self, st: _Rank) -> bool:
         for a in st.batch or []:
-            key = (st.rank, a.peer) if a.kind.is_send else (a.peer, st.rank)
-            if a.kind.is_send and self.taken[key] < self.sent[key]:  # type: ignore[index]
+            key = a.channel(st.rank)
+            if a.kind.is_send and self.taken[key] < self.sent[key]:
                 return False
-            if not a.kind.is_send and self.sent[key] < self.taken[key]:  # type: ignore[index]
+            if not a.kind.is_send and self.sent[key] < self.taken[key]:
                 return False
         return True
 

@@ -172,11 +172,11 @@ class _Runner:
                                         "Run a schedule that passed trainer.pipeline.check")
                 t = self.outbox.pop(key)
                 check_boundary(t, self.spec, self._where(a))
-                ops.append(P2POp("send", t.detach().contiguous(), a.peer))  # type: ignore[arg-type]
+                ops.append(P2POp("send", t.detach().contiguous(), a.to))
             else:
                 buf = torch.empty(self.spec.shape, dtype=self.spec.dtype, device=self.spec.device)
                 self.inbox[key] = buf
-                ops.append(P2POp("recv", buf, a.peer))  # type: ignore[arg-type]
+                ops.append(P2POp("recv", buf, a.to))
         self.wait(self.comm.batch_p2p(ops))
 
 
