@@ -80,7 +80,8 @@ class Run:
     changed: list[str] = field(default_factory=list)
     """Training options that differ from the checkpoint resumed from (reported, not refused)."""
     tp_comm: Communicator | None = None
-    tracker: RNGStatesTracker | None = None
+    tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
+    """Random streams of TP regions (attention dropout), reseeded every step."""
     norm_scope: NormScope = field(default_factory=NormScope)
 
     @property
