@@ -1,7 +1,9 @@
 """Pipeline parallelism: schedules as per-rank action lists, their static checker, the runtime
 that executes one rank's list over a PP communicator, and the timeline of what ran when.
 
+* `trainer.pipeline.actions`   the vocabulary: ``Action``, ``Kind``, ``ScheduleError`` (pure);
 * `trainer.pipeline.schedule`  builders: ``gpipe``, ``one_f_one_b``, ``interleaved`` (pure);
+* `trainer.pipeline.placement` where the p2p actions go between compute slots (pure);
 * `trainer.pipeline.check`     ``check_schedule``: simulates every rank's list without running
   anything (matching p2p, deadlock, dependencies, in-flight activations) (pure);
 * `trainer.pipeline.runtime`   ``run_schedule``: runs one rank's list on a `Stage`;

@@ -8,7 +8,7 @@ compute step). `gather` brings all ranks' events to every rank through the Commu
 * `chrome_trace` / `write_chrome_trace`: the Trace Event Format JSON that chrome://tracing and
   ui.perfetto.dev open; one thread per rank, complete ("X") events in microseconds.
 * `write_gantt`: a PNG (matplotlib, Agg backend) with one row per rank, forward and backward in
-  different colours (later chunks darker), p2p waits as thin grey bars, idle time left blank.
+  different colours (chunk 1 darker than chunk 0), p2p waits as thin grey bars, idle left blank.
 * `bubble`: idle time per rank = the step's span minus the rank's F and B time; waiting inside
   p2p counts as idle (the rank has nothing it could compute).
 """
@@ -170,10 +170,13 @@ def write_gantt(path: str | Path, events: Sequence[Event], *, title: str = "",
         _draw(ax, evs, name)
     axes[-1, 0].set_xlabel("time (ms)")
     legend = [Patch(color=_COLOURS["F"][1], label="forward"),
-              Patch(color=_COLOURS["B"][1], label="backward"),
-              Patch(color="#bdbdbd", label="p2p"), Patch(facecolor="white", edgecolor="#999",
-                                                         label="idle (bubble)")]
-    fig.legend(handles=legend, loc="upper right", ncol=4, fontsize=8, frameon=False)
+              Patch(color=_COLOURS["B"][1], label="backward")]
+    if any(e.chunk > 0 for _, evs in panels for e in evs if e.kind in COMPUTE):
+        legend += [Patch(color=_COLOURS["F"][2], label="forward, chunk 1"),
+                   Patch(color=_COLOURS["B"][2], label="backward, chunk 1")]
+    legend += [Patch(color="#bdbdbd", label="p2p (waiting)"),
+               Patch(facecolor="white", edgecolor="#999", label="idle")]
+    fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -189,7 +192,7 @@ def _draw(ax: Any, events: Sequence[Event], name: str) -> None:
         y = p - 1 - e.rank
         x, w = (e.start - t0) * 1e3, e.duration * 1e3
         if e.kind in COMPUTE:
-            colour = _COLOURS[e.kind][min(e.chunk, 2) if e.chunk else 1]
+            colour = _COLOURS[e.kind][(e.chunk + 1) % 3]  # chunk 0 mid, chunk 1 dark
             ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colour, edgecolor="white",
                            linewidth=0.4)
             if w > 0:
