@@ -24,8 +24,12 @@ sysdeps:
 test: install sysdeps
 	$(PY) -m pytest -q -ra tests
 
+RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
+
 run: install
-	$(DTRAIN) launch --nproc-per-node 2 -- $(PY) -m trainer.train --model tiny --steps 300 --log-every 25 --save-every 100 --run-dir runs/make-run
+	$(DTRAIN) launch --nproc-per-node 2 -- $(PY) -m trainer.train --model tiny --steps 300 \
+		--log-every 25 --save-every 100 --run-dir $(RUN_DIR)
+	@echo "run folder: $(RUN_DIR) (metrics.jsonl, loss.png, checkpoints/)"
 
 bench: install sysdeps
 	$(PY) -m bench.run_all
