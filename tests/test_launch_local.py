@@ -220,3 +220,12 @@ def test_timings_show_when_each_start_up_phase_completed():
     line = next(x for x in res.stderr.splitlines() if x.startswith("dtrain: timings"))
     names = [part.split()[0] for part in line.split("start: ", 1)[1].split(", ")]
     assert names == ["connected", "hello", "ready", "running", "exit"]
+
+
+def test_raw_mode_passes_output_bytes_through_unchanged():
+    code = ("import sys; sys.stdout.buffer.write(b'\\x1b[2K50%\\r\\xff\\xfepartial'); "
+            "sys.stdout.flush()")
+    res = subprocess.run(dtrain_cmd(["launch", "--raw", "--", PYTHON, "-c", code]),
+                         capture_output=True, timeout=60, env=dtrain_env(), cwd=REPO)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout == b"\x1b[2K50%\r\xff\xfepartial"
