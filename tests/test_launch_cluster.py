@@ -237,3 +237,16 @@ def test_diagnose_reports_mpi_and_bandwidth_across_hosts(cluster):
     assert res.returncode == 0, res.stderr
     out = res.stdout + res.stderr
     assert "MPICH" in out and "node2" in out
+
+
+def test_a_job_on_the_head_and_a_remote_host_forms_one_world(cluster):
+    code = ("from mpi4py import MPI; import json, os; c = MPI.COMM_WORLD\n"
+            "print(json.dumps([os.environ['MASTER_ADDR'], MPI.Get_processor_name(), "
+            "c.allreduce(c.rank)]))\n")
+    res = run_dtrain(["launch", "-H", "localhost:2,node1:2", *_ssh(cluster), "--", PYTHON, "-c",
+                      code])
+    assert res.returncode == 0, res.stderr
+    got = _rank_json(res.stdout)
+    # Rank 0 runs on the head: its address towards node1 is the head's bridge address.
+    assert {v[0] for v in got.values()} == {cluster.head_address}
+    assert got[2][1] == got[3][1] == "node1" and {v[2] for v in got.values()} == {6}
