@@ -48,9 +48,10 @@ MARKER = "COMMITTED"
 FAULT_ENV = "DTRAIN_FAULT"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
-#: Layout axes whose change makes a checkpoint unusable (model state is sharded along them).
-#: dp is not one: DP state is replicated and the data position is the step, whatever dp is.
-SHARDED_AXES = ("tp", "pp")
+#: Layout keys whose change makes a checkpoint unusable (model state is sharded along them; a
+#: ``ppNN`` shard holds the layers its stages had). dp is not one: DP state is replicated and
+#: the data position is the step, whatever dp is.
+SHARDED_AXES = ("tp", "pp", "virtual_stages", "stage_layers")
 
 
 class CheckpointError(TrainerError):
@@ -267,8 +268,12 @@ def check_compatible(meta: dict[str, Any], *, model: dict[str, Any], layout: dic
     """Refuse a checkpoint of another model config or sharded layout, listing every difference."""
     diffs = [f"{key}: checkpoint {meta['model'].get(key)!r}, now {value!r}"
              for key, value in model.items() if meta["model"].get(key) != value]
-    diffs += [f"{axis}: checkpoint {meta['layout'].get(axis)!r}, now {layout[axis]!r}"
-              for axis in SHARDED_AXES if meta["layout"].get(axis) != layout[axis]]
+    # A key absent on either side is not compared: checkpoints written before pipeline
+    # parallelism have no stage keys (they were unsplit, and a pp difference still shows).
+    saved = meta["layout"]
+    diffs += [f"{axis}: checkpoint {saved[axis]!r}, now {layout[axis]!r}"
+              for axis in SHARDED_AXES
+              if axis in saved and axis in layout and saved[axis] != layout[axis]]
     if diffs:
         raise CheckpointError("checkpoint does not match this run", str(path),
                               "differing fields: " + "; ".join(diffs),

@@ -24,6 +24,10 @@ from typing import Any
 from trainer.comm.bootstrap import BACKENDS
 from trainer.errors import ConfigError
 from trainer.model import PRESETS, GPTConfig
+from trainer.pipeline.partition import parse_counts, stage_counts
+from trainer.pipeline.schedule import ScheduleError, check_interleaving
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 HELP: dict[str, str] = {
     "model": "model size preset: " + ", ".join(PRESETS),
@@ -31,7 +35,8 @@ HELP: dict[str, str] = {
     "stop_at": "stop after this step with a checkpoint, to split a run into jobs (0 = --steps);"
                " the learning-rate schedule still spans --steps",
     "global_batch": "sequences per optimizer step, summed over data-parallel ranks",
-    "microbatches": "gradient-accumulation microbatches per step on each DP rank",
+    "microbatches": "microbatches per step on each DP rank (gradient accumulation; with --pp "
+                    "the microbatches the pipeline schedule runs)",
     "lr": "peak learning rate",
     "min_lr": "learning rate at the end of the cosine decay",
     "warmup_steps": "linear warmup steps",
@@ -41,7 +46,10 @@ HELP: dict[str, str] = {
     "seed": "seed of initialisation, data order and dropout",
     "dp": "data-parallel size (0 = world size / (tp*pp))",
     "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp adjacent ranks",
-    "pp": "pipeline-parallel size (only 1 for now)",
+    "pp": "pipeline-parallel size: the layers split into pp stages on pp ranks",
+    "schedule": "pipeline schedule: gpipe, 1f1b or interleaved (with --virtual-stages)",
+    "virtual_stages": "model chunks per pipeline rank (interleaved schedule only)",
+    "pp_layers": "layers per pipeline stage, e.g. 3,2,2,1 (default: balanced by layer count)",
     "backend": "communication backend: auto (nccl on GPU, else mpi), mpi or nccl",
     "bucket_size": "DP gradient bucket size in elements",
     "overlap": "overlap DP gradient all-reduce with backward",
@@ -75,6 +83,9 @@ class TrainConfig:
     dp: int = 0
     tp: int = 1
     pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    pp_layers: str = ""
     backend: str = "auto"
     bucket_size: int = 1_000_000
     overlap: bool = True
@@ -95,10 +106,35 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
-        if self.pp != 1:
-            raise ConfigError("pipeline parallelism is not supported yet", f"--pp {self.pp}",
-                              "this version of the trainer runs data and tensor parallelism",
-                              "Use --pp 1 (and raise --dp or --tp instead)")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """Refuse a pipeline layout that cannot run, before any rank starts."""
+        for name in ("pp", "virtual_stages"):
+            _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _require(self.schedule in SCHEDULES, "schedule", self.schedule,
+                 f"must be one of {', '.join(SCHEDULES)}")
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError("virtual stages need the interleaved schedule",
+                              f"--virtual-stages {self.virtual_stages}",
+                              f"the {self.schedule} schedule runs one chunk per rank",
+                              "Add --schedule interleaved, or use --virtual-stages 1")
+        if self.schedule == "interleaved" and self.pp > 1:
+            try:
+                check_interleaving(self.pp, self.microbatches, self.virtual_stages)
+            except ScheduleError as exc:
+                raise ConfigError(exc.what, f"--pp {self.pp} --microbatches {self.microbatches} "
+                                  f"--virtual-stages {self.virtual_stages}", exc.why,
+                                  exc.fix.replace("microbatches", "microbatches (--microbatches)",
+                                                  1)) from None
+        if self.pp > 1 or self.pp_layers:
+            _ = self.stage_layers  # raises when the layers do not split
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Layers of every pipeline stage (pp * v of them; v is 1 unless interleaved)."""
+        v = self.virtual_stages if self.schedule == "interleaved" else 1
+        return stage_counts(self.gpt.n_layer, self.pp, v, parse_counts(self.pp_layers))
 
     @property
     def schedule_end(self) -> int:

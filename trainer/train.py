@@ -18,6 +18,19 @@ With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
 (`trainer.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp rank,
 tp rank), and each TP rank of DP replica 0 writes its own checkpoint shard.
+
+With ``--pp N`` the layers are split into N stages (``--virtual-stages V`` chunks per rank with
+``--schedule interleaved``; ``--pp-layers`` overrides the balanced split) and each step runs the
+pipeline schedule (`trainer.pipeline.train_step`): the ``--microbatches`` are the pipeline's,
+the tied embedding's gradient is summed over the first and last stage, the gradient norm over
+TP and PP. Ranks follow Megatron's ``tp-dp-pp`` order. The loss is computed on the last stage
+and broadcast over the pipeline, so rank 0 (first stage) logs it like any run. Every (tp, pp)
+rank of DP replica 0 writes its own shard, and at the end rank 0 writes the last step's
+timeline (``timeline.json`` for Perfetto, ``timeline.png``) and logs the measured bubble.
+Dropout seeds also mix in the pp rank (each stage draws its own masks).
+
+    mpiexec -n 8 python -m trainer.train --model tiny --dp 2 --tp 2 --pp 2 --microbatches 4 \
+        --schedule interleaved --virtual-stages 2 --n-layer 4 --run-dir runs/3d
 """
 
 from __future__ import annotations
@@ -44,13 +57,19 @@ from trainer.metrics import MetricsLog, StepRecord
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
 from trainer.parallelize import parallelize
+from trainer.pipeline.stages import build_stage_model
+from trainer.pipeline.train_step import (
+    Pipeline,
+    build_pipeline,
+    describe_pipeline,
+    stage_layout,
+    write_timeline,
+)
+from trainer.resume import meta_of, restore
 from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
 
 _DROPOUT_STREAM = 1
 _TP_DROPOUT_STREAM = 2
-#: Options that steer one invocation rather than the training math (not reported on resume).
-_RUN_CONTROL = {"steps", "stop_at", "resume", "save_every", "keep", "log_every", "run_dir",
-                "dp", "backend", "gpt"}
 
 
 @dataclass
@@ -83,78 +102,75 @@ class Run:
     tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
     """Random streams of TP regions (attention dropout), reseeded every step."""
     norm_scope: NormScope = field(default_factory=NormScope)
+    pipeline: Pipeline | None = None
+    """The pipeline of this rank (``--pp > 1``), else None."""
+    writers: Communicator | None = None
+    """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
 
     @property
     def tp_rank(self) -> int:
         return self.tp_comm.rank if self.tp_comm is not None else 0
 
+    @property
+    def pp_rank(self) -> int:
+        return self.pipeline.comm.rank if self.pipeline is not None else 0
+
 
 def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
-              device: torch.device, groups: ParallelGroups | None = None) -> Run:
-    """Model, optimizer, data and DP for this rank, restored from a checkpoint on --resume.
-    ``groups`` (needed when cfg.tp > 1) supplies the TP group; DP runs on ``dp_comm``."""
+              device: torch.device, groups: ParallelGroups | None = None,
+              world_comm: Communicator | None = None) -> Run:
+    """Model, optimizer, data, DP (and the pipeline) of this rank, restored from a checkpoint on
+    --resume. ``groups`` (needed when cfg.tp > 1 or cfg.pp > 1) supplies the TP and PP groups;
+    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers."""
     tp_comm = groups.tp if groups is not None else None
-    if cfg.tp != (tp_comm.size if tp_comm is not None else 1):
-        raise TrainerError("tensor-parallel group does not match --tp", f"--tp {cfg.tp}",
-                           "build_run got no TP group of that size",
-                           "Pass groups=build_groups(world, ParallelDims(dp, tp, pp))")
+    pp_comm = groups.pp if groups is not None else None
+    _check_groups(cfg, tp_comm, pp_comm, world_comm)
     corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
-    for comm in (dp_comm, tp_comm) if tp_comm is not None else (dp_comm,):
+    for comm in (c for c in (dp_comm, tp_comm, pp_comm) if c is not None):
         _require_same(comm, int(corpus.fingerprint[:15], 16), device,
                       "ranks read different training data", corpus.source,
                       "Give every host the same --data (or the same Python for the default "
                       "corpus)")
     tracker = RNGStatesTracker(device)
-    model = GPT(cfg.gpt, seed=cfg.seed).to(device)
+    layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
+    model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
+             GPT(cfg.gpt, seed=cfg.seed)).to(device)
     if groups is not None:
         model = parallelize(model, groups, tracker=tracker)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start, changed = _maybe_resume(cfg, model, optimizer, dp_comm, tp_comm, device) \
-        if cfg.resume else (0, [])
+    shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0)
+    deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
+    start, changed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
+                             device=device) if cfg.resume else (0, [])
     dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap)
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
                              dp_rank=dp_comm.rank, device=device)
     schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                         decay_steps=cfg.schedule_end)
+    scope = tp_scope(tp_comm) if tp_comm is not None else NormScope()
+    pipeline, writers = None, tp_comm
+    if layout is not None:
+        pipeline = build_pipeline(cfg, model, layout, pp_comm, dp, device)
+        scope = pipeline.norm_scope(scope)
+        # Every tp x pp rank of one DP replica: the group that writes a checkpoint together.
+        writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, changed=changed, tp_comm=tp_comm,
-               tracker=tracker,
-               norm_scope=tp_scope(tp_comm) if tp_comm is not None else NormScope())
+               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers)
 
 
-def _maybe_resume(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-                  comm: Communicator, tp_comm: Communicator | None,
-                  device: torch.device) -> tuple[int, list[str]]:
-    """Load the newest committed checkpoint (rank 0 picks it, every rank reads its own TP
-    shard); returns its step and the training options that changed since it was written."""
-    root = Path(cfg.run_dir) / "checkpoints"
-    found = checkpoint.latest(root)
-    choice = torch.tensor([checkpoint.step_of(found) if found else -1], device=device)
-    comm.broadcast(choice, 0)
-    if tp_comm is not None:
-        tp_comm.broadcast(choice, 0)  # DP rank 0 of TP rank 0, i.e. global rank 0, decides
-    step = int(choice.item())
-    if step < 0:
-        return 0, []
-    path = root / f"step-{step}"
-    if not path.is_dir():
-        raise checkpoint.CheckpointError(
-            "checkpoint not visible on this rank", str(path),
-            f"rank 0 resumes from step {step} but DP rank {comm.rank} cannot see the folder",
-            "Put --run-dir on a filesystem that every host shares")
-    layout = {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp}
-    checkpoint.check_compatible(checkpoint.read_meta(path), model=cfg.gpt.to_dict(),
-                                layout=layout, path=path)
-    shard = (tp_comm.rank if tp_comm is not None else 0, 0)
-    ckpt = checkpoint.load(path, map_location=device, shard=shard)
-    model.load_state_dict(ckpt.model)
-    optimizer.load_state_dict(ckpt.optim)
-    checkpoint.restore_rng(ckpt.rng)
-    before, now = ckpt.meta.get("config", {}), cfg.to_dict()
-    changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()
-               if k not in _RUN_CONTROL and k in before and before[k] != v]
-    return ckpt.step, changed
+def _check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | None,
+                  world: Communicator | None) -> None:
+    for axis, want, comm in (("tp", cfg.tp, tp), ("pp", cfg.pp, pp)):
+        if want != (comm.size if comm is not None else 1):
+            raise TrainerError(f"parallel group does not match --{axis}", f"--{axis} {want}",
+                               f"build_run got no {axis.upper()} group of that size",
+                               "Pass groups=build_groups(world, ParallelDims(dp, tp, pp))")
+    if cfg.pp > 1 and world is None:
+        raise TrainerError("pipeline run without the world communicator", f"--pp {cfg.pp}",
+                           "the checkpoint writers (tp x pp ranks of DP replica 0) are split "
+                           "from it", "Pass world_comm=world.comm to build_run")
 
 
 def _require_same(comm: Communicator, value: int, device: torch.device, what: str,
@@ -169,14 +185,40 @@ def _require_same(comm: Communicator, value: int, device: torch.device, what: st
 def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step (all microbatches); returns rank 0's view of it."""
     start = time.perf_counter()
-    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank))
+    # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
+    stage = (run.pp_rank,) if run.pipeline is not None else ()
+    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank, *stage))
     run.tracker.seed(TP_RNG, step_seed(run.cfg.seed, step, _TP_DROPOUT_STREAM, run.dp_rank,
-                                       run.tp_rank))
+                                       run.tp_rank, *stage))
     lr = run.schedule.lr_at(step)
     set_lr(run.optimizer, lr)
     run.dp.zero_grad()
     run.dp.stats.reset()
     micro = run.batches.microbatches(step)
+    if run.pipeline is not None:
+        loss_sum = run.pipeline.forward_backward(micro)
+    else:
+        loss_sum = _accumulate(run, micro)
+    run.dp.finish_grad_sync()
+    if run.pipeline is not None:
+        run.pipeline.sync_tied_grads()
+    grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
+    run.optimizer.step()
+    if run.pipeline is not None:
+        loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
+    else:
+        run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
+        loss = float(loss_sum)
+    step_s = time.perf_counter() - start
+    exposed = run.dp.stats.exposed_s
+    return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
+                      tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
+                      compute_s=step_s - exposed, comm_exposed_s=exposed,
+                      comm_total_s=run.dp.stats.comm_s)
+
+
+def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Forward and backward of every microbatch, DP-synchronised on the last one only."""
     loss_sum = torch.zeros((), device=run.dp.buffer.device)
     for i, (x, y) in enumerate(micro):
         last = i == len(micro) - 1
@@ -185,34 +227,18 @@ def train_step(run: Run, step: int) -> StepRecord:
             loss = run.model.loss(x, y) / len(micro)
             loss.backward()
         loss_sum += loss.detach()
-    run.dp.finish_grad_sync()
-    grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
-    run.optimizer.step()
-    run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
-    step_s = time.perf_counter() - start
-    exposed = run.dp.stats.exposed_s
-    return StepRecord(step=step, loss=float(loss_sum), lr=lr, grad_norm=grad_norm,
-                      tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                      compute_s=step_s - exposed, comm_exposed_s=exposed,
-                      comm_total_s=run.dp.stats.comm_s)
+    return loss_sum
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
-    """DP replica 0 writes: its TP ranks one shard each, together; other ranks return None."""
+    """DP replica 0 writes: its tp x pp ranks one shard each, together; others return None."""
     if run.dp_rank != 0:
         return None
-    cfg = run.cfg
-    meta = {
-        "config": cfg.to_dict(),
-        "model": cfg.gpt.to_dict(),
-        "layout": {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp},
-        "data": {"position": step, "source": run.corpus.source,
-                 "fingerprint": run.corpus.fingerprint},
-    }
-    return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step,
+    meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
+    return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step,
                            model=run.model.state_dict(), optim=run.optimizer.state_dict(),
-                           meta=meta, keep=cfg.keep, shard=(run.tp_rank, 0),
-                           writers=run.tp_comm)
+                           meta=meta, keep=run.cfg.keep, shard=(run.tp_rank, run.pp_rank),
+                           writers=run.writers)
 
 
 def train(cfg: TrainConfig, world: World) -> TrainResult:
@@ -220,7 +246,7 @@ def train(cfg: TrainConfig, world: World) -> TrainResult:
     cfg = resolve_dp(cfg, world.size)
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
     run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups)
+                    groups=groups, world_comm=world.comm)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
                      start_step=run.start_step, log_every=cfg.log_every)
     log.info(_banner(run, world.size))
@@ -234,8 +260,11 @@ def train(cfg: TrainConfig, world: World) -> TrainResult:
             if cfg.save_every and step % cfg.save_every == 0 and step != cfg.last_step:
                 save_checkpoint(run, step)
         result.checkpoint = save_checkpoint(run, result.final_step)
+        if run.pipeline is not None and groups.coords.tp == 0 and groups.coords.dp == 0:
+            log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))
     finally:
-        log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, global batch {cfg.global_batch}")
+        log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
+                             f"global batch {cfg.global_batch}")
     return result
 
 
@@ -245,12 +274,14 @@ def _banner(run: Run, world_size: int) -> str:
     if run.changed:
         resumed += " with changed options: " + ", ".join(run.changed)
     per_rank = " per TP rank" if cfg.tp > 1 else ""
+    per_rank += " of pipeline rank 0" if cfg.pp > 1 else ""
+    pipeline = f" ({describe_pipeline(cfg)})" if cfg.pp > 1 else ""
     return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size}"
-            f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp} | {len(run.dp.buckets)} grad bucket(s),"
-            f" overlap {'on' if cfg.overlap else 'off'} | global batch {cfg.global_batch} x "
-            f"{cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | data "
-            f"{run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"
+            f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}{pipeline} | {len(run.dp.buckets)} "
+            f"grad bucket(s), overlap {'on' if cfg.overlap else 'off'} | global batch "
+            f"{cfg.global_batch} x {cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | "
+            f"data {run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"
             f"{resumed}")
 
 
