@@ -1,0 +1,255 @@
+"""Pipeline-parallel training equals the single-device model, for every schedule and for 3-D.
+
+The worker (`tests.pp_training_workers.worker`, one ``mpiexec`` run per world size 2, 4 and 8)
+trains every case of `tests.pp_training_workers.cases` with the trainer's own
+``build_run``/``train_step``: GPipe, 1F1B and interleaved 1F1B (v = 2) at pp 2 and pp 4, an
+untied model with a hand-given layer split, dp x pp, tp x pp, and dp 2 x tp 2 x pp 2 on 8
+ranks (oversubscribed). The reference is the plain model in this process with the whole global
+batch in the same microbatches and torch's ``clip_grad_norm_``. A pipeline changes only the
+order of sums (the tied embedding's two gradient halves are added once at the end instead of
+per microbatch), so losses and gradient norms agree to fp32 rounding (rtol 1e-5, atol 1e-6).
+
+Parameters: pure pipelines (dp = tp = 1) agree to 1.2e-7 everywhere. With DP or TP a few
+elements move further: Adam divides by ``sqrt(v) + eps``, so a gradient element near zero
+(~1e-9 against eps = 1e-8) turns a rounding difference d into an update difference up to
+``lr * d / eps`` (tests/test_tp_training.py). Measured here: at most 3 of ~60k elements beyond
+1e-3 of one Adam step, the worst 2.6e-5 (dp 2 x tp 2 x pp 2), and the *same* elements and
+values appear at dp 2 x tp 2 without a pipeline. So every element must be within 0.1 of one
+step, at most 10 elements beyond 1e-3 of one step, and the difference's norm within 1e-4 of
+the norm of the whole training update. A wrong stage split, a missing gradient reduction or an
+unsynchronised tied copy moves thousands of elements by O(lr) = 3e-3.
+
+Then checkpoints through ``trainer.train.train`` at pp 2 and at 2 x 2 x 2: one shard per
+(tp, pp) rank, a resume bit-identical to the uninterrupted run, a refused resume at pp 1, and
+the timeline files. The pure parts (layer partition, stage models, config checks) are tested
+without MPI at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
+from tests.pp_training_workers.cases import serial_reference as serial
+from tests.pp_training_workers.launch import world_results
+from trainer.checkpoint import shard_name
+from trainer.config import parse_args
+from trainer.errors import ConfigError
+from trainer.model import GPT, GPTConfig
+from trainer.pipeline.partition import StageLayout, balanced_counts, describe, stage_counts
+from trainer.pipeline.stages import GPTStage, build_stage_model
+
+RTOL, ATOL = 1e-5, 1e-6
+LR = 3e-3  # the cases' lr: the size of one Adam step
+ALL = [c for cases in CASES.values() for c in cases]
+
+
+def ranks_of(c: Case) -> list[dict]:
+    return [r[c.name] for r in world_results(c.world)[1]]
+
+
+def merged_params(c: Case) -> dict[str, torch.Tensor]:
+    """DP replica 0's parameters (TP already re-assembled), every stage's, by name; a name
+    held by two pipeline ranks (only the tied copy may be) fails."""
+    merged: dict[str, torch.Tensor] = {}
+    for r in ranks_of(c):
+        tp, dp, _ = r["coords"]
+        if tp == 0 and dp == 0:
+            clash = merged.keys() & r["params"].keys()
+            assert not clash, f"{c.name}: held by two stages: {sorted(clash)}"
+            merged.update(r["params"])
+    return merged
+
+
+@pytest.mark.parametrize("c", ALL, ids=lambda c: c.name)
+def test_losses_and_gradient_norms_match_the_single_device_model(c: Case) -> None:
+    ref = serial(c)
+    for r in ranks_of(c):  # every rank reports the step's loss and global norm
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref["losses"]),
+                                   rtol=RTOL, atol=ATOL)
+        torch.testing.assert_close(torch.tensor(r["norms"]), torch.tensor(ref["norms"]),
+                                   rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("c", ALL, ids=lambda c: c.name)
+def test_parameters_after_training_match_the_single_device_model(c: Case) -> None:
+    expected, got = serial(c)["params"], merged_params(c)
+    tied = c.gpt.get("tied", True)
+    assert got.keys() == expected.keys() | ({"head.weight"} if tied else set())
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, rtol=RTOL, atol=0.1 * LR, msg=name)
+    outliers = sum(int(((got[n] - want).abs() > 1e-3 * LR).sum()) for n, want in expected.items())
+    assert outliers <= 10, f"{outliers} elements differ by more than 1e-3 of one step"
+    cfg = c.config()
+    start = dict(GPT(cfg.gpt, seed=cfg.seed).named_parameters())
+    diff = torch.stack([(got[n] - want).norm() for n, want in expected.items()]).norm()
+    update = torch.stack([(want - start[n].detach()).norm() for n, want in expected.items()]
+                         ).norm()
+    assert diff < 1e-4 * update, (float(diff), float(update))
+    if tied:  # the last stage's copy is kept equal to the embedding, not just close
+        assert torch.equal(got["head.weight"], got["tok_emb.weight"])
+
+
+@pytest.mark.parametrize("c", [c for c in ALL if c.dp * c.tp > 1], ids=lambda c: c.name)
+def test_every_dp_replica_and_tp_rank_of_a_stage_ends_bit_identical(c: Case) -> None:
+    by_stage: dict[int, dict] = {}
+    for r in ranks_of(c):
+        first = by_stage.setdefault(r["coords"][2], r["params"])
+        assert all(torch.equal(r["params"][n], first[n]) for n in first), r["coords"]
+
+
+@pytest.mark.parametrize("c", ALL, ids=lambda c: c.name)
+def test_only_the_first_and_last_stage_form_the_tied_embedding_group(c: Case) -> None:
+    for r in ranks_of(c):
+        ends = r["coords"][2] in (0, c.pp - 1)
+        assert r["tied_group"] == (2 if ends and c.gpt.get("tied", True) else 0), r["coords"]
+
+
+def test_activations_in_flight_follow_the_schedule() -> None:
+    for c in ALL:
+        for r in ranks_of(c):
+            pp_rank = r["coords"][2]
+            if c.schedule == "gpipe":
+                assert r["in_flight"] == c.m, c.name
+            elif c.schedule == "1f1b":
+                assert r["in_flight"] == min(c.pp - pp_rank, c.m), c.name
+
+
+# -- checkpoints and timeline through trainer.train.train -------------------------------------
+
+CKPT = [(world, case(name)) for world, name in CHECKPOINT_CASE.items()]
+CKPT_IDS = [c.name for _, c in CKPT]
+
+
+def ckpt_of(world: int) -> list[dict]:
+    return [r["checkpoint"] for r in world_results(world)[1]]
+
+
+@pytest.mark.parametrize("world,c", CKPT, ids=CKPT_IDS)
+def test_each_tp_pp_rank_writes_its_own_shard(world: int, c: Case) -> None:
+    step = Path(ckpt_of(world)[0]["run_dir"]) / "checkpoints" / "step-2"
+    shards = [shard_name(kind, tp, pp) for kind in ("model", "optim") for tp in range(c.tp)
+              for pp in range(c.pp)]
+    assert sorted(p.name for p in step.iterdir()) == sorted(
+        ["COMMITTED", "meta.json", "rng.pt", *shards])
+    layout = json.loads((step / "meta.json").read_text())["layout"]
+    assert (layout["pp"], layout["virtual_stages"], layout["stage_layers"]) == (
+        c.pp, c.v, list(c.config().stage_layers))
+
+
+@pytest.mark.parametrize("world,c", CKPT, ids=CKPT_IDS)
+def test_a_resumed_pipeline_run_is_bit_identical_to_an_uninterrupted_one(world: int,
+                                                                         c: Case) -> None:
+    for ck, whole in zip(ckpt_of(world), ranks_of(c), strict=True):
+        assert ck["start"] == 2
+        assert ck["first"] + ck["second"] == whole["losses"]  # exact, not just close
+    final = Path(ckpt_of(world)[0]["run_dir"]) / "checkpoints" / f"step-{STEPS}"
+    for whole in ranks_of(c):
+        tp, dp, pp = whole["coords"]
+        if dp == 0:
+            shard = torch.load(final / shard_name("model", tp, pp), weights_only=True)
+            assert shard.keys() == whole["local"].keys()
+            assert all(torch.equal(shard[n], whole["local"][n]) for n in shard), (tp, pp)
+
+
+@pytest.mark.parametrize("world,c", CKPT, ids=CKPT_IDS)
+def test_resuming_a_pipeline_checkpoint_at_pp1_is_refused_showing_the_difference(
+        world: int, c: Case) -> None:
+    for ck in ckpt_of(world):
+        text = ck["refused"]
+        assert text.startswith("checkpoint does not match this run ["), text
+        assert "pp: checkpoint 2, now 1" in text
+        assert "stage_layers: checkpoint [2, 2, 2, 2], now [8]" in text
+
+
+@pytest.mark.parametrize("world,c", CKPT, ids=CKPT_IDS)
+def test_the_run_writes_the_last_steps_timeline_as_perfetto_json_and_a_gantt_png(
+        world: int, c: Case) -> None:
+    run_dir = Path(ckpt_of(world)[0]["run_dir"])
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert names == {f"rank {r}" for r in range(c.pp)}
+    compute = [e for e in trace["traceEvents"] if e.get("cat") in ("F", "B")]
+    assert len(compute) == 2 * c.m * c.v * c.pp
+    assert (run_dir / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- without MPI ------------------------------------------------------------------------------
+
+def test_layers_are_balanced_with_the_remainder_on_middle_stages_first() -> None:
+    assert balanced_counts(7, 4) == (2, 2, 2, 1)
+    assert balanced_counts(6, 4) == (1, 2, 2, 1)
+    assert balanced_counts(9, 4) == (2, 3, 2, 2)
+    assert balanced_counts(8, 8) == (1,) * 8
+    assert describe((2, 0, 1)) == "0-1|-|2"
+
+
+def test_a_layer_split_that_does_not_fit_is_refused_naming_the_option() -> None:
+    with pytest.raises(ConfigError, match=r"\[n_layer=2, pp=2, virtual stages=2\]: 2 layer"):
+        stage_counts(2, 2, 2)
+    with pytest.raises(ConfigError, match=r"\[--pp-layers 3,2\]: it gives 2 count\(s\) but "
+                                          r"pp\*v = 4\*1 = 4"):
+        stage_counts(5, 4, 1, (3, 2))
+    with pytest.raises(ConfigError, match="add up to 6 but the model has 5 layers"):
+        stage_counts(5, 2, 1, (3, 3))
+    with pytest.raises(ConfigError, match=r"stage\(s\) 1 would run no layer"):
+        stage_counts(5, 3, 1, (3, 0, 2))
+    assert stage_counts(5, 3, 1, (0, 5, 0)) == (0, 5, 0)
+
+
+def test_an_interleaved_rank_holds_the_layers_of_stages_r_and_r_plus_p() -> None:
+    layout = StageLayout(p=2, v=2, rank=1, counts=(2, 2, 2, 2))
+    assert [layout.stage(c) for c in range(2)] == [1, 3]
+    assert layout.owned_layers() == [2, 3, 6, 7]
+    assert layout.is_last(1) and not layout.is_first(0) and layout.holds_last
+
+
+def test_stage_models_keep_global_names_and_the_serial_initial_weights() -> None:
+    cfg = GPTConfig(n_layer=4, n_head=2, d_model=16, seq_len=8)
+    serial = dict(GPT(cfg, seed=3).named_parameters())
+    first = build_stage_model(cfg, 3, StageLayout(2, 1, 0, (2, 2)))
+    last = build_stage_model(cfg, 3, StageLayout(2, 1, 1, (2, 2)))
+    assert [k for k, _ in first.layers()] == [0, 1] and [k for k, _ in last.layers()] == [2, 3]
+    assert first.head is None and last.tok_emb is None
+    assert last.head.weight is not last.blocks["2"].ln1.weight
+    assert torch.equal(last.head.weight, serial["tok_emb.weight"])
+    for name, p in [*first.named_parameters(), *last.named_parameters()]:
+        assert torch.equal(p, serial["tok_emb.weight" if name == "head.weight" else name])
+
+
+def test_gpt_stages_run_in_one_process_give_the_serial_loss_and_gradients() -> None:
+    """Stage 0 then stage 1 per microbatch, backward in reverse, tied gradients added."""
+    cfg = GPTConfig(n_layer=3, n_head=2, d_model=16, seq_len=8)
+    gen = torch.Generator().manual_seed(0)
+    batch = [(torch.randint(0, 256, (2, 8), generator=gen),
+              torch.randint(0, 256, (2, 8), generator=gen)) for _ in range(2)]
+    serial = GPT(cfg, seed=1)
+    loss = sum(serial.loss(x, y) / len(batch) for x, y in batch)
+    loss.backward()
+    stages = [GPTStage(build_stage_model(cfg, 1, StageLayout(2, 1, r, (1, 2))),
+                       StageLayout(2, 1, r, (1, 2))) for r in range(2)]
+    for s in stages:
+        s.begin_step(batch)
+    total = 0.0
+    for mb in range(2):
+        total += stages[1].forward(mb, 0, stages[0].forward(mb, 0, None)).item()
+        stages[0].backward(mb, 0, stages[1].backward(mb, 0, None))
+    assert total == pytest.approx(loss.item(), rel=1e-6)
+    got = {**dict(stages[1].model.named_parameters()), **dict(stages[0].model.named_parameters())}
+    tied = got["tok_emb.weight"].grad + got.pop("head.weight").grad
+    torch.testing.assert_close(tied, serial.tok_emb.weight.grad, rtol=RTOL, atol=ATOL)
+    for name, p in serial.named_parameters():
+        if name != "tok_emb.weight":
+            torch.testing.assert_close(got[name].grad, p.grad, rtol=RTOL, atol=ATOL, msg=name)
+
+
+def test_the_training_entry_takes_the_pipeline_options() -> None:
+    cfg = parse_args(["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                      "--microbatches", "4", "--n-layer", "5", "--pp-layers", "2,1,1,1"])
+    assert (cfg.pp, cfg.schedule, cfg.virtual_stages, cfg.stage_layers) == (
+        2, "interleaved", 2, (2, 1, 1, 1))
+    assert parse_args(["--pp", "4", "--n-layer", "7"]).stage_layers == (2, 2, 2, 1)
