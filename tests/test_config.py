@@ -55,11 +55,41 @@ def test_invalid_toml_syntax_names_the_file(tmp_path: Path) -> None:
         parse_args(["--config", path])
 
 
-def test_pipeline_parallel_size_above_one_is_refused_as_not_supported_yet() -> None:
+def test_pipeline_parallelism_is_accepted_with_a_balanced_layer_split() -> None:
+    cfg = parse_args(["--pp", "2", "--model", "small"])
+    assert (cfg.pp, cfg.schedule, cfg.virtual_stages, cfg.stage_layers) == (2, "1f1b", 1, (2, 2))
+    assert resolve_dp(parse_args(["--pp", "2", "--tp", "2", "--global-batch", "8"]), 8).dp == 2
+
+
+def test_a_model_with_fewer_layers_than_pipeline_stages_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"layers do not split over the pipeline stages "
+                                          r"\[n_layer=2, pp=4, virtual stages=1\]"):
+        parse_args(["--pp", "4", "--model", "tiny"])
+
+
+def test_virtual_stages_without_the_interleaved_schedule_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"virtual stages need the interleaved schedule "
+                                          r"\[--virtual-stages 2\]: the gpipe schedule"):
+        parse_args(["--pp", "2", "--schedule", "gpipe", "--virtual-stages", "2"])
+
+
+def test_interleaving_with_a_microbatch_count_that_does_not_fit_is_refused_with_options() -> None:
     with pytest.raises(ConfigError) as err:
-        parse_args(["--pp", "2"])
-    assert str(err.value).startswith("pipeline parallelism is not supported yet [--pp 2]")
-    assert "Use --pp 1" in str(err.value)
+        parse_args(["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
+                    "--microbatches", "3", "--global-batch", "6"])
+    text = str(err.value)
+    assert text.startswith("cannot build the interleaved 1F1B schedule [--pp 2 --microbatches 3 "
+                           "--virtual-stages 2]")
+    assert "e.g. 2, 4" in text
+
+
+def test_an_unknown_schedule_and_a_wrong_layer_override_name_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"\[--schedule zb\]: must be one of gpipe, 1f1b"):
+        parse_args(["--pp", "2", "--schedule", "zb"])
+    with pytest.raises(ConfigError, match=r"\[--pp-layers 2,x\]: it must be comma-separated"):
+        parse_args(["--pp", "2", "--pp-layers", "2,x"])
+    with pytest.raises(ConfigError, match=r"\[--pp-layers 3,2\]: the counts add up to 5"):
+        parse_args(["--pp", "2", "--model", "small", "--pp-layers", "3,2"])
 
 
 def test_tensor_parallel_size_counts_in_the_derived_dp() -> None:
