@@ -250,3 +250,19 @@ def test_a_job_on_the_head_and_a_remote_host_forms_one_world(cluster):
     # Rank 0 runs on the head: its address towards node1 is the head's bridge address.
     assert {v[0] for v in got.values()} == {cluster.head_address}
     assert got[2][1] == got[3][1] == "node1" and {v[2] for v in got.values()} == {6}
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert "MPICH" in out and "node2" in out
+
+
+def test_3d_training_across_two_hosts_completes_and_its_loss_falls(cluster, tmp_path):
+    run_dir = tmp_path / "run3d"
+    res = run_dtrain(["launch", "-H", "node1:4,node2:4", *_ssh(cluster), "--", PYTHON, "-m",
+                      "trainer.train", "--model", "tiny", "--dp", "2", "--tp", "2", "--pp", "2",
+                      "--microbatches", "2", "--steps", "30", "--log-every", "10",
+                      "--data-cap-mb", "1", "--run-dir", str(run_dir)], timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses) >= 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
