@@ -30,7 +30,6 @@ from tests.tp_workers.cases import CASES, STEPS, case_config, cli_flags, layouts
 from tests.tp_workers.launch import world_results
 from trainer.checkpoint import shard_name
 from trainer.config import parse_args
-from trainer.errors import ConfigError
 from trainer.metrics import read_records
 from trainer.tensor_parallel import ShardSpec, shard_tensor
 
@@ -192,10 +191,8 @@ def test_resuming_a_tp2_checkpoint_at_tp1_is_refused_showing_the_difference(
     assert "tp: checkpoint 2, now 1" in out
 
 
-def test_the_training_entry_accepts_tp_and_still_refuses_pp() -> None:
+def test_the_training_entry_accepts_tp() -> None:
     assert parse_args(["--tp", "2"]).tp == 2
-    with pytest.raises(ConfigError, match=r"pipeline parallelism is not supported yet \[--pp 2\]"):
-        parse_args(["--pp", "2"])
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"tp{n}")
