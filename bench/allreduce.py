@@ -104,7 +104,7 @@ def run(ranks: Sequence[int] = (2, 4), sizes: str = DEFAULT_SIZES,
     for n in ranks:
         mpi = _side(n, "mpi", sizes, timeout)
         gloo = _side(n, "gloo", sizes, timeout)
-        for m, g in zip(mpi, gloo):
+        for m, g in zip(mpi, gloo, strict=True):
             rows.append({
                 "ranks": n, "bytes": m["nbytes"],
                 "mpi_us": m["seconds"] * 1e6, "gloo_us": g["seconds"] * 1e6,

@@ -59,7 +59,8 @@ def test_closing_leaves_no_namespace_link_or_process_behind():
     daemon = cluster.sshd_pid("node1")
     cluster.close()
     cluster.close()  # idempotent
-    namespaces = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True).stdout
+    namespaces = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True,
+                                text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
     assert namespace not in namespaces
     assert bridge not in links and f"dtv{cluster.suffix}" not in links

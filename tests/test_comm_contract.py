@@ -93,7 +93,8 @@ def test_no_worker_contract_means_the_mpi_world_is_used():
 
 def test_matching_world_gives_the_contract_placement():
     placement = check_world(0, 4, CONTRACT, "MPICH Version: 5.0.2")
-    assert (placement.rank, placement.size, placement.local_rank, placement.local_size) == (0, 4, 0, 2)
+    got = (placement.rank, placement.size, placement.local_rank, placement.local_size)
+    assert got == (0, 4, 0, 2)
 
 
 def test_open_mpi_singleton_under_the_ssh_launcher_points_to_launcher_mpirun():

@@ -90,7 +90,7 @@ class Job:
         self.proxies = [PmiProxy(ranks=ranks, world_size=world, kvsname=self.kvsname,
                                  process_mapping=mapping,
                                  id_tokens=tokens if self.port_mode else None)
-                        for ranks, tokens in zip(self.hosts, self.tokens)]
+                        for ranks, tokens in zip(self.hosts, self.tokens, strict=True)]
         self.world = world
         self.listeners: list[socket.socket] = []
 

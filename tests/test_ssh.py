@@ -276,7 +276,8 @@ def test_match_exec_in_config_is_refused_and_its_command_not_run(sshd, tmp_path,
 
 def test_proxycommand_is_refused_unless_allowed(sshd, tmp_path):
     marker = tmp_path / "proxy-ran"
-    relay = f"sh -c 'touch {marker}; exec ssh -F {sshd.ssh_config} -o BatchMode=yes -W %h:%p loopback'"
+    relay = (f"sh -c 'touch {marker}; exec ssh -F {sshd.ssh_config} -o BatchMode=yes "
+             "-W %h:%p loopback'")
     config = _config(tmp_path, sshd.config_block("loopback") + f"  ProxyCommand {relay}\n")
     with pytest.raises(ConnectError) as info:
         _connect("loopback", config_file=config)

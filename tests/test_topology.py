@@ -26,7 +26,8 @@ def test_megatron_16_gpu_example_pipeline_groups_stride_by_tp_times_dp():
     assert MEGATRON.groups("pp") == ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15))
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 4), ParallelDims(3, 2, 2), ParallelDims(1, 4, 1),
+@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 4), ParallelDims(3, 2, 2),
+                                  ParallelDims(1, 4, 1),
                                   ParallelDims(4, 1, 2), ParallelDims(1, 1, 1)])
 def test_rank_formula_and_coords_are_inverse_for_every_rank(dims):
     for rank in range(dims.world_size):
@@ -35,7 +36,8 @@ def test_rank_formula_and_coords_are_inverse_for_every_rank(dims):
         assert dims.rank_of(c) == rank
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 4), ParallelDims(3, 2, 2), ParallelDims(2, 1, 3)])
+@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 4), ParallelDims(3, 2, 2),
+                                  ParallelDims(2, 1, 3)])
 def test_groups_of_each_axis_partition_the_world_and_vary_only_their_axis(dims):
     for axis in AXES:
         groups = dims.groups(axis)

@@ -212,7 +212,8 @@ def plan(ctx: Ctx) -> list[tuple[str, Callable[[], list[Check]]]]:
     if ctx.dtype.is_floating_point:
         out.append(("all_reduce_requires_grad", lambda: all_reduce_requires_grad(ctx)))
     if ctx.async_op:
-        out += [("batch_p2p", lambda: batch_p2p(ctx)), ("many_in_flight", lambda: many_in_flight(ctx))]
+        out += [("batch_p2p", lambda: batch_p2p(ctx)),
+                ("many_in_flight", lambda: many_in_flight(ctx))]
     else:
         out += [("all_to_all", lambda: all_to_all(ctx)), ("barrier", lambda: barrier(ctx))]
         if ctx.n > 1:

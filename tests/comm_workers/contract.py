@@ -117,7 +117,8 @@ def main() -> int:
               "records": records}
     Path(args.out, f"rank{world.rank}.json").write_text(json.dumps(report))
     failed = [r["case"] for r in records if not r["ok"]]
-    print(f"[rank {world.rank}] {len(records) - len(failed)}/{len(records)} cases passed", flush=True)
+    passed = len(records) - len(failed)
+    print(f"[rank {world.rank}] {passed}/{len(records)} cases passed", flush=True)
     return 1 if failed else 0
 
 

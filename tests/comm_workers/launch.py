@@ -78,5 +78,6 @@ def run_mpiexec(
             except ProcessLookupError:
                 pass
         out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}")
+        raise AssertionError(
+            f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

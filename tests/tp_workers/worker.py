@@ -5,8 +5,8 @@
 With N > 1 it first probes the TP layers, the collective counts, dropout streams, recompute,
 the refusal of a model that does not split and a sharded checkpoint save that fails on one
 writer, all at tp = N. Then it trains every case of `tests.tp_workers.cases` at every (tp, dp)
-layout of N ranks (`cases.layouts`), through the trainer's own ``build_run``/``train_step``. Any exception aborts every rank, so the test sees a
-failure instead of a hang.
+layout of N ranks (`cases.layouts`), through the trainer's own ``build_run``/``train_step``.
+Any exception aborts every rank, so the test sees a failure instead of a hang.
 """
 
 from __future__ import annotations

@@ -106,7 +106,8 @@ def check_p2p_kind(loc: str, kind: str) -> None:
 def check_split(loc: str, color: int, key: int) -> None:
     if not isinstance(color, int) or color < 0 or not isinstance(key, int):
         raise CommError(
-            "split failed", loc, f"color {color!r} / key {key!r} are not a color >= 0 and an int key",
+            "split failed", loc,
+            f"color {color!r} / key {key!r} are not a color >= 0 and an int key",
             "Pass the group index as color and the rank within the group as key",
         )
 
@@ -130,7 +131,7 @@ def is_own_block(out: torch.Tensor, inp: torch.Tensor, rank: int) -> bool:
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
-    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride())) + 1
+    extent = sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True)) + 1
     return start, start + extent * t.element_size()
 
 

@@ -259,7 +259,8 @@ class NcclCommunicator:
                 raise CommError(
                     f"{op} failed", loc,
                     f"the tensor is on {t.device} but this communicator runs on {self._device}",
-                    "Create tensors on torch.cuda.current_device() (bootstrap set it from LOCAL_RANK)",
+                    "Create tensors on torch.cuda.current_device() "
+                    "(bootstrap set it from LOCAL_RANK)",
                 )
             if t.dtype in _UNSUPPORTED:
                 raise CommError(

@@ -54,7 +54,10 @@ class DoneHandle:
 
 @dataclass(frozen=True)
 class P2POp:
-    """One send or receive of a `Communicator.batch_p2p` call; ``peer`` is a rank of that communicator."""
+    """One send or receive of a `Communicator.batch_p2p` call.
+
+    ``peer`` is a rank of that communicator.
+    """
 
     kind: Literal["send", "recv"]
     tensor: torch.Tensor

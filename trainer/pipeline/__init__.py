@@ -7,5 +7,9 @@ that executes one rank's list over a PP communicator, and the timeline of what r
 * `trainer.pipeline.check`     ``check_schedule``: simulates every rank's list without running
   anything (matching p2p, deadlock, dependencies, in-flight activations) (pure);
 * `trainer.pipeline.runtime`   ``run_schedule``: runs one rank's list on a `Stage`;
-* `trainer.pipeline.timeline`  Chrome trace / Perfetto JSON, PNG Gantt chart, bubble fraction.
+* `trainer.pipeline.timeline`  Chrome trace / Perfetto JSON, PNG Gantt chart, bubble fraction;
+* `trainer.pipeline.partition` which layers each of the p·v stage chunks holds (pure);
+* `trainer.pipeline.stages`    a rank's chunks of the real GPT as a `Stage` (tied embeddings);
+* `trainer.pipeline.train_step` one optimizer step: schedule, tied-embedding and DP gradient
+  sums, the loss broadcast, the norm scope across TP and PP.
 """
