@@ -12,8 +12,6 @@ every rank, so the test sees a failure instead of a hang.
 
 from __future__ import annotations
 
-import sys
-import traceback
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,7 @@ import torch
 from torch import nn
 
 from tests.dp_workers.cases import CASES, STEPS, case_config
+from tests.mpi_worker import run_or_abort
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import ParallelDims
@@ -127,11 +126,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    except BaseException:  # noqa: BLE001 - any failure must abort every rank, not hang them
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)

@@ -12,13 +12,12 @@ exception aborts every rank, so the test sees a failure instead of a hang.
 
 from __future__ import annotations
 
-import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tests.mpi_worker import run_or_abort
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
@@ -72,11 +71,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    except BaseException:  # noqa: BLE001 - any failure must abort every rank, not hang them
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)

@@ -13,15 +13,14 @@ failure instead of a hang.
 
 from __future__ import annotations
 
-import sys
 import time
-import traceback
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tests.mpi_worker import run_or_abort
 from tests.pp_workers.stages import ROWS, WIDTH, LinearStages
 from trainer.comm.bootstrap import init
 from trainer.comm.protocol import Communicator
@@ -94,11 +93,4 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    except BaseException:  # noqa: BLE001 - any failure must abort every rank, not hang them
-        traceback.print_exc()
-        sys.stderr.flush()
-        from mpi4py import MPI
-
-        MPI.COMM_WORLD.Abort(1)
+    run_or_abort(main)
