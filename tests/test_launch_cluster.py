@@ -250,9 +250,6 @@ def test_a_job_on_the_head_and_a_remote_host_forms_one_world(cluster):
     # Rank 0 runs on the head: its address towards node1 is the head's bridge address.
     assert {v[0] for v in got.values()} == {cluster.head_address}
     assert got[2][1] == got[3][1] == "node1" and {v[2] for v in got.values()} == {6}
-    assert res.returncode == 0, res.stderr
-    out = res.stdout + res.stderr
-    assert "MPICH" in out and "node2" in out
 
 
 def test_3d_training_across_two_hosts_completes_and_its_loss_falls(cluster, tmp_path):
