@@ -45,16 +45,19 @@ def test_gpu_slot_selection_is_refused_with_mpirun():
                              flavour="hydra", python="/p")
 
 
-def test_mpi_ranks_under_hydra_get_the_torchrun_contract_and_the_exit_code_propagates():
+def test_mpi_ranks_under_hydra_get_the_torchrun_contract_and_the_exit_code_propagates(tmp_path):
+    # Hydra forwards output without line boundaries, so ranks report through files.
     code = ("from mpi4py import MPI; import os, sys\n"
             "c = MPI.COMM_WORLD\n"
-            "print('rank', os.environ['RANK'], os.environ['LOCAL_RANK'], "
-            "os.environ['WORLD_SIZE'], c.allreduce(1), flush=True)\n"
+            "e = os.environ\n"
+            "line = f\"{e['RANK']} {e['LOCAL_RANK']} {e['WORLD_SIZE']} {c.allreduce(1)}\"\n"
+            "open(os.path.join(e['REPORT_DIR'], e['RANK']), 'w').write(line)\n"
             "sys.exit(3 if c.rank == 1 else 0)\n")
-    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
-                      "-c", code])
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--env",
+                      f"REPORT_DIR={tmp_path}", "--", PYTHON, "-c", code])
     assert res.returncode == 3, res.stderr
-    assert "rank 0 0 2 2" in res.stdout and "rank 1 1 2 2" in res.stdout
+    assert (tmp_path / "0").read_text() == "0 0 2 2"
+    assert (tmp_path / "1").read_text() == "1 1 2 2"
 
 
 def test_dry_run_prints_the_mpi_command_without_running_it():
