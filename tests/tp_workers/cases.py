@@ -10,10 +10,8 @@ import functools
 
 import torch
 
+from tests.serial_reference import train_serially
 from trainer.config import TrainConfig, make_config
-from trainer.data import BatchPlan, ShardedBatches, load_corpus
-from trainer.model import GPT
-from trainer.optim import Schedule, build_optimizer, set_lr
 
 # -- layers ----------------------------------------------------------------------------------
 
@@ -89,25 +87,4 @@ def serial_reference(name: str) -> dict:
     single-device run with gradient accumulation does), torch's own clipping: the losses,
     the gradient norms (before clipping) and the final parameters."""
     cfg = case_config(name)
-    model = GPT(cfg.gpt, seed=cfg.seed)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
-    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len,
-                             plan=BatchPlan(cfg.global_batch, 1, cfg.microbatches),
-                             seed=cfg.seed, dp_rank=0)
-    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                        decay_steps=cfg.schedule_end)
-    losses, norms = [], []
-    for step in range(1, STEPS + 1):
-        set_lr(optimizer, schedule.lr_at(step))
-        optimizer.zero_grad()
-        micro, loss = batches.microbatches(step), torch.zeros(())
-        for x, y in micro:
-            part = model.loss(x, y) / len(micro)
-            part.backward()
-            loss += part.detach()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
-        optimizer.step()
-        losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params}
+    return train_serially(cfg, STEPS)
