@@ -5,9 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TextIO
 
-from rich.console import Console
-from rich.table import Table
-
 from launcher.outcome import JobOutcome
 
 MAX_ROWS = 64
@@ -15,14 +12,19 @@ MAX_ROWS = 64
 
 def print_report(outcome: JobOutcome, tail: Callable[[int], list[str]], elapsed: float,
                  stream: TextIO) -> None:
-    console = Console(file=stream, highlight=False, markup=False, soft_wrap=True)
     ranks = sorted(outcome.ranks.values(), key=lambda r: r.rank)
     hosts = {r.host for r in ranks}
     code = outcome.exit_code
     if code == 0:
-        console.print(f"dtrain: {len(ranks)} ranks on {len(hosts)} hosts exited 0 "
-                      f"in {elapsed:.1f}s")
+        stream.write(f"dtrain: {len(ranks)} ranks on {len(hosts)} hosts exited 0 "
+                     f"in {elapsed:.1f}s\n")
+        stream.flush()
         return
+    # rich only when there is a table to draw: a clean exit should not pay for the import.
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(file=stream, highlight=False, markup=False, soft_wrap=True)
     shown = [r for r in ranks if r.state != "exited" or r.code != 0]
     if len(ranks) <= MAX_ROWS:
         shown = ranks
