@@ -1,1 +1,1 @@
-"""Benchmarks: `make bench` runs them side by side with the peer tools (DESIGN.md section 5)."""
+"""Benchmarks: `make bench` runs them side by side with the peer tools (docs/design.md 5)."""

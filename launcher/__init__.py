@@ -1,25 +1,42 @@
 """dtrain's head-node launcher: start every rank on every host, leave nothing behind.
 
-Module map (dependencies flow downwards only; sockets, paramiko and subprocess live in the
-adapters named as such):
+Module map: the launch in the order it happens. Dependencies flow downwards only; sockets,
+paramiko and subprocess live in the modules marked (adapter).
 
-    cli             click commands: launch, check (adapter: terminal, signals)
-    supervisor      runs a job: agents, fail-fast, Ctrl-C, timeout, exit report
-    output          line splitting, [rank@host] prefixes, per-rank log files
-    report          the final per-rank exit table
-    mpirun          --launcher mpirun: the same plan as an mpiexec/mpirun command
-    check           the preflight table (`dtrain check`)
-    plan            global/node/local ranks and each rank's environment
-    environment     forwarded variables, .dtrainenv, --env, scrubbing
-    selection       --include/--exclude/--num-nodes
-    hostfile        hostfile and -H parsing, host name validation
-    ssh, hostkeys   paramiko connection, ~/.ssh/config, known_hosts policy (adapter)
-    local           the agent as a local subprocess (adapter)
-    transport       the AgentStream protocol both adapters implement
-    agent           the per-host agent (runs on each host as `python -m launcher.agent`)
-    pmi             PMI-1 codec, per-host proxy core and head key-value space
-    wire            head <-> agent frames
-    errors          the exception hierarchy
+    cli          click commands `launch` and `check`: parse, delegate, map errors (adapter)
+    launch       one launch from request to exit code: hosts -> plan -> agents -> supervise
+    hosts/       hostfile      hostfile and -H parsing, host name validation (pure)
+                 selection     --include/--exclude/--num-nodes, slots per host (pure)
+    plan/        job           global/node/local ranks and each rank's environment (pure)
+                 environment   forwarded variables, .dtrainenv, --env, scrubbing (pure)
+                 dryrun        the --dry-run table
+    transport/   stream        the AgentStream protocol every transport implements
+                 connect       open one agent stream per host, local or SSH, in parallel
+                 local         the agent as a local subprocess (adapter)
+                 ssh           paramiko connection and agent channel (adapter)
+                 ssh_config    ~/.ssh/config resolution and its refusals
+                 ssh_auth      sockets, ProxyJump, public-key authentication (adapter)
+                 host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
+    head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none
+                 supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
+                 agent_link    the head's end of one agent stream: reader thread and sender
+                 output        [rank@host] prefixes, raw passthrough, per-rank log files
+                 outcome       per-rank states and the exit-code rule
+                 report        the final per-rank exit table
+    agent/       the per-host agent, run on each host as `python -m launcher.agent`
+                 main          the agent's event loop: spec check, start, relay, stop
+                 head_link     the agent's end of the stream to the head
+                 ranks         rank processes: own process group, parent-death signal (adapter)
+                 pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)
+                 facts         what the agent reports about its host (dtrain check)
+    pmi/         PMI-1 codec, per-host proxy core and the head's key-value space (pure)
+    check        the preflight table (`dtrain check`)
+    mpirun       --launcher mpirun: the same plan as an mpiexec/mpirun command
+    wire         head <-> agent frames (pure)
+    netroute     which local address and interface reach a given host
+    errors       the exception hierarchy
+
+Design notes the code relies on: docs/design.md.
 """
 
 import time as _time

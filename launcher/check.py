@@ -21,10 +21,10 @@ from rich.table import Table
 
 from launcher import wire
 from launcher.agent.facts import host_facts
-from launcher.connect import close_streams, start_agents
 from launcher.errors import DtrainError
-from launcher.selection import HostSlots
-from launcher.transport import AgentStream
+from launcher.hosts.selection import HostSlots
+from launcher.transport.connect import close_streams, start_agents
+from launcher.transport.stream import AgentStream
 
 COMPARED = ("torch", "mpi4py", "mpich")
 

@@ -20,8 +20,8 @@ import click
 
 from launcher import __version__
 from launcher.errors import DtrainError
+from launcher.head.supervisor import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
-from launcher.supervisor import SuperviseOptions
 
 
 def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,7 +56,7 @@ def _host_request(kw: dict[str, Any]) -> HostRequest:
 
 
 def _ssh_options(kw: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of launcher.ssh.SSHOptions (built only when a host is remote)."""
+    """Keyword arguments of launcher.transport.ssh.SSHOptions (built only when a host is remote)."""
     config, known = kw.pop("ssh_config"), kw.pop("known_hosts")
     return {"config_file": Path(config) if config else None,
             "known_hosts": Path(known) if known else None,
@@ -150,8 +150,8 @@ def _guard(action: Callable[[], int]) -> int:
 def check(**kw: Any) -> None:
     """Preflight every host in parallel: SSH, versions, GPUs, working directory."""
     from launcher.check import run_check
-    from launcher.connect import validate_remote_python
     from launcher.launch import select
+    from launcher.transport.connect import validate_remote_python
 
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)

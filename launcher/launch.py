@@ -17,12 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launcher import STARTED, environment, hostfile, selection
-from launcher import plan as planning
-from launcher.connect import close_streams, open_streams, validate_remote_python
+from launcher import STARTED
 from launcher.errors import UsageError
-from launcher.output import OutputSink
-from launcher.supervisor import SuperviseOptions, Supervisor
+from launcher.head.output import OutputSink
+from launcher.head.supervisor import SuperviseOptions, Supervisor
+from launcher.hosts import hostfile, selection
+from launcher.plan import environment
+from launcher.plan import job as planning
+from launcher.transport.connect import close_streams, open_streams, validate_remote_python
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,7 @@ class LaunchRequest:
     env: tuple[str, ...] = ()
     master_addr: str | None = None
     master_port: int | None = None
-    ssh: dict[str, Any] = field(default_factory=dict)  # launcher.ssh.SSHOptions keyword args
+    ssh: dict[str, Any] = field(default_factory=dict)  # SSHOptions keyword arguments
     remote_python: str = sys.executable
     prefix: bool = True
     raw: bool = False
@@ -88,7 +90,7 @@ def run_launch(req: LaunchRequest) -> int:
     if req.launcher == "mpirun":
         return _run_mpirun(req, build_plan, selected)
     if req.dry_run:
-        from launcher.dryrun import print_plan
+        from launcher.plan.dryrun import print_plan
 
         shown = build_plan(req.master_addr or "auto", req.master_port or 29500)
         print_plan(shown, auto_master=(req.master_addr is None, req.master_port is None),
@@ -111,7 +113,7 @@ def run_launch(req: LaunchRequest) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         close_streams(streams)
-    from launcher.report import print_report  # rich: only once the job is over
+    from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
     if req.timings:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import workerenv
 from launcher.errors import UsageError
-from launcher.plan import JobPlan
+from launcher.plan.job import JobPlan
 
 FLAVOURS = ("hydra", "openmpi")
 
@@ -99,7 +99,7 @@ def run_command(cmd: MpiCommand) -> int:
             with open(path, "w") as f:
                 f.write(cmd.hostfile_text)
             argv = [path if a == "{hostfile}" else a for a in argv]
-        from launcher.environment import scrub
+        from launcher.plan.environment import scrub
 
         proc = subprocess.Popen(argv, env=scrub(os.environ))
         forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))

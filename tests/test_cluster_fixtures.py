@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.ssh import SSHConnection, SSHOptions, resolve_host
+from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from tests.cluster.netns import NetnsCluster, netns_available, reap_stale
 
 

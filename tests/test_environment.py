@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from launcher.environment import (
+from launcher.errors import EnvironmentFileError, UsageError
+from launcher.plan.environment import (
     compose_base_env,
     default_env_files,
     forwarded_env,
@@ -14,7 +15,6 @@ from launcher.environment import (
     read_env_file,
     scrub,
 )
-from launcher.errors import EnvironmentFileError, UsageError
 
 
 def env_file(directory: Path, content: str | bytes, name: str = ".dtrainenv") -> Path:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import HostfileError, UsageError
-from launcher.hostfile import (
+from launcher.hosts.hostfile import (
     MAX_LINE_CHARS,
     HostEntry,
     local_hosts,

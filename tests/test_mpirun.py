@@ -6,9 +6,9 @@ import pytest
 
 from launcher import mpirun
 from launcher.errors import UsageError
-from launcher.hostfile import parse_host_list, parse_hostfile_text
-from launcher.plan import make_plan
-from launcher.selection import select_hosts
+from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
+from launcher.hosts.selection import select_hosts
+from launcher.plan.job import make_plan
 from tests.support import PYTHON, run_dtrain
 
 

@@ -8,9 +8,9 @@ import pytest
 
 import workerenv as we
 from launcher.errors import UsageError
-from launcher.hostfile import parse_hostfile_text
-from launcher.plan import JobPlan, make_plan, new_job_id, process_mapping
-from launcher.selection import select_hosts
+from launcher.hosts.hostfile import parse_hostfile_text
+from launcher.hosts.selection import select_hosts
+from launcher.plan.job import JobPlan, make_plan, new_job_id, process_mapping
 
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hf")
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from launcher.plan import process_mapping
+from launcher.plan.job import process_mapping
 from launcher.pmi import (
     Abort,
     Close,

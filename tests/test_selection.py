@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import UsageError
-from launcher.hostfile import parse_hostfile_text
-from launcher.selection import HostSlots, select_hosts
+from launcher.hosts.hostfile import parse_hostfile_text
+from launcher.hosts.selection import HostSlots, select_hosts
 
 HOSTS = parse_hostfile_text("node1 slots=4\nnode2 slots=4\nnode3 slots=2\n", "hf")
 

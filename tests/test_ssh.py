@@ -1,4 +1,4 @@
-"""launcher.ssh against a real OpenSSH sshd on loopback (and the netns cluster for timeouts)."""
+"""The SSH transport against a real OpenSSH sshd on loopback (and netns hosts for timeouts)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import ConnectError, HostKeyError
-from launcher.ssh import SSHConnection, SSHOptions, open_all, resolve_host
+from launcher.transport.ssh import SSHConnection, SSHOptions, open_all, resolve_host
 from tests.cluster.sshd import SshdServer, free_port
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from launcher import netroute, wire
 from launcher.agent import facts
-from launcher.agent.link import Eof, HeadLink
+from launcher.agent.head_link import Eof, HeadLink
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
-from launcher.environment import scrub
+from launcher.plan.environment import scrub
 
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway

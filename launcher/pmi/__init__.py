@@ -1,4 +1,4 @@
-"""PMI-1 for MPICH-ABI workers, served without mpiexec (DESIGN.md section 3).
+"""PMI-1 for MPICH-ABI workers, served without mpiexec (docs/design.md section 3).
 
     codec   lines on the wire: parse a request, format a reply, cut the stream into lines
     proxy   PmiProxy, the per-host core the agent runs: serves its ranks, relays to the head

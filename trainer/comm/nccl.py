@@ -22,7 +22,7 @@ them: ``wait()`` makes the caller's current stream wait for it, like ``torch.dis
 
 Sub-communicators: `split` splits the MPI communicator kept alongside, then the rank 0 of each
 new group creates a fresh NCCL unique id and broadcasts it over its MPI sub-communicator
-(DESIGN.md §4); a failure to create the id is broadcast too, so no rank waits forever.
+(docs/design.md section 4); a failure to create the id is broadcast too, so no rank waits forever.
 """
 
 from __future__ import annotations

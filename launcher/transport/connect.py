@@ -14,9 +14,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from launcher.errors import ConnectError, UsageError
-from launcher.local import LocalAgentStream, agent_command
-from launcher.selection import HostSlots
-from launcher.transport import AgentStream
+from launcher.hosts.selection import HostSlots
+from launcher.transport.local import LocalAgentStream, agent_command
+from launcher.transport.stream import AgentStream
 
 _SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
 
@@ -51,7 +51,7 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
         for i, h in enumerate(selected) if h.entry.is_local}
     remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
     if remote:
-        from launcher import ssh  # paramiko is imported only when a remote host needs it
+        from launcher.transport import ssh  # paramiko is imported only when a remote host needs it
 
         opts = ssh.SSHOptions(**ssh_kwargs)
         command = shlex.join(agent_command(python))

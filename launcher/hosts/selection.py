@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from launcher.errors import UsageError
-from launcher.hostfile import HostEntry
+from launcher.hosts.hostfile import HostEntry
 
 _DIGITS_RE = re.compile(r"[0-9]+\Z")
 _MAX_LISTED = 12  # known hosts shown in an "unknown host" message

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher import wire
-from launcher.transport import AgentStream
+from launcher.transport.stream import AgentStream
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The byte stream to one per-host agent, whatever carries it (a pipe or an SSH channel).
 
-The supervisor only ever sees this protocol; `launcher.local` (subprocess) and `launcher.ssh`
-(paramiko channel) implement it. The agent command at the other end is a constant
+The supervisor only ever sees this protocol; `transport.local` (subprocess) and
+`transport.ssh` (paramiko channel) implement it. The agent command at the other end is a constant
 (`<python> -m launcher.agent`); the job itself travels as data in frames (launcher.wire).
 """
 

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher import wire
-from launcher.agentlink import AgentLink, Closed, Received
-from launcher.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
-from launcher.output import OutputSink
-from launcher.plan import JobPlan
-from launcher.startup import Startup
-from launcher.transport import AgentStream
+from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
+from launcher.head.output import OutputSink
+from launcher.head.startup import Startup
+from launcher.plan.job import JobPlan
+from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
 

@@ -1,6 +1,6 @@
 """Reaching one resolved host: TCP connect or jump-host tunnel, host-key check, public-key auth.
 
-`handshake` verifies the host key with OpenSSH semantics (`launcher.hostkeys`) and
+`handshake` verifies the host key with OpenSSH semantics (`launcher.transport.host_keys`) and
 authenticates with public keys only (`PublicKeyAuth`: ssh-agent, then IdentityFile or the
 default ``~/.ssh/id_*``; never a password or keyboard prompt). Every failure becomes a
 `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
@@ -26,9 +26,9 @@ from paramiko.auth_strategy import (
     OnDiskPrivateKey,
 )
 
-from launcher import hostkeys
 from launcher.errors import ConnectError
-from launcher.sshconfig import ResolvedHost, SSHOptions
+from launcher.transport import host_keys
+from launcher.transport.ssh_config import ResolvedHost, SSHOptions
 
 # paramiko DEBUG/INFO carries fingerprints and auth chatter; users opt in with --debug-ssh.
 # Its transport thread also logs a traceback at ERROR for every failed handshake, which
@@ -99,7 +99,7 @@ class PublicKeyAuth(AuthStrategy):
             if self.host.identities_only and key.get_base64() not in wanted:
                 continue
             offered.add(key.get_base64())
-            self.tried.append(f"agent key {hostkeys.fingerprint(key)} (rejected)")
+            self.tried.append(f"agent key {host_keys.fingerprint(key)} (rejected)")
             yield InMemoryPrivateKey(self.host.user, key)
         for path, key, note in files:
             if key is not None and key.get_base64() in offered:
@@ -110,7 +110,7 @@ class PublicKeyAuth(AuthStrategy):
 
     def authenticate(self, transport: paramiko.Transport):
         # Last host-key check before we sign anything: paramiko ignores @revoked lines.
-        hostkeys.check_not_revoked(self.host.key_name, transport.get_remote_server_key(),
+        host_keys.check_not_revoked(self.host.key_name, transport.get_remote_server_key(),
                                    self.host.read_known_hosts, self.host.where)
         self._agent = _agent()
         try:
@@ -265,8 +265,8 @@ def is_transient(exc: BaseException) -> bool:
 def handshake(client: paramiko.SSHClient, sock: object, host: ResolvedHost,
                opts: SSHOptions, auth: PublicKeyAuth) -> None:
     """Verify the host key and authenticate over an open socket."""
-    hostkeys.load_into(client.get_host_keys(), host.read_known_hosts)
-    client.set_missing_host_key_policy(hostkeys.KnownHostsPolicy(
+    host_keys.load_into(client.get_host_keys(), host.read_known_hosts)
+    client.set_missing_host_key_policy(host_keys.KnownHostsPolicy(
         known_hosts=host.known_hosts, read_from=host.read_known_hosts,
         accept_new=opts.accept_new, where=host.where, host=host.hostname, port=host.port))
     client.connect(host.hostname, port=host.port, username=host.user, sock=sock,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TextIO
 
-from launcher.outcome import JobOutcome
+from launcher.head.outcome import JobOutcome
 
 MAX_ROWS = 64
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import workerenv
 from launcher import netroute, wire
-from launcher.agentlink import AgentLink, Closed, Received
 from launcher.errors import AgentError
-from launcher.outcome import JobOutcome
-from launcher.plan import JobPlan
+from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.outcome import JobOutcome
+from launcher.plan.job import JobPlan
 
 PROVISIONAL_ADDR, PROVISIONAL_PORT = "127.0.0.1", 29500  # replaced by START's env
 

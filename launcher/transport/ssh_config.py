@@ -23,8 +23,8 @@ from pathlib import Path
 
 import paramiko
 
-from launcher import hostkeys
 from launcher.errors import ConnectError
+from launcher.transport import host_keys
 
 _SETTING = re.compile(r"^\s*(\w+)(?:\s*=\s*|\s+)(.+?)\s*$")
 _HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
@@ -69,7 +69,7 @@ class ResolvedHost:
     @property
     def key_name(self) -> str:
         """The known_hosts name: ``host`` for port 22, ``[host]:port`` otherwise."""
-        return hostkeys.key_name(self.hostname, self.port)
+        return host_keys.key_name(self.hostname, self.port)
 
     @property
     def where(self) -> str:
@@ -153,7 +153,7 @@ def _known_hosts_files(found: paramiko.SSHConfigDict, opts: SSHOptions) -> tuple
     if opts.known_hosts is not None:
         configured = [Path(opts.known_hosts)]
     user_files = configured or [Path.home() / ".ssh" / "known_hosts"]
-    return (*user_files, *hostkeys.GLOBAL_KNOWN_HOSTS)
+    return (*user_files, *host_keys.GLOBAL_KNOWN_HOSTS)
 
 
 def _number(found: paramiko.SSHConfigDict, key: str, where: str, kind: type = float):

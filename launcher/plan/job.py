@@ -19,8 +19,8 @@ from types import MappingProxyType
 
 import workerenv as we
 from launcher.errors import UsageError
-from launcher.hostfile import HostEntry
-from launcher.selection import HostSlots
+from launcher.hosts.hostfile import HostEntry
+from launcher.hosts.selection import HostSlots
 
 _JOB_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}\Z")
 _ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

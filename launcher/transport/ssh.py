@@ -1,12 +1,12 @@
 """SSH transport: one paramiko connection per host, carrying one agent session.
 
-The head resolves each host through the ssh config (`launcher.sshconfig.resolve_host`), opens
-a connection per host (bounded parallelism, `open_all`), verifies the host key and
-authenticates with public keys only (`launcher.sshauth`), and runs the constant agent command
-in one session channel (`SSHConnection.exec_stream`, an `SSHAgentStream`).
+The head resolves each host through the ssh config (`ssh_config.resolve_host`), opens a
+connection per host (bounded parallelism, `open_all`), verifies the host key and authenticates
+with public keys only (`ssh_auth`), and runs the constant agent command in one session channel
+(`SSHConnection.exec_stream`, an `SSHAgentStream`).
 
-Layers, each importing only the ones before it: ``sshconfig`` (what to connect to) <-
-``sshauth`` (sockets, host keys, authentication) <- ``ssh`` (connections and channels). The
+Layers, each importing only the ones before it: ``ssh_config`` (what to connect to) <-
+``ssh_auth`` (sockets, host keys, authentication) <- ``ssh`` (connections and channels). The
 names callers use (`SSHOptions`, `ResolvedHost`, `resolve_host`) are re-exported here.
 
 Every failure is a `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
@@ -23,9 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import paramiko
 
-from launcher import hostkeys, sshauth
 from launcher.errors import ConnectError
-from launcher.sshconfig import ResolvedHost, SSHOptions, resolve_host
+from launcher.transport import host_keys, ssh_auth
+from launcher.transport.ssh_config import ResolvedHost, SSHOptions, resolve_host
 
 __all__ = ["ResolvedHost", "SSHAgentStream", "SSHConnection", "SSHOptions", "open_all",
            "resolve_host"]
@@ -37,10 +37,10 @@ def _open_socket(host: ResolvedHost, opts: SSHOptions,
                  jump: SSHConnection | None) -> socket.socket | paramiko.Channel:
     """What the SSH transport runs over: a tunnel via the jump host, ProxyCommand or TCP."""
     if jump is not None:
-        return sshauth.tunnel(host, jump.host, jump.transport)
+        return ssh_auth.tunnel(host, jump.host, jump.transport)
     if host.proxy_command:
         return paramiko.ProxyCommand(host.proxy_command)
-    return sshauth.tcp_connect(host, opts.keepalive)
+    return ssh_auth.tcp_connect(host, opts.keepalive)
 
 
 class SSHConnection:
@@ -74,24 +74,24 @@ class SSHConnection:
     def _open_once(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
         start = time.monotonic()
         jump = cls.open(host.jump, opts) if host.jump else None
-        client, auth, sock = paramiko.SSHClient(), sshauth.PublicKeyAuth(host), None
+        client, auth, sock = paramiko.SSHClient(), ssh_auth.PublicKeyAuth(host), None
         try:
-            with sshauth.handshake_slot(host.key_name):
+            with ssh_auth.handshake_slot(host.key_name):
                 sock = _open_socket(host, opts, jump)
-                sshauth.handshake(client, sock, host, opts, auth)
+                ssh_auth.handshake(client, sock, host, opts, auth)
         except BaseException as exc:
-            sshauth.shutdown(client, sock)
+            ssh_auth.shutdown(client, sock)
             if jump is not None:
                 jump.close()
             if isinstance(exc, ConnectError):
                 raise
             if isinstance(exc, paramiko.BadHostKeyException):
-                raise hostkeys.changed_key_error(host.key_name, exc.key, exc.expected_key,
+                raise host_keys.changed_key_error(host.key_name, exc.key, exc.expected_key,
                                                  host.read_known_hosts, host.where) from None
             if not isinstance(exc, Exception):
                 raise
-            error = sshauth.handshake_error(host, exc, opts, auth)
-            if sshauth.is_transient(exc):
+            error = ssh_auth.handshake_error(host, exc, opts, auth)
+            if ssh_auth.is_transient(exc):
                 raise _Retry(error) from None
             raise error from None
         client.get_transport().set_keepalive(max(1, int(opts.keepalive)))
@@ -150,7 +150,7 @@ class SSHConnection:
 
     def close(self) -> None:
         """Close the transport (every channel on it) and the jump host's; idempotent."""
-        sshauth.shutdown(self._client, self._sock)
+        ssh_auth.shutdown(self._client, self._sock)
         self._sock = None
         if self._jump is not None:
             self._jump.close()
@@ -163,7 +163,7 @@ class _Retry(Exception):
 
 
 class SSHAgentStream:
-    """`launcher.transport.AgentStream` over a paramiko session channel.
+    """`launcher.transport.stream.AgentStream` over a paramiko session channel.
 
     stderr is drained by a thread into a bounded buffer: paramiko shares one flow-control
     window between stdout and stderr, so an undrained stderr would stall stdout (and the

@@ -8,7 +8,7 @@ from typing import TextIO
 from rich.console import Console
 from rich.table import Table
 
-from launcher.plan import JobPlan
+from launcher.plan.job import JobPlan
 
 
 def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO) -> None:
