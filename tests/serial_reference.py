@@ -1,13 +1,14 @@
 """The single-device run every parallel layout is compared with.
 
 One process, the plain model, the whole global batch in the run's microbatches (as a single
-device with gradient accumulation would), torch's own clipping.
+device with gradient accumulation would), torch's own clipping, in fp64 (tests/numerics.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from tests.numerics import float64
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, ShardedBatches, load_corpus
 from trainer.model import GPT
@@ -15,7 +16,12 @@ from trainer.optim import Schedule, build_optimizer, set_lr
 
 
 def train_serially(cfg: TrainConfig, steps: int) -> dict:
-    """The losses, the gradient norms (before clipping) and the final parameters."""
+    """The losses, the gradient norms (before clipping) and the final parameters, in fp64."""
+    with float64():
+        return _train(cfg, steps)
+
+
+def _train(cfg: TrainConfig, steps: int) -> dict:
     model = GPT(cfg.gpt, seed=cfg.seed)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))

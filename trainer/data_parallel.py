@@ -54,6 +54,7 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
 from trainer.errors import TrainerError
+from trainer.precision import main_grad_dtype
 
 
 class GradSyncError(TrainerError):
@@ -157,8 +158,8 @@ class DataParallel:
 
     def _make_buffer(self) -> torch.Tensor:
         device = self.params[0].device if self.params else torch.device("cpu")
-        buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32,
-                             device=device)
+        dtype = main_grad_dtype({p.dtype for p in self.params})
+        buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=dtype, device=device)
         offset = 0
         for p in self.params:
             p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
@@ -208,10 +209,10 @@ class DataParallel:
             self._sync = previous
 
     def zero_grad(self) -> None:
-        """Zero the buffer and point every fp32 ``param.grad`` at its bucket view again."""
+        """Zero the buffer; each parameter of the buffer's dtype gets its view as ``.grad``."""
         self.buffer.zero_()
         for p in self.params:
-            p.grad = p.main_grad if p.dtype == torch.float32 else None
+            p.grad = p.main_grad if p.dtype == self.buffer.dtype else None
         self._reset_buckets()
         self.launch_order = []
 
@@ -230,7 +231,7 @@ class DataParallel:
             if bucket.handle is not None:
                 bucket.handle.wait()
         for p in self.params:
-            if p.dtype != torch.float32:
+            if p.dtype != self.buffer.dtype:
                 p.grad = p.main_grad.to(p.dtype)
         self._reset_buckets()
         self.stats.exposed_s += time.perf_counter() - start
@@ -242,7 +243,7 @@ class DataParallel:
         # someone set .grad to None), move it into the buffer.
         if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():
             p.main_grad.add_(p.grad)
-            p.grad = p.main_grad if p.dtype == torch.float32 else None
+            p.grad = p.main_grad if p.dtype == self.buffer.dtype else None
         if not self._sync:
             return
         bucket = self._bucket_of[id(p)]

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.precision import at_least_fp32
 from trainer.tensor_parallel.sharding import shard_spec
 
 Counts = Callable[[nn.Parameter], bool]
@@ -72,8 +73,8 @@ def global_grad_norm(params: Iterable[nn.Parameter], scope: NormScope = NormScop
     if not scope.groups:  # exactly torch.nn.utils.clip_grad_norm_'s arithmetic
         if not norms:
             return torch.zeros((), device=device)
-        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
-    squares = torch.stack([n.float() for n in norms]).square().sum() if norms else \
+        return torch.linalg.vector_norm(torch.stack([at_least_fp32(n) for n in norms]))
+    squares = torch.stack([at_least_fp32(n) for n in norms]).square().sum() if norms else \
         torch.zeros((), device=device)
     squares = squares.reshape(1).contiguous()
     for comm in scope.groups:

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.precision import at_least_fp32
+
 NORMS = ("layernorm", "rmsnorm")
 
 
@@ -109,8 +111,8 @@ class RMSNorm(nn.Module):
 
 
 def cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy, computed in fp32."""
-    return F.cross_entropy(logits_NV.float(), targets_N)
+    """Mean next-token cross entropy, computed in at least fp32."""
+    return F.cross_entropy(at_least_fp32(logits_NV), targets_N)
 
 
 def make_norm(cfg: GPTConfig) -> nn.Module:

@@ -21,6 +21,7 @@ from torch import nn
 
 from tests.dp_workers.cases import CASES, STEPS, case_config
 from tests.mpi_worker import run_or_abort
+from tests.numerics import float64
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import ParallelDims
@@ -115,7 +116,8 @@ def probe_mismatch(world: World, dp_comm: Communicator) -> str:
 def main(out: Path) -> None:
     world = init(backend="mpi")
     dp_comm = build_groups(world, ParallelDims(dp=world.size)).dp
-    result: dict[str, Any] = {name: run_case(name, world, dp_comm, out) for name in CASES}
+    with float64():  # compared with an fp64 single-process reference (tests/numerics.py)
+        result: dict[str, Any] = {name: run_case(name, world, dp_comm, out) for name in CASES}
     result["no_sync"] = probe_no_sync(world, dp_comm, out)
     result["async_paths"] = probe_async_paths(world, dp_comm)
     result["unused"] = probe_unused(dp_comm)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tests.mpi_worker import run_or_abort
+from tests.numerics import float64
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
@@ -62,11 +63,12 @@ def checkpoint_runs(world: World, c: Case, out: Path) -> dict[str, Any]:
 def main(out: Path) -> None:
     world = init(backend="mpi")
     result: dict[str, Any] = {"rank": world.rank}
-    for c in CASES[world.size]:
-        result[c.name] = train_case(world, c, out)
-    name = CHECKPOINT_CASE.get(world.size)
-    if name:
-        result["checkpoint"] = checkpoint_runs(world, case(name), out)
+    with float64():  # as the single-device reference (tests/numerics.py)
+        for c in CASES[world.size]:
+            result[c.name] = train_case(world, c, out)
+        name = CHECKPOINT_CASE.get(world.size)
+        if name:  # in fp64 too, so it can be compared bit for bit with the run above
+            result["checkpoint"] = checkpoint_runs(world, case(name), out)
     torch.save(result, out / f"rank{world.rank}.pt")
 
 

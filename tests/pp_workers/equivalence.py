@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from tests.mpi_worker import run_or_abort
-from tests.pp_workers.stages import ROWS, WIDTH, LinearStages
+from tests.pp_workers.stages import DTYPE, ROWS, WIDTH, LinearStages
 from trainer.comm.bootstrap import init
 from trainer.comm.protocol import Communicator
 from trainer.pipeline.check import check_schedule
@@ -36,7 +36,7 @@ CASES: dict[int, list[tuple[str, int, int, int | None]]] = {
     4: [("gpipe", 6, 1, None), ("1f1b", 3, 1, None), ("1f1b", 8, 1, None),
         ("interleaved", 8, 2, None), ("interleaved", 10, 2, 5), ("interleaved", 4, 3, None)],
 }
-SPEC = P2PSpec((ROWS, WIDTH))
+SPEC = P2PSpec((ROWS, WIDTH), DTYPE)
 
 
 def case_name(case: tuple[str, int, int, int | None]) -> str:
@@ -70,7 +70,7 @@ def common_start(comm: Communicator) -> float:
 
 def probe_disagreement(comm: Communicator) -> str:
     try:
-        agree_on_spec(comm, P2PSpec((ROWS, WIDTH + comm.rank)))
+        agree_on_spec(comm, P2PSpec((ROWS, WIDTH + comm.rank), DTYPE))
     except ScheduleError as exc:
         return str(exc)
     return "no error"

@@ -13,14 +13,15 @@ from torch import nn
 
 from trainer.pipeline.schedule import stage_of
 
-WIDTH, ROWS = 8, 4  # each boundary tensor is (ROWS, WIDTH) fp32
+WIDTH, ROWS = 8, 4  # each boundary tensor is (ROWS, WIDTH)
+DTYPE = torch.float64  # so both runs agree to the fp64 reduction bound (tests/numerics.py)
 
 
 def layers(n_stages: int, seed: int = 0) -> list[nn.Linear]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n_stages):
-        layer = nn.Linear(WIDTH, WIDTH)
+        layer = nn.Linear(WIDTH, WIDTH, dtype=DTYPE)
         with torch.no_grad():
             layer.weight.copy_(torch.randn(WIDTH, WIDTH, generator=gen) / WIDTH**0.5)
             layer.bias.copy_(torch.randn(WIDTH, generator=gen) * 0.1)
@@ -30,7 +31,8 @@ def layers(n_stages: int, seed: int = 0) -> list[nn.Linear]:
 
 def batch(m: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(m, ROWS, WIDTH, generator=gen), torch.randn(m, ROWS, WIDTH, generator=gen)
+    return (torch.randn(m, ROWS, WIDTH, generator=gen, dtype=DTYPE),
+            torch.randn(m, ROWS, WIDTH, generator=gen, dtype=DTYPE))
 
 
 class LinearStages:

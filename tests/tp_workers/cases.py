@@ -24,10 +24,12 @@ LINEAR_VARIANTS = ("column", "column_stride3", "column_gather", "row", "row_scat
 
 @functools.cache
 def layer_tensors() -> dict[str, torch.Tensor]:
+    """fp64, so the layers and their serial counterparts agree far inside torch.testing's
+    fp64 tolerance whatever the summation order (tests/numerics.py)."""
     g = torch.Generator().manual_seed(5)
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g)
+        return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     return {
         "x": randn(B, T, D_IN), "w": randn(D_OUT, D_IN), "b": randn(D_OUT),
@@ -54,6 +56,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "untied": ({"microbatches": 2, "bucket_size": 3000},
                {"tied": False, "norm": "rmsnorm", "bias": True}),
 }
+#: The case trained through `python -m trainer.train` (fp32) with a checkpoint and a resume.
+CKPT_CASE = "tied"
 #: Both cases clip (grad_clip 0.5 is below the tiny model's gradient norm), so the
 #: TP-summed global norm decides every update.
 

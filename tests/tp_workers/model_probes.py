@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
+from tests.numerics import float64
 from tests.tp_workers.cases import CASES, STEPS, case_config
 from tests.tp_workers.layer_probes import grads_of
 from trainer.comm.bootstrap import ParallelGroups, World
@@ -126,5 +127,7 @@ def train_case(name: str, world: World, groups: ParallelGroups, out: Path) -> di
 
 
 def train_all(world: World, groups: ParallelGroups, out: Path) -> dict[str, Any]:
-    return {name: train_case(name, world, groups, out) for name in CASES}
+    """Every training case in fp64, as the single-process reference (tests/numerics.py)."""
+    with float64():
+        return {name: train_case(name, world, groups, out) for name in CASES}
 

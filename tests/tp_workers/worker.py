@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from tests.mpi_worker import run_or_abort
-from tests.tp_workers.cases import layouts
+from tests.tp_workers.cases import CKPT_CASE, layouts
 from tests.tp_workers.layer_probes import (
     all_layer_probes,
     checkpoint_failure_probe,
     count_probe,
     refusal_probe,
 )
-from tests.tp_workers.model_probes import dropout_probe, recompute_probe, train_all
+from tests.tp_workers.model_probes import dropout_probe, recompute_probe, train_all, train_case
 from trainer.comm.bootstrap import build_groups, init
 from trainer.comm.topology import ParallelDims
 
@@ -44,6 +44,9 @@ def main(out: Path) -> None:
         groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
         result[f"tp{tp}dp{dp}"] = {"coords": groups.coords,
                                    **train_all(world, groups, out)}
+    if world.size == 4:  # fp32, as `python -m trainer.train` runs: the resume test's baseline
+        groups = build_groups(world, ParallelDims(dp=2, tp=2))
+        result["fp32-tp2dp2"] = train_case(CKPT_CASE, world, groups, out / "fp32")
     torch.save(result, out / f"rank{world.rank}.pt")
 
 

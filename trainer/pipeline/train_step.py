@@ -51,6 +51,7 @@ from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_sch
 from trainer.pipeline.schedule import build, chunks_of
 from trainer.pipeline.stages import Batch, GPTStage, tied_weight
 from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
+from trainer.precision import at_least_fp32
 
 TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
 
@@ -105,7 +106,7 @@ class Pipeline:
                                  v=self.layout.v, wait=self.wait)
         loss = torch.zeros((), device=self.spec.device)
         for value in self.last.outputs.values():
-            loss += value.float()
+            loss = loss + at_least_fp32(value)
         return loss
 
     def sync_tied_grads(self) -> None:

@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.precision import at_least_fp32
 
 
 class _VocabParallelCrossEntropy(Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, comm: Communicator
                 ) -> torch.Tensor:
-        logits = logits.float()  # the serial loss also runs in fp32
+        logits = at_least_fp32(logits)  # as the serial loss
         per_rank = logits.shape[-1]
         start = comm.rank * per_rank
         row_max = logits.max(dim=-1).values
@@ -60,7 +61,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     """Per-token loss ``(N,)`` from this rank's logit slice ``(N, V/tp)`` and targets ``(N,)``
     (global token ids). Every TP rank gets the same losses."""
     if comm.size == 1:
-        return F.cross_entropy(logits.float(), target, reduction="none")
+        return F.cross_entropy(at_least_fp32(logits), target, reduction="none")
     return _VocabParallelCrossEntropy.apply(logits, target, comm)
 
 
@@ -68,5 +69,5 @@ def mean_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor
                                       comm: Communicator) -> torch.Tensor:
     """Mean over tokens, like ``F.cross_entropy``'s default (what ``GPT.loss`` returns)."""
     if comm.size == 1:
-        return F.cross_entropy(logits.float(), target)
+        return F.cross_entropy(at_least_fp32(logits), target)
     return vocab_parallel_cross_entropy(logits, target, comm).mean()

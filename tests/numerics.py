@@ -1,0 +1,70 @@
+"""Tolerances for comparing a parallel run with the single-process model, derived, not tuned.
+
+Both sides run in fp64 (`float64()`; trainer/precision.py keeps an fp64 model in fp64 end to
+end), so they differ only by rounding in another summation order: data parallelism adds the
+per-rank gradients in another order, tensor parallelism splits matmuls and softmax sums,
+pipelining changes nothing but where the sums run, and MPICH picks its all-reduce algorithm (and
+so the order) by message size. The bounds below hold on any IEEE-754 machine whatever the order.
+
+- A sum of n terms in any order has an error of at most (n-1)·u·Σ|x_i| (Higham, Accuracy and
+  Stability of Numerical Algorithms, eq. 4.4), u = 2^-53; two orders differ by at most twice
+  that. `reduction_rtol(n)` is that bound relative to Σ|x_i|.
+- Adam's update lr·m/(√v + eps) changes by at most about lr·δ/eps when one gradient element
+  changes by δ (the derivative of g/(|g| + eps) peaks at 1/eps for g near 0). `adam_atol` adds
+  that up over the steps (first order: fp64 rounding, ~1e-14, is far below eps, so no element
+  can cross from one regime of the update to another).
+
+A real bug (a wrong shard, a missing 1/dp, a skipped bucket) moves losses by far more than
+`reduction_rtol` and parameters by the order of one update, lr: the bounds sit many orders of
+magnitude below both, so they separate rounding from bugs on Intel and AMD alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+U64 = 2.0**-53  # fp64 unit roundoff
+U32 = 2.0**-24  # fp32 unit roundoff
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which trainer/optim.py keeps
+
+
+@contextmanager
+def float64() -> Iterator[None]:
+    """Build models (and run everything they do) in fp64 inside this block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def reduction_rtol(n_terms: int, unit: float = U64) -> float:
+    """Relative difference of two sums of ``n_terms`` terms in different orders."""
+    return 2.0 * max(1, n_terms - 1) * unit
+
+
+def adam_atol(*, steps: int, lr: float, n_terms: int, grad_scale: float = 1.0,
+              unit: float = U64) -> float:
+    """Parameter difference after ``steps`` AdamW steps whose gradient elements differ only by
+    rounding: each a sum of at most ``n_terms`` terms whose magnitudes add up to at most
+    ``grad_scale`` (a per-token gradient element; the mean loss divides each token's part by n)."""
+    return steps * lr / ADAM_EPS * reduction_rtol(n_terms, unit) * grad_scale
+
+
+def loss_atol(*, steps: int, lr: float, n_params: int, n_terms: int, grad_scale: float = 1.0,
+              unit: float = U64) -> float:
+    """Loss difference after ``steps`` AdamW steps, beyond the loss's own rounding.
+
+    To first order the loss moves by Σ g_i·δθ_i, and Adam's amplification of a gradient
+    difference δ_i is largest exactly where g_i is small: |g_i|·lr·δ_i/(|g_i| + eps) <= lr·δ_i.
+    So the loss difference is at most lr·Σ δ_i per step, with no 1/eps in it."""
+    return steps * lr * n_params * reduction_rtol(n_terms, unit) * grad_scale
+
+
+def f64(values: list[float]) -> torch.Tensor:
+    """A list of losses (or norms) as an fp64 tensor, for comparing with assert_close."""
+    return torch.tensor(values, dtype=torch.float64)
