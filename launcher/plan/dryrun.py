@@ -1,6 +1,6 @@
 """`dtrain launch --dry-run`: the plan as a user reads it (hosts, ranks, each rank's env).
 
-The `program` column says which executable each host will run. A local host runs what the
+The `program ... on each host` lines say which executable each host will run. A local host runs what the
 head's own lookup finds (its agent inherits the head's environment). A remote host looks
 argv[0] up in the rank's PATH, the head's entries first, then its own
 (`environment.rank_environment`); without connecting, the dry run can only show what the
@@ -45,17 +45,18 @@ def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO,
     console.print(f"command: {shlex.join(plan.argv)}")
     console.print(f"cwd: {plan.cwd}")
     hosts = Table(title="hosts", title_justify="left")
-    for col in ("node", "host", "user", "port", "ranks", "CUDA_VISIBLE_DEVICES", "program",
-                "from"):
+    for col in ("node", "host", "user", "port", "ranks", "CUDA_VISIBLE_DEVICES", "from"):
         hosts.add_column(col)
     for hp in plan.hosts:
         e = hp.entry
         first, last = hp.ranks[0].rank, hp.ranks[-1].rank
         hosts.add_row(str(hp.node_rank), e.name, e.user or "-", str(e.port or "-"),
                       f"{first}-{last}" if last > first else str(first),
-                      hp.cuda_visible_devices or "-", program_column(plan, e, head_environ),
-                      e.source or "-")
+                      hp.cuda_visible_devices or "-", e.source or "-")
     console.print(hosts)
+    console.print(f"program {plan.argv[0]!r} on each host:")
+    for hp in plan.hosts:
+        console.print(f"  {hp.entry.name}: {program_column(plan, hp.entry, head_environ)}")
     notes = []
     if auto_master[0]:
         notes.append("MASTER_ADDR is chosen at launch: rank 0's host address as routed from "
