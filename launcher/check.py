@@ -145,8 +145,12 @@ def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
                       f.get("python", "-"), f.get("rank_python") or "-", f.get("dtrain", "-"),
                       *[str(v.get(n) or "-") for n in COMPARED],
                       f"{r.slots}/{'-' if gpus is None else gpus}",
-                      "ok" if r.ok else "; ".join(r.problems))
+                      "ok" if r.ok else f"{len(r.problems)} problem(s), below")
     console.print(table)
+    # Below the table, unwrapped: problems carry paths and commands a user copies.
+    for r in rows:
+        for problem in r.problems:
+            console.print(f"{r.host}: {problem}")
 
 
 def run_check(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any],

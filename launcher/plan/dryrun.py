@@ -1,8 +1,8 @@
 """`dtrain launch --dry-run`: the plan as a user reads it (hosts, ranks, each rank's env).
 
-The `program ... on each host` lines say which executable each host will run. A local host runs what the
-head's own lookup finds (its agent inherits the head's environment). A remote host looks
-argv[0] up in the rank's PATH, the head's entries first, then its own
+The `program ... on each host` lines say which executable each host will run. A local host
+runs what the head's own lookup finds (its agent inherits the head's environment). A remote
+host looks argv[0] up in the rank's PATH, the head's entries first, then its own
 (`environment.rank_environment`); without connecting, the dry run can only show what the
 head's entries give ("X if present there") and leaves the rest to `dtrain check`, which
 resolves `python` on every host.
