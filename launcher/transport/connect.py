@@ -44,7 +44,8 @@ def open_streams(selected: Sequence[HostSlots], *, python: str,
 
 def start_agents(selected: Sequence[HostSlots], *, python: str,
                  ssh_kwargs: dict[str, Any]) -> list[AgentStream | ConnectError]:
-    """An agent stream, or why there is none, for every host, in host order."""
+    """An agent stream, or why there is none, for every host, in host order; an ssh config
+    that cannot be used (a refused directive, a bad name) raises before anything connects."""
     python = validate_remote_python(python)
     results: dict[int, AgentStream | ConnectError] = {
         i: LocalAgentStream(h.entry.name, python=python)
