@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,19 @@ def test_ranks_on_every_host_run_the_heads_venv_python(cluster, venv):
     assert sorted(ranks) == ["0@node1", "1@node1", "2@node2"]
     for executable, prefix in ranks.values():
         assert (executable, prefix) == (str(venv / "bin" / "python"), str(venv))
+
+
+def test_the_issue_command_imports_mpi4py_from_the_heads_venv_on_every_host(cluster):
+    # `dtrain launch -H node1:2,node2:2 -- python -c "from mpi4py import MPI"` from a head
+    # with the project's venv (the one with mpi4py) active: the hosts' own python lacks it.
+    head_venv = Path(sys.prefix)
+    assert head_venv != Path(sys.base_prefix), "the tests run outside a virtualenv"
+    res = run_dtrain(["launch", "-H", "node1:2,node2:2", "--ssh-config", str(cluster.ssh_config),
+                      "--", "python", "-c", "from mpi4py import MPI; print(MPI.COMM_WORLD.size)"],
+                     env=_activated(head_venv))
+    assert res.returncode == 0, res.stderr
+    assert sorted(res.stdout.split()) == ["4"] * 4 + [
+        "[0@node1]", "[1@node1]", "[2@node2]", "[3@node2]"]
 
 
 @pytest.fixture
