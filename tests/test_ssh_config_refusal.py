@@ -134,6 +134,16 @@ def test_a_proxycommand_of_the_jump_host_is_refused(sshd, tmp_path):
     assert "host jump would run" in str(info.value) and not marker.exists()
 
 
+def test_a_proxyjump_hop_spelled_as_an_ssh_option_is_refused(sshd, tmp_path):
+    marker = tmp_path / "ran"
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.config_block("behind")
+                      + f'  ProxyJump "-oProxyCommand=touch {marker}"\n')
+    with pytest.raises(ConnectError, match="starts with '-'"):
+        _connect("behind", SSHOptions(config_file=config))
+    assert not marker.exists()
+
+
 def test_check_and_launch_refuse_once_before_connecting(sshd, tmp_path):
     config, marker = _marker_config(tmp_path, MATCH_EXEC_SPELLINGS["quoted criterion"], sshd)
     config.write_text(config.read_text() + sshd.config_block("loopback2"))
