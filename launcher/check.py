@@ -5,8 +5,8 @@ with the same Python and dtrain/torch/mpi4py versions as the head, the ranks' `p
 (resolved with the PATH a rank gets: the head's entries first, then the host's) is the same
 path as on the head, slots fit the GPUs that `nvidia-smi` lists (when it is there), and the
 working directory exists. A mismatched `python` names the head's VIRTUAL_ENV/CONDA_PREFIX when
-it is missing on the host. Exit code 1 when any
-host has a problem, so scripts can gate a launch on it.
+it is missing on the host. Exit code 1 when any host has a problem, so scripts can gate a
+launch on it.
 """
 
 from __future__ import annotations
@@ -54,9 +54,10 @@ def compare(head: dict[str, Any], remote: dict[str, Any], slots: int) -> list[st
         problems.append(f"python {remote.get('python')} (head {head.get('python')})")
     if remote.get("rank_python") != head.get("rank_python"):
         found = remote.get("rank_python") or "no python"
-        missing = "; missing here: " + ", ".join(remote["missing_prefixes"]) \
-            if remote.get("missing_prefixes") else ""
-        problems.append(f"`python` runs {found} (head {head.get('rank_python')}){missing}")
+        problem = f"`python` runs {found} (head {head.get('rank_python')})"
+        if remote.get("missing_prefixes"):
+            problem += "; missing here: " + ", ".join(remote["missing_prefixes"])
+        problems.append(problem)
     if remote.get("dtrain") != head.get("dtrain"):
         problems.append(f"dtrain {remote.get('dtrain')} (head {head.get('dtrain')})")
     for name in COMPARED:
@@ -103,6 +104,7 @@ def forwarded_to_ranks(cwd: str) -> dict[str, str]:
 def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], python: str,
                 cwd: str, timeout: float = 60.0) -> list[HostCheck]:
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
+    planned = forwarded_to_ranks(cwd)  # a bad .dtrainenv fails before anything starts
     streams: dict[str, AgentStream] = {}
     results = start_agents(selected, python=python, ssh_kwargs=ssh_kwargs)
     for h, res in zip(selected, results, strict=True):
@@ -112,7 +114,6 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
         conn = getattr(res, "connection", None)
         rows[h.entry.name].latency_ms = conn.latency_ms if conn is not None else None
         streams[h.entry.name] = res
-    planned = forwarded_to_ranks(cwd)
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(streams) or 1)) as pool:
         futures = {name: pool.submit(ask_facts, s, cwd, timeout, planned)
                    for name, s in streams.items()}
