@@ -31,6 +31,13 @@ dtrain's own:
                       the user set them (gloo and NCCL otherwise guess from the host name or
                       take the first interface, often a bridge or docker0)
 
+Forwarded from the head (launcher/plan/environment.py): variables whose names start with one
+of FORWARDED_PREFIXES or are named in FORWARDED_NAMES, then .dtrainenv files and --env. PATH is
+merged rather than replaced: the head's entries first, then the host's own PATH entries that
+are not already in it, so ``python`` (or any argv[0]) is the head's wherever the head's
+virtualenv or conda prefix exists on the host, and the host's own otherwise. VIRTUAL_ENV,
+CONDA_PREFIX and CONDA_DEFAULT_ENV travel with it for tools that read them.
+
 Inherited PMI_*, PMIX_*, OMPI_*, SLURM_* variables are removed before the launcher adds its own,
 because MPICH refuses to start when PMIX_* is set and a stale PMI_* would point at another job.
 """
@@ -58,6 +65,7 @@ JOB_ID = "DTRAIN_JOB_ID"
 HOST = "DTRAIN_HOST"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+PATH = "PATH"
 
 #: Prefixes of inherited variables that belong to another launcher and are always removed.
 SCRUBBED_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "SLURM_")
@@ -67,6 +75,10 @@ FORWARDED_PREFIXES = (
     "NCCL_", "PYTHON", "CUDA_", "MPICH_", "MPIR_CVAR_", "TORCH_", "UCX_", "FI_", "HF_",
     "WANDB_", "MLFLOW_", "GLOO_", "OMP_", "MKL_", "LANG", "LC_", "TZ",
 )
+
+#: Head-node variables forwarded by exact name: the programs and interpreter the head would run
+#: (PATH is put in front of the host's own PATH, see above).
+FORWARDED_NAMES = (PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")
 
 
 class ContractError(RuntimeError):

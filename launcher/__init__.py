@@ -14,7 +14,8 @@ paramiko and subprocess live in the modules marked (adapter).
                  connect       open one agent stream per host, local or SSH, in parallel
                  local         the agent as a local subprocess (adapter)
                  ssh           paramiko connection and agent channel (adapter)
-                 ssh_config    ~/.ssh/config resolution and its refusals
+                 ssh_config    ~/.ssh/config resolution
+                 ssh_config_refusal  reading the config as ssh does; refusing local commands
                  ssh_auth      sockets, ProxyJump, public-key authentication (adapter)
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
     head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none

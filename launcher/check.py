@@ -1,9 +1,12 @@
 """`dtrain check`: a preflight table of every host, checked in parallel.
 
 For each host: reachable and authenticated (with the connection latency), the agent starts
-with the same Python and dtrain/torch/mpi4py versions as the head, slots fit the GPUs that
-`nvidia-smi` lists (when it is there), and the working directory exists. Exit code 1 when any
-host has a problem, so scripts can gate a launch on it.
+with the same Python and dtrain/torch/mpi4py versions as the head, the ranks' `python`
+(resolved with the PATH a rank gets: the head's entries first, then the host's) is the same
+path as on the head, slots fit the GPUs that `nvidia-smi` lists (when it is there), and the
+working directory exists. A mismatched `python` names the head's VIRTUAL_ENV/CONDA_PREFIX when
+it is missing on the host. Exit code 1 when any host has a problem, so scripts can gate a
+launch on it.
 """
 
 from __future__ import annotations
@@ -19,10 +22,12 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+import workerenv
 from launcher import wire
 from launcher.agent.facts import host_facts
 from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
+from launcher.plan.environment import compose_base_env
 from launcher.transport.connect import close_streams, start_agents
 from launcher.transport.stream import AgentStream
 
@@ -47,6 +52,12 @@ def compare(head: dict[str, Any], remote: dict[str, Any], slots: int) -> list[st
     problems = []
     if remote.get("python") != head.get("python"):
         problems.append(f"python {remote.get('python')} (head {head.get('python')})")
+    if remote.get("rank_python") != head.get("rank_python"):
+        found = remote.get("rank_python") or "no python"
+        problem = f"`python` runs {found} (head {head.get('rank_python')})"
+        if remote.get("missing_prefixes"):
+            problem += "; missing here: " + ", ".join(remote["missing_prefixes"])
+        problems.append(problem)
     if remote.get("dtrain") != head.get("dtrain"):
         problems.append(f"dtrain {remote.get('dtrain')} (head {head.get('dtrain')})")
     for name in COMPARED:
@@ -61,10 +72,11 @@ def compare(head: dict[str, Any], remote: dict[str, Any], slots: int) -> list[st
     return problems
 
 
-def ask_facts(stream: AgentStream, cwd: str, timeout: float) -> dict[str, Any]:
+def ask_facts(stream: AgentStream, cwd: str, timeout: float,
+              planned: dict[str, str]) -> dict[str, Any]:
     """HELLO, one facts QUERY, BYE: a short synchronous conversation with an agent."""
     decoder = wire.Decoder()
-    stream.write(wire.encode_json(wire.Kind.QUERY, {"op": "facts", "cwd": cwd}))
+    stream.write(wire.encode_json(wire.Kind.QUERY, {"op": "facts", "cwd": cwd, "env": planned}))
     deadline = time.monotonic() + timeout
     try:
         while time.monotonic() < deadline:
@@ -82,9 +94,17 @@ def ask_facts(stream: AgentStream, cwd: str, timeout: float) -> dict[str, Any]:
         stream.close()
 
 
+def forwarded_to_ranks(cwd: str) -> dict[str, str]:
+    """The variables that decide which `python` a rank runs, as `dtrain launch` would plan
+    them (forwarded from the head, then .dtrainenv files)."""
+    base = compose_base_env(os.environ, cwd=cwd)
+    return {name: base[name] for name in workerenv.FORWARDED_NAMES if name in base}
+
+
 def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], python: str,
                 cwd: str, timeout: float = 60.0) -> list[HostCheck]:
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
+    planned = forwarded_to_ranks(cwd)  # a bad .dtrainenv fails before anything starts
     streams: dict[str, AgentStream] = {}
     results = start_agents(selected, python=python, ssh_kwargs=ssh_kwargs)
     for h, res in zip(selected, results, strict=True):
@@ -95,8 +115,9 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
         rows[h.entry.name].latency_ms = conn.latency_ms if conn is not None else None
         streams[h.entry.name] = res
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(streams) or 1)) as pool:
-        futures = {name: pool.submit(ask_facts, s, cwd, timeout) for name, s in streams.items()}
-    head = host_facts(cwd)
+        futures = {name: pool.submit(ask_facts, s, cwd, timeout, planned)
+                   for name, s in streams.items()}
+    head = host_facts(cwd, planned)
     for name, fut in futures.items():
         try:
             rows[name].facts = fut.result()
@@ -111,7 +132,8 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
 def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
     console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=200)
     table = Table(title="dtrain check", title_justify="left")
-    columns = ("host", "hostname", "ssh ms", "python", "dtrain", *COMPARED, "slots/gpus", "result")
+    columns = ("host", "hostname", "ssh ms", "python", "`python` runs", "dtrain", *COMPARED,
+               "slots/gpus", "result")
     for col in columns:
         table.add_column(col)
     for r in rows:
@@ -121,11 +143,15 @@ def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
         table.add_row(r.host, f.get("hostname", "-"),
                       "local" if r.latency_ms is None and f else
                       (f"{r.latency_ms:.0f}" if r.latency_ms is not None else "-"),
-                      f.get("python", "-"), f.get("dtrain", "-"),
+                      f.get("python", "-"), f.get("rank_python") or "-", f.get("dtrain", "-"),
                       *[str(v.get(n) or "-") for n in COMPARED],
                       f"{r.slots}/{'-' if gpus is None else gpus}",
-                      "ok" if r.ok else "; ".join(r.problems))
+                      "ok" if r.ok else f"{len(r.problems)} problem(s), below")
     console.print(table)
+    # Below the table, unwrapped: problems carry paths and commands a user copies.
+    for r in rows:
+        for problem in r.problems:
+            console.print(f"{r.host}: {problem}")
 
 
 def run_check(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any],

@@ -19,6 +19,17 @@ def test_compare_names_every_difference_a_user_can_fix():
     assert compare(HEAD, {**HEAD, "gpus": None, "cwd_exists": True}, slots=8) == []
 
 
+def test_compare_flags_a_host_whose_python_is_not_the_heads():
+    head = {**HEAD, "rank_python": "/v/bin/python"}
+    same = {**head, "cwd_exists": True, "missing_prefixes": []}
+    assert compare(head, same, slots=1) == []
+    elsewhere = {**same, "rank_python": "/usr/bin/python", "missing_prefixes": ["VIRTUAL_ENV /v"]}
+    assert compare(head, elsewhere, slots=1) == [
+        "`python` runs /usr/bin/python (head /v/bin/python); missing here: VIRTUAL_ENV /v"]
+    assert compare(head, {**same, "rank_python": None}, slots=1) == [
+        "`python` runs no python (head /v/bin/python)"]
+
+
 def test_check_of_localhost_passes():
     res = run_dtrain(["check", "--nproc-per-node", "2"])
     assert res.returncode == 0, res.stdout + res.stderr

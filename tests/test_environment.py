@@ -11,7 +11,9 @@ from launcher.plan.environment import (
     compose_base_env,
     default_env_files,
     forwarded_env,
+    merge_path,
     parse_env_assignments,
+    rank_environment,
     read_env_file,
     scrub,
 )
@@ -38,6 +40,29 @@ def test_only_allow_listed_prefixes_are_forwarded():
             "AWS_SECRET_ACCESS_KEY": "s", "TORCH_LOGS": "+dynamo", "OMP_NUM_THREADS": "4"}
     assert forwarded_env(head) == {"NCCL_DEBUG": "INFO", "PYTHONPATH": "/src",
                                    "TORCH_LOGS": "+dynamo", "OMP_NUM_THREADS": "4"}
+
+
+def test_the_head_interpreter_variables_are_forwarded_by_name():
+    head = {"PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c",
+            "CONDA_DEFAULT_ENV": "base", "PATHOLOGY": "no", "MANPATH": "/man", "HOME": "/root"}
+    assert forwarded_env(head) == {"PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv",
+                                   "CONDA_PREFIX": "/c", "CONDA_DEFAULT_ENV": "base"}
+
+
+def test_merged_path_keeps_the_head_entries_first_then_the_host_only_ones():
+    assert merge_path("/venv/bin:/usr/bin", "/usr/local/bin:/usr/bin:/opt/site/bin") == (
+        "/venv/bin:/usr/bin:/usr/local/bin:/opt/site/bin")
+    assert merge_path("/a:/a", "/a") == "/a"
+
+
+def test_rank_environment_puts_the_planned_path_in_front_of_the_hosts():
+    host = {"PATH": "/usr/bin:/opt/site/bin", "HOME": "/home/u", "PMI_FD": "9", "VIRTUAL_ENV": ""}
+    planned = {"PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv", "RANK": "0"}
+    assert rank_environment(host, planned) == {
+        "PATH": "/venv/bin:/usr/bin:/opt/site/bin", "HOME": "/home/u", "VIRTUAL_ENV": "/venv",
+        "RANK": "0"}
+    assert rank_environment(host, {"RANK": "1"})["PATH"] == "/usr/bin:/opt/site/bin"
+    assert rank_environment({}, planned)["PATH"] == "/venv/bin:/usr/bin"
 
 
 def test_forwarding_uses_the_prefixes_given():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import re
 
 import pytest
@@ -10,6 +11,7 @@ import workerenv as we
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_hostfile_text
 from launcher.hosts.selection import select_hosts
+from launcher.plan.dryrun import print_plan, program_column
 from launcher.plan.job import JobPlan, make_plan, new_job_id, process_mapping
 
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hf")
@@ -178,3 +180,28 @@ def test_plan_mapping_matches_its_rank_placement():
 def test_mapping_rejects_empty_or_non_positive_counts(counts):
     with pytest.raises(ValueError):
         process_mapping(counts)
+
+
+# --- dry run: which executable each host runs ------------------------------------------------
+
+def test_dry_run_shows_the_executable_each_host_will_run(tmp_path):
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    python = venv_bin / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o755)
+    hosts = select_hosts(parse_hostfile_text("localhost slots=1\nnode1 slots=1\n", "hf"))
+    path = f"{venv_bin}:/usr/bin"
+    plan = plan_for(hosts, cwd=str(tmp_path), base_env={"PATH": path})
+    head = {"PATH": "/usr/bin"}
+    local, remote = (program_column(plan, hp.entry, head) for hp in plan.hosts)
+    assert local == str(python)
+    assert remote == f"{python} if present there, else the host's PATH"
+    elsewhere = plan_for(hosts, cwd=str(tmp_path), base_env={"PATH": "/nonexistent"})
+    assert program_column(elsewhere, elsewhere.hosts[1].entry, head) == "the host's PATH"
+    absolute = plan_for(hosts, cwd=str(tmp_path), argv=[str(python)])
+    assert program_column(absolute, absolute.hosts[1].entry, head) == str(python)
+    out = io.StringIO()
+    print_plan(plan, auto_master=(False, False), out=out, head_environ=head)
+    assert f"{python} if present there" in out.getvalue()
+    assert "`dtrain check` shows which `python` each host runs" in out.getvalue()

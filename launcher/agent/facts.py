@@ -1,16 +1,28 @@
-"""What an agent tells the head about its host: HELLO facts and answers to QUERY frames."""
+"""What an agent tells the head about its host: HELLO facts and answers to QUERY frames.
+
+For `dtrain check` it also resolves `python` with the PATH a rank would get (the head's
+forwarded PATH in front of this host's, `launcher.plan.environment.rank_environment`), so the
+head can flag a host where the ranks' `python` is not the head's.
+"""
 
 from __future__ import annotations
 
 import os
 import socket
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from launcher import __version__, wire
+from launcher.agent.ranks import find_program
 from launcher.netroute import free_port, route_source
+from launcher.plan.environment import rank_environment
 
 _PACKAGES = ("torch", "mpi4py", "mpich", "paramiko")
+#: The program `dtrain check` resolves as a rank would (the README's `-- python ...`).
+RANK_PROGRAM = "python"
+#: Forwarded variables naming an environment directory that should exist on every host.
+PREFIX_VARIABLES = ("VIRTUAL_ENV", "CONDA_PREFIX")
 
 
 def hello() -> dict[str, Any]:
@@ -33,14 +45,16 @@ def answer(query: dict[str, Any]) -> dict[str, Any]:
         if op == "free_port":
             return {"op": op, "port": free_port()}
         if op == "facts":
-            return {"op": op, **host_facts(str(query.get("cwd", "")))}
+            planned = {str(k): str(v) for k, v in (query.get("env") or {}).items()}
+            return {"op": op, **host_facts(str(query.get("cwd", "")), planned)}
     except (OSError, KeyError, ValueError) as exc:
         return {"op": op, "error": str(exc)}
     return {"op": op, "error": f"unknown query {op!r}"}
 
 
-def host_facts(cwd: str) -> dict[str, Any]:
-    """Versions and resources for `dtrain check` (package versions read without importing)."""
+def host_facts(cwd: str, planned: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """Versions and resources for `dtrain check` (package versions read without importing);
+    ``planned``: the forwarded variables (PATH, VIRTUAL_ENV, ...) a rank would get."""
     from importlib import metadata  # only `dtrain check` needs it: keep it off the start path
 
     versions = {}
@@ -54,7 +68,17 @@ def host_facts(cwd: str) -> dict[str, Any]:
         "versions": versions,
         "gpus": gpu_count(),
         "cwd_exists": bool(cwd) and os.path.isdir(cwd),
+        **rank_python(planned or {}, cwd),
     }
+
+
+def rank_python(planned: Mapping[str, str], cwd: str) -> dict[str, Any]:
+    """Which `python` a rank's argv[0] would run here, and which forwarded prefixes are absent."""
+    env = rank_environment(os.environ, planned)
+    found = find_program(RANK_PROGRAM, env, cwd if os.path.isdir(cwd) else "/")
+    missing = [f"{name} {planned[name]}" for name in PREFIX_VARIABLES
+               if planned.get(name) and not os.path.isdir(planned[name])]
+    return {"rank_python": found, "missing_prefixes": missing}
 
 
 def gpu_count() -> int | None:

@@ -19,7 +19,7 @@ from launcher import netroute, wire
 from launcher.agent import facts
 from launcher.agent.head_link import Eof, HeadLink
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
-from launcher.plan.environment import scrub
+from launcher.plan.environment import rank_environment
 
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway
@@ -156,8 +156,7 @@ class Agent:
         return None
 
     def _rank_env(self, rank_spec: dict[str, Any]) -> dict[str, str]:
-        env = scrub(os.environ)
-        env.update(rank_spec["env"])
+        env = rank_environment(os.environ, rank_spec["env"])
         if self.interface:
             for name in SOCKET_IFNAME_VARS:
                 env.setdefault(name, self.interface)

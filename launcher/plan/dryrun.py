@@ -1,17 +1,44 @@
-"""`dtrain launch --dry-run`: the plan as a user reads it (hosts, ranks, each rank's env)."""
+"""`dtrain launch --dry-run`: the plan as a user reads it (hosts, ranks, each rank's env).
+
+The `program ... on each host` lines say which executable each host will run. A local host
+runs what the head's own lookup finds (its agent inherits the head's environment). A remote
+host looks argv[0] up in the rank's PATH, the head's entries first, then its own
+(`environment.rank_environment`); without connecting, the dry run can only show what the
+head's entries give ("X if present there") and leaves the rest to `dtrain check`, which
+resolves `python` on every host.
+"""
 
 from __future__ import annotations
 
+import os
 import shlex
+from collections.abc import Mapping
 from typing import TextIO
 
 from rich.console import Console
 from rich.table import Table
 
+import workerenv as we
+from launcher.agent.ranks import find_program
+from launcher.hosts.hostfile import HostEntry
+from launcher.plan.environment import rank_environment
 from launcher.plan.job import JobPlan
 
 
-def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO) -> None:
+def program_column(plan: JobPlan, entry: HostEntry, head_environ: Mapping[str, str]) -> str:
+    """The executable ``entry`` will run for argv[0], as far as the head can know it."""
+    argv0 = plan.argv[0]
+    if entry.is_local or os.sep in argv0:
+        found = find_program(argv0, rank_environment(head_environ, plan.base_env), plan.cwd)
+        return found or "not found"
+    planned = plan.base_env.get(we.PATH)
+    found = find_program(argv0, {we.PATH: planned}, plan.cwd) if planned else None
+    return f"{found} if present there, else the host's PATH" if found else "the host's PATH"
+
+
+def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO,
+               head_environ: Mapping[str, str] | None = None) -> None:
+    head_environ = os.environ if head_environ is None else head_environ
     console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=160)
     console.print(f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} hosts",
                   markup=False)
@@ -27,12 +54,18 @@ def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO) ->
                       f"{first}-{last}" if last > first else str(first),
                       hp.cuda_visible_devices or "-", e.source or "-")
     console.print(hosts)
+    console.print(f"program {plan.argv[0]!r} on each host:")
+    for hp in plan.hosts:
+        console.print(f"  {hp.entry.name}: {program_column(plan, hp.entry, head_environ)}")
     notes = []
     if auto_master[0]:
         notes.append("MASTER_ADDR is chosen at launch: rank 0's host address as routed from "
                      "the next host (127.0.0.1 for a single host)")
     if auto_master[1]:
         notes.append("MASTER_PORT is chosen at launch: a free port on rank 0's host")
+    if any(not hp.entry.is_local for hp in plan.hosts) and os.sep not in plan.argv[0]:
+        notes.append(f"remote hosts look {plan.argv[0]!r} up in the head's PATH entries, then "
+                     "their own PATH; `dtrain check` shows which `python` each host runs")
     for note in notes:
         console.print(f"note: {note}")
     if plan.base_env:

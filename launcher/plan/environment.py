@@ -3,9 +3,11 @@
 Composed on the head node, later sources winning:
 
 1. head variables whose names start with an allow-listed prefix (`workerenv.FORWARDED_PREFIXES`:
-   NCCL_, PYTHON, CUDA_, ...). Never the whole environment: LD_PRELOAD, BASH_ENV and secrets
-   stay home. CUDA_VISIBLE_DEVICES is not forwarded either: it describes the head's GPUs, not
-   the workers' (select GPUs with --include host:0,1);
+   NCCL_, PYTHON, CUDA_, ...) or are named in `workerenv.FORWARDED_NAMES` (PATH, VIRTUAL_ENV,
+   CONDA_PREFIX, CONDA_DEFAULT_ENV: the rank's `python` is the one the head's shell finds).
+   Never the whole environment: LD_PRELOAD, BASH_ENV and secrets stay home.
+   CUDA_VISIBLE_DEVICES is not forwarded either: it describes the head's GPUs, not the
+   workers' (select GPUs with --include host:0,1);
 2. `~/.dtrainenv`, then `./.dtrainenv` (in the launch directory), when they exist, like
    DeepSpeed's `.deepspeed_env`;
 3. `--env KEY=VALUE`, in order.
@@ -14,6 +16,13 @@ A `.dtrainenv` line is `KEY=VALUE`, optionally after `export `; `#` lines and bl
 skipped. VALUE is literal (no `$VAR` expansion) and may be quoted: '...' keeps everything,
 "..." understands \\" \\\\ \\n \\t; an unquoted value ends at ` #` (a comment). Values can hold any
 character except NUL, because they travel to the agent as data and never through a shell.
+
+On each host the agent composes a rank's environment with `rank_environment`: its own
+environment (scrubbed), then the planned variables, except that a planned PATH is merged with
+the host's own by `merge_path`: the planned (head's) entries first, then the host's entries
+not already in it. argv[0] thus resolves as on the head wherever the head's directories exist
+(a virtualenv on a shared or identically laid-out filesystem), and falls back to the host's
+own tools where they do not, which `dtrain check` reports.
 
 Variables that belong to another launcher (PMI_*, PMIX_*, OMPI_*, SLURM_*) and the contract
 variables the plan writes (RANK, MASTER_ADDR, ...) are refused when given explicitly, since a
@@ -44,12 +53,33 @@ _ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t"}
 
 
 def forwarded_env(head_environ: Mapping[str, str],
-                  prefixes: Sequence[str] = we.FORWARDED_PREFIXES) -> dict[str, str]:
-    """Head variables with an allow-listed prefix, minus scrubbed and launcher-owned names."""
+                  prefixes: Sequence[str] = we.FORWARDED_PREFIXES,
+                  names: Sequence[str] = we.FORWARDED_NAMES) -> dict[str, str]:
+    """Head variables with an allow-listed prefix or name, minus scrubbed and launcher-owned."""
     prefixes = tuple(prefixes)
     return {name: value for name, value in scrub(head_environ).items()
-            if name.startswith(prefixes) and _NAME_RE.match(name)
+            if (name.startswith(prefixes) or name in names) and _NAME_RE.match(name)
             and name not in NOT_FORWARDED and name not in LAUNCHER_OWNED}
+
+
+def merge_path(first: str, then: str) -> str:
+    """A PATH of ``first``'s entries, then ``then``'s entries that are not already in it."""
+    entries: list[str] = []
+    for entry in (*first.split(os.pathsep), *then.split(os.pathsep)):
+        if entry not in entries:
+            entries.append(entry)
+    return os.pathsep.join(entries)
+
+
+def rank_environment(host_environ: Mapping[str, str],
+                     planned: Mapping[str, str]) -> dict[str, str]:
+    """A rank's environment on its host: the host's own (scrubbed), then the planned variables;
+    a planned PATH goes in front of the host's PATH rather than replacing it."""
+    env = scrub(host_environ)
+    env.update(planned)
+    if we.PATH in planned and host_environ.get(we.PATH):
+        env[we.PATH] = merge_path(planned[we.PATH], host_environ[we.PATH])
+    return env
 
 
 def scrub(environ: Mapping[str, str]) -> dict[str, str]:

@@ -44,7 +44,8 @@ def open_streams(selected: Sequence[HostSlots], *, python: str,
 
 def start_agents(selected: Sequence[HostSlots], *, python: str,
                  ssh_kwargs: dict[str, Any]) -> list[AgentStream | ConnectError]:
-    """An agent stream, or why there is none, for every host, in host order."""
+    """An agent stream, or why there is none, for every host, in host order; an ssh config
+    that cannot be used (a refused directive, a bad name) raises before anything connects."""
     python = validate_remote_python(python)
     results: dict[int, AgentStream | ConnectError] = {
         i: LocalAgentStream(h.entry.name, python=python)
@@ -55,12 +56,15 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
 
         opts = ssh.SSHOptions(**ssh_kwargs)
         command = shlex.join(agent_command(python))
+        # Every host's ssh config is decided before any connection, so a refused directive is
+        # one error (raised here), not one per host, and nothing connects.
+        resolved = {h.entry.name: ssh.resolve_host(h.entry.name, user=h.entry.user,
+                                                   port=h.entry.port, opts=opts)
+                    for _, h in remote}
 
         def start(host: HostSlots) -> AgentStream | ConnectError:
-            e = host.entry
             try:
-                conn = ssh.SSHConnection.open(
-                    ssh.resolve_host(e.name, user=e.user, port=e.port, opts=opts), opts)
+                conn = ssh.SSHConnection.open(resolved[host.entry.name], opts)
             except ConnectError as exc:
                 return exc
             try:

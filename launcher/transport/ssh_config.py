@@ -2,10 +2,11 @@
 
 ``~/.ssh/config`` is read with paramiko's parser (`resolve_host`): Host aliases, HostName,
 User, Port, IdentityFile, IdentitiesOnly, UserKnownHostsFile, ConnectTimeout, ProxyJump and
-Include (spliced in place, an approximation of OpenSSH's rule). ``ProxyCommand`` and
-``Match exec`` run local shell commands, so they are refused unless
-``SSHOptions.allow_config_exec``. Explicit ``user``/``port`` arguments win over the config (as
-``ssh -l/-p`` do); a config ``ConnectTimeout`` wins over ``SSHOptions.connect_timeout``.
+Include (spliced in place, an approximation of OpenSSH's rule). Directives that run a local
+command (``Match exec``, ``ProxyCommand``, ``KnownHostsCommand``, ``LocalCommand``) are
+refused unless ``SSHOptions.allow_config_exec`` (`ssh_config_refusal`). Explicit
+``user``/``port`` arguments win over the config (as ``ssh -l/-p`` do); a config
+``ConnectTimeout`` wins over ``SSHOptions.connect_timeout``.
 
 Every failure is a `ConnectError` (exit code 255).
 """
@@ -14,10 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
-import glob
 import os
 import re
-import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,8 +24,14 @@ import paramiko
 
 from launcher.errors import ConnectError
 from launcher.transport import host_keys
+from launcher.transport.ssh_config_refusal import (
+    ConfigLine,
+    command_value,
+    read_config,
+    refuse_host_commands,
+    refuse_match_exec,
+)
 
-_SETTING = re.compile(r"^\s*(\w+)(?:\s*=\s*|\s+)(.+?)\s*$")
 _HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
 _USER_OK = re.compile(r"^[A-Za-z0-9._@\\$-]+$")
 _DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
@@ -45,7 +50,7 @@ class SSHOptions:
     auth_timeout: float = 30.0
     keepalive: float = 15.0
     max_parallel: int = 32               # bounded parallel handshakes
-    allow_config_exec: bool = False      # ProxyCommand / Match exec are refused unless True
+    allow_config_exec: bool = False      # Match exec, ProxyCommand, ... refused unless True
     handshake_timeout: float = 30.0      # banner + key exchange, whole
     channel_timeout: float = 30.0        # opening a session channel
 
@@ -76,68 +81,38 @@ class ResolvedHost:
         return f"{self.user}@{self.hostname}:{self.port}"
 
 
-def _config_lines(path: Path, depth: int = 0) -> list[tuple[str, str]]:
-    """(line, "file:lineno") of a config file with Include directives spliced in."""
-    if depth > 16:
-        raise ConnectError("ssh config Include nesting too deep", str(path),
-                           "more than 16 levels (an Include loop?)", "Fix the Include lines")
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConnectError("cannot read ssh config", str(path), str(exc),
-                           "Fix the file or pass another with --ssh-config") from None
-    lines: list[tuple[str, str]] = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        match = _SETTING.match(line)
-        if not (match and match.group(1).lower() == "include"):
-            lines.append((line, f"{path}:{lineno}"))
-            continue
-        for pattern in shlex.split(match.group(2)):
-            full = Path(os.path.expanduser(pattern))
-            full = full if full.is_absolute() else Path.home() / ".ssh" / full
-            for included in sorted(glob.glob(str(full))):
-                lines += _config_lines(Path(included), depth + 1)
-    return lines
-
-
-def _first_directive(lines: list[tuple[str, str]], key: str) -> str | None:
-    """The origin of the first line setting ``key`` (for error messages)."""
-    for text, origin in lines:
-        match = _SETTING.match(text)
-        if match and match.group(1).lower() == key:
-            return origin
-    return None
-
-
-def _refuse_match_exec(lines: list[tuple[str, str]]) -> None:
-    """paramiko runs ``Match exec`` commands during lookup, so refuse before looking up."""
-    for text, origin in lines:
-        match = _SETTING.match(text)
-        if match and match.group(1).lower() == "match":
-            words = match.group(2).replace("=", " ").split()
-            if any(w.lstrip("!").lower() == "exec" for w in words):
-                raise ConnectError(
-                    "ssh config directive `Match exec` refused", origin,
-                    "looking up any host in this file would run its local shell command",
-                    "Remove the Match exec block, point --ssh-config at another file, or "
-                    "pass --ssh-allow-config-exec if you trust this file")
-
-
-def _load_config(opts: SSHOptions) -> tuple[paramiko.SSHConfig, list[tuple[str, str]]]:
+def _load_config(opts: SSHOptions) -> tuple[paramiko.SSHConfig, list[ConfigLine]]:
+    """The parsed config and its lines; the Match exec refusal comes before paramiko parses."""
     path = opts.config_file
     if path is None:
         default = Path.home() / ".ssh" / "config"
         if not default.is_file():
             return paramiko.SSHConfig(), []
         path = default
-    lines = _config_lines(Path(path))
+    lines = read_config(Path(path))
     if not opts.allow_config_exec:
-        _refuse_match_exec(lines)
+        refuse_match_exec(lines)
+    return _parse(lines, str(path)), lines
+
+
+def _parse(lines: list[ConfigLine], where: str) -> paramiko.SSHConfig:
     try:
-        return paramiko.SSHConfig.from_text("\n".join(t for t, _ in lines)), lines
+        return paramiko.SSHConfig.from_text("\n".join(line.text for line in lines))
     except paramiko.ssh_exception.ConfigParseError as exc:
-        raise ConnectError("cannot parse ssh config", str(path), str(exc),
+        raise ConnectError("cannot parse ssh config", where, str(exc),
                            "Fix the line or pass another file with --ssh-config") from None
+
+
+def _origin(lines: list[ConfigLine], key: str, name: str, default: str) -> str:
+    """Which line gave ``name`` its ``key``: the first one that still applies when it is the
+    only line setting ``key`` (paramiko's first-value-wins rule, without copying its matching).
+    Only called on the refusal path, where no Match exec is left to run."""
+    for line in lines:
+        if line.keyword == key:
+            alone = [x for x in lines if x.keyword != key or x is line]
+            if command_value(_parse(alone, default).lookup(name), key) is not None:
+                return line.origin
+    return default
 
 
 def _check_name(value: str, kind: str, where: str, pattern: re.Pattern[str]) -> None:
@@ -200,12 +175,9 @@ def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
     config, lines = _load_config(opts)
     found = config.lookup(name)
     origin = str(opts.config_file or Path.home() / ".ssh" / "config")
-    proxy = found.get("proxycommand")
-    if proxy and not opts.allow_config_exec:
-        raise ConnectError(
-            "ssh config directive `ProxyCommand` refused", _first_directive(lines, "proxycommand")
-            or origin, f"host {name} would run the local shell command `{proxy}`",
-            "Use ProxyJump instead, or pass --ssh-allow-config-exec if you trust the file")
+    if not opts.allow_config_exec:
+        refuse_host_commands(name, found, lambda key: _origin(lines, key, name, origin))
+    proxy = command_value(found, "proxycommand")
     hostname = found["hostname"]
     _check_name(hostname, "host name", f"{name} (HostName)", _HOST_OK)
     user = user or found.get("user") or getpass.getuser()
@@ -221,7 +193,7 @@ def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
         known_hosts=read_from[0], read_known_hosts=read_from,
         identities_only=found.get("identitiesonly", "no").lower() == "yes",
         connect_timeout=_number(found, "connecttimeout", origin) or opts.connect_timeout,
-        proxy_command=proxy or None,
+        proxy_command=proxy,
         jump=_parse_jump(found.get("proxyjump"), opts, depth),
     )
 

@@ -1,0 +1,180 @@
+"""ssh_config directives that run a local command are refused in every spelling, before they run.
+
+Each refused config would create a marker file if anything ran it; the tests connect to a real
+sshd (or run `dtrain check`/`launch` against it) and assert the marker is absent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from launcher.errors import ConnectError
+from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
+from launcher.transport.ssh_config_refusal import parse_line, read_config, refuse_match_exec
+from tests.support import PYTHON, run_dtrain
+
+# Match lines that ssh or paramiko would read as `exec`; {cmd} is the quoted marker command.
+MATCH_EXEC_SPELLINGS = {
+    "quoted criterion": 'Match "exec" {cmd}',
+    "single quotes": "Match 'exec' {cmd}",
+    "upper case": "MATCH EXEC {cmd}",
+    "negated": "Match !exec {cmd}",
+    "negated and quoted": 'Match host nowhere !"exec" {cmd}',
+    "backslash inside": "Match ex\\ec {cmd}",
+    "split quotes": 'Match e"xe"c {cmd}',
+    "criterion=argument": "Match exec={cmd}",
+    "Key=value with spaces": "  match  =  exec {cmd}",
+    "quoted keyword": '"Match" exec {cmd}',
+    "after another criterion": "Match host loopback exec {cmd}",
+}
+
+
+def _marker_config(tmp_path: Path, first: str, sshd, name: str = "ssh_config") -> tuple[Path, Path]:
+    marker = tmp_path / "ran"
+    config = tmp_path / name
+    command = f'"touch {marker}"'
+    config.write_text(first.format(cmd=command) + "\n  User nobody\n\n"
+                      + sshd.config_block("loopback"))
+    return config, marker
+
+
+def _connect(name: str, opts: SSHOptions) -> SSHConnection:
+    return SSHConnection.open(resolve_host(name, user=None, port=None, opts=opts), opts)
+
+
+@pytest.mark.parametrize("spelling", list(MATCH_EXEC_SPELLINGS))
+def test_match_exec_is_refused_in_every_spelling_and_nothing_runs(sshd, tmp_path, spelling):
+    config, marker = _marker_config(tmp_path, MATCH_EXEC_SPELLINGS[spelling], sshd)
+    with pytest.raises(ConnectError) as info:
+        _connect("loopback", SSHOptions(config_file=config))
+    message = str(info.value)
+    assert "`Match exec` refused" in message and f"[{config}:1]" in message
+    assert "--ssh-allow-config-exec" in message
+    assert not marker.exists()
+
+
+def test_match_exec_in_an_included_file_is_refused_naming_that_file(sshd, tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".ssh" / "conf.d").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    marker = tmp_path / "ran"
+    # A relative Include is relative to ~/.ssh (OpenSSH's rule), globs expand in order, and an
+    # included file may include again.
+    (home / ".ssh" / "conf.d" / "10-plain.conf").write_text("Host other\n  User x\n")
+    (home / ".ssh" / "conf.d" / "20-nested.conf").write_text('Include "~/.ssh/deeper"\n')
+    (home / ".ssh" / "deeper").write_text(f'# comment\nMatch "exec" "touch {marker}"\n')
+    config = tmp_path / "ssh_config"
+    config.write_text("Include conf.d/*.conf\n" + sshd.config_block("loopback"))
+    with pytest.raises(ConnectError) as info:
+        _connect("loopback", SSHOptions(config_file=config))
+    assert f"[{home / '.ssh' / 'deeper'}:2]" in str(info.value)
+    assert not marker.exists()
+    # The opt-in lets paramiko run it (through invoke, which mirrors sys.stdin: give it one
+    # that pytest's capture does not guard).
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)
+        conn = _connect("loopback", SSHOptions(config_file=config, allow_config_exec=True))
+    assert conn.run("echo reached", timeout=10)[1] == b"reached\n"
+    conn.close()
+    assert marker.exists()
+
+
+def test_the_option_lets_a_quoted_match_exec_run(sshd, tmp_path, monkeypatch):
+    config, marker = _marker_config(tmp_path, MATCH_EXEC_SPELLINGS["quoted criterion"], sshd)
+    with open(os.devnull) as devnull:
+        monkeypatch.setattr(sys, "stdin", devnull)
+        resolve_host("loopback", user=None, port=None,
+                     opts=SSHOptions(config_file=config, allow_config_exec=True))
+    assert marker.exists()
+
+
+# Directives with which ssh runs a local command for one host; {cmd} creates the marker.
+HOST_COMMAND_SPELLINGS = {
+    "ProxyCommand=": ("  proxycommand=sh -c {cmd}", "ProxyCommand"),
+    "quoted ProxyCommand": ('  ProxyCommand "sh -c {cmd}"', "ProxyCommand"),
+    "KnownHostsCommand": ("  KnownHostsCommand sh -c {cmd}", "KnownHostsCommand"),
+    "LocalCommand": ("  PermitLocalCommand yes\n  LocalCommand sh -c {cmd}", "LocalCommand"),
+}
+
+
+@pytest.mark.parametrize("spelling", list(HOST_COMMAND_SPELLINGS))
+def test_host_command_directives_are_refused_naming_their_line(sshd, tmp_path, spelling):
+    text, name = HOST_COMMAND_SPELLINGS[spelling]
+    marker = tmp_path / "ran"
+    config = tmp_path / "ssh_config"
+    block = sshd.config_block("loopback")
+    config.write_text("Host unrelated\n  ProxyCommand none\n\n" + block
+                      + text.format(cmd=f"'touch {marker}'") + "\n")
+    with pytest.raises(ConnectError) as info:
+        _connect("loopback", SSHOptions(config_file=config))
+    message = str(info.value)
+    line = 4 + block.count("\n") + text.count("\n")   # the directive's own line
+    assert f"`{name}` refused [{config}:{line}]" in message, message
+    assert "--ssh-allow-config-exec" in message and not marker.exists()
+
+
+def test_local_command_without_permit_local_command_is_not_a_command(sshd, tmp_path):
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.config_block("loopback") + "  LocalCommand touch /nonexistent\n")
+    conn = _connect("loopback", SSHOptions(config_file=config))
+    conn.close()
+
+
+def test_a_proxycommand_of_the_jump_host_is_refused(sshd, tmp_path):
+    marker = tmp_path / "ran"
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.config_block("behind") + "  ProxyJump=jump\n"
+                      + sshd.config_block("jump") + f"  ProxyCommand touch {marker}\n")
+    with pytest.raises(ConnectError) as info:
+        _connect("behind", SSHOptions(config_file=config))
+    assert "host jump would run" in str(info.value) and not marker.exists()
+
+
+def test_a_proxyjump_hop_spelled_as_an_ssh_option_is_refused(sshd, tmp_path):
+    marker = tmp_path / "ran"
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.config_block("behind")
+                      + f'  ProxyJump "-oProxyCommand=touch {marker}"\n')
+    with pytest.raises(ConnectError, match="starts with '-'"):
+        _connect("behind", SSHOptions(config_file=config))
+    assert not marker.exists()
+
+
+def test_check_and_launch_refuse_once_before_connecting(sshd, tmp_path):
+    config, marker = _marker_config(tmp_path, MATCH_EXEC_SPELLINGS["quoted criterion"], sshd)
+    config.write_text(config.read_text() + sshd.config_block("loopback2"))
+    hosts = ["-H", "loopback:1,loopback2:1", "--ssh-config", str(config)]
+    for args in (["check", *hosts], ["launch", *hosts, "--", PYTHON, "-c", "pass"]):
+        res = run_dtrain(args)
+        assert res.returncode == 255, res.stdout + res.stderr
+        assert res.stderr.count("`Match exec` refused") == 1, res.stderr
+        assert f"[{config}:1]" in res.stderr and "--ssh-allow-config-exec" in res.stderr
+        assert not marker.exists()
+
+
+def test_match_lines_are_tokenised_like_ssh():
+    def refused(text: str) -> bool:
+        try:
+            refuse_match_exec([parse_line(text, "f:1")])
+        except ConnectError:
+            return True
+        return False
+
+    assert refused('Match "exec" x') and refused("match=EXEC x") and refused("Match !exec x")
+    assert not refused("Match host execute-node user exec_user")
+    assert not refused("Host exec") and not refused("# Match exec x")
+    with pytest.raises(ConnectError, match=r"cannot parse ssh config \[f:1\].*quot"):
+        refuse_match_exec([parse_line('Match exec "unterminated', "f:1")])
+
+
+def test_include_of_a_missing_pattern_is_skipped_and_a_loop_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".ssh").mkdir()
+    loop = tmp_path / ".ssh" / "loop"
+    loop.write_text("Include nothing-here-*\nInclude loop\n")
+    with pytest.raises(ConnectError, match="Include nesting too deep"):
+        read_config(loop)
