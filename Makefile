@@ -19,7 +19,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 
 # The tests start real sshd and network namespaces; as root we install what they need.
 sysdeps:
-	@bash tests/cluster/install_sysdeps.sh
+	@bash testbed/install_sysdeps.sh
 
 test: install sysdeps
 	$(PY) -m pytest -q -ra tests
@@ -35,7 +35,7 @@ bench: install sysdeps
 	$(PY) -m bench.run_all
 
 lint: install
-	$(VENV)/bin/ruff check launcher trainer tests bench workerenv.py
+	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

@@ -85,7 +85,7 @@ def _free_port() -> int:
 
 def _side(ranks: int, transport: str, sizes: str, timeout: float) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from tests.comm_workers.launch import clean_env, run_mpiexec
+    from testbed.mpiexec import clean_env, run_mpiexec
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
         out = Path(tmp, "samples.json")

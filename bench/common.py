@@ -1,7 +1,7 @@
 """Shared machinery of the launch benches: peer tools' command lines, one timed run, medians.
 
 A *run* starts one launcher command (dtrain, MPICH Hydra's ``mpiexec.hydra -launcher ssh`` or
-``pdsh``) on the first N hosts of a network-namespace cluster (`tests.cluster.netns`), with a
+``pdsh``) on the first N hosts of a network-namespace cluster (`testbed.netns`), with a
 rank program from ``bench/workers`` that writes a JSON stamp per rank into a shared directory
 (the namespaces share the filesystem and the clock). ``t0`` is taken just before ``Popen``;
 the launcher's own exit is taken when ``wait`` returns. After every run the hosts must be
@@ -178,7 +178,7 @@ def run_one(cluster: Any, tool: str, n_hosts: int, per_host: int, script: Path,
 def settle(cluster: Any, timeout: float = 10) -> dict[str, int]:
     """Wait until every host runs only its sshd; SIGKILL what is left (PIDs that `ip netns
     pids` lists inside our own namespaces). Returns {host: leftover count} ({} when clean)."""
-    from tests.cluster.sshd import kill_pids
+    from testbed.sshd import kill_pids
 
     left = cluster.wait_no_job_pids(timeout)
     for pids in left.values():
@@ -194,7 +194,7 @@ def bench_cluster(n_hosts: int, cluster: Any = None) -> Iterator[Any]:
             raise ValueError(f"the given cluster has {len(cluster.hosts)} hosts, need {n_hosts}")
         yield cluster
         return
-    from tests.cluster.netns import NetnsCluster, netns_available
+    from testbed.netns import NetnsCluster, netns_available
 
     usable, reason = netns_available()
     if not usable:

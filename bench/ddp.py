@@ -166,7 +166,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from tests.comm_workers.launch import clean_env, run_mpiexec
+    from testbed.mpiexec import clean_env, run_mpiexec
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-ddp-") as tmp:
         env = clean_env({"BENCH_PORT": str(_free_port())})

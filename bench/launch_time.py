@@ -2,7 +2,7 @@
 
     python -m bench.launch_time [--hosts 1,2,4,8] [--reps 5] [--per-host 4] [--json PATH]
 
-One cluster of network-namespace hosts (one sshd each, `tests.cluster.netns`) is built once;
+One cluster of network-namespace hosts (one sshd each, `testbed.netns`) is built once;
 on the first N hosts x 4 ranks three launchers start the same rank program
 (``bench/workers/stamp.py``, no MPI: it stamps ``time.time()`` first thing and exits 0):
 

@@ -141,7 +141,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ranks(p: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from tests.comm_workers.launch import clean_env, run_mpiexec
+    from testbed.mpiexec import clean_env, run_mpiexec
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-pp-") as tmp:
         flags = [f"--ms={','.join(map(str, args.ms))}", f"--v={args.v}",

@@ -127,7 +127,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ranks(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
-    from tests.comm_workers.launch import clean_env, run_mpiexec
+    from testbed.mpiexec import clean_env, run_mpiexec
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-tp-out-") as out:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()

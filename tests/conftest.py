@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.cluster.netns import NetnsCluster, netns_available
-from tests.cluster.sshd import SshdServer, sshd_available
+from testbed.netns import NetnsCluster, netns_available
+from testbed.sshd import SshdServer, sshd_available
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

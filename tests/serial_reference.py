@@ -15,8 +15,11 @@ from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
 
 
-def train_serially(cfg: TrainConfig, steps: int) -> dict:
-    """The losses, the gradient norms (before clipping) and the final parameters, in fp64."""
+def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True) -> dict:
+    """The losses, the gradient norms (before clipping) and the final parameters, in fp64 unless
+    ``fp64`` is False (the fp32 run users get; fp64 draws other initial weights from a seed)."""
+    if not fp64:
+        return _train(cfg, steps)
     with float64():
         return _train(cfg, steps)
 

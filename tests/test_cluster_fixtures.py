@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
-from tests.cluster.netns import NetnsCluster, netns_available, reap_stale
+from testbed.netns import NetnsCluster, netns_available, reap_stale
 
 
 def _open(cluster: NetnsCluster, host: str) -> SSHConnection:
@@ -73,7 +73,7 @@ def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
     usable, reason = netns_available()
     if not usable:
         pytest.skip(f"netns cluster: {reason}")
-    script = ("from tests.cluster.netns import NetnsCluster; import time; "
+    script = ("from testbed.netns import NetnsCluster; import time; "
               "c = NetnsCluster(1); print(c.namespace('node1'), c.sshd_pid('node1'), "
               "flush=True); time.sleep(60)")
     session = subprocess.Popen([venv_python, "-c", script], stdout=subprocess.PIPE, text=True,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.comm_workers.launch import PYTHON, REPO, clean_env, run_mpiexec
+from testbed.mpiexec import PYTHON, REPO, clean_env, run_mpiexec
 from trainer.comm.bandwidth import Sample, format_size, parse_size, parse_sizes
 from trainer.comm.bootstrap import check_world
 from trainer.errors import BootstrapError, ConfigError

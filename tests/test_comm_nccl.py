@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.comm_workers.launch import PYTHON, REPO, run_mpiexec
+from testbed.mpiexec import PYTHON, REPO, run_mpiexec
 from trainer.errors import BootstrapError
 
 WORKER = REPO / "tests" / "comm_workers" / "contract.py"

@@ -16,21 +16,18 @@ with the same MPI calls, so they agree to the fp32 reduction bound.
 from __future__ import annotations
 
 import functools
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.comm_workers.launch import clean_env, run_mpiexec
+from testbed.mpiexec import run_python
 from tests.dp_workers.cases import CASES, STEPS, case_config
-from tests.numerics import U32, adam_atol, f64, float64, loss_atol, reduction_rtol
-from trainer.data import BatchPlan, ShardedBatches, load_corpus
+from tests.mpi_runs import world_run
+from tests.numerics import U32, adam_atol, f64, loss_atol, reduction_rtol
+from tests.serial_reference import train_serially
 from trainer.data_parallel import plan_buckets
 from trainer.metrics import read_records
-from trainer.model import GPT
-from trainer.optim import Schedule, build_optimizer, grad_norm_and_clip, set_lr
 
 TOKENS = 8 * 32  # global batch x seq_len of every case: the longest sum in a gradient element
 RTOL = reduction_rtol(TOKENS + 32)  # + d_model: the sums inside each matmul
@@ -42,60 +39,26 @@ def param_atol(case: str) -> float:
 
 
 def losses_atol(case: str) -> float:
-    n_params = sum(p.numel() for p in reference(case)[1].values())
+    n_params = sum(p.numel() for p in reference(case)["params"].values())
     return loss_atol(steps=STEPS, lr=case_config(case).lr, n_params=n_params,
                      n_terms=TOKENS + 32)
 
 
-def run_mpi(n: int, args: list[str], *, timeout: float = 180) -> subprocess.CompletedProcess:
-    """``mpiexec -n n python <args>``, clean env, hard timeout (ranks killed by recorded PID);
-    stdout and stderr together in ``.stdout``."""
-    return run_mpiexec(n, [sys.executable, *args], timeout=timeout, env=clean_env())
-
-
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"dp{n}")
-def ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def ranks(request: pytest.FixtureRequest) -> list[dict]:
     """What every rank of one ``mpiexec -n N`` worker run saw, by rank."""
-    n, out = request.param, tmp_path_factory.mktemp(f"dp{request.param}")
-    done = run_mpi(n, ["-m", "tests.dp_workers.equivalence", str(out)])
-    assert done.returncode == 0, done.stdout[-3000:]
-    return [torch.load(out / f"rank{r}.pt") for r in range(n)]
+    return world_run("tests.dp_workers.equivalence:run", request.param).ranks
 
 
 @functools.cache
-def reference(name: str, fp64: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process, whole global batch, no DataParallel: losses and final parameters."""
-    if not fp64:
-        return _reference(name)
-    with float64():
-        return _reference(name)
-
-
-def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    cfg = case_config(name)
-    model = GPT(cfg.gpt, seed=cfg.seed)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
-    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len,
-                             plan=BatchPlan(cfg.global_batch, 1, 1), seed=cfg.seed, dp_rank=0)
-    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                        decay_steps=cfg.schedule_end)
-    losses = []
-    for step in range(1, STEPS + 1):
-        x, y = batches.global_batch(step)
-        set_lr(optimizer, schedule.lr_at(step))
-        optimizer.zero_grad()
-        loss = model.loss(x, y)
-        loss.backward()
-        grad_norm_and_clip(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+def reference(name: str, fp64: bool = True) -> dict:
+    """Single process, whole global batch, no DataParallel: losses, norms, final parameters."""
+    return train_serially(case_config(name), STEPS, fp64=fp64)
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_losses_match_the_single_process_model(ranks: list[dict], case: str) -> None:
-    expected, _ = reference(case)
+    expected = reference(case)["losses"]
     for rank in ranks:
         torch.testing.assert_close(f64(rank[case]["losses"]),
                                    f64(expected), rtol=RTOL, atol=losses_atol(case))
@@ -103,7 +66,7 @@ def test_losses_match_the_single_process_model(ranks: list[dict], case: str) -> 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_parameters_match_the_single_process_model(ranks: list[dict], case: str) -> None:
-    _, expected = reference(case)
+    expected = reference(case)["params"]
     got = ranks[0][case]["params"]
     assert got.keys() == expected.keys()
     for name in expected:
@@ -191,16 +154,16 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
              "--seq-len", "32", "--global-batch", "8", "--lr", str(cfg.lr), "--warmup-steps", "1",
              "--seed", str(cfg.seed), "--data-cap-mb", str(cfg.data_cap_mb),
              "--run-dir", str(tmp_path), "--steps", str(STEPS)]
-    first = run_mpi(2, [*flags, "--stop-at", "2"])
+    first = run_python(2, [*flags, "--stop-at", "2"])
     assert first.returncode == 0, first.stdout[-3000:]
-    second = run_mpi(1, [*flags, "--resume"])
+    second = run_python(1, [*flags, "--resume"])
     assert second.returncode == 0, second.stdout[-3000:]
     assert "resumed at step 2" in second.stdout
     losses = [r["loss"] for r in read_records(tmp_path / "metrics.jsonl")]
     # This run is fp32, as users run it: an fp32 reference (fp64 would draw other initial
     # weights from the same seed) and fp32 bounds.
-    n_params = sum(p.numel() for p in reference("one_bucket", fp64=False)[1].values())
+    n_params = sum(p.numel() for p in reference("one_bucket", fp64=False)["params"].values())
     atol = loss_atol(steps=STEPS, lr=cfg.lr, n_params=n_params, n_terms=TOKENS + 32, unit=U32)
-    expected = f64(reference("one_bucket", fp64=False)[0])
+    expected = f64(reference("one_bucket", fp64=False)["losses"])
     torch.testing.assert_close(f64(losses), expected, rtol=FP32_RTOL, atol=atol)
     assert (tmp_path / "loss.png").stat().st_size > 0

@@ -117,7 +117,7 @@ def test_refused_port_gives_a_clear_error_at_once(cluster, tmp_path):
 
 
 def test_failed_authentication_gives_a_clear_error(cluster, tmp_path):
-    from tests.cluster.sshd import keygen
+    from testbed.sshd import keygen
 
     stranger = tmp_path / "stranger"
     keygen(stranger, "not-authorized")

@@ -17,14 +17,12 @@ so events of different ranks on this host compare exactly.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.comm_workers.launch import clean_env, run_mpiexec
+from tests.mpi_runs import world_run
 from tests.numerics import f64, reduction_rtol
 from tests.pp_workers.equivalence import CASES, case_name
 from tests.pp_workers.stages import ROWS, WIDTH, serial
@@ -37,18 +35,11 @@ RTOL = reduction_rtol(TERMS)
 ATOL = RTOL * TERMS * 12
 
 
-def run_mpi(n: int, args: list[str], *, timeout: float = 240) -> subprocess.CompletedProcess:
-    return run_mpiexec(n, [sys.executable, *args], timeout=timeout, env=clean_env())
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"pp{n}")
-def world(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-          ) -> tuple[int, Path, list[dict]]:
+def world(request: pytest.FixtureRequest) -> tuple[int, Path, list[dict]]:
     """(p, output dir, what every rank of one ``mpiexec -n p`` worker run saw, by rank)."""
-    p, out = request.param, tmp_path_factory.mktemp(f"pp{request.param}")
-    done = run_mpi(p, ["-m", "tests.pp_workers.equivalence", str(out)])
-    assert done.returncode == 0, done.stdout[-3000:]
-    return p, out, [torch.load(out / f"rank{r}.pt") for r in range(p)]
+    run = world_run("tests.pp_workers.equivalence:run", request.param)
+    return request.param, run.out, run.ranks
 
 
 def _cases(world):

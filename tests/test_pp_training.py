@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, f64, float64, loss_atol, reduction_rtol
-from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
+from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, WORKER, Case, case
 from tests.pp_training_workers.cases import serial_reference as serial
-from tests.pp_training_workers.launch import world_results
 from trainer.checkpoint import shard_name
 from trainer.config import parse_args
 from trainer.errors import ConfigError
@@ -47,7 +47,7 @@ ALL = [c for cases in CASES.values() for c in cases]
 
 
 def ranks_of(c: Case) -> list[dict]:
-    return [r[c.name] for r in world_results(c.world)[1]]
+    return [r[c.name] for r in world_run(WORKER, c.world).ranks]
 
 
 def merged_params(c: Case) -> dict[str, torch.Tensor]:
@@ -118,7 +118,7 @@ CKPT_IDS = [c.name for _, c in CKPT]
 
 
 def ckpt_of(world: int) -> list[dict]:
-    return [r["checkpoint"] for r in world_results(world)[1]]
+    return [r["checkpoint"] for r in world_run(WORKER, world).ranks]
 
 
 @pytest.mark.parametrize("world,c", CKPT, ids=CKPT_IDS)

@@ -16,7 +16,7 @@ import pytest
 
 from launcher.errors import ConnectError, HostKeyError
 from launcher.transport.ssh import SSHConnection, SSHOptions, open_all, resolve_host
-from tests.cluster.sshd import SshdServer, free_port
+from testbed.sshd import SshdServer, free_port
 
 
 def _connect(name: str, **opts: object) -> SSHConnection:

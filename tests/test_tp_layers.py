@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.tp_workers.cases import LINEAR_VARIANTS, layer_tensors
-from tests.tp_workers.launch import world_results
+from tests.mpi_runs import world_run
+from tests.tp_workers.cases import LINEAR_VARIANTS, WORKER, layer_tensors
 from tests.tp_workers.layer_probes import COUNT_BATCH, COUNT_CFG
 from trainer.model import GPTConfig
 from trainer.parallelize import check_divisible
@@ -39,7 +39,7 @@ LAYERS = [*LINEAR_VARIANTS, "embedding", "cross_entropy"]
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
 def ranks(request: pytest.FixtureRequest) -> list[dict]:
-    return world_results(request.param)
+    return world_run(WORKER, request.param).ranks
 
 
 @functools.cache

@@ -18,24 +18,24 @@ bit-exact resume, refusal of another layout naming the difference.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.comm_workers.launch import clean_env, run_mpiexec
+from testbed.mpiexec import run_python
+from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
 from tests.tp_workers.cases import (
     CASES,
     CKPT_CASE,
     STEPS,
+    WORKER,
     case_config,
     cli_flags,
     layouts,
     serial_reference,
 )
-from tests.tp_workers.launch import world_results
 from trainer.checkpoint import shard_name
 from trainer.config import parse_args
 from trainer.metrics import read_records
@@ -65,7 +65,7 @@ def layout_id(item: tuple[int, int, int]) -> str:
 def layout(request: pytest.FixtureRequest) -> tuple[int, int, list[dict]]:
     """(tp, dp, what every rank trained at that layout)."""
     world, tp, dp = request.param
-    return tp, dp, [r[f"tp{tp}dp{dp}"] for r in world_results(world)]
+    return tp, dp, [r[f"tp{tp}dp{dp}"] for r in world_run(WORKER, world).ranks]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -118,7 +118,7 @@ def test_each_tp_rank_holds_only_its_shard(layout: tuple) -> None:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"tp{n}")
 def dropout(request: pytest.FixtureRequest) -> list[dict]:
-    return [r["dropout"] for r in world_results(request.param)]
+    return [r["dropout"] for r in world_run(WORKER, request.param).ranks]
 
 
 def _same_everywhere(ranks: list[dict], run: str, key: str) -> bool:
@@ -149,8 +149,7 @@ def test_attention_dropout_inside_tp_regions_differs_between_tp_ranks(dropout: l
 
 
 def run_train(n: int, flags: list[str]) -> tuple[int, str]:
-    done = run_mpiexec(n, [sys.executable, "-m", "trainer.train", *flags], timeout=300,
-                       env=clean_env())
+    done = run_python(n, ["-m", "trainer.train", *flags])
     return done.returncode, done.stdout
 
 
@@ -186,7 +185,7 @@ def test_each_tp_rank_writes_its_own_model_and_optimizer_shard(tp_run_dir: Path)
 
 
 def test_resumed_tp_dp_run_is_bit_identical_to_an_uninterrupted_one(tp_run_dir: Path) -> None:
-    uninterrupted = world_results(4)[0]["fp32-tp2dp2"]
+    uninterrupted = world_run(WORKER, 4).ranks[0]["fp32-tp2dp2"]
     losses = [r["loss"] for r in read_records(tp_run_dir / "metrics.jsonl")]
     assert len(losses) == STEPS
     assert losses == uninterrupted["losses"]  # exact: same floats, not just close
@@ -215,7 +214,7 @@ def test_the_training_entry_accepts_tp() -> None:
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"tp{n}")
 def test_a_shard_that_cannot_be_written_fails_every_writer_and_commits_nothing(world: int
                                                                                ) -> None:
-    for rank in world_results(world):
+    for rank in world_run(WORKER, world).ranks:
         got = rank["checkpoint_failure"]
         assert got["latest"] is None
         assert got["message"].startswith("checkpoint save failed [")

@@ -1,6 +1,6 @@
-"""One DP rank of the equivalence test; writes what it saw to ``OUT/rank<r>.pt``.
+"""One DP rank of the equivalence test; returns what it saw (`tests.mpi_runs`).
 
-    mpiexec -n 4 python -m tests.dp_workers.equivalence OUT
+    mpiexec -n 4 python -m tests.mpi_worker tests.dp_workers.equivalence:run OUT
 
 For every case of `tests.dp_workers.cases` it trains with the trainer's own step function
 (``trainer.train.build_run`` + ``train_step``, the code users run) and records the losses, the
@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from tests.dp_workers.cases import CASES, STEPS, case_config
-from tests.mpi_worker import run_or_abort
 from tests.numerics import float64
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator
@@ -113,7 +112,7 @@ def probe_mismatch(world: World, dp_comm: Communicator) -> str:
     return "no error"
 
 
-def main(out: Path) -> None:
+def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     dp_comm = build_groups(world, ParallelDims(dp=world.size)).dp
     with float64():  # compared with an fp64 single-process reference (tests/numerics.py)
@@ -124,8 +123,4 @@ def main(out: Path) -> None:
     result["second_backward"] = probe_second_backward(dp_comm)
     if world.size > 1:
         result["mismatch"] = probe_mismatch(world, dp_comm)
-    torch.save(result, out / f"rank{world.rank}.pt")
-
-
-if __name__ == "__main__":
-    run_or_abort(main)
+    return result

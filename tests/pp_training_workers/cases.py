@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from tests.serial_reference import train_serially
 from trainer.config import TrainConfig, make_config
 
+#: The rank function every PP training test reads (one run per world size: `tests.mpi_runs`).
+WORKER = "tests.pp_training_workers.worker:run"
 STEPS = 3
 _GPT = {"n_layer": 8, "n_head": 2, "d_model": 32, "seq_len": 16}
 _TRAIN = {"model": "tiny", "steps": STEPS, "lr": 3e-3, "warmup_steps": 1, "seed": 5,

@@ -1,6 +1,6 @@
-"""One rank of the PP training tests; writes what it saw to ``OUT/rank<r>.pt``.
+"""One rank of the PP training tests; returns what it saw (`tests.mpi_runs`).
 
-    mpiexec -n N python -m tests.pp_training_workers.worker OUT
+    mpiexec -n N python -m tests.mpi_worker tests.pp_training_workers.worker:run OUT
 
 For every case of `CASES[N]` it trains with the trainer's own ``build_run``/``train_step`` (the
 code ``python -m trainer.train`` runs) and records the losses, gradient norms, this rank's
@@ -15,9 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tests.mpi_worker import run_or_abort
 from tests.numerics import float64
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
 from trainer.comm.bootstrap import World, build_groups, init
@@ -60,7 +57,7 @@ def checkpoint_runs(world: World, c: Case, out: Path) -> dict[str, Any]:
             "start": second.start_step, "refused": refused}
 
 
-def main(out: Path) -> None:
+def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     result: dict[str, Any] = {"rank": world.rank}
     with float64():  # as the single-device reference (tests/numerics.py)
@@ -69,8 +66,4 @@ def main(out: Path) -> None:
         name = CHECKPOINT_CASE.get(world.size)
         if name:  # in fp64 too, so it can be compared bit for bit with the run above
             result["checkpoint"] = checkpoint_runs(world, case(name), out)
-    torch.save(result, out / f"rank{world.rank}.pt")
-
-
-if __name__ == "__main__":
-    run_or_abort(main)
+    return result

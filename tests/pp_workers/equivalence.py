@@ -1,6 +1,6 @@
-"""One pipeline rank of the runtime tests; writes what it saw to ``OUT/rank<r>.pt``.
+"""One pipeline rank of the runtime tests; returns what it saw (`tests.mpi_runs`).
 
-    mpiexec -n P python -m tests.pp_workers.equivalence OUT
+    mpiexec -n P python -m tests.mpi_worker tests.pp_workers.equivalence:run OUT
 
 For every case of `CASES` (schedule, m, v, group) it builds the schedule, runs this rank's list
 with `trainer.pipeline.runtime.run_schedule` on `LinearStages` over the MPI world communicator,
@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from tests.mpi_worker import run_or_abort
 from tests.pp_workers.stages import DTYPE, ROWS, WIDTH, LinearStages
 from trainer.comm.bootstrap import init
 from trainer.comm.protocol import Communicator
@@ -76,7 +75,7 @@ def probe_disagreement(comm: Communicator) -> str:
     return "no error"
 
 
-def main(out: Path) -> None:
+def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     comm = world.comm
     agree_on_spec(comm, SPEC)
@@ -89,8 +88,4 @@ def main(out: Path) -> None:
         events = [Event(**e) for e in result[first]["events"]]
         write_chrome_trace(out / "trace.json", events, title=first)
         write_gantt(out / "gantt.png", events, title=first)
-    torch.save(result, out / f"rank{comm.rank}.pt")
-
-
-if __name__ == "__main__":
-    run_or_abort(main)
+    return result

@@ -15,6 +15,9 @@ from trainer.config import TrainConfig, make_config
 
 # -- layers ----------------------------------------------------------------------------------
 
+#: The rank function every TP test reads (one run per world size: `tests.mpi_runs`).
+WORKER = "tests.tp_workers.worker:run"
+
 B, T, D_IN, D_OUT, VOCAB = 2, 8, 16, 24, 32
 """Divisible by 4 (and D_OUT by 3 * 4, for the stride-3 QKV split)."""
 

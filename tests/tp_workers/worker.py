@@ -1,6 +1,6 @@
-"""One rank of the tensor-parallel tests; writes what it saw to ``OUT/rank<r>.pt``.
+"""One rank of the tensor-parallel tests; returns what it saw (`tests.mpi_runs`).
 
-    mpiexec -n N python -m tests.tp_workers.worker OUT
+    mpiexec -n N python -m tests.mpi_worker tests.tp_workers.worker:run OUT
 
 With N > 1 it first probes the TP layers, the collective counts, dropout streams, recompute,
 the refusal of a model that does not split and a sharded checkpoint save that fails on one
@@ -14,9 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from tests.mpi_worker import run_or_abort
 from tests.tp_workers.cases import CKPT_CASE, layouts
 from tests.tp_workers.layer_probes import (
     all_layer_probes,
@@ -29,7 +26,7 @@ from trainer.comm.bootstrap import build_groups, init
 from trainer.comm.topology import ParallelDims
 
 
-def main(out: Path) -> None:
+def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     result: dict[str, Any] = {"rank": world.rank}
     if world.size > 1:
@@ -47,8 +44,4 @@ def main(out: Path) -> None:
     if world.size == 4:  # fp32, as `python -m trainer.train` runs: the resume test's baseline
         groups = build_groups(world, ParallelDims(dp=2, tp=2))
         result["fp32-tp2dp2"] = train_case(CKPT_CASE, world, groups, out / "fp32")
-    torch.save(result, out / f"rank{world.rank}.pt")
-
-
-if __name__ == "__main__":
-    run_or_abort(main)
+    return result

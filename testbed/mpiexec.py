@@ -16,7 +16,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 _CONTRACT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                   "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -81,3 +81,9 @@ def run_mpiexec(
         raise AssertionError(
             f"{' '.join(cmd)} timed out after {timeout}s; output:\n{out}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def run_python(n: int, args: Sequence[str], *, timeout: float = 300
+               ) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N python args...`` with this interpreter and a clean environment."""
+    return run_mpiexec(n, [PYTHON, *args], timeout=timeout, env=clean_env())

@@ -4,7 +4,7 @@
 client key, authorized_keys, pid file, log) and writes the client side next to it: a
 ``known_hosts`` with the ``[127.0.0.1]:port`` entry and an ``ssh_config`` with ``Host
 loopback``. The helpers (`keygen`, `sshd_config_text`, `stop_process`, ...) are shared with
-`tests.cluster.netns`.
+`testbed.netns`.
 """
 
 from __future__ import annotations

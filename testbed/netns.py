@@ -31,7 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.cluster.sshd import (
+from testbed.sshd import (
     SSHD,
     ensure_privsep_dir,
     keygen,

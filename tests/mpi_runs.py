@@ -1,0 +1,54 @@
+"""One MPI run per (rank function, world size) per pytest session, shared by every test.
+
+Starting a 4- or 8-rank job costs seconds to tens of seconds on a 2-core machine, so a test
+module gathers everything its ranks must compute into one rank function and every test reads
+the cached per-rank results. A failed run is cached too: each test that asks re-raises it with
+the run's output instead of starting the job again.
+"""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from testbed.mpiexec import clean_env, run_mpiexec
+
+TIMEOUT_S = 300
+
+
+@dataclass(frozen=True)
+class WorldRun:
+    out: Path                   # the run's folder (files the ranks wrote besides their results)
+    ranks: list[dict[str, Any]]  # what each rank's function returned, by rank
+
+
+_runs: dict[tuple[str, int], WorldRun | str] = {}
+
+
+def world_run(target: str, n: int) -> WorldRun:
+    """``target`` ("module:function", see `tests.mpi_worker`) on ``n`` MPI ranks, once."""
+    key = (target, n)
+    if key not in _runs:
+        _runs[key] = _run(target, n)
+    got = _runs[key]
+    if isinstance(got, str):
+        raise AssertionError(got)
+    return got
+
+
+def _run(target: str, n: int) -> WorldRun | str:
+    out = Path(tempfile.mkdtemp(prefix=f"dtrain-{target.rsplit('.', 1)[-1]}-world{n}-"))
+    atexit.register(shutil.rmtree, out, True)
+    done = run_mpiexec(n, [sys.executable, "-m", "tests.mpi_worker", target, str(out)],
+                       timeout=TIMEOUT_S, env=clean_env())
+    if done.returncode != 0:
+        return f"{target} on {n} ranks exited {done.returncode}:\n{done.stdout[-4000:]}"
+    return WorldRun(out, [torch.load(out / f"rank{r}.pt", weights_only=False)
+                          for r in range(n)])
