@@ -127,12 +127,11 @@ def _run_mpirun(req: LaunchRequest, build_plan: Any,
                 selected: Sequence[selection.HostSlots]) -> int:
     from launcher import mpirun
 
-    first = selected[0].entry
-    addr = req.master_addr or ("127.0.0.1" if first.is_local else first.name)
-    plan = build_plan(addr, req.master_port or 29500)
+    where = mpirun.addresses([s.entry for s in selected], req.master_addr)
+    plan = build_plan(where.master_addr, req.master_port or 29500)
     exe = mpirun.find_mpirun(req.mpirun)
     flavour = req.mpi_flavour or mpirun.detect_flavour(exe)
-    cmd = mpirun.build_command(plan, mpirun=exe, flavour=flavour,
+    cmd = mpirun.build_command(plan, mpirun=exe, flavour=flavour, head_addr=where.head_addr,
                                python=validate_remote_python(req.remote_python))
     if req.dry_run:
         print(shlex.join(cmd.argv))

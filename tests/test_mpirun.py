@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from launcher import mpirun
@@ -9,7 +11,9 @@ from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
 from launcher.hosts.selection import select_hosts
 from launcher.plan.job import make_plan
-from tests.support import PYTHON, run_dtrain
+from tests.support import PYTHON, REPO, kill_recorded, run_dtrain, wait_gone
+
+PROBE = str(REPO / "tests" / "workers" / "probe.py")
 
 
 def _plan(hosts: str, **select):
@@ -26,7 +30,8 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
     assert argv[:7] == ["mpiexec", "-launcher", "ssh", "-hosts", "node1:2,node2:2", "-n", "4"]
     assert ["-genv", "NCCL_DEBUG", "INFO"] == argv[argv.index("NCCL_DEBUG") - 1:][:3]
     assert ["-genv", "MASTER_ADDR", "node1"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[-7:] == ["/venv/bin/python", "-m", "workerenv", "--", "python", "t.py", "a b"]
+    assert argv[-7:] == ["/venv/bin/python", "-m", "launcher.rankshim", "--", "python", "t.py",
+                         "a b"]
     assert "RANK" not in argv  # per-rank variables come from the workerenv shim
 
 
@@ -65,3 +70,66 @@ def test_dry_run_prints_the_mpi_command_without_running_it():
                       PYTHON, "-c", "raise SystemExit(9)"])
     assert res.returncode == 0, res.stderr
     assert "mpiexec" in res.stdout and "-hosts localhost:2" in res.stdout
+
+
+def test_hydra_is_given_the_head_address_its_proxies_connect_back_to():
+    plan = _plan("node1:2,node2:2")
+    cmd = mpirun.build_command(plan, mpirun="mpiexec", flavour="hydra", python="/p",
+                               head_addr="10.9.8.1")
+    argv = list(cmd.argv)
+    assert argv[argv.index("-localhost") + 1] == "10.9.8.1"
+    local = mpirun.build_command(plan, mpirun="mpiexec", flavour="hydra", python="/p")
+    assert "-localhost" not in local.argv
+
+
+def test_addresses_follow_the_route_from_a_multi_homed_head(netns_cluster):
+    # The head has the bridge, the VM's own NIC and loopback: the hosts reach it on the bridge.
+    hosts = parse_host_list(f"localhost:1,{netns_cluster.address('node1')}:1")
+    where = mpirun.addresses(hosts, None)
+    assert where.head_addr == netns_cluster.head_address
+    assert where.master_addr == netns_cluster.head_address  # rank 0 runs on the head
+    remote_first = parse_host_list(f"{netns_cluster.address('node2')}:1,localhost:1")
+    assert mpirun.addresses(remote_first, None).master_addr == netns_cluster.address("node2")
+    assert mpirun.addresses(parse_host_list("localhost:2"), None) == mpirun.Addresses("127.0.0.1")
+
+
+def test_ranks_under_hydra_get_the_interface_that_routes_to_master_addr(tmp_path):
+    code = ("import os, json; e = os.environ; "
+            "open(os.path.join(e['REPORT_DIR'], e['RANK']), 'w').write(json.dumps("
+            "[e.get('GLOO_SOCKET_IFNAME'), e.get('NCCL_SOCKET_IFNAME'), e['MASTER_ADDR']]))")
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--env",
+                      f"REPORT_DIR={tmp_path}", "--env", "NCCL_SOCKET_IFNAME=mine0", "--",
+                      PYTHON, "-c", code])
+    assert res.returncode == 0, res.stderr
+    for rank in ("0", "1"):
+        # loopback routes to 127.0.0.1; a variable the user set is kept.
+        assert json.loads((tmp_path / rank).read_text()) == ["lo", "mine0", "127.0.0.1"]
+
+
+def test_a_rank_exiting_7_under_hydra_stops_the_others_and_the_job_exits_7(tmp_path):
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:3", "--", PYTHON,
+                      PROBE, "fail", "1", "7"], env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
+    pids = [int(p) for f in tmp_path.glob("*.pid") for p in f.read_text().split()]
+    try:
+        assert res.returncode == 7, res.stderr
+        assert len(pids) == 3 and not wait_gone(pids, 10)
+    finally:
+        kill_recorded(pids)
+
+
+def test_an_mpi_rank_failing_before_finalize_ends_the_hydra_job_with_its_code(tmp_path):
+    code = ("from mpi4py import MPI; import os, time\n"
+            "MPI.COMM_WORLD.Barrier()\n"
+            "open(os.path.join(os.environ['PROBE_PID_DIR'], os.environ['RANK'] + '.pid'),"
+            " 'w').write(str(os.getpid()))\n"
+            "if MPI.COMM_WORLD.rank == 0:\n"
+            "    time.sleep(1); os._exit(5)\n"
+            "MPI.COMM_WORLD.Barrier()\n")
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
+                      "-c", code], env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    try:
+        assert res.returncode == 5, res.stderr
+        assert len(pids) == 2 and not wait_gone(pids, 10)
+    finally:
+        kill_recorded(pids)
