@@ -71,8 +71,23 @@ def select(req: HostRequest) -> list[selection.HostSlots]:
     else:
         entries = hostfile.local_hosts(req.nproc_per_node or 1)
     nproc = req.nproc_per_node if (req.hostfile or req.hosts) else None
+    if nproc is not None:
+        _warn_slots_differ(entries, nproc)
     return selection.select_hosts(entries, include=req.include, exclude=req.exclude,
                                   num_nodes=req.num_nodes, nproc_per_node=nproc)
+
+
+def _warn_slots_differ(entries: Sequence[hostfile.HostEntry], nproc: int) -> None:
+    """--nproc-per-node wins over slots= (the first N slots of every host); say so when they
+    differ. A host with fewer slots than N is an error of its own (selection), not a warning."""
+    more = [e for e in entries if e.slots > nproc]
+    if more and all(e.slots >= nproc for e in entries):
+        shown = ", ".join(f"{e.name} slots={e.slots}" for e in more[:3])
+        shown += f" and {len(more) - 3} more" if len(more) > 3 else ""
+        sys.stderr.write(f"dtrain: warning: --nproc-per-node {nproc} differs from the host "
+                         f"list ({shown}) [{more[0].source or 'host list'}]: "
+                         f"--nproc-per-node wins, using the first {nproc} slot(s) of every "
+                         "host. Drop one of the two to silence this\n")
 
 
 def run_launch(req: LaunchRequest) -> int:
