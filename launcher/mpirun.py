@@ -131,8 +131,11 @@ def run_command(cmd: MpiCommand) -> int:
                 f.write(cmd.hostfile_text)
             argv = [path if a == "{hostfile}" else a for a in argv]
         from launcher.plan.environment import scrub
+        from launcher.rankshim import die_with_parent
 
-        proc = subprocess.Popen(argv, env=scrub(os.environ))
+        # A SIGKILLed head must not leave the MPI launcher behind: SIGTERM makes it end the job.
+        proc = subprocess.Popen(argv, env=scrub(os.environ),
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
                    for s in (signal.SIGINT, signal.SIGTERM)}
         try:

@@ -71,9 +71,9 @@ def abort_job(pmi_fd: int, code: int, why: str) -> bool:
     return True
 
 
-def _pdeathsig() -> None:
-    # Between fork and exec: the program dies with the shim (Hydra SIGKILLs the shim only).
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Between fork and exec: the kernel sends ``sig`` to the child when its parent dies."""
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, sig)
 
 
 def run(argv: list[str]) -> int:
@@ -87,7 +87,7 @@ def run(argv: list[str]) -> int:
         raise SystemExit(str(exc)) from None
     pmi_fd = int(env["PMI_FD"]) if env.get("PMI_FD", "").isdigit() else None
     try:
-        child = subprocess.Popen(argv, env=env, close_fds=False, preexec_fn=_pdeathsig)
+        child = subprocess.Popen(argv, env=env, close_fds=False, preexec_fn=die_with_parent)
     except OSError as exc:
         print(f"dtrain: rank {env[workerenv.RANK]} did not start [{argv[0]}]: {exc}",
               file=sys.stderr, flush=True)

@@ -11,7 +11,15 @@ from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
 from launcher.hosts.selection import select_hosts
 from launcher.plan.job import make_plan
-from tests.support import PYTHON, REPO, kill_recorded, run_dtrain, wait_gone
+from tests.support import (
+    PYTHON,
+    REPO,
+    kill_recorded,
+    run_dtrain,
+    start_dtrain,
+    wait_for_lines,
+    wait_gone,
+)
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
 
@@ -106,15 +114,19 @@ def test_ranks_under_hydra_get_the_interface_that_routes_to_master_addr(tmp_path
         assert json.loads((tmp_path / rank).read_text()) == ["lo", "mine0", "127.0.0.1"]
 
 
+def _recorded(pid_dir) -> list[int]:
+    return [int(p) for f in pid_dir.glob("*.pid") for p in f.read_text().split()]
+
+
 def test_a_rank_exiting_7_under_hydra_stops_the_others_and_the_job_exits_7(tmp_path):
-    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:3", "--", PYTHON,
-                      PROBE, "fail", "1", "7"], env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
-    pids = [int(p) for f in tmp_path.glob("*.pid") for p in f.read_text().split()]
     try:
+        res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:3", "--", PYTHON,
+                          PROBE, "fail", "1", "7"], env={"PROBE_PID_DIR": str(tmp_path)},
+                         timeout=60)
         assert res.returncode == 7, res.stderr
-        assert len(pids) == 3 and not wait_gone(pids, 10)
+        assert len(_recorded(tmp_path)) == 3 and not wait_gone(_recorded(tmp_path), 10)
     finally:
-        kill_recorded(pids)
+        kill_recorded(_recorded(tmp_path))
 
 
 def test_an_mpi_rank_failing_before_finalize_ends_the_hydra_job_with_its_code(tmp_path):
@@ -125,11 +137,24 @@ def test_an_mpi_rank_failing_before_finalize_ends_the_hydra_job_with_its_code(tm
             "if MPI.COMM_WORLD.rank == 0:\n"
             "    time.sleep(1); os._exit(5)\n"
             "MPI.COMM_WORLD.Barrier()\n")
-    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
-                      "-c", code], env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
-    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
     try:
+        res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
+                          "-c", code], env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
         assert res.returncode == 5, res.stderr
-        assert len(pids) == 2 and not wait_gone(pids, 10)
+        assert len(_recorded(tmp_path)) == 2 and not wait_gone(_recorded(tmp_path), 10)
     finally:
-        kill_recorded(pids)
+        kill_recorded(_recorded(tmp_path))
+
+
+def test_sigkill_of_the_head_ends_the_hydra_job_too(tmp_path):
+    head = start_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
+                         PROBE, "sleep", "120"], env={"PROBE_PID_DIR": str(tmp_path)})
+    try:
+        for rank in (0, 1):
+            wait_for_lines(tmp_path / f"{rank}.pid", 1)
+        head.kill()
+        head.communicate(timeout=10)
+        assert not wait_gone(_recorded(tmp_path), 15)
+    finally:
+        head.kill()
+        kill_recorded(_recorded(tmp_path))
