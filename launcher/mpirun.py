@@ -78,7 +78,12 @@ def shared_env(plan: JobPlan) -> dict[str, str]:
 def addresses(hosts: Sequence[HostEntry], master_addr: str | None) -> Addresses:
     """The rendezvous and control addresses for ``hosts`` as routed from this (head) host."""
     remote = [h for h in hosts if not h.is_local]
-    head = netroute.route_source(remote[0].name) if remote else None
+    try:
+        head = netroute.route_source(remote[0].name) if remote else None
+    except OSError as exc:
+        raise UsageError("no route to host", remote[0].source or remote[0].name, str(exc),
+                         "use a name this host resolves (mpiexec's ssh reads ~/.ssh/config, "
+                         "dtrain cannot) or an address") from None
     if master_addr:
         return Addresses(master_addr, head)
     first = hosts[0]

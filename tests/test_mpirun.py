@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -158,3 +159,30 @@ def test_sigkill_of_the_head_ends_the_hydra_job_too(tmp_path):
     finally:
         head.kill()
         kill_recorded(_recorded(tmp_path))
+
+
+def test_hydra_ranks_on_two_hosts_reach_a_multi_homed_head_and_form_one_world(netns_cluster,
+                                                                             tmp_path):
+    # Here the head's host name resolves to 127.0.0.1 (as on many machines), so Hydra's
+    # proxies only find their way back through the -localhost address dtrain computes.
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host *\n  User root\n  IdentityFile {netns_cluster.client_key}\n"
+                      f"  IdentitiesOnly yes\n  UserKnownHostsFile {netns_cluster.known_hosts}\n"
+                      "  StrictHostKeyChecking yes\n  BatchMode yes\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ssh").write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {config} \"$@\"\n")
+    (bindir / "ssh").chmod(0o755)
+    hosts = f"{netns_cluster.address('node1')}:1,{netns_cluster.address('node2')}:1"
+    code = ("from mpi4py import MPI; import os, socket\n"
+            "e = os.environ\n"
+            "world = MPI.COMM_WORLD.allreduce(1)\n"
+            "line = f\"{socket.gethostname()} {e['GLOO_SOCKET_IFNAME']} {world}\"\n"
+            "open(os.path.join(e['REPORT_DIR'], e['RANK']), 'w').write(line)\n")
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", hosts, "--env",
+                      f"REPORT_DIR={tmp_path}", "--", PYTHON, "-c", code],
+                     env={"PATH": f"{bindir}:{os.environ['PATH']}"}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "0").read_text() == "node1 eth0 2"
+    assert (tmp_path / "1").read_text() == "node2 eth0 2"
+    assert not netns_cluster.wait_no_job_pids(10)
