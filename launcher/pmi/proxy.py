@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from launcher.pmi import actions
+from launcher.pmi import actions, stall
 from launcher.pmi.actions import (
     Abort,
     Action,
@@ -163,16 +163,9 @@ class PmiProxy:
         return self._epoch
 
     def holding_up(self, host_waited: bool = False) -> tuple[list[int], list[int]]:
-        """The local ranks holding up a barrier, and those of them that left without a PMI
-        word (exited before MPI_Init: they will never come). Alone, a host counts a barrier
-        some local rank entered or an MPI_Init some local rank began; with ``host_waited``
-        (the head waits for this host) any barrier counts. Local ranks that never spoke come
-        first: MPICH ranks that began MPI_Init wait for them in node-local set-up, unseen."""
-        if not (self._barrier or self._spoke or host_waited):
-            return [], []
-        silent = self._ranks - self._spoke
-        missing = silent if silent and self._spoke else self._ranks - self._barrier
-        return sorted(missing), sorted(missing & self._left_silent)
+        """(missing, gone): see `launcher.pmi.stall.holding_up`."""
+        return stall.holding_up(self._ranks, self._barrier, self._spoke, self._left_silent,
+                                host_waited=host_waited)
 
     def waiting(self) -> dict:
         """Who holds things up, for a diagnosis when the job hangs."""

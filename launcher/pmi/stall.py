@@ -9,7 +9,7 @@ for time spent in an earlier barrier.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Sequence, Set
 
 
 class StallClock:
@@ -33,6 +33,23 @@ class StallClock:
             self._reported = waited
             return waited
         return None
+
+
+def holding_up(ranks: Set[int], in_barrier: Set[int], spoke: Set[int], left_silent: Set[int],
+               *, host_waited: bool) -> tuple[list[int], list[int]]:
+    """One host's ranks holding up a barrier, and those of them that left without a PMI word
+    (exited before MPI_Init: they will never come).
+
+    Alone, a host counts a barrier some local rank entered or an MPI_Init some local rank
+    began; with ``host_waited`` (the head's barrier waits for this host) any barrier counts.
+    Local ranks that never spoke are named first: MPICH ranks that began MPI_Init wait for
+    them in node-local shared-memory set-up, where PMI sees nothing.
+    """
+    if not (in_barrier or spoke or host_waited):
+        return [], []
+    silent = ranks - spoke
+    missing = silent if silent and spoke else ranks - in_barrier
+    return sorted(missing), sorted(missing & left_silent)
 
 
 def stall_text(waited: float, missing: Sequence[tuple[int, str]],
