@@ -110,8 +110,10 @@ def _stall_lines(stderr: str) -> list[str]:
     return [x for x in stderr.splitlines() if "PMI barrier" in x]
 
 
-def test_a_rank_that_exits_0_before_mpi_init_is_named_while_the_others_wait():
-    res = run_dtrain(["launch", "--nproc-per-node", "3", "--pmi-stall", "1", "--timeout", "5",
+@pytest.mark.parametrize("pmi", ["fd", "port"])
+def test_a_rank_that_exits_0_before_mpi_init_is_named_while_the_others_wait(pmi):
+    res = run_dtrain(["launch", "--nproc-per-node", "3", "--pmi", pmi, "--pmi-stall", "1",
+                      "--timeout", "5",
                       "--grace", "1", "--env", "SKIP=1", "--", PYTHON, "-c", SKIP_RANK])
     assert res.returncode == 124, res.stderr
     lines = _stall_lines(res.stderr)
