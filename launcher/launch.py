@@ -153,4 +153,4 @@ def _run_mpirun(req: LaunchRequest, build_plan: Any,
         if cmd.hostfile_text:
             print("# hostfile:\n" + cmd.hostfile_text, end="")
         return 0
-    return mpirun.run_command(cmd)
+    return mpirun.run_command(cmd, timeout=req.supervise.timeout, grace=req.supervise.grace)

@@ -126,8 +126,10 @@ def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str,
     raise UsageError("unknown MPI flavour", "--mpi-flavour", flavour, f"use one of {FLAVOURS}")
 
 
-def run_command(cmd: MpiCommand) -> int:
-    """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours."""
+def run_command(cmd: MpiCommand, *, timeout: float | None = None, grace: float = 10.0) -> int:
+    """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours.
+    After ``timeout`` seconds it gets SIGTERM (Hydra then stops every rank), SIGKILL after
+    ``grace``, and the exit code is 124, as with the SSH launcher."""
     with tempfile.TemporaryDirectory(prefix="dtrain-mpirun-") as tmp:
         argv = list(cmd.argv)
         if cmd.hostfile_text is not None:
@@ -144,7 +146,16 @@ def run_command(cmd: MpiCommand) -> int:
         forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
                    for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = proc.wait()
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            sys.stderr.write(f"dtrain: stopped by --timeout after {timeout:g}s\n")
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return 124
         finally:
             for s, handler in forward.items():
                 signal.signal(s, handler)

@@ -186,3 +186,15 @@ def test_hydra_ranks_on_two_hosts_reach_a_multi_homed_head_and_form_one_world(ne
     assert (tmp_path / "0").read_text() == "node1 eth0 2"
     assert (tmp_path / "1").read_text() == "node2 eth0 2"
     assert not netns_cluster.wait_no_job_pids(10)
+
+
+def test_timeout_stops_a_hydra_job_with_exit_code_124(tmp_path):
+    try:
+        res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--timeout",
+                          "3", "--grace", "2", "--", PYTHON, PROBE, "sleep", "120"],
+                         env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
+        assert res.returncode == 124, res.stderr
+        assert "stopped by --timeout after 3s" in res.stderr
+        assert len(_recorded(tmp_path)) == 2 and not wait_gone(_recorded(tmp_path), 10)
+    finally:
+        kill_recorded(_recorded(tmp_path))
