@@ -5,10 +5,11 @@ Ranks are stopped by signalling their process groups (`launcher.agent.ranks`), b
 that called ``setsid()`` (daemonising tools, ``setsid cmd``, some data loaders) has a group of
 its own and escapes that signal. So the agent makes itself a *child subreaper*
 (``PR_SET_CHILD_SUBREAPER``): a process orphaned anywhere under it is re-parented to the agent
-instead of to init, which keeps the whole job one tree under the agent. ``Descendants.signal``
+instead of to init, which keeps the whole job one tree under the agent. `signal_descendants`
 walks that tree (psutil, i.e. /proc) and signals every process in it, so ``setsid`` children,
-double-forked daemons and orphans of exited ranks are stopped with the job; ``reap`` collects
-the exit status of orphans the agent inherited (it is their parent now).
+double-forked daemons and orphans of exited ranks are stopped with the job; `kill_strays`
+SIGKILLs them and collects the exit status of the orphans the agent inherited (it is their
+parent now). The ranks themselves are left to the threads that wait for them.
 
 Limits: a process that leaves the tree on purpose is not found: one started through a service
 manager or another daemon (``systemd-run``, ``at``, ``docker run``, ``ssh`` to another host), or

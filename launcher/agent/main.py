@@ -234,7 +234,6 @@ class Agent:
             if isinstance(event, RankExited):
                 self._on_exit(event)
         self._signal_all(signal.SIGKILL)
-        descendants.kill_strays()
         if self.pmi is not None:
             self.pmi.close()
             self.pmi.remove_shared_memory()
