@@ -168,24 +168,3 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
             f"worker environment malformed [{name}={raw!r}]: not an integer. "
             "Do not override the launcher's rank variables"
         ) from None
-
-
-def _exec_with_contract(argv: list[str]) -> None:
-    """`python -m workerenv -- PROGRAM ARGS`: add the contract to an MPI rank, then exec."""
-    if argv[:1] == ["--"]:
-        argv = argv[1:]
-    if not argv:
-        raise SystemExit("usage: python -m workerenv -- PROGRAM [ARGS...]")
-    env = dict(os.environ)
-    try:
-        env.update(from_mpi_launcher(env))
-    except ContractError as exc:
-        raise SystemExit(str(exc)) from None
-    env.setdefault(OMP_NUM_THREADS, "1")
-    os.execvpe(argv[0], argv, env)
-
-
-if __name__ == "__main__":
-    import sys
-
-    _exec_with_contract(sys.argv[1:])

@@ -20,6 +20,7 @@ paramiko and subprocess live in the modules marked (adapter).
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
     head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
+                 pmi_notes     refused MPI features and stalled barriers, told once
                  agent_link    the head's end of one agent stream: reader thread and sender
                  output        [rank@host] prefixes, raw passthrough, per-rank log files
                  outcome       per-rank states and the exit-code rule
@@ -28,11 +29,14 @@ paramiko and subprocess live in the modules marked (adapter).
                  main          the agent's event loop: spec check, start, relay, stop
                  head_link     the agent's end of the stream to the head
                  ranks         rank processes: own process group, parent-death signal (adapter)
+                 descendants   subreaper; stray descendants (setsid) stopped with the job
                  pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)
                  facts         what the agent reports about its host (dtrain check)
-    pmi/         PMI-1 codec, per-host proxy core and the head's key-value space (pure)
+    pmi/         PMI-1 codec, per-host proxy core, the head's key-value space, the stall
+                 clock (pure)
     check        the preflight table (`dtrain check`)
     mpirun       --launcher mpirun: the same plan as an mpiexec/mpirun command
+    rankshim     each rank under --launcher mpirun: contract, interfaces, abort on failure
     wire         head <-> agent frames (pure)
     netroute     which local address and interface reach a given host
     errors       the exception hierarchy

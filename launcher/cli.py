@@ -23,6 +23,45 @@ from launcher.errors import DtrainError
 from launcher.head.supervisor import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
 
+#: `--help` sections: option destination -> section title, in the order sections are shown.
+HELP_SECTIONS: dict[str, tuple[str, ...]] = {
+    "Hosts and slots": ("hostfile", "hosts", "include", "exclude", "num_nodes",
+                        "nproc_per_node"),
+    "SSH": ("ssh_config", "known_hosts", "ssh_accept_new", "ssh_connect_timeout",
+            "ssh_allow_config_exec", "remote_python"),
+    "Environment": ("env", "master_addr", "master_port", "chdir"),
+    "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run"),
+    "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout"),
+    "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
+}
+FORGOT_DASHES = ("If it belongs to your program, put `--` before the program: "
+                 "dtrain launch [OPTIONS] -- PROGRAM [ARGS]...")
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists its options in `HELP_SECTIONS` (click's own formatter)."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            row = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if row is not None:
+                title = next((t for t, names in HELP_SECTIONS.items() if param.name in names),
+                             "Other")
+                rows.setdefault(title, []).append(row)
+        for title in [*HELP_SECTIONS, "Other"]:
+            if title in rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows[title])
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.NoSuchOption as exc:
+            # Options after the program are the program's; one before it may be too.
+            exc.message = f"{exc.message.rstrip('.')}. {FORGOT_DASHES}"
+            raise
+
 
 def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Options that choose hosts and slots, shared by launch and check."""
@@ -34,7 +73,9 @@ def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--exclude", "-e", help="Hosts/slots to leave out, same syntax."),
         click.option("--num-nodes", type=click.IntRange(min=1), help="Use the first N hosts."),
         click.option("--nproc-per-node", type=click.IntRange(min=1),
-                     help="Ranks per host (no hostfile: ranks on localhost; default 1)."),
+                     help="Ranks per host. Without --hostfile/-H: ranks on localhost (default "
+                     "1). With them: the first N slots of every host; it wins over slots=, "
+                     "with a warning when they differ, and may not exceed it."),
         click.option("--ssh-config", type=click.Path(dir_okay=False),
                      help="ssh_config file (default ~/.ssh/config)."),
         click.option("--known-hosts", type=click.Path(dir_okay=False),
@@ -74,7 +115,24 @@ def main() -> None:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 
-@main.command(context_settings={"ignore_unknown_options": False})
+LAUNCH_EXAMPLES = """Examples:
+
+\b
+  dtrain launch --nproc-per-node 4 -- python train.py
+  dtrain launch --hostfile hosts -- python -m trainer.train --dp 2 --tp 2 --pp 2
+  dtrain launch -H node1:4,node2:4 --exclude node2:3 --log-dir logs -- python train.py
+  dtrain launch --hostfile hosts --dry-run -- python train.py
+  dtrain launch --hostfile hosts --launcher mpirun -- python mpi_prog.py
+
+Everything from PROGRAM on is passed to it unchanged, so `--` is only needed before a program
+whose name starts with a dash; it is always safe."""
+
+
+# Options end at the first argument that is not one (allow_interspersed_args): the program's
+# own options, e.g. `-m` of `python -m pkg` or a `--timeout` of its own, are never dtrain's.
+@main.command(cls=SectionedCommand, epilog=LAUNCH_EXAMPLES,
+              context_settings={"ignore_unknown_options": False,
+                                "allow_interspersed_args": False})
 @host_options
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Extra variable for every rank.")
 @click.option("--master-addr", help="Rendezvous address (default: rank 0's routable address).")
@@ -106,7 +164,8 @@ def main() -> None:
 @click.option("--dry-run", is_flag=True, help="Print hosts, ranks and environments; start nothing.")
 @click.option("--timings", is_flag=True,
               help="Print when connecting, agents, ranks and exit completed.")
-@click.argument("program", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.argument("program", nargs=-1, required=True, type=click.UNPROCESSED,
+                metavar="[--] PROGRAM [ARGS]...")
 def launch(program: tuple[str, ...], **kw: Any) -> None:
     """Start PROGRAM once per slot on every host and supervise it to the end.
 
@@ -141,7 +200,7 @@ def _guard(action: Callable[[], int]) -> int:
         return 130
 
 
-@main.command()
+@main.command(cls=SectionedCommand)
 @host_options
 @click.option("--remote-python", default=sys.executable, show_default=True,
               help="Interpreter that runs the agent on every host.")

@@ -71,8 +71,23 @@ def select(req: HostRequest) -> list[selection.HostSlots]:
     else:
         entries = hostfile.local_hosts(req.nproc_per_node or 1)
     nproc = req.nproc_per_node if (req.hostfile or req.hosts) else None
+    if nproc is not None:
+        _warn_slots_differ(entries, nproc)
     return selection.select_hosts(entries, include=req.include, exclude=req.exclude,
                                   num_nodes=req.num_nodes, nproc_per_node=nproc)
+
+
+def _warn_slots_differ(entries: Sequence[hostfile.HostEntry], nproc: int) -> None:
+    """--nproc-per-node wins over slots= (the first N slots of every host); say so when they
+    differ. A host with fewer slots than N is an error of its own (selection), not a warning."""
+    more = [e for e in entries if e.slots > nproc]
+    if more and all(e.slots >= nproc for e in entries):
+        shown = ", ".join(f"{e.name} slots={e.slots}" for e in more[:3])
+        shown += f" and {len(more) - 3} more" if len(more) > 3 else ""
+        sys.stderr.write(f"dtrain: warning: --nproc-per-node {nproc} differs from the host "
+                         f"list ({shown}) [{more[0].source or 'host list'}]: "
+                         f"--nproc-per-node wins, using the first {nproc} slot(s) of every "
+                         "host. Drop one of the two to silence this\n")
 
 
 def run_launch(req: LaunchRequest) -> int:
@@ -127,16 +142,15 @@ def _run_mpirun(req: LaunchRequest, build_plan: Any,
                 selected: Sequence[selection.HostSlots]) -> int:
     from launcher import mpirun
 
-    first = selected[0].entry
-    addr = req.master_addr or ("127.0.0.1" if first.is_local else first.name)
-    plan = build_plan(addr, req.master_port or 29500)
+    where = mpirun.addresses([s.entry for s in selected], req.master_addr)
+    plan = build_plan(where.master_addr, req.master_port or 29500)
     exe = mpirun.find_mpirun(req.mpirun)
     flavour = req.mpi_flavour or mpirun.detect_flavour(exe)
-    cmd = mpirun.build_command(plan, mpirun=exe, flavour=flavour,
+    cmd = mpirun.build_command(plan, mpirun=exe, flavour=flavour, head_addr=where.head_addr,
                                python=validate_remote_python(req.remote_python))
     if req.dry_run:
         print(shlex.join(cmd.argv))
         if cmd.hostfile_text:
             print("# hostfile:\n" + cmd.hostfile_text, end="")
         return 0
-    return mpirun.run_command(cmd)
+    return mpirun.run_command(cmd, timeout=req.supervise.timeout, grace=req.supervise.grace)

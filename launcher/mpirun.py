@@ -3,8 +3,15 @@
 For Open MPI clusters (Open MPI 5 speaks only PMIx, not the PMI-1 dtrain serves) and for sites
 that want their MPI's own launcher. MPICH Hydra gets `-hosts h:n,... -genv K V`, Open MPI gets
 `--hostfile F --map-by slot -x K=V`. Rank variables (RANK, LOCAL_RANK...) cannot be set per rank
-by these launchers, so the program runs under `python -m workerenv --`, which derives them from
-the MPI launcher's own variables and then execs the program unchanged.
+by these launchers, so the program runs under `python -m launcher.rankshim --`, which derives
+them from the MPI launcher's own variables, sets GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME per host
+and makes a failing rank end the whole job (see its docstring), as dtrain's agents do.
+
+Addresses follow the SSH launcher's rule (`launcher.head.startup`): MASTER_ADDR is rank 0's
+host as the others reach it (with the head as rank 0's host: its address on the route to the
+next host; 127.0.0.1 for a single local host). Hydra's proxies connect back to mpiexec at the
+head's host name, which on a multi-homed head may resolve to an interface the hosts cannot
+reach, so Hydra is given ``-localhost`` with the head's address on the route to the hosts.
 """
 
 from __future__ import annotations
@@ -19,10 +26,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import workerenv
+from launcher import netroute
 from launcher.errors import UsageError
+from launcher.hosts.hostfile import HostEntry
 from launcher.plan.job import JobPlan
 
 FLAVOURS = ("hydra", "openmpi")
+
+
+@dataclass(frozen=True)
+class Addresses:
+    """Where the job meets: rank 0's address for the ranks, the head's for Hydra's proxies."""
+
+    master_addr: str
+    head_addr: str | None = None   # None: every host is local, nothing connects back
 
 
 @dataclass(frozen=True)
@@ -58,15 +75,33 @@ def shared_env(plan: JobPlan) -> dict[str, str]:
     return env
 
 
-def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str) -> MpiCommand:
-    """The MPI command for a plan (pure)."""
+def addresses(hosts: Sequence[HostEntry], master_addr: str | None) -> Addresses:
+    """The rendezvous and control addresses for ``hosts`` as routed from this (head) host."""
+    remote = [h for h in hosts if not h.is_local]
+    try:
+        head = netroute.route_source(remote[0].name) if remote else None
+    except OSError as exc:
+        raise UsageError("no route to host", remote[0].source or remote[0].name, str(exc),
+                         "use a name this host resolves (mpiexec's ssh reads ~/.ssh/config, "
+                         "dtrain cannot) or an address") from None
+    if master_addr:
+        return Addresses(master_addr, head)
+    first = hosts[0]
+    if not first.is_local:
+        return Addresses(first.name, head)
+    return Addresses(head or "127.0.0.1", head)
+
+
+def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str,
+                  head_addr: str | None = None) -> MpiCommand:
+    """The MPI command for a plan (pure); ``head_addr`` is where Hydra's proxies reach it."""
     for hp in plan.hosts:
         if hp.cuda_visible_devices is not None:
             raise UsageError("slot selection unsupported with --launcher mpirun",
                              f"host {hp.entry.name}", "MPI launchers cannot give each host its "
                              "own CUDA_VISIBLE_DEVICES", "use the default SSH launcher for "
                              "--include/--exclude of GPU slots")
-    program = (python, "-m", "workerenv", "--", *plan.argv)
+    program = (python, "-m", "launcher.rankshim", "--", *plan.argv)
     env = shared_env(plan)
     n = str(plan.world_size)
     if flavour == "hydra":
@@ -77,7 +112,8 @@ def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str) -> M
                                  "put User/Port in ~/.ssh/config instead")
         hosts = ",".join(f"{hp.entry.name}:{len(hp.ranks)}" for hp in plan.hosts)
         genv = [a for k in sorted(env) for a in ("-genv", k, env[k])]
-        return MpiCommand((mpirun, "-launcher", "ssh", "-hosts", hosts, "-n", n,
+        control = ("-localhost", head_addr) if head_addr else ()
+        return MpiCommand((mpirun, "-launcher", "ssh", *control, "-hosts", hosts, "-n", n,
                            "-wdir", plan.cwd, *genv, *program))
     if flavour == "openmpi":
         lines = []
@@ -90,8 +126,10 @@ def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str) -> M
     raise UsageError("unknown MPI flavour", "--mpi-flavour", flavour, f"use one of {FLAVOURS}")
 
 
-def run_command(cmd: MpiCommand) -> int:
-    """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours."""
+def run_command(cmd: MpiCommand, *, timeout: float | None = None, grace: float = 10.0) -> int:
+    """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours.
+    After ``timeout`` seconds it gets SIGTERM (Hydra then stops every rank), SIGKILL after
+    ``grace``, and the exit code is 124, as with the SSH launcher."""
     with tempfile.TemporaryDirectory(prefix="dtrain-mpirun-") as tmp:
         argv = list(cmd.argv)
         if cmd.hostfile_text is not None:
@@ -100,12 +138,24 @@ def run_command(cmd: MpiCommand) -> int:
                 f.write(cmd.hostfile_text)
             argv = [path if a == "{hostfile}" else a for a in argv]
         from launcher.plan.environment import scrub
+        from launcher.rankshim import die_with_parent
 
-        proc = subprocess.Popen(argv, env=scrub(os.environ))
+        # A SIGKILLed head must not leave the MPI launcher behind: SIGTERM makes it end the job.
+        proc = subprocess.Popen(argv, env=scrub(os.environ),
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
         forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
                    for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            code = proc.wait()
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            sys.stderr.write(f"dtrain: stopped by --timeout after {timeout:g}s\n")
+            proc.terminate()
+            try:
+                proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            return 124
         finally:
             for s, handler in forward.items():
                 signal.signal(s, handler)

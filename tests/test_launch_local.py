@@ -181,6 +181,17 @@ def test_dry_run_prints_hosts_ranks_and_environment_and_starts_nothing(tmp_path)
     assert not list(tmp_path.glob("*.pid"))
 
 
+def test_dry_run_shows_master_port_as_chosen_at_start_up_unless_it_was_given():
+    res = run_dtrain(["launch", "--dry-run", "--nproc-per-node", "2", "--", PYTHON, PROBE, "env"])
+    assert res.returncode == 0, res.stderr
+    ranks = [x for x in res.stdout.splitlines() if x.strip().startswith("rank ")]
+    assert len(ranks) == 2
+    assert all("MASTER_PORT=<chosen-at-start-up>" in x for x in ranks), ranks
+    assert "29500" not in res.stdout  # no port the real run would not use
+    given = run_dtrain(["launch", "--dry-run", "--master-port", "29123", "--", PYTHON, PROBE])
+    assert "MASTER_PORT=29123" in given.stdout and "MASTER_PORT=<" not in given.stdout
+
+
 def test_log_dir_gets_one_file_per_rank_and_no_prefix_prints_bare_lines(tmp_path):
     res = run_dtrain(["launch", "--nproc-per-node", "2", "--no-prefix", "--log-dir",
                       str(tmp_path / "logs"), "--", PYTHON, PROBE, "argv", "x"])

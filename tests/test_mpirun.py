@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 
 from launcher import mpirun
@@ -9,7 +12,17 @@ from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
 from launcher.hosts.selection import select_hosts
 from launcher.plan.job import make_plan
-from tests.support import PYTHON, run_dtrain
+from tests.support import (
+    PYTHON,
+    REPO,
+    kill_recorded,
+    run_dtrain,
+    start_dtrain,
+    wait_for_lines,
+    wait_gone,
+)
+
+PROBE = str(REPO / "tests" / "workers" / "probe.py")
 
 
 def _plan(hosts: str, **select):
@@ -26,7 +39,8 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
     assert argv[:7] == ["mpiexec", "-launcher", "ssh", "-hosts", "node1:2,node2:2", "-n", "4"]
     assert ["-genv", "NCCL_DEBUG", "INFO"] == argv[argv.index("NCCL_DEBUG") - 1:][:3]
     assert ["-genv", "MASTER_ADDR", "node1"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[-7:] == ["/venv/bin/python", "-m", "workerenv", "--", "python", "t.py", "a b"]
+    assert argv[-7:] == ["/venv/bin/python", "-m", "launcher.rankshim", "--", "python", "t.py",
+                         "a b"]
     assert "RANK" not in argv  # per-rank variables come from the workerenv shim
 
 
@@ -65,3 +79,122 @@ def test_dry_run_prints_the_mpi_command_without_running_it():
                       PYTHON, "-c", "raise SystemExit(9)"])
     assert res.returncode == 0, res.stderr
     assert "mpiexec" in res.stdout and "-hosts localhost:2" in res.stdout
+
+
+def test_hydra_is_given_the_head_address_its_proxies_connect_back_to():
+    plan = _plan("node1:2,node2:2")
+    cmd = mpirun.build_command(plan, mpirun="mpiexec", flavour="hydra", python="/p",
+                               head_addr="10.9.8.1")
+    argv = list(cmd.argv)
+    assert argv[argv.index("-localhost") + 1] == "10.9.8.1"
+    local = mpirun.build_command(plan, mpirun="mpiexec", flavour="hydra", python="/p")
+    assert "-localhost" not in local.argv
+
+
+def test_addresses_follow_the_route_from_a_multi_homed_head(netns_cluster):
+    # The head has the bridge, the VM's own NIC and loopback: the hosts reach it on the bridge.
+    hosts = parse_host_list(f"localhost:1,{netns_cluster.address('node1')}:1")
+    where = mpirun.addresses(hosts, None)
+    assert where.head_addr == netns_cluster.head_address
+    assert where.master_addr == netns_cluster.head_address  # rank 0 runs on the head
+    remote_first = parse_host_list(f"{netns_cluster.address('node2')}:1,localhost:1")
+    assert mpirun.addresses(remote_first, None).master_addr == netns_cluster.address("node2")
+    assert mpirun.addresses(parse_host_list("localhost:2"), None) == mpirun.Addresses("127.0.0.1")
+
+
+def test_ranks_under_hydra_get_the_interface_that_routes_to_master_addr(tmp_path):
+    code = ("import os, json; e = os.environ; "
+            "open(os.path.join(e['REPORT_DIR'], e['RANK']), 'w').write(json.dumps("
+            "[e.get('GLOO_SOCKET_IFNAME'), e.get('NCCL_SOCKET_IFNAME'), e['MASTER_ADDR']]))")
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--env",
+                      f"REPORT_DIR={tmp_path}", "--env", "NCCL_SOCKET_IFNAME=mine0", "--",
+                      PYTHON, "-c", code])
+    assert res.returncode == 0, res.stderr
+    for rank in ("0", "1"):
+        # loopback routes to 127.0.0.1; a variable the user set is kept.
+        assert json.loads((tmp_path / rank).read_text()) == ["lo", "mine0", "127.0.0.1"]
+
+
+def _recorded(pid_dir) -> list[int]:
+    return [int(p) for f in pid_dir.glob("*.pid") for p in f.read_text().split()]
+
+
+def test_a_rank_exiting_7_under_hydra_stops_the_others_and_the_job_exits_7(tmp_path):
+    try:
+        res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:3", "--", PYTHON,
+                          PROBE, "fail", "1", "7"], env={"PROBE_PID_DIR": str(tmp_path)},
+                         timeout=60)
+        assert res.returncode == 7, res.stderr
+        assert len(_recorded(tmp_path)) == 3 and not wait_gone(_recorded(tmp_path), 10)
+    finally:
+        kill_recorded(_recorded(tmp_path))
+
+
+def test_an_mpi_rank_failing_before_finalize_ends_the_hydra_job_with_its_code(tmp_path):
+    code = ("from mpi4py import MPI; import os, time\n"
+            "MPI.COMM_WORLD.Barrier()\n"
+            "open(os.path.join(os.environ['PROBE_PID_DIR'], os.environ['RANK'] + '.pid'),"
+            " 'w').write(str(os.getpid()))\n"
+            "if MPI.COMM_WORLD.rank == 0:\n"
+            "    time.sleep(1); os._exit(5)\n"
+            "MPI.COMM_WORLD.Barrier()\n")
+    try:
+        res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
+                          "-c", code], env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
+        assert res.returncode == 5, res.stderr
+        assert len(_recorded(tmp_path)) == 2 and not wait_gone(_recorded(tmp_path), 10)
+    finally:
+        kill_recorded(_recorded(tmp_path))
+
+
+def test_sigkill_of_the_head_ends_the_hydra_job_too(tmp_path):
+    head = start_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--", PYTHON,
+                         PROBE, "sleep", "120"], env={"PROBE_PID_DIR": str(tmp_path)})
+    try:
+        for rank in (0, 1):
+            wait_for_lines(tmp_path / f"{rank}.pid", 1)
+        head.kill()
+        head.communicate(timeout=10)
+        assert not wait_gone(_recorded(tmp_path), 15)
+    finally:
+        head.kill()
+        kill_recorded(_recorded(tmp_path))
+
+
+def test_hydra_ranks_on_two_hosts_reach_a_multi_homed_head_and_form_one_world(netns_cluster,
+                                                                             tmp_path):
+    # Here the head's host name resolves to 127.0.0.1 (as on many machines), so Hydra's
+    # proxies only find their way back through the -localhost address dtrain computes.
+    config = tmp_path / "ssh_config"
+    config.write_text(f"Host *\n  User root\n  IdentityFile {netns_cluster.client_key}\n"
+                      f"  IdentitiesOnly yes\n  UserKnownHostsFile {netns_cluster.known_hosts}\n"
+                      "  StrictHostKeyChecking yes\n  BatchMode yes\n")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "ssh").write_text(f"#!/bin/sh\nexec /usr/bin/ssh -F {config} \"$@\"\n")
+    (bindir / "ssh").chmod(0o755)
+    hosts = f"{netns_cluster.address('node1')}:1,{netns_cluster.address('node2')}:1"
+    code = ("from mpi4py import MPI; import os, socket\n"
+            "e = os.environ\n"
+            "world = MPI.COMM_WORLD.allreduce(1)\n"
+            "line = f\"{socket.gethostname()} {e['GLOO_SOCKET_IFNAME']} {world}\"\n"
+            "open(os.path.join(e['REPORT_DIR'], e['RANK']), 'w').write(line)\n")
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", hosts, "--env",
+                      f"REPORT_DIR={tmp_path}", "--", PYTHON, "-c", code],
+                     env={"PATH": f"{bindir}:{os.environ['PATH']}"}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "0").read_text() == "node1 eth0 2"
+    assert (tmp_path / "1").read_text() == "node2 eth0 2"
+    assert not netns_cluster.wait_no_job_pids(10)
+
+
+def test_timeout_stops_a_hydra_job_with_exit_code_124(tmp_path):
+    try:
+        res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--timeout",
+                          "3", "--grace", "2", "--", PYTHON, PROBE, "sleep", "120"],
+                         env={"PROBE_PID_DIR": str(tmp_path)}, timeout=60)
+        assert res.returncode == 124, res.stderr
+        assert "stopped by --timeout after 3s" in res.stderr
+        assert len(_recorded(tmp_path)) == 2 and not wait_gone(_recorded(tmp_path), 10)
+    finally:
+        kill_recorded(_recorded(tmp_path))

@@ -112,10 +112,13 @@ def test_a_bad_put_is_refused_with_rc_1_and_the_connection_stays_usable(line, ms
     ("cmd=lookup_name service=s", ("cmd=lookup_result rc=-1 "
       "msg=dtrain_does_not_support_MPI_Lookup_name\n")),
 ])
-def test_spawn_and_name_service_are_refused_clearly(line, expected):
+def test_spawn_and_name_service_are_refused_clearly_and_the_head_is_told(line, expected):
     proxy = make_proxy()
     started(proxy, 1, 2)
-    assert reply_of(ask(proxy, 1, line)) == expected
+    reply, notice = ask(proxy, 1, line)
+    assert reply == Reply(1, expected.encode())
+    feature = expected.split("support_")[1].strip()
+    assert notice == Send({"op": "unsupported", "rank": 2, "feature": feature})
 
 
 def test_a_multiline_spawn_block_is_swallowed_and_refused_once():
@@ -126,7 +129,9 @@ def test_a_multiline_spawn_block_is_swallowed_and_refused_once():
              "mcmd=spawn", "nprocs=1", "execname=c", "totspawns=2", "spawnssofar=2",
              "argcnt=0", "info_num=0"]
     assert proxy.feed(1, "\n".join(block).encode() + b"\n") == []
-    assert "spawn_result rc=-1" in reply_of(ask(proxy, 1, "endcmd"))
+    reply, notice = ask(proxy, 1, "endcmd")
+    assert "spawn_result rc=-1" in reply.data.decode()
+    assert notice.msg == {"op": "unsupported", "rank": 2, "feature": "MPI_Comm_spawn"}
     assert "rc=0" in reply_of(ask(proxy, 1, "cmd=get_appnum"))
 
 

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from launcher import netroute, wire
-from launcher.agent import facts
+from launcher.agent import descendants, facts
 from launcher.agent.head_link import Eof, HeadLink
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
 from launcher.plan.environment import rank_environment
@@ -193,10 +193,13 @@ class Agent:
 
     def _on_exit(self, ev: RankExited) -> None:
         rp = self.ranks.pop(ev.rank, None)
+        if self.pmi is not None:
+            self.pmi.exited(ev.rank)
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
         self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal})
         if not self.ranks:
+            descendants.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None
             self.link.send_json(wire.Kind.DONE)
             self.leave_at = time.monotonic() + AFTER_DONE_S
@@ -212,6 +215,12 @@ class Agent:
     def _signal_all(self, sig: int) -> None:
         for rp in list(self.ranks.values()):
             rp.signal_group(sig)
+        # What left the ranks' process groups (setsid) is found as the agent's descendants.
+        ranks = frozenset(rp.pid for rp in self.ranks.values())
+        if sig == signal.SIGKILL:
+            descendants.kill_strays(keep=ranks)
+        else:
+            descendants.signal_descendants(sig, keep=ranks)
 
     def _leave(self, code: int) -> int:
         """Leave for good: nothing of the job may outlive the agent."""
@@ -235,6 +244,7 @@ def main() -> None:
     # Ctrl-C in the head's terminal must not reach a local agent directly: the head decides.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    descendants.become_subreaper()  # orphans of the job stay findable (descendants.py)
     agent = Agent()
     signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
     code = agent.run()

@@ -27,9 +27,11 @@ from typing import Any
 
 import workerenv
 from launcher.pmi import proxy as pmi_proxy
+from launcher.pmi.stall import StallClock
 
 #: A PMI_PORT connection that has not said anything after this long is dropped (slowloris).
 SILENT_CONNECTION_S = 30.0
+_EXITED = "_rank_exited"  # the agent's own note through the inbox, never from the head
 
 
 class PmiSockets:
@@ -45,11 +47,7 @@ class PmiSockets:
         stall_after: float = 30.0,
     ) -> None:
         self.mode = mode
-        self._stall_after = stall_after
-        self._barrier_since: float | None = None
-        self._stall_reported = 0.0
-        self._conn_rank: dict[int, int] = {}   # fd mode: which rank each socketpair serves
-        self._spoke: set[int] = set()          # connections that have sent something
+        self._stall = StallClock(stall_after)
         self._send_head = send_head
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, socket.socket] = {}
@@ -80,7 +78,6 @@ class PmiSockets:
             for rank in ranks:
                 ours, theirs = socket.socketpair()
                 conn = next(self._ids)
-                self._conn_rank[conn] = rank
                 self._add(conn, ours)
                 self._run(self.proxy.open(conn, rank))
                 self._child_end[rank] = theirs
@@ -108,6 +105,10 @@ class PmiSockets:
     def from_head(self, msg: Mapping[str, Any]) -> None:
         self._inbox.put(msg)
         self._wake()
+
+    def exited(self, rank: int) -> None:
+        """The rank's process exited (handed to the selector thread, which owns the proxy)."""
+        self.from_head({"op": _EXITED, "rank": rank})
 
     def close(self) -> None:
         self._stopped = True
@@ -167,26 +168,23 @@ class PmiSockets:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            self._run(self.proxy.upstream(msg))
+            op = msg.get("op")
+            if op == _EXITED:
+                self.proxy.exited(int(msg["rank"]))
+            elif op == "stall_query":  # the head's barrier waits for this host: who is missing?
+                missing, gone = self.proxy.holding_up(host_waited=True)
+                self._send_head({"op": "stall_state", "ranks": missing, "gone": gone})
+            else:
+                self._run(self.proxy.upstream(msg))
 
     def _report_stall(self) -> None:
-        """Some local ranks are in a barrier and others are not: after a while, say which."""
-        missing = set(self.proxy.waiting()["not_in_barrier"])
-        if self._spoke & self._conn_rank.keys():
-            # Others started MPI_Init: a rank that never spoke holds them up (MPICH then
-            # waits in its node-local shared-memory setup, where PMI sees nothing).
-            missing |= {r for c, r in self._conn_rank.items() if c not in self._spoke}
-        missing = sorted(missing)
-        now = time.monotonic()
-        if not missing:
-            self._barrier_since = None
-            return
-        if self._barrier_since is None:
-            self._barrier_since, self._stall_reported = now, 0.0
-        stalled = now - self._barrier_since
-        if stalled >= self._stall_after and stalled - self._stall_reported >= self._stall_after:
-            self._stall_reported = stalled
-            self._send_head({"op": "stall", "ranks": missing, "seconds": round(stalled)})
+        """Some local ranks are in a barrier (or MPI_Init) and others are not: every
+        --pmi-stall seconds, tell the head which (launcher.pmi.stall)."""
+        missing, gone = self.proxy.holding_up()
+        waited = self._stall.due(time.monotonic(), self.proxy.epoch if missing else None)
+        if waited is not None:
+            self._send_head({"op": "stall", "ranks": missing, "gone": gone,
+                             "seconds": round(waited)})
 
     def _drop_silent(self) -> None:
         now = time.monotonic()
@@ -217,7 +215,6 @@ class PmiSockets:
         except OSError:
             data = b""
         self._silent.pop(conn, None)
-        self._spoke.add(conn)
         if data:
             self._run(self.proxy.feed(conn, data))
         else:

@@ -20,6 +20,7 @@ from launcher import wire
 from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
 from launcher.head.output import OutputSink
+from launcher.head.pmi_notes import PmiNotes
 from launcher.head.startup import Startup
 from launcher.plan.job import JobPlan
 from launcher.transport.stream import AgentStream
@@ -54,8 +55,7 @@ class Supervisor:
         self.done_hosts: set[int] = set()
         self.lost_hosts: set[int] = set()
         self._give_up_at = float("inf")
-        self._barrier_since: float | None = None
-        self._stall_reported = 0.0
+        self.pmi_notes = PmiNotes(opts.pmi_stall, self._say)
         self.timings: dict[str, float] = {}
 
     # -- signals (installed by the CLI; run in the main thread) -----------------------------
@@ -122,20 +122,12 @@ class Supervisor:
                                       "(host down or network cut?)")
 
     def _check_pmi_stall(self, now: float) -> None:
-        """A barrier some hosts entered long ago: say which ranks it is waiting for."""
-        waiting = self.kvs.waiting_hosts() if self.kvs is not None else []
-        if not waiting:
-            self._barrier_since = None
+        """A barrier some hosts entered long ago: ask the others which ranks hold it up."""
+        if self.kvs is None:
             return
-        if self._barrier_since is None:
-            self._barrier_since, self._stall_reported = now, 0.0
-        stalled = now - self._barrier_since
-        if stalled >= self.opts.pmi_stall and stalled - self._stall_reported >= self.opts.pmi_stall:
-            self._stall_reported = stalled
-            parts = [f"{self.links[h].name} (ranks "
-                     f"{','.join(str(r.rank) for r in self.plan.hosts[h].ranks)})" for h in waiting]
-            self._say(f"PMI barrier (MPI_Init or a fence) has waited {stalled:.0f}s for hosts "
-                      f"{'; '.join(parts)}")
+        waiting = {h: self.links[h].name for h in self.kvs.waiting_hosts()}
+        for host in self.pmi_notes.tick(now, waiting, self.kvs.epoch):
+            self.links[host].send_json(wire.Kind.PMI, {"op": "stall_query"})
 
     @staticmethod
     def _say(text: str) -> None:
@@ -197,10 +189,14 @@ class Supervisor:
                                              f"MPI_Abort: {msg.get('message') or 'no message'}")
                 self._stop(signal.SIGTERM, self.opts.grace)
             return
-        if op == "stall":
-            ranks = ",".join(str(r) for r in msg.get("ranks", []))
-            self._say(f"PMI barrier (MPI_Init or a fence) on {link.name} has waited "
-                      f"{msg.get('seconds')}s for ranks {ranks}")
+        if op in ("stall", "stall_state", "unsupported"):
+            notes = self.pmi_notes
+            if op == "stall":
+                notes.agent_stall(link.name, msg, bool(self.kvs and self.kvs.waiting_hosts()))
+            elif op == "stall_state":
+                notes.answer(link.index, msg)
+            else:
+                notes.unsupported(msg.get("rank"), link.name, str(msg.get("feature")))
             return
         if op == "rank_failed":
             if self.stopping:

@@ -23,6 +23,9 @@ from launcher.agent.ranks import find_program
 from launcher.hosts.hostfile import HostEntry
 from launcher.plan.environment import rank_environment
 from launcher.plan.job import JobPlan
+from workerenv import MASTER_ADDR, MASTER_PORT
+
+AT_START_UP = "<chosen-at-start-up>"
 
 
 def program_column(plan: JobPlan, entry: HostEntry, head_environ: Mapping[str, str]) -> str:
@@ -73,6 +76,10 @@ def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO,
         for key in sorted(plan.base_env):
             console.print(f"  {key}={plan.base_env[key]}")
     console.print("per-rank environment (plus PMI_FD or PMI_PORT/PMI_ID set by the agent):")
+    # A value picked at start-up is not known now; showing a placeholder value would mislead.
+    later = {key for key, auto in zip((MASTER_ADDR, MASTER_PORT), auto_master, strict=True)
+             if auto}
     for spec in plan.ranks:
-        pairs = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
+        pairs = " ".join(f"{k}={AT_START_UP if k in later else v}"
+                         for k, v in sorted(spec.env.items()))
         console.print(f"  rank {spec.rank}@{spec.host}: {pairs}")

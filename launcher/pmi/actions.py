@@ -12,6 +12,7 @@ takes; the head side is ``launcher.pmi.kvs``):
     -> {"op": "get", "key": k, "req": n}              a key this host has not seen
     <- {"op": "get_result", "req": n, "found": bool, "value": str}
     -> {"op": "abort", "rank": r, "code": n, "message": s}
+    -> {"op": "unsupported", "rank": r, "feature": f}  a rank asked for what dtrain refuses
 
 The rest are the PMI-1 rules that need no proxy state: the limits, the order requests may come
 in, the replies that never change during a job, refusals of what dtrain does not serve (spawn,
@@ -109,10 +110,12 @@ def fixed_replies(*, world_size: int, kvsname: str, appnum: int) -> dict[str, by
     }
 
 
-def refusal(conn: int, name: str) -> Reply:
-    """The failed reply to an `UNSUPPORTED` request, naming the MPI feature."""
+def refusal(conn: int, rank: int, name: str) -> list[Action]:
+    """The failed reply to an `UNSUPPORTED` request, naming the MPI feature, and the notice
+    that lets the head tell the user in dtrain's words (MPICH only prints a generic error)."""
     reply, feature = UNSUPPORTED[name]
-    return Reply(conn, format_reply(reply, rc=-1, msg=f"dtrain_does_not_support_{feature}"))
+    return [Reply(conn, format_reply(reply, rc=-1, msg=f"dtrain_does_not_support_{feature}")),
+            Send({"op": "unsupported", "rank": rank, "feature": feature})]
 
 
 def key_problem(cmd: PmiCommand, kvsname: str) -> str:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from launcher.pmi import actions
+from launcher.pmi import actions, stall
 from launcher.pmi.actions import (
     Abort,
     Action,
@@ -79,6 +79,8 @@ class PmiProxy:
         self._conns: dict[int, _Conn] = {}
         self._owner: dict[int, int] = {}            # rank -> its connection
         self._claimed: set[int] = set()             # ranks ever bound (a rank connects once)
+        self._spoke: set[int] = set()               # ranks that sent PMI (began MPI_Init)
+        self._left_silent: set[int] = set()         # ranks gone without a PMI word
         self._cache: dict[str, str] = {}
         self._epoch_puts: dict[str, str] = {}
         self._barrier: set[int] = set()
@@ -113,6 +115,8 @@ class PmiProxy:
         if c is None:
             return []
         c.started = c.started or (c.rank is not None and bool(data))
+        if c.started:
+            self._spoke.add(c.rank)
         error = None
         try:
             lines = c.lines.feed(data)
@@ -133,6 +137,8 @@ class PmiProxy:
         if c is None or c.rank is None or self._owner.get(c.rank) != conn:
             return []
         del self._owner[c.rank]
+        if not c.started:
+            self._left_silent.add(c.rank)
         if c.started and not (c.finalized or c.aborted):
             return [RankFailed(c.rank, "closed its PMI connection before finalize")]
         return []
@@ -145,6 +151,21 @@ class PmiProxy:
         if op == "get_result":
             return self._get_result(msg)
         raise actions.relay_error(f"unknown op {op!r}")
+
+    def exited(self, rank: int) -> None:
+        """The agent saw ``rank``'s process exit (PMI_PORT mode has no socket to tell it)."""
+        if rank in self._ranks and rank not in self._spoke:
+            self._left_silent.add(rank)
+
+    @property
+    def epoch(self) -> int:
+        """Completed barriers: names the barrier under way."""
+        return self._epoch
+
+    def holding_up(self, host_waited: bool = False) -> tuple[list[int], list[int]]:
+        """(missing, gone): see `launcher.pmi.stall.holding_up`."""
+        return stall.holding_up(self._ranks, self._barrier, self._spoke, self._left_silent,
+                                host_waited=host_waited)
 
     def waiting(self) -> dict:
         """Who holds things up, for a diagnosis when the job hangs."""
@@ -181,7 +202,7 @@ class PmiProxy:
             c.spawn = SpawnBlock()
             return []
         if cmd.cmd in actions.UNSUPPORTED:
-            return [actions.refusal(conn, cmd.cmd)]
+            return actions.refusal(conn, c.rank, cmd.cmd)
         return self._handlers[cmd.cmd](conn, c, cmd)
 
     def _reject(self, conn: int, why: str) -> list[Action]:
@@ -208,6 +229,7 @@ class PmiProxy:
             return self._reject(conn, f"rank {rank} already has a PMI connection")
         self._bind(conn, rank)
         c.started = True
+        self._spoke.add(rank)
         sets = f"cmd=set size={self._world}\ncmd=set rank={rank}\ncmd=set debug=0\n"
         return [Reply(conn, format_reply("initack", rc=0) + sets.encode())]
 
@@ -267,7 +289,7 @@ class PmiProxy:
         if not c.spawn.feed(line):
             return []
         c.spawn = None
-        return [actions.refusal(conn, "spawn")]
+        return actions.refusal(conn, c.rank, "spawn")
 
     # ----- head messages -----------------------------------------------------------------------
 

@@ -1,0 +1,84 @@
+"""Every process a job started on this host, found and stopped, including those that left its
+process groups (the agent's adapter for stray descendants).
+
+Ranks are stopped by signalling their process groups (`launcher.agent.ranks`), but a descendant
+that called ``setsid()`` (daemonising tools, ``setsid cmd``, some data loaders) has a group of
+its own and escapes that signal. So the agent makes itself a *child subreaper*
+(``PR_SET_CHILD_SUBREAPER``): a process orphaned anywhere under it is re-parented to the agent
+instead of to init, which keeps the whole job one tree under the agent. `signal_descendants`
+walks that tree (psutil, i.e. /proc) and signals every process in it, so ``setsid`` children,
+double-forked daemons and orphans of exited ranks are stopped with the job; `kill_strays`
+SIGKILLs them and collects the exit status of the orphans the agent inherited (it is their
+parent now). The ranks themselves are left to the threads that wait for them.
+
+Limits: a process that leaves the tree on purpose is not found: one started through a service
+manager or another daemon (``systemd-run``, ``at``, ``docker run``, ``ssh`` to another host), or
+one that survives a SIGKILL of the agent itself (the ranks die by their parent-death signal, but
+their descendants are then re-parented to init). cgroup v2 with ``cgroup.kill`` would close
+those gaps where a delegated, writable cgroup exists; this works without one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+
+import psutil
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> bool:
+    """Make orphans below this process re-parent to it; False where the kernel refuses."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return False
+    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def signal_descendants(sig: int, keep: frozenset[int] = frozenset()) -> list[psutil.Process]:
+    """Send ``sig`` to every live descendant of this process except the PIDs in ``keep``;
+    returns those signalled. A process that exits meanwhile is skipped."""
+    hit = []
+    try:
+        tree = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return hit
+    for proc in tree:
+        try:
+            if proc.pid in keep or proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            proc.send_signal(sig)
+            hit.append(proc)
+        except psutil.Error:
+            pass
+    return hit
+
+
+def kill_strays(keep: frozenset[int] = frozenset(), rounds: int = 5) -> None:
+    """SIGKILL every descendant except ``keep`` (the ranks, reaped by their own threads) and
+    collect the orphans among them; repeated because a process may fork while the tree is
+    walked."""
+    for _ in range(rounds):
+        hit = signal_descendants(signal.SIGKILL, keep)
+        if not hit:
+            break
+        psutil.wait_procs(hit, timeout=1.0)  # reaps those that are our children
+    reap_orphans(keep)
+
+
+def reap_orphans(keep: frozenset[int] = frozenset()) -> None:
+    """Collect exited children that are not ranks: orphans re-parented to the agent. Only
+    specific PIDs are waited for, so the ranks' exit statuses are left to their own reapers."""
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return
+    for proc in children:
+        if proc.pid not in keep:
+            try:
+                os.waitpid(proc.pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
