@@ -90,13 +90,13 @@ def test_a_different_dp_size_is_accepted_because_dp_state_is_replicated() -> Non
 
 
 def test_save_killed_after_the_rename_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    """DTRAIN_FAULT=ckpt_before_marker: the folder is renamed but never gets its marker."""
+    """DTRAIN_FAULT=save_after_rename: the folder is renamed but never gets its marker."""
     save(tmp_path, 2)
     code = ("import sys; from pathlib import Path; from tests.test_checkpoint import save; "
             "save(Path(sys.argv[1]), 4)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False, cwd=REPO,
                           timeout=60,
-                          env=dtrain_env({"DTRAIN_FAULT": "ckpt_before_marker@4"}))
+                          env=dtrain_env({"DTRAIN_FAULT": "save_after_rename@4"}))
     assert done.returncode == -signal.SIGKILL
     assert (tmp_path / "step-4" / "meta.json").exists()
     assert not (tmp_path / "step-4" / "COMMITTED").exists()
@@ -146,7 +146,7 @@ def test_resume_continues_bit_exactly(uninterrupted: Path, tmp_path: Path) -> No
 
 def test_training_killed_mid_save_resumes_from_the_previous_checkpoint(
         uninterrupted: Path, tmp_path: Path) -> None:
-    killed = train(tmp_path, "--save-every", "2", fault="ckpt_before_commit@4")
+    killed = train(tmp_path, "--save-every", "2", fault="save_after_meta@4")
     assert killed.returncode == -signal.SIGKILL
     ckpts = tmp_path / "checkpoints"
     assert any(p.name.startswith("step-4.tmp-") for p in ckpts.iterdir())

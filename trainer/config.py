@@ -56,7 +56,10 @@ HELP: dict[str, str] = {
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep": "number of newest checkpoints to keep (0 = all)",
-    "resume": "continue from the newest committed checkpoint in --run-dir",
+    "resume": "continue from the newest committed checkpoint in --run-dir (none: start at step "
+              "0); refused if its checksums do not verify",
+    "resume_fallback": "with --resume, skip damaged checkpoints (each reported and renamed to "
+                       "step-N.damaged-*) and resume from the newest that verifies",
     "data": "text file or folder to train on (default: the Python stdlib sources)",
     "data_cap_mb": "read at most this many MiB of training text",
     "log_every": "print a log line every N steps",
@@ -93,6 +96,7 @@ class TrainConfig:
     save_every: int = 0
     keep: int = 2
     resume: bool = False
+    resume_fallback: bool = False
     data: str | None = None
     data_cap_mb: float = 8.0
     log_every: int = 10
@@ -106,6 +110,9 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
+        if self.resume_fallback and not self.resume:
+            raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
+                              "it only changes which checkpoint --resume loads", "Add --resume")
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
