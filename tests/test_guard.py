@@ -1,0 +1,85 @@
+"""The non-finite guard: a diverging run stops on every rank in the same step with one message
+and a non-zero exit, writes no checkpoint of the bad state and prunes none of the good ones."""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import run_dtrain
+from trainer import checkpoint
+from trainer.guard import DivergedError, check_parameters, check_step
+from trainer.metrics import read_records
+from trainer.model import GPT, GPTConfig
+from trainer.train import _fail
+
+# Adam at lr 1e4 with no warmup and no clipping: the loss is NaN within a few steps.
+DIVERGING = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
+             "--global-batch", "4", "--steps", "12", "--data-cap-mb", "0.25", "--log-every", "1",
+             "--lr", "1e4", "--min-lr", "1e4", "--warmup-steps", "0", "--grad-clip", "0",
+             "--save-every", "1", "--keep", "2"]
+
+
+def test_a_finite_step_passes() -> None:
+    check_step(3, 2.5, 1e30, report=True)
+
+
+@pytest.mark.parametrize(("loss", "norm"), [(math.nan, 1.0), (1.0, math.inf),
+                                            (-math.inf, math.nan)])
+def test_a_nan_or_inf_loss_or_norm_stops_every_rank_and_one_reports(loss: float, norm: float
+                                                                    ) -> None:
+    for report in (True, False):
+        with pytest.raises(DivergedError, match=r"^training diverged \[step 7\]: the loss is "
+                           r".* and the global gradient norm .*; the step was not applied") as err:
+            check_step(7, loss, norm, report=report)
+        assert err.value.agreed and err.value.report is report
+
+
+def test_parameters_that_overflowed_in_the_update_are_not_saved() -> None:
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=0)
+    check_parameters(model.parameters(), 4, [], report=True)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = math.inf
+    with pytest.raises(DivergedError, match=r"\[step 4\]: a parameter is NaN or infinite after "
+                       r"the update; the checkpoint of this step is not written"):
+        check_parameters(model.parameters(), 4, [], report=True)
+
+
+def test_an_agreed_error_is_printed_only_by_the_reporting_rank(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    quiet = DivergedError("training diverged", "step 2", "nan").everywhere(report=False)
+    assert _fail(None, f"error: {quiet}", 2, quiet) == 2
+    loud = DivergedError("training diverged", "step 2", "nan").everywhere(report=True)
+    assert _fail(None, f"error: {loud}", 2, loud) == 2
+    assert capsys.readouterr().err == "error: training diverged [step 2]: nan\n"
+
+
+def test_a_diverging_dp2_tp2_run_stops_together_keeps_its_good_checkpoints_and_saves_no_nan(
+        tmp_path: Path) -> None:
+    done = run_dtrain(["launch", "--nproc-per-node", "4", "--", sys.executable, "-m",
+                       "trainer.train", *DIVERGING, "--tp", "2", "--run-dir", str(tmp_path)],
+                      timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    said = [line for line in out.splitlines()
+            if re.match(r"\[\d+@", line) and "error:" in line]
+    assert len(said) == 1, said  # printed once, not by each of the 4 ranks
+    match = re.search(r"\[0@localhost\] \[rank 0\] error: training diverged \[step (\d+)\]: the "
+                      r"loss is (nan|-?inf) and the global gradient norm", said[0])
+    assert match, said[0]
+    bad = int(match.group(1))
+    assert bad >= 3  # so keep=2 had two good checkpoints to lose
+    assert [r["step"] for r in read_records(tmp_path / "metrics.jsonl")] == \
+        list(range(1, bad))
+    ckpts = tmp_path / "checkpoints"
+    # Nothing of the bad step was written and no good checkpoint was pruned for it.
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{bad - 2}", f"step-{bad - 1}"]
+    for tp in (0, 1):  # the last good checkpoint loads: checksums verify, values are finite
+        last = checkpoint.load(ckpts / f"step-{bad - 1}", shard=(tp, 0))
+        assert last.step == bad - 1
+        assert all(bool(torch.isfinite(v).all()) for v in last.model.values())
