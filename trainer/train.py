@@ -11,8 +11,11 @@ ranks and into microbatches; backward runs with bucketed, overlapped gradient al
 (`trainer.data_parallel`); gradients are clipped and AdamW steps. Rank 0 logs, writes
 ``metrics.jsonl`` every step, ``loss.png`` at the end, and checkpoints every ``--save-every``
 steps and at the end. ``--resume`` continues bit-exactly from the newest committed checkpoint
-(the run dir must be visible to every rank, as with Megatron or DeepSpeed). Dropout is reseeded
-from (seed, step, dp rank) every step, so the random stream needs no state across a resume.
+(the run dir must be visible to every rank, as with Megatron or DeepSpeed), verified file by
+file (`trainer.resume` states the rule and ``--resume-fallback``). Dropout is reseeded from
+(seed, step, dp rank) every step, so the random stream needs no state across a resume. A NaN or
+Inf loss or gradient norm stops every rank before the update, and non-finite parameters are
+never saved (`trainer.guard`).
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP

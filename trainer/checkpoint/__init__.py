@@ -21,12 +21,11 @@ previous checkpoint as the resume point. `prune` deletes a folder's marker befor
 and deletes leftovers of dead saves (temporaries, folders without a marker). Every point is
 exercised by the kill hook of `trainer.checkpoint.fault`.
 
-Integrity (`load`, `read_meta`): every file a rank reads is checked against the commit record
+Integrity (`load`): every file a rank reads is checked against the commit record
 (size, then sha256) before it is parsed; a mismatch raises `CheckpointDamaged` naming the file.
 """
 
 from trainer.checkpoint.fault import FAULT_ENV, POINTS
-from trainer.checkpoint.files import FileRecord, verify_file
 from trainer.checkpoint.layout import (
     DAMAGED_SUFFIX,
     FORMAT_VERSION,
@@ -36,22 +35,12 @@ from trainer.checkpoint.layout import (
     latest,
     shard_name,
     step_dirs,
-    step_of,
 )
-from trainer.checkpoint.load import (
-    Checkpoint,
-    check_compatible,
-    load,
-    read_meta,
-    read_record,
-    restore_rng,
-)
-from trainer.checkpoint.prune import prune
-from trainer.checkpoint.save import capture_rng, save
+from trainer.checkpoint.load import Checkpoint, check_compatible, load, restore_rng
+from trainer.checkpoint.save import save
 
 __all__ = [
     "DAMAGED_SUFFIX", "FAULT_ENV", "FORMAT_VERSION", "MARKER", "POINTS", "Checkpoint",
-    "CheckpointDamaged", "CheckpointError", "FileRecord", "capture_rng", "check_compatible",
-    "latest", "load", "prune", "read_meta", "read_record", "restore_rng", "save", "shard_name",
-    "step_dirs", "step_of", "verify_file",
+    "CheckpointDamaged", "CheckpointError", "check_compatible", "latest", "load", "restore_rng",
+    "save", "shard_name", "step_dirs",
 ]

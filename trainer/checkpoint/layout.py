@@ -42,15 +42,6 @@ def step_dirs(root: Path) -> dict[int, Path]:
     return found
 
 
-def step_of(path: Path) -> int:
-    """The step of a ``step-<N>`` folder."""
-    match = STEP_DIR.match(path.name)
-    if not match:
-        raise CheckpointError("not a checkpoint folder", str(path),
-                              "its name is not step-<N>", "Pass a step-<N> folder")
-    return int(match.group(1))
-
-
 def latest(root: Path) -> Path | None:
     """The newest committed checkpoint, ignoring temporaries and uncommitted folders."""
     found = step_dirs(root)

@@ -61,21 +61,12 @@ def read_record(path: Path) -> dict[str, FileRecord]:
                                 FALLBACK_HINT) from None
 
 
-def read_meta(path: Path) -> dict[str, Any]:
-    """The meta.json of a committed checkpoint folder (to check it before loading shards)."""
-    return _read_meta(path, read_record(path))
-
-
-def _read_meta(path: Path, record: dict[str, FileRecord]) -> dict[str, Any]:
-    return json.loads(verify_file(path, "meta.json", record).read_bytes())
-
-
 def load(path: Path, *, map_location: str | torch.device = "cpu",
          shard: tuple[int, int] = (0, 0)) -> Checkpoint:
     """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``, each file
     verified against the commit record before it is parsed."""
     record = read_record(path)
-    meta = _read_meta(path, record)
+    meta = json.loads(verify_file(path, "meta.json", record).read_bytes())
     model, optim, rng = (_load_torch(path, name, record, map_location) for name in
                          (shard_name("model", *shard), shard_name("optim", *shard), "rng.pt"))
     return Checkpoint(path, int(meta["step"]), meta, model, optim, rng)
