@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import math
 import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support import run_dtrain
+from tests.support import REPO, dtrain_env, run_dtrain
 from trainer import checkpoint
-from trainer.guard import DivergedError, check_parameters, check_step
+from trainer.guard import DivergedError, StepGuard, check_parameters
 from trainer.metrics import read_records
 from trainer.model import GPT, GPTConfig
 from trainer.train import _fail
@@ -25,8 +26,8 @@ DIVERGING = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len"
              "--save-every", "1", "--keep", "2"]
 
 
-def test_a_finite_step_passes() -> None:
-    check_step(3, 2.5, 1e30, report=True)
+def test_a_finite_step_is_applied() -> None:
+    assert StepGuard().admit(3, 2.5, 1e30, report=True)
 
 
 @pytest.mark.parametrize(("loss", "norm"), [(math.nan, 1.0), (1.0, math.inf),
@@ -36,8 +37,21 @@ def test_a_nan_or_inf_loss_or_norm_stops_every_rank_and_one_reports(loss: float,
     for report in (True, False):
         with pytest.raises(DivergedError, match=r"^training diverged \[step 7\]: the loss is "
                            r".* and the global gradient norm .*; the step was not applied") as err:
-            check_step(7, loss, norm, report=report)
+            StepGuard().admit(7, loss, norm, report=report)
         assert err.value.agreed and err.value.report is report
+
+
+def test_skip_nonfinite_drops_up_to_n_steps_then_stops_naming_them(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    guard = StepGuard(allowed=2)
+    assert not guard.admit(4, math.nan, 1.0, report=True)
+    assert guard.admit(5, 1.0, 1.0, report=True)
+    assert not guard.admit(6, 1.0, math.inf, report=False)
+    with pytest.raises(DivergedError, match=r"\[step 9\]: the loss is nan and the global gradient "
+                       r"norm nan after skipping steps 4, 6; the step was not applied"):
+        guard.admit(9, math.nan, math.nan, report=True)
+    assert capsys.readouterr().err == ("dtrain: step 4 skipped: the loss is nan and the global "
+                                       "gradient norm 1.0 (1 of --skip-nonfinite 2)\n")
 
 
 def test_parameters_that_overflowed_in_the_update_are_not_saved() -> None:
@@ -83,3 +97,25 @@ def test_a_diverging_dp2_tp2_run_stops_together_keeps_its_good_checkpoints_and_s
         last = checkpoint.load(ckpts / f"step-{bad - 1}", shard=(tp, 0))
         assert last.step == bad - 1
         assert all(bool(torch.isfinite(v).all()) for v in last.model.values())
+
+
+def test_skip_nonfinite_drops_the_updates_of_diverged_steps_then_stops(tmp_path: Path) -> None:
+    """One process: the skipped steps leave parameters and optimizer state untouched, so the
+    checkpoints of the skipped steps hold exactly the last applied step's state."""
+    done = subprocess.run([sys.executable, "-m", "trainer.train", *DIVERGING, "--run-dir",
+                           str(tmp_path), "--skip-nonfinite", "2"], capture_output=True,
+                          text=True, cwd=REPO, env=dtrain_env(), timeout=240, check=False)
+    assert done.returncode == 2, done.stderr[-3000:]
+    skips = re.findall(r"dtrain: step (\d+) skipped: the loss is ", done.stderr)
+    assert len(skips) == 2, done.stderr[-3000:]
+    first, second = map(int, skips)
+    stop = re.search(rf"error: training diverged \[step (\d+)\]: .* after skipping steps "
+                     rf"{first}, {second}; the step was not applied", done.stderr)
+    assert stop, done.stderr[-3000:]
+    assert second == first + 1 and int(stop.group(1)) == second + 1  # stays diverged
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{first}", f"step-{second}"]
+    before, after = (checkpoint.load(ckpts / f"step-{s}") for s in (first, second))
+    assert all(torch.equal(after.model[k], v) for k, v in before.model.items())
+    assert all(torch.equal(after.optim["state"][i]["exp_avg"], st["exp_avg"])
+               for i, st in before.optim["state"].items())

@@ -56,7 +56,7 @@ from trainer.data import BatchPlan, Corpus, ShardedBatches, load_corpus, step_se
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
 from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
-from trainer.guard import check_parameters, check_step
+from trainer.guard import StepGuard, check_parameters
 from trainer.metrics import MetricsLog, StepRecord
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
@@ -110,6 +110,7 @@ class Run:
     """The pipeline of this rank (``--pp > 1``), else None."""
     writers: Communicator | None = None
     """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
+    guard: StepGuard = field(default_factory=StepGuard)
 
     @property
     def tp_rank(self) -> int:
@@ -161,7 +162,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
-               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers)
+               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
+               guard=StepGuard(cfg.skip_nonfinite))
 
 
 def _check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | None,
@@ -212,8 +214,8 @@ def train_step(run: Run, step: int) -> StepRecord:
     else:
         run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
         loss = float(loss_sum)
-    check_step(step, loss, grad_norm, report=run.is_writer)  # every rank, before the update
-    run.optimizer.step()
+    if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
+        run.optimizer.step()
     step_s = time.perf_counter() - start
     exposed = run.dp.stats.exposed_s
     return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
