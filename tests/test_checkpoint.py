@@ -1,5 +1,6 @@
-"""Checkpoints: atomic save, newest-committed resume, pruning, refusal of foreign checkpoints,
-and bit-exact resume of ``python -m trainer.train`` (also after a save killed half-way)."""
+"""Checkpoints: atomic save, the commit record and its verification on load, newest-committed
+resume, pruning (also of what a killed prune left), refusal of foreign checkpoints, and
+bit-exact resume of ``python -m trainer.train`` (also after a save killed half-way)."""
 
 from __future__ import annotations
 
