@@ -75,8 +75,8 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         if worst != _DAMAGED or not cfg.resume_fallback:
             raise (error if reporter else _quiet(path)).everywhere(report=reporter)
         if reporter:
-            print(f"dtrain: --resume-fallback skips {error.what} [{error.where}]: {error.why}",
-                  file=sys.stderr, flush=True)
+            print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
+                  f"{error.why}", file=sys.stderr, flush=True)
         skipped.append(_set_aside(path) if leader else path.name)
     if skipped:
         raise CheckpointError(
