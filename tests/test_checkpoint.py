@@ -1,12 +1,16 @@
-"""Checkpoints: atomic save, newest-committed resume, pruning, refusal of foreign checkpoints,
-and bit-exact resume of ``python -m trainer.train`` (also after a save killed half-way)."""
+"""Checkpoints: atomic save, the commit record and its verification on load, newest-committed
+resume, pruning (also of what a killed prune left), refusal of foreign checkpoints, and
+bit-exact resume of ``python -m trainer.train`` (also after a save killed half-way)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ import torch
 
 from tests.support import REPO, dtrain_env
 from trainer import checkpoint
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import CheckpointDamaged, CheckpointError
 from trainer.metrics import read_records
 from trainer.model import GPT, GPTConfig
 from trainer.optim import build_optimizer
@@ -89,14 +93,88 @@ def test_a_different_dp_size_is_accepted_because_dp_state_is_replicated() -> Non
                                 path=Path("x"))
 
 
+def test_the_commit_record_lists_every_file_with_its_size_and_sha256(tmp_path: Path) -> None:
+    path = save(tmp_path, 5)
+    record = json.loads((path / "COMMITTED").read_text())
+    assert record["format"] == checkpoint.FORMAT_VERSION and record["step"] == 5
+    on_disk = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "COMMITTED"}
+    assert record["files"] == {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+                               for name, data in on_disk.items()}
+
+
+def flip_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize(("name", "damage", "why"), [
+    ("model-tp00-pp00.pt", flip_bit, r"sha256 mismatch \(written [0-9a-f]{12}\.\.\., read "
+                                     r"[0-9a-f]{12}\.\.\.\): its bytes changed after the save"),
+    ("optim-tp00-pp00.pt", truncate, r"it has 100 bytes, the commit record [\d,]+ \(truncated"),
+    ("optim-tp00-pp00.pt", empty, r"it has 0 bytes, the commit record [\d,]+ \(truncated"),
+    ("rng.pt", empty, r"it has 0 bytes"),
+    ("meta.json", flip_bit, "sha256 mismatch"),
+    ("rng.pt", Path.unlink, "the file is missing"),
+], ids=["flipped-model", "truncated-optim", "empty-optim", "empty-rng", "flipped-meta",
+        "missing-rng"])
+def test_a_damaged_file_is_refused_on_load_naming_the_checkpoint_and_the_file(
+        tmp_path: Path, name: str, damage: Callable[[Path], None], why: str) -> None:
+    path = save(tmp_path, 3)
+    damage(path / name)
+    with pytest.raises(CheckpointDamaged) as err:
+        checkpoint.load(path)
+    text = str(err.value)
+    assert text.startswith(f"checkpoint {path} is damaged [file {name}]: "), text
+    assert re.search(why, text), text
+    assert text.endswith("add --resume-fallback to resume from the newest checkpoint that "
+                         "verifies")
+
+
+def test_a_checkpoint_without_checksums_is_refused_with_the_format_named(tmp_path: Path
+                                                                         ) -> None:
+    path = save(tmp_path, 3)
+    (path / "COMMITTED").write_text(json.dumps({"step": 3}))  # what format 1 wrote
+    with pytest.raises(CheckpointError, match=r"checkpoint has no checksums \[.*COMMITTED\]: it "
+                       r"is format 1, this dtrain reads format 2"):
+        checkpoint.load(path)
+
+
+def test_a_garbled_commit_record_is_damage_not_a_crash(tmp_path: Path) -> None:
+    path = save(tmp_path, 3)
+    (path / "COMMITTED").write_bytes(b'{"format": 2, "files": {"rng.pt": 7}}')
+    with pytest.raises(CheckpointDamaged, match=r"\[file COMMITTED\]: the commit record cannot"):
+        checkpoint.load(path)
+
+
+def test_a_folder_left_by_a_prune_killed_after_the_marker_delete_is_pruned_by_the_next_save(
+        tmp_path: Path) -> None:
+    """The prune of step 1 was killed after its marker went: the next saves must not crash
+    on it (they did: a regex match was confused with a bool) and must delete it."""
+    for step in (1, 2, 3):
+        save(tmp_path, step)
+    (tmp_path / "step-1" / "COMMITTED").unlink()
+    (tmp_path / "step-9.tmp-0000abcd").mkdir()  # a later step's leftover: not ours to delete
+    save(tmp_path, 4, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-4", "step-9.tmp-0000abcd"]
+
+
 def test_save_killed_after_the_rename_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
-    """DTRAIN_FAULT=ckpt_before_marker: the folder is renamed but never gets its marker."""
+    """DTRAIN_FAULT=save_after_rename: the folder is renamed but never gets its marker."""
     save(tmp_path, 2)
     code = ("import sys; from pathlib import Path; from tests.test_checkpoint import save; "
             "save(Path(sys.argv[1]), 4)")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False, cwd=REPO,
                           timeout=60,
-                          env=dtrain_env({"DTRAIN_FAULT": "ckpt_before_marker@4"}))
+                          env=dtrain_env({"DTRAIN_FAULT": "save_after_rename@4"}))
     assert done.returncode == -signal.SIGKILL
     assert (tmp_path / "step-4" / "meta.json").exists()
     assert not (tmp_path / "step-4" / "COMMITTED").exists()
@@ -146,7 +224,7 @@ def test_resume_continues_bit_exactly(uninterrupted: Path, tmp_path: Path) -> No
 
 def test_training_killed_mid_save_resumes_from_the_previous_checkpoint(
         uninterrupted: Path, tmp_path: Path) -> None:
-    killed = train(tmp_path, "--save-every", "2", fault="ckpt_before_commit@4")
+    killed = train(tmp_path, "--save-every", "2", fault="save_after_meta@4")
     assert killed.returncode == -signal.SIGKILL
     ckpts = tmp_path / "checkpoints"
     assert any(p.name.startswith("step-4.tmp-") for p in ckpts.iterdir())

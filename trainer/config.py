@@ -56,7 +56,12 @@ HELP: dict[str, str] = {
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep": "number of newest checkpoints to keep (0 = all)",
-    "resume": "continue from the newest committed checkpoint in --run-dir",
+    "resume": "continue from the newest committed checkpoint in --run-dir (none: start at step "
+              "0); refused if its checksums do not verify",
+    "resume_fallback": "with --resume, skip damaged checkpoints (each reported and renamed to "
+                       "step-N.damaged-*) and resume from the newest that verifies",
+    "skip_nonfinite": "skip at most N steps whose loss or gradient norm is NaN or Inf (their "
+                      "update is dropped) before stopping; 0 = stop at the first",
     "data": "text file or folder to train on (default: the Python stdlib sources)",
     "data_cap_mb": "read at most this many MiB of training text",
     "log_every": "print a log line every N steps",
@@ -93,6 +98,8 @@ class TrainConfig:
     save_every: int = 0
     keep: int = 2
     resume: bool = False
+    resume_fallback: bool = False
+    skip_nonfinite: int = 0
     data: str | None = None
     data_cap_mb: float = 8.0
     log_every: int = 10
@@ -100,12 +107,16 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every", "tp"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed"):
+        for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed",
+                     "skip_nonfinite"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "data_cap_mb"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
+        if self.resume_fallback and not self.resume:
+            raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
+                              "it only changes which checkpoint --resume loads", "Add --resume")
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:

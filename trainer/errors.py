@@ -3,6 +3,10 @@
 Every message reads ``<what failed> [<where>]: <why>. <how to fix>`` (the launcher's shape,
 see ``launcher/errors.py``; the trainer does not import the launcher, so the base is repeated
 here). ``where`` names a rank, a communicator, an option or a file.
+
+An error that every rank raises at the same point, from a value they all agree on, is marked
+with `TrainerError.everywhere`: no rank is left waiting in a collective, so the job ends without
+an MPI abort and only the rank chosen to report prints it (once, not once per rank).
 """
 
 from __future__ import annotations
@@ -17,6 +21,12 @@ class TrainerError(Exception):
         if fix:
             text += f". {fix}"
         super().__init__(text)
+        self.agreed, self.report = False, True
+
+    def everywhere(self, *, report: bool) -> TrainerError:
+        """This error, marked as raised by every rank together; only ``report`` ranks print it."""
+        self.agreed, self.report = True, report
+        return self
 
 
 class BootstrapError(TrainerError):

@@ -11,8 +11,11 @@ ranks and into microbatches; backward runs with bucketed, overlapped gradient al
 (`trainer.data_parallel`); gradients are clipped and AdamW steps. Rank 0 logs, writes
 ``metrics.jsonl`` every step, ``loss.png`` at the end, and checkpoints every ``--save-every``
 steps and at the end. ``--resume`` continues bit-exactly from the newest committed checkpoint
-(the run dir must be visible to every rank, as with Megatron or DeepSpeed). Dropout is reseeded
-from (seed, step, dp rank) every step, so the random stream needs no state across a resume.
+(the run dir must be visible to every rank, as with Megatron or DeepSpeed), verified file by
+file (`trainer.resume` states the rule and ``--resume-fallback``). Dropout is reseeded from
+(seed, step, dp rank) every step, so the random stream needs no state across a resume. A NaN or
+Inf loss or gradient norm stops every rank before the update, and non-finite parameters are
+never saved (`trainer.guard`).
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
@@ -53,6 +56,7 @@ from trainer.data import BatchPlan, Corpus, ShardedBatches, load_corpus, step_se
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
 from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
+from trainer.guard import StepGuard, check_parameters
 from trainer.metrics import MetricsLog, StepRecord
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
@@ -96,8 +100,8 @@ class Run:
     dp_rank: int
     is_writer: bool
     start_step: int = 0
-    changed: list[str] = field(default_factory=list)
-    """Training options that differ from the checkpoint resumed from (reported, not refused)."""
+    resumed: str = ""
+    """What --resume did: the step, skipped checkpoints, changed options (for the banner)."""
     tp_comm: Communicator | None = None
     tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
     """Random streams of TP regions (attention dropout), reseeded every step."""
@@ -106,6 +110,7 @@ class Run:
     """The pipeline of this rank (``--pp > 1``), else None."""
     writers: Communicator | None = None
     """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
+    guard: StepGuard = field(default_factory=StepGuard)
 
     @property
     def tp_rank(self) -> int:
@@ -140,8 +145,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
-    start, changed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
-                             device=device) if cfg.resume else (0, [])
+    start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
+                             device=device) if cfg.resume else (0, "")
     dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap)
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
@@ -156,8 +161,9 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         # Every tp x pp rank of one DP replica: the group that writes a checkpoint together.
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
-               is_writer=rank == 0, start_step=start, changed=changed, tp_comm=tp_comm,
-               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers)
+               is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
+               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
+               guard=StepGuard(cfg.skip_nonfinite))
 
 
 def _check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | None,
@@ -203,12 +209,13 @@ def train_step(run: Run, step: int) -> StepRecord:
     if run.pipeline is not None:
         run.pipeline.sync_tied_grads()
     grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
-    run.optimizer.step()
     if run.pipeline is not None:
         loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
     else:
         run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
         loss = float(loss_sum)
+    if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
+        run.optimizer.step()
     step_s = time.perf_counter() - start
     exposed = run.dp.stats.exposed_s
     return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
@@ -231,7 +238,11 @@ def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tor
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
-    """DP replica 0 writes: its tp x pp ranks one shard each, together; others return None."""
+    """DP replica 0 writes: its tp x pp ranks one shard each, together; others return None.
+    Every rank first checks (collectively) that no parameter is NaN or infinite."""
+    pp_comm = run.pipeline.comm if run.pipeline is not None else None
+    groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
+    check_parameters(run.model.parameters(), step, groups, report=run.is_writer)
     if run.dp_rank != 0:
         return None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
@@ -270,9 +281,7 @@ def train(cfg: TrainConfig, world: World) -> TrainResult:
 
 def _banner(run: Run, world_size: int) -> str:
     cfg = run.cfg
-    resumed = f", resumed at step {run.start_step}" if run.start_step else ""
-    if run.changed:
-        resumed += " with changed options: " + ", ".join(run.changed)
+    resumed = f", {run.resumed}" if run.resumed else ""
     per_rank = " per TP rank" if cfg.tp > 1 else ""
     per_rank += " of pipeline rank 0" if cfg.pp > 1 else ""
     pipeline = f" ({describe_pipeline(cfg)})" if cfg.pp > 1 else ""
@@ -294,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         train(cfg, world)
         return 0
     except TrainerError as exc:
-        return _fail(world, f"error: {exc}", 2)
+        return _fail(world, f"error: {exc}", 2, exc)
     except KeyboardInterrupt:
         return _fail(world, "interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - report, then abort the other ranks
@@ -304,10 +313,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(world, f"error: unexpected {type(exc).__name__}: {exc}", 1)
 
 
-def _fail(world: World | None, message: str, code: int) -> int:
+def _fail(world: World | None, message: str, code: int, exc: TrainerError | None = None) -> int:
     many = world is not None and world.size > 1
-    print((f"[rank {world.rank}] " if many else "") + message, file=sys.stderr, flush=True)
-    if many:
+    agreed = exc is not None and exc.agreed  # every rank raised it: printed once, no abort
+    if not agreed or exc.report:
+        print((f"[rank {world.rank}] " if many else "") + message, file=sys.stderr, flush=True)
+    if many and not agreed:
         # One rank's error must not leave the others blocked in a collective.
         world.mpi_comm.Abort(code)
     return code

@@ -1,0 +1,97 @@
+"""The checkpoint kill matrix: a tp 2 run through ``dtrain launch`` is SIGKILLed at every point
+of a save and of the pruning that follows it (`trainer.checkpoint.fault.POINTS`), then
+``--resume`` continues from the newest committed checkpoint, saves and prunes again, finishes
+with exit 0, and ends bit-identical to a run that was never interrupted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import run_dtrain
+from trainer import checkpoint
+from trainer.checkpoint import POINTS, shard_name
+from trainer.metrics import read_records
+
+STEPS, KILLED_AT, KEEP = 4, 3, 2  # saving step 3 prunes step 1: every point is reached
+FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
+         "--global-batch", "4", "--dropout", "0.1", "--steps", str(STEPS), "--warmup-steps",
+         "1", "--data-cap-mb", "0.25", "--log-every", "1", "--tp", "2", "--save-every", "1",
+         "--keep", str(KEEP)]
+#: What the checkpoint folder holds after the kill at each point (the point was reached).
+ON_DISK = {
+    **dict.fromkeys(("save_after_model", "save_after_optim", "save_after_rng",
+                     "save_after_meta"), ["step-1", "step-2", "step-3.tmp"]),
+    "save_after_rename": ["step-1", "step-2", "step-3 uncommitted"],
+    "save_after_marker": ["step-1", "step-2", "step-3"],
+    **dict.fromkeys(("remove_after_marker", "remove_mid_files"),
+                    ["step-1 uncommitted", "step-2", "step-3"]),
+    "prune_after_remove": ["step-2", "step-3"],
+}
+
+def launch(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess[str]:
+    env = ["--env", f"DTRAIN_FAULT={fault}"] if fault else []
+    return run_dtrain(["launch", "--nproc-per-node", "2", *env, "--", sys.executable, "-m",
+                       "trainer.train", *FLAGS, "--run-dir", str(run_dir), *extra], timeout=240)
+
+
+def shards(run_dir: Path, step: int) -> list[checkpoint.Checkpoint]:
+    """Both TP shards of ``step``, loaded (so their checksums are verified)."""
+    path = run_dir / "checkpoints" / f"step-{step}"
+    return [checkpoint.load(path, shard=(tp, 0)) for tp in (0, 1)]
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_records(run_dir / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    done = launch(run_dir)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir
+
+
+def on_disk(ckpts: Path) -> list[str]:
+    """The folder's entries: ``step-N``, ``step-N uncommitted``, ``step-N.tmp``."""
+    def label(path: Path) -> str:
+        if ".tmp-" in path.name:
+            return path.name.partition(".tmp-")[0] + ".tmp"
+        return path.name + ("" if (path / checkpoint.MARKER).exists() else " uncommitted")
+
+    return sorted(label(p) for p in ckpts.iterdir())
+
+
+def test_the_matrix_covers_every_fault_point() -> None:
+    assert sorted(ON_DISK) == sorted(POINTS)
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_run_killed_at_this_point_resumes_saves_again_and_matches_an_uninterrupted_one(
+        point: str, uninterrupted: Path, tmp_path: Path) -> None:
+    killed = launch(tmp_path, fault=f"{point}@{KILLED_AT}")
+    out = killed.stdout + killed.stderr
+    assert killed.returncode != 0 and "killed by SIGKILL" in out, out[-3000:]
+    ckpts = tmp_path / "checkpoints"
+    assert on_disk(ckpts) == ON_DISK[point]
+    resume_at = KILLED_AT if "step-3" in ON_DISK[point] else KILLED_AT - 1
+    assert checkpoint.latest(ckpts) == ckpts / f"step-{resume_at}"
+
+    resumed = launch(tmp_path, "--resume")
+    out = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, out[-3000:]
+    assert f"resumed at step {resume_at}" in out
+    # Saved and pruned again: the newest KEEP steps, no temporaries or marker-less leftovers.
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-3", "step-4"]
+    assert losses(tmp_path) == losses(uninterrupted)
+    for got, want in zip(shards(tmp_path, STEPS), shards(uninterrupted, STEPS), strict=True):
+        assert got.model.keys() == want.model.keys()
+        assert all(torch.equal(got.model[k], want.model[k]) for k in want.model)
+        assert all(torch.equal(got.optim["state"][i]["exp_avg"], s["exp_avg"])
+                   for i, s in want.optim["state"].items())
+    assert (ckpts / "step-4" / shard_name("model", 1)).is_file()

@@ -1,0 +1,107 @@
+"""Reading a committed checkpoint: every file verified against the commit record first."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.files import FileRecord, verify_file
+from trainer.checkpoint.layout import (
+    FALLBACK_HINT,
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointDamaged,
+    CheckpointError,
+    shard_name,
+)
+
+#: Layout keys whose change makes a checkpoint unusable (model state is sharded along them; a
+#: ``ppNN`` shard holds the layers its stages had). dp is not one: DP state is replicated and
+#: the data position is the step, whatever dp is.
+SHARDED_AXES = ("tp", "pp", "virtual_stages", "stage_layers")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What ``load`` returns: the state to put back, and where it came from."""
+
+    path: Path
+    step: int
+    meta: dict[str, Any]
+    model: dict[str, torch.Tensor]
+    optim: dict[str, Any]
+    rng: dict[str, Any]
+
+
+def read_record(path: Path) -> dict[str, FileRecord]:
+    """The commit record of a checkpoint folder: each file's size and sha256."""
+    if not (path / MARKER).is_file():
+        raise CheckpointError("not a committed checkpoint", str(path),
+                              f"the folder has no {MARKER} marker (the save did not finish)",
+                              "Resume from an older step-<N> folder, or let --resume pick one")
+    try:
+        body = json.loads((path / MARKER).read_bytes())
+        files = body.get("files") if body.get("format") == FORMAT_VERSION else None
+        if files is None:
+            raise CheckpointError(
+                "checkpoint has no checksums", str(path / MARKER),
+                f"it is format {body.get('format', 1)}, this dtrain reads format "
+                f"{FORMAT_VERSION} (a commit record listing each file's sha256)",
+                "Resume it with the dtrain that wrote it, or start a new --run-dir")
+        return {name: FileRecord(int(f["size"]), str(f["sha256"])) for name, f in files.items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise CheckpointDamaged(f"checkpoint {path} is damaged", f"file {MARKER}",
+                                f"the commit record cannot be parsed ({exc})",
+                                FALLBACK_HINT) from None
+
+
+def load(path: Path, *, map_location: str | torch.device = "cpu",
+         shard: tuple[int, int] = (0, 0)) -> Checkpoint:
+    """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``, each file
+    verified against the commit record before it is parsed."""
+    record = read_record(path)
+    meta = json.loads(verify_file(path, "meta.json", record).read_bytes())
+    model, optim, rng = (_load_torch(path, name, record, map_location) for name in
+                         (shard_name("model", *shard), shard_name("optim", *shard), "rng.pt"))
+    return Checkpoint(path, int(meta["step"]), meta, model, optim, rng)
+
+
+def _load_torch(path: Path, name: str, record: dict[str, FileRecord],
+                map_location: str | torch.device) -> Any:
+    try:
+        return torch.load(verify_file(path, name, record), map_location=map_location)
+    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        # The bytes are the ones saved: the reader, not the file, differs (e.g. torch version).
+        raise CheckpointError("checkpoint unreadable", f"{path / name}",
+                              f"{type(exc).__name__}: {exc}",
+                              "Load it with the torch version that saved it") from exc
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_compatible(meta: dict[str, Any], *, model: dict[str, Any], layout: dict[str, int],
+                     path: Path) -> None:
+    """Refuse a checkpoint of another model config or sharded layout, listing every difference."""
+    diffs = [f"{key}: checkpoint {meta['model'].get(key)!r}, now {value!r}"
+             for key, value in model.items() if meta["model"].get(key) != value]
+    # A key absent on either side is not compared: checkpoints written before pipeline
+    # parallelism have no stage keys (they were unsplit, and a pp difference still shows).
+    saved = meta["layout"]
+    diffs += [f"{axis}: checkpoint {saved[axis]!r}, now {layout[axis]!r}"
+              for axis in SHARDED_AXES
+              if axis in saved and axis in layout and saved[axis] != layout[axis]]
+    if diffs:
+        raise CheckpointError("checkpoint does not match this run", str(path),
+                              "differing fields: " + "; ".join(diffs),
+                              "Resume with the checkpoint's settings, or use a new --run-dir")

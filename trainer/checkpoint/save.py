@@ -1,0 +1,178 @@
+"""Writing a checkpoint: shards into a temporary folder, rename, commit record, prune.
+
+The commit record (the ``COMMITTED`` marker, written last) lists every file of the folder with
+its size and sha256, hashed while it was written (`trainer.checkpoint.files`). With several
+writers (the tp x pp ranks of DP replica 0) each hashes its own shards and the records are
+all-gathered to the group's rank 0, which commits.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.fault import fault
+from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_torch
+from trainer.checkpoint.layout import FORMAT_VERSION, MARKER, CheckpointError, shard_name
+from trainer.checkpoint.prune import prune, remove
+from trainer.comm.protocol import Communicator, ReduceOp
+
+Records = dict[str, FileRecord]
+_WORDS = 4  # int64 words of a sha256 digest
+_KINDS = ("model", "optim")
+
+
+def capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, Any],
+         meta: dict[str, Any], keep: int = 0, shard: tuple[int, int] = (0, 0),
+         writers: Communicator | None = None) -> Path:
+    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all).
+
+    ``shard`` is this rank's (tp, pp) model shard. With ``writers`` (the group of ranks that
+    hold the different shards, every one calling ``save``) the call is collective: rank 0 of
+    the group names the temporary folder and commits it once every shard is written."""
+    if writers is not None and writers.size > 1:
+        return _save_together(root, step, model=model, optim=optim, meta=meta, keep=keep,
+                              shard=shard, writers=writers)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step-{step}"
+    if (final / MARKER).is_file():
+        return final  # the same step is already committed (e.g. resumed, then saved at the end)
+    tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
+    with _save_errors(tmp):
+        tmp.mkdir()
+        _commit(root, tmp, final, step, meta, _write_shard(tmp, model, optim, shard, step))
+        prune(root, keep=keep, current=step)
+    return final
+
+
+def _save_together(root: Path, step: int, *, model: dict[str, torch.Tensor],
+                   optim: dict[str, Any], meta: dict[str, Any], keep: int,
+                   shard: tuple[int, int], writers: Communicator) -> Path:
+    """`save` by a group: folder named by rank 0, shards written by all, commit by rank 0.
+    Every phase ends with an agreement, so a failure on one rank fails every rank (no hang)."""
+    final, leader = root / f"step-{step}", writers.rank == 0
+    device = next((t.device for t in model.values()), torch.device("cpu"))
+    token = torch.tensor([-1], dtype=torch.int64, device=device)
+    if leader:
+        root.mkdir(parents=True, exist_ok=True)
+        if not (final / MARKER).is_file():
+            token[0] = secrets.randbits(31)
+    writers.broadcast(token, 0)
+    if int(token) < 0:
+        return final  # already committed: nobody writes
+    tmp = root / f"step-{step}.tmp-{int(token):08x}"
+    mine: Records = {}
+    _agreed(writers, tmp, device, "create the folder", tmp.mkdir if leader else lambda: None)
+    _agreed(writers, tmp, device, "write its shard",
+            lambda: mine.update(_write_shard(tmp, model, optim, shard, step)))
+    records = _gather_records(writers, mine, shard, device)
+
+    def commit() -> None:
+        if leader:
+            _commit(root, tmp, final, step, meta, records)
+            prune(root, keep=keep, current=step)
+
+    _agreed(writers, tmp, device, "commit", commit)
+    return final
+
+
+def _agreed(writers: Communicator, tmp: Path, device: torch.device, what: str,
+            action: Callable[[], Any]) -> None:
+    """Run ``action`` on every writer; if it fails on any, raise on all."""
+    error = None
+    try:
+        with _save_errors(tmp):
+            action()
+    except CheckpointError as exc:
+        error = exc
+    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable state: the others wait
+        error = CheckpointError("checkpoint save failed", str(tmp), f"{type(exc).__name__}: {exc}",
+                                "Save only tensors and plain Python values")
+    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
+    writers.all_reduce(failed, ReduceOp.SUM)
+    if error is not None:
+        raise error
+    if int(failed):
+        raise CheckpointError("checkpoint save failed", str(tmp),
+                              f"{int(failed)} other writer(s) failed to {what}",
+                              "See their messages; check free space and permissions of "
+                              "--run-dir")
+
+
+def _gather_records(writers: Communicator, mine: Records, shard: tuple[int, int],
+                    device: torch.device) -> Records:
+    """Every writer's shard records on every writer: (tp, pp, then size and digest words of
+    each kind) per rank, as int64 so that any backend's all-gather carries them."""
+    row = [*shard]
+    for kind in _KINDS:
+        rec = mine[shard_name(kind, *shard)]
+        digest = bytes.fromhex(rec.sha256)
+        row += [rec.size, *(int.from_bytes(digest[8 * i:8 * i + 8], "little", signed=True)
+                            for i in range(_WORDS))]
+    inp = torch.tensor(row, dtype=torch.int64, device=device)
+    out = torch.empty(writers.size * len(row), dtype=torch.int64, device=device)
+    writers.all_gather(out, inp)
+    records: Records = {}
+    for values in out.cpu().view(writers.size, len(row)).tolist():
+        for k, kind in enumerate(_KINDS):
+            size, *words = values[2 + k * (1 + _WORDS):2 + (k + 1) * (1 + _WORDS)]
+            digest = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+            records[shard_name(kind, values[0], values[1])] = FileRecord(size, digest.hex())
+    return records
+
+
+@contextmanager
+def _save_errors(tmp: Path) -> Iterator[None]:
+    """OSError of a save becomes the CheckpointError users see."""
+    try:
+        yield
+    except OSError as exc:
+        raise CheckpointError("checkpoint save failed", str(tmp), exc.strerror or str(exc),
+                              "Check free space and permissions of --run-dir") from exc
+
+
+def _write_shard(tmp: Path, model: dict[str, torch.Tensor], optim: dict[str, Any],
+                 shard: tuple[int, int], step: int) -> Records:
+    records = {}
+    for kind, state in zip(_KINDS, (model, optim), strict=True):
+        name = shard_name(kind, *shard)
+        records[name] = write_torch(tmp / name, state)
+        fault(f"save_after_{kind}", step)
+    return records
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
+            shards: Records) -> None:
+    """RNG and meta into ``tmp``, rename it to ``final``, then the commit record (the marker)."""
+    files = dict(shards)
+    files["rng.pt"] = write_torch(tmp / "rng.pt", capture_rng())
+    fault("save_after_rng", step)
+    body = {"format": FORMAT_VERSION, "step": step, **meta}
+    files["meta.json"] = write_bytes(tmp / "meta.json",
+                                     json.dumps(body, indent=2, sort_keys=True).encode())
+    fsync_dir(tmp)
+    fault("save_after_meta", step)
+    if final.exists():
+        remove(final, step)  # an uncommitted leftover of a save that died after its rename
+    tmp.rename(final)
+    fsync_dir(root)
+    fault("save_after_rename", step)
+    record = {"format": FORMAT_VERSION, "step": step,
+              "files": {name: rec.to_json() for name, rec in sorted(files.items())}}
+    write_bytes(final / MARKER, json.dumps(record, indent=1).encode())
+    fsync_dir(final)
+    fault("save_after_marker", step)

@@ -1,0 +1,82 @@
+"""Stop a diverged run on every rank in the same step, before the bad step is applied or saved.
+
+Per step (`StepGuard.admit`, before ``optimizer.step()``): the loss and the global gradient norm are
+the values every rank already agrees on, so no extra collective is needed. The loss is averaged
+over DP, identical on every TP rank (vocab-parallel cross entropy reduces over TP) and broadcast
+over PP; the norm is summed over TP and PP, and DP ranks hold the same all-reduced gradients. A
+NaN or Inf anywhere reaches both values on every rank, so all ranks raise together and nobody
+waits in a collective. The step is not applied: the parameters stay those of the last good step.
+With ``--skip-nonfinite N`` up to N such steps are skipped instead (the update is dropped, as a
+loss scaler drops an overflowing step) and the run stops at the next one.
+
+Per save (`check_parameters`, before a checkpoint is written): parameters can overflow in the
+update itself (a huge learning rate times weight decay) while that step's loss and norm were
+finite; each rank tests its own parameters and the verdict is reduced over the DP, TP and PP
+groups, so all ranks refuse together. Neither check lets a non-finite state reach a checkpoint,
+and since nothing is saved, nothing is pruned because of it.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.errors import TrainerError
+
+_FIX = ("Resume from the last checkpoint (--resume) with a lower --lr, more --warmup-steps or "
+        "--grad-clip")
+
+
+class DivergedError(TrainerError):
+    """The loss, the gradient norm or the parameters of a run became NaN or infinite."""
+
+
+@dataclass
+class StepGuard:
+    """Decides, per step, whether its update may be applied. ``allowed``: how many non-finite
+    steps this invocation may skip (``--skip-nonfinite``, like a loss scaler's skipped steps);
+    the next one stops the run. The budget is per invocation: a resumed run starts it again."""
+
+    allowed: int = 0
+    skipped: list[int] = field(default_factory=list)
+
+    def admit(self, step: int, loss: float, grad_norm: float, *, report: bool) -> bool:
+        """True: apply the step. False: skip it (``report`` prints why). Raises when a
+        non-finite step exceeds the budget; every rank decides alike (see the docstring)."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            return True
+        what = f"the loss is {loss} and the global gradient norm {grad_norm}"
+        if len(self.skipped) < self.allowed:
+            self.skipped.append(step)
+            if report:
+                print(f"dtrain: step {step} skipped: {what} ({len(self.skipped)} of "
+                      f"--skip-nonfinite {self.allowed})", file=sys.stderr, flush=True)
+            return False
+        used = f" after skipping steps {', '.join(map(str, self.skipped))}" if self.skipped else ""
+        raise DivergedError("training diverged", f"step {step}",
+                            f"{what}{used}; the step was not applied and no checkpoint of it is "
+                            "written", _FIX).everywhere(report=report)
+
+
+def check_parameters(params: Iterable[torch.Tensor], step: int, groups: Sequence[Communicator],
+                     *, report: bool) -> None:
+    """Raise on every rank if any rank of ``groups`` (together: the world) holds a non-finite
+    parameter; called before saving step ``step``."""
+    params = list(params)
+    device = params[0].device if params else torch.device("cpu")
+    finite = [torch.isfinite(p.detach()).all() for p in params]  # on the device: one sync
+    bad = torch.zeros(1, dtype=torch.int64, device=device)
+    if finite:
+        bad += ~torch.stack(finite).all()
+    for comm in groups:
+        comm.all_reduce(bad, ReduceOp.MAX)
+    if int(bad):
+        raise DivergedError("training diverged", f"step {step}",
+                            "a parameter is NaN or infinite after the update; the checkpoint "
+                            "of this step is not written and none is pruned", _FIX
+                            ).everywhere(report=report)
