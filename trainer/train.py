@@ -39,20 +39,22 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from trainer import checkpoint
-from trainer.comm.bootstrap import ParallelGroups, World, build_groups, init
+from trainer import checkpoint, startup
+from trainer.comm.bootstrap import ParallelGroups, World, build_groups
 from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.timing import CommClock, TimedCommunicator
 from trainer.comm.topology import ParallelDims
 from trainer.config import TrainConfig, parse_args, resolve_dp
-from trainer.data import BatchPlan, Corpus, ShardedBatches, load_corpus, step_seed
+from trainer.data import BatchPlan, Corpus, ShardedBatches, step_seed
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
 from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
+from trainer.inference.validation import Validation
 from trainer.metrics import MetricsLog, StepRecord
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
@@ -106,6 +108,8 @@ class Run:
     """The pipeline of this rank (``--pp > 1``), else None."""
     writers: Communicator | None = None
     """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
+    clock: CommClock = field(default_factory=CommClock)
+    """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
 
     @property
     def tp_rank(self) -> int:
@@ -118,16 +122,23 @@ class Run:
 
 def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
               device: torch.device, groups: ParallelGroups | None = None,
-              world_comm: Communicator | None = None) -> Run:
+              world_comm: Communicator | None = None, corpus: Corpus | None = None) -> Run:
     """Model, optimizer, data, DP (and the pipeline) of this rank, restored from a checkpoint on
     --resume. ``groups`` (needed when cfg.tp > 1 or cfg.pp > 1) supplies the TP and PP groups;
-    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers."""
+    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers;
+    ``corpus`` is the checked data (read here when not given). Every group is timed on the
+    run's clock."""
+    clock = CommClock()
+    if groups is not None:
+        groups = replace(groups, tp=TimedCommunicator(groups.tp, clock),
+                         pp=TimedCommunicator(groups.pp, clock))
+    dp_comm = TimedCommunicator(dp_comm, clock, handles_block=False)
     tp_comm = groups.tp if groups is not None else None
     pp_comm = groups.pp if groups is not None else None
-    _check_groups(cfg, tp_comm, pp_comm, world_comm)
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
+    startup.check_groups(cfg, tp_comm, pp_comm, world_comm)
+    corpus = startup.training_data(cfg) if corpus is None else corpus
     for comm in (c for c in (dp_comm, tp_comm, pp_comm) if c is not None):
-        _require_same(comm, int(corpus.fingerprint[:15], 16), device,
+        startup.require_same(comm, int(corpus.fingerprint[:15], 16), device,
                       "ranks read different training data", corpus.source,
                       "Give every host the same --data (or the same Python for the default "
                       "corpus)")
@@ -157,33 +168,13 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, changed=changed, tp_comm=tp_comm,
-               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers)
-
-
-def _check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | None,
-                  world: Communicator | None) -> None:
-    for axis, want, comm in (("tp", cfg.tp, tp), ("pp", cfg.pp, pp)):
-        if want != (comm.size if comm is not None else 1):
-            raise TrainerError(f"parallel group does not match --{axis}", f"--{axis} {want}",
-                               f"build_run got no {axis.upper()} group of that size",
-                               "Pass groups=build_groups(world, ParallelDims(dp, tp, pp))")
-    if cfg.pp > 1 and world is None:
-        raise TrainerError("pipeline run without the world communicator", f"--pp {cfg.pp}",
-                           "the checkpoint writers (tp x pp ranks of DP replica 0) are split "
-                           "from it", "Pass world_comm=world.comm to build_run")
-
-
-def _require_same(comm: Communicator, value: int, device: torch.device, what: str,
-                  where: str, fix: str) -> None:
-    """Fail on every rank together when ``value`` differs between ranks (max == min test)."""
-    probe = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    comm.all_reduce(probe, ReduceOp.MAX)
-    if int(probe[0]) != value or -int(probe[1]) != value:
-        raise TrainerError(what, where, "the value differs between ranks", fix)
+               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
+               clock=clock)
 
 
 def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step (all microbatches); returns rank 0's view of it."""
+    run.clock.take()  # what ran between steps (evaluation, checkpoints) is not the step's
     start = time.perf_counter()
     # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
     stage = (run.pp_rank,) if run.pipeline is not None else ()
@@ -199,7 +190,8 @@ def train_step(run: Run, step: int) -> StepRecord:
         loss_sum = run.pipeline.forward_backward(micro)
     else:
         loss_sum = _accumulate(run, micro)
-    run.dp.finish_grad_sync()
+    with run.clock.blocked():
+        run.dp.finish_grad_sync()
     if run.pipeline is not None:
         run.pipeline.sync_tied_grads()
     grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
@@ -210,11 +202,10 @@ def train_step(run: Run, step: int) -> StepRecord:
         run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
         loss = float(loss_sum)
     step_s = time.perf_counter() - start
-    exposed = run.dp.stats.exposed_s
+    exposed, total = run.clock.take()
     return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
                       tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                      compute_s=step_s - exposed, comm_exposed_s=exposed,
-                      comm_total_s=run.dp.stats.comm_s)
+                      compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total)
 
 
 def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -241,19 +232,23 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
                            writers=run.writers)
 
 
-def train(cfg: TrainConfig, world: World) -> TrainResult:
-    """Run training on this rank of ``world``."""
+def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
+    """Run training on this rank of ``world`` (on ``corpus``, the checked data, if given)."""
     cfg = resolve_dp(cfg, world.size)
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
     run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+                    groups=groups, world_comm=world.comm, corpus=corpus)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
                      start_step=run.start_step, log_every=cfg.log_every)
     log.info(_banner(run, world.size))
+    log.info(startup.binary_warning(run.corpus))
+    validation = _validation(run) if cfg.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             rec = train_step(run, step)
+            if validation and (step % cfg.eval_every == 0 or step == cfg.last_step):
+                rec = replace(rec, val_loss=validation.loss(cfg.eval_batches))
             log.record(rec)
             result.losses.append(rec.loss)
             result.final_step = step
@@ -266,6 +261,12 @@ def train(cfg: TrainConfig, world: World) -> TrainResult:
         log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
                              f"global batch {cfg.global_batch}")
     return result
+
+
+def _validation(run: Run) -> Validation:
+    pipe = run.pipeline
+    return Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
+                         pipe.comm if pipe else None, pipe.layout if pipe else None)
 
 
 def _banner(run: Run, world_size: int) -> str:
@@ -286,31 +287,29 @@ def _banner(run: Run, world_size: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: exit 0 on success, 2 on a reported error (all ranks are aborted)."""
-    world = None
+    """Entry point: exit 0 on success; on bad input (options, world, data) 2 on every rank,
+    printed once (`trainer.startup`); on an error in training 2, all ranks aborted."""
+    quiet = startup.env_rank() != 0
+    cfg, failed = startup.attempt(lambda: parse_args(argv, quiet=quiet))
+    failed = startup.agree(startup.world_comm(), failed)
+    if failed is None:
+        ready, failed = startup.attempt(lambda: startup.prepare(cfg))
+        failed = startup.agree(startup.world_comm(), failed)
+    if failed is not None:
+        return failed.code
+    world, cfg, corpus = ready
     try:
-        cfg = parse_args(argv)
-        world = init(backend=cfg.backend)
-        train(cfg, world)
+        train(cfg, world, corpus)
         return 0
     except TrainerError as exc:
-        return _fail(world, f"error: {exc}", 2)
+        return startup.fail_alone(world, f"error: {exc}", 2)
     except KeyboardInterrupt:
-        return _fail(world, "interrupted", 130)
+        return startup.fail_alone(world, "interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - report, then abort the other ranks
         import traceback
 
         traceback.print_exc()
-        return _fail(world, f"error: unexpected {type(exc).__name__}: {exc}", 1)
-
-
-def _fail(world: World | None, message: str, code: int) -> int:
-    many = world is not None and world.size > 1
-    print((f"[rank {world.rank}] " if many else "") + message, file=sys.stderr, flush=True)
-    if many:
-        # One rank's error must not leave the others blocked in a collective.
-        world.mpi_comm.Abort(code)
-    return code
+        return startup.fail_alone(world, f"error: unexpected {type(exc).__name__}: {exc}", 1)
 
 
 if __name__ == "__main__":
