@@ -22,7 +22,7 @@ from typing import Any
 from trainer.comm.bootstrap import BACKENDS
 from trainer.config_file import load_toml
 from trainer.data import DEFAULT_VAL_FRACTION
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainerError
 from trainer.model import PRESETS, GPTConfig
 from trainer.parallelize import check_divisible
 from trainer.pipeline.partition import parse_counts, stage_counts
@@ -123,8 +123,10 @@ class TrainConfig:
                               "Pass --val-fraction above 0 (e.g. 0.05), or --eval-every 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
-        if self.tp > 1:
-            check_divisible(self.gpt, self.tp)  # refused at start-up, not after the world is up
+        try:  # refused when the options are read, not after the world is up
+            check_divisible(self.gpt, self.tp)
+        except TrainerError as exc:
+            raise ConfigError(exc.what, exc.where, exc.why, exc.fix) from None
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
