@@ -138,7 +138,7 @@ class MetricsLog:
     def info(self, text: str) -> None:
         """Print ``text`` on rank 0 (nothing for an empty text)."""
         if self.enabled and text:
-            self._console.print(text, highlight=False)
+            self._console.print(text, highlight=False, markup=False)  # "[...]" is text
 
     def record(self, rec: StepRecord) -> None:
         if not self.enabled:
