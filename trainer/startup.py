@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -31,7 +31,7 @@ import torch
 
 from trainer.comm.bootstrap import World, import_mpi, init
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.config import TrainConfig, resolve_dp
+from trainer.config import TrainConfig, parse_args, resolve_dp
 from trainer.data import Corpus, check_splits, check_vocab, load_corpus
 from trainer.errors import BootstrapError, TrainerError
 
@@ -97,6 +97,17 @@ def agree(comm: Any, failure: Failure | None) -> Failure | None:
               flush=True)
     comm.Barrier()  # nobody exits (so the launcher stops nobody) before the message is out
     return first
+
+
+def start(argv: Sequence[str] | None) -> tuple[World, TrainConfig, Corpus] | int:
+    """Both phases with their agreements: what to train with, or the exit code of bad input."""
+    quiet = env_rank() != 0
+    cfg, failed = attempt(lambda: parse_args(argv, quiet=quiet))
+    failed = agree(world_comm(), failed)
+    if failed is None:
+        ready, failed = attempt(lambda: prepare(cfg))
+        failed = agree(world_comm(), failed)
+    return ready if failed is None else failed.code
 
 
 def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:

@@ -6,13 +6,16 @@
     dtrain launch --nproc-per-node 2 -- python -m trainer.train --model tiny --run-dir runs/t
     python -m trainer.train --config run.toml --resume        # continue the newest checkpoint
 
-Each step: the global batch of the step (derived from seed and step alone) is split over the DP
-ranks and into microbatches; backward runs with bucketed, overlapped gradient all-reduce
-(`trainer.data_parallel`); gradients are clipped and AdamW steps. Rank 0 logs, writes
-``metrics.jsonl`` every step, ``loss.png`` at the end, and checkpoints every ``--save-every``
-steps and at the end. ``--resume`` continues bit-exactly from the newest committed checkpoint
-(the run dir must be visible to every rank, as with Megatron or DeepSpeed). Dropout is reseeded
-from (seed, step, dp rank) every step, so the random stream needs no state across a resume.
+Start-up (`trainer.startup`) checks options, world and data on every rank and reports bad
+input once. Each step: the step's global batch (from seed and step alone, training split) is
+split over the DP ranks and into microbatches; backward runs with bucketed, overlapped gradient
+all-reduce (`trainer.data_parallel`); gradients are clipped and AdamW steps; communication is
+timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
+(`trainer.inference.validation`). Rank 0 logs, writes ``metrics.jsonl`` every step, ``loss.png``
+at the end, and checkpoints every ``--save-every`` steps and at the end. ``--resume`` continues
+bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
+with Megatron or DeepSpeed). Dropout is reseeded from (seed, step, dp rank) every step, so the
+random stream needs no state across a resume.
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
@@ -47,9 +50,9 @@ import torch
 from trainer import checkpoint, startup
 from trainer.comm.bootstrap import ParallelGroups, World, build_groups
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.comm.timing import CommClock, TimedCommunicator
+from trainer.comm.timing import CommClock, timed_groups
 from trainer.comm.topology import ParallelDims
-from trainer.config import TrainConfig, parse_args, resolve_dp
+from trainer.config import TrainConfig, resolve_dp
 from trainer.data import BatchPlan, Corpus, ShardedBatches, step_seed
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
@@ -129,10 +132,7 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     ``corpus`` is the checked data (read here when not given). Every group is timed on the
     run's clock."""
     clock = CommClock()
-    if groups is not None:
-        groups = replace(groups, tp=TimedCommunicator(groups.tp, clock),
-                         pp=TimedCommunicator(groups.pp, clock))
-    dp_comm = TimedCommunicator(dp_comm, clock, handles_block=False)
+    groups, dp_comm = timed_groups(groups, dp_comm, clock)
     tp_comm = groups.tp if groups is not None else None
     pp_comm = groups.pp if groups is not None else None
     startup.check_groups(cfg, tp_comm, pp_comm, world_comm)
@@ -242,7 +242,9 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      start_step=run.start_step, log_every=cfg.log_every)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
-    validation = _validation(run) if cfg.eval_every else None
+    pipe = run.pipeline
+    validation = Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
+                               pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
@@ -261,12 +263,6 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
                              f"global batch {cfg.global_batch}")
     return result
-
-
-def _validation(run: Run) -> Validation:
-    pipe = run.pipeline
-    return Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
-                         pipe.comm if pipe else None, pipe.layout if pipe else None)
 
 
 def _banner(run: Run, world_size: int) -> str:
@@ -289,14 +285,9 @@ def _banner(run: Run, world_size: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: exit 0 on success; on bad input (options, world, data) 2 on every rank,
     printed once (`trainer.startup`); on an error in training 2, all ranks aborted."""
-    quiet = startup.env_rank() != 0
-    cfg, failed = startup.attempt(lambda: parse_args(argv, quiet=quiet))
-    failed = startup.agree(startup.world_comm(), failed)
-    if failed is None:
-        ready, failed = startup.attempt(lambda: startup.prepare(cfg))
-        failed = startup.agree(startup.world_comm(), failed)
-    if failed is not None:
-        return failed.code
+    ready = startup.start(argv)
+    if isinstance(ready, int):
+        return ready
     world, cfg, corpus = ready
     try:
         train(cfg, world, corpus)

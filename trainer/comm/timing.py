@@ -28,10 +28,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
 
 Interval = tuple[float, float]
@@ -198,3 +200,13 @@ class TimedCommunicator:
         """The sub-group, timed on the same clock (e.g. the pipeline's embedding group)."""
         return TimedCommunicator(self.inner.split(color, key, name=name), self.clock,
                                  handles_block=self.handles_block)
+
+
+def timed_groups(groups: ParallelGroups | None, dp: Communicator, clock: CommClock
+                 ) -> tuple[ParallelGroups | None, Communicator]:
+    """The TP and PP groups and the DP communicator of a run, timed on ``clock`` (DP's handles
+    are polled during backward, so they do not count as blocking)."""
+    if groups is not None:
+        groups = replace(groups, tp=TimedCommunicator(groups.tp, clock),
+                         pp=TimedCommunicator(groups.pp, clock))
+    return groups, TimedCommunicator(dp, clock, handles_block=False)
