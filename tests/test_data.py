@@ -34,7 +34,7 @@ def batches(corpus, *, dp: int = 1, rank: int = 0, micro: int = 1, seed: int = 3
 
 def test_default_corpus_is_the_stdlib_python_source_read_deterministically(corpus) -> None:
     again = load_corpus(cap_bytes=CAP)
-    assert corpus.source == str(stdlib_dir()) and len(corpus) == CAP
+    assert corpus.source == str(stdlib_dir()) and len(corpus.train) == CAP
     assert corpus.fingerprint == again.fingerprint
     assert b"def " in corpus.tokens.numpy().tobytes()
 
@@ -51,9 +51,10 @@ def test_a_folder_corpus_reads_files_in_sorted_order_and_folders_after_files(tmp
     assert text == b"first\n\nsecond\n\nthird\n\n"
 
 
-def test_the_cap_limits_a_file_corpus(tmp_path: Path) -> None:
+def test_the_cap_limits_the_training_split_of_a_file_corpus(tmp_path: Path) -> None:
     (tmp_path / "big.txt").write_text("x" * 1000)
-    assert len(load_corpus(str(tmp_path / "big.txt"), cap_bytes=100)) == 100
+    corpus = load_corpus(str(tmp_path / "big.txt"), cap_bytes=100, val_fraction=0.2)
+    assert (len(corpus.train), len(corpus.val)) == (100, 25)  # validation is read past the cap
 
 
 def test_a_missing_data_path_is_named_in_the_error(tmp_path: Path) -> None:
@@ -133,8 +134,8 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused_at_the_first_byte_by_fil
 
 def test_the_validation_split_is_the_tail_and_no_window_of_either_split_crosses_it() -> None:
     corpus = load_corpus(cap_bytes=CAP, val_fraction=0.25)
-    cut = CAP - CAP // 4
-    assert corpus.val_bytes == CAP // 4 and len(corpus.train) == cut
+    cut = CAP
+    assert corpus.val_bytes == CAP // 3 and len(corpus.train) == cut
     train = batches(corpus, batch=64)
     whole = corpus.tokens
     for step in range(1, 20):
@@ -151,7 +152,7 @@ def test_the_validation_split_is_the_tail_and_no_window_of_either_split_crosses_
 
 
 def test_a_validation_split_too_small_for_a_window_is_refused_with_the_fix(tmp_path) -> None:
-    (tmp_path / "t.txt").write_text("x" * 200)
+    (tmp_path / "t.txt").write_text("x" * 200)  # below the cap: split 5 : 95
     corpus = load_corpus(str(tmp_path / "t.txt"), val_fraction=0.05)
     check_splits(corpus, 16, validation=False)
     with pytest.raises(DataError, match=r"validation data too small \[10 bytes\].*--val-fraction"):

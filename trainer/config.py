@@ -59,7 +59,8 @@ HELP: dict[str, str] = {
     "keep": "number of newest checkpoints to keep (0 = all)",
     "resume": "continue from the newest committed checkpoint in --run-dir",
     "data": "text file or folder to train on (default: the Python stdlib sources)",
-    "data_cap_mb": "read at most this many MiB of training text",
+    "data_cap_mb": "read at most this many MiB of training text (the validation split is read "
+                   "after it)",
     "val_fraction": "hold out this last fraction of the data for validation (never trained on)",
     "eval_every": "log the validation loss every N steps and at the last step (0 = never)",
     "eval_batches": "validation batches (of --global-batch sequences) per evaluation",

@@ -9,9 +9,12 @@ Files that look binary (a NUL byte, or not UTF-8) are still read, and listed in
 ``Corpus.binary_files`` so the trainer can warn; `check_vocab` refuses a vocabulary that cannot
 hold every byte of the data, naming the first byte that does not fit by file and line.
 
-Validation split. The last ``val_fraction`` of the byte stream (the end of the last files) is
+Validation split. The last ``val_fraction`` of the bytes read (the end of the last files) is
 held out: training windows are drawn from ``Corpus.train`` only, validation windows from
 ``Corpus.val`` only, so no validation byte is ever trained on (windows never straddle the cut).
+The cap is the training split's: reading goes on past it by ``val_fraction / (1 -
+val_fraction)`` of it, so a corpus larger than that trains on exactly the bytes it would
+without a validation split; a smaller one is split val_fraction : 1 - val_fraction.
 
 Sampling. The global batch of step ``s`` is ``global_batch`` random windows whose start offsets
 come from a generator seeded with (seed, s) alone (validation batch ``k``: (seed, k) on a stream
@@ -106,8 +109,8 @@ def corpus_files(root: Path) -> Iterator[Path]:
 
 def load_corpus(path: str | None = None, *, cap_bytes: int = DEFAULT_CAP_BYTES,
                 val_fraction: float = DEFAULT_VAL_FRACTION) -> Corpus:
-    """Read up to ``cap_bytes`` of text from ``path`` (default: the stdlib sources) and hold
-    out its last ``val_fraction`` for validation."""
+    """Read up to ``cap_bytes`` of training text from ``path`` (default: the stdlib sources),
+    then the validation split after it (module docstring)."""
     root = stdlib_dir() if path is None else Path(path).expanduser()
     if not root.exists():
         raise DataError("data path not found", str(root), "it does not exist",
@@ -115,6 +118,8 @@ def load_corpus(path: str | None = None, *, cap_bytes: int = DEFAULT_CAP_BYTES,
     if cap_bytes < 1:
         raise DataError("no training data", f"cap {cap_bytes} bytes", "the cap reads nothing",
                         "Pass a --data-cap-mb above 0")
+    val_cap = int(cap_bytes * val_fraction / (1 - val_fraction))
+    limit = cap_bytes + val_cap
     chunks: list[bytes] = []
     files: list[tuple[int, str]] = []
     binary: list[str] = []
@@ -129,17 +134,17 @@ def load_corpus(path: str | None = None, *, cap_bytes: int = DEFAULT_CAP_BYTES,
             binary += [str(file)] if looks_binary(raw) else []
         chunks.append(raw + _SEPARATOR)
         total += len(raw) + len(_SEPARATOR)
-        if total >= cap_bytes:
+        if total >= limit:
             break
     if not files:
         raise DataError("no training data", str(root),
                         "the folder has no non-empty, readable file" if root.is_dir()
                         else "the file is empty",
                         "Pass --data with a text file or a folder of text files")
-    data = b"".join(chunks)[:cap_bytes]
+    data = b"".join(chunks)[:limit]
+    val_bytes = val_cap if len(data) == limit else int(len(data) * val_fraction)
     return Corpus(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(root),
-                  val_bytes=int(len(data) * val_fraction), files=tuple(files),
-                  binary_files=tuple(binary))
+                  val_bytes=val_bytes, files=tuple(files), binary_files=tuple(binary))
 
 
 def looks_binary(raw: bytes) -> bool:
