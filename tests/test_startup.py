@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import PYTHON, run_dtrain
-from trainer.startup import Failure, agree, env_rank
+from trainer.data import load_corpus
+from trainer.startup import Failure, agree, env_rank, same_data
 
 RANK_LINE = re.compile(r"^\[\d+@[^\]]+\] (.*)$", re.MULTILINE)
 TRAIN = ["--model", "tiny", "--steps", "1", "--global-batch", "4", "--data-cap-mb", "0.25",
@@ -22,12 +23,12 @@ TRAIN = ["--model", "tiny", "--steps", "1", "--global-batch", "4", "--data-cap-m
 
 
 class FakeWorld:
-    """One rank's view of a world whose ranks report ``failures`` to the allgather."""
+    """One rank's view of a world whose ranks contribute ``values`` to the allgather."""
 
-    def __init__(self, rank: int, failures: list[Failure | None]) -> None:
-        self.rank, self.failures, self.barriers = rank, failures, 0
+    def __init__(self, rank: int, values: list) -> None:
+        self.rank, self.failures, self.barriers = rank, values, 0
 
-    def allgather(self, mine: Failure | None) -> list[Failure | None]:
+    def allgather(self, mine: object) -> list:
         assert mine == self.failures[self.rank]
         return list(self.failures)
 
@@ -66,6 +67,20 @@ def test_a_failure_of_every_rank_is_printed_once_without_a_rank(capsys) -> None:
 def test_no_failure_anywhere_returns_none_and_skips_the_barrier() -> None:
     world = FakeWorld(0, [None, None])
     assert agree(world, None) is None and world.barriers == 0
+
+
+def test_ranks_that_read_different_data_all_fail_naming_the_ranks_of_each_version(
+        tmp_path: Path) -> None:
+    (tmp_path / "a.txt").write_text("one version")
+    (tmp_path / "b.txt").write_text("another version")
+    first, second = load_corpus(str(tmp_path / "a.txt")), load_corpus(str(tmp_path / "b.txt"))
+    seen = [(first.fingerprint, first.source)] * 2 + [(second.fingerprint, second.source)]
+    for rank, corpus in enumerate((first, first, second)):
+        failure = same_data(FakeWorld(rank, seen), corpus)
+        assert failure is not None and failure.code == 2
+        assert f"a.txt = {first.fingerprint} on rank(s) 0, 1; " in failure.message
+        assert f"b.txt = {second.fingerprint} on rank(s) 2]" in failure.message
+    assert same_data(FakeWorld(0, seen[:2]), first) is None
 
 
 def test_the_rank_comes_from_the_launchers_variables() -> None:

@@ -9,7 +9,8 @@ or None):
    environment) lets argparse print usage and help; the other ranks parse quietly.
 2. the world and the data (`prepare`): joining the job, the layout against the number of ranks,
    reading the data (a host may lack it), the vocabulary against the data's bytes, both splits
-   large enough for a window. Files that look binary are only warned about (by rank 0).
+   large enough for a window; then (`same_data`) every rank read the same bytes. Files that
+   look binary are only warned about (by rank 0).
 
 When an agreement finds a failure, the lowest failing rank prints its message (prefixed with
 its rank when other ranks did not fail), every rank waits at a barrier until it is out, and all
@@ -107,7 +108,25 @@ def start(argv: Sequence[str] | None) -> tuple[World, TrainConfig, Corpus] | int
     if failed is None:
         ready, failed = attempt(lambda: prepare(cfg))
         failed = agree(world_comm(), failed)
+    if failed is None:
+        failed = agree(world_comm(), same_data(world_comm(), ready[2]))
     return ready if failed is None else failed.code
+
+
+def same_data(comm: Any, corpus: Corpus) -> Failure | None:
+    """Collective over ``comm``: a failure on every rank when the ranks read different bytes
+    (e.g. a --data folder that differs between hosts), naming the ranks of each version."""
+    if comm is None:
+        return None
+    seen = comm.allgather((corpus.fingerprint, corpus.source))
+    if len(set(seen)) == 1:
+        return None
+    ranks = {version: [r for r, v in enumerate(seen) if v == version] for version in seen}
+    where = "; ".join(f"{source} = {fp} on rank(s) {', '.join(map(str, rs))}"
+                      for (fp, source), rs in ranks.items())
+    return Failure(f"error: ranks read different training data [{where}]: every rank must "
+                   "train on the same bytes. Give every host the same --data (or the same "
+                   "Python for the default corpus)", 2)
 
 
 def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:
