@@ -1,7 +1,8 @@
-"""Sample text from the newest checkpoint of a run, whatever layout it was trained in.
-
-    python -m trainer.generate --run-dir DIR --prompt TEXT [--tokens N --temperature T \\
+"""python -m trainer.generate --run-dir DIR --prompt TEXT [--tokens N --temperature T \
         --top-k K --seed S]
+
+Sample text from the newest checkpoint of a run, whatever layout it was trained in:
+
     python -m trainer.generate --run-dir runs/3d --prompt "def main(" --temperature 0  # greedy
 
 The checkpoint's shards (tp x pp of them) are merged into the single-device GPT on this one
@@ -61,7 +62,8 @@ def generate(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: print the sample; exit 2 with one message on bad input."""
+    """``python -m trainer.generate ...``: print the sample; exit 2 with one message on bad
+    input."""
     args = build_parser().parse_args(argv)
     try:
         print(generate(args), flush=True)

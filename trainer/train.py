@@ -285,11 +285,12 @@ def _banner(run: Run, world_size: int) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: exit 0 on success; on bad input (options, world, data) 2 on every rank,
     printed once (`trainer.startup`); on an error in training 2, all ranks aborted."""
-    ready = startup.start(argv)
-    if isinstance(ready, int):
-        return ready
-    world, cfg, corpus = ready
+    world = None
     try:
+        ready = startup.start(argv)
+        if isinstance(ready, int):
+            return ready
+        world, cfg, corpus = ready
         train(cfg, world, corpus)
         return 0
     except TrainerError as exc:
