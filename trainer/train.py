@@ -139,9 +139,9 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     corpus = startup.training_data(cfg) if corpus is None else corpus
     for comm in (c for c in (dp_comm, tp_comm, pp_comm) if c is not None):
         startup.require_same(comm, int(corpus.fingerprint[:15], 16), device,
-                      "ranks read different training data", corpus.source,
-                      "Give every host the same --data (or the same Python for the default "
-                      "corpus)")
+                             "ranks read different training data", corpus.source,
+                             "Give every host the same --data (or the same Python for the "
+                             "default corpus)")
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
     model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
@@ -184,7 +184,6 @@ def train_step(run: Run, step: int) -> StepRecord:
     lr = run.schedule.lr_at(step)
     set_lr(run.optimizer, lr)
     run.dp.zero_grad()
-    run.dp.stats.reset()
     micro = run.batches.microbatches(step)
     if run.pipeline is not None:
         loss_sum = run.pipeline.forward_backward(micro)
