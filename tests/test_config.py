@@ -129,3 +129,43 @@ def test_a_global_batch_that_does_not_split_over_dp_and_microbatches_is_refused(
 def test_stop_at_ends_the_invocation_early_without_moving_the_schedule() -> None:
     cfg = TrainConfig(steps=100, stop_at=40)
     assert cfg.last_step == 40 and cfg.schedule_end == 100
+
+
+def test_a_zero_data_cap_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"invalid option \[--data-cap-mb 0.0\]: must be > 0"):
+        parse_args(["--data-cap-mb", "0"])
+
+
+def test_evaluation_without_a_validation_split_is_refused_with_both_ways_out() -> None:
+    with pytest.raises(ConfigError, match=r"evaluation without a validation split .*"
+                       r"--val-fraction above 0 .*or --eval-every 0"):
+        parse_args(["--val-fraction", "0"])
+    assert parse_args(["--val-fraction", "0", "--eval-every", "0"]).eval_every == 0
+
+
+def test_a_model_that_does_not_split_over_tp_is_refused_when_the_options_are_read() -> None:
+    with pytest.raises(ConfigError, match=r"\[--tp 4\]: n_head = 2.*not divisible by tp = 4"):
+        parse_args(["--model", "tiny", "--tp", "4"])
+
+
+def test_fewer_ranks_than_tp_times_pp_asks_for_more_ranks_not_for_leaving_out_dp() -> None:
+    with pytest.raises(ConfigError, match=r"\[tp=2 pp=2, 2 rank\(s\)\]: one model copy takes "
+                       r"tp\*pp = 4 ranks, more than the 2 started. Start a multiple of 4 ranks"):
+        resolve_dp(parse_args(["--model", "tiny", "--tp", "2", "--pp", "2"]), 2)
+
+
+def test_a_world_that_tp_times_pp_does_not_divide_is_refused_with_the_divisor() -> None:
+    with pytest.raises(ConfigError, match=r"tp\*pp = 4 ranks, which does not divide the 6 "
+                       r"started. Start a multiple of 4 ranks"):
+        resolve_dp(parse_args(["--model", "tiny", "--tp", "2", "--pp", "2"]), 6)
+
+
+def test_a_quiet_parse_prints_nothing_and_keeps_argparse_exit_codes(capsys) -> None:
+    for argv, code in ((["--bogus"], 2), (["--help"], 0)):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv, quiet=True)
+        assert exit_info.value.code == code
+    assert capsys.readouterr() == ("", "")
+    with pytest.raises(SystemExit):
+        parse_args(["--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

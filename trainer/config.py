@@ -13,8 +13,6 @@ named, so a typo never becomes a silently ignored setting.
 from __future__ import annotations
 
 import argparse
-import difflib
-import tomllib
 import types
 import typing
 from collections.abc import Sequence
@@ -22,8 +20,11 @@ from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
 from trainer.comm.bootstrap import BACKENDS
-from trainer.errors import ConfigError
+from trainer.config_file import load_toml
+from trainer.data import DEFAULT_VAL_FRACTION
+from trainer.errors import ConfigError, TrainerError
 from trainer.model import PRESETS, GPTConfig
+from trainer.parallelize import check_divisible
 from trainer.pipeline.partition import parse_counts, stage_counts
 from trainer.pipeline.schedule import ScheduleError, check_interleaving
 
@@ -63,7 +64,11 @@ HELP: dict[str, str] = {
     "skip_nonfinite": "skip at most N steps whose loss or gradient norm is NaN or Inf (their "
                       "update is dropped) before stopping; 0 = stop at the first",
     "data": "text file or folder to train on (default: the Python stdlib sources)",
-    "data_cap_mb": "read at most this many MiB of training text",
+    "data_cap_mb": "read at most this many MiB of training text (the validation split is read "
+                   "after it)",
+    "val_fraction": "hold out this last fraction of the data for validation (never trained on)",
+    "eval_every": "log the validation loss every N steps and at the last step (0 = never)",
+    "eval_batches": "validation batches (of --global-batch sequences) per evaluation",
     "log_every": "print a log line every N steps",
 }
 
@@ -102,21 +107,37 @@ class TrainConfig:
     skip_nonfinite: int = 0
     data: str | None = None
     data_cap_mb: float = 8.0
+    val_fraction: float = DEFAULT_VAL_FRACTION
+    eval_every: int = 50
+    eval_batches: int = 4
     log_every: int = 10
 
     def __post_init__(self) -> None:
-        for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every", "tp"):
+        for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every", "tp",
+                     "eval_batches"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed",
-                     "skip_nonfinite"):
+                     "skip_nonfinite", "eval_every"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "data_cap_mb"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
+        _require(self.data_cap_mb > 0, "data_cap_mb", self.data_cap_mb, "must be > 0")
+        _require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction,
+                 "must be >= 0 and < 1")
+        if self.eval_every and not self.val_fraction:
+            raise ConfigError("evaluation without a validation split",
+                              f"--eval-every {self.eval_every} --val-fraction 0",
+                              "the validation loss needs held-out data",
+                              "Pass --val-fraction above 0 (e.g. 0.05), or --eval-every 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")
+        try:  # refused when the options are read, not after the world is up
+            check_divisible(self.gpt, self.tp)
+        except TrainerError as exc:
+            raise ConfigError(exc.what, exc.where, exc.why, exc.fix) from None
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
@@ -187,11 +208,23 @@ TRAIN_TYPES = _field_types(TrainConfig)
 GPT_TYPES = _field_types(GPTConfig)
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser that can stay silent (and still exits with argparse's codes)."""
+
+    def __init__(self, *args: Any, quiet: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.quiet = quiet
+
+    def _print_message(self, message: str, file: Any = None) -> None:
+        if not self.quiet:
+            super()._print_message(message, file)
+
+
+def build_parser(*, quiet: bool = False) -> argparse.ArgumentParser:
     """Flags for every TrainConfig and GPTConfig field; unset flags are absent from the result."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.train",
-                                     description="Train a byte-level GPT (data parallel over MPI).",
-                                     argument_default=argparse.SUPPRESS)
+    parser = _Parser(prog="python -m trainer.train", quiet=quiet,
+                     description="Train a byte-level GPT (data, tensor and pipeline parallel).",
+                     argument_default=argparse.SUPPRESS)
     parser.add_argument("--config", metavar="FILE", help="TOML file with options ([gpt] table for "
                         "model fields); flags override it")
     for name, kind in TRAIN_TYPES.items():
@@ -211,50 +244,12 @@ def _add_flag(parser: Any, name: str, kind: type, help_text: str) -> None:
                             help=help_text)
 
 
-def load_toml(path: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(train options, gpt overrides) from a TOML file, every key and type checked."""
-    try:
-        with open(path, "rb") as fh:
-            doc = tomllib.load(fh)
-    except OSError as exc:
-        raise ConfigError("cannot read config file", path, exc.strerror or str(exc),
-                          "Check the path given to --config") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config file is not valid TOML", path, str(exc),
-                          "Fix the syntax at the position shown") from None
-    gpt = doc.pop("gpt", {})
-    if not isinstance(gpt, dict):
-        raise ConfigError("invalid config value", f"{path}: gpt", "gpt must be a table",
-                          "Write model fields under a [gpt] header")
-    return _checked(doc, TRAIN_TYPES, path, ""), _checked(gpt, GPT_TYPES, path, "gpt.")
-
-
-def _checked(table: dict[str, Any], schema: dict[str, type], path: str, prefix: str
-             ) -> dict[str, Any]:
-    for key, value in table.items():
-        if key not in schema:
-            close = difflib.get_close_matches(key, schema, n=1)
-            hint = f"Did you mean '{prefix}{close[0]}'?" if close else \
-                f"Known keys: {', '.join(prefix + k for k in schema)}"
-            raise ConfigError("unknown config key", f"{path}: {prefix}{key}",
-                              f"'{prefix}{key}' is not an option of the trainer", hint)
-        kind = schema[key]
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            value, ok = float(value), True
-        if not ok:
-            raise ConfigError("invalid config value", f"{path}: {prefix}{key} = {value!r}",
-                              f"expected {kind.__name__}, got {type(value).__name__}",
-                              f"Write {prefix}{key} as a TOML {kind.__name__}")
-        table[key] = value
-    return table
-
-
-def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """TrainConfig from flags (and the file named by ``--config``)."""
-    given = vars(build_parser().parse_args(argv))
+def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> TrainConfig:
+    """TrainConfig from flags (and the file named by ``--config``). ``quiet`` parses without
+    printing usage, errors or help (the ranks of a job but one; the exit code stays)."""
+    given = vars(build_parser(quiet=quiet).parse_args(argv))
     path = given.pop("config", None)
-    train, gpt = load_toml(path) if path else ({}, {})
+    train, gpt = load_toml(path, TRAIN_TYPES, GPT_TYPES) if path else ({}, {})
     train.update({k: v for k, v in given.items() if k in TRAIN_TYPES})
     gpt.update({k: v for k, v in given.items() if k in GPT_TYPES})
     return make_config(train, gpt, source=path or "command line")
@@ -277,12 +272,23 @@ def make_config(train: dict[str, Any], gpt: dict[str, Any], *, source: str = "")
 
 def resolve_dp(cfg: TrainConfig, world_size: int) -> TrainConfig:
     """Fill in dp from the world size and check dp*tp*pp == world size."""
-    dp = cfg.dp or world_size // (cfg.tp * cfg.pp)
-    if dp * cfg.tp * cfg.pp != world_size:
+    model = cfg.tp * cfg.pp
+    if not cfg.dp and world_size % model:
+        few = world_size < model
         raise ConfigError("parallel layout does not fit the world",
-                          f"dp={dp} tp={cfg.tp} pp={cfg.pp}",
-                          f"dp*tp*pp = {dp * cfg.tp * cfg.pp} but {world_size} ranks were started",
-                          "Start dp*tp*pp ranks, or leave --dp out to derive it")
+                          f"tp={cfg.tp} pp={cfg.pp}, {world_size} rank(s)",
+                          f"one model copy takes tp*pp = {model} ranks, "
+                          + (f"more than the {world_size} started" if few else
+                             f"which does not divide the {world_size} started"),
+                          f"Start a multiple of {model} ranks (e.g. --nproc-per-node {model}), "
+                          f"or choose --tp and --pp whose product divides {world_size}")
+    dp = cfg.dp or world_size // model
+    if dp * model != world_size:
+        raise ConfigError("parallel layout does not fit the world",
+                          f"--dp {dp} --tp {cfg.tp} --pp {cfg.pp}",
+                          f"dp*tp*pp = {dp * model} but {world_size} ranks were started",
+                          f"Start {dp * model} ranks, or leave --dp out to derive it from the "
+                          "number of ranks")
     if cfg.global_batch % (dp * cfg.microbatches):
         raise ConfigError("global batch does not split evenly",
                           f"--global-batch {cfg.global_batch}",

@@ -5,9 +5,20 @@ path): present on every host without a download, sorted by relative path and con
 every rank that runs the same Python reads the same bytes. ``--data PATH`` names a text file or
 a folder (every regular file under it, sorted). The corpus is capped (``cap_bytes``) so start-up
 stays fast; ``Corpus.fingerprint`` lets the ranks check that they all read the same bytes.
+Files that look binary (a NUL byte, or not UTF-8) are still read, and listed in
+``Corpus.binary_files`` so the trainer can warn; `check_vocab` refuses a vocabulary that cannot
+hold every byte of the data, naming the first byte that does not fit by file and line.
+
+Validation split. The last ``val_fraction`` of the bytes read (the end of the last files) is
+held out: training windows are drawn from ``Corpus.train`` only, validation windows from
+``Corpus.val`` only, so no validation byte is ever trained on (windows never straddle the cut).
+The cap is the training split's: reading goes on past it by ``val_fraction / (1 -
+val_fraction)`` of it, so a corpus larger than that trains on exactly the bytes it would
+without a validation split; a smaller one is split val_fraction : 1 - val_fraction.
 
 Sampling. The global batch of step ``s`` is ``global_batch`` random windows whose start offsets
-come from a generator seeded with (seed, s) alone. DP rank r takes the r-th contiguous slice of
+come from a generator seeded with (seed, s) alone (validation batch ``k``: (seed, k) on a stream
+of its own, the same windows at every evaluation). DP rank r takes the r-th contiguous slice of
 ``global_batch / dp`` windows and cuts it into microbatches. Consequences: the data position of
 a run is just its step (resume needs no loader state), DP ranks never overlap, and any dp size
 sees the same global batch, so a run can be resumed with a different dp.
@@ -27,6 +38,9 @@ import torch
 from trainer.errors import TrainerError
 
 DEFAULT_CAP_BYTES = 8 * 1024 * 1024
+DEFAULT_VAL_FRACTION = 0.05
+#: The random stream of validation windows (0 is the training data's).
+VAL_STREAM = 3
 _SEPARATOR = b"\n\n"
 
 
@@ -36,10 +50,30 @@ class DataError(TrainerError):
 
 @dataclass(frozen=True)
 class Corpus:
-    """The training bytes, as a uint8 tensor, plus where they came from."""
+    """The data's bytes, as a uint8 tensor, plus where they came from and where the held-out
+    validation tail starts."""
 
     tokens: torch.Tensor
     source: str
+    val_bytes: int = 0
+    """The last ``val_bytes`` bytes are the validation split."""
+    files: tuple[tuple[int, str], ...] = ()
+    """(offset of its first byte, path) of every file read, in order."""
+    binary_files: tuple[str, ...] = ()
+
+    @property
+    def train(self) -> torch.Tensor:
+        return self.tokens[:len(self) - self.val_bytes]
+
+    @property
+    def val(self) -> torch.Tensor:
+        return self.tokens[len(self) - self.val_bytes:]
+
+    def locate(self, offset: int) -> str:
+        """``path:line`` of the byte at ``offset``."""
+        start, path = max((f for f in self.files if f[0] <= offset), default=(0, self.source))
+        line = int((self.tokens[start:offset] == ord("\n")).sum()) + 1
+        return f"{path}:{line}"
 
     @property
     def fingerprint(self) -> str:
@@ -73,25 +107,78 @@ def corpus_files(root: Path) -> Iterator[Path]:
                 yield Path(folder, name)
 
 
-def load_corpus(path: str | None = None, *, cap_bytes: int = DEFAULT_CAP_BYTES) -> Corpus:
-    """Read up to ``cap_bytes`` of text from ``path`` (default: the stdlib sources)."""
+def load_corpus(path: str | None = None, *, cap_bytes: int = DEFAULT_CAP_BYTES,
+                val_fraction: float = DEFAULT_VAL_FRACTION) -> Corpus:
+    """Read up to ``cap_bytes`` of training text from ``path`` (default: the stdlib sources),
+    then the validation split after it (module docstring)."""
     root = stdlib_dir() if path is None else Path(path).expanduser()
     if not root.exists():
         raise DataError("data path not found", str(root), "it does not exist",
                         "Pass --data with a text file or folder present on every host")
+    if cap_bytes < 1:
+        raise DataError("no training data", f"cap {cap_bytes} bytes", "the cap reads nothing",
+                        "Pass a --data-cap-mb above 0")
+    val_cap = int(cap_bytes * val_fraction / (1 - val_fraction))
+    limit = cap_bytes + val_cap
     chunks: list[bytes] = []
+    files: list[tuple[int, str]] = []
+    binary: list[str] = []
     total = 0
     for file in corpus_files(root):
         try:
             raw = file.read_bytes()
         except OSError:
             continue  # unreadable files (sockets, permission) are skipped, deterministically
+        if raw:
+            files.append((total, str(file)))
+            binary += [str(file)] if looks_binary(raw) else []
         chunks.append(raw + _SEPARATOR)
         total += len(raw) + len(_SEPARATOR)
-        if total >= cap_bytes:
+        if total >= limit:
             break
-    data = b"".join(chunks)[:cap_bytes]
-    return Corpus(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(root))
+    if not files:
+        raise DataError("no training data", str(root),
+                        "the folder has no non-empty, readable file" if root.is_dir()
+                        else "the file is empty",
+                        "Pass --data with a text file or a folder of text files")
+    data = b"".join(chunks)[:limit]
+    val_bytes = val_cap if len(data) == limit else int(len(data) * val_fraction)
+    return Corpus(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(root),
+                  val_bytes=val_bytes, files=tuple(files), binary_files=tuple(binary))
+
+
+def looks_binary(raw: bytes) -> bool:
+    """A NUL byte, or bytes that are not UTF-8 (git's NUL test, plus encoding)."""
+    if b"\0" in raw:
+        return True
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+def check_vocab(corpus: Corpus, vocab_size: int) -> None:
+    """Refuse a vocabulary too small for the data's bytes (a byte is its token id)."""
+    high = int(corpus.tokens.max())
+    if high < vocab_size:
+        return
+    first = int((corpus.tokens >= vocab_size).nonzero()[0])
+    raise DataError("vocabulary too small for the data",
+                    f"--vocab-size {vocab_size}; byte {int(corpus.tokens[first])} at "
+                    f"{corpus.locate(first)}",
+                    f"token ids are bytes and the data has bytes up to {high}, but ids must be "
+                    "below vocab_size", f"Use --vocab-size {max(high + 1, 256)} (256 holds every "
+                    "byte), or train on data without those bytes")
+
+
+def check_splits(corpus: Corpus, seq_len: int, *, validation: bool) -> None:
+    """Refuse a training split (and, when evaluating, a validation split) too small for a
+    window, before any step runs."""
+    window_starts(0, 0, global_batch=1, seq_len=seq_len, corpus_len=len(corpus.train))
+    if validation:
+        window_starts(0, 0, global_batch=1, seq_len=seq_len, corpus_len=len(corpus.val),
+                      split="validation")
 
 
 def _mix(*values: int) -> int:
@@ -111,14 +198,15 @@ def step_seed(seed: int, step: int, *streams: int) -> int:
 
 
 def window_starts(seed: int, step: int, *, global_batch: int, seq_len: int,
-                  corpus_len: int) -> torch.Tensor:
+                  corpus_len: int, stream: int = 0, split: str = "training") -> torch.Tensor:
     """Start offsets (global_batch,) of the windows of step ``step``; a function of its inputs."""
     high = corpus_len - seq_len - 1
     if high < 1:
-        raise DataError("corpus too small", f"{corpus_len} bytes",
-                        f"a training window needs seq_len+1 = {seq_len + 1} bytes and a choice "
-                        "of start offsets", "Use a bigger --data or a smaller seq_len")
-    gen = torch.Generator(device="cpu").manual_seed(step_seed(seed, step, 0))
+        raise DataError(f"{split} data too small", f"{corpus_len} bytes",
+                        f"a window needs seq_len+1 = {seq_len + 1} bytes and a choice of start "
+                        "offsets", "Use a bigger --data or --data-cap-mb, or a smaller seq_len"
+                        + (" or a larger --val-fraction" if split == "validation" else ""))
+    gen = torch.Generator(device="cpu").manual_seed(step_seed(seed, step, stream))
     return torch.randint(0, high, (global_batch,), generator=gen)
 
 
@@ -146,26 +234,31 @@ class BatchPlan:
 
 
 class ShardedBatches:
-    """Microbatches of one DP rank for any step, computed on demand (no iterator state)."""
+    """Microbatches of one DP rank for any step, computed on demand (no iterator state).
+    ``validation`` draws from the held-out split (batch k in place of step k)."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, plan: BatchPlan, seed: int,
-                 dp_rank: int, device: torch.device | str = "cpu") -> None:
-        self.tokens, self.seq_len, self.plan = corpus.tokens, seq_len, plan
+                 dp_rank: int, device: torch.device | str = "cpu",
+                 validation: bool = False) -> None:
+        self.tokens = corpus.val if validation else corpus.train
+        self.seq_len, self.plan = seq_len, plan
         self.seed, self.dp_rank, self.device = seed, dp_rank, torch.device(device)
-        window_starts(seed, 0, global_batch=1, seq_len=seq_len, corpus_len=len(corpus))
+        self._stream = VAL_STREAM if validation else 0
+        self._split = "validation" if validation else "training"
+        self._starts(0, 1)  # refuse a split too small for one window now, not at step 1
         self._offsets = torch.arange(seq_len + 1)
+
+    def _starts(self, step: int, count: int) -> torch.Tensor:
+        return window_starts(self.seed, step, global_batch=count, seq_len=self.seq_len,
+                             corpus_len=len(self.tokens), stream=self._stream, split=self._split)
 
     def global_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole batch of ``step`` (inputs, targets), each (global_batch, seq_len)."""
-        starts = window_starts(self.seed, step, global_batch=self.plan.global_batch,
-                               seq_len=self.seq_len, corpus_len=len(self.tokens))
-        return self._windows(starts)
+        return self._windows(self._starts(step, self.plan.global_batch))
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's microbatches of ``step``, in order, each (micro_batch_size, seq_len)."""
-        starts = window_starts(self.seed, step, global_batch=self.plan.global_batch,
-                               seq_len=self.seq_len, corpus_len=len(self.tokens))
-        local = starts[self.plan.local_slice(self.dp_rank)]
+        local = self._starts(step, self.plan.global_batch)[self.plan.local_slice(self.dp_rank)]
         return [self._windows(part) for part in local.split(self.plan.micro_batch_size)]
 
     def _windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

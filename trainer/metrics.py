@@ -1,9 +1,14 @@
 """Training metrics on rank 0: one JSON line per step, console lines, and a loss-curve PNG.
 
 ``metrics.jsonl`` (in the run dir) gets every step as one JSON object, so the loss curve and
-timing of a run can be read back exactly; a resumed run first drops the lines after its
-checkpoint step, so the file always describes one consistent history. The console shows a rich
-progress bar on a terminal and plain lines otherwise (e.g. when a launcher relays the output).
+timing of a run can be read back exactly; steps that evaluated carry ``val_loss`` (null on the
+others). ``loss.png`` draws the training and validation loss against the step, and the
+learning rate on a second axis. Communication time is split as in `trainer.comm.timing`:
+``comm_exposed_s`` (the step waited on it) and ``comm_total_s`` (exposed plus what overlapped
+compute, so never below the exposed time), over the DP, TP and PP groups. A resumed run first
+drops the lines after its checkpoint step, so the file always describes one consistent history.
+The console shows a rich progress bar on a terminal and plain lines otherwise (e.g. when a
+launcher relays the output).
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ class StepRecord:
     step_s: float
     compute_s: float
     comm_exposed_s: float
-    """Blocked waiting for (or running) the DP gradient all-reduces after backward."""
+    """The step waited on communication (DP, TP and PP): ``step_s - compute_s``."""
     comm_total_s: float = 0.0
-    """Inside the DP all-reduces wherever they ran (0 when the backend hides it, e.g. NCCL)."""
+    """Exposed plus communication that overlapped compute; >= comm_exposed_s."""
+    val_loss: float | None = None
+    """Validation loss after this step (steps that evaluated; None on the others)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -73,18 +80,31 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 def plot_loss(records: list[dict[str, Any]], png: Path, *, title: str = "") -> None:
-    """Loss against step as a PNG (matplotlib's Agg backend, no display needed)."""
+    """Training and validation loss against step, the learning rate on a second axis, as a PNG
+    (matplotlib's Agg backend, no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1.2)
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["loss"] for r in records], lw=1.2, label="training loss")
+    evals = [r for r in records if r.get("val_loss") is not None]
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", ms=3, lw=1.2,
+                label="validation loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/byte)")
     ax.set_title(title or "training loss")
     ax.grid(alpha=0.3)
+    lr_ax = ax.twinx()
+    lr_ax.plot(steps, [r["lr"] for r in records], color="tab:gray", lw=0.8, ls="--",
+               label="learning rate")
+    lr_ax.set_ylabel("learning rate")
+    lines = ax.get_legend_handles_labels()
+    more = lr_ax.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
@@ -116,8 +136,9 @@ class MetricsLog:
             self._progress.start()
 
     def info(self, text: str) -> None:
-        if self.enabled:
-            self._console.print(text, highlight=False)
+        """Print ``text`` on rank 0 (nothing for an empty text)."""
+        if self.enabled and text:
+            self._console.print(text, highlight=False, markup=False)  # "[...]" is text
 
     def record(self, rec: StepRecord) -> None:
         if not self.enabled:
@@ -152,8 +173,9 @@ def summarize(window: list[StepRecord]) -> str:
     compute = sum(r.compute_s for r in window) / n
     comm = sum(r.comm_exposed_s for r in window) / n
     total = sum(r.comm_total_s for r in window) / n
-    in_calls = f" (all-reduce calls {1e3 * total:.1f} ms)" if total > 0 else ""
-    return (f"step {last.step:>6} | loss {last.loss:.4f} | lr {last.lr:.2e} | "
+    evals = [r.val_loss for r in window if r.val_loss is not None]
+    val = f" | val {evals[-1]:.4f}" if evals else ""
+    return (f"step {last.step:>6} | loss {last.loss:.4f}{val} | lr {last.lr:.2e} | "
             f"gnorm {last.grad_norm:.3f} | {tokens / step_s if step_s else 0:,.0f} tok/s | "
             f"step {1e3 * step_s / n:.1f} ms = compute {1e3 * compute:.1f} + "
-            f"exposed comm {1e3 * comm:.1f} ms{in_calls}")
+            f"exposed comm {1e3 * comm:.1f} ms (comm total {1e3 * total:.1f} ms)")

@@ -6,16 +6,18 @@
     dtrain launch --nproc-per-node 2 -- python -m trainer.train --model tiny --run-dir runs/t
     python -m trainer.train --config run.toml --resume        # continue the newest checkpoint
 
-Each step: the global batch of the step (derived from seed and step alone) is split over the DP
-ranks and into microbatches; backward runs with bucketed, overlapped gradient all-reduce
-(`trainer.data_parallel`); gradients are clipped and AdamW steps. Rank 0 logs, writes
-``metrics.jsonl`` every step, ``loss.png`` at the end, and checkpoints every ``--save-every``
-steps and at the end. ``--resume`` continues bit-exactly from the newest committed checkpoint
-(the run dir must be visible to every rank, as with Megatron or DeepSpeed), verified file by
-file (`trainer.resume` states the rule and ``--resume-fallback``). Dropout is reseeded from
-(seed, step, dp rank) every step, so the random stream needs no state across a resume. A NaN or
-Inf loss or gradient norm stops every rank before the update, and non-finite parameters are
-never saved (`trainer.guard`).
+Start-up (`trainer.startup`) checks options, world and data on every rank and reports bad
+input once. Each step: the step's global batch (from seed and step alone, training split) is
+split over the DP ranks and into microbatches; backward runs with bucketed, overlapped gradient
+all-reduce (`trainer.data_parallel`); gradients are clipped and AdamW steps; communication is
+timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
+(`trainer.inference.validation`). Rank 0 logs, writes ``metrics.jsonl`` every step, ``loss.png``
+at the end, and checkpoints every ``--save-every`` steps and at the end. ``--resume`` continues
+bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
+with Megatron or DeepSpeed), verified file by file (`trainer.resume` states the rule and
+``--resume-fallback``). Dropout is reseeded from (seed, step, dp rank) every step, so the random
+stream needs no state across a resume. A NaN or Inf loss or gradient norm stops every rank
+before the update, and non-finite parameters are never saved (`trainer.guard`).
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
@@ -42,21 +44,23 @@ import sys
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from trainer import checkpoint
-from trainer.comm.bootstrap import ParallelGroups, World, build_groups, init
+from trainer import checkpoint, startup
+from trainer.comm.bootstrap import ParallelGroups, World, build_groups
 from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.timing import CommClock, timed_groups
 from trainer.comm.topology import ParallelDims
-from trainer.config import TrainConfig, parse_args, resolve_dp
-from trainer.data import BatchPlan, Corpus, ShardedBatches, load_corpus, step_seed
+from trainer.config import TrainConfig, resolve_dp
+from trainer.data import BatchPlan, Corpus, ShardedBatches, step_seed
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
 from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
 from trainer.guard import StepGuard, check_parameters
+from trainer.inference.validation import Validation
 from trainer.metrics import MetricsLog, StepRecord
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
@@ -111,6 +115,8 @@ class Run:
     writers: Communicator | None = None
     """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
     guard: StepGuard = field(default_factory=StepGuard)
+    clock: CommClock = field(default_factory=CommClock)
+    """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
 
     @property
     def tp_rank(self) -> int:
@@ -123,19 +129,23 @@ class Run:
 
 def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
               device: torch.device, groups: ParallelGroups | None = None,
-              world_comm: Communicator | None = None) -> Run:
+              world_comm: Communicator | None = None, corpus: Corpus | None = None) -> Run:
     """Model, optimizer, data, DP (and the pipeline) of this rank, restored from a checkpoint on
     --resume. ``groups`` (needed when cfg.tp > 1 or cfg.pp > 1) supplies the TP and PP groups;
-    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers."""
+    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers;
+    ``corpus`` is the checked data (read here when not given). Every group is timed on the
+    run's clock."""
+    clock = CommClock()
+    groups, dp_comm = timed_groups(groups, dp_comm, clock)
     tp_comm = groups.tp if groups is not None else None
     pp_comm = groups.pp if groups is not None else None
-    _check_groups(cfg, tp_comm, pp_comm, world_comm)
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
+    startup.check_groups(cfg, tp_comm, pp_comm, world_comm)
+    corpus = startup.training_data(cfg) if corpus is None else corpus
     for comm in (c for c in (dp_comm, tp_comm, pp_comm) if c is not None):
-        _require_same(comm, int(corpus.fingerprint[:15], 16), device,
-                      "ranks read different training data", corpus.source,
-                      "Give every host the same --data (or the same Python for the default "
-                      "corpus)")
+        startup.require_same(comm, int(corpus.fingerprint[:15], 16), device,
+                             "ranks read different training data", corpus.source,
+                             "Give every host the same --data (or the same Python for the "
+                             "default corpus)")
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
     model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
@@ -163,33 +173,12 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite))
-
-
-def _check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | None,
-                  world: Communicator | None) -> None:
-    for axis, want, comm in (("tp", cfg.tp, tp), ("pp", cfg.pp, pp)):
-        if want != (comm.size if comm is not None else 1):
-            raise TrainerError(f"parallel group does not match --{axis}", f"--{axis} {want}",
-                               f"build_run got no {axis.upper()} group of that size",
-                               "Pass groups=build_groups(world, ParallelDims(dp, tp, pp))")
-    if cfg.pp > 1 and world is None:
-        raise TrainerError("pipeline run without the world communicator", f"--pp {cfg.pp}",
-                           "the checkpoint writers (tp x pp ranks of DP replica 0) are split "
-                           "from it", "Pass world_comm=world.comm to build_run")
-
-
-def _require_same(comm: Communicator, value: int, device: torch.device, what: str,
-                  where: str, fix: str) -> None:
-    """Fail on every rank together when ``value`` differs between ranks (max == min test)."""
-    probe = torch.tensor([value, -value], dtype=torch.int64, device=device)
-    comm.all_reduce(probe, ReduceOp.MAX)
-    if int(probe[0]) != value or -int(probe[1]) != value:
-        raise TrainerError(what, where, "the value differs between ranks", fix)
+               guard=StepGuard(cfg.skip_nonfinite), clock=clock)
 
 
 def train_step(run: Run, step: int) -> StepRecord:
     """One optimizer step (all microbatches); returns rank 0's view of it."""
+    run.clock.take()  # what ran between steps (evaluation, checkpoints) is not the step's
     start = time.perf_counter()
     # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
     stage = (run.pp_rank,) if run.pipeline is not None else ()
@@ -199,13 +188,13 @@ def train_step(run: Run, step: int) -> StepRecord:
     lr = run.schedule.lr_at(step)
     set_lr(run.optimizer, lr)
     run.dp.zero_grad()
-    run.dp.stats.reset()
     micro = run.batches.microbatches(step)
     if run.pipeline is not None:
         loss_sum = run.pipeline.forward_backward(micro)
     else:
         loss_sum = _accumulate(run, micro)
-    run.dp.finish_grad_sync()
+    with run.clock.blocked():
+        run.dp.finish_grad_sync()
     if run.pipeline is not None:
         run.pipeline.sync_tied_grads()
     grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
@@ -217,11 +206,10 @@ def train_step(run: Run, step: int) -> StepRecord:
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
         run.optimizer.step()
     step_s = time.perf_counter() - start
-    exposed = run.dp.stats.exposed_s
+    exposed, total = run.clock.take()
     return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
                       tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                      compute_s=step_s - exposed, comm_exposed_s=exposed,
-                      comm_total_s=run.dp.stats.comm_s)
+                      compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total)
 
 
 def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -252,19 +240,25 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
                            writers=run.writers)
 
 
-def train(cfg: TrainConfig, world: World) -> TrainResult:
-    """Run training on this rank of ``world``."""
+def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
+    """Run training on this rank of ``world`` (on ``corpus``, the checked data, if given)."""
     cfg = resolve_dp(cfg, world.size)
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
     run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+                    groups=groups, world_comm=world.comm, corpus=corpus)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
                      start_step=run.start_step, log_every=cfg.log_every)
     log.info(_banner(run, world.size))
+    log.info(startup.binary_warning(run.corpus))
+    pipe = run.pipeline
+    validation = Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
+                               pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             rec = train_step(run, step)
+            if validation and (step % cfg.eval_every == 0 or step == cfg.last_step):
+                rec = replace(rec, val_loss=validation.loss(cfg.eval_batches))
             log.record(rec)
             result.losses.append(rec.loss)
             result.final_step = step
@@ -295,33 +289,25 @@ def _banner(run: Run, world_size: int) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point: exit 0 on success, 2 on a reported error (all ranks are aborted)."""
+    """Entry point: exit 0 on success; on bad input (options, world, data) 2 on every rank,
+    printed once (`trainer.startup`); on an error in training 2, all ranks aborted."""
     world = None
     try:
-        cfg = parse_args(argv)
-        world = init(backend=cfg.backend)
-        train(cfg, world)
+        ready = startup.start(argv)
+        if isinstance(ready, int):
+            return ready
+        world, cfg, corpus = ready
+        train(cfg, world, corpus)
         return 0
     except TrainerError as exc:
-        return _fail(world, f"error: {exc}", 2, exc)
+        return startup.fail_alone(world, f"error: {exc}", 2, exc)
     except KeyboardInterrupt:
-        return _fail(world, "interrupted", 130)
+        return startup.fail_alone(world, "interrupted", 130)
     except Exception as exc:  # noqa: BLE001 - report, then abort the other ranks
         import traceback
 
         traceback.print_exc()
-        return _fail(world, f"error: unexpected {type(exc).__name__}: {exc}", 1)
-
-
-def _fail(world: World | None, message: str, code: int, exc: TrainerError | None = None) -> int:
-    many = world is not None and world.size > 1
-    agreed = exc is not None and exc.agreed  # every rank raised it: printed once, no abort
-    if not agreed or exc.report:
-        print((f"[rank {world.rank}] " if many else "") + message, file=sys.stderr, flush=True)
-    if many and not agreed:
-        # One rank's error must not leave the others blocked in a collective.
-        world.mpi_comm.Abort(code)
-    return code
+        return startup.fail_alone(world, f"error: unexpected {type(exc).__name__}: {exc}", 1)
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def init(*, backend: str = "auto", environ: Mapping[str, str] | None = None) -> 
             "unknown communication backend", f"backend={backend!r}",
             f"the backends are {', '.join(BACKENDS)}", "Pass one of them",
         )
-    mpi = _import_mpi()
+    mpi = import_mpi()
     world = mpi.COMM_WORLD
     env = os.environ if environ is None else environ
     placement = check_world(world.Get_rank(), world.Get_size(), env, mpi.Get_library_version())
@@ -144,7 +144,7 @@ def build_groups(world: World, dims: ParallelDims) -> ParallelGroups:
     return ParallelGroups(made["tp"], made["dp"], made["pp"], dims, dims.coords(world.rank))
 
 
-def _import_mpi() -> Any:
+def import_mpi() -> Any:
     try:
         from mpi4py import MPI
     except Exception as exc:  # noqa: BLE001 - MPI_Init failures (e.g. a stale PMIX_* variable)

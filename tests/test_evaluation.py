@@ -1,0 +1,150 @@
+"""Validation loss, communication time and sampling of real runs at every layout.
+
+One training is run four times through ``dtrain launch`` on localhost, with the same options
+and seed: serially (1 rank), at tp 2, at pp 2 and at dp 2 x tp 2 x pp 2 (8 ranks). Then:
+
+* the validation loss is in ``metrics.jsonl`` at every ``--eval-every`` step and at the end,
+  finite, and the same at every layout as serially;
+* TP and PP communication is counted: every step of the parallel runs has exposed comm > 0
+  and total >= exposed (`trainer.comm.timing`); ``loss.png`` is drawn;
+* ``python -m trainer.generate`` merges the checkpoint of every layout into the serial GPT,
+  whose validation loss is the one the parallel run logged at its last step (same parameters,
+  other summation order), and continues a prompt greedily as the serial checkpoint does.
+
+Tolerances. The layouts change only the order of fp32 sums (DP and TP reductions, TP's split
+matrix products), so the training losses of the first steps agree to fp32 rounding: rtol 1e-5,
+atol 1e-6, the bound the TP and PP equivalence tests establish for this model and optimizer. The
+validation loss is the same computation (a forward and a mean over tokens) on other windows of
+models that agree to that rounding, so the same bound holds; a wrong shard order or a missing
+reduction moves a loss by more than 1e-3. Greedy decoding agrees where the serial model's top
+two logits differ by more than the layouts' logits can (their losses agree to 1e-5 relative);
+the comparison stops at the first position closer than ``TIE_MARGIN`` = 1e-3.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support import PYTHON, REPO, dtrain_env, run_dtrain
+from trainer.checkpoint import latest
+from trainer.data import BatchPlan, ShardedBatches, load_corpus
+from trainer.inference.merge import load_serial
+from trainer.metrics import read_records
+
+STEPS, LR, EVAL_EVERY = 8, 3e-3, 3
+FLAGS = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--microbatches", "2",
+         "--lr", str(LR), "--warmup-steps", "1", "--eval-every", str(EVAL_EVERY),
+         "--eval-batches", "2", "--data-cap-mb", "0.25", "--log-every", "4", "--seed", "7"]
+LAYOUTS = {"serial": (1, []), "tp2": (2, ["--tp", "2"]), "pp2": (2, ["--pp", "2"]),
+           "dp2tp2pp2": (8, ["--tp", "2", "--pp", "2"])}
+RTOL, ATOL = 1e-5, 1e-6
+TIE_MARGIN = 1e-3
+PROMPT, TOKENS = "def __init__(self", 24
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The run folder of every layout."""
+    out = {}
+    for name, (nproc, flags) in LAYOUTS.items():
+        run_dir = tmp_path_factory.mktemp(name)
+        res = run_dtrain(["launch", "--nproc-per-node", str(nproc), "--", PYTHON, "-m",
+                          "trainer.train", *FLAGS, *flags, "--run-dir", str(run_dir)],
+                         timeout=600)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+        out[name] = run_dir
+    return out
+
+
+def records(run_dir: Path) -> list[dict]:
+    return read_records(run_dir / "metrics.jsonl")
+
+
+def test_the_validation_loss_is_logged_at_every_eval_step_and_at_the_end(runs) -> None:
+    for name, run_dir in runs.items():
+        evals = {r["step"]: r["val_loss"] for r in records(run_dir) if r["val_loss"] is not None}
+        assert sorted(evals) == [3, 6, 8], name
+        assert all(math.isfinite(v) and 0 < v < math.log(256) + 1 for v in evals.values()), name
+    assert (runs["serial"] / "loss.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2tp2pp2"])
+def test_every_layout_has_the_serial_validation_and_training_losses(runs, layout: str) -> None:
+    want, got = records(runs["serial"]), records(runs[layout])
+    for key in ("loss", "val_loss"):
+        a = torch.tensor([r[key] for r in want if r[key] is not None], dtype=torch.float64)
+        b = torch.tensor([r[key] for r in got if r[key] is not None], dtype=torch.float64)
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL, msg=f"{layout} {key}")
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2tp2pp2"])
+def test_tp_and_pp_communication_is_counted_and_total_is_never_below_exposed(
+        runs, layout: str) -> None:
+    for r in records(runs[layout]):
+        assert r["comm_exposed_s"] > 0, (layout, r)
+        assert r["comm_total_s"] >= r["comm_exposed_s"], (layout, r)
+        assert r["compute_s"] == pytest.approx(r["step_s"] - r["comm_exposed_s"])
+
+
+def generate(run_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "trainer.generate", "--run-dir", str(run_dir),
+                           "--prompt", PROMPT, "--tokens", str(TOKENS), "--temperature", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env=dtrain_env())
+
+
+def comparable_prefix(run_dir: Path, text: str) -> int:
+    """How many generated bytes the serial model chose by a margin of at least TIE_MARGIN."""
+    model, _ = load_serial(latest(run_dir / "checkpoints"))
+    ids = torch.tensor([list(text.encode())])
+    with torch.no_grad():
+        top2 = model(ids)[0].float().topk(2, dim=-1).values
+    margins = (top2[:, 0] - top2[:, 1])[len(PROMPT) - 1:-1]
+    close = (margins < TIE_MARGIN).nonzero()
+    return int(close[0]) if len(close) else TOKENS
+
+
+def serial_val_loss(model: torch.nn.Module) -> float:
+    """The validation loss as the trainer computes it, on one process (2 batches of 8 windows
+    in 2 microbatches, the run's seed and data)."""
+    corpus = load_corpus(cap_bytes=int(0.25 * 2**20))
+    batches = ShardedBatches(corpus, seq_len=model.cfg.seq_len, plan=BatchPlan(8, 1, 2), seed=7,
+                             dp_rank=0, validation=True)
+    with torch.no_grad():
+        return sum(float(model.loss(x, y)) for k in range(2) for x, y in batches.microbatches(k)
+                   ) / 4
+
+
+@pytest.mark.parametrize("layout", ["serial", "tp2", "pp2", "dp2tp2pp2"])
+def test_a_checkpoint_of_any_layout_merges_into_the_model_that_run_evaluated(
+        runs, layout: str) -> None:
+    model, meta = load_serial(latest(runs[layout] / "checkpoints"))
+    nproc, _ = LAYOUTS[layout]
+    assert meta["layout"]["tp"] * meta["layout"]["pp"] * meta["layout"]["dp"] == nproc
+    logged = records(runs[layout])[-1]["val_loss"]
+    assert serial_val_loss(model) == pytest.approx(logged, rel=RTOL, abs=ATOL)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_a_tp_or_pp_checkpoint_samples_the_serial_models_greedy_continuation(
+        runs, layout: str) -> None:
+    serial = generate(runs["serial"])
+    assert serial.returncode == 0, serial.stderr
+    assert serial.stdout.startswith(PROMPT) and len(serial.stdout.encode()) > len(PROMPT)
+    got = generate(runs[layout])
+    assert got.returncode == 0, got.stderr
+    keep = len(PROMPT) + comparable_prefix(runs["serial"], serial.stdout.rstrip("\n"))
+    assert keep > len(PROMPT) + TOKENS // 2  # the comparison covers most of the sample
+    assert got.stdout.encode()[:keep] == serial.stdout.encode()[:keep]
+
+
+def test_sampling_without_a_checkpoint_names_the_folder_once(tmp_path: Path) -> None:
+    res = generate(tmp_path)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.count("error: no checkpoint to sample from") == 1
+    assert f"[{tmp_path / 'checkpoints'}]" in res.stderr

@@ -1,0 +1,77 @@
+"""python -m trainer.generate --run-dir DIR --prompt TEXT [--tokens N --temperature T \
+        --top-k K --seed S]
+
+Sample text from the newest checkpoint of a run, whatever layout it was trained in:
+
+    python -m trainer.generate --run-dir runs/3d --prompt "def main(" --temperature 0  # greedy
+
+The checkpoint's shards (tp x pp of them) are merged into the single-device GPT on this one
+process (`trainer.inference.merge`), so a model trained at any dp, tp and pp samples the same.
+The prompt's UTF-8 bytes are continued by ``--tokens`` bytes (`trainer.inference.sampling`),
+printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from trainer import checkpoint
+from trainer.errors import ConfigError, TrainerError
+from trainer.inference.merge import load_serial
+from trainer.inference.sampling import sample
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer.generate",
+                                     description="Sample bytes from a run's newest checkpoint.")
+    parser.add_argument("--run-dir", required=True, help="the training run's folder")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    parser.add_argument("--temperature", type=float, default=0.8,
+                        help="softmax temperature; 0 = greedy (always the likeliest byte)")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="sample among the k likeliest bytes only (0 = all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sampling stream")
+    return parser
+
+
+def generate(args: argparse.Namespace) -> str:
+    """The prompt and its continuation, as text."""
+    for name, low in (("tokens", 1), ("top_k", 0)):
+        if getattr(args, name) < low:
+            raise ConfigError("invalid option", f"--{name.replace('_', '-')} "
+                              f"{getattr(args, name)}", f"must be >= {low}",
+                              f"Pass a value >= {low}")
+    if args.temperature < 0:
+        raise ConfigError("invalid option", f"--temperature {args.temperature}",
+                          "must be >= 0", "Pass 0 for greedy decoding or a positive value")
+    root = Path(args.run_dir) / "checkpoints"
+    path = checkpoint.latest(root)
+    if path is None:
+        raise checkpoint.CheckpointError(
+            "no checkpoint to sample from", str(root), "there is no committed step-<N> folder",
+            "Train with --run-dir pointing here first (a checkpoint is saved at the end)")
+    model, _ = load_serial(path)
+    prompt = args.prompt.encode()
+    out = sample(model, prompt, tokens=args.tokens, temperature=args.temperature,
+                 top_k=args.top_k, seed=args.seed)
+    return (prompt + out).decode("utf-8", errors="replace")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trainer.generate ...``: print the sample; exit 2 with one message on bad
+    input."""
+    args = build_parser().parse_args(argv)
+    try:
+        print(generate(args), flush=True)
+    except TrainerError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
