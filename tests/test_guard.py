@@ -17,7 +17,7 @@ from trainer import checkpoint
 from trainer.guard import DivergedError, StepGuard, check_parameters
 from trainer.metrics import read_records
 from trainer.model import GPT, GPTConfig
-from trainer.train import _fail
+from trainer.startup import fail_alone
 
 # Adam at lr 1e4 with no warmup and no clipping: the loss is NaN within a few steps.
 DIVERGING = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
@@ -67,9 +67,9 @@ def test_parameters_that_overflowed_in_the_update_are_not_saved() -> None:
 def test_an_agreed_error_is_printed_only_by_the_reporting_rank(
         capsys: pytest.CaptureFixture[str]) -> None:
     quiet = DivergedError("training diverged", "step 2", "nan").everywhere(report=False)
-    assert _fail(None, f"error: {quiet}", 2, quiet) == 2
+    assert fail_alone(None, f"error: {quiet}", 2, quiet) == 2
     loud = DivergedError("training diverged", "step 2", "nan").everywhere(report=True)
-    assert _fail(None, f"error: {loud}", 2, loud) == 2
+    assert fail_alone(None, f"error: {loud}", 2, loud) == 2
     assert capsys.readouterr().err == "error: training diverged [step 2]: nan\n"
 
 
