@@ -101,8 +101,12 @@ def run_launch(req: LaunchRequest) -> int:
     connected = time.monotonic()
 
     def sink(p: planning.JobPlan) -> OutputSink:
+        # Each run in its own folder, named by the job id (sorts by start time).
+        log_dir = req.log_dir / p.job_id if req.log_dir else None
+        if log_dir is not None:
+            sys.stderr.write(f"dtrain: rank logs in {log_dir}/\n")
         return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
-                          prefix=req.prefix, raw=req.raw, log_dir=req.log_dir)
+                          prefix=req.prefix, raw=req.raw, log_dir=log_dir)
 
     sup = Supervisor(streams, sink, req.supervise)
     previous = {s: signal.signal(s, sup.on_signal)

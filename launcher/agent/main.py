@@ -24,6 +24,7 @@ from launcher.plan.environment import scrub
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway
 EOF_GRACE_S = 3.0        # the head is gone: short grace, nobody is waiting for a clean exit
+FLUSH_S = 2.0            # leaving: how long queued frames may take to reach the head
 # Set to the interface that reaches MASTER_ADDR unless the user set them (workerenv.py).
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -190,7 +191,7 @@ class Agent:
             self.link.send_json(wire.Kind.STARTED, {"rank": rank, "pid": rp.pid})
 
     def _relay_output(self, rank: int, stream: int, data: bytes) -> None:
-        self.link.send(wire.encode_output(rank, stream, data))
+        self.link.send_output(rank, stream, data)  # a pump thread; blocks when the head lags
 
     def _on_exit(self, ev: RankExited) -> None:
         rp = self.ranks.pop(ev.rank, None)
@@ -239,5 +240,6 @@ def main() -> None:
     agent = Agent()
     signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
     code = agent.run()
+    agent.link.flush(FLUSH_S)  # EXIT/DONE frames still queued; the head may still be reading
     sys.stderr.flush()
     os._exit(code)

@@ -4,6 +4,12 @@ Each rank runs in its own session, hence its own process group, so a signal to t
 reaches everything the rank started (shells, data-loader workers) and nothing outside the job.
 Each rank also gets PR_SET_PDEATHSIG=SIGKILL: if the agent itself is SIGKILLed, the kernel
 kills the ranks, so no path leaves an orphan holding a GPU.
+
+Output: two pump threads per rank read its stdout and stderr pipes and hand each chunk to
+``on_output``, which blocks while the agent's output queue is full; the pump then stops
+reading, the pipe fills, and the rank blocks in ``write`` (back-pressure). A rank's exit is
+reported once its pumps have relayed everything, however long a slow head takes; only pipes
+that stay quiet (kept open by the rank's own children) stop waiting after `PUMP_QUIET_S`.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+PUMP_QUIET_S = 2.0  # after the rank exited, how long a pipe may stay quiet before we report
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
 except OSError:  # not Linux: no parent-death signal, the EOF/heartbeat paths still apply
@@ -45,11 +53,38 @@ class RankExited:
     signal: int | None
 
 
+class _Pump(threading.Thread):
+    """Relays one pipe of a rank; counts what it relayed so a waiter can see progress."""
+
+    def __init__(self, rank: int, stream: int, pipe: Any,
+                 on_output: Callable[[int, int, bytes], None]) -> None:
+        super().__init__(daemon=True, name=f"rank{rank}-{stream}")
+        self.rank, self.stream, self.pipe, self.on_output = rank, stream, pipe, on_output
+        self.relayed = 0        # bytes read from the pipe so far
+        self.relaying = False   # inside on_output (possibly blocked by back-pressure)
+
+    def run(self) -> None:
+        fd = self.pipe.fileno()
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                self.relayed += len(data)
+                self.relaying = True
+                self.on_output(self.rank, self.stream, data)
+                self.relaying = False
+        except OSError:
+            pass
+        finally:
+            self.pipe.close()
+
+
 @dataclass
 class RankProcess:
     rank: int
     proc: subprocess.Popen[bytes]
-    pumps: list[threading.Thread] = field(default_factory=list)
+    pumps: list[_Pump] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -94,35 +129,29 @@ def start_rank(
     )
     rp = RankProcess(rank, proc)
     for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
-        t = threading.Thread(
-            target=_pump, args=(rank, stream, pipe, on_output), daemon=True,
-            name=f"rank{rank}-{stream}",
-        )
-        t.start()
-        rp.pumps.append(t)
+        pump = _Pump(rank, stream, pipe, on_output)
+        pump.start()
+        rp.pumps.append(pump)
     threading.Thread(target=_reap, args=(rp, events), daemon=True, name=f"reap{rank}").start()
     return rp
 
 
-def _pump(rank: int, stream: int, pipe: Any, on_output: Callable[[int, int, bytes], None]) -> None:
-    fd = pipe.fileno()
-    try:
-        while True:
-            data = os.read(fd, 65536)
-            if not data:
-                break
-            on_output(rank, stream, data)
-    except OSError:
-        pass
-    finally:
-        pipe.close()
+def _wait_pumps(pumps: Sequence[_Pump]) -> None:
+    """Until every pump is done, or the pipes have been quiet for `PUMP_QUIET_S`."""
+    seen, quiet_since = -1, time.monotonic()
+    while any(p.is_alive() for p in pumps):
+        for p in pumps:
+            p.join(0.1)
+        progress = sum(p.relayed for p in pumps)
+        if progress != seen or any(p.relaying for p in pumps):
+            seen, quiet_since = progress, time.monotonic()  # relaying, or held by a slow head
+        elif time.monotonic() - quiet_since > PUMP_QUIET_S:
+            return  # the rank's children keep the pipes open: do not delay the exit report
 
 
 def _reap(rp: RankProcess, events: queue.Queue[Any]) -> None:
     status = rp.proc.wait()
-    # The rank's children may keep the pipes open; do not let them delay the exit report.
-    for t in rp.pumps:
-        t.join(timeout=2.0)
+    _wait_pumps(rp.pumps)
     if status < 0:
         events.put(RankExited(rp.rank, 128 - status, -status))
     else:
