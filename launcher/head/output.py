@@ -94,7 +94,7 @@ class OutputSink:
     def flush_quiet(self, now: float) -> None:
         """Raw mode: write the partial lines of ranks quiet for `RAW_QUIET_S` (progress bars)."""
         for (rank, stream), splitter in self._splitters.items():
-            if splitter.pending and now - self._last_data[rank, stream] >= RAW_QUIET_S:
+            if splitter.pending and now >= self._last_data[rank, stream] + RAW_QUIET_S:
                 self._add(rank, stream, splitter.rest(newline=False))
 
     def notice(self, text: str) -> None:
