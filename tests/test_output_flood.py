@@ -1,0 +1,103 @@
+"""Output through `dtrain launch` with real ranks: long lines, floods, a stalled reader, logs.
+
+Heartbeats run every second here (a host is lost after 3 s of silence), so a regression to
+output work that starves the head's loop, or to a stalled stdout that stops heartbeats, fails
+in seconds instead of passing slowly.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env, run_dtrain
+
+FLOOD = str(REPO / "tests" / "workers" / "flood.py")
+FAST_BEATS = ["--heartbeat-interval", "1"]
+FILLER = b"abcdefghij" * 3
+_PREFIX = re.compile(rb"\[(\d+)@([\w.-]+)\] ")
+
+
+def check_flood(stdout: bytes, ranks: int, lines: int, long: int, *, prefixed: bool) -> None:
+    """Every rank's lines arrived whole, each once, in order: i = 0..lines-1, the long line
+    after the block of 1000 that holds the middle one (see flood.py), then `<rank> end`."""
+    got: dict[int, list[bytes]] = {r: [] for r in range(ranks)}
+    for line in stdout.split(b"\n")[:-1]:
+        if prefixed:
+            m = _PREFIX.match(line)
+            assert m, line[:80]
+            line = line[m.end():]
+            assert line.split(b" ", 1)[0] == m.group(1), line[:80]  # the prefix names its rank
+        rank, rest = line.split(b" ", 1)
+        got[int(rank)].append(rest)
+    assert stdout.endswith(b"\n")
+    half = lines // 2
+    for rank, rest in got.items():
+        expect = [b"%d %s" % (i, FILLER) for i in range(lines)]
+        expect.insert(min(lines, (half // 1000 + 1) * 1000), b"long " + b"z" * long)
+        expect.append(b"end")
+        assert len(rest) == len(expect), (rank, len(rest), len(expect))
+        assert rest == expect, rank
+
+
+def _launch(args: list[str], **kw) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(dtrain_cmd(["launch", *FAST_BEATS, *args]), capture_output=True,
+                          env=dtrain_env(), cwd=REPO, **kw)
+
+
+def test_a_64_kib_line_arrives_whole_and_the_job_exits_0():
+    code = "import sys; sys.stdout.write('y' * 65536 + '\\n'); sys.stderr.write('e' * 65536)"
+    res = _launch(["--nproc-per-node", "2", "--", PYTHON, "-c", code], timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(res.stdout.splitlines()) == [b"[0@localhost] " + b"y" * 65536,
+                                               b"[1@localhost] " + b"y" * 65536]
+    assert res.stderr.count(b"e" * 65536 + b"\n") == 2
+
+
+@pytest.mark.parametrize("mode", ["prefixed", "--no-prefix", "--raw"])
+def test_four_ranks_flooding_200000_lines_and_a_200_kb_line_lose_nothing(mode):
+    flags = [] if mode == "prefixed" else [mode]
+    res = _launch(["--nproc-per-node", "4", *flags, "--", PYTHON, FLOOD, "200000", "200000"],
+                  timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    check_flood(res.stdout, 4, 200000, 200000, prefixed=mode == "prefixed")
+
+
+def test_a_reader_stalled_for_30_s_slows_the_job_down_and_loses_nothing(tmp_path):
+    """`dtrain launch ... | (sleep 30; cat)`: the ranks wait for the reader (back-pressure)."""
+    lines = 50000  # 4 ranks x ~2.3 MB prefixed: more than every buffer on the way holds
+    with open(tmp_path / "stderr", "wb") as err:
+        head = subprocess.Popen(
+            dtrain_cmd(["launch", *FAST_BEATS, "--nproc-per-node", "4", "--",
+                        PYTHON, FLOOD, str(lines), "200000"]),
+            stdout=subprocess.PIPE, stderr=err, env=dtrain_env(), cwd=REPO)
+        try:
+            time.sleep(30)
+            assert head.poll() is None, "the job ended while nobody read its output"
+            stdout, _ = head.communicate(timeout=120)
+        finally:
+            head.kill()
+            head.communicate()
+    stderr = (tmp_path / "stderr").read_text(errors="replace")
+    assert head.returncode == 0, stderr[-2000:]
+    check_flood(stdout, 4, lines, 200000, prefixed=True)
+
+
+def test_log_dir_keeps_each_run_in_its_own_folder_and_says_where(tmp_path):
+    logs = tmp_path / "logs"
+    runs = []
+    for word in ("first", "second"):
+        res = run_dtrain(["launch", "--nproc-per-node", "2", "--log-dir", str(logs), "--",
+                          PYTHON, "-c", f"print('{word}')"])
+        assert res.returncode == 0, res.stderr
+        where = re.search(r"dtrain: rank logs in (\S+)/\n", res.stderr)
+        assert where, res.stderr
+        runs.append(Path(where.group(1)))
+    assert runs[0] != runs[1] and sorted(logs.iterdir()) == sorted(runs)
+    for run, word in zip(runs, ("first", "second"), strict=True):
+        assert sorted(p.name for p in run.iterdir()) == ["rank-0.log", "rank-1.log"]
+        assert (run / "rank-1.log").read_text() == f"{word}\n"
