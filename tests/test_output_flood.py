@@ -101,3 +101,15 @@ def test_log_dir_keeps_each_run_in_its_own_folder_and_says_where(tmp_path):
     for run, word in zip(runs, ("first", "second"), strict=True):
         assert sorted(p.name for p in run.iterdir()) == ["rank-0.log", "rank-1.log"]
         assert (run / "rank-1.log").read_text() == f"{word}\n"
+
+
+def test_two_hosts_flooding_over_ssh_lose_nothing(netns_cluster):
+    """2 namespace hosts x 2 ranks through paramiko channels: the SSH window carries the
+    back-pressure, and every line still arrives whole and in order."""
+    res = _launch(["-H", "node1:2,node2:2", "--ssh-config", str(netns_cluster.ssh_config),
+                   "--", PYTHON, FLOOD, "100000", "200000"], timeout=180)
+    left = netns_cluster.wait_no_job_pids(10)
+    assert res.returncode == 0, res.stderr[-2000:]
+    check_flood(res.stdout, 4, 100000, 200000, prefixed=True)
+    assert b"[1@node1] 0 " in res.stdout and b"[2@node2] 0 " in res.stdout
+    assert not left, f"job processes left on hosts: {left}"
