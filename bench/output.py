@@ -12,13 +12,15 @@ lines, plus one LONG-byte line) under four launch commands, all over SSH from th
 * ``hydra prefixed``   ``mpiexec.hydra -launcher ssh -prepend-rank ...`` (``[rank] line``);
 * ``hydra raw``        the same without ``-prepend-rank``.
 
-The launcher's stdout goes to a file. Every run is checked for loss (`flood.problems`: every
-line of every rank present, whole, in order); a run with loss counts as failed. Each command
-is also timed with LINES = LONG = 0 (start-up and exit only) in the same repetition, and the
-rates are taken over the difference, so they measure output handling, not launching:
-``lines/s = ranks x (LINES + 2) / (t_flood - t_empty)``, ``MB/s`` likewise with the bytes the
-ranks wrote. Medians over the repetitions (tool order rotated each repetition), and each dtrain
-row's ratio to Hydra's row of the same mode (target >= 0.5).
+The bench reads the launcher's stdout from a pipe as fast as it comes and notes when the first
+and the last byte arrived; the rates are over that span (launching and exiting excluded):
+``lines/s = lines / (t_last - t_first)``, ``MB/s`` likewise with the bytes the ranks wrote
+(prefixes not counted). Every run is checked for loss (`flood.lost`: every line and byte
+arrived, prefixes aside); a run with loss counts as failed. Whether every line also
+arrived whole and in order per rank (`flood.problems`) is counted in "runs with whole lines":
+Hydra relays bytes as they come, so its ranks' lines can be cut into each other. Medians over
+the repetitions (tool order rotated each repetition), and each dtrain row's ratio to Hydra's
+row of the same mode (target >= 0.5).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -42,15 +45,16 @@ from bench.workers import flood
 SCRIPT = Path(flood.__file__)
 TOOLS = ("dtrain prefixed", "dtrain raw", "hydra prefixed", "hydra raw")
 COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ranks", "ranks"), ("ok", "ok"),
-           ("flood s", "flood_s"), ("empty s", "empty_s"), ("lines/s", "lines_per_s"),
-           ("MB/s", "mb_per_s"), ("lines/s / Hydra", "lines_per_s_vs_hydra"),
+           ("first to last byte s", "span_s"), ("exit s", "exit_s"), ("lines/s", "lines_per_s"),
+           ("MB/s", "mb_per_s"), ("runs with whole lines", "whole_lines"),
+           ("lines/s / Hydra", "lines_per_s_vs_hydra"),
            ("MB/s / Hydra", "mb_per_s_vs_hydra")]
 SUMMARY_COLUMNS = COLUMNS
 SUMMARY_NOTE = (
     "All namespace hosts share this one machine's CPUs: the ranks producing output, sshd, and "
     "the launcher consuming it compete for the same cores, so absolute rates are lower than "
-    "on separate machines; compare the ratios. Rates are over the flood run's time minus the "
-    "same command's empty run (start-up and exit excluded); every counted run lost nothing.")
+    "on separate machines; compare the ratios. Rates are over the span from the first to the "
+    "last byte of output (start-up and exit excluded); every counted run lost nothing.")
 
 
 def command(cluster: Any, tool: str, hosts: int, per_host: int, lines: int,
@@ -70,43 +74,57 @@ def command(cluster: Any, tool: str, hosts: int, per_host: int, lines: int,
     return common.Launch(argv + args[1:], launch.env)
 
 
-def timed(launch: common.Launch, timeout: float = 300) -> tuple[float, bytes, str | None]:
-    """Seconds from Popen to exit, the stdout bytes, and an error (None when rc 0)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+def timed(launch: common.Launch,
+          timeout: float = 300) -> tuple[dict[str, float], bytes, str | None]:
+    """Read the launcher's stdout as it comes: {first, last, exit} seconds since Popen, the
+    bytes, and an error (None when it exited 0)."""
+    with tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
         proc = subprocess.Popen(launch.argv, env={**common.base_env(), **launch.env},
-                                cwd=common.REPO, stdin=subprocess.DEVNULL, stdout=out,
-                                stderr=err, start_new_session=True)
+                                cwd=common.REPO, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=err, start_new_session=True)
+        assert proc.stdout is not None  # stdout=PIPE
+        out, stamps = bytearray(), {"first": 0.0, "last": 0.0}
+        deadline = t0 + timeout
+        fd = proc.stdout.fileno()
+        while time.monotonic() < deadline:
+            if not select.select([fd], [], [], 1.0)[0]:
+                continue
+            data = os.read(fd, 1 << 20)
+            if not data:
+                break
+            stamps["last"] = time.monotonic() - t0
+            stamps["first"] = stamps["first"] or stamps["last"]
+            out += data
         try:
-            code = proc.wait(timeout)
+            code = proc.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)  # the session we started, by its PID
             proc.wait()
-            return 0.0, b"", f"timed out after {timeout:.0f}s"
-        seconds = time.monotonic() - t0
-        out.seek(0)
+            return stamps, bytes(out), f"timed out after {timeout:.0f}s"
+        finally:
+            proc.stdout.close()
+        stamps["exit"] = time.monotonic() - t0
         err.seek(0)
         tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
-        return seconds, out.read(), None if code == 0 else f"exit code {code}: {' | '.join(tail)}"
+        return stamps, bytes(out), None if code == 0 else f"exit code {code}: {' | '.join(tail)}"
 
 
 def one(cluster: Any, tool: str, hosts: int, per_host: int, lines: int,
         long: int) -> common.Sample:
-    """A flood run and an empty run of one command; loss and leftovers make it fail."""
+    """One run: loss, a failed exit or leftovers on the hosts make it fail."""
+    missing = common.tool_missing(tool.split()[0])
+    if missing:
+        return common.Sample(None, missing)
     ranks = hosts * per_host
-    prefixed = tool.endswith("prefixed")
-    got: dict[str, float] = {}
-    for name, n, size in (("empty", 0, 0), ("flood", lines, long)):
-        missing = common.tool_missing(tool.split()[0])
-        if missing:
-            return common.Sample(None, missing)
-        seconds, stdout, error = timed(command(cluster, tool, hosts, per_host, n, size))
-        left = common.settle(cluster)
-        error = error or flood.problems(stdout, ranks, n, size, prefixed=prefixed)
-        if error or left:
-            return common.Sample(None, f"{name} run: {error or f'processes left: {left}'}")
-        got[name] = seconds
-    return common.Sample(got)
+    stamps, stdout, error = timed(command(cluster, tool, hosts, per_host, lines, long))
+    left = common.settle(cluster)
+    error = error or flood.lost(stdout, ranks, lines, long)
+    if error or left:
+        return common.Sample(None, error or f"processes left on hosts: {left}")
+    whole = flood.problems(stdout, ranks, lines, long, prefixed=tool.endswith("prefixed"))
+    return common.Sample({**stamps, "span": stamps["last"] - stamps["first"],
+                          "whole": float(whole is None)})
 
 
 def run(hosts: int = 2, per_host: int = 2, lines: int = 200000, long: int = 200000,
@@ -127,14 +145,14 @@ def run(hosts: int = 2, per_host: int = 2, lines: int = 200000, long: int = 2000
     for tool in tools:
         samples = results[tool, hosts]
         good = [s.metrics for s in samples if s.metrics]
-        net = [m["flood"] - m["empty"] for m in good]
+        span = statistics.median(m["span"] for m in good) if good else None
         row: dict[str, Any] = {
             "bench": "output", "tool": tool, "hosts": hosts, "ranks": ranks, "reps": reps,
-            "ok": len(good), "lines": total_lines, "bytes": total_bytes,
-            "flood_s": statistics.median(m["flood"] for m in good) if good else None,
-            "empty_s": statistics.median(m["empty"] for m in good) if good else None,
-            "lines_per_s": total_lines / statistics.median(net) if net else None,
-            "mb_per_s": total_bytes / 1e6 / statistics.median(net) if net else None}
+            "ok": len(good), "lines": total_lines, "bytes": total_bytes, "span_s": span,
+            "exit_s": statistics.median(m["exit"] for m in good) if good else None,
+            "lines_per_s": total_lines / span if span else None,
+            "mb_per_s": total_bytes / 1e6 / span if span else None,
+            "whole_lines": f"{sum(m['whole'] for m in good):.0f}/{len(good)}"}
         errors = [s.error for s in samples if s.error]
         if errors:
             row["error"] = errors[0]

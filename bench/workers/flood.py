@@ -16,6 +16,7 @@ FILLER = "abcdefghij" * 3
 BLOCK = 1000
 # `[rank@host] ` (dtrain) or `[rank] ` (mpiexec -prepend-rank)
 _PREFIX = re.compile(rb"\[(\d+)(?:@[\w.-]+)?\] ")
+_ANY_PREFIX = re.compile(rb"\[\d+(?:@[\w.-]+)?\] ")
 
 
 def expected(rank: int, lines: int, long: int) -> list[bytes]:
@@ -49,6 +50,19 @@ def problems(stdout: bytes, ranks: int, lines: int, long: int, *, prefixed: bool
         if seen != want:
             return (f"rank {rank}: {len(seen)} of {len(want)} lines arrived, "
                     f"{sum(a != b for a, b in zip(seen, want, strict=False))} differ")
+    return None
+
+
+def lost(stdout: bytes, ranks: int, lines: int, long: int) -> str | None:
+    """None when no byte was lost or added, prefixes aside (lines may be mixed across ranks,
+    as mpiexec mixes them); else what is wrong."""
+    body = _ANY_PREFIX.sub(b"", stdout)
+    want = [expected(rank, lines, long) for rank in range(ranks)]
+    count = sum(len(w) for w in want)
+    size = sum(len(line) + 1 for w in want for line in w)
+    got = body.count(b"\n")
+    if got != count or len(body) != size:
+        return f"{got} of {count} lines, {len(body)} of {size} bytes arrived"
     return None
 
 
