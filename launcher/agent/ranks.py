@@ -114,13 +114,15 @@ def start_rank(
     pass_fds: Sequence[int],
     on_output: Callable[[int, int, bytes], None],
     events: queue.Queue[Any],
+    stdin_pipe: bool = False,
 ) -> RankProcess:
-    """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads."""
+    """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads. Its
+    stdin is /dev/null, or a pipe (``proc.stdin``) with ``stdin_pipe`` (rank 0)."""
     proc = subprocess.Popen(
         list(argv),
         env=dict(env),
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         pass_fds=tuple(pass_fds),

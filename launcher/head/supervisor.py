@@ -24,6 +24,7 @@ from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
 from launcher.head.output import OutputSink
 from launcher.head.startup import Startup
+from launcher.head.stdin import StdinForwarder
 from launcher.head.writer import OutputWriter
 from launcher.plan.job import JobPlan
 from launcher.transport.stream import AgentStream
@@ -51,6 +52,7 @@ class Supervisor:
         self.links = [AgentLink(i, s, self.events,
                                 lambda out: self.writer.put(out.rank, out.stream, out.data))
                       for i, s in enumerate(streams)]
+        self.stdin = StdinForwarder(self.links[0])  # rank 0 is on the first host
         self.opts = opts
         self._sink_factory = sink_factory
         self.outcome: JobOutcome | None = None
@@ -96,9 +98,11 @@ class Supervisor:
 
             self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=plan.job_id)
         startup.start(self.outcome, self._handle)
+        self.stdin.start()
         self.timings.update(hello=startup.hello_at, ready=startup.ready_at,
                             running=time.monotonic())
         self._loop(t0)
+        self.stdin.stop()
         self.timings["exit"] = time.monotonic()
         self._draining = True
         self.writer.close()
@@ -182,6 +186,8 @@ class Supervisor:
             r.state, r.pid = "running", int(body["pid"])
         elif kind is wire.Kind.EXIT:
             self._on_exit(frame.json())
+        elif kind is wire.Kind.STDIN_ACK:
+            self.stdin.acked(int(frame.json().get("bytes", 0)))
         elif kind is wire.Kind.PMI:
             self._on_pmi(link, frame.json())
         elif kind is wire.Kind.DONE:
