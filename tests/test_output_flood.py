@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from bench.workers import flood
-from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env, run_dtrain
+from tests.support import (
+    PYTHON,
+    REPO,
+    dtrain_cmd,
+    dtrain_env,
+    kill_recorded,
+    run_dtrain,
+    wait_gone,
+)
 
 FLOOD = flood.__file__
 FAST_BEATS = ["--heartbeat-interval", "1"]
@@ -96,3 +104,26 @@ def test_two_hosts_flooding_over_ssh_lose_nothing(netns_cluster):
     check_flood(res.stdout, 4, 100000, 200000, prefixed=True)
     assert b"[1@node1] 1 0 " in res.stdout and b"[2@node2] 2 0 " in res.stdout
     assert not left, f"job processes left on hosts: {left}"
+
+
+def test_a_rank_whose_child_keeps_printing_after_it_exits_still_ends_the_job(tmp_path):
+    """The child holds the rank's pipes open and keeps them busy: the exit is reported after a
+    bounded wait, and the rank's process group (the child) is stopped with it."""
+    code = ("import os, subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time\\n"
+            "while True: print(\"tick\", flush=True); time.sleep(0.01)'])\n"
+            "open(os.environ['PID_FILE'], 'w').write(str(child.pid))\n"
+            "time.sleep(0.5)\n")
+    pid_file = tmp_path / "child.pid"
+    t0 = time.monotonic()
+    res = subprocess.run(dtrain_cmd(["launch", *FAST_BEATS, "--", PYTHON, "-c", code]),
+                         capture_output=True, timeout=60, cwd=REPO,
+                         env=dtrain_env({"PID_FILE": str(pid_file)}))
+    child = int(pid_file.read_text())
+    try:
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert time.monotonic() - t0 < 30
+        assert b"[0@localhost] tick\n" in res.stdout
+        assert not wait_gone([child], 10)
+    finally:
+        kill_recorded([child])

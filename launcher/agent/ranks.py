@@ -8,8 +8,9 @@ kills the ranks, so no path leaves an orphan holding a GPU.
 Output: two pump threads per rank read its stdout and stderr pipes and hand each chunk to
 ``on_output``, which blocks while the agent's output queue is full; the pump then stops
 reading, the pipe fills, and the rank blocks in ``write`` (back-pressure). A rank's exit is
-reported once its pumps have relayed everything, however long a slow head takes; only pipes
-that stay quiet (kept open by the rank's own children) stop waiting after `PUMP_QUIET_S`.
+reported once its pumps have relayed everything, however long a slow head takes; pipes kept
+open by the rank's own children stop the wait after `PUMP_WAIT_S` of the pumps' own time
+(time spent waiting for a slow head does not count).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
-PUMP_QUIET_S = 2.0  # after the rank exited, how long a pipe may stay quiet before we report
+PUMP_WAIT_S = 2.0  # after the rank exited: how long its pumps may read before we report
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
 except OSError:  # not Linux: no parent-death signal, the EOF/heartbeat paths still apply
@@ -60,7 +61,6 @@ class _Pump(threading.Thread):
                  on_output: Callable[[int, int, bytes], None]) -> None:
         super().__init__(daemon=True, name=f"rank{rank}-{stream}")
         self.rank, self.stream, self.pipe, self.on_output = rank, stream, pipe, on_output
-        self.relayed = 0        # bytes read from the pipe so far
         self.relaying = False   # inside on_output (possibly blocked by back-pressure)
 
     def run(self) -> None:
@@ -70,7 +70,6 @@ class _Pump(threading.Thread):
                 data = os.read(fd, 65536)
                 if not data:
                     break
-                self.relayed += len(data)
                 self.relaying = True
                 self.on_output(self.rank, self.stream, data)
                 self.relaying = False
@@ -139,15 +138,16 @@ def start_rank(
 
 
 def _wait_pumps(pumps: Sequence[_Pump]) -> None:
-    """Until every pump is done, or the pipes have been quiet for `PUMP_QUIET_S`."""
-    seen, quiet_since = -1, time.monotonic()
+    """Until every pump is done, or they have read for `PUMP_WAIT_S` not held by the head."""
+    budget, last = PUMP_WAIT_S, time.monotonic()
     while any(p.is_alive() for p in pumps):
         for p in pumps:
             p.join(0.1)
-        progress = sum(p.relayed for p in pumps)
-        if progress != seen or any(p.relaying for p in pumps):
-            seen, quiet_since = progress, time.monotonic()  # relaying, or held by a slow head
-        elif time.monotonic() - quiet_since > PUMP_QUIET_S:
+        now = time.monotonic()
+        if not any(p.relaying for p in pumps):
+            budget -= now - last  # held by a slow head: that time is not the rank's
+        last = now
+        if budget <= 0:
             return  # the rank's children keep the pipes open: do not delay the exit report
 
 
