@@ -30,6 +30,7 @@ from launcher.plan.job import JobPlan
 from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
+KILLED_DRAIN_S = 2.0  # after a second Ctrl-C, how long output still queued may take
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ class Supervisor:
         self.stdin.stop()
         self.timings["exit"] = time.monotonic()
         self._draining = True
-        self.writer.close()
+        self.writer.close(KILLED_DRAIN_S if self.killed_hard else None)
         return self.outcome
 
     def _loop(self, t0: float) -> None:

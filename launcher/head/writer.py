@@ -98,13 +98,17 @@ class OutputWriter:
             return
         self._add(_Notice(text))
 
-    def drain(self) -> None:
-        """Wait until everything queued so far is written (or the rest was abandoned)."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until everything queued so far is written (or abandoned); False on timeout."""
         if self._thread is None:
-            return
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while (self._items or self._busy) and not self._abandoned:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
                 self._cond.wait(0.5)  # a timeout keeps the main thread's signal handlers live
+        return True
 
     def abandon(self) -> None:
         """Drop what is queued and everything that comes; release blocked readers."""
@@ -113,9 +117,11 @@ class OutputWriter:
             self._items.clear()
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Drain, then flush every rank's unfinished line and close the log files."""
-        self.drain()
+    def close(self, timeout: float | None = None) -> None:
+        """Drain, then flush every rank's unfinished line and close the log files. What is
+        not written within ``timeout`` seconds is abandoned (a second Ctrl-C: leave now)."""
+        if not self.drain(timeout):
+            self.abandon()
         if self._sink is not None and not self._abandoned:
             self._add(_Stop())
             if self._thread is not None:
