@@ -8,6 +8,7 @@ in seconds instead of passing slowly.
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -127,3 +128,37 @@ def test_a_rank_whose_child_keeps_printing_after_it_exits_still_ends_the_job(tmp
         assert not wait_gone([child], 10)
     finally:
         kill_recorded([child])
+
+
+def test_two_ctrl_c_end_a_job_whose_stdout_nobody_reads(tmp_path):
+    """Back-pressure holds ranks while the reader is stalled; a second Ctrl-C still ends the
+    job (exit 130) and leaves no rank behind, dropping the output nobody would read."""
+    code = ("import os, sys\n"
+            "open(os.path.join(os.environ['PID_DIR'], os.environ['RANK']), 'w')"
+            ".write(str(os.getpid()))\n"
+            "while True: sys.stdout.write('flood ' * 10 + '\\n')\n")
+    with open(tmp_path / "stderr", "wb") as err:
+        head = subprocess.Popen(
+            dtrain_cmd(["launch", *FAST_BEATS, "--nproc-per-node", "2", "--grace", "1", "--",
+                        PYTHON, "-c", code]),
+            stdout=subprocess.PIPE, stderr=err, cwd=REPO,
+            env=dtrain_env({"PID_DIR": str(tmp_path)}))
+        pids: list[int] = []
+        try:
+            deadline = time.monotonic() + 30
+            while len(pids) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                pids = [int(t) for t in (p.read_text() for p in tmp_path.glob("[0-9]"))
+                        if t.isdigit() and int(t) > 0]
+            time.sleep(2)  # every buffer on the way fills; the ranks block in write
+            assert head.poll() is None
+            head.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+            head.send_signal(signal.SIGINT)
+            head.wait(timeout=30)
+            assert head.returncode == 130, (tmp_path / "stderr").read_text()[-2000:]
+            assert len(pids) == 2 and not wait_gone(pids, 10)
+        finally:
+            head.kill()
+            head.wait()
+            kill_recorded(pids)
