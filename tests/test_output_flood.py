@@ -162,3 +162,27 @@ def test_two_ctrl_c_end_a_job_whose_stdout_nobody_reads(tmp_path):
             head.kill()
             head.wait()
             kill_recorded(pids)
+
+
+def test_a_reader_that_leaves_early_like_head_lets_the_job_finish(tmp_path):
+    """`dtrain launch ... | head -n 3`: printing stops, the job runs to its end with rc 0."""
+    done = tmp_path / "done"
+    code = ("import os, sys\n"
+            "for i in range(200000): sys.stdout.write(f'{i} ' + 'x' * 40 + '\\n')\n"
+            "sys.stdout.flush()\n"
+            "open(os.environ['DONE'] + os.environ['RANK'], 'w').close()\n")
+    head = subprocess.Popen(
+        dtrain_cmd(["launch", *FAST_BEATS, "--nproc-per-node", "2", "--", PYTHON, "-c", code]),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+        env=dtrain_env({"DONE": str(done)}))
+    try:
+        assert head.stdout is not None
+        first = [head.stdout.readline() for _ in range(3)]
+        head.stdout.close()  # the reader leaves; dtrain's next write gets EPIPE
+        _, err = head.communicate(timeout=60)
+        assert all(line.startswith(b"[") for line in first)
+        assert head.returncode == 0, err[-2000:]
+        assert (tmp_path / "done0").exists() and (tmp_path / "done1").exists()
+    finally:
+        head.kill()
+        head.communicate()
