@@ -237,3 +237,17 @@ def test_a_broken_stream_releases_blocked_pumps_and_reports_false():
     results = [writer.send_output(wire.encode_output(0, 1, b"x" * 2000)) for _ in range(3)]
     assert results[-1] is False and writer.broken
     assert writer.send(wire.encode(wire.Kind.HEARTBEAT)) is False
+
+
+def test_a_stdout_that_fails_to_write_is_given_up_with_one_warning_and_the_sink_goes_on():
+    err = io.BytesIO()
+    with open("/dev/full", "wb") as full:  # every write fails with ENOSPC
+        sink = OutputSink({0: "h"}, full, err)
+        sink.write(0, 1, b"lost\n")
+        sink.commit()
+        sink.write(0, 1, b"more\n")
+        sink.write(0, 2, b"still here\n")
+        sink.commit()
+    text = err.getvalue().decode()
+    assert text.count("writing the ranks' output failed") == 1
+    assert "No space left on device" in text and "[0@h] still here\n" in text

@@ -63,7 +63,10 @@ class OutputSink:
         """Take a chunk of a rank's output; what it completes is written at `commit`."""
         log = self._logs.get(rank)
         if log is not None:
-            log.write(data)
+            try:
+                log.write(data)
+            except OSError as exc:
+                self._log_failed(rank, exc)
         if stream == 2:
             tail = self._tails.setdefault(rank, bytearray())
             tail += data
@@ -107,8 +110,11 @@ class OutputSink:
             if parts:
                 self._put(self._streams[stream], b"".join(parts))
                 parts.clear()
-        for log in self._logs.values():
-            log.flush()
+        for rank, log in list(self._logs.items()):
+            try:
+                log.flush()
+            except OSError as exc:
+                self._log_failed(rank, exc)
 
     def tail(self, rank: int) -> list[str]:
         """The last non-blank stderr lines of a rank, for the exit report."""
@@ -125,6 +131,16 @@ class OutputSink:
         for out in self._streams.values():
             self._put(out, b"")
 
+    def _log_failed(self, rank: int, exc: OSError) -> None:
+        """A log file that cannot be written (disk full) is closed; the job goes on."""
+        log = self._logs.pop(rank)
+        try:
+            log.close()
+        except OSError:
+            pass
+        self._pending[2].append(f"dtrain: writing rank-{rank}.log failed ({exc}); that log "
+                                "stops here, the job goes on\n".encode())
+
     def _add(self, rank: int, stream: int, block: bytes) -> None:
         if not block:
             return
@@ -132,14 +148,23 @@ class OutputSink:
         self._pending[stream if stream in self._pending else 1].append(
             prefix_lines(block, prefix) if prefix else block)
 
-    @staticmethod
-    def _put(out: BinaryIO, data: bytes) -> None:
+    def _put(self, out: BinaryIO, data: bytes) -> None:
         try:
             if data:
                 out.write(data)
             out.flush()
         except BrokenPipeError:
             # `dtrain launch ... | head`: the reader left; keep supervising, stop printing.
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, out.fileno())
-            os.close(devnull)
+            _to_devnull(out)
+        except OSError as exc:
+            # A full disk or a hung-up terminal: the job goes on, this stream is given up.
+            _to_devnull(out)
+            if out is not self._streams[2]:
+                self._pending[2].append(f"dtrain: writing the ranks' output failed ({exc}); "
+                                        "the rest of it is discarded, the job goes on\n".encode())
+
+
+def _to_devnull(out: BinaryIO) -> None:
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, out.fileno())
+    os.close(devnull)
