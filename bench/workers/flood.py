@@ -17,6 +17,7 @@ BLOCK = 1000
 # `[rank@host] ` (dtrain) or `[rank] ` (mpiexec -prepend-rank)
 _PREFIX = re.compile(rb"\[(\d+)(?:@[\w.-]+)?\] ")
 _ANY_PREFIX = re.compile(rb"\[\d+(?:@[\w.-]+)?\] ")
+_RANK = re.compile(rb"(\d+) ")
 
 
 def expected(rank: int, lines: int, long: int) -> list[bytes]:
@@ -41,7 +42,8 @@ def problems(stdout: bytes, ranks: int, lines: int, long: int, *, prefixed: bool
             line = line[m.end():]
             if not line.startswith(m.group(1) + b" "):
                 return f"rank {int(m.group(1))}'s prefix on another rank's line: {line[:80]!r}"
-        rank = int(line.split(b" ", 1)[0]) if line[:1].isdigit() else -1
+        head = _RANK.match(line)
+        rank = int(head.group(1)) if head else -1
         if rank not in got:
             return f"a line from no rank: {line[:80]!r}"
         got[rank].append(line)
