@@ -12,12 +12,14 @@ lines, plus one LONG-byte line) under four launch commands, all over SSH from th
 * ``hydra prefixed``   ``mpiexec.hydra -launcher ssh -prepend-rank ...`` (``[rank] line``);
 * ``hydra raw``        the same without ``-prepend-rank``.
 
-The bench reads the launcher's stdout from a pipe as fast as it comes and notes when the first
-and the last byte arrived; the rates are over that span (launching and exiting excluded):
-``lines/s = lines / (t_last - t_first)``, ``MB/s`` likewise with the bytes the ranks wrote
-(prefixes not counted). Every run is checked for loss (`flood.lost`: every line and byte
-arrived, prefixes aside); a run with loss counts as failed. Whether every line also
-arrived whole and in order per rank (`flood.problems`) is counted in "runs with whole lines":
+Each rank stamps ``time.time()`` just before its first write (the namespaces share the clock);
+the bench reads the launcher's stdout from a pipe as fast as it comes, and the rates are over
+the span from the first rank's first write to the last byte read (launching and exiting
+excluded, buffering on the way included): ``lines/s = lines / span``, ``MB/s`` likewise with
+the bytes the ranks wrote (prefixes not counted). Every run is checked for loss (`flood.lost`:
+every line and byte arrived, prefixes aside); a run with loss counts as failed. Whether every
+line also arrived whole and in order per rank (`flood.problems`) is counted in "runs with
+whole lines":
 Hydra relays bytes as they come, so its ranks' lines can be cut into each other. Medians over
 the repetitions (tool order rotated each repetition), and each dtrain row's ratio to Hydra's
 row of the same mode (target >= 0.5).
@@ -45,7 +47,8 @@ from bench.workers import flood
 SCRIPT = Path(flood.__file__)
 TOOLS = ("dtrain prefixed", "dtrain raw", "hydra prefixed", "hydra raw")
 COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ranks", "ranks"), ("ok", "ok"),
-           ("first to last byte s", "span_s"), ("exit s", "exit_s"), ("lines/s", "lines_per_s"),
+           ("first byte s", "first_s"), ("span s", "span_s"), ("exit s", "exit_s"),
+           ("lines/s", "lines_per_s"),
            ("MB/s", "mb_per_s"), ("runs with whole lines", "whole_lines"),
            ("lines/s / Hydra", "lines_per_s_vs_hydra"),
            ("MB/s / Hydra", "mb_per_s_vs_hydra")]
@@ -53,14 +56,15 @@ SUMMARY_COLUMNS = COLUMNS
 SUMMARY_NOTE = (
     "All namespace hosts share this one machine's CPUs: the ranks producing output, sshd, and "
     "the launcher consuming it compete for the same cores, so absolute rates are lower than "
-    "on separate machines; compare the ratios. Rates are over the span from the first to the "
-    "last byte of output (start-up and exit excluded); every counted run lost nothing.")
+    "on separate machines; compare the ratios. Times are from the first rank's first write; "
+    "rates are over the span to the last byte read (start-up and exit excluded); every "
+    "counted run lost nothing.")
 
 
-def command(cluster: Any, tool: str, hosts: int, per_host: int, lines: int,
-            long: int) -> common.Launch:
+def command(cluster: Any, tool: str, hosts: int, per_host: int, lines: int, long: int,
+            stamps: str) -> common.Launch:
     kind, mode = tool.split()
-    args = [str(lines), str(long)]
+    args = [str(lines), str(long), stamps]
     if kind == "dtrain":
         launch = common.dtrain_launch(cluster, hosts, per_host, SCRIPT, args[0])
         argv = list(launch.argv)
@@ -76,7 +80,7 @@ def command(cluster: Any, tool: str, hosts: int, per_host: int, lines: int,
 
 def timed(launch: common.Launch,
           timeout: float = 300) -> tuple[dict[str, float], bytes, str | None]:
-    """Read the launcher's stdout as it comes: {first, last, exit} seconds since Popen, the
+    """Read the launcher's stdout as it comes: {first, last, exit} as ``time.time()``, the
     bytes, and an error (None when it exited 0)."""
     with tempfile.TemporaryFile() as err:
         t0 = time.monotonic()
@@ -93,7 +97,7 @@ def timed(launch: common.Launch,
             data = os.read(fd, 1 << 20)
             if not data:
                 break
-            stamps["last"] = time.monotonic() - t0
+            stamps["last"] = time.time()
             stamps["first"] = stamps["first"] or stamps["last"]
             out += data
         try:
@@ -104,7 +108,7 @@ def timed(launch: common.Launch,
             return stamps, bytes(out), f"timed out after {timeout:.0f}s"
         finally:
             proc.stdout.close()
-        stamps["exit"] = time.monotonic() - t0
+        stamps["exit"] = time.time()
         err.seek(0)
         tail = err.read().decode(errors="replace").strip().splitlines()[-3:]
         return stamps, bytes(out), None if code == 0 else f"exit code {code}: {' | '.join(tail)}"
@@ -117,20 +121,26 @@ def one(cluster: Any, tool: str, hosts: int, per_host: int, lines: int,
     if missing:
         return common.Sample(None, missing)
     ranks = hosts * per_host
-    stamps, stdout, error = timed(command(cluster, tool, hosts, per_host, lines, long))
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-flood-") as stamp_dir:
+        got, stdout, error = timed(command(cluster, tool, hosts, per_host, lines, long,
+                                           stamp_dir))
+        starts = [float(p.read_text()) for p in Path(stamp_dir).iterdir()]
     left = common.settle(cluster)
     error = error or flood.lost(stdout, ranks, lines, long)
+    if not error and len(starts) != ranks:
+        error = f"{len(starts)} of {ranks} ranks stamped their start"
     if error or left:
         return common.Sample(None, error or f"processes left on hosts: {left}")
     whole = flood.problems(stdout, ranks, lines, long, prefixed=tool.endswith("prefixed"))
-    return common.Sample({**stamps, "span": stamps["last"] - stamps["first"],
-                          "whole": float(whole is None)})
+    start = min(starts)
+    return common.Sample({"first": got["first"] - start, "span": got["last"] - start,
+                          "exit": got["exit"] - start, "whole": float(whole is None)})
 
 
 def run(hosts: int = 2, per_host: int = 2, lines: int = 200000, long: int = 200000,
         reps: int = 3, *, tools: Sequence[str] = TOOLS, cluster: Any = None,
         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Rows {tool, hosts, ranks, flood_s, empty_s, lines_per_s, mb_per_s, ratios, ...}."""
+    """Rows {tool, hosts, ranks, first_s, span_s, exit_s, lines_per_s, mb_per_s, ratios}."""
     ranks = hosts * per_host
     written = [flood.expected(rank, lines, long) for rank in range(ranks)]
     total_lines = sum(len(lines_of_rank) for lines_of_rank in written)
@@ -149,6 +159,7 @@ def run(hosts: int = 2, per_host: int = 2, lines: int = 200000, long: int = 2000
         row: dict[str, Any] = {
             "bench": "output", "tool": tool, "hosts": hosts, "ranks": ranks, "reps": reps,
             "ok": len(good), "lines": total_lines, "bytes": total_bytes, "span_s": span,
+            "first_s": statistics.median(m["first"] for m in good) if good else None,
             "exit_s": statistics.median(m["exit"] for m in good) if good else None,
             "lines_per_s": total_lines / span if span else None,
             "mb_per_s": total_bytes / 1e6 / span if span else None,

@@ -1,9 +1,11 @@
-"""A rank program that floods its output: `flood.py LINES LONG`, and `problems`, its checker.
+"""A rank program that floods its output: `flood.py LINES LONG [STAMPS]`, and its checkers.
 
 Prints LINES short lines `<rank> <i> <filler>` (i = 0..LINES-1, in blocks of 1000 lines per
 write, as a chatty trainer would through a block-buffered stdout), with one line of LONG bytes
 of `z` after the block holding the middle line, then `<rank> end`. The rank is $RANK (dtrain)
-or $PMI_RANK (mpiexec). Used by tests/test_output_flood.py and bench/output.py.
+or $PMI_RANK (mpiexec). With STAMPS, a directory, the rank writes ``time.time()`` into
+``STAMPS/<rank>`` just before its first write. Used by tests/test_output_flood.py and
+bench/output.py.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 
 FILLER = "abcdefghij" * 3
 BLOCK = 1000
@@ -73,6 +76,9 @@ def main() -> None:
     rank = int(os.environ.get("RANK") or os.environ["PMI_RANK"])
     out = sys.stdout.buffer
     want = expected(rank, lines, long)
+    if len(sys.argv) > 3:
+        with open(os.path.join(sys.argv[3], str(rank)), "w") as stamp:
+            stamp.write(repr(time.time()))
     for start in range(0, len(want), BLOCK):
         out.write(b"".join(line + b"\n" for line in want[start:start + BLOCK]))
     out.flush()
