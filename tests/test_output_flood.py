@@ -186,3 +186,17 @@ def test_a_reader_that_leaves_early_like_head_lets_the_job_finish(tmp_path):
     finally:
         head.kill()
         head.communicate()
+
+
+def test_the_exit_report_shows_the_last_stderr_lines_of_a_rank_that_flooded_then_failed():
+    code = ("import sys\n"
+            "sys.stderr.write(''.join(f'err {i}\\n' for i in range(100000)))\n"
+            "sys.stderr.write('unfinished')\n"
+            "sys.exit(3)\n")
+    res = _launch(["--", PYTHON, "-c", code], timeout=60)
+    assert res.returncode == 3
+    err = res.stderr.decode()
+    report = err[err.index("dtrain: job ended with exit code 3"):]
+    assert "[0@localhost] unfinished\n" in err[:err.index("dtrain: job ended")]
+    tail = report[report.index("last stderr lines of rank 0@localhost"):].splitlines()[1:]
+    assert tail[:10] == [f"err {i}" for i in range(99991, 100000)] + ["unfinished"]
