@@ -200,3 +200,14 @@ def test_the_exit_report_shows_the_last_stderr_lines_of_a_rank_that_flooded_then
     assert "[0@localhost] unfinished\n" in err[:err.index("dtrain: job ended")]
     tail = report[report.index("last stderr lines of rank 0@localhost"):].splitlines()[1:]
     assert tail[:10] == [f"err {i}" for i in range(99991, 100000)] + ["unfinished"]
+
+
+def test_an_unusable_log_dir_is_one_clear_error_before_anything_starts(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    marker = tmp_path / "ran"
+    res = run_dtrain(["launch", "--log-dir", str(blocker / "logs"), "--", PYTHON, "-c",
+                      f"open({str(marker)!r}, 'w')"])
+    assert res.returncode == 2
+    assert res.stderr.count("dtrain: error: cannot write the rank logs [--log-dir ") == 1
+    assert "Not a directory" in res.stderr and not marker.exists()
