@@ -22,12 +22,17 @@ paramiko and subprocess live in the modules marked (adapter).
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
                  pmi_notes     refused MPI features and stalled barriers, told once
                  agent_link    the head's end of one agent stream: reader thread and sender
+                 writer        the output writer thread and its byte-bounded queue
                  output        [rank@host] prefixes, raw passthrough, per-rank log files
+                 lines         linear line splitting with a 1 MiB line cap (pure)
+                 stdin         the head's stdin to rank 0, credit flow control
                  outcome       per-rank states and the exit-code rule
                  report        the final per-rank exit table
     agent/       the per-host agent, run on each host as `python -m launcher.agent`
                  main          the agent's event loop: spec check, start, relay, stop
                  head_link     the agent's end of the stream to the head
+                 writer        one thread writes every frame; rank output back-pressured
+                 stdin         rank 0's stdin, written by a thread of its own
                  ranks         rank processes: own process group, parent-death signal (adapter)
                  descendants   subreaper; stray descendants (setsid) stopped with the job
                  pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)

@@ -144,7 +144,8 @@ whose name starts with a dash; it is always safe."""
               help="Interpreter that runs the agent on every host.")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
-@click.option("--log-dir", type=click.Path(file_okay=False), help="Also write rank-N.log files.")
+@click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",
+              help="Also write DIR/<job id>/rank-N.log files (a new folder per run).")
 @click.option("--timeout", type=float, help="Stop the job after this many seconds (exit 124).")
 @click.option("--grace", type=float, default=10.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")

@@ -111,13 +111,14 @@ def run_launch(req: LaunchRequest) -> int:
         print_plan(shown, auto_master=(req.master_addr is None, req.master_port is None),
                    out=sys.stdout)
         return 0
+    log_dir = _log_dir(req.log_dir, job_id)
     t0 = time.monotonic()
     streams = open_streams(selected, python=req.remote_python, ssh_kwargs=req.ssh)
     connected = time.monotonic()
 
     def sink(p: planning.JobPlan) -> OutputSink:
         return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
-                          prefix=req.prefix, raw=req.raw, log_dir=req.log_dir)
+                          prefix=req.prefix, raw=req.raw, log_dir=log_dir)
 
     sup = Supervisor(streams, sink, req.supervise)
     previous = {s: signal.signal(s, sup.on_signal)
@@ -136,6 +137,21 @@ def run_launch(req: LaunchRequest) -> int:
         sys.stderr.write("dtrain: timings since start: " + ", ".join(
             f"{k} {v - STARTED:.3f}s" for k, v in stamps.items() if v) + "\n")
     return outcome.exit_code
+
+
+def _log_dir(root: Path | None, job_id: str) -> Path | None:
+    """``--log-dir`` keeps each run in its own folder, named by the job id (sorts by start
+    time); made before anything connects, so an unusable folder stops nothing."""
+    if root is None:
+        return None
+    folder = root / job_id
+    try:
+        folder.mkdir(parents=True)
+    except OSError as exc:
+        raise UsageError("cannot write the rank logs", f"--log-dir {root}",
+                         exc.strerror or str(exc), "give a folder you can write to") from None
+    sys.stderr.write(f"dtrain: rank logs in {folder}/\n")
+    return folder
 
 
 def _run_mpirun(req: LaunchRequest, build_plan: Any,

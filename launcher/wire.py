@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: STDIN and STDIN_ACK frames
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
@@ -38,6 +38,8 @@ class Kind(enum.IntEnum):
     BYE = 13        # head -> agent: leave now (after KILL or when the job is over)
     READY = 14      # agent -> head: the SPEC was checked (cwd, program) and can start
     START = 15      # head -> agent: start the ranks (sent once every host is READY)
+    STDIN = 16      # head -> agent: raw bytes for rank 0's stdin; empty payload = EOF
+    STDIN_ACK = 17  # agent -> head: {"bytes"}: written into rank 0's stdin (flow credit)
 
 
 class WireError(ValueError):

@@ -197,9 +197,9 @@ def test_log_dir_gets_one_file_per_rank_and_no_prefix_prints_bare_lines(tmp_path
                       str(tmp_path / "logs"), "--", PYTHON, PROBE, "argv", "x"])
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ['["x"]', '["x"]']
-    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())
-    assert logs == ["rank-0.log", "rank-1.log"]
-    assert (tmp_path / "logs" / "rank-1.log").read_text() == '["x"]\n'
+    (run,) = (tmp_path / "logs").iterdir()  # one folder per run, named by its job id
+    assert sorted(p.name for p in run.iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert (run / "rank-1.log").read_text() == '["x"]\n'
 
 
 def test_a_missing_program_is_reported_before_any_rank_starts():

@@ -1,7 +1,9 @@
 """The agent's end of the stream to the head: frames in on stdin, frames out on stdout.
 
 The agent's real stdout is taken over for frames at start-up and fd 1 is pointed at stderr,
-so a stray print in the agent (or in a library it imports) cannot corrupt the stream.
+so a stray print in the agent (or in a library it imports) cannot corrupt the stream. Frames
+out are written by one thread (`launcher.agent.writer`): control frames never block the
+caller, rank output blocks while too much is queued (back-pressure to the ranks).
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any
 
 from launcher import wire
+from launcher.agent.writer import FrameWriter
 
 
 @dataclass(frozen=True)
@@ -23,31 +26,29 @@ class Eof:
 
 
 class HeadLink:
-    """Thread-safe frame writer plus a reader thread that queues incoming frames."""
+    """The frame writer thread plus a reader thread that queues incoming frames."""
 
     def __init__(self, events: queue.Queue[Any]) -> None:
-        self._out: BinaryIO = os.fdopen(os.dup(1), "wb", buffering=0)
+        self._writer = FrameWriter(os.fdopen(os.dup(1), "wb", buffering=0))
         self._in_fd = os.dup(0)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         os.dup2(2, 1)
-        self._lock = threading.Lock()
         self._events = events
-        self._broken = False
         threading.Thread(target=self._read_loop, name="head-reader", daemon=True).start()
 
     def send(self, data: bytes) -> bool:
-        """Write one encoded frame; False once the stream is broken (the head is gone)."""
-        with self._lock:
-            if self._broken:
-                return False
-            try:
-                self._out.write(data)
-                return True
-            except OSError:
-                self._broken = True
-                return False
+        """Queue one encoded control frame; never blocks. False once the stream is broken."""
+        return self._writer.send(data)
+
+    def send_output(self, rank: int, stream: int, data: bytes) -> bool:
+        """Queue a rank's output; blocks while the output queue is full (back-pressure)."""
+        return self._writer.send_output(wire.encode_output(rank, stream, data))
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for everything queued to reach the stream."""
+        return self._writer.flush(timeout)
 
     def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool:
         return self.send(wire.encode_json(kind, obj))

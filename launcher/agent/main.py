@@ -19,11 +19,13 @@ from launcher import netroute, wire
 from launcher.agent import descendants, facts
 from launcher.agent.head_link import Eof, HeadLink
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
+from launcher.agent.stdin import RankStdin
 from launcher.plan.environment import rank_environment
 
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway
 EOF_GRACE_S = 3.0        # the head is gone: short grace, nobody is waiting for a clean exit
+FLUSH_S = 2.0            # leaving: how long queued frames may take to reach the head
 # Set to the interface that reaches MASTER_ADDR unless the user set them (workerenv.py).
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -36,6 +38,7 @@ class Agent:
         self.spec: dict[str, Any] = {}
         self.interface: str | None = None  # the NIC that reaches MASTER_ADDR
         self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
+        self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
         self.interval = 5.0
         self.silence_limit = HELLO_SILENCE_S
         self.last_heard = self.last_sent = time.monotonic()
@@ -98,6 +101,8 @@ class Agent:
         elif kind is wire.Kind.KILL:
             body = frame.json()
             self._stop(int(body.get("signal", signal.SIGTERM)), float(body.get("grace", 10.0)))
+        elif kind is wire.Kind.STDIN:
+            self._on_stdin(frame.payload)
         elif kind is wire.Kind.PMI and self.pmi is not None:
             self.pmi.from_head(frame.json())
         elif kind is wire.Kind.QUERY:
@@ -176,7 +181,8 @@ class Agent:
             fds = self.pmi.rank_fds(rank) if self.pmi else []
             try:
                 rp = start_rank(rank, self.spec["argv"], self._rank_env(rank_spec),
-                                self.spec["cwd"], fds, self._relay_output, self.events)
+                                self.spec["cwd"], fds, self._relay_output, self.events,
+                                stdin_pipe=rank == 0)
             except OSError as exc:
                 self.link.send_json(wire.Kind.ERROR, {
                     "what": "rank did not start", "why": f"rank {rank}: {exc}",
@@ -186,10 +192,22 @@ class Agent:
             if self.pmi:
                 self.pmi.started(rank)
             self.ranks[rank] = rp
+            if rank == 0:
+                self.stdin = RankStdin(rp.proc.stdin, self._ack_stdin)
             self.link.send_json(wire.Kind.STARTED, {"rank": rank, "pid": rp.pid})
 
+    def _on_stdin(self, data: bytes) -> None:
+        """The head's stdin for rank 0 (an empty chunk is EOF); never blocks the loop."""
+        if self.stdin is not None:
+            self.stdin.put(data)
+        elif data:
+            self._ack_stdin(len(data))  # rank 0 did not start here: drop, but free the head
+
+    def _ack_stdin(self, count: int) -> None:
+        self.link.send_json(wire.Kind.STDIN_ACK, {"bytes": count})
+
     def _relay_output(self, rank: int, stream: int, data: bytes) -> None:
-        self.link.send(wire.encode_output(rank, stream, data))
+        self.link.send_output(rank, stream, data)  # a pump thread; blocks when the head lags
 
     def _on_exit(self, ev: RankExited) -> None:
         rp = self.ranks.pop(ev.rank, None)
@@ -248,5 +266,6 @@ def main() -> None:
     agent = Agent()
     signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
     code = agent.run()
+    agent.link.flush(FLUSH_S)  # EXIT/DONE frames still queued; the head may still be reading
     sys.stderr.flush()
     os._exit(code)

@@ -4,6 +4,13 @@ Each rank runs in its own session, hence its own process group, so a signal to t
 reaches everything the rank started (shells, data-loader workers) and nothing outside the job.
 Each rank also gets PR_SET_PDEATHSIG=SIGKILL: if the agent itself is SIGKILLed, the kernel
 kills the ranks, so no path leaves an orphan holding a GPU.
+
+Output: two pump threads per rank read its stdout and stderr pipes and hand each chunk to
+``on_output``, which blocks while the agent's output queue is full; the pump then stops
+reading, the pipe fills, and the rank blocks in ``write`` (back-pressure). A rank's exit is
+reported once its pumps have relayed everything, however long a slow head takes; pipes kept
+open by the rank's own children stop the wait after `PUMP_WAIT_S` of the pumps' own time
+(time spent waiting for a slow head does not count).
 """
 
 from __future__ import annotations
@@ -15,11 +22,13 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 _PR_SET_PDEATHSIG = 1
+PUMP_WAIT_S = 2.0  # after the rank exited: how long its pumps may read before we report
 try:
     _libc: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True)
 except OSError:  # not Linux: no parent-death signal, the EOF/heartbeat paths still apply
@@ -45,11 +54,36 @@ class RankExited:
     signal: int | None
 
 
+class _Pump(threading.Thread):
+    """Relays one pipe of a rank; counts what it relayed so a waiter can see progress."""
+
+    def __init__(self, rank: int, stream: int, pipe: Any,
+                 on_output: Callable[[int, int, bytes], None]) -> None:
+        super().__init__(daemon=True, name=f"rank{rank}-{stream}")
+        self.rank, self.stream, self.pipe, self.on_output = rank, stream, pipe, on_output
+        self.relaying = False   # inside on_output (possibly blocked by back-pressure)
+
+    def run(self) -> None:
+        fd = self.pipe.fileno()
+        try:
+            while True:
+                data = os.read(fd, 65536)
+                if not data:
+                    break
+                self.relaying = True
+                self.on_output(self.rank, self.stream, data)
+                self.relaying = False
+        except OSError:
+            pass
+        finally:
+            self.pipe.close()
+
+
 @dataclass
 class RankProcess:
     rank: int
     proc: subprocess.Popen[bytes]
-    pumps: list[threading.Thread] = field(default_factory=list)
+    pumps: list[_Pump] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -79,13 +113,15 @@ def start_rank(
     pass_fds: Sequence[int],
     on_output: Callable[[int, int, bytes], None],
     events: queue.Queue[Any],
+    stdin_pipe: bool = False,
 ) -> RankProcess:
-    """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads."""
+    """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads. Its
+    stdin is /dev/null, or a pipe (``proc.stdin``) with ``stdin_pipe`` (rank 0)."""
     proc = subprocess.Popen(
         list(argv),
         env=dict(env),
         cwd=cwd,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.PIPE if stdin_pipe else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         pass_fds=tuple(pass_fds),
@@ -94,35 +130,30 @@ def start_rank(
     )
     rp = RankProcess(rank, proc)
     for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
-        t = threading.Thread(
-            target=_pump, args=(rank, stream, pipe, on_output), daemon=True,
-            name=f"rank{rank}-{stream}",
-        )
-        t.start()
-        rp.pumps.append(t)
+        pump = _Pump(rank, stream, pipe, on_output)
+        pump.start()
+        rp.pumps.append(pump)
     threading.Thread(target=_reap, args=(rp, events), daemon=True, name=f"reap{rank}").start()
     return rp
 
 
-def _pump(rank: int, stream: int, pipe: Any, on_output: Callable[[int, int, bytes], None]) -> None:
-    fd = pipe.fileno()
-    try:
-        while True:
-            data = os.read(fd, 65536)
-            if not data:
-                break
-            on_output(rank, stream, data)
-    except OSError:
-        pass
-    finally:
-        pipe.close()
+def _wait_pumps(pumps: Sequence[_Pump]) -> None:
+    """Until every pump is done, or they have read for `PUMP_WAIT_S` not held by the head."""
+    budget, last = PUMP_WAIT_S, time.monotonic()
+    while any(p.is_alive() for p in pumps):
+        for p in pumps:
+            p.join(0.1)
+        now = time.monotonic()
+        if not any(p.relaying for p in pumps):
+            budget -= now - last  # held by a slow head: that time is not the rank's
+        last = now
+        if budget <= 0:
+            return  # the rank's children keep the pipes open: do not delay the exit report
 
 
 def _reap(rp: RankProcess, events: queue.Queue[Any]) -> None:
     status = rp.proc.wait()
-    # The rank's children may keep the pipes open; do not let them delay the exit report.
-    for t in rp.pumps:
-        t.join(timeout=2.0)
+    _wait_pumps(rp.pumps)
     if status < 0:
         events.put(RankExited(rp.rank, 128 - status, -status))
     else:

@@ -1,10 +1,18 @@
-"""The head's end of one agent stream: a reader thread that queues frames, and a sender."""
+"""The head's end of one agent stream: a reader thread that routes frames, and a sender.
+
+The reader thread hands OUTPUT frames to the output writer (`launcher.head.writer`), blocking
+while its queue is full, and queues every other frame for the supervisor, in stream order, so
+a rank's EXIT is seen only after all of its output was queued. Liveness is judged on what
+arrives: the reader stamps ``last_heard`` on every read, and sets ``held`` while it is blocked
+on our own full output queue (then the agent is not silent: we stopped listening).
+"""
 
 from __future__ import annotations
 
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,14 +35,17 @@ class Closed:
 class AgentLink:
     """One host's agent as the supervisor sees it."""
 
-    def __init__(self, index: int, stream: AgentStream, events: queue.Queue[Any]) -> None:
+    def __init__(self, index: int, stream: AgentStream, events: queue.Queue[Any],
+                 on_output: Callable[[wire.Output], None]) -> None:
         self.index = index
         self.stream = stream
         self.name = stream.host
         self.last_heard = time.monotonic()
+        self.held = False  # the reader waits for room in our output queue
         self.alive = True
         self.hello: dict[str, Any] = {}
         self._events = events
+        self._on_output = on_output
         self._lock = threading.Lock()
         threading.Thread(target=self._read_loop, name=f"agent-{index}", daemon=True).start()
 
@@ -71,8 +82,20 @@ class AgentLink:
                 data = self.stream.read(65536)
                 if not data:
                     break
+                self.last_heard = time.monotonic()
                 for frame in decoder.feed(data):
-                    self._events.put(Received(self.index, frame))
+                    if frame.kind is wire.Kind.OUTPUT:
+                        self._output(wire.decode_output(frame))
+                    else:
+                        self._events.put(Received(self.index, frame))
         except (OSError, EOFError, ValueError) as exc:
             reason = f"the agent's stream broke: {exc}"
         self._events.put(Closed(self.index, reason))
+
+    def _output(self, out: wire.Output) -> None:
+        self.held = True
+        try:
+            self._on_output(out)  # blocks while the output queue is full
+        finally:
+            self.last_heard = time.monotonic()  # before `held` drops: never seen stale
+            self.held = False

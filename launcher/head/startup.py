@@ -146,6 +146,8 @@ class Startup:
         limit = max(self.opts.heartbeat * self.opts.misses, 15.0)
         now = time.monotonic()
         for index in sorted(indices):
+            if self.links[index].held:
+                continue  # its reader waits for our full output queue: not the agent's silence
             if now - self.links[index].last_heard > limit:
                 return self.links[index]
         return None

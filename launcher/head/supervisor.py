@@ -2,15 +2,18 @@
 
 Start-up is two-phase: every agent checks the SPEC (working directory, program) and answers
 READY; only when all hosts are READY does any rank start, so a bad host starts nothing anywhere.
-Then the supervisor relays output, serves PMI from the head's key-value space, and stops the
-whole job on the first failure, on Ctrl-C/SIGTERM, on --timeout, or when a host falls silent.
+Then the supervisor serves PMI from the head's key-value space, and stops the whole job on the
+first failure, on Ctrl-C/SIGTERM, on --timeout, or when a host falls silent.
+
+The supervisor loop does no output I/O: the ranks' output goes from each link's reader thread
+to the output writer thread (`launcher.head.writer`), so a slow reader of our stdout slows the
+ranks down (back-pressure) but never delays a heartbeat, a host-loss check or a KILL.
 """
 
 from __future__ import annotations
 
 import queue
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,10 +25,13 @@ from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_
 from launcher.head.output import OutputSink
 from launcher.head.pmi_notes import PmiNotes
 from launcher.head.startup import Startup
+from launcher.head.stdin import StdinForwarder
+from launcher.head.writer import OutputWriter
 from launcher.plan.job import JobPlan
 from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
+KILLED_DRAIN_S = 2.0  # after a second Ctrl-C, how long output still queued may take
 
 
 @dataclass(frozen=True)
@@ -44,11 +50,14 @@ class Supervisor:
                  sink_factory: Callable[[JobPlan], OutputSink],
                  opts: SuperviseOptions) -> None:
         self.events: queue.Queue[Any] = queue.Queue()
-        self.links = [AgentLink(i, s, self.events) for i, s in enumerate(streams)]
+        self.writer = OutputWriter()
+        self.links = [AgentLink(i, s, self.events,
+                                lambda out: self.writer.put(out.rank, out.stream, out.data))
+                      for i, s in enumerate(streams)]
+        self.stdin = StdinForwarder(self.links[0])  # rank 0 is on the first host
         self.opts = opts
         self._sink_factory = sink_factory
         self.outcome: JobOutcome | None = None
-        self.sink: OutputSink | None = None
         self.kvs: Any = None  # launcher.pmi.kvs.KeyValueSpace when PMI is on
         self.stopping = False
         self.killed_hard = False
@@ -57,9 +66,18 @@ class Supervisor:
         self._give_up_at = float("inf")
         self.pmi_notes = PmiNotes(opts.pmi_stall, self._say)
         self.timings: dict[str, float] = {}
+        self._draining = False
+
+    @property
+    def sink(self) -> OutputSink | None:
+        """The output sink (its `tail` feeds the exit report once `run` has returned)."""
+        return self.writer.sink
 
     # -- signals (installed by the CLI; run in the main thread) -----------------------------
     def on_signal(self, signum: int, _frame: Any = None) -> None:
+        if self._draining:
+            self.writer.abandon()  # the job is over; the user does not want to wait for output
+            return
         self.events.put(("signal", signum))
 
     # -- the whole job ------------------------------------------------------------------------
@@ -75,17 +93,20 @@ class Supervisor:
         self.plan = plan
         self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
                                    for hp in plan.hosts for r in hp.ranks})
-        self.sink = self._sink_factory(plan)
+        self.writer.start(self._sink_factory(plan))
         if self.opts.pmi != "off":
             from launcher.pmi.kvs import KeyValueSpace
 
             self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=plan.job_id)
         startup.start(self.outcome, self._handle)
+        self.stdin.start()
         self.timings.update(hello=startup.hello_at, ready=startup.ready_at,
                             running=time.monotonic())
         self._loop(t0)
+        self.stdin.stop()
         self.timings["exit"] = time.monotonic()
-        self.sink.close()
+        self._draining = True
+        self.writer.close(KILLED_DRAIN_S if self.killed_hard else None)
         return self.outcome
 
     def _loop(self, t0: float) -> None:
@@ -104,7 +125,7 @@ class Supervisor:
             if deadline is not None and now >= deadline and not self.stopping:
                 self.outcome.timed_out = True
                 self._stop(signal.SIGTERM, self.opts.grace)
-            if self.stopping and now >= self._give_up_at:
+            if self.stopping and now >= self._give_up_at and not self._output_holds():
                 self._dismiss_all()
                 break
             try:
@@ -114,9 +135,16 @@ class Supervisor:
             self._handle(event)
         self._dismiss_all()
 
+    def _output_holds(self) -> bool:
+        """Stopping waits for ranks whose output we are still writing (not after a 2nd Ctrl-C)."""
+        return not self.killed_hard and any(
+            link.held for link in self.links if link.index not in self.done_hosts)
+
     def _check_silence(self, now: float) -> None:
         limit = self.opts.heartbeat * self.opts.misses
         for link in self.links:
+            if link.held:
+                continue  # we stopped reading it (our stdout is slow): not the agent's silence
             if link.index not in self.done_hosts and now - link.last_heard > limit:
                 self._host_lost(link, f"no heartbeat for {now - link.last_heard:.1f}s "
                                       "(host down or network cut?)")
@@ -129,17 +157,13 @@ class Supervisor:
         for host in self.pmi_notes.tick(now, waiting, self.kvs.epoch):
             self.links[host].send_json(wire.Kind.PMI, {"op": "stall_query"})
 
-    @staticmethod
-    def _say(text: str) -> None:
-        sys.stderr.write(f"dtrain: {text}\n")
-        sys.stderr.flush()
+    def _say(self, text: str) -> None:
+        self.writer.notice(text)  # in order with the ranks' stderr; never blocks the loop
 
     # -- events -----------------------------------------------------------------------------------
     def _handle(self, event: Any) -> None:
         if isinstance(event, Received):
-            link = self.links[event.host]
-            link.last_heard = time.monotonic()
-            self._on_frame(link, event.frame)
+            self._on_frame(self.links[event.host], event.frame)
         elif isinstance(event, Closed):
             link = self.links[event.host]
             if event.host not in self.done_hosts:
@@ -149,15 +173,14 @@ class Supervisor:
 
     def _on_frame(self, link: AgentLink, frame: wire.Frame) -> None:
         kind = frame.kind
-        if kind is wire.Kind.OUTPUT:
-            out = wire.decode_output(frame)
-            self.sink.write(out.rank, out.stream, out.data)
-        elif kind is wire.Kind.STARTED:
+        if kind is wire.Kind.STARTED:
             body = frame.json()
             r = self.outcome.ranks[int(body["rank"])]
             r.state, r.pid = "running", int(body["pid"])
         elif kind is wire.Kind.EXIT:
             self._on_exit(frame.json())
+        elif kind is wire.Kind.STDIN_ACK:
+            self.stdin.acked(int(frame.json().get("bytes", 0)))
         elif kind is wire.Kind.PMI:
             self._on_pmi(link, frame.json())
         elif kind is wire.Kind.DONE:
@@ -171,7 +194,7 @@ class Supervisor:
     def _on_exit(self, body: dict[str, Any]) -> None:
         r = self.outcome.ranks[int(body["rank"])]
         r.code, r.signal = int(body["code"]), body.get("signal")
-        self.sink.flush_rank(r.rank)
+        self.writer.flush_rank(r.rank)
         if self.stopping and r.code != 0:
             r.state = "stopped"  # we asked it to stop; not a failure of its own
             return

@@ -1,0 +1,93 @@
+"""The agent's frame writer: one thread owns the stream to the head.
+
+Everything the agent sends goes through one FIFO queue, so frames keep their order (a rank's
+EXIT after all of its OUTPUT, DONE after every EXIT). Two kinds of callers:
+
+* control frames (`send`: heartbeats, PMI, STARTED, EXIT, DONE) never block: the agent's main
+  loop must stay free to act on KILL and to stop ranks whatever the stream does;
+* rank output (`send_output`) blocks while `limit` bytes of output are queued. The rank's pump
+  thread then stops reading the rank's pipe, the pipe fills and the rank blocks in `write`:
+  back-pressure from a slow head (its stdout reader) to the ranks, with bounded memory.
+
+The thread batches whatever is queued into one write. When the stream breaks (the head is
+gone) everything queued is dropped and blocked pumps are released; the reader thread's EOF
+tells the main loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import BinaryIO
+
+OUTPUT_QUEUE_BYTES = 1024 * 1024
+
+
+class FrameWriter:
+    def __init__(self, out: BinaryIO, limit: int = OUTPUT_QUEUE_BYTES) -> None:
+        self._out = out
+        self._limit = limit
+        self._frames: collections.deque[tuple[bytes, bool]] = collections.deque()
+        self._output_bytes = 0   # rank output queued or being written
+        self._busy = False
+        self.broken = False
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="head-writer", daemon=True).start()
+
+    def send(self, frame: bytes) -> bool:
+        """Queue a control frame; never blocks. False once the stream is broken."""
+        return self._queue(frame, output=False)
+
+    def send_output(self, frame: bytes) -> bool:
+        """Queue an OUTPUT frame; blocks while the output queue is full. False once broken."""
+        return self._queue(frame, output=True)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until everything queued is written."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while (self._frames or self._busy) and not self.broken:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return not self.broken
+
+    def _queue(self, frame: bytes, *, output: bool) -> bool:
+        with self._cond:
+            while output and self._output_bytes >= self._limit and not self.broken:
+                self._cond.wait()
+            if self.broken:
+                return False
+            self._frames.append((frame, output))
+            if output:
+                self._output_bytes += len(frame)
+            self._cond.notify_all()
+            return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._frames:
+                    self._cond.wait()
+                batch = list(self._frames)
+                self._frames.clear()
+                self._busy = True
+            try:
+                self._write_all(b"".join(frame for frame, _ in batch))
+            except (OSError, ValueError):
+                with self._cond:
+                    self.broken, self._busy = True, False
+                    self._frames.clear()
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._busy = False
+                self._output_bytes -= sum(len(f) for f, output in batch if output)
+                self._cond.notify_all()
+
+    def _write_all(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view:
+            view = view[self._out.write(view):]  # an unbuffered file may write a part
