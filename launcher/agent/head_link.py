@@ -12,7 +12,7 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 from launcher import wire
 from launcher.agent.writer import FrameWriter
@@ -28,15 +28,23 @@ class Eof:
 class HeadLink:
     """The frame writer thread plus a reader thread that queues incoming frames."""
 
-    def __init__(self, events: queue.Queue[Any]) -> None:
-        self._writer = FrameWriter(os.fdopen(os.dup(1), "wb", buffering=0))
-        self._in_fd = os.dup(0)
+    def __init__(self, events: queue.Queue[Any], in_fd: int, out: BinaryIO) -> None:
+        """Frames are read from ``in_fd`` and written to ``out`` (both owned from now on)."""
+        self._writer = FrameWriter(out)
+        self._in_fd = in_fd
+        self._events = events
+        threading.Thread(target=self._read_loop, name="head-reader", daemon=True).start()
+
+    @classmethod
+    def over_stdio(cls, events: queue.Queue[Any]) -> HeadLink:
+        """The link over the agent's own stdin/stdout, which it takes over for frames."""
+        out = os.fdopen(os.dup(1), "wb", buffering=0)
+        in_fd = os.dup(0)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         os.dup2(2, 1)
-        self._events = events
-        threading.Thread(target=self._read_loop, name="head-reader", daemon=True).start()
+        return cls(events, in_fd, out)
 
     def send(self, data: bytes) -> bool:
         """Queue one encoded control frame; never blocks. False once the stream is broken."""

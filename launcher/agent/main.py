@@ -13,6 +13,7 @@ import queue
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from launcher import netroute, wire
@@ -31,9 +32,12 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class Agent:
-    def __init__(self) -> None:
+    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink] = HeadLink.over_stdio
+                 ) -> None:
+        """``connect`` makes the link to the head from the agent's event queue (stdin/stdout
+        in production; a pair of pipes in the core tests)."""
         self.events: queue.Queue[Any] = queue.Queue()
-        self.link = HeadLink(self.events)
+        self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
         self.spec: dict[str, Any] = {}
         self.interface: str | None = None  # the NIC that reaches MASTER_ADDR

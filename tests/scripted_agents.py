@@ -1,0 +1,168 @@
+"""In-memory agents for the head's core tests: a byte stream pair and an agent that follows a
+script, speaking the real wire protocol (`launcher.wire`) to a real `Supervisor`.
+
+No sshd, no subprocess: the stream is a pair of in-memory pipes, the agent a thread. What the
+script does with its ranks is data (`Script`): each rank's exit code, whether the agent falls
+silent after START, whether it refuses its SPEC or reports an MPI_Abort.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher import wire
+
+
+class MemoryPipe:
+    """One direction of a byte stream: blocking reads, EOF once closed and drained."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._closed = False
+        self._cv = threading.Condition()
+
+    def write(self, data: bytes) -> None:
+        with self._cv:
+            if self._closed:
+                raise OSError("the pipe is closed")
+            self._buf += data
+            self._cv.notify_all()
+
+    def read(self, max_bytes: int) -> bytes:
+        with self._cv:
+            self._cv.wait_for(lambda: self._buf or self._closed)
+            data = bytes(self._buf[:max_bytes])
+            del self._buf[:max_bytes]
+            return data
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+
+class MemoryAgentStream:
+    """The head's end of an in-memory agent stream (`launcher.transport.stream.AgentStream`)."""
+
+    is_local = False
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.to_agent, self.to_head = MemoryPipe(), MemoryPipe()
+        self.finished = threading.Event()
+
+    def write(self, data: bytes) -> None:
+        self.to_agent.write(data)
+
+    def read(self, max_bytes: int = 65536) -> bytes:
+        return self.to_head.read(max_bytes)
+
+    def close(self) -> None:
+        self.to_agent.close()
+
+    def abort(self) -> None:
+        self.to_agent.close()
+        self.to_head.close()
+
+    def kill(self) -> None:
+        self.abort()
+
+    def stderr_text(self) -> str:
+        return ""
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        return 0 if self.finished.wait(timeout) else None
+
+
+@dataclass
+class Script:
+    """What one scripted agent does after START."""
+
+    exit_codes: dict[int, int] = field(default_factory=dict)  # rank -> code (absent: run on)
+    refuse_spec: bool = False        # answer the SPEC with ERROR instead of READY
+    silent_after_start: bool = False  # stop sending anything (a cut cable)
+    abort: tuple[int, int] | None = None  # (rank, code): that rank calls MPI_Abort
+
+
+class ScriptedAgent:
+    """A thread that plays one host's agent over a `MemoryAgentStream`."""
+
+    def __init__(self, stream: MemoryAgentStream, script: Script, *, beat: float) -> None:
+        self.stream, self.script, self.beat = stream, script, beat
+        self.received: list[wire.Kind] = []  # every frame kind the head sent, in order
+        self.kills: list[dict[str, Any]] = []
+        self.ranks: list[int] = []
+        self._running: set[int] = set()
+        self._silent = False
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, daemon=True, name=f"agent-{stream.host}").start()
+
+    def send(self, kind: wire.Kind, body: dict[str, Any] | None = None) -> None:
+        with self._lock:
+            if not self._silent:
+                try:
+                    self.stream.to_head.write(wire.encode_json(kind, body))
+                except OSError:
+                    pass
+
+    def _run(self) -> None:
+        self.send(wire.Kind.HELLO, {"protocol": wire.PROTOCOL_VERSION, "dtrain": "test"})
+        threading.Thread(target=self._heartbeats, daemon=True).start()
+        decoder = wire.Decoder()
+        try:
+            while data := self.stream.to_agent.read(65536):
+                for frame in decoder.feed(data):
+                    self.received.append(frame.kind)
+                    if self._on(frame):
+                        return
+        finally:
+            self.stream.to_head.close()
+            self.stream.finished.set()
+
+    def _heartbeats(self) -> None:
+        while not self.stream.finished.is_set():
+            self.send(wire.Kind.HEARTBEAT)
+            time.sleep(self.beat)
+
+    def _on(self, frame: wire.Frame) -> bool:
+        kind = frame.kind
+        if kind is wire.Kind.SPEC:
+            self.ranks = [int(r["rank"]) for r in frame.json()["ranks"]]
+            if self.script.refuse_spec:
+                self.send(wire.Kind.ERROR, {"what": "program not found", "why": "scripted"})
+            else:
+                self.send(wire.Kind.READY, {"ranks": len(self.ranks)})
+        elif kind is wire.Kind.START:
+            self._start()
+        elif kind is wire.Kind.KILL:
+            self.kills.append(frame.json())
+            signum = int(frame.json()["signal"])
+            for rank in sorted(self._running):
+                self._exit(rank, 128 + signum, signum)
+        elif kind is wire.Kind.BYE:
+            return True
+        return False
+
+    def _start(self) -> None:
+        for rank in self.ranks:
+            self._running.add(rank)
+            self.send(wire.Kind.STARTED, {"rank": rank, "pid": 1000 + rank})
+        if self.script.silent_after_start:
+            with self._lock:
+                self._silent = True
+            return
+        if self.script.abort is not None:
+            rank, code = self.script.abort
+            self.send(wire.Kind.PMI, {"op": "abort", "rank": rank, "code": code,
+                                      "message": "scripted abort"})
+        for rank, code in sorted(self.script.exit_codes.items()):
+            self._exit(rank, code, None)
+
+    def _exit(self, rank: int, code: int, signum: int | None) -> None:
+        self._running.discard(rank)
+        self.send(wire.Kind.EXIT, {"rank": rank, "code": code, "signal": signum})
+        if not self._running:
+            self.send(wire.Kind.DONE)

@@ -1,0 +1,127 @@
+"""The head's core with in-memory agents: start-up, fail-fast, host loss, abort, exit codes.
+
+A real `Supervisor` talks the real wire protocol to scripted agents over in-memory streams
+(`tests.scripted_agents`): no sshd, no subprocess, a fraction of a second per test. What the
+agents receive shows the order of the handshake (SPEC, START only once every host is READY,
+KILL on failure, BYE at the end).
+"""
+
+from __future__ import annotations
+
+import io
+import signal
+from collections.abc import Sequence
+
+import pytest
+
+from launcher import wire
+from launcher.errors import AgentError
+from launcher.head.outcome import Failure, JobOutcome, RankOutcome
+from launcher.head.output import OutputSink
+from launcher.head.supervisor import SuperviseOptions, Supervisor
+from launcher.hosts.hostfile import parse_host_list
+from launcher.hosts.selection import select_hosts
+from launcher.plan.job import JobPlan, make_plan
+from tests.scripted_agents import MemoryAgentStream, Script, ScriptedAgent
+
+BEAT = 0.05  # seconds between heartbeats: host loss shows within a few tenths of a second
+OPTS = SuperviseOptions(heartbeat=BEAT, misses=4, grace=0.2, launch_timeout=5.0, pmi="off")
+K = wire.Kind
+
+
+def run_job(scripts: Sequence[Script]) -> tuple[JobOutcome, list[ScriptedAgent]]:
+    """Two ranks per host, one scripted agent per host; the supervised job's outcome."""
+    names = [f"node{i}" for i in range(len(scripts))]
+    selected = select_hosts(parse_host_list(",".join(f"{n}:2" for n in names)))
+
+    def plan(addr: str, port: int) -> JobPlan:
+        return make_plan(selected, argv=["train"], cwd="/", job_id="job", master_addr=addr,
+                         master_port=port, base_env={})
+
+    streams = [MemoryAgentStream(n) for n in names]
+    agents = [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
+                                                                         strict=True)]
+
+    def sink(p: JobPlan) -> OutputSink:
+        return OutputSink({r.rank: r.host for r in p.ranks}, io.BytesIO(), io.BytesIO())
+
+    outcome = Supervisor(streams, sink, OPTS).run(plan, ("10.0.0.1", 29500))
+    return outcome, agents
+
+
+def test_a_job_whose_ranks_all_exit_0_goes_spec_start_bye_and_exits_0() -> None:
+    outcome, agents = run_job([Script({0: 0, 1: 0}), Script({2: 0, 3: 0})])
+    assert outcome.exit_code == 0
+    assert [r.state for r in outcome.ranks.values()] == ["exited"] * 4
+    for agent in agents:
+        kinds = [k for k in agent.received if k is not K.HEARTBEAT]
+        assert kinds[:2] == [K.SPEC, K.START] and K.BYE in kinds and K.KILL not in kinds
+
+
+def test_a_host_refusing_its_spec_starts_nothing_on_any_host() -> None:
+    with pytest.raises(AgentError, match=r"program not found \[host node1\]"):
+        run_job([Script({0: 0, 1: 0}), Script(refuse_spec=True)])
+
+
+def test_a_rank_exiting_7_stops_every_other_host_and_the_job_exits_7() -> None:
+    outcome, agents = run_job([Script({}), Script({3: 7})])
+    assert outcome.exit_code == 7
+    assert outcome.failures[0].where == "rank 3@node1"
+    assert agents[0].kills and agents[0].kills[0]["signal"] == signal.SIGTERM
+    assert outcome.ranks[0].state == outcome.ranks[1].state == "stopped"
+
+
+def test_a_host_that_falls_silent_is_lost_with_255_and_the_others_are_stopped() -> None:
+    outcome, agents = run_job([Script({}), Script(silent_after_start=True)])
+    assert outcome.exit_code == 255
+    assert outcome.failures[0].where == "host node1"
+    assert "no heartbeat" in outcome.failures[0].why
+    assert agents[0].kills
+    assert {outcome.ranks[2].state, outcome.ranks[3].state} == {"lost"}
+
+
+def test_an_mpi_abort_ends_the_job_with_its_code_everywhere() -> None:
+    outcome, agents = run_job([Script({}, abort=(1, 42)), Script({})])
+    assert outcome.exit_code == 42
+    assert outcome.abort is not None and outcome.abort.where == "rank 1@node0"
+    assert all(agent.kills for agent in agents)
+
+
+def ranks(*codes: int | None) -> dict[int, RankOutcome]:
+    return {r: RankOutcome(r, "h", "exited", code) for r, code in enumerate(codes)}
+
+
+@pytest.mark.parametrize("outcome,code", [
+    (JobOutcome(ranks(0, 0)), 0),
+    (JobOutcome(ranks(0, 3), failures=[Failure(3, "rank 1@h", "exit 3")]), 3),
+    (JobOutcome(ranks(0, 137), failures=[Failure(137, "rank 1@h", "SIGKILL")]), 137),
+    (JobOutcome(ranks(0, 1), abort=Failure(42, "rank 0@h", "MPI_Abort"),
+                failures=[Failure(1, "rank 1@h", "exit 1")]), 42),
+    (JobOutcome(ranks(0, 143), timed_out=True,
+                abort=Failure(42, "rank 0@h", "MPI_Abort")), 124),
+    (JobOutcome(ranks(0, 143), interrupted_by=signal.SIGINT, timed_out=True), 130),
+    (JobOutcome(ranks(0, 143), interrupted_by=signal.SIGTERM), 143),
+    (JobOutcome(ranks(0, 143), interrupted_by=signal.SIGHUP), 129),
+], ids=["success", "first-failure", "signal", "abort-over-failure", "timeout-over-abort",
+        "ctrl-c-first", "sigterm", "sighup"])
+def test_the_exit_code_rule_first_match_wins(outcome: JobOutcome, code: int) -> None:
+    assert outcome.exit_code == code
+
+
+def test_frames_decode_the_same_whatever_the_chunking() -> None:
+    frames = [wire.encode_json(K.HELLO, {"protocol": 2}), wire.encode_output(3, 2, b"x\r\ny"),
+              wire.encode(K.HEARTBEAT), wire.encode_json(K.EXIT, {"rank": 3, "code": 0})]
+    data = b"".join(frames)
+    decoder, got = wire.Decoder(), []
+    for i in range(len(data)):  # one byte at a time: the worst chunking a stream can give
+        got.extend(decoder.feed(data[i:i + 1]))
+    assert [f.kind for f in got] == [K.HELLO, K.OUTPUT, K.HEARTBEAT, K.EXIT]
+    out = wire.decode_output(got[1])
+    assert (out.rank, out.stream, out.data) == (3, 2, b"x\r\ny")
+    assert got[3].json() == {"rank": 3, "code": 0}
+
+
+def test_an_oversized_frame_is_a_wire_error_not_an_allocation() -> None:
+    header = (wire.MAX_FRAME + 1).to_bytes(4, "big") + bytes([K.OUTPUT])
+    with pytest.raises(wire.WireError):
+        list(wire.Decoder().feed(header))
