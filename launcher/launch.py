@@ -25,6 +25,7 @@ from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
 from launcher.transport.connect import close_streams, open_streams, validate_remote_python
+from launcher.transport.options import SSHOptions
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,7 @@ class LaunchRequest:
     env: tuple[str, ...] = ()
     master_addr: str | None = None
     master_port: int | None = None
-    ssh: dict[str, Any] = field(default_factory=dict)  # SSHOptions keyword arguments
+    ssh: SSHOptions = SSHOptions()
     remote_python: str = sys.executable
     prefix: bool = True
     raw: bool = False
@@ -112,7 +113,7 @@ def run_launch(req: LaunchRequest) -> int:
                    out=sys.stdout)
         return 0
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh_kwargs=req.ssh)
+    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh)
     connected = time.monotonic()
 
     def sink(p: planning.JobPlan) -> OutputSink:

@@ -16,19 +16,24 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import paramiko
 from paramiko.auth_strategy import (
     AuthFailure,
+    AuthSource,
     AuthStrategy,
     InMemoryPrivateKey,
     OnDiskPrivateKey,
+    SourceResult,
 )
 
 from launcher.errors import ConnectError
 from launcher.transport import host_keys
-from launcher.transport.ssh_config import ResolvedHost, SSHOptions
+from launcher.transport.options import SSHOptions
+from launcher.transport.ssh_config import ResolvedHost
 
 # paramiko DEBUG/INFO carries fingerprints and auth chatter; users opt in with --debug-ssh.
 # Its transport thread also logs a traceback at ERROR for every failed handshake, which
@@ -36,6 +41,9 @@ from launcher.transport.ssh_config import ResolvedHost, SSHOptions
 # reach stderr through logging's last-resort handler, so give the logger a NullHandler.
 logging.getLogger("paramiko").setLevel(logging.WARNING)
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+#: What an SSH transport runs over: TCP, a jump host's tunnel, or a ProxyCommand's pipes.
+Carrier = socket.socket | paramiko.Channel | paramiko.ProxyCommand
 
 
 # ---------------------------------------------------------------- authentication
@@ -86,21 +94,21 @@ class PublicKeyAuth(AuthStrategy):
     """publickey only, in OpenSSH's order: agent keys, then identity files (BatchMode-like)."""
 
     def __init__(self, host: ResolvedHost) -> None:
-        super().__init__(ssh_config=None)
+        super().__init__(ssh_config=paramiko.SSHConfig())  # unused: the host is resolved
         self.host = host
         self.tried: list[str] = []
         self._agent: paramiko.Agent | None = None
 
-    def get_sources(self):
+    def get_sources(self) -> Iterator[AuthSource]:
         files = [(path, *_load_identity(path)) for path in self.host.identity_files]
         wanted = {_public_blob(path, key) for path, key, _ in files}
         offered = set()
-        for key in self._agent.get_keys() if self._agent else ():
-            if self.host.identities_only and key.get_base64() not in wanted:
+        for agent_key in self._agent.get_keys() if self._agent else ():
+            if self.host.identities_only and agent_key.get_base64() not in wanted:
                 continue
-            offered.add(key.get_base64())
-            self.tried.append(f"agent key {host_keys.fingerprint(key)} (rejected)")
-            yield InMemoryPrivateKey(self.host.user, key)
+            offered.add(agent_key.get_base64())
+            self.tried.append(f"agent key {host_keys.fingerprint(agent_key)} (rejected)")
+            yield InMemoryPrivateKey(self.host.user, agent_key)
         for path, key, note in files:
             if key is not None and key.get_base64() in offered:
                 continue
@@ -108,7 +116,7 @@ class PublicKeyAuth(AuthStrategy):
             if key is not None:
                 yield OnDiskPrivateKey(self.host.user, "ssh-config", Path(path), key)
 
-    def authenticate(self, transport: paramiko.Transport):
+    def authenticate(self, transport: paramiko.Transport) -> list[SourceResult]:
         # Last host-key check before we sign anything: paramiko ignores @revoked lines.
         host_keys.check_not_revoked(self.host.key_name, transport.get_remote_server_key(),
                                    self.host.read_known_hosts, self.host.where)
@@ -123,22 +131,28 @@ class PublicKeyAuth(AuthStrategy):
 # ---------------------------------------------------------------- connecting
 
 
-def _resolve_addresses(host: ResolvedHost, deadline: float) -> list[tuple]:
+_Addresses = Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str,
+                            tuple[str, int] | tuple[str, int, int, int] | tuple[int, bytes]]]
+
+
+def _resolve_addresses(host: ResolvedHost, deadline: float) -> _Addresses:
     """getaddrinfo bounded by the connect timeout (a dead DNS server can stall it for long)."""
-    result: dict[str, object] = {}
+    found: Future[_Addresses] = Future()
 
     def lookup() -> None:
         try:
-            result["ok"] = socket.getaddrinfo(host.hostname, host.port, type=socket.SOCK_STREAM)
+            found.set_result(socket.getaddrinfo(host.hostname, host.port,
+                                                type=socket.SOCK_STREAM))
         except OSError as exc:
-            result["error"] = exc
+            found.set_exception(exc)
 
-    worker = threading.Thread(target=lookup, daemon=True, name=f"resolve-{host.hostname}")
-    worker.start()
-    worker.join(max(0.0, deadline - time.monotonic()))
-    if "ok" in result:
-        return result["ok"]  # type: ignore[return-value]
-    why = str(result.get("error") or f"no answer within {host.connect_timeout:g} s")
+    threading.Thread(target=lookup, daemon=True, name=f"resolve-{host.hostname}").start()
+    try:
+        return found.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:  # the lookup's own errors are never TimeoutError (gaierror)
+        why = f"no answer within {host.connect_timeout:g} s"
+    except OSError as exc:
+        why = str(exc)
     raise ConnectError(f"cannot resolve host name {host.hostname!r}", host.where,
                        f"name not resolved ({why})", "Check the hostfile entry, /etc/hosts or "
                        "DNS, or set HostName for it in ~/.ssh/config")
@@ -262,7 +276,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 
-def handshake(client: paramiko.SSHClient, sock: object, host: ResolvedHost,
+def handshake(client: paramiko.SSHClient, sock: Carrier, host: ResolvedHost,
                opts: SSHOptions, auth: PublicKeyAuth) -> None:
     """Verify the host key and authenticate over an open socket."""
     host_keys.load_into(client.get_host_keys(), host.read_known_hosts)
@@ -274,7 +288,7 @@ def handshake(client: paramiko.SSHClient, sock: object, host: ResolvedHost,
                    auth_timeout=opts.auth_timeout, auth_strategy=auth)
 
 
-def shutdown(client: paramiko.SSHClient, sock: object) -> None:
+def shutdown(client: paramiko.SSHClient, sock: Carrier | None) -> None:
     """Close the transport, wait for its thread, then the socket (and reap a ProxyCommand).
 
     The order matters for ProxyCommand: paramiko's thread closes it by ``kill(pid)``, so the
@@ -288,10 +302,10 @@ def shutdown(client: paramiko.SSHClient, sock: object) -> None:
         _close_socket(sock)
 
 
-def _close_socket(sock: object) -> None:
+def _close_socket(sock: Carrier) -> None:
     """Close a socket, channel or ProxyCommand; a ProxyCommand's process is also reaped."""
     with contextlib.suppress(OSError):
-        sock.close()  # type: ignore[attr-defined]
+        sock.close()
     if isinstance(sock, paramiko.ProxyCommand):
         try:
             sock.process.wait(5)
