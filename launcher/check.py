@@ -120,11 +120,11 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,
     head = host_facts(cwd, planned)
     for name, fut in futures.items():
         try:
-            rows[name].facts = fut.result()
+            facts = rows[name].facts = fut.result()
         except (OSError, RuntimeError, wire.WireError) as exc:
             rows[name].problems.append(f"agent failed: {exc}")
             continue
-        rows[name].problems += compare(head, rows[name].facts, rows[name].slots)
+        rows[name].problems += compare(head, facts, rows[name].slots)
     close_streams(list(streams.values()))
     return list(rows.values())
 

@@ -60,8 +60,8 @@ class SectionedCommand(click.Command):
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
             # Options after the program are the program's; one before it may be too.
-            exc.message = f"{exc.message.rstrip('.')}. {FORGOT_DASHES}"
-            raise
+            raise click.NoSuchOption(exc.option_name, f"{exc.message.rstrip('.')}. "
+                                     f"{FORGOT_DASHES}", exc.possibilities, exc.ctx) from None
 
 
 def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -12,10 +12,9 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from launcher import STARTED
 from launcher.errors import UsageError
@@ -116,9 +115,13 @@ def run_launch(req: LaunchRequest) -> int:
     streams = open_streams(selected, python=req.remote_python, ssh=req.ssh)
     connected = time.monotonic()
 
+    sinks: list[OutputSink] = []  # the one sink, made once the plan (and so the ranks) is known
+
     def sink(p: planning.JobPlan) -> OutputSink:
-        return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
-                          prefix=req.prefix, raw=req.raw, log_dir=req.log_dir)
+        sinks.append(OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer,
+                                sys.stderr.buffer, prefix=req.prefix, raw=req.raw,
+                                log_dir=req.log_dir))
+        return sinks[-1]
 
     sup = Supervisor(streams, sink, req.supervise)
     previous = {s: signal.signal(s, sup.on_signal)
@@ -131,7 +134,7 @@ def run_launch(req: LaunchRequest) -> int:
         close_streams(streams)
     from launcher.head.report import print_report  # rich: only once the job is over
 
-    print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
+    print_report(outcome, sinks[-1].tail, time.monotonic() - t0, sys.stderr)
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(
@@ -139,7 +142,7 @@ def run_launch(req: LaunchRequest) -> int:
     return outcome.exit_code
 
 
-def _run_mpirun(req: LaunchRequest, build_plan: Any,
+def _run_mpirun(req: LaunchRequest, build_plan: Callable[[str, int], planning.JobPlan],
                 selected: Sequence[selection.HostSlots]) -> int:
     from launcher import mpirun
 

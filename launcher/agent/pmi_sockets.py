@@ -43,7 +43,7 @@ class PmiSockets:
         world_size: int,
         kvsname: str,
         process_mapping: str,
-        send_head: Callable[[dict[str, Any]], None],
+        send_head: Callable[[dict[str, Any]], object],  # what it returns is not used
         stall_after: float = 30.0,
     ) -> None:
         self.mode = mode

@@ -11,6 +11,7 @@ import os
 import shlex
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+
 from launcher.errors import ConnectError, UsageError
 from launcher.hosts.selection import HostSlots
 from launcher.transport.local import LocalAgentStream, agent_command

@@ -17,8 +17,8 @@ import dataclasses
 import getpass
 import os
 import re
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
