@@ -105,7 +105,7 @@ def run_launch(req: LaunchRequest) -> int:
     if req.launcher == "mpirun":
         return _run_mpirun(req, build_plan, selected)
     if req.dry_run:
-        from launcher.plan.dryrun import print_plan
+        from launcher.dryrun import print_plan
 
         shown = build_plan(req.master_addr or "auto", req.master_port or 29500)
         print_plan(shown, auto_master=(req.master_addr is None, req.master_port is None),
