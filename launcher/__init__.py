@@ -16,7 +16,8 @@ paramiko and subprocess live in the modules marked (adapter).
                  ssh           paramiko connection and agent channel (adapter)
                  ssh_config    ~/.ssh/config resolution
                  ssh_config_refusal  reading the config as ssh does; refusing local commands
-                 ssh_auth      sockets, ProxyJump, public-key authentication (adapter)
+                 ssh_sockets   TCP within ConnectTimeout, ProxyJump tunnels (adapter)
+                 ssh_auth      host-key check and public-key authentication (adapter)
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
     head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay

@@ -6,9 +6,9 @@ with public keys only (`ssh_auth`), and runs the constant agent command in one s
 (`SSHConnection.exec_stream`, an `SSHAgentStream`).
 
 Layers, each importing only the ones before it: ``ssh_config`` (what to connect to) <-
-``ssh_auth`` (sockets, host keys, authentication) <- ``ssh`` (connections and channels). The
-names callers use (`SSHOptions` from ``options``, `ResolvedHost`, `resolve_host`) are
-re-exported here.
+``ssh_sockets`` (TCP, tunnels) <- ``ssh_auth`` (host keys, authentication) <- ``ssh``
+(connections and channels). The names callers use (`SSHOptions` from ``options``,
+`ResolvedHost`, `resolve_host`) are re-exported here.
 
 Every failure is a `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
 """
@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 import paramiko
 
 from launcher.errors import ConnectError
-from launcher.transport import host_keys, ssh_auth
+from launcher.transport import host_keys, ssh_auth, ssh_sockets
 from launcher.transport.options import SSHOptions
 from launcher.transport.ssh_config import ResolvedHost, resolve_host
 
@@ -37,13 +37,13 @@ _STDERR_KEEP = 64 * 1024
 
 
 def _open_socket(host: ResolvedHost, opts: SSHOptions,
-                 jump: SSHConnection | None) -> ssh_auth.Carrier:
+                 jump: SSHConnection | None) -> ssh_sockets.Carrier:
     """What the SSH transport runs over: a tunnel via the jump host, ProxyCommand or TCP."""
     if jump is not None:
-        return ssh_auth.tunnel(host, jump.host, jump.transport)
+        return ssh_sockets.tunnel(host, jump.host, jump.transport)
     if host.proxy_command:
         return paramiko.ProxyCommand(host.proxy_command)
-    return ssh_auth.tcp_connect(host, opts.keepalive)
+    return ssh_sockets.tcp_connect(host, opts.keepalive)
 
 
 class SSHConnection:
@@ -51,7 +51,7 @@ class SSHConnection:
 
     def __init__(self, host: ResolvedHost, client: paramiko.SSHClient, latency_ms: float,
                  opts: SSHOptions, jump: SSHConnection | None = None,
-                 sock: ssh_auth.Carrier | None = None) -> None:
+                 sock: ssh_sockets.Carrier | None = None) -> None:
         self.host, self.latency_ms = host, latency_ms
         self._client, self._opts, self._jump, self._sock = client, opts, jump, sock
 
@@ -78,7 +78,7 @@ class SSHConnection:
         start = time.monotonic()
         jump = cls.open(host.jump, opts) if host.jump else None
         client, auth = paramiko.SSHClient(), ssh_auth.PublicKeyAuth(host)
-        sock: ssh_auth.Carrier | None = None
+        sock: ssh_sockets.Carrier | None = None
         try:
             with ssh_auth.handshake_slot(host.key_name):
                 sock = _open_socket(host, opts, jump)
