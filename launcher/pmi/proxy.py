@@ -22,15 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.pmi import actions, stall
-from launcher.pmi.actions import (
-    Abort,
-    Action,
-    Close,
-    RankFailed,
-    Reply,
-    Send,
-    shm_segment_prefixes,
-)
+from launcher.pmi.actions import Abort, Action, Close, RankFailed, Reply, Send, shm_segment_prefixes
 from launcher.pmi.codec import (
     LineBuffer,
     PmiCommand,

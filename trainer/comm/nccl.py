@@ -48,10 +48,8 @@ _UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
 class NcclHandle:
     """Work enqueued on the side stream; ``wait()`` orders the current stream after it."""
 
-    def __init__(
-        self, event: torch.cuda.Event, device: torch.device, keep: object,
-        finish: Callable[[], None],
-    ) -> None:
+    def __init__(self, event: torch.cuda.Event, device: torch.device, keep: object,
+                 finish: Callable[[], None]) -> None:
         self._event: torch.cuda.Event | None = event
         self._device, self._keep, self._finish = device, keep, finish
 
@@ -280,23 +278,16 @@ class NcclCommunicator:
     def _current(self) -> int:
         return torch.cuda.current_stream(self._device).cuda_stream
 
-    def _launch(
-        self,
-        enqueue: Callable[[int], None],
-        tensors: list[torch.Tensor],
-        finish: Callable[[], None],
-        async_op: bool,
-    ) -> Handle | None:
+    def _launch(self, enqueue: Callable[[int], None], tensors: list[torch.Tensor],
+                finish: Callable[[], None], async_op: bool) -> Handle | None:
         if not async_op:
             enqueue(self._current())
             finish()
             return None
         return self._launch_async(enqueue, tensors, finish)
 
-    def _launch_async(
-        self, enqueue: Callable[[int], None], tensors: list[torch.Tensor],
-        finish: Callable[[], None],
-    ) -> Handle:
+    def _launch_async(self, enqueue: Callable[[int], None], tensors: list[torch.Tensor],
+                      finish: Callable[[], None]) -> Handle:
         current = torch.cuda.current_stream(self._device)
         if self._side is None:
             self._side = torch.cuda.Stream(device=self._device)
