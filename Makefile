@@ -36,8 +36,10 @@ run: install
 bench: install sysdeps
 	$(PY) -m bench.run_all
 
+# ruff everywhere; mypy on what pyproject.toml's [tool.mypy] lists (strict on launcher/).
 lint: install
 	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) *.egg-info

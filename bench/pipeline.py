@@ -97,7 +97,7 @@ class SleepStage:
 def polite_wait(handles: Sequence[Any]) -> None:
     """Wait for p2p handles without spinning: MPI's blocking wait busy-polls, which on a host
     with more ranks than free cores steals the CPU that the other ranks need to progress."""
-    while not all(h.is_completed() for h in handles if hasattr(h, "is_completed")):
+    while not all(h.is_completed() for h in handles):
         time.sleep(100e-6)
     for h in handles:
         h.wait()

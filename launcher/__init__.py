@@ -9,14 +9,15 @@ paramiko and subprocess live in the modules marked (adapter).
                  selection     --include/--exclude/--num-nodes, slots per host (pure)
     plan/        job           global/node/local ranks and each rank's environment (pure)
                  environment   forwarded variables, .dtrainenv, --env, scrubbing (pure)
-                 dryrun        the --dry-run table
     transport/   stream        the AgentStream protocol every transport implements
                  connect       open one agent stream per host, local or SSH, in parallel
+                 options       SSHOptions, built by the CLI without importing paramiko
                  local         the agent as a local subprocess (adapter)
                  ssh           paramiko connection and agent channel (adapter)
                  ssh_config    ~/.ssh/config resolution
                  ssh_config_refusal  reading the config as ssh does; refusing local commands
-                 ssh_auth      sockets, ProxyJump, public-key authentication (adapter)
+                 ssh_sockets   TCP within ConnectTimeout, ProxyJump tunnels (adapter)
+                 ssh_auth      host-key check and public-key authentication (adapter)
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
     head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
@@ -40,6 +41,7 @@ paramiko and subprocess live in the modules marked (adapter).
     pmi/         PMI-1 codec, per-host proxy core, the head's key-value space, the stall
                  clock (pure)
     check        the preflight table (`dtrain check`)
+    dryrun       the --dry-run table: hosts, ranks, environments, the program each runs
     mpirun       --launcher mpirun: the same plan as an mpiexec/mpirun command
     rankshim     each rank under --launcher mpirun: contract, interfaces, abort on failure
     wire         head <-> agent frames (pure)

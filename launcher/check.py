@@ -29,6 +29,7 @@ from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
 from launcher.plan.environment import compose_base_env
 from launcher.transport.connect import close_streams, start_agents
+from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
 
 COMPARED = ("torch", "mpi4py", "mpich")
@@ -82,7 +83,7 @@ def ask_facts(stream: AgentStream, cwd: str, timeout: float,
         while time.monotonic() < deadline:
             data = stream.read(65536)
             if not data:
-                stderr = getattr(stream, "stderr_text", lambda: "")().strip()
+                stderr = stream.stderr_text().strip()
                 last = f": {stderr.splitlines()[-1]}" if stderr else ""
                 raise RuntimeError("agent exited" + last)
             for frame in decoder.feed(data):
@@ -101,18 +102,17 @@ def forwarded_to_ranks(cwd: str) -> dict[str, str]:
     return {name: base[name] for name in workerenv.FORWARDED_NAMES if name in base}
 
 
-def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], python: str,
+def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,
                 cwd: str, timeout: float = 60.0) -> list[HostCheck]:
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
     planned = forwarded_to_ranks(cwd)  # a bad .dtrainenv fails before anything starts
     streams: dict[str, AgentStream] = {}
-    results = start_agents(selected, python=python, ssh_kwargs=ssh_kwargs)
+    results = start_agents(selected, python=python, ssh=ssh)
     for h, res in zip(selected, results, strict=True):
         if isinstance(res, DtrainError):
             rows[h.entry.name].problems.append(str(res))
             continue
-        conn = getattr(res, "connection", None)
-        rows[h.entry.name].latency_ms = conn.latency_ms if conn is not None else None
+        rows[h.entry.name].latency_ms = res.connection.latency_ms if res.connection else None
         streams[h.entry.name] = res
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(streams) or 1)) as pool:
         futures = {name: pool.submit(ask_facts, s, cwd, timeout, planned)
@@ -120,11 +120,11 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any], py
     head = host_facts(cwd, planned)
     for name, fut in futures.items():
         try:
-            rows[name].facts = fut.result()
+            facts = rows[name].facts = fut.result()
         except (OSError, RuntimeError, wire.WireError) as exc:
             rows[name].problems.append(f"agent failed: {exc}")
             continue
-        rows[name].problems += compare(head, rows[name].facts, rows[name].slots)
+        rows[name].problems += compare(head, facts, rows[name].slots)
     close_streams(list(streams.values()))
     return list(rows.values())
 
@@ -154,9 +154,9 @@ def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
             console.print(f"{r.host}: {problem}")
 
 
-def run_check(selected: Sequence[HostSlots], *, ssh_kwargs: dict[str, Any],
+def run_check(selected: Sequence[HostSlots], *, ssh: SSHOptions,
               python: str = sys.executable, cwd: str | None = None) -> int:
-    rows = check_hosts(selected, ssh_kwargs=ssh_kwargs, python=python, cwd=cwd or os.getcwd())
+    rows = check_hosts(selected, ssh=ssh, python=python, cwd=cwd or os.getcwd())
     print_table(rows, sys.stdout)
     bad = [r.host for r in rows if not r.ok]
     if bad:

@@ -22,6 +22,7 @@ from launcher import __version__
 from launcher.errors import DtrainError
 from launcher.head.supervisor import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
+from launcher.transport.options import SSHOptions
 
 #: `--help` sections: option destination -> section title, in the order sections are shown.
 HELP_SECTIONS: dict[str, tuple[str, ...]] = {
@@ -59,8 +60,8 @@ class SectionedCommand(click.Command):
             return super().parse_args(ctx, args)
         except click.NoSuchOption as exc:
             # Options after the program are the program's; one before it may be too.
-            exc.message = f"{exc.message.rstrip('.')}. {FORGOT_DASHES}"
-            raise
+            raise click.NoSuchOption(exc.option_name, f"{exc.message.rstrip('.')}. "
+                                     f"{FORGOT_DASHES}", exc.possibilities, exc.ctx) from None
 
 
 def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -96,14 +97,13 @@ def _host_request(kw: dict[str, Any]) -> HostRequest:
                        num_nodes=kw.pop("num_nodes"), nproc_per_node=kw.pop("nproc_per_node"))
 
 
-def _ssh_options(kw: dict[str, Any]) -> dict[str, Any]:
-    """Keyword arguments of launcher.transport.ssh.SSHOptions (built only when a host is remote)."""
+def _ssh_options(kw: dict[str, Any]) -> SSHOptions:
     config, known = kw.pop("ssh_config"), kw.pop("known_hosts")
-    return {"config_file": Path(config) if config else None,
-            "known_hosts": Path(known) if known else None,
-            "accept_new": kw.pop("ssh_accept_new"),
-            "connect_timeout": kw.pop("ssh_connect_timeout"),
-            "allow_config_exec": kw.pop("ssh_allow_config_exec")}
+    return SSHOptions(config_file=Path(config) if config else None,
+                      known_hosts=Path(known) if known else None,
+                      accept_new=kw.pop("ssh_accept_new"),
+                      connect_timeout=kw.pop("ssh_connect_timeout"),
+                      allow_config_exec=kw.pop("ssh_allow_config_exec"))
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -216,5 +216,5 @@ def check(**kw: Any) -> None:
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
     sys.exit(_guard(lambda: run_check(
-        select(hosts), ssh_kwargs=ssh, python=validate_remote_python(kw["remote_python"]),
+        select(hosts), ssh=ssh, python=validate_remote_python(kw["remote_python"]),
         cwd=os.path.abspath(kw["chdir"] or os.getcwd()))))

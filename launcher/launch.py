@@ -12,10 +12,9 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from launcher import STARTED
 from launcher.errors import UsageError
@@ -25,6 +24,7 @@ from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
 from launcher.transport.connect import close_streams, open_streams, validate_remote_python
+from launcher.transport.options import SSHOptions
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class LaunchRequest:
     env: tuple[str, ...] = ()
     master_addr: str | None = None
     master_port: int | None = None
-    ssh: dict[str, Any] = field(default_factory=dict)  # SSHOptions keyword arguments
+    ssh: SSHOptions = SSHOptions()
     remote_python: str = sys.executable
     prefix: bool = True
     raw: bool = False
@@ -105,7 +105,7 @@ def run_launch(req: LaunchRequest) -> int:
     if req.launcher == "mpirun":
         return _run_mpirun(req, build_plan, selected)
     if req.dry_run:
-        from launcher.plan.dryrun import print_plan
+        from launcher.dryrun import print_plan
 
         shown = build_plan(req.master_addr or "auto", req.master_port or 29500)
         print_plan(shown, auto_master=(req.master_addr is None, req.master_port is None),
@@ -113,12 +113,16 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh_kwargs=req.ssh)
+    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh)
     connected = time.monotonic()
 
+    sinks: list[OutputSink] = []  # the one sink, made once the plan (and so the ranks) is known
+
     def sink(p: planning.JobPlan) -> OutputSink:
-        return OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer, sys.stderr.buffer,
-                          prefix=req.prefix, raw=req.raw, log_dir=log_dir)
+        sinks.append(OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer,
+                                sys.stderr.buffer, prefix=req.prefix, raw=req.raw,
+                                log_dir=log_dir))
+        return sinks[-1]
 
     sup = Supervisor(streams, sink, req.supervise)
     previous = {s: signal.signal(s, sup.on_signal)
@@ -131,7 +135,7 @@ def run_launch(req: LaunchRequest) -> int:
         close_streams(streams)
     from launcher.head.report import print_report  # rich: only once the job is over
 
-    print_report(outcome, sup.sink.tail, time.monotonic() - t0, sys.stderr)
+    print_report(outcome, sinks[-1].tail, time.monotonic() - t0, sys.stderr)
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(
@@ -154,7 +158,7 @@ def _log_dir(root: Path | None, job_id: str) -> Path | None:
     return folder
 
 
-def _run_mpirun(req: LaunchRequest, build_plan: Any,
+def _run_mpirun(req: LaunchRequest, build_plan: Callable[[str, int], planning.JobPlan],
                 selected: Sequence[selection.HostSlots]) -> int:
     from launcher import mpirun
 

@@ -10,7 +10,7 @@ def route_source(dest: str) -> str:
     family = socket.AF_INET6 if ":" in dest else socket.AF_INET
     with socket.socket(family, socket.SOCK_DGRAM) as s:
         s.connect((dest, 9))  # UDP connect sends nothing; it only picks the route
-        return s.getsockname()[0]
+        return str(s.getsockname()[0])
 
 
 def interface_for(dest: str) -> str | None:
@@ -42,4 +42,4 @@ def interface_for(dest: str) -> str | None:
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from launcher.check import compare
-from tests.support import run_dtrain
+import sys
+
+from launcher.check import check_hosts, compare
+from launcher.launch import HostRequest, select
+from launcher.transport.options import SSHOptions
+from tests.support import REPO, run_dtrain
 
 HEAD = {"python": "3.11.7", "dtrain": "0.1.0",
         "versions": {"torch": "2.13.0", "mpi4py": "4.1.2", "mpich": "5.0.2"}}
@@ -43,6 +47,16 @@ def test_check_across_hosts_reports_each_host_and_its_latency(netns_cluster):
     for host in netns_cluster.hosts:
         assert host in res.stdout
     assert "local" not in res.stdout.split("ssh ms", 1)[1]  # a latency figure, not "local"
+
+
+def test_check_hosts_takes_ssh_options_and_times_only_the_ssh_hosts(netns_cluster):
+    rows = check_hosts(select(HostRequest(hosts="node1:1,localhost:1")),
+                       ssh=SSHOptions(config_file=netns_cluster.ssh_config),
+                       python=sys.executable, cwd=str(REPO))
+    assert [r.host for r in rows] == ["node1", "localhost"]
+    assert [r.problems for r in rows] == [[], []]
+    assert rows[0].latency_ms is not None and rows[0].latency_ms > 0
+    assert rows[1].latency_ms is None
 
 
 def test_check_fails_when_a_host_is_unreachable_and_names_it(netns_cluster):

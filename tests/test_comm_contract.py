@@ -27,8 +27,8 @@ WORLD_SIZES = (1, 2, 4)
 OPS = ("all_reduce_sum", "all_reduce_max", "all_reduce_min", "all_reduce_avg",
        "all_reduce_strided", "all_reduce_requires_grad", "all_gather", "all_gather_in_place",
        "reduce_scatter_sum", "reduce_scatter_max", "broadcast_first", "broadcast_last",
-       "broadcast_strided", "send_recv", "batch_p2p", "all_to_all", "many_in_flight", "barrier",
-       "errors", "bootstrap")
+       "broadcast_strided", "send_recv", "batch_p2p", "batch_p2p_empty", "all_to_all",
+       "many_in_flight", "barrier", "errors", "bootstrap")
 COMMS = ("world", "rows", "cols", "reversed", "grid_tp", "grid_dp", "grid_pp")
 
 

@@ -8,10 +8,10 @@ import re
 import pytest
 
 import workerenv as we
+from launcher.dryrun import print_plan, program_column
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_hostfile_text
 from launcher.hosts.selection import select_hosts
-from launcher.plan.dryrun import print_plan, program_column
 from launcher.plan.job import JobPlan, make_plan, new_job_id, process_mapping
 
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hf")

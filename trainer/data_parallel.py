@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, Handle, ReduceOp
+from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
 from trainer.errors import TrainerError
 from trainer.precision import main_grad_dtype
 
@@ -108,6 +108,9 @@ class _FutureHandle:
 
     def wait(self) -> None:
         self._future.result()  # re-raises the thread's exception here, on the main thread
+
+    def is_completed(self) -> bool:
+        return self._future.done()
 
 
 @dataclass
@@ -296,19 +299,17 @@ class DataParallel:
         start = time.perf_counter()
         bucket.view.mul_(1.0 / self.comm.size)
         handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=True)
-        test = getattr(handle, "is_completed", None)
-        if test is not None and self.poll_interval > 0:
-            while not test() and not self._hurry.wait(self.poll_interval):
+        if handle is not None and self.poll_interval > 0:
+            while not handle.is_completed() and not self._hurry.wait(self.poll_interval):
                 pass
-        handle.wait()
+        wait_all([handle])
         self.stats.comm_s += time.perf_counter() - start
 
     def _poll(self) -> None:
         """Let backends that progress only inside library calls (MPI) advance in-flight
         reductions while backward runs; the oldest unfinished one is enough."""
         for bucket in self.buckets[:self._next]:
-            test = getattr(bucket.handle, "is_completed", None)
-            if test is not None and not test():
+            if bucket.handle is not None and not bucket.handle.is_completed():
                 return
 
     def _check_all_ready(self) -> None:

@@ -35,13 +35,13 @@ def become_subreaper() -> bool:
         libc = ctypes.CDLL(None, use_errno=True)
     except OSError:
         return False
-    return libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    return bool(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
 
 
 def signal_descendants(sig: int, keep: frozenset[int] = frozenset()) -> list[psutil.Process]:
     """Send ``sig`` to every live descendant of this process except the PIDs in ``keep``;
     returns those signalled. A process that exits meanwhile is skipped."""
-    hit = []
+    hit: list[psutil.Process] = []
     try:
         tree = psutil.Process().children(recursive=True)
     except psutil.Error:

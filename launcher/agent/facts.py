@@ -57,7 +57,7 @@ def host_facts(cwd: str, planned: Mapping[str, str] | None = None) -> dict[str, 
     ``planned``: the forwarded variables (PATH, VIRTUAL_ENV, ...) a rank would get."""
     from importlib import metadata  # only `dtrain check` needs it: keep it off the start path
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for name in _PACKAGES:
         try:
             versions[name] = metadata.version(name)

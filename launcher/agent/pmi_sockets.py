@@ -43,7 +43,7 @@ class PmiSockets:
         world_size: int,
         kvsname: str,
         process_mapping: str,
-        send_head: Callable[[dict[str, Any]], None],
+        send_head: Callable[[dict[str, Any]], object],  # what it returns is not used
         stall_after: float = 30.0,
     ) -> None:
         self.mode = mode
@@ -153,7 +153,7 @@ class PmiSockets:
             self._report_stall()
             for key, _ in self._sel.select(timeout=1.0):
                 if key.data == "wake":
-                    key.fileobj.recv(4096)  # type: ignore[union-attr]
+                    self._wake_r.recv(4096)
                     self._drain_inbox()
                 elif key.data == "accept":
                     self._accept()
@@ -221,7 +221,7 @@ class PmiSockets:
             self._run(self.proxy.closed(conn))
             self._drop(conn)
 
-    def _run(self, actions: Sequence[Any]) -> None:
+    def _run(self, actions: Sequence[pmi_proxy.Action]) -> None:
         for action in actions:
             if isinstance(action, pmi_proxy.Reply):
                 sock = self._conns.get(action.conn)

@@ -30,7 +30,7 @@ class PmiNotes:
         self._answers: list[Mapping[str, Any]] = []
         self._waited = 0.0
 
-    def unsupported(self, rank: Any, host: str, feature: str) -> None:
+    def unsupported(self, rank: object, host: str, feature: str) -> None:
         if feature not in self._features:
             self._features.add(feature)
             self._say(f"rank {rank}@{host} called {feature}, which dtrain's PMI does not "

@@ -98,7 +98,7 @@ def validate_user_name(user: str, where: str) -> None:
                         "Use letters, digits, '.', '-', '_' (starting with a letter or '_')")
 
 
-def parse_hostfile(path: str | os.PathLike) -> list[HostEntry]:
+def parse_hostfile(path: str | os.PathLike[str]) -> list[HostEntry]:
     """Read and parse a hostfile; every problem names the file and, if any, its line."""
     shown = os.fspath(path)
     data = _read_bounded(shown)

@@ -87,7 +87,7 @@ def scrub(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith(we.SCRUBBED_PREFIXES)}
 
 
-def read_env_file(path: str | os.PathLike) -> dict[str, str]:
+def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     """Parse a `.dtrainenv` file; errors name `file:line` and never echo a value."""
     shown = os.fspath(path)
     try:
@@ -180,7 +180,8 @@ def _parse_value(rest: str, where: str) -> str:
 
 
 def _double_quoted(text: str, where: str) -> tuple[str, str]:
-    out, index = [], 0
+    out: list[str] = []
+    index = 0
     while index < len(text):
         ch = text[index]
         if ch == '"':

@@ -24,9 +24,13 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass
+from typing import Any
 
 from launcher.errors import PmiError
 from launcher.pmi.codec import PmiCommand, format_reply
+
+#: An upstream message sent: a JSON object (received ones are read as Mapping[str, Any]).
+Message = dict[str, Any]
 
 KVSNAME_MAX, KEYLEN_MAX, VALLEN_MAX = 256, 64, 1024
 UNSUPPORTED = {  # request -> (reply, what to tell the user); no MPI_Comm_spawn, no name service
@@ -51,7 +55,7 @@ class Close:
 
 @dataclass(frozen=True)
 class Send:
-    msg: dict
+    msg: Message
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import overload
 
 from launcher.errors import PmiError
 
@@ -51,6 +52,12 @@ class PmiCommand:
     cmd: str
     attrs: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     multiline: bool = False  # the first line of an ``mcmd=`` block (spawn)
+
+    @overload
+    def get(self, key: str) -> str | None: ...
+
+    @overload
+    def get(self, key: str, default: str) -> str: ...
 
     def get(self, key: str, default: str | None = None) -> str | None:
         return self.attrs.get(key, default)

@@ -16,8 +16,10 @@ diagnosis rather than failing the job.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from launcher.errors import PmiError
+from launcher.pmi.actions import Message
 
 
 class KeyValueSpace:
@@ -39,7 +41,7 @@ class KeyValueSpace:
         """``(rank, code, message)`` of the first abort, or None."""
         return self._aborted
 
-    def handle(self, host: int, msg: Mapping) -> list[tuple[int, dict]]:
+    def handle(self, host: int, msg: Mapping[str, Any]) -> list[tuple[int, Message]]:
         """One relay message from ``host``; returns the ``(host, reply)`` pairs to send."""
         if not 0 <= host < self.hosts:
             raise _error(f"host index {host} outside 0..{self.hosts - 1}")
@@ -63,7 +65,7 @@ class KeyValueSpace:
         """A committed value (for tests and diagnosis)."""
         return self._store.get(key)
 
-    def _barrier_in(self, host: int, puts: object) -> list[tuple[int, dict]]:
+    def _barrier_in(self, host: int, puts: object) -> list[tuple[int, Message]]:
         if not isinstance(puts, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in puts.items()):
             raise _error(f"barrier_in from host {host} without a string-to-string puts object")
@@ -86,13 +88,13 @@ class KeyValueSpace:
                 self.conflicts.append(key)
             self._epoch_puts[key] = value
 
-    def _get(self, msg: Mapping) -> dict:
+    def _get(self, msg: Mapping[str, Any]) -> Message:
         key, req = msg.get("key"), msg.get("req")
         value = self._store.get(key) if isinstance(key, str) else None
         return {"op": "get_result", "req": req, "found": value is not None,
                 "value": value or ""}
 
-    def _abort(self, msg: Mapping) -> None:
+    def _abort(self, msg: Mapping[str, Any]) -> None:
         if self._aborted is None:
             self._aborted = (int(msg.get("rank", -1)), int(msg.get("code", 1)),
                              str(msg.get("message", "")))

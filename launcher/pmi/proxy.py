@@ -19,17 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from launcher.pmi import actions, stall
-from launcher.pmi.actions import (
-    Abort,
-    Action,
-    Close,
-    RankFailed,
-    Reply,
-    Send,
-    shm_segment_prefixes,
-)
+from launcher.pmi.actions import Abort, Action, Close, RankFailed, Reply, Send, shm_segment_prefixes
 from launcher.pmi.codec import (
     LineBuffer,
     PmiCommand,
@@ -88,7 +81,8 @@ class PmiProxy:
         self._next_req = 0
         self._epoch = 0
         self._fixed = actions.fixed_replies(world_size=world_size, kvsname=kvsname, appnum=appnum)
-        self._handlers: dict[str, Callable[[int, _Conn, PmiCommand], list[Action]]] = {
+        # (connection, its rank, its state, the request) -> what to do
+        self._handlers: dict[str, Callable[[int, int, _Conn, PmiCommand], list[Action]]] = {
             "init": self._init, "put": self._put, "get": self._get,
             "barrier_in": self._barrier_in, "finalize": self._finalize, "abort": self._abort,
         }
@@ -115,7 +109,7 @@ class PmiProxy:
         if c is None:
             return []
         c.started = c.started or (c.rank is not None and bool(data))
-        if c.started:
+        if c.started and c.rank is not None:
             self._spoke.add(c.rank)
         error = None
         try:
@@ -143,7 +137,7 @@ class PmiProxy:
             return [RankFailed(c.rank, "closed its PMI connection before finalize")]
         return []
 
-    def upstream(self, msg: Mapping) -> list[Action]:
+    def upstream(self, msg: Mapping[str, Any]) -> list[Action]:
         """A message from the head."""
         op = msg.get("op")
         if op == "barrier_out":
@@ -167,7 +161,7 @@ class PmiProxy:
         return stall.holding_up(self._ranks, self._barrier, self._spoke, self._left_silent,
                                 host_waited=host_waited)
 
-    def waiting(self) -> dict:
+    def waiting(self) -> dict[str, object]:
         """Who holds things up, for a diagnosis when the job hangs."""
         barrier = sorted(self._barrier)
         return {
@@ -177,7 +171,8 @@ class PmiProxy:
             "gets": {self._conns[c].rank: key for c, key in self._gets.values()
                      if c in self._conns},
             "never_connected": sorted(self._ranks - self._claimed),
-            "finalized": sorted(c.rank for c in self._conns.values() if c.finalized),
+            "finalized": sorted(c.rank for c in self._conns.values()
+                                if c.finalized and c.rank is not None),
         }
 
     # ----- one line ----------------------------------------------------------------------------
@@ -186,8 +181,8 @@ class PmiProxy:
         if c.aborted:
             return []  # MPICH may still send barrier_in on its way out; the job is going down
         try:
-            if c.spawn is not None:
-                return self._spawn_line(conn, c, line)
+            if c.spawn is not None and c.rank is not None:  # a spawn block follows binding
+                return self._spawn_line(conn, c.rank, c, c.spawn, line)
             cmd = parse_line(line)
         except PmiProtocolError as exc:
             return self._reject(conn, exc.why)
@@ -203,7 +198,7 @@ class PmiProxy:
             return []
         if cmd.cmd in actions.UNSUPPORTED:
             return actions.refusal(conn, c.rank, cmd.cmd)
-        return self._handlers[cmd.cmd](conn, c, cmd)
+        return self._handlers[cmd.cmd](conn, c.rank, c, cmd)
 
     def _reject(self, conn: int, why: str) -> list[Action]:
         c = self._conns.pop(conn)
@@ -233,7 +228,7 @@ class PmiProxy:
         sets = f"cmd=set size={self._world}\ncmd=set rank={rank}\ncmd=set debug=0\n"
         return [Reply(conn, format_reply("initack", rc=0) + sets.encode())]
 
-    def _init(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _init(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         if cmd.get("pmi_version") != "1":
             # PMI-2 clients start with a v1-framed init; refuse so they fail cleanly (flux does).
             return [Reply(conn, format_reply(
@@ -243,10 +238,10 @@ class PmiProxy:
         return [Reply(conn, format_reply("response_to_init", rc=0, pmi_version=1,
                                          pmi_subversion=1))]
 
-    def _fixed_reply(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _fixed_reply(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         return [Reply(conn, self._fixed[cmd.cmd])]
 
-    def _put(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _put(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         key, value = cmd.get("key", ""), cmd.get("value", "")
         problem = actions.key_problem(cmd, self._kvsname) or actions.value_problem(key, value)
         if problem:
@@ -254,8 +249,8 @@ class PmiProxy:
         self._cache[key] = self._epoch_puts[key] = value
         return [Reply(conn, format_reply("put_result", rc=0))]
 
-    def _get(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
-        key = cmd.get("key")
+    def _get(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+        key = cmd.get("key", "")
         problem = actions.key_problem(cmd, self._kvsname)
         if problem:
             return [Reply(conn, format_reply("get_result", rc=1, msg=problem))]
@@ -268,28 +263,29 @@ class PmiProxy:
         self._gets[self._next_req] = (conn, key)
         return [Send({"op": "get", "key": key, "req": self._next_req})]
 
-    def _barrier_in(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _barrier_in(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         c.pending = "barrier"
-        self._barrier.add(c.rank)
+        self._barrier.add(rank)
         if len(self._barrier) < len(self._ranks):
             return []
         puts, self._epoch_puts = self._epoch_puts, {}
         return [Send({"op": "barrier_in", "puts": puts})]
 
-    def _finalize(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _finalize(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         c.finalized = True
         return [Reply(conn, format_reply("finalize_ack", rc=0))]
 
-    def _abort(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _abort(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
         c.aborted = True
-        return actions.abort_actions(c.rank, cmd)
+        return actions.abort_actions(rank, cmd)
 
-    def _spawn_line(self, conn: int, c: _Conn, line: bytes) -> list[Action]:
+    def _spawn_line(self, conn: int, rank: int, c: _Conn, spawn: SpawnBlock,
+                    line: bytes) -> list[Action]:
         """Swallow the mcmd=spawn block, then refuse it as a whole."""
-        if not c.spawn.feed(line):
+        if not spawn.feed(line):
             return []
         c.spawn = None
-        return actions.refusal(conn, c.rank, "spawn")
+        return actions.refusal(conn, rank, "spawn")
 
     # ----- head messages -----------------------------------------------------------------------
 
@@ -309,8 +305,9 @@ class PmiProxy:
         self._barrier.clear()
         return out
 
-    def _get_result(self, msg: Mapping) -> list[Action]:
-        entry = self._gets.pop(msg.get("req"), None)
+    def _get_result(self, msg: Mapping[str, Any]) -> list[Action]:
+        req = msg.get("req")
+        entry = self._gets.pop(req, None) if isinstance(req, int) else None
         if entry is None:
             raise actions.relay_error(f"get_result for unknown request {msg.get('req')!r}")
         conn, key = entry

@@ -11,11 +11,11 @@ import os
 import shlex
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from launcher.errors import ConnectError, UsageError
 from launcher.hosts.selection import HostSlots
 from launcher.transport.local import LocalAgentStream, agent_command
+from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
 
 _SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
@@ -30,20 +30,21 @@ def validate_remote_python(path: str) -> str:
 
 
 def open_streams(selected: Sequence[HostSlots], *, python: str,
-                 ssh_kwargs: dict[str, Any]) -> list[AgentStream]:
+                 ssh: SSHOptions) -> list[AgentStream]:
     """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
-    results = start_agents(selected, python=python, ssh_kwargs=ssh_kwargs)
+    results = start_agents(selected, python=python, ssh=ssh)
+    streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:
-        close_streams([r for r in results if not isinstance(r, ConnectError)])
+        close_streams(streams)
         raise errors[0] if len(errors) == 1 else ConnectError(
             f"{len(errors)} hosts could not be reached", "",
             "; ".join(str(e) for e in errors), "nothing was started anywhere")
-    return results  # type: ignore[return-value]  (no errors left)
+    return streams
 
 
 def start_agents(selected: Sequence[HostSlots], *, python: str,
-                 ssh_kwargs: dict[str, Any]) -> list[AgentStream | ConnectError]:
+                 ssh: SSHOptions) -> list[AgentStream | ConnectError]:
     """An agent stream, or why there is none, for every host, in host order; an ssh config
     that cannot be used (a refused directive, a bad name) raises before anything connects."""
     python = validate_remote_python(python)
@@ -52,19 +53,19 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
         for i, h in enumerate(selected) if h.entry.is_local}
     remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
     if remote:
-        from launcher.transport import ssh  # paramiko is imported only when a remote host needs it
+        # paramiko is imported only when a remote host needs it
+        from launcher.transport.ssh import SSHConnection, resolve_host
 
-        opts = ssh.SSHOptions(**ssh_kwargs)
         command = shlex.join(agent_command(python))
         # Every host's ssh config is decided before any connection, so a refused directive is
         # one error (raised here), not one per host, and nothing connects.
-        resolved = {h.entry.name: ssh.resolve_host(h.entry.name, user=h.entry.user,
-                                                   port=h.entry.port, opts=opts)
+        resolved = {h.entry.name: resolve_host(h.entry.name, user=h.entry.user,
+                                               port=h.entry.port, opts=ssh)
                     for _, h in remote}
 
         def start(host: HostSlots) -> AgentStream | ConnectError:
             try:
-                conn = ssh.SSHConnection.open(resolved[host.entry.name], opts)
+                conn = SSHConnection.open(resolved[host.entry.name], ssh)
             except ConnectError as exc:
                 return exc
             try:
@@ -72,10 +73,9 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
             except ConnectError as exc:
                 conn.close()
                 return exc
-            stream.connection = conn
             return stream
 
-        workers = max(1, min(opts.max_parallel, len(remote)))
+        workers = max(1, min(ssh.max_parallel, len(remote)))
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
             for (i, _), result in zip(remote, pool.map(start, [h for _, h in remote]),
                                       strict=True):
@@ -87,6 +87,5 @@ def close_streams(streams: Sequence[AgentStream]) -> None:
     """Close agent streams and their SSH connections (agents stop on EOF)."""
     for stream in streams:
         stream.close()
-        conn = getattr(stream, "connection", None)
-        if conn is not None:
-            conn.close()
+        if stream.connection is not None:
+            stream.connection.close()

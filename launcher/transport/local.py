@@ -7,10 +7,13 @@ If the head dies, the pipe closes and the agent stops its ranks (EOF), exactly a
 from __future__ import annotations
 
 import collections
+import io
 import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+
+from launcher.transport.stream import AgentConnection
 
 AGENT_MODULE = "launcher.agent"
 
@@ -24,6 +27,7 @@ class LocalAgentStream:
     """AgentStream over the stdin/stdout pipes of a local agent process."""
 
     is_local = True
+    connection: AgentConnection | None = None  # no SSH in between
 
     def __init__(self, host: str, python: str = sys.executable, cwd: str | None = None,
                  extra_args: Sequence[str] = ()) -> None:
@@ -38,6 +42,7 @@ class LocalAgentStream:
             start_new_session=True,
         )
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
+        self._aborted = False
         threading.Thread(target=self._collect_stderr, daemon=True).start()
 
     @property
@@ -45,13 +50,18 @@ class LocalAgentStream:
         return self._proc.pid
 
     def write(self, data: bytes) -> None:
-        assert self._proc.stdin is not None
+        if self._proc.stdin is None or self._proc.stdin.closed:
+            raise OSError(f"the stream to the agent on {self.host} is closed")
         self._proc.stdin.write(data)
         self._proc.stdin.flush()
 
     def read(self, max_bytes: int = 65536) -> bytes:
-        assert self._proc.stdout is not None
-        return self._proc.stdout.read1(max_bytes)
+        stdout = self._proc.stdout
+        # Popen's default buffering makes the pipe a BufferedReader, whose read1 returns what
+        # has arrived instead of waiting for max_bytes (typeshed only says IO[bytes]).
+        if self._aborted or not isinstance(stdout, io.BufferedReader):
+            return b""
+        return stdout.read1(max_bytes)
 
     def close(self) -> None:
         try:
@@ -59,6 +69,12 @@ class LocalAgentStream:
                 self._proc.stdin.close()
         except OSError:
             pass
+
+    def abort(self) -> None:
+        """EOF to the agent (it stops its ranks) and no more reading; the pipe is not closed
+        under a reader thread, which may still be blocked in `read`."""
+        self._aborted = True
+        self.close()
 
     def wait(self, timeout: float | None = None) -> int | None:
         try:
@@ -73,9 +89,11 @@ class LocalAgentStream:
             self._proc.wait()
 
     def stderr_text(self) -> str:
+        """The agent's last 200 stderr lines."""
         return "".join(self._stderr)
 
     def _collect_stderr(self) -> None:
-        assert self._proc.stderr is not None
+        if self._proc.stderr is None:
+            return
         for raw in self._proc.stderr:
             self._stderr.append(raw.decode("utf-8", errors="replace"))

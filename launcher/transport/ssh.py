@@ -6,14 +6,16 @@ with public keys only (`ssh_auth`), and runs the constant agent command in one s
 (`SSHConnection.exec_stream`, an `SSHAgentStream`).
 
 Layers, each importing only the ones before it: ``ssh_config`` (what to connect to) <-
-``ssh_auth`` (sockets, host keys, authentication) <- ``ssh`` (connections and channels). The
-names callers use (`SSHOptions`, `ResolvedHost`, `resolve_host`) are re-exported here.
+``ssh_sockets`` (TCP, tunnels) <- ``ssh_auth`` (host keys, authentication) <- ``ssh``
+(connections and channels). The names callers use (`SSHOptions` from ``options``,
+`ResolvedHost`, `resolve_host`) are re-exported here.
 
 Every failure is a `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 import threading
@@ -24,8 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 import paramiko
 
 from launcher.errors import ConnectError
-from launcher.transport import host_keys, ssh_auth
-from launcher.transport.ssh_config import ResolvedHost, SSHOptions, resolve_host
+from launcher.transport import host_keys, ssh_auth, ssh_sockets
+from launcher.transport.options import SSHOptions
+from launcher.transport.ssh_config import ResolvedHost, resolve_host
 
 __all__ = ["ResolvedHost", "SSHAgentStream", "SSHConnection", "SSHOptions", "open_all",
            "resolve_host"]
@@ -34,13 +37,13 @@ _STDERR_KEEP = 64 * 1024
 
 
 def _open_socket(host: ResolvedHost, opts: SSHOptions,
-                 jump: SSHConnection | None) -> socket.socket | paramiko.Channel:
+                 jump: SSHConnection | None) -> ssh_sockets.Carrier:
     """What the SSH transport runs over: a tunnel via the jump host, ProxyCommand or TCP."""
     if jump is not None:
-        return ssh_auth.tunnel(host, jump.host, jump.transport)
+        return ssh_sockets.tunnel(host, jump.host, jump.transport)
     if host.proxy_command:
         return paramiko.ProxyCommand(host.proxy_command)
-    return ssh_auth.tcp_connect(host, opts.keepalive)
+    return ssh_sockets.tcp_connect(host, opts.keepalive)
 
 
 class SSHConnection:
@@ -48,7 +51,7 @@ class SSHConnection:
 
     def __init__(self, host: ResolvedHost, client: paramiko.SSHClient, latency_ms: float,
                  opts: SSHOptions, jump: SSHConnection | None = None,
-                 sock: object = None) -> None:
+                 sock: ssh_sockets.Carrier | None = None) -> None:
         self.host, self.latency_ms = host, latency_ms
         self._client, self._opts, self._jump, self._sock = client, opts, jump, sock
 
@@ -74,7 +77,8 @@ class SSHConnection:
     def _open_once(cls, host: ResolvedHost, opts: SSHOptions) -> SSHConnection:
         start = time.monotonic()
         jump = cls.open(host.jump, opts) if host.jump else None
-        client, auth, sock = paramiko.SSHClient(), ssh_auth.PublicKeyAuth(host), None
+        client, auth = paramiko.SSHClient(), ssh_auth.PublicKeyAuth(host)
+        sock: ssh_sockets.Carrier | None = None
         try:
             with ssh_auth.handshake_slot(host.key_name):
                 sock = _open_socket(host, opts, jump)
@@ -94,8 +98,9 @@ class SSHConnection:
             if ssh_auth.is_transient(exc):
                 raise _Retry(error) from None
             raise error from None
-        client.get_transport().set_keepalive(max(1, int(opts.keepalive)))
-        return cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump, sock)
+        connection = cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump, sock)
+        connection.transport.set_keepalive(max(1, int(opts.keepalive)))
+        return connection
 
     @property
     def transport(self) -> paramiko.Transport:
@@ -123,7 +128,18 @@ class SSHConnection:
             channel.close()
             raise ConnectError(what, where, f"the server refused the exec request: {exc}",
                                "Check sshd's ForceCommand/restrictions for this user") from None
-        return SSHAgentStream(self.host.alias, channel)
+        return SSHAgentStream(self.host.alias, channel, self)
+
+    def peer_address(self) -> str:
+        """The host's address as the head reached it: the TCP peer; behind a jump host or a
+        ProxyCommand, its HostName (resolved here when it can be)."""
+        if isinstance(self._sock, socket.socket):
+            with contextlib.suppress(OSError):
+                return str(self._sock.getpeername()[0])
+        with contextlib.suppress(OSError):
+            return str(socket.getaddrinfo(self.host.hostname, None,
+                                          type=socket.SOCK_STREAM)[0][4][0])
+        return self.host.hostname
 
     def run(self, command: str, timeout: float) -> tuple[int, bytes, bytes]:
         """(exit code, stdout, stderr) of a short command with stdin closed (like ``ssh -n``).
@@ -170,8 +186,11 @@ class SSHAgentStream:
     agent prints its startup traceback there, which `stderr_text` exposes for error messages).
     """
 
-    def __init__(self, host: str, channel: paramiko.Channel) -> None:
+    is_local = False
+
+    def __init__(self, host: str, channel: paramiko.Channel, connection: SSHConnection) -> None:
         self.host = host
+        self.connection = connection
         self._channel = channel
         self._stderr = bytearray()
         self._lock = threading.Lock()
@@ -228,6 +247,11 @@ class SSHAgentStream:
     def abort(self) -> None:
         """Close the channel both ways at once (the remote side gets SIGPIPE/EOF)."""
         self._channel.close()
+
+    def kill(self) -> None:
+        """Close the channel (no signal is sent): the agent loses stdin and stdout and stops
+        its ranks as it does when the head is gone."""
+        self.abort()
 
     def exited(self) -> bool:
         """True once the remote command reported a status or the channel closed."""

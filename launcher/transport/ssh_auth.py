@@ -1,4 +1,4 @@
-"""Reaching one resolved host: TCP connect or jump-host tunnel, host-key check, public-key auth.
+"""The SSH handshake with one resolved host: host-key check, public-key authentication.
 
 `handshake` verifies the host key with OpenSSH semantics (`launcher.transport.host_keys`) and
 authenticates with public keys only (`PublicKeyAuth`: ssh-agent, then IdentityFile or the
@@ -8,27 +8,27 @@ default ``~/.ssh/id_*``; never a password or keyboard prompt). Every failure bec
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import os
 import socket
-import subprocess
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import paramiko
 from paramiko.auth_strategy import (
     AuthFailure,
+    AuthSource,
     AuthStrategy,
     InMemoryPrivateKey,
     OnDiskPrivateKey,
+    SourceResult,
 )
 
 from launcher.errors import ConnectError
-from launcher.transport import host_keys
-from launcher.transport.ssh_config import ResolvedHost, SSHOptions
+from launcher.transport import host_keys, ssh_sockets
+from launcher.transport.options import SSHOptions
+from launcher.transport.ssh_config import ResolvedHost
 
 # paramiko DEBUG/INFO carries fingerprints and auth chatter; users opt in with --debug-ssh.
 # Its transport thread also logs a traceback at ERROR for every failed handshake, which
@@ -36,6 +36,7 @@ from launcher.transport.ssh_config import ResolvedHost, SSHOptions
 # reach stderr through logging's last-resort handler, so give the logger a NullHandler.
 logging.getLogger("paramiko").setLevel(logging.WARNING)
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
 
 
 # ---------------------------------------------------------------- authentication
@@ -86,21 +87,21 @@ class PublicKeyAuth(AuthStrategy):
     """publickey only, in OpenSSH's order: agent keys, then identity files (BatchMode-like)."""
 
     def __init__(self, host: ResolvedHost) -> None:
-        super().__init__(ssh_config=None)
+        super().__init__(ssh_config=paramiko.SSHConfig())  # unused: the host is resolved
         self.host = host
         self.tried: list[str] = []
         self._agent: paramiko.Agent | None = None
 
-    def get_sources(self):
+    def get_sources(self) -> Iterator[AuthSource]:
         files = [(path, *_load_identity(path)) for path in self.host.identity_files]
         wanted = {_public_blob(path, key) for path, key, _ in files}
         offered = set()
-        for key in self._agent.get_keys() if self._agent else ():
-            if self.host.identities_only and key.get_base64() not in wanted:
+        for agent_key in self._agent.get_keys() if self._agent else ():
+            if self.host.identities_only and agent_key.get_base64() not in wanted:
                 continue
-            offered.add(key.get_base64())
-            self.tried.append(f"agent key {host_keys.fingerprint(key)} (rejected)")
-            yield InMemoryPrivateKey(self.host.user, key)
+            offered.add(agent_key.get_base64())
+            self.tried.append(f"agent key {host_keys.fingerprint(agent_key)} (rejected)")
+            yield InMemoryPrivateKey(self.host.user, agent_key)
         for path, key, note in files:
             if key is not None and key.get_base64() in offered:
                 continue
@@ -108,7 +109,7 @@ class PublicKeyAuth(AuthStrategy):
             if key is not None:
                 yield OnDiskPrivateKey(self.host.user, "ssh-config", Path(path), key)
 
-    def authenticate(self, transport: paramiko.Transport):
+    def authenticate(self, transport: paramiko.Transport) -> list[SourceResult]:
         # Last host-key check before we sign anything: paramiko ignores @revoked lines.
         host_keys.check_not_revoked(self.host.key_name, transport.get_remote_server_key(),
                                    self.host.read_known_hosts, self.host.where)
@@ -118,95 +119,6 @@ class PublicKeyAuth(AuthStrategy):
         finally:
             if self._agent is not None:
                 self._agent.close()  # agent keys sign only during authentication
-
-
-# ---------------------------------------------------------------- connecting
-
-
-def _resolve_addresses(host: ResolvedHost, deadline: float) -> list[tuple]:
-    """getaddrinfo bounded by the connect timeout (a dead DNS server can stall it for long)."""
-    result: dict[str, object] = {}
-
-    def lookup() -> None:
-        try:
-            result["ok"] = socket.getaddrinfo(host.hostname, host.port, type=socket.SOCK_STREAM)
-        except OSError as exc:
-            result["error"] = exc
-
-    worker = threading.Thread(target=lookup, daemon=True, name=f"resolve-{host.hostname}")
-    worker.start()
-    worker.join(max(0.0, deadline - time.monotonic()))
-    if "ok" in result:
-        return result["ok"]  # type: ignore[return-value]
-    why = str(result.get("error") or f"no answer within {host.connect_timeout:g} s")
-    raise ConnectError(f"cannot resolve host name {host.hostname!r}", host.where,
-                       f"name not resolved ({why})", "Check the hostfile entry, /etc/hosts or "
-                       "DNS, or set HostName for it in ~/.ssh/config")
-
-
-def _tcp_error(host: ResolvedHost, exc: OSError | None) -> ConnectError:
-    code = getattr(exc, "errno", None)
-    if isinstance(exc, ConnectionRefusedError):
-        why, fix = (f"connection refused: nothing listens on port {host.port}",
-                    "Start sshd on the host or fix the port in the hostfile or ssh config")
-    elif code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
-        why, fix = (f"no route to host ({os.strerror(code)})",
-                    "Check that the host is up and its network link and routes")
-    elif exc is None or isinstance(exc, TimeoutError):
-        why = (f"TCP connect timed out after {host.connect_timeout:g} s (host down, "
-               "firewalled, or packets dropped)")
-        fix = ("Check that the host is up and that the SSH port is open; raise "
-               "ConnectTimeout for slow networks")
-    else:
-        why, fix = f"TCP connect failed: {exc}", "Check the host and its network"
-    return ConnectError(f"cannot connect to {host.alias}", host.where, why, fix)
-
-
-def tcp_connect(host: ResolvedHost, keepalive: float) -> socket.socket:
-    """A connected socket, all of it (DNS + SYNs) within ``host.connect_timeout``."""
-    deadline = time.monotonic() + host.connect_timeout
-    last: OSError | None = None
-    for family, kind, proto, _, address in _resolve_addresses(host, deadline):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        sock = socket.socket(family, kind, proto)
-        sock.settimeout(left)
-        try:
-            sock.connect(address)
-        except OSError as exc:
-            sock.close()
-            last = exc
-            continue
-        _bound_unacked_data(sock, keepalive)
-        return sock
-    raise _tcp_error(host, last)
-
-
-def _bound_unacked_data(sock: socket.socket, keepalive: float) -> None:
-    """Drop the connection when sent data stays unacknowledged for 4 keepalive intervals.
-
-    paramiko's keepalive only *sends*; on a silently partitioned link the kernel would keep
-    retransmitting for ~15 minutes. With TCP_USER_TIMEOUT the transport fails after ~4
-    intervals (60 s by default), the channel reads EOF, and the head learns the host is gone.
-    """
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    if hasattr(socket, "TCP_USER_TIMEOUT"):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(4000 * keepalive))
-
-
-def tunnel(host: ResolvedHost, jump: ResolvedHost,
-           transport: paramiko.Transport) -> paramiko.Channel:
-    """A direct-tcpip channel from the jump host to ``host`` (ProxyJump, OpenSSH's -W)."""
-    try:
-        return transport.open_channel("direct-tcpip", (host.hostname, host.port),
-                                      ("127.0.0.1", 0), timeout=host.connect_timeout)
-    except paramiko.ChannelException as exc:
-        why = f"the jump host could not open a tunnel to {host.hostname}:{host.port} ({exc.text})"
-    except (paramiko.SSHException, EOFError, OSError) as exc:
-        why = f"the jump host connection failed while tunnelling: {exc or type(exc).__name__}"
-    raise ConnectError(f"cannot connect to {host.alias} via {jump.alias}", host.where, why,
-                       "Check that the jump host reaches the target and allows TCP forwarding")
 
 
 # ---------------------------------------------------------------- handshake
@@ -262,7 +174,7 @@ def is_transient(exc: BaseException) -> bool:
 
 
 
-def handshake(client: paramiko.SSHClient, sock: object, host: ResolvedHost,
+def handshake(client: paramiko.SSHClient, sock: ssh_sockets.Carrier, host: ResolvedHost,
                opts: SSHOptions, auth: PublicKeyAuth) -> None:
     """Verify the host key and authenticate over an open socket."""
     host_keys.load_into(client.get_host_keys(), host.read_known_hosts)
@@ -274,7 +186,7 @@ def handshake(client: paramiko.SSHClient, sock: object, host: ResolvedHost,
                    auth_timeout=opts.auth_timeout, auth_strategy=auth)
 
 
-def shutdown(client: paramiko.SSHClient, sock: object) -> None:
+def shutdown(client: paramiko.SSHClient, sock: ssh_sockets.Carrier | None) -> None:
     """Close the transport, wait for its thread, then the socket (and reap a ProxyCommand).
 
     The order matters for ProxyCommand: paramiko's thread closes it by ``kill(pid)``, so the
@@ -285,17 +197,4 @@ def shutdown(client: paramiko.SSHClient, sock: object) -> None:
     if transport is not None:
         transport.join(5)
     if sock is not None:
-        _close_socket(sock)
-
-
-def _close_socket(sock: object) -> None:
-    """Close a socket, channel or ProxyCommand; a ProxyCommand's process is also reaped."""
-    with contextlib.suppress(OSError):
-        sock.close()  # type: ignore[attr-defined]
-    if isinstance(sock, paramiko.ProxyCommand):
-        try:
-            sock.process.wait(5)
-        except subprocess.TimeoutExpired:
-            sock.process.kill()
-            sock.process.wait()
-
+        ssh_sockets.close(sock)

@@ -17,13 +17,16 @@ import dataclasses
 import getpass
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import paramiko
 
 from launcher.errors import ConnectError
 from launcher.transport import host_keys
+from launcher.transport.options import SSHOptions
 from launcher.transport.ssh_config_refusal import (
     ConfigLine,
     command_value,
@@ -36,23 +39,7 @@ _HOST_OK = re.compile(r"^[A-Za-z0-9._:\[\]-]+$")
 _USER_OK = re.compile(r"^[A-Za-z0-9._@\\$-]+$")
 _DEFAULT_KEYS = ("~/.ssh/id_rsa", "~/.ssh/id_ecdsa", "~/.ssh/id_ed25519")
 _MAX_JUMPS = 8
-
-
-@dataclass(frozen=True)
-class SSHOptions:
-    """How to reach hosts; one instance per launch (CLI options map onto these fields)."""
-
-    config_file: Path | None = None      # None -> ~/.ssh/config when it exists
-    known_hosts: Path | None = None      # None -> UserKnownHostsFile from config, else ~/.ssh/
-    accept_new: bool = False             # opt-in TOFU; a CHANGED key is always refused
-    connect_timeout: float = 10.0
-    banner_timeout: float = 15.0
-    auth_timeout: float = 30.0
-    keepalive: float = 15.0
-    max_parallel: int = 32               # bounded parallel handshakes
-    allow_config_exec: bool = False      # Match exec, ProxyCommand, ... refused unless True
-    handshake_timeout: float = 30.0      # banner + key exchange, whole
-    channel_timeout: float = 30.0        # opening a session channel
+_Number = TypeVar("_Number", int, float)
 
 
 @dataclass(frozen=True)
@@ -131,7 +118,8 @@ def _known_hosts_files(found: paramiko.SSHConfigDict, opts: SSHOptions) -> tuple
     return (*user_files, *host_keys.GLOBAL_KNOWN_HOSTS)
 
 
-def _number(found: paramiko.SSHConfigDict, key: str, where: str, kind: type = float):
+def _number(found: paramiko.SSHConfigDict, key: str, where: str,
+            kind: Callable[[str], _Number]) -> _Number | None:
     """A numeric ssh config value, None when absent; ConnectError naming the file when bad."""
     if key not in found:
         return None
@@ -192,7 +180,7 @@ def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
         identity_files=files or tuple(os.path.expanduser(f) for f in _DEFAULT_KEYS),
         known_hosts=read_from[0], read_known_hosts=read_from,
         identities_only=found.get("identitiesonly", "no").lower() == "yes",
-        connect_timeout=_number(found, "connecttimeout", origin) or opts.connect_timeout,
+        connect_timeout=_number(found, "connecttimeout", origin, float) or opts.connect_timeout,
         proxy_command=proxy,
         jump=_parse_jump(found.get("proxyjump"), opts, depth),
     )

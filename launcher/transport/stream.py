@@ -10,10 +10,32 @@ from __future__ import annotations
 from typing import Protocol
 
 
+class AgentConnection(Protocol):
+    """The connection a remote agent's stream runs over (one SSH connection per host)."""
+
+    @property
+    def latency_ms(self) -> float:
+        """Connect-to-authenticated time, for `dtrain check`."""
+
+    def peer_address(self) -> str:
+        """The address the head reached the host at (rank 0's route towards the others)."""
+
+    def close(self) -> None:
+        """Close the connection and every channel on it; idempotent."""
+
+
 class AgentStream(Protocol):
     """A bidirectional byte stream to an agent process."""
 
     host: str
+
+    @property
+    def is_local(self) -> bool:
+        """True when the agent runs on the head's own host (a subprocess, no SSH)."""
+
+    @property
+    def connection(self) -> AgentConnection | None:
+        """The SSH connection the stream runs over; None for a local agent."""
 
     def write(self, data: bytes) -> None:
         """Send all of ``data``; raises OSError when the stream is gone."""
@@ -24,5 +46,14 @@ class AgentStream(Protocol):
     def close(self) -> None:
         """Close our end (the agent sees EOF on stdin and stops its ranks); idempotent."""
 
+    def abort(self) -> None:
+        """Close both directions at once: nothing more will be read (a host given up on)."""
+
     def wait(self, timeout: float | None = None) -> int | None:
         """The agent's exit status, or None if it has not exited within ``timeout``."""
+
+    def kill(self) -> None:
+        """Last resort when the agent does not leave after BYE and EOF."""
+
+    def stderr_text(self) -> str:
+        """The last of what the agent wrote to stderr (its startup traceback, for errors)."""

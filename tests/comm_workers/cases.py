@@ -8,13 +8,14 @@ comparison is exact equality, whatever order a backend reduces in.
 
 from __future__ import annotations
 
+import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from trainer.comm.protocol import Communicator, P2POp, ReduceOp
+from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16,
           "int64": torch.int64}
@@ -56,15 +57,27 @@ class Ctx:
     def all_inputs(self, shape: tuple[int, ...]) -> list[torch.Tensor]:
         return [self.inp(i, shape) for i in range(self.n)]
 
-    def wait(self, handle: object) -> None:
+    def wait(self, handle: Handle | None) -> None:
         if self.async_op:
             assert handle is not None, "async_op=True returned no handle"
-            handle.wait()
+            complete([handle])
         else:
             assert handle is None, "a synchronous call returned a handle"
 
 
 Check = tuple[torch.Tensor, torch.Tensor]  # (actual, expected)
+
+
+def complete(handles: Sequence[Handle], timeout: float = 60.0) -> None:
+    """Poll ``is_completed()`` until every handle says done (every member has posted, so they
+    all finish), then ``wait()``; a handle is still complete after its wait."""
+    deadline = time.monotonic() + timeout
+    while not all(h.is_completed() for h in handles):
+        assert time.monotonic() < deadline, f"is_completed() still False after {timeout:g} s"
+        time.sleep(1e-4)
+    for h in reversed(handles):
+        h.wait()
+    assert all(h.is_completed() for h in handles), "is_completed() is False after wait()"
 
 
 def serial_reduce(tensors: list[torch.Tensor], op: ReduceOp) -> torch.Tensor:
@@ -163,9 +176,16 @@ def batch_p2p(ctx: Ctx) -> list[Check]:
         P2POp("recv", from_prev, prev),
         P2POp("recv", from_next, nxt),
     ])
-    for h in reversed(handles):
-        h.wait()
+    complete(handles)
     return [(from_prev, ctx.inp(prev, (2, 3), "fwd")), (from_next, ctx.inp(nxt, (2, 3), "bwd"))]
+
+
+def batch_p2p_empty(ctx: Ctx) -> list[Check]:
+    """Nothing to send or receive: the handles are complete before any wait."""
+    handles = ctx.comm.batch_p2p([])
+    assert handles and all(h.is_completed() for h in handles), "an empty batch is not complete"
+    complete(handles)
+    return []
 
 
 def all_to_all(ctx: Ctx) -> list[Check]:
@@ -213,6 +233,7 @@ def plan(ctx: Ctx) -> list[tuple[str, Callable[[], list[Check]]]]:
         out.append(("all_reduce_requires_grad", lambda: all_reduce_requires_grad(ctx)))
     if ctx.async_op:
         out += [("batch_p2p", lambda: batch_p2p(ctx)),
+                ("batch_p2p_empty", lambda: batch_p2p_empty(ctx)),
                 ("many_in_flight", lambda: many_in_flight(ctx))]
     else:
         out += [("all_to_all", lambda: all_to_all(ctx)), ("barrier", lambda: barrier(ctx))]

@@ -53,7 +53,7 @@ class ParallelGroups:
     coords: Coords
 
     def on(self, axis: str) -> Communicator:
-        return getattr(self, axis)
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ partial on CPU; correctness does not depend on it.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from mpi4py import MPI
@@ -32,6 +33,9 @@ from mpi4py import MPI
 from trainer.comm import checks
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.errors import CommError
+
+if TYPE_CHECKING:
+    from mpi4py.typing import BufSpec, InPlace
 
 _TAG = 0  # one tag for every p2p message: pairs match in posting order, as in NCCL
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -139,6 +143,7 @@ class MpiCommunicator:
             checks.check_device("all_gather", loc, t, "cpu")
         checks.check_gather("all_gather", loc, out, inp, self._size)
         so = _Staged(out)
+        send: BufSpec | InPlace
         if checks.is_own_block(out, inp, self._rank) and not so.copied:
             send = MPI.IN_PLACE  # Megatron's param all-gather: the shard is a view of the buffer
         else:

@@ -28,7 +28,7 @@ new group creates a fresh NCCL unique id and broadcasts it over its MPI sub-comm
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -36,6 +36,9 @@ from trainer.comm import checks
 from trainer.comm.nccl_setup import import_nccl, nccl_version, share_unique_id
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.errors import CommError
+
+if TYPE_CHECKING:  # the communicator is handed in; mpi4py is imported by bootstrap
+    from mpi4py import MPI
 
 __all__ = ["NcclCommunicator", "NcclHandle", "import_nccl", "nccl_version", "share_unique_id"]
 
@@ -45,10 +48,10 @@ _UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
 class NcclHandle:
     """Work enqueued on the side stream; ``wait()`` orders the current stream after it."""
 
-    def __init__(
-        self, event: Any, device: torch.device, keep: object, finish: Callable[[], None]
-    ) -> None:
-        self._event, self._device, self._keep, self._finish = event, device, keep, finish
+    def __init__(self, event: torch.cuda.Event, device: torch.device, keep: object,
+                 finish: Callable[[], None]) -> None:
+        self._event: torch.cuda.Event | None = event
+        self._device, self._keep, self._finish = device, keep, finish
 
     def wait(self) -> None:
         if self._event is None:
@@ -80,7 +83,7 @@ class NcclCommunicator:
 
     backend = "nccl"
 
-    def __init__(self, comm: Any, mpi_comm: Any, device: int, name: str = "world") -> None:
+    def __init__(self, comm: Any, mpi_comm: MPI.Comm, device: int, name: str = "world") -> None:
         self._nccl = import_nccl()
         self._comm, self._mpi = comm, mpi_comm
         self._device = torch.device("cuda", device)
@@ -89,7 +92,7 @@ class NcclCommunicator:
         self._side: torch.cuda.Stream | None = None
 
     @classmethod
-    def create(cls, mpi_comm: Any, device: int, name: str = "world") -> NcclCommunicator:
+    def create(cls, mpi_comm: MPI.Comm, device: int, name: str = "world") -> NcclCommunicator:
         """Collective over ``mpi_comm``: share a unique id, then ``Communicator.init``."""
         nccl = import_nccl()
         uid = share_unique_id(mpi_comm)
@@ -112,7 +115,7 @@ class NcclCommunicator:
         return self._name
 
     @property
-    def mpi_comm(self) -> Any:
+    def mpi_comm(self) -> MPI.Comm:
         return self._mpi
 
     @property
@@ -230,7 +233,7 @@ class NcclCommunicator:
                     s.copy_back()
 
         keep = [t for _, s in staged for t in (s.user, s.work)]
-        handle = self._launch(enqueue, keep, finish, async_op=True)
+        handle = self._launch_async(enqueue, keep, finish)
         return [handle] * len(ops)
 
     # -- groups ------------------------------------------------------------------------------
@@ -275,18 +278,17 @@ class NcclCommunicator:
     def _current(self) -> int:
         return torch.cuda.current_stream(self._device).cuda_stream
 
-    def _launch(
-        self,
-        enqueue: Callable[[int], None],
-        tensors: list[torch.Tensor],
-        finish: Callable[[], None],
-        async_op: bool,
-    ) -> Handle | None:
-        current = torch.cuda.current_stream(self._device)
+    def _launch(self, enqueue: Callable[[int], None], tensors: list[torch.Tensor],
+                finish: Callable[[], None], async_op: bool) -> Handle | None:
         if not async_op:
-            enqueue(current.cuda_stream)
+            enqueue(self._current())
             finish()
             return None
+        return self._launch_async(enqueue, tensors, finish)
+
+    def _launch_async(self, enqueue: Callable[[int], None], tensors: list[torch.Tensor],
+                      finish: Callable[[], None]) -> Handle:
+        current = torch.cuda.current_stream(self._device)
         if self._side is None:
             self._side = torch.cuda.Stream(device=self._device)
         self._side.wait_stream(current)  # inputs written on the current stream are ready

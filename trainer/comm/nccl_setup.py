@@ -6,9 +6,12 @@ on every rank before any rank enters a collective NCCL call.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.errors import BootstrapError
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
 
 
 def import_nccl() -> Any:
@@ -32,7 +35,7 @@ def nccl_version() -> str:
     return f"libnccl {nccl.get_lib_version()}"
 
 
-def share_unique_id(mpi_comm: Any) -> Any:
+def share_unique_id(mpi_comm: MPI.Comm) -> Any:
     """Rank 0 of ``mpi_comm`` creates an NCCL unique id and broadcasts it; every rank returns it."""
     nccl = import_nccl()
     message: tuple[str, Any] | None = None

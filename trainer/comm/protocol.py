@@ -14,6 +14,7 @@ Semantics shared by both backends (they are the ones of ``torch.distributed`` an
 * ``async_op=True`` returns a `Handle`; the result may be read only after ``handle.wait()``, and
   the tensors must stay untouched until then. On MPI ``wait()`` blocks the host until done; on
   NCCL it orders the caller's current CUDA stream after the operation (like ``torch.distributed``).
+  ``handle.is_completed()`` polls without blocking.
 * Point-to-point messages between one pair of ranks are matched in the order they were posted.
   ``batch_p2p`` posts all its operations together, so sends and receives that pair up across ranks
   never deadlock whatever their order in the list.
@@ -40,9 +41,16 @@ class ReduceOp(enum.Enum):
 
 @runtime_checkable
 class Handle(Protocol):
-    """An operation in flight; ``wait()`` completes it (idempotent)."""
+    """An operation in flight; ``wait()`` completes it (idempotent).
+
+    ``is_completed()`` never blocks: True once ``wait()`` would return at once. On MPI each call
+    also advances the operation (MPI progresses only inside library calls), so polling it with
+    sleeps keeps a core free where a blocking ``wait()`` would spin.
+    """
 
     def wait(self) -> None: ...
+
+    def is_completed(self) -> bool: ...
 
 
 class DoneHandle:
@@ -50,6 +58,9 @@ class DoneHandle:
 
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ class Coords:
     pp: int
 
     def on(self, axis: Axis) -> int:
-        return getattr(self, _axis(axis))
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}[_axis(axis)]
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class ParallelDims:
         return self.dp * self.tp * self.pp
 
     def size(self, axis: Axis) -> int:
-        return getattr(self, _axis(axis))
+        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}[_axis(axis)]
 
     def stride(self, axis: Axis) -> int:
         return {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}[_axis(axis)]

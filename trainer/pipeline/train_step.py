@@ -73,7 +73,7 @@ def p2p_wait(backend: str, local_ranks: int | None = None) -> Callable[[Sequence
 
 
 def _polite_wait(handles: Sequence[Handle]) -> None:
-    while not all(h.is_completed() for h in handles if hasattr(h, "is_completed")):
+    while not all(h.is_completed() for h in handles):
         time.sleep(100e-6)
     wait_all(handles)
 

@@ -1,0 +1,129 @@
+"""What an SSH connection runs over: TCP (DNS and connect bounded by ConnectTimeout, a bound
+on unacknowledged data) or a tunnel through a jump host; and closing either, or a ProxyCommand.
+
+Every failure becomes a `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import paramiko
+
+from launcher.errors import ConnectError
+from launcher.transport.ssh_config import ResolvedHost
+
+#: What an SSH transport runs over: TCP, a jump host's tunnel, or a ProxyCommand's pipes.
+Carrier = socket.socket | paramiko.Channel | paramiko.ProxyCommand
+
+_Addresses = Sequence[tuple[socket.AddressFamily, socket.SocketKind, int, str,
+                            tuple[str, int] | tuple[str, int, int, int] | tuple[int, bytes]]]
+
+
+def _resolve_addresses(host: ResolvedHost, deadline: float) -> _Addresses:
+    """getaddrinfo bounded by the connect timeout (a dead DNS server can stall it for long)."""
+    found: Future[_Addresses] = Future()
+
+    def lookup() -> None:
+        try:
+            found.set_result(socket.getaddrinfo(host.hostname, host.port,
+                                                type=socket.SOCK_STREAM))
+        except OSError as exc:
+            found.set_exception(exc)
+
+    threading.Thread(target=lookup, daemon=True, name=f"resolve-{host.hostname}").start()
+    try:
+        return found.result(timeout=max(0.0, deadline - time.monotonic()))
+    except TimeoutError:  # the lookup's own errors are never TimeoutError (gaierror)
+        why = f"no answer within {host.connect_timeout:g} s"
+    except OSError as exc:
+        why = str(exc)
+    raise ConnectError(f"cannot resolve host name {host.hostname!r}", host.where,
+                       f"name not resolved ({why})", "Check the hostfile entry, /etc/hosts or "
+                       "DNS, or set HostName for it in ~/.ssh/config")
+
+
+def _tcp_error(host: ResolvedHost, exc: OSError | None) -> ConnectError:
+    code = getattr(exc, "errno", None)
+    if isinstance(exc, ConnectionRefusedError):
+        why, fix = (f"connection refused: nothing listens on port {host.port}",
+                    "Start sshd on the host or fix the port in the hostfile or ssh config")
+    elif code in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+        why, fix = (f"no route to host ({os.strerror(code)})",
+                    "Check that the host is up and its network link and routes")
+    elif exc is None or isinstance(exc, TimeoutError):
+        why = (f"TCP connect timed out after {host.connect_timeout:g} s (host down, "
+               "firewalled, or packets dropped)")
+        fix = ("Check that the host is up and that the SSH port is open; raise "
+               "ConnectTimeout for slow networks")
+    else:
+        why, fix = f"TCP connect failed: {exc}", "Check the host and its network"
+    return ConnectError(f"cannot connect to {host.alias}", host.where, why, fix)
+
+
+def tcp_connect(host: ResolvedHost, keepalive: float) -> socket.socket:
+    """A connected socket, all of it (DNS + SYNs) within ``host.connect_timeout``."""
+    deadline = time.monotonic() + host.connect_timeout
+    last: OSError | None = None
+    for family, kind, proto, _, address in _resolve_addresses(host, deadline):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        sock.settimeout(left)
+        try:
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            last = exc
+            continue
+        _bound_unacked_data(sock, keepalive)
+        return sock
+    raise _tcp_error(host, last)
+
+
+def _bound_unacked_data(sock: socket.socket, keepalive: float) -> None:
+    """Drop the connection when sent data stays unacknowledged for 4 keepalive intervals.
+
+    paramiko's keepalive only *sends*; on a silently partitioned link the kernel would keep
+    retransmitting for ~15 minutes. With TCP_USER_TIMEOUT the transport fails after ~4
+    intervals (60 s by default), the channel reads EOF, and the head learns the host is gone.
+    """
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(4000 * keepalive))
+
+
+def tunnel(host: ResolvedHost, jump: ResolvedHost,
+           transport: paramiko.Transport) -> paramiko.Channel:
+    """A direct-tcpip channel from the jump host to ``host`` (ProxyJump, OpenSSH's -W)."""
+    try:
+        return transport.open_channel("direct-tcpip", (host.hostname, host.port),
+                                      ("127.0.0.1", 0), timeout=host.connect_timeout)
+    except paramiko.ChannelException as exc:
+        why = f"the jump host could not open a tunnel to {host.hostname}:{host.port} ({exc.text})"
+    except (paramiko.SSHException, EOFError, OSError) as exc:
+        why = f"the jump host connection failed while tunnelling: {exc or type(exc).__name__}"
+    raise ConnectError(f"cannot connect to {host.alias} via {jump.alias}", host.where, why,
+                       "Check that the jump host reaches the target and allows TCP forwarding")
+
+
+def close(sock: Carrier) -> None:
+    """Close a socket, channel or ProxyCommand; a ProxyCommand's process is also reaped."""
+    with contextlib.suppress(OSError):
+        sock.close()
+    if isinstance(sock, paramiko.ProxyCommand):
+        try:
+            sock.process.wait(5)
+        except subprocess.TimeoutExpired:
+            sock.process.kill()
+            sock.process.wait()
+
