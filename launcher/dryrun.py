@@ -39,8 +39,10 @@ def program_column(plan: JobPlan, entry: HostEntry, head_environ: Mapping[str, s
     return f"{found} if present there, else the host's PATH" if found else "the host's PATH"
 
 
-def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO,
+def print_plan(plan: JobPlan, *, master: tuple[str | None, int | None], out: TextIO,
                head_environ: Mapping[str, str] | None = None) -> None:
+    """The plan as the agents will get it; ``master`` is --master-addr/--master-port (None:
+    chosen at start-up, shown as such rather than as a value that would mislead)."""
     head_environ = os.environ if head_environ is None else head_environ
     console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=160)
     console.print(f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} hosts",
@@ -61,6 +63,7 @@ def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO,
     for hp in plan.hosts:
         console.print(f"  {hp.entry.name}: {program_column(plan, hp.entry, head_environ)}")
     notes = []
+    auto_master = (master[0] is None, master[1] is None)
     if auto_master[0]:
         notes.append("MASTER_ADDR is chosen at launch: rank 0's host address as routed from "
                      "the next host (127.0.0.1 for a single host)")
@@ -76,10 +79,8 @@ def print_plan(plan: JobPlan, *, auto_master: tuple[bool, bool], out: TextIO,
         for key in sorted(plan.base_env):
             console.print(f"  {key}={plan.base_env[key]}")
     console.print("per-rank environment (plus PMI_FD or PMI_PORT/PMI_ID set by the agent):")
-    # A value picked at start-up is not known now; showing a placeholder value would mislead.
-    later = {key for key, auto in zip((MASTER_ADDR, MASTER_PORT), auto_master, strict=True)
-             if auto}
+    rendezvous = {MASTER_ADDR: AT_START_UP if master[0] is None else master[0],
+                  MASTER_PORT: AT_START_UP if master[1] is None else str(master[1])}
     for spec in plan.ranks:
-        pairs = " ".join(f"{k}={AT_START_UP if k in later else v}"
-                         for k, v in sorted(spec.env.items()))
+        pairs = " ".join(f"{k}={v}" for k, v in sorted({**spec.env, **rendezvous}.items()))
         console.print(f"  rank {spec.rank}@{spec.host}: {pairs}")

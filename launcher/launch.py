@@ -12,7 +12,7 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,46 +96,35 @@ def run_launch(req: LaunchRequest) -> int:
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
     selected = select(req.hosts)
     base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
-    job_id = planning.new_job_id()
-
-    def build_plan(addr: str, port: int) -> planning.JobPlan:
-        return planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=job_id,
-                                  master_addr=addr, master_port=port, base_env=base_env)
-
+    plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
+                              base_env=base_env)
+    # A given --master-addr/--master-port is checked now, before anything connects.
+    planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
     if req.launcher == "mpirun":
-        return _run_mpirun(req, build_plan, selected)
+        return _run_mpirun(req, plan, selected)
     if req.dry_run:
         from launcher.dryrun import print_plan
 
-        shown = build_plan(req.master_addr or "auto", req.master_port or 29500)
-        print_plan(shown, auto_master=(req.master_addr is None, req.master_port is None),
-                   out=sys.stdout)
+        print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
         return 0
-    log_dir = _log_dir(req.log_dir, job_id)
+    log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
     streams = open_streams(selected, python=req.remote_python, ssh=req.ssh)
     connected = time.monotonic()
-
-    sinks: list[OutputSink] = []  # the one sink, made once the plan (and so the ranks) is known
-
-    def sink(p: planning.JobPlan) -> OutputSink:
-        sinks.append(OutputSink({r.rank: r.host for r in p.ranks}, sys.stdout.buffer,
-                                sys.stderr.buffer, prefix=req.prefix, raw=req.raw,
-                                log_dir=log_dir))
-        return sinks[-1]
-
-    sup = Supervisor(streams, sink, req.supervise)
+    sink = OutputSink({r.rank: r.host for r in plan.ranks}, sys.stdout.buffer, sys.stderr.buffer,
+                      prefix=req.prefix, raw=req.raw, log_dir=log_dir)
+    sup = Supervisor(streams, plan, sink, req.supervise)
     previous = {s: signal.signal(s, sup.on_signal)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        outcome = sup.run(build_plan, (req.master_addr, req.master_port))
+        outcome = sup.run((req.master_addr, req.master_port))
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         close_streams(streams)
     from launcher.head.report import print_report  # rich: only once the job is over
 
-    print_report(outcome, sinks[-1].tail, time.monotonic() - t0, sys.stderr)
+    print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(
@@ -158,15 +147,16 @@ def _log_dir(root: Path | None, job_id: str) -> Path | None:
     return folder
 
 
-def _run_mpirun(req: LaunchRequest, build_plan: Callable[[str, int], planning.JobPlan],
+def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
                 selected: Sequence[selection.HostSlots]) -> int:
     from launcher import mpirun
 
     where = mpirun.addresses([s.entry for s in selected], req.master_addr)
-    plan = build_plan(where.master_addr, req.master_port or 29500)
+    rendezvous = planning.Rendezvous(where.master_addr, req.master_port or 29500)
     exe = mpirun.find_mpirun(req.mpirun)
     flavour = req.mpi_flavour or mpirun.detect_flavour(exe)
-    cmd = mpirun.build_command(plan, mpirun=exe, flavour=flavour, head_addr=where.head_addr,
+    cmd = mpirun.build_command(plan, rendezvous, mpirun=exe, flavour=flavour,
+                               head_addr=where.head_addr,
                                python=validate_remote_python(req.remote_python))
     if req.dry_run:
         print(shlex.join(cmd.argv))

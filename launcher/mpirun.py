@@ -29,7 +29,7 @@ import workerenv
 from launcher import netroute
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import HostEntry
-from launcher.plan.job import JobPlan
+from launcher.plan.job import JobPlan, Rendezvous
 
 FLAVOURS = ("hydra", "openmpi")
 
@@ -64,15 +64,14 @@ def detect_flavour(mpirun: str) -> str:
                      "pass --mpi-flavour hydra or openmpi")
 
 
-def shared_env(plan: JobPlan) -> dict[str, str]:
+def shared_env(plan: JobPlan, rendezvous: Rendezvous) -> dict[str, str]:
     """Variables equal on every rank: the base environment plus the job-wide contract."""
     env = dict(plan.base_env)
     first = plan.ranks[0].env
-    for key in (workerenv.WORLD_SIZE, workerenv.MASTER_ADDR, workerenv.MASTER_PORT,
-                workerenv.JOB_ID, workerenv.OMP_NUM_THREADS):
+    for key in (workerenv.WORLD_SIZE, workerenv.JOB_ID, workerenv.OMP_NUM_THREADS):
         if key in first:
             env[key] = first[key]
-    return env
+    return {**env, **rendezvous.env()}
 
 
 def addresses(hosts: Sequence[HostEntry], master_addr: str | None) -> Addresses:
@@ -92,8 +91,8 @@ def addresses(hosts: Sequence[HostEntry], master_addr: str | None) -> Addresses:
     return Addresses(head or "127.0.0.1", head)
 
 
-def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str,
-                  head_addr: str | None = None) -> MpiCommand:
+def build_command(plan: JobPlan, rendezvous: Rendezvous, *, mpirun: str, flavour: str,
+                  python: str, head_addr: str | None = None) -> MpiCommand:
     """The MPI command for a plan (pure); ``head_addr`` is where Hydra's proxies reach it."""
     for hp in plan.hosts:
         if hp.cuda_visible_devices is not None:
@@ -102,7 +101,7 @@ def build_command(plan: JobPlan, *, mpirun: str, flavour: str, python: str,
                              "own CUDA_VISIBLE_DEVICES", "use the default SSH launcher for "
                              "--include/--exclude of GPU slots")
     program = (python, "-m", "launcher.rankshim", "--", *plan.argv)
-    env = shared_env(plan)
+    env = shared_env(plan, rendezvous)
     n = str(plan.world_size)
     if flavour == "hydra":
         for hp in plan.hosts:

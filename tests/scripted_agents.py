@@ -48,6 +48,7 @@ class MemoryAgentStream:
     """The head's end of an in-memory agent stream (`launcher.transport.stream.AgentStream`)."""
 
     is_local = False
+    connection = None
 
     def __init__(self, host: str) -> None:
         self.host = host

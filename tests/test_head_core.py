@@ -21,7 +21,7 @@ from launcher.head.output import OutputSink
 from launcher.head.supervisor import SuperviseOptions, Supervisor
 from launcher.hosts.hostfile import parse_host_list
 from launcher.hosts.selection import select_hosts
-from launcher.plan.job import JobPlan, make_plan
+from launcher.plan.job import make_plan
 from tests.scripted_agents import MemoryAgentStream, Script, ScriptedAgent
 
 BEAT = 0.05  # seconds between heartbeats: host loss shows within a few tenths of a second
@@ -34,18 +34,13 @@ def run_job(scripts: Sequence[Script]) -> tuple[JobOutcome, list[ScriptedAgent]]
     names = [f"node{i}" for i in range(len(scripts))]
     selected = select_hosts(parse_host_list(",".join(f"{n}:2" for n in names)))
 
-    def plan(addr: str, port: int) -> JobPlan:
-        return make_plan(selected, argv=["train"], cwd="/", job_id="job", master_addr=addr,
-                         master_port=port, base_env={})
-
+    plan = make_plan(selected, argv=["train"], cwd="/", job_id="job", base_env={})
     streams = [MemoryAgentStream(n) for n in names]
     agents = [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
                                                                          strict=True)]
 
-    def sink(p: JobPlan) -> OutputSink:
-        return OutputSink({r.rank: r.host for r in p.ranks}, io.BytesIO(), io.BytesIO())
-
-    outcome = Supervisor(streams, sink, OPTS).run(plan, ("10.0.0.1", 29500))
+    sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
+    outcome = Supervisor(streams, plan, sink, OPTS).run(("10.0.0.1", 29500))
     return outcome, agents
 
 

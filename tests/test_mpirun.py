@@ -11,7 +11,7 @@ from launcher import mpirun
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
 from launcher.hosts.selection import select_hosts
-from launcher.plan.job import make_plan
+from launcher.plan.job import Rendezvous, make_plan
 from tests.support import (
     PYTHON,
     REPO,
@@ -28,12 +28,14 @@ PROBE = str(REPO / "tests" / "workers" / "probe.py")
 def _plan(hosts: str, **select):
     entries = (parse_hostfile_text(hosts, "hf") if "\n" in hosts else parse_host_list(hosts))
     return make_plan(select_hosts(entries, **select), argv=["python", "t.py", "a b"], cwd="/w",
-                     job_id="job-1", master_addr="node1", master_port=29500,
-                     base_env={"NCCL_DEBUG": "INFO"})
+                     job_id="job-1", base_env={"NCCL_DEBUG": "INFO"})
+
+
+RDV = Rendezvous("node1", 29500)
 
 
 def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
-    cmd = mpirun.build_command(_plan("node1:2,node2:2"), mpirun="mpiexec", flavour="hydra",
+    cmd = mpirun.build_command(_plan("node1:2,node2:2"), RDV, mpirun="mpiexec", flavour="hydra",
                                python="/venv/bin/python")
     argv = list(cmd.argv)
     assert argv[:7] == ["mpiexec", "-launcher", "ssh", "-hosts", "node1:2,node2:2", "-n", "4"]
@@ -45,7 +47,7 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
 
 
 def test_open_mpi_command_uses_a_hostfile_map_by_slot_and_x_exports():
-    cmd = mpirun.build_command(_plan("alice@node1 slots=2\nnode2 slots=1\n"), mpirun="mpirun",
+    cmd = mpirun.build_command(_plan("alice@node1 slots=2\nnode2 slots=1\n"), RDV, mpirun="mpirun",
                                flavour="openmpi", python="/venv/bin/python")
     argv = list(cmd.argv)
     assert argv[:6] == ["mpirun", "--hostfile", "{hostfile}", "-np", "3", "--map-by"]
@@ -55,7 +57,7 @@ def test_open_mpi_command_uses_a_hostfile_map_by_slot_and_x_exports():
 
 def test_gpu_slot_selection_is_refused_with_mpirun():
     with pytest.raises(UsageError, match="slot selection unsupported"):
-        mpirun.build_command(_plan("node1:4", include="node1:1,2"), mpirun="mpiexec",
+        mpirun.build_command(_plan("node1:4", include="node1:1,2"), RDV, mpirun="mpiexec",
                              flavour="hydra", python="/p")
 
 
@@ -83,11 +85,11 @@ def test_dry_run_prints_the_mpi_command_without_running_it():
 
 def test_hydra_is_given_the_head_address_its_proxies_connect_back_to():
     plan = _plan("node1:2,node2:2")
-    cmd = mpirun.build_command(plan, mpirun="mpiexec", flavour="hydra", python="/p",
+    cmd = mpirun.build_command(plan, RDV, mpirun="mpiexec", flavour="hydra", python="/p",
                                head_addr="10.9.8.1")
     argv = list(cmd.argv)
     assert argv[argv.index("-localhost") + 1] == "10.9.8.1"
-    local = mpirun.build_command(plan, mpirun="mpiexec", flavour="hydra", python="/p")
+    local = mpirun.build_command(plan, RDV, mpirun="mpiexec", flavour="hydra", python="/p")
     assert "-localhost" not in local.argv
 
 

@@ -12,14 +12,14 @@ from launcher.dryrun import print_plan, program_column
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_hostfile_text
 from launcher.hosts.selection import select_hosts
-from launcher.plan.job import JobPlan, make_plan, new_job_id, process_mapping
+from launcher.plan.job import JobPlan, Rendezvous, make_plan, new_job_id, process_mapping
 
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hf")
 
 
 def plan_for(selected=None, **overrides) -> JobPlan:
     options = {"argv": ["python", "train.py"], "cwd": "/work", "job_id": "job-1",
-               "master_addr": "node1", "master_port": 29500, "base_env": {}}
+               "base_env": {}}
     options.update(overrides)
     return make_plan(select_hosts(HOSTS) if selected is None else selected, **options)
 
@@ -45,9 +45,10 @@ def test_ranks_fill_host_by_host_in_hostfile_order():
     assert plan.world_size == 5
 
 
-def test_rank_env_holds_the_whole_contract():
+def test_rank_env_holds_the_whole_contract_once_the_rendezvous_is_known():
     plan = plan_for(job_id="j7")
-    env = plan.rank_env(plan.ranks[3])
+    assert we.MASTER_ADDR not in plan.rank_env(plan.ranks[3])  # decided at start-up
+    env = plan.rank_env(plan.ranks[3], Rendezvous("node1", 29500))
     assert env == {
         we.RANK: "3", we.WORLD_SIZE: "5", we.LOCAL_RANK: "1", we.LOCAL_WORLD_SIZE: "2",
         we.GROUP_RANK: "1", we.NODE_RANK: "1", we.MASTER_ADDR: "node1",
@@ -57,7 +58,7 @@ def test_rank_env_holds_the_whole_contract():
 
 def test_worker_contract_reads_back_what_the_plan_wrote():
     plan = plan_for()
-    worker = we.WorkerEnv.from_environ(plan.rank_env(plan.ranks[4]))
+    worker = we.WorkerEnv.from_environ(plan.rank_env(plan.ranks[4], Rendezvous("node1", 29500)))
     assert (worker.rank, worker.world_size, worker.local_rank, worker.local_world_size,
             worker.node_rank, worker.host) == (4, 5, 0, 1, 2, "node3")
 
@@ -104,10 +105,9 @@ def test_plan_is_immutable():
         plan.ranks[0].env["RANK"] = "7"  # type: ignore[index]
 
 
-def test_plan_keeps_argv_cwd_and_master():
-    plan = plan_for(argv=["python", "-c", "print('a b; $x')"], master_port=1234)
+def test_plan_keeps_argv_and_cwd():
+    plan = plan_for(argv=["python", "-c", "print('a b; $x')"])
     assert plan.argv == ("python", "-c", "print('a b; $x')") and plan.cwd == "/work"
-    assert (plan.master_addr, plan.master_port) == ("node1", 1234)
 
 
 # --- refusals ------------------------------------------------------------------------------
@@ -118,10 +118,6 @@ def test_plan_keeps_argv_cwd_and_master():
     ({"cwd": "relative/dir"}, "cwd"),
     ({"job_id": "bad id"}, "job id"),
     ({"job_id": "../x"}, "job id"),
-    ({"master_addr": ""}, "MASTER_ADDR"),
-    ({"master_addr": "a b"}, "MASTER_ADDR"),
-    ({"master_port": 0}, "MASTER_PORT"),
-    ({"master_port": 70000}, "MASTER_PORT"),
     ({"base_env": {"BAD NAME": "1"}}, "BAD NAME"),
     ({"base_env": {"X": "a\0b"}}, "X"),
 ])
@@ -202,6 +198,15 @@ def test_dry_run_shows_the_executable_each_host_will_run(tmp_path):
     absolute = plan_for(hosts, cwd=str(tmp_path), argv=[str(python)])
     assert program_column(absolute, absolute.hosts[1].entry, head) == str(python)
     out = io.StringIO()
-    print_plan(plan, auto_master=(False, False), out=out, head_environ=head)
+    print_plan(plan, master=("node1", 29500), out=out, head_environ=head)
     assert f"{python} if present there" in out.getvalue()
     assert "`dtrain check` shows which `python` each host runs" in out.getvalue()
+
+
+@pytest.mark.parametrize("addr, port, where", [
+    ("", 29500, "MASTER_ADDR"), ("a b", 29500, "MASTER_ADDR"),
+    ("node1", 0, "MASTER_PORT"), ("node1", 70000, "MASTER_PORT")])
+def test_a_bad_rendezvous_is_refused_naming_the_variable(addr, port, where):
+    with pytest.raises(UsageError) as info:
+        Rendezvous(addr, port)
+    assert info.value.where == where

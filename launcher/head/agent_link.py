@@ -64,8 +64,7 @@ class AgentLink:
         return self.send(wire.encode_json(kind, obj))
 
     def stderr_text(self) -> str:
-        getter = getattr(self.stream, "stderr_text", None)
-        return getter() if getter else ""
+        return self.stream.stderr_text()
 
     def close(self) -> None:
         self.alive = False

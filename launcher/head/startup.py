@@ -12,16 +12,21 @@ import queue
 import socket
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import workerenv
 from launcher import netroute, wire
 from launcher.errors import AgentError
 from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.outcome import JobOutcome
-from launcher.plan.job import JobPlan
+from launcher.plan.job import JobPlan, Rendezvous
 
-PROVISIONAL_ADDR, PROVISIONAL_PORT = "127.0.0.1", 29500  # replaced by START's env
+
+@dataclass(frozen=True)
+class Signalled:
+    """The head got a signal (SIGINT, SIGTERM, SIGHUP): an event like a frame."""
+
+    signum: int
 
 
 class Startup:
@@ -30,18 +35,16 @@ class Startup:
         self.events = events
         self.opts = opts
         self.deadline = time.monotonic() + opts.launch_timeout
-        self.master_env: dict[str, str] = {}
+        self.rendezvous = Rendezvous("127.0.0.1", 29500)  # decided by prepare()
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
-    def prepare(self, build_plan: Callable[[str, int], JobPlan],
-                master: tuple[str | None, int | None]) -> JobPlan:
-        """SPEC to each host on its HELLO; READY from all; returns the final plan.
+    def prepare(self, plan: JobPlan, master: tuple[str | None, int | None]) -> Rendezvous:
+        """SPEC to each host on its HELLO; READY from all; returns the rendezvous START sends.
 
         ``master`` holds the user's --master-addr/--master-port; a None is chosen by rank 0's
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
         user_addr, user_port = master
-        plan = build_plan(user_addr or PROVISIONAL_ADDR, user_port or PROVISIONAL_PORT)
         probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
                  "free_port": user_port is None}
         ready: dict[int, dict[str, Any]] = {}
@@ -63,15 +66,14 @@ class Startup:
         if "probe_error" in answer:
             raise AgentError("rendezvous address not found", f"host {self.links[0].name}",
                              answer["probe_error"], "pass --master-addr and --master-port")
-        addr = user_addr or answer.get("address") or PROVISIONAL_ADDR
-        port = user_port or int(answer["port"])
-        self.master_env = {workerenv.MASTER_ADDR: addr, workerenv.MASTER_PORT: str(port)}
-        return build_plan(addr, port)
+        self.rendezvous = Rendezvous(user_addr or answer.get("address") or "127.0.0.1",
+                                     user_port or int(answer["port"]))
+        return self.rendezvous
 
     def start(self, outcome: JobOutcome, handle: Callable[[Any], None]) -> None:
         """START everywhere, then feed events to the supervisor until every rank has started."""
         for link in self.links:
-            link.send_json(wire.Kind.START, {"env": self.master_env})
+            link.send_json(wire.Kind.START, {"env": self.rendezvous.env()})
         while any(r.state == "pending" for r in outcome.ranks.values()):
             if time.monotonic() > self.deadline or outcome.failures:
                 return
@@ -86,7 +88,7 @@ class Startup:
     def _next_host(self) -> str:
         """An address of host 1 as seen from host 0, for rank 0's host to route towards."""
         first, second = self.links[0], self.links[1]
-        if getattr(second.stream, "is_local", False):
+        if second.stream.is_local:
             # Host 1 is the head itself: its address on the route towards host 0.
             return netroute.route_source(_address_of(first))
         return _address_of(second)
@@ -125,7 +127,7 @@ class Startup:
                 event = None
             if isinstance(event, Closed):
                 _agent_failed(self.links[event.host], f"could not {doing}", event.reason)
-            elif isinstance(event, tuple) and event[0] == "signal":
+            elif isinstance(event, Signalled):
                 raise KeyboardInterrupt
             elif isinstance(event, Received):
                 link = self.links[event.host]
@@ -164,15 +166,11 @@ def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:
 
 def _address_of(link: AgentLink) -> str:
     """The address the head reached this host at (the SSH peer), else its name resolved."""
-    if getattr(link.stream, "is_local", False):
+    if link.stream.is_local:
         return "127.0.0.1"
-    conn = getattr(link.stream, "connection", None)
-    if conn is not None:
-        try:
-            return str(conn.transport.getpeername()[0])
-        except (OSError, AttributeError, IndexError):
-            pass
-    return socket.getaddrinfo(link.name, None, type=socket.SOCK_STREAM)[0][4][0]
+    if link.stream.connection is not None:
+        return link.stream.connection.peer_address()
+    return str(socket.getaddrinfo(link.name, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
 def _agent_failed(link: AgentLink, what: str, why: str) -> None:

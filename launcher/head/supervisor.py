@@ -15,7 +15,7 @@ from __future__ import annotations
 import queue
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
 from launcher.head.output import OutputSink
 from launcher.head.pmi_notes import PmiNotes
-from launcher.head.startup import Startup
+from launcher.head.startup import Signalled, Startup
 from launcher.head.stdin import StdinForwarder
 from launcher.head.writer import OutputWriter
 from launcher.plan.job import JobPlan
@@ -46,8 +46,7 @@ class SuperviseOptions:
 
 
 class Supervisor:
-    def __init__(self, streams: Sequence[AgentStream],
-                 sink_factory: Callable[[JobPlan], OutputSink],
+    def __init__(self, streams: Sequence[AgentStream], plan: JobPlan, sink: OutputSink,
                  opts: SuperviseOptions) -> None:
         self.events: queue.Queue[Any] = queue.Queue()
         self.writer = OutputWriter()
@@ -56,8 +55,10 @@ class Supervisor:
                       for i, s in enumerate(streams)]
         self.stdin = StdinForwarder(self.links[0])  # rank 0 is on the first host
         self.opts = opts
-        self._sink_factory = sink_factory
-        self.outcome: JobOutcome | None = None
+        self.plan = plan
+        self._sink = sink
+        self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
+                                   for hp in plan.hosts for r in hp.ranks})
         self.kvs: Any = None  # launcher.pmi.kvs.KeyValueSpace when PMI is on
         self.stopping = False
         self.killed_hard = False
@@ -69,35 +70,33 @@ class Supervisor:
         self._draining = False
 
     @property
-    def sink(self) -> OutputSink | None:
+    def sink(self) -> OutputSink:
         """The output sink (its `tail` feeds the exit report once `run` has returned)."""
-        return self.writer.sink
+        return self._sink
 
     # -- signals (installed by the CLI; run in the main thread) -----------------------------
     def on_signal(self, signum: int, _frame: Any = None) -> None:
         if self._draining:
             self.writer.abandon()  # the job is over; the user does not want to wait for output
             return
-        self.events.put(("signal", signum))
+        self.events.put(Signalled(signum))
 
     # -- the whole job ------------------------------------------------------------------------
-    def run(self, build_plan: Callable[[str, int], JobPlan],
-            master: tuple[str | None, int | None] = (None, None)) -> JobOutcome:
+    def run(self, master: tuple[str | None, int | None] = (None, None)) -> JobOutcome:
+        """The whole job: start-up (``master`` holds --master-addr/--master-port, None where
+        rank 0's host chooses), supervision to the end, the output drained."""
         t0 = time.monotonic()
         startup = Startup(self.links, self.events, self.opts)
         try:
-            plan = startup.prepare(build_plan, master)
+            startup.prepare(self.plan, master)
         except BaseException:
             self._dismiss_all()
             raise
-        self.plan = plan
-        self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
-                                   for hp in plan.hosts for r in hp.ranks})
-        self.writer.start(self._sink_factory(plan))
+        self.writer.start(self._sink)
         if self.opts.pmi != "off":
             from launcher.pmi.kvs import KeyValueSpace
 
-            self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=plan.job_id)
+            self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=self.plan.job_id)
         startup.start(self.outcome, self._handle)
         self.stdin.start()
         self.timings.update(hello=startup.hello_at, ready=startup.ready_at,
@@ -168,8 +167,8 @@ class Supervisor:
             link = self.links[event.host]
             if event.host not in self.done_hosts:
                 self._host_lost(link, event.reason)
-        elif isinstance(event, tuple) and event[0] == "signal":
-            self._on_signal(event[1])
+        elif isinstance(event, Signalled):
+            self._on_signal(event.signum)
 
     def _on_frame(self, link: AgentLink, frame: wire.Frame) -> None:
         kind = frame.kind
@@ -232,8 +231,6 @@ class Supervisor:
             self.links[host].send_json(wire.Kind.PMI, reply)
 
     def _on_signal(self, signum: int) -> None:
-        if self.outcome is None:
-            return
         if self.outcome.interrupted_by is not None or self.stopping:
             # A second Ctrl-C: no more grace.
             if self.outcome.interrupted_by is None:
@@ -255,9 +252,7 @@ class Supervisor:
         self.done_hosts.add(link.index)
         self.lost_hosts.add(link.index)
         link.close()
-        abort = getattr(link.stream, "abort", None)
-        if abort is not None:
-            abort()  # nothing more will come from it; do not wait on a dead connection
+        link.stream.abort()  # nothing more will come from it; do not wait on a dead connection
         for r in self.outcome.ranks.values():
             if r.host == link.name and r.state in ("pending", "running"):
                 r.state = "lost"
@@ -287,7 +282,5 @@ class Supervisor:
             if link.index in self.lost_hosts:
                 continue
             if link.stream.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
-                kill = getattr(link.stream, "kill", None)
-                if kill is not None:
-                    kill()
+                link.stream.kill()
 

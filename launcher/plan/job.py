@@ -48,21 +48,41 @@ class HostPlan:
 
 
 @dataclass(frozen=True)
+class Rendezvous:
+    """MASTER_ADDR and MASTER_PORT: where rank 0 listens for env:// rendezvous. Unlike the rest
+    of the plan it is known only at start-up (rank 0's host picks the address towards the next
+    host and a free port), unless --master-addr/--master-port fix it; START carries it."""
+
+    addr: str
+    port: int
+
+    def __post_init__(self) -> None:
+        if not self.addr or any(c.isspace() or c == "\0" for c in self.addr):
+            raise UsageError("bad master address", "MASTER_ADDR", f"{self.addr!r} is not an "
+                             "address", "Give a host name or IP that every host can reach")
+        if isinstance(self.port, bool) or not 1 <= self.port <= 65535:
+            raise UsageError("bad master port", "MASTER_PORT", f"{self.port!r} is not a TCP "
+                             "port", "Give a free port in 1..65535")
+
+    def env(self) -> dict[str, str]:
+        return {we.MASTER_ADDR: self.addr, we.MASTER_PORT: str(self.port)}
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """Everything needed to start the job; the same plan drives the agents and `mpirun`."""
 
     job_id: str
     hosts: tuple[HostPlan, ...]
     world_size: int
-    master_addr: str
-    master_port: int
     argv: tuple[str, ...]
     cwd: str
     base_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
-    def rank_env(self, spec: RankSpec) -> dict[str, str]:
-        """The rank's full added environment: base_env, then the contract on top."""
-        return {**self.base_env, **spec.env}
+    def rank_env(self, spec: RankSpec, rendezvous: Rendezvous | None = None) -> dict[str, str]:
+        """The rank's full added environment: base_env, then the contract on top, with
+        MASTER_ADDR/MASTER_PORT once the rendezvous is known."""
+        return {**self.base_env, **spec.env, **(rendezvous.env() if rendezvous else {})}
 
     @property
     def ranks(self) -> tuple[RankSpec, ...]:
@@ -76,22 +96,19 @@ class JobPlan:
 
 
 def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_id: str,
-              master_addr: str, master_port: int, base_env: Mapping[str, str]) -> JobPlan:
-    """Place ranks on the selected hosts and write each rank's contract variables."""
-    _check_inputs(selected, argv, cwd, job_id, master_addr, master_port, base_env)
+              base_env: Mapping[str, str]) -> JobPlan:
+    """Place ranks on the selected hosts and write each rank's contract variables (all but
+    the `Rendezvous`, which start-up decides)."""
+    _check_inputs(selected, argv, cwd, job_id, base_env)
     world_size = sum(len(host.slots) for host in selected)
-    shared = {
-        we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size),
-        we.MASTER_ADDR: master_addr, we.MASTER_PORT: str(master_port), we.JOB_ID: job_id,
-    }
+    shared = {we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size), we.JOB_ID: job_id}
     if we.OMP_NUM_THREADS not in base_env:  # one thread per rank unless the user chose
         shared[we.OMP_NUM_THREADS] = "1"
     hosts, next_rank = [], 0
     for node_rank, host in enumerate(selected):
         hosts.append(_host_plan(host, node_rank, next_rank, shared))
         next_rank += len(host.slots)
-    return JobPlan(job_id=job_id, hosts=tuple(hosts), world_size=world_size,
-                   master_addr=master_addr, master_port=master_port, argv=tuple(argv),
+    return JobPlan(job_id=job_id, hosts=tuple(hosts), world_size=world_size, argv=tuple(argv),
                    cwd=cwd, base_env=MappingProxyType(dict(base_env)))
 
 
@@ -144,7 +161,7 @@ def _host_plan(host: HostSlots, node_rank: int, first_rank: int,
 
 
 def _check_inputs(selected: list[HostSlots], argv: Sequence[str], cwd: str, job_id: str,
-                  master_addr: str, master_port: int, base_env: Mapping[str, str]) -> None:
+                  base_env: Mapping[str, str]) -> None:
     if not selected or any(not host.slots for host in selected):
         raise UsageError("nothing to run on", "hosts", "no host with a slot was selected",
                          "Check the hostfile and --include/--exclude")
@@ -161,12 +178,6 @@ def _check_inputs(selected: list[HostSlots], argv: Sequence[str], cwd: str, job_
     if not _JOB_ID_RE.match(job_id):
         raise UsageError("bad job id", "job id", f"{job_id!r} is not 1-64 letters, digits, "
                          "'.', '-', '_'", "It names log files; choose a plain one")
-    if not master_addr or any(c.isspace() or c == "\0" for c in master_addr):
-        raise UsageError("bad master address", "MASTER_ADDR", f"{master_addr!r} is not an "
-                         "address", "Give a host name or IP that every host can reach")
-    if isinstance(master_port, bool) or not 1 <= master_port <= 65535:
-        raise UsageError("bad master port", "MASTER_PORT", f"{master_port!r} is not a TCP "
-                         "port", "Give a free port in 1..65535")
     for name, value in base_env.items():
         if not _ENV_NAME_RE.match(name) or "\0" in value:
             raise UsageError("bad environment variable", name, "the name is not an "

@@ -134,7 +134,7 @@ class TimedHandle:
         if self._done:
             return
         self._done = True
-        if self._blocks:
+        if self._blocks and self._waiting_since is not None:
             self._op.clock.block(self._waiting_since, self._op.clock.now())
         self._op.finished_one()
 
@@ -151,7 +151,7 @@ class TimedCommunicator:
     name = property(lambda self: self.inner.name)
     backend = property(lambda self: self.inner.backend)
 
-    def _run(self, call: Callable[[], Any]) -> Any:
+    def _run(self, call: Callable[[], Handle | None]) -> Handle | None:
         start = self.clock.now()
         result = call()
         if result is None:  # a blocking call: done, and the caller waited all along
@@ -159,12 +159,14 @@ class TimedCommunicator:
             self.clock.op(start, end)
             self.clock.block(start, end)
             return None
-        handles = result if isinstance(result, list) else [result]
+        return self._timed(start, [result])[0]
+
+    def _timed(self, start: float, handles: list[Handle]) -> list[Handle]:
         op = _Op(self.clock, start, len(handles))
-        timed = [TimedHandle(h, op, blocks=self.handles_block) for h in handles]
+        timed: list[Handle] = [TimedHandle(h, op, blocks=self.handles_block) for h in handles]
         if not timed:
             self.clock.op(start, self.clock.now())
-        return timed if isinstance(result, list) else timed[0]
+        return timed
 
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> Handle | None:
@@ -188,7 +190,8 @@ class TimedCommunicator:
         self._run(lambda: self.inner.recv(t, src))
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
-        return self._run(lambda: self.inner.batch_p2p(ops))
+        start = self.clock.now()
+        return self._timed(start, self.inner.batch_p2p(ops))
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         self._run(lambda: self.inner.all_to_all(out, inp))
