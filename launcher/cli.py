@@ -20,7 +20,7 @@ import click
 
 from launcher import __version__
 from launcher.errors import DtrainError
-from launcher.head.supervisor import SuperviseOptions
+from launcher.head.options import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
 from launcher.transport.options import SSHOptions
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from launcher import STARTED
 from launcher.errors import UsageError
-from launcher.head.output import OutputSink
-from launcher.head.supervisor import SuperviseOptions, Supervisor
+from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
@@ -111,6 +110,10 @@ def run_launch(req: LaunchRequest) -> int:
     t0 = time.monotonic()
     streams = open_streams(selected, python=req.remote_python, ssh=req.ssh)
     connected = time.monotonic()
+    # Imported while the agents boot on their hosts: off the critical path of a launch.
+    from launcher.head.output import OutputSink
+    from launcher.head.supervisor import Supervisor
+
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, sys.stdout.buffer, sys.stderr.buffer,
                       prefix=req.prefix, raw=req.raw, log_dir=log_dir)
     sup = Supervisor(streams, plan, sink, req.supervise)

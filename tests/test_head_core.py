@@ -16,9 +16,10 @@ import pytest
 
 from launcher import wire
 from launcher.errors import AgentError
+from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome
 from launcher.head.output import OutputSink
-from launcher.head.supervisor import SuperviseOptions, Supervisor
+from launcher.head.supervisor import Supervisor
 from launcher.hosts.hostfile import parse_host_list
 from launcher.hosts.selection import select_hosts
 from launcher.plan.job import make_plan

@@ -23,8 +23,10 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+from typing import TYPE_CHECKING
 
-import psutil
+if TYPE_CHECKING:  # psutil is imported when a stop needs it: it costs the agent's start-up
+    import psutil
 
 _PR_SET_CHILD_SUBREAPER = 36
 
@@ -41,6 +43,8 @@ def become_subreaper() -> bool:
 def signal_descendants(sig: int, keep: frozenset[int] = frozenset()) -> list[psutil.Process]:
     """Send ``sig`` to every live descendant of this process except the PIDs in ``keep``;
     returns those signalled. A process that exits meanwhile is skipped."""
+    import psutil
+
     hit: list[psutil.Process] = []
     try:
         tree = psutil.Process().children(recursive=True)
@@ -61,6 +65,8 @@ def kill_strays(keep: frozenset[int] = frozenset(), rounds: int = 5) -> None:
     """SIGKILL every descendant except ``keep`` (the ranks, reaped by their own threads) and
     collect the orphans among them; repeated because a process may fork while the tree is
     walked."""
+    import psutil
+
     for _ in range(rounds):
         hit = signal_descendants(signal.SIGKILL, keep)
         if not hit:
@@ -72,6 +78,8 @@ def kill_strays(keep: frozenset[int] = frozenset(), rounds: int = 5) -> None:
 def reap_orphans(keep: frozenset[int] = frozenset()) -> None:
     """Collect exited children that are not ranks: orphans re-parented to the agent. Only
     specific PIDs are waited for, so the ranks' exit statuses are left to their own reapers."""
+    import psutil
+
     try:
         children = psutil.Process().children()
     except psutil.Error:

@@ -16,11 +16,11 @@ import queue
 import signal
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from launcher import wire
 from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
 from launcher.head.output import OutputSink
 from launcher.head.pmi_notes import PmiNotes
@@ -32,17 +32,6 @@ from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
 KILLED_DRAIN_S = 2.0  # after a second Ctrl-C, how long output still queued may take
-
-
-@dataclass(frozen=True)
-class SuperviseOptions:
-    heartbeat: float = 5.0          # seconds between heartbeats, both directions
-    misses: int = 3                 # silent intervals before a host counts as lost
-    grace: float = 10.0             # SIGTERM -> SIGKILL delay when stopping ranks
-    timeout: float | None = None    # whole-job limit (--timeout)
-    launch_timeout: float = 120.0   # connect-to-all-running limit
-    pmi: str = "fd"                 # fd, port or off
-    pmi_stall: float = 30.0         # name the ranks a PMI barrier waits for after this long
 
 
 class Supervisor:
