@@ -115,11 +115,6 @@ class WorkerEnv:
             host=env.get(HOST, "localhost"),
         )
 
-    @classmethod
-    def single_process(cls) -> WorkerEnv:
-        """The contract of a process started by hand: one rank, world of one."""
-        return cls(0, 1, 0, 1, 0, "127.0.0.1", 29500, "standalone", "localhost")
-
 
 def in_launched_job(environ: Mapping[str, str] | None = None) -> bool:
     """True when the process was started by a launcher that set RANK and WORLD_SIZE."""

@@ -140,16 +140,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from bench import common
     from trainer.comm.bandwidth import parse_sizes
 
     if args.worker:
         worker(args.worker, parse_sizes(args.sizes), Path(args.out))
         return 0
     rows = run([int(n) for n in args.ranks.split(",")], args.sizes)
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return common.report(rows, print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -301,3 +301,18 @@ def fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.3f}"
     return str(value)
+
+
+def report(rows: list[Row], print_table: Callable[[list[Row]], None],
+           json_path: str | None) -> int:
+    """Every bench's ending: the table on stdout, the rows as JSON when asked; exit code 0."""
+    print_table(rows)
+    if json_path:
+        Path(json_path).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+def save_rank_result(out: str, result: dict[str, Any]) -> int:
+    """A bench worker rank's ending: its result as ``<out>/rank<r>.json``; exit code 0."""
+    Path(out, f"rank{result['rank']}.json").write_text(json.dumps(result))
+    return 0

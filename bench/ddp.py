@@ -87,7 +87,6 @@ class OursSide:
     def step(self, i: int) -> dict[str, float]:
         """One training step; the wait and the (host-wide monotonic) end of backward and sync."""
         self.dp.zero_grad()
-        self.dp.stats.reset()
         _micro_loop(self.model.loss, self.batches, i, self.dp.no_sync)
         backward_end = time.perf_counter()
         self.dp.finish_grad_sync()
@@ -261,17 +260,14 @@ def _free_port() -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from bench import common
+
     if args.worker:
-        result = worker(args)
-        Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+        return common.save_rank_result(args.out, worker(args))
     options = {k: v for k, v in vars(args).items()
                if k not in ("ranks", "json", "worker", "out")}
     rows = run([int(n) for n in args.ranks.split(",")], **options)
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return common.report(rows, print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -21,10 +21,8 @@ over its 1-host time (target: flat).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 from bench import common
@@ -97,10 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except common.Skip as why:
         print(f"launch_time skipped: {why}", file=sys.stderr)
         return 0
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return common.report(rows, print_table, args.json)
 
 
 if __name__ == "__main__":

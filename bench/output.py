@@ -28,7 +28,6 @@ row of the same mode (target >= 0.5).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import select
 import signal
@@ -202,10 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except common.Skip as why:
         print(f"output skipped: {why}", file=sys.stderr)
         return 0
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return common.report(rows, print_table, args.json)
 
 
 if __name__ == "__main__":

@@ -249,10 +249,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from bench import common
+
     if args.worker:
-        result = worker(args)
-        Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+        return common.save_rank_result(args.out, worker(args))
     rows = run(args.ps, args.ms, args.v, args.forward_ms, args.act_mb, args.reps,
                bool(args.polite), args.timeout, args.results, progress=print)
     print_table(rows)

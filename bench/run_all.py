@@ -47,6 +47,8 @@ class Bench:
 BENCHES = (
     Bench("launch_time", "Launch time: dtrain vs mpiexec.hydra vs pdsh over SSH", True,
           quick={"hosts": (1, 2), "reps": 2}),
+    Bench("launch_breakdown", "Launch start-up breakdown: imports, agent boot, first frames",
+          True, quick={"hosts": (1,), "reps": 1}),
     Bench("wireup", "MPI wire-up: dtrain vs mpiexec.hydra over SSH", True,
           quick={"hosts": (1, 2), "reps": 2}),
     Bench("output", "Output throughput: dtrain vs mpiexec.hydra over SSH", True,

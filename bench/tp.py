@@ -213,16 +213,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
+    from bench import common
+
     if args.worker:
-        result = worker(args)
-        Path(args.out, f"rank{result['rank']}.json").write_text(json.dumps(result))
-        return 0
+        return common.save_rank_result(args.out, worker(args))
     options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
     rows = run(**options)
-    print_table(rows)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+    return common.report(rows, print_table, args.json)
 
 
 if __name__ == "__main__":

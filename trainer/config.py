@@ -16,7 +16,7 @@ import argparse
 import types
 import typing
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from trainer.comm.bootstrap import BACKENDS
@@ -295,8 +295,3 @@ def resolve_dp(cfg: TrainConfig, world_size: int) -> TrainConfig:
                           f"it must be divisible by dp*microbatches = {dp}*{cfg.microbatches}",
                           f"Use a multiple of {dp * cfg.microbatches}")
     return replace(cfg, dp=dp)
-
-
-def defaults_of(cls: type) -> dict[str, Any]:
-    """Field defaults (for docs and tests)."""
-    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}

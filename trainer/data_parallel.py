@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -86,20 +85,6 @@ def wants_comm_thread(backend: str, local_ranks: int | None = None) -> bool:
     return backend == "mpi" and local_ranks <= len(os.sched_getaffinity(0))
 
 
-@dataclass
-class CommStats:
-    """Seconds this rank spent on DP communication since the last ``reset()``."""
-
-    exposed_s: float = 0.0
-    """Blocked in finish_grad_sync (waiting for, or with overlap off running, the reductions)."""
-    comm_s: float = 0.0
-    """Inside the all-reduce calls themselves, wherever they ran (comm thread or sync mode);
-    0 for a backend's native async ops, whose duration the host cannot see."""
-
-    def reset(self) -> None:
-        self.exposed_s = self.comm_s = 0.0
-
-
 class _FutureHandle:
     """A `Handle` for an all-reduce running on the comm thread."""
 
@@ -133,7 +118,6 @@ class DataParallel:
         self.poll_interval = poll_interval
         self._hurry = threading.Event()
         self.allow_unused = allow_unused
-        self.stats = CommStats()
         self.launch_order: list[int] = []
         """Bucket indices in the order they were launched since the last zero_grad()."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -222,7 +206,6 @@ class DataParallel:
     def finish_grad_sync(self) -> None:
         """Finish (or, with overlap off, run) every bucket's all-reduce; grads are then averaged
         over the DP ranks and ready for the optimizer."""
-        start = time.perf_counter()
         if not self._sync:
             raise GradSyncError("finish_grad_sync called inside no_sync()", "data parallel",
                                 "gradients of non-final microbatches are never reduced",
@@ -237,7 +220,6 @@ class DataParallel:
             if p.dtype != self.buffer.dtype:
                 p.grad = p.main_grad.to(p.dtype)
         self._reset_buckets()
-        self.stats.exposed_s += time.perf_counter() - start
 
     # -- hooks and launching -----------------------------------------------------------------
 
@@ -286,24 +268,20 @@ class DataParallel:
 
     def _reduce(self, bucket: _Bucket) -> None:
         """Blocking reduction of one bucket (main thread in sync mode, else the comm thread)."""
-        start = time.perf_counter()
         # Pre-scale so the SUM is the mean (Megatron's gradient_scaling_factor = 1/dp).
         bucket.view.mul_(1.0 / self.comm.size)
         self.comm.all_reduce(bucket.view, ReduceOp.SUM)
-        self.stats.comm_s += time.perf_counter() - start
 
     def _reduce_polled(self, bucket: _Bucket) -> None:
         """The comm thread's reduction: post it, then drive MPI progress with short sleeps
         rather than a blocking call, which would spin a core the backward needs; once
         finish_grad_sync is waiting (``_hurry``) there is no compute left, so block."""
-        start = time.perf_counter()
         bucket.view.mul_(1.0 / self.comm.size)
         handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=True)
         if handle is not None and self.poll_interval > 0:
             while not handle.is_completed() and not self._hurry.wait(self.poll_interval):
                 pass
         wait_all([handle])
-        self.stats.comm_s += time.perf_counter() - start
 
     def _poll(self) -> None:
         """Let backends that progress only inside library calls (MPI) advance in-flight

@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -84,10 +84,6 @@ class GPTConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-    @classmethod
-    def field_names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 #: Named sizes for ``--model``. ``125m`` is GPT-2 small's shape (with a byte vocabulary).
@@ -253,8 +249,3 @@ class GPT(nn.Module):
         """(global layer index, block) pairs of the layers this model (or stage) holds."""
         for key, block in self.blocks.items():
             yield int(key), block
-
-
-def flops_per_token(cfg: GPTConfig, num_params: int) -> float:
-    """Training FLOPs per token: 6N plus the attention term 12*L*D*T (PaLM appendix B)."""
-    return 6.0 * num_params + 12.0 * cfg.n_layer * cfg.d_model * cfg.seq_len

@@ -9,7 +9,6 @@ the step, so a resumed run gets the same learning rates without saving scheduler
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -57,16 +56,3 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def grad_norm_and_clip(params: Iterable[nn.Parameter], max_norm: float) -> float:
-    """Global L2 norm of the gradients, clipped to ``max_norm`` when it is > 0.
-
-    Under DP the gradients are already averaged and identical on every rank, so the local norm
-    is the global one. (Under TP/PP it would need a reduction that counts replicated parameters
-    once: torchtitan#596, ROCm/TransformerEngine#715.)"""
-    grads = [p for p in params if p.grad is not None]
-    if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(grads, max_norm))
-    norms = [torch.linalg.vector_norm(p.grad) for p in grads]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0

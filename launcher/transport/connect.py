@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +54,10 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
         for i, h in enumerate(selected) if h.entry.is_local}
     remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
     if remote:
+        if not ssh.allow_config_exec and "invoke" not in sys.modules:
+            # paramiko imports invoke only to run `Match exec` lines, which are refused unless
+            # --ssh-allow-config-exec; blocking that import saves ~0.1 s of every launch.
+            sys.modules["invoke"] = None  # type: ignore[assignment]  # `import` then fails
         # paramiko is imported only when a remote host needs it
         from launcher.transport.ssh import SSHConnection, resolve_host
 

@@ -190,11 +190,13 @@ def shutdown(client: paramiko.SSHClient, sock: ssh_sockets.Carrier | None) -> No
     """Close the transport, wait for its thread, then the socket (and reap a ProxyCommand).
 
     The order matters for ProxyCommand: paramiko's thread closes it by ``kill(pid)``, so the
-    process may be reaped (its PID freed) only after that thread is gone.
+    process may be reaped (its PID freed) only after that thread is gone. Over a plain socket
+    or a jump host's channel nothing waits on that thread (its socket poll takes up to 0.1 s,
+    which every launch would add to its exit).
     """
     transport = client.get_transport()
     client.close()
-    if transport is not None:
+    if transport is not None and isinstance(sock, paramiko.ProxyCommand):
         transport.join(5)
     if sock is not None:
         ssh_sockets.close(sock)

@@ -118,10 +118,6 @@ class NcclCommunicator:
     def mpi_comm(self) -> MPI.Comm:
         return self._mpi
 
-    @property
-    def nccl_comm(self) -> Any:
-        return self._comm
-
     def __repr__(self) -> str:
         return f"NcclCommunicator({self._name!r}, rank={self._rank}, size={self._size})"
 

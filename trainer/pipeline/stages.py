@@ -89,10 +89,6 @@ class GPTStage:
                                "backward")  # a schedule bug the checker would have caught
         self.batch, self._backwards = batch, {}
 
-    @property
-    def num_microbatches(self) -> int:
-        return len(self.batch)
-
     def forward(self, microbatch: int, chunk: int, x: torch.Tensor | None) -> torch.Tensor:
         model, layout = self.model, self.layout
         if layout.is_first(chunk):

@@ -94,10 +94,6 @@ class Pipeline:
     last: StepResult | None = None
     """The last step's result (its timeline is written at the end of the run)."""
 
-    @property
-    def is_last_stage(self) -> bool:
-        return self.layout.holds_last
-
     def forward_backward(self, batch: Batch) -> torch.Tensor:
         """Run the schedule on the step's microbatches; returns this rank's loss sum (the
         step's loss of this DP replica on the last stage, 0 elsewhere)."""
