@@ -18,12 +18,18 @@ option (`-oProxyCommand=...`) or as shell syntax (`h1;reboot`, `h1$(id)`) is ref
 from __future__ import annotations
 
 import difflib
-import ipaddress
 import os
 import re
 from dataclasses import dataclass
 
 from launcher.errors import HostfileError, UsageError
+from launcher.hosts.names import (
+    NAME_FIX,
+    ipv6_address,
+    shown_text,
+    validate_host_name,
+    validate_user_name,
+)
 
 MAX_LINE_CHARS = 4096
 MAX_SLOTS_PER_HOST = 1024      # far above any node's GPU count; stops a typo planning 10**9 ranks
@@ -33,22 +39,7 @@ LOCAL_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 # key as written -> field; Open MPI spells max_slots several ways, Hydra has user=.
 _KEYS = {"slots": "slots", "max_slots": "max_slots", "max-slots": "max_slots",
          "port": "port", "user": "user"}
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*\Z")
-_USER_RE = re.compile(r"[A-Za-z_][A-Za-z0-9._-]*\Z")
 _DIGITS_RE = re.compile(r"[0-9]+\Z")
-_SHELL_CHARS = set(";&|$`'\"<>()[]{}*?!~\\#")
-# Characters with a known meaning elsewhere, so the message can say what the user meant.
-_SPECIAL_CHARS = {
-    "%": "which ssh expands as a token",
-    "=": "the host name comes first, then key=value pairs",
-    "^": "Open MPI's ^host exclusion is not supported; use --exclude",
-    "+": "Open MPI's relative +nN hosts are not supported",
-    ":": "which is only allowed inside an IPv6 address in brackets",
-    "@": "write user@host with a single '@'",
-    ",": "write one host per line (or per -H item)",
-}
-_NAME_FIX = ("Write the host's DNS name, IP address or ~/.ssh/config alias "
-             "(letters, digits, '.', '-', '_'; IPv6 in brackets)")
 
 
 @dataclass(frozen=True)
@@ -76,26 +67,6 @@ class HostEntry:
     def is_local(self) -> bool:
         """Loopback names only: the machine's own hostname still goes through ssh."""
         return self.name.lower() in LOCAL_NAMES
-
-
-def validate_host_name(name: str, where: str) -> None:
-    """Raise HostfileError unless `name` is a plain host name, IPv4 or (unbracketed) IPv6."""
-    why = _host_name_problem(name)
-    if why:
-        raise HostfileError("invalid host name", where, why, _NAME_FIX)
-
-
-def validate_user_name(user: str, where: str) -> None:
-    """Raise HostfileError unless `user` is a portable login name (it reaches ssh and logs)."""
-    if _USER_RE.match(user) and len(user) <= 32:
-        return
-    shown = _show(user)
-    why = (f"user name {shown} is empty" if not user else
-           f"user name {shown} starts with '-', so it would be read as an option"
-           if user.startswith("-") else
-           f"user name {shown} is not a portable login name")
-    raise HostfileError("invalid user name", where, why,
-                        "Use letters, digits, '.', '-', '_' (starting with a letter or '_')")
 
 
 def parse_hostfile(path: str | os.PathLike[str]) -> list[HostEntry]:
@@ -238,14 +209,14 @@ def _parse_pairs(pairs: list[str], where: str) -> dict[str, str]:
     for pair in pairs:
         key, eq, value = pair.partition("=")
         if not eq:
-            raise HostfileError("unexpected text after the host", where, f"{_show(pair)} is "
+            raise HostfileError("unexpected text after the host", where, f"{shown_text(pair)} is "
                                 "not key=value", "Remove it, or write slots=N / max_slots=N /"
                                 " port=N")
         field = _KEYS.get(key)
         if field is None:
             near = difflib.get_close_matches(key.lower(), list(_KEYS), n=1, cutoff=0.6)
             hint = f"Did you mean {near[0]}=?" if near else "Known keys: slots, max_slots, port"
-            raise HostfileError("unknown key", where, f"{_show(key)} is not a hostfile key",
+            raise HostfileError("unknown key", where, f"{shown_text(key)} is not a hostfile key",
                                 hint)
         if field in fields:
             raise HostfileError("key given twice", where, f"{key}= appears twice",
@@ -263,15 +234,15 @@ def _split_host_token(token: str, where: str) -> tuple[str | None, str, str | No
     if token.startswith("["):
         inside, bracket, rest = token[1:].partition("]")
         if not bracket or (rest and not rest.startswith(":")):
-            raise HostfileError("invalid host name", where, f"{_show(token)} has an "
+            raise HostfileError("invalid host name", where, f"{shown_text(token)} has an "
                                 "unbalanced '['", "Write IPv6 as [addr] or [addr]:N")
-        if _ipv6(inside) is None:
-            raise HostfileError("invalid host name", where, f"{_show(inside)} in brackets "
-                                "is not an IPv6 address", _NAME_FIX)
+        if ipv6_address(inside) is None:
+            raise HostfileError("invalid host name", where, f"{shown_text(inside)} in brackets "
+                                "is not an IPv6 address", NAME_FIX)
         return user, inside, rest[1:] if rest else None
     name, colon, count = token.partition(":")
     if ":" in count:
-        raise HostfileError("invalid host name", where, f"{_show(token)} has several ':'",
+        raise HostfileError("invalid host name", where, f"{shown_text(token)} has several ':'",
                             "Write IPv6 addresses in brackets, e.g. [fe80::1]:2")
     validate_host_name(name, where)
     return user, name, count if colon else None
@@ -279,7 +250,7 @@ def _split_host_token(token: str, where: str) -> tuple[str | None, str, str | No
 
 def _count(text: str, key: str, where: str) -> int:
     if not _DIGITS_RE.match(text):
-        raise HostfileError(f"bad {key} value", where, f"{key}={_show(text)} is not a whole "
+        raise HostfileError(f"bad {key} value", where, f"{key}={shown_text(text)} is not a whole "
                             "number", f"Write e.g. {key}=4")
     value = int(text)
     if value < 1:
@@ -293,44 +264,6 @@ def _count(text: str, key: str, where: str) -> int:
 
 def _port(text: str, where: str) -> int:
     if not _DIGITS_RE.match(text) or not 1 <= int(text) <= 65535:
-        raise HostfileError("bad port", where, f"port={_show(text)} is not a TCP port "
+        raise HostfileError("bad port", where, f"port={shown_text(text)} is not a TCP port "
                             "(1..65535)", "Write the host's sshd port, e.g. port=2222")
     return int(text)
-
-
-def _ipv6(text: str) -> ipaddress.IPv6Address | None:
-    try:
-        return ipaddress.IPv6Address(text) if "%" not in text else None
-    except ValueError:
-        return None
-
-
-def _host_name_problem(name: str) -> str:
-    """Why `name` is refused, or "" when it is fine."""
-    shown = _show(name)
-    if _NAME_RE.match(name) and len(name) <= 253:
-        return ""
-    if ":" in name and _ipv6(name) is not None:
-        return ""
-    if not name:
-        return "the host name is empty"
-    if len(name) > 253:
-        return f"{len(name)} characters is longer than a DNS name can be (253)"
-    if name.startswith("-"):
-        return f"{shown} starts with '-', so ssh and other tools would read it as an option"
-    for ch in name:
-        if ch.isspace() or ord(ch) < 32 or ord(ch) == 127:
-            return f"{shown} contains whitespace or a control character"
-        if ch in _SPECIAL_CHARS:
-            return f"{shown} contains {ch!r}, {_SPECIAL_CHARS[ch]}"
-        if ch in _SHELL_CHARS:
-            return f"{shown} contains {ch!r}, which is shell syntax"
-        if not ch.isascii() or not (ch.isalnum() or ch in "._-"):
-            return f"{shown} contains {ch!r}, which is not allowed in host names"
-    return f"{shown} starts with {name[0]!r}; a host name starts with a letter or digit"
-
-
-def _show(text: str, limit: int = 60) -> str:
-    """repr() for messages, cut short so a 4 KiB line does not flood the terminal."""
-    shown = repr(text)
-    return shown if len(shown) <= limit else shown[: limit - 4] + "...'"
