@@ -24,7 +24,7 @@ sysdeps:
 	@bash testbed/install_sysdeps.sh
 
 test: install sysdeps
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 

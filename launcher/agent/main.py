@@ -49,6 +49,7 @@ class Agent:
         self.kill_at: float | None = None
         self.leave_at: float | None = None
         self.exit_code = 0
+        self.started = False  # START arrived: descendants from now on belong to the job
 
     # -- main loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -176,6 +177,7 @@ class Agent:
     # -- ranks ---------------------------------------------------------------------------------
     def _start_all(self, job_env: dict[str, str]) -> None:
         """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
+        self.started = True
         for rank_spec in self.spec["ranks"]:
             rank_spec["env"].update(job_env)
         master = job_env.get("MASTER_ADDR")
@@ -237,6 +239,8 @@ class Agent:
     def _signal_all(self, sig: int) -> None:
         for rp in list(self.ranks.values()):
             rp.signal_group(sig)
+        if not self.started:
+            return  # no job ever ran here: none of this process's descendants belongs to one
         # What left the ranks' process groups (setsid) is found as the agent's descendants.
         ranks = frozenset(rp.pid for rp in self.ranks.values())
         if sig == signal.SIGKILL:

@@ -1,0 +1,119 @@
+"""The agent's core over a pair of pipes: spec checks, silence, BYE, queries, EOF.
+
+The real `Agent` and its real `HeadLink` run in a thread of this process; the test plays the
+head on the other ends of two pipes. No ranks are started, so no subprocess is needed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sys
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from launcher import wire
+from launcher.agent.head_link import HeadLink
+from launcher.agent.main import Agent
+
+K = wire.Kind
+
+
+@dataclass
+class Head:
+    """The test's end: frames to the agent, frames from it, and the agent's exit code."""
+
+    to_agent: Any
+    from_agent: int
+    result: queue.Queue[int]
+
+    def send(self, kind: wire.Kind, body: dict[str, Any] | None = None) -> None:
+        self.to_agent.write(wire.encode_json(kind, body))
+
+    def frames(self, timeout: float = 5.0) -> Iterator[wire.Frame]:
+        decoder = wire.Decoder()
+        while data := os.read(self.from_agent, 65536):
+            yield from decoder.feed(data)
+
+    def next_frame(self, *skip: wire.Kind) -> wire.Frame:
+        for frame in self.frames():
+            if frame.kind not in (K.HEARTBEAT, *skip):
+                return frame
+        raise AssertionError("the agent closed its stream")
+
+
+@pytest.fixture
+def head() -> Iterator[Head]:
+    to_agent_r, to_agent_w = os.pipe()
+    from_agent_r, from_agent_w = os.pipe()
+    agent = Agent(lambda events: HeadLink(events, to_agent_r,
+                                          os.fdopen(from_agent_w, "wb", buffering=0)))
+    result: queue.Queue[int] = queue.Queue()
+    threading.Thread(target=lambda: result.put(agent.run()), daemon=True).start()
+    writer = os.fdopen(to_agent_w, "wb", buffering=0)
+    yield Head(writer, from_agent_r, result)
+    writer.close()
+    os.close(from_agent_r)
+
+
+def spec(cwd: str = "/", argv: tuple[str, ...] = (sys.executable,), beat: float = 5.0
+         ) -> dict[str, Any]:
+    return {"job_id": "job", "argv": list(argv), "cwd": cwd, "heartbeat": beat, "misses": 2,
+            "grace": 0.1, "ranks": [{"rank": 0, "env": {}}], "pmi": {"mode": "off"}}
+
+
+def test_the_agent_says_hello_with_its_protocol_version_first(head: Head) -> None:
+    hello = head.next_frame()
+    assert hello.kind is K.HELLO and hello.json()["protocol"] == wire.PROTOCOL_VERSION
+
+
+def test_a_spec_whose_working_directory_is_missing_is_answered_with_an_error(
+        head: Head) -> None:
+    head.next_frame()
+    head.send(K.SPEC, spec(cwd="/no/such/dir"))
+    error = head.next_frame()
+    assert error.kind is K.ERROR
+    assert error.json()["what"] == "working directory missing"
+    assert "/no/such/dir does not exist here" in error.json()["why"]
+
+
+def test_a_spec_whose_program_is_not_found_is_answered_with_an_error(head: Head) -> None:
+    head.next_frame()
+    head.send(K.SPEC, spec(argv=("no-such-program-xyz",)))
+    error = head.next_frame()
+    assert error.kind is K.ERROR and error.json()["what"] == "program not found"
+
+
+def test_a_good_spec_is_answered_ready_and_bye_ends_the_agent_with_0(head: Head) -> None:
+    head.next_frame()
+    head.send(K.SPEC, spec())
+    ready = head.next_frame()
+    assert ready.kind is K.READY and ready.json()["ranks"] == 1
+    head.send(K.BYE)
+    assert head.result.get(timeout=5) == 0
+
+
+def test_an_agent_whose_head_falls_silent_leaves_with_1(head: Head) -> None:
+    head.next_frame()
+    head.send(K.SPEC, spec(beat=0.05))  # silent for 2 x 0.05 s: the head is gone
+    assert head.next_frame().kind is K.READY
+    assert head.result.get(timeout=5) == 1
+
+
+def test_a_query_is_answered_and_an_unknown_one_gets_an_error_reply(head: Head) -> None:
+    head.next_frame()
+    head.send(K.QUERY, {"op": "free_port"})
+    reply = head.next_frame()
+    assert reply.kind is K.REPLY and 0 < reply.json()["port"] < 65536
+    head.send(K.QUERY, {"op": "reboot"})
+    assert head.next_frame().json()["error"] == "unknown query 'reboot'"
+
+
+def test_the_head_closing_its_stream_ends_an_idle_agent_with_0(head: Head) -> None:
+    head.next_frame()
+    head.to_agent.close()
+    assert head.result.get(timeout=10) == 0
