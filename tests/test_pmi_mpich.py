@@ -148,7 +148,7 @@ class Job:
         deadline = time.monotonic() + DEADLINE_S
         while any(p.poll() is None for p in self.procs.values()) or self.socks:
             if time.monotonic() > deadline:
-                raise AssertionError(f"ranks hang; proxies wait on {self.waiting()}")
+                raise AssertionError(f"ranks hang; proxies wait on {self.holding_up()}")
             for key, _ in self.sel.select(timeout=0.1):
                 kind, ident = key.data
                 if kind == "listen":
@@ -192,8 +192,9 @@ class Job:
         for dest, reply in self.kvs.handle(host, json.loads(json.dumps(msg))):
             self.run(dest, self.proxies[dest].upstream(json.loads(json.dumps(reply))))
 
-    def waiting(self) -> list[dict]:
-        return [p.waiting() for p in self.proxies]
+    def holding_up(self) -> list[tuple[list[int], list[int]]]:
+        """Per host: the ranks a barrier waits for, and those gone without MPI_Init."""
+        return [p.holding_up() for p in self.proxies]
 
     def kill(self) -> None:
         for proc in self.procs.values():

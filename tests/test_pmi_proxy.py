@@ -5,15 +5,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.errors import PmiError
-from launcher.pmi.proxy import (
-    Abort,
-    Close,
-    PmiProxy,
-    RankFailed,
-    Reply,
-    Send,
-    shm_segment_prefixes,
-)
+from launcher.pmi.actions import Abort, Close, RankFailed, Reply, Send, shm_segment_prefixes
+from launcher.pmi.proxy import PmiProxy
 
 MAPPING = "(vector,(0,2,2))"
 
@@ -219,17 +212,6 @@ def test_a_malformed_head_message_is_a_dtrain_bug_reported_as_such(msg, why):
         make_proxy().upstream(msg)
 
 
-def test_waiting_names_the_ranks_missing_from_the_barrier_and_pending_gets():
-    proxy = make_proxy(ranks=[0, 1, 2])
-    started(proxy, 1, 0)
-    started(proxy, 2, 1)
-    ask(proxy, 1, "cmd=barrier_in")
-    ask(proxy, 2, "cmd=get kvsname=kvs_7 key=x")
-    state = proxy.waiting()
-    assert state["in_barrier"] == [0] and state["not_in_barrier"] == [1, 2]
-    assert state["gets"] == {1: "x"} and state["never_connected"] == [2]
-
-
 # ----- abort and failures ------------------------------------------------------------------
 
 def test_abort_reports_rank_code_and_message_and_tells_the_head():
@@ -378,7 +360,6 @@ def test_anything_but_initack_on_an_unidentified_connection_closes_it_alone():
         Close(1, "sent init before initack (PMI_PORT mode)")]
     proxy.open(2, None)
     assert [type(a) for a in proxy.feed(2, b"\x16\x03\x01garbage\n")] == [Close]
-    assert proxy.waiting()["never_connected"] == [2, 3]
 
 
 def test_shm_segment_prefixes_follow_mpichs_hash_of_the_kvsname():

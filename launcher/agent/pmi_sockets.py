@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import workerenv
+from launcher.pmi import actions as pmi_actions
 from launcher.pmi import proxy as pmi_proxy
 from launcher.pmi.stall import StallClock
 
@@ -116,7 +117,7 @@ class PmiSockets:
 
     def remove_shared_memory(self) -> None:
         """Delete the /dev/shm segments of this job's MPICH ranks; killed ranks leave them."""
-        from launcher.pmi.proxy import shm_segment_prefixes
+        from launcher.pmi.actions import shm_segment_prefixes
 
         prefixes = shm_segment_prefixes(self._kvsname)
         try:
@@ -221,20 +222,20 @@ class PmiSockets:
             self._run(self.proxy.closed(conn))
             self._drop(conn)
 
-    def _run(self, actions: Sequence[pmi_proxy.Action]) -> None:
+    def _run(self, actions: Sequence[pmi_actions.Action]) -> None:
         for action in actions:
-            if isinstance(action, pmi_proxy.Reply):
+            if isinstance(action, pmi_actions.Reply):
                 sock = self._conns.get(action.conn)
                 if sock is not None:
                     self._reply(action.conn, sock, action.data)
-            elif isinstance(action, pmi_proxy.Close):
+            elif isinstance(action, pmi_actions.Close):
                 self._silent.pop(action.conn, None)
                 self._drop(action.conn)
-            elif isinstance(action, pmi_proxy.Send):
+            elif isinstance(action, pmi_actions.Send):
                 self._send_head(dict(action.msg))
-            elif isinstance(action, pmi_proxy.RankFailed):
+            elif isinstance(action, pmi_actions.RankFailed):
                 self._send_head({"op": "rank_failed", "rank": action.rank, "reason": action.reason})
-            # pmi_proxy.Abort needs nothing here: the proxy also Sends the abort to the head.
+            # pmi_actions.Abort needs nothing here: the proxy also Sends the abort to the head.
 
     def _reply(self, conn: int, sock: socket.socket, data: bytes) -> None:
         # Replies are short and the rank is waiting for them; a rank that stopped reading

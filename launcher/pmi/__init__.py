@@ -7,6 +7,15 @@
 All three are pure; the agent and the supervisor own the sockets and call them.
 """
 
+from launcher.pmi.actions import (
+    Abort,
+    Action,
+    Close,
+    RankFailed,
+    Reply,
+    Send,
+    shm_segment_prefixes,
+)
 from launcher.pmi.codec import (
     MAX_LINE,
     LineBuffer,
@@ -16,16 +25,7 @@ from launcher.pmi.codec import (
     parse_line,
 )
 from launcher.pmi.kvs import KeyValueSpace
-from launcher.pmi.proxy import (
-    Abort,
-    Action,
-    Close,
-    PmiProxy,
-    RankFailed,
-    Reply,
-    Send,
-    shm_segment_prefixes,
-)
+from launcher.pmi.proxy import PmiProxy
 
 __all__ = [
     "MAX_LINE",

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.pmi import actions, stall
-from launcher.pmi.actions import Abort, Action, Close, RankFailed, Reply, Send, shm_segment_prefixes
+from launcher.pmi.actions import Action, Close, RankFailed, Reply, Send
 from launcher.pmi.codec import (
     LineBuffer,
     PmiCommand,
@@ -31,10 +31,6 @@ from launcher.pmi.codec import (
     format_reply,
     parse_line,
 )
-
-# Re-exported: callers import the actions and shm_segment_prefixes from here.
-__all__ = ["Abort", "Action", "Close", "PmiProxy", "RankFailed", "Reply", "Send",
-           "shm_segment_prefixes"]
 
 
 @dataclass
@@ -160,20 +156,6 @@ class PmiProxy:
         """(missing, gone): see `launcher.pmi.stall.holding_up`."""
         return stall.holding_up(self._ranks, self._barrier, self._spoke, self._left_silent,
                                 host_waited=host_waited)
-
-    def waiting(self) -> dict[str, object]:
-        """Who holds things up, for a diagnosis when the job hangs."""
-        barrier = sorted(self._barrier)
-        return {
-            "epoch": self._epoch,
-            "in_barrier": barrier,
-            "not_in_barrier": sorted(self._ranks - self._barrier) if barrier else [],
-            "gets": {self._conns[c].rank: key for c, key in self._gets.values()
-                     if c in self._conns},
-            "never_connected": sorted(self._ranks - self._claimed),
-            "finalized": sorted(c.rank for c in self._conns.values()
-                                if c.finalized and c.rank is not None),
-        }
 
     # ----- one line ----------------------------------------------------------------------------
 
