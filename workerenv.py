@@ -81,6 +81,21 @@ FORWARDED_PREFIXES = (
 FORWARDED_NAMES = (PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")
 
 
+class DtrainError(Exception):
+    """Base of every error dtrain reports to a user, launcher and trainer alike: one message
+    shape, ``<what failed> [<where>]: <why>. <how to fix>``, so a user can act on it without
+    reading code; ``where`` is a ``path:line``, a host, a rank, an option or a file."""
+
+    exit_code = 2
+
+    def __init__(self, what: str, where: str, why: str, fix: str = "") -> None:
+        self.what, self.where, self.why, self.fix = what, where, why, fix
+        text = f"{what} [{where}]: {why}" if where else f"{what}: {why}"
+        if fix:
+            text += f". {fix}"
+        super().__init__(text)
+
+
 class ContractError(RuntimeError):
     """The environment does not hold the worker contract (the process was not started by dtrain)."""
 

@@ -6,18 +6,8 @@ without reading code; ``where`` is a ``path:line``, a host, a rank or an option.
 
 from __future__ import annotations
 
-
-class DtrainError(Exception):
-    """Base of every error the launcher reports to a user (exit code 2 unless stated)."""
-
-    exit_code = 2
-
-    def __init__(self, what: str, where: str, why: str, fix: str = "") -> None:
-        self.what, self.where, self.why, self.fix = what, where, why, fix
-        text = f"{what} [{where}]: {why}" if where else f"{what}: {why}"
-        if fix:
-            text += f". {fix}"
-        super().__init__(text)
+# The base is shared with the trainer (one message shape), re-exported for the launcher.
+from workerenv import DtrainError as DtrainError
 
 
 class UsageError(DtrainError):

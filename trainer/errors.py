@@ -1,8 +1,8 @@
 """The trainer's exceptions: one hierarchy, one message shape.
 
-Every message reads ``<what failed> [<where>]: <why>. <how to fix>`` (the launcher's shape,
-see ``launcher/errors.py``; the trainer does not import the launcher, so the base is repeated
-here). ``where`` names a rank, a communicator, an option or a file.
+Every message reads ``<what failed> [<where>]: <why>. <how to fix>``: the base, `DtrainError`,
+lives in the contract module the launcher and the trainer share (``workerenv.py``). ``where``
+names a rank, a communicator, an option or a file.
 
 An error that every rank raises at the same point, from a value they all agree on, is marked
 with `TrainerError.everywhere`: no rank is left waiting in a collective, so the job ends without
@@ -11,16 +11,14 @@ an MPI abort and only the rank chosen to report prints it (once, not once per ra
 
 from __future__ import annotations
 
+from workerenv import DtrainError
 
-class TrainerError(Exception):
+
+class TrainerError(DtrainError):
     """Base of every error the trainer reports to a user."""
 
     def __init__(self, what: str, where: str, why: str, fix: str = "") -> None:
-        self.what, self.where, self.why, self.fix = what, where, why, fix
-        text = f"{what} [{where}]: {why}" if where else f"{what}: {why}"
-        if fix:
-            text += f". {fix}"
-        super().__init__(text)
+        super().__init__(what, where, why, fix)
         self.agreed, self.report = False, True
 
     def everywhere(self, *, report: bool) -> TrainerError:
