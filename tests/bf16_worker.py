@@ -7,7 +7,8 @@ On dp 2 x tp 2 x pp 2 it trains the same tiny model for `STEPS` steps with the t
 fp32 run also records what the test's tolerance is derived from: before each step, a bound on
 the logits' magnitude (from the final norm and the head; last stage only, else 0). The bf16 run
 saves a checkpoint at the end and reports its fp32 main and bf16 model state. Then
-``trainer.train.train`` runs bf16 to step `HALF` with a checkpoint and resumes to the end.
+``trainer.train.train`` runs bf16 to step `HALF` with a checkpoint, resumes to the end, and
+resumes that checkpoint for one more step in fp32.
 """
 
 from __future__ import annotations
@@ -79,4 +80,7 @@ def run(out: Path) -> dict[str, Any]:
     second = train(config(precision="bf16", run_dir=resumed, resume=True), world)
     result["resumed"] = {"start": second.start_step, "losses": first.losses + second.losses,
                          "checkpoint": str(second.checkpoint)}
+    switched = train(config(precision="fp32", run_dir=resumed, resume=True, steps=STEPS + 1),
+                     world)  # the fp32 main weights load into an fp32 model as they are
+    result["switched"] = {"start": switched.start_step, "losses": switched.losses}
     return result

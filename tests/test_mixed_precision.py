@@ -124,6 +124,12 @@ def test_a_resumed_bf16_run_is_bit_identical_to_an_uninterrupted_one() -> None:
                 assert _equal(a, b), (kind, tp, pp)
 
 
+def test_a_bf16_checkpoint_resumes_in_fp32_from_its_main_weights() -> None:
+    for r in ranks():
+        assert r["switched"]["start"] == STEPS and len(r["switched"]["losses"]) == 1
+        assert math.isfinite(r["switched"]["losses"][0])
+
+
 def _equal(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)

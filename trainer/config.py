@@ -58,6 +58,8 @@ HELP: dict[str, str] = {
     "precision": "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16: bf16 weights and activations "
                  "with fp32 main weights, gradients and optimizer (trainer.mixed_precision)",
     "grad_reduce_dtype": "dtype of the DP gradient all-reduce under bf16: fp32 or bf16",
+    "peak_tflops": "peak TFLOP/s of one device for the logged MFU (0 = bf16 dense peak of a "
+                   "known GPU: H100, H200, A100; a CPU logs MFU only when given)",
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep": "number of newest checkpoints to keep (0 = all)",
@@ -105,6 +107,7 @@ class TrainConfig:
     overlap: bool = True
     precision: str = "auto"
     grad_reduce_dtype: str = "fp32"
+    peak_tflops: float = 0.0
     run_dir: str = "runs/default"
     save_every: int = 0
     keep: int = 2
@@ -125,7 +128,7 @@ class TrainConfig:
         for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed",
                      "skip_nonfinite", "eval_every"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.data_cap_mb > 0, "data_cap_mb", self.data_cap_mb, "must be > 0")
         _require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction,

@@ -58,6 +58,7 @@ from trainer.config import TrainConfig, resolve_dp
 from trainer.data import BatchPlan, Corpus, ShardedBatches, step_seed
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
+from trainer.flops import mfu, peak_tflops
 from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
 from trainer.guard import StepGuard, check_parameters
 from trainer.inference.validation import Validation
@@ -262,8 +263,10 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
     run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
                     groups=groups, world_comm=world.comm, corpus=corpus)
+    peak = peak_tflops(world.device, cfg.peak_tflops)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
-                     start_step=run.start_step, log_every=cfg.log_every)
+                     start_step=run.start_step, log_every=cfg.log_every,
+                     mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
     pipe = run.pipeline
