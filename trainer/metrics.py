@@ -7,8 +7,8 @@ learning rate on a second axis. Communication time is split as in `trainer.comm.
 ``comm_exposed_s`` (the step waited on it) and ``comm_total_s`` (exposed plus what overlapped
 compute, so never below the exposed time), over the DP, TP and PP groups. A resumed run first
 drops the lines after its checkpoint step, so the file always describes one consistent history.
-The console shows a rich progress bar on a terminal and plain lines otherwise (e.g. when a
-launcher relays the output).
+Each console line can show the interval's MFU (`trainer.flops`). The console shows a rich
+progress bar on a terminal and plain lines otherwise (e.g. when a launcher relays the output).
 """
 
 from __future__ import annotations

@@ -17,7 +17,12 @@ bit-exactly from the newest committed checkpoint (the run dir must be visible to
 with Megatron or DeepSpeed), verified file by file (`trainer.resume` states the rule and
 ``--resume-fallback``). Dropout is reseeded from (seed, step, dp rank) every step, so the random
 stream needs no state across a resume. A NaN or Inf loss or gradient norm stops every rank
-before the update, and non-finite parameters are never saved (`trainer.guard`).
+before the update, and non-finite parameters are never saved (`trainer.guard`). Each log line
+shows the MFU when the device's peak is known (`trainer.flops`, ``--peak-tflops``).
+
+With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW steps fp32
+main weights on the fp32 main gradients of the DP buffer (`trainer.mixed_precision`); the
+checkpoints hold the fp32 main weights.
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
