@@ -62,6 +62,8 @@ class MainParams:
         stepper = build(main)
         # Index-based, so the state (empty, or the checkpoint's) lands on the same parameters.
         stepper.load_state_dict(optimizer.state_dict())
+        for p in params:
+            p.grad = None  # DP's fp32 buffer view: a bf16 parameter gets its grad each backward
         model.to(dtype)
         return cls(model, stepper, main)
 

@@ -167,12 +167,13 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
     dtype = model_dtype(cfg.precision, device)
+    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+                      reduce_dtype=DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype !=
+                      "fp32" else None, grads_to_params=dtype is None)
+    # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
     main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
         params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
     optimizer = main.optimizer if main is not None else optimizer
-    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
-                      reduce_dtype=DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype !=
-                      "fp32" else None, grads_to_params=main is None)
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
                              dp_rank=dp_comm.rank, device=device)
