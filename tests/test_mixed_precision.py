@@ -36,17 +36,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.bf16_worker import GPT, HALF, STEPS
+from tests.bf16_worker import GPT as MODEL
+from tests.bf16_worker import HALF, STEPS
 from tests.mpi_runs import world_run
 from trainer.checkpoint import shard_name
 from trainer.config import parse_args
 from trainer.errors import ConfigError
-from trainer.mixed_precision import model_dtype
+from trainer.mixed_precision import MainParams, model_dtype
+from trainer.model import GPT, GPTConfig
+from trainer.optim import build_optimizer
 
 WORKER = "tests.bf16_worker:run"
 U = 2.0**-8
 LAMBDA = 5.0
-K = 19 * GPT["n_layer"] + 4
+K = 19 * MODEL["n_layer"] + 4
 
 
 def ranks() -> list[dict]:
@@ -156,3 +159,29 @@ def test_an_unknown_precision_or_reduce_dtype_is_refused_naming_the_flag() -> No
         parse_args(["--precision", "fp16"])
     with pytest.raises(ConfigError, match=r"\[--grad-reduce-dtype fp16\]: must be fp32 or bf16"):
         parse_args(["--grad-reduce-dtype", "fp16"])
+
+
+def test_main_params_step_exactly_as_fp32_adamw_and_publish_their_rounding() -> None:
+    """In memory: the same fp32 gradients (set as DP's ``main_grad``) on a bf16 model's main
+    copies and on an fp32 model give bit-identical fp32 weights after AdamW steps."""
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
+    fp32, mixed = GPT(cfg, seed=3), GPT(cfg, seed=3)
+    reference = build_optimizer(fp32, lr=1e-2, weight_decay=0.1)
+    main = MainParams.take(mixed, build_optimizer(mixed, lr=1e-2, weight_decay=0.1),
+                           torch.bfloat16, lambda ps: build_optimizer(ps, lr=1e-2,
+                                                                      weight_decay=0.1))
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        for p, q in zip(fp32.parameters(), main.params, strict=True):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.main_grad = p.grad.clone()
+        reference.step()
+        main.grads()
+        main.optimizer.step()
+        main.publish()
+    state = main.state_dict()
+    assert torch.equal(state["head.weight"], state["tok_emb.weight"])  # tied: one main copy
+    for name, p in fp32.named_parameters():
+        assert state[name].dtype == torch.float32 and torch.equal(state[name], p), name
+        model_p = mixed.get_parameter(name)
+        assert model_p.dtype == torch.bfloat16 and torch.equal(model_p, p.to(torch.bfloat16))
