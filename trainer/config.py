@@ -57,7 +57,8 @@ HELP: dict[str, str] = {
     "overlap": "overlap DP gradient all-reduce with backward",
     "precision": "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16: bf16 weights and activations "
                  "with fp32 main weights, gradients and optimizer (trainer.mixed_precision)",
-    "grad_reduce_dtype": "dtype of the DP gradient all-reduce under bf16: fp32 or bf16",
+    "grad_reduce_dtype": "dtype of the DP gradient all-reduce: fp32 (the main gradients as they "
+                         "are) or bf16 (half the bytes; each bucket rounded first)",
     "peak_tflops": "peak TFLOP/s of one device for the logged MFU (0 = bf16 dense peak of a "
                    "known GPU: H100, H200, A100; a CPU logs MFU only when given)",
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
