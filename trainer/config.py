@@ -29,6 +29,7 @@ from trainer.pipeline.partition import parse_counts, stage_counts
 from trainer.pipeline.schedule import ScheduleError, check_interleaving
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("auto", "fp32", "bf16")
 
 HELP: dict[str, str] = {
     "model": "model size preset: " + ", ".join(PRESETS),
@@ -54,6 +55,12 @@ HELP: dict[str, str] = {
     "backend": "communication backend: auto (nccl on GPU, else mpi), mpi or nccl",
     "bucket_size": "DP gradient bucket size in elements",
     "overlap": "overlap DP gradient all-reduce with backward",
+    "precision": "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16: bf16 weights and activations "
+                 "with fp32 main weights, gradients and optimizer (trainer.mixed_precision)",
+    "grad_reduce_dtype": "dtype of the DP gradient all-reduce: fp32 (the main gradients as they "
+                         "are) or bf16 (half the bytes; each bucket rounded first)",
+    "peak_tflops": "peak TFLOP/s of one device for the logged MFU (0 = bf16 dense peak of a "
+                   "known GPU: H100, H200, A100; a CPU logs MFU only when given)",
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep": "number of newest checkpoints to keep (0 = all)",
@@ -99,6 +106,9 @@ class TrainConfig:
     backend: str = "auto"
     bucket_size: int = 1_000_000
     overlap: bool = True
+    precision: str = "auto"
+    grad_reduce_dtype: str = "fp32"
+    peak_tflops: float = 0.0
     run_dir: str = "runs/default"
     save_every: int = 0
     keep: int = 2
@@ -119,7 +129,7 @@ class TrainConfig:
         for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed",
                      "skip_nonfinite", "eval_every"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.data_cap_mb > 0, "data_cap_mb", self.data_cap_mb, "must be > 0")
         _require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction,
@@ -131,6 +141,10 @@ class TrainConfig:
                               "Pass --val-fraction above 0 (e.g. 0.05), or --eval-every 0")
         _require(self.backend in BACKENDS, "backend", self.backend,
                  f"must be one of {', '.join(BACKENDS)}")
+        _require(self.precision in PRECISIONS, "precision", self.precision,
+                 f"must be one of {', '.join(PRECISIONS)}")
+        _require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad_reduce_dtype",
+                 self.grad_reduce_dtype, "must be fp32 or bf16")
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")

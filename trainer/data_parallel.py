@@ -106,6 +106,8 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)
     handle: Handle | None = None
     launched: bool = False
+    wire: torch.Tensor | None = None
+    """What is all-reduced when ``reduce_dtype`` is narrower than the buffer (else the view)."""
 
 
 class DataParallel:
@@ -113,8 +115,10 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
                  overlap: bool = True, allow_unused: bool = False,
-                 comm_thread: bool | None = None, poll_interval: float = 2e-4) -> None:
+                 comm_thread: bool | None = None, poll_interval: float = 2e-4,
+                 reduce_dtype: torch.dtype | None = None, grads_to_params: bool = True) -> None:
         self.model, self.comm, self.overlap = model, comm, overlap
+        self.grads_to_params = grads_to_params
         self.poll_interval = poll_interval
         self._hurry = threading.Event()
         self.allow_unused = allow_unused
@@ -126,7 +130,7 @@ class DataParallel:
         self.buffer = self._make_buffer()
         self._check_same_model_everywhere()
         self._broadcast_from_rank0()
-        self.buckets = self._make_buckets(bucket_size)
+        self.buckets = self._make_buckets(bucket_size, reduce_dtype or self.buffer.dtype)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._sync, self._next = True, 0
         if comm_thread is None:
@@ -153,9 +157,12 @@ class DataParallel:
             offset += p.numel()
         return buffer
 
-    def _make_buckets(self, bucket_size: int) -> list[_Bucket]:
+    def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[_Bucket]:
         plan = plan_buckets([p.numel() for p in self.params], bucket_size)
-        return [_Bucket(k, self.buffer[start:end], [self.params[i] for i in idx])
+        wire = reduce_dtype != self.buffer.dtype and self.comm.size > 1
+        return [_Bucket(k, self.buffer[start:end], [self.params[i] for i in idx],
+                        wire=self.buffer.new_empty(end - start, dtype=reduce_dtype) if wire
+                        else None)
                 for k, (start, end, idx) in enumerate(plan)]
 
     def _check_same_model_everywhere(self) -> None:
@@ -216,8 +223,10 @@ class DataParallel:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-        for p in self.params:
-            if p.dtype != self.buffer.dtype:
+            if bucket.wire is not None:
+                bucket.view.copy_(bucket.wire)
+        for p in self.params:  # unless a MainParams steps on main_grad itself
+            if p.dtype != self.buffer.dtype and self.grads_to_params:
                 p.grad = p.main_grad.to(p.dtype)
         self._reset_buckets()
 
@@ -263,21 +272,24 @@ class DataParallel:
         elif self._thread is not None:
             bucket.handle = _FutureHandle(self._thread.submit(self._reduce_polled, bucket))
         else:
-            bucket.view.mul_(1.0 / self.comm.size)
-            bucket.handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=True)
+            bucket.handle = self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM, async_op=True)
 
     def _reduce(self, bucket: _Bucket) -> None:
         """Blocking reduction of one bucket (main thread in sync mode, else the comm thread)."""
-        # Pre-scale so the SUM is the mean (Megatron's gradient_scaling_factor = 1/dp).
+        self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM)
+
+    def _wire(self, bucket: _Bucket) -> torch.Tensor:
+        """The bucket pre-scaled so the SUM is the mean (Megatron's gradient_scaling_factor =
+        1/dp), rounded to the reduce dtype when that is narrower (`finish_grad_sync` copies the
+        result back)."""
         bucket.view.mul_(1.0 / self.comm.size)
-        self.comm.all_reduce(bucket.view, ReduceOp.SUM)
+        return bucket.view if bucket.wire is None else bucket.wire.copy_(bucket.view)
 
     def _reduce_polled(self, bucket: _Bucket) -> None:
         """The comm thread's reduction: post it, then drive MPI progress with short sleeps
         rather than a blocking call, which would spin a core the backward needs; once
         finish_grad_sync is waiting (``_hurry``) there is no compute left, so block."""
-        bucket.view.mul_(1.0 / self.comm.size)
-        handle = self.comm.all_reduce(bucket.view, ReduceOp.SUM, async_op=True)
+        handle = self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM, async_op=True)
         if handle is not None and self.poll_interval > 0:
             while not handle.is_completed() and not self._hurry.wait(self.poll_interval):
                 pass

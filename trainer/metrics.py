@@ -7,14 +7,15 @@ learning rate on a second axis. Communication time is split as in `trainer.comm.
 ``comm_exposed_s`` (the step waited on it) and ``comm_total_s`` (exposed plus what overlapped
 compute, so never below the exposed time), over the DP, TP and PP groups. A resumed run first
 drops the lines after its checkpoint step, so the file always describes one consistent history.
-The console shows a rich progress bar on a terminal and plain lines otherwise (e.g. when a
-launcher relays the output).
+Each console line can show the interval's MFU (`trainer.flops`). The console shows a rich
+progress bar on a terminal and plain lines otherwise (e.g. when a launcher relays the output).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -114,8 +115,8 @@ class MetricsLog:
     """Rank 0's sink for step records; on other ranks every method does nothing."""
 
     def __init__(self, run_dir: Path, *, enabled: bool, total_steps: int, start_step: int,
-                 log_every: int) -> None:
-        self.enabled, self.log_every = enabled, log_every
+                 log_every: int, mfu: Callable[[float], float] | None = None) -> None:
+        self.enabled, self.log_every, self.mfu = enabled, log_every, mfu
         self.path = run_dir / METRICS_FILE
         self._console = Console(stderr=True, soft_wrap=True)
         self._progress: Progress | None = None
@@ -149,14 +150,14 @@ class MetricsLog:
         if self._progress is not None:
             self._progress.update(self._task, completed=rec.step, status=f"loss {rec.loss:.4f}")
         if rec.step % self.log_every == 0:
-            self.info(summarize(self._window))
+            self.info(summarize(self._window, self.mfu))
             self._window = []
 
     def close(self, *, plot_title: str = "") -> None:
         if not self.enabled:
             return
         if self._window:
-            self.info(summarize(self._window))
+            self.info(summarize(self._window, self.mfu))
         if self._progress is not None:
             self._progress.stop()
         self._file.close()
@@ -165,8 +166,9 @@ class MetricsLog:
             plot_loss(records, self.path.with_name(PLOT_FILE), title=plot_title)
 
 
-def summarize(window: list[StepRecord]) -> str:
-    """One log line for an interval: last step and loss, mean throughput and time split."""
+def summarize(window: list[StepRecord], mfu: Callable[[float], float] | None = None) -> str:
+    """One log line for an interval: last step and loss, mean throughput (and the MFU that
+    ``mfu`` gives for it, `trainer.flops`) and time split."""
     last, n = window[-1], len(window)
     step_s = sum(r.step_s for r in window)
     tokens = sum(r.tokens for r in window)
@@ -175,7 +177,9 @@ def summarize(window: list[StepRecord]) -> str:
     total = sum(r.comm_total_s for r in window) / n
     evals = [r.val_loss for r in window if r.val_loss is not None]
     val = f" | val {evals[-1]:.4f}" if evals else ""
+    rate = tokens / step_s if step_s else 0.0
+    util = f" | MFU {100 * mfu(rate):.2f}%" if mfu is not None else ""
     return (f"step {last.step:>6} | loss {last.loss:.4f}{val} | lr {last.lr:.2e} | "
-            f"gnorm {last.grad_norm:.3f} | {tokens / step_s if step_s else 0:,.0f} tok/s | "
+            f"gnorm {last.grad_norm:.3f} | {rate:,.0f} tok/s{util} | "
             f"step {1e3 * step_s / n:.1f} ms = compute {1e3 * compute:.1f} + "
             f"exposed comm {1e3 * comm:.1f} ms (comm total {1e3 * total:.1f} ms)")

@@ -9,6 +9,7 @@ the step, so a resumed run gets the same learning rates without saving scheduler
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,22 +36,24 @@ class Schedule:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
     """Two AdamW groups: decayed (>= 2-D tensors) and not decayed (norm weights, biases)."""
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float,
+def build_optimizer(model: nn.Module | Iterable[nn.Parameter], *, lr: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8
                     ) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s trainable parameters (torch picks the per-device implementation;
-    every one of them is deterministic for a fixed device, which bit-exact resume needs)."""
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps)
+    """AdamW over ``model``'s trainable parameters (or over the given parameters: the fp32 main
+    copies of `trainer.mixed_precision`); torch picks the per-device implementation, every one
+    of them deterministic for a fixed device, which bit-exact resume needs."""
+    params = model.parameters() if isinstance(model, nn.Module) else model
+    return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas, eps=eps)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -40,7 +40,7 @@ from trainer.config import TrainConfig
 
 #: Options that steer one invocation rather than the training math (not reported on resume).
 RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "save_every", "keep",
-               "log_every", "run_dir", "dp", "backend", "gpt"}
+               "log_every", "run_dir", "dp", "backend", "gpt", "peak_tflops"}
 _OK, _DAMAGED, _FATAL = 0, 1, 2  # a rank's verdict on a checkpoint; the worst one wins
 _KEY_BITS = 32
 

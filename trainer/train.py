@@ -17,7 +17,12 @@ bit-exactly from the newest committed checkpoint (the run dir must be visible to
 with Megatron or DeepSpeed), verified file by file (`trainer.resume` states the rule and
 ``--resume-fallback``). Dropout is reseeded from (seed, step, dp rank) every step, so the random
 stream needs no state across a resume. A NaN or Inf loss or gradient norm stops every rank
-before the update, and non-finite parameters are never saved (`trainer.guard`).
+before the update, and non-finite parameters are never saved (`trainer.guard`). Each log line
+shows the MFU when the device's peak is known (`trainer.flops`, ``--peak-tflops``).
+
+With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW steps fp32
+main weights on the fp32 main gradients of the DP buffer (`trainer.mixed_precision`); the
+checkpoints hold the fp32 main weights.
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
@@ -58,10 +63,12 @@ from trainer.config import TrainConfig, resolve_dp
 from trainer.data import BatchPlan, Corpus, ShardedBatches, step_seed
 from trainer.data_parallel import DataParallel
 from trainer.errors import TrainerError
+from trainer.flops import mfu, peak_tflops
 from trainer.grad_clip import NormScope, clip_grad_norm, tp_scope
 from trainer.guard import StepGuard, check_parameters
 from trainer.inference.validation import Validation
 from trainer.metrics import MetricsLog, StepRecord
+from trainer.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
 from trainer.parallelize import parallelize
@@ -117,6 +124,8 @@ class Run:
     guard: StepGuard = field(default_factory=StepGuard)
     clock: CommClock = field(default_factory=CommClock)
     """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
+    main: MainParams | None = None
+    """The fp32 main parameters under ``--precision bf16`` (`trainer.mixed_precision`)."""
 
     @property
     def tp_rank(self) -> int:
@@ -157,7 +166,14 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
-    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap)
+    dtype = model_dtype(cfg.precision, device)
+    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+                      reduce_dtype=DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype !=
+                      "fp32" else None, grads_to_params=dtype is None)
+    # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
+    main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
+    optimizer = main.optimizer if main is not None else optimizer
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
                              dp_rank=dp_comm.rank, device=device)
@@ -173,7 +189,7 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite), clock=clock)
+               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main)
 
 
 def train_step(run: Run, step: int) -> StepRecord:
@@ -197,7 +213,9 @@ def train_step(run: Run, step: int) -> StepRecord:
         run.dp.finish_grad_sync()
     if run.pipeline is not None:
         run.pipeline.sync_tied_grads()
-    grad_norm = clip_grad_norm(run.dp.params, run.cfg.grad_clip, run.norm_scope)
+    params, scope = (run.main.grads(), run.main.scope(run.norm_scope)) if run.main else (
+        run.dp.params, run.norm_scope)
+    grad_norm = clip_grad_norm(params, run.cfg.grad_clip, scope)
     if run.pipeline is not None:
         loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
     else:
@@ -205,6 +223,8 @@ def train_step(run: Run, step: int) -> StepRecord:
         loss = float(loss_sum)
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
         run.optimizer.step()
+        if run.main is not None:
+            run.main.publish()
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
     return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
@@ -230,12 +250,15 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
     pp_comm = run.pipeline.comm if run.pipeline is not None else None
     groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
-    check_parameters(run.model.parameters(), step, groups, report=run.is_writer)
+    main = run.main
+    check_parameters(main.main if main else run.model.parameters(), step, groups,
+                     report=run.is_writer)
     if run.dp_rank != 0:
         return None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
     return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step,
-                           model=run.model.state_dict(), optim=run.optimizer.state_dict(),
+                           model=main.state_dict() if main else run.model.state_dict(),
+                           optim=run.optimizer.state_dict(),
                            meta=meta, keep=run.cfg.keep, shard=(run.tp_rank, run.pp_rank),
                            writers=run.writers)
 
@@ -246,8 +269,10 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
     run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
                     groups=groups, world_comm=world.comm, corpus=corpus)
+    peak = peak_tflops(world.device, cfg.peak_tflops)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
-                     start_step=run.start_step, log_every=cfg.log_every)
+                     start_step=run.start_step, log_every=cfg.log_every,
+                     mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
     pipe = run.pipeline
@@ -281,7 +306,8 @@ def _banner(run: Run, world_size: int) -> str:
     pipeline = f" ({describe_pipeline(cfg)})" if cfg.pp > 1 else ""
     return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size}"
-            f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}{pipeline} | {len(run.dp.buckets)} "
+            f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}{pipeline} | "
+            f"{'bf16, fp32 main weights' if run.main else 'fp32'} | {len(run.dp.buckets)} "
             f"grad bucket(s), overlap {'on' if cfg.overlap else 'off'} | global batch "
             f"{cfg.global_batch} x {cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | "
             f"data {run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"

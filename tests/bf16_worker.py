@@ -1,0 +1,86 @@
+"""One rank of the mixed-precision tests; returns what it saw (`tests.mpi_runs`).
+
+    mpiexec -n 8 python -m tests.mpi_worker tests.bf16_worker:run OUT
+
+On dp 2 x tp 2 x pp 2 it trains the same tiny model for `STEPS` steps with the trainer's own
+``build_run``/``train_step``: in fp32, in bf16, and in bf16 with a bf16 gradient all-reduce. The
+fp32 run also records what the test's tolerance is derived from: before each step, a bound on
+the logits' magnitude (from the final norm and the head; last stage only, else 0). The bf16 run
+saves a checkpoint at the end and reports its fp32 main and bf16 model state. Then
+``trainer.train.train`` runs bf16 to step `HALF` with a checkpoint, resumes to the end, and
+resumes that checkpoint for one more step in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.topology import ParallelDims
+from trainer.config import TrainConfig, make_config, resolve_dp
+from trainer.train import Run, build_run, save_checkpoint, train, train_step
+
+STEPS, HALF = 20, 10
+GPT = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16}
+TRAIN = {"model": "tiny", "steps": STEPS, "global_batch": 8, "microbatches": 2, "dp": 2,
+         "tp": 2, "pp": 2, "lr": 1e-2, "min_lr": 1e-3, "warmup_steps": 2, "seed": 7,
+         "data_cap_mb": 0.25, "grad_clip": 1.0, "eval_every": 0, "bucket_size": 4000}
+
+
+def config(**train: object) -> TrainConfig:
+    return make_config({**TRAIN, **train}, GPT)
+
+
+def logit_bound(run: Run) -> float:
+    """max_v sum_j |w_vj| (|gamma_j| sqrt(D) + |beta_j|) >= |logit_v|: a LayerNorm output is at
+    most sqrt(D) in magnitude per element before its affine map (0 off the last stage)."""
+    norm, head = getattr(run.model, "ln_f", None), getattr(run.model, "head", None)
+    if norm is None or head is None:
+        return 0.0
+    with torch.no_grad():
+        h = norm.weight.abs() * math.sqrt(norm.weight.numel())
+        if getattr(norm, "bias", None) is not None:
+            h = h + norm.bias.abs()
+        return float((head.weight.abs().float() @ h.float()).max())
+
+
+def train_loop(world: World, cfg: TrainConfig) -> tuple[Run, dict[str, Any]]:
+    cfg = resolve_dp(cfg, world.size)
+    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
+    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
+                    groups=groups, world_comm=world.comm)
+    out: dict[str, Any] = {"losses": [], "norms": [], "lrs": [], "logit_bounds": []}
+    for step in range(1, STEPS + 1):
+        out["logit_bounds"].append(logit_bound(run))
+        rec = train_step(run, step)
+        out["losses"].append(rec.loss)
+        out["norms"].append(rec.grad_norm)
+        out["lrs"].append(rec.lr)
+    out["coords"] = (groups.coords.tp, groups.coords.dp, groups.coords.pp)
+    out["model"] = {n: t.detach().clone() for n, t in run.model.state_dict().items()}
+    return run, out
+
+
+def run(out: Path) -> dict[str, Any]:
+    world = init(backend="mpi")
+    result: dict[str, Any] = {"rank": world.rank}
+    _, result["fp32"] = train_loop(world, config(precision="fp32",
+                                                 run_dir=str(out / "fp32")))
+    bf16, result["bf16"] = train_loop(world, config(precision="bf16", run_dir=str(out / "bf16")))
+    result["bf16"]["main"] = {n: t.detach().clone() for n, t in bf16.main.state_dict().items()}
+    result["bf16"]["checkpoint"] = str(save_checkpoint(bf16, STEPS))
+    _, result["bf16_reduce"] = train_loop(world, config(
+        precision="bf16", grad_reduce_dtype="bf16", run_dir=str(out / "bf16-reduce")))
+    resumed = str(out / "bf16-resumed")
+    first = train(config(precision="bf16", run_dir=resumed, stop_at=HALF, save_every=5), world)
+    second = train(config(precision="bf16", run_dir=resumed, resume=True), world)
+    result["resumed"] = {"start": second.start_step, "losses": first.losses + second.losses,
+                         "checkpoint": str(second.checkpoint)}
+    switched = train(config(precision="fp32", run_dir=resumed, resume=True, steps=STEPS + 1),
+                     world)  # the fp32 main weights load into an fp32 model as they are
+    result["switched"] = {"start": switched.start_step, "losses": switched.losses}
+    return result
