@@ -74,8 +74,8 @@ class Side:
         from trainer.comm.bootstrap import build_groups
         from trainer.comm.topology import ParallelDims
         from trainer.config import make_config, resolve_dp
+        from trainer.run import build_run
         from trainer.tensor_parallel.counting import CountingCommunicator
-        from trainer.train import build_run
 
         groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
         self.tp_count = CountingCommunicator(groups.tp)

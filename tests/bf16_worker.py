@@ -22,7 +22,8 @@ import torch
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
 from trainer.config import TrainConfig, make_config, resolve_dp
-from trainer.train import Run, build_run, save_checkpoint, train, train_step
+from trainer.run import Run, build_run
+from trainer.train import save_checkpoint, train, train_step
 
 STEPS, HALF = 20, 10
 GPT = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16}

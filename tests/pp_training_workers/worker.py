@@ -21,8 +21,9 @@ from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
 from trainer.config import resolve_dp
 from trainer.errors import TrainerError
+from trainer.run import build_run
 from trainer.tensor_parallel import full_state
-from trainer.train import build_run, train, train_step
+from trainer.train import train, train_step
 
 
 def train_case(world: World, c: Case, out: Path) -> dict[str, Any]:

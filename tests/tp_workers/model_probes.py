@@ -15,6 +15,7 @@ from trainer.comm.bootstrap import ParallelGroups, World
 from trainer.config import resolve_dp
 from trainer.model import GPT, GPTConfig
 from trainer.parallelize import parallelize
+from trainer.run import build_run
 from trainer.tensor_parallel import (
     TP_RNG,
     RNGStatesTracker,
@@ -23,7 +24,7 @@ from trainer.tensor_parallel import (
     full_state,
     shard_tensor,
 )
-from trainer.train import build_run, train_step
+from trainer.train import train_step
 
 DROP_CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, dropout=0.2)
 
