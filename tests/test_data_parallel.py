@@ -26,7 +26,7 @@ from tests.dp_workers.cases import CASES, STEPS, case_config
 from tests.mpi_runs import world_run
 from tests.numerics import U32, adam_atol, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
-from trainer.data_parallel import plan_buckets
+from trainer.dp_buckets import plan_buckets
 from trainer.metrics import read_records
 
 TOKENS = 8 * 32  # global batch x seq_len of every case: the longest sum in a gradient element

@@ -40,74 +40,23 @@ posts a collective that the others would not match.
 
 from __future__ import annotations
 
-import os
 import threading
 import zlib
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
+from trainer.comm.protocol import Communicator, ReduceOp, wait_all
+from trainer.dp_buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
 from trainer.errors import TrainerError
 from trainer.precision import main_grad_dtype
 
 
 class GradSyncError(TrainerError):
     """Data-parallel gradient synchronisation cannot proceed safely."""
-
-
-def plan_buckets(numels: Sequence[int], bucket_size: int) -> list[tuple[int, int, range]]:
-    """Cut parameters (given in buffer order) into buckets: (start, end, parameter indices).
-
-    A bucket is closed as soon as it holds >= ``bucket_size`` elements, so a parameter bigger
-    than the bucket size gets a bucket of its own and no parameter straddles two buckets."""
-    buckets, first, start, offset = [], 0, 0, 0
-    for i, n in enumerate(numels):
-        offset += n
-        if offset - start >= bucket_size or i == len(numels) - 1:
-            buckets.append((start, offset, range(first, i + 1)))
-            first, start = i + 1, offset
-    return buckets
-
-
-def wants_comm_thread(backend: str, local_ranks: int | None = None) -> bool:
-    """Whether DP should drive its reductions from a host thread: only MPI needs one, and only a
-    host with a core per local rank has the CPU time for it. ``local_ranks`` defaults to the
-    launcher's count: LOCAL_WORLD_SIZE (dtrain launch, torchrun) or MPI_LOCALNRANKS (MPICH's
-    mpiexec), else 1."""
-    if local_ranks is None:
-        raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
-        local_ranks = int(raw) if raw.isdigit() else 1
-    return backend == "mpi" and local_ranks <= len(os.sched_getaffinity(0))
-
-
-class _FutureHandle:
-    """A `Handle` for an all-reduce running on the comm thread."""
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def wait(self) -> None:
-        self._future.result()  # re-raises the thread's exception here, on the main thread
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-
-@dataclass
-class _Bucket:
-    index: int
-    view: torch.Tensor
-    params: list[nn.Parameter]
-    ready: set[int] = field(default_factory=set)
-    handle: Handle | None = None
-    launched: bool = False
-    wire: torch.Tensor | None = None
-    """What is all-reduced when ``reduce_dtype`` is narrower than the buffer (else the view)."""
 
 
 class DataParallel:
@@ -157,10 +106,10 @@ class DataParallel:
             offset += p.numel()
         return buffer
 
-    def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[_Bucket]:
+    def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[Bucket]:
         plan = plan_buckets([p.numel() for p in self.params], bucket_size)
         wire = reduce_dtype != self.buffer.dtype and self.comm.size > 1
-        return [_Bucket(k, self.buffer[start:end], [self.params[i] for i in idx],
+        return [Bucket(k, self.buffer[start:end], [self.params[i] for i in idx],
                         wire=self.buffer.new_empty(end - start, dtype=reduce_dtype) if wire
                         else None)
                 for k, (start, end, idx) in enumerate(plan)]
@@ -262,7 +211,7 @@ class DataParallel:
             self._launch(bucket, async_op=self.overlap)
             self._next += 1
 
-    def _launch(self, bucket: _Bucket, *, async_op: bool) -> None:
+    def _launch(self, bucket: Bucket, *, async_op: bool) -> None:
         bucket.launched = True
         self.launch_order.append(bucket.index)
         if self.comm.size == 1:
@@ -270,22 +219,22 @@ class DataParallel:
         if not async_op:
             self._reduce(bucket)
         elif self._thread is not None:
-            bucket.handle = _FutureHandle(self._thread.submit(self._reduce_polled, bucket))
+            bucket.handle = FutureHandle(self._thread.submit(self._reduce_polled, bucket))
         else:
             bucket.handle = self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM, async_op=True)
 
-    def _reduce(self, bucket: _Bucket) -> None:
+    def _reduce(self, bucket: Bucket) -> None:
         """Blocking reduction of one bucket (main thread in sync mode, else the comm thread)."""
         self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM)
 
-    def _wire(self, bucket: _Bucket) -> torch.Tensor:
+    def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket pre-scaled so the SUM is the mean (Megatron's gradient_scaling_factor =
         1/dp), rounded to the reduce dtype when that is narrower (`finish_grad_sync` copies the
         result back)."""
         bucket.view.mul_(1.0 / self.comm.size)
         return bucket.view if bucket.wire is None else bucket.wire.copy_(bucket.view)
 
-    def _reduce_polled(self, bucket: _Bucket) -> None:
+    def _reduce_polled(self, bucket: Bucket) -> None:
         """The comm thread's reduction: post it, then drive MPI progress with short sleeps
         rather than a blocking call, which would spin a core the backward needs; once
         finish_grad_sync is waiting (``_hurry``) there is no compute left, so block."""

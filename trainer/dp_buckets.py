@@ -1,0 +1,65 @@
+"""The pieces of data parallelism below the `DataParallel` class: how the gradient buffer is cut
+into buckets, a bucket's state while it is reduced, and the comm thread's handle and policy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainer.comm.protocol import Handle
+
+
+def plan_buckets(numels: Sequence[int], bucket_size: int) -> list[tuple[int, int, range]]:
+    """Cut parameters (given in buffer order) into buckets: (start, end, parameter indices).
+
+    A bucket is closed as soon as it holds >= ``bucket_size`` elements, so a parameter bigger
+    than the bucket size gets a bucket of its own and no parameter straddles two buckets."""
+    buckets, first, start, offset = [], 0, 0, 0
+    for i, n in enumerate(numels):
+        offset += n
+        if offset - start >= bucket_size or i == len(numels) - 1:
+            buckets.append((start, offset, range(first, i + 1)))
+            first, start = i + 1, offset
+    return buckets
+
+
+def wants_comm_thread(backend: str, local_ranks: int | None = None) -> bool:
+    """Whether DP should drive its reductions from a host thread: only MPI needs one, and only a
+    host with a core per local rank has the CPU time for it. ``local_ranks`` defaults to the
+    launcher's count: LOCAL_WORLD_SIZE (dtrain launch, torchrun) or MPI_LOCALNRANKS (MPICH's
+    mpiexec), else 1."""
+    if local_ranks is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
+        local_ranks = int(raw) if raw.isdigit() else 1
+    return backend == "mpi" and local_ranks <= len(os.sched_getaffinity(0))
+
+
+class FutureHandle:
+    """A `Handle` for an all-reduce running on the comm thread."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self) -> None:
+        self._future.result()  # re-raises the thread's exception here, on the main thread
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+@dataclass
+class Bucket:
+    index: int
+    view: torch.Tensor
+    params: list[nn.Parameter]
+    ready: set[int] = field(default_factory=set)
+    handle: Handle | None = None
+    launched: bool = False
+    wire: torch.Tensor | None = None
+    """What is all-reduced when ``reduce_dtype`` is narrower than the buffer (else the view)."""
