@@ -35,7 +35,6 @@ class Startup:
         self.events = events
         self.opts = opts
         self.deadline = time.monotonic() + opts.launch_timeout
-        self.rendezvous = Rendezvous("127.0.0.1", 29500)  # decided by prepare()
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
     def prepare(self, plan: JobPlan, master: tuple[str | None, int | None]) -> Rendezvous:
@@ -66,14 +65,15 @@ class Startup:
         if "probe_error" in answer:
             raise AgentError("rendezvous address not found", f"host {self.links[0].name}",
                              answer["probe_error"], "pass --master-addr and --master-port")
-        self.rendezvous = Rendezvous(user_addr or answer.get("address") or "127.0.0.1",
-                                     user_port or int(answer["port"]))
-        return self.rendezvous
+        return Rendezvous(user_addr or answer.get("address") or "127.0.0.1",
+                          user_port or int(answer["port"]))
 
-    def start(self, outcome: JobOutcome, handle: Callable[[Any], None]) -> None:
-        """START everywhere, then feed events to the supervisor until every rank has started."""
+    def start(self, rendezvous: Rendezvous, outcome: JobOutcome,
+              handle: Callable[[Any], None]) -> None:
+        """START (carrying the rendezvous) everywhere, then feed events to the supervisor until
+        every rank has started."""
         for link in self.links:
-            link.send_json(wire.Kind.START, {"env": self.rendezvous.env()})
+            link.send_json(wire.Kind.START, {"env": rendezvous.env()})
         while any(r.state == "pending" for r in outcome.ranks.values()):
             if time.monotonic() > self.deadline or outcome.failures:
                 return

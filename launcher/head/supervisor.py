@@ -58,11 +58,6 @@ class Supervisor:
         self.timings: dict[str, float] = {}
         self._draining = False
 
-    @property
-    def sink(self) -> OutputSink:
-        """The output sink (its `tail` feeds the exit report once `run` has returned)."""
-        return self._sink
-
     # -- signals (installed by the CLI; run in the main thread) -----------------------------
     def on_signal(self, signum: int, _frame: Any = None) -> None:
         if self._draining:
@@ -77,7 +72,7 @@ class Supervisor:
         t0 = time.monotonic()
         startup = Startup(self.links, self.events, self.opts)
         try:
-            startup.prepare(self.plan, master)
+            rendezvous = startup.prepare(self.plan, master)
         except BaseException:
             self._dismiss_all()
             raise
@@ -86,7 +81,7 @@ class Supervisor:
             from launcher.pmi.kvs import KeyValueSpace
 
             self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=self.plan.job_id)
-        startup.start(self.outcome, self._handle)
+        startup.start(rendezvous, self.outcome, self._handle)
         self.stdin.start()
         self.timings.update(hello=startup.hello_at, ready=startup.ready_at,
                             running=time.monotonic())

@@ -65,10 +65,6 @@ class OutputWriter:
         self._sink: OutputSink | None = None
         self._thread: threading.Thread | None = None
 
-    @property
-    def sink(self) -> OutputSink | None:
-        return self._sink
-
     def start(self, sink: OutputSink) -> None:
         self._sink = sink
         self._thread = threading.Thread(target=self._run, args=(sink,), name="output-writer",
