@@ -31,9 +31,9 @@ def validate_remote_python(path: str) -> str:
 
 
 def open_streams(selected: Sequence[HostSlots], *, python: str,
-                 ssh: SSHOptions) -> list[AgentStream]:
+                 ssh: SSHOptions, via: str = "ssh") -> list[AgentStream]:
     """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
-    results = start_agents(selected, python=python, ssh=ssh)
+    results = start_agents(selected, python=python, ssh=ssh, via=via)
     streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:
@@ -45,10 +45,15 @@ def open_streams(selected: Sequence[HostSlots], *, python: str,
 
 
 def start_agents(selected: Sequence[HostSlots], *, python: str,
-                 ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+                 ssh: SSHOptions, via: str = "ssh") -> list[AgentStream | ConnectError]:
     """An agent stream, or why there is none, for every host, in host order; an ssh config
-    that cannot be used (a refused directive, a bad name) raises before anything connects."""
+    that cannot be used (a refused directive, a bad name) raises before anything connects.
+    ``via="slurm"``: every host's agent is an `srun` step instead (launcher.slurm.srun)."""
     python = validate_remote_python(python)
+    if via == "slurm":
+        from launcher.slurm import srun
+
+        return srun.start_agents(selected, python=python)
     results: dict[int, AgentStream | ConnectError] = {
         i: LocalAgentStream(h.entry.name, python=python)
         for i, h in enumerate(selected) if h.entry.is_local}
