@@ -134,6 +134,11 @@ def run_launch(req: LaunchRequest) -> int:
     from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
+    if req.launcher == "slurm" and outcome.exit_code:
+        from launcher.slurm.srun import slurm_ended_job
+
+        if (why := slurm_ended_job()) is not None:
+            sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(

@@ -134,3 +134,40 @@ def node_addresses(names: Sequence[str], env: Mapping[str, str]) -> dict[str, st
         if fields.get("NodeName") and fields.get("NodeAddr"):
             found[fields["NodeName"]] = fields["NodeAddr"]
     return found
+
+
+def slurm_ended_job(environ: Mapping[str, str] = os.environ, wait: float = 5.0) -> str | None:
+    """Why Slurm itself ended the job dtrain runs in (scancel, time limit, node failure), as
+    one message; None while the job is still running or when scontrol cannot tell. A job
+    Slurm is ending reads COMPLETING until its nodes are clean; up to ``wait`` seconds are
+    given to learn the final state (a job whose rank failed on its own is RUNNING: no wait)."""
+    job_id = environ.get(JOB_ID)
+    deadline = time.monotonic() + wait
+    while job_id:
+        fields = _job_fields(job_id, environ)
+        state = fields.get("JobState", "")
+        if state != "COMPLETING" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    else:
+        return None
+    if state in ("", "RUNNING", "COMPLETED", "PENDING"):
+        return None
+    return (f"Slurm ended the job [Slurm job {job_id}: {state}, reason {fields.get('Reason')}]: "
+            "Slurm stopped the job's steps (scancel, a time limit or a failed node), and the "
+            f"exit code is what that did to the ranks. See `scontrol show job {job_id}` or "
+            f"`sacct -j {job_id}`")
+
+
+def _job_fields(job_id: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """`scontrol show job` as a dict; empty when scontrol is missing or does not answer."""
+    scontrol = shutil.which("scontrol", path=environ.get("PATH"))
+    if scontrol is None:
+        return {}
+    try:
+        out = subprocess.run([scontrol, "--oneliner", "show", "job", job_id],
+                             env=srun_environment(environ), capture_output=True, text=True,
+                             timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(f.split("=", 1) for f in out.split() if "=" in f)
