@@ -40,13 +40,13 @@ from launcher.transport.stream import AgentStream
 class SrunNode:
     """The `connection` of a step: the node's address as Slurm knows it (NodeAddr)."""
 
-    def __init__(self, address: str, started: float) -> None:
-        self._address = address
+    def __init__(self, host: str, started: float) -> None:
+        self.address = host   # the node name until `scontrol` tells its NodeAddr
         self._started = started
         self.latency_ms = 0.0
 
     def peer_address(self) -> str:
-        return self._address
+        return self.address
 
     def first_byte(self) -> None:
         if not self.latency_ms:
@@ -61,9 +61,8 @@ class SrunAgentStream(LocalAgentStream):
 
     is_local = False
 
-    def __init__(self, host: str, argv: Sequence[str], env: Mapping[str, str],
-                 address: str) -> None:
-        self.connection = SrunNode(address, time.monotonic())
+    def __init__(self, host: str, argv: Sequence[str], env: Mapping[str, str]) -> None:
+        self.connection = SrunNode(host, time.monotonic())
         super().__init__(host, command=argv, env=env)
 
     def read(self, max_bytes: int = 65536) -> bytes:
@@ -104,16 +103,19 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
         raise UsageError("--launcher slurm needs a Slurm allocation", "--launcher slurm", why,
                          "run dtrain inside `salloc` or an `sbatch` script")
     env = srun_environment(environ)
-    addresses = node_addresses([h.entry.name for h in selected], env)
     results: list[AgentStream | ConnectError] = []
     for host in selected:
         name = host.entry.name
         try:
-            results.append(SrunAgentStream(name, srun_command(name, job_id, python, srun), env,
-                                           addresses.get(name, name)))
+            results.append(SrunAgentStream(name, srun_command(name, job_id, python, srun), env))
         except OSError as exc:
             results.append(ConnectError("cannot start srun", f"host {name}", str(exc),
                                         "check that Slurm's srun works here"))
+    # Asked while the steps start: the addresses are needed only once the agents answer.
+    addresses = node_addresses([h.entry.name for h in selected], env)
+    for stream in results:
+        if isinstance(stream, SrunAgentStream):
+            stream.connection.address = addresses.get(stream.host, stream.host)
     return results
 
 
