@@ -28,6 +28,7 @@ from launcher.agent.facts import host_facts
 from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
 from launcher.plan.environment import compose_base_env
+from launcher.slurm.srun import starter_for
 from launcher.transport.connect import close_streams, start_agents
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
@@ -107,7 +108,7 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
     planned = forwarded_to_ranks(cwd)  # a bad .dtrainenv fails before anything starts
     streams: dict[str, AgentStream] = {}
-    results = start_agents(selected, python=python, ssh=ssh, via=via)
+    results = start_agents(selected, python=python, ssh=ssh, starter=starter_for(via))
     for h, res in zip(selected, results, strict=True):
         if isinstance(res, DtrainError):
             rows[h.entry.name].problems.append(str(res))

@@ -22,7 +22,7 @@ from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
-from launcher.slurm import allocation
+from launcher.slurm import allocation, srun
 from launcher.transport.connect import close_streams, open_streams, validate_remote_python
 from launcher.transport.options import SSHOptions
 
@@ -114,7 +114,8 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh, via=req.launcher)
+    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh,
+                           starter=srun.starter_for(req.launcher))
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
     from launcher.head.output import OutputSink
@@ -134,11 +135,8 @@ def run_launch(req: LaunchRequest) -> int:
     from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
-    if req.launcher == "slurm" and outcome.exit_code:
-        from launcher.slurm.srun import slurm_ended_job
-
-        if (why := slurm_ended_job()) is not None:
-            sys.stderr.write(f"dtrain: {why}\n")
+    if req.launcher == "slurm" and outcome.exit_code and (why := srun.slurm_ended_job()):
+        sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(

@@ -5,5 +5,5 @@
     srun        the agent as one `srun` job step per host: an AgentStream over srun's pipes
                 (adapter)
 
-Everything after the agents start is the SSH launcher's code path; see docs/design.md §7.
+Everything after the agents start is the SSH launcher's code path; see docs/design.md §5.
 """

@@ -33,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from launcher.errors import ConnectError, UsageError
 from launcher.hosts.selection import HostSlots
 from launcher.slurm.allocation import JOB_ID
+from launcher.transport.connect import AgentStarter
 from launcher.transport.local import LocalAgentStream, agent_command
 from launcher.transport.stream import AgentStream
 
@@ -62,12 +63,13 @@ class SrunAgentStream(LocalAgentStream):
     is_local = False
 
     def __init__(self, host: str, argv: Sequence[str], env: Mapping[str, str]) -> None:
-        self.connection = SrunNode(host, time.monotonic())
+        self.node = SrunNode(host, time.monotonic())
+        self.connection = self.node
         super().__init__(host, command=argv, env=env)
 
     def read(self, max_bytes: int = 65536) -> bytes:
         data = super().read(max_bytes)
-        self.connection.first_byte()
+        self.node.first_byte()
         return data
 
     def kill(self) -> None:
@@ -78,6 +80,11 @@ class SrunAgentStream(LocalAgentStream):
                 time.sleep(0.1)
             if self.wait(5.0) is None:
                 super().kill()
+
+
+def starter_for(launcher: str) -> AgentStarter | None:
+    """What `transport.connect` starts agents with: srun steps for "slurm", else SSH/local."""
+    return start_agents if launcher == "slurm" else None
 
 
 def srun_command(host: str, job_id: str, python: str, srun: str = "srun") -> list[str]:
@@ -115,7 +122,7 @@ def start_agents(selected: Sequence[HostSlots], *, python: str,
     addresses = node_addresses([h.entry.name for h in selected], env)
     for stream in results:
         if isinstance(stream, SrunAgentStream):
-            stream.connection.address = addresses.get(stream.host, stream.host)
+            stream.node.address = addresses.get(stream.host, stream.host)
     return results
 
 
