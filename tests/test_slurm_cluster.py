@@ -8,6 +8,7 @@ process of the job may remain on any node within 10 s (`ip netns pids`, minus sl
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import time
 from pathlib import Path
@@ -68,6 +69,20 @@ def test_in_an_allocation_without_a_hostfile_every_rank_gets_its_contract_on_its
                 e["WORLD_SIZE"]) == (str(rank), str(rank % 2), str(rank // 2), "2", "4")
         assert e["MASTER_ADDR"] == slurm.netns.address("node1")
         assert e["scrubbed"] == []  # Slurm's own SLURM_* variables do not reach the ranks
+
+
+def test_an_sbatch_job_runs_the_head_on_its_first_node_and_every_rank_on_its_own(slurm,
+                                                                                   tmp_path):
+    out = tmp_path / "job.out"
+    script = shlex.join([*dtrain_cmd(["launch", "--launcher", "slurm", "--", PYTHON, PROBE,
+                                      "env"])])
+    done = subprocess.run(["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1",
+                           f"--output={out}", f"--chdir={REPO}", "--wrap", script],
+                          capture_output=True, text=True, timeout=120, env=_env(slurm))
+    assert done.returncode == 0, out.read_text() if out.exists() else done.stderr
+    envs = _rank_json(out.read_text())
+    assert {r: e["hostname"] for r, e in envs.items()} == {0: "node1", 1: "node2"}
+    assert envs[1]["MASTER_ADDR"] == slurm.netns.address("node1")
 
 
 def test_launcher_slurm_forms_one_mpi_world_across_nodes_that_run_no_ssh_server(slurm):
