@@ -8,13 +8,18 @@ process of the job may remain on any node within 10 s (`ip netns pids`, minus sl
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from launcher.hosts.hostfile import HostEntry
+from launcher.hosts.selection import HostSlots
+from launcher.slurm.srun import SrunAgentStream, start_agents
 from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env, kill_recorded
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
@@ -135,6 +140,34 @@ def test_a_node_whose_slurmd_dies_ends_the_job_with_255_naming_the_node(slurm, t
     _, err = head.communicate(timeout=90)
     assert head.returncode == 255, err
     assert "first failure: host node2" in err and "Node failure on node2" in err
+
+
+def _agent_pid(slurm, host: str) -> int:
+    for pid in slurm.job_pids(host):
+        try:
+            if b"launcher.agent" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no agent process on {host}")
+
+
+def test_killing_an_srun_stream_ends_its_step_even_when_the_agent_hangs(slurm):
+    alloc = slurm.run("salloc", "--nodes=1", "--no-shell")  # "Granted job allocation N"
+    job = alloc.stderr.split("Granted job allocation")[1].split()[0]
+    try:
+        entry = HostEntry("node1", 1)
+        [stream] = start_agents([HostSlots(entry, (0,), False)], python=PYTHON,
+                                environ={**_env(slurm), "SLURM_JOB_ID": job})
+        assert isinstance(stream, SrunAgentStream)
+        assert stream.read(1)  # the agent's HELLO began: it runs on node1
+        os.kill(_agent_pid(slurm, "node1"), signal.SIGSTOP)  # hung: it cannot act on EOF
+        stream.close()
+        stream.kill()  # srun SIGKILLed: only Slurm terminating the step ends a stopped agent
+        assert stream.wait(10) is not None
+        assert not slurm.wait_no_job_pids(10)
+    finally:
+        slurm.run("scancel", job, check=False)
 
 
 def test_dtrain_check_under_slurm_checks_every_node_through_srun(slurm):

@@ -17,15 +17,14 @@ variables, which srun would read as options (SLURM_NTASKS_PER_NODE=4 would contr
 --ntasks=1): only the job id is passed, as --jobid.
 
 A step ends when Slurm cancels the job (`scancel`), when its node fails, or when the head
-closes srun's stdin (the agent sees EOF and stops its ranks). `kill` sends srun two SIGINTs
-(srun's own "terminate the step" gesture), so no agent outlives a head that gives up on it.
+closes srun's stdin (the agent sees EOF and stops its ranks). `kill` (the last resort, the
+local transport's) SIGKILLs srun: Slurm then terminates the step, even an agent that hangs.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
@@ -71,15 +70,6 @@ class SrunAgentStream(LocalAgentStream):
         data = super().read(max_bytes)
         self.node.first_byte()
         return data
-
-    def kill(self) -> None:
-        """Two SIGINTs within a second make srun terminate the step; SIGKILL after 5 s."""
-        if self._proc.poll() is None:
-            for _ in range(2):
-                self._proc.send_signal(signal.SIGINT)
-                time.sleep(0.1)
-            if self.wait(5.0) is None:
-                super().kill()
 
 
 def starter_for(launcher: str) -> AgentStarter | None:
