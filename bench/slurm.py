@@ -75,7 +75,11 @@ def run_one(slurm: Any, tool: str, n: int, per_host: int) -> common.Sample:
 
 
 @contextlib.contextmanager
-def slurm_cluster(n_hosts: int) -> Iterator[Any]:
+def slurm_cluster(n_hosts: int, given: Any = None) -> Iterator[Any]:
+    """``given`` (a test's fixture, left open), else a new Slurm over hosts with sshd."""
+    if given is not None:
+        yield given
+        return
     from testbed.netns import NetnsCluster, netns_available
     from testbed.slurm import SlurmCluster, slurm_available
 
@@ -94,10 +98,11 @@ def slurm_cluster(n_hosts: int) -> Iterator[Any]:
 
 
 def run(hosts: Sequence[int] = HOSTS, reps: int = 5, *, tools: Sequence[str] = TOOLS,
-        per_host: int = PER_HOST, warmup: bool = True,
+        per_host: int = PER_HOST, warmup: bool = True, cluster: Any = None,
         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Rows {tool, hosts, ranks, start_s, exit_s (medians), *_min_s, *_vs_srun, ...}."""
-    with slurm_cluster(max(hosts)) as slurm:
+    """Rows {tool, hosts, ranks, start_s, exit_s (medians), *_min_s, *_vs_srun, ...}; on
+    ``cluster`` (a `testbed.slurm.SlurmCluster`, left open) when given."""
+    with slurm_cluster(max(hosts), cluster) as slurm:
         results = common.collect(slurm, list(tools), list(hosts), reps,
                                  lambda tool, n: run_one(slurm, tool, n, per_host),
                                  warmup, progress)
