@@ -1,8 +1,9 @@
 """Hosts and slots from the Slurm allocation dtrain runs in (pure: reads a mapping).
 
-Used by `dtrain launch`/`check` when ``SLURM_JOB_ID`` is set and neither --hostfile nor -H
-is given; outside an allocation nothing changes. Hosts are ``SLURM_JOB_NODELIST`` in order,
-expanded by `launcher.slurm.nodelist`. Slots per host, the first of these that is set:
+Used by `dtrain launch`/`check` when ``SLURM_JOB_ID`` and the node list are set and neither
+--hostfile nor -H is given; outside an allocation nothing changes. Hosts are
+``SLURM_JOB_NODELIST`` in order, expanded by `launcher.slurm.nodelist`. Slots per host, the
+first of these that is set:
 
     SLURM_GPUS_ON_NODE     GPUs per node (--gpus-per-node, --gres=gpu:N)
     SLURM_JOB_GPUS         the GPUs' physical ids on the node the head runs on
@@ -38,7 +39,9 @@ class Allocation:
 
 
 def in_allocation(environ: Mapping[str, str]) -> bool:
-    return bool(environ.get(JOB_ID))
+    """A job id and its node list: a stray SLURM_JOB_ID alone changes nothing."""
+    return bool(environ.get(JOB_ID)) and bool(
+        environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST"))
 
 
 def read_allocation(environ: Mapping[str, str]) -> Allocation:
