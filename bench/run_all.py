@@ -3,8 +3,8 @@
     python -m bench.run_all [--only NAME[,NAME...]] [--quick] [--results DIR]
 
 Benches are imported lazily, so one that is missing (still being written) or broken is
-reported and the others still run. The network-namespace benches (launch_time, wireup,
-output) need root and are skipped with the reason otherwise. Each finished bench writes
+reported and the others still run. The network-namespace benches (launch_time, slurm,
+wireup, output) need root and are skipped with the reason otherwise. Each finished bench writes
 ``<results>/<name>.json`` ({bench, options, machine, seconds, rows}); then
 ``<results>/summary.md`` is rebuilt from every JSON file there, so ``--only`` refreshes one
 bench without dropping the others from the summary. ``--quick`` runs small configurations
@@ -49,6 +49,8 @@ BENCHES = (
           quick={"hosts": (1, 2), "reps": 2}),
     Bench("launch_breakdown", "Launch start-up breakdown: imports, agent boot, first frames",
           True, quick={"hosts": (1,), "reps": 1}),
+    Bench("slurm", "Launch time in a Slurm allocation: dtrain --launcher slurm vs srun", True,
+          quick={"hosts": (1, 2), "reps": 1}),
     Bench("wireup", "MPI wire-up: dtrain vs mpiexec.hydra over SSH", True,
           quick={"hosts": (1, 2), "reps": 2}),
     Bench("output", "Output throughput: dtrain vs mpiexec.hydra over SSH", True,

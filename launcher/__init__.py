@@ -19,6 +19,9 @@ paramiko and subprocess live in the modules marked (adapter).
                  ssh_sockets   TCP within ConnectTimeout, ProxyJump tunnels (adapter)
                  ssh_auth      host-key check and public-key authentication (adapter)
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
+    slurm/       nodelist      SLURM_JOB_NODELIST expansion, as `scontrol show hostnames` (pure)
+                 allocation    hosts, slots and GPU ids from SLURM_* with their source (pure)
+                 srun          --launcher slurm: each agent as one srun step (adapter)
     head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
                  pmi_notes     refused MPI features and stalled barriers, told once

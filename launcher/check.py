@@ -28,6 +28,7 @@ from launcher.agent.facts import host_facts
 from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
 from launcher.plan.environment import compose_base_env
+from launcher.slurm.srun import starter_for
 from launcher.transport.connect import close_streams, start_agents
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
@@ -103,16 +104,15 @@ def forwarded_to_ranks(cwd: str) -> dict[str, str]:
 
 
 def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,
-                cwd: str, timeout: float = 60.0) -> list[HostCheck]:
+                cwd: str, timeout: float = 60.0, via: str = "ssh") -> list[HostCheck]:
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
     planned = forwarded_to_ranks(cwd)  # a bad .dtrainenv fails before anything starts
     streams: dict[str, AgentStream] = {}
-    results = start_agents(selected, python=python, ssh=ssh)
+    results = start_agents(selected, python=python, ssh=ssh, starter=starter_for(via))
     for h, res in zip(selected, results, strict=True):
         if isinstance(res, DtrainError):
             rows[h.entry.name].problems.append(str(res))
             continue
-        rows[h.entry.name].latency_ms = res.connection.latency_ms if res.connection else None
         streams[h.entry.name] = res
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(streams) or 1)) as pool:
         futures = {name: pool.submit(ask_facts, s, cwd, timeout, planned)
@@ -124,6 +124,8 @@ def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,
         except (OSError, RuntimeError, wire.WireError) as exc:
             rows[name].problems.append(f"agent failed: {exc}")
             continue
+        connection = streams[name].connection  # read now: an srun step's counts to its HELLO
+        rows[name].latency_ms = connection.latency_ms if connection else None
         rows[name].problems += compare(head, facts, rows[name].slots)
     close_streams(list(streams.values()))
     return list(rows.values())
@@ -155,8 +157,8 @@ def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
 
 
 def run_check(selected: Sequence[HostSlots], *, ssh: SSHOptions,
-              python: str = sys.executable, cwd: str | None = None) -> int:
-    rows = check_hosts(selected, ssh=ssh, python=python, cwd=cwd or os.getcwd())
+              python: str = sys.executable, cwd: str | None = None, via: str = "ssh") -> int:
+    rows = check_hosts(selected, ssh=ssh, python=python, cwd=cwd or os.getcwd(), via=via)
     print_table(rows, sys.stdout)
     bad = [r.host for r in rows if not r.ok]
     if bad:

@@ -157,8 +157,10 @@ whose name starts with a dash; it is always safe."""
               help="How MPI ranks reach the PMI-1 server of their agent.")
 @click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
               help="Seconds after which a waiting PMI barrier names the ranks it waits for.")
-@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "mpirun"]), default="ssh",
-              show_default=True, help="dtrain's agents over SSH, or an mpiexec/mpirun command.")
+@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm", "mpirun"]),
+              default="ssh", show_default=True,
+              help="dtrain's agents over SSH or as srun steps (in a Slurm allocation), or an "
+              "mpiexec/mpirun command.")
 @click.option("--mpirun", "mpirun_path", help="mpiexec/mpirun to use with --launcher mpirun.")
 @click.option("--mpi-flavour", type=click.Choice(["hydra", "openmpi"]),
               help="Kind of --mpirun (detected from its --version by default).")
@@ -207,6 +209,9 @@ def _guard(action: Callable[[], int]) -> int:
               help="Interpreter that runs the agent on every host.")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory to look for (default: the current one).")
+@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm"]), default="ssh",
+              show_default=True, help="Reach the hosts over SSH, or as srun steps in a Slurm "
+              "allocation (where nodes run no sshd).")
 def check(**kw: Any) -> None:
     """Preflight every host in parallel: SSH, versions, GPUs, working directory."""
     from launcher.check import run_check
@@ -217,4 +222,4 @@ def check(**kw: Any) -> None:
     ssh = _ssh_options(kw)
     sys.exit(_guard(lambda: run_check(
         select(hosts), ssh=ssh, python=validate_remote_python(kw["remote_python"]),
-        cwd=os.path.abspath(kw["chdir"] or os.getcwd()))))
+        cwd=os.path.abspath(kw["chdir"] or os.getcwd()), via=kw["launcher_kind"])))

@@ -22,6 +22,7 @@ from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
+from launcher.slurm import allocation, srun
 from launcher.transport.connect import close_streams, open_streams, validate_remote_python
 from launcher.transport.options import SSHOptions
 
@@ -54,7 +55,7 @@ class LaunchRequest:
     dry_run: bool = False
     timings: bool = False                # print when each start-up phase completed
     supervise: SuperviseOptions = SuperviseOptions()
-    launcher: str = "ssh"                # ssh (agents) or mpirun
+    launcher: str = "ssh"                # ssh or slurm (agents via srun), or mpirun
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
     mpi_flavour: str | None = None       # hydra or openmpi; detected when None
 
@@ -63,17 +64,22 @@ def select(req: HostRequest) -> list[selection.HostSlots]:
     if req.hostfile and req.hosts:
         raise UsageError("conflicting host options", "--hostfile/-H",
                          "both were given", "use one of them")
+    alloc = None
     if req.hostfile:
         entries = hostfile.parse_hostfile(req.hostfile)
     elif req.hosts:
         entries = hostfile.parse_host_list(req.hosts)
+    elif allocation.in_allocation(os.environ):  # inside salloc/sbatch: the allocation's nodes
+        alloc = allocation.read_allocation(os.environ)
+        entries = list(alloc.entries)
     else:
         entries = hostfile.local_hosts(req.nproc_per_node or 1)
-    nproc = req.nproc_per_node if (req.hostfile or req.hosts) else None
+    nproc = req.nproc_per_node if (req.hostfile or req.hosts or alloc) else None
     if nproc is not None:
         _warn_slots_differ(entries, nproc)
-    return selection.select_hosts(entries, include=req.include, exclude=req.exclude,
-                                  num_nodes=req.num_nodes, nproc_per_node=nproc)
+    selected = selection.select_hosts(entries, include=req.include, exclude=req.exclude,
+                                      num_nodes=req.num_nodes, nproc_per_node=nproc)
+    return allocation.with_gpu_ids(selected, alloc) if alloc else selected
 
 
 def _warn_slots_differ(entries: Sequence[hostfile.HostEntry], nproc: int) -> None:
@@ -108,7 +114,8 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh)
+    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh,
+                           starter=srun.starter_for(req.launcher))
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
     from launcher.head.output import OutputSink
@@ -128,6 +135,8 @@ def run_launch(req: LaunchRequest) -> int:
     from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
+    if req.launcher == "slurm" and outcome.exit_code and (why := srun.slurm_ended_job()):
+        sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(

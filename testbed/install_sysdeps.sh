@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Installs the system tools the tests use (sshd, ip) when running as root; otherwise only reports.
+# Installs the system tools the tests use (sshd, ip, pdsh, Slurm, munge) when running as root;
+# otherwise only reports.
 set -euo pipefail
 need=()
 command -v sshd >/dev/null 2>&1 || [ -x /usr/sbin/sshd ] || need+=(openssh-server)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
+# A real Slurm for tests/test_slurm_*.py and bench/slurm.py (testbed/slurm.py runs it).
+[ -x /usr/sbin/slurmctld ] || need+=(slurmctld)
+[ -x /usr/sbin/slurmd ] || need+=(slurmd)
+command -v srun >/dev/null 2>&1 || need+=(slurm-client)
+[ -x /usr/sbin/munged ] || need+=(munge)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
     echo "sysdeps: not root; tests needing ${need[*]} will be skipped" >&2

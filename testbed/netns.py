@@ -141,7 +141,7 @@ def reap_stale() -> None:
 class NetnsCluster:
     """``n_hosts`` SSH hosts named node1..nodeN, reachable from the root namespace (the head)."""
 
-    def __init__(self, n_hosts: int = 3) -> None:
+    def __init__(self, n_hosts: int = 3, *, sshd: bool = True) -> None:
         ensure_privsep_dir()
         STATE_DIR.mkdir(mode=0o700, exist_ok=True)
         reap_stale()
@@ -162,7 +162,7 @@ class NetnsCluster:
         try:
             self._build_network()
             self._write_keys_and_configs()
-            for host in self.hosts:
+            for host in self.hosts if sshd else ():  # a Slurm cluster may run without SSH
                 self.start_sshd(host)
         except BaseException:
             self.close()

@@ -1,4 +1,5 @@
-"""Shared fixtures: a real sshd on loopback, a 3-host network-namespace cluster, the venv python.
+"""Shared fixtures: a real sshd on loopback, a 3-host network-namespace cluster, a real Slurm
+over three namespace hosts, the venv python.
 
 Tests using `sshd` or `netns_cluster` are marked ``sshd``/``netns`` automatically, so
 ``pytest -m "not netns"`` deselects them; they skip with the reason when the machine cannot
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from testbed.netns import NetnsCluster, netns_available
+from testbed.slurm import SlurmCluster, slurm_available
 from testbed.sshd import SshdServer, sshd_available
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -43,6 +45,22 @@ def netns_cluster() -> Iterator[NetnsCluster]:
 
 
 @pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A real Slurm (slurmctld, munged, one slurmd per host) over namespace hosts node1..node3
+    that run no sshd: what a cluster that forbids SSH between nodes looks like."""
+    for usable, reason in (netns_available(), slurm_available()):
+        if not usable:
+            pytest.skip(f"slurm cluster: {reason}")
+    hosts = NetnsCluster(3, sshd=False)
+    try:
+        cluster = SlurmCluster(hosts)
+        yield cluster
+        cluster.close()
+    finally:
+        hosts.close()
+
+
+@pytest.fixture(scope="session")
 def venv_python() -> str:
     """The interpreter running the tests (the project's venv), for subprocesses and agents."""
     return sys.executable
@@ -53,5 +71,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         names = getattr(item, "fixturenames", ())
         if "sshd" in names:
             item.add_marker(pytest.mark.sshd)
-        if "netns_cluster" in names:
+        if "netns_cluster" in names or "slurm_cluster" in names:
             item.add_marker(pytest.mark.netns)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bench import common, launch_time, run_all, wireup
+from bench import common, launch_time, run_all, slurm, wireup
 
 
 def _usable(tools):
@@ -49,6 +49,15 @@ def test_wireup_on_one_host_forms_one_world_under_dtrain_and_hydra(netns_cluster
     for row in rows:
         assert row["world_s"] <= row["barrier_s"] <= row["exit_s"]
     assert netns_cluster.wait_no_job_pids(5) == {}
+
+
+def test_the_slurm_bench_on_one_node_starts_every_rank_under_dtrain_and_srun(slurm_cluster):
+    tools = ["dtrain-slurm", "srun"]  # dtrain-ssh needs sshd, which the test nodes lack
+    rows = slurm.run(hosts=(1,), reps=1, tools=tools, warmup=False, cluster=slurm_cluster)
+    _check_rows(rows, tools, ("start", "exit"))
+    assert all(row["start_s"] <= row["exit_s"] for row in rows)
+    assert isinstance(rows[0]["start_s_vs_srun"], float)
+    assert slurm_cluster.wait_no_job_pids(5) == {}
 
 
 def test_a_world_of_singletons_is_rejected_by_the_wireup_check():

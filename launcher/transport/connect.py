@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from launcher.errors import ConnectError, UsageError
@@ -18,6 +18,9 @@ from launcher.hosts.selection import HostSlots
 from launcher.transport.local import LocalAgentStream, agent_command
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
+
+# Starts the agents of all hosts another way than SSH: (selected, python=...) -> results.
+AgentStarter = Callable[..., "list[AgentStream | ConnectError]"]
 
 _SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
 
@@ -30,10 +33,10 @@ def validate_remote_python(path: str) -> str:
     return path
 
 
-def open_streams(selected: Sequence[HostSlots], *, python: str,
-                 ssh: SSHOptions) -> list[AgentStream]:
+def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
+                 starter: AgentStarter | None = None) -> list[AgentStream]:
     """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
-    results = start_agents(selected, python=python, ssh=ssh)
+    results = start_agents(selected, python=python, ssh=ssh, starter=starter)
     streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:
@@ -44,11 +47,14 @@ def open_streams(selected: Sequence[HostSlots], *, python: str,
     return streams
 
 
-def start_agents(selected: Sequence[HostSlots], *, python: str,
-                 ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
+                 starter: AgentStarter | None = None) -> list[AgentStream | ConnectError]:
     """An agent stream, or why there is none, for every host, in host order; an ssh config
-    that cannot be used (a refused directive, a bad name) raises before anything connects."""
+    that cannot be used (a refused directive, a bad name) raises before anything connects.
+    A ``starter`` starts every host's agent its own way (`launcher.slurm.srun`: srun steps)."""
     python = validate_remote_python(python)
+    if starter is not None:
+        return starter(selected, python=python)
     results: dict[int, AgentStream | ConnectError] = {
         i: LocalAgentStream(h.entry.name, python=python)
         for i, h in enumerate(selected) if h.entry.is_local}

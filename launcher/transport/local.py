@@ -11,7 +11,7 @@ import io
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from launcher.transport.stream import AgentConnection
 
@@ -30,14 +30,17 @@ class LocalAgentStream:
     connection: AgentConnection | None = None  # no SSH in between
 
     def __init__(self, host: str, python: str = sys.executable, cwd: str | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), *, command: Sequence[str] | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+        """``command`` replaces the agent command when a launcher starts it (`srun ...`)."""
         self.host = host
         self._proc = subprocess.Popen(
-            agent_command(python) + list(extra_args),
+            list(command) if command else agent_command(python) + list(extra_args),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=cwd,
+            env=env,
             # Its own session: a terminal's Ctrl-C reaches the head, which decides what to do.
             start_new_session=True,
         )
