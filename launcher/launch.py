@@ -128,6 +128,8 @@ def run_launch(req: LaunchRequest) -> int:
     from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
+    for line in sup.progress.final_report():
+        sys.stderr.write(f"dtrain: {line}\n")
     if req.timings:
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(

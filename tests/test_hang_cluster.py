@@ -1,0 +1,118 @@
+"""Hang diagnosis, stragglers and the live view of real jobs (`dtrain launch --hang-timeout`,
+`--hang-action`, `--status-interval`), on network-namespace hosts with real MPICH ranks.
+
+After every scenario no process of the job may remain on any host (`ip netns pids`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support import PYTHON, REPO, kill_recorded, run_dtrain, start_dtrain, wait_for_lines
+
+WORKER = str(REPO / "tests" / "workers" / "hang_worker.py")
+HANG_TIMEOUT = 3.0
+# Diagnosis within the timeout plus: one sampling interval, the probe with py-spy stacks, and
+# start-up of the ranks (torch and MPI imports on a loaded 2-core machine).
+SLACK_S = 60.0
+
+
+@pytest.fixture
+def cluster(netns_cluster):
+    yield netns_cluster
+    left = netns_cluster.wait_no_job_pids(10)
+    assert not left, f"job processes left on hosts: {left}"
+
+
+def _hang_args(cluster, hosts: str, log_dir: Path) -> list[str]:
+    return ["launch", "-H", hosts, "--ssh-config", str(cluster.ssh_config),
+            "--hang-timeout", str(HANG_TIMEOUT), "--hang-action", "abort", "--grace", "1",
+            "--log-dir", str(log_dir)]
+
+
+def _diagnosis(log_dir: Path) -> str:
+    (path,) = log_dir.glob("*/hang-1.txt")
+    return path.read_text()
+
+
+def test_a_rank_that_skips_an_all_reduce_is_named_and_the_job_is_aborted(cluster, tmp_path):
+    started = time.monotonic()
+    res = run_dtrain([*_hang_args(cluster, "node1:2,node2:2", tmp_path), "--", PYTHON,
+                      WORKER, "skip"], timeout=120)
+    assert res.returncode == 123, res.stderr[-3000:]
+    text = _diagnosis(tmp_path)
+    # dp 2 x tp 2: rank 2's DP group is dp[0] = {0, 2}; it skipped its 3rd all-reduce, so
+    # rank 0's 5th (#5 on dp[0]) is the one rank 2 never entered.
+    assert "rank 2 (node2) never entered all_reduce #5 on dp[0] (float32, 1.0 KiB)" in text
+    assert "rank 0 (node1) wait in it" in text
+    assert "hang:" in res.stderr and "never entered all_reduce #5 on dp[0]" in res.stderr
+    assert "hung (" in res.stderr  # the final report names the hang as the job's failure
+    assert time.monotonic() - started < HANG_TIMEOUT + SLACK_S
+
+
+def test_a_stage_blocked_in_a_pipeline_receive_names_its_peer_with_its_stack(cluster,
+                                                                             tmp_path):
+    res = run_dtrain([*_hang_args(cluster, "node1:1,node2:1", tmp_path), "--", PYTHON,
+                      WORKER, "pipe"], timeout=120)
+    assert res.returncode == 123, res.stderr[-3000:]
+    text = _diagnosis(tmp_path)
+    assert ("rank 0 (node1) waits in batch_p2p #6 on pp[0] to receive from rank 1 (node2) "
+            "(its rank 1 there)") in text
+    assert "rank 1 (node2): is in no communication operation at step 2" in text
+    assert "stack of rank 1" in text and "pipe (hang_worker.py" in text  # py-spy's dump
+
+
+def test_a_stopped_rank_of_a_pipeline_training_run_is_named_as_stopped(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = start_dtrain([*_hang_args(cluster, "node1:1,node2:1", tmp_path), "--", PYTHON,
+                         "-m", "trainer.train", "--model", "tiny", "--pp", "2",
+                         "--microbatches", "2", "--steps", "400", "--data-cap-mb", "1",
+                         "--run-dir", str(run_dir)])
+    stopped: list[int] = []
+    try:
+        wait_for_lines(run_dir / "metrics.jsonl", 3, timeout=120)
+        stopped = [p for p in cluster.job_pids("node2") if _is_rank(p)]
+        assert len(stopped) == 1
+        os.kill(stopped[0], signal.SIGSTOP)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        kill_recorded([proc.pid])
+    assert proc.returncode == 123, err[-3000:]
+    text = _diagnosis(tmp_path)
+    assert f"rank 1 (node2): is stopped (SIGSTOP/SIGTSTP); `kill -CONT {stopped[0]}`" in text
+    assert "rank 0 (node1) waits in" in text and " on pp[0]" in text
+
+
+def _is_rank(pid: int) -> bool:
+    try:
+        return b"trainer.train" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def test_a_rank_sleeping_in_every_step_is_the_one_straggler_in_the_view_and_at_the_end(
+        cluster, tmp_path):
+    res = run_dtrain(["launch", "-H", "node1:2,node2:2", "--ssh-config",
+                      str(cluster.ssh_config), "--status-interval", "0.5", "--", PYTHON, WORKER,
+                      "slow"], timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    finals = [line for line in res.stderr.splitlines() if line.startswith("dtrain: straggler:")]
+    assert len(finals) == 1 and finals[0].startswith(
+        "dtrain: straggler: rank 1 (node1) computes 0.1"), res.stderr[-3000:]
+    table = [line for line in res.stderr.splitlines() if "STRAGGLER" in line]
+    assert table and all(line.split()[1:3] == ["node1", "1"] for line in table)
+
+
+def test_a_healthy_training_job_with_a_short_hang_timeout_reports_nothing(tmp_path):
+    res = run_dtrain(["launch", "--nproc-per-node", "2", "--hang-timeout", "2",
+                      "--hang-action", "abort", "--", PYTHON, "-m", "trainer.train",
+                      "--model", "tiny", "--steps", "60", "--eval-every", "20",
+                      "--save-every", "20", "--data-cap-mb", "1", "--run-dir",
+                      str(tmp_path / "run")], timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "hang" not in res.stderr
