@@ -2,9 +2,9 @@
 
 One row per rank (per host once the job has more than `MAX_RANK_ROWS` ranks, so the table
 fits a screen): step, average compute time per step, the operation it waits in (``wait``)
-or else the last one it entered, with its age, and flags (``STRAGGLER``, ``STOPPED``). Rendered by rich into
-plain text of the terminal's width; the head prints each line as its own ``dtrain:`` notice,
-so it interleaves cleanly with the ranks' ``[rank@host]`` prefixed output.
+or else the last one it entered, with its age, and flags (``STRAGGLER``, ``STOPPED``).
+Rendered by rich into plain text of the terminal's width; the head prints each line as its
+own ``dtrain:`` notice, so it interleaves cleanly with the ranks' ``[rank@host]`` prefixed output.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ MAX_RANK_ROWS = 32
 def render(views: Mapping[int, RankView], slow: Sequence[Straggler], width: int) -> list[str]:
     table = Table(box=None, pad_edge=False, show_edge=False)
     for name, justify in (("host", "left"), ("rank", "right"), ("step", "right"),
-                          ("compute/step", "right"), ("last operation", "left"),
+                          ("compute/step", "right"), ("operation", "left"),
                           ("age", "right"), ("", "left")):
         table.add_column(name, justify=justify, overflow="ellipsis", no_wrap=True)  # type: ignore[arg-type]
     slow_ranks = {s.rank for s in slow}
