@@ -49,7 +49,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_and_the_job_is_aborted(cluster
     # dp 2 x tp 2: rank 2's DP group is dp[0] = {0, 2}; it skipped its 3rd all-reduce, so
     # rank 0's 5th (#5 on dp[0]) is the one rank 2 never entered.
     assert "rank 2 (node2) never entered all_reduce #5 on dp[0] (float32, 1.0 KiB)" in text
-    assert "rank 0 (node1) wait in it" in text
+    assert "rank 0 (node1) waits in it" in text
     assert "hang:" in res.stderr and "never entered all_reduce #5 on dp[0]" in res.stderr
     assert "hung (" in res.stderr  # the final report names the hang as the job's failure
     assert time.monotonic() - started < HANG_TIMEOUT + SLACK_S

@@ -40,7 +40,7 @@ def test_a_rank_that_skipped_an_all_reduce_is_named_with_operation_number_and_gr
     line = next(s for s in found.lines if "dp[0]" in s and "never entered" in s)
     assert line.startswith("rank 2 (node2) never entered all_reduce #4 on dp[0] "
                            "(float32, 1.0 KiB) (rank 2 last entered #3)")
-    assert "rank 0 (node1) wait in it (for 12.0s)" in line
+    assert "rank 0 (node1) waits in it (for 12.0s)" in line
     # The world barrier that rank 0 never reached is the other half of the same mismatch.
     assert any("rank 0 (node1) never entered barrier #4 on world" in s for s in found.lines)
     assert set(found.culprits) == {0, 2}

@@ -87,7 +87,7 @@ def _collective_findings(label: str, mem: Mapping[int, tuple[RankView, GroupView
         if unseen:
             parts.append(f"{unseen} member(s) of {label} have no progress record")
         age = max(g.age for v, g in mem.values() if v.rank in waiting)
-        parts.append(f"{who(waiting, by_rank)} wait in it (for {age:.1f}s)")
+        parts.append(f"{who(waiting, by_rank)} {_wait(waiting)} in it (for {age:.1f}s)")
         found.append(("; ".join(parts), missing))
     return found
 
@@ -121,8 +121,12 @@ def _nobody_missing(views: Sequence[RankView], by_rank: Mapping[int, RankView]) 
             waits.setdefault(f"{g.op} #{g.seq} on {g.label}", []).append(v.rank)
     if not waits:
         return "no rank is inside a communication operation"
-    return "; ".join(f"{who(rs, by_rank)} wait in {op}" for op, rs in waits.items()) + \
+    return "; ".join(f"{who(rs, by_rank)} {_wait(rs)} in {op}" for op, rs in waits.items()) + \
         ": every member entered it, but it does not complete (a network or device problem?)"
+
+
+def _wait(ranks: Sequence[int]) -> str:
+    return "waits" if len(ranks) == 1 else "wait"
 
 
 def _describe(v: RankView) -> str:
