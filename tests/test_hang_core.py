@@ -123,7 +123,7 @@ def test_the_live_table_fits_the_width_and_collapses_to_hosts_for_big_jobs():
     views = {v.rank: v for v in skipped_all_reduce()}
     lines = render(views, [], 72)
     assert all(len(line) <= 72 for line in lines)
-    assert lines[0].split()[:4] == ["host", "rank", "step", "compute/step"]
+    assert lines[0].split()[:4] == ["host", "rank", "step", "compute"]
     assert any("node2" in line and "barrier #4" in line for line in lines)
     big = {r: rank(r, f"node{r // 8}", ar("dp[0]", 0, 3, 3)) for r in range(MAX_RANK_ROWS + 8)}
     rows = render(big, [], 100)[1:]

@@ -22,15 +22,19 @@ MAX_RANK_ROWS = 32
 
 
 def render(views: Mapping[int, RankView], slow: Sequence[Straggler], width: int) -> list[str]:
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for name, justify in (("host", "left"), ("rank", "right"), ("step", "right"),
-                          ("compute/step", "right"), ("operation", "left"),
-                          ("age", "right"), ("", "left")):
-        table.add_column(name, justify=justify, overflow="ellipsis", no_wrap=True)  # type: ignore[arg-type]
     slow_ranks = {s.rank for s in slow}
     ordered = [views[r] for r in sorted(views)]
     rows = _host_rows(ordered, slow_ranks) if len(ordered) > MAX_RANK_ROWS else [
         _rank_row(v, v.rank in slow_ranks) for v in ordered]
+    heads = ("host", "rank", "step", "compute", "operation", "age", "")
+    # Every column gets its full width but the operation's, which gives way first.
+    widths = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(heads)]
+    fixed = sum(w for i, w in enumerate(widths) if i != 4) + 2 * (len(heads) - 1)
+    widths[4] = max(12, min(widths[4], width - fixed))
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for i, head in enumerate(heads):
+        table.add_column(head, justify="left" if i in (0, 4, 6) else "right", no_wrap=True,
+                         min_width=widths[i], max_width=widths[i], overflow="ellipsis")
     for row in rows:
         table.add_row(*row)
     out = io.StringIO()

@@ -1,11 +1,9 @@
-"""Ranks that hang or straggle on purpose, for the hang-diagnosis tests (run under dtrain).
+"""Ranks that hang on purpose, for the hang-diagnosis tests (run under dtrain).
 
     python tests/workers/hang_worker.py skip    # dp 2 x tp 2: rank 2 skips step 3's DP all-reduce
     python tests/workers/hang_worker.py pipe    # pp 2: stage 1 stops sending at step 3
-    python tests/workers/hang_worker.py slow    # world all-reduces; rank 1 sleeps in every step
 
-Each step reports itself to the progress record like the trainer does, with its compute time
-(the step's time minus the time spent in communication).
+Each step reports itself to the progress record like the trainer does.
 """
 
 from __future__ import annotations
@@ -55,19 +53,5 @@ def pipe() -> None:
     world.comm.barrier()
 
 
-def slow() -> None:
-    world = init(backend="mpi")
-    record = record_of(world.comm)
-    t = torch.ones(1024)
-    for step in range(1, 13):
-        start = time.perf_counter()
-        time.sleep(0.02 + (0.15 if world.rank == 1 else 0.0))  # the "compute" of the step
-        waited = time.perf_counter()
-        world.comm.all_reduce(t)
-        now = time.perf_counter()
-        record.step(step, (now - start) - (now - waited))
-    world.comm.barrier()
-
-
 if __name__ == "__main__":
-    {"skip": skip, "pipe": pipe, "slow": slow}[sys.argv[1]]()
+    {"skip": skip, "pipe": pipe}[sys.argv[1]]()
