@@ -100,15 +100,15 @@ def _is_rank(pid: int) -> bool:
 
 def test_a_throttled_rank_of_a_healthy_training_run_is_the_only_straggler_and_no_hang_is_seen(
         tmp_path):
-    """Four ranks train with a 2 s hang timeout, rank 1 CPU-throttled by the test (stopped
+    """Three ranks train with a 2 s hang timeout, rank 1 CPU-throttled by the test (stopped
     60% of the time in 0.25 s cycles): it is named as the straggler, in the live view and at
     the end; no other rank is, and nothing is reported as a hang."""
     run_dir = tmp_path / "run"
-    proc = start_dtrain(["launch", "--nproc-per-node", "4", "--hang-timeout", "2",
+    proc = start_dtrain(["launch", "--nproc-per-node", "3", "--hang-timeout", "2",
                          "--hang-action", "abort", "--status-interval", "2", "--", PYTHON, "-m",
-                         "trainer.train", "--model", "tiny", "--steps", "16", "--eval-every",
-                         "8", "--save-every", "8", "--data-cap-mb", "1", "--run-dir",
-                         str(run_dir)])
+                         "trainer.train", "--model", "tiny", "--steps", "12", "--global-batch",
+                         "12", "--eval-every", "6", "--save-every", "6", "--data-cap-mb", "1",
+                         "--run-dir", str(run_dir)])
     done = threading.Event()
     throttle = threading.Thread(target=_throttle, args=(proc.pid, run_dir, done))
     throttle.start()
