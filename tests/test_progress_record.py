@@ -61,8 +61,9 @@ class FakeComm:
         self.calls.append("batch_p2p")
         return [FakeHandle() for _ in ops]
 
-    def all_to_all(self, out, inp):
-        self.calls.append("all_to_all")
+    def all_to_all(self, out, inp, *, in_splits=None, out_splits=None, async_op=False):
+        self.calls.append(f"all_to_all {in_splits} {out_splits}")
+        return FakeHandle() if async_op else None
 
     def barrier(self):
         self.calls.append("barrier")
@@ -89,14 +90,15 @@ def test_every_operation_advances_its_groups_sequence_number_and_names_itself(pa
     comm.all_gather(torch.ones(16), torch.ones(8))
     comm.broadcast(t, 1)
     comm.barrier()
-    comm.all_to_all(torch.ones(4), torch.ones(4))
+    comm.all_to_all(torch.ones(4), torch.ones(4), in_splits=[1, 3], out_splits=[2, 2])
     rec = read(path)
     assert (rec.rank, rec.pid) == (3, os.getpid())
     (g,) = rec.groups
     assert (g.label, g.group_rank, g.group_size) == ("world", 0, 2)
     assert (g.seq, g.done, g.op) == (5, 5, "all_to_all")
     assert (g.dtype, g.nbytes) == ("float32", 16)
-    assert comm.inner.calls == ["all_reduce", "all_gather", "broadcast", "barrier", "all_to_all"]
+    assert comm.inner.calls == ["all_reduce", "all_gather", "broadcast", "barrier",
+                                "all_to_all [1, 3] [2, 2]"]
 
 
 def test_an_async_all_reduce_is_in_flight_until_its_handle_completes(path):
@@ -108,6 +110,16 @@ def test_an_async_all_reduce_is_in_flight_until_its_handle_completes(path):
     handle.inner.done = True
     assert handle.is_completed()
     handle.wait()  # idempotent: counted once
+    assert read(path).groups[0].done == 1
+
+
+def test_an_async_variable_size_all_to_all_is_recorded_until_it_completes(path):
+    comm = RecordingCommunicator(FakeComm(), ProgressRecord(str(path), rank=0), "ep[0]")
+    handle = comm.all_to_all(torch.ones(3), torch.ones(5), in_splits=[5, 0],
+                             out_splits=[1, 2], async_op=True)
+    g = read(path).groups[0]
+    assert (g.op, g.seq, g.done, g.nbytes) == ("all_to_all", 1, 0, 20)
+    handle.wait()
     assert read(path).groups[0].done == 1
 
 

@@ -186,8 +186,12 @@ class RecordingCommunicator:
             self._slot.finish()
         return [RecordedHandle(h, self._slot, pending) for h in handles]
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self._run("all_to_all", inp, lambda: self.inner.all_to_all(out, inp))
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   in_splits: Sequence[int] | None = None,
+                   out_splits: Sequence[int] | None = None,
+                   async_op: bool = False) -> Handle | None:
+        return self._run("all_to_all", inp, lambda: self.inner.all_to_all(
+            out, inp, in_splits=in_splits, out_splits=out_splits, async_op=async_op))
 
     def barrier(self) -> None:
         self._run("barrier", None, self.inner.barrier)
