@@ -220,6 +220,8 @@ def _guard(action: Callable[[], int]) -> int:
               help="Interpreter that runs the agent on every host.")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory to look for (default: the current one).")
+@click.option("--perf", is_flag=True, help="Then time a matmul on every host and an all-reduce "
+              "between every pair of hosts, and flag the slow ones.")
 def check(**kw: Any) -> None:
     """Preflight every host in parallel: SSH, versions, GPUs, working directory."""
     from launcher.check import run_check
@@ -228,6 +230,15 @@ def check(**kw: Any) -> None:
 
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
-    sys.exit(_guard(lambda: run_check(
-        select(hosts), ssh=ssh, python=validate_remote_python(kw["remote_python"]),
-        cwd=os.path.abspath(kw["chdir"] or os.getcwd()))))
+    cwd = os.path.abspath(kw["chdir"] or os.getcwd())
+
+    def checks() -> int:
+        python = validate_remote_python(kw["remote_python"])
+        code = run_check(select(hosts), ssh=ssh, python=python, cwd=cwd)
+        if kw["perf"] and code == 0:
+            from launcher.perf import run_perf
+
+            code = run_perf(hosts, ssh, python, cwd)
+        return code
+
+    sys.exit(_guard(checks))
