@@ -143,3 +143,14 @@ def _throttle(head: int, run_dir: Path, done: threading.Event) -> None:
     finally:
         with contextlib.suppress(psutil.NoSuchProcess):
             rank1.send_signal(signal.SIGCONT)
+
+
+def test_check_perf_times_every_host_and_the_link_between_them(cluster):
+    res = run_dtrain(["check", "-H", "node1:1,node2:1", "--ssh-config", str(cluster.ssh_config),
+                      "--perf"], timeout=300)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = {line.split("│")[1].strip(): line for line in res.stdout.splitlines()
+            if line.count("│") >= 4}
+    for name in ("node1", "node2", "node1 - node2"):
+        assert name in rows and "ok" in rows[name], res.stdout
+        assert float(rows[name].split("│")[2]) > 0

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from launcher.hang.diagnose import diagnose, who
 from launcher.hang.status import MAX_RANK_ROWS, render
 from launcher.hang.views import GroupView, RankView
 from launcher.hang.watch import HangClock, stragglers
+from launcher.launch import HostRequest
+from launcher.perf import judge, launch_argv
+from launcher.transport.options import SSHOptions
 
 
 def rank(r: int, host: str, *groups: GroupView, state: str = "running", step: int = 5,
@@ -133,3 +138,20 @@ def test_the_live_table_fits_the_width_and_collapses_to_hosts_for_big_jobs():
 def test_views_survive_the_json_of_a_progress_frame():
     v = skipped_all_reduce()[1]
     assert RankView.from_json(v.to_json()) == v
+
+
+def test_perf_check_flags_the_slow_host_and_the_slow_link_only():
+    report = judge({"hosts": {"a": 100.0, "b": 96.0, "c": 40.0},
+                    "links": [["a", "b", 1.0], ["a", "c", 0.9], ["b", "c", 0.2]]})
+    assert report.slow_hosts == ["c"] and report.slow_links == [("b", "c")]
+    assert judge({"hosts": {"a": 1.0}, "links": []}).slow_hosts == []  # nothing to compare with
+
+
+def test_perf_check_launches_one_rank_per_host_on_the_same_hosts_and_ssh_settings():
+    argv = launch_argv(HostRequest(hosts="n1:4,n2:4", exclude="n2:3"),
+                       SSHOptions(config_file=Path("/c"), accept_new=True), "/py")
+    assert argv[argv.index("--nproc-per-node") + 1] == "1"
+    assert argv[argv.index("-H") + 1] == "n1:4,n2:4" and argv[argv.index("--exclude") + 1] == \
+        "n2:3"
+    assert "--ssh-accept-new" in argv and argv[argv.index("--ssh-config") + 1] == "/c"
+    assert argv[argv.index("--") + 1:] == ["/py", "-m", "trainer.health.perf"]
