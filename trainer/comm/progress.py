@@ -78,8 +78,7 @@ class ProgressRecord:
 
     def enter(self, at: int, seq: int, op: int, t: torch.Tensor | None, p2p: int = 0,
               peer: int = -1) -> None:
-        dtype, nbytes = (0, 0) if t is None else (_DTYPES.get(t.dtype, 0),
-                                                  t.numel() * t.element_size())
+        dtype, nbytes = (0, 0) if t is None else (_DTYPES.get(t.dtype, 0), t.nbytes)
         workerenv.PROGRESS_SLOT_OP.pack_into(self._map, at + 32, seq, op, dtype, p2p, peer,
                                              nbytes, time.time())
 
