@@ -148,9 +148,15 @@ def _throttle(head: int, run_dir: Path, done: threading.Event) -> None:
 def test_check_perf_times_every_host_and_the_link_between_them(cluster):
     res = run_dtrain(["check", "-H", "node1:1,node2:1", "--ssh-config", str(cluster.ssh_config),
                       "--perf"], timeout=300)
-    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = {line.split("│")[1].strip(): line for line in res.stdout.splitlines()
             if line.count("│") >= 4}
+    results = []
     for name in ("node1", "node2", "node1 - node2"):
-        assert name in rows and "ok" in rows[name], res.stdout
-        assert float(rows[name].split("│")[2]) > 0
+        assert name in rows, res.stdout + res.stderr
+        cells = [c.strip() for c in rows[name].split("│")]
+        assert float(cells[2]) > 0 and cells[3] in ("ok", "SLOW")
+        results.append(cells[3])
+    # Speeds on this shared machine are not asserted; the verdict must match the table.
+    flagged = [line for line in res.stderr.splitlines() if line.startswith("dtrain check --perf")]
+    assert res.returncode == (1 if "SLOW" in results else 0), res.stderr
+    assert len(flagged) == results.count("SLOW")
