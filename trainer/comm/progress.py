@@ -11,6 +11,10 @@ The record is a small memory-mapped file named by ``DTRAIN_PROGRESS_FILE`` (layo
 collective, stopped, or spinning in MPI: no thread, signal or lock of the rank is needed. Each
 write is one ``struct.pack_into`` into the mapping (a few hundred ns; `bench/progress.py`).
 
+On NCCL an operation counts as completed when the host has waited for it (its handle's
+``wait()`` orders the stream and returns), so the record shows what the host last issued; a
+device stuck in a kernel shows as the host blocked in its next synchronising call.
+
 Groups are labelled ``<name>[<color>]`` (``dp[1]``: the DP group of color 1), the same on every
 member because splits are collective; a second split of the same name and color on one parent
 gets ``#2`` appended.
