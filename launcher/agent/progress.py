@@ -31,7 +31,7 @@ _SHM = "/dev/shm"
 
 class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
-                 send: Callable[[dict[str, Any]], None]) -> None:
+                 send: Callable[[dict[str, Any]], object]) -> None:
         base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
         self.folder = Path(tempfile.mkdtemp(prefix=f"dtrain-{job_id}-", dir=base))
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send

@@ -66,7 +66,7 @@ def _host_rows(views: Sequence[RankView], slow: set[int]) -> list[tuple[str, ...
     by_host: dict[str, list[RankView]] = {}
     for v in views:
         by_host.setdefault(v.host, []).append(v)
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for host, vs in by_host.items():
         steps = [v.step for v in vs]
         oldest = max(vs, key=lambda v: max((g.age for g in v.waiting), default=-1.0))
