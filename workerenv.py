@@ -24,6 +24,9 @@ dtrain's own:
 
     DTRAIN_JOB_ID     identifies the job (log names, checkpoints, telemetry)
     DTRAIN_HOST       the host name as written in the hostfile
+    DTRAIN_PROGRESS_FILE
+                      where the rank keeps its progress record (below); set by the agent to a
+                      file in a private per-job folder on the host's local disk (/dev/shm)
     OMP_NUM_THREADS   1 unless the user set it
     CUDA_VISIBLE_DEVICES  only when --include/--exclude selected GPU slots on this host
     GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
@@ -40,12 +43,25 @@ CONDA_PREFIX and CONDA_DEFAULT_ENV travel with it for tools that read them.
 
 Inherited PMI_*, PMIX_*, OMPI_*, SLURM_* variables are removed before the launcher adds its own,
 because MPICH refuses to start when PMIX_* is set and a stale PMI_* would point at another job.
+
+The progress record (`PROGRESS_FILE`): a fixed-size file the rank memory-maps and writes, and
+the host's agent reads without the rank's help (hang diagnosis, live view, stragglers). Only
+the rank writes it, so no lock is shared. Little-endian; a 64-byte header
+(`PROGRESS_HEADER`: magic, pid, rank, last step, wall time of its report, its compute seconds,
+their moving average) and `PROGRESS_SLOTS` slots of `PROGRESS_SLOT_SIZE` bytes, one per
+communicator in creation order: a fixed part written once (`PROGRESS_SLOT_ID`: group label such
+as ``dp[1]``, the rank's index in the group, the group's size), the operation last entered
+(`PROGRESS_SLOT_OP`: sequence number counted from 1, op code into `PROGRESS_OPS`, dtype code
+into `PROGRESS_DTYPES`, p2p kind 0 none / 1 send / 2 recv, peer as a group rank or -1, bytes,
+wall time of entry) and the number of operations completed (`PROGRESS_SLOT_DONE`). A reader
+copies a slot until two copies agree (`read_progress`), so a torn write is never seen.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 RANK = "RANK"
@@ -63,6 +79,7 @@ PMI_RANK = "PMI_RANK"
 PMI_SIZE = "PMI_SIZE"
 JOB_ID = "DTRAIN_JOB_ID"
 HOST = "DTRAIN_HOST"
+PROGRESS_FILE = "DTRAIN_PROGRESS_FILE"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 PATH = "PATH"
@@ -178,3 +195,74 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
             f"worker environment malformed [{name}={raw!r}]: not an integer. "
             "Do not override the launcher's rank variables"
         ) from None
+
+
+PROGRESS_MAGIC = b"DTPROG1\0"
+PROGRESS_HEADER = struct.Struct("<8sIIqddd16x")   # 64 bytes
+PROGRESS_SLOT_ID = struct.Struct("<24sii")        # 32 bytes at slot + 0
+PROGRESS_SLOT_OP = struct.Struct("<QBBbxiQd")     # 32 bytes at slot + 32
+PROGRESS_SLOT_DONE = struct.Struct("<Q")          # 8 bytes at slot + 64
+PROGRESS_SLOT_SIZE = 80
+PROGRESS_SLOTS = 32
+PROGRESS_SIZE = PROGRESS_HEADER.size + PROGRESS_SLOTS * PROGRESS_SLOT_SIZE
+PROGRESS_OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv",
+                "batch_p2p", "all_to_all", "barrier", "split")
+PROGRESS_DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8",
+                   "uint8", "bool")
+
+
+@dataclass(frozen=True)
+class GroupProgress:
+    """One communicator of a rank, as its progress record holds it."""
+
+    label: str
+    group_rank: int
+    group_size: int
+    seq: int          # operations entered (the last one's number)
+    done: int         # operations completed; ``done < seq`` while one is in flight
+    op: str
+    dtype: str
+    p2p: int          # 0 collective, 1 send, 2 recv (for batch_p2p: its first receive, if any)
+    peer: int
+    nbytes: int
+    entered_at: float
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    pid: int
+    rank: int
+    step: int
+    step_at: float
+    compute_s: float
+    compute_avg_s: float
+    groups: tuple[GroupProgress, ...]
+
+
+def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
+    """Decode a progress record; ``data`` returns a fresh copy of the file's bytes. None while
+    the rank has not written its header yet. Retried until two copies agree (no torn slot)."""
+    raw, again = data(), data()
+    for _ in range(10):
+        if raw == again:
+            break
+        raw, again = again, data()
+    if len(raw) < PROGRESS_SIZE or raw[:8] != PROGRESS_MAGIC:
+        return None
+    _, pid, rank, step, step_at, compute, avg = PROGRESS_HEADER.unpack_from(raw)
+    groups = []
+    for i in range(PROGRESS_SLOTS):
+        at = PROGRESS_HEADER.size + i * PROGRESS_SLOT_SIZE
+        label, grank, gsize = PROGRESS_SLOT_ID.unpack_from(raw, at)
+        if not label.strip(b"\0"):
+            break
+        seq, op, dtype, p2p, peer, nbytes, entered = PROGRESS_SLOT_OP.unpack_from(raw, at + 32)
+        (done,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + 64)
+        groups.append(GroupProgress(
+            label.rstrip(b"\0").decode("utf-8", "replace"), grank, gsize, seq, done,
+            _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered))
+    return RankProgress(pid, rank, step, step_at, compute, avg, tuple(groups))
+
+
+def _name(names: tuple[str, ...], code: int) -> str:
+    return names[code] if code < len(names) else f"#{code}"

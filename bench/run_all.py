@@ -65,6 +65,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",
           quick={"ps": (2,), "ms": (4,)}),
+    Bench("progress", "Progress records: all-reduce overhead with vs without; hang to diagnosis",
+          quick={"timeouts": (2.0,)}),
 )
 
 

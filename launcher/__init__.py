@@ -32,6 +32,7 @@ paramiko and subprocess live in the modules marked (adapter).
                  stdin         the head's stdin to rank 0, credit flow control
                  outcome       per-rank states and the exit-code rule
                  report        the final per-rank exit table
+                 progress      --hang-timeout/--hang-action, --status-interval, stragglers
     agent/       the per-host agent, run on each host as `python -m launcher.agent`
                  main          the agent's event loop: spec check, start, relay, stop
                  head_link     the agent's end of the stream to the head
@@ -41,9 +42,12 @@ paramiko and subprocess live in the modules marked (adapter).
                  descendants   subreaper; stray descendants (setsid) stopped with the job
                  pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)
                  facts         what the agent reports about its host (dtrain check)
+                 progress      the ranks' progress records: folder, reading, py-spy stacks
+    hang/        views, diagnose, watch, status: hang diagnosis, stragglers, live table (pure)
     pmi/         PMI-1 codec, per-host proxy core, the head's key-value space, the stall
                  clock (pure)
     check        the preflight table (`dtrain check`)
+    perf         `dtrain check --perf`: matmul per host, all-reduce per host pair
     dryrun       the --dry-run table: hosts, ranks, environments, the program each runs
     mpirun       --launcher mpirun: the same plan as an mpiexec/mpirun command
     rankshim     each rank under --launcher mpirun: contract, interfaces, abort on failure

@@ -31,8 +31,9 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "SSH": ("ssh_config", "known_hosts", "ssh_accept_new", "ssh_connect_timeout",
             "ssh_allow_config_exec", "remote_python"),
     "Environment": ("env", "master_addr", "master_port", "chdir"),
-    "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run"),
-    "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout"),
+    "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run", "status_interval"),
+    "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
+                         "hang_timeout", "hang_action"),
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
 }
 FORGOT_DASHES = ("If it belongs to your program, put `--` before the program: "
@@ -153,6 +154,14 @@ whose name starts with a dash; it is always safe."""
               show_default=True, help="Seconds between heartbeats (a host is lost after 3 misses).")
 @click.option("--launch-timeout", type=float, default=120.0, show_default=True,
               help="Seconds from connecting to every rank running.")
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=1800.0, show_default=True,
+              help="Diagnose a hang when no rank advanced for this many seconds while ranks "
+              "wait in a communication operation (0: never).")
+@click.option("--hang-action", type=click.Choice(["report", "abort"]), default="report",
+              show_default=True, help="After a hang diagnosis: keep waiting, or stop the job "
+              "(exit 123).")
+@click.option("--status-interval", type=click.FloatRange(min=0), default=0.0,
+              help="Print every rank's step, last operation and step time this often (seconds).")
 @click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
 @click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
@@ -173,7 +182,8 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
     """Start PROGRAM once per slot on every host and supervise it to the end.
 
     Exit code: 0 when every rank exits 0; otherwise the first failing rank's code (128+N for
-    signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host.
+    signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host,
+    123 for a hang under --hang-action abort.
     """
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
@@ -185,7 +195,10 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
         timings=kw["timings"],
         supervise=SuperviseOptions(heartbeat=kw["heartbeat_interval"], grace=kw["grace"],
                                    timeout=kw["timeout"], launch_timeout=kw["launch_timeout"],
-                                   pmi=kw["pmi"], pmi_stall=kw["pmi_stall"]),
+                                   pmi=kw["pmi"], pmi_stall=kw["pmi_stall"],
+                                   hang_timeout=kw["hang_timeout"],
+                                   hang_action=kw["hang_action"],
+                                   status_interval=kw["status_interval"]),
         launcher=kw["launcher_kind"], mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
     )
     sys.exit(_guard(lambda: run_launch(req)))
@@ -212,6 +225,8 @@ def _guard(action: Callable[[], int]) -> int:
 @click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm"]), default="ssh",
               show_default=True, help="Reach the hosts over SSH, or as srun steps in a Slurm "
               "allocation (where nodes run no sshd).")
+@click.option("--perf", is_flag=True, help="Then time a matmul on every host and an all-reduce "
+              "between every pair of hosts, and flag the slow ones.")
 def check(**kw: Any) -> None:
     """Preflight every host in parallel: SSH, versions, GPUs, working directory."""
     from launcher.check import run_check
@@ -220,6 +235,15 @@ def check(**kw: Any) -> None:
 
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
-    sys.exit(_guard(lambda: run_check(
-        select(hosts), ssh=ssh, python=validate_remote_python(kw["remote_python"]),
-        cwd=os.path.abspath(kw["chdir"] or os.getcwd()), via=kw["launcher_kind"])))
+    cwd = os.path.abspath(kw["chdir"] or os.getcwd())
+
+    def checks() -> int:
+        python = validate_remote_python(kw["remote_python"])
+        code = run_check(select(hosts), ssh=ssh, python=python, cwd=cwd, via=kw["launcher_kind"])
+        if kw["perf"] and code == 0:
+            from launcher.perf import run_perf
+
+            code = run_perf(hosts, ssh, python, cwd)
+        return code
+
+    sys.exit(_guard(checks))

@@ -135,6 +135,8 @@ def run_launch(req: LaunchRequest) -> int:
     from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
+    for line in sup.progress.final_report():
+        sys.stderr.write(f"dtrain: {line}\n")
     if req.launcher == "slurm" and outcome.exit_code and (why := srun.slurm_ended_job()):
         sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-PROTOCOL_VERSION = 2  # 2: STDIN and STDIN_ACK frames
+PROTOCOL_VERSION = 3  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
@@ -40,6 +40,8 @@ class Kind(enum.IntEnum):
     START = 15      # head -> agent: start the ranks (sent once every host is READY)
     STDIN = 16      # head -> agent: raw bytes for rank 0's stdin; empty payload = EOF
     STDIN_ACK = 17  # agent -> head: {"bytes"}: written into rank 0's stdin (flow credit)
+    PROGRESS = 18   # agent -> head: {"ranks": [RankView...], "stacks"?, "probe"?, "final"?}
+    PROBE = 19      # head -> agent: {"probe", "stacks": [ranks]}: records now, with stacks
 
 
 class WireError(ValueError):

@@ -56,6 +56,7 @@ import torch
 
 from trainer import checkpoint, startup
 from trainer.comm.bootstrap import World, build_groups
+from trainer.comm.progress import record_of
 from trainer.comm.protocol import ReduceOp
 from trainer.comm.topology import ParallelDims
 from trainer.config import TrainConfig, resolve_dp
@@ -176,9 +177,12 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     validation = Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
                                pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
+    progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             rec = train_step(run, step)
+            if progress is not None:
+                progress.step(step, rec.compute_s)
             if validation and (step % cfg.eval_every == 0 or step == cfg.last_step):
                 rec = replace(rec, val_loss=validation.loss(cfg.eval_batches))
             log.record(rec)

@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import workerenv
 from launcher import netroute, wire
 from launcher.agent import descendants, facts
 from launcher.agent.head_link import Eof, HeadLink
+from launcher.agent.progress import ProgressReporter
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
 from launcher.agent.stdin import RankStdin
 from launcher.plan.environment import rank_environment
@@ -50,6 +52,7 @@ class Agent:
         self.leave_at: float | None = None
         self.exit_code = 0
         self.started = False  # START arrived: descendants from now on belong to the job
+        self.progress: ProgressReporter | None = None  # the ranks' progress records
 
     # -- main loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -91,6 +94,8 @@ class Agent:
             self._stop(signal.SIGTERM, EOF_GRACE_S)
             self._leave(1)
             return True
+        if self.progress is not None and self.ranks:
+            self.progress.tick(now, self._pids())
         if self.leave_at is not None and now >= self.leave_at:
             self._leave(self.exit_code)
             return True
@@ -110,6 +115,8 @@ class Agent:
             self._on_stdin(frame.payload)
         elif kind is wire.Kind.PMI and self.pmi is not None:
             self.pmi.from_head(frame.json())
+        elif kind is wire.Kind.PROBE and self.progress is not None:
+            self.progress.probe(frame.json(), self._pids())
         elif kind is wire.Kind.QUERY:
             self.link.send_json(wire.Kind.REPLY, facts.answer(frame.json()))
         elif kind is wire.Kind.BYE:
@@ -126,6 +133,12 @@ class Agent:
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
+        interval = float((spec.get("progress") or {}).get("interval", 0.0))
+        if spec.get("progress") is not None:
+            self.progress = ProgressReporter(
+                spec["job_id"], _host_of(spec),
+                [r["rank"] for r in spec["ranks"]], interval,
+                lambda body: self.link.send_json(wire.Kind.PROGRESS, body))
         pmi = spec.get("pmi") or {}
         if pmi.get("mode", "off") != "off":
             from launcher.agent.pmi_sockets import PmiSockets
@@ -172,7 +185,12 @@ class Agent:
                 env.setdefault(name, self.interface)
         if self.pmi is not None:
             env.update(self.pmi.rank_env(rank_spec["rank"]))
+        if self.progress is not None:
+            env[workerenv.PROGRESS_FILE] = self.progress.path(rank_spec["rank"])
         return env
+
+    def _pids(self) -> dict[int, int]:
+        return {rank: rp.pid for rank, rp in self.ranks.items()}
 
     # -- ranks ---------------------------------------------------------------------------------
     def _start_all(self, job_env: dict[str, str]) -> None:
@@ -225,6 +243,8 @@ class Agent:
         if not self.ranks:
             descendants.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None
+            if self.progress is not None:
+                self.progress.final()
             self.link.send_json(wire.Kind.DONE)
             self.leave_at = time.monotonic() + AFTER_DONE_S
 
@@ -262,8 +282,15 @@ class Agent:
         if self.pmi is not None:
             self.pmi.close()
             self.pmi.remove_shared_memory()
+        if self.progress is not None:
+            self.progress.close()
         self.exit_code = code
         return code
+
+
+def _host_of(spec: dict[str, Any]) -> str:
+    ranks = spec.get("ranks") or [{}]
+    return str(ranks[0].get("env", {}).get(workerenv.HOST, ""))
 
 
 def main() -> None:

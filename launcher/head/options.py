@@ -15,3 +15,6 @@ class SuperviseOptions:
     launch_timeout: float = 120.0   # connect-to-all-running limit
     pmi: str = "fd"                 # fd, port or off
     pmi_stall: float = 30.0         # name the ranks a PMI barrier waits for after this long
+    hang_timeout: float = 1800.0    # diagnose a job whose records stood still this long (0: off)
+    hang_action: str = "report"     # report (and keep waiting) or abort (exit 123)
+    status_interval: float = 0.0    # print the live progress table this often (0: never)

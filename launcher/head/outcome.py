@@ -7,7 +7,8 @@ Exit-code rule, first match wins:
 3. a rank called MPI_Abort / PMI abort: the abort's exit code;
 4. the first failure the head observed: a rank's exit code, or 128+N when signal N killed it;
    a rank that closed its PMI connection before finalize counts as 1 unless its exit code is
-   known; a host lost (agent gone, heartbeat silence) is 255;
+   known; a host lost (agent gone, heartbeat silence) is 255; a hang diagnosed under
+   `--hang-action abort` is 123 (`launcher.head.progress`);
 5. otherwise 0.
 
 Ranks stopped by dtrain because another rank failed are reported as "stopped", not as failures.

@@ -19,6 +19,7 @@ from launcher import netroute, wire
 from launcher.errors import AgentError
 from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.outcome import JobOutcome
+from launcher.head.progress import sample_interval
 from launcher.plan.job import JobPlan, Rendezvous
 
 
@@ -102,6 +103,7 @@ class Startup:
             "heartbeat": self.opts.heartbeat,
             "misses": self.opts.misses,
             "grace": self.opts.grace,
+            "progress": {"interval": sample_interval(self.opts)},
             "pmi": {
                 "mode": self.opts.pmi,
                 "kvsname": plan.job_id,

@@ -24,6 +24,7 @@ from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
 from launcher.head.output import OutputSink
 from launcher.head.pmi_notes import PmiNotes
+from launcher.head.progress import HANG_CODE, ProgressMonitor
 from launcher.head.startup import Signalled, Startup
 from launcher.head.stdin import StdinForwarder
 from launcher.head.writer import OutputWriter
@@ -55,6 +56,8 @@ class Supervisor:
         self.lost_hosts: set[int] = set()
         self._give_up_at = float("inf")
         self.pmi_notes = PmiNotes(opts.pmi_stall, self._say)
+        self.progress = ProgressMonitor(opts, self._probe, self._say, sink.log_dir,
+                                        time.monotonic())
         self.timings: dict[str, float] = {}
         self._draining = False
 
@@ -105,6 +108,7 @@ class Supervisor:
                 last_beat = now
             self._check_silence(now)
             self._check_pmi_stall(now)
+            self._check_progress(now)
             if deadline is not None and now >= deadline and not self.stopping:
                 self.outcome.timed_out = True
                 self._stop(signal.SIGTERM, self.opts.grace)
@@ -140,6 +144,21 @@ class Supervisor:
         for host in self.pmi_notes.tick(now, waiting, self.kvs.epoch):
             self.links[host].send_json(wire.Kind.PMI, {"op": "stall_query"})
 
+    def _check_progress(self, now: float) -> None:
+        """Hang diagnosis and the live view; --hang-action abort stops the job."""
+        live = {link.index for link in self.links if link.index not in self.done_hosts}
+        found = self.progress.tick(now, live)
+        if found is not None and self.opts.hang_action == "abort" and not self.stopping:
+            where = ", ".join(f"rank {r}@{self.outcome.ranks[r].host}" for r in found.culprits
+                              if r in self.outcome.ranks) or "job"
+            self._fail(Failure(HANG_CODE, where, f"hung ({found.lines[1]}); stopped by "
+                               "--hang-action abort"))
+
+    def _probe(self, body: dict[str, Any]) -> None:
+        for link in self.links:
+            if link.index not in self.done_hosts:
+                link.send_json(wire.Kind.PROBE, body)
+
     def _say(self, text: str) -> None:
         self.writer.notice(text)  # in order with the ranks' stderr; never blocks the loop
 
@@ -166,6 +185,8 @@ class Supervisor:
             self.stdin.acked(int(frame.json().get("bytes", 0)))
         elif kind is wire.Kind.PMI:
             self._on_pmi(link, frame.json())
+        elif kind is wire.Kind.PROGRESS:
+            self.progress.on_progress(link.index, frame.json())
         elif kind is wire.Kind.DONE:
             self.done_hosts.add(link.index)
             link.send_json(wire.Kind.BYE)

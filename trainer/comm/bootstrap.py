@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 import workerenv
+from trainer.comm.progress import recorded
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import AXES, Coords, ParallelDims
 from trainer.errors import BootstrapError
@@ -130,7 +131,7 @@ def init(*, backend: str = "auto", environ: Mapping[str, str] | None = None) -> 
     from trainer.comm.mpi import MpiCommunicator
 
     return World(placement.rank, placement.size, placement.local_rank, torch.device("cpu"),
-                 MpiCommunicator(world, "world"), world, placement.local_size)
+                 recorded(MpiCommunicator(world, "world"), env), world, placement.local_size)
 
 
 def build_groups(world: World, dims: ParallelDims) -> ParallelGroups:
@@ -176,7 +177,7 @@ def _init_nccl(placement: Placement, world: Any) -> World:
         what, where, why, fix = problems[0]
         raise BootstrapError(what, where, why, fix)
     torch.cuda.set_device(placement.local_rank)
-    comm = NcclCommunicator.create(world, placement.local_rank, "world")
+    comm = recorded(NcclCommunicator.create(world, placement.local_rank, "world"), os.environ)
     return World(placement.rank, placement.size, placement.local_rank,
                  torch.device("cuda", placement.local_rank), comm, world, placement.local_size)
 

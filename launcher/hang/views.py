@@ -1,0 +1,80 @@
+"""The agents' view of each rank, as sent to the head in PROGRESS frames (pure).
+
+Times are ages measured on the rank's own host (``now - entered``), so clocks of different
+hosts never meet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import workerenv
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One communicator of a rank: the last operation it entered and whether it finished."""
+
+    label: str
+    group_rank: int
+    group_size: int
+    seq: int
+    done: int
+    op: str
+    dtype: str = ""
+    p2p: int = 0          # 0 collective, 1 send, 2 recv
+    peer: int = -1
+    nbytes: int = 0
+    age: float = 0.0      # seconds since the rank entered the operation
+
+    @property
+    def in_flight(self) -> bool:
+        return self.done < self.seq
+
+
+@dataclass(frozen=True)
+class RankView:
+    rank: int
+    host: str
+    pid: int = 0
+    state: str = "running"      # running, stopped (SIGSTOP), exited, no-record
+    step: int = 0
+    step_age: float | None = None    # seconds since the step was reported
+    compute_s: float = 0.0
+    compute_avg_s: float = 0.0
+    groups: tuple[GroupView, ...] = ()
+
+    def group(self, label: str) -> GroupView | None:
+        return next((g for g in self.groups if g.label == label), None)
+
+    @property
+    def waiting(self) -> list[GroupView]:
+        """Operations in flight, the longest-waiting first."""
+        return sorted((g for g in self.groups if g.in_flight), key=lambda g: -g.age)
+
+    @property
+    def position(self) -> tuple[int, tuple[tuple[str, int, int], ...]]:
+        """Changes whenever the rank makes any progress (a step, an operation entered or done)."""
+        return self.step, tuple((g.label, g.seq, g.done) for g in self.groups)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> RankView:
+        groups = tuple(GroupView(**g) for g in body.get("groups", ()))
+        return cls(**{**body, "groups": groups})
+
+
+def view_of(record: workerenv.RankProgress | None, *, rank: int, host: str, state: str,
+            now: float) -> RankView:
+    """A rank's view from its decoded record (None: the rank has not written one yet)."""
+    if record is None:
+        return RankView(rank, host, state="no-record" if state == "running" else state)
+    groups = tuple(GroupView(g.label, g.group_rank, g.group_size, g.seq, g.done, g.op, g.dtype,
+                             g.p2p, g.peer, g.nbytes, max(0.0, now - g.entered_at))
+                   for g in record.groups)
+    return RankView(rank, host, record.pid, state, record.step,
+                    max(0.0, now - record.step_at) if record.step_at else None,
+                    record.compute_s, record.compute_avg_s, groups)

@@ -1,0 +1,120 @@
+"""The head's side of progress records: hang diagnosis, live view, stragglers.
+
+The agents send their ranks' views every `sample_interval` seconds (PROGRESS frames). When the
+`HangClock` says the job is hung (no record advanced for ``--hang-timeout`` seconds while ranks
+wait), the head sends every agent a PROBE naming the ranks a first diagnosis blames (the agents
+answer with fresh records and those ranks' py-spy stacks), waits up to `PROBE_WAIT_S` for the
+answers, prints the diagnosis (`launcher.hang.diagnose`) and writes it to
+``<log dir>/hang-<n>.txt``; with ``--hang-action abort`` the supervisor then stops the job with
+exit code `HANG_CODE`. ``--status-interval`` prints the live table (`launcher.hang.status`);
+stragglers (`launcher.hang.watch`) are named in it and once more at the end of the run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from launcher.hang.diagnose import Diagnosis, diagnose
+from launcher.hang.views import RankView
+from launcher.hang.watch import HangClock, stragglers
+from launcher.head.options import SuperviseOptions
+
+HANG_CODE = 123          # exit code of a job ended by --hang-action abort
+PROBE_WAIT_S = 15.0      # how long the head waits for the agents' stacks
+MAX_STACKS = 8           # stacks asked for when no rank is to blame (every rank waits)
+
+
+def sample_interval(opts: SuperviseOptions) -> float:
+    """How often agents read the records: often enough to see a hang a fraction of its timeout
+    after it starts, and the live view each time it is printed."""
+    wanted = [1.0]
+    if opts.hang_timeout:
+        wanted.append(opts.hang_timeout / 5)
+    if opts.status_interval:
+        wanted.append(opts.status_interval)
+    return max(0.1, min(wanted))
+
+
+class ProgressMonitor:
+    def __init__(self, opts: SuperviseOptions, probe: Callable[[dict[str, Any]], None],
+                 say: Callable[[str], None], log_dir: Path | None, now: float) -> None:
+        self.opts, self._probe, self._say, self.log_dir = opts, probe, say, log_dir
+        self.views: dict[int, RankView] = {}
+        self.clock = HangClock(opts.hang_timeout, now) if opts.hang_timeout else None
+        self.diagnoses: list[Diagnosis] = []
+        self._probing: dict[str, Any] | None = None
+        self._next_status = now + (opts.status_interval or 0.0)
+
+    def on_progress(self, host: int, body: dict[str, Any]) -> None:
+        for raw in body.get("ranks", ()):
+            view = RankView.from_json(raw)
+            self.views[view.rank] = view
+        probing = self._probing
+        if probing is not None and body.get("probe") == probing["id"]:
+            probing["stacks"].update({int(r): s for r, s in (body.get("stacks") or {}).items()})
+            probing["pending"].discard(host)
+
+    def tick(self, now: float, hosts: set[int]) -> Diagnosis | None:
+        """Timers of the supervisor loop; ``hosts`` are the agents still connected. Returns a
+        diagnosis when one was just made (the supervisor applies --hang-action)."""
+        if self.opts.status_interval and now >= self._next_status:
+            self._next_status = now + self.opts.status_interval
+            self.print_status()
+        if self.clock is None:
+            return None
+        self.clock.update(self.views, now)
+        if self._probing is not None:
+            if self._probing["pending"] & hosts and now < self._probing["until"]:
+                return None
+            return self._conclude(now)
+        if self.clock.due(self.views, now):
+            self.clock.fired = True
+            blamed = diagnose(list(self.views.values())).culprits or tuple(
+                sorted(self.views))[:MAX_STACKS]
+            self._probing = {"id": len(self.diagnoses) + 1, "pending": set(hosts),
+                             "until": now + PROBE_WAIT_S, "stacks": {},
+                             "stalled": self.clock.stalled_for(now)}
+            self._probe({"probe": self._probing["id"], "stacks": list(blamed)})
+        return None
+
+    def _conclude(self, now: float) -> Diagnosis:
+        probing, self._probing = self._probing or {}, None
+        found = diagnose(list(self.views.values()), probing.get("stacks"))
+        head = (f"hang: no rank made progress for {probing.get('stalled', 0.0):.1f}s "
+                f"(--hang-timeout {self.opts.hang_timeout:g})")
+        found = Diagnosis(found.culprits, (head, *found.lines))
+        self.diagnoses.append(found)
+        where = self._write(found, len(self.diagnoses))
+        for line in found.lines:
+            self._say(line)
+        if where:
+            self._say(f"hang diagnosis written to {where}")
+        return found
+
+    def _write(self, found: Diagnosis, n: int) -> Path | None:
+        if self.log_dir is None:
+            return None
+        path = self.log_dir / f"hang-{n}.txt"
+        try:
+            path.write_text(found.text + "\n")
+        except OSError as exc:
+            self._say(f"warning: cannot write {path}: {exc.strerror}")
+            return None
+        return path
+
+    def print_status(self) -> None:
+        from launcher.hang.status import render
+
+        if not self.views:
+            return
+        width = shutil.get_terminal_size().columns - len("dtrain: ")
+        for line in render(self.views, stragglers(self.views), width):
+            self._say(line)
+
+    def final_report(self) -> list[str]:
+        """Stragglers over the whole run, from the last records (printed after the job)."""
+        slow = stragglers(self.views)
+        return [f"straggler: {s.describe()}" for s in slow]

@@ -1,0 +1,157 @@
+"""The pure cores of hang diagnosis, hang detection, stragglers and the live table
+(`launcher.hang`), on in-memory rank views."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from launcher.hang.diagnose import diagnose, who
+from launcher.hang.status import MAX_RANK_ROWS, render
+from launcher.hang.views import GroupView, RankView
+from launcher.hang.watch import HangClock, stragglers
+from launcher.launch import HostRequest
+from launcher.perf import judge, launch_argv
+from launcher.transport.options import SSHOptions
+
+
+def rank(r: int, host: str, *groups: GroupView, state: str = "running", step: int = 5,
+         avg: float = 0.0) -> RankView:
+    return RankView(r, host, pid=1000 + r, state=state, step=step, compute_avg_s=avg,
+                    groups=groups)
+
+
+def ar(label: str, grank: int, seq: int, done: int, age: float = 10.0) -> GroupView:
+    return GroupView(label, grank, 2, seq, done, "all_reduce", "float32", nbytes=1024, age=age)
+
+
+def skipped_all_reduce() -> list[RankView]:
+    """dp 2 x tp 2: rank 2 skipped dp[0]'s all-reduce #4 and waits in the world barrier."""
+    return [
+        rank(0, "node1", ar("dp[0]", 0, 4, 3, age=12.0), ar("tp[0]", 0, 4, 4)),
+        rank(1, "node1", ar("dp[1]", 0, 4, 4), ar("tp[0]", 1, 4, 4),
+             GroupView("world", 1, 4, 4, 3, "barrier", age=11.0)),
+        rank(2, "node2", ar("dp[0]", 1, 3, 3), ar("tp[1]", 0, 4, 4),
+             GroupView("world", 2, 4, 4, 3, "barrier", age=11.0)),
+        rank(3, "node2", ar("dp[1]", 1, 4, 4), ar("tp[1]", 1, 4, 4),
+             GroupView("world", 3, 4, 4, 3, "barrier", age=11.0)),
+    ]
+
+
+def test_a_rank_that_skipped_an_all_reduce_is_named_with_operation_number_and_group():
+    views = skipped_all_reduce()
+    views[0] = rank(0, "node1", ar("dp[0]", 0, 4, 3, age=12.0), ar("tp[0]", 0, 4, 4),
+                    GroupView("world", 0, 4, 3, 3, "split", age=30.0))
+    found = diagnose(views)
+    line = next(s for s in found.lines if "dp[0]" in s and "never entered" in s)
+    assert line.startswith("rank 2 (node2) never entered all_reduce #4 on dp[0] "
+                           "(float32, 1.0 KiB) (rank 2 last entered #3)")
+    assert "rank 0 (node1) waits in it (for 12.0s)" in line
+    # The world barrier that rank 0 never reached is the other half of the same mismatch.
+    assert any("rank 0 (node1) never entered barrier #4 on world" in s for s in found.lines)
+    assert set(found.culprits) == {0, 2}
+    assert any("rank 2 (node2): waits in barrier #4 on world" in s for s in found.lines)
+
+
+def test_a_rank_blocked_in_a_pipeline_receive_names_its_peer_and_the_peer_state():
+    recv = GroupView("pp[0]", 0, 2, 7, 6, "batch_p2p", "float32", p2p=2, peer=1, nbytes=64,
+                     age=9.0)
+    views = [rank(0, "node1", recv),
+             rank(1, "node2", GroupView("pp[0]", 1, 2, 6, 6, "batch_p2p", age=9.5),
+                  state="stopped")]
+    found = diagnose(views, {1: "Thread 42 (idle)\n    forward (model.py:10)\n"})
+    assert found.culprits == (1,)
+    assert found.lines[0] == ("rank 0 (node1) waits in batch_p2p #7 on pp[0] to receive from "
+                              "rank 1 (node2) (its rank 1 there) for 9.0s")
+    assert "rank 1 (node2): is stopped (SIGSTOP/SIGTSTP); `kill -CONT 1001`" in found.text
+    assert "        forward (model.py:10)" in found.lines  # the stack, indented under it
+
+
+def test_two_ranks_each_waiting_to_receive_from_the_other_is_called_a_deadlock():
+    views = [rank(r, "n", GroupView("pp[0]", r, 2, 1, 0, "recv", p2p=2, peer=1 - r))
+             for r in (0, 1)]
+    assert "a deadlock" in diagnose(views).lines[0]
+
+
+def test_when_every_member_entered_the_operation_nobody_is_blamed():
+    views = [rank(r, f"node{r}", ar("dp[0]", r, 9, 8)) for r in (0, 1)]
+    found = diagnose(views)
+    assert found.culprits == ()
+    assert found.lines[0] == ("ranks 0 (node0), 1 (node1) wait in all_reduce #9 on dp[0]: every "
+                              "member entered it, but it does not complete (a network or device "
+                              "problem?)")
+
+
+def test_a_rank_computing_outside_communication_is_described_as_such():
+    views = [rank(0, "a", ar("dp[0]", 0, 3, 2)), rank(1, "b", ar("dp[0]", 1, 2, 2, age=4.0))]
+    text = diagnose(views).text
+    assert "rank 1 (b): is in no communication operation at step 5 (computing or blocked " \
+           "elsewhere); its last operation, all_reduce #2 on dp[0], began 4.0s ago" in text
+
+
+def test_ranks_are_grouped_by_host_in_messages():
+    views = {r: rank(r, "n1" if r < 2 else "n2") for r in range(4)}
+    assert who([3, 0, 1], views) == "ranks 0, 1 (n1), 3 (n2)"
+    assert who([2], views) == "rank 2 (n2)"
+
+
+def test_the_hang_clock_fires_once_after_the_timeout_only_while_a_rank_waits():
+    waiting = {0: rank(0, "a", ar("dp[0]", 0, 3, 2))}
+    computing = {0: rank(0, "a", ar("dp[0]", 0, 3, 3))}
+    clock = HangClock(10.0, now=0.0)
+    clock.update(computing, 0.0)
+    assert not clock.due(computing, 50.0)  # a long phase without communication is no hang
+    clock.update(waiting, 50.0)            # it entered an operation: progress
+    assert not clock.due(waiting, 59.0)
+    assert clock.due(waiting, 60.5)
+    clock.fired = True
+    assert not clock.due(waiting, 100.0)   # once per stall
+    clock.update({0: rank(0, "a", ar("dp[0]", 0, 3, 3))}, 101.0)
+    assert not clock.fired and clock.stalled_for(105.0) == 4.0
+
+
+def test_a_rank_persistently_slower_than_the_median_is_the_only_straggler():
+    views = {r: rank(r, "n1" if r < 2 else "n2", avg=0.02 + (0.15 if r == 1 else 0.001 * r))
+             for r in range(4)}
+    (slow,) = stragglers(views)
+    assert (slow.rank, slow.host) == (1, "n1")
+    assert slow.describe().startswith("rank 1 (n1) computes 0.170s per step, 7.")
+    young = {r: RankView(**{**views[r].to_json(), "groups": (), "step": 2}) for r in views}
+    assert stragglers(young) == []  # too few steps to call anyone slow
+
+
+def test_equal_ranks_with_small_jitter_have_no_straggler():
+    views = {r: rank(r, "n", avg=0.010 + 0.002 * r) for r in range(8)}
+    assert stragglers(views) == []
+
+
+def test_the_live_table_fits_the_width_and_collapses_to_hosts_for_big_jobs():
+    views = {v.rank: v for v in skipped_all_reduce()}
+    lines = render(views, [], 72)
+    assert all(len(line) <= 72 for line in lines)
+    assert lines[0].split()[:4] == ["host", "rank", "step", "compute"]
+    assert any("node2" in line and "barrier #4" in line for line in lines)
+    big = {r: rank(r, f"node{r // 8}", ar("dp[0]", 0, 3, 3)) for r in range(MAX_RANK_ROWS + 8)}
+    rows = render(big, [], 100)[1:]
+    assert len(rows) == (MAX_RANK_ROWS + 8) // 8 and rows[0].split()[:2] == ["node0", "0-7"]
+
+
+def test_views_survive_the_json_of_a_progress_frame():
+    v = skipped_all_reduce()[1]
+    assert RankView.from_json(v.to_json()) == v
+
+
+def test_perf_check_flags_the_slow_host_and_the_slow_link_only():
+    report = judge({"hosts": {"a": 100.0, "b": 96.0, "c": 40.0},
+                    "links": [["a", "b", 1.0], ["a", "c", 0.9], ["b", "c", 0.2]]})
+    assert report.slow_hosts == ["c"] and report.slow_links == [("b", "c")]
+    assert judge({"hosts": {"a": 1.0}, "links": []}).slow_hosts == []  # nothing to compare with
+
+
+def test_perf_check_launches_one_rank_per_host_on_the_same_hosts_and_ssh_settings():
+    argv = launch_argv(HostRequest(hosts="n1:4,n2:4", exclude="n2:3"),
+                       SSHOptions(config_file=Path("/c"), accept_new=True), "/py")
+    assert argv[argv.index("--nproc-per-node") + 1] == "1"
+    assert argv[argv.index("-H") + 1] == "n1:4,n2:4" and argv[argv.index("--exclude") + 1] == \
+        "n2:3"
+    assert "--ssh-accept-new" in argv and argv[argv.index("--ssh-config") + 1] == "/c"
+    assert argv[argv.index("--") + 1:] == ["/py", "-m", "trainer.health.perf"]

@@ -1,0 +1,57 @@
+"""Ranks that hang on purpose, for the hang-diagnosis tests (run under dtrain).
+
+    python tests/workers/hang_worker.py skip    # dp 2 x tp 2: rank 2 skips step 3's DP all-reduce
+    python tests/workers/hang_worker.py pipe    # pp 2: stage 1 stops sending at step 3
+
+Each step reports itself to the progress record like the trainer does.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from trainer.comm.bootstrap import build_groups, init
+from trainer.comm.progress import record_of
+from trainer.comm.protocol import P2POp, wait_all
+from trainer.comm.topology import ParallelDims
+
+
+def skip() -> None:
+    world = init(backend="mpi")
+    groups = build_groups(world, ParallelDims(dp=2, tp=2, pp=1))
+    record = record_of(world.comm)
+    t = torch.ones(256)
+    for step in range(1, 6):
+        groups.tp.all_reduce(t)
+        if not (world.rank == 2 and step == 3):  # a data-dependent branch gone wrong
+            groups.dp.all_reduce(t)
+        record.step(step, 0.0)
+        print(f"step {step}", flush=True)
+    world.comm.barrier()
+
+
+def pipe() -> None:
+    """Two pipeline stages exchanging activations and gradients as `trainer.pipeline` does
+    (one batch_p2p per transfer); stage 1 gets stuck in its compute at step 3."""
+    world = init(backend="mpi")
+    pp = build_groups(world, ParallelDims(dp=1, tp=1, pp=2)).pp
+    record = record_of(world.comm)
+    act, grad = torch.ones(64), torch.ones(64)
+    for step in range(1, 6):
+        if pp.rank == 0:
+            wait_all(pp.batch_p2p([P2POp("send", act, 1)]))
+            wait_all(pp.batch_p2p([P2POp("recv", grad, 1)]))
+        else:
+            wait_all(pp.batch_p2p([P2POp("recv", act, 0)]))
+            while step == 3:
+                time.sleep(1)
+            wait_all(pp.batch_p2p([P2POp("send", grad, 0)]))
+        record.step(step, 0.0)
+    world.comm.barrier()
+
+
+if __name__ == "__main__":
+    {"skip": skip, "pipe": pipe}[sys.argv[1]]()
