@@ -50,7 +50,7 @@ def _config(model: str, *, precision: str, batch: int, compile_: bool = False,
     gpt = {"seq_len": seq_len} if seq_len else {}
     return make_config({"model": model, "steps": 10_000, "global_batch": batch, "dp": 1,
                         "precision": precision, "compile": compile_, "eval_every": 0,
-                        "warmup_steps": 10, "data_cap_mb": 2.0,
+                        "warmup_steps": 10, "data_cap_mb": 0.25 if model == "tiny" else 2.0,
                         "run_dir": tempfile.mkdtemp(prefix="dtrain-bench-gpu-")}, gpt)
 
 
@@ -134,6 +134,12 @@ def run(*, cpu_tiny: bool = False, max_batch: int = 64, steps: int = 10, warmup:
     from trainer.comm.bootstrap import init
 
     cuda = torch.cuda.is_available() and not cpu_tiny
+    if cuda and _missing_nccl4py():  # dtrain's CUDA path runs on the NCCL backend
+        world = init(backend="mpi")
+        why = "nccl4py is not installed: pip install 'nccl4py[cu12]'"
+        return [{"part": "throughput", "skipped": why},
+                cpu_precision(world, steps=steps, warmup=1),
+                {"part": "nccl-contract", "skipped": why}, {"part": "launch", "skipped": why}]
     world = init(backend="auto" if cuda else "mpi")
     rows: list[Row] = []
     if cuda:
@@ -146,15 +152,10 @@ def run(*, cpu_tiny: bool = False, max_batch: int = 64, steps: int = 10, warmup:
         rows.append({"part": "throughput", "skipped": "no CUDA GPU here"})
     rows.append(cpu_precision(world, steps=3 if cpu_tiny else steps, warmup=1))
     gpus = torch.cuda.device_count() if cuda else 0
-    if not gpus:
-        rows.append({"part": "nccl-contract", "skipped": "no CUDA GPU here"})
-    elif _missing_nccl4py():
-        rows.append({"part": "nccl-contract", "skipped": "nccl4py is not installed: "
-                     "pip install 'nccl4py[cu12]'"})
-    else:
-        rows.append(nccl_contract(gpus))
-    rows.append(launch(gpus or 2, "tiny" if not gpus else "gpt-124m",
-                       steps=4 if cpu_tiny else 30, seq_len=None if gpus else 32))
+    rows.append(nccl_contract(gpus) if gpus else
+                {"part": "nccl-contract", "skipped": "no CUDA GPU here"})
+    rows.append(launch(gpus or 2, "gpt-124m" if gpus else "tiny", steps=30 if gpus else 4,
+                       seq_len=None if gpus else 32))
     return rows
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,14 +32,15 @@ _NONE = 2**62  # no rank failed
 
 
 def compile_blocks(model: nn.Module, batch: int, *, rank: int = 0,
-                   groups: Sequence[Communicator] = ()) -> bool:
+                   groups: Sequence[Communicator] = (), backend: Any = "inductor") -> bool:
     """Compile the blocks of ``model`` (a `trainer.model.GPT` or pipeline stage) for
     micro-batches of ``batch`` sequences; True when compiled, False when some rank of
     ``groups`` (together: the world) could not, and every rank runs eager. Then the lowest
-    failing rank (``rank`` is this one's) prints its error, once for the job."""
+    failing rank (``rank`` is this one's) prints its error, once for the job. ``backend`` is
+    torch.compile's (``--compile`` uses inductor)."""
     blocks = list(model.blocks.values())
     for block in blocks:
-        block.forward = torch.compile(block.forward)
+        block.forward = torch.compile(block.forward, backend=backend)
     error = _trial(model, blocks[0], batch) if blocks else None
     first_failed = torch.tensor([rank if error else _NONE], dtype=torch.int64,
                                 device=model.rope_cos.device)
@@ -49,7 +51,8 @@ def compile_blocks(model: nn.Module, batch: int, *, rank: int = 0,
     for block in blocks:
         del block.forward  # the class's eager forward again
     if int(first_failed) == rank:
-        print(f"dtrain: --compile failed [rank {rank}, torch.compile inductor]: {error}. "
+        name = backend if isinstance(backend, str) else getattr(backend, "__name__", "backend")
+        print(f"dtrain: --compile failed [rank {rank}, torch.compile {name}]: {error}. "
               "Training continues with eager blocks on every rank; to compile, install what "
               "the error names (e.g. a C++ compiler for CPU runs: apt-get install g++), or "
               "leave --compile off", file=sys.stderr, flush=True)
@@ -67,8 +70,17 @@ def _trial(model: nn.Module, block: nn.Module, batch: int) -> str | None:
         (grad,) = torch.autograd.grad(out.float().sum(), [x])
         del grad
     except Exception as exc:  # noqa: BLE001 - any backend failure means: run eager
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        return f"{type(exc).__name__}: {first}"
+        return _describe(exc)
     return None
+
+
+def _describe(exc: BaseException) -> str:
+    """The error and its root cause (torch wraps a backend's error), first line of each."""
+    root = exc
+    # torch's BackendCompilerFailed keeps the backend's error as inner_exception
+    while (inner := getattr(root, "inner_exception", None) or root.__cause__) is not None:
+        root = inner
+    text = f"{type(root).__name__}: {(str(root).strip().splitlines() or [''])[0][:300]}"
+    return text if root is exc else f"{type(exc).__name__} ({text})"
 
 
