@@ -63,6 +63,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",
           quick={"ps": (2,), "ms": (4,)}),
+    Bench("gpu", "GPU path: gpt-124m dtrain vs plain PyTorch (on a GPU), CPU bf16/fp32 step",
+          quick={"cpu_tiny": True}),
 )
 
 

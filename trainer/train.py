@@ -11,7 +11,9 @@ input once. Each step: the step's global batch (from seed and step alone, traini
 split over the DP ranks and into microbatches; backward runs with bucketed, overlapped gradient
 all-reduce (`trainer.data_parallel`); gradients are clipped and AdamW steps; communication is
 timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
-(`trainer.inference.validation`). Rank 0 logs, writes ``metrics.jsonl`` every step, ``loss.png``
+(`trainer.inference.validation`). A step leaves its loss and gradient norm on the device; each
+``--log-every`` interval (and each evaluation or checkpoint step) reads them in one copy
+(`trainer.gpu.readout`). Rank 0 logs, writes a ``metrics.jsonl`` line per step, ``loss.png``
 at the end, and checkpoints every ``--save-every`` steps and at the end. ``--resume`` continues
 bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
 with Megatron or DeepSpeed), verified file by file (`trainer.resume` states the rule and
