@@ -115,3 +115,20 @@ def test_the_vocabulary_is_padded_to_a_multiple_of_128_times_tp(tp: int):
     gpt = make_config({"model": "gpt-124m", "tp": tp}, {}).gpt
     assert gpt.vocab_rows % (128 * tp) == 0 and 0 <= gpt.vocab_rows - 50257 < 128 * tp
     assert make_config({"model": "tiny", "tp": 2}, {}).gpt.vocab_rows == 256  # unpadded
+
+
+def test_a_checkpoint_from_before_vocab_padding_existed_still_matches_an_unpadded_model(
+        tmp_path) -> None:
+    from trainer.checkpoint import CheckpointError
+    from trainer.checkpoint.load import check_compatible
+
+    now = PADDED.to_dict()
+    layout = {"dp": 1, "tp": 1, "pp": 1}
+    old = {k: v for k, v in replace(PADDED, vocab_multiple=1).to_dict().items()
+           if k != "vocab_multiple"}
+    check_compatible({"model": old, "layout": layout},
+                     model=replace(PADDED, vocab_multiple=1).to_dict(), layout=layout,
+                     path=tmp_path)
+    with pytest.raises(CheckpointError, match="vocab_multiple: checkpoint 1, now 256"):
+        check_compatible({"model": {**old, "vocab_multiple": 1}, "layout": layout},
+                         model=now, layout=layout, path=tmp_path)
