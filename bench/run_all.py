@@ -67,6 +67,8 @@ BENCHES = (
           quick={"ps": (2,), "ms": (4,)}),
     Bench("progress", "Progress records: all-reduce overhead with vs without; hang to diagnosis",
           quick={"timeouts": (2.0,)}),
+    Bench("gpu", "GPU path: gpt-124m dtrain vs plain PyTorch (on a GPU), CPU bf16/fp32 step",
+          quick={"cpu_tiny": True}),
 )
 
 

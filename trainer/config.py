@@ -23,6 +23,7 @@ from trainer.comm.bootstrap import BACKENDS
 from trainer.config_file import load_toml
 from trainer.data import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError, TrainerError
+from trainer.gpu.vocab import multiple_for_tp
 from trainer.model import PRESETS, GPTConfig
 from trainer.parallelize import check_divisible
 from trainer.pipeline.partition import parse_counts, stage_counts
@@ -59,6 +60,8 @@ HELP: dict[str, str] = {
                  "with fp32 main weights, gradients and optimizer (trainer.mixed_precision)",
     "grad_reduce_dtype": "dtype of the DP gradient all-reduce: fp32 (the main gradients as they "
                          "are) or bf16 (half the bytes; each bucket rounded first)",
+    "compile": "torch.compile every transformer block (checked at start-up; where it cannot "
+               "work, one message and eager blocks, trainer.gpu.compile)",
     "peak_tflops": "peak TFLOP/s of one device for the logged MFU (0 = bf16 dense peak of a "
                    "known GPU: H100, H200, A100; a CPU logs MFU only when given)",
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
@@ -108,6 +111,7 @@ class TrainConfig:
     overlap: bool = True
     precision: str = "auto"
     grad_reduce_dtype: str = "fp32"
+    compile: bool = False
     peak_tflops: float = 0.0
     run_dir: str = "runs/default"
     save_every: int = 0
@@ -278,6 +282,8 @@ def make_config(train: dict[str, Any], gpt: dict[str, Any], *, source: str = "")
                           "Pick a preset and override single fields (e.g. --n-layer)")
     try:
         model = replace(PRESETS[preset], **gpt)
+        model = replace(model, vocab_multiple=multiple_for_tp(model.vocab_multiple,
+                                                              train.get("tp", TrainConfig.tp)))
     except ValueError as exc:
         raise ConfigError("invalid model configuration", source, str(exc),
                           "Change the model fields named above") from None

@@ -27,12 +27,13 @@ PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
 
 def matmul_params(cfg: GPTConfig) -> int:
     """N: the parameters a token multiplies (the serial model's, tied embedding once, an
-    untied embedding table not at all)."""
+    untied embedding table not at all; padded vocabulary rows included, as the head
+    multiplies them too)."""
     d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
     norm = d if cfg.norm == NORMS[1] else 2 * d  # RMSNorm: weight; LayerNorm: weight, bias
     linear = 4 * d * d + 2 * d * hidden  # qkv, attention proj, fc, mlp proj
     bias = (3 * d + d + hidden + d) if cfg.bias else 0
-    return cfg.n_layer * (2 * norm + linear + bias) + norm + cfg.vocab_size * d
+    return cfg.n_layer * (2 * norm + linear + bias) + norm + cfg.vocab_rows * d
 
 
 def flops_per_token(cfg: GPTConfig) -> float:

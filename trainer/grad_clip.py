@@ -83,13 +83,14 @@ def global_grad_norm(params: Iterable[nn.Parameter], scope: NormScope = NormScop
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float,
-                   scope: NormScope = NormScope()) -> float:
+                   scope: NormScope = NormScope()) -> torch.Tensor:
     """Scale every gradient so the global norm is at most ``max_norm`` (0 only measures).
-    Returns the norm before clipping; every rank of the scope gets the same value."""
+    Returns the norm before clipping, a 0-d tensor on the device (reading it would make the
+    host wait for the GPU); every rank of the scope gets the same value."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params, scope)
     if max_norm > 0 and params:
         # The coefficient in fp32 tensors, as torch computes it, so TP = 1 matches it exactly.
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
-    return float(norm)
+    return norm

@@ -45,11 +45,14 @@ class StepGuard:
     allowed: int = 0
     skipped: list[int] = field(default_factory=list)
 
-    def admit(self, step: int, loss: float, grad_norm: float, *, report: bool) -> bool:
+    def admit(self, step: int, loss: float | torch.Tensor, grad_norm: float | torch.Tensor, *,
+              report: bool) -> bool:
         """True: apply the step. False: skip it (``report`` prints why). Raises when a
-        non-finite step exceeds the budget; every rank decides alike (see the docstring)."""
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        non-finite step exceeds the budget; every rank decides alike (see the docstring).
+        Tensors (on the device) are read once, as one bool; their values only when not finite."""
+        if _finite(loss, grad_norm):
             return True
+        loss, grad_norm = float(loss), float(grad_norm)
         what = f"the loss is {loss} and the global gradient norm {grad_norm}"
         if len(self.skipped) < self.allowed:
             self.skipped.append(step)
@@ -61,6 +64,19 @@ class StepGuard:
         raise DivergedError("training diverged", f"step {step}",
                             f"{what}{used}; the step was not applied and no checkpoint of it is "
                             "written", _FIX).everywhere(report=report)
+
+
+def _finite(*values: float | torch.Tensor) -> bool:
+    """Whether every value is finite, with a single host read for device tensors."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not all(math.isfinite(v) for v in values if not isinstance(v, torch.Tensor)):
+        return False
+    if not tensors:
+        return True
+    verdict = torch.isfinite(tensors[0])
+    for t in tensors[1:]:
+        verdict = verdict & torch.isfinite(t)
+    return bool(verdict)
 
 
 def check_parameters(params: Iterable[torch.Tensor], step: int, groups: Sequence[Communicator],

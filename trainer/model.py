@@ -16,7 +16,8 @@ skips ``tok_emb``/``ln_f``/``head`` when they are ``None`` for the same reason.
 
 Two plain-attribute hooks let ``trainer.parallelize`` change what it cannot reach by swapping
 modules: ``Attention.probs_rng`` (the random stream of attention-probability dropout) and
-``GPT.criterion`` (the loss on the head's logits). Both default to the serial behaviour.
+``GPT.criterion`` (the loss on the head's logits). Both default to the serial behaviour; so does
+``GPT.vocab_start``, the vocabulary row of the first logit, which masks padded rows on a shard.
 
 Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab.
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.gpu.vocab import GPT2_VOCAB, mask_padded_vocab, padded_size
 from trainer.precision import at_least_fp32
 
 NORMS = ("layernorm", "rmsnorm")
@@ -59,11 +61,16 @@ class GPTConfig:
     mlp_ratio: int = 4
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
+    vocab_multiple: int = 1
+    """Embedding and head rows are ``vocab_size`` rounded up to a multiple of this (Megatron's
+    make-vocab-size-divisible-by; `trainer.config` multiplies it by --tp). The padded rows are
+    masked out of the logits, so never predicted (`trainer.gpu.vocab`)."""
 
     def __post_init__(self) -> None:
         # A ValueError here is turned into the trainer's ConfigError by trainer.config, which
         # knows the flag or file the value came from.
-        positive = ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio")
+        positive = ("vocab_size", "n_layer", "n_head", "d_model", "seq_len", "mlp_ratio",
+                    "vocab_multiple")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -82,15 +89,26 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def vocab_rows(self) -> int:
+        """Rows of the embedding and the head: vocab_size padded to vocab_multiple."""
+        return padded_size(self.vocab_size, self.vocab_multiple)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-#: Named sizes for ``--model``. ``125m`` is GPT-2 small's shape (with a byte vocabulary).
+#: Named sizes for ``--model``. ``125m`` is GPT-2 small's shape (with a byte vocabulary);
+#: ``gpt-124m`` and ``gpt-350m`` are GPT-2 small and medium with GPT-2's vocabulary size, padded
+#: to a multiple of 128 x tp (`trainer.gpu.vocab`), the realistic sizes for GPU runs.
 PRESETS: dict[str, GPTConfig] = {
     "tiny": GPTConfig(n_layer=2, n_head=2, d_model=64, seq_len=64),
     "small": GPTConfig(n_layer=4, n_head=4, d_model=256, seq_len=256),
     "125m": GPTConfig(n_layer=12, n_head=12, d_model=768, seq_len=1024, tied=True),
+    "gpt-124m": GPTConfig(vocab_size=GPT2_VOCAB, vocab_multiple=128, n_layer=12, n_head=12,
+                          d_model=768, seq_len=1024),
+    "gpt-350m": GPTConfig(vocab_size=GPT2_VOCAB, vocab_multiple=128, n_layer=24, n_head=16,
+                          d_model=1024, seq_len=1024),
 }
 
 
@@ -196,14 +214,17 @@ class GPT(nn.Module):
         # torch's layer constructors draw their default init from the global RNG; fork it so
         # building a model never shifts the data or dropout streams of the caller.
         with torch.random.fork_rng(devices=[]):
-            self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
             self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
             self.ln_f: nn.Module | None = make_norm(cfg)
-            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)
         self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
         """(logits (N, V), targets (N,)) -> mean loss. Hook for tensor parallelism, whose
         head yields vocabulary-sharded logits."""
+        self.vocab_start = 0
+        """Vocabulary row of this model's first logit (parallelize sets it on a TP shard), for
+        masking the padded rows (``vocab_multiple``)."""
         if cfg.tied:
             self.head.weight = self.tok_emb.weight
         cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
@@ -234,7 +255,9 @@ class GPT(nn.Module):
             h = block(h, self.rope_cos, self.rope_sin)
         if self.ln_f is not None:
             h = self.ln_f(h)
-        return self.head(h) if self.head is not None else h
+        if self.head is None:
+            return h
+        return mask_padded_vocab(self.head(h), self.cfg.vocab_size, self.vocab_start)
 
     def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over every position of the batch."""

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.gpu.settings import adamw_kernel
+
 
 @dataclass(frozen=True, kw_only=True)
 class Schedule:
@@ -50,10 +52,12 @@ def build_optimizer(model: nn.Module | Iterable[nn.Parameter], *, lr: float, wei
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8
                     ) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters (or over the given parameters: the fp32 main
-    copies of `trainer.mixed_precision`); torch picks the per-device implementation, every one
-    of them deterministic for a fixed device, which bit-exact resume needs."""
-    params = model.parameters() if isinstance(model, nn.Module) else model
-    return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas, eps=eps)
+    copies of `trainer.mixed_precision`): fused on CUDA, foreach elsewhere
+    (`trainer.gpu.settings`), each deterministic for a fixed device, which bit-exact resume
+    needs."""
+    params = list(model.parameters() if isinstance(model, nn.Module) else model)
+    return torch.optim.AdamW(param_groups(params, weight_decay), lr=lr, betas=betas, eps=eps,
+                             **adamw_kernel(params))
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -44,13 +44,14 @@ def check_divisible(cfg: GPTConfig, tp: int) -> None:
     naming every offending field at once."""
     sizes = {"n_head": cfg.n_head, "d_model": cfg.d_model,
              "mlp hidden (mlp_ratio*d_model)": cfg.mlp_ratio * cfg.d_model,
-             "vocab_size": cfg.vocab_size}
+             "vocab_size": cfg.vocab_rows}
     bad = [f"{name} = {value}" for name, value in sizes.items() if value % tp]
     if bad:
         raise TensorParallelError(
             "model does not split over the tensor-parallel group", f"--tp {tp}",
             f"{', '.join(bad)} not divisible by tp = {tp}",
-            "Choose a tp that divides n_head and vocab_size (or change the model)")
+            "Choose a tp that divides n_head and vocab_size (or change the model, e.g. "
+            "--vocab-multiple 128 to pad the vocabulary)")
 
 
 def parallelize(model: GPT, groups: ParallelGroups, *,
@@ -84,5 +85,6 @@ def parallelize(model: GPT, groups: ParallelGroups, *,
         if model.cfg.tied and model.tok_emb is not None:
             head.weight = model.tok_emb.weight  # the same vocabulary slice: share it
         model.head = head
+        model.vocab_start = tp.rank * (model.cfg.vocab_rows // tp.size)  # masks padded rows
     model.criterion = partial(mean_vocab_parallel_cross_entropy, comm=tp)
     return model

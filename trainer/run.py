@@ -17,6 +17,8 @@ from trainer.comm.timing import CommClock, timed_groups
 from trainer.config import TrainConfig
 from trainer.data import BatchPlan, Corpus, ShardedBatches
 from trainer.data_parallel import DataParallel
+from trainer.gpu.compile import compile_blocks
+from trainer.gpu.settings import configure_matmul
 from trainer.grad_clip import NormScope, tp_scope
 from trainer.guard import StepGuard
 from trainer.mixed_precision import DTYPES, MainParams, model_dtype
@@ -62,6 +64,8 @@ class Run:
     """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
     main: MainParams | None = None
     """The fp32 main parameters under ``--precision bf16`` (`trainer.mixed_precision`)."""
+    device_notes: str = ""
+    """What `trainer.gpu` set up for the banner (tf32, compiled blocks)."""
 
     @property
     def tp_rank(self) -> int:
@@ -110,6 +114,10 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
         params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
     optimizer = main.optimizer if main is not None else optimizer
+    notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
+    if cfg.compile and compile_blocks(model, cfg.global_batch // (cfg.dp * cfg.microbatches),
+                                      rank=rank, groups=deciders):
+        notes.append("compiled blocks")
     plan = BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches)
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
                              dp_rank=dp_comm.rank, device=device)
@@ -125,4 +133,5 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main)
+               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main,
+               device_notes=", ".join(n for n in notes if n))

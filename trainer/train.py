@@ -11,7 +11,9 @@ input once. Each step: the step's global batch (from seed and step alone, traini
 split over the DP ranks and into microbatches; backward runs with bucketed, overlapped gradient
 all-reduce (`trainer.data_parallel`); gradients are clipped and AdamW steps; communication is
 timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
-(`trainer.inference.validation`). Rank 0 logs, writes ``metrics.jsonl`` every step, ``loss.png``
+(`trainer.inference.validation`). A step leaves its loss and gradient norm on the device; each
+``--log-every`` interval (and each evaluation or checkpoint step) reads them in one copy
+(`trainer.gpu.readout`). Rank 0 logs, writes a ``metrics.jsonl`` line per step, ``loss.png``
 at the end, and checkpoints every ``--save-every`` steps and at the end. ``--resume`` continues
 bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
 with Megatron or DeepSpeed), verified file by file (`trainer.resume` states the rule and
@@ -45,6 +47,7 @@ Dropout seeds also mix in the pp rank (each stage draws its own masks).
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -63,6 +66,8 @@ from trainer.config import TrainConfig, resolve_dp
 from trainer.data import Corpus, step_seed
 from trainer.errors import TrainerError
 from trainer.flops import mfu, peak_tflops
+from trainer.gpu import readout
+from trainer.gpu.readout import PendingStep
 from trainer.grad_clip import clip_grad_norm
 from trainer.guard import check_parameters
 from trainer.inference.validation import Validation
@@ -91,7 +96,14 @@ class TrainResult:
 
 
 def train_step(run: Run, step: int) -> StepRecord:
-    """One optimizer step (all microbatches); returns rank 0's view of it."""
+    """One optimizer step (all microbatches), its loss and norm read at once (the probes'
+    entry; the training loop reads a logging interval of `run_step`s together)."""
+    return readout.read([run_step(run, step)])[0]
+
+
+def run_step(run: Run, step: int) -> PendingStep:
+    """One optimizer step (all microbatches); returns rank 0's view of it, loss and gradient
+    norm still on the device: the step's one host read is the guard's finite check."""
     run.clock.take()  # what ran between steps (evaluation, checkpoints) is not the step's
     start = time.perf_counter()
     # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
@@ -118,16 +130,17 @@ def train_step(run: Run, step: int) -> StepRecord:
         loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
     else:
         run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
-        loss = float(loss_sum)
+        loss = loss_sum
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
         run.optimizer.step()
         if run.main is not None:
             run.main.publish()
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
-    return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
-                      tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                      compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total)
+    record = StepRecord(step=step, loss=math.nan, lr=lr, grad_norm=math.nan,
+                        tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
+                        compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total)
+    return PendingStep(loss, grad_norm, record)
 
 
 def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -178,25 +191,42 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                                pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
+    pending: list[PendingStep] = []
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
-            rec = train_step(run, step)
-            if progress is not None:
-                progress.step(step, rec.compute_s)
-            if validation and (step % cfg.eval_every == 0 or step == cfg.last_step):
-                rec = replace(rec, val_loss=validation.loss(cfg.eval_batches))
-            log.record(rec)
-            result.losses.append(rec.loss)
+            pending.append(run_step(run, step))
+            if progress is not None:  # host timings: known without reading the device
+                progress.step(step, pending[-1].record.compute_s)
             result.final_step = step
-            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.last_step:
+            evaluate = validation is not None and (step % cfg.eval_every == 0
+                                                   or step == cfg.last_step)
+            save = cfg.save_every > 0 and step % cfg.save_every == 0 and step != cfg.last_step
+            if evaluate or save or step % cfg.log_every == 0 or step == cfg.last_step:
+                val = validation.loss(cfg.eval_batches) if evaluate else None
+                _log_steps(log, result, pending, val)
+            if save:
                 save_checkpoint(run, step)
         result.checkpoint = save_checkpoint(run, result.final_step)
         if run.pipeline is not None and groups.coords.tp == 0 and groups.coords.dp == 0:
             log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))
     finally:
+        _log_steps(log, result, pending)  # the good steps before an error are kept
         log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
                              f"global batch {cfg.global_batch}")
     return result
+
+
+def _log_steps(log: MetricsLog, result: TrainResult, pending: list[PendingStep],
+               val_loss: float | None = None) -> None:
+    """Read the pending steps (one host transfer), log them and empty ``pending``; the last
+    one gets ``val_loss``."""
+    records = readout.read(pending)
+    pending.clear()
+    if records and val_loss is not None:
+        records[-1] = replace(records[-1], val_loss=val_loss)
+    for rec in records:
+        log.record(rec)
+        result.losses.append(rec.loss)
 
 
 def _banner(run: Run, world_size: int) -> str:
@@ -208,7 +238,8 @@ def _banner(run: Run, world_size: int) -> str:
     return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size}"
             f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}{pipeline} | "
-            f"{'bf16, fp32 main weights' if run.main else 'fp32'} | {len(run.dp.buckets)} "
+            f"{'bf16, fp32 main weights' if run.main else 'fp32'}"
+            f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
             f"grad bucket(s), overlap {'on' if cfg.overlap else 'off'} | global batch "
             f"{cfg.global_batch} x {cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | "
             f"data {run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"

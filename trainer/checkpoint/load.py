@@ -93,10 +93,11 @@ def restore_rng(state: dict[str, Any]) -> None:
 def check_compatible(meta: dict[str, Any], *, model: dict[str, Any], layout: dict[str, int],
                      path: Path) -> None:
     """Refuse a checkpoint of another model config or sharded layout, listing every difference."""
-    diffs = [f"{key}: checkpoint {meta['model'].get(key)!r}, now {value!r}"
-             for key, value in model.items() if meta["model"].get(key) != value]
     # A key absent on either side is not compared: checkpoints written before pipeline
-    # parallelism have no stage keys (they were unsplit, and a pp difference still shows).
+    # parallelism have no stage keys (they were unsplit, and a pp difference still shows), and
+    # those written before a model field existed (vocab_multiple) had its default.
+    diffs = [f"{key}: checkpoint {meta['model'][key]!r}, now {value!r}"
+             for key, value in model.items() if meta["model"].get(key, value) != value]
     saved = meta["layout"]
     diffs += [f"{axis}: checkpoint {saved[axis]!r}, now {layout[axis]!r}"
               for axis in SHARDED_AXES

@@ -119,12 +119,13 @@ class Pipeline:
         copy = self.tied if self.tied is not None and not self.layout.holds_first else None
         return base.along(self.comm, lambda p: p is not copy)
 
-    def reduce_loss(self, loss: torch.Tensor, dp: Communicator) -> float:
-        """The global batch's loss on every rank: DP average, then from the last stage."""
+    def reduce_loss(self, loss: torch.Tensor, dp: Communicator) -> torch.Tensor:
+        """The global batch's loss on every rank, a 0-d tensor left on the device: DP average,
+        then from the last stage."""
         loss = loss.reshape(1).clone()
         dp.all_reduce(loss, ReduceOp.AVG)
         self.comm.broadcast(loss, self.comm.size - 1)
-        return float(loss)
+        return loss.reshape(())
 
 
 def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Communicator,

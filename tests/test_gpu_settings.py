@@ -1,0 +1,88 @@
+"""Per-device settings of the GPU path, checked on a CPU: TF32 only for fp32 CUDA runs, the
+AdamW kernel per device, and ``--compile``'s two outcomes (compiled blocks that compute what
+eager ones do, and a failing compiler that leaves eager blocks and one message).
+
+The compile tests use torch.compile's ``aot_eager`` backend (dynamo and AOTAutograd, the parts
+shared with inductor) and a backend that raises: inductor itself needs minutes of C++ builds on
+this 2-core host, which `tests/test_gpu.py` and ``python -m bench.gpu`` run on a GPU.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from trainer.gpu.compile import compile_blocks
+from trainer.gpu.settings import adamw_kernel, configure_matmul
+from trainer.model import GPT, GPTConfig
+from trainer.optim import build_optimizer
+
+CFG = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8)
+
+
+@pytest.fixture
+def matmul_precision() -> Iterator[None]:
+    before = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(before)
+
+
+def test_fp32_cuda_runs_use_tf32_matmuls(matmul_precision: None) -> None:
+    assert configure_matmul(torch.device("cuda", 0), "fp32") == "tf32 matmuls"
+    assert torch.get_float32_matmul_precision() == "high"
+
+
+@pytest.mark.parametrize("device,precision", [("cpu", "fp32"), ("cpu", "bf16"), ("cuda", "bf16")])
+def test_cpu_and_bf16_runs_keep_full_fp32_matmuls(matmul_precision: None, device: str,
+                                                   precision: str) -> None:
+    torch.set_float32_matmul_precision("highest")
+    assert configure_matmul(torch.device(device), precision) == ""
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_adamw_runs_the_foreach_kernel_on_a_cpu() -> None:
+    model = GPT(CFG)
+    assert adamw_kernel(list(model.parameters())) == {"foreach": True}
+    optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
+    assert optimizer.defaults["foreach"] is True and not optimizer.defaults["fused"]
+
+
+def _loss_and_grads(model: GPT) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(5)
+    x, y = (torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=gen) for _ in "xy")
+    model.zero_grad()
+    loss = model.loss(x, y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_compiled_blocks_compute_what_the_eager_blocks_compute() -> None:
+    eager, compiled = GPT(CFG, seed=2), GPT(CFG, seed=2)
+    assert compile_blocks(compiled, 2, backend="aot_eager")
+    assert all("forward" in block.__dict__ for block in compiled.blocks.values())
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # checkpoints unchanged
+    loss, grads = _loss_and_grads(compiled)
+    want_loss, want_grads = _loss_and_grads(eager)
+    torch.testing.assert_close(loss, want_loss)  # fp32 tolerance: another op order
+    torch.testing.assert_close(grads, want_grads)
+
+
+def _no_compiler(gm: torch.fx.GraphModule, inputs: list) -> None:
+    raise RuntimeError("no C++ compiler on this host")
+
+
+def test_a_compiler_that_fails_leaves_eager_blocks_and_says_so_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    model = GPT(CFG, seed=2)
+    assert not compile_blocks(model, 2, backend=_no_compiler)
+    assert not any("forward" in block.__dict__ for block in model.blocks.values())
+    said = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(said) == 1, said
+    assert said[0].startswith("dtrain: --compile failed [rank 0, torch.compile _no_compiler]: ")
+    assert "no C++ compiler on this host" in said[0]
+    assert "Training continues with eager blocks on every rank" in said[0]
+    loss, grads = _loss_and_grads(model)  # trains as the eager model
+    want_loss, want_grads = _loss_and_grads(GPT(CFG, seed=2))
+    assert torch.equal(loss, want_loss) and all(map(torch.equal, grads, want_grads))
