@@ -63,6 +63,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",
           quick={"ps": (2,), "ms": (4,)}),
+    Bench("memory", "Memory per rank (ZeRO-1, TP, PP) vs the analytic table; ZeRO-1 cost",
+          quick={"model": "tiny", "steps": 2}),
 )
 
 
