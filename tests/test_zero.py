@@ -137,12 +137,24 @@ def test_zero1_parameters_are_bit_identical_on_every_dp_rank(world: int) -> None
             assert torch.equal(rank[name][1]["local"][key], want), key
 
 
-@pytest.mark.parametrize("name", [n for n, *_ in CASES[2]])
-def test_fp32_zero1_at_dp2_is_bit_identical_to_zero0(name: str) -> None:
-    rank = ranks(2)[0][name + "-fp32"]
+@pytest.mark.parametrize("name", [n + "-fp32" for n, *_ in CASES[2]] + ["dp2-bf16"])
+def test_zero1_at_dp2_is_bit_identical_to_zero0_checkpoint_included(name: str) -> None:
+    """fp32 and bf16 (fp32 main weights sharded): the same losses, parameters and saved
+    model and optimizer state, bit for bit."""
+    rank = ranks(2)[0][name]
     assert rank[1]["losses"] == rank[0]["losses"]
     for key, want in rank[0]["local"].items():
         assert torch.equal(rank[1]["local"][key], want), key
+    (model0, optim0), (model1, optim1) = rank[0]["saved"], rank[1]["saved"]
+    assert model1.keys() == model0.keys()
+    for key, want in model0.items():
+        assert want.dtype == model1[key].dtype and torch.equal(model1[key], want), key
+    assert [g["params"] for g in optim1["param_groups"]] == \
+        [g["params"] for g in optim0["param_groups"]]
+    assert optim1["state"].keys() == optim0["state"].keys() and optim0["state"]
+    for index, state in optim0["state"].items():
+        for key, want in state.items():
+            assert torch.equal(optim1["state"][index][key], want), (index, key)
 
 
 @pytest.mark.parametrize(("world", "name"), WORLD_CASES)

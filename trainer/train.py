@@ -125,7 +125,10 @@ def train_step(run: Run, step: int) -> StepRecord:
         loss = float(loss_sum)
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
         run.optimizer.step()
-        if run.main is not None:
+        if run.zero is not None:
+            with run.clock.blocked():  # ZeRO-1's all-gather: the next forward needs it
+                run.zero.publish()
+        elif run.main is not None:
             run.main.publish()
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()

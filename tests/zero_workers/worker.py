@@ -28,20 +28,26 @@ from trainer.train import save_checkpoint, train, train_step
 from trainer.zero.memory import held_bytes
 
 
-def train_case(world: World, cfg: Any, steps: int = STEPS) -> dict[str, Any]:
+def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
+               ) -> dict[str, Any]:
+    """``steps`` steps of ``cfg``; with ``save`` a checkpoint at the end, read back on rank 0."""
     groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
     run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
                     groups=groups, world_comm=world.comm)
     recs = [train_step(run, step) for step in range(1, steps + 1)]
     held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
+    saved = save_checkpoint(run, steps) if save else None
+    ckpt = checkpoint.load(saved) if saved is not None and world.rank == 0 else None
     return {"losses": [r.loss for r in recs], "norms": [r.grad_norm for r in recs],
             "local": {n: t.detach().clone() for n, t in run.model.state_dict().items()},
-            "n_params": sum(p.numel() for p in run.dp.params), "held": held}
+            "n_params": sum(p.numel() for p in run.dp.params), "held": held,
+            "saved": (ckpt.model, ckpt.optim) if ckpt is not None else None}
 
 
-def both(world: World, name: str, out: Path, **train: object) -> dict[str, Any]:
+def both(world: World, name: str, out: Path, *, save: bool = False, **train: object
+         ) -> dict[str, Any]:
     return {z: train_case(world, case_config(world.size, name, zero=z, **train,
-                                             run_dir=str(out / f"{name}-{z}")))
+                                             run_dir=str(out / f"{name}-{z}")), save=save)
             for z in (0, 1)}
 
 
@@ -108,8 +114,10 @@ def run(out: Path) -> dict[str, Any]:
             result["change_dp"] = change_dp(world, out)
     for name, *_ in CASES[world.size]:
         if world.size == 2:  # fp32, no clipping: sums of two are exact (zero 0 == zero 1)
-            result[name + "-fp32"] = both(world, name, out / "fp32", grad_clip=0.0)
-    if world.size == 2:
+            result[name + "-fp32"] = both(world, name, out / "fp32", grad_clip=0.0, save=True)
+    if world.size == 2:  # the same under bf16: fp32 main weights and moments, bf16 model
+        result["dp2-bf16"] = both(world, "dp2", out / "bf16", grad_clip=0.0, save=True,
+                                  precision="bf16")
         result["resume"] = resume_split(world, out)
     else:
         result["big"] = big(world, out)
