@@ -41,7 +41,7 @@ WARMUP = 1
 MIB = 2**20
 #: Row name -> (world size, TrainConfig overrides).
 ROWS: dict[str, tuple[int, dict[str, Any]]] = {
-    "serial": (1, {}),
+    "serial": (1, {"dp": 1}),
     "dp2": (2, {"dp": 2}),
     "dp2+zero1": (2, {"dp": 2, "zero": 1}),
     "dp2 overlap off": (2, {"dp": 2, "overlap": False}),

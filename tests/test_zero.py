@@ -27,7 +27,7 @@ from trainer.config import make_config
 from trainer.errors import TrainerError
 from trainer.metrics import read_records
 from trainer.zero.layout import shard_layout
-from trainer.zero.memory import describe, expected_bytes
+from trainer.zero.memory import PeakMemory, describe, expected_bytes
 
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
@@ -98,6 +98,15 @@ def test_the_start_up_line_names_the_bytes_and_their_rule() -> None:
     line = describe(2**20, bf16=False, zero=1, dp=2, where="rank 0")
     assert "parameters 4.0 MiB + gradients 4.0 MiB + optimizer 4.0 MiB = 12.0 MiB" in line
     assert "8 + 8/2 bytes per parameter" in line
+
+
+def test_peak_memory_covers_a_transient_tensor_and_starts_over_each_interval() -> None:
+    peak = PeakMemory(torch.device("cpu"))
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, written, so resident
+    del big
+    with_big = peak.take()
+    without = peak.take()
+    assert with_big - without >= 60 * 2**20
 
 
 def test_a_zero_stage_other_than_0_or_1_is_refused_naming_the_flag() -> None:

@@ -118,8 +118,7 @@ class ZeroOptimizer:
                 for main, piece in zip(self.main, self.pieces, strict=True) if piece.bucket == k]
 
     def post_gather(self, k: int, values: list[tuple[int, torch.Tensor]], *,
-                     dtype: torch.dtype | None = None
-                     ) -> tuple[torch.Tensor, Handle | None]:
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Handle | None]:
         """Start the all-gather of bucket ``k`` whose own shard holds ``values``: (the flat
         bucket being filled, its handle or None)."""
         b = self.layout.buckets[k]
