@@ -146,10 +146,11 @@ def test_zero1_parameters_are_bit_identical_on_every_dp_rank(world: int) -> None
             assert torch.equal(rank[name][1]["local"][key], want), key
 
 
-@pytest.mark.parametrize("name", [n + "-fp32" for n, *_ in CASES[2]] + ["dp2-bf16"])
+@pytest.mark.parametrize("name", [n + "-fp32" for n, *_ in CASES[2]] +
+                         ["dp2-bf16", "dp2-bf16-wire"])
 def test_zero1_at_dp2_is_bit_identical_to_zero0_checkpoint_included(name: str) -> None:
-    """fp32 and bf16 (fp32 main weights sharded): the same losses, parameters and saved
-    model and optimizer state, bit for bit."""
+    """fp32, bf16 (fp32 main weights sharded) and fp32 reduced in bf16: the same losses,
+    parameters and saved model and optimizer state, bit for bit."""
     rank = ranks(2)[0][name]
     assert rank[1]["losses"] == rank[0]["losses"]
     for key, want in rank[0]["local"].items():

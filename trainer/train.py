@@ -24,6 +24,12 @@ With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW
 main weights on the fp32 main gradients of the DP buffer (`trainer.mixed_precision`); the
 checkpoints hold the fp32 main weights.
 
+With ``--zero 1`` (`trainer.zero`) each bucket's gradients are reduce-scattered instead of
+all-reduced, AdamW (and under bf16 the fp32 main weights) holds only this DP rank's shard, and
+the stepped shards are all-gathered into the parameters; checkpoints hold the gathered,
+unsharded state, so a run resumes at any dp. Rank 0 prints the expected bytes per rank at
+start-up, and ``metrics.jsonl`` records each step's peak memory (`trainer.zero.memory`).
+
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
 (`trainer.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp rank,

@@ -118,6 +118,8 @@ def run(out: Path) -> dict[str, Any]:
     if world.size == 2:  # the same under bf16: fp32 main weights and moments, bf16 model
         result["dp2-bf16"] = both(world, "dp2", out / "bf16", grad_clip=0.0, save=True,
                                   precision="bf16")
+        result["dp2-bf16-wire"] = both(world, "dp2", out / "wire", grad_clip=0.0, save=True,
+                                       grad_reduce_dtype="bf16")
         result["resume"] = resume_split(world, out)
     else:
         result["big"] = big(world, out)
