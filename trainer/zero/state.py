@@ -3,8 +3,10 @@
 A checkpoint of a ``--zero 1`` run holds exactly what a ``--zero 0`` run's holds: the model
 state with the full fp32 (main) weights and torch AdamW's state dict over the whole model (one
 ``exp_avg`` and ``exp_avg_sq`` per parameter, indexed as `trainer.optim.param_groups` orders
-them). Saving all-gathers each bucket's shards over DP (collective; DP rank 0 writes); loading
-is `ZeroOptimizer` slicing its pieces out of the restored full state. So the shard layout is
+them). Saving all-gathers each bucket's shards over DP (collective; DP rank 0 keeps and writes
+them, so it briefly holds the whole state, as a zero 0 rank always does); loading
+is `ZeroOptimizer` slicing its pieces out of the restored full state (every rank reads the
+whole optimizer file, keeps its pieces and drops the rest). So the shard layout is
 re-derived on every start: a run resumes at any dp, with or without ZeRO, and at the same dp
 the pieces get back exactly the values they had (bit-exact resume).
 """
@@ -23,11 +25,14 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @torch.no_grad()
-def full_state(zero: ZeroOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(model state, optimizer state) of the whole model, on every DP rank (collective)."""
+def full_state(zero: ZeroOptimizer) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+    """(model state, optimizer state) of the whole model on DP rank 0, the writer; None on
+    the others, which take part in the gathers but keep nothing (collective over DP)."""
     step = _steps_taken(zero)
     kinds = ([] if zero.dtype is None else ["main"]) + (list(_MOMENTS) if step else [])
     full = {kind: _gather(zero, kind) for kind in kinds}
+    if zero.sync.comm.rank != 0:
+        return None
     model = zero.model.state_dict()
     if "main" in full:  # the fp32 main weights in place of the bf16 parameters
         main_of = {p.data_ptr(): full["main"][i] for i, p in enumerate(zero.params)}
@@ -66,6 +71,8 @@ def _gather(zero: ZeroOptimizer, kind: str) -> list[torch.Tensor]:
         flat, handle = zero.post_gather(k, values, dtype=dtype)
         if handle is not None:
             handle.wait()
+        if zero.sync.comm.rank != 0:
+            continue  # only the writer keeps the whole state, one bucket at a time elsewhere
         for i in bucket.params:
             offset = zero.layout.offsets[i] - bucket.start
             p = zero.params[i]
