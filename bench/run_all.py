@@ -69,6 +69,8 @@ BENCHES = (
           quick={"timeouts": (2.0,)}),
     Bench("gpu", "GPU path: gpt-124m dtrain vs plain PyTorch (on a GPU), CPU bf16/fp32 step",
           quick={"cpu_tiny": True}),
+    Bench("memory", "Memory per rank (ZeRO-1, TP, PP) vs the analytic table; ZeRO-1 cost",
+          quick={"model": "tiny", "steps": 2}),
 )
 
 

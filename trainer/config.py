@@ -62,6 +62,9 @@ HELP: dict[str, str] = {
                          "are) or bf16 (half the bytes; each bucket rounded first)",
     "compile": "torch.compile every transformer block (checked at start-up; where it cannot "
                "work, one message and eager blocks, trainer.gpu.compile)",
+    "zero": "ZeRO stage: 0 (every DP rank keeps the whole optimizer state) or 1 (gradients "
+            "reduce-scattered, optimizer state and fp32 main weights sharded over DP, "
+            "parameters all-gathered after the step; trainer.zero)",
     "peak_tflops": "peak TFLOP/s of one device for the logged MFU (0 = bf16 dense peak of a "
                    "known GPU: H100, H200, A100; a CPU logs MFU only when given)",
     "run_dir": "folder for checkpoints, metrics.jsonl and loss.png",
@@ -112,6 +115,7 @@ class TrainConfig:
     precision: str = "auto"
     grad_reduce_dtype: str = "fp32"
     compile: bool = False
+    zero: int = 0
     peak_tflops: float = 0.0
     run_dir: str = "runs/default"
     save_every: int = 0
@@ -149,6 +153,7 @@ class TrainConfig:
                  f"must be one of {', '.join(PRECISIONS)}")
         _require(self.grad_reduce_dtype in ("fp32", "bf16"), "grad_reduce_dtype",
                  self.grad_reduce_dtype, "must be fp32 or bf16")
+        _require(self.zero in (0, 1), "zero", self.zero, "must be 0 or 1")
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")

@@ -49,7 +49,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, ReduceOp, wait_all
+from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
 from trainer.dp_buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
 from trainer.errors import TrainerError
 from trainer.precision import main_grad_dtype
@@ -172,8 +172,7 @@ class DataParallel:
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
-            if bucket.wire is not None:
-                bucket.view.copy_(bucket.wire)
+            self._unwire(bucket)
         for p in self.params:  # unless a MainParams steps on main_grad itself
             if p.dtype != self.buffer.dtype and self.grads_to_params:
                 p.grad = p.main_grad.to(p.dtype)
@@ -217,15 +216,21 @@ class DataParallel:
         if self.comm.size == 1:
             return
         if not async_op:
-            self._reduce(bucket)
+            self._post(bucket, async_op=False)
         elif self._thread is not None:
             bucket.handle = FutureHandle(self._thread.submit(self._reduce_polled, bucket))
         else:
-            bucket.handle = self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM, async_op=True)
+            bucket.handle = self._post(bucket, async_op=True)
 
-    def _reduce(self, bucket: Bucket) -> None:
-        """Blocking reduction of one bucket (main thread in sync mode, else the comm thread)."""
-        self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM)
+    def _post(self, bucket: Bucket, *, async_op: bool) -> Handle | None:
+        """Start (or, blocking, run) the reduction of one bucket: the all-reduce here; ZeRO's
+        sharded variant (`trainer.zero.grad_sync`) reduce-scatters instead."""
+        return self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM, async_op=async_op)
+
+    def _unwire(self, bucket: Bucket) -> None:
+        """After a bucket's reduction: copy a narrower reduce dtype's result back."""
+        if bucket.wire is not None:
+            bucket.view.copy_(bucket.wire)
 
     def _wire(self, bucket: Bucket) -> torch.Tensor:
         """The bucket pre-scaled so the SUM is the mean (Megatron's gradient_scaling_factor =
@@ -238,7 +243,7 @@ class DataParallel:
         """The comm thread's reduction: post it, then drive MPI progress with short sleeps
         rather than a blocking call, which would spin a core the backward needs; once
         finish_grad_sync is waiting (``_hurry``) there is no compute left, so block."""
-        handle = self.comm.all_reduce(self._wire(bucket), ReduceOp.SUM, async_op=True)
+        handle = self._post(bucket, async_op=True)
         if handle is not None and self.poll_interval > 0:
             while not handle.is_completed() and not self._hurry.wait(self.poll_interval):
                 pass

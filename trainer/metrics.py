@@ -50,6 +50,9 @@ class StepRecord:
     """Exposed plus communication that overlapped compute; >= comm_exposed_s."""
     val_loss: float | None = None
     """Validation loss after this step (steps that evaluated; None on the others)."""
+    peak_mem_bytes: int = 0
+    """Rank 0's peak memory during this step: CUDA max allocated, else peak RSS
+    (`trainer.zero.memory.PeakMemory`)."""
 
     @property
     def tokens_per_s(self) -> float:

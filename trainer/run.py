@@ -25,7 +25,7 @@ from trainer.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer
 from trainer.parallelize import parallelize
-from trainer.pipeline.stages import build_stage_model
+from trainer.pipeline.stages import build_stage_model, tied_weight
 from trainer.pipeline.train_step import (
     Pipeline,
     build_pipeline,
@@ -33,6 +33,7 @@ from trainer.pipeline.train_step import (
 )
 from trainer.resume import restore
 from trainer.tensor_parallel.random import RNGStatesTracker
+from trainer.zero import ZeroOptimizer, build_zero
 
 
 @dataclass
@@ -62,8 +63,11 @@ class Run:
     guard: StepGuard = field(default_factory=StepGuard)
     clock: CommClock = field(default_factory=CommClock)
     """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
-    main: MainParams | None = None
-    """The fp32 main parameters under ``--precision bf16`` (`trainer.mixed_precision`)."""
+    main: MainParams | ZeroOptimizer | None = None
+    """The fp32 main parameters under ``--precision bf16`` (`trainer.mixed_precision`), or
+    under ``--zero 1`` the sharded optimizer, which has the same interface."""
+    zero: ZeroOptimizer | None = None
+    """The ZeRO-1 optimizer (``--zero 1``, `trainer.zero`), else None."""
     device_notes: str = ""
     """What `trainer.gpu` set up for the banner (tf32, compiled blocks)."""
 
@@ -107,12 +111,20 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
     dtype = model_dtype(cfg.precision, device)
-    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
-                      reduce_dtype=DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype !=
-                      "fp32" else None, grads_to_params=dtype is None)
-    # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
-    main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
-        params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
+    reduce_dtype = DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype != "fp32" else None
+    zero = None
+    if cfg.zero:  # the tied embedding gets a bucket of its own: its shards match across stages
+        tied = tied_weight(model, layout) if layout else None
+        dp, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=cfg.bucket_size,
+                              overlap=cfg.overlap, reduce_dtype=reduce_dtype,
+                              alone=[tied] if tied is not None else [])
+        main: MainParams | ZeroOptimizer | None = zero
+    else:
+        dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+                          reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
+        # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
+        main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
     optimizer = main.optimizer if main is not None else optimizer
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
     if cfg.compile and compile_blocks(model, cfg.global_batch // (cfg.dp * cfg.microbatches),
@@ -133,5 +145,5 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main,
+               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main, zero=zero,
                device_notes=", ".join(n for n in notes if n))

@@ -26,6 +26,12 @@ With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW
 main weights on the fp32 main gradients of the DP buffer (`trainer.mixed_precision`); the
 checkpoints hold the fp32 main weights.
 
+With ``--zero 1`` (`trainer.zero`) each bucket's gradients are reduce-scattered instead of
+all-reduced, AdamW (and under bf16 the fp32 main weights) holds only this DP rank's shard, and
+the stepped shards are all-gathered into the parameters; checkpoints hold the gathered,
+unsharded state, so a run resumes at any dp. Rank 0 prints the expected bytes per rank at
+start-up, and ``metrics.jsonl`` records each step's peak memory (`trainer.zero.memory`).
+
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
 (`trainer.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp rank,
@@ -80,6 +86,9 @@ from trainer.pipeline.train_step import (
 from trainer.resume import meta_of
 from trainer.run import Run, build_run
 from trainer.tensor_parallel.random import TP_RNG
+from trainer.zero import memory
+from trainer.zero.memory import PeakMemory
+from trainer.zero.state import full_state
 
 _DROPOUT_STREAM = 1
 _TP_DROPOUT_STREAM = 2
@@ -121,7 +130,9 @@ def run_step(run: Run, step: int) -> PendingStep:
         loss_sum = _accumulate(run, micro)
     with run.clock.blocked():
         run.dp.finish_grad_sync()
-    if run.pipeline is not None:
+    if run.zero is not None and run.pipeline is not None:
+        run.zero.sync_tied_grads(run.pipeline.embd, run.pipeline.tied)
+    elif run.pipeline is not None:
         run.pipeline.sync_tied_grads()
     params, scope = (run.main.grads(), run.main.scope(run.norm_scope)) if run.main else (
         run.dp.params, run.norm_scope)
@@ -133,7 +144,10 @@ def run_step(run: Run, step: int) -> PendingStep:
         loss = loss_sum
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
         run.optimizer.step()
-        if run.main is not None:
+        if run.zero is not None:
+            with run.clock.blocked():  # ZeRO-1's all-gather: the next forward needs it
+                run.zero.publish()
+        elif run.main is not None:
             run.main.publish()
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
@@ -164,12 +178,14 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
     main = run.main
     check_parameters(main.main if main else run.model.parameters(), step, groups,
                      report=run.is_writer)
+    # ZeRO-1 gathers the sharded state on every DP rank (collective), unsharded like zero 0's
+    states = full_state(run.zero) if run.zero is not None else None
     if run.dp_rank != 0:
         return None
+    model, optim = states or (main.state_dict() if main else run.model.state_dict(),
+                              run.optimizer.state_dict())
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
-    return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step,
-                           model=main.state_dict() if main else run.model.state_dict(),
-                           optim=run.optimizer.state_dict(),
+    return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step, model=model, optim=optim,
                            meta=meta, keep=run.cfg.keep, shard=(run.tp_rank, run.pp_rank),
                            writers=run.writers)
 
@@ -186,6 +202,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
+    log.info(_memory_line(run))
+    peak_mem = PeakMemory(world.device)
     pipe = run.pipeline
     validation = Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
                                pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
@@ -195,8 +213,11 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
+            done = pending[-1]
+            pending[-1] = replace(done, record=replace(done.record,
+                                                       peak_mem_bytes=peak_mem.take()))
             if progress is not None:  # host timings: known without reading the device
-                progress.step(step, pending[-1].record.compute_s)
+                progress.step(step, done.record.compute_s)
             result.final_step = step
             evaluate = validation is not None and (step % cfg.eval_every == 0
                                                    or step == cfg.last_step)
@@ -229,6 +250,18 @@ def _log_steps(log: MetricsLog, result: TrainResult, pending: list[PendingStep],
         result.losses.append(rec.loss)
 
 
+def _memory_line(run: Run) -> str:
+    """Rank 0's expected parameter, gradient and optimizer bytes (`trainer.zero.memory`)."""
+    where = "rank 0" + (", its TP x PP shard" if run.cfg.tp * run.cfg.pp > 1 else "")
+    return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.zero,
+                           bf16=_bf16(run),
+                           dp=run.cfg.dp, where=where)
+
+
+def _bf16(run: Run) -> bool:
+    return next(run.model.parameters()).dtype == torch.bfloat16
+
+
 def _banner(run: Run, world_size: int) -> str:
     cfg = run.cfg
     resumed = f", {run.resumed}" if run.resumed else ""
@@ -238,7 +271,8 @@ def _banner(run: Run, world_size: int) -> str:
     return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size}"
             f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}{pipeline} | "
-            f"{'bf16, fp32 main weights' if run.main else 'fp32'}"
+            f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
+            f"{', ZeRO-1' if run.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
             f"grad bucket(s), overlap {'on' if cfg.overlap else 'off'} | global batch "
             f"{cfg.global_batch} x {cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | "

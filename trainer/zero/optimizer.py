@@ -1,0 +1,142 @@
+"""The ZeRO-1 optimizer: AdamW over this DP rank's shard only, then an all-gather.
+
+    python -m trainer.train --model small --dp 2 --zero 1 --run-dir runs/zero
+
+Each `Piece` of `trainer.zero.layout` (the part of one parameter inside this rank's shards)
+gets a *main* parameter that AdamW steps: for an fp32 (or fp64) model a view of the model
+parameter itself, so nothing is copied; under ``--precision bf16`` an fp32 copy of just that
+part. AdamW's moments exist for the pieces only, so the optimizer state is 1/dp of the model's.
+A piece's gradient is the matching part of this rank's reduce-scattered shard of the gradient
+buffer (`trainer.zero.grad_sync`). AdamW is elementwise, so stepping pieces is stepping whole
+tensors; weight decay follows the piece's parameter (matrices only, `trainer.optim`).
+
+`ZeroOptimizer` has `trainer.mixed_precision.MainParams`'s interface (``grads``, ``scope``,
+``publish``, ``main``, ``optimizer``), so a training step is written once for both:
+
+* ``scope`` counts every gradient element once across DP, TP and PP: the pieces are disjoint
+  across DP ranks, so their squared norms are summed over DP too, and the TP/PP rule of a
+  piece's parameter (replicated weights on TP rank 0, the tied copy on the first stage) applies.
+* ``publish`` all-gathers the stepped shards, bucket by bucket, into every rank's parameters.
+
+Checkpoints hold the full, unsharded state (`trainer.zero.state`), so a run resumes at any dp.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.comm.protocol import Communicator, Handle, ReduceOp
+from trainer.grad_clip import NormScope
+from trainer.zero.grad_sync import ShardedGradSync
+
+
+class ZeroOptimizer:
+    """The main pieces of this DP rank, the AdamW that steps them and the all-gather."""
+
+    def __init__(self, sync: ShardedGradSync, full: torch.optim.Optimizer,
+                 dtype: torch.dtype | None) -> None:
+        """``full``: the AdamW the run built over the whole model (restored on --resume); its
+        hyperparameters and groups are kept and its state (if any) is sliced into the pieces,
+        then dropped. ``dtype``: what the model is then cast to (bf16), or None (keep)."""
+        self.sync, self.model, self.dtype = sync, sync.model, dtype
+        self.layout, self.params = sync.layout, sync.params
+        self.pieces = self.layout.pieces()
+        group_of = {id(p): g for g, group in enumerate(full.param_groups)
+                    for p in group["params"]}
+        self.main: list[nn.Parameter] = []
+        groups: list[list[nn.Parameter]] = [[] for _ in full.param_groups]
+        for piece in self.pieces:
+            part = self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
+            main = nn.Parameter(part.clone().float() if dtype is not None else part)
+            self.main.append(main)
+            groups[group_of[id(self.params[piece.param])]].append(main)
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in full.param_groups]
+        # every hyperparameter travels in the groups (decay per group, betas, eps, lr)
+        self.optimizer = torch.optim.AdamW(
+            [{**h, "params": ps} for h, ps in zip(hyper, groups, strict=True)],
+            lr=full.defaults["lr"])
+        self.full_groups = [list(g["params"]) for g in full.param_groups]
+        self._take_state(full)
+        self._model_of = {id(m): self.params[p.param] for m, p in zip(self.main, self.pieces,
+                                                                      strict=True)}
+        if dtype is not None:
+            for p in self.params:
+                p.grad = None
+            self.model.to(dtype)
+
+    @torch.no_grad()
+    def _take_state(self, full: torch.optim.Optimizer) -> None:
+        for main, piece in zip(self.main, self.pieces, strict=True):
+            state = full.state.get(self.params[piece.param])
+            if state:
+                self.optimizer.state[main] = {
+                    k: v.clone() if k == "step" else
+                    v.reshape(-1)[piece.lo:piece.hi].to(main.dtype, copy=True)
+                    for k, v in state.items()}
+        full.state.clear()  # the whole model's moments: never kept under ZeRO
+
+    def grads(self) -> list[nn.Parameter]:
+        """The main pieces, each with its part of the reduce-scattered gradient as .grad."""
+        for main, piece in zip(self.main, self.pieces, strict=True):
+            shard = self.sync.shard_grad(piece.bucket)
+            main.grad = shard[piece.at:piece.at + piece.hi - piece.lo]
+        return self.main
+
+    def scope(self, scope: NormScope) -> NormScope:
+        """``scope`` over the pieces: summed over DP as well, each counting where its
+        parameter does."""
+        dp = (self.sync.comm,) if self.sync.comm.size > 1 else ()
+        return NormScope((*dp, *scope.groups), lambda m: scope.counts(self._model_of[id(m)]))
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """All-gather the stepped shards into the parameters of every DP rank, bucket by
+        bucket, the next bucket posted before this one is waited for (two buckets of
+        transient memory at most)."""
+        pending = None
+        for k in range(len(self.layout.buckets)):
+            posted = (k, *self.post_gather(k, self._own_values(k)))
+            if pending is not None:
+                self._unpack(*pending)
+            pending = posted
+        if pending is not None:
+            self._unpack(*pending)
+
+    def _unpack(self, k: int, flat: torch.Tensor, handle: Handle | None) -> None:
+        if handle is not None:
+            handle.wait()
+        start = self.layout.buckets[k].start
+        for i in self.layout.buckets[k].params:
+            offset = self.layout.offsets[i] - start
+            p = self.params[i]
+            p.data.view(-1).copy_(flat[offset:offset + p.numel()])
+
+    def _own_values(self, k: int) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the shard, values) of the main pieces in bucket ``k``."""
+        return [(piece.at, main.detach().view(-1))
+                for main, piece in zip(self.main, self.pieces, strict=True) if piece.bucket == k]
+
+    def post_gather(self, k: int, values: list[tuple[int, torch.Tensor]], *,
+                    dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Handle | None]:
+        """Start the all-gather of bucket ``k`` whose own shard holds ``values``: (the flat
+        bucket being filled, its handle or None)."""
+        b = self.layout.buckets[k]
+        p0 = self.params[b.params.start]
+        flat = torch.zeros(b.end - b.start, dtype=dtype or p0.dtype, device=p0.device)
+        lo, hi = self.layout.shard(k)
+        own = flat[lo - b.start:hi - b.start]
+        for at, v in values:
+            own[at:at + v.numel()].copy_(v)
+        if self.sync.comm.size == 1:
+            return flat, None
+        return flat, self.sync.comm.all_gather(flat, own, async_op=True)
+
+    def sync_tied_grads(self, embd: Communicator | None, tied: nn.Parameter | None) -> None:
+        """Sum the tied embedding's reduced shard over the first and last pipeline stage (it
+        has a bucket of its own on both, so the shards hold the same elements)."""
+        if embd is None or tied is None:
+            return
+        index = next(i for i, p in enumerate(self.params) if p is tied)
+        bucket = next(k for k, b in enumerate(self.layout.buckets) if index in b.params)
+        embd.all_reduce(self.sync.shard_grad(bucket), ReduceOp.SUM)
