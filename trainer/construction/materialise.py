@@ -39,11 +39,14 @@ def local_values(model: GPT, seed: int, tp_rank: int, tp_size: int
                 shape = shard_shape(p.shape, spec, tp_size)
                 out[local] = torch.full(shape, fill, dtype=dtype)
             continue
+        pieces = normal_pieces(p.numel(), gen, dtype)
+        if not targets:  # another stage's weight: draw it, piece by piece, and drop it
+            for _ in pieces:
+                pass
+            continue
         if len({spec for _, spec in targets}) > 1:
             raise RuntimeError(f"{name} is held with two different shardings")  # a wiring bug
-        spec = targets[0][1] if targets else None
-        shard = shard_of_stream(normal_pieces(p.numel(), gen, dtype), p.shape, spec,
-                                tp_rank, tp_size)
+        shard = shard_of_stream(pieces, p.shape, targets[0][1], tp_rank, tp_size)
         for local, _ in targets:
             out[local] = shard * std
     return out
