@@ -63,6 +63,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",
           quick={"ps": (2,), "ms": (4,)}),
+    Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
+          quick={"model": "tiny", "seq_len": 64, "steps": 2}),
 )
 
 

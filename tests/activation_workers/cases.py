@@ -57,8 +57,7 @@ PIPE["interleaved"] = {"schedule": "interleaved", "virtual_stages": 2}
 
 #: Runs by world size (dp 1 everywhere: DP is not what these techniques change).
 RUNS: dict[int, list[Run]] = {
-    2: [*_family("tp2", 2, 1, {"sp": SP, "selective": SELECTIVE, "full": FULL,
-                               "sp-full": {**SP, **FULL}}),
+    2: [*_family("tp2", 2, 1, {"sp": SP, "selective": SELECTIVE, "full": FULL}),
         *_family("tp2-untied", 2, 1, {"sp": SP, "sp-selective": {**SP, **SELECTIVE}},
                  gpt=UNTIED),
         # full recompute in every schedule, selective in 1F1B
@@ -68,8 +67,7 @@ RUNS: dict[int, list[Run]] = {
                                                if schedule == "1f1b" else {})}, train=opts)),
         # dropout on: recompute must redraw the very same masks (default and TP streams)
         *_family("tp2-drop", 2, 1, {"selective": SELECTIVE, "full": FULL}, gpt=DROPOUT),
-        *_family("tp2-drop-sp", 2, 1, {"full": FULL, "selective": SELECTIVE},
-                 gpt=DROPOUT, train=SP),
+        *_family("tp2-drop-sp", 2, 1, {"full": FULL}, gpt=DROPOUT, train=SP),
         *_family("pp2-drop", 1, 2, {"full": FULL}, gpt=DROPOUT, train=PIPE["1f1b"])],
     4: [*_family("tp4", 4, 1, {"sp": SP, "sp-full": {**SP, **FULL}}),
         *_family("tp4-untied", 4, 1, {"sp": SP}, gpt=UNTIED),
