@@ -78,10 +78,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = m.gather_from_sequence_region(x, self.comm)
+            y = m.linear_on_gathered_sequence(x, self.weight, self.bias, self.comm)
         else:
-            x = m.copy_to_region(x, self.comm)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(m.copy_to_region(x, self.comm), self.weight, self.bias)
         return m.gather_from_region(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
