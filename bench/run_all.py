@@ -71,6 +71,8 @@ BENCHES = (
           quick={"cpu_tiny": True}),
     Bench("memory", "Memory per rank (ZeRO-1, TP, PP) vs the analytic table; ZeRO-1 cost",
           quick={"model": "tiny", "steps": 2}),
+    Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
+          quick={"model": "tiny", "seq_len": 64, "steps": 2}),
 )
 
 

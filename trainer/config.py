@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from trainer.activations.options import check_activation_options
 from trainer.comm.bootstrap import BACKENDS
 from trainer.config_file import load_toml
 from trainer.data import DEFAULT_VAL_FRACTION
@@ -53,6 +54,10 @@ HELP: dict[str, str] = {
     "schedule": "pipeline schedule: gpipe, 1f1b or interleaved (with --virtual-stages)",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule only)",
     "pp_layers": "layers per pipeline stage, e.g. 3,2,2,1 (default: balanced by layer count)",
+    "sequence_parallel": "split the activations between tensor-parallel layers (norms, dropout, "
+                         "residuals) along the sequence over the tp ranks (needs tp > 1)",
+    "recompute": "activation recomputation in backward: none, selective (the attention core) or "
+                 "full (every transformer block)",
     "backend": "communication backend: auto (nccl on GPU, else mpi), mpi or nccl",
     "bucket_size": "DP gradient bucket size in elements",
     "overlap": "overlap DP gradient all-reduce with backward",
@@ -109,6 +114,8 @@ class TrainConfig:
     schedule: str = "1f1b"
     virtual_stages: int = 1
     pp_layers: str = ""
+    sequence_parallel: bool = False
+    recompute: str = "none"
     backend: str = "auto"
     bucket_size: int = 1_000_000
     overlap: bool = True
@@ -162,6 +169,8 @@ class TrainConfig:
         except TrainerError as exc:
             raise ConfigError(exc.what, exc.where, exc.why, exc.fix) from None
         self._check_pipeline()
+        check_activation_options(sequence_parallel=self.sequence_parallel,
+                                 recompute=self.recompute, tp=self.tp, seq_len=self.gpt.seq_len)
 
     def _check_pipeline(self) -> None:
         """Refuse a pipeline layout that cannot run, before any rank starts."""

@@ -14,10 +14,12 @@ deletes the layers it does not own keeps the global parameter names (``blocks.5.
 and checkpoints cannot silently load layer 0 of one layout into layer 5 of another. ``forward``
 skips ``tok_emb``/``ln_f``/``head`` when they are ``None`` for the same reason.
 
-Two plain-attribute hooks let ``trainer.parallelize`` change what it cannot reach by swapping
+Plain-attribute hooks let ``trainer.parallelize`` change what it cannot reach by swapping
 modules: ``Attention.probs_rng`` (the random stream of attention-probability dropout) and
-``GPT.criterion`` (the loss on the head's logits). Both default to the serial behaviour; so does
-``GPT.vocab_start``, the vocabulary row of the first logit, which masks padded rows on a shard.
+``GPT.criterion`` (the loss on the head's logits); and ``trainer.activations`` recompute a
+block (``Block.runner``) or the attention core (``Attention.core_runner``) in backward. All
+default to the serial behaviour; so does ``GPT.vocab_start``, the vocabulary row of the first
+logit, which masks padded rows on a shard.
 
 Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab.
 """
@@ -38,6 +40,15 @@ from trainer.gpu.vocab import GPT2_VOCAB, mask_padded_vocab, padded_size
 from trainer.precision import at_least_fp32
 
 NORMS = ("layernorm", "rmsnorm")
+
+Runner = Callable[..., torch.Tensor]
+"""``runner(fn, *tensors)`` runs ``fn(*tensors)``; a recompute hook runs it without keeping
+its activations."""
+
+
+def run_directly(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
+    """The default `Runner`: call ``fn``, keeping its activations for backward."""
+    return fn(*args)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -137,8 +148,10 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (T, K/2) for rotary position embeddings (Su et al. 2021)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    # On the CPU even inside a meta-device block: small, and needed with real values.
+    f64 = {"dtype": torch.float64, "device": "cpu"}
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, **f64) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, **f64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
 
@@ -164,16 +177,24 @@ class Attention(nn.Module):
         """Context the attention-probability dropout draws its mask under. Hook for tensor
         parallelism, where those probabilities are per rank (split heads) and need a random
         stream of their own; the serial model uses the default generator."""
+        self.core_runner: Runner = run_directly
+        """How `core` runs (hook for selective recomputation)."""
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QKᵀ/√K) with dropout, times V: the part that holds O(T²) activations."""
+        with self.probs_rng():
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x_BTD.shape
-        # The head count is taken from the weight, so a TP shard with fewer heads works as is.
-        qkv = self.qkv(x_BTD).view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        qkv = self.qkv(x_BTD)
+        # From qkv's output: under sequence parallelism x is a sequence block, qkv's output the
+        # whole sequence. The head count is taken from the weight, so a TP shard works as is.
+        B, T, _ = qkv.shape
+        qkv = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        with self.probs_rng():
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.core_runner(self.core, q, k, v)
         y_BTD = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y_BTD))
 
@@ -199,10 +220,26 @@ class Block(nn.Module):
         super().__init__()
         self.ln1, self.attn = make_norm(cfg), Attention(cfg)
         self.ln2, self.mlp = make_norm(cfg), MLP(cfg)
+        self.runner: Runner = run_directly
+        """How `body` runs (hook for full recomputation)."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.runner(self.body, x, cos, sin)
+
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), cos, sin)
         return x + self.mlp(self.ln2(x))
+
+
+def init_rule(name: str, n_layer: int) -> tuple[float, float]:
+    """``(fill, std)`` of parameter ``name`` in `GPT.init_weights`: ``std`` 0 means the
+    constant ``fill`` (biases 0, norm weights 1), otherwise N(0, std) from the init generator.
+    Shared with `trainer.construction`, which initialises shards without the whole model."""
+    if name.endswith("bias"):
+        return 0.0, 0.0
+    if ".ln" in name or name.startswith("ln_f"):
+        return 1.0, 0.0
+    return 0.0, 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
 
 
 class GPT(nn.Module):
@@ -231,7 +268,8 @@ class GPT(nn.Module):
         # Derived from the config, so not saved: a checkpoint holds only learned state.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.init_weights(seed)
+        if not self.ln_f.weight.is_meta:  # a meta-device model: trainer.construction fills it
+            self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -239,15 +277,12 @@ class GPT(nn.Module):
         and independent of the global RNG: N(0, 0.02), residual projections scaled by
         1/sqrt(2 * n_layer), zero biases, unit norm weights."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
-        resid_std = 0.02 / math.sqrt(2 * self.cfg.n_layer)
         for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif ".ln" in name or name.startswith("ln_f"):
-                p.fill_(1.0)
-            else:
-                std = resid_std if name.endswith("proj.weight") else 0.02
+            fill, std = init_rule(name, self.cfg.n_layer)
+            if std:
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.fill_(fill)
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
         h = self.emb_drop(self.tok_emb(idx_BT)) if self.tok_emb is not None else idx_BT

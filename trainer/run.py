@@ -15,6 +15,7 @@ from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_groups
 from trainer.config import TrainConfig
+from trainer.construction import build_rank_model
 from trainer.data import BatchPlan, Corpus, ShardedBatches
 from trainer.data_parallel import DataParallel
 from trainer.gpu.compile import compile_blocks
@@ -24,8 +25,7 @@ from trainer.guard import StepGuard
 from trainer.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer
-from trainer.parallelize import parallelize
-from trainer.pipeline.stages import build_stage_model, tied_weight
+from trainer.pipeline.stages import tied_weight
 from trainer.pipeline.train_step import (
     Pipeline,
     build_pipeline,
@@ -101,10 +101,10 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
                              "default corpus)")
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
-    model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
-             GPT(cfg.gpt, seed=cfg.seed)).to(device)
-    if groups is not None:
-        model = parallelize(model, groups, tracker=tracker)
+    # Built on the meta device, then only this rank's shard is allocated (trainer.construction).
+    model = build_rank_model(cfg.gpt, cfg.seed, device=device, layout=layout, groups=groups,
+                             tracker=tracker, sequence_parallel=cfg.sequence_parallel,
+                             recompute=cfg.recompute)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]

@@ -26,7 +26,6 @@ from trainer.tensor_parallel import (
     ShardSpec,
     VocabParallelEmbedding,
     shard_tensor,
-    sync_sequence_parallel_grads,
     vocab_parallel_cross_entropy,
 )
 from trainer.tensor_parallel.counting import CountingCommunicator
@@ -63,7 +62,6 @@ def linear_probe(variant: str, tp: Communicator) -> dict[str, Piece]:
     y = layer(x)
     gy = t["gy"] if y_spec is None else shard_tensor(t["gy"], r, n, y_spec)
     (y * gy).sum().backward()
-    sync_sequence_parallel_grads(layer, tp)
     return {"y": (y.detach(), y_spec), "dx": (x.grad, x_spec),
             "dw": (layer.weight.grad, w_spec), "db": (layer.bias.grad, b_spec)}
 

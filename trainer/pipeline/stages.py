@@ -5,8 +5,10 @@ exactly as in the serial model) and deletes what this pipeline rank does not run
 other stages, the embedding unless the rank runs stage 0, the final norm and head unless it
 runs the last stage. What is left is still a `GPT` with global parameter names
 (``blocks.5.attn.qkv.weight``), so `trainer.parallelize`, `DataParallel`, the optimizer and the
-checkpoint shards work on it unchanged. With ``v`` virtual chunks the rank keeps the blocks of
-all its chunks in one module; `GPTStage` runs the right ones per chunk.
+checkpoint shards work on it unchanged. Training calls it on the meta device
+(`trainer.construction`), so the whole model is never allocated there. With ``v`` virtual
+chunks the rank keeps the blocks of all its chunks in one module; `GPTStage` runs the right
+ones per chunk.
 
 Tied embeddings (Megatron's rule): the first stage holds ``tok_emb.weight``, the last stage a
 copy as ``head.weight`` (a separate parameter: they live on different ranks). Both start equal;

@@ -135,7 +135,9 @@ def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Commun
     check_schedule(schedule, cfg.pp, layout.v, m=cfg.microbatches)
     micro_batch = cfg.global_batch // (cfg.dp * cfg.microbatches)
     dtype = next(model.parameters()).dtype
-    spec = P2PSpec((micro_batch, cfg.gpt.seq_len, cfg.gpt.d_model), dtype, str(device))
+    # Under sequence parallelism a stage sends its sequence block (trainer.activations).
+    seq = cfg.gpt.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
+    spec = P2PSpec((micro_batch, seq, cfg.gpt.d_model), dtype, str(device))
     agree_on_spec(pp, spec)
 
     def grad_sync(final: bool):  # DP reduces on the last backward of each chunk only

@@ -15,7 +15,6 @@ from trainer.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    sync_sequence_parallel_grads,
 )
 from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker, checkpoint
 from trainer.tensor_parallel.sharding import (
@@ -32,5 +31,5 @@ __all__ = [
     "TP_RNG", "ColumnParallelLinear", "RNGStatesTracker", "RowParallelLinear", "ShardSpec",
     "TensorParallelError", "VocabParallelEmbedding", "checkpoint", "full_state", "gather_full",
     "mean_vocab_parallel_cross_entropy", "shard_spec", "shard_tensor",
-    "sync_sequence_parallel_grads", "unshard", "vocab_parallel_cross_entropy",
+    "unshard", "vocab_parallel_cross_entropy",
 ]

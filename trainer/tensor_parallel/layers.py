@@ -17,8 +17,11 @@ Sequence parallelism (``sequence_parallel=True``, Korthikanti et al. 2022): acti
 the TP region are split along the sequence (dim 1 here) instead of replicated; the column
 layer all-gathers its input along the sequence and the row layer reduce-scatters its output.
 Parameters applied to sequence-split activations (the row layer's bias here, norms in a model)
-then get only their rank's part of the gradient: `sync_sequence_parallel_grads` sums them over
-TP (Megatron-LM#1446 is that sum forgotten).
+then get only their rank's part of the gradient, so they enter through ``copy_to_region``,
+whose backward sums it over TP (Megatron-LM#1446 is that sum forgotten). The sum happens in
+autograd, before any data-parallel hook sees the gradient, so DP, pipelining and recompute need
+not know about it. The flag may be switched after construction
+(`trainer.activations.sequence_parallel`).
 
 Weights are never initialised here from an RNG: the ``from_*`` constructors slice the full
 master weight of a serial layer, so a TP model starts exactly where the serial one does
@@ -33,13 +36,21 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator
 from trainer.tensor_parallel import mappings as m
-from trainer.tensor_parallel.sharding import ShardSpec, check_divisible, mark_sharded, shard_tensor
-
-SEQUENCE_PARALLEL_ATTR = "tp_sequence_parallel"
+from trainer.tensor_parallel.sharding import (
+    ShardSpec,
+    check_divisible,
+    mark_sharded,
+    shard_shape,
+    shard_tensor,
+)
 
 
 def _sharded_param(full: torch.Tensor, comm: Communicator, spec: ShardSpec) -> nn.Parameter:
-    shard = shard_tensor(full.detach(), comm.rank, comm.size, spec)
+    if full.is_meta:  # per-rank construction: the shape only (`trainer.construction` fills it)
+        shard = torch.empty(shard_shape(full.shape, spec, comm.size), dtype=full.dtype,
+                            device="meta")
+    else:
+        shard = shard_tensor(full.detach(), comm.rank, comm.size, spec)
     return mark_sharded(nn.Parameter(shard), spec.dim, spec.stride)
 
 
@@ -67,10 +78,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = m.gather_from_sequence_region(x, self.comm)
+            y = m.linear_on_gathered_sequence(x, self.weight, self.bias, self.comm)
         else:
-            x = m.copy_to_region(x, self.comm)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(m.copy_to_region(x, self.comm), self.weight, self.bias)
         return m.gather_from_region(y, self.comm) if self.gather_output else y
 
     def extra_repr(self) -> str:
@@ -92,8 +102,6 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.weight = _sharded_param(weight, comm, ShardSpec(1))
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
-        if self.bias is not None and sequence_parallel:
-            setattr(self.bias, SEQUENCE_PARALLEL_ATTR, True)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, comm: Communicator, **kwargs: object
@@ -104,11 +112,12 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = m.scatter_to_region(x, self.comm)
         partial = F.linear(x, self.weight)
-        if self.sequence_parallel:
-            y = m.reduce_scatter_to_sequence_region(partial, self.comm)
-        else:
+        if not self.sequence_parallel:
             y = m.reduce_from_region(partial, self.comm)
-        return y + self.bias if self.bias is not None else y
+            return y + self.bias if self.bias is not None else y
+        y = m.reduce_scatter_to_sequence_region(partial, self.comm)
+        # The bias meets only this rank's sequence block: sum its gradient over TP.
+        return y + m.copy_to_region(self.bias, self.comm) if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in={self.in_features} (/{self.comm.size} ranks), out={self.out_features}, "
@@ -148,15 +157,3 @@ class VocabParallelEmbedding(nn.Module):
         return (f"{self.num_embeddings} (/{self.comm.size} ranks, ids from "
                 f"{self.vocab_start}), {self.embedding_dim}")
 
-
-def sync_sequence_parallel_grads(module: nn.Module, comm: Communicator) -> None:
-    """Sum over TP the gradients of parameters that saw only this rank's sequence block
-    (one flat all-reduce); call after backward, before clipping and the optimizer."""
-    params = [p for p in module.parameters()
-              if getattr(p, SEQUENCE_PARALLEL_ATTR, False) and p.grad is not None]
-    if comm.size == 1 or not params:
-        return
-    flat = torch.cat([p.grad.reshape(-1) for p in params])
-    comm.all_reduce(flat)
-    for p, part in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.grad.copy_(part.view_as(p.grad))

@@ -10,8 +10,13 @@ serial model's (Shoeybi et al. 2019, "f" and "g"; Megatron ``tensor_parallel/map
     scatter_to_region                   keep own last-dim block    all-gather last dim
     gather_from_region                  all-gather last dim        keep own last-dim block
     scatter_to_sequence_region          keep own sequence block    all-gather sequence dim
-    gather_from_sequence_region         all-gather sequence dim    reduce-scatter sequence dim
     reduce_scatter_to_sequence_region   reduce-scatter seq. dim    all-gather sequence dim
+    linear_on_gathered_sequence         all-gather sequence dim,   all-gather it again, then
+                                        then x W^T + b             reduce-scatter the input grad
+
+The last is Megatron's ``LinearWithGradAccumulationAndAsyncCommunication`` under sequence
+parallelism: the column-parallel matmul's input is saved as the rank's sequence block and
+gathered again in backward, so what is kept for backward is 1/tp of the gathered input.
 
 Activations here are batch-first ``(B, T, D)``, so the sequence dimension is 1 (Megatron's
 are ``(T, B, D)``); every sequence function takes ``dim``. The `Communicator` gathers and
@@ -25,6 +30,7 @@ incoming gradient (autograd may hand the same gradient tensor to several consume
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator, ReduceOp
@@ -92,20 +98,35 @@ class _Scatter(Function):
 
 
 class _Gather(Function):
-    """Forward all-gathers along ``dim``; backward reduce-scatters (``reduce_grad``: the
-    consumers of the gathered tensor differ per rank) or keeps this rank's block."""
+    """Forward all-gathers along ``dim``; backward keeps this rank's block."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int,
-                reduce_grad: bool) -> torch.Tensor:
-        ctx.comm, ctx.dim, ctx.reduce_grad = comm, dim, reduce_grad
+    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim = comm, dim
         return all_gather(x, comm, dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple:
-        if ctx.reduce_grad:
-            return reduce_scatter(grad, ctx.comm, ctx.dim), None, None, None
-        return split(grad, ctx.comm, ctx.dim), None, None, None
+        return split(grad, ctx.comm, ctx.dim), None, None
+
+
+class _LinearOnGatheredSequence(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                comm: Communicator, dim: int) -> torch.Tensor:
+        ctx.comm, ctx.dim, ctx.has_bias = comm, dim, bias is not None
+        ctx.save_for_backward(x, weight)  # the sequence block, not the gathered input
+        return F.linear(all_gather(x, comm, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        x, weight = ctx.saved_tensors
+        full = all_gather(x, ctx.comm, ctx.dim)
+        grad_x = reduce_scatter(grad.matmul(weight), ctx.comm, ctx.dim)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_w = grad_2d.t().matmul(full.reshape(-1, full.shape[-1]))
+        grad_b = grad_2d.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
 
 
 class _ReduceScatter(Function):
@@ -136,7 +157,7 @@ def scatter_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
 
 def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """All-gather the last dimension (backward keeps this rank's block)."""
-    return x if comm.size == 1 else _Gather.apply(x, comm, -1, False)
+    return x if comm.size == 1 else _Gather.apply(x, comm, -1)
 
 
 def scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1
@@ -145,10 +166,14 @@ def scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1
     return x if comm.size == 1 else _Scatter.apply(x, comm, dim)
 
 
-def gather_from_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1,
-                                reduce_grad: bool = True) -> torch.Tensor:
-    """Sequence parallelism: all-gather the sequence before a column-parallel layer."""
-    return x if comm.size == 1 else _Gather.apply(x, comm, dim, reduce_grad)
+def linear_on_gathered_sequence(x: torch.Tensor, weight: torch.Tensor,
+                                bias: torch.Tensor | None, comm: Communicator,
+                                dim: int = 1) -> torch.Tensor:
+    """Sequence parallelism: a column-parallel layer's ``F.linear`` on the all-gathered
+    sequence, keeping only this rank's block for backward."""
+    if comm.size == 1:
+        return F.linear(x, weight, bias)
+    return _LinearOnGatheredSequence.apply(x, weight, bias, comm, dim)
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1

@@ -57,6 +57,15 @@ def shard_tensor(full: torch.Tensor, rank: int, size: int, spec: ShardSpec) -> t
     return torch.cat([p.chunk(size, dim=spec.dim)[rank] for p in parts], dim=spec.dim).contiguous()
 
 
+def shard_shape(shape: torch.Size, spec: ShardSpec | None, size: int) -> torch.Size:
+    """The shape of one rank's shard of a tensor of ``shape`` (``spec`` None: replicated)."""
+    if spec is None:
+        return torch.Size(shape)
+    dims = list(shape)
+    dims[spec.dim] //= size
+    return torch.Size(dims)
+
+
 def unshard(shards: list[torch.Tensor], spec: ShardSpec) -> torch.Tensor:
     """The full tensor from every rank's shard, in rank order (inverse of `shard_tensor`)."""
     by_rank = [s.chunk(spec.stride, dim=spec.dim) for s in shards]

@@ -1,0 +1,45 @@
+"""Per-rank model construction: no rank ever holds the whole model.
+
+    meta          the GPT (or a pipeline stage of it) on the meta device
+    init_stream   the serial init's random numbers in bounded pieces, cut to one shard
+    materialise   real parameters for a model built on the meta device
+
+`build_rank_model` builds the plain GPT on the meta device (shapes, no memory), cuts it to this
+rank's pipeline stage, shards it over tensor parallelism (`trainer.parallelize`), applies
+sequence parallelism and recomputation (`trainer.activations`), and only then allocates the
+parameters this rank keeps, each equal to its slice of the serial model's initialisation:
+same seed, same weights as a model built whole and cut (Megatron's
+``_initialize_affine_weight_cpu`` without the full master weight). Every rank still draws
+the whole model's random numbers, in pieces, to stay in step with the serial generator: O(model)
+time, O(shard) memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from trainer.activations import apply_recompute, apply_sequence_parallel
+from trainer.comm.bootstrap import ParallelGroups
+from trainer.construction.materialise import materialise
+from trainer.construction.meta import meta_gpt
+from trainer.model import GPT, GPTConfig
+from trainer.parallelize import parallelize
+from trainer.pipeline.partition import StageLayout
+from trainer.tensor_parallel.random import RNGStatesTracker
+
+
+def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
+                     layout: StageLayout | None = None, groups: ParallelGroups | None = None,
+                     tracker: RNGStatesTracker | None = None, sequence_parallel: bool = False,
+                     recompute: str = "none") -> GPT:
+    """This rank's model (``layout``: its pipeline stage; ``groups.tp``: its TP shard) with
+    its initial weights on ``device``."""
+    tracker = tracker if tracker is not None else RNGStatesTracker(device)
+    model = meta_gpt(gpt, seed, layout)
+    tp = groups.tp if groups is not None else None
+    if groups is not None:
+        model = parallelize(model, groups, tracker=tracker)
+    if sequence_parallel:
+        model = apply_sequence_parallel(model, tp, tracker)
+    model = apply_recompute(model, recompute, tracker)
+    return materialise(model, seed, tp.rank if tp else 0, tp.size if tp else 1, device)
