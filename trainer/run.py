@@ -21,6 +21,7 @@ from trainer.grad_clip import NormScope, tp_scope
 from trainer.guard import StepGuard
 from trainer.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.model import GPT
+from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
 from trainer.optim import Schedule, build_optimizer
 from trainer.parallelize import parallelize
 from trainer.pipeline.stages import build_stage_model
@@ -97,15 +98,19 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
              GPT(cfg.gpt, seed=cfg.seed)).to(device)
     if groups is not None:
         model = parallelize(model, groups, tracker=tracker)
+    experts = apply_expert_parallel(model, ep=cfg.ep, microbatches=cfg.microbatches, dp=dp_comm,
+                                    tp=tp_comm)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
     dtype = model_dtype(cfg.precision, device)
-    dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+    dp_options = dict(bucket_size=cfg.bucket_size, overlap=cfg.overlap,
                       reduce_dtype=DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype !=
                       "fp32" else None, grads_to_params=dtype is None)
+    dp = DataParallel(model, dp_comm, **dp_options) if experts is None else \
+        ExpertDataParallel.build(model, dp_comm, experts.edp, **dp_options)
     # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
     main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
         params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
@@ -116,6 +121,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                         decay_steps=cfg.schedule_end)
     scope = tp_scope(tp_comm) if tp_comm is not None else NormScope()
+    if experts is not None:
+        scope = ep_scope(scope, experts.ep, model)
     pipeline, writers = None, tp_comm
     if layout is not None:
         pipeline = build_pipeline(cfg, model, layout, pp_comm, dp, device)
