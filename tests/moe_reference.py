@@ -34,7 +34,7 @@ def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.
     if layer.capacity_factor > 0:
         cap = math.ceil(n * k * layer.capacity_factor / e)
         for items in assignments.values():
-            ranked = sorted(items, key=lambda tj: (-float(chosen[tj[0]].values[tj[1]]),
+            ranked = sorted(items, key=lambda tj: (-float(chosen[tj[0]].values[tj[1]].detach()),
                                                    tj[0] * k + tj[1]))
             kept -= set(ranked[cap:])
     out = [x.new_zeros(x.shape[1], dtype=logits[0].dtype) for _ in range(n)]

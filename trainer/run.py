@@ -21,7 +21,13 @@ from trainer.grad_clip import NormScope, tp_scope
 from trainer.guard import StepGuard
 from trainer.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.model import GPT
-from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
+from trainer.moe.parallel import (
+    ExpertDataParallel,
+    ExpertGroups,
+    apply_expert_parallel,
+    checkpoint_writers,
+    ep_scope,
+)
 from trainer.optim import Schedule, build_optimizer
 from trainer.parallelize import parallelize
 from trainer.pipeline.stages import build_stage_model
@@ -63,10 +69,16 @@ class Run:
     """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
     main: MainParams | None = None
     """The fp32 main parameters under ``--precision bf16`` (`trainer.mixed_precision`)."""
+    experts: ExpertGroups | None = None
+    """The EP and expert-DP groups of an MoE model (`trainer.moe`), else None."""
 
     @property
     def tp_rank(self) -> int:
         return self.tp_comm.rank if self.tp_comm is not None else 0
+
+    @property
+    def ep_rank(self) -> int:
+        return self.experts.ep.rank if self.experts is not None else 0
 
     @property
     def pp_rank(self) -> int:
@@ -78,7 +90,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
               world_comm: Communicator | None = None, corpus: Corpus | None = None) -> Run:
     """Model, optimizer, data, DP (and the pipeline) of this rank, restored from a checkpoint on
     --resume. ``groups`` (needed when cfg.tp > 1 or cfg.pp > 1) supplies the TP and PP groups;
-    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers;
+    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1, or cfg.ep > 1 with
+    cfg.tp > 1) forms the shard writers;
     ``corpus`` is the checked data (read here when not given). Every group is timed on the
     run's clock."""
     clock = CommClock()
@@ -101,7 +114,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     experts = apply_expert_parallel(model, ep=cfg.ep, microbatches=cfg.microbatches, dp=dp_comm,
                                     tp=tp_comm)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0)
+    shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0,
+             experts.ep.rank if experts is not None else 0)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
@@ -129,7 +143,9 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         scope = pipeline.norm_scope(scope)
         # Every tp x pp rank of one DP replica: the group that writes a checkpoint together.
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
+    if experts is not None and cfg.ep > 1:
+        writers = checkpoint_writers(world_comm, dp_comm, experts.ep, shard, tp=cfg.tp, pp=cfg.pp)
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main)
+               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main, experts=experts)

@@ -143,21 +143,22 @@ def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tor
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
-    """DP replica 0 writes: its tp x pp ranks one shard each, together; others return None.
+    """DP replica 0 writes (with --ep, the first ep replicas: each holds other experts): its
+    tp x pp (x ep) ranks one shard each, together; others return None.
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
     pp_comm = run.pipeline.comm if run.pipeline is not None else None
     groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
     main = run.main
     check_parameters(main.main if main else run.model.parameters(), step, groups,
                      report=run.is_writer)
-    if run.dp_rank != 0:
+    if run.dp_rank >= run.cfg.ep:  # the first EP block of DP ranks holds every expert
         return None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
     return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step,
                            model=main.state_dict() if main else run.model.state_dict(),
                            optim=run.optimizer.state_dict(),
-                           meta=meta, keep=run.cfg.keep, shard=(run.tp_rank, run.pp_rank),
-                           writers=run.writers)
+                           meta=meta, keep=run.cfg.keep, writers=run.writers,
+                           shard=(run.tp_rank, run.pp_rank, run.ep_rank))
 
 
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:

@@ -160,3 +160,15 @@ def apply_expert_parallel(model: nn.Module, *, ep: int, microbatches: int, dp: C
     groups = expert_groups(dp, ep)
     shard_experts(model, groups.ep, tp)
     return groups
+
+
+def checkpoint_writers(world: Communicator | None, dp: Communicator, ep: Communicator,
+                       shard: tuple[int, ...], *, tp: int, pp: int) -> Communicator:
+    """The ranks that write one checkpoint together: every (tp, pp, ep) shard of the first EP
+    block of DP ranks (collective over ``world``; without TP and PP the EP group is it)."""
+    if tp * pp == 1:
+        return ep
+    if world is None:
+        raise TypeError("checkpoint_writers needs the world communicator when tp * pp > 1")
+    return world.split(dp.rank // ep.size, shard[0] + tp * (shard[1] + pp * ep.rank),
+                       name="writers")
