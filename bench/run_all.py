@@ -63,6 +63,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",
           quick={"ps": (2,), "ms": (4,)}),
+    Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
+          quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
 )
 
 

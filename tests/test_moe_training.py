@@ -79,10 +79,17 @@ def test_the_first_gradient_norm_equals_the_serial_one(case: str) -> None:
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_only_the_capacity_case_drops_tokens(layout: str) -> None:
-    for rank in ranks():
-        assert rank[f"dropless/{layout}"]["dropped"] == 0
-    assert sum(rank[f"dropping/{layout}"]["dropped"] for rank in ranks()) > 0
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_step_records_count_every_routed_token_and_the_drops(case: str, layout: str) -> None:
+    """Rank 0 logs, per step, the load of the global batch: 8 x 16 tokens x top-2 routed in
+    layer 0 (the only MoE layer), drops only with a capacity, the auxiliary loss near its
+    coefficient 1e-2 (plus a small z-loss)."""
+    for load in ranks()[0][f"{case}/{layout}"]["moe"]:
+        assert list(load) == ["blocks.0.mlp"]
+        layer = load["blocks.0.mlp"]
+        assert sum(layer["tokens"]) == 8 * 16 * 2 and len(layer["tokens"]) == 4
+        assert (layer["dropped"] > 0) == (case == "dropping")
+        assert 1e-2 <= layer["aux_loss"] < 5e-2
 
 
 @pytest.mark.parametrize("routing", ["all_to_expert_0", "spread", "rank_0_sends_nothing"])

@@ -50,6 +50,8 @@ class StepRecord:
     """Exposed plus communication that overlapped compute; >= comm_exposed_s."""
     val_loss: float | None = None
     """Validation loss after this step (steps that evaluated; None on the others)."""
+    moe: dict[str, Any] | None = None
+    """Expert load per MoE layer (`trainer.moe.load`); None for a dense model."""
 
     @property
     def tokens_per_s(self) -> float:

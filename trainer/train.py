@@ -66,6 +66,7 @@ from trainer.grad_clip import clip_grad_norm
 from trainer.guard import check_parameters
 from trainer.inference.validation import Validation
 from trainer.metrics import MetricsLog, StepRecord
+from trainer.moe.load import step_load, write_load_plot
 from trainer.optim import set_lr
 from trainer.pipeline.train_step import (
     describe_pipeline,
@@ -122,11 +123,13 @@ def train_step(run: Run, step: int) -> StepRecord:
         run.optimizer.step()
         if run.main is not None:
             run.main.publish()
+    load = step_load(run.model, run.dp.comm)
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
     return StepRecord(step=step, loss=loss, lr=lr, grad_norm=grad_norm,
                       tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                      compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total)
+                      compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total,
+                      moe=load)
 
 
 def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -193,6 +196,9 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     finally:
         log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
                              f"global batch {cfg.global_batch}")
+    if run.is_writer:
+        write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe_experts} experts, "
+                        f"top-{cfg.gpt.moe_topk}, ep={cfg.ep}")
     return result
 
 

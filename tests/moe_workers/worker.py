@@ -26,7 +26,7 @@ from trainer.comm.topology import ParallelDims
 from trainer.config import resolve_dp
 from trainer.model import GPTConfig
 from trainer.moe.dispatch import combine, dispatch
-from trainer.moe.layer import MoE, moe_layers
+from trainer.moe.layer import MoE
 from trainer.moe.parallel import shard_experts
 from trainer.moe.router import Routing
 from trainer.run import build_run
@@ -87,7 +87,7 @@ def train_layout(case: str, layout: str, world: World, out: Path) -> dict[str, A
             "norms": [r.grad_norm for r in records],
             "params": {n: p.detach().clone() for n, p in run.model.named_parameters()},
             "specs": {n: shard_spec(p) for n, p in run.model.named_parameters()},
-            "dropped": sum(layer.load.dropped for _, layer in moe_layers(run.model))}
+            "moe": [r.moe for r in records]}
 
 
 def run(out: Path) -> dict[str, Any]:

@@ -17,8 +17,6 @@ the language-model loss is divided by), so it needs no path of its own through a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from torch.autograd import Function
@@ -27,16 +25,6 @@ from trainer.comm.protocol import Communicator
 from trainer.model import MLP, GPTConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.router import Routing, route
-
-
-@dataclass(frozen=True)
-class LayerLoad:
-    """What the router did in the layer's last forward on this rank (for the metrics)."""
-
-    routed: list[int]
-    """Assignments per expert, before dropping."""
-    dropped: int
-    aux_loss: float
 
 
 class MoE(nn.Module):
@@ -53,7 +41,9 @@ class MoE(nn.Module):
         """The expert-parallel group the experts are split over (None: all are here)."""
         self.aux_scale = 1.0
         """The weight of the auxiliary loss in backward (1 / microbatches per step)."""
-        self.load: LayerLoad | None = None
+        self.load = torch.zeros(cfg.moe_experts + 3, dtype=torch.float64)
+        """Training forwards since `take_load`: assignments per expert (before dropping),
+        dropped assignments, the auxiliary loss summed, the number of forwards."""
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         x_ND = x_BTD.reshape(-1, x_BTD.shape[-1])
@@ -62,12 +52,19 @@ class MoE(nn.Module):
         chunks = rows.split(plan.local_counts)
         outs = [expert(chunk) for expert, chunk in zip(self.experts.values(), chunks, strict=True)]
         y_ND = combine(torch.cat(outs) if outs else rows, plan, x_ND.shape[0]).to(x_BTD.dtype)
-        self.load = LayerLoad(routing.routed.tolist(), routing.dropped,
-                              float(routing.aux_loss.detach()))
+        if self.training:  # tensor ops only: no device sync in the forward
+            self.load = self.load.to(x_BTD.device) + torch.cat([
+                routing.routed.double(), (~routing.kept).sum().double().reshape(1),
+                routing.aux_loss.detach().double().reshape(1), self.load.new_ones(1)])
         y_BTD = y_ND.view_as(x_BTD)
         if torch.is_grad_enabled() and routing.aux_loss.requires_grad:
             y_BTD = _AuxLoss.apply(y_BTD, routing.aux_loss * self.aux_scale)
         return y_BTD
+
+    def take_load(self) -> torch.Tensor:
+        """The load counted since the last call (see ``load``), and start counting anew."""
+        load, self.load = self.load, torch.zeros_like(self.load)
+        return load
 
     def route(self, x_ND: torch.Tensor) -> Routing:
         return route(x_ND, self.router.weight, topk=self.topk, score=self.score,
