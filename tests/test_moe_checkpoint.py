@@ -15,6 +15,7 @@ import torch
 
 from testbed.mpiexec import run_python
 from trainer.checkpoint import shard_name
+from trainer.inference.merge import load_serial
 from trainer.metrics import read_records
 from trainer.moe.load import PLOT_FILE
 
@@ -81,3 +82,13 @@ def test_the_metrics_hold_the_expert_load_and_the_run_draws_its_heat_map(
         assert sum(load["tokens"]) == 8 * 16 * 2 and load["dropped"] == 0
     png = runs[1] / PLOT_FILE
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_ep_shards_merge_into_the_single_device_model(runs: tuple[Path, Path]) -> None:
+    step = runs[1] / "checkpoints" / f"step-{STEPS}"
+    model, _ = load_serial(step)
+    merged = model.state_dict()
+    for ep_rank in (0, 1):
+        shard = torch.load(step / shard_name("model", 0, 0, ep_rank), weights_only=True)
+        assert all(torch.equal(merged[name], tensor) for name, tensor in shard.items())
+    assert {n.split(".")[4] for n in merged if ".experts." in n} == {"0", "1", "2", "3"}

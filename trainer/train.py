@@ -41,6 +41,13 @@ Dropout seeds also mix in the pp rank (each stage draws its own masks).
 
     mpiexec -n 8 python -m trainer.train --model tiny --dp 2 --tp 2 --pp 2 --microbatches 4 \
         --schedule interleaved --virtual-stages 2 --n-layer 4 --run-dir runs/3d
+
+With ``--moe-experts E`` the MLPs of every ``--moe-every``-th layer are mixtures of experts,
+and ``--ep N`` splits their experts over N DP ranks (`trainer.moe`): each step's record holds
+the expert load, ``expert_load.png`` is drawn at the end, and the first N DP replicas write one
+checkpoint shard each.
+
+    mpiexec -n 4 python -m trainer.train --model tiny --moe-experts 8 --ep 4 --run-dir runs/moe
 """
 
 from __future__ import annotations

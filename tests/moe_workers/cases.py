@@ -20,7 +20,7 @@ from trainer.moe.layer import set_aux_scale
 
 WORKER = "tests.moe_workers.worker:run"
 WORLD = 4
-STEPS = 3
+STEPS = 2
 FORWARDS = 4  # forward passes per step over all DP ranks
 _MODEL = {"n_layer": 2, "n_head": 2, "d_model": 16, "seq_len": 16, "moe_experts": 4,
           "moe_topk": 2, "moe_every": 2, "moe_z_loss_coeff": 1e-3}
