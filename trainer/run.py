@@ -78,7 +78,8 @@ class Run:
 
     @property
     def ep_rank(self) -> int:
-        return self.experts.ep.rank if self.experts is not None else 0
+        """Index in the EP block of DP ranks (also on a pipeline stage without MoE layers)."""
+        return self.dp_rank % self.cfg.ep
 
     @property
     def pp_rank(self) -> int:
@@ -115,7 +116,7 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
                                     tp=tp_comm)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0,
-             experts.ep.rank if experts is not None else 0)
+             dp_comm.rank % cfg.ep)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
@@ -143,8 +144,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         scope = pipeline.norm_scope(scope)
         # Every tp x pp rank of one DP replica: the group that writes a checkpoint together.
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
-    if experts is not None and cfg.ep > 1:
-        writers = checkpoint_writers(world_comm, dp_comm, experts.ep, shard, tp=cfg.tp, pp=cfg.pp)
+    if cfg.ep > 1:  # on every stage, with or without MoE layers: the split is collective
+        writers = checkpoint_writers(world_comm, dp_comm, cfg.ep, shard, tp=cfg.tp, pp=cfg.pp)
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,

@@ -162,13 +162,14 @@ def apply_expert_parallel(model: nn.Module, *, ep: int, microbatches: int, dp: C
     return groups
 
 
-def checkpoint_writers(world: Communicator | None, dp: Communicator, ep: Communicator,
+def checkpoint_writers(world: Communicator | None, dp: Communicator, ep: int,
                        shard: tuple[int, ...], *, tp: int, pp: int) -> Communicator:
     """The ranks that write one checkpoint together: every (tp, pp, ep) shard of the first EP
-    block of DP ranks (collective over ``world``; without TP and PP the EP group is it)."""
+    block of DP ranks (collective over ``world``, or over ``dp`` when tp * pp = 1). Stages
+    without MoE layers take part too: their ep index is their place in the EP block."""
     if tp * pp == 1:
-        return ep
+        return dp.split(dp.rank // ep, dp.rank % ep, name="writers")
     if world is None:
         raise TypeError("checkpoint_writers needs the world communicator when tp * pp > 1")
-    return world.split(dp.rank // ep.size, shard[0] + tp * (shard[1] + pp * ep.rank),
+    return world.split(dp.rank // ep, shard[0] + tp * (shard[1] + pp * (dp.rank % ep)),
                        name="writers")
