@@ -10,7 +10,8 @@ Three tables from one invocation, every side started by the MPICH wheel's ``mpie
   Both timed alike (slowest rank, mean of the iterations); bus bandwidth as nccl-tests'
   alltoall: algbw * (n-1)/n, algbw = bytes each rank sends / time.
 * ``bytes``: the rows one training step of an E = 8, top-2 MoE model moves through the EP
-  all-to-alls at ep 4 on 4 ranks, counted on the communicator, against the analytic count
+  all-to-alls (mean over ranks) at ep 4 on 4 ranks, counted on the communicator, against
+  the analytic count
   tokens x k x d_model x 4 bytes x 2 directions (dispatch, combine) x 2 passes (forward,
   backward), dropless. Rows a rank keeps for its own experts go through the call too; the
   share that leaves the rank is reported beside it.
@@ -127,9 +128,10 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
         counted = _count_rows(moe_layers(run.model)) if ep == max(ep_sizes) else None
         times = [train_step(run, step).step_s for step in range(1, steps + 1)]
         result["step_s"][ep] = statistics.median(times[1:] or times)
-        if counted is not None:
-            result["rows"], result["local_rows"] = counted["rows"] // steps, \
-                counted["local"] // steps
+        if counted is not None:  # a rank's combine sends what its experts got: average ranks
+            both = torch.tensor([counted["rows"], counted["local"]], dtype=torch.float64)
+            world.comm.all_reduce(both)
+            result["rows"], result["local_rows"] = (both / (steps * world.size)).tolist()
     if world.rank == 0:
         out.write_text(json.dumps(result))
 
@@ -137,8 +139,7 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
 def _count_rows(layers: list) -> dict[str, int]:
     """Wrap each layer's EP group so it counts the rows of its variable all-to-alls."""
     counted = {"rows": 0, "local": 0}
-    for _, layer in layers:
-        comm = layer.ep
+    for comm in {id(layer.ep): layer.ep for _, layer in layers}.values():  # shared by layers
         original = comm.all_to_all
 
         def counting(out: Any, inp: Any, *, in_splits: Any = None, out_splits: Any = None,
@@ -182,8 +183,8 @@ def run(ranks: Sequence[int] = (2, 4), sizes: str = DEFAULT_SIZES, steps: int = 
     tokens_per_rank = BATCH // world * MODEL["seq_len"]
     moe_layers = len(range(0, MODEL["n_layer"], MODEL.get("moe_every", 1)))
     analytic = tokens_per_rank * MODEL["moe_topk"] * 2 * 2 * moe_layers
-    rows.append({"table": "bytes", "ep": world, "measured_bytes": trained["rows"] *
-                 MODEL["d_model"] * 4, "analytic_bytes": analytic * MODEL["d_model"] * 4,
+    rows.append({"table": "bytes", "ep": world, "measured_bytes": round(trained["rows"] *
+                 MODEL["d_model"] * 4), "analytic_bytes": analytic * MODEL["d_model"] * 4,
                  "off_rank_share": 1 - trained["local_rows"] / max(1, trained["rows"])})
     base = trained["step_s"][str(eps[0])]
     for ep in eps:
