@@ -73,6 +73,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 2}),
     Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
+    Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
+          quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
 )
 
 

@@ -6,6 +6,8 @@ device with gradient accumulation would), torch's own clipping, in fp64 (tests/n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tests.numerics import float64
@@ -15,17 +17,21 @@ from trainer.model import GPT
 from trainer.optim import Schedule, build_optimizer, set_lr
 
 
-def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True) -> dict:
+def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True,
+                   prepare: Callable[[GPT], None] | None = None) -> dict:
     """The losses, the gradient norms (before clipping) and the final parameters, in fp64 unless
-    ``fp64`` is False (the fp32 run users get; fp64 draws other initial weights from a seed)."""
+    ``fp64`` is False (the fp32 run users get; fp64 draws other initial weights from a seed).
+    ``prepare`` may change the model before training (e.g. point MoE layers at a reference)."""
     if not fp64:
-        return _train(cfg, steps)
+        return _train(cfg, steps, prepare)
     with float64():
-        return _train(cfg, steps)
+        return _train(cfg, steps, prepare)
 
 
-def _train(cfg: TrainConfig, steps: int) -> dict:
+def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) -> dict:
     model = GPT(cfg.gpt, seed=cfg.seed)
+    if prepare is not None:
+        prepare(model)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len,

@@ -26,6 +26,7 @@ from trainer.data import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
 from trainer.model import PRESETS, GPTConfig
+from trainer.moe.checks import check_combinations, check_layout
 from trainer.parallelize import check_divisible
 from trainer.pipeline.partition import parse_counts, stage_counts
 from trainer.pipeline.schedule import ScheduleError, check_interleaving
@@ -50,6 +51,8 @@ HELP: dict[str, str] = {
     "seed": "seed of initialisation, data order and dropout",
     "dp": "data-parallel size (0 = world size / (tp*pp))",
     "tp": "tensor-parallel size: heads, MLP width and vocabulary split over tp adjacent ranks",
+    "ep": "expert-parallel size: the experts of each MoE layer split over ep DP ranks "
+          "(trainer.moe); must divide dp and --moe-experts",
     "pp": "pipeline-parallel size: the layers split into pp stages on pp ranks",
     "schedule": "pipeline schedule: gpipe, 1f1b or interleaved (with --virtual-stages)",
     "virtual_stages": "model chunks per pipeline rank (interleaved schedule only)",
@@ -110,6 +113,7 @@ class TrainConfig:
     seed: int = 1234
     dp: int = 0
     tp: int = 1
+    ep: int = 1
     pp: int = 1
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -171,6 +175,9 @@ class TrainConfig:
         self._check_pipeline()
         check_activation_options(sequence_parallel=self.sequence_parallel,
                                  recompute=self.recompute, tp=self.tp, seq_len=self.gpt.seq_len)
+        check_layout(experts=self.gpt.moe_experts, ep=self.ep, dp=self.dp or None)
+        check_combinations(experts=self.gpt.moe_experts, zero=self.zero,
+                           sequence_parallel=self.sequence_parallel, recompute=self.recompute)
 
     def _check_pipeline(self) -> None:
         """Refuse a pipeline layout that cannot run, before any rank starts."""

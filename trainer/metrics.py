@@ -53,6 +53,8 @@ class StepRecord:
     peak_mem_bytes: int = 0
     """Rank 0's peak memory during this step: CUDA max allocated, else peak RSS
     (`trainer.zero.memory.PeakMemory`)."""
+    moe: dict[str, Any] | None = None
+    """Expert load per MoE layer (`trainer.moe.load`); None for a dense model."""
 
     @property
     def tokens_per_s(self) -> float:

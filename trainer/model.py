@@ -76,6 +76,17 @@ class GPTConfig:
     """Embedding and head rows are ``vocab_size`` rounded up to a multiple of this (Megatron's
     make-vocab-size-divisible-by; `trainer.config` multiplies it by --tp). The padded rows are
     masked out of the logits, so never predicted (`trainer.gpu.vocab`)."""
+    moe_experts: int = 0
+    """Experts per MoE layer (0 = dense MLPs); see `trainer.moe`."""
+    moe_topk: int = 2
+    moe_every: int = 1
+    """Layers 0, n, 2n, ... are MoE layers."""
+    moe_router: str = "softmax"
+    """Router score function: 'softmax' or 'sigmoid'."""
+    moe_aux_loss_coeff: float = 1e-2
+    moe_z_loss_coeff: float = 0.0
+    moe_capacity_factor: float = 0.0
+    """Tokens one expert keeps, as a multiple of its even share (0 = dropless)."""
 
     def __post_init__(self) -> None:
         # A ValueError here is turned into the trainer's ConfigError by trainer.config, which
@@ -95,6 +106,9 @@ class GPTConfig:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.norm not in NORMS:
             raise ValueError(f"norm must be one of {', '.join(NORMS)}, got {self.norm!r}")
+        from trainer.moe.checks import check_model  # trainer.moe builds on this module
+
+        check_model(self)
 
     @property
     def head_dim(self) -> int:
@@ -253,6 +267,10 @@ class GPT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
             self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+            if cfg.moe_experts:
+                from trainer.moe.layer import install_moe  # trainer.moe builds on this module
+
+                install_moe(self.blocks, cfg)
             self.ln_f: nn.Module | None = make_norm(cfg)
             self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)

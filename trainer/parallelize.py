@@ -28,7 +28,7 @@ from __future__ import annotations
 from functools import partial
 
 from trainer.comm.bootstrap import ParallelGroups
-from trainer.model import GPT, GPTConfig
+from trainer.model import GPT, MLP, GPTConfig
 from trainer.tensor_parallel.cross_entropy import mean_vocab_parallel_cross_entropy
 from trainer.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -76,8 +76,9 @@ def parallelize(model: GPT, groups: ParallelGroups, *,
         attn.n_head //= tp.size
         if tracker is not None:
             attn.probs_rng = partial(tracker.fork, TP_RNG)
-        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.mlp.fc")
-        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.mlp.proj")
+        if isinstance(mlp, MLP):  # MoE layers split their experts themselves (trainer.moe)
+            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.mlp.fc")
+            mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.mlp.proj")
     if model.tok_emb is not None:
         model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, tp, name="tok_emb")
     if model.head is not None:

@@ -47,13 +47,13 @@ _KEY_BITS = 32
 
 def layout_of(cfg: TrainConfig) -> dict[str, Any]:
     """The parallel layout a checkpoint records (and a resume must match along tp and pp)."""
-    return {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp,
+    return {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep,
             "virtual_stages": cfg.virtual_stages if cfg.schedule == "interleaved" else 1,
             "stage_layers": list(cfg.stage_layers)}
 
 
 def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-            deciders: Sequence[Communicator], shard: tuple[int, int], device: torch.device
+            deciders: Sequence[Communicator], shard: tuple[int, ...], device: torch.device
             ) -> tuple[int, str]:
     """Load the checkpoint ``--resume`` picks (see the docstring) into ``model``/``optimizer``
     (this rank's (tp, pp) ``shard``); returns its step (0: none) and what the banner says about
@@ -87,7 +87,7 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
     return 0, f"--resume found no checkpoint in {root}: starting at step 0"
 
 
-def _try_load(path: Path, shard: tuple[int, int], device: torch.device
+def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
               ) -> tuple[Checkpoint | None, CheckpointError | None]:
     if not path.is_dir():
         return None, CheckpointError(

@@ -7,6 +7,7 @@ layout); `trainer.train` steps it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,8 +25,16 @@ from trainer.grad_clip import NormScope, tp_scope
 from trainer.guard import StepGuard
 from trainer.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.model import GPT
+from trainer.moe.parallel import (
+    ExpertDataParallel,
+    ExpertGroups,
+    apply_expert_parallel,
+    checkpoint_writers,
+    ep_scope,
+)
 from trainer.optim import Schedule, build_optimizer
-from trainer.pipeline.stages import tied_weight
+from trainer.parallelize import parallelize
+from trainer.pipeline.stages import build_stage_model, tied_weight
 from trainer.pipeline.train_step import (
     Pipeline,
     build_pipeline,
@@ -70,10 +79,17 @@ class Run:
     """The ZeRO-1 optimizer (``--zero 1``, `trainer.zero`), else None."""
     device_notes: str = ""
     """What `trainer.gpu` set up for the banner (tf32, compiled blocks)."""
+    experts: ExpertGroups | None = None
+    """The EP and expert-DP groups of an MoE model (`trainer.moe`), else None."""
 
     @property
     def tp_rank(self) -> int:
         return self.tp_comm.rank if self.tp_comm is not None else 0
+
+    @property
+    def ep_rank(self) -> int:
+        """Index in the EP block of DP ranks (also on a pipeline stage without MoE layers)."""
+        return self.dp_rank % self.cfg.ep
 
     @property
     def pp_rank(self) -> int:
@@ -85,7 +101,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
               world_comm: Communicator | None = None, corpus: Corpus | None = None) -> Run:
     """Model, optimizer, data, DP (and the pipeline) of this rank, restored from a checkpoint on
     --resume. ``groups`` (needed when cfg.tp > 1 or cfg.pp > 1) supplies the TP and PP groups;
-    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1) forms the shard writers;
+    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1, or cfg.ep > 1 with
+    cfg.tp > 1) forms the shard writers;
     ``corpus`` is the checked data (read here when not given). Every group is timed on the
     run's clock."""
     clock = CommClock()
@@ -101,12 +118,22 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
                              "default corpus)")
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
-    # Built on the meta device, then only this rank's shard is allocated (trainer.construction).
-    model = build_rank_model(cfg.gpt, cfg.seed, device=device, layout=layout, groups=groups,
-                             tracker=tracker, sequence_parallel=cfg.sequence_parallel,
-                             recompute=cfg.recompute)
+    if cfg.gpt.moe_experts:
+        # Per-rank construction does not cover experts yet (trainer.config refuses SP and
+        # recompute with them): the model is built whole, then cut and sharded.
+        model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
+                 GPT(cfg.gpt, seed=cfg.seed)).to(device)
+        if groups is not None:
+            model = parallelize(model, groups, tracker=tracker)
+    else:  # built on the meta device, only this rank's shard allocated (trainer.construction)
+        model = build_rank_model(cfg.gpt, cfg.seed, device=device, layout=layout, groups=groups,
+                                 tracker=tracker, sequence_parallel=cfg.sequence_parallel,
+                                 recompute=cfg.recompute)
+    experts = apply_expert_parallel(model, ep=cfg.ep, microbatches=cfg.microbatches, dp=dp_comm,
+                                    tp=tp_comm)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0)
+    shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0,
+             dp_comm.rank % cfg.ep)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
     start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
                              device=device) if cfg.resume else (0, "")
@@ -120,8 +147,10 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
                               alone=[tied] if tied is not None else [])
         main: MainParams | ZeroOptimizer | None = zero
     else:
-        dp = DataParallel(model, dp_comm, bucket_size=cfg.bucket_size, overlap=cfg.overlap,
-                          reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
+        dp_options: dict[str, Any] = dict(bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+                                          reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
+        dp = DataParallel(model, dp_comm, **dp_options) if experts is None else \
+            ExpertDataParallel.build(model, dp_comm, experts.edp, **dp_options)
         # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
         main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
@@ -136,14 +165,18 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
                         decay_steps=cfg.schedule_end)
     scope = tp_scope(tp_comm) if tp_comm is not None else NormScope()
+    if experts is not None:
+        scope = ep_scope(scope, experts.ep, model)
     pipeline, writers = None, tp_comm
     if layout is not None:
         pipeline = build_pipeline(cfg, model, layout, pp_comm, dp, device)
         scope = pipeline.norm_scope(scope)
         # Every tp x pp rank of one DP replica: the group that writes a checkpoint together.
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
+    if cfg.ep > 1:  # on every stage, with or without MoE layers: the split is collective
+        writers = checkpoint_writers(world_comm, dp_comm, cfg.ep, shard, tp=cfg.tp, pp=cfg.pp)
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
                is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
                tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
                guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main, zero=zero,
-               device_notes=", ".join(n for n in notes if n))
+               device_notes=", ".join(n for n in notes if n), experts=experts)

@@ -49,6 +49,13 @@ Dropout seeds also mix in the pp rank (each stage draws its own masks).
 
     mpiexec -n 8 python -m trainer.train --model tiny --dp 2 --tp 2 --pp 2 --microbatches 4 \
         --schedule interleaved --virtual-stages 2 --n-layer 4 --run-dir runs/3d
+
+With ``--moe-experts E`` the MLPs of every ``--moe-every``-th layer are mixtures of experts,
+and ``--ep N`` splits their experts over N DP ranks (`trainer.moe`): each step's record holds
+the expert load, ``expert_load.png`` is drawn at the end, and the first N DP replicas write one
+checkpoint shard each.
+
+    mpiexec -n 4 python -m trainer.train --model tiny --moe-experts 8 --ep 4 --run-dir runs/moe
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ from trainer.grad_clip import clip_grad_norm
 from trainer.guard import check_parameters
 from trainer.inference.validation import Validation
 from trainer.metrics import MetricsLog, StepRecord
+from trainer.moe.load import step_load, write_load_plot
 from trainer.optim import set_lr
 from trainer.pipeline.train_step import (
     describe_pipeline,
@@ -149,11 +157,13 @@ def run_step(run: Run, step: int) -> PendingStep:
                 run.zero.publish()
         elif run.main is not None:
             run.main.publish()
+    load = step_load(run.model, run.dp.comm)
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
     record = StepRecord(step=step, loss=math.nan, lr=lr, grad_norm=math.nan,
                         tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                        compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total)
+                        compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total,
+                        moe=load)
     return PendingStep(loss, grad_norm, record)
 
 
@@ -171,7 +181,8 @@ def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tor
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
-    """DP replica 0 writes: its tp x pp ranks one shard each, together; others return None.
+    """DP replica 0 writes (with --ep, the first ep replicas: each holds other experts): its
+    tp x pp (x ep) ranks one shard each, together; others return None.
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
     pp_comm = run.pipeline.comm if run.pipeline is not None else None
     groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
@@ -180,14 +191,14 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
                      report=run.is_writer)
     # ZeRO-1 gathers the sharded state on every DP rank (collective), unsharded like zero 0's
     states = full_state(run.zero) if run.zero is not None else None
-    if run.dp_rank != 0:
+    if run.dp_rank >= run.cfg.ep:  # the first EP block of DP ranks holds every expert
         return None
     model, optim = states or (main.state_dict() if main else run.model.state_dict(),
                               run.optimizer.state_dict())
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
     return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step, model=model, optim=optim,
-                           meta=meta, keep=run.cfg.keep, shard=(run.tp_rank, run.pp_rank),
-                           writers=run.writers)
+                           meta=meta, keep=run.cfg.keep, writers=run.writers,
+                           shard=(run.tp_rank, run.pp_rank, run.ep_rank))
 
 
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
@@ -234,6 +245,9 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         _log_steps(log, result, pending)  # the good steps before an error are kept
         log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
                              f"global batch {cfg.global_batch}")
+    if run.is_writer:
+        write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe_experts} experts, "
+                        f"top-{cfg.gpt.moe_topk}, ep={cfg.ep}")
     return result
 
 

@@ -27,8 +27,10 @@ class CheckpointDamaged(CheckpointError):
     """A committed checkpoint's files differ from its commit record (a resume may skip it)."""
 
 
-def shard_name(kind: str, tp_rank: int = 0, pp_rank: int = 0) -> str:
-    return f"{kind}-tp{tp_rank:02d}-pp{pp_rank:02d}.pt"
+def shard_name(kind: str, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) -> str:
+    """``ep_rank`` > 0: the experts of another expert-parallel member (`trainer.moe`)."""
+    ep = f"-ep{ep_rank:02d}" if ep_rank else ""
+    return f"{kind}-tp{tp_rank:02d}-pp{pp_rank:02d}{ep}.pt"
 
 
 def step_dirs(root: Path) -> dict[int, Path]:

@@ -24,7 +24,7 @@ from trainer.checkpoint.layout import (
 #: Layout keys whose change makes a checkpoint unusable (model state is sharded along them; a
 #: ``ppNN`` shard holds the layers its stages had). dp is not one: DP state is replicated and
 #: the data position is the step, whatever dp is.
-SHARDED_AXES = ("tp", "pp", "virtual_stages", "stage_layers")
+SHARDED_AXES = ("tp", "pp", "ep", "virtual_stages", "stage_layers")
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ def read_record(path: Path) -> dict[str, FileRecord]:
 
 
 def load(path: Path, *, map_location: str | torch.device = "cpu",
-         shard: tuple[int, int] = (0, 0)) -> Checkpoint:
+         shard: tuple[int, ...] = (0, 0)) -> Checkpoint:
     """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``, each file
     verified against the commit record before it is parsed."""
     record = read_record(path)

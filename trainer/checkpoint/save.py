@@ -37,7 +37,7 @@ def capture_rng() -> dict[str, Any]:
 
 
 def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, Any],
-         meta: dict[str, Any], keep: int = 0, shard: tuple[int, int] = (0, 0),
+         meta: dict[str, Any], keep: int = 0, shard: tuple[int, ...] = (0, 0),
          writers: Communicator | None = None) -> Path:
     """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all).
 
@@ -61,7 +61,7 @@ def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[s
 
 def _save_together(root: Path, step: int, *, model: dict[str, torch.Tensor],
                    optim: dict[str, Any], meta: dict[str, Any], keep: int,
-                   shard: tuple[int, int], writers: Communicator) -> Path:
+                   shard: tuple[int, ...], writers: Communicator) -> Path:
     """`save` by a group: folder named by rank 0, shards written by all, commit by rank 0.
     Every phase ends with an agreement, so a failure on one rank fails every rank (no hang)."""
     final, leader = root / f"step-{step}", writers.rank == 0
@@ -113,11 +113,12 @@ def _agreed(writers: Communicator, tmp: Path, device: torch.device, what: str,
                               "--run-dir")
 
 
-def _gather_records(writers: Communicator, mine: Records, shard: tuple[int, int],
+def _gather_records(writers: Communicator, mine: Records, shard: tuple[int, ...],
                     device: torch.device) -> Records:
-    """Every writer's shard records on every writer: (tp, pp, then size and digest words of
-    each kind) per rank, as int64 so that any backend's all-gather carries them."""
-    row = [*shard]
+    """Every writer's shard records on every writer: (the shard's coordinates (tp, pp[, ep]),
+    then size and digest words of each kind) per rank, as int64 so that any backend's
+    all-gather carries them."""
+    row, n = [*shard], len(shard)
     for kind in _KINDS:
         rec = mine[shard_name(kind, *shard)]
         digest = bytes.fromhex(rec.sha256)
@@ -129,9 +130,9 @@ def _gather_records(writers: Communicator, mine: Records, shard: tuple[int, int]
     records: Records = {}
     for values in out.cpu().view(writers.size, len(row)).tolist():
         for k, kind in enumerate(_KINDS):
-            size, *words = values[2 + k * (1 + _WORDS):2 + (k + 1) * (1 + _WORDS)]
+            size, *words = values[n + k * (1 + _WORDS):n + (k + 1) * (1 + _WORDS)]
             digest = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
-            records[shard_name(kind, values[0], values[1])] = FileRecord(size, digest.hex())
+            records[shard_name(kind, *values[:n])] = FileRecord(size, digest.hex())
     return records
 
 
@@ -146,7 +147,7 @@ def _save_errors(tmp: Path) -> Iterator[None]:
 
 
 def _write_shard(tmp: Path, model: dict[str, torch.Tensor], optim: dict[str, Any],
-                 shard: tuple[int, int], step: int) -> Records:
+                 shard: tuple[int, ...], step: int) -> Records:
     records = {}
     for kind, state in zip(_KINDS, (model, optim), strict=True):
         name = shard_name(kind, *shard)

@@ -1,6 +1,7 @@
 """A checkpoint of any layout back into the single-device `trainer.model.GPT`, on one process.
 
-A checkpoint holds one model shard per (tp, pp) rank of DP replica 0 (`trainer.checkpoint`), and
+A checkpoint holds one model shard per (tp, pp[, ep]) rank of DP replica 0 (with expert
+parallelism, of the first ep replicas: each holds its own experts; `trainer.checkpoint`), and
 its ``meta.json`` the model config and the layout. Pipeline shards keep global parameter names
 (``blocks.5...``), so the stages' shards are simply united; the last stage's copy of a tied
 embedding (``head.weight``) equals the first stage's weight. Tensor-parallel shards of one
@@ -12,6 +13,7 @@ rules live in one place. The result is loaded strictly: a missing or extra tenso
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,7 @@ from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.topology import Coords, ParallelDims
 from trainer.errors import CommError
 from trainer.model import GPT, GPTConfig
+from trainer.moe.parallel import shard_experts
 from trainer.parallelize import parallelize
 from trainer.tensor_parallel import ShardSpec
 from trainer.tensor_parallel.random import RNGStatesTracker
@@ -49,6 +52,7 @@ def shard_specs(cfg: GPTConfig, tp: int) -> dict[str, ShardSpec]:
     groups = ParallelGroups(LayoutOnlyGroup(tp), one, one, ParallelDims(1, tp, 1),
                             Coords(0, 0, 0))
     model = parallelize(GPT(cfg), groups, tracker=RNGStatesTracker())
+    shard_experts(model, one, groups.tp)  # MoE experts are split like the MLP (trainer.moe)
     return {name: spec for name, p in model.named_parameters(remove_duplicate=False)
             if (spec := shard_spec(p)) is not None}
 
@@ -60,8 +64,9 @@ def load_serial(path: Path) -> tuple[GPT, dict[str, Any]]:
     tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
     specs = shard_specs(cfg, tp)
     full: dict[str, torch.Tensor] = {}
-    for stage in range(pp):
-        shards = [checkpoint.load(path, shard=(t, stage)).model for t in range(tp)]
+    # Each EP shard holds its own experts and a copy of the dense parameters.
+    for stage, ep_rank in itertools.product(range(pp), range(meta["layout"].get("ep", 1))):
+        shards = [checkpoint.load(path, shard=(t, stage, ep_rank)).model for t in range(tp)]
         for name, tensor in shards[0].items():
             spec = specs.get(name)
             if name not in full:  # (the tied head copy of the last stage is already in)

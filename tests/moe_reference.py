@@ -1,0 +1,83 @@
+"""The serial reference of a mixture-of-experts layer: every expert on one rank, plain loops.
+
+Written from the definitions (Switch / Megatron), sharing no code with `trainer.moe` beyond the
+parameters: token by token it scores the experts, picks the top k, and adds each chosen expert's
+output times its score; capacity is applied expert by expert from a sorted list of that expert's
+assignments; the auxiliary losses are summed term by term. `use_reference` points every MoE
+layer of a model at it, so a whole training run can be compared with the parallel layouts.
+"""
+
+from __future__ import annotations
+
+import math
+from types import MethodType
+
+import torch
+from torch import nn
+
+from trainer.moe.layer import MoE, moe_layers
+
+
+def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, auxiliary loss) of ``layer`` on ``x_BTD``, computed the slow, obvious way."""
+    x = x_BTD.reshape(-1, x_BTD.shape[-1])
+    n, e, k = x.shape[0], layer.n_experts, layer.topk
+    logits = [x[t].to(torch.promote_types(x.dtype, torch.float32)) @ layer.router.weight.t()
+              for t in range(n)]
+    scores = [lg.softmax(-1) if layer.score == "softmax" else lg.sigmoid() for lg in logits]
+    chosen = [torch.topk(s, k) for s in scores]  # (weights, experts) of each token
+    assignments = {i: [] for i in range(e)}
+    for t in range(n):
+        for j in range(k):
+            assignments[int(chosen[t].indices[j])].append((t, j))
+    kept = {(t, j) for t in range(n) for j in range(k)}
+    if layer.capacity_factor > 0:
+        cap = math.ceil(n * k * layer.capacity_factor / e)
+        for items in assignments.values():
+            ranked = sorted(items, key=lambda tj: (-float(chosen[tj[0]].values[tj[1]].detach()),
+                                                   tj[0] * k + tj[1]))
+            kept -= set(ranked[cap:])
+    out = [x.new_zeros(x.shape[1], dtype=logits[0].dtype) for _ in range(n)]
+    for t, j in sorted(kept):
+        expert = layer.experts[str(int(chosen[t].indices[j]))]
+        out[t] = out[t] + chosen[t].values[j] * expert(x[t:t + 1])[0]
+    aux = logits[0].new_zeros(())
+    if layer.aux_coeff:
+        for i in range(e):
+            fraction = len(assignments[i]) / (n * k)
+            mean = sum(_normalised(s, layer.score)[i] for s in scores) / n
+            aux = aux + layer.aux_coeff * e * fraction * mean
+    if layer.z_coeff:
+        aux = aux + layer.z_coeff * sum(torch.logsumexp(lg, -1) ** 2 for lg in logits) / n
+    return torch.stack(out).to(x.dtype).view_as(x_BTD), aux
+
+
+def _normalised(scores: torch.Tensor, score: str) -> torch.Tensor:
+    return scores / scores.sum() if score == "sigmoid" else scores
+
+
+def use_reference(model: nn.Module) -> None:
+    """Make every MoE layer of ``model`` compute with `reference_moe`, its auxiliary loss
+    entering backward with the layer's ``aux_scale`` as in the trainer."""
+    for _, layer in moe_layers(model):
+        layer.forward = MethodType(_reference_forward, layer)
+
+
+def _reference_forward(layer: MoE, x_BTD: torch.Tensor) -> torch.Tensor:
+    out, aux = reference_moe(layer, x_BTD)
+    return _WithAux.apply(out, aux * layer.aux_scale) if torch.is_grad_enabled() else out
+
+
+class _WithAux(torch.autograd.Function):
+    """``out`` unchanged; in backward the auxiliary loss gets the gradient 1, as if it had been
+    added to the loss the trainer differentiates."""
+
+    @staticmethod
+    def forward(ctx: object, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        (aux,) = ctx.saved_tensors
+        return grad, torch.ones_like(aux)

@@ -1,0 +1,130 @@
+"""The MoE layer on one rank: against the plain-loop reference, capacity, imbalance, errors.
+
+Everything runs in fp64 (tests/numerics.py), so the vectorised layer and the token-by-token
+reference differ only by summation order: outputs to `reduction_rtol` of the longest sum (the
+d_model * mlp_ratio products of an expert's second matmul), gradients likewise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.moe_reference import reference_moe
+from tests.numerics import float64, reduction_rtol
+from trainer.config import make_config, resolve_dp
+from trainer.errors import ConfigError
+from trainer.model import GPTConfig
+from trainer.moe.dispatch import combine, dispatch
+from trainer.moe.layer import MoE
+from trainer.moe.router import Routing, capacity_mask, route
+
+D = 16
+RTOL = reduction_rtol(4 * D)
+ATOL = RTOL  # activations and weights are O(1) at most
+
+
+def make_layer(**moe: object) -> MoE:
+    fields = {"moe_experts": 4, "moe_topk": 2, "moe_z_loss_coeff": 1e-3, **moe}
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=D, seq_len=8, **fields)
+    torch.manual_seed(0)
+    layer = MoE(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.5)
+    return layer
+
+
+def compare_with_reference(layer: MoE, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Outputs, auxiliary losses and every gradient equal the reference's (an expert the
+    reference never called has no gradient there, zeros in the layer); returns the layer's."""
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    upstream = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
+    out = layer(xs[0])
+    aux = layer.route(xs[0].detach().reshape(-1, D)).aux_loss
+    (out * upstream).sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad()
+    ref_out, ref_aux = reference_moe(layer, xs[1])
+    ((ref_out * upstream).sum() + ref_aux).backward()
+    torch.testing.assert_close(out, ref_out, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(aux, ref_aux, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(xs[0].grad, xs[1].grad, rtol=RTOL, atol=ATOL)
+    for name, p in layer.named_parameters():
+        want = p.grad if p.grad is not None else torch.zeros_like(p)
+        torch.testing.assert_close(grads[name], want, rtol=RTOL, atol=ATOL)
+    return grads
+
+
+@pytest.mark.parametrize("moe", [
+    {}, {"moe_router": "sigmoid", "moe_topk": 1}, {"moe_capacity_factor": 0.5},
+    {"moe_capacity_factor": 1.0, "moe_topk": 3, "moe_router": "sigmoid"}],
+    ids=["dropless", "sigmoid-top1", "capacity-0.5", "capacity-1-sigmoid-top3"])
+def test_the_layer_equals_the_plain_loop_reference(moe: dict) -> None:
+    with float64():
+        layer = make_layer(**moe)
+        x = torch.randn(3, 8, D, generator=torch.Generator().manual_seed(2))
+        compare_with_reference(layer, x)
+
+
+def test_a_capacity_factor_below_one_really_drops_tokens() -> None:
+    with float64():
+        layer = make_layer(moe_capacity_factor=0.5)
+        routing = layer.route(torch.randn(24, D, generator=torch.Generator().manual_seed(2)))
+    # 24 tokens x 2 choices, 4 experts: each keeps ceil(48 * 0.5 / 4) = 6 of its assignments
+    assert routing.dropped == sum(max(0, n - 6) for n in routing.routed.tolist()) > 0
+
+
+def test_capacity_keeps_the_highest_scores_and_on_ties_the_earlier_token() -> None:
+    experts = torch.tensor([[0], [0], [0], [1], [0]])
+    weights = torch.tensor([[0.2], [0.9], [0.2], [0.1], [0.5]])
+    kept = capacity_mask(experts, weights, n_experts=2, cap=2)
+    assert kept.flatten().tolist() == [False, True, False, True, True]
+    kept = capacity_mask(experts, torch.full((5, 1), 0.3), n_experts=2, cap=2)
+    assert kept.flatten().tolist() == [True, True, False, True, False]
+
+
+def test_a_router_biased_to_one_expert_sends_it_every_token_and_still_trains() -> None:
+    with float64():
+        layer = make_layer(moe_topk=1)
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[2, 0] = 50.0  # expert 2 wins for every token with x_0 > 0
+        x = torch.randn(2, 8, D, generator=torch.Generator().manual_seed(4))
+        x[..., 0] = x[..., 0].abs() + 1
+        routing = layer.route(x.reshape(-1, D))
+        assert routing.routed.tolist() == [0, 0, 16, 0]
+        grads = compare_with_reference(layer, x)
+    # Experts without tokens still get a (zero) gradient, so DP's buckets complete.
+    idle = [g for name, g in grads.items() if name.startswith("experts.0.")]
+    assert idle and not any(g.any() for g in idle)
+
+
+def test_combine_of_dispatch_is_the_identity_on_weights_of_one() -> None:
+    x = torch.randn(10, D, generator=torch.Generator().manual_seed(5))
+    experts = torch.randint(0, 4, (10, 1), generator=torch.Generator().manual_seed(6))
+    routing = Routing(experts, torch.ones(10, 1), torch.ones(10, 1, dtype=torch.bool),
+                      torch.zeros(()), torch.bincount(experts.flatten(), minlength=4))
+    rows, plan = dispatch(x, routing, 4)
+    assert plan.local_counts == routing.routed.tolist()
+    assert torch.equal(combine(rows, plan, 10), x)
+
+
+def test_a_uniform_router_has_a_load_balancing_loss_equal_to_its_coefficient() -> None:
+    x = torch.randn(12, D, generator=torch.Generator().manual_seed(7))
+    routing = route(x, torch.zeros(4, D), topk=2, aux_coeff=0.01)
+    torch.testing.assert_close(routing.aux_loss, torch.tensor(0.01))
+
+
+@pytest.mark.parametrize(("gpt", "train", "world", "message"), [
+    ({"moe_experts": 4, "moe_topk": 5}, {}, 1, "moe_topk must be between 1 and moe_experts (4)"),
+    ({"moe_experts": 4, "moe_router": "relu"}, {}, 1, "moe_router must be one of softmax"),
+    ({"moe_experts": 6}, {"ep": 4}, 4, "6 experts is not a multiple of ep = 4"),
+    ({"moe_experts": 4}, {"ep": 4}, 2, "ep = 4 does not divide them"),
+    ({}, {"ep": 2}, 2, "the model has no MoE layers"),
+], ids=["k-above-E", "unknown-router", "E-not-divisible", "ep-not-dividing-dp", "ep-no-experts"])
+def test_a_bad_moe_option_is_refused_before_any_work(gpt: dict, train: dict, world: int,
+                                                     message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        resolve_dp(make_config({"model": "tiny", "global_batch": 8, **train}, gpt), world)
+    assert message in str(caught.value)
