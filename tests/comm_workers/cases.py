@@ -196,6 +196,35 @@ def all_to_all(ctx: Ctx) -> list[Check]:
     return [(out, expected)]
 
 
+def _uneven(ctx: Ctx, rows_of: Callable[[int, int], int], salt: str) -> list[Check]:
+    """Member i sends ``rows_of(i, j)`` rows to member j; out gathers what each sent here."""
+    r, n = ctx.comm.rank, ctx.n
+    sent = [ctx.inp(i, (sum(rows_of(i, j) for j in range(n)), 3), salt) for i in range(n)]
+    block = [list(torch.split(x, [rows_of(i, j) for j in range(n)])) for i, x in enumerate(sent)]
+    expected = torch.cat([block[j][r] for j in range(n)])
+    out = torch.full(tuple(expected.shape), 7, dtype=ctx.dtype, device=ctx.device)
+    ctx.wait(ctx.comm.all_to_all(
+        out, sent[r].to(ctx.device), in_splits=[rows_of(r, j) for j in range(n)],
+        out_splits=[rows_of(j, r) for j in range(n)], async_op=ctx.async_op))
+    return [(out, expected)]
+
+
+def all_to_all_uneven(ctx: Ctx) -> list[Check]:
+    """Different row counts per pair, some of them zero (every third pair sends nothing)."""
+    return _uneven(ctx, lambda i, j: (i + 2 * j) % 3, "uneven")
+
+
+def all_to_all_all_to_one(ctx: Ctx) -> list[Check]:
+    """Every member sends everything to member 0 (one expert gets every token): the others
+    receive nothing and send nothing to each other."""
+    return _uneven(ctx, lambda i, j: 2 + i if j == 0 else 0, "to_one")
+
+
+def all_to_all_empty(ctx: Ctx) -> list[Check]:
+    """No member sends anything: empty tensors on every rank, and the call still completes."""
+    return _uneven(ctx, lambda i, j: 0, "empty")
+
+
 def many_in_flight(ctx: Ctx) -> list[Check]:
     """Three async operations outstanding at once, waited for in reverse order."""
     a, b, c = ctx.mine((4,), "a"), ctx.mine((4,), "b"), ctx.mine((4,), "c")
@@ -228,7 +257,10 @@ def plan(ctx: Ctx) -> list[tuple[str, Callable[[], list[Check]]]]:
             ("reduce_scatter_max", lambda: reduce_scatter(ctx, ReduceOp.MAX)),
             ("broadcast_first", lambda: broadcast(ctx, 0)),
             ("broadcast_last", lambda: broadcast(ctx, ctx.n - 1)),
-            ("broadcast_strided", lambda: broadcast_strided(ctx))]
+            ("broadcast_strided", lambda: broadcast_strided(ctx)),
+            ("all_to_all_uneven", lambda: all_to_all_uneven(ctx)),
+            ("all_to_all_all_to_one", lambda: all_to_all_all_to_one(ctx)),
+            ("all_to_all_empty", lambda: all_to_all_empty(ctx))]
     if ctx.dtype.is_floating_point:
         out.append(("all_reduce_requires_grad", lambda: all_reduce_requires_grad(ctx)))
     if ctx.async_op:

@@ -79,6 +79,11 @@ def error_cases(world: bootstrap.World) -> list[dict]:
         "negative_split_color": lambda: c.split(-1, 0),
         "reduce_scatter_uneven": lambda: c.reduce_scatter(
             torch.zeros(2, device=dev), torch.zeros(2 * world.size + 1, device=dev)),
+        "all_to_all_splits_miscount": lambda: c.all_to_all(
+            torch.zeros(world.size, 2, device=dev), torch.zeros(world.size, 2, device=dev),
+            in_splits=[2] * world.size, out_splits=[1] * world.size),
+        "all_to_all_row_shapes_differ": lambda: c.all_to_all(
+            torch.zeros(world.size, 3, device=dev), torch.zeros(world.size, 2, device=dev)),
     }
     out = []
     for name, call in bad.items():

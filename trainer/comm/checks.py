@@ -8,6 +8,9 @@ check never leaves the other ranks half-way through a collective that this rank 
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 
 from trainer.comm.protocol import ReduceOp
@@ -76,15 +79,64 @@ def check_scatter(op: str, loc: str, out: torch.Tensor, inp: torch.Tensor, size:
         )
 
 
-def check_all_to_all(loc: str, out: torch.Tensor, inp: torch.Tensor, size: int) -> None:
+def check_all_to_all(
+    loc: str,
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    size: int,
+    in_splits: Sequence[int] | None = None,
+    out_splits: Sequence[int] | None = None,
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The rows ``inp`` sends to and ``out`` receives from each member, checked.
+
+    ``None`` splits mean equal blocks; with both ``None`` the two tensors must have one shape.
+    That ``in_splits`` of every member match the ``out_splits`` of its peers cannot be seen by
+    one rank; it is the caller's contract (exchange the counts first, as MoE dispatch does).
+    """
     check_same_dtype("all_to_all", loc, out, inp)
-    if tuple(out.shape) != tuple(inp.shape) or _rows(inp) % size:
+    if out.dim() == 0 or inp.dim() == 0 or tuple(out.shape[1:]) != tuple(inp.shape[1:]):
         raise CommError(
             "all_to_all failed", loc,
-            f"inp {tuple(inp.shape)} and out {tuple(out.shape)} must have one shape whose dim 0 "
-            f"divides into {size} equal blocks",
-            "Pad dim 0 to a multiple of the communicator size; for uneven splits use batch_p2p",
+            f"inp {tuple(inp.shape)} and out {tuple(out.shape)} must be at least 1-d with equal "
+            "trailing dims (rows are exchanged along dim 0)",
+            "Reshape both to (rows, *row_shape) with the same row shape",
         )
+    if in_splits is None and out_splits is None and tuple(out.shape) != tuple(inp.shape):
+        raise CommError(
+            "all_to_all failed", loc,
+            f"inp {tuple(inp.shape)} and out {tuple(out.shape)} differ but no splits were given",
+            "Pass in_splits and out_splits, or give out the shape of inp",
+        )
+    return (_splits("in_splits", loc, in_splits, inp.shape[0], size),
+            _splits("out_splits", loc, out_splits, out.shape[0], size))
+
+
+def _splits(role: str, loc: str, splits: Sequence[int] | None, rows: int, size: int
+            ) -> tuple[int, ...]:
+    if splits is None:
+        if rows % size:
+            raise CommError(
+                "all_to_all failed", loc,
+                f"{rows} rows do not divide into {size} equal blocks and no {role} were given",
+                f"Pad dim 0 to a multiple of {size}, or pass {role} (rows per member)",
+            )
+        return (rows // size,) * size
+    try:  # numpy and 0-d torch integers are counts too
+        got = tuple(operator.index(n) for n in splits)
+    except TypeError:
+        got = ()
+    if len(got) != size or any(n < 0 for n in got):
+        raise CommError(
+            "all_to_all failed", loc, f"{role} {list(splits)} is not {size} row counts >= 0",
+            f"Pass one non-negative int per member of this communicator ({size})",
+        )
+    if sum(got) != rows:
+        raise CommError(
+            "all_to_all failed", loc,
+            f"{role} {list(got)} sum to {sum(got)} but the tensor has {rows} rows",
+            "Make the splits add up to the tensor's dim 0",
+        )
+    return got
 
 
 def check_peer(op: str, loc: str, peer: int, size: int, role: str = "peer") -> None:

@@ -16,16 +16,18 @@ Copies happen only where MPI cannot work on the tensor directly, and the result 
   between input and output are staged.
 
 Asynchronous operations use MPI's nonblocking calls (``Iallreduce``, ``Iallgather``,
-``Ireduce_scatter_block``, ``Ibcast``, ``Isend``/``Irecv``). The handle keeps the request and
-every staging buffer alive until ``wait()``, which also finishes the fp32 round trip and the
-copy-back. MPICH progresses nonblocking operations inside MPI calls, so overlap with compute is
-partial on CPU; correctness does not depend on it.
+``Ireduce_scatter_block``, ``Ibcast``, ``Ialltoallv``, ``Isend``/``Irecv``). The handle keeps the
+request and every staging buffer alive until ``wait()``, which also finishes the fp32 round trip
+and the copy-back. MPICH progresses nonblocking operations inside MPI calls, so overlap with
+compute is partial on CPU; correctness does not depend on it.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from mpi4py import MPI
@@ -35,7 +37,7 @@ from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.errors import CommError
 
 if TYPE_CHECKING:
-    from mpi4py.typing import BufSpec, InPlace
+    from mpi4py.typing import BufSpec, BufSpecV, InPlace
 
 _TAG = 0  # one tag for every p2p message: pairs match in posting order, as in NCCL
 _UPCAST = (torch.float16, torch.bfloat16)
@@ -187,15 +189,28 @@ class MpiCommunicator:
             s.copy_back, async_op,
         )
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        *,
+        in_splits: Sequence[int] | None = None,
+        out_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
         loc = self._where()
         for t in (out, inp):
             checks.check_device("all_to_all", loc, t, "cpu")
-        checks.check_all_to_all(loc, out, inp, self._size)
+        sends, recvs = checks.check_all_to_all(loc, out, inp, self._size, in_splits, out_splits)
         si = _Staged(inp, copy=checks.overlaps(out, inp))
         so = _Staged(out)
-        self._comm.Alltoall(si.buf, so.buf)
-        so.copy_back()
+        row = math.prod(inp.shape[1:])  # elements per row, of the dtype MPI sees (bf16: int16)
+        send, recv = _vector(si.buf, sends, row), _vector(so.buf, recvs, row)
+        return self._run(
+            lambda: self._comm.Alltoallv(send, recv),
+            lambda: self._comm.Ialltoallv(send, recv),
+            so.copy_back, async_op,
+        )
 
     def barrier(self) -> None:
         self._comm.Barrier()
@@ -276,6 +291,13 @@ class MpiCommunicator:
             finish()
             return None
         return MpiHandle([nonblocking()], finish)
+
+
+def _vector(buf: Any, rows: Sequence[int], row: int) -> BufSpecV:
+    """``buf`` with per-member element counts and displacements, as ``Alltoallv`` takes them."""
+    counts = [n * row for n in rows]
+    displs = list(itertools.accumulate(counts, initial=0))[:-1]
+    return (buf, (counts, displs))
 
 
 def _nothing() -> None:

@@ -78,6 +78,11 @@ class _Staged:
             self.user.copy_(self.work)
 
 
+def _row_slices(t: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
+    """Consecutive dim-0 blocks of a contiguous tensor (each contiguous too)."""
+    return list(torch.split(t, list(rows), dim=0))
+
+
 class NcclCommunicator:
     """A `Communicator` on one nccl4py ``Communicator`` plus the MPI communicator of its ranks."""
 
@@ -177,13 +182,33 @@ class NcclCommunicator:
             [s.user, s.work], s.copy_back, async_op,
         )
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        *,
+        in_splits: Sequence[int] | None = None,
+        out_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None:
         self._check("all_to_all", out, inp)
-        checks.check_all_to_all(self._where(), out, inp, self._size)
+        sends, recvs = checks.check_all_to_all(
+            self._where(), out, inp, self._size, in_splits, out_splits)
         si = _Staged(inp, copy=checks.overlaps(out, inp))
         so = _Staged(out)
-        self._comm.alltoall(si.work, so.work, stream=self._current())
-        so.copy_back()
+        send_rows, recv_rows = _row_slices(si.work, sends), _row_slices(so.work, recvs)
+
+        def enqueue(stream: int) -> None:
+            # Grouped send/recv is how NCCL does uneven all-to-all (torch's all_to_all_single
+            # does the same); empty blocks post nothing, a rank's own block goes through NCCL too.
+            with self._nccl.group():
+                for peer in range(self._size):
+                    if send_rows[peer].numel():
+                        self._comm.send(send_rows[peer], peer, stream=stream)
+                    if recv_rows[peer].numel():
+                        self._comm.recv(recv_rows[peer], peer, stream=stream)
+
+        return self._launch(enqueue, [so.user, so.work, si.work], so.copy_back, async_op)
 
     def barrier(self) -> None:
         """One-element all-reduce, then wait for it on the host (NCCL has no barrier)."""

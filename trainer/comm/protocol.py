@@ -9,8 +9,11 @@ Semantics shared by both backends (they are the ones of ``torch.distributed`` an
 
 * Collectives are called by every member of the communicator, in the same order.
 * ``all_reduce`` and ``broadcast`` work in place. ``all_gather``, ``reduce_scatter`` and
-  ``all_to_all`` split or concatenate along dim 0 into equal blocks, block ``i`` belonging to
-  the member of rank ``i``.
+  ``all_to_all`` split or concatenate along dim 0 into blocks, block ``i`` belonging to the
+  member of rank ``i``. The blocks are equal except in ``all_to_all`` given ``in_splits`` /
+  ``out_splits`` (rows sent to / received from each member, zeros allowed; like
+  ``torch.distributed.all_to_all_single``): member ``i``'s ``in_splits[j]`` must equal member
+  ``j``'s ``out_splits[i]``, which callers ensure by exchanging counts first.
 * ``async_op=True`` returns a `Handle`; the result may be read only after ``handle.wait()``, and
   the tensors must stay untouched until then. On MPI ``wait()`` blocks the host until done; on
   NCCL it orders the caller's current CUDA stream after the operation (like ``torch.distributed``).
@@ -120,7 +123,15 @@ class Communicator(Protocol):
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]: ...
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+    def all_to_all(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        *,
+        in_splits: Sequence[int] | None = None,
+        out_splits: Sequence[int] | None = None,
+        async_op: bool = False,
+    ) -> Handle | None: ...
 
     def barrier(self) -> None: ...
 

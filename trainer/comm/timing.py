@@ -192,8 +192,12 @@ class TimedCommunicator:
         start = self.clock.now()
         return self._timed(start, self.inner.batch_p2p(ops))
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        self._run(lambda: self.inner.all_to_all(out, inp))
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   in_splits: Sequence[int] | None = None,
+                   out_splits: Sequence[int] | None = None,
+                   async_op: bool = False) -> Handle | None:
+        return self._run(lambda: self.inner.all_to_all(
+            out, inp, in_splits=in_splits, out_splits=out_splits, async_op=async_op))
 
     def barrier(self) -> None:
         self._run(self.inner.barrier)

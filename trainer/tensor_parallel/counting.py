@@ -88,8 +88,12 @@ class CountingCommunicator:
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
         return self._timed("broadcast", t, lambda: self.inner.broadcast(t, src, async_op=async_op))
 
-    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor) -> None:
-        return self._timed("all_to_all", inp, lambda: self.inner.all_to_all(out, inp))
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   in_splits: Sequence[int] | None = None,
+                   out_splits: Sequence[int] | None = None,
+                   async_op: bool = False) -> Handle | None:
+        return self._timed("all_to_all", inp, lambda: self.inner.all_to_all(
+            out, inp, in_splits=in_splits, out_splits=out_splits, async_op=async_op))
 
     def send(self, t: torch.Tensor, dst: int) -> None:
         return self._timed("send", t, lambda: self.inner.send(t, dst))
