@@ -92,7 +92,8 @@ class DLRM:
 
     def logits(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         keys = global_keys(self.cfg, sparse)
-        embedded = self.table(keys.reshape(-1, 1)).view(len(sparse), self.cfg.features, self.cfg.dim)
+        embedded = self.table(keys.reshape(-1, 1))  # one bag per (row, feature)
+        embedded = embedded.view(len(sparse), self.cfg.features, self.cfg.dim)
         return self.dense(dense, embedded)
 
     def train(self, mode: bool = True) -> None:

@@ -59,9 +59,11 @@ class KeyIndex:
         rows = torch.full_like(uniq, -1)
         pending = torch.arange(len(uniq), device=uniq.device)
         slot = key_hash(uniq, _SALT) % self.capacity
-        for _ in range(self.capacity + 1):
-            if len(pending) == 0:
-                break
+        # A get-only probe of an absent key in a full table visits every slot once. An insert
+        # always ends (the capacity was checked): each round some key wins a slot or advances.
+        rounds = 0
+        while len(pending) and (insert or rounds < self.capacity):
+            rounds += 1
             s = slot[pending]
             used = self.used[s]
             hit = used & (self.slot_keys[s] == uniq[pending])
