@@ -20,6 +20,7 @@ trainer wants. The rows are a plain tensor, never an ``nn.Parameter``: nothing d
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from trainer.sparse.hashing import KeyIndex, SparseError
 from trainer.sparse.keys import init_rows
 
 COMBINERS = ("sum", "mean")
+#: The phases `timings` splits a lookup into: keys to owners, local rows, rows back, gradients.
+PHASES = ("dispatch", "lookup", "return", "backward")
 
 
 class ShardedEmbedding:
@@ -58,6 +61,8 @@ class ShardedEmbedding:
         self.grad_rows: torch.Tensor | None = None
         self.grad_values: torch.Tensor | None = None
         self.last: Exchange | None = None
+        self.timings = dict.fromkeys(PHASES, 0.0)
+        """Seconds spent per phase since the last `take_timings` (host clock)."""
         self._anchor = torch.zeros((), dtype=dtype, device=device, requires_grad=True)
 
     @property
@@ -110,6 +115,15 @@ class ShardedEmbedding:
         self.grad_rows = uniq
         self.grad_values = grads.new_zeros((len(uniq), self.dim)).index_add(0, inverse, grads)
 
+    def take_timings(self) -> dict[str, float]:
+        taken, self.timings = self.timings, dict.fromkeys(PHASES, 0.0)
+        return taken
+
+    def _tick(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self.timings[phase] += now - since
+        return now
+
     def zero_grad(self) -> None:
         self.grad_rows = self.grad_values = None
 
@@ -159,18 +173,25 @@ class _Lookup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, anchor: torch.Tensor, table: ShardedEmbedding,
                 keys: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
         plan, owned = dispatch(table.comm, keys)
+        start = table._tick("dispatch", start)
         rows = table.local_rows(owned)
         vectors = table.weight[rows.clamp(min=0)]
         vectors[rows < 0] = 0  # a key that get-only hash mode has never seen
         ctx.table, ctx.plan, ctx.rows = table, plan, rows
         table.last = plan
-        return return_rows(table.comm, plan, vectors)
+        start = table._tick("lookup", start)
+        out = return_rows(table.comm, plan, vectors)
+        table._tick("return", start)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None]:
         table: ShardedEmbedding = ctx.table
+        start = time.perf_counter()
         owned = to_owners(table.comm, ctx.plan, grad * table.grad_scale
                           if table.grad_scale != 1.0 else grad)
         table.accumulate(ctx.rows, owned)
+        table._tick("backward", start)
         return None, None, None
