@@ -49,7 +49,8 @@ def evaluate(model: DLRM, val: ClickLog) -> dict[str, float]:
     with torch.no_grad():
         for start in range(0, per_rank, CHUNK):
             part = mine.rows(slice(start, start + CHUNK))
-            scores.append(model.logits(part.dense.to(device), part.sparse.to(device)).float())
+            dense = part.dense.to(device, model.table.weight.dtype)
+            scores.append(model.logits(dense, part.sparse.to(device)).float())
     model.train(True)
     local = torch.full((2, per_rank), math.nan, device=device)
     got = torch.cat(scores) if scores else torch.zeros(0, device=device)

@@ -31,8 +31,7 @@ def save(cfg: RecsysConfig, step: int, model: DLRM, dense_opt: torch.optim.Optim
     comm = model.table.comm
     meta = {"config": asdict(cfg), "model": _model_meta(cfg), "layout": {"shards": comm.size}}
     return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step,
-                           model={"dense": model.dense.state_dict(),
-                                  "table": model.table.state_dict()},
+                           model=_flat(model),
                            optim={"dense": dense_opt.state_dict(),
                                   "sparse": sparse_opt.state_dict()},
                            meta=meta, keep=cfg.keep, shard=(comm.rank, 0), writers=comm)
@@ -58,11 +57,27 @@ def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
             raise error
         raise CheckpointError("checkpoint refused", str(root / f"step-{step}"),
                               "reported by another rank").everywhere(report=False)
-    model.dense.load_state_dict(ckpt.model["dense"])
-    model.table.load_state_dict(ckpt.model["table"])
+    model.dense.load_state_dict(_part(ckpt.model, "dense."))
+    table = _part(ckpt.model, "table.")
+    if model.table.hashed:
+        table["index"] = _part(table, "index.")
+    model.table.load_state_dict(table)
     dense_opt.load_state_dict(ckpt.optim["dense"])
     sparse_opt.load_state_dict(ckpt.optim["sparse"])
     return step
+
+
+def _flat(model: DLRM) -> dict[str, torch.Tensor]:
+    """One flat tensor dict (the checkpoint's model file): dense.*, table.weight, table.index.*"""
+    flat = {f"dense.{k}": v for k, v in model.dense.state_dict().items()}
+    flat["table.weight"] = model.table.weight
+    if model.table.index is not None:
+        flat |= {f"table.index.{k}": v for k, v in model.table.index.state_dict().items()}
+    return flat
+
+
+def _part(flat: dict[str, Any], prefix: str) -> dict[str, Any]:
+    return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
 
 
 def _model_meta(cfg: RecsysConfig) -> dict[str, Any]:

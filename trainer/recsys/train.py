@@ -73,8 +73,11 @@ class Trainer:
         self.sparse_opt.zero_grad()
         batch = self.batches.at(step)
         start = time.perf_counter()
-        logits = self.model.logits(batch.dense.to(self.device), batch.sparse.to(self.device))
-        loss = functional.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
+        dtype = self.model.table.weight.dtype
+        logits = self.model.logits(batch.dense.to(self.device, dtype),
+                                   batch.sparse.to(self.device))
+        loss = functional.binary_cross_entropy_with_logits(logits,
+                                                           batch.labels.to(self.device, dtype))
         loss.backward()
         self.dp.finish_grad_sync()
         self.dense_opt.step()
@@ -93,8 +96,10 @@ def load_log(cfg: RecsysConfig) -> ClickLog:
     return synthetic(cfg.rows, cfg.vocab_sizes, seed=cfg.seed, zipf=cfg.zipf)
 
 
-def build(cfg: RecsysConfig, world: World, train_rows: ClickLog) -> Trainer:
-    model = DLRM(cfg.model(), world.comm, seed=cfg.seed, device=world.device)
+def build(cfg: RecsysConfig, world: World, train_rows: ClickLog,
+          dtype: torch.dtype = torch.float32) -> Trainer:
+    """The model, optimizers and batches of this rank (``dtype``: of rows and MLPs)."""
+    model = DLRM(cfg.model(), world.comm, seed=cfg.seed, device=world.device, dtype=dtype)
     dense_opt = _DENSE_OPTIMIZERS[cfg.optimizer](model.dense.parameters(), lr=cfg.lr)
     sparse_opt = SparseOptimizer([model.table], kind=cfg.optimizer, lr=cfg.embedding_lr)
     dp = DataParallel(model.dense, world.comm)

@@ -33,13 +33,14 @@ from trainer.sparse.keys import init_rows
 COMBINERS = ("sum", "mean")
 #: The phases `timings` splits a lookup into: keys to owners, local rows, rows back, gradients.
 PHASES = ("dispatch", "lookup", "return", "backward")
+INIT_SCALE = 0.05  # initial rows uniform in [-INIT_SCALE, INIT_SCALE)
 
 
 class ShardedEmbedding:
     """This rank's shard of a table of ``dim``-wide rows, and the lookups that use it."""
 
     def __init__(self, comm: Communicator, *, dim: int, num_rows: int = 0, capacity: int = 0,
-                 seed: int = 0, init_scale: float = 0.05, grad_scale: float = 1.0,
+                 seed: int = 0, init_scale: float = INIT_SCALE, grad_scale: float = 1.0,
                  dtype: torch.dtype = torch.float32, device: torch.device | None = None,
                  name: str = "embedding") -> None:
         self.comm, self.dim, self.seed, self.init_scale = comm, dim, seed, init_scale
