@@ -69,16 +69,19 @@ def ceiling(val: ClickLog) -> float | None:
     return auc(val.truth, val.labels) if val.truth is not None else None
 
 
-def record(run_dir: Path, step: int, result: dict[str, float], start_step: int) -> None:
-    """Append one evaluation to ``evals.jsonl`` (lines after ``start_step`` of an earlier run
-    that a resume replays are dropped first)."""
+def truncate(run_dir: Path, start_step: int) -> None:
+    """Drop the evaluations after ``start_step`` (a resumed run evaluates those steps again)."""
     path = run_dir / EVALS_FILE
-    kept = [line for line in (path.read_text().splitlines() if path.exists() else [])
-            if line.strip() and json.loads(line)["step"] <= start_step]
-    if step <= start_step:
-        return
-    kept.append(json.dumps({"step": step, **result}))
-    path.write_text("".join(line + "\n" for line in kept))
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["step"] <= start_step]
+        path.write_text("".join(line + "\n" for line in kept))
+
+
+def record(run_dir: Path, step: int, result: dict[str, float]) -> None:
+    """Append one evaluation to ``evals.jsonl``."""
+    with open(run_dir / EVALS_FILE, "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": step, **result}) + "\n")
 
 
 def plot(run_dir: Path, planted: float | None, title: str) -> None:

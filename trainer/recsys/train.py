@@ -117,6 +117,8 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
     writer, run_dir = world.rank == 0, Path(cfg.run_dir)
     log = MetricsLog(run_dir, enabled=writer, total_steps=cfg.steps, start_step=start,
                      log_every=cfg.log_every)
+    if writer:
+        evaluate.truncate(run_dir, start)
     log.info(_banner(cfg, run, world.size, len(train_rows), len(val), result.ceiling, start))
     try:
         for step in range(start + 1, cfg.steps + 1):
@@ -131,7 +133,7 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
                 result.evals[step] = evaluate.evaluate(run.model, val)
                 rec = StepRecord(**{**rec.__dict__, "val_loss": result.evals[step]["val_loss"]})
                 if writer:
-                    evaluate.record(run_dir, step, result.evals[step], start)
+                    evaluate.record(run_dir, step, result.evals[step])
                 log.info(f"step {step:>6} | validation log-loss "
                          f"{result.evals[step]['val_loss']:.4f} | AUC "
                          f"{result.evals[step]['val_auc']:.4f}")
