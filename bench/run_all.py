@@ -63,6 +63,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",
           quick={"ps": (2,), "ms": (4,)}),
+    Bench("sparse", "Sharded embeddings: lookups/s, all-to-all bytes vs analytic, step split, "
+          "table memory per rank", quick={"rows": 100_000, "batch": 64, "steps": 2}),
 )
 
 

@@ -34,6 +34,7 @@ COMBINERS = ("sum", "mean")
 #: The phases `timings` splits a lookup into: keys to owners, local rows, rows back, gradients.
 PHASES = ("dispatch", "lookup", "return", "backward")
 INIT_SCALE = 0.05  # initial rows uniform in [-INIT_SCALE, INIT_SCALE)
+_INIT_CHUNK = 1 << 16  # rows initialised at a time
 
 
 class ShardedEmbedding:
@@ -53,9 +54,12 @@ class ShardedEmbedding:
                               "Give num_rows (identity mode) or capacity (hash mode), not both")
         if num_rows:
             self.index = None
-            local = (num_rows - comm.rank + comm.size - 1) // comm.size
-            keys = comm.rank + comm.size * torch.arange(max(local, 0), device=device)
-            self.weight = init_rows(keys, dim, seed=seed, scale=init_scale, dtype=dtype)
+            local = max((num_rows - comm.rank + comm.size - 1) // comm.size, 0)
+            self.weight = torch.empty((local, dim), dtype=dtype, device=device)
+            for start in range(0, local, _INIT_CHUNK):  # bounded temporaries for huge shards
+                rows = torch.arange(start, min(start + _INIT_CHUNK, local), device=device)
+                self.weight[rows] = init_rows(comm.rank + comm.size * rows, dim, seed=seed,
+                                              scale=init_scale, dtype=dtype)
         else:
             self.index = KeyIndex(capacity, where=where, device=device)
             self.weight = torch.zeros((capacity, dim), dtype=dtype, device=device)
