@@ -91,9 +91,10 @@ def test_dlrm_training_gives_the_serial_models_losses_and_embedding_rows(optimiz
                                                    dtype=torch.float64))
 
 
-def test_a_resumed_run_continues_bit_exactly() -> None:
+@pytest.mark.parametrize("mode", ["identity", "hash"])
+def test_a_resumed_run_continues_bit_exactly(mode: str) -> None:
     for rank in _ranks(2):
-        got = rank["resume"]
+        got = rank["resume"][mode]
         assert got["start"] == 2
         assert got["split"] == got["straight"]  # float equality: bit-exact losses
         assert got["same_files"], "the step-4 shards differ between the runs"

@@ -21,6 +21,8 @@ STEPS = 4
 CFG = RecsysConfig(steps=STEPS, global_batch=32, lr=0.05, embedding_lr=0.1, dim=8, bottom="16",
                    top="16", rows=2048, features=4, vocab="50", eval_every=0, seed=11,
                    log_every=100)
+#: Hash mode, raw keys: the index (which key holds which row) must resume too.
+HASH_CFG = replace(CFG, hash_capacity=150, optimizer="adam")
 AUC_CFG = replace(CFG, steps=150, global_batch=128, rows=16384, features=6, vocab="300",
                   eval_every=50, optimizer="adagrad", lr=0.05, embedding_lr=0.05)
 
@@ -34,11 +36,11 @@ def fp64_steps(world: Any, optimizer: str) -> dict[str, Any]:
             "dense": {k: v.clone() for k, v in run.model.dense.state_dict().items()}}
 
 
-def resumed(world: Any, out: Path) -> dict[str, Any]:
-    straight = train(replace(CFG, run_dir=str(out / "straight")), world)
+def resumed(world: Any, out: Path, cfg: RecsysConfig) -> dict[str, Any]:
+    straight = train(replace(cfg, run_dir=str(out / "straight")), world)
     split_dir = str(out / "split")
-    first = train(replace(CFG, steps=2, run_dir=split_dir), world)
-    second = train(replace(CFG, run_dir=split_dir, resume=True), world)
+    first = train(replace(cfg, steps=2, run_dir=split_dir), world)
+    second = train(replace(cfg, run_dir=split_dir, resume=True), world)
     shard = f"model-tp{world.rank:02d}-pp00.pt"
     return {"straight": straight.losses, "split": first.losses + second.losses,
             "start": second.start_step,
@@ -50,7 +52,8 @@ def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     result: dict[str, Any] = {k: fp64_steps(world, k) for k in ("sgd", "adagrad")}
     if world.size == 2:  # resume and AUC once, on a sharded table
-        result["resume"] = resumed(world, out)
+        result["resume"] = {"identity": resumed(world, out / "identity", CFG),
+                            "hash": resumed(world, out / "hash", HASH_CFG)}
         done = train(replace(AUC_CFG, run_dir=str(out / "auc")), world)
         result["auc"] = {"evals": done.evals, "ceiling": done.ceiling,
                          "plot": (out / "auc" / "auc.png").is_file()}

@@ -68,7 +68,8 @@ class Trainer:
     device: torch.device
 
     def step(self, step: int) -> tuple[float, dict[str, float]]:
-        """One optimizer step; returns the global batch's mean loss and the phase times."""
+        """One optimizer step; returns the global batch's mean loss and the phase times (plus
+        ``grad_norm``, the MLPs' gradient norm)."""
         self.dp.zero_grad()
         self.sparse_opt.zero_grad()
         batch = self.batches.at(step)
@@ -80,11 +81,14 @@ class Trainer:
                                                            batch.labels.to(self.device, dtype))
         loss.backward()
         self.dp.finish_grad_sync()
+        norm = float(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(p.grad) for p in self.model.dense.parameters()])))
         self.dense_opt.step()
         self.sparse_opt.step()
         total = time.perf_counter() - start
         phases = self.model.table.take_timings()
         phases["dense"] = total - sum(phases.values())  # interaction, MLPs, optimizers, DP
+        phases["grad_norm"] = norm  # of the MLPs' averaged gradient (same on every rank)
         mean = loss.detach().clone()
         self.dp.comm.all_reduce(mean, ReduceOp.AVG)
         return float(mean), phases
@@ -124,7 +128,7 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             loss, phases = run.step(step)
-            rec = StepRecord(step=step, loss=loss, lr=cfg.lr, grad_norm=0.0,
+            rec = StepRecord(step=step, loss=loss, lr=cfg.lr, grad_norm=phases["grad_norm"],
                              tokens=cfg.global_batch, step_s=time.perf_counter() - t0,
                              compute_s=phases["lookup"] + phases["dense"],
                              comm_exposed_s=phases["dispatch"] + phases["return"] +
