@@ -6,6 +6,8 @@ names of `trainer.config.TrainConfig`, and a test checks that every field has on
 
 from __future__ import annotations
 
+from trainer.model import PRESETS
+
 HELP: dict[str, str] = {
     "model": "model size preset: " + ", ".join(PRESETS),
     "steps": "optimizer steps to train in total (a resumed run stops at the same step)",
