@@ -66,6 +66,17 @@ def test_a_rank_blocked_in_a_pipeline_receive_names_its_peer_and_the_peer_state(
     assert "        forward (model.py:10)" in found.lines  # the stack, indented under it
 
 
+def test_a_rank_stopped_inside_a_receive_from_a_running_peer_is_still_named_as_stopped():
+    waits = GroupView("pp[0]", 1, 2, 7, 6, "batch_p2p", "float32", p2p=2, peer=0, nbytes=64,
+                      age=9.0)
+    views = [rank(0, "node1", GroupView("pp[0]", 0, 2, 6, 6, "batch_p2p", age=9.5)),
+             rank(1, "node2", waits, state="stopped")]
+    found = diagnose(views)
+    assert found.culprits == (0, 1)
+    assert "rank 0 (node1): is in no communication operation" in found.text
+    assert "rank 1 (node2): is stopped (SIGSTOP/SIGTSTP); `kill -CONT 1001`" in found.text
+
+
 def test_two_ranks_each_waiting_to_receive_from_the_other_is_called_a_deadlock():
     views = [rank(r, "n", GroupView("pp[0]", r, 2, 1, 0, "recv", p2p=2, peer=1 - r))
              for r in (0, 1)]

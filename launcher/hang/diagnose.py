@@ -6,7 +6,7 @@ collective in which some members wait at sequence number ``s`` while others have
 than ``s`` operations names the latter: they *never entered* ``op #s`` on that group. A rank
 waiting in a point-to-point receive names its peer. Each named rank is then described: stopped
 (SIGSTOP), exited, waiting elsewhere, or in no operation at all (computing or blocked outside
-communication), with its stack when one was taken.
+communication), with its stack when one was taken. A stopped rank is always named.
 """
 
 from __future__ import annotations
@@ -58,6 +58,9 @@ def diagnose(views: Sequence[RankView], stacks: Mapping[int, str] | None = None)
             culprits.append(peer)
     if not lines:
         lines.append(_nobody_missing(views, by_rank))
+    # A stopped rank holds the job up whatever it was doing when stopped: one stopped inside
+    # a receive from a running peer names that peer above, and must be named itself too.
+    culprits += [v.rank for v in views if v.state == "stopped" and v.rank not in culprits]
     for r in culprits:
         lines.append(f"  {who([r], by_rank)}: {_describe(by_rank[r])}")
     for r in (culprits or sorted(by_rank)):
