@@ -118,7 +118,7 @@ def test_outside_an_allocation_nothing_changes(tmp_path):
     res = run_dtrain(["launch", "--dry-run", "--", "python", "x.py"], cwd=tmp_path,
                      env={"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "gpu[07-08]"})
     assert res.returncode == 0, res.stderr
-    assert "1 ranks on 1 hosts" in res.stdout and "localhost" in res.stdout
+    assert "1 rank on 1 host" in res.stdout and "localhost" in res.stdout
     stray = run_dtrain(["launch", "--dry-run", "--", "python", "x.py"], cwd=tmp_path,
                        env={"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "", "SLURM_NODELIST": ""})
     assert stray.returncode == 0 and "localhost" in stray.stdout, stray.stderr
