@@ -315,6 +315,12 @@ def test_resuming_a_zero1_checkpoint_with_another_model_is_refused_once_on_every
                                       "--run-dir")
 
 
+def test_a_changed_byte_in_one_ranks_shard_file_stops_every_rank_named_by_its_reader() -> None:
+    got = [r["resume"]["refused"]["damaged"] for r in ranks(2)]
+    assert all(g["agreed"] for g in got) and [g["report"] for g in got] == [False, True]
+    assert f"[file {shard_name(0, 0, 1)}]: sha256 mismatch" in got[1]["message"]
+
+
 def test_resuming_a_zero1_checkpoint_with_zero_0_is_refused_naming_the_fix() -> None:
     got = [r["resume"]["refused"]["zero0"] for r in ranks(2)]
     assert all(g["agreed"] for g in got) and [g["report"] for g in got] == [True, False]

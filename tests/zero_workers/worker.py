@@ -106,7 +106,19 @@ def resume_split(world: World, out: Path) -> dict[str, Any]:
             "states": ckpts, "reads": resumed(again, world.comm, world).zero.restored,
             "refused": {"model": refusal(replace(again, gpt=replace(again.gpt, n_layer=3)),
                                          world),
-                        "zero0": refusal(replace(again, zero=0), world)}}
+                        "zero0": refusal(replace(again, zero=0), world),
+                        "damaged": damaged(again, world, out / "split")}}
+
+
+def damaged(cfg: Any, world: World, run_dir: Path) -> dict[str, Any]:
+    """Resuming after one byte of DP rank 1's shard file changed (rank 0 flips it)."""
+    if world.rank == 0:
+        path = run_dir / "checkpoints" / f"step-{RESUME_STEPS}" / shard_name(0, 0, 1)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    world.comm.barrier()
+    return refusal(cfg, world)
 
 
 def resumed(cfg: Any, comm: Communicator, world: World) -> Any:
