@@ -54,10 +54,12 @@ def layout_of(cfg: TrainConfig) -> dict[str, Any]:
 
 def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
             deciders: Sequence[Communicator], shard: tuple[int, ...], device: torch.device
-            ) -> tuple[int, str]:
+            ) -> tuple[int, str, Checkpoint | None]:
     """Load the checkpoint ``--resume`` picks (see the docstring) into ``model``/``optimizer``
-    (this rank's (tp, pp) ``shard``); returns its step (0: none) and what the banner says about
-    it. ``deciders``: the DP, TP and PP groups, in that order."""
+    (this rank's (tp, pp) ``shard``); returns its step (0: none), what the banner says about
+    it, and the checkpoint (None: none), whose ZeRO-1 optimizer shards, if it has them instead
+    of an optimizer file, `trainer.zero.state.load_shards` reads once the shards exist.
+    ``deciders``: the DP, TP and PP groups, in that order."""
     root = Path(cfg.run_dir) / "checkpoints"
     leader = all(c.rank == 0 for c in deciders)
     newest_first = sorted(checkpoint.step_dirs(root), reverse=True) if leader else []
@@ -69,11 +71,12 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
             break
         path = root / f"step-{step}"
         ckpt, error = _try_load(path, shard, device)
-        worst, reporter = _agree(error, deciders, device)
+        worst, reporter = agree(error, deciders, device)
         if worst == _OK:
-            return step, _apply(cfg, ckpt, model, optimizer, skipped, leader=leader)
+            assert ckpt is not None  # every rank loaded it
+            return step, _apply(cfg, ckpt, model, optimizer, skipped, leader=leader), ckpt
         if worst != _DAMAGED or not cfg.resume_fallback:
-            raise (error if reporter else _quiet(path)).everywhere(report=reporter)
+            raise (error if reporter else quiet(path)).everywhere(report=reporter)
         if reporter:
             print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
                   f"{error.why}", file=sys.stderr, flush=True)
@@ -84,7 +87,7 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
             f"--resume-fallback set aside {', '.join(skipped)}: each is damaged (see above)",
             "Restore the files from a copy, or start the run again without --resume"
         ).everywhere(report=leader)
-    return 0, f"--resume found no checkpoint in {root}: starting at step 0"
+    return 0, f"--resume found no checkpoint in {root}: starting at step 0", None
 
 
 def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
@@ -100,7 +103,7 @@ def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
         return None, exc
 
 
-def _agree(error: CheckpointError | None, deciders: Sequence[Communicator],
+def agree(error: CheckpointError | None, deciders: Sequence[Communicator],
            device: torch.device) -> tuple[int, bool]:
     """(the worst verdict of all ranks, whether this rank reports it: the lowest rank with
     that verdict). Reduced along every decider group, which together span the world."""
@@ -125,7 +128,7 @@ def _broadcast(step: int, deciders: Sequence[Communicator], device: torch.device
     return int(choice)
 
 
-def _quiet(path: Path) -> CheckpointError:
+def quiet(path: Path) -> CheckpointError:
     """What a rank raises when another rank reports why ``path`` is refused."""
     return CheckpointError("checkpoint refused", str(path), "reported by another rank")
 
@@ -145,8 +148,15 @@ def _apply(cfg: TrainConfig, ckpt: Checkpoint, model: torch.nn.Module,
                                     path=ckpt.path)
     except CheckpointError as exc:  # every rank read the same meta.json: all raise together
         raise exc.everywhere(report=leader) from None
+    if ckpt.optim is None and not cfg.zero:
+        raise CheckpointError(
+            "checkpoint does not match this run", str(ckpt.path),
+            "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "
+            "--zero 0", "Resume with --zero 1 (at any --dp), or use a new --run-dir"
+        ).everywhere(report=leader)
     model.load_state_dict(ckpt.model)
-    optimizer.load_state_dict(ckpt.optim)
+    if ckpt.optim is not None:  # else the ZeRO-1 shards, read once the optimizer is built
+        optimizer.load_state_dict(ckpt.optim)
     checkpoint.restore_rng(ckpt.rng)
     before, now = ckpt.meta.get("config", {}), cfg.to_dict()
     changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()

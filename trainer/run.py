@@ -42,7 +42,7 @@ from trainer.pipeline.train_step import (
 )
 from trainer.resume import restore
 from trainer.tensor_parallel.random import RNGStatesTracker
-from trainer.zero import ZeroOptimizer, build_zero
+from trainer.zero import ZeroOptimizer, build_zero, resume_shards
 
 
 @dataclass
@@ -135,8 +135,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0,
              dp_comm.rank % cfg.ep)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
-    start, resumed = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
-                             device=device) if cfg.resume else (0, "")
+    start, resumed, ckpt = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
+                                   device=device) if cfg.resume else (0, "", None)
     dtype = model_dtype(cfg.precision, device)
     reduce_dtype = DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype != "fp32" else None
     zero = None
@@ -145,6 +145,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         dp, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=cfg.bucket_size,
                               overlap=cfg.overlap, reduce_dtype=reduce_dtype,
                               alone=[tied] if tied is not None else [])
+        if ckpt is not None and ckpt.optim is None:
+            resume_shards(zero, ckpt, shard[:2], deciders, device)
         main: MainParams | ZeroOptimizer | None = zero
     else:
         dp_options: dict[str, Any] = dict(bucket_size=cfg.bucket_size, overlap=cfg.overlap,
@@ -173,6 +175,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
         scope = pipeline.norm_scope(scope)
         # Every tp x pp rank of one DP replica: the group that writes a checkpoint together.
         writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
+    if cfg.zero:  # every rank writes its optimizer shard
+        writers = world_comm if world_comm is not None else dp_comm
     if cfg.ep > 1:  # on every stage, with or without MoE layers: the split is collective
         writers = checkpoint_writers(world_comm, dp_comm, cfg.ep, shard, tp=cfg.tp, pp=cfg.pp)
     return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,

@@ -157,6 +157,10 @@ def check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | N
         raise TrainerError("pipeline run without the world communicator", f"--pp {cfg.pp}",
                            "the checkpoint writers (tp x pp ranks of DP replica 0) are split "
                            "from it", "Pass world_comm=world.comm to build_run")
+    if cfg.zero and cfg.tp > 1 and world is None:
+        raise TrainerError("ZeRO-1 run without the world communicator", f"--tp {cfg.tp}",
+                           "every rank writes its optimizer shard, all of them together",
+                           "Pass world_comm=world.comm to build_run")
 
 
 def require_same(comm: Communicator, value: int, device: torch.device, what: str,

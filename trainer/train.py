@@ -28,9 +28,10 @@ checkpoints hold the fp32 main weights.
 
 With ``--zero 1`` (`trainer.zero`) each bucket's gradients are reduce-scattered instead of
 all-reduced, AdamW (and under bf16 the fp32 main weights) holds only this DP rank's shard, and
-the stepped shards are all-gathered into the parameters; checkpoints hold the gathered,
-unsharded state, so a run resumes at any dp. Rank 0 prints the expected bytes per rank at
-start-up, and ``metrics.jsonl`` records each step's peak memory (`trainer.zero.memory`).
+the stepped shards are all-gathered into the parameters; every rank checkpoints its own
+optimizer shard, and a run resumes at any dp, re-sharding on load (`trainer.zero.state`).
+Rank 0 prints the expected bytes per rank at start-up, and ``metrics.jsonl`` records each
+step's peak memory (`trainer.zero.memory`).
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
 replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
@@ -96,7 +97,7 @@ from trainer.run import Run, build_run
 from trainer.tensor_parallel.random import TP_RNG
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
-from trainer.zero.state import full_state
+from trainer.zero.state import shard_files
 
 _DROPOUT_STREAM = 1
 _TP_DROPOUT_STREAM = 2
@@ -182,21 +183,25 @@ def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> tor
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
     """DP replica 0 writes (with --ep, the first ep replicas: each holds other experts): its
-    tp x pp (x ep) ranks one shard each, together; others return None.
+    tp x pp (x ep) ranks one shard each, together; others return None. Under --zero 1 every
+    rank writes its optimizer shard (`trainer.zero.state`), DP rank 0 the model besides.
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
     pp_comm = run.pipeline.comm if run.pipeline is not None else None
     groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
     main = run.main
     check_parameters(main.main if main else run.model.parameters(), step, groups,
                      report=run.is_writer)
-    # ZeRO-1 gathers the sharded state on every DP rank (collective), unsharded like zero 0's
-    states = full_state(run.zero) if run.zero is not None else None
+    meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
+    root = Path(run.cfg.run_dir) / "checkpoints"
+    if run.zero is not None:
+        return checkpoint.save(root, step, model=run.model.state_dict() if run.dp_rank == 0
+                               else None, optim=None, meta=meta, keep=run.cfg.keep,
+                               writers=run.writers, shard=(run.tp_rank, run.pp_rank),
+                               extra=shard_files(run.zero, run.tp_rank, run.pp_rank))
     if run.dp_rank >= run.cfg.ep:  # the first EP block of DP ranks holds every expert
         return None
-    model, optim = states or (main.state_dict() if main else run.model.state_dict(),
-                              run.optimizer.state_dict())
-    meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
-    return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step, model=model, optim=optim,
+    model = main.state_dict() if main else run.model.state_dict()
+    return checkpoint.save(root, step, model=model, optim=run.optimizer.state_dict(),
                            meta=meta, keep=run.cfg.keep, writers=run.writers,
                            shard=(run.tp_rank, run.pp_rank, run.ep_rank))
 

@@ -7,25 +7,35 @@ with ``--zero 0`` and ``--zero 1``, in fp64 (compared with each other and with t
 single-process reference, tests/numerics.py); the dp-only cases also in fp32 without clipping,
 where two ranks' sums are exact in any order, so zero 0 and zero 1 must agree bit for bit.
 On 2 ranks ``trainer.train.train`` runs dp 2 with zero 1 uninterrupted and split at step 2
-(bit-exact resume). On 4 ranks a dp 2 run on ranks 0-1 is resumed at dp 4 and a dp 4 run at dp
-2, and a model trains with tp 2 x dp 2 x zero 1 with its bytes measured (`held_bytes`).
+(bit-exact resume), then the split run's checkpoint is resumed at the same dp (which shard files
+each rank reads) and with another model and with --zero 0 (refused). On 4 ranks a dp 2 run on
+ranks 0-1 is resumed at dp 4 and a dp 4 run at dp 2. `big` (8 ranks) trains a model over the
+per-rank budget with tp 2 x pp 2 x dp 2 x zero 1 with its bytes measured (`held_bytes`).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from tests.numerics import float64
 from tests.zero_workers.cases import CASES, RESUME_STEPS, STEPS, case_config, config
 from trainer import checkpoint
+from trainer.checkpoint.load import load_file
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import ParallelDims
+from trainer.errors import TrainerError
 from trainer.run import build_run
 from trainer.train import save_checkpoint, train, train_step
 from trainer.zero.memory import held_bytes
+from trainer.zero.reshard import FlatIndex, plan_reads
+from trainer.zero.state import flat_index, index_name, shard_name
 
 
 def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
@@ -37,11 +47,39 @@ def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
     recs = [train_step(run, step) for step in range(1, steps + 1)]
     held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
     saved = save_checkpoint(run, steps) if save else None
-    ckpt = checkpoint.load(saved) if saved is not None and world.rank == 0 else None
+    name_of = {id(p): n for n, p in run.model.named_parameters()}
+    order = [name_of[id(p)] for p in itertools.chain(*run.zero.full_groups)] if run.zero else []
     return {"losses": [r.loss for r in recs], "norms": [r.grad_norm for r in recs],
             "local": {n: t.detach().clone() for n, t in run.model.state_dict().items()},
-            "n_params": sum(p.numel() for p in run.dp.params), "held": held,
-            "saved": (ckpt.model, ckpt.optim) if ckpt is not None else None}
+            "n_params": sum(p.numel() for p in run.dp.params), "held": held, "order": order,
+            "saved": read_saved(saved) if saved is not None and world.rank == 0 else None}
+
+
+def read_saved(path: Path) -> dict[str, Any]:
+    """A checkpoint as stored: its files, the model file, the optimizer file (zero 0), and for
+    zero 1 the index, what each shard file holds, and every saved kind of state assembled per
+    parameter name from all shard files (`trainer.zero.reshard.plan_reads`)."""
+    ckpt = checkpoint.load(path)
+    out: dict[str, Any] = {"files": {n: r.size for n, r in ckpt.record.items()},
+                           "model": ckpt.model, "optim": ckpt.optim}
+    if ckpt.optim is not None:
+        return out
+    index_dict = load_file(path, index_name(0, 0), ckpt.record)
+    index = FlatIndex.from_dict(index_dict)
+    shards = [load_file(path, shard_name(0, 0, r), ckpt.record) for r in range(index.dp)]
+    wanted = [(n, 0, math.prod(s)) for n, s in zip(index.names, index.shapes, strict=True)]
+    whole = {kind: [torch.zeros(hi, dtype=shards[0][kind].dtype) for _, _, hi in wanted]
+             for kind in index_dict["kinds"]}
+    for r in plan_reads(index, wanted):
+        for kind, parts in whole.items():
+            parts[r.piece][r.dst:r.dst + r.n] = shards[r.rank][kind][r.src:r.src + r.n]
+    out["index"] = index_dict
+    out["shards"] = [{k: (v.numel(), v.dtype) if isinstance(v, torch.Tensor) else v
+                      for k, v in shard.items()} for shard in shards]
+    out["state"] = {kind: {name: t.view(shape) for (name, _, _), t, shape
+                           in zip(wanted, parts, index.shapes, strict=True)}
+                    for kind, parts in whole.items()}
+    return out
 
 
 def both(world: World, name: str, out: Path, *, save: bool = False, **train: object
@@ -52,31 +90,66 @@ def both(world: World, name: str, out: Path, *, save: bool = False, **train: obj
 
 
 def resume_split(world: World, out: Path) -> dict[str, Any]:
-    """dp 2, zero 1, fp32: uninterrupted to RESUME_STEPS, and stopped at 2 then resumed."""
+    """dp 2, zero 1, fp32: uninterrupted to RESUME_STEPS, and stopped at 2 then resumed; then
+    the split run resumed once more (no steps): at dp 2 (the files each rank reads), with
+    another model, and with --zero 0 (both refused)."""
     cfg = case_config(2, "dp2", zero=1, steps=RESUME_STEPS)
     whole = train(replace(cfg, run_dir=str(out / "whole")), world)
     split = replace(cfg, run_dir=str(out / "split"))
     first = train(replace(split, stop_at=2), world)
     second = train(replace(split, resume=True), world)
-    ckpts = [checkpoint.load(r.checkpoint) if world.rank == 0 else None
+    ckpts = [read_saved(r.checkpoint) if world.rank == 0 and r.checkpoint else None
              for r in (whole, second)]
+    again = replace(split, resume=True)
     return {"whole": whole.losses, "first": first.losses, "second": second.losses,
             "start": second.start_step, "run_dirs": [str(out / "whole"), str(out / "split")],
-            "states": [(c.model, c.optim) if c else None for c in ckpts]}
+            "states": ckpts, "reads": resumed(again, world.comm, world).zero.restored,
+            "refused": {"model": refusal(replace(again, gpt=replace(again.gpt, n_layer=3)),
+                                         world),
+                        "zero0": refusal(replace(again, zero=0), world),
+                        "damaged": damaged(again, world, out / "split")}}
+
+
+def damaged(cfg: Any, world: World, run_dir: Path) -> dict[str, Any]:
+    """Resuming after one byte of DP rank 1's shard file changed (rank 0 flips it)."""
+    if world.rank == 0:
+        path = run_dir / "checkpoints" / f"step-{RESUME_STEPS}" / shard_name(0, 0, 1)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    world.comm.barrier()
+    return refusal(cfg, world)
+
+
+def resumed(cfg: Any, comm: Communicator, world: World) -> Any:
+    """The run of ``cfg`` (with --resume) built on ``comm`` as its DP group."""
+    return build_run(replace(cfg, dp=comm.size), rank=comm.rank, dp_comm=comm,
+                     device=world.device)
+
+
+def refusal(cfg: Any, world: World) -> dict[str, Any]:
+    """How resuming ``cfg`` fails: the error's message, and whether this rank reports it."""
+    try:
+        resumed(cfg, world.comm, world)
+    except TrainerError as exc:
+        return {"message": str(exc), "report": exc.report, "agreed": exc.agreed}
+    return {"message": None}
 
 
 def phase(cfg: Any, comm: Communicator, world: World, last: int, *, resume: bool
-          ) -> list[float]:
-    """Train dp = comm.size ranks (a sub-world) to step ``last``, saving there."""
-    cfg = replace(cfg, dp=comm.size, resume=resume)
-    run = build_run(cfg, rank=comm.rank, dp_comm=comm, device=world.device)
+          ) -> dict[str, Any]:
+    """Train dp = comm.size ranks (a sub-world) to step ``last``, saving there: the losses and
+    what the resume read."""
+    run = resumed(replace(cfg, resume=resume), comm, world)
     losses = [train_step(run, step).loss for step in range(run.start_step + 1, last + 1)]
     save_checkpoint(run, last)
-    return losses
+    return {"losses": losses, "reads": run.zero.restored, "pieces": run.zero.pieces,
+            "names": flat_index(run.zero).names}
 
 
 def change_dp(world: World, out: Path) -> dict[str, Any]:
-    """fp64: dp 2 (ranks 0-1) to step 2, resumed at dp 4; dp 4 to step 2, resumed at dp 2."""
+    """fp64: dp 2 (ranks 0-1) to step 2, resumed at dp 4; dp 4 to step 2, resumed at dp 2.
+    Rank 0 also returns the index of each saved step-2 checkpoint."""
     pair = world.comm.split(int(world.rank >= 2), world.rank, name="pair")
     cfg = case_config(4, "dp4", zero=1, steps=RESUME_STEPS)
     result: dict[str, Any] = {}
@@ -88,18 +161,24 @@ def change_dp(world: World, out: Path) -> dict[str, Any]:
     phase(down, world.comm, world, 2, resume=False)
     if world.rank < 2:
         result["4to2"] = phase(down, pair, world, RESUME_STEPS, resume=True)
+    if world.rank == 0:
+        result["saved"] = {change: read_saved(out / change / "checkpoints" / "step-2")
+                           for change in ("2to4", "4to2")}
     return result
 
 
 #: The model of the budget test: its fp32 parameters + Adam state (12 bytes per parameter)
-#: exceed BUDGET_BYTES; tp 2 x dp 2 x zero 1 holds 4 + 8/2 bytes of each half.
+#: exceed BUDGET_BYTES; tp 2 x pp 2 x dp 2 x zero 1 holds 4 + 8/2 bytes of each quarter.
 BIG = {"n_layer": 4, "d_model": 128, "n_head": 4, "seq_len": 32}
 BUDGET_BYTES = 6 * 2**20
+BIG_WORLD = 8
 
 
-def big(world: World, out: Path) -> dict[str, Any]:
-    cfg = config(2, 2, 1, {"n_layer": BIG["n_layer"]}, zero=1, steps=2, microbatches=1,
-                 bucket_size=100_000, run_dir=str(out / "big"))
+def big(out: Path) -> dict[str, Any]:
+    """One rank of the budget test (8 ranks: dp 2 x tp 2 x pp 2, zero 1)."""
+    world = init(backend="mpi")
+    cfg = config(2, 2, 2, {"n_layer": BIG["n_layer"], "schedule": "1f1b"}, zero=1, steps=2,
+                 microbatches=2, bucket_size=100_000, run_dir=str(out / "big"))
     cfg = replace(cfg, gpt=replace(cfg.gpt, **BIG))
     return train_case(world, cfg, steps=2)
 
@@ -121,6 +200,4 @@ def run(out: Path) -> dict[str, Any]:
         result["dp2-bf16-wire"] = both(world, "dp2", out / "wire", grad_clip=0.0, save=True,
                                        grad_reduce_dtype="bf16")
         result["resume"] = resume_split(world, out)
-    else:
-        result["big"] = big(world, out)
     return result

@@ -3,13 +3,16 @@
 Layout of one checkpoint (``<run_dir>/checkpoints/step-<N>/``):
 
     model-tp00-pp00.pt   model state_dict of the (tp, pp) shard, one file per model shard
-    optim-tp00-pp00.pt   optimizer state_dict of that shard
+    optim-tp00-pp00.pt   optimizer state_dict of that shard (none under ZeRO-1: instead
+                         zero-tp00-pp00-index.pt and one zero-tp00-pp00-dpRRR.pt per DP rank,
+                         `trainer.zero.state`)
     rng.pt               torch (CPU and CUDA) and Python ``random`` states of the leading rank
     meta.json            step, data position, full config, model config, parallel layout
     COMMITTED            the commit record, written last: size and sha256 of every file above;
                          a folder without it is not a checkpoint
 
-Under data parallelism every DP rank holds the same state, so only DP rank 0 writes. A model
+Under data parallelism every DP rank holds the same state, so only DP rank 0 writes (under
+ZeRO-1 every rank writes its optimizer shard besides, all ranks being the writers). A model
 split over tensor or pipeline parallelism is written by the ranks of DP replica 0 together
 (``writers``), each its own ``model``/``optim`` shard into one shared temporary folder; the
 group agrees that every shard is on disk and gathers their checksums before its rank 0 commits.

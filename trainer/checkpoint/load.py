@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,11 @@ class Checkpoint:
     step: int
     meta: dict[str, Any]
     model: dict[str, torch.Tensor]
-    optim: dict[str, Any]
+    optim: dict[str, Any] | None
+    """None: the optimizer state is in ZeRO-1 shard files (`trainer.zero.checkpoint`)."""
     rng: dict[str, Any]
+    record: dict[str, FileRecord] = field(default_factory=dict)
+    """The commit record, to verify the files read later (`load_file`)."""
 
 
 def read_record(path: Path) -> dict[str, FileRecord]:
@@ -64,16 +67,21 @@ def read_record(path: Path) -> dict[str, FileRecord]:
 def load(path: Path, *, map_location: str | torch.device = "cpu",
          shard: tuple[int, ...] = (0, 0)) -> Checkpoint:
     """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``, each file
-    verified against the commit record before it is parsed."""
+    verified against the commit record before it is parsed. A checkpoint whose optimizer state
+    is sharded (ZeRO-1: the record lists no ``optim`` file but ``zero`` files) has none."""
     record = read_record(path)
     meta = json.loads(verify_file(path, "meta.json", record).read_bytes())
-    model, optim, rng = (_load_torch(path, name, record, map_location) for name in
-                         (shard_name("model", *shard), shard_name("optim", *shard), "rng.pt"))
-    return Checkpoint(path, int(meta["step"]), meta, model, optim, rng)
+    optim_name = shard_name("optim", *shard)
+    sharded = optim_name not in record and any(n.startswith("zero-") for n in record)
+    model, rng = (load_file(path, name, record, map_location) for name in
+                  (shard_name("model", *shard), "rng.pt"))
+    optim = None if sharded else load_file(path, optim_name, record, map_location)
+    return Checkpoint(path, int(meta["step"]), meta, model, optim, rng, record)
 
 
-def _load_torch(path: Path, name: str, record: dict[str, FileRecord],
-                map_location: str | torch.device) -> Any:
+def load_file(path: Path, name: str, record: dict[str, FileRecord],
+              map_location: str | torch.device = "cpu") -> Any:
+    """``path/name``, verified against ``record`` (`verify_file`), then unpickled."""
     try:
         return torch.load(verify_file(path, name, record), map_location=map_location)
     except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:

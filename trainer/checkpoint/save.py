@@ -2,8 +2,9 @@
 
 The commit record (the ``COMMITTED`` marker, written last) lists every file of the folder with
 its size and sha256, hashed while it was written (`trainer.checkpoint.files`). With several
-writers (the tp x pp ranks of DP replica 0) each hashes its own shards and the records are
-all-gathered to the group's rank 0, which commits.
+writers (the tp x pp ranks of DP replica 0; under ZeRO-1 every rank, each adding its optimizer
+shard as an ``extra`` file) each hashes its own files and the records are all-gathered to the
+group's rank 0, which commits.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from trainer.comm.protocol import Communicator, ReduceOp
 
 Records = dict[str, FileRecord]
 _WORDS = 4  # int64 words of a sha256 digest
-_KINDS = ("model", "optim")
+_NAME_WORDS = 8  # int64 words of a file name (64 ASCII bytes) in the gathered records
 
 
 def capture_rng() -> dict[str, Any]:
@@ -36,17 +37,22 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[str, Any],
-         meta: dict[str, Any], keep: int = 0, shard: tuple[int, ...] = (0, 0),
-         writers: Communicator | None = None) -> Path:
+def save(root: Path, step: int, *, model: dict[str, torch.Tensor] | None,
+         optim: dict[str, Any] | None, meta: dict[str, Any], keep: int = 0,
+         shard: tuple[int, ...] = (0, 0), writers: Communicator | None = None,
+         extra: dict[str, Any] | None = None) -> Path:
     """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all).
 
-    ``shard`` is this rank's (tp, pp) model shard. With ``writers`` (the group of ranks that
-    hold the different shards, every one calling ``save``) the call is collective: rank 0 of
-    the group names the temporary folder and commits it once every shard is written."""
+    ``shard`` is this rank's (tp, pp) model shard; ``model``/``optim`` None: this writer has
+    none to write (a DP rank > 0 under ZeRO-1). ``extra``: more files of this writer, by name.
+    With ``writers`` (the group of ranks that hold the different shards, every one calling
+    ``save``) the call is collective: rank 0 of the group names the temporary folder and
+    commits it once every file is written."""
+    files = {shard_name(kind, *shard): state
+             for kind, state in (("model", model), ("optim", optim)) if state is not None}
+    files.update(extra or {})
     if writers is not None and writers.size > 1:
-        return _save_together(root, step, model=model, optim=optim, meta=meta, keep=keep,
-                              shard=shard, writers=writers)
+        return _save_together(root, step, files=files, meta=meta, keep=keep, writers=writers)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
     if (final / MARKER).is_file():
@@ -54,18 +60,17 @@ def save(root: Path, step: int, *, model: dict[str, torch.Tensor], optim: dict[s
     tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
     with _save_errors(tmp):
         tmp.mkdir()
-        _commit(root, tmp, final, step, meta, _write_shard(tmp, model, optim, shard, step))
+        _commit(root, tmp, final, step, meta, _write_files(tmp, files, step))
         prune(root, keep=keep, current=step)
     return final
 
 
-def _save_together(root: Path, step: int, *, model: dict[str, torch.Tensor],
-                   optim: dict[str, Any], meta: dict[str, Any], keep: int,
-                   shard: tuple[int, ...], writers: Communicator) -> Path:
-    """`save` by a group: folder named by rank 0, shards written by all, commit by rank 0.
+def _save_together(root: Path, step: int, *, files: dict[str, Any], meta: dict[str, Any],
+                   keep: int, writers: Communicator) -> Path:
+    """`save` by a group: folder named by rank 0, files written by all, commit by rank 0.
     Every phase ends with an agreement, so a failure on one rank fails every rank (no hang)."""
     final, leader = root / f"step-{step}", writers.rank == 0
-    device = next((t.device for t in model.values()), torch.device("cpu"))
+    device = _device_of(files)
     token = torch.tensor([-1], dtype=torch.int64, device=device)
     if leader:
         root.mkdir(parents=True, exist_ok=True)
@@ -78,8 +83,8 @@ def _save_together(root: Path, step: int, *, model: dict[str, torch.Tensor],
     mine: Records = {}
     _agreed(writers, tmp, device, "create the folder", tmp.mkdir if leader else lambda: None)
     _agreed(writers, tmp, device, "write its shard",
-            lambda: mine.update(_write_shard(tmp, model, optim, shard, step)))
-    records = _gather_records(writers, mine, shard, device)
+            lambda: mine.update(_write_files(tmp, files, step)))
+    records = _gather_records(writers, mine, device)
 
     def commit() -> None:
         if leader:
@@ -113,27 +118,46 @@ def _agreed(writers: Communicator, tmp: Path, device: torch.device, what: str,
                               "--run-dir")
 
 
-def _gather_records(writers: Communicator, mine: Records, shard: tuple[int, ...],
-                    device: torch.device) -> Records:
-    """Every writer's shard records on every writer: (the shard's coordinates (tp, pp[, ep]),
-    then size and digest words of each kind) per rank, as int64 so that any backend's
-    all-gather carries them."""
-    row, n = [*shard], len(shard)
-    for kind in _KINDS:
-        rec = mine[shard_name(kind, *shard)]
-        digest = bytes.fromhex(rec.sha256)
-        row += [rec.size, *(int.from_bytes(digest[8 * i:8 * i + 8], "little", signed=True)
-                            for i in range(_WORDS))]
-    inp = torch.tensor(row, dtype=torch.int64, device=device)
-    out = torch.empty(writers.size * len(row), dtype=torch.int64, device=device)
+def _device_of(files: dict[str, Any]) -> torch.device:
+    """Where the writers' agreement tensors live: the device of the first tensor saved."""
+    for state in files.values():
+        for value in state.values() if isinstance(state, dict) else ():
+            if isinstance(value, torch.Tensor):
+                return value.device
+    return torch.device("cpu")
+
+
+def _gather_records(writers: Communicator, mine: Records, device: torch.device) -> Records:
+    """Every writer's file records on every writer. A file is one row of int64 words (its name,
+    its size, its digest) so that any backend's all-gather carries it; each writer sends as
+    many rows as the writer with the most files, unused rows all zero."""
+    slots = torch.tensor([len(mine)], dtype=torch.int64, device=device)
+    writers.all_reduce(slots, ReduceOp.MAX)
+    width = _NAME_WORDS + 1 + _WORDS
+    rows = [[0] * width for _ in range(int(slots))]
+    for row, (name, rec) in zip(rows, sorted(mine.items()), strict=False):
+        raw = name.encode("ascii")
+        if len(raw) > 8 * _NAME_WORDS:
+            raise ValueError(f"checkpoint file name longer than {8 * _NAME_WORDS} bytes: {name}")
+        row[:] = [*_words(raw.ljust(8 * _NAME_WORDS, b"\0")), rec.size,
+                  *_words(bytes.fromhex(rec.sha256))]
+    inp = torch.tensor(rows, dtype=torch.int64, device=device).view(-1)
+    out = torch.empty(writers.size * inp.numel(), dtype=torch.int64, device=device)
     writers.all_gather(out, inp)
     records: Records = {}
-    for values in out.cpu().view(writers.size, len(row)).tolist():
-        for k, kind in enumerate(_KINDS):
-            size, *words = values[n + k * (1 + _WORDS):n + (k + 1) * (1 + _WORDS)]
-            digest = b"".join(w.to_bytes(8, "little", signed=True) for w in words)
-            records[shard_name(kind, *values[:n])] = FileRecord(size, digest.hex())
+    for values in out.cpu().view(-1, width).tolist():
+        name = _bytes(values[:_NAME_WORDS]).rstrip(b"\0").decode("ascii")
+        if name:
+            records[name] = FileRecord(values[_NAME_WORDS], _bytes(values[-_WORDS:]).hex())
     return records
+
+
+def _words(raw: bytes) -> list[int]:
+    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
+
+
+def _bytes(words: list[int]) -> bytes:
+    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
 
 
 @contextmanager
@@ -146,13 +170,11 @@ def _save_errors(tmp: Path) -> Iterator[None]:
                               "Check free space and permissions of --run-dir") from exc
 
 
-def _write_shard(tmp: Path, model: dict[str, torch.Tensor], optim: dict[str, Any],
-                 shard: tuple[int, ...], step: int) -> Records:
+def _write_files(tmp: Path, files: dict[str, Any], step: int) -> Records:
     records = {}
-    for kind, state in zip(_KINDS, (model, optim), strict=True):
-        name = shard_name(kind, *shard)
+    for name, state in files.items():
         records[name] = write_torch(tmp / name, state)
-        fault(f"save_after_{kind}", step)
+        fault(f"save_after_{name.split('-')[0]}", step)  # save_after_model, save_after_optim
     return records
 
 

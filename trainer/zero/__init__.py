@@ -5,7 +5,8 @@
 * `trainer.zero.layout`     which gradient elements a DP rank owns (buckets padded to dp)
 * `trainer.zero.grad_sync`  `DataParallel` with a bucketed, overlapped reduce-scatter
 * `trainer.zero.optimizer`  AdamW over this rank's shard, then the all-gather of parameters
-* `trainer.zero.state`      checkpoints: the shards gathered into the unsharded layout
+* `trainer.zero.state`      checkpoints: each DP rank writes its shard; resume re-shards
+* `trainer.zero.reshard`    which saved shard files hold the pieces of a new layout
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from torch import nn
 from trainer.comm.protocol import Communicator
 from trainer.zero.grad_sync import ShardedGradSync
 from trainer.zero.optimizer import ZeroOptimizer
+from trainer.zero.state import resume_shards
 
-__all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero"]
+__all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero", "resume_shards"]
 
 
 def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communicator,

@@ -18,10 +18,13 @@ tensors; weight decay follows the piece's parameter (matrices only, `trainer.opt
   piece's parameter (replicated weights on TP rank 0, the tied copy on the first stage) applies.
 * ``publish`` all-gathers the stepped shards, bucket by bucket, into every rank's parameters.
 
-Checkpoints hold the full, unsharded state (`trainer.zero.state`), so a run resumes at any dp.
+Checkpoints hold each DP rank's pieces in a file of its own (`trainer.zero.state`); a run
+resumes at any dp, each rank reading only the saved shards that overlap its pieces.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -29,6 +32,9 @@ from torch import nn
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
 from trainer.grad_clip import NormScope
 from trainer.zero.grad_sync import ShardedGradSync
+
+if TYPE_CHECKING:
+    from trainer.zero.state import ShardReads
 
 
 class ZeroOptimizer:
@@ -58,6 +64,8 @@ class ZeroOptimizer:
             lr=full.defaults["lr"])
         self.full_groups = [list(g["params"]) for g in full.param_groups]
         self._take_state(full)
+        self.restored: ShardReads | None = None
+        """What a resume read of a sharded checkpoint (`trainer.zero.state.resume_shards`)."""
         self._model_of = {id(m): self.params[p.param] for m, p in zip(self.main, self.pieces,
                                                                       strict=True)}
         if dtype is not None:
