@@ -42,7 +42,7 @@ class ProgressReporter:
 
     def views(self, pids: Mapping[int, int]) -> list[RankView]:
         """Every rank of this host; ``pids`` holds the live ones (the others have exited)."""
-        now = time.time()
+        now = time.monotonic()  # the records' clock (`workerenv`)
         out = []
         for rank in self.ranks:
             path = Path(self.path(rank))
