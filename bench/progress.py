@@ -7,9 +7,10 @@ Overhead: N ranks started by the MPICH wheel's ``mpiexec`` run small fp32 all-re
 by `RecordingCommunicator` writing its memory-mapped record, in interleaved rounds of the same
 run so drift and load hit both sides alike; the row gives the median time per operation of
 each and their difference, and the same of each side's fastest round (the one least disturbed
-by other processes on a shared machine). ``record_ns`` (the record's writes alone: enter and completion) and
-``wrapper_ns`` (the whole recording layer around a do-nothing all-reduce) are timed in one
-process without MPI (`record_cost_ns`), where a few hundred ns are not lost in MPI's noise.
+by other processes on a shared machine). ``record_ns`` (the record's writes alone: enter and
+completion) and ``wrapper_ns`` (the whole recording layer around a do-nothing all-reduce) are
+timed in one process without MPI (`record_cost_ns`), where a few hundred ns are not lost in
+MPI's noise.
 
 Hang to diagnosis: `dtrain launch --nproc-per-node 2 --hang-timeout T --hang-action abort`
 runs ranks where rank 1 stops calling collectives (it notes the wall time first) while rank 0
