@@ -46,15 +46,18 @@ because MPICH refuses to start when PMIX_* is set and a stale PMI_* would point 
 
 The progress record (`PROGRESS_FILE`): a fixed-size file the rank memory-maps and writes, and
 the host's agent reads without the rank's help (hang diagnosis, live view, stragglers). Only
-the rank writes it, so no lock is shared. Little-endian; a 64-byte header
-(`PROGRESS_HEADER`: magic, pid, rank, last step, wall time of its report, its compute seconds,
-their moving average) and `PROGRESS_SLOTS` slots of `PROGRESS_SLOT_SIZE` bytes, one per
-communicator in creation order: a fixed part written once (`PROGRESS_SLOT_ID`: group label such
-as ``dp[1]``, the rank's index in the group, the group's size), the operation last entered
-(`PROGRESS_SLOT_OP`: sequence number counted from 1, op code into `PROGRESS_OPS`, dtype code
-into `PROGRESS_DTYPES`, p2p kind 0 none / 1 send / 2 recv, peer as a group rank or -1, bytes,
-wall time of entry) and the number of operations completed (`PROGRESS_SLOT_DONE`). A reader
-copies a slot until two copies agree (`read_progress`), so a torn write is never seen.
+the rank writes it, so no lock is shared. In the host's native byte order (writer and reader
+are always on one host); a 64-byte header (`PROGRESS_HEADER`: magic, pid, rank, last step,
+`time.monotonic()` of its report, its compute seconds, their moving average) and
+`PROGRESS_SLOTS` slots of `PROGRESS_SLOT_SIZE` bytes, one per communicator in creation order: a
+fixed part written once (`PROGRESS_SLOT_ID`: group label such as ``dp[1]``, the rank's index in
+the group, the group's size), the operation last entered (`PROGRESS_SLOT_OP`, one write per
+operation: sequence number counted from 1, op code into `PROGRESS_OPS`, dtype code into
+`PROGRESS_DTYPES`, p2p kind 0 none / 1 send / 2 recv, peer as a group rank or -1, bytes,
+`time.monotonic()` of entry: CLOCK_MONOTONIC, shared by every process of the host and never
+stepped) and the number of operations completed (`PROGRESS_SLOT_DONE`, an 8-byte word at an
+offset that is a multiple of 8, so the rank updates it with one store). A reader copies the
+record until two copies agree (`read_progress`), so a torn write is never seen.
 """
 
 from __future__ import annotations
@@ -198,13 +201,14 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
 
 
 PROGRESS_MAGIC = b"DTPROG1\0"
-PROGRESS_HEADER = struct.Struct("<8sIIqddd16x")   # 64 bytes
-PROGRESS_SLOT_ID = struct.Struct("<24sii")        # 32 bytes at slot + 0
-PROGRESS_SLOT_OP = struct.Struct("<QBBbxiQd")     # 32 bytes at slot + 32
-PROGRESS_SLOT_DONE = struct.Struct("<Q")          # 8 bytes at slot + 64
+PROGRESS_HEADER = struct.Struct("=8sIIqddd16x")   # 64 bytes
+PROGRESS_SLOT_ID = struct.Struct("=24sii")        # 32 bytes at slot + 0
+PROGRESS_SLOT_OP = struct.Struct("=QBBbxiQd")     # 32 bytes at slot + 32
+PROGRESS_SLOT_DONE = struct.Struct("=Q")          # 8 bytes at slot + 64
 PROGRESS_SLOT_SIZE = 80
 PROGRESS_SLOTS = 32
 PROGRESS_SIZE = PROGRESS_HEADER.size + PROGRESS_SLOTS * PROGRESS_SLOT_SIZE
+PROGRESS_DONE_AT = PROGRESS_SLOT_ID.size + PROGRESS_SLOT_OP.size  # in a slot; 8-aligned in file
 PROGRESS_OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv",
                 "batch_p2p", "all_to_all", "barrier", "split")
 PROGRESS_DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8",
@@ -225,7 +229,7 @@ class GroupProgress:
     p2p: int          # 0 collective, 1 send, 2 recv (for batch_p2p: its first receive, if any)
     peer: int
     nbytes: int
-    entered_at: float
+    entered_at: float  # time.monotonic() on the rank's host
 
 
 @dataclass(frozen=True)
@@ -233,7 +237,7 @@ class RankProgress:
     pid: int
     rank: int
     step: int
-    step_at: float
+    step_at: float     # time.monotonic() on the rank's host; 0 before the first step
     compute_s: float
     compute_avg_s: float
     groups: tuple[GroupProgress, ...]
@@ -256,8 +260,9 @@ def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
         label, grank, gsize = PROGRESS_SLOT_ID.unpack_from(raw, at)
         if not label.strip(b"\0"):
             break
-        seq, op, dtype, p2p, peer, nbytes, entered = PROGRESS_SLOT_OP.unpack_from(raw, at + 32)
-        (done,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + 64)
+        seq, op, dtype, p2p, peer, nbytes, entered = PROGRESS_SLOT_OP.unpack_from(
+            raw, at + PROGRESS_SLOT_ID.size)
+        (done,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + PROGRESS_DONE_AT)
         groups.append(GroupProgress(
             label.rstrip(b"\0").decode("utf-8", "replace"), grank, gsize, seq, done,
             _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered))

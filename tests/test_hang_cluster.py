@@ -7,6 +7,7 @@ After every scenario no process of the job may remain on any host (`ip netns pid
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -17,7 +18,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.support import PYTHON, REPO, kill_recorded, run_dtrain, start_dtrain, wait_for_lines
+from tests.support import (
+    PYTHON,
+    REPO,
+    alive,
+    kill_recorded,
+    run_dtrain,
+    start_dtrain,
+    wait_for_lines,
+)
 
 WORKER = str(REPO / "tests" / "workers" / "hang_worker.py")
 HANG_TIMEOUT = 3.0
@@ -101,40 +110,77 @@ def _is_rank(pid: int) -> bool:
         return False
 
 
-def test_a_throttled_rank_of_a_healthy_training_run_is_the_only_straggler_and_no_hang_is_seen(
+def test_a_rank_computing_alone_longer_than_the_timeout_while_the_other_waits_is_no_hang(
         tmp_path):
-    """Three ranks train with a 2 s hang timeout, rank 1 CPU-throttled by the test (stopped
-    60% of the time in 0.25 s cycles): it is named as the straggler, in the live view and at
-    the end; no other rank is, and nothing is reported as a hang."""
-    run_dir = tmp_path / "run"
-    proc = start_dtrain(["launch", "--nproc-per-node", "3", "--hang-timeout", "2",
-                         "--hang-action", "abort", "--status-interval", "2", "--", PYTHON, "-m",
-                         "trainer.train", "--model", "tiny", "--steps", "12", "--global-batch",
-                         "12", "--eval-every", "6", "--save-every", "6", "--data-cap-mb", "1",
+    """Rank 1 computes for 8 s outside communication while rank 0 waits for it in an
+    all-reduce, under a 2 s timeout: the agent sees rank 1 use its core, so nothing is
+    reported and the job ends normally."""
+    res = run_dtrain(["launch", "--nproc-per-node", "2", "--hang-timeout", "2", "--hang-action",
+                      "abort", "--log-dir", str(tmp_path), "--", PYTHON, WORKER, "busy"],
+                     timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "rank 1 done" in res.stdout and "hang" not in res.stderr, res.stderr[-3000:]
+    assert not list(tmp_path.rglob("hang-*.txt"))
+
+
+# The healthy job trains for this long (measured from its first logged step to its exit).
+HEALTHY_TRAIN_S = 150.0
+
+
+def test_a_several_minute_healthy_training_run_reports_no_hang_and_only_its_straggler(tmp_path):
+    """Three ranks train the tiny model for 150 s under a 3 s hang timeout (--time-limit, so
+    the run lasts as long on any machine), doing everything a healthy job does that stands
+    still for a moment: start-up and data loading, a slow first step, evaluation and
+    checkpoint saves (rank 0 writes while the others wait in the next step's all-reduce; old
+    checkpoints are pruned), and a straggler: rank 1 CPU-throttled by the test (stopped 60% of
+    the time in 0.25 s cycles), which the others wait for at every step. Nothing is reported
+    as a hang, in the output or the log dir; rank 1 is named as the straggler, in the live
+    view and at the end, and no other rank is; nothing of the job is left running."""
+    run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
+    proc = start_dtrain(["launch", "--nproc-per-node", "3", "--hang-timeout", "3",
+                         "--hang-action", "abort", "--status-interval", "5", "--log-dir",
+                         str(log_dir), "--", PYTHON, "-m", "trainer.train", "--model", "tiny",
+                         "--steps", "1000000", "--time-limit", str(HEALTHY_TRAIN_S + 5),
+                         "--global-batch", "12", "--log-every", "5", "--eval-every", "40",
+                         "--save-every", "40", "--keep", "2", "--data-cap-mb", "1",
                          "--run-dir", str(run_dir)])
     done = threading.Event()
-    throttle = threading.Thread(target=_throttle, args=(proc.pid, run_dir, done))
+    seen: dict[str, object] = {}
+    throttle = threading.Thread(target=_throttle, args=(proc.pid, run_dir, done, seen))
     throttle.start()
     try:
-        _, err = proc.communicate(timeout=300)
+        _, err = proc.communicate(timeout=HEALTHY_TRAIN_S + 300)
+        ended = time.monotonic()
     finally:
         done.set()
         throttle.join()
         kill_recorded([proc.pid])
     assert proc.returncode == 0, err[-3000:]
-    assert "hang" not in err
+    assert ended - seen["first_step"] >= HEALTHY_TRAIN_S, "the healthy run was too short"
+    assert not [line for line in err.splitlines() if "hang" in line.lower()], err[-3000:]
+    assert not list(log_dir.rglob("hang-*.txt"))
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    last = steps[-1]["step"]
+    assert last < 1000000 and sum(s["val_loss"] is not None for s in steps) >= 3
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step-*")) == sorted(
+        f"step-{s}" for s in ((last - 1) // 40 * 40, last))  # a mid-run save, kept, and the last
     finals = [line for line in err.splitlines() if line.startswith("dtrain: straggler:")]
     assert len(finals) == 1 and finals[0].startswith("dtrain: straggler: rank 1 (localhost)"), \
         err[-3000:]
     table = [line.split() for line in err.splitlines() if "STRAGGLER" in line]
     assert table and all(row[1:3] == ["localhost", "1"] for row in table)
+    assert seen["ranks"] and not [p for p in seen["ranks"] if alive(p)]
 
 
-def _throttle(head: int, run_dir: Path, done: threading.Event) -> None:
-    """Stop and continue rank 1 (found among the head's descendants) until ``done``."""
+def _throttle(head: int, run_dir: Path, done: threading.Event, seen: dict[str, object]) -> None:
+    """Stop and continue rank 1 (found among the head's descendants) until ``done``; notes
+    when the first step was logged and the ranks' PIDs in ``seen``."""
     wait_for_lines(run_dir / "metrics.jsonl", 1, timeout=120)
-    (rank1,) = [p for p in psutil.Process(head).children(recursive=True)
-                if "trainer.train" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1"]
+    seen["first_step"] = time.monotonic()
+    ranks = [p for p in psutil.Process(head).children(recursive=True)
+             if "trainer.train" in " ".join(p.cmdline())]
+    seen["ranks"] = [p.pid for p in ranks]
+    (rank1,) = [p for p in ranks if p.environ().get("RANK") == "1"]
     try:
         while not done.is_set() and rank1.is_running():
             rank1.send_signal(signal.SIGSTOP)

@@ -120,6 +120,37 @@ def test_the_hang_clock_fires_once_after_the_timeout_only_while_a_rank_waits():
     assert not clock.fired and clock.stalled_for(105.0) == 4.0
 
 
+def test_a_rank_working_outside_communication_holds_the_clock_until_it_stops_working():
+    """Rank 1 writes a checkpoint (or compiles) while rank 0 waits for it: no hang while it
+    uses its core, however long; the timeout runs from when it stops."""
+    waits = rank(0, "a", ar("dp[0]", 0, 3, 2))
+
+    def views(share: float, state: str = "running") -> dict[int, RankView]:
+        idle = rank(1, "b", ar("dp[0]", 1, 2, 2), state=state)
+        return {0: waits, 1: RankView(**{**idle.to_json(), "groups": idle.groups,
+                                         "cpu_share": share})}
+
+    clock = HangClock(3.0, now=0.0)
+    for t in range(0, 60, 1):
+        clock.update(views(0.3), float(t))
+        assert not clock.due(views(0.3), float(t))
+    clock.update(views(0.001), 60.0)  # it sleeps, or blocks on a lock, since its reading at 59
+    assert not clock.due(views(0.001), 61.5) and clock.due(views(0.001), 62.5)
+    stopped = HangClock(3.0, now=0.0)
+    stopped.update(views(0.9, state="stopped"), 0.0)  # its last reading before SIGSTOP
+    assert stopped.due(views(0.9, state="stopped"), 3.5)
+
+
+def test_ranks_spinning_inside_an_operation_are_not_working():
+    """MPI spins while it waits: a job whose every rank waits is hung, however busy."""
+    spinning = {r: RankView(**{**rank(r, "a").to_json(), "cpu_share": 1.0,
+                               "groups": (ar("dp[0]", r, 3, 2),)}) for r in range(2)}
+    clock = HangClock(3.0, now=0.0)
+    clock.update(spinning, 0.0)
+    clock.update(spinning, 2.0)
+    assert clock.due(spinning, 3.5)
+
+
 def test_a_rank_persistently_slower_than_the_median_is_the_only_straggler():
     views = {r: rank(r, "n1" if r < 2 else "n2", avg=0.02 + (0.15 if r == 1 else 0.001 * r))
              for r in range(4)}

@@ -8,6 +8,8 @@ under `dtrain launch` are read in `tests/test_hang_cluster.py`.
 from __future__ import annotations
 
 import os
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,32 @@ def test_a_handle_already_done_counts_the_operation_at_once(path):
     comm.inner.batch_p2p = lambda ops: []
     assert comm.batch_p2p([]) == []
     assert read(path).groups[0].done == 1
+
+
+def test_entry_and_step_times_are_on_the_hosts_monotonic_clock_so_a_clock_step_ages_nothing(
+        path):
+    """The agent ages operations as ``time.monotonic() - entered_at`` on the same host: wall
+    time would make every operation look hours old (or new) after an NTP step."""
+    comm = RecordingCommunicator(FakeComm(), ProgressRecord(str(path), rank=0), "world")
+    before = time.monotonic()
+    comm.all_reduce(torch.ones(2))
+    comm.record.step(1, 0.5)
+    after = time.monotonic()
+    rec = read(path)
+    assert before <= rec.groups[0].entered_at <= after
+    assert before <= rec.step_at <= after
+
+
+def test_the_completed_count_is_one_aligned_word_of_the_file(path):
+    """Written with a single 8-byte store, so a reader (or a SIGSTOP) never splits it."""
+    world = RecordingCommunicator(FakeComm(), ProgressRecord(str(path), rank=0), "world")
+    subs = [world.split(i, 0, name="g") for i in range(3)]
+    for n, sub in enumerate(subs, start=1):
+        for _ in range(n * 1000):
+            sub.barrier()
+    raw = path.read_bytes()
+    for i, want in enumerate((3, 1000, 2000, 3000)):
+        at = (workerenv.PROGRESS_HEADER.size + i * workerenv.PROGRESS_SLOT_SIZE
+              + workerenv.PROGRESS_DONE_AT)
+        assert at % 8 == 0
+        assert int.from_bytes(raw[at:at + 8], sys.byteorder) == want

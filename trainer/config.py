@@ -44,6 +44,7 @@ class TrainConfig:
     gpt: GPTConfig = field(default_factory=lambda: PRESETS["small"])
     steps: int = 200
     stop_at: int = 0
+    time_limit: float = 0.0
     global_batch: int = 32
     microbatches: int = 1
     lr: float = 1e-3
@@ -90,7 +91,7 @@ class TrainConfig:
         for name in ("stop_at", "warmup_steps", "decay_steps", "dp", "save_every", "keep", "seed",
                      "skip_nonfinite", "eval_every"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops"):
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "time_limit"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         _require(self.data_cap_mb > 0, "data_cap_mb", self.data_cap_mb, "must be > 0")
         _require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction,

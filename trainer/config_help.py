@@ -13,6 +13,8 @@ HELP: dict[str, str] = {
     "steps": "optimizer steps to train in total (a resumed run stops at the same step)",
     "stop_at": "stop after this step with a checkpoint, to split a run into jobs (0 = --steps);"
                " the learning-rate schedule still spans --steps",
+    "time_limit": "stop after this many seconds of training with a checkpoint, every rank after "
+                  "the same step (checked every --log-every steps; 0 = no limit)",
     "global_batch": "sequences per optimizer step, summed over data-parallel ranks",
     "microbatches": "microbatches per step on each DP rank (gradient accumulation; with --pp "
                     "the microbatches the pipeline schedule runs)",

@@ -94,6 +94,7 @@ from trainer.pipeline.train_step import (
 )
 from trainer.resume import meta_of
 from trainer.run import Run, build_run
+from trainer.stopping.time_limit import TimeLimit
 from trainer.tensor_parallel.random import TP_RNG
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
@@ -226,6 +227,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     result = TrainResult(run.start_step, run.start_step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
     pending: list[PendingStep] = []
+    time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.log_every, world.device)
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
@@ -235,14 +237,16 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             if progress is not None:  # host timings: known without reading the device
                 progress.step(step, done.record.compute_s)
             result.final_step = step
-            evaluate = validation is not None and (step % cfg.eval_every == 0
-                                                   or step == cfg.last_step)
-            save = cfg.save_every > 0 and step % cfg.save_every == 0 and step != cfg.last_step
-            if evaluate or save or step % cfg.log_every == 0 or step == cfg.last_step:
+            last = step == cfg.last_step or time_limit.reached(step)
+            evaluate = validation is not None and (step % cfg.eval_every == 0 or last)
+            save = cfg.save_every > 0 and step % cfg.save_every == 0 and not last
+            if evaluate or save or step % cfg.log_every == 0 or last:
                 val = validation.loss(cfg.eval_batches) if evaluate else None
                 _log_steps(log, result, pending, val)
             if save:
                 save_checkpoint(run, step)
+            if last:
+                break
         result.checkpoint = save_checkpoint(run, result.final_step)
         if run.pipeline is not None and groups.coords.tp == 0 and groups.coords.dp == 0:
             log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))

@@ -2,11 +2,13 @@
 
 Each rank gets ``DTRAIN_PROGRESS_FILE`` in a folder of its own job made with ``mkdtemp`` (mode
 0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves.
-The agent reads the records without the ranks' help (layout in `workerenv`) and sends the head
-one PROGRESS frame per interval, one when the head asks (PROBE, with the Python stacks of the
-ranks it names when `py-spy` is installed), and a last one when every rank has exited (the
-end-of-run straggler report). Stacks are taken on a thread of their own: py-spy may take
-seconds and the agent's loop must keep its heartbeats.
+The agent reads the records without the ranks' help (layout in `workerenv`), notes the share
+of a core each rank used since an earlier reading (/proc: a rank busy outside communication
+is working, not hung; `launcher.hang.watch`) and sends the head one PROGRESS frame per
+interval, one when the head asks (PROBE, with the Python stacks of the ranks it names when
+`py-spy` is installed), and a last one when every rank has exited (the end-of-run straggler
+report). Stacks are taken on a thread of their own: py-spy may take seconds and the agent's
+loop must keep its heartbeats.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,9 @@ import workerenv
 from launcher.hang.views import RankView, view_of
 
 STACK_TIMEOUT_S = 10.0
+CPU_WINDOW_S = 0.5
 _SHM = "/dev/shm"
+_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class ProgressReporter:
@@ -36,21 +41,36 @@ class ProgressReporter:
         self.folder = Path(tempfile.mkdtemp(prefix=f"dtrain-{job_id}-", dir=base))
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
+        self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
 
     def path(self, rank: int) -> str:
         return str(self.folder / f"rank-{rank}.progress")
 
     def views(self, pids: Mapping[int, int]) -> list[RankView]:
         """Every rank of this host; ``pids`` holds the live ones (the others have exited)."""
-        now = time.time()
+        now = time.monotonic()  # the records' clock (`workerenv`)
         out = []
         for rank in self.ranks:
             path = Path(self.path(rank))
             record = workerenv.read_progress(path.read_bytes) if path.exists() else None
             pid = record.pid if record else pids.get(rank)
-            state = "exited" if rank not in pids else _state(pid)
-            out.append(view_of(record, rank=rank, host=self.host, state=state, now=now))
+            state, cpu = ("exited", None) if rank not in pids else _stat(pid)
+            view = view_of(record, rank=rank, host=self.host, state=state, now=now)
+            out.append(replace(view, cpu_share=self._share(rank, cpu, now)))
         return out
+
+    def _share(self, rank: int, cpu: float | None, now: float) -> float:
+        """The share of a core ``rank`` used since the reading at least `CPU_WINDOW_S` ago
+        (shorter windows would see the kernel's 10 ms accounting ticks, not the rate)."""
+        if cpu is None:
+            self._cpu.pop(rank, None)
+            return 0.0
+        base_cpu, base_at, share = self._cpu.get(rank, (cpu, now, 0.0))
+        if now - base_at >= CPU_WINDOW_S:
+            share = max(0.0, cpu - base_cpu) / (now - base_at)
+            base_cpu, base_at = cpu, now
+        self._cpu[rank] = (base_cpu, base_at, share)
+        return share
 
     def tick(self, now: float, pids: Mapping[int, int]) -> None:
         if self.interval > 0 and now >= self._next:
@@ -77,15 +97,18 @@ class ProgressReporter:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def _state(pid: int | None) -> str:
-    """``stopped`` for a process in state T (SIGSTOP) or t (traced), else running."""
+def _stat(pid: int | None) -> tuple[str, float | None]:
+    """``stopped`` for a process in state T (SIGSTOP) or t (traced), else running; and the CPU
+    seconds it has used (user + system, all threads), None when unknown."""
     if not pid:
-        return "running"
+        return "running", None
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
-        return "running"
-    return "stopped" if stat.rpartition(")")[2].split()[0] in ("T", "t") else "running"
+        return "running", None
+    fields = stat.rpartition(")")[2].split()  # fields from the 3rd on: state, ppid, ...
+    cpu = (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (14th and 15th)
+    return ("stopped" if fields[0] in ("T", "t") else "running"), cpu
 
 
 def py_spy() -> str | None:

@@ -44,6 +44,7 @@ class RankView:
     compute_s: float = 0.0
     compute_avg_s: float = 0.0
     groups: tuple[GroupView, ...] = ()
+    cpu_share: float = 0.0           # of one core, over the agent's last half second or more
 
     def group(self, label: str) -> GroupView | None:
         return next((g for g in self.groups if g.label == label), None)

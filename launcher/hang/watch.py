@@ -1,10 +1,16 @@
 """When a job counts as hung, and which ranks are stragglers (pure).
 
 Hung: no rank's record advanced (no step reported, no operation entered or completed on any
-group) for ``timeout`` seconds while some live rank waits inside an operation. Waiting is
-required so that a long phase without communication (a checkpoint every rank writes, a long
-evaluation) is not a hang; a rank that stopped while the others wait for it is one. Reported
-once per stall: any progress re-arms it.
+group) and no rank outside communication worked (used `BUSY_SHARE` of a core or more) for
+``timeout`` seconds, while some live rank waits inside an operation. Waiting is required so
+that a long phase without communication that every rank goes through (a long evaluation) is
+not a hang; working is counted so that one rank's long phase while the others wait for it
+(rank 0 writing a checkpoint the others do not write, a slower compile, data preparation, a
+long first step, a straggler) is not one either. A rank that stopped, sleeps, or blocks
+outside communication while the others wait for it is a hang; so is every rank waiting
+(ranks inside an operation do not count as working: MPI spins while it waits). Reported once
+per stall: any progress re-arms it. A rank that computes forever outside communication is
+not reported (its step stands still in the live view).
 
 Straggler: a rank whose average compute time per step (the trainer's moving average, so one
 slow step is not enough: `trainer.comm.progress`) exceeds the median of all ranks by
@@ -21,6 +27,7 @@ from dataclasses import dataclass
 
 from launcher.hang.views import RankView
 
+BUSY_SHARE = 0.05   # of a core: computing, even starved on a loaded host; a sleeper uses ~0
 STRAGGLER_RATIO = 1.3
 STRAGGLER_MIN_S = 0.01
 STRAGGLER_MIN_STEPS = 3
@@ -35,7 +42,8 @@ class HangClock:
 
     def update(self, views: Mapping[int, RankView], now: float) -> None:
         for rank, v in views.items():
-            if self._seen.get(rank) != v.position:
+            working = v.state == "running" and v.cpu_share >= BUSY_SHARE and not v.waiting
+            if self._seen.get(rank) != v.position or working:
                 self._seen[rank] = v.position
                 self.last_change, self.fired = now, False
 
@@ -43,7 +51,8 @@ class HangClock:
         return now - self.last_change
 
     def due(self, views: Mapping[int, RankView], now: float) -> bool:
-        """True once per stall: nothing advanced for ``timeout`` and a live rank waits."""
+        """True once per stall: nothing advanced or worked for ``timeout`` and a live rank
+        waits."""
         if self.fired or now - self.last_change < self.timeout:
             return False
         return any(v.waiting for v in views.values() if v.state in ("running", "stopped"))

@@ -2,6 +2,7 @@
 
     python tests/workers/hang_worker.py skip    # dp 2 x tp 2: rank 2 skips step 3's DP all-reduce
     python tests/workers/hang_worker.py pipe    # pp 2: stage 1 stops sending at step 3
+    python tests/workers/hang_worker.py busy    # 2 ranks: rank 1 computes alone for 8 s (healthy)
 
 Each step reports itself to the progress record like the trainer does.
 """
@@ -53,5 +54,21 @@ def pipe() -> None:
     world.comm.barrier()
 
 
+def busy() -> None:
+    """Not a hang: rank 1 computes alone for 8 s (as rank 0 of a real job writes a checkpoint
+    the others do not) while rank 0 waits for it in the next all-reduce."""
+    world = init(backend="mpi")
+    record = record_of(world.comm)
+    t, a = torch.ones(8), torch.ones(128, 128)
+    for step in range(1, 4):
+        if world.rank == 1 and step == 2:
+            until = time.monotonic() + 8.0
+            while time.monotonic() < until:
+                a = torch.tanh(a @ a)
+        world.comm.all_reduce(t)
+        record.step(step, 0.0)
+    print(f"rank {world.rank} done", flush=True)
+
+
 if __name__ == "__main__":
-    {"skip": skip, "pipe": pipe}[sys.argv[1]]()
+    {"skip": skip, "pipe": pipe, "busy": busy}[sys.argv[1]]()

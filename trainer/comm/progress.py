@@ -8,8 +8,14 @@ the completed count. The trainer adds its step and compute time (`ProgressRecord
 
 The record is a small memory-mapped file named by ``DTRAIN_PROGRESS_FILE`` (layout in
 `workerenv`), on the host's local disk, so the agent reads it while the rank is stuck inside a
-collective, stopped, or spinning in MPI: no thread, signal or lock of the rank is needed. Each
-write is one ``struct.pack_into`` into the mapping (a few hundred ns; `bench/progress.py`).
+collective, stopped, or spinning in MPI: no thread, signal or lock of the rank is needed.
+
+Every operation pays this on the rank's critical path, so the path is kept to the bone (under
+1 µs per operation, `bench/progress.py`): two Python calls (`_Slot.enter`, `_Slot.after`), one
+``pack_into`` of a `struct.Struct` bound once per slot at enter, and one store of the completed
+count into an aligned 8-byte word of the mapping at completion (a single store, so a reader
+never sees half of it). Codes are module constants, the dtype's code one dict lookup, the size
+the tensor's ``nbytes``, the time ``time.monotonic()`` (ages on one host, immune to clock steps).
 
 On NCCL an operation counts as completed when the host has waited for it (its handle's
 ``wait()`` orders the stream and returns), so the record shows what the host last issued; a
@@ -25,17 +31,22 @@ from __future__ import annotations
 import mmap
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
 import workerenv
 from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
 
-_OPS = {name: code for code, name in enumerate(workerenv.PROGRESS_OPS)}
+(_ALL_REDUCE, _ALL_GATHER, _REDUCE_SCATTER, _BROADCAST, _SEND_OP, _RECV_OP, _BATCH_P2P,
+ _ALL_TO_ALL, _BARRIER, _SPLIT) = (workerenv.PROGRESS_OPS.index(name) for name in (
+     "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv", "batch_p2p",
+     "all_to_all", "barrier", "split"))
 _DTYPES = {getattr(torch, name): code for code, name in enumerate(workerenv.PROGRESS_DTYPES)
            if name}
 _SEND, _RECV = 1, 2
+_OP_AT, _DONE_AT = workerenv.PROGRESS_SLOT_ID.size, workerenv.PROGRESS_DONE_AT
+_clock = time.monotonic
 
 
 class ProgressRecord:
@@ -48,6 +59,7 @@ class ProgressRecord:
             self._map = mmap.mmap(fd, workerenv.PROGRESS_SIZE)
         finally:
             os.close(fd)
+        self._words = memoryview(self._map).cast("Q")  # native order, as the layout is
         self._slots = 0
         self._avg = 0.0
         self._header(rank=rank, step=0, at=0.0, compute=0.0)
@@ -68,43 +80,51 @@ class ProgressRecord:
         # A moving average over ~5 steps: stragglers are persistent, one slow step is not one.
         self._avg = compute_s if step <= 1 or self._avg == 0.0 else (
             0.8 * self._avg + 0.2 * compute_s)
-        self._header(rank=self._rank, step=step, at=time.time(), compute=compute_s)
+        self._header(rank=self._rank, step=step, at=_clock(), compute=compute_s)
 
-    def slot(self, label: str, group_rank: int, group_size: int) -> int | None:
-        """Offset of a new communicator's slot; None once every slot is taken (not recorded)."""
+    def slot(self, label: str, group_rank: int, group_size: int) -> _Slot:
+        """A new communicator's slot; once every slot is taken, one in private memory (its
+        operations run and are counted, but nobody sees them)."""
         if self._slots >= workerenv.PROGRESS_SLOTS:
-            return None
+            return _Slot(bytearray(workerenv.PROGRESS_SLOT_SIZE), 0,
+                         memoryview(bytearray(_DONE_AT + 8)).cast("Q"))
         at = workerenv.PROGRESS_HEADER.size + self._slots * workerenv.PROGRESS_SLOT_SIZE
         self._slots += 1
         workerenv.PROGRESS_SLOT_ID.pack_into(self._map, at, label.encode()[:24], group_rank,
                                              group_size)
-        return at
-
-    def enter(self, at: int, seq: int, op: int, t: torch.Tensor | None, p2p: int = 0,
-              peer: int = -1) -> None:
-        dtype, nbytes = (0, 0) if t is None else (_DTYPES.get(t.dtype, 0), t.nbytes)
-        workerenv.PROGRESS_SLOT_OP.pack_into(self._map, at + 32, seq, op, dtype, p2p, peer,
-                                             nbytes, time.time())
-
-    def done(self, at: int, count: int) -> None:
-        workerenv.PROGRESS_SLOT_DONE.pack_into(self._map, at + 64, count)
+        return _Slot(self._map, at, self._words)
 
 
 class _Slot:
-    """A communicator's sequence number and completed count, and where they are written."""
+    """A communicator's sequence number and completed count, written into its slot."""
 
-    def __init__(self, record: ProgressRecord, at: int | None) -> None:
-        self.record, self.at, self.seq, self.done = record, at, 0, 0
+    __slots__ = ("seq", "done", "_buf", "_at", "_words", "_word", "_pack")
 
-    def enter(self, op: str, t: torch.Tensor | None, p2p: int = 0, peer: int = -1) -> None:
-        self.seq += 1
-        if self.at is not None:
-            self.record.enter(self.at, self.seq, _OPS[op], t, p2p, peer)
+    def __init__(self, buf: mmap.mmap | bytearray, at: int, words: memoryview) -> None:
+        self.seq = self.done = 0
+        self._buf, self._at, self._words = buf, at + _OP_AT, words
+        self._word = (at + _DONE_AT) // 8   # an aligned word: one store, never torn
+        self._pack = workerenv.PROGRESS_SLOT_OP.pack_into
+
+    def enter(self, op: int, t: torch.Tensor | None, p2p: int = 0, peer: int = -1) -> None:
+        seq = self.seq = self.seq + 1
+        if t is None:
+            self._pack(self._buf, self._at, seq, op, 0, p2p, peer, 0, _clock())
+        else:
+            self._pack(self._buf, self._at, seq, op, _DTYPES.get(t.dtype, 0), p2p, peer,
+                       t.nbytes, _clock())
 
     def finish(self) -> None:
-        self.done += 1
-        if self.at is not None:
-            self.record.done(self.at, self.done)
+        done = self.done = self.done + 1
+        self._words[self._word] = done
+
+    def after(self, handle: Handle | None) -> Handle | None:
+        """A blocking call returned (None: completed now), or an async one was posted."""
+        if handle is None:  # finish() spelt out: one Python call less on every blocking op
+            done = self.done = self.done + 1
+            self._words[self._word] = done
+            return None
+        return RecordedHandle(handle, self, [1])
 
 
 class RecordedHandle:
@@ -136,7 +156,7 @@ class RecordingCommunicator:
 
     def __init__(self, inner: Communicator, record: ProgressRecord, label: str) -> None:
         self.inner, self.record, self.label = inner, record, label
-        self._slot = _Slot(record, record.slot(label, inner.rank, inner.size))
+        self._slot = record.slot(label, inner.rank, inner.size)
         self._children: dict[str, int] = {}
 
     rank = property(lambda self: self.inner.rank)
@@ -144,44 +164,46 @@ class RecordingCommunicator:
     name = property(lambda self: self.inner.name)
     backend = property(lambda self: self.inner.backend)
 
-    def _run(self, op: str, t: torch.Tensor | None, call: Callable[[], Handle | None],
-             p2p: int = 0, peer: int = -1) -> Handle | None:
-        self._slot.enter(op, t, p2p, peer)
-        result = call()
-        if result is None:
-            self._slot.finish()
-            return None
-        return RecordedHandle(result, self._slot, [1])
-
+    # Each operation spells its record out (no shared wrapper taking a lambda): a Python frame
+    # and a closure per operation were most of the recording's cost.
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> Handle | None:
-        return self._run("all_reduce", t, lambda: self.inner.all_reduce(t, op, async_op=async_op))
+        slot = self._slot
+        slot.enter(_ALL_REDUCE, t)
+        return slot.after(self.inner.all_reduce(t, op, async_op=async_op))
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *,
                    async_op: bool = False) -> Handle | None:
-        return self._run("all_gather", inp,
-                         lambda: self.inner.all_gather(out, inp, async_op=async_op))
+        slot = self._slot
+        slot.enter(_ALL_GATHER, inp)
+        return slot.after(self.inner.all_gather(out, inp, async_op=async_op))
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor,
                        op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False) -> Handle | None:
-        return self._run("reduce_scatter", inp,
-                         lambda: self.inner.reduce_scatter(out, inp, op, async_op=async_op))
+        slot = self._slot
+        slot.enter(_REDUCE_SCATTER, inp)
+        return slot.after(self.inner.reduce_scatter(out, inp, op, async_op=async_op))
 
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
-        return self._run("broadcast", t, lambda: self.inner.broadcast(t, src, async_op=async_op),
-                         peer=src)
+        slot = self._slot
+        slot.enter(_BROADCAST, t, 0, src)
+        return slot.after(self.inner.broadcast(t, src, async_op=async_op))
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        self._run("send", t, lambda: self.inner.send(t, dst), _SEND, dst)
+        slot = self._slot
+        slot.enter(_SEND_OP, t, _SEND, dst)
+        slot.after(self.inner.send(t, dst))
 
     def recv(self, t: torch.Tensor, src: int) -> None:
-        self._run("recv", t, lambda: self.inner.recv(t, src), _RECV, src)
+        slot = self._slot
+        slot.enter(_RECV_OP, t, _RECV, src)
+        slot.after(self.inner.recv(t, src))
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
         # Named by its first receive: the half of a batch that waits on someone else.
         first = next((o for o in ops if o.kind == "recv"), ops[0] if ops else None)
         kind = 0 if first is None else (_RECV if first.kind == "recv" else _SEND)
-        self._slot.enter("batch_p2p", first.tensor if first else None, kind,
+        self._slot.enter(_BATCH_P2P, first.tensor if first else None, kind,
                          first.peer if first else -1)
         handles = self.inner.batch_p2p(ops)
         pending = [len(handles)]
@@ -193,15 +215,19 @@ class RecordingCommunicator:
                    in_splits: Sequence[int] | None = None,
                    out_splits: Sequence[int] | None = None,
                    async_op: bool = False) -> Handle | None:
-        return self._run("all_to_all", inp, lambda: self.inner.all_to_all(
-            out, inp, in_splits=in_splits, out_splits=out_splits, async_op=async_op))
+        slot = self._slot
+        slot.enter(_ALL_TO_ALL, inp)
+        return slot.after(self.inner.all_to_all(out, inp, in_splits=in_splits,
+                                                out_splits=out_splits, async_op=async_op))
 
     def barrier(self) -> None:
-        self._run("barrier", None, self.inner.barrier)
+        slot = self._slot
+        slot.enter(_BARRIER, None)
+        slot.after(self.inner.barrier())
 
     def split(self, color: int, key: int, *, name: str = "") -> Communicator:
         """The sub-group, recorded in a slot of its own (labelled as in the module docstring)."""
-        self._slot.enter("split", None)
+        self._slot.enter(_SPLIT, None)
         sub = self.inner.split(color, key, name=name)
         self._slot.finish()
         label = f"{sub.name}[{color}]"

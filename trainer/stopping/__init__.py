@@ -1,0 +1,1 @@
+"""When training stops before ``--steps``: ``--time-limit`` (`trainer.stopping.time_limit`)."""
