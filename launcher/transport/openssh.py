@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import getpass
 import math
+import os
 import shlex
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,13 +38,8 @@ from pathlib import Path
 from launcher.errors import ConnectError, HostKeyError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.transport.local import LocalAgentStream, agent_command
+from launcher.transport.openssh_config import host_options, last_line, read_hosts
 from launcher.transport.options import SSHOptions
-from launcher.transport.ssh_config_refusal import (
-    ConfigLine,
-    read_config,
-    refuse_host_commands,
-    refuse_match_exec,
-)
 
 #: ssh's exit code for its own errors (connect, host key, authentication).
 SSH_FAILED = 255
@@ -115,68 +110,34 @@ def start_agents(entries: Sequence[HostEntry], *, python: str,
     if ssh is None:
         raise UsageError("no ssh client", "--ssh-client openssh", "no `ssh` command on PATH",
                          "install the OpenSSH client, or use --ssh-client paramiko")
-    resolved = resolve_hosts(ssh, entries, opts)
-    if opts.accept_new and opts.known_hosts is not None:
-        # ssh records a new key but does not create the file's folder (paramiko's path does).
-        opts.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    command = shlex.join(agent_command(python))
+    resolved = [OpenSSHHost(e, found)
+                for e, found in zip(entries, read_hosts(ssh, entries, opts), strict=True)]
+    if opts.accept_new:
+        for path in {Path(os.path.expanduser(host.known_hosts)) for host in resolved}:
+            _private_file(path)
     streams: list[OpenSSHAgentStream | ConnectError] = []
     for entry, host in zip(entries, resolved, strict=True):
-        argv = [ssh, *_session_options(opts, host.config), *_host_options(entry, opts), "--",
-                entry.name, command]
         try:
-            streams.append(OpenSSHAgentStream(host, argv))
+            streams.append(OpenSSHAgentStream(host, session_argv(ssh, entry, opts, host.config,
+                                                                 python)))
         except OSError as exc:
             streams.append(ConnectError(f"cannot start ssh for {entry.name}", host.where,
                                         str(exc), "check that the ssh client runs here"))
     return streams
 
 
-def resolve_hosts(ssh: str, entries: Sequence[HostEntry],
-                  opts: SSHOptions) -> list[OpenSSHHost]:
-    """Every host's config as ssh will use it (`ssh -G`, in parallel), each refused as the
-    paramiko path refuses it; no config file: the names as they are, no process started."""
-    config = _config_file(opts)
-    if config is None:
-        return [OpenSSHHost(e, {}) for e in entries]
-    lines = read_config(config)
-    if not opts.allow_config_exec:
-        refuse_match_exec(lines)  # before `ssh -G`, which runs Match exec
-    probes = [subprocess.Popen([ssh, "-G", *_host_options(e, opts), "--", e.name],
-                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True) for e in entries]
-    resolved = []
-    for entry, probe in zip(entries, probes, strict=True):
-        out, err = probe.communicate()
-        if probe.returncode != 0:
-            raise ConnectError("cannot read the ssh config", f"{config} (host {entry.name})",
-                               _last_line(err) or f"`ssh -G` exited {probe.returncode}",
-                               "Fix the config or pass another file with --ssh-config")
-        found = _parse_g(out)
-        if not opts.allow_config_exec:
-            refuse_host_commands(entry.name, found,
-                                 lambda key: _origin(lines, key, str(config)))
-        resolved.append(OpenSSHHost(entry, found))
-    return resolved
+def _private_file(path: Path) -> None:
+    """known_hosts as paramiko's path makes it (folder 0700, file 0600): ssh appends new keys
+    but creates neither outside ~/.ssh."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_CREAT | os.O_WRONLY | os.O_APPEND, 0o600))
 
 
-def _config_file(opts: SSHOptions) -> Path | None:
-    if opts.config_file is not None:
-        return Path(opts.config_file)
-    default = Path.home() / ".ssh" / "config"
-    return default if default.is_file() else None
-
-
-def _host_options(entry: HostEntry, opts: SSHOptions) -> list[str]:
-    """What `ssh -G` and the session share: the config file, known_hosts, user and port."""
-    argv = ["-F", str(opts.config_file)] if opts.config_file is not None else []
-    if opts.known_hosts is not None:
-        argv += ["-o", f"UserKnownHostsFile={_ssh_path(opts.known_hosts)}"]
-    if entry.user:
-        argv += ["-l", entry.user]
-    if entry.port:
-        argv += ["-p", str(entry.port)]
-    return argv
+def session_argv(ssh: str, entry: HostEntry, opts: SSHOptions, found: dict[str, str],
+                 python: str) -> list[str]:
+    """The `ssh` command for one host: options, `--`, the host, the quoted agent command."""
+    return [ssh, *_session_options(opts, found), *host_options(entry, opts), "--", entry.name,
+            shlex.join(agent_command(python))]
 
 
 def _session_options(opts: SSHOptions, found: dict[str, str]) -> list[str]:
@@ -191,35 +152,10 @@ def _session_options(opts: SSHOptions, found: dict[str, str]) -> list[str]:
     return argv
 
 
-def _ssh_path(path: Path) -> str:
-    """A path as one ssh_config value: double-quoted, `%` tokens escaped."""
-    text = str(path).replace("%", "%%").replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'
-
-
-def _parse_g(out: str) -> dict[str, str]:
-    """`ssh -G` output as {keyword: first value}."""
-    found: dict[str, str] = {}
-    for line in out.splitlines():
-        key, _, value = line.partition(" ")
-        found.setdefault(key.lower(), value.strip())
-    return found
-
-
-def _origin(lines: Sequence[ConfigLine], key: str, default: str) -> str:
-    """The first line setting ``key`` (ssh's first-value-wins rule)."""
-    return next((line.origin for line in lines if line.keyword == key), default)
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
-
-
 def ssh_failure(host: OpenSSHHost, stderr: str) -> ConnectError:
     """The one error for an `ssh` that exited 255: what ssh said, read for its cause."""
     what, where = f"cannot connect to {host.alias}", host.where
-    said = _last_line(stderr) or "ssh exited with code 255 and said nothing"
+    said = last_line(stderr) or "ssh exited with code 255 and said nothing"
     key_name = host.hostname if host.port == 22 else f"[{host.hostname}]:{host.port}"
     port_opt = "" if host.port == 22 else f"-p {host.port} "
     named = key_name if host.alias == host.hostname else f"{host.alias} ({key_name})"
