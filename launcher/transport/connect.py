@@ -12,7 +12,6 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from launcher.errors import ConnectError, UsageError
 from launcher.hosts.hostfile import HostEntry
@@ -82,7 +81,9 @@ def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
         # paramiko imports invoke only to run `Match exec` lines, which are refused unless
         # --ssh-allow-config-exec; blocking that import saves ~0.1 s of every launch.
         sys.modules["invoke"] = None  # type: ignore[assignment]  # `import` then fails
-    # paramiko is imported only when a remote host needs it
+    # paramiko (and the thread pool) only when a remote host needs it
+    from concurrent.futures import ThreadPoolExecutor
+
     from launcher.transport.ssh import SSHConnection, resolve_host
 
     command = shlex.join(agent_command(python))
