@@ -56,9 +56,10 @@ def test_a_changed_host_key_is_refused_even_with_accept_new(private_sshd, tmp_pa
     assert not marker.exists()
 
 
-def _host(**config: str) -> OpenSSHHost:
-    return OpenSSHHost(HostEntry("node7", 1), {"hostname": "10.0.0.7", "user": "ada",
-                                               "port": "2222", **config})
+def _host() -> OpenSSHHost:
+    host = OpenSSHHost(HostEntry("node7", 1))
+    host.learn({"hostname": "10.0.0.7", "user": "ada", "port": "2222"})
+    return host
 
 
 # What OpenSSH 9 writes to stderr before exiting 255, and what the error must say.

@@ -38,7 +38,7 @@ from pathlib import Path
 from launcher.errors import ConnectError, HostKeyError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.transport.local import LocalAgentStream, agent_command
-from launcher.transport.openssh_config import host_options, last_line, read_hosts
+from launcher.transport.openssh_config import ConfigReader, host_options, last_line
 from launcher.transport.options import SSHOptions
 
 #: ssh's exit code for its own errors (connect, host key, authentication).
@@ -48,15 +48,19 @@ SSH_FAILED = 255
 class OpenSSHHost:
     """The `connection` of one `ssh` process: where it goes, and when the agent first spoke."""
 
-    def __init__(self, entry: HostEntry, found: dict[str, str]) -> None:
-        self.alias = entry.name
-        self.hostname = found.get("hostname", entry.name)
-        self.user = found.get("user") or entry.user or getpass.getuser()
-        self.port = int(found.get("port") or entry.port or 22)
-        self.known_hosts = found.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
-        self.config = found                # `ssh -G` output; {} without a config file
+    def __init__(self, entry: HostEntry) -> None:
+        self.entry, self.alias = entry, entry.name
         self.latency_ms = 0.0
         self._started = time.monotonic()
+        self.learn({})
+
+    def learn(self, found: dict[str, str]) -> None:
+        """Take what `ssh -G` says about the host ({} without a config file)."""
+        self.config = found
+        self.hostname = found.get("hostname", self.entry.name)
+        self.user = found.get("user") or self.entry.user or getpass.getuser()
+        self.port = int(found.get("port") or self.entry.port or 22)
+        self.known_hosts = found.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
 
     @property
     def where(self) -> str:
@@ -104,26 +108,43 @@ class OpenSSHAgentStream(LocalAgentStream):
 
 def start_agents(entries: Sequence[HostEntry], *, python: str,
                  opts: SSHOptions) -> list[OpenSSHAgentStream | ConnectError]:
-    """One `ssh` per host, all started before any is waited on; the config is checked first
-    (a refused directive raises, nothing connects)."""
+    """One `ssh` per host, all started before any is waited on. A config that may be refused
+    is read first (a refused directive raises, nothing connects); one that cannot be is read
+    while the sessions connect."""
     ssh = shutil.which("ssh")
     if ssh is None:
         raise UsageError("no ssh client", "--ssh-client openssh", "no `ssh` command on PATH",
                          "install the OpenSSH client, or use --ssh-client paramiko")
-    resolved = [OpenSSHHost(e, found)
-                for e, found in zip(entries, read_hosts(ssh, entries, opts), strict=True)]
+    reader = ConfigReader(ssh, opts)
+    first = reader.needed_first or opts.accept_new  # accept-new: known_hosts made 0600 first
+    hosts = [OpenSSHHost(e) for e in entries]
+    if first:
+        _learn(hosts, reader.read(entries))
     if opts.accept_new:
-        for path in {Path(os.path.expanduser(host.known_hosts)) for host in resolved}:
+        for path in {Path(os.path.expanduser(host.known_hosts)) for host in hosts}:
             _private_file(path)
     streams: list[OpenSSHAgentStream | ConnectError] = []
-    for entry, host in zip(entries, resolved, strict=True):
+    for host in hosts:
         try:
-            streams.append(OpenSSHAgentStream(host, session_argv(ssh, entry, opts, host.config,
-                                                                 python)))
+            streams.append(OpenSSHAgentStream(host, session_argv(ssh, host.entry, opts,
+                                                                 host.config, python)))
         except OSError as exc:
-            streams.append(ConnectError(f"cannot start ssh for {entry.name}", host.where,
+            streams.append(ConnectError(f"cannot start ssh for {host.alias}", host.where,
                                         str(exc), "check that the ssh client runs here"))
+    if not first:
+        try:  # where each host is (rank 0's route, error messages), beside the handshakes
+            _learn(hosts, reader.read(entries))
+        except ConnectError:
+            for stream in streams:
+                if isinstance(stream, OpenSSHAgentStream):
+                    stream.kill()
+            raise
     return streams
+
+
+def _learn(hosts: Sequence[OpenSSHHost], found: Sequence[dict[str, str]]) -> None:
+    for host, config in zip(hosts, found, strict=True):
+        host.learn(config)
 
 
 def _private_file(path: Path) -> None:

@@ -26,27 +26,42 @@ from launcher.transport.ssh_config_refusal import (
     refuse_match_exec,
 )
 
+#: Directives whose values must be known before `ssh` starts: those that run a command or
+#: start `ssh` for another host (refused or checked), and ConnectTimeout (it decides whether
+#: dtrain passes its own).
+NEEDED_FIRST = frozenset({"proxycommand", "proxyjump", "knownhostscommand", "localcommand",
+                          "connecttimeout"})
+
 
 def read_hosts(ssh: str, entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, str]]:
-    """Every host's config as ssh will use it (`ssh -G`, in parallel), each refused as the
-    paramiko path refuses it; no config file: {} for each, no process started."""
-    config = _config_file(opts)
-    if config is None:
-        return [{} for _ in entries]
-    reader = _ConfigReader(ssh, config, opts)
-    probes = [reader.probe(e.name, e.user, e.port) for e in entries]
-    return [reader.checked(e.name, probe, 0) for e, probe in zip(entries, probes, strict=True)]
+    """Every host's config as ssh will use it, refused as the paramiko path refuses it."""
+    return ConfigReader(ssh, opts).read(entries)
 
 
-class _ConfigReader:
+class ConfigReader:
     """`ssh -G` for a host, and the refusals applied to what it prints, jump hops included
     (OpenSSH starts each hop as another `ssh` with the same ``-F`` file)."""
 
-    def __init__(self, ssh: str, config: Path, opts: SSHOptions) -> None:
-        self.ssh, self.config, self.opts = ssh, config, opts
-        self.lines = read_config(config)
+    def __init__(self, ssh: str, opts: SSHOptions) -> None:
+        self.ssh, self.opts = ssh, opts
+        self.config = _config_file(opts)
+        self.lines = read_config(self.config) if self.config is not None else []
         if not opts.allow_config_exec:
             refuse_match_exec(self.lines)  # before `ssh -G`, which runs Match exec
+
+    @property
+    def needed_first(self) -> bool:
+        """True unless no line of the file (Includes spliced in) sets a `NEEDED_FIRST`
+        directive: then nothing `ssh -G` could report is refused or changes ssh's command
+        line, and it may run beside the sessions (off the launch's critical path)."""
+        return any(line.keyword in NEEDED_FIRST for line in self.lines)
+
+    def read(self, entries: Sequence[HostEntry]) -> list[dict[str, str]]:
+        """`ssh -G` of every host, in parallel; no config file: {} each, no process."""
+        if self.config is None:
+            return [{} for _ in entries]
+        probes = [self.probe(e.name, e.user, e.port) for e in entries]
+        return [self.checked(e.name, probe, 0) for e, probe in zip(entries, probes, strict=True)]
 
     def probe(self, name: str, user: str | None, port: int | None) -> subprocess.Popen[str]:
         entry_options = host_options(HostEntry(name, 1, user=user, port=port), self.opts)
