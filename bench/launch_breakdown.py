@@ -65,7 +65,7 @@ def import_s(python: str, repo: Path, module: str) -> float:
 
 def clients(repo: Path) -> list[str]:
     """The SSH clients a checkout can launch with."""
-    has_openssh = (repo / "launcher" / "transport" / "openssh.py").exists()
+    has_openssh = (repo / "launcher" / "transport" / "openssh").is_dir()
     return ["paramiko", "openssh"] if has_openssh else ["paramiko"]
 
 

@@ -77,7 +77,7 @@ def test_a_launch_over_the_ssh_client_never_imports_paramiko_on_the_head(cluster
     assert list(_rank_json(res.stdout).values()) == [["ok"], ["ok"]]
     imported = {line.rpartition("|")[2].strip() for line in res.stderr.splitlines()
                 if line.startswith("import time:")}
-    assert "launcher.transport.openssh" in imported
+    assert "launcher.transport.openssh.session" in imported
     assert not {name for name in imported if name.split(".")[0] in ("paramiko", "cryptography")}
 
 

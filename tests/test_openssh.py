@@ -6,12 +6,14 @@ the client); the config refusals in `test_ssh_config_refusal.py`.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from launcher.hosts.hostfile import HostEntry
-from launcher.transport.openssh import OpenSSHHost, session_argv, ssh_failure
+from launcher.transport.openssh.config import ConfigReader
+from launcher.transport.openssh.session import OpenSSHHost, session_argv, ssh_failure
 from launcher.transport.options import SSHOptions
 from testbed.sshd import SshdServer
 from tests.support import PYTHON, run_dtrain
@@ -57,7 +59,8 @@ def test_a_changed_host_key_is_refused_even_with_accept_new(private_sshd, tmp_pa
 
 
 def _host() -> OpenSSHHost:
-    host = OpenSSHHost(HostEntry("node7", 1))
+    host = OpenSSHHost(HostEntry("node7", 1), ConfigReader("ssh", SSHOptions(
+        config_file=Path(os.devnull))))
     host.learn({"hostname": "10.0.0.7", "user": "ada", "port": "2222"})
     return host
 

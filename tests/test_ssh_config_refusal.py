@@ -16,7 +16,7 @@ import pytest
 
 from launcher.errors import ConnectError
 from launcher.hosts.hostfile import HostEntry
-from launcher.transport import openssh_config
+from launcher.transport.openssh import config as openssh_config
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from launcher.transport.ssh_config_refusal import parse_line, read_config, refuse_match_exec
 from tests.support import PYTHON, run_dtrain

@@ -63,9 +63,9 @@ def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
     if remote:
         entries = [h.entry for _, h in remote]
         if ssh.client == "openssh":  # `ssh` processes: paramiko is never imported
-            from launcher.transport import openssh
+            from launcher.transport.openssh import session
 
-            started: Sequence[AgentStream | ConnectError] = openssh.start_agents(
+            started: Sequence[AgentStream | ConnectError] = session.start_agents(
                 entries, python=python, opts=ssh)
         else:
             started = _start_paramiko(entries, python=python, ssh=ssh)

@@ -1,4 +1,4 @@
-"""ssh's own view of the ssh config for `transport.openssh`: `ssh -G` per host, refused as
+"""ssh's own view of the ssh config for `transport.openssh.session`: `ssh -G` per host, refused as
 `transport.ssh_config` refuses it for paramiko, before anything connects.
 
 ``Match exec`` lines are refused on the raw lines (`ssh -G` would run them); then, for every

@@ -38,7 +38,7 @@ from pathlib import Path
 from launcher.errors import ConnectError, HostKeyError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.transport.local import LocalAgentStream, agent_command
-from launcher.transport.openssh_config import ConfigReader, host_options, last_line
+from launcher.transport.openssh.config import ConfigReader, host_options, last_line
 from launcher.transport.options import SSHOptions
 
 #: ssh's exit code for its own errors (connect, host key, authentication).
@@ -46,21 +46,43 @@ SSH_FAILED = 255
 
 
 class OpenSSHHost:
-    """The `connection` of one `ssh` process: where it goes, and when the agent first spoke."""
+    """The `connection` of one `ssh` process: where it goes, and when the agent first spoke.
 
-    def __init__(self, entry: HostEntry) -> None:
-        self.entry, self.alias = entry, entry.name
+    Where it goes is what `ssh -G` says, asked only when needed: before the session when the
+    config may be refused, else when rank 0's route or an error message needs it (each `ssh`
+    process costs CPU that the agents and ranks starting beside it would use)."""
+
+    def __init__(self, entry: HostEntry, reader: ConfigReader) -> None:
+        self.entry, self.alias, self._reader = entry, entry.name, reader
+        self._found: dict[str, str] | None = None
         self.latency_ms = 0.0
         self._started = time.monotonic()
-        self.learn({})
 
     def learn(self, found: dict[str, str]) -> None:
-        """Take what `ssh -G` says about the host ({} without a config file)."""
-        self.config = found
-        self.hostname = found.get("hostname", self.entry.name)
-        self.user = found.get("user") or self.entry.user or getpass.getuser()
-        self.port = int(found.get("port") or self.entry.port or 22)
-        self.known_hosts = found.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
+        self._found = found
+
+    @property
+    def config(self) -> dict[str, str]:
+        """`ssh -G` for this host ({} without a config file); ConnectError when it fails."""
+        if self._found is None:
+            self._found = self._reader.read([self.entry])[0]
+        return self._found
+
+    @property
+    def hostname(self) -> str:
+        return self.config.get("hostname", self.entry.name)
+
+    @property
+    def user(self) -> str:
+        return self.config.get("user") or self.entry.user or getpass.getuser()
+
+    @property
+    def port(self) -> int:
+        return int(self.config.get("port") or self.entry.port or 22)
+
+    @property
+    def known_hosts(self) -> str:
+        return self.config.get("userknownhostsfile", "~/.ssh/known_hosts").split()[0]
 
     @property
     def where(self) -> str:
@@ -110,41 +132,32 @@ def start_agents(entries: Sequence[HostEntry], *, python: str,
                  opts: SSHOptions) -> list[OpenSSHAgentStream | ConnectError]:
     """One `ssh` per host, all started before any is waited on. A config that may be refused
     is read first (a refused directive raises, nothing connects); one that cannot be is read
-    while the sessions connect."""
+    for a host only when its address is needed (`OpenSSHHost.config`)."""
     ssh = shutil.which("ssh")
     if ssh is None:
         raise UsageError("no ssh client", "--ssh-client openssh", "no `ssh` command on PATH",
                          "install the OpenSSH client, or use --ssh-client paramiko")
     reader = ConfigReader(ssh, opts)
     first = reader.needed_first or opts.accept_new  # accept-new: known_hosts made 0600 first
-    hosts = [OpenSSHHost(e) for e in entries]
+    hosts = [OpenSSHHost(e, reader) for e in entries]
     if first:
-        _learn(hosts, reader.read(entries))
+        for host, found in zip(hosts, reader.read(entries), strict=True):
+            host.learn(found)
     if opts.accept_new:
         for path in {Path(os.path.expanduser(host.known_hosts)) for host in hosts}:
             _private_file(path)
     streams: list[OpenSSHAgentStream | ConnectError] = []
     for host in hosts:
         try:
-            streams.append(OpenSSHAgentStream(host, session_argv(ssh, host.entry, opts,
-                                                                 host.config, python)))
+            # Without a first reading, the config sets no ConnectTimeout: {} is exact here.
+            found = host.config if first else {}
+            streams.append(OpenSSHAgentStream(host, session_argv(ssh, host.entry, opts, found,
+                                                                 python)))
         except OSError as exc:
-            streams.append(ConnectError(f"cannot start ssh for {host.alias}", host.where,
-                                        str(exc), "check that the ssh client runs here"))
-    if not first:
-        try:  # where each host is (rank 0's route, error messages), beside the handshakes
-            _learn(hosts, reader.read(entries))
-        except ConnectError:
-            for stream in streams:
-                if isinstance(stream, OpenSSHAgentStream):
-                    stream.kill()
-            raise
+            streams.append(ConnectError(f"cannot start ssh for {host.alias}",
+                                        f"host {host.alias}", str(exc),
+                                        "check that the ssh client runs here"))
     return streams
-
-
-def _learn(hosts: Sequence[OpenSSHHost], found: Sequence[dict[str, str]]) -> None:
-    for host, config in zip(hosts, found, strict=True):
-        host.learn(config)
 
 
 def _private_file(path: Path) -> None:
