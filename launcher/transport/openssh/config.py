@@ -79,7 +79,7 @@ class ConfigReader:
         found = _parse_g(out)
         if self.opts.allow_config_exec:
             return found  # trusted: ssh runs what the file says
-        refuse_host_commands(name, found, lambda key: _origin(self.lines, key, name, self.config))
+        refuse_host_commands(name, found, lambda key: _origin(self.lines, key, name, where))
         _check_names(found.get("hostname", name), None, f"{where} HostName")
         for user, host, port in _jump_hops(found.get("proxyjump", "none"), where):
             if depth >= _MAX_JUMPS:
@@ -156,12 +156,12 @@ def _parse_g(out: str) -> dict[str, str]:
     return found
 
 
-def _origin(lines: list[ConfigLine], key: str, name: str, config: Path) -> str:
+def _origin(lines: list[ConfigLine], key: str, name: str, default: str) -> str:
     """The line that gave ``name`` its ``key``, read by paramiko's parser: only on the way to
     a refusal, so a launch that connects never imports paramiko."""
     from launcher.transport.ssh_config import directive_origin
 
-    return directive_origin(lines, key, name, str(config))
+    return directive_origin(lines, key, name, default)
 
 
 def last_line(text: str) -> str:
