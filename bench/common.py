@@ -65,11 +65,18 @@ def host_list(n_hosts: int, per_host: int) -> str:
     return ",".join(f"node{i}:{per_host}" for i in range(1, n_hosts + 1))
 
 
-def dtrain_launch(cluster: Any, n_hosts: int, per_host: int, script: Path, out: str) -> Launch:
+def dtrain_launch(cluster: Any, n_hosts: int, per_host: int, script: Path, out: str,
+                  client: str = "paramiko") -> Launch:
     exe = BIN / "dtrain"
     head = [str(exe)] if exe.exists() else [PYTHON, "-m", "launcher"]
-    return Launch([*head, "launch", "-H", host_list(n_hosts, per_host),
+    return Launch([*head, "launch", "-H", host_list(n_hosts, per_host), "--ssh-client", client,
                    "--ssh-config", str(cluster.ssh_config), "--", PYTHON, str(script), out])
+
+
+def dtrain_openssh_launch(cluster: Any, n_hosts: int, per_host: int, script: Path,
+                          out: str) -> Launch:
+    """dtrain with --ssh-client openssh: one `ssh` process per host, no paramiko."""
+    return dtrain_launch(cluster, n_hosts, per_host, script, out, client="openssh")
 
 
 def hydra_launch(cluster: Any, n_hosts: int, per_host: int, script: Path, out: str) -> Launch:
@@ -94,7 +101,8 @@ def pdsh_launch(cluster: Any, n_hosts: int, per_host: int, script: Path, out: st
 
 
 TOOLS: dict[str, Callable[..., Launch]] = {
-    "dtrain": dtrain_launch, "hydra": hydra_launch, "pdsh": pdsh_launch}
+    "dtrain": dtrain_launch, "dtrain-openssh": dtrain_openssh_launch, "hydra": hydra_launch,
+    "pdsh": pdsh_launch}
 
 
 def _which(name: str) -> str:
@@ -107,7 +115,8 @@ def _ssh() -> str:
 
 def tool_missing(tool: str) -> str | None:
     """Why ``tool`` cannot run here, or None."""
-    needs = {"dtrain": [], "hydra": [str(BIN / "mpiexec.hydra"), _ssh()],
+    needs = {"dtrain": [], "dtrain-openssh": [_ssh()],
+             "hydra": [str(BIN / "mpiexec.hydra"), _ssh()],
              "pdsh": [_which("pdsh"), _ssh()]}[tool]
     for path in needs:
         if not os.access(path, os.X_OK):

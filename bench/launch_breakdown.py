@@ -10,9 +10,11 @@ Per checkout (its own ``.venv``), measured in fresh interpreters, median of ``--
 * ``paramiko``: ``import paramiko`` (imported once a remote host is to be connected);
 * ``agent imports``: ``import launcher.agent.main`` (each host's agent, before its HELLO);
 * then ``dtrain launch --timings`` on N namespace hosts x 4 ranks (`bench.launch_time`'s
-  stamp program): the head's own stamps since its first import (``connected``: every agent
-  stream open; ``hello``/``ready``: the last agent's HELLO and READY; ``running``: every rank
-  started) and, from the ranks' stamps, command start to every rank running.
+  stamp program), once per SSH client the checkout has (paramiko; ``openssh`` where it has
+  ``--ssh-client``): the head's own stamps since its first import (``connected``: every agent
+  stream open, for openssh every `ssh` started; ``hello``/``ready``: the last agent's HELLO
+  and READY; ``running``: every rank started), from the ranks' stamps command start to every
+  rank running, and the head's CPU time (its own and its `ssh` children's, user + system).
 
 ``--compare DIR`` runs the same on another checkout (e.g. an older commit in a git worktree
 with ``make install`` done), interleaved rep by rep, so both see the same machine load.
@@ -21,8 +23,10 @@ with ``make install`` done), interleaved rep by rep, so both see the same machin
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -59,15 +63,26 @@ def import_s(python: str, repo: Path, module: str) -> float:
     raise RuntimeError(f"no import time for {module} in {python}")
 
 
-def launch_once(cluster: Any, repo: Path, n_hosts: int) -> dict[str, float]:
-    """One `dtrain launch --timings` of the stamp program; the head's stamps and the start."""
+def clients(repo: Path) -> list[str]:
+    """The SSH clients a checkout can launch with."""
+    has_openssh = (repo / "launcher" / "transport" / "openssh").is_dir()
+    return ["paramiko", "openssh"] if has_openssh else ["paramiko"]
+
+
+def launch_once(cluster: Any, repo: Path, n_hosts: int,
+                client: str = "paramiko") -> dict[str, float]:
+    """One `dtrain launch --timings` of the stamp program; the head's stamps, the start and
+    the head's CPU seconds (with its children: the `ssh` processes)."""
     python, out = str(repo / ".venv" / "bin" / "python"), Path(tempfile.mkdtemp())
-    argv = [str(repo / ".venv" / "bin" / "dtrain"), "launch", "--timings",
+    chosen = ["--ssh-client", client] if client != "paramiko" else []
+    argv = [str(repo / ".venv" / "bin" / "dtrain"), "launch", "--timings", *chosen,
             "-H", common.host_list(n_hosts, PER_HOST), "--ssh-config",
             str(cluster.ssh_config), "--", python, str(common.WORKERS / "stamp.py"), str(out)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     done = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=120,
                           env={**common.base_env(), "PYTHONPATH": str(repo)})
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise RuntimeError(f"dtrain launch failed ({done.returncode}): {done.stderr[-500:]}")
     stamps = [json.loads(p.read_text()) for p in out.glob("*.json")]
@@ -77,6 +92,7 @@ def launch_once(cluster: Any, repo: Path, n_hosts: int) -> dict[str, float]:
     head = dict(re.findall(r"(\w+) ([0-9.]+)s", found.group(1))) if found else {}
     row = {k: float(v) for k, v in head.items() if k in STAMPS}
     row["every rank running"] = max(s["start"] for s in stamps) - t0
+    row["head CPU"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return row
 
 
@@ -93,16 +109,17 @@ def run(hosts: Sequence[int] = (1, 4), reps: int = 5, compare: Path | None = Non
 
     with common.bench_cluster(max(hosts)) as cluster:
         for repo in repos.values():  # warm-up: page cache, .pyc files, sshd's first fork
-            launch_once(cluster, repo, max(hosts))
+            for client in clients(repo):
+                launch_once(cluster, repo, max(hosts), client)
         for _ in range(reps):
             for name, repo in repos.items():
                 python = str(repo / ".venv" / "bin" / "python")
                 add(name, "python", interpreter_s(python, repo))
                 for label, module in IMPORTS.items():
                     add(name, label, import_s(python, repo, module))
-                for n in hosts:
-                    for key, value in launch_once(cluster, repo, n).items():
-                        add(name, f"{n} hosts: {key}", value)
+                for n, client in itertools.product(hosts, clients(repo)):
+                    for key, value in launch_once(cluster, repo, n, client).items():
+                        add(name, f"{n} hosts, {client}: {key}", value)
     return [{"checkout": name, "measure": key, "median_s": statistics.median(values)}
             for (name, key), values in samples.items()]
 

@@ -3,15 +3,17 @@
     python -m bench.launch_time [--hosts 1,2,4,8] [--reps 5] [--per-host 4] [--json PATH]
 
 One cluster of network-namespace hosts (one sshd each, `testbed.netns`) is built once;
-on the first N hosts x 4 ranks three launchers start the same rank program
+on the first N hosts x 4 ranks four launchers start the same rank program
 (``bench/workers/stamp.py``, no MPI: it stamps ``time.time()`` first thing and exits 0):
 
-* ``dtrain``  ``dtrain launch -H node1:4,... --ssh-config CFG -- python stamp.py DIR``;
+* ``dtrain``  ``dtrain launch -H node1:4,... --ssh-config CFG -- python stamp.py DIR``
+              (paramiko in the head);
+* ``dtrain-openssh``  the same with ``--ssh-client openssh`` (one `ssh` process per host);
 * ``hydra``   ``mpiexec.hydra -launcher ssh -hosts node1:4,... -n 4N`` (the MPICH wheel's);
 * ``pdsh``    ``pdsh -w node1,...`` running ``for i in 0 1 2 3; do python stamp.py DIR $i &
               done; wait`` on every host (DeepSpeed's pdsh mode without its per-host launcher).
 
-All three use the same ssh_config, keys and known_hosts. Per run: ``start`` = last rank's
+All of them use the same ssh_config, keys and known_hosts. Per run: ``start`` = last rank's
 stamp - t0 (every rank running), ``first`` = first rank's stamp - t0, ``exit`` = launcher
 returned - t0, with t0 taken just before ``Popen``. Tables show the median and the minimum
 over the repetitions, dtrain/Hydra ratios of the medians (target <= 1) and each tool's growth
@@ -28,7 +30,7 @@ from typing import Any
 from bench import common
 
 HOSTS = (1, 2, 4, 8)
-TOOLS = ("dtrain", "hydra", "pdsh")
+TOOLS = ("dtrain", "dtrain-openssh", "hydra", "pdsh")
 PER_HOST = 4
 SCRIPT = common.WORKERS / "stamp.py"
 KEYS = ("start", "first", "exit")
@@ -74,7 +76,8 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 5, *, tools: Sequence[str] = T
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     common.print_rows(f"Launch time over SSH: command start to every rank running and to exit, "
-                      f"{common.describe(rows)} (dtrain vs mpiexec.hydra vs pdsh)", rows, COLUMNS)
+                      f"{common.describe(rows)} (dtrain, dtrain-openssh, mpiexec.hydra, pdsh)",
+                      rows, COLUMNS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -5,9 +5,10 @@
 Same cluster and protocol as `bench.launch_time`, with a rank program that does
 ``from mpi4py import MPI`` (MPI_Init, MPICH from the PyPI wheel) and a barrier
 (``bench/workers/mpi_stamp.py``). dtrain serves PMI-1 from its per-host agents over the SSH
-channel; ``mpiexec.hydra -launcher ssh`` serves it from its ``hydra_pmi_proxy`` per host. Per
-run: ``world`` = last rank past MPI_Init - t0, ``barrier`` = last rank past the first barrier -
-t0, ``exit`` = launcher returned - t0, ``init`` = the longest ``import mpi4py.MPI`` inside one
+channel (``dtrain``: paramiko in the head; ``dtrain-openssh``: --ssh-client openssh);
+``mpiexec.hydra -launcher ssh`` serves it from its ``hydra_pmi_proxy`` per host. Per run:
+``world`` = last rank past MPI_Init - t0, ``barrier`` = last rank past the first barrier - t0,
+``exit`` = launcher returned - t0, ``init`` = the longest ``import mpi4py.MPI`` inside one
 rank (loading the library plus MPI_Init's PMI exchange; the launch itself excluded). A run
 whose ranks do not see one world of the expected size counts as failed. Target: dtrain's
 world time <= Hydra's.
@@ -23,7 +24,7 @@ from typing import Any
 from bench import common
 
 HOSTS = (1, 2, 4, 8)
-TOOLS = ("dtrain", "hydra")
+TOOLS = ("dtrain", "dtrain-openssh", "hydra")
 PER_HOST = 4
 SCRIPT = common.WORKERS / "mpi_stamp.py"
 KEYS = ("world", "barrier", "exit", "init")
@@ -83,7 +84,8 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 5, *, tools: Sequence[str] = T
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     common.print_rows(f"MPI wire-up over SSH: command start to every rank past MPI_Init, "
-                      f"{common.describe(rows)} (dtrain vs mpiexec.hydra)", rows, COLUMNS)
+                      f"{common.describe(rows)} (dtrain, dtrain-openssh, mpiexec.hydra)",
+                      rows, COLUMNS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,12 +94,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--hosts", default="1,2,4,8", help="host counts, e.g. 1,2,4,8")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--per-host", type=int, default=PER_HOST)
+    ap.add_argument("--tools", default=",".join(TOOLS))
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.reps < 1 or args.per_host < 1:
         ap.error("--reps and --per-host must be at least 1")
     try:
         rows = run([int(n) for n in args.hosts.split(",")], args.reps, per_host=args.per_host,
+                   tools=args.tools.split(","),
                    progress=lambda line: print(line, file=sys.stderr, flush=True))
     except common.Skip as why:
         print(f"wireup skipped: {why}", file=sys.stderr)

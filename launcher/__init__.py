@@ -14,6 +14,9 @@ paramiko and subprocess live in the modules marked (adapter).
                  options       SSHOptions, built by the CLI without importing paramiko
                  local         the agent as a local subprocess (adapter)
                  ssh           paramiko connection and agent channel (adapter)
+                 openssh/      --ssh-client openssh: session (one system `ssh` per host, its
+                               errors; adapter), config (`ssh -G` per host and jump hop,
+                               refused as for paramiko)
                  ssh_config    ~/.ssh/config resolution
                  ssh_config_refusal  reading the config as ssh does; refusing local commands
                  ssh_sockets   TCP within ConnectTimeout, ProxyJump tunnels (adapter)

@@ -29,7 +29,7 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Hosts and slots": ("hostfile", "hosts", "include", "exclude", "num_nodes",
                         "nproc_per_node"),
     "SSH": ("ssh_config", "known_hosts", "ssh_accept_new", "ssh_connect_timeout",
-            "ssh_allow_config_exec", "remote_python"),
+            "ssh_allow_config_exec", "ssh_client", "remote_python"),
     "Environment": ("env", "master_addr", "master_port", "chdir"),
     "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run", "status_interval"),
     "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
@@ -100,7 +100,8 @@ def _host_request(kw: dict[str, Any]) -> HostRequest:
 
 def _ssh_options(kw: dict[str, Any]) -> SSHOptions:
     config, known = kw.pop("ssh_config"), kw.pop("known_hosts")
-    return SSHOptions(config_file=Path(config) if config else None,
+    return SSHOptions(client=kw.pop("ssh_client", "paramiko"),
+                      config_file=Path(config) if config else None,
                       known_hosts=Path(known) if known else None,
                       accept_new=kw.pop("ssh_accept_new"),
                       connect_timeout=kw.pop("ssh_connect_timeout"),
@@ -143,6 +144,9 @@ whose name starts with a dash; it is always safe."""
               help="Working directory of the ranks (default: the current one, on every host).")
 @click.option("--remote-python", default=sys.executable, show_default=True,
               help="Interpreter that runs the agent on every host.")
+@click.option("--ssh-client", type=click.Choice(["paramiko", "openssh"]), default="paramiko",
+              show_default=True, help="paramiko in dtrain, or the system `ssh` command (starts "
+              "faster; uses ssh's own config, keys and agent).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",

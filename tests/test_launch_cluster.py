@@ -1,7 +1,8 @@
 """`dtrain launch` across a cluster of network-namespace hosts, each with its own sshd.
 
 After every scenario no process of the job may remain on any host within 10 s
-(`ip netns pids`, minus the host's sshd daemon).
+(`ip netns pids`, minus the host's sshd daemon). The tests marked `CLIENTS` run once with
+paramiko in the head and once with the system `ssh` client (--ssh-client openssh).
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import json
 import select
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.support import PYTHON, REPO, run_dtrain, start_dtrain
+from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env, run_dtrain, start_dtrain
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
+CLIENTS = pytest.mark.parametrize("client", ["paramiko", "openssh"])
 
 
 @pytest.fixture
@@ -34,8 +37,8 @@ def _hostfile(tmp_path: Path, text: str) -> str:
     return str(path)
 
 
-def _ssh(cluster) -> list[str]:
-    return ["--ssh-config", str(cluster.ssh_config)]
+def _ssh(cluster, client: str = "paramiko") -> list[str]:
+    return ["--ssh-config", str(cluster.ssh_config), "--ssh-client", client]
 
 
 def _rank_json(stdout: str) -> dict[int, object]:
@@ -47,9 +50,10 @@ def _rank_json(stdout: str) -> dict[int, object]:
     return out
 
 
-def test_ranks_on_three_hosts_get_their_contract_and_their_host(cluster, tmp_path):
+@CLIENTS
+def test_ranks_on_three_hosts_get_their_contract_and_their_host(cluster, tmp_path, client):
     hf = _hostfile(tmp_path, "node1 slots=2\nnode2 slots=1  # one GPU\nnode3:1\n")
-    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster), "--", PYTHON, PROBE, "env"])
+    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster, client), "--", PYTHON, PROBE, "env"])
     assert res.returncode == 0, res.stderr
     envs = _rank_json(res.stdout)
     expect = {0: ("node1", 0, 0, 2), 1: ("node1", 1, 0, 2), 2: ("node2", 0, 1, 1),
@@ -62,6 +66,19 @@ def test_ranks_on_three_hosts_get_their_contract_and_their_host(cluster, tmp_pat
             str(rank), str(local), str(node), str(local_size))
         assert e["WORLD_SIZE"] == "4"
         assert e["MASTER_ADDR"] == cluster.address("node1")
+
+
+def test_a_launch_over_the_ssh_client_never_imports_paramiko_on_the_head(cluster):
+    res = subprocess.run([PYTHON, "-X", "importtime", *dtrain_cmd(
+        ["launch", "-H", "node1:1,node2:1", *_ssh(cluster, "openssh"), "--", PYTHON, PROBE,
+         "argv", "ok"])[1:]], capture_output=True, text=True, cwd=REPO, env=dtrain_env(),
+        timeout=60)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert list(_rank_json(res.stdout).values()) == [["ok"], ["ok"]]
+    imported = {line.rpartition("|")[2].strip() for line in res.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "launcher.transport.openssh.session" in imported
+    assert not {name for name in imported if name.split(".")[0] in ("paramiko", "cryptography")}
 
 
 def test_awkward_arguments_arrive_byte_exact_over_ssh(cluster):
@@ -84,9 +101,25 @@ def test_unknown_host_key_is_refused_with_its_fingerprint_and_nothing_starts(clu
     assert empty.read_text() == ""
 
 
-def test_accept_new_records_unknown_host_keys_and_launches(cluster, tmp_path):
+def test_unknown_host_key_is_refused_by_the_ssh_client_and_nothing_starts(cluster, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    res = run_dtrain(["launch", "-H", "node1:1,node2:1", *_ssh(cluster, "openssh"),
+                      "--known-hosts", str(empty), "--", PYTHON, PROBE, "sleep", "30"])
+    assert res.returncode == 255, res.stderr
+    [error] = res.stderr.splitlines()  # one error, printed once, for the host that failed first
+    assert any(error.startswith(f"dtrain: error: host key of {host} ({cluster.address(host)}) "
+                                f"is not known [root@{cluster.address(host)}:22]")
+               for host in ("node1", "node2")), error
+    assert "ssh-keyscan" in error and "--ssh-accept-new" in error
+    assert res.stdout == "" and empty.read_text() == ""
+
+
+@CLIENTS
+def test_accept_new_records_unknown_host_keys_and_launches(cluster, tmp_path, client):
     known = tmp_path / "ssh" / "known_hosts"  # does not exist yet: dtrain creates it 0600
-    args = ["launch", "-H", "node1:1,node2:1", *_ssh(cluster), "--known-hosts", str(known)]
+    args = ["launch", "-H", "node1:1,node2:1", *_ssh(cluster, client), "--known-hosts",
+            str(known)]
     res = run_dtrain([*args, "--ssh-accept-new", "--", PYTHON, PROBE, "argv", "ok"])
     assert res.returncode == 0, res.stderr
     assert len(known.read_text().splitlines()) == 2
@@ -107,16 +140,19 @@ def test_unreachable_host_fails_within_the_timeout_and_starts_nothing(cluster, t
     assert not cluster.job_pids("node1") and not cluster.job_pids("node2")
 
 
-def test_refused_port_gives_a_clear_error_at_once(cluster, tmp_path):
+@CLIENTS
+def test_refused_port_gives_a_clear_error_at_once(cluster, tmp_path, client):
     hf = _hostfile(tmp_path, "node1 slots=1\nnode2 slots=1 port=2\n")
     t0 = time.monotonic()
-    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster), "--", PYTHON, PROBE, "sleep", "30"])
+    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster, client), "--", PYTHON, PROBE, "sleep",
+                      "30"])
     assert res.returncode == 255
     assert "refused" in res.stderr and "node2" in res.stderr
     assert time.monotonic() - t0 < 10
 
 
-def test_failed_authentication_gives_a_clear_error(cluster, tmp_path):
+@CLIENTS
+def test_failed_authentication_gives_a_clear_error(cluster, tmp_path, client):
     from testbed.sshd import keygen
 
     stranger = tmp_path / "stranger"
@@ -124,14 +160,15 @@ def test_failed_authentication_gives_a_clear_error(cluster, tmp_path):
     config = cluster.ssh_config.read_text().replace(str(cluster.client_key), str(stranger))
     (tmp_path / "ssh_config").write_text(config)
     res = run_dtrain(["launch", "-H", "node1:1", "--ssh-config", str(tmp_path / "ssh_config"),
-                      "--", PYTHON, PROBE, "sleep", "30"])
+                      "--ssh-client", client, "--", PYTHON, PROBE, "sleep", "30"])
     assert res.returncode == 255
     assert "node1" in res.stderr and "auth" in res.stderr.lower()
 
 
-def test_a_failing_rank_on_one_host_stops_every_host(cluster):
-    res = run_dtrain(["launch", "-H", "node1:2,node2:1,node3:1", *_ssh(cluster), "--grace", "2",
-                      "--", PYTHON, PROBE, "fail", "2", "7"])
+@CLIENTS
+def test_a_failing_rank_on_one_host_stops_every_host(cluster, client):
+    res = run_dtrain(["launch", "-H", "node1:2,node2:1,node3:1", *_ssh(cluster, client),
+                      "--grace", "2", "--", PYTHON, PROBE, "fail", "2", "7"])
     assert res.returncode == 7
     assert "first failure: rank 2@node2: exited with code 7" in res.stderr
 
@@ -143,10 +180,10 @@ def test_a_rank_killed_by_a_signal_stops_every_host(cluster):
     assert "rank 1@node2: killed by SIGSEGV" in res.stderr
 
 
-def _start_sleeping_job(cluster, extra: list[str] = ()) -> object:
+def _start_sleeping_job(cluster, extra: list[str] = (), client: str = "paramiko") -> object:
     """Start 3 ranks (one per host) that each start a child, and wait until all are up."""
-    head = start_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster), *extra,
-                         "--", PYTHON, PROBE, "child", "120"])
+    head = start_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster, client),
+                         *extra, "--", PYTHON, PROBE, "child", "120"])
     up, deadline = 0, time.monotonic() + 30
     while up < 3 and time.monotonic() < deadline:
         ready, _, _ = select.select([head.stdout], [], [], 0.5)
@@ -161,8 +198,9 @@ def _start_sleeping_job(cluster, extra: list[str] = ()) -> object:
     return head
 
 
-def test_ctrl_c_to_the_head_stops_every_host_with_exit_code_130(cluster):
-    head = _start_sleeping_job(cluster)
+@CLIENTS
+def test_ctrl_c_to_the_head_stops_every_host_with_exit_code_130(cluster, client):
+    head = _start_sleeping_job(cluster, client=client)
     try:
         head.send_signal(signal.SIGINT)
         _, err = head.communicate(timeout=30)
@@ -171,8 +209,9 @@ def test_ctrl_c_to_the_head_stops_every_host_with_exit_code_130(cluster):
         head.kill()
 
 
-def test_sigkill_of_the_head_leaves_nothing_on_any_host(cluster):
-    head = _start_sleeping_job(cluster)
+@CLIENTS
+def test_sigkill_of_the_head_leaves_nothing_on_any_host(cluster, client):
+    head = _start_sleeping_job(cluster, client=client)
     head.kill()
     head.communicate(timeout=10)
     assert not cluster.wait_no_job_pids(10)

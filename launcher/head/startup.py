@@ -176,6 +176,8 @@ def _address_of(link: AgentLink) -> str:
 
 
 def _agent_failed(link: AgentLink, what: str, why: str) -> None:
+    if (failure := link.stream.transport_error()) is not None:
+        raise failure
     stderr = link.stderr_text().strip()
     if stderr:
         why += f"; agent stderr: {stderr.splitlines()[-1]}"

@@ -1,4 +1,5 @@
-"""One agent per host over the right transport: a local subprocess or one SSH session.
+"""One agent per host over the right transport: a local subprocess or one SSH session
+(paramiko in the head, or an `ssh` process with --ssh-client openssh).
 
 Each remote host is connected and its agent started in one worker, so a host's agent boots
 while other hosts are still shaking hands. Agents start no rank until told to, so when any
@@ -11,9 +12,9 @@ import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from launcher.errors import ConnectError, UsageError
+from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.selection import HostSlots
 from launcher.transport.local import LocalAgentStream, agent_command
 from launcher.transport.options import SSHOptions
@@ -60,38 +61,52 @@ def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
         for i, h in enumerate(selected) if h.entry.is_local}
     remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
     if remote:
-        if not ssh.allow_config_exec and "invoke" not in sys.modules:
-            # paramiko imports invoke only to run `Match exec` lines, which are refused unless
-            # --ssh-allow-config-exec; blocking that import saves ~0.1 s of every launch.
-            sys.modules["invoke"] = None  # type: ignore[assignment]  # `import` then fails
-        # paramiko is imported only when a remote host needs it
-        from launcher.transport.ssh import SSHConnection, resolve_host
+        entries = [h.entry for _, h in remote]
+        if ssh.client == "openssh":  # `ssh` processes: paramiko is never imported
+            from launcher.transport.openssh import session
 
-        command = shlex.join(agent_command(python))
-        # Every host's ssh config is decided before any connection, so a refused directive is
-        # one error (raised here), not one per host, and nothing connects.
-        resolved = {h.entry.name: resolve_host(h.entry.name, user=h.entry.user,
-                                               port=h.entry.port, opts=ssh)
-                    for _, h in remote}
-
-        def start(host: HostSlots) -> AgentStream | ConnectError:
-            try:
-                conn = SSHConnection.open(resolved[host.entry.name], ssh)
-            except ConnectError as exc:
-                return exc
-            try:
-                stream = conn.exec_stream(command)
-            except ConnectError as exc:
-                conn.close()
-                return exc
-            return stream
-
-        workers = max(1, min(ssh.max_parallel, len(remote)))
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
-            for (i, _), result in zip(remote, pool.map(start, [h for _, h in remote]),
-                                      strict=True):
-                results[i] = result
+            started: Sequence[AgentStream | ConnectError] = session.start_agents(
+                entries, python=python, opts=ssh)
+        else:
+            started = _start_paramiko(entries, python=python, ssh=ssh)
+        for (i, _), result in zip(remote, started, strict=True):
+            results[i] = result
     return [results[i] for i in range(len(selected))]
+
+
+def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
+                    ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+    """One paramiko connection and agent channel per host, ``max_parallel`` at a time."""
+    if not ssh.allow_config_exec and "invoke" not in sys.modules:
+        # paramiko imports invoke only to run `Match exec` lines, which are refused unless
+        # --ssh-allow-config-exec; blocking that import saves ~0.1 s of every launch.
+        sys.modules["invoke"] = None  # type: ignore[assignment]  # `import` then fails
+    # paramiko (and the thread pool) only when a remote host needs it
+    from concurrent.futures import ThreadPoolExecutor
+
+    from launcher.transport.ssh import SSHConnection, resolve_host
+
+    command = shlex.join(agent_command(python))
+    # Every host's ssh config is decided before any connection, so a refused directive is
+    # one error (raised here), not one per host, and nothing connects.
+    resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=ssh)
+                for e in entries}
+
+    def start(entry: HostEntry) -> AgentStream | ConnectError:
+        try:
+            conn = SSHConnection.open(resolved[entry.name], ssh)
+        except ConnectError as exc:
+            return exc
+        try:
+            stream = conn.exec_stream(command)
+        except ConnectError as exc:
+            conn.close()
+            return exc
+        return stream
+
+    workers = max(1, min(ssh.max_parallel, len(entries)))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
+        return list(pool.map(start, entries))
 
 
 def close_streams(streams: Sequence[AgentStream]) -> None:

@@ -13,6 +13,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 
+from launcher.errors import DtrainError
 from launcher.transport.stream import AgentConnection
 
 AGENT_MODULE = "launcher.agent"
@@ -46,7 +47,8 @@ class LocalAgentStream:
         )
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
         self._aborted = False
-        threading.Thread(target=self._collect_stderr, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._collect_stderr, daemon=True)
+        self._stderr_reader.start()
 
     @property
     def pid(self) -> int:
@@ -94,6 +96,10 @@ class LocalAgentStream:
     def stderr_text(self) -> str:
         """The agent's last 200 stderr lines."""
         return "".join(self._stderr)
+
+    def transport_error(self) -> DtrainError | None:
+        """None: a pipe does not fail on its own (`transport.openssh` overrides this)."""
+        return None
 
     def _collect_stderr(self) -> None:
         if self._proc.stderr is None:

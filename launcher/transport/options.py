@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
+
+#: Which SSH client carries the agents: paramiko in the head, or the system `ssh` command.
+SSHClient = Literal["paramiko", "openssh"]
 
 
 @dataclass(frozen=True)
@@ -25,3 +29,4 @@ class SSHOptions:
     allow_config_exec: bool = False      # Match exec, ProxyCommand, ... refused unless True
     handshake_timeout: float = 30.0      # banner + key exchange, whole
     channel_timeout: float = 30.0        # opening a session channel
+    client: SSHClient = "paramiko"       # openssh: `ssh` processes, no paramiko import

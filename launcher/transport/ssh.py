@@ -273,6 +273,10 @@ class SSHAgentStream:
         """What the remote side wrote to stderr (the last 64 KiB), decoded leniently."""
         return self.stderr_bytes().decode("utf-8", errors="replace")
 
+    def transport_error(self) -> ConnectError | None:
+        """None: paramiko's failures are raised while connecting (`SSHConnection.open`)."""
+        return None
+
 
 def open_all(hosts: Sequence[ResolvedHost],
              opts: SSHOptions) -> list[SSHConnection | ConnectError]:

@@ -90,7 +90,7 @@ def _parse(lines: list[ConfigLine], where: str) -> paramiko.SSHConfig:
                            "Fix the line or pass another file with --ssh-config") from None
 
 
-def _origin(lines: list[ConfigLine], key: str, name: str, default: str) -> str:
+def directive_origin(lines: list[ConfigLine], key: str, name: str, default: str) -> str:
     """Which line gave ``name`` its ``key``: the first one that still applies when it is the
     only line setting ``key`` (paramiko's first-value-wins rule, without copying its matching).
     Only called on the refusal path, where no Match exec is left to run."""
@@ -164,7 +164,7 @@ def _resolve(name: str, user: str | None, port: int | None, opts: SSHOptions,
     found = config.lookup(name)
     origin = str(opts.config_file or Path.home() / ".ssh" / "config")
     if not opts.allow_config_exec:
-        refuse_host_commands(name, found, lambda key: _origin(lines, key, name, origin))
+        refuse_host_commands(name, found, lambda key: directive_origin(lines, key, name, origin))
     proxy = command_value(found, "proxycommand")
     hostname = found["hostname"]
     _check_name(hostname, "host name", f"{name} (HostName)", _HOST_OK)

@@ -1,13 +1,16 @@
 """The byte stream to one per-host agent, whatever carries it (a pipe or an SSH channel).
 
-The supervisor only ever sees this protocol; `transport.local` (subprocess) and
-`transport.ssh` (paramiko channel) implement it. The agent command at the other end is a constant
-(`<python> -m launcher.agent`); the job itself travels as data in frames (launcher.wire).
+The supervisor only ever sees this protocol; `transport.local` (subprocess), `transport.ssh`
+(paramiko channel) and `transport.openssh` (an `ssh` process) implement it. The agent command
+at the other end is a constant (`<python> -m launcher.agent`); the job itself travels as data
+in frames (launcher.wire).
 """
 
 from __future__ import annotations
 
 from typing import Protocol
+
+from launcher.errors import DtrainError
 
 
 class AgentConnection(Protocol):
@@ -57,3 +60,7 @@ class AgentStream(Protocol):
 
     def stderr_text(self) -> str:
         """The last of what the agent wrote to stderr (its startup traceback, for errors)."""
+
+    def transport_error(self) -> DtrainError | None:
+        """Why the stream closed before the agent spoke when the transport itself failed
+        (an `ssh` process's own error); None otherwise (the agent's stderr tells)."""
