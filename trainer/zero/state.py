@@ -2,9 +2,9 @@
 
 A checkpoint of a ``--zero 1`` run holds exactly what a ``--zero 0`` run's holds: the model
 state with the full fp32 (main) weights and torch AdamW's state dict over the whole model (one
-``exp_avg`` and ``exp_avg_sq`` per parameter, indexed as `trainer.optim.param_groups` orders
-them). Saving all-gathers each bucket's shards over DP (collective; DP rank 0 keeps and writes
-them, so it briefly holds the whole state, as a zero 0 rank always does); loading
+``exp_avg`` and ``exp_avg_sq`` per parameter, indexed as `trainer.optim.optimizer.param_groups`
+orders them). Saving all-gathers each bucket's shards over DP (collective; DP rank 0 keeps and
+writes them, so it briefly holds the whole state, as a zero 0 rank always does); loading
 is `ZeroOptimizer` slicing its pieces out of the restored full state (every rank reads the
 whole optimizer file, keeps its pieces and drops the rest). So the shard layout is
 re-derived on every start: a run resumes at any dp, with or without ZeRO, and at the same dp

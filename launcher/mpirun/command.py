@@ -3,7 +3,7 @@
 For Open MPI clusters (Open MPI 5 speaks only PMIx, not the PMI-1 dtrain serves) and for sites
 that want their MPI's own launcher. MPICH Hydra gets `-hosts h:n,... -genv K V`, Open MPI gets
 `--hostfile F --map-by slot -x K=V`. Rank variables (RANK, LOCAL_RANK...) cannot be set per rank
-by these launchers, so the program runs under `python -m launcher.rankshim --`, which derives
+by these launchers, so the program runs under `python -m launcher.mpirun.rankshim --`, which derives
 them from the MPI launcher's own variables, sets GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME per host
 and makes a failing rank end the whole job (see its docstring), as dtrain's agents do.
 
@@ -100,7 +100,7 @@ def build_command(plan: JobPlan, rendezvous: Rendezvous, *, mpirun: str, flavour
                              f"host {hp.entry.name}", "MPI launchers cannot give each host its "
                              "own CUDA_VISIBLE_DEVICES", "use the default SSH launcher for "
                              "--include/--exclude of GPU slots")
-    program = (python, "-m", "launcher.rankshim", "--", *plan.argv)
+    program = (python, "-m", "launcher.mpirun.rankshim", "--", *plan.argv)
     env = shared_env(plan, rendezvous)
     n = str(plan.world_size)
     if flavour == "hydra":
@@ -136,8 +136,8 @@ def run_command(cmd: MpiCommand, *, timeout: float | None = None, grace: float =
             with open(path, "w") as f:
                 f.write(cmd.hostfile_text)
             argv = [path if a == "{hostfile}" else a for a in argv]
+        from launcher.mpirun.rankshim import die_with_parent
         from launcher.plan.environment import scrub
-        from launcher.rankshim import die_with_parent
 
         # A SIGKILLed head must not leave the MPI launcher behind: SIGTERM makes it end the job.
         proc = subprocess.Popen(argv, env=scrub(os.environ),

@@ -36,7 +36,7 @@ import torch
 from trainer import checkpoint
 from trainer.checkpoint import Checkpoint, CheckpointDamaged, CheckpointError
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.config import TrainConfig
+from trainer.config.options import TrainConfig
 
 #: Options that steer one invocation rather than the training math (not reported on resume).
 RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "save_every", "keep",

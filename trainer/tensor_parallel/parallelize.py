@@ -28,7 +28,9 @@ from __future__ import annotations
 from functools import partial
 
 from trainer.comm.bootstrap import ParallelGroups
-from trainer.model import GPT, MLP, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.model.layers import MLP
 from trainer.tensor_parallel.cross_entropy import mean_vocab_parallel_cross_entropy
 from trainer.tensor_parallel.layers import (
     ColumnParallelLinear,

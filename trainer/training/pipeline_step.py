@@ -11,7 +11,7 @@ it hands the forward and backward of the step's microbatches to a `Pipeline`:
 2. `Pipeline.sync_tied_grads`: the tied embedding's gradient is summed over the embedding group
    (the first and the last stage of this pipeline) so both copies get the serial gradient.
 3. `Pipeline.norm_scope`: the global gradient norm is summed over TP (by the caller's scope)
-   and PP, the tied copy on the last stage not counted (`trainer.grad_clip`).
+   and PP, the tied copy on the last stage not counted (`trainer.optim.grad_clip`).
 4. `Pipeline.reduce_loss`: the loss lives on the last stage. It is averaged over DP there and
    broadcast over the pipeline, so *every* rank returns the step's loss and global rank 0 (the
    first stage) logs it like any other run.
@@ -40,10 +40,11 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
-from trainer.config import TrainConfig
-from trainer.data_parallel import DataParallel
-from trainer.grad_clip import NormScope
-from trainer.model import GPT
+from trainer.config.options import TrainConfig
+from trainer.data_parallel.grad_sync import DataParallel
+from trainer.model.gpt import GPT
+from trainer.model.precision import at_least_fp32
+from trainer.optim.grad_clip import NormScope
 from trainer.pipeline.actions import Action
 from trainer.pipeline.check import check_schedule
 from trainer.pipeline.partition import StageLayout, describe
@@ -51,7 +52,6 @@ from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_sch
 from trainer.pipeline.schedule import build, chunks_of
 from trainer.pipeline.stages import Batch, GPTStage, tied_weight
 from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
-from trainer.precision import at_least_fp32
 
 TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
 

@@ -5,9 +5,9 @@
 What is bf16: the model's parameters, so every matmul, its activations, the tensors that cross
 pipeline stages and the per-microbatch gradients autograd produces. What is fp32: the *main*
 parameters (one fp32 copy of every parameter, which AdamW steps), the *main* gradients (the DP
-buffer of `trainer.data_parallel`, where each bf16 microbatch gradient is accumulated in fp32),
-AdamW's moments, the gradient norm and clipping, the loss and the cross-entropy softmax
-(`trainer.precision.at_least_fp32`). The DP all-reduce runs on the fp32 main gradients, or in
+buffer of `trainer.data_parallel.grad_sync`, where each bf16 microbatch gradient is accumulated in
+fp32), AdamW's moments, the gradient norm and clipping, the loss and the cross-entropy softmax
+(`trainer.model.precision.at_least_fp32`). The DP all-reduce runs on the fp32 main gradients, or in
 bf16 with ``--grad-reduce-dtype bf16`` (half the bytes; each bucket is rounded to bf16 first).
 
 A step: DP averages the main gradients; `MainParams.grads` hands them to the fp32 copies as
@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainer.grad_clip import NormScope
+from trainer.optim.grad_clip import NormScope
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

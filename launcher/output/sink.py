@@ -1,8 +1,8 @@
 """The ranks' output on the head: `[rank@host]` prefixes, raw passthrough, per-rank log files.
 
 `OutputSink` formats; it is driven by one thread only, the head's output writer
-(`launcher.head.writer`), which calls `write` for each chunk of a batch and then `commit`, so
-each batch is one write per stream. Lines are cut by `launcher.head.lines` (linear time, a
+(`launcher.output.writer`), which calls `write` for each chunk of a batch and then `commit`, so
+each batch is one write per stream. Lines are cut by `launcher.output.lines` (linear time, a
 1 MiB line cap) and a block of whole lines of one rank is never interleaved with another
 rank's bytes, in every mode:
 
@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
-from launcher.head.lines import LineSplitter, prefix_lines
+from launcher.output.lines import LineSplitter, prefix_lines
 
 TAIL_LINES = 20
 TAIL_BYTES = 64 * 1024

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.metrics import METRICS_FILE, read_records
 from trainer.moe.layer import moe_layers
+from trainer.training.metrics import METRICS_FILE, read_records
 
 PLOT_FILE = "expert_load.png"
 

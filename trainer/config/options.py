@@ -21,16 +21,16 @@ from typing import Any
 
 from trainer.activations.options import check_activation_options
 from trainer.comm.bootstrap import BACKENDS
-from trainer.config_file import load_toml
-from trainer.config_help import HELP
-from trainer.data import DEFAULT_VAL_FRACTION
+from trainer.config.help import HELP
+from trainer.config.toml_file import load_toml
+from trainer.data.corpus import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
-from trainer.model import PRESETS, GPTConfig
+from trainer.model.config import PRESETS, GPTConfig
 from trainer.moe.checks import check_combinations, check_layout
-from trainer.parallelize import check_divisible
 from trainer.pipeline.partition import parse_counts, stage_counts
 from trainer.pipeline.schedule import ScheduleError, check_interleaving
+from trainer.tensor_parallel.parallelize import check_divisible
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("auto", "fp32", "bf16")

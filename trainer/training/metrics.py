@@ -7,7 +7,7 @@ learning rate on a second axis. Communication time is split as in `trainer.comm.
 ``comm_exposed_s`` (the step waited on it) and ``comm_total_s`` (exposed plus what overlapped
 compute, so never below the exposed time), over the DP, TP and PP groups. A resumed run first
 drops the lines after its checkpoint step, so the file always describes one consistent history.
-Each console line can show the interval's MFU (`trainer.flops`). The console shows a rich
+Each console line can show the interval's MFU (`trainer.model.flops`). The console shows a rich
 progress bar on a terminal and plain lines otherwise (e.g. when a launcher relays the output).
 """
 
@@ -54,7 +54,7 @@ class StepRecord:
     """Rank 0's peak memory during this step: CUDA max allocated, else peak RSS
     (`trainer.zero.memory.PeakMemory`)."""
     moe: dict[str, Any] | None = None
-    """Expert load per MoE layer (`trainer.moe.load`); None for a dense model."""
+    """Expert load per MoE layer (`trainer.training.expert_load`); None for a dense model."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -173,7 +173,7 @@ class MetricsLog:
 
 def summarize(window: list[StepRecord], mfu: Callable[[float], float] | None = None) -> str:
     """One log line for an interval: last step and loss, mean throughput (and the MFU that
-    ``mfu`` gives for it, `trainer.flops`) and time split."""
+    ``mfu`` gives for it, `trainer.model.flops`) and time split."""
     last, n = window[-1], len(window)
     step_s = sum(r.step_s for r in window)
     tokens = sum(r.tokens for r in window)

@@ -5,7 +5,7 @@ kernel queued before it, so the host can no longer run ahead of the GPU. A step 
 keeps its loss (accumulated over the microbatches as a tensor) and its gradient norm on the
 device (`PendingStep`); `read` turns a whole logging interval of them into `StepRecord`s with
 one transfer. The only read inside a step is the one bool the divergence guard needs before
-the optimizer may step (`trainer.guard`), as Megatron reads its found-inf flag.
+the optimizer may step (`trainer.training.guard`), as Megatron reads its found-inf flag.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from trainer.metrics import StepRecord
+from trainer.training.metrics import StepRecord
 
 
 @dataclass(frozen=True)

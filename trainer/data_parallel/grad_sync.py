@@ -50,9 +50,9 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
-from trainer.dp_buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
+from trainer.data_parallel.buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
 from trainer.errors import TrainerError
-from trainer.precision import main_grad_dtype
+from trainer.model.precision import main_grad_dtype
 
 
 class GradSyncError(TrainerError):

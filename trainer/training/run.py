@@ -11,20 +11,17 @@ from typing import Any
 
 import torch
 
-from trainer import startup
 from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_groups
-from trainer.config import TrainConfig
+from trainer.config.options import TrainConfig
 from trainer.construction import build_rank_model
-from trainer.data import BatchPlan, Corpus, ShardedBatches
-from trainer.data_parallel import DataParallel
+from trainer.data.batches import BatchPlan, ShardedBatches
+from trainer.data.corpus import Corpus
+from trainer.data_parallel.grad_sync import DataParallel
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
-from trainer.grad_clip import NormScope, tp_scope
-from trainer.guard import StepGuard
-from trainer.mixed_precision import DTYPES, MainParams, model_dtype
-from trainer.model import GPT
+from trainer.model.gpt import GPT
 from trainer.moe.parallel import (
     ExpertDataParallel,
     ExpertGroups,
@@ -32,16 +29,20 @@ from trainer.moe.parallel import (
     checkpoint_writers,
     ep_scope,
 )
-from trainer.optim import Schedule, build_optimizer
-from trainer.parallelize import parallelize
+from trainer.optim.grad_clip import NormScope, tp_scope
+from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
+from trainer.optim.optimizer import Schedule, build_optimizer
 from trainer.pipeline.stages import build_stage_model, tied_weight
-from trainer.pipeline.train_step import (
+from trainer.tensor_parallel.parallelize import parallelize
+from trainer.tensor_parallel.random import RNGStatesTracker
+from trainer.training import startup
+from trainer.training.guard import StepGuard
+from trainer.training.pipeline_step import (
     Pipeline,
     build_pipeline,
     stage_layout,
 )
-from trainer.resume import restore
-from trainer.tensor_parallel.random import RNGStatesTracker
+from trainer.training.resume import restore
 from trainer.zero import ZeroOptimizer, build_zero
 
 
@@ -73,7 +74,7 @@ class Run:
     clock: CommClock = field(default_factory=CommClock)
     """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
     main: MainParams | ZeroOptimizer | None = None
-    """The fp32 main parameters under ``--precision bf16`` (`trainer.mixed_precision`), or
+    """The fp32 main parameters under ``--precision bf16`` (`trainer.optim.mixed_precision`), or
     under ``--zero 1`` the sharded optimizer, which has the same interface."""
     zero: ZeroOptimizer | None = None
     """The ZeRO-1 optimizer (``--zero 1``, `trainer.zero`), else None."""
@@ -119,7 +120,7 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
     if cfg.gpt.moe_experts:
-        # Per-rank construction does not cover experts yet (trainer.config refuses SP and
+        # Per-rank construction does not cover experts yet (trainer.config.options refuses SP and
         # recompute with them): the model is built whole, then cut and sharded.
         model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
                  GPT(cfg.gpt, seed=cfg.seed)).to(device)

@@ -1,4 +1,4 @@
-"""`python -m launcher.rankshim -- PROGRAM ARGS`: one rank of `dtrain launch --launcher mpirun`.
+"""`python -m launcher.mpirun.rankshim -- PROGRAM ARGS`: one rank under `--launcher mpirun`.
 
 MPI launchers start the program with their own variables only, so this shim, started by them
 in place of the program, gives the rank what dtrain's own agents give it:
@@ -80,7 +80,7 @@ def run(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        raise SystemExit("usage: python -m launcher.rankshim -- PROGRAM [ARGS...]")
+        raise SystemExit("usage: python -m launcher.mpirun.rankshim -- PROGRAM [ARGS...]")
     try:
         env = rank_environment(os.environ)
     except workerenv.ContractError as exc:

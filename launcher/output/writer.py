@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from launcher.head.output import OutputSink
+from launcher.output.sink import OutputSink
 
 QUEUE_BYTES = 4 * 1024 * 1024
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.model import NORMS, GPTConfig
+from trainer.model.config import NORMS, GPTConfig
 
 #: bf16 dense peak TFLOP/s of one GPU (vendor data sheets: H100 SXM and H200 989, A100 312).
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}

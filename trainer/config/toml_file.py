@@ -1,4 +1,4 @@
-"""The ``--config FILE`` half of `trainer.config`: a TOML file read with every key and type
+"""The ``--config FILE`` half of `trainer.config.options`: a TOML file read with every key and type
 checked, so a typo never becomes a silently ignored setting.
 
     python -m trainer.train --config run.toml        # model fields go in a [gpt] table

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.precision import at_least_fp32
+from trainer.model.precision import at_least_fp32
 from trainer.tensor_parallel.sharding import shard_spec
 
 Counts = Callable[[nn.Parameter], bool]

@@ -1,12 +1,12 @@
-"""The help text of every training option (`trainer.config`), one line of ``--help`` each.
+"""The help text of every training option (`trainer.config.options`), one line of ``--help`` each.
 
 Kept apart from the option checks so that each file stays readable; the keys are the field
-names of `trainer.config.TrainConfig`, and a test checks that every field has one.
+names of `trainer.config.options.TrainConfig`, and a test checks that every field has one.
 """
 
 from __future__ import annotations
 
-from trainer.model import PRESETS
+from trainer.model.config import PRESETS
 
 HELP: dict[str, str] = {
     "model": "model size preset: " + ", ".join(PRESETS),
@@ -39,7 +39,7 @@ HELP: dict[str, str] = {
     "bucket_size": "DP gradient bucket size in elements",
     "overlap": "overlap DP gradient all-reduce with backward",
     "precision": "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16: bf16 weights and activations "
-                 "with fp32 main weights, gradients and optimizer (trainer.mixed_precision)",
+                 "with fp32 main weights, gradients and optimizer (trainer.optim.mixed_precision)",
     "grad_reduce_dtype": "dtype of the DP gradient all-reduce: fp32 (the main gradients as they "
                          "are) or bf16 (half the bytes; each bucket rounded first)",
     "compile": "torch.compile every transformer block (checked at start-up; where it cannot "

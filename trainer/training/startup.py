@@ -4,7 +4,7 @@ and a failure is printed once per job, not once per rank.
 Two phases, each ended by `agree` on ``MPI_COMM_WORLD`` (an allgather of every rank's failure,
 or None):
 
-1. the options: argparse, the TOML file, `trainer.config` validation (including whether the
+1. the options: argparse, the TOML file, `trainer.config.options` validation (including whether the
    model splits over ``--tp`` and ``--pp``). Only rank 0 (``RANK``/``PMI_RANK`` of the
    environment) lets argparse print usage and help; the other ranks parse quietly.
 2. the world and the data (`prepare`): joining the job, the layout against the number of ranks,
@@ -32,8 +32,9 @@ import torch
 
 from trainer.comm.bootstrap import World, import_mpi, init
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.config import TrainConfig, parse_args, resolve_dp
-from trainer.data import Corpus, check_splits, check_vocab, load_corpus
+from trainer.config.options import TrainConfig, parse_args, resolve_dp
+from trainer.data.batches import check_splits
+from trainer.data.corpus import Corpus, check_vocab, load_corpus
 from trainer.errors import BootstrapError, TrainerError
 
 T = TypeVar("T")
