@@ -81,7 +81,7 @@ def throughput(world: Any, *, model: str, max_batch: int, steps: int, warmup: in
 
 def cpu_precision(world: Any, *, steps: int, warmup: int) -> Row:
     """bf16 / fp32 step time of the dtrain path on the CPU (the tiny model)."""
-    from trainer.comm.mpi import MpiCommunicator
+    from trainer.comm.mpi.communicator import MpiCommunicator
 
     cpu_world = replace(world, device=torch.device("cpu"),
                         comm=MpiCommunicator(world.mpi_comm.Split(world.rank, 0), "cpu"))

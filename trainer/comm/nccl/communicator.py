@@ -1,6 +1,6 @@
 """`Communicator` over nccl4py (``import nccl.core``) for CUDA tensors.
 
-nccl4py is imported lazily (`trainer.comm.nccl_setup`), so this module imports on a machine
+nccl4py is imported lazily (`trainer.comm.nccl.setup`), so this module imports on a machine
 without it or without a GPU; using the backend there raises a `BootstrapError` with the fix.
 
 The pitfalls of nccl4py (reference/training.md §4) and how this module meets them:
@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.comm import checks
-from trainer.comm.nccl_setup import import_nccl, nccl_version, share_unique_id
+from trainer.comm.nccl.buffers import NcclHandle, Staged, row_slices
+from trainer.comm.nccl.setup import import_nccl, nccl_version, share_unique_id
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.errors import CommError
 
@@ -43,44 +44,6 @@ if TYPE_CHECKING:  # the communicator is handed in; mpi4py is imported by bootst
 __all__ = ["NcclCommunicator", "NcclHandle", "import_nccl", "nccl_version", "share_unique_id"]
 
 _UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
-
-
-class NcclHandle:
-    """Work enqueued on the side stream; ``wait()`` orders the current stream after it."""
-
-    def __init__(self, event: torch.cuda.Event, device: torch.device, keep: object,
-                 finish: Callable[[], None]) -> None:
-        self._event: torch.cuda.Event | None = event
-        self._device, self._keep, self._finish = device, keep, finish
-
-    def wait(self) -> None:
-        if self._event is None:
-            return
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-        self._finish()  # copy-back of staged tensors, on the current stream after the event
-        self._event = self._keep = None
-
-    def is_completed(self) -> bool:
-        return self._event is None or bool(self._event.query())
-
-
-class _Staged:
-    """A contiguous tensor NCCL can take, and the copy back to a strided original."""
-
-    def __init__(self, t: torch.Tensor, *, copy: bool = False) -> None:
-        self.user = t.detach()
-        contiguous = self.user.is_contiguous() and not copy
-        self.work = self.user if contiguous else self.user.clone(
-            memory_format=torch.contiguous_format)
-
-    def copy_back(self) -> None:
-        if self.work is not self.user:
-            self.user.copy_(self.work)
-
-
-def _row_slices(t: torch.Tensor, rows: Sequence[int]) -> list[torch.Tensor]:
-    """Consecutive dim-0 blocks of a contiguous tensor (each contiguous too)."""
-    return list(torch.split(t, list(rows), dim=0))
 
 
 class NcclCommunicator:
@@ -133,7 +96,7 @@ class NcclCommunicator:
     ) -> Handle | None:
         self._check("all_reduce", t)
         checks.check_reduce("all_reduce", self._where(), t, op)
-        s = _Staged(t)
+        s = Staged(t)
         nop = self._op(op)
         return self._launch(
             lambda st: self._comm.allreduce(s.work, s.work, nop, stream=st),
@@ -145,9 +108,9 @@ class NcclCommunicator:
     ) -> Handle | None:
         self._check("all_gather", out, inp)
         checks.check_gather("all_gather", self._where(), out, inp, self._size)
-        so = _Staged(out)
+        so = Staged(out)
         in_place = checks.is_own_block(out, inp, self._rank)
-        si = _Staged(inp, copy=not in_place and checks.overlaps(out, inp))
+        si = Staged(inp, copy=not in_place and checks.overlaps(out, inp))
         return self._launch(
             lambda st: self._comm.allgather(si.work, so.work, stream=st),
             [so.user, so.work, si.work], so.copy_back, async_op,
@@ -164,9 +127,9 @@ class NcclCommunicator:
         self._check("reduce_scatter", out, inp)
         checks.check_reduce("reduce_scatter", self._where(), inp, op)
         checks.check_scatter("reduce_scatter", self._where(), out, inp, self._size)
-        si = _Staged(inp)
+        si = Staged(inp)
         in_place = checks.is_own_block(inp, out, self._rank)  # NCCL's in-place layout
-        so = _Staged(out, copy=not in_place and checks.overlaps(out, inp))
+        so = Staged(out, copy=not in_place and checks.overlaps(out, inp))
         nop = self._op(op)
         return self._launch(
             lambda st: self._comm.reduce_scatter(si.work, so.work, nop, stream=st),
@@ -176,7 +139,7 @@ class NcclCommunicator:
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
         self._check("broadcast", t)
         checks.check_peer("broadcast", self._where(), src, self._size, "src")
-        s = _Staged(t)
+        s = Staged(t)
         return self._launch(
             lambda st: self._comm.broadcast(s.work, s.work, src, stream=st),
             [s.user, s.work], s.copy_back, async_op,
@@ -194,9 +157,9 @@ class NcclCommunicator:
         self._check("all_to_all", out, inp)
         sends, recvs = checks.check_all_to_all(
             self._where(), out, inp, self._size, in_splits, out_splits)
-        si = _Staged(inp, copy=checks.overlaps(out, inp))
-        so = _Staged(out)
-        send_rows, recv_rows = _row_slices(si.work, sends), _row_slices(so.work, recvs)
+        si = Staged(inp, copy=checks.overlaps(out, inp))
+        so = Staged(out)
+        send_rows, recv_rows = row_slices(si.work, sends), row_slices(so.work, recvs)
 
         def enqueue(stream: int) -> None:
             # Grouped send/recv is how NCCL does uneven all-to-all (torch's all_to_all_single
@@ -221,12 +184,12 @@ class NcclCommunicator:
     def send(self, t: torch.Tensor, dst: int) -> None:
         self._check("send", t)
         checks.check_peer("send", self._where(), dst, self._size, "dst")
-        self._comm.send(_Staged(t).work, dst, stream=self._current())
+        self._comm.send(Staged(t).work, dst, stream=self._current())
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         self._check("recv", t)
         checks.check_peer("recv", self._where(), src, self._size, "src")
-        s = _Staged(t)
+        s = Staged(t)
         self._comm.recv(s.work, src, stream=self._current())
         s.copy_back()
 
@@ -238,7 +201,7 @@ class NcclCommunicator:
             checks.check_peer("batch_p2p", loc, op.peer, self._size)
         if not ops:
             return [DoneHandle()]
-        staged = [(op, _Staged(op.tensor)) for op in ops]
+        staged = [(op, Staged(op.tensor)) for op in ops]
 
         def enqueue(stream: int) -> None:
             with self._nccl.group():  # paired sends and receives progress together

@@ -24,72 +24,28 @@ compute is partial on CPU; correctness does not depend on it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from mpi4py import MPI
 
 from trainer.comm import checks
+from trainer.comm.mpi.buffers import MpiHandle, Staged, nothing, vector
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.errors import CommError
 
 if TYPE_CHECKING:
-    from mpi4py.typing import BufSpec, BufSpecV, InPlace
+    from mpi4py.typing import BufSpec, InPlace
 
 _TAG = 0  # one tag for every p2p message: pairs match in posting order, as in NCCL
-_UPCAST = (torch.float16, torch.bfloat16)
-_AS_INT16 = (torch.float16, torch.bfloat16)  # moved bit for bit, never reduced as-is
 _REDUCIBLE = (
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64,
 )
 _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN,
             ReduceOp.AVG: MPI.SUM}
-
-
-class _Staged:
-    """A tensor as MPI sees it (contiguous, a dtype MPI handles) and the way back to the user's."""
-
-    def __init__(self, t: torch.Tensor, *, reduce: bool = False, copy: bool = False) -> None:
-        self.user = t.detach()
-        if reduce and self.user.dtype in _UPCAST:
-            self.work = self.user.to(torch.float32, memory_format=torch.contiguous_format)
-        elif copy or not self.user.is_contiguous():
-            self.work = self.user.clone(memory_format=torch.contiguous_format)
-        else:
-            self.work = self.user
-        self.copied = self.work is not self.user
-        moved = self.work.view(torch.int16) if self.work.dtype in _AS_INT16 else self.work
-        self.buf = moved.numpy()
-
-    def copy_back(self) -> None:
-        if self.copied:
-            self.user.copy_(self.work)
-
-
-class MpiHandle:
-    """Nonblocking MPI requests plus the step that completes the result (copy-back, AVG)."""
-
-    def __init__(
-        self, requests: list[MPI.Request], finish: Callable[[], None], keep: object = None
-    ) -> None:
-        self._requests = requests
-        self._finish: Callable[[], None] | None = finish
-        self._keep = keep  # buffers MPI still reads (a send's staging copy)
-
-    def wait(self) -> None:
-        if self._finish is None:
-            return
-        MPI.Request.Waitall(self._requests)
-        finish, self._finish = self._finish, None
-        finish()
-        self._requests, self._keep = [], None  # drop the buffers only once MPI is done
-
-    def is_completed(self) -> bool:
-        return self._finish is None or MPI.Request.Testall(self._requests)
 
 
 class MpiCommunicator:
@@ -129,7 +85,7 @@ class MpiCommunicator:
         self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *, async_op: bool = False
     ) -> Handle | None:
         self._check_reduce("all_reduce", t, op)
-        s = _Staged(t, reduce=True)
+        s = Staged(t, reduce=True)
         mop = _MPI_OPS[op]
         return self._run(
             lambda: self._comm.Allreduce(MPI.IN_PLACE, s.buf, mop),
@@ -144,12 +100,12 @@ class MpiCommunicator:
         for t in (out, inp):
             checks.check_device("all_gather", loc, t, "cpu")
         checks.check_gather("all_gather", loc, out, inp, self._size)
-        so = _Staged(out)
+        so = Staged(out)
         send: BufSpec | InPlace
         if checks.is_own_block(out, inp, self._rank) and not so.copied:
             send = MPI.IN_PLACE  # Megatron's param all-gather: the shard is a view of the buffer
         else:
-            send = _Staged(inp, copy=checks.overlaps(out, inp)).buf
+            send = Staged(inp, copy=checks.overlaps(out, inp)).buf
         return self._run(
             lambda: self._comm.Allgather(send, so.buf),
             lambda: self._comm.Iallgather(send, so.buf),
@@ -169,8 +125,8 @@ class MpiCommunicator:
             checks.check_device("reduce_scatter", loc, t, "cpu")
         self._check_reduce("reduce_scatter", inp, op)
         checks.check_scatter("reduce_scatter", loc, out, inp, self._size)
-        si = _Staged(inp, reduce=True)
-        so = _Staged(out, reduce=True, copy=checks.overlaps(out, inp))
+        si = Staged(inp, reduce=True)
+        so = Staged(out, reduce=True, copy=checks.overlaps(out, inp))
         mop = _MPI_OPS[op]
         return self._run(
             lambda: self._comm.Reduce_scatter_block(si.buf, so.buf, mop),
@@ -182,7 +138,7 @@ class MpiCommunicator:
         loc = self._where()
         checks.check_device("broadcast", loc, t, "cpu")
         checks.check_peer("broadcast", loc, src, self._size, "src")
-        s = _Staged(t)
+        s = Staged(t)
         return self._run(
             lambda: self._comm.Bcast(s.buf, root=src),
             lambda: self._comm.Ibcast(s.buf, root=src),
@@ -202,10 +158,10 @@ class MpiCommunicator:
         for t in (out, inp):
             checks.check_device("all_to_all", loc, t, "cpu")
         sends, recvs = checks.check_all_to_all(loc, out, inp, self._size, in_splits, out_splits)
-        si = _Staged(inp, copy=checks.overlaps(out, inp))
-        so = _Staged(out)
+        si = Staged(inp, copy=checks.overlaps(out, inp))
+        so = Staged(out)
         row = math.prod(inp.shape[1:])  # elements per row, of the dtype MPI sees (bf16: int16)
-        send, recv = _vector(si.buf, sends, row), _vector(so.buf, recvs, row)
+        send, recv = vector(si.buf, sends, row), vector(so.buf, recvs, row)
         return self._run(
             lambda: self._comm.Alltoallv(send, recv),
             lambda: self._comm.Ialltoallv(send, recv),
@@ -221,13 +177,13 @@ class MpiCommunicator:
         loc = self._where()
         checks.check_device("send", loc, t, "cpu")
         checks.check_peer("send", loc, dst, self._size, "dst")
-        self._comm.Send(_Staged(t).buf, dest=dst, tag=_TAG)
+        self._comm.Send(Staged(t).buf, dest=dst, tag=_TAG)
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         loc = self._where()
         checks.check_device("recv", loc, t, "cpu")
         checks.check_peer("recv", loc, src, self._size, "src")
-        s = _Staged(t)
+        s = Staged(t)
         self._comm.Recv(s.buf, source=src, tag=_TAG)
         s.copy_back()
 
@@ -239,10 +195,10 @@ class MpiCommunicator:
             checks.check_peer("batch_p2p", loc, op.peer, self._size)
         handles: list[Handle] = []
         for op in ops:
-            s = _Staged(op.tensor)
+            s = Staged(op.tensor)
             if op.kind == "send":
                 req = self._comm.Isend(s.buf, dest=op.peer, tag=_TAG)
-                handles.append(MpiHandle([req], _nothing, keep=s))
+                handles.append(MpiHandle([req], nothing, keep=s))
             else:
                 req = self._comm.Irecv(s.buf, source=op.peer, tag=_TAG)
                 handles.append(MpiHandle([req], s.copy_back))
@@ -274,7 +230,7 @@ class MpiCommunicator:
                 "Convert the tensor to a floating-point or integer dtype first",
             )
 
-    def _finish_reduce(self, s: _Staged, op: ReduceOp) -> None:
+    def _finish_reduce(self, s: Staged, op: ReduceOp) -> None:
         if op is ReduceOp.AVG:
             s.work.div_(self._size)  # in fp32 for fp16/bf16: one rounding, at the copy-back
         s.copy_back()
@@ -291,14 +247,3 @@ class MpiCommunicator:
             finish()
             return None
         return MpiHandle([nonblocking()], finish)
-
-
-def _vector(buf: Any, rows: Sequence[int], row: int) -> BufSpecV:
-    """``buf`` with per-member element counts and displacements, as ``Alltoallv`` takes them."""
-    counts = [n * row for n in rows]
-    displs = list(itertools.accumulate(counts, initial=0))[:-1]
-    return (buf, (counts, displs))
-
-
-def _nothing() -> None:
-    return None
