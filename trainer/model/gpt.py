@@ -42,7 +42,6 @@ def cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Ten
     return F.cross_entropy(at_least_fp32(logits_NV), targets_N)
 
 
-
 def init_rule(name: str, n_layer: int) -> tuple[float, float]:
     """``(fill, std)`` of parameter ``name`` in `GPT.init_weights`: ``std`` 0 means the
     constant ``fill`` (biases 0, norm weights 1), otherwise N(0, std) from the init generator.
