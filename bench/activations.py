@@ -19,16 +19,15 @@ rank. Target (issue 13): activation memory with full recompute <= 1/3 of none.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 import weakref
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import rankjobs
+
 WARMUP = 1
 VARIANTS = {"tp2": {}, "tp2+sp": {"sequence_parallel": True},
             "tp2 selective": {"recompute": "selective"}, "tp2 full": {"recompute": "full"},
@@ -123,26 +122,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     world = init(backend=args.backend)
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-act-") as tmp:
         variants = [Variant(args, world, name, f"{tmp}/{i}") for i, name in enumerate(VARIANTS)]
-        for i in range(1, WARMUP + args.steps + 1):
-            for v in variants[i % len(variants):] + variants[:i % len(variants)]:
-                world.comm.barrier()
-                v.step(i, timed=i > WARMUP)
+        rankjobs.interleave(world, variants, warmup=WARMUP, steps=args.steps)
     return {"rank": world.rank, "variants": {v.name: v.steps for v in variants}}
 
 
 def _ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(REPO))
-    from testbed.mpiexec import clean_env, run_mpiexec
-
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-act-out-") as out:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("model", "seq_len", "global_batch", "steps", "backend")]
-        proc = run_mpiexec(2, [sys.executable, "-m", "bench.activations", "--worker", "--out",
-                               out, *flags], timeout=args.timeout, env=clean_env())
-        files = sorted(Path(out).glob("rank*.json"))
-        if proc.returncode != 0 or len(files) != 2:
-            raise RuntimeError(f"bench.activations failed:\n{proc.stdout[-3000:]}")
-        return [json.loads(f.read_text()) for f in files]
+    return rankjobs.rank_results("bench.activations", 2, args,
+                                 ("model", "seq_len", "global_batch", "steps", "backend"))
 
 
 def summarize(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -157,7 +143,7 @@ def summarize(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
 
 def run(**options: Any) -> list[dict[str, Any]]:
     """One row per variant, with memory and time relative to plain tp 2."""
-    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
+    args = parse_args(rankjobs.as_argv(options))
     per_rank = _ranks(args)
     rows = [summarize(per_rank, name) for name in VARIANTS]
     base = rows[0]
@@ -184,22 +170,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=4, help="timed steps (after 1 warmup step)")
     ap.add_argument("--backend", default="mpi", help="mpi (CPU) or nccl (GPU)")
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    rankjobs.add_worker_options(ap, timeout=900)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench import common
-
-    if args.worker:
-        return common.save_rank_result(args.out, worker(args))
-    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
-    return common.report(run(**options), print_table, args.json)
+    return rankjobs.main(parse_args(argv), worker, run, print_table)
 
 
 if __name__ == "__main__":

@@ -37,18 +37,16 @@ Targets from the brief: ours <= 0.8x torch DDP step time; exposed <= 30% of tota
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import common, rankjobs
+
 SIDES = ("ours", "ours-sync", "torch-ddp")
 WARMUP = 2
 
@@ -166,20 +164,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(REPO))
-    from testbed.mpiexec import clean_env, run_mpiexec
+    from testbed.mpiexec import clean_env
 
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-ddp-") as tmp:
-        env = clean_env({"BENCH_PORT": str(_free_port())})
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("model", "seq_len", "global_batch", "microbatches", "bucket_size",
-                          "steps", "d_model", "n_layer")]
-        proc = run_mpiexec(ranks, [sys.executable, "-m", "bench.ddp", "--worker",
-                                   "--out", tmp, *flags], timeout=args.timeout, env=env)
-        files = sorted(Path(tmp).glob("rank*.json"))
-        if proc.returncode != 0 or len(files) != ranks:
-            raise RuntimeError(f"bench.ddp on {ranks} ranks failed:\n{proc.stdout[-3000:]}")
-        return [json.loads(f.read_text()) for f in files]
+    passed = ("model", "seq_len", "global_batch", "microbatches", "bucket_size", "steps",
+              "d_model", "n_layer")
+    return rankjobs.rank_results("bench.ddp", ranks, args, passed,
+                                 env=clean_env({"BENCH_PORT": str(_free_port())}))
 
 
 def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -202,7 +192,7 @@ def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str
 
 def run(ranks: Sequence[int] = (2, 4), **options: Any) -> list[dict[str, Any]]:
     """Every side at every rank count; one row per (ranks, side), plus derived ratios."""
-    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
+    args = parse_args(rankjobs.as_argv(options))
     rows = []
     for n in ranks:
         per_rank = _ranks(n, args)
@@ -246,10 +236,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per bucket")
     ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warmup steps)")
-    ap.add_argument("--timeout", type=float, default=300)
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    rankjobs.add_worker_options(ap, timeout=300)
     return ap.parse_args(argv)
 
 
@@ -261,14 +248,9 @@ def _free_port() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench import common
-
     if args.worker:
         return common.save_rank_result(args.out, worker(args))
-    options = {k: v for k, v in vars(args).items()
-               if k not in ("ranks", "json", "worker", "out")}
-    rows = run([int(n) for n in args.ranks.split(",")], **options)
+    rows = run([int(n) for n in args.ranks.split(",")], **rankjobs.options(args, drop=("ranks",)))
     return common.report(rows, print_table, args.json)
 
 

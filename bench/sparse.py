@@ -27,16 +27,14 @@ Memory: the table shard's bytes on the largest rank against 1/G of the whole, an
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import rankjobs
+
 WARMUP = 1
 SUMMARY_COLUMNS = [("G", "ranks"), ("table rows", "rows"), ("dim", "dim"),
                    ("lookups/s", "lookups_per_s"), ("step ms", "step_ms"),
@@ -126,24 +124,13 @@ def summarize(per_rank: list[dict[str, Any]], args: argparse.Namespace) -> dict[
 
 
 def _ranks(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(REPO))
-    from testbed.mpiexec import clean_env, run_mpiexec
-
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-sparse-") as out:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("rows", "dim", "features", "batch", "steps")]
-        proc = run_mpiexec(n, [sys.executable, "-m", "bench.sparse", "--worker", "--out", out,
-                               *flags], timeout=args.timeout, env=clean_env())
-        files = sorted(Path(out).glob("rank*.json"))
-        if proc.returncode != 0 or len(files) != n:
-            raise RuntimeError(f"bench.sparse on {n} ranks failed:\n{proc.stdout[-3000:]}")
-        return [json.loads(f.read_text()) for f in files]
+    return rankjobs.rank_results("bench.sparse", n, args,
+                                 ("rows", "dim", "features", "batch", "steps"))
 
 
 def run(**options: Any) -> list[dict[str, Any]]:
     """One row per G in ``--worlds``."""
-    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()
-                       if k != "worlds"])
+    args = parse_args(rankjobs.as_argv(options, drop=("worlds",)))
     worlds = options.get("worlds", (1, 2, 4))
     return [summarize(_ranks(g, args), args) for g in worlds]
 
@@ -164,22 +151,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--features", type=int, default=8)
     ap.add_argument("--batch", type=int, default=512, help="click-log rows per rank and step")
     ap.add_argument("--steps", type=int, default=5, help="timed steps (after 1 warmup step)")
-    ap.add_argument("--timeout", type=float, default=900)
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    rankjobs.add_worker_options(ap, timeout=900)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench import common
-
-    if args.worker:
-        return common.save_rank_result(args.out, worker(args))
-    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
-    return common.report(run(**options), print_table, args.json)
+    return rankjobs.main(parse_args(argv), worker, run, print_table)
 
 
 if __name__ == "__main__":

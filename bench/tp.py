@@ -26,16 +26,15 @@ includes waiting for the other rank to arrive, so it is an upper bound of transf
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+from bench import rankjobs
+
 WARMUP = 2
 SUMMARY_COLUMNS = [("layout", "layout"), ("ranks", "ranks"), ("step ms", "step_ms"),
                    ("vs serial", "speedup"), ("TP calls meas", "tp_calls"),
@@ -118,26 +117,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     layouts = [(2, 1), (1, 2)] if world.size == 2 else [(1, 1)]
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-tp-") as tmp:
         sides = [Side(args, world, tp, dp, f"{tmp}/tp{tp}dp{dp}") for tp, dp in layouts]
-        for i in range(1, WARMUP + args.steps + 1):
-            for side in sides[i % len(sides):] + sides[:i % len(sides)]:
-                world.comm.barrier()  # every rank starts the step together
-                side.step(i, timed=i > WARMUP)
+        rankjobs.interleave(world, sides, warmup=WARMUP, steps=args.steps)
     return {"rank": world.rank, "sides": [s.summary() for s in sides]}
 
 
 def _ranks(n: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    sys.path.insert(0, str(REPO))
-    from testbed.mpiexec import clean_env, run_mpiexec
-
-    with tempfile.TemporaryDirectory(prefix="dtrain-bench-tp-out-") as out:
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-                 if k in ("model", "seq_len", "global_batch", "microbatches", "steps")]
-        proc = run_mpiexec(n, [sys.executable, "-m", "bench.tp", "--worker", "--out", out,
-                               *flags], timeout=args.timeout, env=clean_env())
-        files = sorted(Path(out).glob("rank*.json"))
-        if proc.returncode != 0 or len(files) != n:
-            raise RuntimeError(f"bench.tp on {n} ranks failed:\n{proc.stdout[-3000:]}")
-        return [json.loads(f.read_text()) for f in files]
+    return rankjobs.rank_results("bench.tp", n, args,
+                                 ("model", "seq_len", "global_batch", "microbatches", "steps"))
 
 
 def summarize(per_rank: list[dict[str, Any]], index: int) -> dict[str, Any]:
@@ -165,7 +151,7 @@ def summarize(per_rank: list[dict[str, Any]], index: int) -> dict[str, Any]:
 
 def run(**options: Any) -> list[dict[str, Any]]:
     """Rows for tp2, dp2 (2 ranks) and serial (1 process), with the speedup over serial."""
-    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
+    args = parse_args(rankjobs.as_argv(options))
     two = _ranks(2, args)
     rows = [summarize(two, i) for i in range(len(two[0]["sides"]))]
     rows.append(summarize(_ranks(1, args), 0))
@@ -203,23 +189,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--steps", type=int, default=6, help="timed steps (after 2 warmup steps)")
-    ap.add_argument("--timeout", type=float, default=600)
-    ap.add_argument("--json", help="also write the rows to this file")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    rankjobs.add_worker_options(ap, timeout=600)
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from bench import common
-
-    if args.worker:
-        return common.save_rank_result(args.out, worker(args))
-    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
-    rows = run(**options)
-    return common.report(rows, print_table, args.json)
+    return rankjobs.main(parse_args(argv), worker, run, print_table)
 
 
 if __name__ == "__main__":

@@ -45,8 +45,9 @@ def print_plan(plan: JobPlan, *, master: tuple[str | None, int | None], out: Tex
     chosen at start-up, shown as such rather than as a value that would mislead)."""
     head_environ = os.environ if head_environ is None else head_environ
     console = Console(file=out, highlight=False, markup=False, soft_wrap=True, width=160)
-    console.print(f"job {plan.job_id}: {plan.world_size} ranks on {len(plan.hosts)} hosts",
-                  markup=False)
+    n_ranks = "1 rank" if plan.world_size == 1 else f"{plan.world_size} ranks"
+    n_hosts = "1 host" if len(plan.hosts) == 1 else f"{len(plan.hosts)} hosts"
+    console.print(f"job {plan.job_id}: {n_ranks} on {n_hosts}", markup=False)
     console.print(f"command: {shlex.join(plan.argv)}")
     console.print(f"cwd: {plan.cwd}")
     hosts = Table(title="hosts", title_justify="left")

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from testbed.sshd import (
@@ -237,12 +238,7 @@ class NetnsCluster:
 
     def wait_no_job_pids(self, timeout: float) -> dict[str, set[int]]:
         """Wait until no host runs anything but sshd; returns the leftovers ({} when clean)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = {h: pids for h in self.hosts if (pids := self.job_pids(h))}
-            if not left or time.monotonic() >= deadline:
-                return left
-            time.sleep(0.1)
+        return wait_no_pids(self.hosts, self.job_pids, timeout)
 
     # ------------------------------------------------------------ faults
     def link_down(self, host: str) -> None:
@@ -287,3 +283,15 @@ class NetnsCluster:
         self._state.unlink(missing_ok=True)
         shutil.rmtree(self.dir, ignore_errors=True)
         atexit.unregister(self.close)
+
+
+def wait_no_pids(hosts: Iterable[str], pids_of: Callable[[str], set[int]],
+                 timeout: float) -> dict[str, set[int]]:
+    """Poll ``pids_of`` on every host until none has a process left or ``timeout`` passes;
+    returns the leftovers by host ({} when clean)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = {h: pids for h in hosts if (pids := pids_of(h))}
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(0.1)

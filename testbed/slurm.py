@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from testbed.netns import STATE_DIR, NetnsCluster
+from testbed.netns import STATE_DIR, NetnsCluster, wait_no_pids
 from testbed.sshd import free_port, kill_pids, stop_process
 
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "salloc", "scontrol", "scancel")
@@ -203,12 +203,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def wait_no_job_pids(self, timeout: float) -> dict[str, set[int]]:
         """Wait until no host runs anything of a job; returns the leftovers ({} when clean)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            left = {h: pids for h in self.hosts if (pids := self.job_pids(h))}
-            if not left or time.monotonic() >= deadline:
-                return left
-            time.sleep(0.1)
+        return wait_no_pids(self.hosts, self.job_pids, timeout)
 
     # ------------------------------------------------------------ faults
     def start_slurmd(self, host: str) -> None:

@@ -49,7 +49,7 @@ def test_nproc_per_node_below_the_hostfile_slots_wins_with_one_warning(tmp_path)
     res = run_dtrain(["launch", "--dry-run", "-f", str(hostfile), "--nproc-per-node", "2",
                       "--", PYTHON, PROBE, "env"])
     assert res.returncode == 0, res.stderr
-    assert "2 ranks on 1 hosts" in res.stdout
+    assert "2 ranks on 1 host" in res.stdout
     warnings = [x for x in res.stderr.splitlines() if "warning" in x]
     assert warnings == [f"dtrain: warning: --nproc-per-node 2 differs from the host list "
                         f"(localhost slots=4) [{hostfile}:1]: --nproc-per-node wins, using the "

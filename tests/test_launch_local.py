@@ -59,7 +59,7 @@ def test_no_hostfile_runs_n_local_ranks_with_the_torchrun_contract():
         assert e["PROBE_EXTRA"] == "a b=c"
         assert e["CUDA_VISIBLE_DEVICES"] is None
         assert e["scrubbed"] == []
-    assert "3 ranks on 1 hosts exited 0" in res.stderr
+    assert "3 ranks on 1 host exited 0" in res.stderr
 
 
 def test_awkward_arguments_arrive_byte_exact():
@@ -175,7 +175,7 @@ def test_dry_run_prints_hosts_ranks_and_environment_and_starts_nothing(tmp_path)
     res = run_dtrain(["launch", "--dry-run", "--nproc-per-node", "2", "--env", "FOO=bar",
                       "--", PYTHON, PROBE, "env"], env={"PROBE_PID_DIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr
-    assert "2 ranks on 1 hosts" in res.stdout
+    assert "2 ranks on 1 host" in res.stdout
     assert "rank 1@localhost:" in res.stdout and "LOCAL_RANK=1" in res.stdout
     assert "FOO=bar" in res.stdout
     assert not list(tmp_path.glob("*.pid"))

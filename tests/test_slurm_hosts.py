@@ -101,6 +101,20 @@ def test_job_gpu_ids_are_the_physical_devices_of_the_head_node_only():
     assert [(h.entry.name, h.slots) for h in one] == [("gpu01", (5,))]
 
 
+def test_under_constrained_devices_the_head_nodes_gpus_are_numbered_as_the_job_sees_them():
+    # ConstrainDevices: physical GPUs 2,5 are CUDA devices 0,1 inside the job's cgroup.
+    alloc = _alloc(SLURM_JOB_NODELIST="gpu01", SLURM_GPUS_ON_NODE="2", SLURM_JOB_GPUS="2,5",
+                   SLURMD_NODENAME="gpu01", CUDA_VISIBLE_DEVICES="0,1")
+    chosen = with_gpu_ids(select_hosts(list(alloc.entries), include="gpu01:1"), alloc)
+    assert [(h.entry.name, h.slots) for h in chosen] == [("gpu01", (1,))]
+    assert "CUDA_VISIBLE_DEVICES=0,1 (physical SLURM_JOB_GPUS=2,5)" in alloc.entries[0].source
+    # a CUDA_VISIBLE_DEVICES that is not Slurm's list of the job's GPUs is not used
+    for stray in ("0", "GPU-5d2c,GPU-77aa", ""):
+        other = _alloc(SLURM_JOB_NODELIST="gpu01", SLURM_JOB_GPUS="2,5",
+                       SLURMD_NODENAME="gpu01", CUDA_VISIBLE_DEVICES=stray)
+        assert other.gpu_ids == {"gpu01": (2, 5)}, stray
+
+
 def test_the_dry_run_inside_an_allocation_shows_hosts_slots_and_their_source(tmp_path):
     env = {"SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_GPUS_ON_NODE": "2",
            "SLURM_JOB_GPUS": "1,3", "SLURMD_NODENAME": "gpu07"}
@@ -118,7 +132,7 @@ def test_outside_an_allocation_nothing_changes(tmp_path):
     res = run_dtrain(["launch", "--dry-run", "--", "python", "x.py"], cwd=tmp_path,
                      env={"SLURM_JOB_ID": "", "SLURM_JOB_NODELIST": "gpu[07-08]"})
     assert res.returncode == 0, res.stderr
-    assert "1 ranks on 1 hosts" in res.stdout and "localhost" in res.stdout
+    assert "1 rank on 1 host" in res.stdout and "localhost" in res.stdout
     stray = run_dtrain(["launch", "--dry-run", "--", "python", "x.py"], cwd=tmp_path,
                        env={"SLURM_JOB_ID": "1", "SLURM_JOB_NODELIST": "", "SLURM_NODELIST": ""})
     assert stray.returncode == 0 and "localhost" in stray.stdout, stray.stderr

@@ -10,14 +10,18 @@ from launcher.head.outcome import JobOutcome
 MAX_ROWS = 64
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def print_report(outcome: JobOutcome, tail: Callable[[int], list[str]], elapsed: float,
                  stream: TextIO) -> None:
     ranks = sorted(outcome.ranks.values(), key=lambda r: r.rank)
     hosts = {r.host for r in ranks}
     code = outcome.exit_code
     if code == 0:
-        stream.write(f"dtrain: {len(ranks)} ranks on {len(hosts)} hosts exited 0 "
-                     f"in {elapsed:.1f}s\n")
+        stream.write(f"dtrain: {_count(len(ranks), 'rank')} on {_count(len(hosts), 'host')} "
+                     f"exited 0 in {elapsed:.1f}s\n")
         stream.flush()
         return
     # rich only when there is a table to draw: a clean exit should not pay for the import.

@@ -8,12 +8,22 @@ first of these that is set:
     SLURM_GPUS_ON_NODE     GPUs per node (--gpus-per-node, --gres=gpu:N)
     SLURM_JOB_GPUS         the GPUs' physical ids on the node the head runs on
                            (SLURMD_NODENAME; the only node of a one-node job), e.g. 2,3:
-                           its ranks get CUDA_VISIBLE_DEVICES=2,3
+                           its ranks get CUDA_VISIBLE_DEVICES=2,3, or the ids the job sees
+                           (below)
     SLURM_NTASKS_PER_NODE  --ntasks-per-node
     SLURM_TASKS_PER_NODE   the per-node task counts, e.g. 4(x2),2
     (none)                 1 slot per node
 
 Every host's ``source`` says where its name and slots came from; `--dry-run` shows it.
+
+With ``ConstrainDevices=yes`` (cgroup.conf) a job sees only its own GPUs, renumbered from 0:
+physical GPUs 2,3 are CUDA devices 0,1 inside the job, and Slurm sets the batch script's
+CUDA_VISIBLE_DEVICES=0,1 while SLURM_JOB_GPUS stays 2,3 (Slurm's gres guide, "GPU
+Management"). So on the head's node the ids come from the CUDA_VISIBLE_DEVICES Slurm set when it
+lists as many GPUs as SLURM_JOB_GPUS, and from SLURM_JOB_GPUS otherwise: right with and without
+the constraint, for ranks started over SSH into the job's cgroup (pam_slurm_adopt) or as srun
+steps (which get the job's GPUs on the node). Other nodes' ranks keep the CUDA_VISIBLE_DEVICES
+of their srun step, which Slurm numbers the same way.
 """
 
 from __future__ import annotations
@@ -50,12 +60,12 @@ def read_allocation(environ: Mapping[str, str]) -> Allocation:
     var = "SLURM_JOB_NODELIST" if environ.get("SLURM_JOB_NODELIST") else "SLURM_NODELIST"
     nodes = expand_nodelist(environ.get(var, ""), where=f"{var} of Slurm job {job}")
     slots, how = _slots(environ, nodes)
-    ids = _gpu_ids(environ, nodes)
+    ids, ids_from = _gpu_ids(environ, nodes)
     entries = []
     for node, count in zip(nodes, slots, strict=True):
         source = f"Slurm job {job} {var}={environ[var]}; {how}"
         if node in ids:
-            count, source = len(ids[node]), f"{source}; GPU ids SLURM_JOB_GPUS"
+            count, source = len(ids[node]), f"{source}; GPU ids {ids_from}"
         entries.append(HostEntry(node, count, source=source))
     return Allocation(job, tuple(entries), ids)
 
@@ -89,13 +99,20 @@ def _slots(environ: Mapping[str, str], nodes: list[str]) -> tuple[list[int], str
     return [1] * len(nodes), "1 slot (no SLURM_GPUS_ON_NODE or task counts)"
 
 
-def _gpu_ids(environ: Mapping[str, str], nodes: list[str]) -> dict[str, tuple[int, ...]]:
-    """SLURM_JOB_GPUS holds the ids on the batch node only: the head's node or a lone node."""
+def _gpu_ids(environ: Mapping[str, str],
+             nodes: list[str]) -> tuple[dict[str, tuple[int, ...]], str]:
+    """The GPU ids of the batch node (the head's node or a lone node) as the job sees them,
+    and which variable they came from."""
     text = environ.get("SLURM_JOB_GPUS", "")
     here = environ.get("SLURMD_NODENAME") or (nodes[0] if len(set(nodes)) == 1 else None)
     if not text or here not in nodes:
-        return {}
-    return {here: _id_list(text)}
+        return {}, ""
+    physical = _id_list(text)
+    seen = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if len(seen) == len(physical) and all(part.isdigit() for part in seen):
+        return {here: tuple(map(int, seen))}, \
+            f"CUDA_VISIBLE_DEVICES={','.join(seen)} (physical SLURM_JOB_GPUS={text})"
+    return {here: physical}, "SLURM_JOB_GPUS"
 
 
 def _id_list(text: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ import torch
 from mpi4py import MPI
 
 from trainer.comm import checks
+from trainer.comm.member import GroupMember
 from trainer.comm.mpi.buffers import MpiHandle, Staged, nothing, vector
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.errors import CommError
@@ -48,36 +49,14 @@ _MPI_OPS = {ReduceOp.SUM: MPI.SUM, ReduceOp.MAX: MPI.MAX, ReduceOp.MIN: MPI.MIN,
             ReduceOp.AVG: MPI.SUM}
 
 
-class MpiCommunicator:
+class MpiCommunicator(GroupMember):
     """A `Communicator` on one ``MPI.Comm``; ranks and sizes are that communicator's."""
 
     backend = "mpi"
 
     def __init__(self, comm: MPI.Comm, name: str = "world") -> None:
+        super().__init__(comm, name)
         self._comm = comm
-        self._name = name
-        self._rank = comm.Get_rank()
-        self._size = comm.Get_size()
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def mpi_comm(self) -> MPI.Comm:
-        """The underlying MPI communicator (bootstrap traffic, metadata, NCCL unique ids)."""
-        return self._comm
-
-    def __repr__(self) -> str:
-        return f"MpiCommunicator({self._name!r}, rank={self._rank}, size={self._size})"
 
     # -- collectives -------------------------------------------------------------------------
 

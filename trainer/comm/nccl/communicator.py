@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from trainer.comm import checks
+from trainer.comm.member import GroupMember
 from trainer.comm.nccl.buffers import NcclHandle, Staged, row_slices
 from trainer.comm.nccl.setup import import_nccl, nccl_version, share_unique_id
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
@@ -46,17 +47,16 @@ __all__ = ["NcclCommunicator", "NcclHandle", "import_nccl", "nccl_version", "sha
 _UNSUPPORTED = (torch.int16, torch.complex64, torch.complex128)
 
 
-class NcclCommunicator:
+class NcclCommunicator(GroupMember):
     """A `Communicator` on one nccl4py ``Communicator`` plus the MPI communicator of its ranks."""
 
     backend = "nccl"
 
     def __init__(self, comm: Any, mpi_comm: MPI.Comm, device: int, name: str = "world") -> None:
         self._nccl = import_nccl()
-        self._comm, self._mpi = comm, mpi_comm
+        super().__init__(mpi_comm, name)
+        self._comm = comm
         self._device = torch.device("cuda", device)
-        self._name = name
-        self._rank, self._size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self._side: torch.cuda.Stream | None = None
 
     @classmethod
@@ -69,25 +69,6 @@ class NcclCommunicator:
                 nranks=mpi_comm.Get_size(), rank=mpi_comm.Get_rank(), unique_id=uid
             )
         return cls(comm, mpi_comm, device, name)
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self._size
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    @property
-    def mpi_comm(self) -> MPI.Comm:
-        return self._mpi
-
-    def __repr__(self) -> str:
-        return f"NcclCommunicator({self._name!r}, rank={self._rank}, size={self._size})"
 
     # -- collectives -------------------------------------------------------------------------
 
