@@ -80,8 +80,8 @@ class Variant:
     def __init__(self, args: argparse.Namespace, world: Any, name: str, run_dir: str) -> None:
         from trainer.comm.bootstrap import build_groups
         from trainer.comm.topology import ParallelDims
-        from trainer.config import make_config
-        from trainer.run import build_run
+        from trainer.config.options import make_config
+        from trainer.training.run import build_run
 
         groups = build_groups(world, ParallelDims(dp=1, tp=2))
         cfg = make_config({"model": args.model, "global_batch": args.global_batch, "tp": 2,
@@ -97,7 +97,7 @@ class Variant:
     def step(self, i: int, timed: bool) -> None:
         import torch
 
-        from trainer.train import train_step
+        from trainer.training.step import train_step
 
         saved = SavedActivations(list(self.run.model.parameters()))
         cuda = self.device.type == "cuda"

@@ -8,7 +8,7 @@ Three sides run one after the other in one invocation, each as N ranks under the
 ``mpiexec``, on the same model (GPT preset, seed 0), the same global batch split the same way,
 the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket size x 4 bytes):
 
-* ``ours``       `trainer.data_parallel.DataParallel` over MPI, overlap on (async bucket
+* ``ours``       `trainer.data_parallel.grad_sync.DataParallel` over MPI, overlap on (async bucket
                  all-reduce launched from the grad hooks; driven by a comm thread when the host
                  has a core per rank, else by MPI's own nonblocking calls: the table says which);
 * ``ours-sync``  the same with overlap off (every bucket reduced after backward);
@@ -55,9 +55,11 @@ def _build(args: argparse.Namespace, dp_rank: int, dp: int) -> tuple[Any, Any, A
     """Model, optimizer and this rank's batches: identical recipe on every side."""
     from dataclasses import replace
 
-    from trainer.data import BatchPlan, ShardedBatches, load_corpus
-    from trainer.model import GPT, PRESETS
-    from trainer.optim import build_optimizer
+    from trainer.data.batches import BatchPlan, ShardedBatches
+    from trainer.data.corpus import load_corpus
+    from trainer.model.config import PRESETS
+    from trainer.model.gpt import GPT
+    from trainer.optim.optimizer import build_optimizer
 
     cfg = replace(PRESETS[args.model], seq_len=args.seq_len)
     if args.d_model:  # heads of 64 channels, as in GPT-2
@@ -76,7 +78,7 @@ class OursSide:
     """dtrain's DataParallel over the MPI world communicator."""
 
     def __init__(self, args: argparse.Namespace, world: Any, *, overlap: bool) -> None:
-        from trainer.data_parallel import DataParallel
+        from trainer.data_parallel.grad_sync import DataParallel
 
         self.model, self.optimizer, self.batches = _build(args, world.rank, world.size)
         self.dp = DataParallel(self.model, world.comm, bucket_size=args.bucket_size,

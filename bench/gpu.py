@@ -8,7 +8,7 @@
    path against a plain PyTorch loop of the same model (`bench.gpu_sides`), without and with
    ``--compile``, at the largest power-of-two micro-batch that fits (searched on the dtrain
    side, up to ``--max-batch``). Rows: tokens/s, MFU against the device's peak
-   (`trainer.flops`), and dtrain / plain tokens/s (target >= 0.97; MFU >= 40% compiled).
+   (`trainer.model.flops`), and dtrain / plain tokens/s (target >= 0.97; MFU >= 40% compiled).
 2. ``cpu-precision``: the CPU step time of bf16 over fp32 on the dtrain path (the ``tiny``
    model), on this machine's CPU whatever else it has.
 3. ``nccl-contract`` (needs CUDA and nccl4py): the Communicator contract worker of the test
@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from bench.gpu_sides import dtrain_side, groups_of_one, largest_batch, plain_side
-from trainer.config import TrainConfig, make_config
-from trainer.flops import flops_per_token, peak_tflops
+from trainer.config.options import TrainConfig, make_config
+from trainer.model.flops import flops_per_token, peak_tflops
 
 REPO = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
@@ -81,7 +81,7 @@ def throughput(world: Any, *, model: str, max_batch: int, steps: int, warmup: in
 
 def cpu_precision(world: Any, *, steps: int, warmup: int) -> Row:
     """bf16 / fp32 step time of the dtrain path on the CPU (the tiny model)."""
-    from trainer.comm.mpi import MpiCommunicator
+    from trainer.comm.mpi.communicator import MpiCommunicator
 
     cpu_world = replace(world, device=torch.device("cpu"),
                         comm=MpiCommunicator(world.mpi_comm.Split(world.rank, 0), "cpu"))

@@ -1,12 +1,12 @@
 """The two sides `bench.gpu` times, on one process: dtrain's full training path and a plain
 PyTorch loop of the same model.
 
-* ``dtrain``: `trainer.run.build_run` on a world of one rank with its dp, tp and pp groups, as
-  ``python -m trainer.train`` builds it: the DP gradient buffer (fp32 main gradients),
-  `trainer.parallelize` at TP = 1, PP = 1, bf16 parameters with fp32 main weights
-  (`trainer.mixed_precision`), fused AdamW on CUDA, the guard and gradient clipping,
+* ``dtrain``: `trainer.training.run.build_run` on a world of one rank with its dp, tp and pp groups,
+  as ``python -m trainer.train`` builds it: the DP gradient buffer (fp32 main gradients),
+  `trainer.tensor_parallel.parallelize` at TP = 1, PP = 1, bf16 parameters with fp32 main weights
+  (`trainer.optim.mixed_precision`), fused AdamW on CUDA, the guard and gradient clipping,
   ``--compile`` when asked; batches from the corpus.
-* ``plain``: `trainer.model.GPT` (the plain model; no parallel code lives in it) in fp32 under
+* ``plain``: `trainer.model.gpt.GPT` (the plain model; no parallel code lives in it) in fp32 under
   ``torch.autocast(bf16)``, fused AdamW on CUDA (foreach elsewhere),
   ``clip_grad_norm_``; blocks compiled with ``torch.compile`` when asked; one fixed batch on
   the device, so the reference pays no data loading at all.
@@ -26,11 +26,11 @@ import torch
 
 from trainer.comm.bootstrap import ParallelGroups, World, build_groups
 from trainer.comm.topology import ParallelDims
-from trainer.config import TrainConfig
+from trainer.config.options import TrainConfig
 from trainer.gpu.settings import adamw_kernel
-from trainer.model import GPT
-from trainer.run import build_run
-from trainer.train import run_step
+from trainer.model.gpt import GPT
+from trainer.training.run import build_run
+from trainer.training.step import run_step
 
 
 def _sync(device: torch.device) -> None:

@@ -100,8 +100,8 @@ class Side:
                  run_dir: str) -> None:
         from trainer.comm.bootstrap import build_groups
         from trainer.comm.topology import ParallelDims
-        from trainer.config import make_config
-        from trainer.run import build_run
+        from trainer.config.options import make_config
+        from trainer.training.run import build_run
 
         self.cfg = make_config({"model": args.model, "global_batch": args.global_batch,
                                 "steps": WARMUP + args.steps, "lr": 1e-4, "warmup_steps": 1,
@@ -117,7 +117,7 @@ class Side:
     def step(self, i: int, timed: bool) -> None:
         import torch
 
-        from trainer.train import train_step
+        from trainer.training.step import train_step
 
         meter = ActivationMeter()
         start = time.perf_counter()

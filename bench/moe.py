@@ -109,10 +109,10 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
 
     from trainer.comm.bootstrap import build_groups, init
     from trainer.comm.topology import ParallelDims
-    from trainer.config import make_config, resolve_dp
+    from trainer.config.options import make_config, resolve_dp
     from trainer.moe.layer import moe_layers
-    from trainer.run import build_run
-    from trainer.train import train_step
+    from trainer.training.run import build_run
+    from trainer.training.step import train_step
 
     torch.set_num_threads(1)
     world = init(backend="mpi")

@@ -54,7 +54,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from trainer.comm.bootstrap import init
-    from trainer.data_parallel import DataParallel
+    from trainer.data_parallel.grad_sync import DataParallel
     from trainer.recsys.data import DENSE, Batches, ClickLog
     from trainer.recsys.model import DLRM, DLRMConfig
     from trainer.sparse import SparseOptimizer

@@ -72,9 +72,9 @@ class Side:
                  run_dir: str) -> None:
         from trainer.comm.bootstrap import build_groups
         from trainer.comm.topology import ParallelDims
-        from trainer.config import make_config, resolve_dp
-        from trainer.run import build_run
+        from trainer.config.options import make_config, resolve_dp
         from trainer.tensor_parallel.counting import CountingCommunicator
+        from trainer.training.run import build_run
 
         groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
         self.tp_count = CountingCommunicator(groups.tp)
@@ -92,7 +92,7 @@ class Side:
         self.steps: list[dict[str, float]] = []
 
     def step(self, i: int, timed: bool) -> None:
-        from trainer.train import train_step
+        from trainer.training.step import train_step
 
         self.tp_count.reset()
         self.dp_count.reset()

@@ -1,7 +1,9 @@
 """dtrain's head-node launcher: start every rank on every host, leave nothing behind.
 
 Module map: the launch in the order it happens. Dependencies flow downwards only; sockets,
-paramiko and subprocess live in the modules marked (adapter).
+paramiko and subprocess live in the modules marked (adapter). `tests/test_layers.py` checks
+that subpackages import each other without a cycle, that no module is over 300 lines, and that
+launcher/ and trainer/ never import each other.
 
     cli          click commands `launch` and `check`: parse, delegate, map errors (adapter)
     launch       one launch from request to exit code: hosts -> plan -> agents -> supervise
@@ -29,13 +31,14 @@ paramiko and subprocess live in the modules marked (adapter).
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
                  pmi_notes     refused MPI features and stalled barriers, told once
                  agent_link    the head's end of one agent stream: reader thread and sender
-                 writer        the output writer thread and its byte-bounded queue
-                 output        [rank@host] prefixes, raw passthrough, per-rank log files
-                 lines         linear line splitting with a 1 MiB line cap (pure)
+                 options       heartbeats, grace, timeouts, PMI: how the head supervises
                  stdin         the head's stdin to rank 0, credit flow control
                  outcome       per-rank states and the exit-code rule
                  report        the final per-rank exit table
                  progress      --hang-timeout/--hang-action, --status-interval, stragglers
+    output/      writer        the output writer thread and its byte-bounded queue
+                 sink          [rank@host] prefixes, raw passthrough, per-rank log files
+                 lines         linear line splitting with a 1 MiB line cap (pure)
     agent/       the per-host agent, run on each host as `python -m launcher.agent`
                  main          the agent's event loop: spec check, start, relay, stop
                  head_link     the agent's end of the stream to the head
@@ -52,8 +55,8 @@ paramiko and subprocess live in the modules marked (adapter).
     check        the preflight table (`dtrain check`)
     perf         `dtrain check --perf`: matmul per host, all-reduce per host pair
     dryrun       the --dry-run table: hosts, ranks, environments, the program each runs
-    mpirun       --launcher mpirun: the same plan as an mpiexec/mpirun command
-    rankshim     each rank under --launcher mpirun: contract, interfaces, abort on failure
+    mpirun/      command       --launcher mpirun: the same plan as an mpiexec/mpirun command
+                 rankshim      each rank under it: contract, interfaces, abort on failure
     wire         head <-> agent frames (pure)
     netroute     which local address and interface reach a given host
     errors       the exception hierarchy

@@ -118,8 +118,8 @@ def run_launch(req: LaunchRequest) -> int:
                            starter=srun.starter_for(req.launcher))
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
-    from launcher.head.output import OutputSink
     from launcher.head.supervisor import Supervisor
+    from launcher.output.sink import OutputSink
 
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, sys.stdout.buffer, sys.stderr.buffer,
                       prefix=req.prefix, raw=req.raw, log_dir=log_dir)
@@ -163,7 +163,7 @@ def _log_dir(root: Path | None, job_id: str) -> Path | None:
 
 def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
                 selected: Sequence[selection.HostSlots]) -> int:
-    from launcher import mpirun
+    from launcher.mpirun import command as mpirun
 
     where = mpirun.addresses([s.entry for s in selected], req.master_addr)
     rendezvous = planning.Rendezvous(where.master_addr, req.master_port or 29500)

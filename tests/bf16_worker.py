@@ -17,9 +17,10 @@ from typing import Any
 
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
-from trainer.config import TrainConfig, make_config, resolve_dp
-from trainer.run import Run, build_run
-from trainer.train import save_checkpoint, train, train_step
+from trainer.config.options import TrainConfig, make_config, resolve_dp
+from trainer.train import save_checkpoint, train
+from trainer.training.run import Run, build_run
+from trainer.training.step import train_step
 
 STEPS, HALF = 20, 10
 GPT = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 16}

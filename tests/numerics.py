@@ -1,6 +1,6 @@
 """Tolerances for comparing a parallel run with the single-process model, derived, not tuned.
 
-Both sides run in fp64 (`float64()`; trainer/precision.py keeps an fp64 model in fp64 end to
+Both sides run in fp64 (`float64()`; trainer/model/precision.py keeps an fp64 model in fp64 end to
 end), so they differ only by rounding in another summation order: data parallelism adds the
 per-rank gradients in another order, tensor parallelism splits matmuls and softmax sums,
 pipelining changes nothing but where the sums run, and MPICH picks its all-reduce algorithm (and
@@ -28,7 +28,7 @@ import torch
 
 U64 = 2.0**-53  # fp64 unit roundoff
 U32 = 2.0**-24  # fp32 unit roundoff
-ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which trainer/optim.py keeps
+ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which trainer/optim/optimizer.py keeps
 
 
 @contextmanager

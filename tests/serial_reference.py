@@ -11,10 +11,11 @@ from collections.abc import Callable
 import torch
 
 from tests.numerics import float64
-from trainer.config import TrainConfig
-from trainer.data import BatchPlan, ShardedBatches, load_corpus
-from trainer.model import GPT
-from trainer.optim import Schedule, build_optimizer, set_lr
+from trainer.config.options import TrainConfig
+from trainer.data.batches import BatchPlan, ShardedBatches
+from trainer.data.corpus import load_corpus
+from trainer.model.gpt import GPT
+from trainer.optim.optimizer import Schedule, build_optimizer, set_lr
 
 
 def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True,

@@ -32,11 +32,11 @@ from tests.activation_workers.cases import (
 )
 from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
-from trainer.config import parse_args
+from trainer.config.options import parse_args
 from trainer.construction.init_stream import PIECE
 from trainer.errors import ConfigError
-from trainer.model import GPT as SerialGPT
-from trainer.model import GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT as SerialGPT
 from trainer.tensor_parallel import shard_tensor
 
 TOKENS = GLOBAL_BATCH * GPT["seq_len"] + 4 * GPT["d_model"]  # the longest sum in any element

@@ -19,9 +19,10 @@ import torch
 from tests.support import REPO, dtrain_env
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointDamaged, CheckpointError
-from trainer.metrics import read_records
-from trainer.model import GPT, GPTConfig
-from trainer.optim import build_optimizer
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.optim.optimizer import build_optimizer
+from trainer.training.metrics import read_records
 
 TINY = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8)
 META = {"model": TINY.to_dict(), "layout": {"dp": 1, "tp": 1, "pp": 1}, "data": {"position": 0}}

@@ -15,7 +15,7 @@ import torch
 from tests.support import run_dtrain
 from trainer import checkpoint
 from trainer.checkpoint import POINTS, shard_name
-from trainer.metrics import read_records
+from trainer.training.metrics import read_records
 
 STEPS, KILLED_AT, KEEP = 4, 3, 2  # saving step 3 prunes step 1: every point is reached
 FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",

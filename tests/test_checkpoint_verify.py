@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from tests.support import REPO, dtrain_env, run_dtrain
-from trainer.config import parse_args
+from trainer.config.options import parse_args
 from trainer.errors import ConfigError
-from trainer.metrics import read_records
+from trainer.training.metrics import read_records
 
 FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
          "--global-batch", "4", "--steps", "4", "--warmup-steps", "1", "--data-cap-mb", "0.25",

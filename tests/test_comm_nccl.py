@@ -23,14 +23,14 @@ HAS_NCCL4PY = importlib.util.find_spec("nccl") is not None
 
 
 def test_nccl_backend_module_imports_without_nccl4py_or_gpu():
-    from trainer.comm import nccl as backend
+    from trainer.comm.nccl import communicator as backend
 
     assert backend.NcclCommunicator.backend == "nccl"
 
 
 @pytest.mark.skipif(HAS_NCCL4PY, reason="nccl4py is installed here")
 def test_missing_nccl4py_is_reported_with_the_install_command():
-    from trainer.comm.nccl import import_nccl
+    from trainer.comm.nccl.communicator import import_nccl
 
     with pytest.raises(BootstrapError, match=r"pip install 'nccl4py\[cu12\]'"):
         import_nccl()

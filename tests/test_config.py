@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import TrainConfig, parse_args, resolve_dp
+from trainer.config.options import TrainConfig, parse_args, resolve_dp
 from trainer.errors import ConfigError
-from trainer.model import PRESETS
+from trainer.model.config import PRESETS
 
 
 def toml(tmp_path: Path, text: str) -> str:

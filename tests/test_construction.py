@@ -14,7 +14,8 @@ import torch
 from tests.numerics import float64
 from trainer.construction import build_rank_model
 from trainer.construction.init_stream import normal_pieces, shard_of_stream
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
 from trainer.tensor_parallel import ShardSpec, shard_tensor
 

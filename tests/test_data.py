@@ -7,16 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.data import (
-    BatchPlan,
-    DataError,
-    ShardedBatches,
-    check_splits,
-    check_vocab,
-    load_corpus,
-    stdlib_dir,
-    window_starts,
-)
+from trainer.data.batches import BatchPlan, ShardedBatches, check_splits, window_starts
+from trainer.data.corpus import DataError, check_vocab, load_corpus, stdlib_dir
 
 CAP = 64 * 1024
 

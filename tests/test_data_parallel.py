@@ -26,8 +26,8 @@ from tests.dp_workers.cases import CASES, STEPS, case_config
 from tests.mpi_runs import world_run
 from tests.numerics import U32, adam_atol, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
-from trainer.dp_buckets import plan_buckets
-from trainer.metrics import read_records
+from trainer.data_parallel.buckets import plan_buckets
+from trainer.training.metrics import read_records
 
 TOKENS = 8 * 32  # global batch x seq_len of every case: the longest sum in a gradient element
 RTOL = reduction_rtol(TOKENS + 32)  # + d_model: the sums inside each matmul

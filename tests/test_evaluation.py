@@ -33,11 +33,13 @@ import torch
 from tests.numerics import U32, loss_atol, reduction_rtol
 from tests.support import PYTHON, REPO, dtrain_env, run_dtrain
 from trainer.checkpoint import latest
-from trainer.data import BatchPlan, ShardedBatches, load_corpus
+from trainer.data.batches import BatchPlan, ShardedBatches
+from trainer.data.corpus import load_corpus
 from trainer.inference.merge import load_serial
 from trainer.inference.sampling import sample
-from trainer.metrics import read_records
-from trainer.model import GPT, PRESETS
+from trainer.model.config import PRESETS
+from trainer.model.gpt import GPT
+from trainer.training.metrics import read_records
 
 STEPS, LR, EVAL_EVERY = 8, 3e-3, 3
 FLAGS = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--microbatches", "2",

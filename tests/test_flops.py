@@ -1,4 +1,4 @@
-"""Model FLOPs per token, the peak table and the MFU the training log shows (`trainer.flops`).
+"""Model FLOPs per token, the peak table and the MFU the training log shows (`trainer.model.flops`).
 
 The FLOPs are checked against the model itself (its parameter count) and against PaLM's
 formula written out by hand for GPT-2 small's shape; the log line comes from a real
@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.config import parse_args
+from trainer.config.options import parse_args
 from trainer.errors import ConfigError
-from trainer.flops import flops_per_token, matmul_params, mfu, peak_tflops
-from trainer.metrics import read_records
-from trainer.model import GPT, PRESETS, GPTConfig
+from trainer.model.config import PRESETS, GPTConfig
+from trainer.model.flops import flops_per_token, matmul_params, mfu, peak_tflops
+from trainer.model.gpt import GPT
+from trainer.training.metrics import read_records
 
 VARIANTS = [PRESETS["tiny"], GPTConfig(tied=False, bias=True, norm="rmsnorm"),
             GPTConfig(tied=False, mlp_ratio=2), GPTConfig(bias=True, n_layer=3)]

@@ -12,7 +12,8 @@ import torch
 from trainer.errors import CommError, ConfigError
 from trainer.inference.merge import LayoutOnlyGroup, shard_specs
 from trainer.inference.sampling import sample
-from trainer.model import GPT, PRESETS
+from trainer.model.config import PRESETS
+from trainer.model.gpt import GPT
 from trainer.tensor_parallel import ShardSpec
 
 CFG = PRESETS["tiny"]

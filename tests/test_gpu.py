@@ -20,8 +20,9 @@ import torch
 from testbed.mpiexec import REPO, clean_env
 from tests.host_syncs import HostSyncs
 from trainer.gpu.settings import adamw_kernel
-from trainer.model import GPT, GPTConfig
-from trainer.optim import build_optimizer
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.optim.optimizer import build_optimizer
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

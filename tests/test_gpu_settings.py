@@ -16,8 +16,9 @@ import torch
 
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import adamw_kernel, configure_matmul
-from trainer.model import GPT, GPTConfig
-from trainer.optim import build_optimizer
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.optim.optimizer import build_optimizer
 
 CFG = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8)
 

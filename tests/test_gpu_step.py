@@ -17,10 +17,10 @@ import torch
 from tests.gpu_workers.step import PADDED, batch
 from tests.mpi_runs import world_run
 from tests.numerics import float64, reduction_rtol
-from trainer.config import make_config
-from trainer.flops import matmul_params
+from trainer.config.options import make_config
 from trainer.inference.sampling import sample
-from trainer.model import GPT
+from trainer.model.flops import matmul_params
+from trainer.model.gpt import GPT
 
 WORKER = "tests.gpu_workers.step:run"
 

@@ -14,10 +14,11 @@ import torch
 
 from tests.support import REPO, dtrain_env, run_dtrain
 from trainer import checkpoint
-from trainer.guard import DivergedError, StepGuard, check_parameters
-from trainer.metrics import read_records
-from trainer.model import GPT, GPTConfig
-from trainer.startup import fail_alone
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.training.guard import DivergedError, StepGuard, check_parameters
+from trainer.training.metrics import read_records
+from trainer.training.startup import fail_alone
 
 # Adam at lr 1e4 with no warmup and no clipping: the loss is NaN within a few steps.
 DIVERGING = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",

@@ -18,10 +18,10 @@ from launcher import wire
 from launcher.errors import AgentError
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome
-from launcher.head.output import OutputSink
 from launcher.head.supervisor import Supervisor
 from launcher.hosts.hostfile import parse_host_list
 from launcher.hosts.selection import select_hosts
+from launcher.output.sink import OutputSink
 from launcher.plan.job import make_plan
 from tests.scripted_agents import MemoryAgentStream, Script, ScriptedAgent
 

@@ -40,11 +40,12 @@ from tests.bf16_worker import GPT as MODEL
 from tests.bf16_worker import HALF, STEPS
 from tests.mpi_runs import world_run
 from trainer.checkpoint import shard_name
-from trainer.config import parse_args
+from trainer.config.options import parse_args
 from trainer.errors import ConfigError
-from trainer.mixed_precision import MainParams, model_dtype
-from trainer.model import GPT, GPTConfig
-from trainer.optim import build_optimizer
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.optim.mixed_precision import MainParams, model_dtype
+from trainer.optim.optimizer import build_optimizer
 
 WORKER = "tests.bf16_worker:run"
 U = 2.0**-8

@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from tests.numerics import U32, reduction_rtol
-from trainer.model import GPT, PRESETS, GPTConfig, apply_rope, rope_tables
+from trainer.model.config import PRESETS, GPTConfig
+from trainer.model.gpt import GPT
+from trainer.model.layers import apply_rope, rope_tables
 
 TINY = GPTConfig(n_layer=2, n_head=2, d_model=32, seq_len=16)
 

@@ -16,8 +16,8 @@ import torch
 from testbed.mpiexec import run_python
 from trainer.checkpoint import shard_name
 from trainer.inference.merge import load_serial
-from trainer.metrics import read_records
-from trainer.moe.load import PLOT_FILE
+from trainer.training.expert_load import PLOT_FILE
+from trainer.training.metrics import read_records
 
 STEPS = 3
 FLAGS = ["--model", "tiny", "--n-layer", "2", "--n-head", "2", "--d-model", "32", "--seq-len",

@@ -12,9 +12,9 @@ import torch
 
 from tests.moe_reference import reference_moe
 from tests.numerics import float64, reduction_rtol
-from trainer.config import make_config, resolve_dp
+from trainer.config.options import make_config, resolve_dp
 from trainer.errors import ConfigError
-from trainer.model import GPTConfig
+from trainer.model.config import GPTConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.layer import MoE
 from trainer.moe.router import Routing, capacity_mask, route

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from launcher import mpirun
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
 from launcher.hosts.selection import select_hosts
+from launcher.mpirun import command as mpirun
 from launcher.plan.job import Rendezvous, make_plan
 from tests.support import (
     PYTHON,
@@ -41,8 +41,8 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
     assert argv[:7] == ["mpiexec", "-launcher", "ssh", "-hosts", "node1:2,node2:2", "-n", "4"]
     assert ["-genv", "NCCL_DEBUG", "INFO"] == argv[argv.index("NCCL_DEBUG") - 1:][:3]
     assert ["-genv", "MASTER_ADDR", "node1"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[-7:] == ["/venv/bin/python", "-m", "launcher.rankshim", "--", "python", "t.py",
-                         "a b"]
+    assert argv[-7:] == ["/venv/bin/python", "-m", "launcher.mpirun.rankshim", "--", "python",
+                         "t.py", "a b"]
     assert "RANK" not in argv  # per-rank variables come from the workerenv shim
 
 

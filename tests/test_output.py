@@ -16,9 +16,9 @@ import pytest
 
 from launcher import wire
 from launcher.agent.writer import FrameWriter
-from launcher.head.lines import LINE_CAP, LineSplitter, prefix_lines
-from launcher.head.output import RAW_QUIET_S, OutputSink
-from launcher.head.writer import OutputWriter
+from launcher.output.lines import LINE_CAP, LineSplitter, prefix_lines
+from launcher.output.sink import RAW_QUIET_S, OutputSink
+from launcher.output.writer import OutputWriter
 
 
 def _feed_all(splitter: LineSplitter, data: bytes, chunk: int) -> bytes:

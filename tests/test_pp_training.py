@@ -33,9 +33,10 @@ from tests.numerics import adam_atol, f64, float64, loss_atol, reduction_rtol
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, WORKER, Case, case
 from tests.pp_training_workers.cases import serial_reference as serial
 from trainer.checkpoint import shard_name
-from trainer.config import parse_args
+from trainer.config.options import parse_args
 from trainer.errors import ConfigError
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout, balanced_counts, describe, stage_counts
 from trainer.pipeline.stages import GPTStage, build_stage_model
 

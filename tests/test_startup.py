@@ -1,6 +1,6 @@
 """Bad input is refused before training, printed once per job, and every rank exits with 2.
 
-First the agreement itself (`trainer.startup.agree`) on an in-memory world; then real jobs
+First the agreement itself (`trainer.training.startup.agree`) on an in-memory world; then real jobs
 through ``dtrain launch --nproc-per-node 2``, counting the lines the ranks printed (the launcher
 relays them as ``[rank@host] line``; its exit report may quote the failed rank's last stderr
 lines once more, which is the launcher's report, not a rank's print).
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.support import PYTHON, run_dtrain
-from trainer.data import load_corpus
-from trainer.startup import Failure, agree, env_rank, same_data
+from trainer.data.corpus import load_corpus
+from trainer.training.startup import Failure, agree, env_rank, same_data
 
 RANK_LINE = re.compile(r"^\[\d+@[^\]]+\] (.*)$", re.MULTILINE)
 TRAIN = ["--model", "tiny", "--steps", "1", "--global-batch", "4", "--data-cap-mb", "0.25",

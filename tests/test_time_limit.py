@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trainer.comm.protocol import ReduceOp
-from trainer.config import parse_args
+from trainer.config.options import parse_args
 from trainer.errors import ConfigError
 from trainer.stopping.time_limit import TimeLimit
 

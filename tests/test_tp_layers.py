@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from tests.mpi_runs import world_run
 from tests.tp_workers.cases import LINEAR_VARIANTS, WORKER, layer_tensors
 from tests.tp_workers.layer_probes import COUNT_BATCH, COUNT_CFG
-from trainer.model import GPTConfig
-from trainer.parallelize import check_divisible
+from trainer.model.config import GPTConfig
 from trainer.tensor_parallel import (
     TP_RNG,
     RNGStatesTracker,
@@ -33,6 +32,7 @@ from trainer.tensor_parallel import (
     shard_tensor,
     unshard,
 )
+from trainer.tensor_parallel.parallelize import check_divisible
 
 LAYERS = [*LINEAR_VARIANTS, "embedding", "cross_entropy"]
 

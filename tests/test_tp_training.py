@@ -37,9 +37,9 @@ from tests.tp_workers.cases import (
     serial_reference,
 )
 from trainer.checkpoint import shard_name
-from trainer.config import parse_args
-from trainer.metrics import read_records
+from trainer.config.options import parse_args
 from trainer.tensor_parallel import ShardSpec, shard_tensor
+from trainer.training.metrics import read_records
 
 TOKENS = 8 * 16 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
@@ -167,7 +167,7 @@ def tp_run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def spec_of(name: str) -> ShardSpec | None:
-    """How trainer.parallelize splits a GPT parameter (None: replicated)."""
+    """How trainer.tensor_parallel.parallelize splits a GPT parameter (None: replicated)."""
     if name.endswith("attn.qkv.weight"):
         return ShardSpec(0, 3)
     if name.endswith(("proj.weight",)):

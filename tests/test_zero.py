@@ -24,9 +24,9 @@ from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
 from tests.zero_workers.cases import CASES, RESUME_STEPS, STEPS, WORKER, case_config
 from tests.zero_workers.worker import BIG, BIG_WORLD, BUDGET_BYTES
-from trainer.config import make_config
+from trainer.config.options import make_config
 from trainer.errors import TrainerError
-from trainer.metrics import read_records
+from trainer.training.metrics import read_records
 from trainer.zero.layout import shard_layout
 from trainer.zero.memory import PeakMemory, describe, expected_bytes
 from trainer.zero.reshard import FlatIndex, layout_differences, plan_reads

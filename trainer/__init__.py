@@ -1,0 +1,37 @@
+"""dtrain's trainer: DP/TP/PP GPT training on MPI or NCCL communicators (never imports launcher/).
+
+Module map. Entry points stay at the top, where users call them; everything else lives in a
+subpackage named for its concept. Subpackages import each other without a cycle, roughly
+bottom-up: comm, gpu, model < tensor_parallel, pipeline, moe, data_parallel, optim, zero, data
+< config < training < the entry points (`tests/test_layers.py` checks it, and that no module is
+over 300 lines).
+
+    train        `python -m trainer.train`: the training loop, checkpoints, the entry point
+    diagnose     `python -m trainer.diagnose`: communication soundness and bandwidth
+    generate     `python -m trainer.generate`: sample text from a run's newest checkpoint
+    hello        `python -m trainer.hello`: each rank prints the worker contract it received
+    errors       the exception hierarchy (base in workerenv.py)
+    config/      options, toml_file, help: flags and TOML into one frozen TrainConfig
+    training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
+                 resume: one run, from start-up to the last checkpoint
+    model/       config, layers, gpt, precision, flops: the plain single-device GPT
+    optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
+    data/        corpus, batches: byte-level data and deterministic DP-sharded batches
+    comm/        the Communicator protocol, its mpi/ and nccl/ backends, groups, timing,
+                 progress records
+    data_parallel/  grad_sync (DataParallel), buckets
+    tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize
+    pipeline/    schedules, their checker, the runtime, stages, timeline
+    zero/        ZeRO-1: sharded optimizer state and gradient reduce-scatter
+    activations/ sequence parallelism and activation recomputation
+    construction/  per-rank model construction on the meta device
+    moe/         mixture of experts with expert parallelism
+    checkpoint/  atomic, verified checkpoint files
+    inference/   validation loss, sampling, merging checkpoint shards
+    gpu/         GPU settings, compile, vocab padding
+    health/      rank-side probes of `dtrain check --perf`
+    sparse/      model-parallel sparse embeddings (SOK style)
+    recsys/      `python -m trainer.recsys`: a DLRM-style recommender on sparse/
+
+Design notes the code relies on: docs/design.md.
+"""

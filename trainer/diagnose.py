@@ -43,7 +43,7 @@ def rank_info(world: bootstrap.World) -> dict[str, Any]:
 
 
 def _nccl_version() -> str:
-    from trainer.comm.nccl_setup import nccl_version
+    from trainer.comm.nccl.setup import nccl_version
 
     try:
         return nccl_version()
@@ -56,7 +56,7 @@ def _nccl_version() -> str:
 def _unique_id_check(world: bootstrap.World) -> str:
     if world.comm.backend != "nccl":
         return "cpu: MPI backend"
-    from trainer.comm.nccl_setup import share_unique_id
+    from trainer.comm.nccl.setup import share_unique_id
 
     digest = hashlib.sha1(bytes(share_unique_id(world.mpi_comm).as_bytes)).hexdigest()[:12]
     digests = set(world.mpi_comm.allgather(digest))

@@ -6,24 +6,24 @@
     dtrain launch --nproc-per-node 2 -- python -m trainer.train --model tiny --run-dir runs/t
     python -m trainer.train --config run.toml --resume        # continue the newest checkpoint
 
-Start-up (`trainer.startup`) checks options, world and data on every rank and reports bad
+Start-up (`trainer.training.startup`) checks options, world and data on every rank and reports bad
 input once. Each step: the step's global batch (from seed and step alone, training split) is
 split over the DP ranks and into microbatches; backward runs with bucketed, overlapped gradient
-all-reduce (`trainer.data_parallel`); gradients are clipped and AdamW steps; communication is
-timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
+all-reduce (`trainer.data_parallel.grad_sync`); gradients are clipped and AdamW steps; communication
+is timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
 (`trainer.inference.validation`). A step leaves its loss and gradient norm on the device; each
 ``--log-every`` interval (and each evaluation or checkpoint step) reads them in one copy
-(`trainer.gpu.readout`). Rank 0 logs, writes a ``metrics.jsonl`` line per step, ``loss.png``
+(`trainer.training.readout`). Rank 0 logs, writes a ``metrics.jsonl`` line per step, ``loss.png``
 at the end, and checkpoints every ``--save-every`` steps and at the end. ``--resume`` continues
 bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
-with Megatron or DeepSpeed), verified file by file (`trainer.resume` states the rule and
+with Megatron or DeepSpeed), verified file by file (`trainer.training.resume` states the rule and
 ``--resume-fallback``). Dropout is reseeded from (seed, step, dp rank) every step, so the random
 stream needs no state across a resume. A NaN or Inf loss or gradient norm stops every rank
-before the update, and non-finite parameters are never saved (`trainer.guard`). Each log line
-shows the MFU when the device's peak is known (`trainer.flops`, ``--peak-tflops``).
+before the update, and non-finite parameters are never saved (`trainer.training.guard`). Each log
+line shows the MFU when the device's peak is known (`trainer.model.flops`, ``--peak-tflops``).
 
 With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW steps fp32
-main weights on the fp32 main gradients of the DP buffer (`trainer.mixed_precision`); the
+main weights on the fp32 main gradients of the DP buffer (`trainer.optim.mixed_precision`); the
 checkpoints hold the fp32 main weights.
 
 With ``--zero 1`` (`trainer.zero`) each bucket's gradients are reduce-scattered instead of
@@ -33,14 +33,14 @@ optimizer shard, and a run resumes at any dp, re-sharding on load (`trainer.zero
 Rank 0 prints the expected bytes per rank at start-up, and ``metrics.jsonl`` records each
 step's peak memory (`trainer.zero.memory`).
 
-With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallelize` (each DP
-replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over TP
-(`trainer.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp rank,
-tp rank), and each TP rank of DP replica 0 writes its own checkpoint shard.
+With ``--tp N`` the model is split over N adjacent ranks by `trainer.tensor_parallel.parallelize`
+(each DP replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over
+TP (`trainer.optim.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp
+rank, tp rank), and each TP rank of DP replica 0 writes its own checkpoint shard.
 
 With ``--pp N`` the layers are split into N stages (``--virtual-stages V`` chunks per rank with
 ``--schedule interleaved``; ``--pp-layers`` overrides the balanced split) and each step runs the
-pipeline schedule (`trainer.pipeline.train_step`): the ``--microbatches`` are the pipeline's,
+pipeline schedule (`trainer.training.pipeline_step`): the ``--microbatches`` are the pipeline's,
 the tied embedding's gradient is summed over the first and last stage, the gradient norm over
 TP and PP. Ranks follow Megatron's ``tp-dp-pp`` order. The loss is computed on the last stage
 and broadcast over the pipeline, so rank 0 (first stage) logs it like any run. Every (tp, pp)
@@ -61,47 +61,38 @@ checkpoint shard each.
 
 from __future__ import annotations
 
-import math
 import sys
-import time
 from collections.abc import Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from trainer import checkpoint, startup
+from trainer import checkpoint
 from trainer.comm.bootstrap import World, build_groups
 from trainer.comm.progress import record_of
-from trainer.comm.protocol import ReduceOp
 from trainer.comm.topology import ParallelDims
-from trainer.config import TrainConfig, resolve_dp
-from trainer.data import Corpus, step_seed
+from trainer.config.options import TrainConfig, resolve_dp
+from trainer.data.corpus import Corpus
 from trainer.errors import TrainerError
-from trainer.flops import mfu, peak_tflops
-from trainer.gpu import readout
-from trainer.gpu.readout import PendingStep
-from trainer.grad_clip import clip_grad_norm
-from trainer.guard import check_parameters
 from trainer.inference.validation import Validation
-from trainer.metrics import MetricsLog, StepRecord
-from trainer.moe.load import step_load, write_load_plot
-from trainer.optim import set_lr
-from trainer.pipeline.train_step import (
+from trainer.model.flops import mfu, peak_tflops
+from trainer.stopping.time_limit import TimeLimit
+from trainer.training import readout, startup
+from trainer.training.expert_load import write_load_plot
+from trainer.training.guard import check_parameters
+from trainer.training.metrics import MetricsLog
+from trainer.training.pipeline_step import (
     describe_pipeline,
     write_timeline,
 )
-from trainer.resume import meta_of
-from trainer.run import Run, build_run
-from trainer.stopping.time_limit import TimeLimit
-from trainer.tensor_parallel.random import TP_RNG
+from trainer.training.readout import PendingStep
+from trainer.training.resume import meta_of
+from trainer.training.run import Run, build_run
+from trainer.training.step import run_step
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
 from trainer.zero.state import shard_files
-
-_DROPOUT_STREAM = 1
-_TP_DROPOUT_STREAM = 2
 
 
 @dataclass
@@ -112,74 +103,6 @@ class TrainResult:
     final_step: int
     losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
-
-
-def train_step(run: Run, step: int) -> StepRecord:
-    """One optimizer step (all microbatches), its loss and norm read at once (the probes'
-    entry; the training loop reads a logging interval of `run_step`s together)."""
-    return readout.read([run_step(run, step)])[0]
-
-
-def run_step(run: Run, step: int) -> PendingStep:
-    """One optimizer step (all microbatches); returns rank 0's view of it, loss and gradient
-    norm still on the device: the step's one host read is the guard's finite check."""
-    run.clock.take()  # what ran between steps (evaluation, checkpoints) is not the step's
-    start = time.perf_counter()
-    # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
-    stage = (run.pp_rank,) if run.pipeline is not None else ()
-    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank, *stage))
-    run.tracker.seed(TP_RNG, step_seed(run.cfg.seed, step, _TP_DROPOUT_STREAM, run.dp_rank,
-                                       run.tp_rank, *stage))
-    lr = run.schedule.lr_at(step)
-    set_lr(run.optimizer, lr)
-    run.dp.zero_grad()
-    micro = run.batches.microbatches(step)
-    if run.pipeline is not None:
-        loss_sum = run.pipeline.forward_backward(micro)
-    else:
-        loss_sum = _accumulate(run, micro)
-    with run.clock.blocked():
-        run.dp.finish_grad_sync()
-    if run.zero is not None and run.pipeline is not None:
-        run.zero.sync_tied_grads(run.pipeline.embd, run.pipeline.tied)
-    elif run.pipeline is not None:
-        run.pipeline.sync_tied_grads()
-    params, scope = (run.main.grads(), run.main.scope(run.norm_scope)) if run.main else (
-        run.dp.params, run.norm_scope)
-    grad_norm = clip_grad_norm(params, run.cfg.grad_clip, scope)
-    if run.pipeline is not None:
-        loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
-    else:
-        run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
-        loss = loss_sum
-    if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
-        run.optimizer.step()
-        if run.zero is not None:
-            with run.clock.blocked():  # ZeRO-1's all-gather: the next forward needs it
-                run.zero.publish()
-        elif run.main is not None:
-            run.main.publish()
-    load = step_load(run.model, run.dp.comm)
-    step_s = time.perf_counter() - start
-    exposed, total = run.clock.take()
-    record = StepRecord(step=step, loss=math.nan, lr=lr, grad_norm=math.nan,
-                        tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
-                        compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total,
-                        moe=load)
-    return PendingStep(loss, grad_norm, record)
-
-
-def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Forward and backward of every microbatch, DP-synchronised on the last one only."""
-    loss_sum = torch.zeros((), device=run.dp.buffer.device)
-    for i, (x, y) in enumerate(micro):
-        last = i == len(micro) - 1
-        with nullcontext() if last else run.dp.no_sync():
-            # Mean over the step's tokens = mean over microbatches of microbatch means.
-            loss = run.model.loss(x, y) / len(micro)
-            loss.backward()
-        loss_sum += loss.detach()
-    return loss_sum
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
@@ -305,7 +228,7 @@ def _banner(run: Run, world_size: int) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: exit 0 on success; on bad input (options, world, data) 2 on every rank,
-    printed once (`trainer.startup`); on an error in training 2, all ranks aborted."""
+    printed once (`trainer.training.startup`); on an error in training 2, all ranks aborted."""
     world = None
     try:
         ready = startup.start(argv)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +27,6 @@ from launcher.plan.environment import rank_environment
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway
 EOF_GRACE_S = 3.0        # the head is gone: short grace, nobody is waiting for a clean exit
-FLUSH_S = 2.0            # leaving: how long queued frames may take to reach the head
 # Set to the interface that reaches MASTER_ADDR unless the user set them (workerenv.py).
 SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
@@ -292,15 +290,3 @@ def _host_of(spec: dict[str, Any]) -> str:
     ranks = spec.get("ranks") or [{}]
     return str(ranks[0].get("env", {}).get(workerenv.HOST, ""))
 
-
-def main() -> None:
-    # Ctrl-C in the head's terminal must not reach a local agent directly: the head decides.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    descendants.become_subreaper()  # orphans of the job stay findable (descendants.py)
-    agent = Agent()
-    signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
-    code = agent.run()
-    agent.link.flush(FLUSH_S)  # EXIT/DONE frames still queued; the head may still be reading
-    sys.stderr.flush()
-    os._exit(code)

@@ -1,6 +1,6 @@
 """The head's end of one agent stream: a reader thread that routes frames, and a sender.
 
-The reader thread hands OUTPUT frames to the output writer (`launcher.head.writer`), blocking
+The reader thread hands OUTPUT frames to the output writer (`launcher.output.writer`), blocking
 while its queue is full, and queues every other frame for the supervisor, in stream order, so
 a rank's EXIT is seen only after all of its output was queued. Liveness is judged on what
 arrives: the reader stamps ``last_heard`` on every read, and sets ``held`` while it is blocked

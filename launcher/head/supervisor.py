@@ -6,7 +6,7 @@ Then the supervisor serves PMI from the head's key-value space, and stops the wh
 first failure, on Ctrl-C/SIGTERM, on --timeout, or when a host falls silent.
 
 The supervisor loop does no output I/O: the ranks' output goes from each link's reader thread
-to the output writer thread (`launcher.head.writer`), so a slow reader of our stdout slows the
+to the output writer thread (`launcher.output.writer`), so a slow reader of our stdout slows the
 ranks down (back-pressure) but never delays a heartbeat, a host-loss check or a KILL.
 """
 
@@ -22,12 +22,12 @@ from launcher import wire
 from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
-from launcher.head.output import OutputSink
 from launcher.head.pmi_notes import PmiNotes
 from launcher.head.progress import HANG_CODE, ProgressMonitor
 from launcher.head.startup import Signalled, Startup
 from launcher.head.stdin import StdinForwarder
-from launcher.head.writer import OutputWriter
+from launcher.output.sink import OutputSink
+from launcher.output.writer import OutputWriter
 from launcher.plan.job import JobPlan
 from launcher.transport.stream import AgentStream
 

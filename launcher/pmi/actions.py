@@ -1,4 +1,5 @@
-"""What `launcher.pmi.proxy.PmiProxy` asks its adapter to do, and the rules it needs no state for.
+"""What `launcher.pmi.proxy.PmiProxy` asks its adapter to do, the state of one rank's
+connection (`Conn`), and the rules that need no more state than that.
 
 The proxy returns a list of actions for every event; the agent carries them out in order:
 `Reply` (bytes to a rank's connection), `Close` (drop a connection), `Send` (a message to the
@@ -23,11 +24,11 @@ shared-memory segments MPICH leaves behind.
 from __future__ import annotations
 
 from collections.abc import Container
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.errors import PmiError
-from launcher.pmi.codec import PmiCommand, format_reply
+from launcher.pmi.codec import LineBuffer, PmiCommand, SpawnBlock, format_reply
 
 #: An upstream message sent: a JSON object (received ones are read as Mapping[str, Any]).
 Message = dict[str, Any]
@@ -72,6 +73,20 @@ class Abort:
 
 
 Action = Reply | Close | Send | RankFailed | Abort
+
+
+@dataclass
+class Conn:
+    """One PMI connection of the proxy: its rank once bound, where it is in the protocol."""
+
+    rank: int | None
+    lines: LineBuffer = field(default_factory=LineBuffer)
+    started: bool = False       # spoke PMI (so closing before finalize is a failure)
+    initialized: bool = False
+    finalized: bool = False
+    aborted: bool = False
+    pending: str | None = None  # the request whose answer comes from the head
+    spawn: SpawnBlock | None = None  # while swallowing an mcmd=spawn block
 
 
 def order_problem(cmd: PmiCommand, *, bound: bool, initialized: bool, finalized: bool,

@@ -18,31 +18,17 @@ claimed twice - is closed without touching anything else.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.pmi import actions, stall
-from launcher.pmi.actions import Action, Close, RankFailed, Reply, Send
+from launcher.pmi.actions import Action, Close, Conn, RankFailed, Reply, Send
 from launcher.pmi.codec import (
-    LineBuffer,
     PmiCommand,
     PmiProtocolError,
     SpawnBlock,
     format_reply,
     parse_line,
 )
-
-
-@dataclass
-class _Conn:
-    rank: int | None
-    lines: LineBuffer = field(default_factory=LineBuffer)
-    started: bool = False       # spoke PMI (so closing before finalize is a failure)
-    initialized: bool = False
-    finalized: bool = False
-    aborted: bool = False
-    pending: str | None = None  # the request whose answer comes from the head
-    spawn: SpawnBlock | None = None  # while swallowing an mcmd=spawn block
 
 
 class PmiProxy:
@@ -65,7 +51,7 @@ class PmiProxy:
             process_mapping = ""
         self._attrs = {"PMI_process_mapping": process_mapping, "universeSize": str(world_size)}
         self._tokens = dict(id_tokens or {})
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._owner: dict[int, int] = {}            # rank -> its connection
         self._claimed: set[int] = set()             # ranks ever bound (a rank connects once)
         self._spoke: set[int] = set()               # ranks that sent PMI (began MPI_Init)
@@ -78,7 +64,7 @@ class PmiProxy:
         self._epoch = 0
         self._fixed = actions.fixed_replies(world_size=world_size, kvsname=kvsname, appnum=appnum)
         # (connection, its rank, its state, the request) -> what to do
-        self._handlers: dict[str, Callable[[int, int, _Conn, PmiCommand], list[Action]]] = {
+        self._handlers: dict[str, Callable[[int, int, Conn, PmiCommand], list[Action]]] = {
             "init": self._init, "put": self._put, "get": self._get,
             "barrier_in": self._barrier_in, "finalize": self._finalize, "abort": self._abort,
         }
@@ -94,7 +80,7 @@ class PmiProxy:
             return [Close(conn, f"rank {rank} does not run on this host")]
         if rank is not None and rank in self._claimed:
             return [Close(conn, f"rank {rank} already has a PMI connection")]
-        self._conns[conn] = _Conn(rank=None)
+        self._conns[conn] = Conn(rank=None)
         if rank is not None:
             self._bind(conn, rank)
         return []
@@ -159,7 +145,7 @@ class PmiProxy:
 
     # ----- one line ----------------------------------------------------------------------------
 
-    def _line(self, conn: int, c: _Conn, line: bytes) -> list[Action]:
+    def _line(self, conn: int, c: Conn, line: bytes) -> list[Action]:
         if c.aborted:
             return []  # MPICH may still send barrier_in on its way out; the job is going down
         try:
@@ -198,7 +184,7 @@ class PmiProxy:
 
     # ----- requests ----------------------------------------------------------------------------
 
-    def _initack(self, conn: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _initack(self, conn: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         rank = self._tokens.pop(cmd.get("pmiid", ""), None)
         if rank is None:
             return self._reject(conn, "unknown or already used PMI_ID")
@@ -210,7 +196,7 @@ class PmiProxy:
         sets = f"cmd=set size={self._world}\ncmd=set rank={rank}\ncmd=set debug=0\n"
         return [Reply(conn, format_reply("initack", rc=0) + sets.encode())]
 
-    def _init(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _init(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         if cmd.get("pmi_version") != "1":
             # PMI-2 clients start with a v1-framed init; refuse so they fail cleanly (flux does).
             return [Reply(conn, format_reply(
@@ -220,10 +206,10 @@ class PmiProxy:
         return [Reply(conn, format_reply("response_to_init", rc=0, pmi_version=1,
                                          pmi_subversion=1))]
 
-    def _fixed_reply(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _fixed_reply(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         return [Reply(conn, self._fixed[cmd.cmd])]
 
-    def _put(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _put(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         key, value = cmd.get("key", ""), cmd.get("value", "")
         problem = actions.key_problem(cmd, self._kvsname) or actions.value_problem(key, value)
         if problem:
@@ -231,7 +217,7 @@ class PmiProxy:
         self._cache[key] = self._epoch_puts[key] = value
         return [Reply(conn, format_reply("put_result", rc=0))]
 
-    def _get(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _get(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         key = cmd.get("key", "")
         problem = actions.key_problem(cmd, self._kvsname)
         if problem:
@@ -245,7 +231,7 @@ class PmiProxy:
         self._gets[self._next_req] = (conn, key)
         return [Send({"op": "get", "key": key, "req": self._next_req})]
 
-    def _barrier_in(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _barrier_in(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         c.pending = "barrier"
         self._barrier.add(rank)
         if len(self._barrier) < len(self._ranks):
@@ -253,15 +239,15 @@ class PmiProxy:
         puts, self._epoch_puts = self._epoch_puts, {}
         return [Send({"op": "barrier_in", "puts": puts})]
 
-    def _finalize(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _finalize(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         c.finalized = True
         return [Reply(conn, format_reply("finalize_ack", rc=0))]
 
-    def _abort(self, conn: int, rank: int, c: _Conn, cmd: PmiCommand) -> list[Action]:
+    def _abort(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         c.aborted = True
         return actions.abort_actions(rank, cmd)
 
-    def _spawn_line(self, conn: int, rank: int, c: _Conn, spawn: SpawnBlock,
+    def _spawn_line(self, conn: int, rank: int, c: Conn, spawn: SpawnBlock,
                     line: bytes) -> list[Action]:
         """Swallow the mcmd=spawn block, then refuse it as a whole."""
         if not spawn.feed(line):

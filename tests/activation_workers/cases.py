@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config import TrainConfig, make_config
-from trainer.model import GPTConfig
+from trainer.config.options import TrainConfig, make_config
+from trainer.model.config import GPTConfig
 
 #: The rank function every test of tests/test_activations.py reads (one run per world size).
 WORKER = "tests.activation_workers.worker:run"

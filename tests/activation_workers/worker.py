@@ -21,13 +21,13 @@ from tests.activation_workers.cases import BIG, BIG_SEED, CONSTRUCTION, RUNS, ST
 from tests.numerics import float64
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
-from trainer.config import TrainConfig
+from trainer.config.options import TrainConfig
 from trainer.construction import build_rank_model
-from trainer.data import load_corpus
-from trainer.pipeline.train_step import stage_layout
-from trainer.run import build_run
+from trainer.data.corpus import load_corpus
 from trainer.tensor_parallel import shard_spec
-from trainer.train import train_step
+from trainer.training.pipeline_step import stage_layout
+from trainer.training.run import build_run
+from trainer.training.step import train_step
 
 
 def train_run(world: World, run: Run, out: Path) -> dict[str, Any]:

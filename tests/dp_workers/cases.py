@@ -6,7 +6,7 @@ Each case is a tiny model and a global batch that divides by dp * microbatches f
 
 from __future__ import annotations
 
-from trainer.config import TrainConfig, make_config
+from trainer.config.options import TrainConfig, make_config
 
 STEPS = 3
 _TINY = {"n_layer": 2, "n_head": 2, "d_model": 32, "seq_len": 32}

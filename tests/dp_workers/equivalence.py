@@ -3,8 +3,8 @@
     mpiexec -n 4 python -m tests.mpi_worker tests.dp_workers.equivalence:run OUT
 
 For every case of `tests.dp_workers.cases` it trains with the trainer's own step function
-(``trainer.run.build_run`` + ``train_step``, the code users run) and records the losses, the
-bucket launch order of every step and the final parameters. Then it probes the gradient-sync
+(``trainer.training.run.build_run`` + ``train_step``, the code users run) and records the losses,
+the bucket launch order of every step and the final parameters. Then it probes the gradient-sync
 rules: no reduction inside ``no_sync()``, a parameter without gradient, a second backward outside
 ``no_sync()``, and (dp > 1) ranks holding different models. Any unexpected exception aborts
 every rank, so the test sees a failure instead of a hang.
@@ -24,11 +24,12 @@ from tests.numerics import float64
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import ParallelDims
-from trainer.config import resolve_dp
-from trainer.data_parallel import DataParallel, GradSyncError
-from trainer.model import GPT, GPTConfig
-from trainer.run import build_run
-from trainer.train import train_step
+from trainer.config.options import resolve_dp
+from trainer.data_parallel.grad_sync import DataParallel, GradSyncError
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.training.run import build_run
+from trainer.training.step import train_step
 
 
 def run_case(name: str, world: World, dp_comm: Communicator, out: Path) -> dict[str, Any]:

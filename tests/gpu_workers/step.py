@@ -20,12 +20,13 @@ from tests.host_syncs import HostSyncs, optimizer_step_counters
 from tests.numerics import float64
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
-from trainer.config import make_config
-from trainer.gpu import readout
-from trainer.model import GPT, GPTConfig
-from trainer.parallelize import parallelize
-from trainer.run import build_run
-from trainer.train import run_step
+from trainer.config.options import make_config
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
+from trainer.tensor_parallel.parallelize import parallelize
+from trainer.training import readout
+from trainer.training.run import build_run
+from trainer.training.step import run_step
 
 PADDED = GPTConfig(vocab_size=200, vocab_multiple=256, n_layer=1, n_head=2, d_model=16,
                    seq_len=8)

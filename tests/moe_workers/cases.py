@@ -14,8 +14,8 @@ import functools
 
 from tests.moe_reference import use_reference
 from tests.serial_reference import train_serially
-from trainer.config import TrainConfig, make_config
-from trainer.model import GPT
+from trainer.config.options import TrainConfig, make_config
+from trainer.model.gpt import GPT
 from trainer.moe.layer import set_aux_scale
 
 WORKER = "tests.moe_workers.worker:run"

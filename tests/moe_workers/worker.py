@@ -23,15 +23,15 @@ from tests.numerics import float64
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.comm.topology import ParallelDims
-from trainer.config import resolve_dp
-from trainer.model import GPTConfig
+from trainer.config.options import resolve_dp
+from trainer.model.config import GPTConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.layer import MoE
 from trainer.moe.parallel import shard_experts
 from trainer.moe.router import Routing
-from trainer.run import build_run
 from trainer.tensor_parallel.sharding import shard_spec
-from trainer.train import train_step
+from trainer.training.run import build_run
+from trainer.training.step import train_step
 
 D = 8
 

@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass, field
 
 from tests.serial_reference import train_serially
-from trainer.config import TrainConfig, make_config
+from trainer.config.options import TrainConfig, make_config
 
 #: The rank function every PP training test reads (one run per world size: `tests.mpi_runs`).
 WORKER = "tests.pp_training_workers.worker:run"

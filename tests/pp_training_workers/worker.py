@@ -19,11 +19,12 @@ from tests.numerics import float64
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
 from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.topology import ParallelDims
-from trainer.config import resolve_dp
+from trainer.config.options import resolve_dp
 from trainer.errors import TrainerError
-from trainer.run import build_run
 from trainer.tensor_parallel import full_state
-from trainer.train import train, train_step
+from trainer.train import train
+from trainer.training.run import build_run
+from trainer.training.step import train_step
 
 
 def train_case(world: World, c: Case, out: Path) -> dict[str, Any]:

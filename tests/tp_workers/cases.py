@@ -11,7 +11,7 @@ import functools
 import torch
 
 from tests.serial_reference import train_serially
-from trainer.config import TrainConfig, make_config
+from trainer.config.options import TrainConfig, make_config
 
 # -- layers ----------------------------------------------------------------------------------
 

@@ -18,8 +18,8 @@ from tests.tp_workers.cases import LINEAR_VARIANTS, layer_tensors
 from trainer import checkpoint
 from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.protocol import Communicator
-from trainer.model import GPT, GPTConfig
-from trainer.parallelize import parallelize
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -29,6 +29,7 @@ from trainer.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from trainer.tensor_parallel.counting import CountingCommunicator
+from trainer.tensor_parallel.parallelize import parallelize
 
 Piece = tuple[torch.Tensor, ShardSpec | None]
 SEQ = ShardSpec(1)     # sequence dim of (B, T, D)

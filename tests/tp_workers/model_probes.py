@@ -12,10 +12,9 @@ from tests.numerics import float64
 from tests.tp_workers.cases import CASES, STEPS, case_config
 from tests.tp_workers.layer_probes import grads_of
 from trainer.comm.bootstrap import ParallelGroups, World
-from trainer.config import resolve_dp
-from trainer.model import GPT, GPTConfig
-from trainer.parallelize import parallelize
-from trainer.run import build_run
+from trainer.config.options import resolve_dp
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.tensor_parallel import (
     TP_RNG,
     RNGStatesTracker,
@@ -24,7 +23,9 @@ from trainer.tensor_parallel import (
     full_state,
     shard_tensor,
 )
-from trainer.train import train_step
+from trainer.tensor_parallel.parallelize import parallelize
+from trainer.training.run import build_run
+from trainer.training.step import train_step
 
 DROP_CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, dropout=0.2)
 

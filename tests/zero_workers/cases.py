@@ -8,7 +8,7 @@ model's gradient norm, so the global norm across DP, TP and PP decides every upd
 
 from __future__ import annotations
 
-from trainer.config import TrainConfig, make_config
+from trainer.config.options import TrainConfig, make_config
 
 WORKER = "tests.zero_workers.worker:run"
 STEPS = 3

@@ -31,8 +31,9 @@ from trainer.comm.bootstrap import World, build_groups, init
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import ParallelDims
 from trainer.errors import TrainerError
-from trainer.run import build_run
-from trainer.train import save_checkpoint, train, train_step
+from trainer.train import save_checkpoint, train
+from trainer.training.run import build_run
+from trainer.training.step import train_step
 from trainer.zero.memory import held_bytes
 from trainer.zero.reshard import FlatIndex, plan_reads
 from trainer.zero.state import flat_index, index_name, shard_name

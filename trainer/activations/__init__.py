@@ -4,8 +4,8 @@
     sequence_parallel  Megatron's sequence parallelism wired into the tensor-parallel GPT
     recompute          --recompute none | selective | full, RNG-safe, inside every schedule
 
-`trainer.run` applies both after `trainer.parallelize`; the layers and the RNG-safe
-`checkpoint` they build on live in `trainer.tensor_parallel`.
+`trainer.training.run` applies both after `trainer.tensor_parallel.parallelize`; the layers and the
+RNG-safe `checkpoint` they build on live in `trainer.tensor_parallel`.
 """
 
 from trainer.activations.options import RECOMPUTE_MODES, check_activation_options

@@ -18,7 +18,7 @@ from functools import partial
 
 import torch
 
-from trainer.model import GPT
+from trainer.model.gpt import GPT
 from trainer.tensor_parallel.random import RNGStatesTracker, checkpoint
 
 

@@ -1,9 +1,9 @@
 """Megatron's sequence parallelism (Korthikanti et al. 2022) on the tensor-parallel GPT.
 
-`trainer.parallelize` makes every tensor-parallel region (attention, MLP, embedding, head) hold
-its slice of the weights, but the activations *between* the regions, the norms, the dropouts and
-the residual sums, stay whole and identical on every TP rank. `apply_sequence_parallel` splits
-them along the sequence instead, so each TP rank holds and computes ``1/tp`` of them:
+`trainer.tensor_parallel.parallelize` makes every tensor-parallel region (attention, MLP, embedding,
+head) hold its slice of the weights, but the activations *between* the regions, the norms, the
+dropouts and the residual sums, stay whole and identical on every TP rank. `apply_sequence_parallel`
+splits them along the sequence instead, so each TP rank holds and computes ``1/tp`` of them:
 
     tok_emb      reduce-scatter over the sequence instead of all-reduce (B, T/tp, D)
     ln1/ln2/ln_f run on the rank's sequence block; their parameters' gradients are summed
@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.model import GPT, RMSNorm
+from trainer.model.gpt import GPT
+from trainer.model.layers import RMSNorm
 from trainer.tensor_parallel.mappings import copy_to_region
 from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
 
@@ -73,8 +74,8 @@ class TrackedDropout(nn.Dropout):
 
 
 def apply_sequence_parallel(model: GPT, tp: Communicator, tracker: RNGStatesTracker) -> GPT:
-    """Switch a model already sharded by `trainer.parallelize` over ``tp`` to sequence
-    parallelism, in place (a stage model: only the parts it holds)."""
+    """Switch a model already sharded by `trainer.tensor_parallel.parallelize` over ``tp`` to
+    sequence parallelism, in place (a stage model: only the parts it holds)."""
     p = model.cfg.dropout
     for _, block in model.layers():
         block.ln1 = SequenceParallelNorm(block.ln1, tp)

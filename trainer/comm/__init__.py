@@ -1,7 +1,7 @@
 """The trainer's communication layer: one `Communicator` protocol, an MPI and an NCCL backend.
 
 Importing this package starts nothing: MPI is initialised by `bootstrap.init` (or by importing
-`trainer.comm.mpi`), and nccl4py is imported only when the NCCL backend is used.
+`trainer.comm.mpi.communicator`), and nccl4py is imported only when the NCCL backend is used.
 """
 
 from trainer.comm.protocol import (

@@ -128,7 +128,7 @@ def init(*, backend: str = "auto", environ: Mapping[str, str] | None = None) -> 
         backend = "nccl" if torch.cuda.is_available() else "mpi"
     if backend == "nccl":
         return _init_nccl(placement, world)
-    from trainer.comm.mpi import MpiCommunicator
+    from trainer.comm.mpi.communicator import MpiCommunicator
 
     return World(placement.rank, placement.size, placement.local_rank, torch.device("cpu"),
                  recorded(MpiCommunicator(world, "world"), env), world, placement.local_size)
@@ -167,7 +167,7 @@ def _placement_from_mpi(mpi: Any, world: Any) -> Placement:
 
 
 def _init_nccl(placement: Placement, world: Any) -> World:
-    from trainer.comm.nccl import NcclCommunicator
+    from trainer.comm.nccl.communicator import NcclCommunicator
 
     # Every rank learns whether every rank has a GPU before any rank enters NCCL's collective
     # init: a rank that failed alone would otherwise leave the others waiting forever.
@@ -191,7 +191,7 @@ def _gpu_problem(placement: Placement) -> tuple[str, str, str, str] | None:
     if placement.local_rank >= count:
         return ("no GPU for this rank", where, f"only {count} GPU(s) are visible on this host",
                 "Start at most one rank per GPU (--nproc-per-node), or check CUDA_VISIBLE_DEVICES")
-    from trainer.comm.nccl_setup import import_nccl
+    from trainer.comm.nccl.setup import import_nccl
 
     try:
         import_nccl()

@@ -192,12 +192,14 @@ class RecordingCommunicator:
     def send(self, t: torch.Tensor, dst: int) -> None:
         slot = self._slot
         slot.enter(_SEND_OP, t, _SEND, dst)
-        slot.after(self.inner.send(t, dst))
+        self.inner.send(t, dst)
+        slot.finish()
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         slot = self._slot
         slot.enter(_RECV_OP, t, _RECV, src)
-        slot.after(self.inner.recv(t, src))
+        self.inner.recv(t, src)
+        slot.finish()
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
         # Named by its first receive: the half of a batch that waits on someone else.
@@ -223,7 +225,8 @@ class RecordingCommunicator:
     def barrier(self) -> None:
         slot = self._slot
         slot.enter(_BARRIER, None)
-        slot.after(self.inner.barrier())
+        self.inner.barrier()
+        slot.finish()
 
     def split(self, color: int, key: int, *, name: str = "") -> Communicator:
         """The sub-group, recorded in a slot of its own (labelled as in the module docstring)."""

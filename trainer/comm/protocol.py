@@ -1,9 +1,9 @@
 """The one communication interface every parallel algorithm in the trainer is written against.
 
-Two backends implement it: `trainer.comm.mpi.MpiCommunicator` (torch CPU tensors over mpi4py,
-used for CPU runs and every test) and `trainer.comm.nccl.NcclCommunicator` (CUDA tensors over
-nccl4py). Code above this protocol (DP buckets, TP layers, PP schedules) never names a backend,
-so an algorithm tested on CPU runs unchanged on GPUs.
+Two backends implement it: `trainer.comm.mpi.communicator.MpiCommunicator` (torch CPU tensors over
+mpi4py, used for CPU runs and every test) and `trainer.comm.nccl.communicator.NcclCommunicator`
+(CUDA tensors over nccl4py). Code above this protocol (DP buckets, TP layers, PP schedules) never
+names a backend, so an algorithm tested on CPU runs unchanged on GPUs.
 
 Semantics shared by both backends (they are the ones of ``torch.distributed`` and NCCL):
 

@@ -5,8 +5,8 @@
     materialise   real parameters for a model built on the meta device
 
 `build_rank_model` builds the plain GPT on the meta device (shapes, no memory), cuts it to this
-rank's pipeline stage, shards it over tensor parallelism (`trainer.parallelize`), applies
-sequence parallelism and recomputation (`trainer.activations`), and only then allocates the
+rank's pipeline stage, shards it over tensor parallelism (`trainer.tensor_parallel.parallelize`),
+applies sequence parallelism and recomputation (`trainer.activations`), and only then allocates the
 parameters this rank keeps, each equal to its slice of the serial model's initialisation:
 same seed, same weights as a model built whole and cut (Megatron's
 ``_initialize_affine_weight_cpu`` without the full master weight). Every rank still draws
@@ -22,9 +22,10 @@ from trainer.activations import apply_recompute, apply_sequence_parallel
 from trainer.comm.bootstrap import ParallelGroups
 from trainer.construction.materialise import materialise
 from trainer.construction.meta import meta_gpt
-from trainer.model import GPT, GPTConfig
-from trainer.parallelize import parallelize
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
+from trainer.tensor_parallel.parallelize import parallelize
 from trainer.tensor_parallel.random import RNGStatesTracker
 
 

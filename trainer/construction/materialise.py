@@ -8,7 +8,9 @@ from torch import nn
 
 from trainer.construction.init_stream import normal_pieces, shard_of_stream
 from trainer.construction.meta import meta_gpt
-from trainer.model import GPT, GPTConfig, init_rule, rope_tables
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT, init_rule
+from trainer.model.layers import rope_tables
 from trainer.tensor_parallel.sharding import ShardSpec, shard_shape, shard_spec
 
 

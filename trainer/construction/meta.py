@@ -7,7 +7,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
 from trainer.pipeline.stages import build_stage_model
 

@@ -6,5 +6,5 @@
     vocab      vocabulary padding to 128 x tp rows, padded rows masked out of the logits
 
 The DP gradient all-reduce's overlap with backward on CUDA lives where the buckets do
-(`trainer.data_parallel`, on the NCCL communicator's side stream, `trainer.comm.nccl`).
+(`trainer.data_parallel.grad_sync`, on the NCCL communicator's side stream, `trainer.comm.nccl`).
 """

@@ -33,7 +33,7 @@ _NONE = 2**62  # no rank failed
 
 def compile_blocks(model: nn.Module, batch: int, *, rank: int = 0,
                    groups: Sequence[Communicator] = (), backend: Any = "inductor") -> bool:
-    """Compile the blocks of ``model`` (a `trainer.model.GPT` or pipeline stage) for
+    """Compile the blocks of ``model`` (a `trainer.model.gpt.GPT` or pipeline stage) for
     micro-batches of ``batch`` sequences; True when compiled, False when some rank of
     ``groups`` (together: the world) could not, and every rank runs eager. Then the lowest
     failing rank (``rank`` is this one's) prints its error, once for the job. ``backend`` is

@@ -1,4 +1,4 @@
-"""A checkpoint of any layout back into the single-device `trainer.model.GPT`, on one process.
+"""A checkpoint of any layout back into the single-device `trainer.model.gpt.GPT`, on one process.
 
 A checkpoint holds one model shard per (tp, pp[, ep]) rank of DP replica 0 (with expert
 parallelism, of the first ep replicas: each holds its own experts; `trainer.checkpoint`), and
@@ -6,8 +6,8 @@ its ``meta.json`` the model config and the layout. Pipeline shards keep global p
 (``blocks.5...``), so the stages' shards are simply united; the last stage's copy of a tied
 embedding (``head.weight``) equals the first stage's weight. Tensor-parallel shards of one
 stage are put back together with `trainer.tensor_parallel.unshard`, along the dimension and
-stride where `trainer.parallelize` cut each parameter: the TP model is built offline on a
-`LayoutOnlyGroup` (a group's rank and size, no transport) only to read those cuts, so the
+stride where `trainer.tensor_parallel.parallelize` cut each parameter: the TP model is built offline
+on a `LayoutOnlyGroup` (a group's rank and size, no transport) only to read those cuts, so the
 rules live in one place. The result is loaded strictly: a missing or extra tensor is an error.
 """
 
@@ -23,10 +23,11 @@ from trainer import checkpoint
 from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.topology import Coords, ParallelDims
 from trainer.errors import CommError
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.moe.parallel import shard_experts
-from trainer.parallelize import parallelize
 from trainer.tensor_parallel import ShardSpec
+from trainer.tensor_parallel.parallelize import parallelize
 from trainer.tensor_parallel.random import RNGStatesTracker
 from trainer.tensor_parallel.sharding import shard_spec, unshard
 
@@ -44,8 +45,8 @@ class LayoutOnlyGroup:
 
 
 def shard_specs(cfg: GPTConfig, tp: int) -> dict[str, ShardSpec]:
-    """Where `trainer.parallelize` cuts each parameter at ``tp`` (state-dict names; replicated
-    parameters are absent)."""
+    """Where `trainer.tensor_parallel.parallelize` cuts each parameter at ``tp`` (state-dict names;
+    replicated parameters are absent)."""
     if tp == 1:
         return {}
     one = LayoutOnlyGroup(1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from trainer.errors import ConfigError
-from trainer.model import GPT
+from trainer.model.gpt import GPT
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """The validation loss of a run, on every layout (DP, TP, PP), logged by rank 0.
 
-The data is the held-out split (`trainer.data`: the last ``--val-fraction`` of the bytes, never
-trained on): ``--eval-batches`` batches of ``--global-batch`` windows, the same windows at every
-evaluation (batch k is drawn from (seed, k)), so the curve moves only because the model does.
+The data is the held-out split (`trainer.data.corpus`: the last ``--val-fraction`` of the bytes,
+never trained on): ``--eval-batches`` batches of ``--global-batch`` windows, the same windows at
+every evaluation (batch k is drawn from (seed, k)), so the curve moves only because the model does.
 Each DP rank evaluates its slice of every batch in the run's microbatches, exactly as a step
 trains on it, with dropout off and no gradients; the loss is the mean over batches of the batch
 mean, averaged over DP like the training loss, so any layout computes the serial model's value
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.data import Corpus, ShardedBatches
-from trainer.model import GPT
+from trainer.data.batches import ShardedBatches
+from trainer.data.corpus import Corpus
+from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
 
 

@@ -12,7 +12,7 @@ from trainer.errors import ConfigError
 from trainer.moe.router import SCORE_FUNCTIONS
 
 if TYPE_CHECKING:
-    from trainer.model import GPTConfig
+    from trainer.model.config import GPTConfig
 
 
 def check_model(cfg: GPTConfig) -> None:

@@ -27,8 +27,8 @@ import torch
 from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator
+from trainer.model.precision import at_least_fp32
 from trainer.moe.router import Routing
-from trainer.precision import at_least_fp32
 
 
 @dataclass(frozen=True)

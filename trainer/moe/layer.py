@@ -1,7 +1,7 @@
 """The mixture-of-experts layer that replaces the MLP of every ``moe_every``-th block.
 
     router    nn.Linear(D, E, bias=False), run in at least fp32 (`trainer.moe.router`)
-    experts   nn.ModuleDict of plain `trainer.model.MLP`s keyed by the *global* expert index
+    experts   nn.ModuleDict of plain `trainer.model.layers.MLP`s keyed by the *global* expert index
 
 Keying the experts by global index is the pipeline's trick for layers: expert parallelism
 (`trainer.moe.parallel`) deletes the experts a rank does not hold, and the names that remain
@@ -22,7 +22,8 @@ from torch import nn
 from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator
-from trainer.model import MLP, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.layers import MLP
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.router import Routing, route
 

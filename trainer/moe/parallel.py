@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.data_parallel import DataParallel
-from trainer.grad_clip import NormScope
+from trainer.data_parallel.grad_sync import DataParallel
 from trainer.moe.layer import moe_layers, set_aux_scale
+from trainer.optim.grad_clip import NormScope
 from trainer.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 

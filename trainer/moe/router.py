@@ -5,7 +5,7 @@ load-balancing loss, the z-loss and the capacity are computed over those tokens,
 that only moves tokens between ranks (expert parallelism) computes exactly what one device
 computing the same microbatch does.
 
-* Scores: ``logits = x @ W_r.T`` in at least fp32 (`trainer.precision`), then softmax over the
+* Scores: ``logits = x @ W_r.T`` in at least fp32 (`trainer.model.precision`), then softmax over the
   experts or an element-wise sigmoid. The top-k scores are the combine weights, not
   renormalised, so the router gets a gradient from the language-model loss even at k = 1
   (Switch). Ties go to the lower expert index (``torch.topk`` on a stable order).
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.precision import at_least_fp32
+from trainer.model.precision import at_least_fp32
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 

@@ -10,6 +10,6 @@ that executes one rank's list over a PP communicator, and the timeline of what r
 * `trainer.pipeline.timeline`  Chrome trace / Perfetto JSON, PNG Gantt chart, bubble fraction;
 * `trainer.pipeline.partition` which layers each of the p·v stage chunks holds (pure);
 * `trainer.pipeline.stages`    a rank's chunks of the real GPT as a `Stage` (tied embeddings);
-* `trainer.pipeline.train_step` one optimizer step: schedule, tied-embedding and DP gradient
+* `trainer.training.pipeline_step` one optimizer step: schedule, tied-embedding and DP gradient
   sums, the loss broadcast, the norm scope across TP and PP.
 """

@@ -4,8 +4,8 @@
 exactly as in the serial model) and deletes what this pipeline rank does not run: the blocks of
 other stages, the embedding unless the rank runs stage 0, the final norm and head unless it
 runs the last stage. What is left is still a `GPT` with global parameter names
-(``blocks.5.attn.qkv.weight``), so `trainer.parallelize`, `DataParallel`, the optimizer and the
-checkpoint shards work on it unchanged. Training calls it on the meta device
+(``blocks.5.attn.qkv.weight``), so `trainer.tensor_parallel.parallelize`, `DataParallel`, the
+optimizer and the checkpoint shards work on it unchanged. Training calls it on the meta device
 (`trainer.construction`), so the whole model is never allocated there. With ``v`` virtual
 chunks the rank keeps the blocks of all its chunks in one module; `GPTStage` runs the right
 ones per chunk.
@@ -13,7 +13,7 @@ ones per chunk.
 Tied embeddings (Megatron's rule): the first stage holds ``tok_emb.weight``, the last stage a
 copy as ``head.weight`` (a separate parameter: they live on different ranks). Both start equal;
 after backward their gradients are summed over the embedding group (first and last stage,
-`trainer.pipeline.train_step`) so both get the serial model's gradient and stay identical
+`trainer.training.pipeline_step`) so both get the serial model's gradient and stay identical
 through every optimizer step; the global gradient norm counts the weight on the first stage
 only.
 
@@ -35,7 +35,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from trainer.model import GPT, GPTConfig
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
 
 Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -62,7 +63,8 @@ def build_stage_model(cfg: GPTConfig, seed: int, layout: StageLayout) -> GPT:
 def tied_weight(model: GPT, layout: StageLayout) -> nn.Parameter | None:
     """The tied embedding weight this rank holds (first stage: the embedding; last stage: the
     head's copy), or ``None`` when the model is untied or the rank holds neither. Ask after
-    `trainer.parallelize`, which replaces the head (and so its weight) by a TP shard."""
+    `trainer.tensor_parallel.parallelize`, which replaces the head (and so its weight) by a TP
+    shard."""
     if not model.cfg.tied:
         return None
     if layout.holds_first:

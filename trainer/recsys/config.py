@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 from trainer.comm.bootstrap import BACKENDS
-from trainer.config import _Parser  # the GPT trainer's quiet-capable argparse
+from trainer.config.options import _Parser  # the GPT trainer's quiet-capable argparse
 from trainer.errors import ConfigError
 from trainer.recsys.data import CRITEO_SPARSE
 from trainer.recsys.model import DLRMConfig

@@ -6,17 +6,17 @@
     python -m trainer.recsys --data day_0.tsv --vocab 100000 --rows 1000000  # Criteo TSV
     python -m trainer.recsys --run-dir runs/rec --resume     # continue the newest checkpoint
 
-Every rank holds the MLPs (data parallel, `trainer.data_parallel`: gradients averaged in
+Every rank holds the MLPs (data parallel, `trainer.data_parallel.grad_sync`: gradients averaged in
 buckets) and 1/G of the embedding table (`trainer.sparse`). A step: each rank takes its 1/G of
 the step's global batch (a pure function of seed and step, `trainer.recsys.data.Batches`),
 looks its keys up through the all-to-all, runs the MLPs and the interaction, and backward sends
 the embedding gradients to their owners; then the dense optimizer (SGD, Adagrad or Adam) and
 the row-wise sparse one (`trainer.sparse.optim`) step. Rank 0 logs and writes ``metrics.jsonl``
-and ``loss.png`` (`trainer.metrics`; "tokens" are rows) and, every ``--eval-every`` steps,
+and ``loss.png`` (`trainer.training.metrics`; "tokens" are rows) and, every ``--eval-every`` steps,
 validation log-loss and AUC (`trainer.recsys.evaluate`: ``evals.jsonl``, ``auc.png`` with the
 planted model's AUC as the ceiling). Checkpoints (`trainer.recsys.state`) hold one shard per
 rank; ``--resume`` continues bit-exactly. Bad options are reported once, by rank 0
-(`trainer.startup`'s agreement), with exit code 2.
+(`trainer.training.startup`'s agreement), with exit code 2.
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from pathlib import Path
 import torch
 from torch.nn import functional
 
-from trainer import startup
 from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import ReduceOp
-from trainer.data_parallel import DataParallel
+from trainer.data_parallel.grad_sync import DataParallel
 from trainer.errors import TrainerError
-from trainer.metrics import MetricsLog, StepRecord
 from trainer.recsys import evaluate, state
 from trainer.recsys.config import RecsysConfig, check_world, parse_args
 from trainer.recsys.data import Batches, ClickLog, read_criteo, synthetic
 from trainer.recsys.model import DLRM
 from trainer.sparse import SparseOptimizer
+from trainer.training import startup
+from trainer.training.metrics import MetricsLog, StepRecord
 
 _DENSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
                      "adam": torch.optim.Adam}

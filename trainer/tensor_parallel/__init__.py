@@ -3,8 +3,8 @@
 ``mappings`` (the f/g autograd collectives), ``layers`` (column/row-parallel linear,
 vocabulary-parallel embedding), ``cross_entropy`` (vocabulary-parallel loss), ``random`` (RNG
 tracker and RNG-safe recompute), ``sharding`` (how tensors are cut and re-assembled) and
-``counting`` (a communicator that counts traffic). ``trainer.parallelize`` applies them to the
-GPT.
+``counting`` (a communicator that counts traffic). ``trainer.tensor_parallel.parallelize`` applies
+them to the GPT.
 """
 
 from trainer.tensor_parallel.cross_entropy import (

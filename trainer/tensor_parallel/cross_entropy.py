@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.precision import at_least_fp32
+from trainer.model.precision import at_least_fp32
 
 
 class _VocabParallelCrossEntropy(Function):

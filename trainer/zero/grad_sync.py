@@ -1,7 +1,7 @@
 """ZeRO-1's gradient synchronisation: `DataParallel` with a reduce-scatter per bucket.
 
-Everything `trainer.data_parallel` does stays: the contiguous buffer, buckets launched in index
-order from the post-accumulate-grad hooks while backward runs, the MPI comm thread, no_sync()
+Everything `trainer.data_parallel.grad_sync` does stays: the contiguous buffer, buckets launched in
+index order from the post-accumulate-grad hooks while backward runs, the MPI comm thread, no_sync()
 for accumulation, the checks for missing gradients and differing models. What changes is the
 buffer's layout (each bucket padded to a multiple of dp, `trainer.zero.layout`) and the
 collective: each bucket is reduce-scattered *in place*, so after ``finish_grad_sync()`` only this
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
-from trainer.data_parallel import DataParallel
-from trainer.dp_buckets import Bucket
-from trainer.precision import main_grad_dtype
+from trainer.data_parallel.buckets import Bucket
+from trainer.data_parallel.grad_sync import DataParallel
+from trainer.model.precision import main_grad_dtype
 from trainer.zero.layout import ShardLayout, shard_layout
 
 

@@ -1,7 +1,7 @@
 """Where every gradient element lives under ZeRO-1, and which of them a DP rank owns.
 
-The contiguous gradient buffer (reverse parameter order, as in `trainer.data_parallel`) is cut
-into buckets exactly as without ZeRO, and each bucket is then padded with zeros to a multiple of
+The contiguous gradient buffer (reverse parameter order, as in `trainer.data_parallel.grad_sync`) is
+cut into buckets exactly as without ZeRO, and each bucket is then padded with zeros to a multiple of
 dp so that it splits into dp equal, contiguous shards; DP rank r owns shard r of *every* bucket
 (Megatron's distributed optimizer does the same). Sharding bucket by bucket is what lets each
 bucket be reduce-scattered as soon as backward has filled it, and lets a parameter that must
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from trainer.dp_buckets import plan_buckets
+from trainer.data_parallel.buckets import plan_buckets
 
 
 @dataclass(frozen=True)
@@ -79,8 +79,8 @@ class ShardLayout:
 
 def shard_layout(numels: Sequence[int], bucket_size: int, dp: int, rank: int,
                  alone: Collection[int] = ()) -> ShardLayout:
-    """Buckets of about ``bucket_size`` elements (`trainer.dp_buckets.plan_buckets`), each
-    padded to a multiple of ``dp``; a parameter index in ``alone`` gets a bucket of its own."""
+    """Buckets of about ``bucket_size`` elements (`trainer.data_parallel.buckets.plan_buckets`),
+    each padded to a multiple of ``dp``; a parameter index in ``alone`` gets a bucket of its own."""
     runs, first = [], 0
     for i in sorted(alone):  # cut the parameters into runs around the lone ones
         runs += [range(first, i), range(i, i + 1)]

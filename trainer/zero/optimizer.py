@@ -8,9 +8,9 @@ parameter itself, so nothing is copied; under ``--precision bf16`` an fp32 copy 
 part. AdamW's moments exist for the pieces only, so the optimizer state is 1/dp of the model's.
 A piece's gradient is the matching part of this rank's reduce-scattered shard of the gradient
 buffer (`trainer.zero.grad_sync`). AdamW is elementwise, so stepping pieces is stepping whole
-tensors; weight decay follows the piece's parameter (matrices only, `trainer.optim`).
+tensors; weight decay follows the piece's parameter (matrices only, `trainer.optim.optimizer`).
 
-`ZeroOptimizer` has `trainer.mixed_precision.MainParams`'s interface (``grads``, ``scope``,
+`ZeroOptimizer` has `trainer.optim.mixed_precision.MainParams`'s interface (``grads``, ``scope``,
 ``publish``, ``main``, ``optimizer``), so a training step is written once for both:
 
 * ``scope`` counts every gradient element once across DP, TP and PP: the pieces are disjoint
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
-from trainer.grad_clip import NormScope
+from trainer.optim.grad_clip import NormScope
 from trainer.zero.grad_sync import ShardedGradSync
 
 if TYPE_CHECKING:

@@ -1,0 +1,7 @@
+"""Megatron-style data parallelism on the `Communicator` (not torch DDP).
+
+* `trainer.data_parallel.grad_sync`  `DataParallel`: one contiguous gradient buffer, bucketed
+  all-reduce overlapped with backward, ``no_sync`` for accumulation
+* `trainer.data_parallel.buckets`    how the buffer is cut into buckets; a bucket's state; the
+  comm thread's handle and policy
+"""

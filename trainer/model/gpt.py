@@ -1,0 +1,124 @@
+"""A plain single-device GPT: the reference every parallel test compares against.
+
+No parallel code lives here. Tensor and pipeline parallelism are applied later, in one place,
+by replacing or removing the named submodules below (torchtitan's ``parallelize`` pattern):
+
+    tok_emb                      nn.Embedding(vocab, d_model)
+    blocks["0"] .. blocks["L-1"] Block: ln1 -> attn (qkv, proj) -> +res,
+                                        ln2 -> mlp (fc, proj) -> +res
+    ln_f                         final norm
+    head                         nn.Linear(d_model, vocab); its weight *is* tok_emb.weight when tied
+
+``blocks`` is an ``nn.ModuleDict`` keyed by the *global* layer index, so a pipeline stage that
+deletes the layers it does not own keeps the global parameter names (``blocks.5.attn.qkv.weight``)
+and checkpoints cannot silently load layer 0 of one layout into layer 5 of another. ``forward``
+skips ``tok_emb``/``ln_f``/``head`` when they are ``None`` for the same reason.
+
+The model's own hooks, plain attributes that `trainer.tensor_parallel.parallelize` sets:
+``GPT.criterion`` (the loss on the head's logits) and ``GPT.vocab_start``, the vocabulary row of
+the first logit, which masks padded rows on a shard; the layers' hooks are in
+`trainer.model.layers`. All default to the serial behaviour.
+
+Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.gpu.vocab import mask_padded_vocab
+from trainer.model.config import GPTConfig
+from trainer.model.layers import Block, make_norm, rope_tables
+from trainer.model.precision import at_least_fp32
+
+
+def cross_entropy(logits_NV: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy, computed in at least fp32."""
+    return F.cross_entropy(at_least_fp32(logits_NV), targets_N)
+
+
+def init_rule(name: str, n_layer: int) -> tuple[float, float]:
+    """``(fill, std)`` of parameter ``name`` in `GPT.init_weights`: ``std`` 0 means the
+    constant ``fill`` (biases 0, norm weights 1), otherwise N(0, std) from the init generator.
+    Shared with `trainer.construction`, which initialises shards without the whole model."""
+    if name.endswith("bias"):
+        return 0.0, 0.0
+    if ".ln" in name or name.startswith("ln_f"):
+        return 1.0, 0.0
+    return 0.0, 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+
+
+class GPT(nn.Module):
+    """Token ids (B, T) -> logits (B, T, V). Initialised deterministically from ``seed``."""
+
+    def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # torch's layer constructors draw their default init from the global RNG; fork it so
+        # building a model never shifts the data or dropout streams of the caller.
+        with torch.random.fork_rng(devices=[]):
+            self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
+            self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+            if cfg.moe_experts:
+                from trainer.moe.layer import install_moe  # trainer.moe builds on this module
+
+                install_moe(self.blocks, cfg)
+            self.ln_f: nn.Module | None = make_norm(cfg)
+            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
+        self.emb_drop = nn.Dropout(cfg.dropout)
+        self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+        """(logits (N, V), targets (N,)) -> mean loss. Hook for tensor parallelism, whose
+        head yields vocabulary-sharded logits."""
+        self.vocab_start = 0
+        """Vocabulary row of this model's first logit (parallelize sets it on a TP shard), for
+        masking the padded rows (``vocab_multiple``)."""
+        if cfg.tied:
+            self.head.weight = self.tok_emb.weight
+        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+        # Derived from the config, so not saved: a checkpoint holds only learned state.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not self.ln_f.weight.is_meta:  # a meta-device model: trainer.construction fills it
+            self.init_weights(seed)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """GPT-2 init from a private generator, in parameter-name order, so it is reproducible
+        and independent of the global RNG: N(0, 0.02), residual projections scaled by
+        1/sqrt(2 * n_layer), zero biases, unit norm weights."""
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        for name, p in self.named_parameters():
+            fill, std = init_rule(name, self.cfg.n_layer)
+            if std:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+            else:
+                p.fill_(fill)
+
+    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        h = self.emb_drop(self.tok_emb(idx_BT)) if self.tok_emb is not None else idx_BT
+        for block in self.blocks.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.ln_f is not None:
+            h = self.ln_f(h)
+        if self.head is None:
+            return h
+        return mask_padded_vocab(self.head(h), self.cfg.vocab_size, self.vocab_start)
+
+    def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy over every position of the batch."""
+        logits = self(idx_BT)
+        return self.criterion(logits.flatten(0, 1), targets_BT.flatten())
+
+    def num_params(self) -> int:
+        """Parameter count, a tied weight counted once."""
+        return sum(p.numel() for p in self.parameters())
+
+    def layers(self) -> Iterator[tuple[int, Block]]:
+        """(global layer index, block) pairs of the layers this model (or stage) holds."""
+        for key, block in self.blocks.items():
+            yield int(key), block

@@ -1,0 +1,96 @@
+"""Global gradient-norm clipping for a model split over model-parallel groups.
+
+The norm must be the serial model's: every *distinct* gradient element counted exactly once.
+A rank sums the squares of the gradients it *counts*, the sums are all-reduced over every
+model-parallel group the parameters are spread across, and every rank clips with the same
+global norm. Two bugs this avoids: clipping with the local norm only (torchtitan#596, a PP
+stage saw just its own layers) and counting replicated parameters once per rank
+(ROCm/TransformerEngine#715, norms 1.4-1.5x too big).
+
+A `NormScope` says which groups to sum over and which parameters this rank counts:
+
+* TP (`tp_scope`): a sharded parameter (``tp_shard`` set) is counted on every rank (each rank
+  holds a different slice); a replicated one (norm weights, row-parallel biases) only on TP
+  rank 0.
+* DP needs nothing: gradients are already averaged and identical on every DP rank.
+* PP extends a scope with `NormScope.along`: the PP group joins ``groups`` and its rule (e.g. a
+  tied embedding counted on the first stage only) is and-ed with the TP rule.
+
+The arithmetic follows ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, coefficient
+``max_norm / (norm + 1e-6)`` capped at 1), so at TP = 1 the result equals it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.model.precision import at_least_fp32
+from trainer.tensor_parallel.sharding import shard_spec
+
+Counts = Callable[[nn.Parameter], bool]
+
+
+def _every(_: nn.Parameter) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class NormScope:
+    """The groups a gradient norm is summed over and the parameters this rank counts in it."""
+
+    groups: tuple[Communicator, ...] = ()
+    counts: Counts = _every
+
+    def along(self, comm: Communicator, counts: Counts = _every) -> NormScope:
+        """This scope extended by another model-parallel group and its counting rule."""
+        if comm.size == 1 and counts is _every:
+            return self
+        first = self.counts
+        return NormScope((*self.groups, comm), lambda p: first(p) and counts(p))
+
+
+def tp_scope(tp: Communicator) -> NormScope:
+    """Sharded parameters count on every TP rank; replicated ones on TP rank 0 only."""
+    if tp.size == 1:
+        return NormScope()
+    leader = tp.rank == 0
+    return NormScope((tp,), lambda p: leader or shard_spec(p) is not None)
+
+
+def global_grad_norm(params: Iterable[nn.Parameter], scope: NormScope = NormScope()
+                     ) -> torch.Tensor:
+    """The L2 norm of every gradient of the whole (unsplit) model, as a 0-d fp32 tensor;
+    collective over ``scope``'s groups."""
+    params = [p for p in params if p.grad is not None]
+    device = params[0].grad.device if params else torch.device("cpu")
+    counted = [p.grad.detach() for p in params if scope.counts(p)]
+    norms = torch._foreach_norm(counted, 2) if counted else []
+    if not scope.groups:  # exactly torch.nn.utils.clip_grad_norm_'s arithmetic
+        if not norms:
+            return torch.zeros((), device=device)
+        return torch.linalg.vector_norm(torch.stack([at_least_fp32(n) for n in norms]))
+    squares = torch.stack([at_least_fp32(n) for n in norms]).square().sum() if norms else \
+        torch.zeros((), device=device)
+    squares = squares.reshape(1).contiguous()
+    for comm in scope.groups:
+        comm.all_reduce(squares, ReduceOp.SUM)
+    return squares.sqrt().reshape(())
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float,
+                   scope: NormScope = NormScope()) -> torch.Tensor:
+    """Scale every gradient so the global norm is at most ``max_norm`` (0 only measures).
+    Returns the norm before clipping, a 0-d tensor on the device (reading it would make the
+    host wait for the GPU); every rank of the scope gets the same value."""
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params, scope)
+    if max_norm > 0 and params:
+        # The coefficient in fp32 tensors, as torch computes it, so TP = 1 matches it exactly.
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
+    return norm

@@ -1,0 +1,183 @@
+"""One optimizer step of pipeline-parallel training, between the schedule and the optimizer.
+
+`trainer.train` owns the step (learning rate, clipping, optimizer, logging); with ``--pp > 1``
+it hands the forward and backward of the step's microbatches to a `Pipeline`:
+
+1. `Pipeline.forward_backward`: this rank's action list of the chosen schedule runs on its
+   `GPTStage` over the PP communicator (`trainer.pipeline.runtime.run_schedule`). DP gradient
+   buckets are all-reduced once per step, each launched right after the last backward of its
+   parameters (the stage's ``grad_sync`` hook) and finished by ``DataParallel.finish_grad_sync``
+   after the schedule, Megatron's ``finalize_model_grads`` order.
+2. `Pipeline.sync_tied_grads`: the tied embedding's gradient is summed over the embedding group
+   (the first and the last stage of this pipeline) so both copies get the serial gradient.
+3. `Pipeline.norm_scope`: the global gradient norm is summed over TP (by the caller's scope)
+   and PP, the tied copy on the last stage not counted (`trainer.optim.grad_clip`).
+4. `Pipeline.reduce_loss`: the loss lives on the last stage. It is averaged over DP there and
+   broadcast over the pipeline, so *every* rank returns the step's loss and global rank 0 (the
+   first stage) logs it like any other run.
+
+The embedding group is split from the PP communicator rather than the world: it is its first
+and last rank, so only the pipeline's own ranks need to take part in the split.
+
+P2P waits: MPI's blocking wait busy-polls. On a host with more ranks than cores (the tests run
+8 ranks on 2 cores) a rank waiting for its neighbour would take the core the neighbour needs
+to finish, so there the runtime polls with short sleeps instead (`p2p_wait`).
+
+`write_timeline` gathers the last step's timeline of one pipeline and writes ``timeline.json``
+(Chrome trace / Perfetto) and ``timeline.png`` (Gantt chart), and reports the measured bubble.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
+from trainer.config.options import TrainConfig
+from trainer.data_parallel.grad_sync import DataParallel
+from trainer.model.gpt import GPT
+from trainer.model.precision import at_least_fp32
+from trainer.optim.grad_clip import NormScope
+from trainer.pipeline.actions import Action
+from trainer.pipeline.check import check_schedule
+from trainer.pipeline.partition import StageLayout, describe
+from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_schedule
+from trainer.pipeline.schedule import build, chunks_of
+from trainer.pipeline.stages import Batch, GPTStage, tied_weight
+from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
+
+TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
+
+
+def stage_layout(cfg: TrainConfig, pp_rank: int) -> StageLayout:
+    """This pipeline rank's `StageLayout` from the (already validated) config."""
+    return StageLayout(cfg.pp, chunks_of(cfg.schedule, cfg.virtual_stages), pp_rank,
+                       cfg.stage_layers)
+
+
+def p2p_wait(backend: str, local_ranks: int | None = None) -> Callable[[Sequence[Handle]], None]:
+    """MPI's blocking wait, or polling with 100 us sleeps on an oversubscribed host."""
+    if local_ranks is None:
+        raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
+        local_ranks = int(raw) if raw.isdigit() else 1
+    if backend != "mpi" or local_ranks <= len(os.sched_getaffinity(0)):
+        return wait_all
+    return _polite_wait
+
+
+def _polite_wait(handles: Sequence[Handle]) -> None:
+    while not all(h.is_completed() for h in handles):
+        time.sleep(100e-6)
+    wait_all(handles)
+
+
+@dataclass
+class Pipeline:
+    """What one rank needs to run pipeline steps (built by `build_pipeline`)."""
+
+    cfg: TrainConfig
+    comm: Communicator
+    layout: StageLayout
+    stage: GPTStage
+    actions: list[Action]
+    spec: P2PSpec
+    embd: Communicator | None
+    tied: nn.Parameter | None
+    wait: Callable[[Sequence[Handle]], None] = wait_all
+    last: StepResult | None = None
+    """The last step's result (its timeline is written at the end of the run)."""
+
+    def forward_backward(self, batch: Batch) -> torch.Tensor:
+        """Run the schedule on the step's microbatches; returns this rank's loss sum (the
+        step's loss of this DP replica on the last stage, 0 elsewhere)."""
+        self.stage.begin_step(batch)
+        self.last = run_schedule(self.actions, self.stage, self.comm, self.spec,
+                                 v=self.layout.v, wait=self.wait)
+        loss = torch.zeros((), device=self.spec.device)
+        for value in self.last.outputs.values():
+            loss = loss + at_least_fp32(value)
+        return loss
+
+    def sync_tied_grads(self) -> None:
+        """Sum the tied embedding's gradient over the first and last stage (after DP)."""
+        if self.embd is None or self.tied is None:
+            return
+        grad = getattr(self.tied, "main_grad", self.tied.grad)
+        self.embd.all_reduce(grad, ReduceOp.SUM)
+        if self.tied.grad is not None and self.tied.grad.data_ptr() != grad.data_ptr():
+            self.tied.grad.copy_(grad)  # a non-fp32 parameter's grad is a copy of main_grad
+
+    def norm_scope(self, base: NormScope) -> NormScope:
+        """``base`` (TP) extended over the pipeline, counting the tied weight once."""
+        copy = self.tied if self.tied is not None and not self.layout.holds_first else None
+        return base.along(self.comm, lambda p: p is not copy)
+
+    def reduce_loss(self, loss: torch.Tensor, dp: Communicator) -> torch.Tensor:
+        """The global batch's loss on every rank, a 0-d tensor left on the device: DP average,
+        then from the last stage."""
+        loss = loss.reshape(1).clone()
+        dp.all_reduce(loss, ReduceOp.AVG)
+        self.comm.broadcast(loss, self.comm.size - 1)
+        return loss.reshape(())
+
+
+def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Communicator,
+                   dp: DataParallel, device: torch.device) -> Pipeline:
+    """The schedule, stage, p2p shape and embedding group of this rank (collective over pp)."""
+    schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, layout.v)
+    check_schedule(schedule, cfg.pp, layout.v, m=cfg.microbatches)
+    micro_batch = cfg.global_batch // (cfg.dp * cfg.microbatches)
+    dtype = next(model.parameters()).dtype
+    # Under sequence parallelism a stage sends its sequence block (trainer.activations).
+    seq = cfg.gpt.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
+    spec = P2PSpec((micro_batch, seq, cfg.gpt.d_model), dtype, str(device))
+    agree_on_spec(pp, spec)
+
+    def grad_sync(final: bool):  # DP reduces on the last backward of each chunk only
+        return nullcontext() if final else dp.no_sync()
+
+    stage = GPTStage(model, layout, grad_sync=grad_sync)
+    return Pipeline(cfg, pp, layout, stage, schedule[pp.rank], spec,
+                    embd=_embedding_group(pp, layout, cfg.gpt.tied),
+                    tied=tied_weight(model, layout), wait=p2p_wait(pp.backend))
+
+
+def _embedding_group(pp: Communicator, layout: StageLayout, tied: bool) -> Communicator | None:
+    """The first and last rank of the pipeline (collective over pp when tied)."""
+    if not tied:
+        return None
+    ends = layout.holds_first or layout.holds_last
+    group = pp.split(0 if ends else 1 + pp.rank, pp.rank, name="embd")
+    return group if ends else None
+
+
+def describe_pipeline(cfg: TrainConfig) -> str:
+    """The banner's pipeline part, e.g. ``interleaved, v 2, 8 microbatches, layers 0|1|2|3``."""
+    v = chunks_of(cfg.schedule, cfg.virtual_stages)
+    return (f"{cfg.schedule}{f', v {v}' if v > 1 else ''}, {cfg.microbatches} microbatch(es), "
+            f"layers {describe(cfg.stage_layers)}")
+
+
+def write_timeline(pipe: Pipeline, run_dir: Path, *, write: bool) -> str:
+    """Gather the last step's timeline over this pipeline (collective over pp); with ``write``
+    save the Perfetto JSON and the Gantt PNG in ``run_dir``. Returns the bubble line."""
+    if pipe.last is None:
+        return ""
+    events = gather(pipe.comm, pipe.last.timeline, pipe.spec.device)
+    p, m, v = pipe.comm.size, pipe.cfg.microbatches, pipe.layout.v
+    stats = bubble(events, p)
+    ideal = theory(pipe.cfg.schedule, p, m, v)
+    title = f"{pipe.cfg.schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
+    if write:
+        write_chrome_trace(run_dir / TIMELINE_JSON, events, title=title)
+        write_gantt(run_dir / TIMELINE_PNG, events, title=f"last step: {title}")
+    return (f"pipeline ({title}), last step: measured bubble {stats.mean_idle_over_busy:.1%} "
+            f"of compute ({stats.mean_idle_over_span:.1%} of the step), theory "
+            f"{ideal:.1%}; timeline in {run_dir / TIMELINE_JSON} and {TIMELINE_PNG}")

@@ -1,0 +1,175 @@
+"""Checkpoints of a training run: what a save records, and how a resume finds and loads it.
+
+The rule of ``--resume``:
+
+* It loads the newest committed checkpoint in ``<run_dir>/checkpoints``. Every rank verifies
+  the files it reads (size and sha256 from the commit record). If any rank finds one damaged,
+  the run stops with one error naming the checkpoint and the file; nothing is skipped silently.
+* ``--resume --resume-fallback`` instead skips a damaged checkpoint and tries the next older
+  one, until one verifies. Each skipped folder is reported (which file, why) and renamed to
+  ``step-<N>.damaged-<hex>``: kept for inspection, never loaded or pruned again, and out of the
+  way of the run's next save of that step. If none verifies the run stops with an error.
+* With no checkpoint at all it starts at step 0 and says so (as Megatron's ``--load`` and
+  torchtitan's checkpointer do), so one command serves a job's first start and its restarts.
+
+Which checkpoint: global rank 0 picks it and the choice travels to every rank by broadcasts
+along DP, then TP, then PP (after the DP broadcast every rank of rank 0's DP group has it,
+after TP every rank of the first pipeline stage, after PP everyone), so no rank can load a
+different step than the others. The verdicts of the ranks are reduced along the same groups,
+so every rank takes the same branch (load, skip, stop) and the lowest failing rank reports.
+
+What must match: the model config and the layout along the sharded axes (tp, pp, and with a
+pipeline the virtual stages and the layers of every stage, since a ``ppNN`` shard holds those
+layers); `trainer.checkpoint.check_compatible` lists every difference. dp may change.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import checkpoint
+from trainer.checkpoint import Checkpoint, CheckpointDamaged, CheckpointError
+from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.config.options import TrainConfig
+
+#: Options that steer one invocation rather than the training math (not reported on resume).
+RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "save_every", "keep",
+               "log_every", "run_dir", "dp", "backend", "gpt", "peak_tflops"}
+_OK, _DAMAGED, _FATAL = 0, 1, 2  # a rank's verdict on a checkpoint; the worst one wins
+_KEY_BITS = 32
+
+
+def layout_of(cfg: TrainConfig) -> dict[str, Any]:
+    """The parallel layout a checkpoint records (and a resume must match along tp and pp)."""
+    return {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep,
+            "virtual_stages": cfg.virtual_stages if cfg.schedule == "interleaved" else 1,
+            "stage_layers": list(cfg.stage_layers)}
+
+
+def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
+            deciders: Sequence[Communicator], shard: tuple[int, ...], device: torch.device
+            ) -> tuple[int, str, Checkpoint | None]:
+    """Load the checkpoint ``--resume`` picks (see the docstring) into ``model``/``optimizer``
+    (this rank's (tp, pp) ``shard``); returns its step (0: none), what the banner says about
+    it, and the checkpoint (None: none), whose ZeRO-1 optimizer shards, if it has them instead
+    of an optimizer file, `trainer.zero.state.load_shards` reads once the shards exist.
+    ``deciders``: the DP, TP and PP groups, in that order."""
+    root = Path(cfg.run_dir) / "checkpoints"
+    leader = all(c.rank == 0 for c in deciders)
+    newest_first = sorted(checkpoint.step_dirs(root), reverse=True) if leader else []
+    skipped: list[str] = []
+    while True:
+        step = _broadcast(newest_first[len(skipped)] if len(skipped) < len(newest_first)
+                          else -1, deciders, device)
+        if step < 0:
+            break
+        path = root / f"step-{step}"
+        ckpt, error = _try_load(path, shard, device)
+        worst, reporter = agree(error, deciders, device)
+        if worst == _OK:
+            assert ckpt is not None  # every rank loaded it
+            return step, _apply(cfg, ckpt, model, optimizer, skipped, leader=leader), ckpt
+        if worst != _DAMAGED or not cfg.resume_fallback:
+            raise (error if reporter else quiet(path)).everywhere(report=reporter)
+        if reporter:
+            print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
+                  f"{error.why}", file=sys.stderr, flush=True)
+        skipped.append(_set_aside(path) if leader else path.name)
+    if skipped:
+        raise CheckpointError(
+            "no checkpoint verifies", str(root),
+            f"--resume-fallback set aside {', '.join(skipped)}: each is damaged (see above)",
+            "Restore the files from a copy, or start the run again without --resume"
+        ).everywhere(report=leader)
+    return 0, f"--resume found no checkpoint in {root}: starting at step 0", None
+
+
+def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
+              ) -> tuple[Checkpoint | None, CheckpointError | None]:
+    if not path.is_dir():
+        return None, CheckpointError(
+            "checkpoint not visible on this rank", str(path),
+            f"rank 0 resumes from {path.name} but this rank (tp, pp shard {shard}) cannot see "
+            "the folder", "Put --run-dir on a filesystem that every host shares")
+    try:
+        return checkpoint.load(path, map_location=device, shard=shard), None
+    except CheckpointError as exc:
+        return None, exc
+
+
+def agree(error: CheckpointError | None, deciders: Sequence[Communicator],
+           device: torch.device) -> tuple[int, bool]:
+    """(the worst verdict of all ranks, whether this rank reports it: the lowest rank with
+    that verdict). Reduced along every decider group, which together span the world."""
+    verdict = _OK if error is None else _DAMAGED if isinstance(error, CheckpointDamaged) else \
+        _FATAL
+    key, stride = 0, 1
+    for comm in deciders:  # a unique number per rank: its coordinates in the group grid
+        key, stride = key + comm.rank * stride, stride * comm.size
+    top = (1 << _KEY_BITS) - 1
+    value = torch.tensor([(verdict << _KEY_BITS) | (top - key)], dtype=torch.int64,
+                         device=device)
+    for comm in deciders:
+        comm.all_reduce(value, ReduceOp.MAX)
+    worst, reporter_key = int(value) >> _KEY_BITS, top - (int(value) & top)
+    return worst, worst != _OK and reporter_key == key
+
+
+def _broadcast(step: int, deciders: Sequence[Communicator], device: torch.device) -> int:
+    choice = torch.tensor([step], dtype=torch.int64, device=device)
+    for comm in deciders:
+        comm.broadcast(choice, 0)
+    return int(choice)
+
+
+def quiet(path: Path) -> CheckpointError:
+    """What a rank raises when another rank reports why ``path`` is refused."""
+    return CheckpointError("checkpoint refused", str(path), "reported by another rank")
+
+
+def _set_aside(path: Path) -> str:
+    """Rename a skipped damaged checkpoint out of the committed set; returns what it became."""
+    aside = path.with_name(f"{path.name}{checkpoint.DAMAGED_SUFFIX}{secrets.token_hex(4)}")
+    path.rename(aside)
+    return f"{path.name} (now {aside.name})"
+
+
+def _apply(cfg: TrainConfig, ckpt: Checkpoint, model: torch.nn.Module,
+           optimizer: torch.optim.Optimizer, skipped: list[str], *, leader: bool) -> str:
+    """Check ``ckpt`` fits this run, put its state back; the banner's words about it."""
+    try:
+        checkpoint.check_compatible(ckpt.meta, model=cfg.gpt.to_dict(), layout=layout_of(cfg),
+                                    path=ckpt.path)
+    except CheckpointError as exc:  # every rank read the same meta.json: all raise together
+        raise exc.everywhere(report=leader) from None
+    if ckpt.optim is None and not cfg.zero:
+        raise CheckpointError(
+            "checkpoint does not match this run", str(ckpt.path),
+            "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "
+            "--zero 0", "Resume with --zero 1 (at any --dp), or use a new --run-dir"
+        ).everywhere(report=leader)
+    model.load_state_dict(ckpt.model)
+    if ckpt.optim is not None:  # else the ZeRO-1 shards, read once the optimizer is built
+        optimizer.load_state_dict(ckpt.optim)
+    checkpoint.restore_rng(ckpt.rng)
+    before, now = ckpt.meta.get("config", {}), cfg.to_dict()
+    changed = [f"{k} {before[k]!r} -> {v!r}" for k, v in now.items()
+               if k not in RUN_CONTROL and k in before and before[k] != v]
+    said = f"resumed at step {ckpt.step}"
+    if skipped:
+        said += f" (--resume-fallback set aside damaged {', '.join(skipped)})"
+    if changed:
+        said += " with changed options: " + ", ".join(changed)
+    return said
+
+
+def meta_of(cfg: TrainConfig, step: int, *, source: str, fingerprint: str) -> dict[str, Any]:
+    """The meta.json body of a save at ``step``."""
+    return {"config": cfg.to_dict(), "model": cfg.gpt.to_dict(), "layout": layout_of(cfg),
+            "data": {"position": step, "source": source, "fingerprint": fingerprint}}
