@@ -24,6 +24,9 @@ previous checkpoint as the resume point. `prune` deletes a folder's marker befor
 and deletes leftovers of dead saves (temporaries, folders without a marker). Every point is
 exercised by the kill hook of `trainer.checkpoint.fault`.
 
+Agreement (`verdict`): every rank judges the checkpoint it reads; the ranks agree on the worst
+verdict collectively and the lowest rank holding it reports it, once.
+
 Integrity (`load`): every file a rank reads is checked against the commit record
 (size, then sha256) before it is parsed; a mismatch raises `CheckpointDamaged` naming the file.
 """

@@ -34,15 +34,14 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.checkpoint import Checkpoint, CheckpointDamaged, CheckpointError
-from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.checkpoint import Checkpoint, CheckpointError
+from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
+from trainer.comm.protocol import Communicator
 from trainer.config.options import TrainConfig
 
 #: Options that steer one invocation rather than the training math (not reported on resume).
 RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "save_every", "keep",
                "log_every", "run_dir", "dp", "backend", "gpt", "peak_tflops"}
-_OK, _DAMAGED, _FATAL = 0, 1, 2  # a rank's verdict on a checkpoint; the worst one wins
-_KEY_BITS = 32
 
 
 def layout_of(cfg: TrainConfig) -> dict[str, Any]:
@@ -72,10 +71,10 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         path = root / f"step-{step}"
         ckpt, error = _try_load(path, shard, device)
         worst, reporter = agree(error, deciders, device)
-        if worst == _OK:
+        if worst == OK:
             assert ckpt is not None  # every rank loaded it
             return step, _apply(cfg, ckpt, model, optimizer, skipped, leader=leader), ckpt
-        if worst != _DAMAGED or not cfg.resume_fallback:
+        if worst != DAMAGED or not cfg.resume_fallback:
             raise (error if reporter else quiet(path)).everywhere(report=reporter)
         if reporter:
             print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
@@ -103,34 +102,11 @@ def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
         return None, exc
 
 
-def agree(error: CheckpointError | None, deciders: Sequence[Communicator],
-           device: torch.device) -> tuple[int, bool]:
-    """(the worst verdict of all ranks, whether this rank reports it: the lowest rank with
-    that verdict). Reduced along every decider group, which together span the world."""
-    verdict = _OK if error is None else _DAMAGED if isinstance(error, CheckpointDamaged) else \
-        _FATAL
-    key, stride = 0, 1
-    for comm in deciders:  # a unique number per rank: its coordinates in the group grid
-        key, stride = key + comm.rank * stride, stride * comm.size
-    top = (1 << _KEY_BITS) - 1
-    value = torch.tensor([(verdict << _KEY_BITS) | (top - key)], dtype=torch.int64,
-                         device=device)
-    for comm in deciders:
-        comm.all_reduce(value, ReduceOp.MAX)
-    worst, reporter_key = int(value) >> _KEY_BITS, top - (int(value) & top)
-    return worst, worst != _OK and reporter_key == key
-
-
 def _broadcast(step: int, deciders: Sequence[Communicator], device: torch.device) -> int:
     choice = torch.tensor([step], dtype=torch.int64, device=device)
     for comm in deciders:
         comm.broadcast(choice, 0)
     return int(choice)
-
-
-def quiet(path: Path) -> CheckpointError:
-    """What a rank raises when another rank reports why ``path`` is refused."""
-    return CheckpointError("checkpoint refused", str(path), "reported by another rank")
 
 
 def _set_aside(path: Path) -> str:

@@ -32,8 +32,8 @@ import torch
 
 from trainer.checkpoint import Checkpoint, CheckpointError
 from trainer.checkpoint.load import load_file
+from trainer.checkpoint.verdict import agree, quiet
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.training.resume import agree, quiet
 from trainer.zero.optimizer import ZeroOptimizer
 from trainer.zero.reshard import FlatIndex, layout_differences, plan_reads
 
