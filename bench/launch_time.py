@@ -22,12 +22,11 @@ over its 1-host time (target: flat).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench import common
+from bench import common, grid
 
 HOSTS = (1, 2, 4, 8)
 TOOLS = ("dtrain", "dtrain-openssh", "hydra", "pdsh")
@@ -81,24 +80,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.launch_time", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", default="1,2,4,8", help="host counts, e.g. 1,2,4,8")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--per-host", type=int, default=PER_HOST)
-    ap.add_argument("--tools", default=",".join(TOOLS))
-    ap.add_argument("--json", help="also write the rows to this file")
-    args = ap.parse_args(argv)
-    if args.reps < 1 or args.per_host < 1:
-        ap.error("--reps and --per-host must be at least 1")
-    try:
-        rows = run([int(n) for n in args.hosts.split(",")], args.reps,
-                   tools=args.tools.split(","), per_host=args.per_host,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except common.Skip as why:
-        print(f"launch_time skipped: {why}", file=sys.stderr)
-        return 0
-    return common.report(rows, print_table, args.json)
+    return grid.main(argv, name="launch_time", doc=__doc__, hosts="1,2,4,8", tools=TOOLS,
+                     per_host=PER_HOST, run=run, print_table=print_table)
 
 
 if __name__ == "__main__":

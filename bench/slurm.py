@@ -19,7 +19,6 @@ srun's (target: dtrain-slurm within 1.2x of srun).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import shutil
 import sys
@@ -27,7 +26,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from bench import common
+from bench import common, grid
 
 HOSTS = (1, 2, 4)
 TOOLS = ("dtrain-slurm", "srun", "dtrain-ssh")
@@ -121,24 +120,8 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.slurm", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hosts", default="1,2,4", help="node counts, e.g. 1,2,4")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--per-host", type=int, default=PER_HOST)
-    ap.add_argument("--tools", default=",".join(TOOLS))
-    ap.add_argument("--json", help="also write the rows to this file")
-    args = ap.parse_args(argv)
-    if args.reps < 1 or args.per_host < 1:
-        ap.error("--reps and --per-host must be at least 1")
-    try:
-        rows = run([int(n) for n in args.hosts.split(",")], args.reps,
-                   tools=args.tools.split(","), per_host=args.per_host,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except common.Skip as why:
-        print(f"slurm skipped: {why}", file=sys.stderr)
-        return 0
-    return common.report(rows, print_table, args.json)
+    return grid.main(argv, name="slurm", doc=__doc__, hosts="1,2,4", tools=TOOLS,
+                     per_host=PER_HOST, run=run, print_table=print_table)
 
 
 if __name__ == "__main__":
