@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,13 @@ def _run(target: str, n: int) -> WorldRun | str:
         return f"{target} on {n} ranks exited {done.returncode}:\n{done.stdout[-4000:]}"
     return WorldRun(out, [torch.load(out / f"rank{r}.pt", weights_only=False)
                           for r in range(n)])
+
+
+def run_ranks(n: int, args: list[str], *, timeout: float = TIMEOUT_S
+              ) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N python args...`` (e.g. ``["-m", "trainer.train", ...]``), each rank forked
+    from the session's fork server; stdout and stderr together, as `run_python` returns them."""
+    return run_mpiexec(n, _fork_server().command(args), timeout=timeout, env=clean_env())
 
 
 def _fork_server() -> ForkServer:
