@@ -39,9 +39,8 @@ def main(path: str, argv: list[str]) -> None:
         sys.exit("forkstub: the fork server closed the connection before the rank ended")
     status = int(line.split()[1])
     if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
     sys.exit(os.waitstatus_to_exitcode(status))
 
 
