@@ -4,13 +4,16 @@ Starting a 4- or 8-rank job costs seconds to tens of seconds on a 2-core machine
 module gathers everything its ranks must compute into one rank function and every test reads
 the cached per-rank results. A failed run is cached too: each test that asks re-raises it with
 the run's output instead of starting the job again.
+
+The ranks are real MPICH processes started by `mpiexec`, each forked from one server that
+imported torch once for the session (`testbed.forkserver`) instead of importing it again.
 """
 
 from __future__ import annotations
 
 import atexit
 import shutil
-import sys
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import Any
 
 import torch
 
+from testbed.forkserver import ForkServer
 from testbed.mpiexec import clean_env, run_mpiexec
 
 TIMEOUT_S = 300
@@ -30,6 +34,7 @@ class WorldRun:
 
 
 _runs: dict[tuple[str, int], WorldRun | str] = {}
+_server: list[ForkServer] = []  # started by the first run, stopped when the session ends
 
 
 def world_run(target: str, n: int) -> WorldRun:
@@ -46,9 +51,23 @@ def world_run(target: str, n: int) -> WorldRun:
 def _run(target: str, n: int) -> WorldRun | str:
     out = Path(tempfile.mkdtemp(prefix=f"dtrain-{target.rsplit('.', 1)[-1]}-world{n}-"))
     atexit.register(shutil.rmtree, out, True)
-    done = run_mpiexec(n, [sys.executable, "-m", "tests.mpi_worker", target, str(out)],
+    done = run_mpiexec(n, _fork_server().command(["-m", "tests.mpi_worker", target, str(out)]),
                        timeout=TIMEOUT_S, env=clean_env())
     if done.returncode != 0:
         return f"{target} on {n} ranks exited {done.returncode}:\n{done.stdout[-4000:]}"
     return WorldRun(out, [torch.load(out / f"rank{r}.pt", weights_only=False)
                           for r in range(n)])
+
+
+def run_ranks(n: int, args: list[str], *, timeout: float = TIMEOUT_S
+              ) -> subprocess.CompletedProcess[str]:
+    """``mpiexec -n N python args...`` (e.g. ``["-m", "trainer.train", ...]``), each rank forked
+    from the session's fork server; stdout and stderr together, as `run_python` returns them."""
+    return run_mpiexec(n, _fork_server().command(args), timeout=timeout, env=clean_env())
+
+
+def _fork_server() -> ForkServer:
+    if not _server:
+        _server.append(ForkServer(clean_env()))
+        atexit.register(_server[0].close)
+    return _server[0]

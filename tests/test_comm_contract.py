@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from testbed.mpiexec import PYTHON, REPO, clean_env, run_mpiexec
+from tests.mpi_runs import run_ranks
 from trainer.comm.bandwidth import Sample, format_size, parse_size, parse_sizes
 from trainer.comm.bootstrap import check_world
 from trainer.errors import BootstrapError, ConfigError
@@ -37,7 +38,7 @@ COMMS = ("world", "rows", "cols", "reversed", "grid_tp", "grid_dp", "grid_pp")
 def contract(world_size: int) -> tuple[int, str, tuple[dict, ...]]:
     """Run the worker once per world size; (exit code, output, per-rank reports)."""
     with tempfile.TemporaryDirectory(prefix="dtrain-contract-") as out:
-        proc = run_mpiexec(world_size, [PYTHON, str(WORKER), "--out", out], timeout=150)
+        proc = run_ranks(world_size, [str(WORKER), "--out", out], timeout=150)
         reports = tuple(json.loads(p.read_text()) for p in sorted(Path(out).glob("rank*.json")))
     return proc.returncode, proc.stdout, reports
 

@@ -21,9 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from testbed.mpiexec import run_python
 from tests.dp_workers.cases import CASES, STEPS, case_config
-from tests.mpi_runs import world_run
+from tests.mpi_runs import run_ranks, world_run
 from tests.numerics import U32, adam_atol, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
 from trainer.data_parallel.buckets import plan_buckets
@@ -154,9 +153,9 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
              "--seq-len", "32", "--global-batch", "8", "--lr", str(cfg.lr), "--warmup-steps", "1",
              "--seed", str(cfg.seed), "--data-cap-mb", str(cfg.data_cap_mb),
              "--run-dir", str(tmp_path), "--steps", str(STEPS)]
-    first = run_python(2, [*flags, "--stop-at", "2"])
+    first = run_ranks(2, [*flags, "--stop-at", "2"])
     assert first.returncode == 0, first.stdout[-3000:]
-    second = run_python(1, [*flags, "--resume"])
+    second = run_ranks(1, [*flags, "--resume"])
     assert second.returncode == 0, second.stdout[-3000:]
     assert "resumed at step 2" in second.stdout
     losses = [r["loss"] for r in read_records(tmp_path / "metrics.jsonl")]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testbed.mpiexec import run_python
+from tests.mpi_runs import run_ranks
 from trainer.checkpoint import shard_name
 from trainer.inference.merge import load_serial
 from trainer.training.expert_load import PLOT_FILE
@@ -27,7 +27,7 @@ FLAGS = ["--model", "tiny", "--n-layer", "2", "--n-head", "2", "--d-model", "32"
 
 
 def run_train(flags: list[str]) -> tuple[int, str]:
-    done = run_python(2, ["-m", "trainer.train", *FLAGS, *flags])
+    done = run_ranks(2, ["-m", "trainer.train", *FLAGS, *flags])
     return done.returncode, done.stdout
 
 

@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from testbed.mpiexec import run_python
-from tests.mpi_runs import world_run
+from tests.mpi_runs import run_ranks, world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
 from tests.tp_workers.cases import (
     CASES,
@@ -149,7 +148,7 @@ def test_attention_dropout_inside_tp_regions_differs_between_tp_ranks(dropout: l
 
 
 def run_train(n: int, flags: list[str]) -> tuple[int, str]:
-    done = run_python(n, ["-m", "trainer.train", *flags])
+    done = run_ranks(n, ["-m", "trainer.train", *flags])
     return done.returncode, done.stdout
 
 

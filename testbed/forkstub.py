@@ -1,0 +1,48 @@
+"""What `mpiexec` starts as each rank of a test's MPI run when a fork server serves the session.
+
+    mpiexec -n 4 python -S testbed/forkstub.py SOCKET -m tests.mpi_worker TARGET OUT
+
+Standard library only (``-S``: no site-packages), so it starts in milliseconds. It hands its
+stdin, stdout, stderr, Hydra's PMI socket (``PMI_FD``), environment, working folder and command
+to the fork server (`testbed.forkserver`), whose fork becomes the rank: a real MPICH process
+that calls ``MPI_Init`` over that PMI socket, with torch already imported. The stub forwards
+SIGINT/SIGTERM/SIGHUP to the rank and exits as the rank exited; if the stub dies, the server
+kills the rank, so Hydra's view of its processes stays true.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+
+def main(path: str, argv: list[str]) -> None:
+    fds = [0, 1, 2]
+    if "PMI_FD" in os.environ:
+        fds.append(int(os.environ["PMI_FD"]))
+    spec = json.dumps({"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(),
+                       "fds": fds}).encode()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    socket.send_fds(sock, [struct.pack("!I", len(spec))], fds)
+    sock.sendall(spec)
+    replies = sock.makefile("r")
+    child = int(replies.readline().split()[1])  # "pid N"
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, lambda s, _f: os.kill(child, s))
+    line = replies.readline()  # "status S" (os.waitpid's status), or EOF if the server died
+    if not line:
+        sys.exit("forkstub: the fork server closed the connection before the rank ended")
+    status = int(line.split()[1])
+    if os.WIFSIGNALED(status):
+        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    sys.exit(os.waitstatus_to_exitcode(status))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
