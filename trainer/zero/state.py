@@ -128,15 +128,15 @@ def load_shards(zero: ZeroOptimizer, ckpt: Checkpoint, tp: int, pp: int) -> Shar
             f"it has {len(saved['hyper'])} optimizer groups, this run "
             f"{len(zero.optimizer.param_groups)}",
             "Resume with the dtrain that wrote it, or use a new --run-dir")
-    got, reads = _read_pieces(zero, ckpt, index, saved["kinds"], tp, pp)
+    got, reads = _read_pieces(zero, ckpt, index, mine.names, saved["kinds"], tp, pp)
     _install(zero, got, int(saved["step"]), saved["hyper"])
     return reads
 
 
-def _read_pieces(zero: ZeroOptimizer, ckpt: Checkpoint, index: FlatIndex, kinds: Sequence[str],
-                 tp: int, pp: int) -> tuple[dict[str, list[torch.Tensor]], ShardReads]:
+def _read_pieces(zero: ZeroOptimizer, ckpt: Checkpoint, index: FlatIndex,
+                 names: Sequence[str], kinds: Sequence[str], tp: int,
+                 pp: int) -> tuple[dict[str, list[torch.Tensor]], ShardReads]:
     """Every saved ``kind`` of this rank's pieces, the saved files read one at a time."""
-    names = flat_index(zero).names
     wanted = [(names[p.param], p.lo, p.hi) for p in zero.pieces]
     got = {kind: [torch.empty(hi - lo, dtype=m.dtype, device=m.device)
                   for (_, lo, hi), m in zip(wanted, zero.main, strict=True)] for kind in kinds}
