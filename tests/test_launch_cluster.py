@@ -181,10 +181,14 @@ def test_a_rank_killed_by_a_signal_stops_every_host(cluster):
 
 
 def _start_sleeping_job(cluster, extra: list[str] = (), client: str = "paramiko") -> object:
-    """Start 3 ranks (one per host) that each start a child, and wait until all are up."""
+    """Start 3 ranks (one per host) that each start a child, and wait until all are up.
+
+    The deadline is generous (the launch itself takes about a second) because these tests are
+    about what happens after the start; a connection that stalls ends the launch with its own
+    error (handshake timeout 30 s), which then shows in the failure message."""
     head = start_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster, client),
                          *extra, "--", PYTHON, PROBE, "child", "120"])
-    up, deadline = 0, time.monotonic() + 30
+    up, deadline = 0, time.monotonic() + 60
     while up < 3 and time.monotonic() < deadline:
         ready, _, _ = select.select([head.stdout], [], [], 0.5)
         if ready:
@@ -193,8 +197,10 @@ def _start_sleeping_job(cluster, extra: list[str] = (), client: str = "paramiko"
                 break
             up += "sleeping" in line
     if up < 3:
+        code = head.poll()  # None: still running, so the launch hangs rather than failed
         head.kill()
-        raise AssertionError(f"job did not start: {head.communicate()}")
+        raise AssertionError(f"job did not start ({up} of 3 ranks up, head exit {code}): "
+                             f"{head.communicate()}")
     return head
 
 
