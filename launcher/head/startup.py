@@ -1,9 +1,13 @@
-"""Job start-up over connected agents: HELLO -> SPEC -> READY per host, then START everywhere.
+"""Job start-up over connected agents: SPEC to every host at once, HELLO and READY from each,
+then START everywhere.
 
-Each agent gets its SPEC as soon as it says HELLO, so hosts check their part of the job while
-others are still starting. Rank 0's host answers a probe in its READY (its address towards the
-next host, a free port), and START carries MASTER_ADDR/MASTER_PORT to every rank: no extra
-round trips. Nothing starts anywhere until every agent has answered READY.
+Every SPEC is sent as soon as the streams are open, before any agent has booted: it waits in
+the stream until the agent reads it, so an agent answers HELLO and READY back to back without
+waiting for the head (the head answering each HELLO cost 30-60 ms on a loaded machine). The
+HELLO still comes first on each stream, so a different protocol version is refused before its
+READY counts. Rank 0's host answers a probe in its READY (its address towards the next host, a
+free port), and START carries MASTER_ADDR/MASTER_PORT to every rank: no extra round trips.
+Nothing starts anywhere until every agent has answered READY.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ class Startup:
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
     def prepare(self, plan: JobPlan, master: tuple[str | None, int | None]) -> Rendezvous:
-        """SPEC to each host on its HELLO; READY from all; returns the rendezvous START sends.
+        """SPEC to every host now; HELLO then READY from all; returns the rendezvous START sends.
 
         ``master`` holds the user's --master-addr/--master-port; a None is chosen by rank 0's
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
@@ -48,15 +52,16 @@ class Startup:
         probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
                  "free_port": user_port is None}
         ready: dict[int, dict[str, Any]] = {}
+        for link in self.links:
+            spec = self._spec(plan, plan.hosts[link.index])
+            if link.index == 0:
+                spec["probe"] = probe
+            link.send_json(wire.Kind.SPEC, spec)  # a gone stream shows as Closed below
 
         def on_frame(link: AgentLink, frame: wire.Frame) -> None:
             if frame.kind is wire.Kind.HELLO:
                 _check_protocol(link, frame.json())
                 self.hello_at = time.monotonic()
-                spec = self._spec(plan, plan.hosts[link.index])
-                if link.index == 0:
-                    spec["probe"] = probe
-                link.send_json(wire.Kind.SPEC, spec)
             elif frame.kind is wire.Kind.READY:
                 ready[link.index] = frame.json()
 
