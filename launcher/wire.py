@@ -14,7 +14,10 @@ import enum
 import json
 import struct
 from dataclasses import dataclass
-from typing import Any
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 PROTOCOL_VERSION = 3  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE
 MAX_FRAME = 16 * 1024 * 1024

@@ -23,7 +23,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-from typing import TYPE_CHECKING
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 
 if TYPE_CHECKING:  # psutil is imported when a stop needs it: it costs the agent's start-up
     import psutil

@@ -11,12 +11,15 @@ import os
 import socket
 import sys
 from collections.abc import Mapping
-from typing import Any
 
 from launcher import __version__, wire
 from launcher.agent.ranks import find_program
 from launcher.netroute import free_port, route_source
 from launcher.plan.environment import rank_environment
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 _PACKAGES = ("torch", "mpi4py", "mpich", "paramiko")
 #: The program `dtrain check` resolves as a rank would (the README's `-- python ...`).

@@ -12,10 +12,13 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, BinaryIO
 
 from launcher import wire
 from launcher.agent.writer import FrameWriter
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any, BinaryIO
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,6 @@ import queue
 import signal
 import time
 from collections.abc import Callable
-from typing import Any
 
 import workerenv
 from launcher import netroute, wire
@@ -23,6 +22,10 @@ from launcher.agent.progress import ProgressReporter
 from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
 from launcher.agent.stdin import RankStdin
 from launcher.plan.environment import rank_environment
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 HELLO_SILENCE_S = 60.0   # before the SPEC arrives, how long the head may stay silent
 AFTER_DONE_S = 30.0      # after DONE, how long to wait for BYE before leaving anyway

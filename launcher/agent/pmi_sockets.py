@@ -17,18 +17,20 @@ from __future__ import annotations
 import itertools
 import os
 import queue
-import secrets
 import selectors
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import workerenv
 from launcher.pmi import actions as pmi_actions
 from launcher.pmi import proxy as pmi_proxy
 from launcher.pmi.stall import StallClock
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 #: A PMI_PORT connection that has not said anything after this long is dropped (slowloris).
 SILENT_CONNECTION_S = 30.0
@@ -58,6 +60,8 @@ class PmiSockets:
         self._env: dict[int, dict[str, str]] = {}
         tokens: dict[str, int] = {}
         if mode == "port":
+            import secrets  # only here: it costs the agent's start-up in the default fd mode
+
             self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             self._listener.bind(("127.0.0.1", 0))
             self._listener.listen(max(16, len(ranks)))

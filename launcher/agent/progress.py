@@ -22,11 +22,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import workerenv
 from launcher.hang.views import RankView, view_of
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 STACK_TIMEOUT_S = 10.0
 CPU_WINDOW_S = 0.5
@@ -38,21 +40,21 @@ class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
                  send: Callable[[dict[str, Any]], object]) -> None:
         base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
-        self.folder = Path(tempfile.mkdtemp(prefix=f"dtrain-{job_id}-", dir=base))
+        self.folder = tempfile.mkdtemp(prefix=f"dtrain-{job_id}-", dir=base)
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
 
     def path(self, rank: int) -> str:
-        return str(self.folder / f"rank-{rank}.progress")
+        return os.path.join(self.folder, f"rank-{rank}.progress")
 
     def views(self, pids: Mapping[int, int]) -> list[RankView]:
         """Every rank of this host; ``pids`` holds the live ones (the others have exited)."""
         now = time.monotonic()  # the records' clock (`workerenv`)
         out = []
         for rank in self.ranks:
-            path = Path(self.path(rank))
-            record = workerenv.read_progress(path.read_bytes) if path.exists() else None
+            path = self.path(rank)
+            record = workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
             pid = record.pid if record else pids.get(rank)
             state, cpu = ("exited", None) if rank not in pids else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
@@ -97,13 +99,21 @@ class ProgressReporter:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
+def _reader(path: str) -> Callable[[], bytes]:
+    def read() -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    return read
+
+
 def _stat(pid: int | None) -> tuple[str, float | None]:
     """``stopped`` for a process in state T (SIGSTOP) or t (traced), else running; and the CPU
     seconds it has used (user + system, all threads), None when unknown."""
     if not pid:
         return "running", None
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
     except OSError:
         return "running", None
     fields = stat.rpartition(")")[2].split()  # fields from the 3rd on: state, ppid, ...
@@ -113,8 +123,8 @@ def _stat(pid: int | None) -> tuple[str, float | None]:
 
 def py_spy() -> str | None:
     """py-spy from PATH or next to this interpreter (a virtualenv's bin, not always on PATH)."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return shutil.which("py-spy") or (str(beside) if beside.exists() else None)
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return shutil.which("py-spy") or (beside if os.path.exists(beside) else None)
 
 
 def stacks(pids: Mapping[int, int]) -> dict[str, str]:

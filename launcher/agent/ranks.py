@@ -25,7 +25,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 _PR_SET_PDEATHSIG = 1
 PUMP_WAIT_S = 2.0  # after the rank exited: how long its pumps may read before we report

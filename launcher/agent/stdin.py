@@ -12,7 +12,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable
-from typing import IO
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import IO
 
 
 class RankStdin:

@@ -19,7 +19,10 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import BinaryIO
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 OUTPUT_QUEUE_BYTES = 1024 * 1024
 

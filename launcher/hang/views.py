@@ -7,9 +7,12 @@ hosts never meet.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import workerenv
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
 
 
 @dataclass(frozen=True)

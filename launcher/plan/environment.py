@@ -34,11 +34,14 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping, Sequence
-from pathlib import Path
-from typing import NoReturn
 
 import workerenv as we
 from launcher.errors import EnvironmentFileError, UsageError
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from pathlib import Path
+    from typing import NoReturn
 
 ENV_FILE_NAME = ".dtrainenv"
 #: Contract variables only the plan may set (CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS may be set).
@@ -91,7 +94,8 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     """Parse a `.dtrainenv` file; errors name `file:line` and never echo a value."""
     shown = os.fspath(path)
     try:
-        data = Path(shown).read_bytes()
+        with open(shown, "rb") as f:
+            data = f.read()
     except OSError as err:
         raise EnvironmentFileError("environment file unreadable", shown,
                                    err.strerror or str(err), "Check the path and its "
@@ -139,6 +143,8 @@ def compose_base_env(head_environ: Mapping[str, str], *, cwd: str, cli_env: Sequ
 
 def default_env_files(head_environ: Mapping[str, str], cwd: str) -> list[Path]:
     """`~/.dtrainenv` then `<cwd>/.dtrainenv`, those that exist, each once."""
+    from pathlib import Path  # here, not above: every agent imports this module at start-up
+
     home = head_environ.get("HOME") or str(Path.home())
     found: list[Path] = []
     for path in (Path(home) / ENV_FILE_NAME, Path(cwd) / ENV_FILE_NAME):

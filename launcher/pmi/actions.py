@@ -25,13 +25,16 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import Any
 
 from launcher.errors import PmiError
 from launcher.pmi.codec import LineBuffer, PmiCommand, SpawnBlock, format_reply
 
-#: An upstream message sent: a JSON object (received ones are read as Mapping[str, Any]).
-Message = dict[str, Any]
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
+
+    #: An upstream message sent: a JSON object (received ones are read as Mapping[str, Any]).
+    Message = dict[str, Any]
 
 KVSNAME_MAX, KEYLEN_MAX, VALLEN_MAX = 256, 64, 1024
 UNSUPPORTED = {  # request -> (reply, what to tell the user); no MPI_Comm_spawn, no name service
@@ -158,12 +161,12 @@ def value_problem(key: str, value: str) -> str:
 
 def abort_actions(rank: int, cmd: PmiCommand) -> list[Action]:
     """``rank`` asked to abort: tell the adapter and the head, with its code and message."""
-    text = cmd.get("exitcode", cmd.get("exit_code", "1"))  # flux's spelling too
+    text = cmd.value("exitcode", cmd.value("exit_code", "1"))  # flux's spelling too
     try:
         code = int(text)
     except ValueError:
         code = 1
-    message = cmd.get("message", cmd.get("error_msg", ""))
+    message = cmd.value("message", cmd.value("error_msg", ""))
     return [Abort(rank, code, message),
             Send({"op": "abort", "rank": rank, "code": code, "message": message})]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import overload
 
 from launcher.errors import PmiError
 
@@ -53,13 +52,11 @@ class PmiCommand:
     attrs: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     multiline: bool = False  # the first line of an ``mcmd=`` block (spawn)
 
-    @overload
-    def get(self, key: str) -> str | None: ...
+    def get(self, key: str) -> str | None:
+        return self.attrs.get(key)
 
-    @overload
-    def get(self, key: str, default: str) -> str: ...
-
-    def get(self, key: str, default: str | None = None) -> str | None:
+    def value(self, key: str, default: str = "") -> str:
+        """The attribute's value, ``default`` when the command has none."""
         return self.attrs.get(key, default)
 
 

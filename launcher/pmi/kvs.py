@@ -16,10 +16,14 @@ diagnosis rather than failing the job.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from launcher.errors import PmiError
-from launcher.pmi.actions import Message
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
+
+    from launcher.pmi.actions import Message
 
 
 class KeyValueSpace:
