@@ -27,7 +27,7 @@ launcher/ and trainer/ never import each other.
     slurm/       nodelist      SLURM_JOB_NODELIST expansion, as `scontrol show hostnames` (pure)
                  allocation    hosts, slots and GPU ids from SLURM_* with their source (pure)
                  srun          --launcher slurm: each agent as one srun step (adapter)
-    head/        startup       HELLO -> SPEC -> READY -> START on every host, or on none
+    head/        startup       SPEC to all at once, HELLO + READY back, START on all or none
                  supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
                  pmi_notes     refused MPI features and stalled barriers, told once
                  agent_link    the head's end of one agent stream: reader thread and sender

@@ -1,9 +1,11 @@
 """The per-host agent: `python -m launcher.agent` (a constant command; the job comes as data).
 
-It says HELLO, checks the SPEC it is sent (READY or ERROR), starts its host's ranks on START,
-relays their output, exit statuses and PMI traffic, and stops every rank (SIGTERM, grace,
-SIGKILL to each rank's process group) when the head says KILL or BYE, when the stream from the
-head closes, or when the head falls silent for `misses` heartbeat intervals.
+It says HELLO, checks the SPEC (usually already waiting in its stdin: READY or ERROR), starts
+its host's ranks on START, relays their output, exit statuses and PMI traffic, and stops every
+rank (SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE,
+when the stream from the head closes, or when the head falls silent for `misses` heartbeat
+intervals. What it imports is kept to what it uses (no `typing`, `pathlib`, `secrets` at
+start-up): every host pays the agent's start-up before its ranks can start.
 """
 
 from __future__ import annotations
