@@ -73,6 +73,12 @@ class Supervisor:
         """The whole job: start-up (``master`` holds --master-addr/--master-port, None where
         rank 0's host chooses), supervision to the end, the output drained."""
         t0 = time.monotonic()
+        if self.opts.pmi != "off":
+            # Made while the agents boot: between the last READY and START it would delay
+            # every rank (the import is tens of milliseconds on a loaded head).
+            from launcher.pmi.kvs import KeyValueSpace
+
+            self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=self.plan.job_id)
         startup = Startup(self.links, self.events, self.opts)
         try:
             rendezvous = startup.prepare(self.plan, master)
@@ -80,10 +86,6 @@ class Supervisor:
             self._dismiss_all()
             raise
         self.writer.start(self._sink)
-        if self.opts.pmi != "off":
-            from launcher.pmi.kvs import KeyValueSpace
-
-            self.kvs = KeyValueSpace(hosts=len(self.links), kvsname=self.plan.job_id)
         startup.start(rendezvous, self.outcome, self._handle)
         self.stdin.start()
         self.timings.update(hello=startup.hello_at, ready=startup.ready_at,
