@@ -8,6 +8,7 @@ KILL on failure, BYE at the end).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import signal
 from collections.abc import Sequence
@@ -30,12 +31,13 @@ OPTS = SuperviseOptions(heartbeat=BEAT, misses=20, grace=0.2, launch_timeout=10.
 K = wire.Kind
 
 
-def run_job(scripts: Sequence[Script]) -> tuple[JobOutcome, list[ScriptedAgent]]:
+def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None
+            ) -> tuple[JobOutcome, list[ScriptedAgent]]:
     """Two ranks per host, one scripted agent per host; the supervised job's outcome."""
     names = [f"node{i}" for i in range(len(scripts))]
     selected = select_hosts(parse_host_list(",".join(f"{n}:2" for n in names)))
 
-    plan = make_plan(selected, argv=["train"], cwd="/", job_id="job", base_env={})
+    plan = make_plan(selected, argv=["train"], cwd="/", job_id="job", base_env=base_env or {})
     streams = [MemoryAgentStream(n) for n in names]
     agents = [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
                                                                          strict=True)]
@@ -52,6 +54,40 @@ def test_a_job_whose_ranks_all_exit_0_goes_spec_start_bye_and_exits_0() -> None:
     for agent in agents:
         kinds = [k for k in agent.received if k is not K.HEARTBEAT]
         assert kinds[:2] == [K.SPEC, K.START] and K.BYE in kinds and K.KILL not in kinds
+
+
+def _frames_to_an_agent_that_never_starts(base_env: dict[str, str]) -> list[wire.Kind]:
+    """What the head writes to a host whose agent never says anything, until the launch
+    timeout gives up on it."""
+    plan = make_plan(select_hosts(parse_host_list("node0:2")), argv=["train"], cwd="/",
+                     job_id="job", base_env=base_env)
+    stream = MemoryAgentStream("node0")
+    stream.finished.set()  # nothing to wait for once the head gives up
+    sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
+    with pytest.raises(AgentError, match=r"did not check the job in time"):
+        Supervisor([stream], plan, sink, dataclasses.replace(OPTS, launch_timeout=0.5)).run(
+            ("10.0.0.1", 29500))
+    decoder, kinds = wire.Decoder(), []
+    while data := stream.to_agent.read(1 << 20):
+        kinds += [frame.kind for frame in decoder.feed(data)]
+    return kinds
+
+
+def test_the_spec_is_waiting_in_the_stream_before_the_agent_says_hello() -> None:
+    assert _frames_to_an_agent_that_never_starts({}) == [K.SPEC, K.BYE]
+
+
+def test_a_spec_too_large_for_a_pipe_waits_for_the_agents_hello() -> None:
+    # Written at once it could block the head on a pipe nobody reads yet.
+    assert _frames_to_an_agent_that_never_starts({"BIG": "x" * 70_000}) == [K.BYE]
+
+
+def test_a_job_whose_specs_are_too_large_for_a_pipe_starts_once_its_agents_say_hello() -> None:
+    outcome, agents = run_job([Script({0: 0, 1: 0}), Script({2: 0, 3: 0})],
+                              base_env={"BIG": "x" * 70_000})
+    assert outcome.exit_code == 0
+    assert all([k for k in a.received if k is not K.HEARTBEAT][:2] == [K.SPEC, K.START]
+               for a in agents)
 
 
 def test_a_host_refusing_its_spec_starts_nothing_on_any_host() -> None:

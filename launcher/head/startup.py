@@ -3,9 +3,10 @@ then START everywhere.
 
 Every SPEC is sent as soon as the streams are open, before any agent has booted: it waits in
 the stream until the agent reads it, so an agent answers HELLO and READY back to back without
-waiting for the head (the head answering each HELLO cost 30-60 ms on a loaded machine). The
-HELLO still comes first on each stream, so a different protocol version is refused before its
-READY counts. Rank 0's host answers a probe in its READY (its address towards the next host, a
+waiting for the head (the head answering each HELLO cost 30-60 ms on a loaded machine). Only a
+SPEC too large for a pipe's buffer waits for its agent's HELLO (`EARLY_SPEC_MAX`). The HELLO
+still comes first on each stream, so a different protocol version is refused before its READY
+counts. Rank 0's host answers a probe in its READY (its address towards the next host, a
 free port), and START carries MASTER_ADDR/MASTER_PORT to every rank: no extra round trips.
 Nothing starts anywhere until every agent has answered READY.
 """
@@ -25,6 +26,11 @@ from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
 from launcher.plan.job import JobPlan, Rendezvous
+
+#: A SPEC up to this size is written as soon as the streams are open: it fits the buffer of any
+#: pipe (64 KiB on Linux) and SSH channel window, so the write cannot block on an agent that has
+#: not booted yet. A larger one (many ranks, a big environment) waits for its agent's HELLO.
+EARLY_SPEC_MAX = 60 * 1024
 
 
 @dataclass(frozen=True)
@@ -52,16 +58,24 @@ class Startup:
         probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
                  "free_port": user_port is None}
         ready: dict[int, dict[str, Any]] = {}
+        specs = {}
         for link in self.links:
             spec = self._spec(plan, plan.hosts[link.index])
             if link.index == 0:
                 spec["probe"] = probe
-            link.send_json(wire.Kind.SPEC, spec)  # a gone stream shows as Closed below
+            specs[link.index] = wire.encode_json(wire.Kind.SPEC, spec)
+        unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
+        for link in self.links:
+            if link.index not in unsent:
+                link.send(specs[link.index])  # a gone stream shows as Closed below
 
         def on_frame(link: AgentLink, frame: wire.Frame) -> None:
             if frame.kind is wire.Kind.HELLO:
                 _check_protocol(link, frame.json())
                 self.hello_at = time.monotonic()
+                if link.index in unsent:  # its agent runs and reads now: the write will end
+                    unsent.discard(link.index)
+                    link.send(specs[link.index])
             elif frame.kind is wire.Kind.READY:
                 ready[link.index] = frame.json()
 
