@@ -1,7 +1,8 @@
 """The agent's core over a pair of pipes: spec checks, silence, BYE, queries, EOF.
 
 The real `Agent` and its real `HeadLink` run in a thread of this process; the test plays the
-head on the other ends of two pipes. No ranks are started, so no subprocess is needed.
+head on the other ends of two pipes. Only the start-failure test asks the agent to start a
+rank (a program the kernel refuses to execute), so no rank ever runs.
 """
 
 from __future__ import annotations
@@ -117,3 +118,18 @@ def test_the_head_closing_its_stream_ends_an_idle_agent_with_0(head: Head) -> No
     head.next_frame()
     head.to_agent.close()
     assert head.result.get(timeout=10) == 0
+
+
+def test_a_program_the_kernel_cannot_execute_is_an_error_naming_the_rank(
+        head: Head, tmp_path: Any) -> None:
+    program = tmp_path / "garbage"
+    program.write_bytes(b"\x00\x01 neither ELF nor #!")
+    program.chmod(0o755)  # passes the spec check (an executable file), fails in execve
+    head.next_frame()
+    head.send(K.SPEC, spec(argv=(str(program),)))
+    assert head.next_frame().kind is K.READY
+    head.send(K.START, {"env": {}})
+    error = head.next_frame()
+    assert error.kind is K.ERROR
+    assert error.json()["what"] == "rank did not start"
+    assert error.json()["why"].startswith("rank 0: ") and "Exec format error" in error.json()["why"]

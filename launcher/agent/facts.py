@@ -1,4 +1,5 @@
-"""What an agent tells the head about its host: HELLO facts and answers to QUERY frames.
+"""What an agent tells the head about its host: HELLO facts, answers to QUERY frames, and
+rank 0's host's choice of the rendezvous (in its READY).
 
 For `dtrain check` it also resolves `python` with the PATH a rank would get (the head's
 forwarded PATH in front of this host's, `launcher.plan.environment.rank_environment`), so the
@@ -37,6 +38,19 @@ def hello() -> dict[str, Any]:
         "executable": sys.executable,
         "pid": os.getpid(),
     }
+
+
+def rendezvous(probe: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's host picks the rendezvous: its address towards the next host, a free port."""
+    found: dict[str, Any] = {}
+    try:
+        if probe.get("route_to"):
+            found["address"] = route_source(str(probe["route_to"]))
+        if probe.get("free_port"):
+            found["port"] = free_port()
+    except OSError as exc:
+        found["probe_error"] = str(exc)
+    return found
 
 
 def answer(query: dict[str, Any]) -> dict[str, Any]:

@@ -154,20 +154,7 @@ class Agent:
                 send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
             )
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"]),
-                                               **self._probe(spec.get("probe") or {})})
-
-    @staticmethod
-    def _probe(probe: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0's host picks the rendezvous: its address towards the next host, a free port."""
-        found: dict[str, Any] = {}
-        try:
-            if probe.get("route_to"):
-                found["address"] = netroute.route_source(str(probe["route_to"]))
-            if probe.get("free_port"):
-                found["port"] = netroute.free_port()
-        except OSError as exc:
-            found["probe_error"] = str(exc)
-        return found
+                                               **facts.rendezvous(spec.get("probe") or {})})
 
     def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
         cwd = spec["cwd"]
@@ -203,25 +190,34 @@ class Agent:
             rank_spec["env"].update(job_env)
         master = job_env.get("MASTER_ADDR")
         self.interface = netroute.interface_for(master) if master else None
+        started, failure = self._spawn_all()
+        for rp in started:  # watched only now: see RankProcess.watch
+            rp.watch(self._relay_output, self.events)
+            if rp.rank == 0:
+                self.stdin = RankStdin(rp.proc.stdin, self._ack_stdin)
+            self.link.send_json(wire.Kind.STARTED, {"rank": rp.rank, "pid": rp.pid})
+        if failure is not None:
+            self.link.send_json(wire.Kind.ERROR, {
+                "what": "rank did not start", "why": failure,
+                "fix": "check the program and the working directory on this host"})
+            self._stop(signal.SIGTERM, float(self.spec.get("grace", 10.0)))
+
+    def _spawn_all(self) -> tuple[list[RankProcess], str | None]:
+        """Start this host's ranks in order; stops at the first that cannot start (why)."""
+        started: list[RankProcess] = []
         for rank_spec in self.spec["ranks"]:
             rank = rank_spec["rank"]
             fds = self.pmi.rank_fds(rank) if self.pmi else []
             try:
                 rp = start_rank(rank, self.spec["argv"], self._rank_env(rank_spec),
-                                self.spec["cwd"], fds, self._relay_output, self.events,
-                                stdin_pipe=rank == 0)
+                                self.spec["cwd"], fds, stdin_pipe=rank == 0)
             except OSError as exc:
-                self.link.send_json(wire.Kind.ERROR, {
-                    "what": "rank did not start", "why": f"rank {rank}: {exc}",
-                    "fix": "check the program and the working directory on this host"})
-                self._stop(signal.SIGTERM, float(self.spec.get("grace", 10.0)))
-                return
+                return started, f"rank {rank}: {exc}"
             if self.pmi:
                 self.pmi.started(rank)
             self.ranks[rank] = rp
-            if rank == 0:
-                self.stdin = RankStdin(rp.proc.stdin, self._ack_stdin)
-            self.link.send_json(wire.Kind.STARTED, {"rank": rank, "pid": rp.pid})
+            started.append(rp)
+        return started, None
 
     def _on_stdin(self, data: bytes) -> None:
         """The head's stdin for rank 0 (an empty chunk is EOF); never blocks the loop."""

@@ -92,6 +92,20 @@ class RankProcess:
     def pid(self) -> int:
         return self.proc.pid
 
+    def watch(self, on_output: Callable[[int, int, bytes], None],
+              events: queue.Queue[Any]) -> None:
+        """Relay stdout and stderr to ``on_output`` (a thread each); queue `RankExited` once it
+        has exited and its output is relayed (a third thread). Called once every rank of the
+        host is started: each forked child tidies up after every thread of the agent before it
+        runs the rank, so threads started between spawns made each spawn slower (4 ranks on a
+        loaded 2-core machine: 62 ms with them in between, 32 ms after)."""
+        for stream, pipe in ((1, self.proc.stdout), (2, self.proc.stderr)):
+            pump = _Pump(self.rank, stream, pipe, on_output)
+            pump.start()
+            self.pumps.append(pump)
+        threading.Thread(target=_reap, args=(self, events), daemon=True,
+                         name=f"reap{self.rank}").start()
+
     def signal_group(self, sig: int) -> None:
         """Signal the rank's whole process group; a group already gone is not an error."""
         try:
@@ -114,12 +128,10 @@ def start_rank(
     env: Mapping[str, str],
     cwd: str,
     pass_fds: Sequence[int],
-    on_output: Callable[[int, int, bytes], None],
-    events: queue.Queue[Any],
     stdin_pipe: bool = False,
 ) -> RankProcess:
-    """Start one rank; its stdout/stderr are pumped to ``on_output`` by two threads. Its
-    stdin is /dev/null, or a pipe (``proc.stdin``) with ``stdin_pipe`` (rank 0)."""
+    """Start one rank, its output not read yet (`RankProcess.watch`). Its stdin is /dev/null,
+    or a pipe (``proc.stdin``) with ``stdin_pipe`` (rank 0)."""
     proc = subprocess.Popen(
         list(argv),
         env=dict(env),
@@ -131,13 +143,7 @@ def start_rank(
         start_new_session=True,
         preexec_fn=_child_setup,
     )
-    rp = RankProcess(rank, proc)
-    for stream, pipe in ((1, proc.stdout), (2, proc.stderr)):
-        pump = _Pump(rank, stream, pipe, on_output)
-        pump.start()
-        rp.pumps.append(pump)
-    threading.Thread(target=_reap, args=(rp, events), daemon=True, name=f"reap{rank}").start()
-    return rp
+    return RankProcess(rank, proc)
 
 
 def _wait_pumps(pumps: Sequence[_Pump]) -> None:
