@@ -198,10 +198,19 @@ def _start_sleeping_job(cluster, extra: list[str] = (), client: str = "paramiko"
             up += "sleeping" in line
     if up < 3:
         code = head.poll()  # None: still running, so the launch hangs rather than failed
+        where = _stacks(head.pid) if code is None else ""
         head.kill()
         raise AssertionError(f"job did not start ({up} of 3 ranks up, head exit {code}): "
-                             f"{head.communicate()}")
+                             f"{head.communicate()}\n{where}")
     return head
+
+
+def _stacks(pid: int) -> str:
+    """Where a stuck head is, every thread (py-spy, installed with the dev extra)."""
+    spy = Path(PYTHON).parent / "py-spy"
+    done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True,
+                          timeout=30)
+    return done.stdout + done.stderr
 
 
 @CLIENTS
