@@ -8,6 +8,7 @@ paramiko in the head and once with the system `ssh` client (--ssh-client openssh
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import subprocess
@@ -183,25 +184,26 @@ def test_a_rank_killed_by_a_signal_stops_every_host(cluster):
 def _start_sleeping_job(cluster, extra: list[str] = (), client: str = "paramiko") -> object:
     """Start 3 ranks (one per host) that each start a child, and wait until all are up.
 
-    The deadline is generous (the launch itself takes about a second) because these tests are
-    about what happens after the start; a connection that stalls ends the launch with its own
-    error (handshake timeout 30 s), which then shows in the failure message."""
+    The pipe is read with `os.read`, not `readline` on the text file: that buffers every line
+    of a read, and `select` on the descriptor then cannot see the lines left in the buffer (two
+    ranks' lines arriving together were missed, and the job looked as if it never started).
+    The deadline is generous: the tests are about what happens after the start."""
     head = start_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster, client),
                          *extra, "--", PYTHON, PROBE, "child", "120"])
-    up, deadline = 0, time.monotonic() + 60
-    while up < 3 and time.monotonic() < deadline:
-        ready, _, _ = select.select([head.stdout], [], [], 0.5)
-        if ready:
-            line = head.stdout.readline()
-            if not line:
+    fd, seen, deadline = head.stdout.fileno(), b"", time.monotonic() + 60
+    while seen.count(b"sleeping\n") < 3 and time.monotonic() < deadline:
+        if select.select([fd], [], [], 0.5)[0]:
+            data = os.read(fd, 65536)
+            if not data:
                 break
-            up += "sleeping" in line
+            seen += data
+    up = seen.count(b"sleeping\n")
     if up < 3:
         code = head.poll()  # None: still running, so the launch hangs rather than failed
         where = _stacks(head.pid) if code is None else ""
         head.kill()
         raise AssertionError(f"job did not start ({up} of 3 ranks up, head exit {code}): "
-                             f"{head.communicate()}\n{where}")
+                             f"{seen.decode(errors='replace')}{head.communicate()}\n{where}")
     return head
 
 
