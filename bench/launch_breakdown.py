@@ -14,7 +14,9 @@ Per checkout (its own ``.venv``), measured in fresh interpreters, median of ``--
   ``--ssh-client``): the head's own stamps since its first import (``connected``: every agent
   stream open, for openssh every `ssh` started; ``hello``/``ready``: the last agent's HELLO
   and READY; ``running``: every rank started), from the ranks' stamps command start to every
-  rank running, and the head's CPU time (its own and its `ssh` children's, user + system).
+  rank running, the head's CPU time (its own and its `ssh` children's, user + system), and
+  where the checkout reports them the slowest agent's own phases (``agent boot``: its imports
+  until HELLO; ``agent check``: its SPEC; ``agent spawn``: starting its ranks after START).
 
 ``--compare DIR`` runs the same on another checkout (e.g. an older commit in a git worktree
 with ``make install`` done), interleaved rep by rep, so both see the same machine load.
@@ -44,6 +46,8 @@ IMPORTS = {"head imports": "launcher.cli", "paramiko": "paramiko",
 STAMPS = ("connected", "hello", "ready", "running")
 PER_HOST = 4
 _TIMINGS = re.compile(r"dtrain: timings since start: (.*)")
+_AGENTS = re.compile(r"dtrain: agents, slowest host per phase: (.*)")
+AGENT_PHASES = ("boot", "check", "spawn")
 
 
 def interpreter_s(python: str, repo: Path) -> float:
@@ -91,6 +95,9 @@ def launch_once(cluster: Any, repo: Path, n_hosts: int,
     found = _TIMINGS.search(done.stderr)
     head = dict(re.findall(r"(\w+) ([0-9.]+)s", found.group(1))) if found else {}
     row = {k: float(v) for k, v in head.items() if k in STAMPS}
+    if found := _AGENTS.search(done.stderr):  # the slowest agent's own phases
+        agents = dict(re.findall(r"(\w+) ([0-9.]+)s", found.group(1)))
+        row.update({f"agent {k}": float(v) for k, v in agents.items() if k in AGENT_PHASES})
     row["every rank running"] = max(s["start"] for s in stamps) - t0
     row["head CPU"] = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return row

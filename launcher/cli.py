@@ -179,7 +179,8 @@ whose name starts with a dash; it is always safe."""
               help="Kind of --mpirun (detected from its --version by default).")
 @click.option("--dry-run", is_flag=True, help="Print hosts, ranks and environments; start nothing.")
 @click.option("--timings", is_flag=True,
-              help="Print when connecting, agents, ranks and exit completed.")
+              help="Print when connecting, agents, ranks and exit completed, and the slowest "
+                   "agent's own start-up phases.")
 @click.argument("program", nargs=-1, required=True, type=click.UNPROCESSED,
                 metavar="[--] PROGRAM [ARGS]...")
 def launch(program: tuple[str, ...], **kw: Any) -> None:

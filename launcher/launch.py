@@ -140,9 +140,13 @@ def run_launch(req: LaunchRequest) -> int:
     if req.launcher == "slurm" and outcome.exit_code and (why := srun.slurm_ended_job()):
         sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:
+        from launcher.head.startup import slowest_phases
+
         stamps = {"connected": connected, **sup.timings}
         sys.stderr.write("dtrain: timings since start: " + ", ".join(
             f"{k} {v - STARTED:.3f}s" for k, v in stamps.items() if v) + "\n")
+        if phases := slowest_phases(sup.links):
+            sys.stderr.write(f"dtrain: agents, slowest host per phase: {phases}\n")
     return outcome.exit_code
 
 

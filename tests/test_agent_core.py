@@ -2,7 +2,8 @@
 
 The real `Agent` and its real `HeadLink` run in a thread of this process; the test plays the
 head on the other ends of two pipes. Only the start-failure test asks the agent to start a
-rank (a program the kernel refuses to execute), so no rank ever runs.
+rank (a program the kernel refuses to execute), so no rank ever runs, and an agent none of whose
+ranks started never takes this test process's children for the job's (it would stop them).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -225,12 +226,16 @@ def test_an_unmodified_torch_env_script_runs():
     assert "rank 0 of 2 sum 3" in res.stdout and "rank 1 of 2 sum 3" in res.stdout
 
 
-def test_timings_show_when_each_start_up_phase_completed():
+def test_timings_show_when_each_start_up_phase_completed_and_the_agents_own_phases():
     res = run_dtrain(["launch", "--timings", "--", PYTHON, PROBE, "argv"])
     assert res.returncode == 0, res.stderr
     line = next(x for x in res.stderr.splitlines() if x.startswith("dtrain: timings"))
     names = [part.split()[0] for part in line.split("start: ", 1)[1].split(", ")]
     assert names == ["connected", "hello", "ready", "running", "exit"]
+    line = next(x for x in res.stderr.splitlines() if x.startswith("dtrain: agents"))
+    phases = re.findall(r"(\w+) ([0-9.]+)s \(localhost\)", line)
+    assert [name for name, _ in phases] == ["boot", "check", "spawn"]
+    assert all(0 < float(seconds) < 60 for _, seconds in phases)
 
 
 def test_raw_mode_passes_output_bytes_through_unchanged():

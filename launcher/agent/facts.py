@@ -11,9 +11,10 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import time
 from collections.abc import Mapping
 
-from launcher import __version__, wire
+from launcher import STARTED, __version__, wire
 from launcher.agent.ranks import find_program
 from launcher.netroute import free_port, route_source
 from launcher.plan.environment import rank_environment
@@ -37,6 +38,8 @@ def hello() -> dict[str, Any]:
         "python": ".".join(map(str, sys.version_info[:3])),
         "executable": sys.executable,
         "pid": os.getpid(),
+        # From the agent's first import to now: its imports, the bulk of its start-up.
+        "boot_s": round(time.monotonic() - STARTED, 4),
     }
 
 

@@ -54,7 +54,7 @@ class Agent:
         self.kill_at: float | None = None
         self.leave_at: float | None = None
         self.exit_code = 0
-        self.started = False  # START arrived: descendants from now on belong to the job
+        self.started = False  # a rank started: descendants from now on belong to the job
         self.progress: ProgressReporter | None = None  # the ranks' progress records
 
     # -- main loop --------------------------------------------------------------------------
@@ -129,6 +129,7 @@ class Agent:
         return False
 
     def _on_spec(self, spec: dict[str, Any]) -> None:
+        t0 = time.monotonic()
         self.spec = spec
         self.interval = float(spec.get("heartbeat", 5.0))
         self.silence_limit = self.interval * int(spec.get("misses", 3))
@@ -154,7 +155,8 @@ class Agent:
                 send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
             )
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"]),
-                                               **facts.rendezvous(spec.get("probe") or {})})
+                                               **facts.rendezvous(spec.get("probe") or {}),
+                                               "check_s": round(time.monotonic() - t0, 4)})
 
     def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
         cwd = spec["cwd"]
@@ -185,17 +187,20 @@ class Agent:
     # -- ranks ---------------------------------------------------------------------------------
     def _start_all(self, job_env: dict[str, str]) -> None:
         """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
-        self.started = True
         for rank_spec in self.spec["ranks"]:
             rank_spec["env"].update(job_env)
         master = job_env.get("MASTER_ADDR")
         self.interface = netroute.interface_for(master) if master else None
+        t0 = time.monotonic()
         started, failure = self._spawn_all()
+        self.started = bool(started)
+        spawn_s = round(time.monotonic() - t0, 4)  # for `dtrain launch --timings`
         for rp in started:  # watched only now: see RankProcess.watch
             rp.watch(self._relay_output, self.events)
             if rp.rank == 0:
                 self.stdin = RankStdin(rp.proc.stdin, self._ack_stdin)
-            self.link.send_json(wire.Kind.STARTED, {"rank": rp.rank, "pid": rp.pid})
+            self.link.send_json(wire.Kind.STARTED, {"rank": rp.rank, "pid": rp.pid,
+                                                    "spawn_s": spawn_s})
         if failure is not None:
             self.link.send_json(wire.Kind.ERROR, {
                 "what": "rank did not start", "why": failure,

@@ -44,6 +44,9 @@ class AgentLink:
         self.held = False  # the reader waits for room in our output queue
         self.alive = True
         self.hello: dict[str, Any] = {}
+        # The agent's own start-up phases in seconds (`dtrain launch --timings`): boot (its
+        # imports, from HELLO), check (the SPEC, from READY), spawn (its ranks, from STARTED).
+        self.phases: dict[str, float] = {}
         self._events = events
         self._on_output = on_output
         self._lock = threading.Lock()

@@ -31,6 +31,9 @@ from launcher.plan.job import JobPlan, Rendezvous
 #: pipe (64 KiB on Linux) and SSH channel window, so the write cannot block on an agent that has
 #: not booted yet. A larger one (many ranks, a big environment) waits for its agent's HELLO.
 EARLY_SPEC_MAX = 60 * 1024
+#: What each agent reports of its own start-up: its imports until HELLO, checking its SPEC,
+#: starting its ranks after START.
+PHASES = ("boot", "check", "spawn")
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,14 @@ class Startup:
         def on_frame(link: AgentLink, frame: wire.Frame) -> None:
             if frame.kind is wire.Kind.HELLO:
                 _check_protocol(link, frame.json())
+                note_phase(link, "boot", link.hello)
                 self.hello_at = time.monotonic()
                 if link.index in unsent:  # its agent runs and reads now: the write will end
                     unsent.discard(link.index)
                     link.send(specs[link.index])
             elif frame.kind is wire.Kind.READY:
                 ready[link.index] = frame.json()
+                note_phase(link, "check", ready[link.index])
 
         self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
         self.ready_at = time.monotonic()
@@ -183,6 +188,23 @@ def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:
                          f"head {wire.PROTOCOL_VERSION}, agent {hello.get('protocol')} "
                          f"(dtrain {hello.get('dtrain')})",
                          "install the same dtrain version on every host")
+
+
+def note_phase(link: AgentLink, phase: str, body: dict[str, Any]) -> None:
+    """An agent's ``<phase>_s`` report; agents of older versions send none."""
+    if isinstance(seconds := body.get(f"{phase}_s"), int | float):
+        link.phases[phase] = max(float(seconds), link.phases.get(phase, 0.0))
+
+
+def slowest_phases(links: Sequence[AgentLink]) -> str:
+    """Each agent phase's slowest host, e.g. ``boot 0.071s (node2), check 0.004s (node1)``."""
+    parts = []
+    for phase in PHASES:
+        timed = [(link.phases[phase], link.name) for link in links if phase in link.phases]
+        if timed:
+            seconds, name = max(timed)
+            parts.append(f"{phase} {seconds:.3f}s ({name})")
+    return ", ".join(parts)
 
 
 def _address_of(link: AgentLink) -> str:

@@ -24,7 +24,7 @@ from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
 from launcher.head.pmi_notes import PmiNotes
 from launcher.head.progress import HANG_CODE, ProgressMonitor
-from launcher.head.startup import Signalled, Startup
+from launcher.head.startup import Signalled, Startup, note_phase
 from launcher.head.stdin import StdinForwarder
 from launcher.output.sink import OutputSink
 from launcher.output.writer import OutputWriter
@@ -179,6 +179,7 @@ class Supervisor:
         kind = frame.kind
         if kind is wire.Kind.STARTED:
             body = frame.json()
+            note_phase(link, "spawn", body)
             r = self.outcome.ranks[int(body["rank"])]
             r.state, r.pid = "running", int(body["pid"])
         elif kind is wire.Kind.EXIT:
