@@ -61,12 +61,7 @@ class Startup:
         probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
                  "free_port": user_port is None}
         ready: dict[int, dict[str, Any]] = {}
-        specs = {}
-        for link in self.links:
-            spec = self._spec(plan, plan.hosts[link.index])
-            if link.index == 0:
-                spec["probe"] = probe
-            specs[link.index] = wire.encode_json(wire.Kind.SPEC, spec)
+        specs = {link.index: self._spec_frame(plan, link.index, probe) for link in self.links}
         unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
         for link in self.links:
             if link.index not in unsent:
@@ -117,6 +112,12 @@ class Startup:
             # Host 1 is the head itself: its address on the route towards host 0.
             return netroute.route_source(_address_of(first))
         return _address_of(second)
+
+    def _spec_frame(self, plan: JobPlan, index: int, probe: dict[str, Any]) -> bytes:
+        spec = self._spec(plan, plan.hosts[index])
+        if index == 0:
+            spec["probe"] = probe
+        return wire.encode_json(wire.Kind.SPEC, spec)
 
     def _spec(self, plan: JobPlan, host_plan: Any) -> dict[str, Any]:
         return {
