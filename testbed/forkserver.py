@@ -1,10 +1,11 @@
-"""A process that imports torch once and forks each rank of the tests' MPI runs from there.
+"""A process that imports torch once and forks each rank of the tests' trainer runs from there.
 
     python -m testbed.forkserver SOCKET     (started by `ForkServer`, one per pytest session)
 
 ``import torch`` costs ~2.7 s of CPU per process on a 2-core machine: an 8-rank run paid ~20 s
-of CPU before its first line of test code. Here `mpiexec` still starts every rank (Hydra's PMI
-socket, stdio pipes, signals and exit codes are its own), but what it starts is
+of CPU before its first line of test code. Here `mpiexec` (or `dtrain launch`'s agent, see
+`tests.mpi_runs.forked_python`) still starts every rank (its PMI socket, stdio pipes, signals
+and exit codes are its own), but what it starts is
 `testbed.forkstub`, which hands its file descriptors and environment to this server; the
 server forks, and the fork becomes the rank: it takes the stub's stdio, ``PMI_FD``, environment,
 folder and command line, and runs the command's module as ``__main__``, which calls
@@ -36,8 +37,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 STUB = str(Path(__file__).with_name("forkstub.py"))
-# What every rank of the tests imports and no rank configures at import time.
-PRELOAD = ("torch", "numpy", "mpi4py", "rich.progress")
+# What every rank of the tests imports and no rank configures at import time. torch._dynamo
+# (~1.5-2.5 s) is what every optimizer's constructor imports; matplotlib.pyplot (~0.5-2 s) what
+# the loss, expert-load and timeline plots import (each selects the Agg backend itself first).
+PRELOAD = ("torch", "torch._dynamo", "numpy", "mpi4py", "rich.progress", "matplotlib.pyplot")
 _SPARE_FD = 256  # received descriptors are parked above this while they move into place
 
 
