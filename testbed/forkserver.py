@@ -1,10 +1,11 @@
-"""A process that imports torch once and forks each rank of the tests' MPI runs from there.
+"""A process that imports torch once and forks each rank of the tests' trainer runs from there.
 
     python -m testbed.forkserver SOCKET     (started by `ForkServer`, one per pytest session)
 
 ``import torch`` costs ~2.7 s of CPU per process on a 2-core machine: an 8-rank run paid ~20 s
-of CPU before its first line of test code. Here `mpiexec` still starts every rank (Hydra's PMI
-socket, stdio pipes, signals and exit codes are its own), but what it starts is
+of CPU before its first line of test code. Here `mpiexec` (or `dtrain launch`'s agent, see
+`tests.mpi_runs.forked_python`) still starts every rank (its PMI socket, stdio pipes, signals
+and exit codes are its own), but what it starts is
 `testbed.forkstub`, which hands its file descriptors and environment to this server; the
 server forks, and the fork becomes the rank: it takes the stub's stdio, ``PMI_FD``, environment,
 folder and command line, and runs the command's module as ``__main__``, which calls
@@ -12,6 +13,7 @@ folder and command line, and runs the command's module as ``__main__``, which ca
 what a fresh process computes: the server imports only third-party packages (never
 ``mpi4py.MPI``, so MPI is not initialised before the fork), runs no thread when it forks, and
 the fork reseeds the generators a fresh process seeds from the OS (`random`, numpy's global).
+Its MPICH sleeps while it waits (``MPIR_CVAR_ENABLE_HEAVY_YIELD``, see `become`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 STUB = str(Path(__file__).with_name("forkstub.py"))
-# What every rank of the tests imports and no rank configures at import time.
-PRELOAD = ("torch", "numpy", "mpi4py", "rich.progress")
+# What every rank of the tests imports and no rank configures at import time. torch._dynamo
+# (~1.5-2.5 s) is what every optimizer's constructor imports; matplotlib.pyplot (~0.5-2 s) what
+# the loss, expert-load and timeline plots import (each selects the Agg backend itself first).
+PRELOAD = ("torch", "torch._dynamo", "numpy", "mpi4py", "rich.progress", "matplotlib.pyplot")
 _SPARE_FD = 256  # received descriptors are parked above this while they move into place
 
 
@@ -139,6 +143,10 @@ def become(spec: Spec) -> None:
     os.chdir(spec.cwd)
     os.environ.clear()
     os.environ.update(spec.env)
+    # The tests run up to 8 ranks on 2 cores, and MPICH's waiting ranks spin: among 7 waiting
+    # ranks, 1 CPU-s of one rank's work took 4 s. With heavy yield a waiting rank sleeps
+    # (nanosleep) every 1000 polls instead; what any rank computes is unchanged.
+    os.environ.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import random
 

@@ -1,9 +1,10 @@
-"""What `mpiexec` starts as each rank of a test's MPI run when a fork server serves the session.
+"""What `mpiexec` (or `dtrain launch`'s agent) starts as each rank of a test's trainer run when a
+fork server serves the session.
 
     mpiexec -n 4 python -S testbed/forkstub.py SOCKET -m tests.mpi_worker TARGET OUT
 
 Standard library only (``-S``: no site-packages), so it starts in milliseconds. It hands its
-stdin, stdout, stderr, Hydra's PMI socket (``PMI_FD``), environment, working folder and command
+stdin, stdout, stderr, its PMI socket (``PMI_FD``), environment, working folder and command
 to the fork server (`testbed.forkserver`), whose fork becomes the rank: a real MPICH process
 that calls ``MPI_Init`` over that PMI socket, with torch already imported. The stub forwards
 SIGINT/SIGTERM/SIGHUP to the rank and exits as the rank exited; if the stub dies, the server
@@ -39,8 +40,10 @@ def main(path: str, argv: list[str]) -> None:
         sys.exit("forkstub: the fork server closed the connection before the rank ended")
     status = int(line.split()[1])
     if os.WIFSIGNALED(status):
-        signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        os.kill(os.getpid(), os.WTERMSIG(status))
+        killed_by = os.WTERMSIG(status)
+        if killed_by != signal.SIGKILL:  # SIGKILL has no handler to reset (signal() refuses it)
+            signal.signal(killed_by, signal.SIG_DFL)
+        os.kill(os.getpid(), killed_by)
     sys.exit(os.waitstatus_to_exitcode(status))
 
 

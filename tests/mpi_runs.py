@@ -66,6 +66,16 @@ def run_ranks(n: int, args: list[str], *, timeout: float = TIMEOUT_S
     return run_mpiexec(n, _fork_server().command(args), timeout=timeout, env=clean_env())
 
 
+def forked_python() -> list[str]:
+    """What to run instead of ``python`` for a rank or a process of the trainer on this machine
+    (``dtrain launch --nproc-per-node N -- <this> -m trainer.train ...``, or a plain
+    subprocess): a stub whose fork of the session's server becomes the process, torch already
+    imported. What its parent sees (stdio, ``PMI_FD``, signals, exit status) is the fork's, so
+    the launcher handles it as any rank. Not for ranks on namespace hosts (the fork runs in this
+    network namespace) nor where a test inspects the rank's process itself."""
+    return _fork_server().command([])
+
+
 def _fork_server() -> ForkServer:
     if not _server:
         _server.append(ForkServer(clean_env()))

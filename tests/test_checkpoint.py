@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointDamaged, CheckpointError
@@ -191,7 +192,7 @@ FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "3
 
 def train(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess:
     env = dtrain_env({"DTRAIN_FAULT": fault} if fault else None)
-    return subprocess.run([sys.executable, "-m", "trainer.train", *FLAGS, "--run-dir",
+    return subprocess.run([*forked_python(), "-m", "trainer.train", *FLAGS, "--run-dir",
                            str(run_dir), *extra], check=False, cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=120)
 

@@ -6,12 +6,12 @@ with exit 0, and ends bit-identical to a run that was never interrupted."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.mpi_runs import forked_python
 from tests.support import run_dtrain
 from trainer import checkpoint
 from trainer.checkpoint import POINTS, shard_name
@@ -35,7 +35,7 @@ ON_DISK = {
 
 def launch(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess[str]:
     env = ["--env", f"DTRAIN_FAULT={fault}"] if fault else []
-    return run_dtrain(["launch", "--nproc-per-node", "2", *env, "--", sys.executable, "-m",
+    return run_dtrain(["launch", "--nproc-per-node", "2", *env, "--", *forked_python(), "-m",
                        "trainer.train", *FLAGS, "--run-dir", str(run_dir), *extra], timeout=240)
 
 

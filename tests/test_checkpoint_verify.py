@@ -8,11 +8,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env, run_dtrain
 from trainer.config.options import parse_args
 from trainer.errors import ConfigError
@@ -24,14 +24,14 @@ FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "3
 
 
 def launch_tp2(run_dir: Path, *extra: str) -> tuple[int, str]:
-    done = run_dtrain(["launch", "--nproc-per-node", "2", "--", sys.executable, "-m",
+    done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
                        "trainer.train", *FLAGS, "--tp", "2", "--run-dir", str(run_dir), *extra],
                       timeout=240)
     return done.returncode, done.stdout + done.stderr
 
 
 def train_serial(run_dir: Path, *extra: str) -> tuple[int, str]:
-    done = subprocess.run([sys.executable, "-m", "trainer.train", *FLAGS, "--run-dir",
+    done = subprocess.run([*forked_python(), "-m", "trainer.train", *FLAGS, "--run-dir",
                            str(run_dir), *extra], capture_output=True, text=True, cwd=REPO,
                           env=dtrain_env(), timeout=240, check=False)
     return done.returncode, done.stdout + done.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.mpiexec import PYTHON, REPO, clean_env, run_mpiexec
+from testbed.mpiexec import PYTHON, REPO, clean_env
 from tests.mpi_runs import run_ranks
 from trainer.comm.bandwidth import Sample, format_size, parse_size, parse_sizes
 from trainer.comm.bootstrap import check_world
@@ -130,8 +130,8 @@ def test_python_started_by_hand_with_a_copied_world_size_fails_with_the_remedy()
 # -- diagnose ---------------------------------------------------------------------------------
 
 def test_diagnose_under_plain_mpiexec_reports_every_rank_and_the_bandwidth_table():
-    proc = run_mpiexec(2, [PYTHON, "-m", "trainer.diagnose", "--sizes", "1K,64K", "--iters", "3"],
-                       timeout=90)
+    proc = run_ranks(2, ["-m", "trainer.diagnose", "--sizes", "1K,64K", "--iters", "3"],
+                     timeout=90)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for rank in (0, 1):
         assert f"[rank {rank}]" in proc.stdout

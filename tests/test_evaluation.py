@@ -30,8 +30,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.mpi_runs import forked_python
 from tests.numerics import U32, loss_atol, reduction_rtol
-from tests.support import PYTHON, REPO, dtrain_env, run_dtrain
+from tests.support import REPO, dtrain_env, run_dtrain
 from trainer.checkpoint import latest
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import load_corpus
@@ -61,8 +62,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for name, (nproc, flags) in LAYOUTS.items():
         run_dir = tmp_path_factory.mktemp(name)
-        res = run_dtrain(["launch", "--nproc-per-node", str(nproc), "--", PYTHON, "-m",
-                          "trainer.train", *FLAGS, *flags, "--run-dir", str(run_dir)],
+        res = run_dtrain(["launch", "--nproc-per-node", str(nproc), "--", *forked_python(),
+                          "-m", "trainer.train", *FLAGS, *flags, "--run-dir", str(run_dir)],
                          timeout=600)
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
         out[name] = run_dir
@@ -105,7 +106,7 @@ def test_tp_and_pp_communication_is_counted_and_total_is_never_below_exposed(
 
 
 def generate(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([PYTHON, "-m", "trainer.generate", "--run-dir", str(run_dir),
+    return subprocess.run([*forked_python(), "-m", "trainer.generate", "--run-dir", str(run_dir),
                            "--prompt", PROMPT, "--tokens", str(TOKENS), "--temperature", "0"],
                           capture_output=True, text=True, timeout=120, cwd=REPO,
                           env=dtrain_env())

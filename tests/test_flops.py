@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.mpi_runs import forked_python
 from trainer.config.options import parse_args
 from trainer.errors import ConfigError
 from trainer.model.config import PRESETS, GPTConfig
@@ -59,7 +59,7 @@ def test_a_negative_peak_is_refused_naming_the_flag() -> None:
 def _train(run_dir: Path, *extra: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "--model", "tiny", "--steps", "4",
+        [*forked_python(), "-m", "trainer.train", "--model", "tiny", "--steps", "4",
          "--global-batch", "2", "--log-every", "2", "--eval-every", "0", "--data-cap-mb", "0.25",
          "--run-dir", str(run_dir), *extra],
         capture_output=True, text=True, timeout=300, env=env, check=False)

@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env, run_dtrain
 from trainer import checkpoint
 from trainer.model.config import GPTConfig
@@ -76,7 +76,7 @@ def test_an_agreed_error_is_printed_only_by_the_reporting_rank(
 
 def test_a_diverging_dp2_tp2_run_stops_together_keeps_its_good_checkpoints_and_saves_no_nan(
         tmp_path: Path) -> None:
-    done = run_dtrain(["launch", "--nproc-per-node", "4", "--", sys.executable, "-m",
+    done = run_dtrain(["launch", "--nproc-per-node", "4", "--", *forked_python(), "-m",
                        "trainer.train", *DIVERGING, "--tp", "2", "--run-dir", str(tmp_path)],
                       timeout=300)
     out = done.stdout + done.stderr
@@ -103,7 +103,7 @@ def test_a_diverging_dp2_tp2_run_stops_together_keeps_its_good_checkpoints_and_s
 def test_skip_nonfinite_drops_the_updates_of_diverged_steps_then_stops(tmp_path: Path) -> None:
     """One process: the skipped steps leave parameters and optimizer state untouched, so the
     checkpoints of the skipped steps hold exactly the last applied step's state."""
-    done = subprocess.run([sys.executable, "-m", "trainer.train", *DIVERGING, "--run-dir",
+    done = subprocess.run([*forked_python(), "-m", "trainer.train", *DIVERGING, "--run-dir",
                            str(tmp_path), "--skip-nonfinite", "2"], capture_output=True,
                           text=True, cwd=REPO, env=dtrain_env(), timeout=240, check=False)
     assert done.returncode == 2, done.stderr[-3000:]
