@@ -132,7 +132,10 @@ def test_a_rank_whose_child_keeps_printing_after_it_exits_still_ends_the_job(tmp
 
 def test_two_ctrl_c_end_a_job_whose_stdout_nobody_reads(tmp_path):
     """Back-pressure holds ranks while the reader is stalled; a second Ctrl-C still ends the
-    job (exit 130) and leaves no rank behind, dropping the output nobody would read."""
+    job (exit 130) and leaves no rank behind, dropping the output nobody would read: the
+    agents' exit reports are read past it at once, then queued output gets its 2 s drain
+    (KILLED_DRAIN_S), where the head used to wait out its 5 s give-up timer and 5 s more for
+    each agent to leave (12.7 s)."""
     code = ("import os, sys\n"
             "open(os.path.join(os.environ['PID_DIR'], os.environ['RANK']), 'w')"
             ".write(str(os.getpid()))\n"
@@ -155,8 +158,10 @@ def test_two_ctrl_c_end_a_job_whose_stdout_nobody_reads(tmp_path):
             head.send_signal(signal.SIGINT)
             time.sleep(0.5)
             head.send_signal(signal.SIGINT)
+            second = time.monotonic()
             head.wait(timeout=30)
             assert head.returncode == 130, (tmp_path / "stderr").read_text()[-2000:]
+            assert time.monotonic() - second < 8  # 2 s drain + the kill, not 5 + 5 + 2
             assert len(pids) == 2 and not wait_gone(pids, 10)
         finally:
             head.kill()

@@ -240,9 +240,10 @@ class Supervisor:
 
     def _on_signal(self, signum: int) -> None:
         if self.outcome.interrupted_by is not None or self.stopping:
-            # A second Ctrl-C: no more grace.
+            # A second Ctrl-C: no more grace, and no more waiting for our stdout either.
             if self.outcome.interrupted_by is None:
                 self.outcome.interrupted_by = signum
+            self.writer.shed()
             self._stop(signal.SIGKILL, 0.0)
             return
         self.outcome.interrupted_by = signum

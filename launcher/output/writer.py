@@ -61,6 +61,7 @@ class OutputWriter:
         self._queued = 0       # bytes of chunks queued or being written
         self._busy = False     # a batch is being formatted and written
         self._abandoned = False
+        self._shedding = False  # a full queue drops new chunks instead of holding the reader
         self._cond = threading.Condition()
         self._sink: OutputSink | None = None
         self._thread: threading.Thread | None = None
@@ -74,10 +75,10 @@ class OutputWriter:
     def put(self, rank: int, stream: int, data: bytes) -> None:
         """Queue a chunk of a rank's output; blocks while the queue is full (back-pressure)."""
         with self._cond:
-            while self._queued >= self._limit and not self._abandoned:
+            while self._queued >= self._limit and not (self._abandoned or self._shedding):
                 self._cond.wait()
-            if self._abandoned:
-                return
+            if self._abandoned or self._queued >= self._limit:
+                return  # abandoned, or shedding with a full queue: dropped
             self._items.append(_Chunk(rank, stream, data))
             self._queued += len(data)
             self._cond.notify_all()
@@ -105,6 +106,14 @@ class OutputWriter:
                     return False
                 self._cond.wait(0.5)  # a timeout keeps the main thread's signal handlers live
         return True
+
+    def shed(self) -> None:
+        """From now on a full queue drops new output instead of holding its reader (a second
+        Ctrl-C: the agents' exit reports wait behind their output in the same stream and must
+        get through while our stdout is stuck). What is queued still drains at `close`."""
+        with self._cond:
+            self._shedding = True
+            self._cond.notify_all()
 
     def abandon(self) -> None:
         """Drop what is queued and everything that comes; release blocked readers."""
