@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from launcher.agent.progress import py_spy
 from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env, run_dtrain, start_dtrain
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
@@ -208,9 +209,11 @@ def _start_sleeping_job(cluster, extra: list[str] = (), client: str = "paramiko"
 
 
 def _stacks(pid: int) -> str:
-    """Where a stuck head is, every thread (py-spy, installed with the dev extra)."""
-    spy = Path(PYTHON).parent / "py-spy"
-    done = subprocess.run([str(spy), "dump", "--pid", str(pid)], capture_output=True, text=True,
+    """Where a stuck head is, every thread (py-spy, found as the agent finds it)."""
+    spy = py_spy()
+    if spy is None:
+        return "(no py-spy for the head's stacks)"
+    done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                           timeout=30)
     return done.stdout + done.stderr
 

@@ -166,7 +166,7 @@ def abort_actions(rank: int, cmd: PmiCommand) -> list[Action]:
         code = int(text)
     except ValueError:
         code = 1
-    message = cmd.value("message", cmd.value("error_msg", ""))
+    message = cmd.value("message", cmd.value("error_msg"))
     return [Abort(rank, code, message),
             Send({"op": "abort", "rank": rank, "code": code, "message": message})]
 

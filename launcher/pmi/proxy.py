@@ -188,7 +188,7 @@ class PmiProxy:
     # ----- requests ----------------------------------------------------------------------------
 
     def _initack(self, conn: int, c: Conn, cmd: PmiCommand) -> list[Action]:
-        rank = self._tokens.pop(cmd.value("pmiid", ""), None)
+        rank = self._tokens.pop(cmd.value("pmiid"), None)
         if rank is None:
             return self._reject(conn, "unknown or already used PMI_ID")
         if rank in self._claimed:  # an id minted for a rank that connected via PMI_FD
@@ -213,7 +213,7 @@ class PmiProxy:
         return [Reply(conn, self._fixed[cmd.cmd])]
 
     def _put(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
-        key, value = cmd.value("key", ""), cmd.value("value", "")
+        key, value = cmd.value("key"), cmd.value("value")
         problem = actions.key_problem(cmd, self._kvsname) or actions.value_problem(key, value)
         if problem:
             return [Reply(conn, format_reply("put_result", rc=1, msg=problem))]
@@ -221,7 +221,7 @@ class PmiProxy:
         return [Reply(conn, format_reply("put_result", rc=0))]
 
     def _get(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
-        key = cmd.value("key", "")
+        key = cmd.value("key")
         problem = actions.key_problem(cmd, self._kvsname)
         if problem:
             return [Reply(conn, format_reply("get_result", rc=1, msg=problem))]
