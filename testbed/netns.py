@@ -21,7 +21,6 @@ import atexit
 import fcntl
 import functools
 import ipaddress
-import json
 import os
 import random
 import secrets
@@ -42,8 +41,7 @@ from testbed.sshd import (
     stop_process,
     wait_for_port,
 )
-
-STATE_DIR = Path("/run/dtrain-test-netns")
+from testbed.stale import STATE_DIR, abandoned, record
 
 
 @functools.lru_cache(maxsize=1)
@@ -97,16 +95,6 @@ def _pick_subnet() -> ipaddress.IPv4Network:
     raise RuntimeError("no free 10.x.y.0/24 subnet for the test cluster")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def ns_pids(ns: str) -> set[int]:
     result = _ip("netns", "pids", ns, check=False)
     return {int(p) for p in result.stdout.split() if p.isdigit()}
@@ -125,18 +113,11 @@ def _remove(namespaces: list[str], links: list[str]) -> None:
         _ip("link", "del", link, check=False)
 
 
-def reap_stale() -> None:
+def reap_stale(state_dir: Path = STATE_DIR) -> None:
     """Remove clusters whose creating process is gone (a crashed or SIGKILLed session)."""
-    if not STATE_DIR.is_dir():
-        return
-    for state_file in STATE_DIR.glob("*.json"):
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError):
-            continue
-        if not _alive(state["creator"]):
-            _remove(state["namespaces"], state["links"])
-            state_file.unlink(missing_ok=True)
+    for path, state in abandoned("netns", ("namespaces", "links"), state_dir):
+        _remove(state["namespaces"], state["links"])
+        path.unlink(missing_ok=True)
 
 
 class NetnsCluster:
@@ -155,7 +136,7 @@ class NetnsCluster:
         self._links = [*self._veth.values(), self.bridge]
         self._procs: dict[str, subprocess.Popen | None] = {}
         self._closed = False
-        self._state = STATE_DIR / f"{self.suffix}.json"
+        self._state = STATE_DIR / f"netns-{self.suffix}.json"
         atexit.register(self.close)
         self.client_key = self.dir / "id_ed25519"
         self.ssh_config = self.dir / "ssh_config"
@@ -174,8 +155,7 @@ class NetnsCluster:
         with open(STATE_DIR / "subnet.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions must not pick one subnet
             self.subnet = _pick_subnet()
-            self._state.write_text(json.dumps({"creator": os.getpid(), "links": self._links,
-                                               "namespaces": list(self._ns.values())}))
+            record(self._state, links=self._links, namespaces=list(self._ns.values()))
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.subnet[1]}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")

@@ -16,7 +16,6 @@ session's daemons are reaped by the next instance through a state file naming it
 from __future__ import annotations
 
 import atexit
-import json
 import os
 import shutil
 import subprocess
@@ -24,8 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from testbed.netns import STATE_DIR, NetnsCluster, wait_no_pids
+from testbed.netns import NetnsCluster, wait_no_pids
 from testbed.sshd import free_port, kill_pids, stop_process
+from testbed.stale import STATE_DIR, abandoned, process_key, record, still_running
 
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "salloc", "scontrol", "scancel")
 CPUS_PER_NODE = 4   # declared, not real: config_overrides lets 4 tasks share 2 cores
@@ -45,20 +45,11 @@ def _tool(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
 
-def _alive(pid: int) -> bool:
-    return Path(f"/proc/{pid}").exists()
-
-
-def reap_stale() -> None:
+def reap_stale(state_dir: Path = STATE_DIR) -> None:
     """Kill the root-namespace daemons of instances whose creating process is gone."""
-    for state_file in STATE_DIR.glob("slurm-*.json"):
-        try:
-            state = json.loads(state_file.read_text())
-        except (OSError, ValueError):
-            continue
-        if not _alive(state["creator"]):
-            kill_pids({p for p in state["pids"] if _alive(p)})
-            state_file.unlink(missing_ok=True)
+    for path, state in abandoned("slurm", ("pids",), state_dir):
+        kill_pids(still_running(state["pids"]))
+        path.unlink(missing_ok=True)
 
 
 class SlurmCluster:
@@ -156,8 +147,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         self._record()
 
     def _record(self) -> None:
-        pids = [p.pid for p in self._daemons.values() if p.poll() is None]
-        self._state.write_text(json.dumps({"creator": os.getpid(), "pids": pids}))
+        keys = [process_key(p.pid) for p in self._daemons.values() if p.poll() is None]
+        record(self._state, pids=[key for key in keys if key is not None])
 
     def _log(self, name: str) -> str:
         text = ""
