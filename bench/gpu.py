@@ -45,22 +45,22 @@ REPO = Path(__file__).resolve().parent.parent
 Row = dict[str, Any]
 
 
-def _config(model: str, *, precision: str, batch: int, compile_: bool = False,
+def _config(model: str, *, precision: str, batch: int, run_dir: str, compile_: bool = False,
             seq_len: int | None = None) -> TrainConfig:
     gpt = {"seq_len": seq_len} if seq_len else {}
     return make_config({"model": model, "steps": 10_000, "global_batch": batch, "dp": 1,
                         "precision": precision, "compile": compile_, "eval_every": 0,
                         "warmup_steps": 10, "data_cap_mb": 0.25 if model == "tiny" else 2.0,
-                        "run_dir": tempfile.mkdtemp(prefix="dtrain-bench-gpu-")}, gpt)
+                        "run_dir": run_dir}, gpt)
 
 
 def throughput(world: Any, *, model: str, max_batch: int, steps: int, warmup: int,
-               compiles: Sequence[bool]) -> list[Row]:
+               compiles: Sequence[bool], run_dir: str) -> list[Row]:
     """dtrain vs plain tokens/s and MFU, per compile setting."""
     device = world.device
     peak = peak_tflops(device)
     groups = groups_of_one(world)
-    base = _config(model, precision="bf16", batch=1)
+    base = _config(model, precision="bf16", batch=1, run_dir=run_dir)
     batch = largest_batch(base, world, groups, max_batch) if device.type == "cuda" else max_batch
     rows = []
     for compiled in compiles:
@@ -79,15 +79,15 @@ def throughput(world: Any, *, model: str, max_batch: int, steps: int, warmup: in
     return rows
 
 
-def cpu_precision(world: Any, *, steps: int, warmup: int) -> Row:
+def cpu_precision(world: Any, *, steps: int, warmup: int, run_dir: str) -> Row:
     """bf16 / fp32 step time of the dtrain path on the CPU (the tiny model)."""
     from trainer.comm.mpi.communicator import MpiCommunicator
 
     cpu_world = replace(world, device=torch.device("cpu"),
                         comm=MpiCommunicator(world.mpi_comm.Split(world.rank, 0), "cpu"))
     groups = groups_of_one(cpu_world)
-    times = {p: dtrain_side(_config("tiny", precision=p, batch=8), cpu_world, groups,
-                            warmup=warmup, steps=steps) for p in ("fp32", "bf16")}
+    times = {p: dtrain_side(_config("tiny", precision=p, batch=8, run_dir=run_dir), cpu_world,
+                            groups, warmup=warmup, steps=steps) for p in ("fp32", "bf16")}
     return {"part": "cpu-precision", "model": "tiny", "fp32_step_s": times["fp32"],
             "bf16_step_s": times["bf16"], "bf16_over_fp32": times["bf16"] / times["fp32"]}
 
@@ -133,6 +133,13 @@ def launch(nproc: int, model: str, steps: int, seq_len: int | None) -> Row:
 def run(*, cpu_tiny: bool = False, max_batch: int = 64, steps: int = 10, warmup: int = 3,
         compiles: Sequence[bool] = (False, True)) -> list[Row]:
     """Every part that can run here; `bench.run_all` calls this."""
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-gpu-") as run_dir:
+        return _run(cpu_tiny=cpu_tiny, max_batch=max_batch, steps=steps, warmup=warmup,
+                    compiles=compiles, run_dir=run_dir)
+
+
+def _run(*, cpu_tiny: bool, max_batch: int, steps: int, warmup: int,
+         compiles: Sequence[bool], run_dir: str) -> list[Row]:
     from trainer.comm.bootstrap import init
 
     cuda = torch.cuda.is_available() and not cpu_tiny
@@ -140,19 +147,19 @@ def run(*, cpu_tiny: bool = False, max_batch: int = 64, steps: int = 10, warmup:
         world = init(backend="mpi")
         why = "nccl4py is not installed: pip install 'nccl4py[cu12]'"
         return [{"part": "throughput", "skipped": why},
-                cpu_precision(world, steps=steps, warmup=1),
+                cpu_precision(world, steps=steps, warmup=1, run_dir=run_dir),
                 {"part": "nccl-contract", "skipped": why}, {"part": "launch", "skipped": why}]
     world = init(backend="auto" if cuda else "mpi")
     rows: list[Row] = []
     if cuda:
         rows += throughput(world, model="gpt-124m", max_batch=max_batch, steps=steps,
-                           warmup=warmup, compiles=compiles)
+                           warmup=warmup, compiles=compiles, run_dir=run_dir)
     elif cpu_tiny:
         rows += throughput(world, model="tiny", max_batch=2, steps=2, warmup=1,
-                           compiles=compiles)
+                           compiles=compiles, run_dir=run_dir)
     else:
         rows.append({"part": "throughput", "skipped": "no CUDA GPU here"})
-    rows.append(cpu_precision(world, steps=3 if cpu_tiny else steps, warmup=1))
+    rows.append(cpu_precision(world, steps=3 if cpu_tiny else steps, warmup=1, run_dir=run_dir))
     gpus = torch.cuda.device_count() if cuda else 0
     rows.append(nccl_contract(gpus) if gpus else
                 {"part": "nccl-contract", "skipped": "no CUDA GPU here"})

@@ -117,11 +117,11 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
     torch.set_num_threads(1)
     world = init(backend="mpi")
     result: dict[str, Any] = {"step_s": {}}
+    run_dir = str(out.parent)  # the launcher's temporary directory: it removes what runs leave
     for ep in ep_sizes:
         cfg = resolve_dp(make_config(
             {"model": "tiny", "global_batch": BATCH, "steps": steps, "ep": ep, "eval_every": 0,
-             "data_cap_mb": 0.5, "run_dir": tempfile.mkdtemp(prefix="dtrain-bench-moe-")},
-            MODEL), world.size)
+             "data_cap_mb": 0.5, "run_dir": run_dir}, MODEL), world.size)
         groups = build_groups(world, ParallelDims(dp=cfg.dp))
         run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
                         groups=groups, world_comm=world.comm)

@@ -41,7 +41,7 @@ from testbed.sshd import (
     stop_process,
     wait_for_port,
 )
-from testbed.stale import STATE_DIR, abandoned, record
+from testbed.stale import STATE_DIR, abandoned, record, remove_scratch
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,6 +117,7 @@ def reap_stale(state_dir: Path = STATE_DIR) -> None:
     """Remove clusters whose creating process is gone (a crashed or SIGKILLed session)."""
     for path, state in abandoned("netns", ("namespaces", "links"), state_dir):
         _remove(state["namespaces"], state["links"])
+        remove_scratch(state.get("dir"), "dtrain-netns-")
         path.unlink(missing_ok=True)
 
 
@@ -155,7 +156,8 @@ class NetnsCluster:
         with open(STATE_DIR / "subnet.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent sessions must not pick one subnet
             self.subnet = _pick_subnet()
-            record(self._state, links=self._links, namespaces=list(self._ns.values()))
+            record(self._state, links=self._links, namespaces=list(self._ns.values()),
+                   dir=str(self.dir))
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{self.subnet[1]}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")

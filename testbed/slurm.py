@@ -25,7 +25,14 @@ from pathlib import Path
 
 from testbed.netns import NetnsCluster, wait_no_pids
 from testbed.sshd import free_port, kill_pids, stop_process
-from testbed.stale import STATE_DIR, abandoned, process_key, record, still_running
+from testbed.stale import (
+    STATE_DIR,
+    abandoned,
+    process_key,
+    record,
+    remove_scratch,
+    still_running,
+)
 
 TOOLS = ("munged", "mungekey", "slurmctld", "slurmd", "srun", "salloc", "scontrol", "scancel")
 CPUS_PER_NODE = 4   # declared, not real: config_overrides lets 4 tasks share 2 cores
@@ -49,6 +56,7 @@ def reap_stale(state_dir: Path = STATE_DIR) -> None:
     """Kill the root-namespace daemons of instances whose creating process is gone."""
     for path, state in abandoned("slurm", ("pids",), state_dir):
         kill_pids(still_running(state["pids"]))
+        remove_scratch(state.get("dir"), "dtrain-slurm-")
         path.unlink(missing_ok=True)
 
 
@@ -148,7 +156,7 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def _record(self) -> None:
         keys = [process_key(p.pid) for p in self._daemons.values() if p.poll() is None]
-        record(self._state, pids=[key for key in keys if key is not None])
+        record(self._state, pids=[key for key in keys if key is not None], dir=str(self.dir))
 
     def _log(self, name: str) -> str:
         text = ""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,3 +76,12 @@ def abandoned(prefix: str, required: tuple[str, ...],
 def still_running(keys: list[list[int]]) -> set[int]:
     """The pids of the recorded processes that are still the processes recorded."""
     return {pid for pid, start in keys if running((pid, start))}
+
+
+def remove_scratch(path: str | None, prefix: str) -> None:
+    """Delete a dead session's temporary directory, if it is one of ours by place and name."""
+    if path is None:
+        return
+    scratch = Path(path)
+    if scratch.parent == Path(tempfile.gettempdir()) and scratch.name.startswith(prefix):
+        shutil.rmtree(scratch, ignore_errors=True)

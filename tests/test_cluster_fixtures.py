@@ -74,21 +74,23 @@ def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
     if not usable:
         pytest.skip(f"netns cluster: {reason}")
     script = ("from testbed.netns import NetnsCluster; import time; "
-              "c = NetnsCluster(1); print(c.namespace('node1'), c.sshd_pid('node1'), "
+              "c = NetnsCluster(1); print(c.namespace('node1'), c.sshd_pid('node1'), c.dir, "
               "flush=True); time.sleep(60)")
     session = subprocess.Popen([venv_python, "-c", script], stdout=subprocess.PIPE, text=True,
                                cwd=os.getcwd())
     try:
-        namespace, daemon = session.stdout.readline().split()
+        namespace, daemon, scratch = session.stdout.readline().split()
     finally:
         session.kill()  # SIGKILL: no atexit, the namespace and its sshd are left behind
         session.wait()
         session.stdout.close()
     assert namespace in subprocess.run(["ip", "netns", "list"], check=False,
                                        capture_output=True, text=True).stdout
+    assert Path(scratch).is_dir()
     reap_stale()
     assert namespace not in subprocess.run(["ip", "netns", "list"], check=False,
                                            capture_output=True, text=True).stdout
+    assert not Path(scratch).exists()
     deadline = time.monotonic() + 5
     while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

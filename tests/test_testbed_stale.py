@@ -8,7 +8,7 @@ import subprocess
 from pathlib import Path
 
 from testbed import netns, slurm
-from testbed.stale import abandoned, process_key, record, running
+from testbed.stale import abandoned, process_key, record, remove_scratch, running
 
 GONE = [os.getpid(), 0]  # this pid with another start time: a creator whose pid was reused
 
@@ -73,3 +73,18 @@ def test_a_recorded_daemon_that_still_runs_is_killed(tmp_path):
     finally:
         daemon.kill()
         daemon.wait()
+
+
+def test_only_a_temporary_directory_named_like_ours_is_removed_for_a_dead_session(tmp_path):
+    import tempfile
+
+    ours = Path(tempfile.mkdtemp(prefix="dtrain-netns-"))
+    theirs = Path(tempfile.mkdtemp(prefix="someone-else-"))
+    nested = tmp_path / "dtrain-netns-deeper"
+    nested.mkdir()
+    try:
+        for scratch in (ours, theirs, nested):
+            remove_scratch(str(scratch), "dtrain-netns-")
+        assert (ours.exists(), theirs.exists(), nested.exists()) == (False, True, True)
+    finally:
+        theirs.rmdir()
