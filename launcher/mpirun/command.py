@@ -129,35 +129,38 @@ def run_command(cmd: MpiCommand, *, timeout: float | None = None, grace: float =
     """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours.
     After ``timeout`` seconds it gets SIGTERM (Hydra then stops every rank), SIGKILL after
     ``grace``, and the exit code is 124, as with the SSH launcher."""
+    if cmd.hostfile_text is None:  # no scratch directory for a SIGKILLed head to leave behind
+        return _run(list(cmd.argv), timeout, grace)
     with tempfile.TemporaryDirectory(prefix="dtrain-mpirun-") as tmp:
-        argv = list(cmd.argv)
-        if cmd.hostfile_text is not None:
-            path = os.path.join(tmp, "hostfile")
-            with open(path, "w") as f:
-                f.write(cmd.hostfile_text)
-            argv = [path if a == "{hostfile}" else a for a in argv]
-        from launcher.mpirun.rankshim import die_with_parent
-        from launcher.plan.environment import scrub
+        path = os.path.join(tmp, "hostfile")
+        with open(path, "w") as f:
+            f.write(cmd.hostfile_text)
+        return _run([path if a == "{hostfile}" else a for a in cmd.argv], timeout, grace)
 
-        # A SIGKILLed head must not leave the MPI launcher behind: SIGTERM makes it end the job.
-        proc = subprocess.Popen(argv, env=scrub(os.environ),
-                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-        forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
-                   for s in (signal.SIGINT, signal.SIGTERM)}
+
+def _run(argv: list[str], timeout: float | None, grace: float) -> int:
+    from launcher.mpirun.rankshim import die_with_parent
+    from launcher.plan.environment import scrub
+
+    # A SIGKILLed head must not leave the MPI launcher behind: SIGTERM makes it end the job.
+    proc = subprocess.Popen(argv, env=scrub(os.environ),
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
+               for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        sys.stderr.write(f"dtrain: stopped by --timeout after {timeout:g}s\n")
+        proc.terminate()
         try:
-            code = proc.wait(timeout=timeout)
+            proc.wait(timeout=grace)
         except subprocess.TimeoutExpired:
-            sys.stderr.write(f"dtrain: stopped by --timeout after {timeout:g}s\n")
-            proc.terminate()
-            try:
-                proc.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            return 124
-        finally:
-            for s, handler in forward.items():
-                signal.signal(s, handler)
+            proc.kill()
+            proc.wait()
+        return 124
+    finally:
+        for s, handler in forward.items():
+            signal.signal(s, handler)
     return 128 - code if code < 0 else code
 
 
