@@ -19,6 +19,7 @@ channels: every host receives every card once, so it grows as hosts x ranks x ca
 
 from __future__ import annotations
 
+import argparse
 import json
 import resource
 import selectors
@@ -246,7 +247,10 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    sizes = tuple(int(a) for a in argv) or SIZES
+    ap = argparse.ArgumentParser(prog="python -m bench.pmi_scaling", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("ranks", type=int, nargs="*", help=f"rank counts (default {SIZES})")
+    sizes = tuple(ap.parse_args(argv).ranks) or SIZES
     print(f"PMI-1 wire-up, {RANKS_PER_HOST} ranks per host, {CARD_CHARS}-char cards, "
           f"{PEER_GETS} peer gets per rank; all hosts simulated in one process")
     print(_table(run(sizes)))
