@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -11,6 +12,7 @@ import pytest
 
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from testbed.netns import NetnsCluster, netns_available, reap_stale
+from testbed.stale import STATE_DIR
 
 
 def _open(cluster: NetnsCluster, host: str) -> SSHConnection:
@@ -95,3 +97,37 @@ def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
     while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not Path(f"/proc/{daemon}").exists()
+
+
+def test_a_killed_session_with_a_slurm_cluster_is_reaped_by_the_next_one(venv_python):
+    """The netns reaper runs first and must pass over the Slurm state it cannot read (CI once
+    failed there); then the Slurm reaper stops the daemons the killed session left."""
+    from testbed import slurm
+
+    usable, reason = slurm.slurm_available()
+    if not usable:
+        pytest.skip(f"slurm cluster: {reason}")
+    script = ("from testbed.netns import NetnsCluster; from testbed.slurm import SlurmCluster; "
+              "import time; n = NetnsCluster(1, sshd=False); s = SlurmCluster(n); "
+              "print(n.namespace('node1'), n.dir, s.dir, n.suffix, flush=True); time.sleep(60)")
+    session = subprocess.Popen([venv_python, "-c", script], stdout=subprocess.PIPE, text=True,
+                               cwd=os.getcwd())
+    try:
+        namespace, *scratch, suffix = session.stdout.readline().split()
+        state = json.loads((STATE_DIR / f"slurm-{suffix}.json").read_text())
+    finally:
+        session.kill()  # SIGKILL: no atexit, the namespace and the daemons are left behind
+        session.wait()
+        session.stdout.close()
+    daemons = [pid for pid, _ in state["pids"]]
+    assert daemons and all(Path(f"/proc/{pid}").exists() for pid in daemons)
+    reap_stale()
+    slurm.reap_stale()
+    deadline = time.monotonic() + 5
+    while any(Path(f"/proc/{pid}").exists() for pid in daemons) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
+    assert namespace not in subprocess.run(["ip", "netns", "list"], check=False,
+                                           capture_output=True, text=True).stdout
+    assert not [d for d in scratch if Path(d).exists()]
+    assert not list(STATE_DIR.glob(f"*-{suffix}.json"))
