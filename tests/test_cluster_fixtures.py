@@ -71,32 +71,43 @@ def test_closing_leaves_no_namespace_link_or_process_behind():
         os.kill(daemon, 0)
 
 
+def _killed_session(python: str, script: str) -> list[str]:
+    """Run ``script`` (which builds clusters and prints a line about them) and SIGKILL it once
+    it has printed: no atexit runs, so what it built is left behind. Returns the line's words."""
+    session = subprocess.Popen([python, "-c", script + "; import time; time.sleep(60)"],
+                               stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    try:
+        return session.stdout.readline().split()
+    finally:
+        session.kill()
+        session.wait()
+        session.stdout.close()
+
+
+def _namespaces() -> str:
+    return subprocess.run(["ip", "netns", "list"], check=False, capture_output=True,
+                          text=True).stdout
+
+
+def _wait_gone(pids: list[int], timeout: float = 5) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
 def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
     usable, reason = netns_available()
     if not usable:
         pytest.skip(f"netns cluster: {reason}")
-    script = ("from testbed.netns import NetnsCluster; import time; "
-              "c = NetnsCluster(1); print(c.namespace('node1'), c.sshd_pid('node1'), c.dir, "
-              "flush=True); time.sleep(60)")
-    session = subprocess.Popen([venv_python, "-c", script], stdout=subprocess.PIPE, text=True,
-                               cwd=os.getcwd())
-    try:
-        namespace, daemon, scratch = session.stdout.readline().split()
-    finally:
-        session.kill()  # SIGKILL: no atexit, the namespace and its sshd are left behind
-        session.wait()
-        session.stdout.close()
-    assert namespace in subprocess.run(["ip", "netns", "list"], check=False,
-                                       capture_output=True, text=True).stdout
-    assert Path(scratch).is_dir()
+    namespace, daemon, scratch = _killed_session(venv_python, (
+        "from testbed.netns import NetnsCluster; c = NetnsCluster(1); "
+        "print(c.namespace('node1'), c.sshd_pid('node1'), c.dir, flush=True)"))
+    assert namespace in _namespaces() and Path(scratch).is_dir()
     reap_stale()
-    assert namespace not in subprocess.run(["ip", "netns", "list"], check=False,
-                                           capture_output=True, text=True).stdout
+    assert namespace not in _namespaces()
     assert not Path(scratch).exists()
-    deadline = time.monotonic() + 5
-    while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not Path(f"/proc/{daemon}").exists()
+    assert _wait_gone([int(daemon)]) == []
 
 
 def test_a_killed_session_with_a_slurm_cluster_is_reaped_by_the_next_one(venv_python):
@@ -107,27 +118,16 @@ def test_a_killed_session_with_a_slurm_cluster_is_reaped_by_the_next_one(venv_py
     usable, reason = slurm.slurm_available()
     if not usable:
         pytest.skip(f"slurm cluster: {reason}")
-    script = ("from testbed.netns import NetnsCluster; from testbed.slurm import SlurmCluster; "
-              "import time; n = NetnsCluster(1, sshd=False); s = SlurmCluster(n); "
-              "print(n.namespace('node1'), n.dir, s.dir, n.suffix, flush=True); time.sleep(60)")
-    session = subprocess.Popen([venv_python, "-c", script], stdout=subprocess.PIPE, text=True,
-                               cwd=os.getcwd())
-    try:
-        namespace, *scratch, suffix = session.stdout.readline().split()
-        state = json.loads((STATE_DIR / f"slurm-{suffix}.json").read_text())
-    finally:
-        session.kill()  # SIGKILL: no atexit, the namespace and the daemons are left behind
-        session.wait()
-        session.stdout.close()
+    namespace, *scratch, suffix = _killed_session(venv_python, (
+        "from testbed.netns import NetnsCluster; from testbed.slurm import SlurmCluster; "
+        "n = NetnsCluster(1, sshd=False); s = SlurmCluster(n); "
+        "print(n.namespace('node1'), n.dir, s.dir, n.suffix, flush=True)"))
+    state = json.loads((STATE_DIR / f"slurm-{suffix}.json").read_text())
     daemons = [pid for pid, _ in state["pids"]]
-    assert daemons and all(Path(f"/proc/{pid}").exists() for pid in daemons)
+    assert daemons and _wait_gone(daemons, timeout=0) == daemons  # all still running
     reap_stale()
     slurm.reap_stale()
-    deadline = time.monotonic() + 5
-    while any(Path(f"/proc/{pid}").exists() for pid in daemons) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
-    assert namespace not in subprocess.run(["ip", "netns", "list"], check=False,
-                                           capture_output=True, text=True).stdout
+    assert _wait_gone(daemons) == []
+    assert namespace not in _namespaces()
     assert not [d for d in scratch if Path(d).exists()]
     assert not list(STATE_DIR.glob(f"*-{suffix}.json"))
