@@ -117,7 +117,7 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
     torch.set_num_threads(1)
     world = init(backend="mpi")
     result: dict[str, Any] = {"step_s": {}}
-    run_dir = str(out.parent)  # the launcher's temporary directory: it removes what runs leave
+    run_dir = str(out.parent)  # `_launch`'s temporary directory, removed with what runs leave
     for ep in ep_sizes:
         cfg = resolve_dp(make_config(
             {"model": "tiny", "global_batch": BATCH, "steps": steps, "ep": ep, "eval_every": 0,

@@ -16,6 +16,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from testbed.procfs import descendants
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 _CONTRACT_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -39,24 +41,6 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO)
     env.update(extra or {})
     return env
-
-
-def descendants(pid: int) -> list[int]:
-    """PIDs of every live descendant of ``pid`` (read from /proc)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def run_mpiexec(

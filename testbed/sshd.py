@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from testbed.procfs import descendants
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 
@@ -87,23 +89,6 @@ def wait_for_port(host: str, port: int, proc: subprocess.Popen, log: Path,
         except OSError:
             time.sleep(0.05)
     raise RuntimeError(f"sshd on {host}:{port} not accepting after {timeout} s")
-
-
-def descendants(pid: int) -> set[int]:
-    """PIDs whose parent chain leads to ``pid`` (sshd's per-connection children)."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
 
 
 def kill_pids(pids: set[int]) -> None:

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from testbed.procfs import stat_fields
+
 STATE_DIR = Path("/run/dtrain-test-netns")
 
 ProcessKey = tuple[int, int]  # pid, start time in clock ticks since boot (/proc/PID/stat)
@@ -28,12 +30,8 @@ ProcessKey = tuple[int, int]  # pid, start time in clock ticks since boot (/proc
 
 def process_key(pid: int) -> ProcessKey | None:
     """The pid with its start time, or None when no such process runs."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # Field 22 (starttime); the command name in field 2 may hold spaces and parentheses.
-    return pid, int(stat.rsplit(")", 1)[1].split()[19])
+    fields = stat_fields(pid)
+    return None if fields is None else (pid, int(fields[19]))
 
 
 def running(key: ProcessKey) -> bool:

@@ -10,6 +10,8 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from testbed.procfs import stat_fields
+
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,11 +42,8 @@ def start_dtrain(args: Sequence[str], *, cwd: Path | None = None,
 
 def alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return False
+    fields = stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> set[int]:
