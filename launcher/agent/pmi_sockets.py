@@ -58,41 +58,50 @@ class PmiSockets:
         self._inbox: queue.Queue[Mapping[str, Any]] = queue.Queue()
         self._child_end: dict[int, socket.socket] = {}
         self._env: dict[int, dict[str, str]] = {}
-        tokens: dict[str, int] = {}
-        if mode == "port":
-            import secrets  # only here: it costs the agent's start-up in the default fd mode
-
-            self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            self._listener.bind(("127.0.0.1", 0))
-            self._listener.listen(max(16, len(ranks)))
-            self._listener.setblocking(False)
-            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
-            port = self._listener.getsockname()[1]
-            for rank in ranks:
-                # MPICH reads PMI_ID with atoi and echoes it with %d: a positive int32.
-                token = str(secrets.randbelow(2**31 - 2) + 1)
-                while token in tokens:
-                    token = str(secrets.randbelow(2**31 - 2) + 1)
-                tokens[token] = rank
-                self._env[rank] = {workerenv.PMI_PORT: f"127.0.0.1:{port}", workerenv.PMI_ID: token}
+        tokens = self._listen(ranks) if mode == "port" else {}
         self.proxy = pmi_proxy.PmiProxy(
             ranks=ranks, world_size=world_size, kvsname=kvsname,
             process_mapping=process_mapping, id_tokens=tokens or None,
         )
         if mode == "fd":
-            for rank in ranks:
-                ours, theirs = socket.socketpair()
-                conn = next(self._ids)
-                self._add(conn, ours)
-                self._run(self.proxy.open(conn, rank))
-                self._child_end[rank] = theirs
-                self._env[rank] = {workerenv.PMI_FD: str(theirs.fileno())}
+            self._pair(ranks)
         self._silent: dict[int, float] = {}  # accepted connections that have not spoken yet
         self._kvsname = kvsname
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._stopped = False
         threading.Thread(target=self._loop, name="pmi", daemon=True).start()
+
+    def _listen(self, ranks: Sequence[int]) -> dict[str, int]:
+        """Port mode: one loopback listener; each rank gets its address and a random PMI_ID
+        token (returned: token -> rank), which it must present before it is served."""
+        import secrets  # only here: it costs the agent's start-up in the default fd mode
+
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(max(16, len(ranks)))
+        self._listener.setblocking(False)
+        self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+        port = self._listener.getsockname()[1]
+        tokens: dict[str, int] = {}
+        for rank in ranks:
+            # MPICH reads PMI_ID with atoi and echoes it with %d: a positive int32.
+            token = str(secrets.randbelow(2**31 - 2) + 1)
+            while token in tokens:
+                token = str(secrets.randbelow(2**31 - 2) + 1)
+            tokens[token] = rank
+            self._env[rank] = {workerenv.PMI_PORT: f"127.0.0.1:{port}", workerenv.PMI_ID: token}
+        return tokens
+
+    def _pair(self, ranks: Sequence[int]) -> None:
+        """Fd mode: a socket pair per rank, opened on the proxy; the rank inherits its end."""
+        for rank in ranks:
+            ours, theirs = socket.socketpair()
+            conn = next(self._ids)
+            self._add(conn, ours)
+            self._run(self.proxy.open(conn, rank))
+            self._child_end[rank] = theirs
+            self._env[rank] = {workerenv.PMI_FD: str(theirs.fileno())}
 
     def rank_env(self, rank: int) -> dict[str, str]:
         return dict(self._env.get(rank, {}))
