@@ -12,9 +12,10 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from launcher import STARTED
 from launcher.errors import UsageError
@@ -25,6 +26,10 @@ from launcher.plan import job as planning
 from launcher.slurm import allocation, srun
 from launcher.transport.connect import close_streams, open_streams, validate_remote_python
 from launcher.transport.options import SSHOptions
+
+if TYPE_CHECKING:  # imported for real while the agents boot (see run_launch)
+    from launcher.head.outcome import JobOutcome
+    from launcher.head.supervisor import Supervisor
 
 
 @dataclass(frozen=True)
@@ -132,9 +137,17 @@ def run_launch(req: LaunchRequest) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         close_streams(streams)
+    _print_end(req, sup, outcome, sink.tail, started=t0, connected=connected)
+    return outcome.exit_code
+
+
+def _print_end(req: LaunchRequest, sup: Supervisor, outcome: JobOutcome,
+               tail: Callable[[int], list[str]], *, started: float, connected: float) -> None:
+    """What the head prints once the job is over: the report, the stragglers, why Slurm ended
+    the job, and with --timings where the start-up went."""
     from launcher.head.report import print_report  # rich: only once the job is over
 
-    print_report(outcome, sink.tail, time.monotonic() - t0, sys.stderr)
+    print_report(outcome, tail, time.monotonic() - started, sys.stderr)
     for line in sup.progress.final_report():
         sys.stderr.write(f"dtrain: {line}\n")
     if req.launcher == "slurm" and outcome.exit_code and (why := srun.slurm_ended_job()):
@@ -147,7 +160,6 @@ def run_launch(req: LaunchRequest) -> int:
             f"{k} {v - STARTED:.3f}s" for k, v in stamps.items() if v) + "\n")
         if phases := slowest_phases(sup.links):
             sys.stderr.write(f"dtrain: agents, slowest host per phase: {phases}\n")
-    return outcome.exit_code
 
 
 def _log_dir(root: Path | None, job_id: str) -> Path | None:
