@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from testbed.netns import NetnsCluster, netns_available, reap_stale
 from testbed.stale import STATE_DIR
+from tests.support import alive, wait_gone
 
 
 def _open(cluster: NetnsCluster, host: str) -> SSHConnection:
@@ -61,10 +61,8 @@ def test_closing_leaves_no_namespace_link_or_process_behind():
     daemon = cluster.sshd_pid("node1")
     cluster.close()
     cluster.close()  # idempotent
-    namespaces = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True,
-                                text=True).stdout
     links = subprocess.run(["ip", "-o", "link"], check=False, capture_output=True, text=True).stdout
-    assert namespace not in namespaces
+    assert namespace not in _namespaces()
     assert bridge not in links and f"dtv{cluster.suffix}" not in links
     assert not cluster.dir.exists()
     with pytest.raises(ProcessLookupError):
@@ -89,13 +87,6 @@ def _namespaces() -> str:
                           text=True).stdout
 
 
-def _wait_gone(pids: list[int], timeout: float = 5) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
-
-
 def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
     usable, reason = netns_available()
     if not usable:
@@ -107,7 +98,7 @@ def test_cluster_of_a_killed_session_is_reaped_by_the_next_one(venv_python):
     reap_stale()
     assert namespace not in _namespaces()
     assert not Path(scratch).exists()
-    assert _wait_gone([int(daemon)]) == []
+    assert wait_gone([int(daemon)], timeout=5) == set()
 
 
 def test_a_killed_session_with_a_slurm_cluster_is_reaped_by_the_next_one(venv_python):
@@ -124,10 +115,10 @@ def test_a_killed_session_with_a_slurm_cluster_is_reaped_by_the_next_one(venv_py
         "print(n.namespace('node1'), n.dir, s.dir, n.suffix, flush=True)"))
     state = json.loads((STATE_DIR / f"slurm-{suffix}.json").read_text())
     daemons = [pid for pid, _ in state["pids"]]
-    assert daemons and _wait_gone(daemons, timeout=0) == daemons  # all still running
+    assert daemons and all(alive(pid) for pid in daemons)
     reap_stale()
     slurm.reap_stale()
-    assert _wait_gone(daemons) == []
+    assert wait_gone(daemons, timeout=5) == set()
     assert namespace not in _namespaces()
     assert not [d for d in scratch if Path(d).exists()]
     assert not list(STATE_DIR.glob(f"*-{suffix}.json"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 
 from testbed import netns, slurm
@@ -76,8 +77,6 @@ def test_a_recorded_daemon_that_still_runs_is_killed(tmp_path):
 
 
 def test_only_a_temporary_directory_named_like_ours_is_removed_for_a_dead_session(tmp_path):
-    import tempfile
-
     ours = Path(tempfile.mkdtemp(prefix="dtrain-netns-"))
     theirs = Path(tempfile.mkdtemp(prefix="someone-else-"))
     nested = tmp_path / "dtrain-netns-deeper"
