@@ -9,6 +9,8 @@ from launcher.hang.diagnose import diagnose, who
 from launcher.hang.status import MAX_RANK_ROWS, render
 from launcher.hang.views import GroupView, RankView
 from launcher.hang.watch import HangClock, stragglers
+from launcher.head.options import SuperviseOptions
+from launcher.head.progress import ProgressMonitor
 from launcher.launch import HostRequest
 from launcher.perf import judge, launch_argv
 from launcher.transport.options import SSHOptions
@@ -164,6 +166,24 @@ def test_a_rank_persistently_slower_than_the_median_is_the_only_straggler():
 def test_equal_ranks_with_small_jitter_have_no_straggler():
     views = {r: rank(r, "n", avg=0.010 + 0.002 * r) for r in range(8)}
     assert stragglers(views) == []
+
+
+def _monitor_after(frames: list[dict[int, float]]) -> ProgressMonitor:
+    """A monitor that saw one PROGRESS frame per entry: each rank 10 steps further on, with
+    this recent compute average (the records' own, over the last few steps)."""
+    monitor = ProgressMonitor(SuperviseOptions(), lambda _: None, lambda _: None, None, 0.0)
+    for n, avgs in enumerate(frames, 1):
+        monitor.on_progress(0, {"ranks": [rank(r, "n1", step=10 * n, avg=a).to_json()
+                                          for r, a in avgs.items()]})
+    return monitor
+
+
+def test_the_end_of_run_straggler_is_the_rank_slow_over_the_whole_run_not_in_its_last_steps():
+    slow_all_along = [{0: 0.015, 1: 0.060, 2: 0.017}] * 9 + [{0: 0.015, 1: 0.016, 2: 0.017}]
+    (line,) = _monitor_after(slow_all_along).final_report()
+    assert line.startswith("straggler: rank 1 (n1) computes 0.056s per step")
+    slow_at_the_end = [{0: 0.015, 1: 0.016, 2: 0.017}] * 9 + [{0: 0.015, 1: 0.060, 2: 0.017}]
+    assert _monitor_after(slow_at_the_end).final_report() == []
 
 
 def test_the_live_table_fits_the_width_and_collapses_to_hosts_for_big_jobs():

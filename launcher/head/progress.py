@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,9 @@ class ProgressMonitor:
                  say: Callable[[str], None], log_dir: Path | None, now: float) -> None:
         self.opts, self._probe, self._say, self.log_dir = opts, probe, say, log_dir
         self.views: dict[int, RankView] = {}
+        # rank -> (steps, their compute seconds): the records' own average covers only the last
+        # few steps, so the end-of-run verdict sums each view's average over the steps it saw.
+        self._run_compute: dict[int, tuple[int, float]] = {}
         self.clock = HangClock(opts.hang_timeout, now) if opts.hang_timeout else None
         self.diagnoses: list[Diagnosis] = []
         self._probing: dict[str, Any] | None = None
@@ -51,11 +55,19 @@ class ProgressMonitor:
     def on_progress(self, host: int, body: dict[str, Any]) -> None:
         for raw in body.get("ranks", ()):
             view = RankView.from_json(raw)
+            self._count_steps(view)
             self.views[view.rank] = view
         probing = self._probing
         if probing is not None and body.get("probe") == probing["id"]:
             probing["stacks"].update({int(r): s for r, s in (body.get("stacks") or {}).items()})
             probing["pending"].discard(host)
+
+    def _count_steps(self, view: RankView) -> None:
+        last = self.views.get(view.rank)
+        new = view.step - (last.step if last is not None else 0)
+        if new > 0 and view.compute_avg_s > 0:
+            steps, total = self._run_compute.get(view.rank, (0, 0.0))
+            self._run_compute[view.rank] = (steps + new, total + new * view.compute_avg_s)
 
     def tick(self, now: float, hosts: set[int]) -> Diagnosis | None:
         """Timers of the supervisor loop; ``hosts`` are the agents still connected. Returns a
@@ -115,6 +127,11 @@ class ProgressMonitor:
             self._say(line)
 
     def final_report(self) -> list[str]:
-        """Stragglers over the whole run, from the last records (printed after the job)."""
-        slow = stragglers(self.views)
+        """Stragglers over the whole run (printed after the job): each rank's compute time per
+        step averaged over every step the views covered, not only the last record's few."""
+        slow = stragglers({r: self._whole_run(v) for r, v in self.views.items()})
         return [f"straggler: {s.describe()}" for s in slow]
+
+    def _whole_run(self, view: RankView) -> RankView:
+        steps, total = self._run_compute.get(view.rank, (0, 0.0))
+        return replace(view, compute_avg_s=total / steps) if steps else view
