@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from launcher.errors import ConnectError, HostKeyError
+from launcher.transport import ssh_sockets
 from launcher.transport.ssh import SSHConnection, SSHOptions, open_all, resolve_host
 from testbed.sshd import SshdServer, free_port
 
@@ -305,6 +306,22 @@ def test_proxyjump_goes_through_the_jump_host_and_verifies_both_keys(sshd, tmp_p
     with pytest.raises(HostKeyError) as info:
         _connect("unknownkey", config_file=config)
     assert str(empty) in str(info.value)
+
+
+def test_the_ssh_socket_sends_small_packets_at_once_and_acks_every_read_at_once(sshd):
+    """Nagle and delayed ACKs cost a launch ~40 ms per stalled exchange (`_PromptSocket`)."""
+    host = resolve_host("loopback", user=None, port=None,
+                        opts=SSHOptions(config_file=sshd.ssh_config))
+    sock = ssh_sockets.tcp_connect(host, keepalive=15.0)
+    try:
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        assert sock.recv(64).startswith(b"SSH-2.0-")  # sshd's banner
+        sock.sendall(b"SSH-2.0-dtrain_test\r\n")
+        assert sock.recv(4096)  # sshd's KEXINIT: after a send and a read, a plain Linux
+        # socket is in delayed-ACK ("pingpong") mode and reads 0 here
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK)
+    finally:
+        sock.close()
 
 
 def test_agent_stream_round_trip_with_cat(sshd):
