@@ -28,7 +28,7 @@ from launcher.agent.facts import host_facts
 from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
 from launcher.plan.environment import compose_base_env
-from launcher.slurm.srun import starter_for
+from launcher.slurm import starter_for
 from launcher.transport.connect import close_streams, start_agents
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream

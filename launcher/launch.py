@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher import STARTED
+from launcher import STARTED, slurm
 from launcher.errors import UsageError
 from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
-from launcher.slurm import allocation, srun
+from launcher.slurm import allocation
 from launcher.transport.connect import close_streams, open_streams, validate_remote_python
 from launcher.transport.options import SSHOptions
 
@@ -120,7 +120,7 @@ def run_launch(req: LaunchRequest) -> int:
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
     streams = open_streams(selected, python=req.remote_python, ssh=req.ssh,
-                           starter=srun.starter_for(req.launcher))
+                           starter=slurm.starter_for(req.launcher))
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
     from launcher.head.supervisor import Supervisor
@@ -150,8 +150,11 @@ def _print_end(req: LaunchRequest, sup: Supervisor, outcome: JobOutcome,
     print_report(outcome, tail, time.monotonic() - started, sys.stderr)
     for line in sup.progress.final_report():
         sys.stderr.write(f"dtrain: {line}\n")
-    if req.launcher == "slurm" and outcome.exit_code and (why := srun.slurm_ended_job()):
-        sys.stderr.write(f"dtrain: {why}\n")
+    if req.launcher == "slurm" and outcome.exit_code:
+        from launcher.slurm import srun
+
+        if why := srun.slurm_ended_job():
+            sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:
         from launcher.head.startup import slowest_phases
 

@@ -32,7 +32,6 @@ from collections.abc import Mapping, Sequence
 from launcher.errors import ConnectError, UsageError
 from launcher.hosts.selection import HostSlots
 from launcher.slurm.allocation import JOB_ID
-from launcher.transport.connect import AgentStarter
 from launcher.transport.local import LocalAgentStream, agent_command
 from launcher.transport.stream import AgentStream
 
@@ -70,11 +69,6 @@ class SrunAgentStream(LocalAgentStream):
         data = super().read(max_bytes)
         self.node.first_byte()
         return data
-
-
-def starter_for(launcher: str) -> AgentStarter | None:
-    """What `transport.connect` starts agents with: srun steps for "slurm", else SSH/local."""
-    return start_agents if launcher == "slurm" else None
 
 
 def srun_command(host: str, job_id: str, python: str, srun: str = "srun") -> list[str]:
