@@ -7,7 +7,9 @@ Per checkout (its own ``.venv``), measured in fresh interpreters, median of ``--
 * ``python``: a bare interpreter of the venv starting and exiting (``-c pass``): what every
   process of the launch (head, each agent, each rank) pays before its first import;
 * ``head imports``: ``import launcher.cli`` (what the head imports before it parses options);
-* ``paramiko``: ``import paramiko`` (imported once a remote host is to be connected);
+* ``paramiko``: paramiko imported the way a launch imports it once a remote host is to be
+  connected (`launcher.transport.connect.import_paramiko`; in a checkout without it,
+  with invoke blocked, as such a head did);
 * ``agent imports``: ``import launcher.agent.main`` (each host's agent, before its HELLO);
 * then ``dtrain launch --timings`` on N namespace hosts x 4 ranks (`bench.launch_time`'s
   stamp program), once per SSH client the checkout has (paramiko; ``openssh`` where it has
@@ -41,8 +43,14 @@ from typing import Any
 
 from bench import common
 
-IMPORTS = {"head imports": "launcher.cli", "paramiko": "paramiko",
-           "agent imports": "launcher.agent.main"}
+# label -> (code run in a fresh interpreter, the module whose cumulative import time is read)
+IMPORTS = {
+    "head imports": ("import launcher.cli", "launcher.cli"),
+    "paramiko": ("try:\n from launcher.transport.connect import import_paramiko\n"
+                 "except ImportError:\n import sys; sys.modules['invoke'] = None; import paramiko\n"
+                 "else:\n import_paramiko(allow_config_exec=False)", "paramiko"),
+    "agent imports": ("import launcher.agent.main", "launcher.agent.main"),
+}
 STAMPS = ("connected", "hello", "ready", "running")
 PER_HOST = 4
 _TIMINGS = re.compile(r"dtrain: timings since start: (.*)")
@@ -56,9 +64,10 @@ def interpreter_s(python: str, repo: Path) -> float:
     return time.perf_counter() - t0
 
 
-def import_s(python: str, repo: Path, module: str) -> float:
-    """Cumulative import time of ``module`` in a fresh interpreter (-X importtime)."""
-    done = subprocess.run([python, "-X", "importtime", "-c", f"import {module}"], check=True,
+def import_s(python: str, repo: Path, code: str, module: str) -> float:
+    """Cumulative import time of ``module`` while ``code`` runs in a fresh interpreter
+    (-X importtime)."""
+    done = subprocess.run([python, "-X", "importtime", "-c", code], check=True,
                           cwd=repo, capture_output=True, text=True)
     for line in reversed(done.stderr.splitlines()):
         fields = [f.strip() for f in line.split("|")]
@@ -122,8 +131,8 @@ def run(hosts: Sequence[int] = (1, 4), reps: int = 5, compare: Path | None = Non
             for name, repo in repos.items():
                 python = str(repo / ".venv" / "bin" / "python")
                 add(name, "python", interpreter_s(python, repo))
-                for label, module in IMPORTS.items():
-                    add(name, label, import_s(python, repo, module))
+                for label, (code, module) in IMPORTS.items():
+                    add(name, label, import_s(python, repo, code, module))
                 for n, client in itertools.product(hosts, clients(repo)):
                     for key, value in launch_once(cluster, repo, n, client).items():
                         add(name, f"{n} hosts, {client}: {key}", value)
