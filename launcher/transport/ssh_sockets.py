@@ -1,5 +1,6 @@
 """What an SSH connection runs over: TCP (DNS and connect bounded by ConnectTimeout, a bound
-on unacknowledged data) or a tunnel through a jump host; and closing either, or a ProxyCommand.
+on unacknowledged data, no Nagle and quick ACKs: docs/design.md §1) or a tunnel through a jump
+host; and closing either, or a ProxyCommand.
 
 Every failure becomes a `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
 """
