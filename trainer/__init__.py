@@ -17,8 +17,8 @@ over 300 lines).
     model/       config, layers, gpt, precision, flops: the plain single-device GPT
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
     data/        corpus, batches: byte-level data and deterministic DP-sharded batches
-    comm/        the Communicator protocol, its mpi/ and nccl/ backends, groups, timing,
-                 progress records
+    comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
+                 axes and their groups), timing, progress records
     data_parallel/  grad_sync (DataParallel), buckets
     tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize
     pipeline/    schedules, their checker, the runtime, stages, timeline

@@ -69,9 +69,8 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint
-from trainer.comm.bootstrap import World, build_groups
+from trainer.comm.bootstrap import World
 from trainer.comm.progress import record_of
-from trainer.comm.topology import ParallelDims
 from trainer.config.options import TrainConfig, resolve_dp
 from trainer.data.corpus import Corpus
 from trainer.errors import TrainerError
@@ -88,7 +87,7 @@ from trainer.training.pipeline_step import (
 )
 from trainer.training.readout import PendingStep
 from trainer.training.resume import meta_of
-from trainer.training.run import Run, build_run
+from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
@@ -110,32 +109,29 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
     tp x pp (x ep) ranks one shard each, together; others return None. Under --zero 1 every
     rank writes its optimizer shard (`trainer.zero.state`), DP rank 0 the model besides.
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
-    pp_comm = run.pipeline.comm if run.pipeline is not None else None
-    groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
-    main = run.main
-    check_parameters(main.main if main else run.model.parameters(), step, groups,
+    main, mesh = run.main, run.mesh
+    check_parameters(main.main if main else run.model.parameters(), step, mesh.group(),
                      report=run.is_writer)
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
     root = Path(run.cfg.run_dir) / "checkpoints"
     if run.zero is not None:
-        return checkpoint.save(root, step, model=run.model.state_dict() if run.dp_rank == 0
-                               else None, optim=None, meta=meta, keep=run.cfg.keep,
-                               writers=run.writers, shard=(run.tp_rank, run.pp_rank),
-                               extra=shard_files(run.zero, run.tp_rank, run.pp_rank))
-    if run.dp_rank >= run.cfg.ep:  # the first EP block of DP ranks holds every expert
+        tp, pp = mesh.rank("tp"), mesh.rank("pp")
+        return checkpoint.save(root, step, model=run.model.state_dict()
+                               if mesh.is_first("dp") else None, optim=None, meta=meta,
+                               keep=run.cfg.keep, writers=run.writers, shard=(tp, pp),
+                               extra=shard_files(run.zero, tp, pp))
+    if not mesh.is_first("edp"):  # the first EP block of DP ranks holds every expert
         return None
     model = main.state_dict() if main else run.model.state_dict()
     return checkpoint.save(root, step, model=model, optim=run.optimizer.state_dict(),
                            meta=meta, keep=run.cfg.keep, writers=run.writers,
-                           shard=(run.tp_rank, run.pp_rank, run.ep_rank))
+                           shard=(mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep")))
 
 
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
     """Run training on this rank of ``world`` (on ``corpus``, the checked data, if given)."""
     cfg = resolve_dp(cfg, world.size)
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm, corpus=corpus)
+    run = build_run(cfg, mesh_for(cfg, world), corpus)
     peak = peak_tflops(world.device, cfg.peak_tflops)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
                      start_step=run.start_step, log_every=cfg.log_every,
@@ -145,7 +141,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     log.info(_memory_line(run))
     peak_mem = PeakMemory(world.device)
     pipe = run.pipeline
-    validation = Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
+    validation = Validation.of(run.corpus, run.batches, run.model, run.mesh.group("dp"),
                                pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
@@ -171,7 +167,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             if last:
                 break
         result.checkpoint = save_checkpoint(run, result.final_step)
-        if run.pipeline is not None and groups.coords.tp == 0 and groups.coords.dp == 0:
+        if run.pipeline is not None and run.mesh.is_first("tp", "dp"):
             log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))
     finally:
         _log_steps(log, result, pending)  # the good steps before an error are kept

@@ -20,9 +20,8 @@ import torch
 from tests.moe_reference import reference_moe
 from tests.moe_workers.cases import CASES, LAYOUTS, STEPS, case_config
 from tests.numerics import float64
-from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.comm.topology import ParallelDims
 from trainer.config.options import resolve_dp
 from trainer.model.config import GPTConfig
 from trainer.moe.dispatch import combine, dispatch
@@ -30,7 +29,7 @@ from trainer.moe.layer import MoE
 from trainer.moe.parallel import shard_experts
 from trainer.moe.router import Routing
 from trainer.tensor_parallel.sharding import shard_spec
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
 D = 8
@@ -79,11 +78,10 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
 def train_layout(case: str, layout: str, world: World, out: Path) -> dict[str, Any]:
     cfg = resolve_dp(replace(case_config(case, layout), run_dir=str(out / case / layout)),
                      world.size)
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    mesh = mesh_for(cfg, world)
+    run = build_run(cfg, mesh)
     records = [train_step(run, step) for step in range(1, STEPS + 1)]
-    return {"coords": groups.coords, "losses": [r.loss for r in records],
+    return {"tp_rank": mesh.rank("tp"), "losses": [r.loss for r in records],
             "norms": [r.grad_norm for r in records],
             "params": {n: p.detach().clone() for n, p in run.model.named_parameters()},
             "specs": {n: shard_spec(p) for n, p in run.model.named_parameters()},

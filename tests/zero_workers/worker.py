@@ -27,12 +27,13 @@ from tests.numerics import float64
 from tests.zero_workers.cases import CASES, RESUME_STEPS, STEPS, case_config, config
 from trainer import checkpoint
 from trainer.checkpoint.load import load_file
-from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.bootstrap import World, init
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
-from trainer.comm.topology import ParallelDims
+from trainer.comm.topology import MeshShape
 from trainer.errors import TrainerError
 from trainer.train import save_checkpoint, train
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 from trainer.zero.memory import held_bytes
 from trainer.zero.reshard import FlatIndex, plan_reads
@@ -42,9 +43,7 @@ from trainer.zero.state import flat_index, index_name, shard_name
 def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
                ) -> dict[str, Any]:
     """``steps`` steps of ``cfg``; with ``save`` a checkpoint at the end, read back on rank 0."""
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    run = build_run(cfg, mesh_for(cfg, world))
     recs = [train_step(run, step) for step in range(1, steps + 1)]
     held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
     saved = save_checkpoint(run, steps) if save else None
@@ -124,8 +123,8 @@ def damaged(cfg: Any, world: World, run_dir: Path) -> dict[str, Any]:
 
 def resumed(cfg: Any, comm: Communicator, world: World) -> Any:
     """The run of ``cfg`` (with --resume) built on ``comm`` as its DP group."""
-    return build_run(replace(cfg, dp=comm.size), rank=comm.rank, dp_comm=comm,
-                     device=world.device)
+    return build_run(replace(cfg, dp=comm.size),
+                     Mesh.build(comm, MeshShape(dp=comm.size), world.device))
 
 
 def refusal(cfg: Any, world: World) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from typing import Any
 
 from trainer.activations.options import check_activation_options
 from trainer.comm.bootstrap import BACKENDS
+from trainer.comm.topology import MeshShape
 from trainer.config.help import HELP
 from trainer.config.toml_file import load_toml
 from trainer.data.corpus import DEFAULT_VAL_FRACTION
@@ -252,6 +253,11 @@ def make_config(train: dict[str, Any], gpt: dict[str, Any], *, source: str = "")
         raise ConfigError("invalid model configuration", source, str(exc),
                           "Change the model fields named above") from None
     return TrainConfig(**train, gpt=model)
+
+
+def mesh_shape(cfg: TrainConfig) -> MeshShape:
+    """The mesh of a config whose dp is resolved (`resolve_dp`)."""
+    return MeshShape(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp, ep=cfg.ep)
 
 
 def resolve_dp(cfg: TrainConfig, world_size: int) -> TrainConfig:

@@ -40,10 +40,11 @@ def run_step(run: Run, step: int) -> PendingStep:
     run.clock.take()  # what ran between steps (evaluation, checkpoints) is not the step's
     start = time.perf_counter()
     # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
-    stage = (run.pp_rank,) if run.pipeline is not None else ()
-    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank, *stage))
-    run.tracker.seed(TP_RNG, step_seed(run.cfg.seed, step, _TP_DROPOUT_STREAM, run.dp_rank,
-                                       run.tp_rank, *stage))
+    mesh = run.mesh
+    stage = (mesh.rank("pp"),) if run.pipeline is not None else ()
+    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, mesh.rank("dp"), *stage))
+    run.tracker.seed(TP_RNG, step_seed(run.cfg.seed, step, _TP_DROPOUT_STREAM, mesh.rank("dp"),
+                                       mesh.rank("tp"), *stage))
     lr = run.schedule.lr_at(step)
     set_lr(run.optimizer, lr)
     run.dp.zero_grad()
