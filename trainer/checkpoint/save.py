@@ -21,7 +21,13 @@ import torch
 
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_torch
-from trainer.checkpoint.layout import FORMAT_VERSION, MARKER, CheckpointError, shard_name
+from trainer.checkpoint.layout import (
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointError,
+    committed,
+    shard_name,
+)
 from trainer.checkpoint.prune import prune, remove
 from trainer.comm.protocol import Communicator, ReduceOp
 
@@ -55,7 +61,7 @@ def save(root: Path, step: int, *, model: dict[str, torch.Tensor] | None,
         return _save_together(root, step, files=files, meta=meta, keep=keep, writers=writers)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
-    if (final / MARKER).is_file():
+    if committed(final):
         return final  # the same step is already committed (e.g. resumed, then saved at the end)
     tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
     with _save_errors(tmp):
@@ -74,7 +80,7 @@ def _save_together(root: Path, step: int, *, files: dict[str, Any], meta: dict[s
     token = torch.tensor([-1], dtype=torch.int64, device=device)
     if leader:
         root.mkdir(parents=True, exist_ok=True)
-        if not (final / MARKER).is_file():
+        if not committed(final):
             token[0] = secrets.randbits(31)
     writers.broadcast(token, 0)
     if int(token) < 0:
@@ -189,8 +195,9 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
                                      json.dumps(body, indent=2, sort_keys=True).encode())
     fsync_dir(tmp)
     fault("save_after_meta", step)
-    if final.exists():
+    if final.exists() or final.is_symlink():
         remove(final, step)  # an uncommitted leftover of a save that died after its rename
+        # (a link there is refused, not followed)
     tmp.rename(final)
     fsync_dir(root)
     fault("save_after_rename", step)

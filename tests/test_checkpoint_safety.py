@@ -1,0 +1,84 @@
+"""What a run never does to files it did not write: a checkpoint linked into the run dir (or
+planted there) is reported and left alone, never emptied by pruning. Real runs of
+``python -m trainer.train`` with a tiny model."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.mpi_runs import forked_python
+from tests.support import REPO, dtrain_env
+
+FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
+         "--global-batch", "4", "--warmup-steps", "1", "--data-cap-mb", "0.25",
+         "--log-every", "1", "--eval-every", "0"]
+
+
+def train(run_dir: Path, *extra: str, env: dict[str, str] | None = None
+          ) -> tuple[int, str]:
+    done = subprocess.run([*forked_python(), "-m", "trainer.train", *FLAGS, "--run-dir",
+                           str(run_dir), *extra], capture_output=True, text=True, cwd=REPO,
+                          env=dtrain_env(env), timeout=240, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (links listed by their target, not followed)."""
+    out = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = Path(folder, name)
+            out[str(path.relative_to(root))] = (f"-> {os.readlink(path)}" if path.is_symlink()
+                                               else hashlib.sha256(path.read_bytes()).hexdigest())
+    return out
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An earlier run's checkpoints step-1 and step-2, kept elsewhere."""
+    run_dir = tmp_path_factory.mktemp("archive")
+    code, out = train(run_dir, "--steps", "2", "--save-every", "1", "--keep", "0")
+    assert code == 0, out[-3000:]
+    return run_dir / "checkpoints"
+
+
+def test_pruning_never_deletes_through_a_linked_or_planted_step_and_reports_each_once(
+        archive: Path, tmp_path: Path) -> None:
+    before = snapshot(archive)
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step-1").symlink_to(archive / "step-1")  # an archived checkpoint linked back
+    (ckpts / "step-2.tmp-0000abcd").symlink_to(archive / "step-2")  # looks like a dead save
+    (ckpts / "step-9").write_text("not a folder")
+    code, out = train(tmp_path / "run", "--steps", "3", "--save-every", "2", "--keep", "1")
+    assert code == 0, out[-3000:]
+    assert snapshot(archive) == before  # nothing of the link targets was deleted
+    assert sorted(p.name for p in ckpts.iterdir()) == [
+        "step-1", "step-2.tmp-0000abcd", "step-3", "step-9"]
+    assert (ckpts / "step-1").is_symlink() and (ckpts / "step-9").read_text() == "not a folder"
+    for name, what in (("step-1", f"a symbolic link to {archive / 'step-1'}"),
+                       ("step-2.tmp-0000abcd", "a symbolic link"), ("step-9", "not a folder")):
+        lines = [line for line in out.splitlines() if f"[{ckpts / name}]" in line]
+        assert len(lines) == 1, out[-3000:]
+        assert lines[0].startswith(f"warning: not a checkpoint folder [{ckpts / name}]: it is "
+                                   f"{what}"), lines[0]
+    assert "error" not in out
+
+
+def test_a_link_in_the_place_of_the_step_being_saved_is_refused_not_followed(
+        archive: Path, tmp_path: Path) -> None:
+    before = snapshot(archive)
+    ckpts = tmp_path / "run" / "checkpoints"
+    ckpts.mkdir(parents=True)
+    (ckpts / "step-2").symlink_to(archive / "step-1")
+    code, out = train(tmp_path / "run", "--steps", "2")
+    assert code == 2, out[-3000:]
+    assert snapshot(archive) == before
+    assert f"error: refusing to delete a checkpoint [{ckpts / 'step-2'}]: it is a symbolic " \
+           "link or not a folder" in out, out[-3000:]
+    assert "Traceback" not in out
