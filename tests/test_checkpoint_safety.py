@@ -1,18 +1,24 @@
 """What a run never does to files it did not write: a checkpoint linked into the run dir (or
-planted there) is reported and left alone, never emptied by pruning. Real runs of
-``python -m trainer.train`` with a tiny model."""
+planted there) is reported and left alone, never emptied by pruning; a new run never mixes with
+another run's checkpoints (refused, or moved aside with --overwrite). Real runs of ``python -m
+trainer.train`` with a tiny model, multi-rank through ``dtrain launch``."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from tests.mpi_runs import forked_python
-from tests.support import REPO, dtrain_env
+from tests.support import REPO, dtrain_env, run_dtrain
+from trainer.config.options import parse_args
+from trainer.errors import ConfigError
+from trainer.training.metrics import read_records
 
 FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
          "--global-batch", "4", "--warmup-steps", "1", "--data-cap-mb", "0.25",
@@ -82,3 +88,64 @@ def test_a_link_in_the_place_of_the_step_being_saved_is_refused_not_followed(
     assert f"error: refusing to delete a checkpoint [{ckpts / 'step-2'}]: it is a symbolic " \
            "link or not a folder" in out, out[-3000:]
     assert "Traceback" not in out
+
+
+def launch(run_dir: Path, *extra: str) -> tuple[int, str]:
+    """``dtrain launch --nproc-per-node 2 -- python -m trainer.train`` (dp 2)."""
+    done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
+                       "trainer.train", *FLAGS, "--run-dir", str(run_dir), *extra], timeout=240)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_new_run_in_a_run_dir_holding_checkpoints_is_refused_once_before_anything_is_built(
+        archive: Path, tmp_path: Path) -> None:
+    run_dir = Path(shutil.copytree(archive.parent, tmp_path / "run"))
+    before = snapshot(run_dir)
+    code, out = launch(run_dir, "--steps", "2")
+    assert code == 2, out[-3000:]
+    [line] = [ln for ln in out.splitlines() if re.match(r"\[\d+@", ln) and "error:" in ln]
+    assert f"[0@localhost] error: run dir holds another run's checkpoints [--run-dir " \
+           f"{run_dir}]: 2 committed checkpoint(s), the newest " \
+           f"{run_dir / 'checkpoints' / 'step-2'}; a new run would mix its checkpoints with " \
+           "them" in line, line
+    assert line.endswith("Add --resume to continue that run, pass a new --run-dir, or add "
+                         f"--overwrite to move its checkpoints and metrics into {run_dir}/"
+                         "replaced-<time>/ and start anew")
+    assert "parameters" not in out  # refused before the model (or the data) was built
+    assert snapshot(run_dir) == before
+
+
+def test_overwrite_moves_the_previous_run_aside_and_starts_anew(archive: Path,
+                                                               tmp_path: Path) -> None:
+    run_dir = Path(shutil.copytree(archive.parent, tmp_path / "run"))
+    before = snapshot(run_dir)
+    code, out = train(run_dir, "--steps", "3", "--overwrite", "--keep", "0")
+    assert code == 0, out[-3000:]
+    [aside] = run_dir.glob("replaced-*")
+    assert re.fullmatch(r"replaced-\d{8}-\d{6}-[0-9a-f]{4}", aside.name)
+    assert f"--overwrite moved the previous run's checkpoints, metrics.jsonl to {aside}" in out
+    assert snapshot(aside) == {k: v for k, v in before.items()
+                               if k.startswith("checkpoints/") or k == "metrics.jsonl"}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-3"]
+    assert [r["step"] for r in read_records(run_dir / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_overwrite_and_resume_together_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"--overwrite with --resume \[--overwrite --resume\]"):
+        parse_args(["--overwrite", "--resume"])
+
+
+def test_the_recommender_refuses_a_run_dir_holding_checkpoints_too(tmp_path: Path) -> None:
+    def recsys(*extra: str) -> tuple[int, str]:
+        done = subprocess.run([*forked_python(), "-m", "trainer.recsys", "--steps", "2",
+                               "--rows", "1024", "--global-batch", "64", "--eval-every", "0",
+                               "--run-dir", str(tmp_path), *extra], capture_output=True,
+                              text=True, cwd=REPO, env=dtrain_env(), timeout=240, check=False)
+        return done.returncode, done.stdout + done.stderr
+
+    assert recsys()[0] == 0
+    code, out = recsys()
+    assert code == 2 and out.count("error: run dir holds another run's checkpoints") == 1, out
+    code, out = recsys("--overwrite")
+    assert code == 0, out[-3000:]
+    assert "--overwrite moved the previous run's checkpoints, metrics.jsonl to " in out

@@ -24,6 +24,9 @@ previous checkpoint as the resume point. `prune` deletes a folder's marker befor
 and deletes leftovers of dead saves (temporaries, folders without a marker). Every point is
 exercised by the kill hook of `trainer.checkpoint.fault`.
 
+The run dir (`run_dir`): checked before a run is built; a new run never mixes with the
+checkpoints of another (refused, or with ``--overwrite`` moved aside first).
+
 Agreement (`verdict`): every rank judges the checkpoint it reads; the ranks agree on the worst
 verdict collectively and the lowest rank holding it reports it, once.
 

@@ -18,6 +18,10 @@ after TP every rank of the first pipeline stage, after PP everyone), so no rank 
 different step than the others. The verdicts of the ranks are reduced along the same groups,
 so every rank takes the same branch (load, skip, stop) and the lowest failing rank reports.
 
+Without ``--resume`` a run dir holding committed checkpoints is refused at start-up
+(`trainer.checkpoint.run_dir`, via `check_run_dir`), unless ``--overwrite`` is given: then
+`start_anew` moves the previous run's checkpoints and metrics aside before anything is saved.
+
 What must match: the model config and the layout along the sharded axes (tp, pp, and with a
 pipeline the virtual stages and the layers of every stage, since a ``ppNN`` shard holds those
 layers); `trainer.checkpoint.check_compatible` lists every difference. dp may change.
@@ -34,14 +38,29 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.checkpoint import Checkpoint, CheckpointError
+from trainer.checkpoint import Checkpoint, CheckpointError, run_dir
 from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
 from trainer.comm.protocol import Communicator
 from trainer.config.options import TrainConfig
+from trainer.training.metrics import METRICS_FILE
 
 #: Options that steer one invocation rather than the training math (not reported on resume).
-RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "save_every", "keep",
+RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "overwrite", "save_every", "keep",
                "log_every", "run_dir", "dp", "backend", "gpt", "peak_tflops"}
+
+
+def check_run_dir(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` if its run dir can take this run (`trainer.checkpoint.run_dir.check`)."""
+    run_dir.check(Path(cfg.run_dir), resume=cfg.resume, overwrite=cfg.overwrite)
+    return cfg
+
+
+def start_anew(cfg: TrainConfig, *, leader: bool) -> tuple[int, str, None]:
+    """What `restore` returns for a run without ``--resume``: step 0, and under ``--overwrite``
+    what the ``leader`` (global rank 0, before any save) set aside."""
+    said = run_dir.set_aside(Path(cfg.run_dir), [METRICS_FILE]) if cfg.overwrite and leader \
+        else ""
+    return 0, said, None
 
 
 def layout_of(cfg: TrainConfig) -> dict[str, Any]:
