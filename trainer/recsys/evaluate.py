@@ -19,6 +19,7 @@ from torch.nn import functional
 
 from trainer.recsys.data import ClickLog
 from trainer.recsys.model import DLRM
+from trainer.training.metrics import read_records, truncate_after
 
 CHUNK = 8192
 EVALS_FILE = "evals.jsonl"
@@ -69,13 +70,10 @@ def ceiling(val: ClickLog) -> float | None:
     return auc(val.truth, val.labels) if val.truth is not None else None
 
 
-def truncate(run_dir: Path, start_step: int) -> None:
-    """Drop the evaluations after ``start_step`` (a resumed run evaluates those steps again)."""
-    path = run_dir / EVALS_FILE
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_step]
-        path.write_text("".join(line + "\n" for line in kept))
+def truncate(run_dir: Path, start_step: int) -> str:
+    """Drop the evaluations after ``start_step`` (a resumed run evaluates those steps again)
+    and torn lines; the warning about those ("" if none, `trainer.training.metrics`)."""
+    return truncate_after(run_dir / EVALS_FILE, start_step)
 
 
 def record(run_dir: Path, step: int, result: dict[str, float]) -> None:
@@ -90,9 +88,7 @@ def plot(run_dir: Path, planted: float | None, title: str) -> None:
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    path = run_dir / EVALS_FILE
-    rows: list[dict[str, Any]] = [json.loads(line) for line in path.read_text().splitlines()
-                                  if line.strip()] if path.exists() else []
+    rows: list[dict[str, Any]] = read_records(run_dir / EVALS_FILE)
     if not rows:
         return
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)

@@ -124,10 +124,10 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
         if cfg.overwrite and writer else ""
     log = MetricsLog(run_dir, enabled=writer, total_steps=cfg.steps, start_step=start,
                      log_every=cfg.log_every)
-    if writer:
-        evaluate.truncate(run_dir, start)
     log.info(_banner(cfg, run, world.size, len(train_rows), len(val), result.ceiling, start))
     log.info(replaced)
+    if writer:
+        log.info(evaluate.truncate(run_dir, start))
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()

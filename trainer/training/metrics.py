@@ -6,7 +6,9 @@ others). ``loss.png`` draws the training and validation loss against the step, a
 learning rate on a second axis. Communication time is split as in `trainer.comm.timing`:
 ``comm_exposed_s`` (the step waited on it) and ``comm_total_s`` (exposed plus what overlapped
 compute, so never below the exposed time), over the DP, TP and PP groups. A resumed run first
-drops the lines after its checkpoint step, so the file always describes one consistent history.
+drops the lines after its checkpoint step, so the file always describes one consistent history;
+lines that do not parse (a torn write) are dropped then too, said once, and the file is
+rewritten atomically.
 Each console line can show the interval's MFU (`trainer.model.flops`). The console shows a rich
 progress bar on a terminal and plain lines otherwise (e.g. when a launcher relays the output).
 """
@@ -64,25 +66,54 @@ class StepRecord:
         return json.dumps({**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)})
 
 
+def parse_lines(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a JSON-lines file (objects with an integer ``step``), in file order, and
+    the numbers of the lines that are not one: a torn write (NUL bytes after a power loss, a
+    line cut off by a full disk). Blank lines are neither."""
+    records, bad = [], []
+    raw = path.read_bytes() if path.exists() else b""
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            rec = None
+        if isinstance(rec, dict) and type(rec.get("step")) is int:
+            records.append(rec)
+        else:
+            bad.append(number)
+    return records, bad
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics file; for a step written twice the last line wins."""
-    by_step: dict[int, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                by_step[rec["step"]] = rec
+    """Records of a metrics file, lines that do not parse skipped; for a step written twice
+    the last line wins."""
+    by_step = {rec["step"]: rec for rec in parse_lines(path)[0]}
     return [by_step[s] for s in sorted(by_step)]
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Keep the records of steps <= ``step`` (a resumed run rewrites what came after)."""
+def truncate_after(path: Path, step: int) -> str:
+    """Keep the records of steps <= ``step`` (a resumed run rewrites what came after), written
+    to a temporary file, fsynced and renamed over ``path``, so a crash leaves the old file or
+    the new one. Returns the warning to print once when torn lines were dropped ("" if none)."""
     if not path.exists():
-        return
-    kept = [json.dumps(r) for r in read_records(path) if r["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+        return ""
+    records, bad = parse_lines(path)
+    by_step = {rec["step"]: rec for rec in records}
+    kept = [json.dumps(by_step[s]) + "\n" for s in sorted(by_step) if s <= step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("".join(kept))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    if not bad:
+        return ""
+    shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    return (f"warning: torn lines dropped [{path}, line(s) {shown}]: {len(bad)} line(s) are not "
+            "JSON records (NUL bytes after a power loss, or a line cut off by a full disk); "
+            "the file was rewritten without them")
 
 
 def plot_loss(records: list[dict[str, Any]], png: Path, *, title: str = "") -> None:
@@ -129,7 +160,7 @@ class MetricsLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_after(self.path, start_step)
+        torn = truncate_after(self.path, start_step)
         # Open for the whole run (closed in close()), one flushed line per step.
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if self._console.is_terminal:
@@ -140,6 +171,7 @@ class MetricsLog:
             self._task = self._progress.add_task("train", total=total_steps,
                                                  completed=start_step, status="")
             self._progress.start()
+        self.info(torn)
 
     def info(self, text: str) -> None:
         """Print ``text`` on rank 0 (nothing for an empty text)."""
