@@ -1,6 +1,7 @@
 """What a run never does to files it did not write: a checkpoint linked into the run dir (or
 planted there) is reported and left alone, never emptied by pruning; a new run never mixes with
-another run's checkpoints (refused, or moved aside with --overwrite). Real runs of ``python -m
+another run's checkpoints (refused, or moved aside with --overwrite); a full disk during a save
+is one error, and the partial save is removed. Real runs of ``python -m
 trainer.train`` with a tiny model, multi-rank through ``dtrain launch``."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,6 +90,7 @@ def test_a_link_in_the_place_of_the_step_being_saved_is_refused_not_followed(
     assert f"error: refusing to delete a checkpoint [{ckpts / 'step-2'}]: it is a symbolic " \
            "link or not a folder" in out, out[-3000:]
     assert "Traceback" not in out
+    assert [p.name for p in ckpts.iterdir()] == ["step-2"]  # the refused save left nothing
 
 
 def launch(run_dir: Path, *extra: str) -> tuple[int, str]:
@@ -149,3 +152,40 @@ def test_the_recommender_refuses_a_run_dir_holding_checkpoints_too(tmp_path: Pat
     code, out = recsys("--overwrite")
     assert code == 0, out[-3000:]
     assert "--overwrite moved the previous run's checkpoints, metrics.jsonl to " in out
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs, mounted for the test and unmounted after it: a disk that fills up."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", str(mount)],
+                   check=True)
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_save_is_one_error_naming_the_folder_and_the_free_space(
+        small_disk: Path) -> None:
+    run_dir = small_disk / "run"
+    # Leave two pages: the metrics file fits, the checkpoint and the loss plot do not.
+    (small_disk / "filler").write_bytes(b"x" * (256 - 8) * 1024)
+    code, out = train(run_dir, "--steps", "2")
+    assert code == 2, out[-3000:]
+    ckpts = run_dir / "checkpoints"
+    [error] = [line for line in out.splitlines() if "error" in line.lower()]
+    assert re.fullmatch(
+        rf"error: checkpoint save failed \[{ckpts / 'step-2'}\]: no space left on device "
+        rf"\([\d.]+ KiB free on the file system of {ckpts} after removing the partial save; no "
+        r"checkpoint is committed\)\. Free space there, or pass a --run-dir on a larger disk, "
+        r"then --resume", error), error
+    [warning] = [line for line in out.splitlines() if "loss.png" in line]
+    assert warning == f"warning: loss.png not drawn [{run_dir / 'loss.png'}]: No space left " \
+                      "on device. Its data are kept"
+    assert "Traceback" not in out
+    assert sorted(p.name for p in run_dir.rglob("*")) == ["checkpoints", "metrics.jsonl"]
+    assert [r["step"] for r in read_records(run_dir / "metrics.jsonl")] == [1, 2]

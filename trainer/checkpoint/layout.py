@@ -35,7 +35,7 @@ def shard_name(kind: str, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) 
     return f"{kind}-tp{tp_rank:02d}-pp{pp_rank:02d}{ep}.pt"
 
 
-def _real_folder(path: Path) -> bool:
+def real_folder(path: Path) -> bool:
     """A folder itself, not a symbolic link to one (``lstat``: the link is never followed)."""
     try:
         return stat.S_ISDIR(os.lstat(path).st_mode)
@@ -46,7 +46,7 @@ def _real_folder(path: Path) -> bool:
 def committed(path: Path) -> bool:
     """``path`` is a real folder holding a commit record that is a regular file (no link)."""
     try:
-        return _real_folder(path) and stat.S_ISREG(os.lstat(path / MARKER).st_mode)
+        return real_folder(path) and stat.S_ISREG(os.lstat(path / MARKER).st_mode)
     except OSError:
         return False
 
@@ -54,7 +54,7 @@ def committed(path: Path) -> bool:
 def _named_like_steps(root: Path) -> list[Path]:
     """Entries of ``root`` named like a checkpoint or one of its temporaries, sorted."""
     try:
-        names = os.listdir(root) if _real_folder(root) else []
+        names = os.listdir(root) if real_folder(root) else []
     except OSError:
         names = []
     return sorted(root / n for n in names if STEP_DIR.match(n) or TMP_DIR.match(n))
@@ -73,7 +73,7 @@ def step_dirs(root: Path) -> dict[int, Path]:
 
 def strays(root: Path) -> list[Path]:
     """Entries named like checkpoints that are links or not folders: reported, never touched."""
-    return [child for child in _named_like_steps(root) if not _real_folder(child)]
+    return [child for child in _named_like_steps(root) if not real_folder(child)]
 
 
 def latest(root: Path) -> Path | None:
@@ -85,7 +85,7 @@ def latest(root: Path) -> Path | None:
 def leftover_step(path: Path) -> int | None:
     """The step of a temporary or uncommitted ``step-<N>`` folder (a dead save), else None.
     A link or a file is never a leftover (`strays`)."""
-    if not _real_folder(path):
+    if not real_folder(path):
         return None
     tmp = TMP_DIR.match(path.name)
     if tmp:

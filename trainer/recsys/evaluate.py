@@ -19,7 +19,7 @@ from torch.nn import functional
 
 from trainer.recsys.data import ClickLog
 from trainer.recsys.model import DLRM
-from trainer.training.metrics import read_records, truncate_after
+from trainer.training.metrics import draw, read_records, truncate_after
 
 CHUNK = 8192
 EVALS_FILE = "evals.jsonl"
@@ -82,15 +82,20 @@ def record(run_dir: Path, step: int, result: dict[str, float]) -> None:
         fh.write(json.dumps({"step": step, **result}) + "\n")
 
 
-def plot(run_dir: Path, planted: float | None, title: str) -> None:
+def plot(run_dir: Path, planted: float | None, title: str) -> str:
+    """``auc.png`` from ``evals.jsonl``; a failure is the returned warning (`metrics.draw`)."""
+    rows: list[dict[str, Any]] = read_records(run_dir / EVALS_FILE)
+    if not rows:
+        return ""
+    return draw(lambda png: _plot_auc(rows, planted, title, png), run_dir / AUC_PLOT)
+
+
+def _plot_auc(rows: list[dict[str, Any]], planted: float | None, title: str, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    rows: list[dict[str, Any]] = read_records(run_dir / EVALS_FILE)
-    if not rows:
-        return
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] for r in rows], [r["val_auc"] for r in rows], "o-", ms=3,
             label="validation AUC")
@@ -104,5 +109,7 @@ def plot(run_dir: Path, planted: float | None, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(run_dir / AUC_PLOT)
-    plt.close(fig)
+    try:
+        fig.savefig(png)
+    finally:
+        plt.close(fig)

@@ -154,7 +154,8 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
     finally:
         log.close(plot_title=f"DLRM on {world.size} rank(s), global batch {cfg.global_batch}")
         if writer:
-            evaluate.plot(run_dir, result.ceiling, f"DLRM validation AUC, {world.size} rank(s)")
+            log.info(evaluate.plot(run_dir, result.ceiling,
+                                   f"DLRM validation AUC, {world.size} rank(s)"))
     return result
 
 

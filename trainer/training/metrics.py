@@ -15,12 +15,13 @@ progress bar on a terminal and plain lines otherwise (e.g. when a launcher relay
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -116,6 +117,23 @@ def truncate_after(path: Path, step: int) -> str:
             "the file was rewritten without them")
 
 
+def draw(plot: Callable[[Path], None], png: Path) -> str:
+    """Run ``plot`` into a temporary file, then rename it to ``png``: a failed plot (a full
+    disk) leaves the previous picture, never an empty one, and is only the returned warning
+    ("" when drawn), never an error that would hide the one that ended the run."""
+    tmp = png.with_name(f".{png.stem}.tmp-{os.getpid()}{png.suffix}")  # the suffix: the format
+    try:
+        plot(tmp)
+        os.replace(tmp, png)
+    except Exception as exc:  # noqa: BLE001 - any failure to draw is reported the same way
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            f"{type(exc).__name__}: {exc}"
+        return f"warning: {png.name} not drawn [{png}]: {why}. Its data are kept"
+    return ""
+
+
 def plot_loss(records: list[dict[str, Any]], png: Path, *, title: str = "") -> None:
     """Training and validation loss against step, the learning rate on a second axis, as a PNG
     (matplotlib's Agg backend, no display needed)."""
@@ -143,8 +161,10 @@ def plot_loss(records: list[dict[str, Any]], png: Path, *, title: str = "") -> N
     more = lr_ax.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    try:
+        fig.savefig(png)
+    finally:
+        plt.close(fig)
 
 
 class MetricsLog:
@@ -161,8 +181,9 @@ class MetricsLog:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
         torn = truncate_after(self.path, start_step)
-        # Open for the whole run (closed in close()), one flushed line per step.
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        # Open for the whole run (closed in close()), one flushed line per step; None once a
+        # write failed (`_lost`).
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if self._console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -181,8 +202,12 @@ class MetricsLog:
     def record(self, rec: StepRecord) -> None:
         if not self.enabled:
             return
-        self._file.write(rec.to_json() + "\n")
-        self._file.flush()
+        if self._file is not None:
+            try:
+                self._file.write(rec.to_json() + "\n")
+                self._file.flush()
+            except OSError as exc:  # e.g. a full disk: warned once; the run goes on
+                self._lost(exc, f"step {rec.step} and later steps are missing from it")
         self._window.append(rec)
         if self._progress is not None:
             self._progress.update(self._task, completed=rec.step, status=f"loss {rec.loss:.4f}")
@@ -197,10 +222,23 @@ class MetricsLog:
             self.info(summarize(self._window, self.mfu))
         if self._progress is not None:
             self._progress.stop()
-        self._file.close()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._lost(exc, "its last lines may be missing")
         records = read_records(self.path)
         if records:
-            plot_loss(records, self.path.with_name(PLOT_FILE), title=plot_title)
+            png = self.path.with_name(PLOT_FILE)
+            self.info(draw(lambda tmp: plot_loss(records, tmp, title=plot_title), png))
+
+    def _lost(self, exc: OSError, what: str) -> None:
+        """Stop writing the metrics file after a write failed, saying so once."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
+        self.info(f"warning: metrics not written [{self.path}]: {exc.strerror or exc}; {what}")
 
 
 def summarize(window: list[StepRecord], mfu: Callable[[float], float] | None = None) -> str:
