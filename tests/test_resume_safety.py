@@ -91,3 +91,21 @@ def test_the_recommenders_torn_evaluations_are_dropped_the_same_way(tmp_path: Pa
     assert warning.startswith(f"warning: torn lines dropped [{evals}, line(s) 2, 3]: 2 line(s)")
     assert evals.read_text() == '{"step": 5, "val_loss": 0.6, "val_auc": 0.7}\n'
     assert evaluate.truncate(tmp_path, 10) == ""  # said once: the file is clean now
+
+
+@pytest.mark.parametrize("change", [["--tp", "2"], ["--d-model", "64"]],
+                         ids=["tp1-to-tp2", "other-model"])
+def test_resume_fallback_refuses_a_checkpoint_of_another_layout_once_and_renames_nothing(
+        dp2_run: Path, change: list[str]) -> None:
+    ckpts = dp2_run / "checkpoints"
+    code, out = launch(dp2_run, "--resume", "--resume-fallback", *change)
+    assert code == 2, out[-3000:]
+    [line] = rank_lines(out, "error:")
+    assert f"error: checkpoint does not match this run [{ckpts / 'step-2'}]: differing " \
+           "fields: " in line, line
+    assert ("tp: checkpoint 1, now 2" if change[0] == "--tp" else
+            "d_model: checkpoint 32, now 64") in line
+    assert "damaged" not in out and "skips" not in out
+    assert sorted(p.name for p in ckpts.iterdir()) == ["step-1", "step-2"]
+    code, out = launch(dp2_run, "--resume")  # the checkpoints are all still there, and good
+    assert code == 0 and "resumed at step 2" in out, out[-3000:]

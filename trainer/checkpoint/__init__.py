@@ -45,11 +45,11 @@ from trainer.checkpoint.layout import (
     shard_name,
     step_dirs,
 )
-from trainer.checkpoint.load import Checkpoint, check_compatible, load, restore_rng
+from trainer.checkpoint.load import Checkpoint, check_compatible, load, read_meta, restore_rng
 from trainer.checkpoint.save import save
 
 __all__ = [
     "DAMAGED_SUFFIX", "FAULT_ENV", "FORMAT_VERSION", "MARKER", "POINTS", "Checkpoint",
-    "CheckpointDamaged", "CheckpointError", "check_compatible", "latest", "load", "restore_rng",
-    "save", "shard_name", "step_dirs",
+    "CheckpointDamaged", "CheckpointError", "check_compatible", "latest", "load", "read_meta",
+    "restore_rng", "save", "shard_name", "step_dirs",
 ]

@@ -64,18 +64,32 @@ def read_record(path: Path) -> dict[str, FileRecord]:
                                 FALLBACK_HINT) from None
 
 
-def load(path: Path, *, map_location: str | torch.device = "cpu",
-         shard: tuple[int, ...] = (0, 0)) -> Checkpoint:
-    """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``, each file
-    verified against the commit record before it is parsed. A checkpoint whose optimizer state
-    is sharded (ZeRO-1: the record lists no ``optim`` file but ``zero`` files) has none."""
+def read_meta(path: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:
+    """The commit record and the verified ``meta.json`` of a checkpoint folder: enough to tell
+    whether it fits a run before any shard is read (`check_compatible`)."""
     record = read_record(path)
     meta = json.loads(verify_file(path, "meta.json", record).read_bytes())
-    optim_name = shard_name("optim", *shard)
-    sharded = optim_name not in record and any(n.startswith("zero-") for n in record)
+    return record, meta
+
+
+def optim_sharded(record: dict[str, FileRecord], shard: tuple[int, ...]) -> bool:
+    """The optimizer state is in ZeRO-1 shards: no ``optim`` file of ``shard``, ``zero`` ones."""
+    return shard_name("optim", *shard) not in record and any(n.startswith("zero-")
+                                                             for n in record)
+
+
+def load(path: Path, *, map_location: str | torch.device = "cpu",
+         shard: tuple[int, ...] = (0, 0),
+         read: tuple[dict[str, FileRecord], dict[str, Any]] | None = None) -> Checkpoint:
+    """Read a committed checkpoint folder: meta, RNG and the (tp, pp) ``shard``, each file
+    verified against the commit record before it is parsed (``read``: what `read_meta`
+    returned, when the caller has it already). A checkpoint whose optimizer state is sharded
+    (ZeRO-1: the record lists no ``optim`` file but ``zero`` files) has none."""
+    record, meta = read or read_meta(path)
     model, rng = (load_file(path, name, record, map_location) for name in
                   (shard_name("model", *shard), "rng.pt"))
-    optim = None if sharded else load_file(path, optim_name, record, map_location)
+    optim = None if optim_sharded(record, shard) else \
+        load_file(path, shard_name("optim", *shard), record, map_location)
     return Checkpoint(path, int(meta["step"]), meta, model, optim, rng, record)
 
 

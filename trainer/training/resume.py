@@ -24,7 +24,9 @@ Without ``--resume`` a run dir holding committed checkpoints is refused at start
 
 What must match: the model config and the layout along the sharded axes (tp, pp, and with a
 pipeline the virtual stages and the layers of every stage, since a ``ppNN`` shard holds those
-layers); `trainer.checkpoint.check_compatible` lists every difference. dp may change.
+layers); `trainer.checkpoint.check_compatible` lists every difference. dp may change. It is
+compared first, from the verified ``meta.json``, before any shard is looked for: a checkpoint
+that does not fit is refused once (even with ``--resume-fallback``) and nothing is renamed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import torch
 
 from trainer import checkpoint
 from trainer.checkpoint import Checkpoint, CheckpointError, run_dir
+from trainer.checkpoint.files import FileRecord
+from trainer.checkpoint.load import optim_sharded
 from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
 from trainer.comm.protocol import Communicator
 from trainer.config.options import TrainConfig
@@ -88,11 +92,11 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         if step < 0:
             break
         path = root / f"step-{step}"
-        ckpt, error = _try_load(path, shard, device)
+        ckpt, error = _try_load(cfg, path, shard, device)
         worst, reporter = agree(error, deciders, device)
         if worst == OK:
             assert ckpt is not None  # every rank loaded it
-            return step, _apply(cfg, ckpt, model, optimizer, skipped, leader=leader), ckpt
+            return step, _apply(cfg, ckpt, model, optimizer, skipped), ckpt
         if worst != DAMAGED or not cfg.resume_fallback:
             raise (error if reporter else quiet(path)).everywhere(report=reporter)
         if reporter:
@@ -108,17 +112,33 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
     return 0, f"--resume found no checkpoint in {root}: starting at step 0", None
 
 
-def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
+def _try_load(cfg: TrainConfig, path: Path, shard: tuple[int, ...], device: torch.device
               ) -> tuple[Checkpoint | None, CheckpointError | None]:
+    """This rank's part of ``path``, or why not: a checkpoint of another model or layout is
+    refused (never "damaged") from its verified meta.json before any shard is looked for, so
+    --resume-fallback never sets aside a good checkpoint that merely does not fit."""
     if not path.is_dir():
         return None, CheckpointError(
             "checkpoint not visible on this rank", str(path),
             f"rank 0 resumes from {path.name} but this rank (tp, pp shard {shard}) cannot see "
             "the folder", "Put --run-dir on a filesystem that every host shares")
     try:
-        return checkpoint.load(path, map_location=device, shard=shard), None
+        read = checkpoint.read_meta(path)
+        _check_fits(cfg, path, shard, *read)
+        return checkpoint.load(path, map_location=device, shard=shard, read=read), None
     except CheckpointError as exc:
         return None, exc
+
+
+def _check_fits(cfg: TrainConfig, path: Path, shard: tuple[int, ...],
+                record: dict[str, FileRecord], meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model, sharded layout or optimizer sharding."""
+    checkpoint.check_compatible(meta, model=cfg.gpt.to_dict(), layout=layout_of(cfg), path=path)
+    if optim_sharded(record, shard) and not cfg.zero:
+        raise CheckpointError(
+            "checkpoint does not match this run", str(path),
+            "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "
+            "--zero 0", "Resume with --zero 1 (at any --dp), or use a new --run-dir")
 
 
 def _broadcast(step: int, deciders: Sequence[Communicator], device: torch.device) -> int:
@@ -136,19 +156,8 @@ def _set_aside(path: Path) -> str:
 
 
 def _apply(cfg: TrainConfig, ckpt: Checkpoint, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer, skipped: list[str], *, leader: bool) -> str:
-    """Check ``ckpt`` fits this run, put its state back; the banner's words about it."""
-    try:
-        checkpoint.check_compatible(ckpt.meta, model=cfg.gpt.to_dict(), layout=layout_of(cfg),
-                                    path=ckpt.path)
-    except CheckpointError as exc:  # every rank read the same meta.json: all raise together
-        raise exc.everywhere(report=leader) from None
-    if ckpt.optim is None and not cfg.zero:
-        raise CheckpointError(
-            "checkpoint does not match this run", str(ckpt.path),
-            "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "
-            "--zero 0", "Resume with --zero 1 (at any --dp), or use a new --run-dir"
-        ).everywhere(report=leader)
+           optimizer: torch.optim.Optimizer, skipped: list[str]) -> str:
+    """Put the state of ``ckpt`` (it fits this run: `_check_fits`) back; the banner's words."""
     model.load_state_dict(ckpt.model)
     if ckpt.optim is not None:  # else the ZeRO-1 shards, read once the optimizer is built
         optimizer.load_state_dict(ckpt.optim)
