@@ -109,3 +109,50 @@ def test_resume_fallback_refuses_a_checkpoint_of_another_layout_once_and_renames
     assert sorted(p.name for p in ckpts.iterdir()) == ["step-1", "step-2"]
     code, out = launch(dp2_run, "--resume")  # the checkpoints are all still there, and good
     assert code == 0 and "resumed at step 2" in out, out[-3000:]
+
+
+@pytest.fixture(scope="module")
+def zero_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A dp 2 ZeRO-1 run stopped after step 2: every rank wrote its optimizer shard."""
+    run_dir = tmp_path_factory.mktemp("zero")
+    code, out = launch(run_dir, "--zero", "1", "--stop-at", "2")
+    assert code == 0, out[-3000:]
+    return run_dir
+
+
+def flip_bit(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["zero-tp00-pp00-dp001.pt", "zero-tp00-pp00-index.pt"])
+def test_resume_fallback_skips_a_checkpoint_whose_zero_shard_or_index_is_damaged(
+        zero_base: Path, tmp_path: Path, name: str) -> None:
+    run_dir = Path(shutil.copytree(zero_base, tmp_path / "run"))
+    damaged = run_dir / "checkpoints" / "step-2" / name
+    flip_bit(damaged, damaged.stat().st_size // 2)
+    code, out = launch(run_dir, "--zero", "1", "--resume", "--resume-fallback")
+    assert code == 0, out[-3000:]
+    [skip] = rank_lines(out, "--resume-fallback skips step-2")
+    assert f"is damaged [file {name}]: sha256 mismatch" in skip, skip
+    assert "resumed at step 1 (--resume-fallback set aside damaged step-2 (now step-2.damaged-" \
+        in out, out[-3000:]
+    assert sorted(losses(run_dir)) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("key", ["format", "files"])
+def test_a_flipped_bit_in_a_commit_record_key_is_damage_that_resume_fallback_skips(
+        dp2_run: Path, key: str) -> None:
+    marker = dp2_run / "checkpoints" / "step-2" / "COMMITTED"
+    flip_bit(marker, marker.read_bytes().index(f'"{key}"'.encode()) + 1)  # "format" -> "gormat"
+    code, out = launch(dp2_run, "--resume")
+    assert code == 2, out[-3000:]
+    [line] = rank_lines(out, "error:")
+    assert f"error: checkpoint {marker.parent} is damaged [file COMMITTED]: the commit record " \
+           "does not describe a checkpoint: its keys are " in line, line
+    assert line.endswith("add --resume-fallback to resume from the newest checkpoint that "
+                         "verifies")
+    code, out = launch(dp2_run, "--resume", "--resume-fallback")
+    assert code == 0, out[-3000:]
+    assert "resumed at step 1 (--resume-fallback set aside damaged step-2" in out, out[-3000:]

@@ -3,7 +3,8 @@
 The rule of ``--resume``:
 
 * It loads the newest committed checkpoint in ``<run_dir>/checkpoints``. Every rank verifies
-  the files it reads (size and sha256 from the commit record). If any rank finds one damaged,
+  the files it reads (size and sha256 from the commit record), the ZeRO-1 index and optimizer
+  shards included, before the checkpoint is chosen. If any rank finds one damaged,
   the run stops with one error naming the checkpoint and the file; nothing is skipped silently.
 * ``--resume --resume-fallback`` instead skips a damaged checkpoint and tries the next older
   one, until one verifies. Each skipped folder is reported (which file, why) and renamed to
@@ -41,12 +42,14 @@ import torch
 
 from trainer import checkpoint
 from trainer.checkpoint import Checkpoint, CheckpointError, run_dir
-from trainer.checkpoint.files import FileRecord
-from trainer.checkpoint.load import optim_sharded
+from trainer.checkpoint.files import FileRecord, verify_file
+from trainer.checkpoint.load import load_file, optim_sharded
 from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
 from trainer.comm.protocol import Communicator
 from trainer.config.options import TrainConfig
 from trainer.training.metrics import METRICS_FILE
+from trainer.zero.state import index_name as zero_index_name
+from trainer.zero.state import shard_name as zero_shard_name
 
 #: Options that steer one invocation rather than the training math (not reported on resume).
 RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "overwrite", "save_every", "keep",
@@ -92,7 +95,7 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         if step < 0:
             break
         path = root / f"step-{step}"
-        ckpt, error = _try_load(cfg, path, shard, device)
+        ckpt, error = _try_load(cfg, path, shard, (deciders[0].rank, deciders[0].size), device)
         worst, reporter = agree(error, deciders, device)
         if worst == OK:
             assert ckpt is not None  # every rank loaded it
@@ -112,11 +115,12 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
     return 0, f"--resume found no checkpoint in {root}: starting at step 0", None
 
 
-def _try_load(cfg: TrainConfig, path: Path, shard: tuple[int, ...], device: torch.device
-              ) -> tuple[Checkpoint | None, CheckpointError | None]:
+def _try_load(cfg: TrainConfig, path: Path, shard: tuple[int, ...], dp_member: tuple[int, int],
+              device: torch.device) -> tuple[Checkpoint | None, CheckpointError | None]:
     """This rank's part of ``path``, or why not: a checkpoint of another model or layout is
     refused (never "damaged") from its verified meta.json before any shard is looked for, so
-    --resume-fallback never sets aside a good checkpoint that merely does not fit."""
+    --resume-fallback never sets aside a good checkpoint that merely does not fit.
+    ``dp_member``: this rank's (rank, size) in its DP group."""
     if not path.is_dir():
         return None, CheckpointError(
             "checkpoint not visible on this rank", str(path),
@@ -125,9 +129,25 @@ def _try_load(cfg: TrainConfig, path: Path, shard: tuple[int, ...], device: torc
     try:
         read = checkpoint.read_meta(path)
         _check_fits(cfg, path, shard, *read)
-        return checkpoint.load(path, map_location=device, shard=shard, read=read), None
+        ckpt = checkpoint.load(path, map_location=device, shard=shard, read=read)
+        if ckpt.optim is None:
+            _verify_zero_files(ckpt, shard, dp_member, device)
+        return ckpt, None
     except CheckpointError as exc:
         return None, exc
+
+
+def _verify_zero_files(ckpt: Checkpoint, shard: tuple[int, ...], dp_member: tuple[int, int],
+                       device: torch.device) -> None:
+    """Verify the ZeRO-1 files of this rank's stage before the checkpoint is chosen, so that
+    --resume-fallback covers them: the index, then the saved DP shards, shared out over this
+    run's DP ranks (each file hashed once per stage; at the same dp every rank takes its own,
+    the one `trainer.zero.state.load_shards` will read)."""
+    index = load_file(ckpt.path, zero_index_name(*shard[:2]), ckpt.record, device)
+    saved_dp = int(index["dp"]) if isinstance(index, dict) and "dp" in index else 0
+    rank, size = dp_member
+    for saved_rank in range(rank, saved_dp, size):
+        verify_file(ckpt.path, zero_shard_name(*shard[:2], saved_rank), ckpt.record)
 
 
 def _check_fits(cfg: TrainConfig, path: Path, shard: tuple[int, ...],
