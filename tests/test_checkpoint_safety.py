@@ -1,12 +1,13 @@
 """What a run never does to files it did not write: a checkpoint linked into the run dir (or
 planted there) is reported and left alone, never emptied by pruning; a new run never mixes with
 another run's checkpoints (refused, or moved aside with --overwrite); a full disk during a save
-is one error, and the partial save is removed. Real runs of ``python -m
+is one error, and the partial save is removed; a planted pickle never runs. Real runs of ``python -m
 trainer.train`` with a tiny model, multi-rank through ``dtrain launch``."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env, run_dtrain
@@ -189,3 +191,34 @@ def test_a_full_disk_during_a_save_is_one_error_naming_the_folder_and_the_free_s
     assert "Traceback" not in out
     assert sorted(p.name for p in run_dir.rglob("*")) == ["checkpoints", "metrics.jsonl"]
     assert [r["step"] for r in read_records(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+class Planted:
+    """What a hostile checkpoint file holds: unpickling it makes the folder ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return os.mkdir, (str(self.path),)
+
+
+def test_a_planted_pickle_is_refused_as_hostile_even_when_torch_is_told_to_unpickle_anything(
+        archive: Path, tmp_path: Path) -> None:
+    run_dir = Path(shutil.copytree(archive.parent, tmp_path / "run"))
+    step, canary = run_dir / "checkpoints" / "step-2", tmp_path / "code-ran"
+    shard = step / "model-tp00-pp00.pt"
+    torch.save({"tok_emb.weight": Planted(canary)}, shard)
+    record = json.loads((step / "COMMITTED").read_text())  # whoever plants can rewrite it too
+    record["files"][shard.name] = {"size": shard.stat().st_size,
+                                   "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+    (step / "COMMITTED").write_text(json.dumps(record))
+    code, out = train(run_dir, "--steps", "3", "--resume",
+                      env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})
+    assert code == 2, out[-3000:]
+    assert not canary.exists()
+    [line] = [line for line in out.splitlines() if "error" in line]
+    assert line.startswith(f"error: checkpoint file is not plain tensor data [{shard}]: "
+                           "unpickling it would call posix.mkdir: it may be hostile"), line
+    assert line.endswith("Do not load it: restore the checkpoint from a copy you trust, or "
+                         "start a new --run-dir")

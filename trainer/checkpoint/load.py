@@ -24,6 +24,7 @@ from trainer.checkpoint.layout import (
 )
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+_GLOBAL = re.compile(r"GLOBAL ([\w.]+)")  # what torch's weights_only unpickler refused
 
 #: Layout keys whose change makes a checkpoint unusable (model state is sharded along them; a
 #: ``ppNN`` shard holds the layers its stages had). dp is not one: DP state is replicated and
@@ -137,10 +138,23 @@ def load(path: Path, *, map_location: str | torch.device = "cpu",
 
 def load_file(path: Path, name: str, record: dict[str, FileRecord],
               map_location: str | torch.device = "cpu") -> Any:
-    """``path/name``, verified against ``record`` (`verify_file`), then unpickled."""
+    """``path/name``, verified against ``record`` (`verify_file`), then unpickled with
+    ``weights_only=True`` given explicitly: tensors and plain containers only, whatever
+    ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` says (it only overrides a call that passes nothing),
+    so no code in a checkpoint ever runs."""
     try:
-        return torch.load(verify_file(path, name, record), map_location=map_location)
-    except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+        return torch.load(verify_file(path, name, record), map_location=map_location,
+                          weights_only=True)
+    except pickle.UnpicklingError as exc:  # weights_only refused a global: code, not data
+        wants = _GLOBAL.search(str(exc))
+        raise CheckpointError(
+            "checkpoint file is not plain tensor data", f"{path / name}",
+            "unpickling it would " + (f"call {wants.group(1)}" if wants else "run code") +
+            ": it may be hostile (its checksum matches, so whoever wrote it wrote the commit "
+            "record too), and dtrain never runs code from a checkpoint",
+            "Do not load it: restore the checkpoint from a copy you trust, or start a new "
+            "--run-dir") from None
+    except (OSError, ValueError, RuntimeError, EOFError) as exc:
         # The bytes are the ones saved: the reader, not the file, differs (e.g. torch version).
         raise CheckpointError("checkpoint unreadable", f"{path / name}",
                               f"{type(exc).__name__}: {exc}",
