@@ -4,10 +4,12 @@ Corpus. By default the Python standard library's own source files (``sysconfig``
 path): present on every host without a download, sorted by relative path and concatenated, so
 every rank that runs the same Python reads the same bytes. ``--data PATH`` names a text file or
 a folder (every regular file under it, sorted). The corpus is capped (``cap_bytes``) so start-up
-stays fast; ``Corpus.fingerprint`` lets the ranks check that they all read the same bytes.
-Files that look binary (a NUL byte, or not UTF-8) are still read, and listed in
-``Corpus.binary_files`` so the trainer can warn; `check_vocab` refuses a vocabulary that cannot
-hold every byte of the data, naming the first byte that does not fit by file and line.
+stays fast: no file is read past what the cap (plus the validation tail) still takes, so a huge
+file costs no more memory than the cap; ``Corpus.fingerprint`` lets the ranks check that they
+all read the same bytes. Files that look binary (a NUL byte, or not UTF-8) are still read, and
+listed in ``Corpus.binary_files`` so the trainer can warn; `check_vocab` refuses a vocabulary
+that cannot hold every byte of the data, naming the first byte that does not fit by file and
+line.
 
 Validation split. The last ``val_fraction`` of the bytes read (the end of the last files) is
 held out: training windows are drawn from ``Corpus.train`` only, validation windows from
@@ -19,6 +21,7 @@ without a validation split; a smaller one is split val_fraction : 1 - val_fracti
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import os
 import sysconfig
@@ -111,39 +114,40 @@ def load_corpus(path: str | None = None, *, cap_bytes: int = DEFAULT_CAP_BYTES,
                         "Pass a --data-cap-mb above 0")
     val_cap = int(cap_bytes * val_fraction / (1 - val_fraction))
     limit = cap_bytes + val_cap
-    chunks: list[bytes] = []
+    data = bytearray()  # what is read, never more than the limit plus a separator
     files: list[tuple[int, str]] = []
     binary: list[str] = []
-    total = 0
     for file in corpus_files(root):
         try:
-            raw = file.read_bytes()
+            with open(file, "rb") as fh:
+                raw = fh.read(limit - len(data))  # at most what the cap still takes
         except OSError:
             continue  # unreadable files (sockets, permission) are skipped, deterministically
         if raw:
-            files.append((total, str(file)))
-            binary += [str(file)] if looks_binary(raw) else []
-        chunks.append(raw + _SEPARATOR)
-        total += len(raw) + len(_SEPARATOR)
-        if total >= limit:
+            files.append((len(data), str(file)))
+            binary += [str(file)] if looks_binary(raw, cut=len(data) + len(raw) == limit) \
+                else []
+        data += raw + _SEPARATOR
+        if len(data) >= limit:
             break
     if not files:
         raise DataError("no training data", str(root),
                         "the folder has no non-empty, readable file" if root.is_dir()
                         else "the file is empty",
                         "Pass --data with a text file or a folder of text files")
-    data = b"".join(chunks)[:limit]
+    del data[limit:]
     val_bytes = val_cap if len(data) == limit else int(len(data) * val_fraction)
-    return Corpus(torch.frombuffer(bytearray(data), dtype=torch.uint8), str(root),
+    return Corpus(torch.frombuffer(data, dtype=torch.uint8), str(root),
                   val_bytes=val_bytes, files=tuple(files), binary_files=tuple(binary))
 
 
-def looks_binary(raw: bytes) -> bool:
-    """A NUL byte, or bytes that are not UTF-8 (git's NUL test, plus encoding)."""
+def looks_binary(raw: bytes, *, cut: bool = False) -> bool:
+    """A NUL byte, or bytes that are not UTF-8 (git's NUL test, plus encoding). ``cut``: the
+    read stopped at the cap, so a character cut in two at the end is not a fault."""
     if b"\0" in raw:
         return True
     try:
-        raw.decode("utf-8")
+        codecs.getincrementaldecoder("utf-8")().decode(raw, final=not cut)
     except UnicodeDecodeError:
         return True
     return False
