@@ -41,8 +41,8 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
     assert argv[:7] == ["mpiexec", "-launcher", "ssh", "-hosts", "node1:2,node2:2", "-n", "4"]
     assert ["-genv", "NCCL_DEBUG", "INFO"] == argv[argv.index("NCCL_DEBUG") - 1:][:3]
     assert ["-genv", "MASTER_ADDR", "node1"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[-7:] == ["/venv/bin/python", "-m", "launcher.mpirun.rankshim", "--", "python",
-                         "t.py", "a b"]
+    assert argv[-9:] == ["/venv/bin/python", "-E", "-P", "-m", "launcher.mpirun.rankshim", "--",
+                         "python", "t.py", "a b"]
     assert "RANK" not in argv  # per-rank variables come from the workerenv shim
 
 

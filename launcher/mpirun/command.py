@@ -30,6 +30,7 @@ from launcher import netroute
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.plan.job import JobPlan, Rendezvous
+from launcher.transport.local import python_module
 
 FLAVOURS = ("hydra", "openmpi")
 
@@ -100,7 +101,7 @@ def build_command(plan: JobPlan, rendezvous: Rendezvous, *, mpirun: str, flavour
                              f"host {hp.entry.name}", "MPI launchers cannot give each host its "
                              "own CUDA_VISIBLE_DEVICES", "use the default SSH launcher for "
                              "--include/--exclude of GPU slots")
-    program = (python, "-m", "launcher.mpirun.rankshim", "--", *plan.argv)
+    program = (*python_module(python, "launcher.mpirun.rankshim"), "--", *plan.argv)
     env = shared_env(plan, rendezvous)
     n = str(plan.world_size)
     if flavour == "hydra":
