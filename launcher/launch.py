@@ -8,7 +8,6 @@ the job before any rank starts.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import time
@@ -192,7 +191,7 @@ def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
                                head_addr=where.head_addr,
                                python=validate_remote_python(req.remote_python))
     if req.dry_run:
-        print(shlex.join(cmd.argv))
+        print(cmd.shown())
         if cmd.hostfile_text:
             print("# hostfile:\n" + cmd.hostfile_text, end="")
         return 0
