@@ -104,7 +104,9 @@ def run_launch(req: LaunchRequest) -> int:
         raise UsageError("nothing to run", "launch", "no program after the options",
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
     selected = select(req.hosts)
-    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
+    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
+                                            tell=lambda line: print(f"dtrain: {line}",
+                                                                    file=sys.stderr))
     plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
                               base_env=base_env)
     # A given --master-addr/--master-port is checked now, before anything connects.
