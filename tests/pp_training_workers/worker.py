@@ -51,8 +51,8 @@ def checkpoint_runs(world: World, c: Case, out: Path) -> dict[str, Any]:
         train(c.config(run_dir=run_dir, resume=True, pp=1, dp=0, schedule="1f1b",
                        virtual_stages=1, microbatches=1, steps=STEPS + 1), world)
         refused = "not refused"
-    except TrainerError as exc:
-        refused = str(exc)
+    except TrainerError as exc:  # every rank refuses, the reporting one says why
+        refused = str(exc) if exc.report else ""
     return {"run_dir": run_dir, "first": first.losses, "second": second.losses,
             "start": second.start_step, "refused": refused}
 

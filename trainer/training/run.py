@@ -40,7 +40,7 @@ from trainer.training.pipeline_step import (
     build_pipeline,
     stage_layout,
 )
-from trainer.training.resume import restore
+from trainer.training.resume import restore, start_anew
 from trainer.zero import ZeroOptimizer, build_zero, resume_shards
 
 
@@ -100,8 +100,10 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
     experts = apply_expert_parallel(model, mesh, microbatches=cfg.microbatches)
     optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
     shard = (mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep"))
-    start, resumed, ckpt = restore(cfg, model, optimizer, deciders=[mesh.group()], shard=shard,
-                                   device=device) if cfg.resume else (0, "", None)
+    deciders = [mesh.group("dp"), mesh.group("tp"), mesh.group("pp")]
+    start, resumed, ckpt = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
+                                   device=device) if cfg.resume else \
+        start_anew(cfg, leader=mesh.rank() == 0)
     dtype = model_dtype(cfg.precision, device)
     dp, main, zero = _data_parallel(cfg, model, optimizer, dtype, mesh, experts, layout=layout,
                                     ckpt=ckpt, shard=shard)
