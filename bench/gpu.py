@@ -64,7 +64,7 @@ def throughput(world: Any, *, model: str, max_batch: int, steps: int, warmup: in
     batch = largest_batch(base, world, mesh, max_batch) if device.type == "cuda" else max_batch
     rows = []
     for compiled in compiles:
-        cfg = replace(base, global_batch=batch, compile=compiled)
+        cfg = base.with_options(global_batch=batch, compile=compiled)
         ours = dtrain_side(cfg, world, mesh, warmup=warmup, steps=steps)
         plain = plain_side(cfg, device, warmup=warmup, steps=steps)
         tokens = batch * cfg.gpt.seq_len

@@ -21,7 +21,6 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
@@ -65,7 +64,7 @@ def dtrain_side(cfg: TrainConfig, world: World, mesh: Mesh, *, warmup: int,
                 steps: int) -> float:
     """Median step seconds of the trainer's own step on ``cfg`` (dp = tp = pp = 1)."""
     try:
-        run = build_run(replace(cfg, dp=1), mesh)
+        run = build_run(cfg.with_options(dp=1), mesh)
         return time_steps(lambda i: run_step(run, i), world.device, warmup=warmup, steps=steps)
     finally:
         release(world.device)
@@ -85,10 +84,10 @@ def _plain_step(cfg: TrainConfig, device: torch.device) -> Callable[[int], None]
         for block in model.blocks.values():
             block.forward = torch.compile(block.forward)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            **adamw_kernel(params))
+    opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.optimizer.weight_decay, **adamw_kernel(params))
     gen = torch.Generator().manual_seed(cfg.seed)
-    shape = (cfg.global_batch, cfg.gpt.seq_len)
+    shape = (cfg.data.global_batch, cfg.gpt.seq_len)
     x = torch.randint(0, 256, shape, generator=gen).to(device)
     y = torch.randint(0, 256, shape, generator=gen).to(device)
 
@@ -96,7 +95,7 @@ def _plain_step(cfg: TrainConfig, device: torch.device) -> Callable[[int], None]
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model.loss(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, cfg.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -123,6 +122,6 @@ def fits(cfg: TrainConfig, world: World, mesh: Mesh) -> bool:
 def largest_batch(cfg: TrainConfig, world: World, mesh: Mesh, cap: int) -> int:
     """The largest power-of-two micro-batch up to ``cap`` whose dtrain step fits (at least 1)."""
     batch = 1
-    while batch * 2 <= cap and fits(replace(cfg, global_batch=batch * 2), world, mesh):
+    while batch * 2 <= cap and fits(cfg.with_options(global_batch=batch * 2), world, mesh):
         batch *= 2
     return batch

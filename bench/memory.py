@@ -129,7 +129,7 @@ class Side:
         run = self.run
         held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
         n = sum(p.numel() for p in run.dp.params)
-        calc = expected_bytes(n, bf16=False, zero=self.cfg.zero, dp=self.cfg.dp)
+        calc = expected_bytes(n, bf16=False, zero=self.cfg.optimizer.zero, dp=self.cfg.parallel.dp)
         return {"layout": self.name, "steps": self.steps, "params": held.params,
                 "grads": held.grads, "optim": held.optimizer, "optim_calc": calc.optimizer,
                 "act": self.act}

@@ -50,8 +50,8 @@ SUMMARY_NOTE = ("TP=2 all-reduces activations (4L+2 per microbatch, b*T*D each) 
 
 def analytic(cfg: Any, *, tp: int, dp: int, buckets: int, grad_numel: int) -> dict[str, float]:
     """Calls and bytes per step on the TP and DP groups (0 for a group of one)."""
-    g, m = cfg.gpt, cfg.microbatches
-    b = cfg.global_batch // (dp * m)
+    g, m = cfg.gpt, cfg.parallel.microbatches
+    b = cfg.data.global_batch // (dp * m)
     act, tokens = b * g.seq_len * g.d_model * 4, b * g.seq_len * 4
     per_micro = 4 * g.n_layer + 2
     out = {"tp_calls_calc": 0, "tp_mb_calc": 0.0, "dp_calls_calc": 0, "dp_mb_calc": 0.0}

@@ -29,7 +29,7 @@ from trainer.tensor_parallel.sharding import shard_tensor
 
 TOKENS = 8 * 16 + 4 * 16  # tokens of a step + the widest matmul (mlp hidden): longest sum
 RTOL = reduction_rtol(TOKENS)
-LR = case_config("dropless").lr
+LR = case_config("dropless").optimizer.lr
 
 
 def ranks() -> list[dict]:

@@ -251,6 +251,7 @@ def _stages_match_serial() -> None:
 def test_the_training_entry_takes_the_pipeline_options() -> None:
     cfg = parse_args(["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
                       "--microbatches", "4", "--n-layer", "5", "--pp-layers", "2,1,1,1"])
-    assert (cfg.pp, cfg.schedule, cfg.virtual_stages, cfg.stage_layers) == (
+    par = cfg.parallel
+    assert (par.pp, par.schedule, par.virtual_stages, cfg.stage_layers) == (
         2, "interleaved", 2, (2, 1, 1, 1))
     assert parse_args(["--pp", "4", "--n-layer", "7"]).stage_layers == (2, 2, 2, 1)

@@ -11,7 +11,9 @@ over 300 lines).
     generate     `python -m trainer.generate`: sample text from a run's newest checkpoint
     hello        `python -m trainer.hello`: each rank prints the worker contract it received
     errors       the exception hierarchy (base in workerenv.py)
-    config/      options, toml_file, help: flags and TOML into one frozen TrainConfig
+    schema       how a config dataclass declares its options (help, bounds, flag, TOML key)
+    config/      options, sections, common, flags, toml_file: flags and TOML into one frozen
+                 TrainConfig in sections
     training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
                  resume: one run, from start-up to the last checkpoint
     model/       config, layers, gpt, precision, flops: the plain single-device GPT

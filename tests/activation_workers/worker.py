@@ -22,18 +22,17 @@ from tests.numerics import float64
 from trainer.comm.bootstrap import World, init
 from trainer.comm.mesh import Mesh
 from trainer.comm.topology import MeshShape
-from trainer.config.options import TrainConfig
 from trainer.construction import build_rank_model
 from trainer.data.corpus import load_corpus
+from trainer.pipeline.partition import StageLayout, stage_counts
 from trainer.tensor_parallel import shard_spec
-from trainer.training.pipeline_step import stage_layout
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
 
 def train_run(world: World, run: Run, out: Path) -> dict[str, Any]:
     cfg = run.config(str(out / run.name))
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
+    corpus = load_corpus(cfg.data.path, cap_bytes=int(cfg.data.data_cap_mb * 2**20))
     state = build_run(cfg, mesh_for(cfg, world), corpus)
     losses = [train_step(state, step).loss for step in range(1, STEPS + 1)]
     return {"losses": losses,
@@ -61,7 +60,7 @@ def construct(world: World, tp: int, pp: int) -> dict[str, Any]:
                       world.device)
     layout = None
     if pp > 1:
-        layout = stage_layout(TrainConfig(gpt=BIG, tp=tp, pp=pp), mesh.rank("pp"))
+        layout = StageLayout(pp, 1, mesh.rank("pp"), stage_counts(BIG.n_layer, pp, 1))
     with LargestAllocation() as seen:
         model = build_rank_model(BIG, BIG_SEED, device=world.device, layout=layout,
                                  tp=mesh.group("tp"))

@@ -12,7 +12,6 @@ every rank, so the test sees a failure instead of a hang.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from trainer.training.step import train_step
 
 
 def run_case(name: str, world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
-    cfg = resolve_dp(replace(case_config(name), run_dir=str(out / name)), world.size)
+    cfg = resolve_dp(case_config(name).with_options(run_dir=str(out / name)), world.size)
     run = build_run(cfg, mesh)
     losses, orders = [], []
     for step in range(1, STEPS + 1):
@@ -46,7 +45,7 @@ def run_case(name: str, world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
 
 def probe_no_sync(world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
     """Inside no_sync nothing is launched and grads stay local; the last microbatch reduces."""
-    cfg = resolve_dp(replace(case_config("accumulation"), run_dir=str(out)), world.size)
+    cfg = resolve_dp(case_config("accumulation").with_options(run_dir=str(out)), world.size)
     run = build_run(cfg, mesh)
     (x0, y0), (x1, y1) = run.batches.microbatches(1)
     run.dp.zero_grad()

@@ -11,7 +11,6 @@ trainer's own ``build_run``/``train_step`` in fp64.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from tests.numerics import float64
 from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.config.options import resolve_dp
-from trainer.model.config import GPTConfig
+from trainer.model.config import GPTConfig, MoEConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.layer import MoE
 from trainer.moe.parallel import shard_experts
@@ -48,8 +47,8 @@ def round_trip(ep: Communicator, experts_of: torch.Tensor) -> bool:
 def imbalance_probe(ep: Communicator) -> dict[str, Any]:
     """Every token of every rank goes to expert 0 (on member 0): outputs, input gradients and
     the summed expert gradients equal the plain loop's."""
-    cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, moe_experts=2 * ep.size,
-                    moe_topk=1, moe_z_loss_coeff=1e-3)
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8,
+                    moe=MoEConfig(experts=2 * ep.size, topk=1, z_loss_coeff=1e-3))
     torch.manual_seed(0)
     layer = MoE(cfg)
     with torch.no_grad():
@@ -76,7 +75,7 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
 
 
 def train_layout(case: str, layout: str, world: World, out: Path) -> dict[str, Any]:
-    cfg = resolve_dp(replace(case_config(case, layout), run_dir=str(out / case / layout)),
+    cfg = resolve_dp(case_config(case, layout).with_options(run_dir=str(out / case / layout)),
                      world.size)
     mesh = mesh_for(cfg, world)
     run = build_run(cfg, mesh)

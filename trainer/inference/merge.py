@@ -57,7 +57,7 @@ def shard_specs(cfg: GPTConfig, tp: int) -> dict[str, ShardSpec]:
 def load_serial(path: Path) -> tuple[GPT, dict[str, Any]]:
     """The single-device GPT of the committed checkpoint folder ``path``, and its meta."""
     meta = checkpoint.load(path).meta  # every file it reads is verified against the record
-    cfg = GPTConfig(**meta["model"])
+    cfg = GPTConfig.from_dict(meta["model"])
     tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
     specs = shard_specs(cfg, tp)
     full: dict[str, torch.Tensor] = {}

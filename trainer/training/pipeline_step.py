@@ -49,7 +49,7 @@ from trainer.pipeline.actions import Action
 from trainer.pipeline.check import check_schedule
 from trainer.pipeline.partition import StageLayout, describe
 from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_schedule
-from trainer.pipeline.schedule import build, chunks_of
+from trainer.pipeline.schedule import build
 from trainer.pipeline.stages import Batch, GPTStage, tied_weight
 from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
 
@@ -58,7 +58,7 @@ TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
 
 def stage_layout(cfg: TrainConfig, pp_rank: int) -> StageLayout:
     """This pipeline rank's `StageLayout` from the (already validated) config."""
-    return StageLayout(cfg.pp, chunks_of(cfg.schedule, cfg.virtual_stages), pp_rank,
+    return StageLayout(cfg.parallel.pp, cfg.parallel.chunks, pp_rank,
                        cfg.stage_layers)
 
 
@@ -131,12 +131,12 @@ class Pipeline:
 def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Communicator,
                    dp: DataParallel, device: torch.device) -> Pipeline:
     """The schedule, stage, p2p shape and embedding group of this rank (collective over pp)."""
-    schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, layout.v)
-    check_schedule(schedule, cfg.pp, layout.v, m=cfg.microbatches)
-    micro_batch = cfg.global_batch // (cfg.dp * cfg.microbatches)
+    schedule = build(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, layout.v)
+    check_schedule(schedule, cfg.parallel.pp, layout.v, m=cfg.parallel.microbatches)
+    micro_batch = cfg.micro_batch
     dtype = next(model.parameters()).dtype
     # Under sequence parallelism a stage sends its sequence block (trainer.activations).
-    seq = cfg.gpt.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
+    seq = cfg.gpt.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
     spec = P2PSpec((micro_batch, seq, cfg.gpt.d_model), dtype, str(device))
     agree_on_spec(pp, spec)
 
@@ -160,8 +160,9 @@ def _embedding_group(pp: Communicator, layout: StageLayout, tied: bool) -> Commu
 
 def describe_pipeline(cfg: TrainConfig) -> str:
     """The banner's pipeline part, e.g. ``interleaved, v 2, 8 microbatches, layers 0|1|2|3``."""
-    v = chunks_of(cfg.schedule, cfg.virtual_stages)
-    return (f"{cfg.schedule}{f', v {v}' if v > 1 else ''}, {cfg.microbatches} microbatch(es), "
+    par = cfg.parallel
+    v = par.chunks
+    return (f"{par.schedule}{f', v {v}' if v > 1 else ''}, {par.microbatches} microbatch(es), "
             f"layers {describe(cfg.stage_layers)}")
 
 
@@ -171,10 +172,10 @@ def write_timeline(pipe: Pipeline, run_dir: Path, *, write: bool) -> str:
     if pipe.last is None:
         return ""
     events = gather(pipe.comm, pipe.last.timeline, pipe.spec.device)
-    p, m, v = pipe.comm.size, pipe.cfg.microbatches, pipe.layout.v
+    p, m, v = pipe.comm.size, pipe.cfg.parallel.microbatches, pipe.layout.v
     stats = bubble(events, p)
-    ideal = theory(pipe.cfg.schedule, p, m, v)
-    title = f"{pipe.cfg.schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
+    ideal = theory(pipe.cfg.parallel.schedule, p, m, v)
+    title = f"{pipe.cfg.parallel.schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
     if write:
         write_chrome_trace(run_dir / TIMELINE_JSON, events, title=title)
         write_gantt(run_dir / TIMELINE_PNG, events, title=f"last step: {title}")

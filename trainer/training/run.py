@@ -95,28 +95,30 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
     device = mesh.device
     corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
-    layout = stage_layout(cfg, mesh.rank("pp")) if cfg.pp > 1 else None
+    layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
     model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
-    experts = apply_expert_parallel(model, mesh, microbatches=cfg.microbatches)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    experts = apply_expert_parallel(model, mesh, microbatches=cfg.parallel.microbatches)
+    optimizer = _optimizer(cfg, model)
     shard = (mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep"))
     deciders = [mesh.group("dp"), mesh.group("tp"), mesh.group("pp")]
     start, resumed, ckpt = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
-                                   device=device) if cfg.resume else \
+                                   device=device) if cfg.checkpoint.resume else \
         start_anew(cfg, leader=mesh.rank() == 0)
-    dtype = model_dtype(cfg.precision, device)
+    dtype = model_dtype(cfg.optimizer.precision, device)
     dp, main, zero = _data_parallel(cfg, model, optimizer, dtype, mesh, experts, layout=layout,
                                     ckpt=ckpt, shard=shard)
     optimizer = main.optimizer if main is not None else optimizer
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
-    if cfg.compile and compile_blocks(model, cfg.global_batch // (cfg.dp * cfg.microbatches),
+    if cfg.compile and compile_blocks(model, cfg.micro_batch,
                                       world=mesh.group()):
         notes.append("compiled blocks")
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
-                             plan=BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches),
+                             plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
+                                            cfg.parallel.microbatches),
                              dp_rank=mesh.rank("dp"))
-    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                        decay_steps=cfg.schedule_end)
+    opt = cfg.optimizer
+    schedule = Schedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+                        decay_steps=cfg.decay_end)
     scope = tp_scope(mesh.group("tp"))
     if experts:
         scope = ep_scope(scope, mesh.group("ep"), model)
@@ -124,7 +126,7 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
         if layout is not None else None
     if pipeline is not None:
         scope = pipeline.norm_scope(scope)
-    writers = mesh.group() if cfg.zero else mesh.group().split(
+    writers = mesh.group() if cfg.optimizer.zero else mesh.group().split(
         mesh.rank("edp"), mesh.rank("tp", "ep", "pp"), name="writers")
     return Run(cfg, mesh, model, optimizer, dp, batches, corpus, schedule,
                is_writer=mesh.rank() == 0, start_step=start, resumed=resumed,
@@ -152,10 +154,11 @@ def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corp
 def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
                 tracker: RNGStatesTracker, device: torch.device) -> GPT:
     """This rank's part of the model (its stage under ``layout``, its TP shard over ``tp``)."""
-    if not cfg.gpt.moe_experts:  # built on the meta device, only this rank's shard allocated
+    if not cfg.gpt.moe.experts:  # built on the meta device, only this rank's shard allocated
         return build_rank_model(cfg.gpt, cfg.seed, device=device, layout=layout, tp=tp,
-                                tracker=tracker, sequence_parallel=cfg.sequence_parallel,
-                                recompute=cfg.recompute)
+                                tracker=tracker,
+                                sequence_parallel=cfg.parallel.sequence_parallel,
+                                recompute=cfg.parallel.recompute)
     # Per-rank construction does not cover experts yet (trainer.config.options refuses SP and
     # recompute with them): the model is built whole, then cut and sharded.
     model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
@@ -171,21 +174,27 @@ def _data_parallel(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimize
                               ZeroOptimizer | None]:
     """DP over the mesh's DP group, and what holds the main weights: (dp, main, the ZeRO
     optimizer)."""
-    reduce_dtype = DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype != "fp32" else None
+    par = cfg.parallel
+    reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
     dp_comm = mesh.group("dp")
-    if cfg.zero:  # the tied embedding gets a bucket of its own: its shards match across stages
+    if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
-        sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=cfg.bucket_size,
-                                overlap=cfg.overlap, reduce_dtype=reduce_dtype,
+        sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=par.bucket_size,
+                                overlap=par.overlap, reduce_dtype=reduce_dtype,
                                 alone=[tied] if tied is not None else [])
         if ckpt is not None and ckpt.optim is None:
             resume_shards(zero, ckpt, shard[:2], [mesh.group()], mesh.device)
         return sync, zero, zero
-    dp_options: dict[str, Any] = dict(bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+    dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
     dp = ExpertDataParallel.build(model, dp_comm, mesh.group("edp"), **dp_options) \
         if experts else DataParallel(model, dp_comm, **dp_options)
     # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
-    main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
-        params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
+    main = MainParams.take(model, optimizer, dtype, lambda params: _optimizer(cfg, params)) \
+        if dtype is not None else None
     return dp, main, None
+
+
+def _optimizer(cfg: TrainConfig, params: torch.nn.Module | list[torch.nn.Parameter]
+               ) -> torch.optim.Optimizer:
+    return build_optimizer(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)

@@ -141,10 +141,10 @@ def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:
 
 def training_data(cfg: TrainConfig) -> Corpus:
     """The run's corpus, refused when the model or the splits cannot use it."""
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20),
-                         val_fraction=cfg.val_fraction)
+    corpus = load_corpus(cfg.data.path, cap_bytes=int(cfg.data.data_cap_mb * 2**20),
+                         val_fraction=cfg.data.val_fraction)
     check_vocab(corpus, cfg.gpt.vocab_size)
-    check_splits(corpus, cfg.gpt.seq_len, validation=cfg.eval_every > 0)
+    check_splits(corpus, cfg.gpt.seq_len, validation=cfg.logging.eval_every > 0)
     return corpus
 
 

@@ -61,7 +61,7 @@ def run_step(run: Run, step: int) -> PendingStep:
         run.pipeline.sync_tied_grads()
     params, scope = (run.main.grads(), run.main.scope(run.norm_scope)) if run.main else (
         run.dp.params, run.norm_scope)
-    grad_norm = clip_grad_norm(params, run.cfg.grad_clip, scope)
+    grad_norm = clip_grad_norm(params, run.cfg.optimizer.grad_clip, scope)
     if run.pipeline is not None:
         loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
     else:
@@ -78,7 +78,7 @@ def run_step(run: Run, step: int) -> PendingStep:
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
     record = StepRecord(step=step, loss=math.nan, lr=lr, grad_norm=math.nan,
-                        tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
+                        tokens=run.cfg.data.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
                         compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total,
                         moe=load)
     return PendingStep(loss, grad_norm, record)
