@@ -53,13 +53,22 @@ class ProgressReporter:
         now = time.monotonic()  # the records' clock (`workerenv`)
         out = []
         for rank in self.ranks:
-            path = self.path(rank)
-            record = workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
+            record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
             state, cpu = ("exited", None) if rank not in pids else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             out.append(replace(view, cpu_share=self._share(rank, cpu, now)))
         return out
+
+    @staticmethod
+    def _record(path: str) -> workerenv.RankProgress | None:
+        """The rank's record; None when it has none yet, or when it cannot be read now: out
+        of files (a flood of connections to the PMI port) or memory is the next reading's
+        problem, never the agent's end."""
+        try:
+            return workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
+        except OSError:
+            return None
 
     def _share(self, rank: int, cpu: float | None, now: float) -> float:
         """The share of a core ``rank`` used since the reading at least `CPU_WINDOW_S` ago
