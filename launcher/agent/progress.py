@@ -1,7 +1,9 @@
 """The agent's side of progress records: a private folder, reading, stacks (adapter).
 
 Each rank gets ``DTRAIN_PROGRESS_FILE`` in a folder of its own job made with ``mkdtemp`` (mode
-0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves.
+0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves;
+its name marks the agent, so that the next agent on the host removes it if this one is killed
+(`launcher.agent.leftovers`, run before the folder is made).
 The agent reads the records without the ranks' help (layout in `workerenv`), notes the share
 of a core each rank used since an earlier reading (/proc: a rank busy outside communication
 is working, not hung; `launcher.hang.watch`) and sends the head one PROGRESS frame per
@@ -24,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import workerenv
+from launcher.agent import leftovers
 from launcher.hang.views import RankView, view_of
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
@@ -40,7 +43,9 @@ class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
                  send: Callable[[dict[str, Any]], object]) -> None:
         base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
-        self.folder = tempfile.mkdtemp(prefix=f"dtrain-{job_id}-", dir=base)
+        mark = leftovers.own_mark()
+        leftovers.sweep(base or tempfile.gettempdir(), mark)  # what dead agents left here
+        self.folder = tempfile.mkdtemp(prefix=leftovers.folder_prefix(job_id, mark), dir=base)
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
