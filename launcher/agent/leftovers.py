@@ -28,8 +28,6 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from launcher.pmi.actions import shm_segment_prefixes
-
 SHM = "/dev/shm"
 _FOLDER = re.compile(r"dtrain-(?P<job>.+)-agent(?P<pid>\d+)_(?P<start>\d+)_(?P<ns>\d+)-\w+\Z")
 
@@ -128,6 +126,8 @@ def sweep(base: str, ours: AgentMark | None) -> list[str]:
 def remove_mpich_segments(kvsname: str) -> None:
     """Delete the /dev/shm segments of the job's MPICH ranks (killed ranks leave them): files
     of ours only, never through a link."""
+    from launcher.pmi.actions import shm_segment_prefixes  # not at the agent's start-up
+
     prefixes = shm_segment_prefixes(kvsname)
     try:
         shm = os.open(SHM, os.O_RDONLY | os.O_DIRECTORY)
