@@ -29,7 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 SHM = "/dev/shm"
-_FOLDER = re.compile(r"dtrain-(?P<job>.+)-agent(?P<pid>\d+)_(?P<start>\d+)_(?P<ns>\d+)-\w+\Z")
+#: Compiled at its first use (re's cache), not during the agent's start-up.
+_FOLDER = r"dtrain-(?P<job>.+)-agent(?P<pid>\d+)_(?P<start>\d+)_(?P<ns>\d+)-\w+\Z"
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ def folder_prefix(job_id: str, mark: AgentMark | None) -> str:
 
 def parse(name: str) -> tuple[str, AgentMark] | None:
     """(job id, the agent's mark) of a folder named by `folder_prefix`, else None."""
-    m = _FOLDER.match(name)
+    m = re.match(_FOLDER, name) if name.startswith("dtrain-") and "-agent" in name else None
     if m is None:
         return None
     return m["job"], AgentMark(int(m["pid"]), int(m["start"]), int(m["ns"]))
