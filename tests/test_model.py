@@ -110,7 +110,7 @@ def test_a_few_steps_on_one_batch_lower_the_loss() -> None:
     ({"n_head": 3}, "divisible by n_head"),
     ({"n_head": 32}, "must be even"),
     ({"norm": "batchnorm"}, r"\[--norm batchnorm\]: must be one of layernorm, rmsnorm"),
-    ({"dropout": 1.0}, r"\[--dropout 1.0\]: must be < 1"),
+    ({"dropout": 1.0}, r"\[--dropout 1.0\]: must be below 1"),
     ({"n_layer": 0}, r"\[--n-layer 0\]: must be >= 1"),
 ])
 def test_invalid_model_shapes_are_rejected_with_the_reason(bad: dict, message: str) -> None:

@@ -30,11 +30,11 @@ SCALARS = (int, float, str, bool)
 
 def option(default: Any, help: str, *, flag: str = "", choices: tuple[Any, ...] = (),
            at_least: float | None = None, above: float | None = None,
-           below: float | None = None) -> Any:
+           below: float | None = None, at_most: float | None = None) -> Any:
     """A documented option: ``help`` is its line of ``--help``; ``flag`` replaces the name on
     the command line; ``choices`` and the bounds are checked by `Section`."""
     meta = {"help": help, "flag": flag, "choices": choices, "at_least": at_least,
-            "above": above, "below": below}
+            "above": above, "below": below, "at_most": at_most}
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -111,14 +111,22 @@ class Section:
             if isinstance(value, float) and not math.isfinite(value):
                 _refuse(self.flag_prefix + f.name, meta, value, "must be a finite number")
             for bound, ok, words in (("at_least", operator.ge, ">="), ("above", operator.gt, ">"),
-                                     ("below", operator.lt, "<")):
+                                     ("below", operator.lt, "below"),
+                                     ("at_most", operator.le, "at most")):
                 if meta[bound] is not None and not ok(value, meta[bound]):
                     _refuse(self.flag_prefix + f.name, meta, value,
-                            f"must be {words} {meta[bound]:g}")
+                            f"must be {words} {_number(meta[bound])}")
         self.check()
 
     def check(self) -> None:
         """Relations between this section's options (none by default)."""
+
+
+def _number(bound: float) -> str:
+    """A bound as people write it: ``2**64`` for a large power of two, else ``%g``."""
+    if isinstance(bound, int) and bound >= 2**16 and bound & (bound - 1) == 0:
+        return f"2**{bound.bit_length() - 1}"
+    return f"{bound:g}"
 
 
 def _refuse(name: str, meta: Mapping[str, Any], value: Any, why: str) -> None:

@@ -51,7 +51,7 @@ class TrainConfig(Section):
                                "checkpoint, every rank after the same step (checked every "
                                "--log-every steps; 0 = no limit)", at_least=0)
     seed: int = option(1234, "seed of initialisation, data order and dropout", at_least=0,
-                       below=2**63)
+                       below=2**64)
     skip_nonfinite: int = option(0, "skip at most N steps whose loss or gradient norm is NaN or "
                                  "Inf (their update is dropped) before stopping; 0 = stop at "
                                  "the first", at_least=0)

@@ -152,7 +152,7 @@ class DataSection(Section):
     path: str | None = option(None, "text file or folder to train on (default: the Python "
                               "stdlib sources)", flag="data")
     data_cap_mb: float = option(8.0, "read at most this many MiB of training text (the "
-                                "validation split is read after it)", above=0)
+                                "validation split is read after it)", above=0, at_most=2**43)
     val_fraction: float = option(DEFAULT_VAL_FRACTION, "hold out this last fraction of the data "
                                  "for validation (never trained on)", at_least=0, below=1)
     global_batch: int = option(32, "sequences per optimizer step, summed over data-parallel "

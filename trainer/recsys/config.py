@@ -72,6 +72,8 @@ class RecsysData(Section):
             raise ConfigError("vocabulary sizes do not match the features",
                               f"--vocab {self.vocab}", f"{len(vocab)} sizes for "
                               f"{self.features} features", "Give one size, or one per feature")
+        if not self.path:  # the synthetic log's size is known now; a file's once it is read
+            check_rows(self, self.rows - max(1, int(self.rows * self.val_fraction)))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,7 +93,7 @@ class RecsysConfig(Section):
     steps: int = option(200, "optimizer steps in total (a resumed run stops at the same step)",
                         at_least=1)
     seed: int = option(1234, "seed of the synthetic log, initialisation and batch order",
-                       at_least=0, below=2**63)
+                       at_least=0, below=2**64)
     backend: str = option("auto", "communication backend: auto (nccl on GPU, else mpi), mpi or "
                           "nccl", choices=BACKENDS)
     run_dir: str = option("runs/recsys", "folder for checkpoints, metrics.jsonl, loss.png and "
@@ -131,6 +133,18 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
         raise ConfigError("invalid list of sizes", f"{flag} {text}",
                           "expected positive integers separated by commas", f"E.g. {flag} 64,32")
     return values
+
+
+def check_rows(data: RecsysData, train_rows: int) -> None:
+    """Refuse a log with fewer training rows (after the validation split) than one step
+    takes."""
+    if train_rows < data.global_batch:
+        source = f"--data {data.path}" if data.path else f"--rows {data.rows}"
+        raise ConfigError("too few training rows for one step",
+                          f"{source} --global-batch {data.global_batch}",
+                          f"{max(train_rows, 0)} training row(s) after the --val-fraction "
+                          f"{data.val_fraction} split, and every step takes "
+                          f"{data.global_batch}", "Give more rows, or a smaller --global-batch")
 
 
 def check_world(cfg: RecsysConfig, world_size: int) -> None:
