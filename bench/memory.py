@@ -127,7 +127,7 @@ class Side:
         from trainer.zero.memory import expected_bytes, held_bytes
 
         run = self.run
-        held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
+        held = held_bytes(run.model.parameters(), run.dp.buffer, run.weights.optimizer)
         n = sum(p.numel() for p in run.dp.params)
         calc = expected_bytes(n, bf16=False, zero=self.cfg.optimizer.zero, dp=self.cfg.parallel.dp)
         return {"layout": self.name, "steps": self.steps, "params": held.params,

@@ -53,7 +53,7 @@ def run(out: Path) -> dict[str, Any]:
     _, result["fp32"] = train_loop(world, config(precision="fp32",
                                                  run_dir=str(out / "fp32")))
     bf16, result["bf16"] = train_loop(world, config(precision="bf16", run_dir=str(out / "bf16")))
-    result["bf16"]["main"] = {n: t.detach().clone() for n, t in bf16.main.state_dict().items()}
+    result["bf16"]["main"] = {n: t.detach().clone() for n, t in bf16.weights.state_dict().items()}
     result["bf16"]["checkpoint"] = str(save_checkpoint(bf16, STEPS))
     _, result["bf16_reduce"] = train_loop(world, config(
         precision="bf16", grad_reduce_dtype="bf16", run_dir=str(out / "bf16-reduce")))

@@ -15,7 +15,7 @@ from trainer.config.options import TrainConfig
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import load_corpus
 from trainer.model.gpt import GPT
-from trainer.optim.optimizer import Schedule, build_optimizer, set_lr
+from trainer.optim.optimizer import LRSchedule, build_optimizer, set_lr
 
 
 def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True,
@@ -40,7 +40,7 @@ def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) 
                              plan=BatchPlan(cfg.data.global_batch, 1, cfg.parallel.microbatches),
                              seed=cfg.seed, dp_rank=0)
     opt = cfg.optimizer
-    schedule = Schedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+    schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
                         decay_steps=cfg.decay_end)
     losses, norms = [], []
     for step in range(1, steps + 1):

@@ -76,6 +76,7 @@ from trainer.data.corpus import Corpus, skipped_warning
 from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
 from trainer.model.flops import mfu, peak_tflops
+from trainer.optim.mixed_precision import MainParams
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, startup
 from trainer.training.expert_load import write_load_plot
@@ -83,13 +84,12 @@ from trainer.training.guard import check_parameters
 from trainer.training.metrics import MetricsLog
 from trainer.training.pipeline_step import (
     describe_pipeline,
-    write_timeline,
 )
 from trainer.training.readout import PendingStep
 from trainer.training.resume import meta_of
 from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
-from trainer.zero import memory
+from trainer.zero import ZeroOptimizer, memory
 from trainer.zero.memory import PeakMemory
 from trainer.zero.state import shard_files
 
@@ -109,22 +109,21 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
     tp x pp (x ep) ranks one shard each, together; others return None. Under --zero 1 every
     rank writes its optimizer shard (`trainer.zero.state`), DP rank 0 the model besides.
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
-    main, mesh = run.main, run.mesh
-    check_parameters(main.main if main else run.model.parameters(), step, mesh.group(),
-                     report=run.is_writer)
+    weights, mesh = run.weights, run.mesh
+    check_parameters(weights.values(), step, mesh.group(), report=run.is_writer)
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
     root = Path(run.cfg.run_dir) / "checkpoints"
-    if run.zero is not None:
+    if isinstance(weights, ZeroOptimizer):
         tp, pp = mesh.rank("tp"), mesh.rank("pp")
         return checkpoint.save(root, step, model=run.model.state_dict()
                                if mesh.is_first("dp") else None, optim=None, meta=meta,
                                keep=run.cfg.checkpoint.keep, writers=run.writers,
                                shard=(tp, pp),
-                               extra=shard_files(run.zero, tp, pp))
+                               extra=shard_files(weights, tp, pp))
     if not mesh.is_first("edp"):  # the first EP block of DP ranks holds every expert
         return None
-    model = main.state_dict() if main else run.model.state_dict()
-    return checkpoint.save(root, step, model=model, optim=run.optimizer.state_dict(),
+    model = weights.state_dict() if isinstance(weights, MainParams) else run.model.state_dict()
+    return checkpoint.save(root, step, model=model, optim=weights.optimizer.state_dict(),
                            meta=meta, keep=run.cfg.checkpoint.keep, writers=run.writers,
                            shard=(mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep")))
 
@@ -142,9 +141,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
     peak_mem = PeakMemory(world.device)
-    pipe = run.pipeline
-    validation = Validation.of(run.corpus, run.batches, run.model, run.mesh.group("dp"),
-                               pipe and pipe.comm, pipe and pipe.layout) \
+    validation = Validation.of(run.corpus, run.batches, run.model, run.body,
+                               run.mesh.group("dp"), run.mesh.group("pp")) \
         if cfg.logging.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
@@ -171,8 +169,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             if last:
                 break
         result.checkpoint = save_checkpoint(run, result.final_step)
-        if run.pipeline is not None and run.mesh.is_first("tp", "dp"):
-            log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))
+        if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
+            log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
         _log_steps(log, result, pending)  # the good steps before an error are kept
         log.close(plot_title=f"{cfg.model.preset} GPT, {_layout(cfg)}, "
@@ -218,7 +216,7 @@ def _banner(run: Run, world_size: int) -> str:
     return (f"dtrain: {cfg.model.preset} GPT, {run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size} = {_layout(cfg, ' x ')}{pipeline} | "
             f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
-            f"{', ZeRO-1' if run.zero else ''}"
+            f"{', ZeRO-1' if cfg.optimizer.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
             f"grad bucket(s), overlap {'on' if par.overlap else 'off'} | global batch "
             f"{cfg.data.global_batch} x {cfg.gpt.seq_len} bytes, {par.microbatches} "

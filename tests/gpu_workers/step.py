@@ -60,7 +60,7 @@ def sync_probe(world: World, out: Path, dims: MeshShape) -> dict[str, Any]:
     run = build_run(cfg, mesh_for(cfg, world))
     counts, reads, pending = [], [], []
     for step in range(1, STEPS + 1):
-        with HostSyncs(ignore=optimizer_step_counters(run.optimizer)) as syncs:
+        with HostSyncs(ignore=optimizer_step_counters(run.weights.optimizer)) as syncs:
             pending.append(run_step(run, step))
         counts.append(syncs.count)
         reads.append(syncs.ops)

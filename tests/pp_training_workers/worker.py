@@ -38,8 +38,8 @@ def train_case(world: World, c: Case, out: Path) -> dict[str, Any]:
     return {"coords": (mesh.rank("tp"), mesh.rank("dp"), mesh.rank("pp")),
             "losses": losses, "norms": norms, "params": full_state(run.model, mesh.group("tp")),
             "local": {n: t.detach().clone() for n, t in run.model.state_dict().items()},
-            "in_flight": run.pipeline.last.max_in_flight,
-            "tied_group": run.pipeline.embd.size if run.pipeline.embd is not None else 0}
+            "in_flight": run.body.last.max_in_flight,
+            "tied_group": run.body.embd.size if run.body.embd is not None else 0}
 
 
 def checkpoint_runs(world: World, c: Case, out: Path) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from trainer.errors import TrainerError
 from trainer.train import save_checkpoint, train
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
+from trainer.zero import ZeroOptimizer
 from trainer.zero.memory import held_bytes
 from trainer.zero.reshard import FlatIndex, plan_reads
 from trainer.zero.state import flat_index, index_name, shard_name
@@ -44,10 +45,11 @@ def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
     """``steps`` steps of ``cfg``; with ``save`` a checkpoint at the end, read back on rank 0."""
     run = build_run(cfg, mesh_for(cfg, world))
     recs = [train_step(run, step) for step in range(1, steps + 1)]
-    held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
+    held = held_bytes(run.model.parameters(), run.dp.buffer, run.weights.optimizer)
     saved = save_checkpoint(run, steps) if save else None
     name_of = {id(p): n for n, p in run.model.named_parameters()}
-    order = [name_of[id(p)] for p in itertools.chain(*run.zero.full_groups)] if run.zero else []
+    zero = run.weights if isinstance(run.weights, ZeroOptimizer) else None
+    order = [name_of[id(p)] for p in itertools.chain(*zero.full_groups)] if zero else []
     return {"losses": [r.loss for r in recs], "norms": [r.grad_norm for r in recs],
             "local": {n: t.detach().clone() for n, t in run.model.state_dict().items()},
             "n_params": sum(p.numel() for p in run.dp.params), "held": held, "order": order,
@@ -102,7 +104,7 @@ def resume_split(world: World, out: Path) -> dict[str, Any]:
     again = split.with_options(resume=True)
     return {"whole": whole.losses, "first": first.losses, "second": second.losses,
             "start": second.start_step, "run_dirs": [str(out / "whole"), str(out / "split")],
-            "states": ckpts, "reads": resumed(again, world.comm, world).zero.restored,
+            "states": ckpts, "reads": resumed(again, world.comm, world).weights.restored,
             "refused": {"model": refusal(again.with_options(n_layer=3),
                                          world),
                         "zero0": refusal(again.with_options(zero=0), world),
@@ -142,8 +144,8 @@ def phase(cfg: Any, comm: Communicator, world: World, last: int, *, resume: bool
     run = resumed(cfg.with_options(resume=resume), comm, world)
     losses = [train_step(run, step).loss for step in range(run.start_step + 1, last + 1)]
     save_checkpoint(run, last)
-    return {"losses": losses, "reads": run.zero.restored, "pieces": run.zero.pieces,
-            "names": flat_index(run.zero).names}
+    return {"losses": losses, "reads": run.weights.restored, "pieces": run.weights.pieces,
+            "names": flat_index(run.weights).names}
 
 
 def change_dp(world: World, out: Path) -> dict[str, Any]:

@@ -1,12 +1,15 @@
-"""One training run as a rank holds it: model, optimizer, DP, data, schedule, groups.
+"""One training run as a rank holds it: model, gradient sync, main weights, step body, data.
 
-`build_run` assembles it from the config and the communicators (the same code for every
-layout); `trainer.train` steps it.
+`build_run(cfg, mesh)` assembles it (the same code for every layout) and chooses, once, what
+varies between layouts: the step body (plain accumulation or a pipeline schedule,
+`trainer.training.body`) and the holder of the main weights (the model's fp32 parameters, fp32
+copies of a bf16 model, or ZeRO-1's pieces, `trainer.optim.main_weights`). `trainer.train`
+steps it with `trainer.training.step.run_step`, which reads straight through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,21 +30,20 @@ from trainer.gpu.settings import configure_matmul
 from trainer.model.gpt import GPT
 from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
 from trainer.optim.grad_clip import NormScope, tp_scope
+from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
-from trainer.optim.optimizer import Schedule, build_optimizer
+from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.pipeline.partition import StageLayout
 from trainer.pipeline.stages import build_stage_model, tied_weight
 from trainer.tensor_parallel.parallelize import parallelize
 from trainer.tensor_parallel.random import RNGStatesTracker
 from trainer.training import startup
+from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
-from trainer.training.pipeline_step import (
-    Pipeline,
-    build_pipeline,
-    stage_layout,
-)
+from trainer.training.pipeline_step import build_pipeline, stage_layout
 from trainer.training.resume import restore, start_anew
-from trainer.zero import ZeroOptimizer, build_zero, resume_shards
+from trainer.training.step import DropoutSeeds
+from trainer.zero import build_zero, resume_shards
 
 
 @dataclass
@@ -52,32 +54,35 @@ class Run:
     mesh: Mesh
     """This rank's place on the axes and its groups, each timed on ``clock``."""
     model: GPT
-    optimizer: torch.optim.Optimizer
     dp: DataParallel
+    """The gradient sync: DP (expert DP with experts, the reduce-scatter under ZeRO-1)."""
+    weights: MainWeights
+    """What AdamW steps (`trainer.optim.main_weights`)."""
+    body: StepBody
+    """Forward and backward of a step: accumulation or a pipeline (`trainer.training.body`)."""
     batches: ShardedBatches
     corpus: Corpus
-    schedule: Schedule
-    is_writer: bool
-    start_step: int = 0
-    resumed: str = ""
-    """What --resume did: the step, skipped checkpoints, changed options (for the banner)."""
-    tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
+    lr_schedule: LRSchedule
+    seeds: DropoutSeeds
+    tracker: RNGStatesTracker
     """Random streams of TP regions (attention dropout), reseeded every step."""
-    norm_scope: NormScope = field(default_factory=NormScope)
-    pipeline: Pipeline | None = None
-    """The pipeline of this rank (``--pp > 1``), else None."""
-    writers: Communicator | None = None
-    """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
-    guard: StepGuard = field(default_factory=StepGuard)
-    clock: CommClock = field(default_factory=CommClock)
-    """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
-    main: MainParams | ZeroOptimizer | None = None
-    """The fp32 main parameters under ``--precision bf16`` (`trainer.optim.mixed_precision`), or
-    under ``--zero 1`` the sharded optimizer, which has the same interface."""
-    zero: ZeroOptimizer | None = None
-    """The ZeRO-1 optimizer (``--zero 1``, `trainer.zero`), else None."""
-    device_notes: str = ""
+    norm_scope: NormScope
+    """Which groups the gradient norm is summed over, and what this rank counts in it."""
+    guard: StepGuard
+    clock: CommClock
+    """Communication time of every group (`trainer.comm.timing`)."""
+    writers: Communicator
+    """The ranks that write one checkpoint together (`trainer.train.save_checkpoint`)."""
+    start_step: int
+    resumed: str
+    """What --resume did: the step, skipped checkpoints, changed options (for the banner)."""
+    device_notes: str
     """What `trainer.gpu` set up for the banner (tf32, compiled blocks)."""
+
+    @property
+    def is_writer(self) -> bool:
+        """Global rank 0: it logs and reports for the run."""
+        return self.mesh.rank() == 0
 
 
 def mesh_for(cfg: TrainConfig, world: World) -> Mesh:
@@ -105,34 +110,30 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
                                    device=device) if cfg.checkpoint.resume else \
         start_anew(cfg, leader=mesh.rank() == 0)
     dtype = model_dtype(cfg.optimizer.precision, device)
-    dp, main, zero = _data_parallel(cfg, model, optimizer, dtype, mesh, experts, layout=layout,
-                                    ckpt=ckpt, shard=shard)
-    optimizer = main.optimizer if main is not None else optimizer
+    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, experts, clock, layout=layout,
+                           resumed=(ckpt, shard))
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
-    if cfg.compile and compile_blocks(model, cfg.micro_batch,
-                                      world=mesh.group()):
+    if cfg.compile and compile_blocks(model, cfg.micro_batch, world=mesh.group()):
         notes.append("compiled blocks")
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
                              plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
                                             cfg.parallel.microbatches),
                              dp_rank=mesh.rank("dp"))
     opt = cfg.optimizer
-    schedule = Schedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
-                        decay_steps=cfg.decay_end)
+    lr_schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+                             decay_steps=cfg.decay_end)
+    body: StepBody = build_pipeline(cfg, model, layout, mesh.group("pp"), dp,
+                                    mesh.group("dp"), device) if layout is not None else \
+        Accumulation(model, dp, mesh.group("dp"))
     scope = tp_scope(mesh.group("tp"))
     if experts:
         scope = ep_scope(scope, mesh.group("ep"), model)
-    pipeline = build_pipeline(cfg, model, layout, mesh.group("pp"), dp, device) \
-        if layout is not None else None
-    if pipeline is not None:
-        scope = pipeline.norm_scope(scope)
     writers = mesh.group() if cfg.optimizer.zero else mesh.group().split(
         mesh.rank("edp"), mesh.rank("tp", "ep", "pp"), name="writers")
-    return Run(cfg, mesh, model, optimizer, dp, batches, corpus, schedule,
-               is_writer=mesh.rank() == 0, start_step=start, resumed=resumed,
-               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main, zero=zero,
-               device_notes=", ".join(n for n in notes if n))
+    return Run(cfg, mesh, model, dp, weights, body, batches, corpus, lr_schedule,
+               DropoutSeeds.of(cfg.seed, mesh, pipelined=layout is not None), tracker,
+               body.norm_scope(scope), StepGuard(cfg.skip_nonfinite), clock, writers, start,
+               resumed, ", ".join(n for n in notes if n))
 
 
 def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corpus:
@@ -142,7 +143,7 @@ def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corp
     if mesh.shape != shape:
         raise TrainerError("mesh does not match the options", repr(mesh),
                            f"the options ask for {shape}",
-                           "Build the mesh from the run's options (`mesh_shape`)")
+                           "Build the mesh from the run's options (`mesh_for`)")
     corpus = startup.training_data(cfg) if corpus is None else corpus
     startup.require_same(mesh.group(), int(corpus.fingerprint[:15], 16), mesh.device,
                          "ranks read different training data", corpus.source,
@@ -166,14 +167,11 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
     return parallelize(model, tp, tracker=tracker)
 
 
-def _data_parallel(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-                   dtype: torch.dtype | None, mesh: Mesh, experts: bool, *,
-                   layout: StageLayout | None, ckpt: Checkpoint | None,
-                   shard: tuple[int, int, int]
-                   ) -> tuple[DataParallel, MainParams | ZeroOptimizer | None,
-                              ZeroOptimizer | None]:
-    """DP over the mesh's DP group, and what holds the main weights: (dp, main, the ZeRO
-    optimizer)."""
+def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
+             dtype: torch.dtype | None, mesh: Mesh, experts: bool, clock: CommClock, *,
+             layout: StageLayout | None, resumed: tuple[Checkpoint | None, tuple[int, ...]]
+             ) -> tuple[DataParallel, MainWeights]:
+    """The gradient sync over the mesh's DP group, and what holds the main weights."""
     par = cfg.parallel
     reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
     dp_comm = mesh.group("dp")
@@ -181,18 +179,19 @@ def _data_parallel(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimize
         tied = tied_weight(model, layout) if layout else None
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=par.bucket_size,
                                 overlap=par.overlap, reduce_dtype=reduce_dtype,
-                                alone=[tied] if tied is not None else [])
+                                alone=[tied] if tied is not None else [], blocked=clock.blocked)
+        ckpt, shard = resumed
         if ckpt is not None and ckpt.optim is None:
             resume_shards(zero, ckpt, shard[:2], [mesh.group()], mesh.device)
-        return sync, zero, zero
+        return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
     dp = ExpertDataParallel.build(model, dp_comm, mesh.group("edp"), **dp_options) \
         if experts else DataParallel(model, dp_comm, **dp_options)
+    if dtype is None:
+        return dp, PlainWeights(dp.params, optimizer)
     # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
-    main = MainParams.take(model, optimizer, dtype, lambda params: _optimizer(cfg, params)) \
-        if dtype is not None else None
-    return dp, main, None
+    return dp, MainParams.take(model, optimizer, dtype, lambda params: _optimizer(cfg, params))
 
 
 def _optimizer(cfg: TrainConfig, params: torch.nn.Module | list[torch.nn.Parameter]
