@@ -57,7 +57,7 @@ launcher/ and trainer/ never import each other.
     dryrun       the --dry-run table: hosts, ranks, environments, the program each runs
     mpirun/      command       --launcher mpirun: the same plan as an mpiexec/mpirun command
                  rankshim      each rank under it: contract, interfaces, abort on failure
-    wire         head <-> agent frames (pure)
+    wire         head <-> agent frames, and the typed SPEC whose defaults are the only ones (pure)
     netroute     which local address and interface reach a given host
     errors       the exception hierarchy
 

@@ -36,6 +36,8 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
                          "hang_timeout", "hang_action"),
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
 }
+#: The defaults the options show: each is written once, in its dataclass.
+SUPERVISE, SSH, LAUNCH = SuperviseOptions(), SSHOptions(), LaunchRequest(argv=())
 FORGOT_DASHES = ("If it belongs to your program, put `--` before the program: "
                  "dtrain launch [OPTIONS] -- PROGRAM [ARGS]...")
 
@@ -84,7 +86,8 @@ def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="known_hosts file (default from ssh_config or ~/.ssh/known_hosts)."),
         click.option("--ssh-accept-new", is_flag=True,
                      help="Trust and record unknown host keys (changed keys are always refused)."),
-        click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True,
+        click.option("--ssh-connect-timeout", type=float, default=SSH.connect_timeout,
+                     show_default=True,
                      help="Seconds to wait for each host's TCP connection."),
         click.option("--ssh-allow-config-exec", is_flag=True,
                      help="Let ssh_config ProxyCommand / Match exec run (refused by default)."),
@@ -100,7 +103,7 @@ def _host_request(kw: dict[str, Any]) -> HostRequest:
 
 def _ssh_options(kw: dict[str, Any]) -> SSHOptions:
     config, known = kw.pop("ssh_config"), kw.pop("known_hosts")
-    return SSHOptions(client=kw.pop("ssh_client", "paramiko"),
+    return SSHOptions(client=kw.pop("ssh_client", SSH.client),
                       config_file=Path(config) if config else None,
                       known_hosts=Path(known) if known else None,
                       accept_new=kw.pop("ssh_accept_new"),
@@ -142,9 +145,9 @@ whose name starts with a dash; it is always safe."""
               help="Rendezvous port (default: a free port on rank 0's host).")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory of the ranks (default: the current one, on every host).")
-@click.option("--remote-python", default=sys.executable, show_default=True,
+@click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
               help="Interpreter that runs the agent on every host.")
-@click.option("--ssh-client", type=click.Choice(["paramiko", "openssh"]), default="paramiko",
+@click.option("--ssh-client", type=click.Choice(["paramiko", "openssh"]), default=SSH.client,
               show_default=True, help="paramiko in dtrain, or the system `ssh` command (starts "
               "faster; uses ssh's own config, keys and agent).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
@@ -152,23 +155,28 @@ whose name starts with a dash; it is always safe."""
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Also write DIR/<job id>/rank-N.log files (a new folder per run).")
 @click.option("--timeout", type=float, help="Stop the job after this many seconds (exit 124).")
-@click.option("--grace", type=float, default=10.0, show_default=True,
+@click.option("--grace", type=float, default=SUPERVISE.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
-@click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=5.0,
-              show_default=True, help="Seconds between heartbeats (a host is lost after 3 misses).")
-@click.option("--launch-timeout", type=float, default=120.0, show_default=True,
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.05),
+              default=SUPERVISE.heartbeat, show_default=True,
+              help=f"Seconds between heartbeats (a host is lost after {SUPERVISE.misses} misses).")
+@click.option("--launch-timeout", type=float, default=SUPERVISE.launch_timeout, show_default=True,
               help="Seconds from connecting to every rank running.")
-@click.option("--hang-timeout", type=click.FloatRange(min=0), default=1800.0, show_default=True,
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=SUPERVISE.hang_timeout,
+              show_default=True,
               help="Diagnose a hang when no rank advanced for this many seconds while ranks "
               "wait in a communication operation (0: never).")
-@click.option("--hang-action", type=click.Choice(["report", "abort"]), default="report",
+@click.option("--hang-action", type=click.Choice(["report", "abort"]),
+              default=SUPERVISE.hang_action,
               show_default=True, help="After a hang diagnosis: keep waiting, or stop the job "
               "(exit 123).")
-@click.option("--status-interval", type=click.FloatRange(min=0), default=0.0,
+@click.option("--status-interval", type=click.FloatRange(min=0), default=SUPERVISE.status_interval,
               help="Print every rank's step, last operation and step time this often (seconds).")
-@click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
+@click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default=SUPERVISE.pmi,
+              show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
-@click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+@click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=SUPERVISE.pmi_stall,
+              show_default=True,
               help="Seconds after which a waiting PMI barrier names the ranks it waits for.")
 @click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm", "mpirun"]),
               default="ssh", show_default=True,
@@ -223,7 +231,7 @@ def _guard(action: Callable[[], int]) -> int:
 
 @main.command(cls=SectionedCommand)
 @host_options
-@click.option("--remote-python", default=sys.executable, show_default=True,
+@click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
               help="Interpreter that runs the agent on every host.")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory to look for (default: the current one).")

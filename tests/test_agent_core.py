@@ -65,8 +65,9 @@ def head() -> Iterator[Head]:
 
 def spec(cwd: str = "/", argv: tuple[str, ...] = (sys.executable,), beat: float = 5.0
          ) -> dict[str, Any]:
-    return {"job_id": "job", "argv": list(argv), "cwd": cwd, "heartbeat": beat, "misses": 2,
-            "grace": 0.1, "ranks": [{"rank": 0, "env": {}}], "pmi": {"mode": "off"}}
+    return wire.AgentSpec("job", argv, cwd, (wire.RankStart(0, {}),),
+                          watch=wire.Watch(beat, misses=2, grace=0.1),
+                          pmi=wire.PmiSpec(mode="off")).to_json()
 
 
 def test_the_agent_says_hello_with_its_protocol_version_first(head: Head) -> None:
@@ -89,6 +90,16 @@ def test_a_spec_whose_program_is_not_found_is_answered_with_an_error(head: Head)
     head.send(K.SPEC, spec(argv=("no-such-program-xyz",)))
     error = head.next_frame()
     assert error.kind is K.ERROR and error.json()["what"] == "program not found"
+
+
+def test_a_spec_with_a_missing_field_is_answered_with_an_error_naming_it(head: Head) -> None:
+    head.next_frame()
+    body = spec()
+    del body["cwd"]
+    head.send(K.SPEC, body)
+    error = head.next_frame()
+    assert error.kind is K.ERROR and error.json()["what"] == "unreadable SPEC"
+    assert "KeyError 'cwd'" in error.json()["why"]
 
 
 def test_a_good_spec_is_answered_ready_and_bye_ends_the_agent_with_0(head: Head) -> None:

@@ -44,11 +44,12 @@ class Agent:
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
-        self.spec: dict[str, Any] = {}
+        self.spec: wire.AgentSpec | None = None
+        self.job_env: dict[str, str] = {}  # what START adds to every rank (MASTER_ADDR/PORT)
         self.interface: str | None = None  # the NIC that reaches MASTER_ADDR
         self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
         self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
-        self.interval = 5.0
+        self.interval = wire.Watch.heartbeat  # until the SPEC sets the job's
         self.silence_limit = HELLO_SILENCE_S
         self.last_heard = self.last_sent = time.monotonic()
         self.kill_at: float | None = None
@@ -109,11 +110,12 @@ class Agent:
         kind = frame.kind
         if kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
-        elif kind is wire.Kind.START:
-            self._start_all(frame.json().get("env", {}))
+        elif kind is wire.Kind.START and self.spec is not None:
+            self._start_all(self.spec, frame.json().get("env", {}))
         elif kind is wire.Kind.KILL:
             body = frame.json()
-            self._stop(int(body.get("signal", signal.SIGTERM)), float(body.get("grace", 10.0)))
+            self._stop(int(body.get("signal", signal.SIGTERM)),
+                       float(body.get("grace", wire.Watch.grace)))
         elif kind is wire.Kind.STDIN:
             self._on_stdin(frame.payload)
         elif kind is wire.Kind.PMI and self.pmi is not None:
@@ -128,71 +130,75 @@ class Agent:
             return True
         return False
 
-    def _on_spec(self, spec: dict[str, Any]) -> None:
+    def _on_spec(self, body: dict[str, Any]) -> None:
         t0 = time.monotonic()
+        try:
+            spec = wire.AgentSpec.from_json(body)
+        except wire.WireError as exc:
+            self.link.send_json(wire.Kind.ERROR, {
+                "what": "unreadable SPEC", "why": str(exc),
+                "fix": "install the same dtrain version on every host"})
+            return
         self.spec = spec
-        self.interval = float(spec.get("heartbeat", 5.0))
-        self.silence_limit = self.interval * int(spec.get("misses", 3))
+        self.interval = spec.watch.heartbeat
+        self.silence_limit = spec.watch.heartbeat * spec.watch.misses
         problem = self._check_spec(spec)
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
-        interval = float((spec.get("progress") or {}).get("interval", 0.0))
-        if spec.get("progress") is not None:
+        ranks = [r.rank for r in spec.ranks]
+        if spec.progress_interval is not None:
             self.progress = ProgressReporter(
-                spec["job_id"], _host_of(spec),
-                [r["rank"] for r in spec["ranks"]], interval,
+                spec.job_id, spec.ranks[0].env.get(workerenv.HOST, "") if ranks else "",
+                ranks, spec.progress_interval,
                 lambda body: self.link.send_json(wire.Kind.PROGRESS, body))
-        pmi = spec.get("pmi") or {}
-        if pmi.get("mode", "off") != "off":
+        if spec.pmi.mode != "off":
             from launcher.agent.pmi_sockets import PmiSockets
 
             self.pmi = PmiSockets(
-                mode=pmi["mode"], ranks=[r["rank"] for r in spec["ranks"]],
-                world_size=int(pmi["world_size"]), kvsname=pmi["kvsname"],
-                process_mapping=pmi["process_mapping"],
-                stall_after=float(pmi.get("stall", 30.0)),
+                mode=spec.pmi.mode, ranks=ranks, world_size=spec.pmi.world_size,
+                kvsname=spec.pmi.kvsname, process_mapping=spec.pmi.process_mapping,
+                stall_after=spec.pmi.stall,
                 send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
             )
-        self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"]),
-                                               **facts.rendezvous(spec.get("probe") or {}),
+        self.link.send_json(wire.Kind.READY, {"ranks": len(spec.ranks),
+                                               **facts.rendezvous(spec.probe),
                                                "check_s": round(time.monotonic() - t0, 4)})
 
-    def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
-        cwd = spec["cwd"]
+    def _check_spec(self, spec: wire.AgentSpec) -> dict[str, str] | None:
+        cwd = spec.cwd
         if not os.path.isdir(cwd):
             return {"what": "working directory missing", "why": f"{cwd} does not exist here",
                     "fix": "create it on every host, or pass --chdir DIR"}
-        argv = spec["argv"]
-        env = self._rank_env(spec["ranks"][0]) if spec["ranks"] else dict(os.environ)
-        if find_program(argv[0], env, cwd) is None:
-            return {"what": "program not found", "why": f"{argv[0]!r} is not an executable in "
+        env = self._rank_env(spec.ranks[0]) if spec.ranks else dict(os.environ)
+        if not spec.argv or find_program(spec.argv[0], env, cwd) is None:
+            program = spec.argv[0] if spec.argv else ""
+            return {"what": "program not found", "why": f"{program!r} is not an executable in "
                     f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
         return None
 
-    def _rank_env(self, rank_spec: dict[str, Any]) -> dict[str, str]:
-        env = rank_environment(os.environ, rank_spec["env"])
+    def _rank_env(self, rank: wire.RankStart) -> dict[str, str]:
+        env = rank_environment(os.environ, {**rank.env, **self.job_env})
         if self.interface:
             for name in SOCKET_IFNAME_VARS:
                 env.setdefault(name, self.interface)
         if self.pmi is not None:
-            env.update(self.pmi.rank_env(rank_spec["rank"]))
+            env.update(self.pmi.rank_env(rank.rank))
         if self.progress is not None:
-            env[workerenv.PROGRESS_FILE] = self.progress.path(rank_spec["rank"])
+            env[workerenv.PROGRESS_FILE] = self.progress.path(rank.rank)
         return env
 
     def _pids(self) -> dict[int, int]:
         return {rank: rp.pid for rank, rp in self.ranks.items()}
 
     # -- ranks ---------------------------------------------------------------------------------
-    def _start_all(self, job_env: dict[str, str]) -> None:
+    def _start_all(self, spec: wire.AgentSpec, job_env: dict[str, str]) -> None:
         """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
-        for rank_spec in self.spec["ranks"]:
-            rank_spec["env"].update(job_env)
+        self.job_env = {str(k): str(v) for k, v in job_env.items()}
         master = job_env.get("MASTER_ADDR")
         self.interface = netroute.interface_for(master) if master else None
         t0 = time.monotonic()
-        started, failure = self._spawn_all()
+        started, failure = self._spawn_all(spec)
         self.started = bool(started)
         spawn_s = round(time.monotonic() - t0, 4)  # for `dtrain launch --timings`
         for rp in started:  # watched only now: see RankProcess.watch
@@ -205,17 +211,17 @@ class Agent:
             self.link.send_json(wire.Kind.ERROR, {
                 "what": "rank did not start", "why": failure,
                 "fix": "check the program and the working directory on this host"})
-            self._stop(signal.SIGTERM, float(self.spec.get("grace", 10.0)))
+            self._stop(signal.SIGTERM, spec.watch.grace)
 
-    def _spawn_all(self) -> tuple[list[RankProcess], str | None]:
+    def _spawn_all(self, spec: wire.AgentSpec) -> tuple[list[RankProcess], str | None]:
         """Start this host's ranks in order; stops at the first that cannot start (why)."""
         started: list[RankProcess] = []
-        for rank_spec in self.spec["ranks"]:
-            rank = rank_spec["rank"]
+        for rank_start in spec.ranks:
+            rank = rank_start.rank
             fds = self.pmi.rank_fds(rank) if self.pmi else []
             try:
-                rp = start_rank(rank, self.spec["argv"], self._rank_env(rank_spec),
-                                self.spec["cwd"], fds, stdin_pipe=rank == 0)
+                rp = start_rank(rank, spec.argv, self._rank_env(rank_start), spec.cwd,
+                                fds, stdin_pipe=rank == 0)
             except OSError as exc:
                 return started, f"rank {rank}: {exc}"
             if self.pmi:
@@ -290,9 +296,4 @@ class Agent:
             self.progress.close()
         self.exit_code = code
         return code
-
-
-def _host_of(spec: dict[str, Any]) -> str:
-    ranks = spec.get("ranks") or [{}]
-    return str(ranks[0].get("env", {}).get(workerenv.HOST, ""))
 
