@@ -20,7 +20,7 @@ launcher/ and trainer/ never import each other.
                                errors; adapter), config (`ssh -G` per host and jump hop,
                                refused as for paramiko)
                  ssh_config    ~/.ssh/config resolution
-                 ssh_config_refusal  reading the config as ssh does; refusing local commands
+                 ssh_config_refusal  reading the config as ssh does; refusing what runs code
                  ssh_sockets   TCP within ConnectTimeout, ProxyJump tunnels (adapter)
                  ssh_auth      host-key check and public-key authentication (adapter)
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys

@@ -8,7 +8,6 @@ the job before any rank starts.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import time
@@ -105,7 +104,9 @@ def run_launch(req: LaunchRequest) -> int:
         raise UsageError("nothing to run", "launch", "no program after the options",
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
     selected = select(req.hosts)
-    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
+    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
+                                            tell=lambda line: print(f"dtrain: {line}",
+                                                                    file=sys.stderr))
     plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
                               base_env=base_env)
     # A given --master-addr/--master-port is checked now, before anything connects.
@@ -192,7 +193,7 @@ def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
                                head_addr=where.head_addr,
                                python=validate_remote_python(req.remote_python))
     if req.dry_run:
-        print(shlex.join(cmd.argv))
+        print(cmd.shown())
         if cmd.hostfile_text:
             print("# hostfile:\n" + cmd.hostfile_text, end="")
         return 0

@@ -86,3 +86,17 @@ def test_a_stalled_mpi_init_names_the_rank_it_waits_for():
                       "--grace", "1", "--", PYTHON, "-c", code])
     assert res.returncode == 124
     assert "has waited 1s for ranks 2@localhost\n" in res.stderr
+
+
+def test_a_rank_killed_by_sigkill_after_mpi_init_exits_137_not_the_pmi_close_code():
+    # The OOM killer's SIGKILL closes the rank's PMI socket before its exit status reaches the
+    # agent: the job's exit code and its first failure must still say SIGKILL.
+    code = ("from mpi4py import MPI; import os, signal, time\n"
+            "c = MPI.COMM_WORLD\n"
+            "c.Barrier()\n"
+            "if c.rank == 1:\n    os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(60)\n")
+    res = run_dtrain(["launch", "--nproc-per-node", "2", "--grace", "2", "--", PYTHON, "-c", code])
+    assert res.returncode == 137, res.stderr
+    assert "first failure: rank 1@localhost: killed by SIGKILL" in res.stderr
+    assert "closed its PMI connection" not in res.stderr

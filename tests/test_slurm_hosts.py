@@ -140,7 +140,7 @@ def test_outside_an_allocation_nothing_changes(tmp_path):
 
 def test_the_srun_step_is_a_constant_command_and_srun_reads_no_inherited_options():
     argv = srun_command("gpu01", "42", "/opt/py/bin/python", "/usr/bin/srun")
-    assert argv[-4:] == ["/opt/py/bin/python", "-u", "-m", "launcher.agent"]
+    assert argv[-6:] == ["/opt/py/bin/python", "-E", "-P", "-u", "-m", "launcher.agent"]
     assert "--nodelist=gpu01" in argv and "--jobid=42" in argv and "--unbuffered" in argv
     env = srun_environment({"SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "42",
                             "SLURM_CONF": "/etc/slurm.conf", "PATH": "/bin"})

@@ -21,7 +21,7 @@ from typing import Any
 from launcher import wire
 from launcher.head.agent_link import AgentLink, Closed, Received
 from launcher.head.options import SuperviseOptions
-from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
+from launcher.head.outcome import Failure, JobOutcome, RankOutcome
 from launcher.head.pmi_notes import PmiNotes
 from launcher.head.progress import HANG_CODE, ProgressMonitor
 from launcher.head.startup import Signalled, Startup, note_phase
@@ -199,16 +199,12 @@ class Supervisor:
                                f"{body.get('what')}: {body.get('why')}"))
 
     def _on_exit(self, body: dict[str, Any]) -> None:
-        r = self.outcome.ranks[int(body["rank"])]
-        r.code, r.signal = int(body["code"]), body.get("signal")
-        self.writer.flush_rank(r.rank)
-        if self.stopping and r.code != 0:
-            r.state = "stopped"  # we asked it to stop; not a failure of its own
-            return
-        r.state = "exited"
-        if r.code != 0:
-            why = exit_status_why(r.code, r.signal)
-            self._fail(Failure(r.code, f"rank {r.rank}@{r.host}", why))
+        rank = int(body["rank"])
+        self.writer.flush_rank(rank)
+        failure = self.outcome.rank_exited(rank, int(body["code"]), body.get("signal"),
+                                           self.stopping)
+        if failure is not None:
+            self._fail(failure)
 
     def _on_pmi(self, link: AgentLink, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -231,7 +227,9 @@ class Supervisor:
         if op == "rank_failed":
             if self.stopping:
                 return  # a consequence of our own stop, not a new failure
-            self._fail(Failure(1, f"rank {msg.get('rank')}@{link.name}", str(msg.get("reason"))))
+            rank = int(msg["rank"])
+            self._fail(Failure(1, f"rank {rank}@{link.name}", str(msg.get("reason")), rank,
+                               inferred=True))
             return
         if self.kvs is None:
             return

@@ -76,6 +76,7 @@ class TrainConfig:
     keep: int = 2
     resume: bool = False
     resume_fallback: bool = False
+    overwrite: bool = False
     skip_nonfinite: int = 0
     data: str | None = None
     data_cap_mb: float = 8.0
@@ -111,6 +112,10 @@ class TrainConfig:
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")
+        if self.overwrite and self.resume:
+            raise ConfigError("--overwrite with --resume", "--overwrite --resume",
+                              "--resume continues the checkpoints that --overwrite sets aside",
+                              "Drop one of them")
         try:  # refused when the options are read, not after the world is up
             check_divisible(self.gpt, self.tp)
         except TrainerError as exc:

@@ -1,6 +1,7 @@
 """Options of ``python -m trainer.recsys``: a frozen `RecsysConfig` from command-line flags.
 
-Checks that need no other rank (sizes, choices) run here; those that need the world (the batch
+Checks that need no other rank (sizes, choices, the run dir: `trainer.checkpoint.run_dir`) run
+here; those that need the world (the batch
 divides over the ranks) in `check_world`. Every refusal names the flag and how to fix it.
 """
 
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
+from trainer.checkpoint import run_dir
 from trainer.comm.bootstrap import BACKENDS
 from trainer.config.options import _Parser  # the GPT trainer's quiet-capable argparse
 from trainer.errors import ConfigError
@@ -43,6 +46,8 @@ HELP: dict[str, str] = {
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep": "number of newest checkpoints to keep (0 = all)",
     "resume": "continue from the newest committed checkpoint in --run-dir",
+    "overwrite": "start a new run in a --run-dir that holds another run's checkpoints (refused "
+                 "without it): they and the metrics are moved to <run-dir>/replaced-<time>/",
     "log_every": "print a log line every N steps",
 }
 
@@ -71,6 +76,7 @@ class RecsysConfig:
     save_every: int = 0
     keep: int = 2
     resume: bool = False
+    overwrite: bool = False
     log_every: int = 10
 
     @property
@@ -114,6 +120,10 @@ def check(cfg: RecsysConfig) -> RecsysConfig:
         raise ConfigError("validation fraction out of range", f"--val-fraction "
                           f"{cfg.val_fraction}", "it must lie strictly between 0 and 1",
                           "E.g. --val-fraction 0.1")
+    if cfg.overwrite and cfg.resume:
+        raise ConfigError("--overwrite with --resume", "--overwrite --resume",
+                          "--resume continues the checkpoints that --overwrite sets aside",
+                          "Drop one of them")
     cfg.model()  # the MLP widths parse
     return cfg
 
@@ -141,4 +151,6 @@ def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> Rec
     if parsed["backend"] not in BACKENDS:
         raise ConfigError("unknown communication backend", f"--backend {parsed['backend']}",
                           f"the backends are {', '.join(BACKENDS)}", "Pick one of them")
-    return check(RecsysConfig(**parsed))
+    cfg = check(RecsysConfig(**parsed))
+    run_dir.check(Path(cfg.run_dir), resume=cfg.resume, overwrite=cfg.overwrite)
+    return cfg
