@@ -11,8 +11,10 @@ launcher/ and trainer/ never import each other.
                  selection     --include/--exclude/--num-nodes, slots per host (pure)
     plan/        job           global/node/local ranks and each rank's environment (pure)
                  environment   forwarded variables, .dtrainenv, --env, scrubbing (pure)
-    transport/   stream        the AgentStream protocol every transport implements
-                 connect       open one agent stream per host, local or SSH, in parallel
+    transport/   table         every transport in one table: --launcher and --ssh-client rows,
+                               the entry each starts with (imported only when used)
+                 stream        the AgentStream protocol every transport implements
+                 connect       open one agent stream per host by its row, in parallel
                  options       SSHOptions, built by the CLI without importing paramiko
                  local         the agent as a local subprocess (adapter)
                  ssh           paramiko connection and agent channel (adapter)
@@ -56,6 +58,7 @@ launcher/ and trainer/ never import each other.
     perf         `dtrain check --perf`: matmul per host, all-reduce per host pair
     dryrun       the --dry-run table: hosts, ranks, environments, the program each runs
     mpirun/      command       --launcher mpirun: the same plan as an mpiexec/mpirun command
+                 job           the table's mpirun entry: build, print or run the command
                  rankshim      each rank under it: contract, interfaces, abort on failure
     wire         head <-> agent frames, and the typed SPEC whose defaults are the only ones (pure)
     netroute     which local address and interface reach a given host

@@ -22,6 +22,7 @@ from launcher import __version__
 from launcher.errors import DtrainError
 from launcher.head.options import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
+from launcher.transport import table
 from launcher.transport.options import SSHOptions
 
 #: `--help` sections: option destination -> section title, in the order sections are shown.
@@ -147,9 +148,8 @@ whose name starts with a dash; it is always safe."""
               help="Working directory of the ranks (default: the current one, on every host).")
 @click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
               help="Interpreter that runs the agent on every host.")
-@click.option("--ssh-client", type=click.Choice(["paramiko", "openssh"]), default=SSH.client,
-              show_default=True, help="paramiko in dtrain, or the system `ssh` command (starts "
-              "faster; uses ssh's own config, keys and agent).")
+@click.option("--ssh-client", type=click.Choice(table.SSH_CLIENTS), default=SSH.client,
+              show_default=True, help=table.helps(table.SSH_CLIENTS) + ".")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",
@@ -178,10 +178,9 @@ whose name starts with a dash; it is always safe."""
 @click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=SUPERVISE.pmi_stall,
               show_default=True,
               help="Seconds after which a waiting PMI barrier names the ranks it waits for.")
-@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm", "mpirun"]),
-              default="ssh", show_default=True,
-              help="dtrain's agents over SSH or as srun steps (in a Slurm allocation), or an "
-              "mpiexec/mpirun command.")
+@click.option("--launcher", "launcher_kind", type=click.Choice(table.launchers()),
+              default=LAUNCH.launcher, show_default=True,
+              help=table.helps(table.launchers()) + ".")
 @click.option("--mpirun", "mpirun_path", help="mpiexec/mpirun to use with --launcher mpirun.")
 @click.option("--mpi-flavour", type=click.Choice(["hydra", "openmpi"]),
               help="Kind of --mpirun (detected from its --version by default).")
@@ -235,9 +234,9 @@ def _guard(action: Callable[[], int]) -> int:
               help="Interpreter that runs the agent on every host.")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory to look for (default: the current one).")
-@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm"]), default="ssh",
-              show_default=True, help="Reach the hosts over SSH, or as srun steps in a Slurm "
-              "allocation (where nodes run no sshd).")
+@click.option("--launcher", "launcher_kind", type=click.Choice(table.launchers(checks=True)),
+              default=LAUNCH.launcher, show_default=True,
+              help=table.helps(table.launchers(checks=True)) + ".")
 @click.option("--perf", is_flag=True, help="Then time a matmul on every host and an all-reduce "
               "between every pair of hosts, and flag the slow ones.")
 def check(**kw: Any) -> None:
@@ -252,7 +251,8 @@ def check(**kw: Any) -> None:
 
     def checks() -> int:
         python = validate_remote_python(kw["remote_python"])
-        code = run_check(select(hosts), ssh=ssh, python=python, cwd=cwd, via=kw["launcher_kind"])
+        code = run_check(select(hosts), ssh=ssh, python=python, cwd=cwd,
+                         via=table.get(kw["launcher_kind"]))
         if kw["perf"] and code == 0:
             from launcher.perf import run_perf
 

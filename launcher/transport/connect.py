@@ -1,5 +1,6 @@
-"""One agent per host over the right transport: a local subprocess or one SSH session
-(paramiko in the head, or an `ssh` process with --ssh-client openssh).
+"""One agent per host over the transport the table names (`transport.table`): for the ssh
+launcher each host's own row, a local subprocess or one SSH session (paramiko in the head, or an
+`ssh` process with --ssh-client openssh); srun steps for the slurm launcher.
 
 Each remote host is connected and its agent started in one worker, so a host's agent boots
 while other hosts are still shaking hands. Agents start no rank until told to, so when any
@@ -12,17 +13,15 @@ import os
 import shlex
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from launcher.errors import ConnectError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.selection import HostSlots
-from launcher.transport.local import LocalAgentStream, agent_command
+from launcher.transport import table
+from launcher.transport.local import agent_command
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
-
-# Starts the agents of all hosts another way than SSH: (selected, python=...) -> results.
-AgentStarter = Callable[..., "list[AgentStream | ConnectError]"]
 
 _SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
 
@@ -36,9 +35,9 @@ def validate_remote_python(path: str) -> str:
 
 
 def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 starter: AgentStarter | None = None) -> list[AgentStream]:
+                 transport: table.Transport) -> list[AgentStream]:
     """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
-    results = start_agents(selected, python=python, ssh=ssh, starter=starter)
+    results = start_agents(selected, python=python, ssh=ssh, transport=transport)
     streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:
@@ -50,35 +49,35 @@ def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
 
 
 def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 starter: AgentStarter | None = None) -> list[AgentStream | ConnectError]:
-    """An agent stream, or why there is none, for every host, in host order; an ssh config
-    that cannot be used (a refused directive, a bad name) raises before anything connects.
-    A ``starter`` starts every host's agent its own way (`launcher.slurm.srun`: srun steps)."""
+                 transport: table.Transport) -> list[AgentStream | ConnectError]:
+    """An agent stream, or why there is none, for every host, in host order, started by a
+    dispatching ``transport``; an ssh config that cannot be used (a refused directive, a bad
+    name) raises before anything connects."""
     python = validate_remote_python(python)
-    if starter is not None:
-        return starter(selected, python=python)
-    results: dict[int, AgentStream | ConnectError] = {
-        i: LocalAgentStream(h.entry.name, python=python)
-        for i, h in enumerate(selected) if h.entry.is_local}
-    remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
-    if remote:
-        entries = [h.entry for _, h in remote]
-        if ssh.client == "openssh":  # `ssh` processes: paramiko is never imported
-            from launcher.transport.openssh import session
+    results: list[AgentStream | ConnectError] = transport.load()(selected, python=python,
+                                                                 ssh=ssh)
+    return results
 
-            started: Sequence[AgentStream | ConnectError] = session.start_agents(
-                entries, python=python, opts=ssh)
-        else:
-            started = _start_paramiko(entries, python=python, ssh=ssh)
-        for (i, _), result in zip(remote, started, strict=True):
-            results[i] = result
+
+def start_by_host(selected: Sequence[HostSlots], *, python: str,
+                  ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+    """The ssh launcher: every host by its own row of the table (a loopback name locally, the
+    others over the --ssh-client), each kind of host started together, in host order."""
+    groups: dict[table.Transport, list[int]] = {}
+    for i, host in enumerate(selected):
+        groups.setdefault(table.for_host(host.entry, ssh), []).append(i)
+    results: dict[int, AgentStream | ConnectError] = {}
+    for transport, indices in groups.items():
+        started = transport.load()([selected[i].entry for i in indices], python=python,
+                                   opts=ssh)
+        results.update(zip(indices, started, strict=True))
     return [results[i] for i in range(len(selected))]
 
 
-def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
-                    ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+def start_paramiko(entries: Sequence[HostEntry], *, python: str,
+                   opts: SSHOptions) -> list[AgentStream | ConnectError]:
     """One paramiko connection and agent channel per host, ``max_parallel`` at a time."""
-    import_paramiko(allow_config_exec=ssh.allow_config_exec)
+    import_paramiko(allow_config_exec=opts.allow_config_exec)
     # the thread pool and the SSH modules only when a remote host needs them
     from concurrent.futures import ThreadPoolExecutor
 
@@ -87,12 +86,12 @@ def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
     command = shlex.join(agent_command(python))
     # Every host's ssh config is decided before any connection, so a refused directive is
     # one error (raised here), not one per host, and nothing connects.
-    resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=ssh)
+    resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=opts)
                 for e in entries}
 
     def start(entry: HostEntry) -> AgentStream | ConnectError:
         try:
-            conn = SSHConnection.open(resolved[entry.name], ssh)
+            conn = SSHConnection.open(resolved[entry.name], opts)
         except ConnectError as exc:
             return exc
         try:
@@ -102,7 +101,7 @@ def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
             return exc
         return stream
 
-    workers = max(1, min(ssh.max_parallel, len(entries)))
+    workers = max(1, min(opts.max_parallel, len(entries)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
         return list(pool.map(start, entries))
 
