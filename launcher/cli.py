@@ -22,6 +22,7 @@ from launcher import __version__
 from launcher.errors import DtrainError
 from launcher.head.options import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
+from launcher.rendezvous import command as rendezvous
 from launcher.transport import table
 from launcher.transport.options import SSHOptions
 
@@ -36,6 +37,7 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
                          "hang_timeout", "hang_action"),
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
+    "Rendezvous (agents started elsewhere join)": rendezvous.HEAD_OPTIONS,
 }
 #: The defaults the options show: each is written once, in its dataclass.
 SUPERVISE, SSH, LAUNCH = SuperviseOptions(), SSHOptions(), LaunchRequest(argv=())
@@ -129,6 +131,7 @@ LAUNCH_EXAMPLES = """Examples:
   dtrain launch -H node1:4,node2:4 --exclude node2:3 --log-dir logs -- python train.py
   dtrain launch --hostfile hosts --dry-run -- python train.py
   dtrain launch --hostfile hosts --launcher mpirun -- python mpi_prog.py
+  dtrain launch --rendezvous-port 29400 --nnodes 4 --token-file token -- python train.py
 
 Everything from PROGRAM on is passed to it unchanged, so `--` is only needed before a program
 whose name starts with a dash; it is always safe."""
@@ -140,6 +143,7 @@ whose name starts with a dash; it is always safe."""
               context_settings={"ignore_unknown_options": False,
                                 "allow_interspersed_args": False})
 @host_options
+@rendezvous.head_options
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Extra variable for every rank.")
 @click.option("--master-addr", help="Rendezvous address (default: rank 0's routable address).")
 @click.option("--master-port", type=click.IntRange(1, 65535),
@@ -197,9 +201,15 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
     signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host,
     123 for a hang under --hang-action abort.
     """
+    sys.exit(_guard(lambda: run_launch(_launch_request(program, kw))))
+
+
+def _launch_request(program: tuple[str, ...], kw: dict[str, Any]) -> LaunchRequest:
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
-    req = LaunchRequest(
+    kind, joining = rendezvous.head_request(kw, kw["launcher_kind"], hosts_given=bool(
+        hosts.hostfile or hosts.hosts or hosts.num_nodes))
+    return LaunchRequest(
         argv=program, hosts=hosts, cwd=os.path.abspath(kw["chdir"] or os.getcwd()),
         env=kw["env"], master_addr=kw["master_addr"], master_port=kw["master_port"], ssh=ssh,
         remote_python=kw["remote_python"], prefix=not kw["no_prefix"], raw=kw["raw"],
@@ -211,9 +221,9 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
                                    hang_timeout=kw["hang_timeout"],
                                    hang_action=kw["hang_action"],
                                    status_interval=kw["status_interval"]),
-        launcher=kw["launcher_kind"], mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
+        launcher=kind, mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
+        rendezvous=joining,
     )
-    sys.exit(_guard(lambda: run_launch(req)))
 
 
 def _guard(action: Callable[[], int]) -> int:
@@ -226,6 +236,20 @@ def _guard(action: Callable[[], int]) -> int:
     except KeyboardInterrupt:
         click.echo("dtrain: interrupted before the job started; nothing is running", err=True)
         return 130
+
+
+@main.command()
+@rendezvous.agent_options
+def agent(**kw: Any) -> None:
+    """Join the head at HOST:PORT and run this node's ranks (rendezvous mode).
+
+    What Kubernetes, a batch script or an instance group runs on every node, with the token
+    file the head has. Exit code: 0 when every rank here exited 0; non-zero when refused
+    (wrong token, late, excluded), when no head answered, the head went away, or a rank failed.
+    """
+    from launcher.rendezvous.join import run_agent
+
+    sys.exit(_guard(lambda: run_agent(rendezvous.join_request(kw))))
 
 
 @main.command(cls=SectionedCommand)

@@ -40,3 +40,9 @@ class AgentError(DtrainError):
 
 class PmiError(DtrainError):
     """A PMI-1 client sent something the server refuses."""
+
+
+class RendezvousError(DtrainError):
+    """Agents and the head did not meet: a wrong token, a refused agent, a rendezvous timeout."""
+
+    exit_code = 255

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher import STARTED
+from launcher import STARTED, wire
 from launcher.errors import UsageError
 from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
+from launcher.rendezvous.options import RendezvousOptions
 from launcher.slurm import allocation
 from launcher.transport import table
 from launcher.transport.connect import close_streams, open_streams
@@ -64,6 +65,7 @@ class LaunchRequest:
     launcher: str = table.DEFAULT_LAUNCHER  # a --launcher row of launcher.transport.table
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
     mpi_flavour: str | None = None       # hydra or openmpi; detected when None
+    rendezvous: RendezvousOptions | None = None  # --launcher rendezvous: port, nodes, token
 
 
 def select(req: HostRequest) -> list[selection.HostSlots]:
@@ -106,6 +108,8 @@ def run_launch(req: LaunchRequest) -> int:
         raise UsageError("nothing to run", "launch", "no program after the options",
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
     transport = table.get(req.launcher)
+    if transport.flow is table.Flow.JOIN:
+        return _run_joined(req, transport)
     selected = select(req.hosts)
     plan = _plan(req, selected)
     if transport.flow is table.Flow.COMMAND:
@@ -120,6 +124,31 @@ def run_launch(req: LaunchRequest) -> int:
     t0 = time.monotonic()
     streams = open_streams(selected, python=req.remote_python, ssh=req.ssh, transport=transport)
     return _supervise(req, transport, plan, streams, log_dir, started=t0)
+
+
+def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
+    """The join flow: the hosts are the agents that joined (`launcher.rendezvous`)."""
+    environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)  # fails early
+    joined = transport.load()(req.rendezvous, include=req.hosts.include,
+                              exclude=req.hosts.exclude, nproc_per_node=req.hosts.nproc_per_node,
+                              heartbeat=req.supervise.heartbeat)
+    why = "the head stopped"
+    try:
+        plan = _plan(req, joined.selected)
+        if req.dry_run:
+            from launcher.dryrun import print_plan
+
+            print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
+            for stream in joined.streams:  # nothing to run: the agents leave with 0
+                stream.write(wire.encode(wire.Kind.BYE))
+            close_streams(joined.streams)
+            return 0
+        code = _supervise(req, transport, plan, joined.streams, _log_dir(req.log_dir, plan.job_id),
+                          started=time.monotonic())
+        why = "the job is over"
+        return code
+    finally:
+        joined.close(why)
 
 
 def _plan(req: LaunchRequest, selected: list[selection.HostSlots]) -> planning.JobPlan:

@@ -49,6 +49,11 @@ class Kind(enum.IntEnum):
     STDIN_ACK = 17  # agent -> head: {"bytes"}: written into rank 0's stdin (flow credit)
     PROGRESS = 18   # agent -> head: {"ranks": [RankView...], "stacks"?, "probe"?, "final"?}
     PROBE = 19      # head -> agent: {"probe", "stacks": [ranks]}: records now, with stacks
+    # A rendezvous connection's handshake (launcher.rendezvous), before the frames above:
+    AUTH = 20       # both ways: nonces and proofs of the shared token (never the token)
+    JOIN = 21       # agent -> head: who joins (host name, node rank, GPUs, versions)
+    ADMIT = 22      # head -> agent: accepted; the SPEC follows once every agent is here
+    REFUSE = 23     # both ways: {"why", "fix"}: refused; this agent starts nothing
 
 
 class WireError(ValueError):
@@ -195,6 +200,8 @@ class AgentSpec:
     def from_json(cls, body: dict[str, Any]) -> AgentSpec:
         """The SPEC a head sent; WireError names the first field that is missing or wrong."""
         try:
+            if not _typed(body["argv"], list, "argv"):
+                raise ValueError("argv is empty")
             ranks = tuple(RankStart(_typed(r["rank"], int, "rank"),
                                     {str(k): str(v) for k, v in _typed(r["env"], dict,
                                                                         "env").items()})

@@ -53,7 +53,7 @@ class Head:
 def head() -> Iterator[Head]:
     to_agent_r, to_agent_w = os.pipe()
     from_agent_r, from_agent_w = os.pipe()
-    agent = Agent(lambda events: HeadLink(events, to_agent_r,
+    agent = Agent(lambda events: HeadLink(events, lambda size: os.read(to_agent_r, size),
                                           os.fdopen(from_agent_w, "wb", buffering=0)))
     result: queue.Queue[int] = queue.Queue()
     threading.Thread(target=lambda: result.put(agent.run()), daemon=True).start()
@@ -127,10 +127,10 @@ def test_a_query_is_answered_and_an_unknown_one_gets_an_error_reply(head: Head) 
     assert head.next_frame().json()["error"] == "unknown query 'reboot'"
 
 
-def test_the_head_closing_its_stream_ends_an_idle_agent_with_0(head: Head) -> None:
+def test_the_head_closing_its_stream_without_bye_ends_an_idle_agent_with_1(head: Head) -> None:
     head.next_frame()
     head.to_agent.close()
-    assert head.result.get(timeout=10) == 0
+    assert head.result.get(timeout=10) == 1
 
 
 def test_a_program_the_kernel_cannot_execute_is_an_error_naming_the_rank(

@@ -4,8 +4,9 @@ It says HELLO, checks the SPEC (usually already waiting in its stdin: READY or E
 its host's ranks on START, relays their output, exit statuses and PMI traffic, and stops every
 rank (SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE,
 when the stream from the head closes, or when the head falls silent for `misses` heartbeat
-intervals. What it imports is kept to what it uses (no `typing`, `pathlib`, `secrets` at
-start-up): every host pays the agent's start-up before its ranks can start.
+intervals. It exits 0 after BYE when every rank of its host exited 0, else 1 (a pod restarts).
+Its imports are kept to what it uses (no `typing`, `pathlib`, `secrets` at start-up): every
+host pays the agent's start-up before its ranks can start.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable
 
@@ -37,10 +39,9 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class Agent:
-    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink] = HeadLink.over_stdio
-                 ) -> None:
-        """``connect`` makes the link to the head from the agent's event queue (stdin/stdout
-        in production; a pair of pipes in the core tests)."""
+    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink]) -> None:
+        """``connect`` makes the link to the head from the agent's event queue (stdin/stdout,
+        a rendezvous socket; a pair of pipes in the core tests)."""
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
@@ -77,13 +78,11 @@ class Agent:
                 self._on_exit(event)
             elif isinstance(event, Eof):
                 self._stop(signal.SIGTERM, EOF_GRACE_S)
-                return self._leave(1 if self.ranks else 0)
+                return self._leave(1)  # the head went away without BYE: nobody said done
 
     def _wait_time(self, now: float) -> float:
-        waits = [self.interval - (now - self.last_sent), 1.0]
-        if self.kill_at is not None:
-            waits.append(self.kill_at - now)
-        return max(0.01, min(waits))
+        kill = 1.0 if self.kill_at is None else self.kill_at - now
+        return max(0.01, min(self.interval - (now - self.last_sent), 1.0, kill))
 
     def _deadlines(self, now: float) -> bool:
         """Heartbeats and timers; True when the agent must leave now."""
@@ -124,9 +123,11 @@ class Agent:
             self.progress.probe(frame.json(), self._pids())
         elif kind is wire.Kind.QUERY:
             self.link.send_json(wire.Kind.REPLY, facts.answer(frame.json()))
-        elif kind is wire.Kind.BYE:
+        elif kind in (wire.Kind.BYE, wire.Kind.REFUSE):  # REFUSE: the head gave up before START
+            if kind is wire.Kind.REFUSE:
+                sys.stderr.write(f"dtrain agent: {frame.json().get('why')}\n")
             self._stop(signal.SIGKILL, 0.0)
-            self._leave(self.exit_code)
+            self._leave(self.exit_code if kind is wire.Kind.BYE else 1)
             return True
         return False
 
@@ -135,9 +136,8 @@ class Agent:
         try:
             spec = wire.AgentSpec.from_json(body)
         except wire.WireError as exc:
-            self.link.send_json(wire.Kind.ERROR, {
-                "what": "unreadable SPEC", "why": str(exc),
-                "fix": "install the same dtrain version on every host"})
+            self.link.send_json(wire.Kind.ERROR, {"what": "unreadable SPEC", "why": str(exc),
+                                                  "fix": "use one dtrain version everywhere"})
             return
         self.spec = spec
         self.interval = spec.watch.heartbeat
@@ -171,9 +171,8 @@ class Agent:
             return {"what": "working directory missing", "why": f"{cwd} does not exist here",
                     "fix": "create it on every host, or pass --chdir DIR"}
         env = self._rank_env(spec.ranks[0]) if spec.ranks else dict(os.environ)
-        if not spec.argv or find_program(spec.argv[0], env, cwd) is None:
-            program = spec.argv[0] if spec.argv else ""
-            return {"what": "program not found", "why": f"{program!r} is not an executable in "
+        if find_program(spec.argv[0], env, cwd) is None:
+            return {"what": "program not found", "why": f"{spec.argv[0]!r} is not an executable in "
                     f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
         return None
 
@@ -245,6 +244,7 @@ class Agent:
 
     def _on_exit(self, ev: RankExited) -> None:
         rp = self.ranks.pop(ev.rank, None)
+        self.exit_code = self.exit_code or int(ev.code != 0)  # 0 only if every rank exited 0
         if self.pmi is not None:
             self.pmi.exited(ev.rank)
         if rp is not None:

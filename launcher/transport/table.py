@@ -38,7 +38,7 @@ class Flow(enum.Enum):
     #: ``(selected: Sequence[HostSlots], *, python, ssh) -> list[AgentStream | ConnectError]``.
     DISPATCH = "dispatch"
     #: Agents started by something else connect to the head; the hosts are whoever joined:
-    #: ``(req: LaunchRequest) -> launcher.rendezvous.head.Joined``.
+    #: ``(opts, *, include, exclude, nproc_per_node, heartbeat) -> rendezvous.head.Joined``.
     JOIN = "join"
     #: Another launcher runs the ranks, with no agents:
     #: ``(req: LaunchRequest, plan: JobPlan, selected) -> exit code``.
@@ -77,6 +77,8 @@ TRANSPORTS: tuple[Transport, ...] = (
               explain="launcher.slurm.srun:slurm_ended_job"),
     Transport("mpirun", Flow.COMMAND, "an mpiexec/mpirun command runs the ranks",
               "launcher.mpirun.job:run_job"),
+    Transport("rendezvous", Flow.JOIN, "agents started elsewhere (`dtrain agent "
+              "--rendezvous`) join the head", "launcher.rendezvous.head:join_agents"),
     Transport("local", Flow.HOST, "a subprocess of the head, for a loopback host name",
               "launcher.transport.local:start_agents"),
     Transport("paramiko", Flow.HOST, "paramiko in dtrain", "launcher.transport.connect:"
@@ -104,6 +106,11 @@ def launchers(*, checks: bool = False) -> list[str]:
     """The --launcher choices (of `dtrain check` when ``checks``), in the table's order."""
     return [t.name for t in TRANSPORTS
             if t.flow in LAUNCHER_FLOWS and (t.checks or not checks)]
+
+
+def of_flow(flow: Flow) -> Transport:
+    """The first row of ``flow`` (the join flow has one: what --rendezvous-port selects)."""
+    return next(t for t in TRANSPORTS if t.flow is flow)
 
 
 def for_host(entry: HostEntry, ssh: SSHOptions) -> Transport:
