@@ -122,7 +122,8 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh, transport=transport)
+    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh, transport=transport,
+                           retry_for=req.supervise.launch_timeout)
     return _supervise(req, transport, plan, streams, log_dir, started=t0)
 
 

@@ -9,13 +9,16 @@ host fails, closing the others' streams leaves nothing anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
+import time
 import types
 from collections.abc import Sequence
 
-from launcher.errors import ConnectError, UsageError
+from launcher import wire
+from launcher.errors import ConnectError, UnreachableError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.selection import HostSlots
 from launcher.transport import table
@@ -23,6 +26,8 @@ from launcher.transport.local import agent_command
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
 
+#: Pauses between rounds of connecting to hosts not reachable yet: the first, the longest.
+RETRY_PAUSE_S = (0.5, 5.0)
 _SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
 
 
@@ -35,9 +40,31 @@ def validate_remote_python(path: str) -> str:
 
 
 def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 transport: table.Transport) -> list[AgentStream]:
-    """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
+                 transport: table.Transport, retry_for: float = 0.0) -> list[AgentStream]:
+    """Agent streams in host order; ConnectError (nothing left running) if any host fails.
+
+    Hosts that do not resolve or accept connections yet (UnreachableError: a Kubernetes
+    worker whose pod or DNS record is not up when the launcher starts) are tried again with
+    back-off for up to ``retry_for`` seconds, one line per round naming them, while the agents
+    already started hear heartbeats (they would leave after a minute of silence)."""
+    deadline = time.monotonic() + retry_for
     results = start_agents(selected, python=python, ssh=ssh, transport=transport)
+    pause = RETRY_PAUSE_S[0]
+    while True:
+        waiting = [i for i, r in enumerate(results) if isinstance(r, UnreachableError)]
+        failed = sum(isinstance(r, ConnectError) for r in results) > len(waiting)
+        left = deadline - time.monotonic()
+        if not waiting or failed or left <= 0:  # a host that refused us fails the launch now
+            break
+        names = ", ".join(f"{selected[i].entry.name} ({_cause(results[i])})" for i in waiting)
+        sys.stderr.write(f"dtrain: {len(waiting)} host(s) not reachable yet: {names}; trying "
+                         f"again for {left:.0f}s more (--launch-timeout)\n")
+        _keep_alive([r for r in results if not isinstance(r, ConnectError)], min(pause, left))
+        again = start_agents([selected[i] for i in waiting], python=python, ssh=ssh,
+                             transport=transport)
+        for i, result in zip(waiting, again, strict=True):
+            results[i] = result
+        pause = min(2 * pause, RETRY_PAUSE_S[1])
     streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:
@@ -46,6 +73,20 @@ def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
             f"{len(errors)} hosts could not be reached", "",
             "; ".join(str(e) for e in errors), "nothing was started anywhere")
     return streams
+
+
+def _cause(error: AgentStream | ConnectError) -> str:
+    return error.why if isinstance(error, ConnectError) else ""
+
+
+def _keep_alive(streams: Sequence[AgentStream], seconds: float) -> None:
+    """Wait ``seconds``, with a heartbeat to every started agent at the default interval."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, wire.Watch.heartbeat))
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError):  # a broken one shows at start-up
+                stream.write(wire.encode(wire.Kind.HEARTBEAT))
 
 
 def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
