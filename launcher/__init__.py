@@ -49,6 +49,8 @@ launcher/ and trainer/ never import each other.
                  ranks         rank processes: own process group, parent-death signal (adapter)
                  descendants   subreaper; stray descendants (setsid) stopped with the job
                  pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)
+                 leftovers     what a job leaves in /dev/shm; a dead agent's, removed by the
+                               next agent on the host (adapter)
                  facts         what the agent reports about its host (dtrain check)
                  progress      the ranks' progress records: folder, reading, py-spy stacks
     hang/        views, diagnose, watch, status: hang diagnosis, stragglers, live table (pure)

@@ -176,6 +176,8 @@ def check_compatible(meta: dict[str, Any], *, model: dict[str, Any], layout: dic
     # those written before a model field existed (vocab_multiple) had its default.
     diffs = [f"{key}: checkpoint {meta['model'][key]!r}, now {value!r}"
              for key, value in model.items() if meta["model"].get(key, value) != value]
+    diffs += [f"{key}: checkpoint {value!r}, unknown to this dtrain (a newer one wrote it)"
+              for key, value in meta["model"].items() if key not in model]
     saved = meta["layout"]
     diffs += [f"{axis}: checkpoint {saved[axis]!r}, now {layout[axis]!r}"
               for axis in SHARDED_AXES

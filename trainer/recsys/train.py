@@ -34,9 +34,9 @@ from trainer.checkpoint.run_dir import set_aside
 from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import ReduceOp
 from trainer.data_parallel.grad_sync import DataParallel
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 from trainer.recsys import evaluate, state
-from trainer.recsys.config import RecsysConfig, check_world, parse_args
+from trainer.recsys.config import RecsysConfig, check_rows, check_world, parse_args
 from trainer.recsys.data import Batches, ClickLog, read_criteo, synthetic
 from trainer.recsys.model import DLRM
 from trainer.sparse import SparseOptimizer
@@ -116,6 +116,10 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
     """Train on this rank of ``world``; every rank returns the same losses and evaluations."""
     check_world(cfg, world.size)
     train_rows, val = load_log(cfg).split(cfg.val_fraction)
+    try:  # every rank read the same log: all refuse it together, rank 0 says why
+        check_rows(cfg, len(train_rows))
+    except ConfigError as exc:
+        raise exc.everywhere(report=world.rank == 0) from None
     run = build(cfg, world, train_rows)
     start = state.resume(cfg, run.model, run.dense_opt, run.sparse_opt) if cfg.resume else 0
     result = RecsysResult(start, ceiling=evaluate.ceiling(val))

@@ -101,7 +101,7 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
             assert ckpt is not None  # every rank loaded it
             return step, _apply(cfg, ckpt, model, optimizer, skipped), ckpt
         if worst != DAMAGED or not cfg.resume_fallback:
-            raise (error if reporter else quiet(path)).everywhere(report=reporter)
+            raise (error if error is not None else quiet(path)).everywhere(report=reporter)
         if reporter:
             print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
                   f"{error.why}", file=sys.stderr, flush=True)
