@@ -5,7 +5,7 @@ paramiko and subprocess live in the modules marked (adapter). `tests/test_layers
 that subpackages import each other without a cycle, that no module is over 300 lines, and that
 launcher/ and trainer/ never import each other.
 
-    cli          click commands `launch` and `check`: parse, delegate, map errors (adapter)
+    cli          click commands `launch`, `check`, `agent`: parse, delegate, map errors (adapter)
     launch       one launch from request to exit code: hosts -> plan -> agents -> supervise
     hosts/       hostfile      hostfile and -H parsing, host name validation (pure)
                  selection     --include/--exclude/--num-nodes, slots per host (pure)
@@ -41,7 +41,16 @@ launcher/ and trainer/ never import each other.
     output/      writer        the output writer thread and its byte-bounded queue
                  sink          [rank@host] prefixes, raw passthrough, per-rank log files
                  lines         linear line splitting with a 1 MiB line cap (pure)
+    rendezvous/  agents started elsewhere join the head (`dtrain agent --rendezvous`):
+                 options       the head's and the agent's settings, the token file (pure)
+                 handshake     challenge and response over the shared token (pure)
+                 channel       the sealed records after the handshake (pure)
+                 roster        who joined, their order, who is refused; the restart hook (pure)
+                 stream, listener, join   the sockets of both sides (adapters)
+                 head          the table's rendezvous entry: wait for N agents, place them
+                 command       the click options of both sides (adapter)
     agent/       the per-host agent, run on each host as `python -m launcher.agent`
+                 serve         the process around the loop: signals, subreaper, exit
                  main          the agent's event loop: spec check, start, relay, stop
                  head_link     the agent's end of the stream to the head
                  writer        one thread writes every frame; rank output back-pressured

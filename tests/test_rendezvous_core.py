@@ -105,12 +105,12 @@ def _arrival(host: str, rank: int | None = None, address: str = "10.0.0.9") -> A
     return Arrival(host, address, rank, None)
 
 
-def test_the_roster_orders_by_host_name_whatever_the_arrival_order() -> None:
-    roster = Roster(3)
-    for host in ("node3", "node1", "node2"):
+def test_the_roster_orders_by_host_name_numbers_as_numbers_whatever_the_arrival_order() -> None:
+    roster = Roster(4)
+    for host in ("node10", "Node3", "node1", "node2"):
         assert roster.admit(_arrival(host)).admitted
     assert roster.complete
-    assert [a.host for a in roster.start()] == ["node1", "node2", "node3"]
+    assert [a.host for a in roster.start()] == ["node1", "node2", "Node3", "node10"]
 
 
 def test_an_explicit_node_rank_takes_its_place_and_the_others_fill_by_name() -> None:

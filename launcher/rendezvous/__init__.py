@@ -9,4 +9,5 @@ group) join the head over TCP, authenticated by a shared token; docs/design.md, 
     listener    the head's socket: handshakes, the lobby until the start, late agents (adapter)
     head        the transport table's `rendezvous` entry: wait for N agents, place them
     join        `dtrain agent --rendezvous`: reach the head, join, serve as its agent (adapter)
+    command     the click options of `dtrain launch --rendezvous-port` and `dtrain agent`
 """

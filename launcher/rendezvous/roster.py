@@ -6,7 +6,8 @@ on one host need --node-rank and distinct names), or when --include/--exclude le
 out. An agent whose connection closes before the start leaves its place free again.
 
 At the start the order is fixed: an agent that gave --node-rank takes that place, the others
-fill the free places in host-name order (a stable key, whatever order they arrived in). From
+fill the free places in host-name order, numbers compared as numbers (node2 before node10): a
+stable key, whatever order they arrived in. From
 then on every place is a *seat*, and an agent that joins is refused unless a seat is vacant.
 
 Restart hook: `vacate(node_rank)` frees the seat of a node a restart round gave up on; the next
@@ -17,6 +18,7 @@ seat yet, so after the start every agent is refused.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,7 +139,7 @@ class Roster:
             if arrival.node_rank is not None:
                 places[arrival.node_rank] = arrival
         named = iter(sorted((a for a in self._waiting.values() if a.node_rank is None),
-                            key=lambda a: (a.host.lower(), a.host)))
+                            key=lambda a: _name_key(a.host)))
         self.seats = [place if place is not None else next(named) for place in places]
         self._waiting.clear()
         return list(self.seats)
@@ -169,3 +171,10 @@ class Roster:
         came = ", ".join(a.shown() for a in self._waiting.values())
         return f"{len(self._waiting)} of {self.nnodes} agents joined {within}" + (
             f": {came}" if came else "")
+
+
+def _name_key(host: str) -> list[tuple[int, int | str]]:
+    """Host names in the order people number them: node2 before node10, pod-0-9 before
+    pod-0-10 (numbers compare as numbers, the rest without case)."""
+    return [(1, int(part)) if part.isdigit() else (0, part.lower())
+            for part in re.split(r"(\d+)", host) if part]
