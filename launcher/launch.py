@@ -133,9 +133,13 @@ def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
     joined = transport.load()(req.rendezvous, include=req.hosts.include,
                               exclude=req.hosts.exclude, nproc_per_node=req.hosts.nproc_per_node,
                               heartbeat=req.supervise.heartbeat)
-    why = "the head stopped"
     try:
         plan = _plan(req, joined.selected)
+        log_dir = None if req.dry_run else _log_dir(req.log_dir, plan.job_id)
+    except BaseException as exc:
+        joined.abandon(f"the head stopped before the start: {exc}")
+        raise
+    try:
         if req.dry_run:
             from launcher.dryrun import print_plan
 
@@ -144,12 +148,10 @@ def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
                 stream.write(wire.encode(wire.Kind.BYE))
             close_streams(joined.streams)
             return 0
-        code = _supervise(req, transport, plan, joined.streams, _log_dir(req.log_dir, plan.job_id),
+        return _supervise(req, transport, plan, joined.streams, log_dir,
                           started=time.monotonic())
-        why = "the job is over"
-        return code
     finally:
-        joined.close(why)
+        joined.close("the job is over")
 
 
 def _plan(req: LaunchRequest, selected: list[selection.HostSlots]) -> planning.JobPlan:

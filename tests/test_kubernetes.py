@@ -15,7 +15,9 @@ import pytest
 import yaml
 
 from launcher.cli import agent, launch
+from launcher.errors import UsageError
 from launcher.rendezvous import command as rendezvous_command
+from launcher.rendezvous.options import read_token
 from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env
 
 EXAMPLES = REPO / "examples" / "kubernetes"
@@ -44,6 +46,16 @@ def _options(command: Any, args: list[str]) -> dict[str, Any]:
 
 def test_the_examples_are_an_mpijob_and_a_rendezvous_jobset_with_its_token_secret() -> None:
     assert {"MPIJob", "JobSet", "Secret"} <= set(_objects())
+
+
+def test_the_example_secrets_placeholder_is_refused_until_a_real_token_replaces_it(
+        tmp_path: Path) -> None:
+    [placeholder] = _objects()["Secret"]["stringData"].values()
+    token = tmp_path / "token"
+    token.write_text(placeholder)
+    token.chmod(0o400)
+    with pytest.raises(UsageError, match="unusable token"):
+        read_token(str(token))
 
 
 def test_the_mpijob_launcher_runs_dtrain_on_the_operators_hostfile_and_the_workers_sshd(

@@ -9,10 +9,12 @@ over SSH: the same SPEC, start, PMI, output, supervision and report.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass
 
+from launcher import wire
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.selection import HostSlots, select_hosts
@@ -35,6 +37,14 @@ class Joined:
         """No more agents; any still waiting are told ``why``."""
         self.listener.close(why)
 
+    def abandon(self, why: str) -> None:
+        """The job will not start after all: every joined agent is told ``why`` and leaves."""
+        for stream in self.streams:
+            with contextlib.suppress(OSError):
+                stream.write(wire.encode_json(wire.Kind.REFUSE, {"why": why}))
+            stream.kill()
+        self.close(why)
+
 
 def join_agents(opts: RendezvousOptions | None, *, include: str | None, exclude: str | None,
                 nproc_per_node: int | None, heartbeat: float) -> Joined:
@@ -55,7 +65,7 @@ def join_agents(opts: RendezvousOptions | None, *, include: str | None, exclude:
                              source=f"agent at {arrival.address}") for arrival, _ in joined]
         selected = select_hosts(entries, include=include, exclude=exclude, unknown_ok=True)
     except BaseException as exc:
-        listener.close(f"the head stopped before the start: {exc}")
+        listener.close(f"the head stopped before the start: {_why(exc)}")
         raise
     used = {host.entry.name for host in selected}
     streams: list[AgentStream] = []
@@ -65,3 +75,7 @@ def join_agents(opts: RendezvousOptions | None, *, include: str | None, exclude:
         else:  # a filter took every slot it had: it has no part in the job
             stream.kill()
     return Joined(selected, streams, listener)
+
+
+def _why(exc: BaseException) -> str:
+    return "interrupted (Ctrl-C)" if isinstance(exc, KeyboardInterrupt) else str(exc)

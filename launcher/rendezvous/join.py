@@ -58,8 +58,8 @@ def join(opts: JoinOptions, token: bytes) -> SealedSocket:
         else:
             try:
                 return _handshake(sock, token, facts, where)
-            except HandshakeError as exc:  # cut off half-way: the head may be restarting
-                why = str(exc)
+            except (HandshakeError, OSError, wire.WireError) as exc:  # cut off half-way, or
+                why = str(exc) or type(exc).__name__  # not a head yet: it may be restarting
             except BaseException:
                 sock.close()
                 raise

@@ -35,6 +35,7 @@ from launcher.rendezvous.stream import (
 )
 
 HANDSHAKE_S = 10.0   # from accept to JOIN: a peer slower than this is not an agent
+HANDSHAKES = 64      # handshakes at once; a connection beyond waits in the listen backlog
 TOKEN_FIX = ("give every agent the head's token file (--token-file or DTRAIN_RDZV_TOKEN_FILE); "
              "nothing was started")
 
@@ -53,6 +54,7 @@ class Listener:
         self._lobby: dict[str, tuple[Arrival, RendezvousStream]] = {}  # by host, lower case
         self._failure: RendezvousError | None = None
         self._closed = False
+        self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
         #: (node rank, stream) of each agent that took a vacated seat after the start.
         self.replacements: queue.Queue[tuple[int, RendezvousStream]] = queue.Queue()
         self.sock = _listen(opts)
@@ -122,6 +124,7 @@ class Listener:
     # -- one connection (a thread each) ----------------------------------------------------
     def _accept(self) -> None:
         while True:
+            self._handshakes.acquire()  # a flood of connections waits here, not in threads
             try:
                 conn, addr = self.sock.accept()
             except OSError:
@@ -130,6 +133,12 @@ class Listener:
                              name="rendezvous-join", daemon=True).start()
 
     def _handshake(self, conn: socket.socket, address: str) -> None:
+        try:
+            self._join(conn, address)
+        finally:
+            self._handshakes.release()
+
+    def _join(self, conn: socket.socket, address: str) -> None:
         t0 = time.monotonic()
         deadline = t0 + HANDSHAKE_S
         prepare(conn)
