@@ -28,7 +28,9 @@ over 300 lines).
     activations/ sequence parallelism and activation recomputation
     construction/  per-rank model construction on the meta device
     moe/         mixture of experts with expert parallelism
-    checkpoint/  atomic, verified checkpoint files
+    placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,
+                 replicas; who counts and who writes each slice
+    checkpoint/  atomic, verified checkpoints of safetensors and JSON, resumed at any layout
     inference/   validation loss, sampling, merging checkpoint shards
     gpu/         GPU settings, compile, vocab padding
     health/      rank-side probes of `dtrain check --perf`

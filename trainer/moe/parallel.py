@@ -1,4 +1,4 @@
-"""Expert parallelism: expert sharding over the mesh's ep axis, gradient reduction, norms.
+"""Expert parallelism: expert sharding over the mesh's ep axis, and the gradient reduction.
 
 Groups (Megatron's order, `trainer.comm.topology`): the DP ranks of one (tp, pp) position are
 cut into blocks of ``ep`` adjacent DP ranks, each block an EP group that splits every MoE
@@ -32,7 +32,6 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.data_parallel.grad_sync import DataParallel
 from trainer.moe.layer import moe_layers, set_aux_scale
-from trainer.optim.grad_clip import NormScope
 from trainer.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 
@@ -122,16 +121,6 @@ class ExpertDataParallel:
     def finish_grad_sync(self) -> None:
         self.dense.finish_grad_sync()
         self.experts.finish_grad_sync()
-
-
-def ep_scope(scope: NormScope, ep: Communicator, model: nn.Module) -> NormScope:
-    """``scope`` extended over EP: experts count on every member (each holds others), the
-    dense parameters on EP member 0 only (every member holds the same)."""
-    if ep.size == 1:
-        return scope
-    experts = {id(p) for n, p in model.named_parameters() if is_expert(n)}
-    leader = ep.rank == 0
-    return scope.along(ep, lambda p: leader or id(p) in experts)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: Mesh, *, microbatches: int) -> bool:

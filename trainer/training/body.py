@@ -15,7 +15,6 @@ import torch
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.data_parallel.grad_sync import DataParallel
 from trainer.model.gpt import GPT
-from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -34,10 +33,6 @@ class StepBody(Protocol):
 
     def reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The global batch's loss on every rank (0-d, on the device)."""
-        ...
-
-    def norm_scope(self, base: NormScope) -> NormScope:
-        """``base`` extended over the groups this body spreads the model across."""
         ...
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -73,9 +68,6 @@ class Accumulation:
     def reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         self.dp_group.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
         return loss_sum
-
-    def norm_scope(self, base: NormScope) -> NormScope:
-        return base
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model.loss(x, y)
