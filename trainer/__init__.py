@@ -34,6 +34,7 @@ over 300 lines).
     inference/   validation loss, sampling, merging checkpoint shards
     gpu/         GPU settings, compile, vocab padding
     health/      rank-side probes of `dtrain check --perf`
+    stopping/    when training stops before --steps: --time-limit
     sparse/      model-parallel sparse embeddings (SOK style)
     recsys/      `python -m trainer.recsys`: a DLRM-style recommender on sparse/
 

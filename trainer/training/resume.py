@@ -120,7 +120,7 @@ def restore(cfg: TrainConfig, mesh: Mesh, weights: MainWeights) -> Restored:
             break
         path = root / f"step-{step}"
         chosen, error = _try(cfg, path, mine, mesh)
-        worst, reporter = agree(error, [world], device)
+        worst, reporter = agree(error, world, device)
         if worst == OK:
             assert chosen is not None  # every rank planned its reads
             return _apply(cfg, path, chosen, weights, skipped, mesh)
@@ -182,7 +182,7 @@ def _apply(cfg: TrainConfig, path: Path, chosen: _Chosen, weights: MainWeights,
         error = CheckpointError("checkpoint unreadable", str(path), f"{type(exc).__name__}: "
                                 f"{exc}", "Restore the checkpoint from a copy, or start a new "
                                 "--run-dir")
-    worst, reporter = agree(error, [mesh.group()], mesh.device)
+    worst, reporter = agree(error, mesh.group(), mesh.device)
     if worst != OK:
         raise (error if error is not None else quiet(path)).everywhere(report=reporter)
     opt = chosen.meta["optimizer"]
