@@ -205,19 +205,19 @@ class Listener:
 
     def _refuse(self, sealed: SealedSocket, who: str, why: str, fix: str, *,
                 fatal: bool) -> None:
-        with contextlib.suppress(OSError):
-            sealed.send_json(wire.Kind.REFUSE, {"why": why, "fix": fix})
-            sealed.sock.close()
         if fatal:
             self._fail(who, why, fix)
         else:
             self.say(f"refused the agent {who}: {why}")
+        with contextlib.suppress(OSError):
+            sealed.send_json(wire.Kind.REFUSE, {"why": why, "fix": fix})
+            sealed.sock.close()
 
     def _refuse_clear(self, conn: socket.socket, address: str, why: str, fix: str) -> None:
+        self._fail(address, why, fix)
         with contextlib.suppress(OSError):
             send_clear(conn, wire.Kind.REFUSE, {"why": why, "fix": fix})
             conn.close()
-        self._fail(address, why, fix)
 
     def _fail(self, who: str, why: str, fix: str = TOKEN_FIX) -> None:
         """Before the start: the rendezvous ends with this error. After it: one line."""
