@@ -21,7 +21,7 @@ over 300 lines).
     data/        corpus, batches: byte-level data and deterministic DP-sharded batches
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
                  axes and their groups), timing, progress records
-    data_parallel/  grad_sync (DataParallel), buckets
+    data_parallel/  grad_sync (DataParallel), split (one per kind of replica), buckets
     tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize
     pipeline/    schedules, their checker, the runtime, stages, timeline
     zero/        ZeRO-1: sharded optimizer state and gradient reduce-scatter

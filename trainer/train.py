@@ -170,11 +170,11 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
         _log_steps(log, result, pending)  # the good steps before an error are kept
-        log.close(plot_title=f"{cfg.model.preset} GPT, {_layout(cfg)}, "
+        log.close(plot_title=f"{cfg.model.preset} GPT, {cfg.parallel.describe()}, "
                              f"global batch {cfg.data.global_batch}")
     if run.is_writer:
         write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe.experts} experts, "
-                        f"top-{cfg.gpt.moe.topk}, ep={cfg.parallel.ep}")
+                        f"top-{cfg.gpt.moe.topk}, {cfg.parallel.describe()}")
     return result
 
 
@@ -211,7 +211,7 @@ def _banner(run: Run, world_size: int) -> str:
     per_rank += " of pipeline rank 0" if par.pp > 1 else ""
     pipeline = f" ({describe_pipeline(cfg)})" if par.pp > 1 else ""
     return (f"dtrain: {cfg.model.preset} GPT, {run.model.num_params():,} parameters{per_rank} | "
-            f"world {world_size} = {_layout(cfg, ' x ')}{pipeline} | "
+            f"world {world_size} = {cfg.parallel.describe(' x ')}{pipeline} | "
             f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
             f"{', ZeRO-1' if cfg.optimizer.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
@@ -220,13 +220,6 @@ def _banner(run: Run, world_size: int) -> str:
             "microbatch(es) | "
             f"data {run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"
             f"{resumed}")
-
-
-def _layout(cfg: TrainConfig, sep: str = ", ") -> str:
-    """``dp 2 x tp 2 x pp 1`` (with ``sep`` " x "), or ``dp=2, tp=2, pp=1``."""
-    par = cfg.parallel
-    eq = " " if sep == " x " else "="
-    return sep.join(f"{axis}{eq}{getattr(par, axis)}" for axis in ("dp", "tp", "pp"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from tests.resume_workers.cases import MORE, PAIRS, SAVED_AT, WORLD, Layout, Pai
 from trainer.comm.bootstrap import World, init
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
-from trainer.config.options import mesh_shape, resolve_dp
+from trainer.config.options import resolve_dp
 from trainer.data.corpus import Corpus, load_corpus
 from trainer.train import save_checkpoint
 from trainer.training.run import build_run
@@ -53,7 +53,7 @@ class Ranks:
 def build(pair: Pair, layout: Layout, comm: Communicator, world: World, corpus: Corpus,
           run_dir: Path, **more: object) -> Any:
     cfg = resolve_dp(pair.config(layout, str(run_dir), **more), comm.size)
-    return build_run(cfg, Mesh.build(comm, mesh_shape(cfg), world.device), corpus)
+    return build_run(cfg, Mesh.build(comm, cfg.parallel.mesh(), world.device), corpus)
 
 
 def save(pair: Pair, ranks: Ranks, corpus: Corpus, run_dir: Path) -> None:

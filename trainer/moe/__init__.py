@@ -4,7 +4,7 @@
     router     scores, top-k, load-balancing and z-loss, capacity dropping (pure torch)
     dispatch   permute, count exchange, all-to-all over EP, sort by expert; combine reverses it
     layer      the MoE module that replaces a block's MLP; the auxiliary loss in backward
-    parallel   expert sharding over the mesh's EP and TP groups, the two DP reductions
+    parallel   expert sharding over the EP and TP groups; the experts' DP replica axes
 
 The MoE fields of the model are `trainer.model.config.MoEConfig`; the expert load per step
 and its heat map, `trainer.training.expert_load`.

@@ -1,6 +1,7 @@
 """Every parameter of a rank's model gets its `Placement` (``param.placement``), in one place,
 from what each feature left on it: the TP cut (`trainer.tensor_parallel.sharding.shard_spec`),
-the experts (named by global index, replicated over expert-DP only), the pipeline's copy of a
+the DP axes its copies span when they are not all of dp (``param.dp_replicas``: the experts
+of `trainer.moe`, which split themselves when placed, `PlacesItself`), the pipeline's copy of a
 tied embedding. The optimizer's main weights take their parameter's placement (ZeRO-1's
 pieces a part of it), so every tensor a checkpoint holds knows where it lies.
 
@@ -17,25 +18,38 @@ Two rules read the placements:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 from torch import nn
 
 from trainer.comm.mesh import Mesh
-from trainer.moe.parallel import is_expert
+from trainer.comm.topology import SPANS
 from trainer.placement.slices import Placement, TPSplit
 from trainer.tensor_parallel.sharding import shard_spec
 
-DP_AXES = ("ep", "edp")
-"""Dense parameters are the same on every DP rank."""
-EXPERT_AXES = ("edp",)
-"""An expert is the same on the DP ranks at its place in every EP block."""
+DP_AXES = SPANS["dp"]
+"""The axes of data parallelism; a parameter is the same on all of them unless it says
+otherwise (``param.dp_replicas``)."""
+
+
+@runtime_checkable
+class PlacesItself(Protocol):
+    """A module that splits its own parameters over the mesh when the run places the model
+    (the experts of a MoE layer over the EP group), marking those that differ between DP ranks
+    with the DP axes their copies span (``param.dp_replicas``)."""
+
+    def place_on(self, name: str, mesh: Mesh) -> None: ...
 
 
 def place_parameters(model: nn.Module, mesh: Mesh, *, copies: dict[str, str] | None = None
                      ) -> None:
-    """Set ``param.placement`` on every parameter of ``model``. ``copies``: local names of
-    parameters that copy another stage's tensor, and that tensor's global name (the tied head
-    of the last stage: ``{"head.weight": "tok_emb.weight"}``)."""
+    """Let every module of ``model`` that splits itself over the mesh do so, then set
+    ``param.placement`` on every parameter. ``copies``: local names of parameters that copy
+    another stage's tensor, and that tensor's global name (the tied head of the last stage:
+    ``{"head.weight": "tok_emb.weight"}``)."""
+    for module_name, module in model.named_modules():
+        if isinstance(module, PlacesItself):
+            module.place_on(module_name, mesh)
     copies = copies or {}
     tp_rank, tp_size = mesh.rank("tp"), mesh.size("tp")
     for name, p in model.named_parameters():
@@ -45,7 +59,7 @@ def place_parameters(model: nn.Module, mesh: Mesh, *, copies: dict[str, str] | N
         shape = list(p.shape)
         if split is not None:
             shape[split.dim] *= tp_size
-        replicated = (*(EXPERT_AXES if is_expert(name) else DP_AXES),
+        replicated = (*mesh.shape.axes(*getattr(p, "dp_replicas", DP_AXES)),
                       *(("tp",) if split is None else ()))
         p.placement = Placement(copies.get(name, name), tuple(shape), split, None, replicated,
                                 copy=name in copies)
@@ -58,6 +72,11 @@ def placement_of(tensor: object) -> Placement:
         raise TypeError("a tensor without a placement reached the checkpoint or the norm "
                         "(place_parameters was not run on its model)")  # a wiring bug
     return found
+
+
+def dp_axes(p: Placement) -> tuple[str, ...]:
+    """The DP axes ``p``'s copies span: those its gradient is reduced over."""
+    return tuple(axis for axis in p.replicated if axis in DP_AXES)
 
 
 def leads(p: Placement, mesh: Mesh) -> bool:

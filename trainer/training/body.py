@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.data_parallel.grad_sync import DataParallel
+from trainer.data_parallel.split import GradSync
 from trainer.model.gpt import GPT
 from trainer.optim.main_weights import MainWeights
 
@@ -48,7 +48,7 @@ class StepBody(Protocol):
 class Accumulation:
     """Every microbatch's forward and backward in turn, DP-synchronised on the last one only."""
 
-    def __init__(self, model: GPT, dp: DataParallel, dp_group: Communicator) -> None:
+    def __init__(self, model: GPT, dp: GradSync, dp_group: Communicator) -> None:
         self.model, self.dp, self.dp_group = model, dp, dp_group
 
     def forward_backward(self, micro: Microbatches) -> torch.Tensor:

@@ -43,7 +43,7 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
 from trainer.config.options import TrainConfig
-from trainer.data_parallel.grad_sync import DataParallel
+from trainer.data_parallel.split import GradSync
 from trainer.model.gpt import GPT
 from trainer.model.precision import at_least_fp32
 from trainer.optim.main_weights import MainWeights
@@ -150,7 +150,7 @@ class Pipeline:
 
 
 def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Communicator,
-                   dp: DataParallel, dp_group: Communicator, device: torch.device) -> Pipeline:
+                   dp: GradSync, dp_group: Communicator, device: torch.device) -> Pipeline:
     """The schedule, stage, p2p shape and embedding group of this rank (collective over pp)."""
     schedule = build(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, layout.v)
     check_schedule(schedule, cfg.parallel.pp, layout.v, m=cfg.parallel.microbatches)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import secrets
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +85,7 @@ def start_anew(cfg: TrainConfig, *, leader: bool) -> Restored:
 def layout_of(cfg: TrainConfig) -> dict[str, Any]:
     """The parallel layout a checkpoint records (a resume may use another)."""
     par = cfg.parallel
-    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ep": par.ep, "virtual_stages": par.chunks,
+    return {**asdict(par.mesh()), "virtual_stages": par.chunks,
             "stage_layers": list(cfg.stage_layers), "zero": cfg.optimizer.zero}
 
 

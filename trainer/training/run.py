@@ -18,23 +18,23 @@ from trainer.comm.bootstrap import World
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_mesh
-from trainer.config.options import TrainConfig, mesh_shape, resolve_dp
+from trainer.config.options import TrainConfig, resolve_dp
 from trainer.construction import build_rank_model
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
-from trainer.data_parallel.grad_sync import DataParallel
+from trainer.data_parallel.split import GradSync, data_parallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
 from trainer.model.gpt import GPT
-from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel
+from trainer.moe.layer import set_aux_scale
 from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.pipeline.partition import StageLayout
 from trainer.pipeline.stages import build_stage_model, tied_weight
-from trainer.placement import leads, place_parameters, placement_of
+from trainer.placement import dp_axes, leads, place_parameters, placement_of
 from trainer.tensor_parallel.parallelize import parallelize
 from trainer.tensor_parallel.random import RNGStatesTracker
 from trainer.training import startup
@@ -54,8 +54,9 @@ class Run:
     mesh: Mesh
     """This rank's place on the axes and its groups, each timed on ``clock``."""
     model: GPT
-    dp: DataParallel
-    """The gradient sync: DP (expert DP with experts, the reduce-scatter under ZeRO-1)."""
+    dp: GradSync
+    """The gradient sync: over each parameter's DP replicas (the reduce-scatter under
+    ZeRO-1)."""
     weights: MainWeights
     """What AdamW steps (`trainer.optim.main_weights`)."""
     body: StepBody
@@ -84,7 +85,7 @@ class Run:
 
 def mesh_for(cfg: TrainConfig, world: World) -> Mesh:
     """The mesh of ``cfg``'s layout over ``world`` (collective: splits the world)."""
-    return Mesh.build(world.comm, mesh_shape(resolve_dp(cfg, world.size)), world.device)
+    return Mesh.build(world.comm, resolve_dp(cfg, world.size).parallel.mesh(), world.device)
 
 
 def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run:
@@ -99,11 +100,11 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
     model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
-    experts = apply_expert_parallel(model, mesh, microbatches=cfg.parallel.microbatches)
+    set_aux_scale(model, cfg.parallel.microbatches)
     place_parameters(model, mesh, copies=_copies(cfg, layout))
     optimizer = _optimizer(cfg, model)
     dtype = model_dtype(cfg.optimizer.precision, device)
-    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, experts, clock, layout=layout)
+    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, clock, layout=layout)
     restored = restore(cfg, mesh, weights) if cfg.checkpoint.resume else \
         start_anew(cfg, leader=mesh.rank() == 0)
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
@@ -142,7 +143,7 @@ def _norm_scope(weights: MainWeights, mesh: Mesh) -> NormScope:
 def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corpus:
     """The mesh fits the layout, and every rank reads the same training data (``corpus``,
     read here when not given)."""
-    shape = mesh_shape(cfg)
+    shape = cfg.parallel.mesh()
     if mesh.shape != shape:
         raise TrainerError("mesh does not match the options", repr(mesh),
                            f"the options ask for {shape}",
@@ -171,9 +172,10 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
 
 
 def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-             dtype: torch.dtype | None, mesh: Mesh, experts: bool, clock: CommClock, *,
-             layout: StageLayout | None) -> tuple[DataParallel, MainWeights]:
-    """The gradient sync over the mesh's DP group, and what holds the main weights."""
+             dtype: torch.dtype | None, mesh: Mesh, clock: CommClock, *,
+             layout: StageLayout | None) -> tuple[GradSync, MainWeights]:
+    """The gradient sync over the mesh's DP groups (each parameter over the axes its copies
+    span, `trainer.placement.dp_axes`), and what holds the main weights."""
     par = cfg.parallel
     reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
     dp_comm = mesh.group("dp")
@@ -185,8 +187,7 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
         return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
-    dp = ExpertDataParallel.build(model, dp_comm, mesh.group("edp"), **dp_options) \
-        if experts else DataParallel(model, dp_comm, **dp_options)
+    dp = data_parallel(model, lambda p: dp_axes(placement_of(p)), mesh.group, **dp_options)
     if dtype is None:
         return dp, PlainWeights(dp.params, optimizer)
     # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
