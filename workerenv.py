@@ -55,9 +55,16 @@ the group, the group's size), the operation last entered (`PROGRESS_SLOT_OP`, on
 operation: sequence number counted from 1, op code into `PROGRESS_OPS`, dtype code into
 `PROGRESS_DTYPES`, p2p kind 0 none / 1 send / 2 recv, peer as a group rank or -1, bytes,
 `time.monotonic()` of entry: CLOCK_MONOTONIC, shared by every process of the host and never
-stepped) and the number of operations completed (`PROGRESS_SLOT_DONE`, an 8-byte word at an
-offset that is a multiple of 8, so the rank updates it with one store). A reader copies the
-record until two copies agree (`read_progress`), so a torn write is never seen.
+stepped), the number of operations completed (`PROGRESS_SLOT_DONE`, an 8-byte word at an
+offset that is a multiple of 8, so the rank updates it with one store) and the last
+`PROGRESS_HISTORY` operations entered (`PROGRESS_HISTORY_AT`: one aligned 8-byte word per
+operation, operation ``seq`` at index ``seq % PROGRESS_HISTORY``: its op code in bits 0-7,
+peer + 1 in bits 16-31 (0: none) and, from bit 32, the number of collectives entered on the
+group so far, this one included).
+Collectives must run in the same order on every member of a group, point-to-point operations
+need not (a pipeline's inner stages send and receive where the outer ones do one of the two),
+so the diagnosis lines collectives up by that count, not by the sequence number. A reader copies
+the record until two copies agree (`read_progress`), so a torn write is never seen.
 """
 
 from __future__ import annotations
@@ -200,19 +207,23 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
         ) from None
 
 
-PROGRESS_MAGIC = b"DTPROG1\0"
+PROGRESS_MAGIC = b"DTPROG2\0"
 PROGRESS_HEADER = struct.Struct("=8sIIqddd16x")   # 64 bytes
 PROGRESS_SLOT_ID = struct.Struct("=24sii")        # 32 bytes at slot + 0
 PROGRESS_SLOT_OP = struct.Struct("=QBBbxiQd")     # 32 bytes at slot + 32
 PROGRESS_SLOT_DONE = struct.Struct("=Q")          # 8 bytes at slot + 64
-PROGRESS_SLOT_SIZE = 80
+PROGRESS_HISTORY = 16                             # 8-byte words at slot + 72
+PROGRESS_DONE_AT = PROGRESS_SLOT_ID.size + PROGRESS_SLOT_OP.size  # in a slot; 8-aligned in file
+PROGRESS_HISTORY_AT = PROGRESS_DONE_AT + PROGRESS_SLOT_DONE.size
+PROGRESS_SLOT_SIZE = PROGRESS_HISTORY_AT + 8 * PROGRESS_HISTORY   # 200, a multiple of 8
 PROGRESS_SLOTS = 32
 PROGRESS_SIZE = PROGRESS_HEADER.size + PROGRESS_SLOTS * PROGRESS_SLOT_SIZE
-PROGRESS_DONE_AT = PROGRESS_SLOT_ID.size + PROGRESS_SLOT_OP.size  # in a slot; 8-aligned in file
 PROGRESS_OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv",
                 "batch_p2p", "all_to_all", "barrier", "split")
 PROGRESS_DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8",
                    "uint8", "bool")
+#: Operations matched pairwise rather than by every member in the same order.
+PROGRESS_P2P_OPS = frozenset({"send", "recv", "batch_p2p"})
 
 
 @dataclass(frozen=True)
@@ -230,6 +241,9 @@ class GroupProgress:
     peer: int
     nbytes: int
     entered_at: float  # time.monotonic() on the rank's host
+    # The last operations entered, oldest first, the last one included: (seq, op, peer as a
+    # group rank or -1, collectives entered on the group up to it).
+    history: tuple[tuple[int, str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,8 +279,18 @@ def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
         (done,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + PROGRESS_DONE_AT)
         groups.append(GroupProgress(
             label.rstrip(b"\0").decode("utf-8", "replace"), grank, gsize, seq, done,
-            _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered))
+            _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered,
+            _history(raw, at + PROGRESS_HISTORY_AT, seq)))
     return RankProgress(pid, rank, step, step_at, compute, avg, tuple(groups))
+
+
+def _history(raw: bytes, at: int, seq: int) -> tuple[tuple[int, str, int, int], ...]:
+    entries = []
+    for n in range(max(1, seq - PROGRESS_HISTORY + 1), seq + 1):
+        (word,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + 8 * (n % PROGRESS_HISTORY))
+        entries.append((n, _name(PROGRESS_OPS, word & 0xFF), ((word >> 16) & 0xFFFF) - 1,
+                        word >> 32))
+    return tuple(entries)
 
 
 def _name(names: tuple[str, ...], code: int) -> str:
