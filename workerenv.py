@@ -14,6 +14,25 @@ torchrun-compatible variables (an unmodified ``torch.distributed`` ``env://`` sc
     MASTER_ADDR       an address of rank 0's host that the other hosts can reach
     MASTER_PORT       a TCP port on MASTER_ADDR free for a rendezvous store
 
+The rest of what a torchrun worker gets (`torch/distributed/elastic/agent/server/
+local_elastic_agent.py`), so frameworks that look for torchrun take their torchrun path:
+Lightning (`TorchElasticEnvironment`) and `torch.distributed.is_torchelastic_launched()` test
+TORCHELASTIC_RUN_ID; without it Lightning picks its MPI mode whenever mpi4py sees a PMI world,
+which ignores MASTER_ADDR and waits on rank 0's host name:
+
+    TORCHELASTIC_RUN_ID         the job id (DTRAIN_JOB_ID)
+    TORCHELASTIC_RESTART_COUNT  restarts of the job before this round: 0 for a first run (the
+                                plan's ``restart_count``, set by the restart logic)
+    TORCHELASTIC_MAX_RESTARTS   restarts the job may have (the plan's ``max_restarts``; 0)
+    TORCHELASTIC_USE_AGENT_STORE
+                                False: rank 0 serves the env:// store at MASTER_ADDR:MASTER_PORT
+                                (True would make every rank a client of an agent's store)
+    ROLE_RANK, ROLE_WORLD_SIZE  RANK and WORLD_SIZE (one role)
+    ROLE_NAME                   default
+    GROUP_WORLD_SIZE            the number of hosts
+    TORCH_NCCL_ASYNC_ERROR_HANDLING
+                                1 (a timed-out NCCL operation tears the process down) unless set
+
 MPICH wire-up (PMI-1, served through the per-host agent):
 
     PMI_FD            a socket inherited from the agent (default), or
@@ -35,7 +54,15 @@ dtrain's own:
                       take the first interface, often a bridge or docker0)
 
 Forwarded from the head (launcher/plan/environment.py): variables whose names start with one
-of FORWARDED_PREFIXES or are named in FORWARDED_NAMES, then .dtrainenv files and --env. PATH is
+of FORWARDED_PREFIXES or are named in FORWARDED_NAMES, then .dtrainenv files and --env. Besides
+the communication libraries' own (NCCL_, UCX_, FI_, GLOO_, MPICH_...), these are the settings the
+common frameworks read from the environment, so a script written for another launcher sees the
+head's: DeepSpeed DS_ (DS_ACCELERATOR=cpu picks its CPU accelerator; DeepSpeed's own launcher
+forwards only its export list and .deepspeed_env), Accelerate ACCELERATE_, FSDP_, MEGATRON_LM_
+and PARALLELISM_CONFIG_ (what `accelerate launch` would have set from its config), Lightning
+PL_ (PL_GLOBAL_SEED...), Megatron-core and Transformer Engine NVTE_ and
+PYTORCH_CUDA_ALLOC_CONF (PYTORCH_), NVIDIA_TF32_OVERRIDE, torch.compile TORCHINDUCTOR_,
+TORCHDYNAMO_ and TRITON_, Hugging Face HF_, TRANSFORMERS_ and TOKENIZERS_. PATH is
 merged rather than replaced: the head's entries first, then the host's own PATH entries that
 are not already in it, so ``python`` (or any argv[0]) is the head's wherever the head's
 virtualenv or conda prefix exists on the host, and the host's own otherwise. VIRTUAL_ENV,
@@ -88,6 +115,15 @@ PMI_ID = "PMI_ID"
 PMI_RANK = "PMI_RANK"
 PMI_SIZE = "PMI_SIZE"
 JOB_ID = "DTRAIN_JOB_ID"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+ROLE_RANK = "ROLE_RANK"
+ROLE_NAME = "ROLE_NAME"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 HOST = "DTRAIN_HOST"
 PROGRESS_FILE = "DTRAIN_PROGRESS_FILE"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
@@ -101,11 +137,20 @@ SCRUBBED_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "SLURM_")
 FORWARDED_PREFIXES = (
     "NCCL_", "PYTHON", "CUDA_", "MPICH_", "MPIR_CVAR_", "TORCH_", "UCX_", "FI_", "HF_",
     "WANDB_", "MLFLOW_", "GLOO_", "OMP_", "MKL_", "LANG", "LC_", "TZ",
+    # frameworks' settings (see above)
+    "DS_", "ACCELERATE_", "FSDP_", "MEGATRON_LM_", "PARALLELISM_CONFIG_", "PL_", "NVTE_",
+    "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_", "TRANSFORMERS_", "TOKENIZERS_",
 )
 
 #: Head-node variables forwarded by exact name: the programs and interpreter the head would run
-#: (PATH is put in front of the host's own PATH, see above).
-FORWARDED_NAMES = (PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")
+#: (PATH is put in front of the host's own PATH, see above), and TF32 for Megatron-core.
+FORWARDED_NAMES = (PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV",
+                   "NVIDIA_TF32_OVERRIDE")
+
+#: torchrun's variables equal on every rank of a job, which the plan sets (see above).
+TORCHRUN_JOB_WIDE = (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+                     TORCHELASTIC_USE_AGENT_STORE, ROLE_NAME, ROLE_WORLD_SIZE, GROUP_WORLD_SIZE,
+                     TORCH_NCCL_ASYNC_ERROR_HANDLING)
 
 
 class DtrainError(Exception):
@@ -188,6 +233,7 @@ def from_mpi_launcher(environ: Mapping[str, str]) -> dict[str, str]:
                 "not started by mpiexec/mpirun. Start it with `dtrain launch`")
     node = str(int(found[RANK]) // max(1, int(found[LOCAL_WORLD_SIZE])))
     found[GROUP_RANK] = found[NODE_RANK] = node
+    found[ROLE_RANK] = found[RANK]
     return found
 
 
