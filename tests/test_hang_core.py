@@ -231,3 +231,20 @@ def test_perf_check_launches_one_rank_per_host_on_the_same_hosts_and_ssh_setting
         "n2:3"
     assert "--ssh-accept-new" in argv and argv[argv.index("--ssh-config") + 1] == "/c"
     assert argv[argv.index("--") + 1:] == ["/py", "-E", "-P", "-m", "trainer.health.perf"]
+
+
+def test_a_world_of_thousands_blames_its_one_late_rank_in_a_headline_of_one_line():
+    """2,048 ranks, 8 per host, wait in all-reduce #10 on the world; rank 77 is in none."""
+    views = [rank(r, f"h{r // 8}", op("world", r, 9 if r == 77 else 10, 9, size=2048))
+             for r in range(2048)]
+    found = diagnose(views)
+    assert found.culprit_ranks == (77,) and found.blamed_hosts == ("h9",)
+    assert found.headline.startswith("rank 77 (h9) never entered all_reduce #10 on world "
+                                     "(float32, 1.0 KiB), which 2047 ranks 0-76, 78-2047 "
+                                     "(256 hosts) wait in; it is in no communication operation")
+
+
+def test_many_ranks_are_named_as_ranges_with_their_host_count():
+    views = {r: rank(r, f"n{r % 3}") for r in range(30)}
+    assert who([*range(0, 5), *range(6, 20)], views) == "19 ranks 0-4, 6-19 (3 hosts)"
+    assert who(range(0, 30, 3), views) == "10 ranks 0, 3, 6, 9, 12, 15, ... (1 host)"

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from launcher.hang.cycles import break_cycle, stuck_cycles
 from launcher.hang.graph import explained_by, reachable, reverse
-from launcher.hang.model import KINDS, P2P, Cause, Groups
+from launcher.hang.model import KINDS, P2P, Cause, Groups, Signature
 from launcher.hang.views import GroupView, RankView
 
 
@@ -48,10 +48,11 @@ def analyse(views: Sequence[RankView]) -> Analysis:
     needs: dict[int, set[int]] = {}
     edges: dict[tuple[int, int], GroupView] = {}   # (waiter, needed) -> the waiter's op
     unseen = [v.rank for v in views if v.state == "no-record"]
+    judged: dict[tuple[str, int, Signature | None], list[tuple[int, Cause | None]]] = {}
     for v in views:
         # A stopped rank's waits count too: continued, it would still wait for them.
         for g in v.waiting if v.state in ("running", "stopped") else ():
-            for need, deviant in _needed(groups, v, g, unseen):
+            for need, deviant in _needed(groups, v, g, unseen, judged):
                 if deviant is not None:
                     causes.setdefault(need, deviant)
                 if need != v.rank:
@@ -95,10 +96,13 @@ def _as_told(c: Cause, groups: Groups, edges: Mapping[tuple[int, int], GroupView
                    waiters=c.waiters if c.kind == "deadlock" else waiters or c.waiters)
 
 
-def _needed(groups: Groups, v: RankView, g: GroupView,
-            unseen: list[int]) -> list[tuple[int, Cause | None]]:
+def _needed(groups: Groups, v: RankView, g: GroupView, unseen: list[int],
+            judged: dict[tuple[str, int, Signature | None], list[tuple[int, Cause | None]]],
+            ) -> list[tuple[int, Cause | None]]:
     """The ranks ``v``'s operation ``g`` waits for, with a Cause for those that deviate; ``v``
-    itself, with its Cause, when it is the one in the wrong operation."""
+    itself, with its Cause, when it is the one in the wrong operation. The members of a group
+    are judged once per collective and operation (``judged``): a world of thousands waiting in
+    one all-reduce costs one pass over them, not one per waiting rank."""
     mem = groups.members[g.label]
     if g.op in P2P:
         if g.peer not in mem:
@@ -115,12 +119,19 @@ def _needed(groups: Groups, v: RankView, g: GroupView,
                     and (e := mg.collective(count))), g.seq)
         return [(v.rank, Cause(v.rank, "mismatch", g.label, agreed[0], seq, (),
                                f"{g.op} #{g.seq}"))]
-    reference = agreed or mine
+    key = (g.label, count, mine)
+    if key not in judged:
+        judged[key] = _judge(groups, g, count, agreed or mine, unseen)
+    return [(r, cause) for r, cause in judged[key] if r != v.rank]
+
+
+def _judge(groups: Groups, g: GroupView, count: int, reference: Signature | None,
+           unseen: list[int]) -> list[tuple[int, Cause | None]]:
+    """The members of ``g``'s group that have not joined its collective ``count`` as
+    ``reference``, with a Cause for those that deviate."""
     found: list[tuple[int, Cause | None]] = []
-    for grank, (m, mg) in mem.items():
+    for grank, (m, mg) in groups.members[g.label].items():
         theirs = groups.collective(mg, count)
-        if m.rank == v.rank:
-            continue
         if mg.collectives < count:
             found.append((m.rank, None))
         elif theirs is None:
@@ -130,7 +141,7 @@ def _needed(groups: Groups, v: RankView, g: GroupView,
             entry = mg.collective(count)
             kind = "mismatch" if mg.in_flight and entry and entry[0] == mg.seq else "past"
             found.append((m.rank, _deviant(m, mg, g, count, kind)))
-    found += [(r, None) for r in unseen if len(mem) < g.group_size]
+    found += [(r, None) for r in unseen if len(groups.members[g.label]) < g.group_size]
     return found
 
 

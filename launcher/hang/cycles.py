@@ -81,25 +81,23 @@ def _entry(op: str, seq: int, peer: int) -> str:
 
 
 def _by_conflicts(groups: Groups, cycle: frozenset[int], edges: Edges) -> list[Cause]:
-    """The rank of ``cycle`` in conflict with the most others, if one is: two ranks conflict
-    when neither has entered at least as many operations on every family of groups as the
-    other (one program's prefixes are ordered), or when both wait in one collective (the same
-    point of the program) with different counts."""
+    """The rank of ``cycle`` in conflict with the most ranks of the job, if one is: two ranks
+    conflict when neither has entered at least as many operations on every family of groups as
+    the other (one program's prefixes are ordered), or when both wait in one collective (the
+    same point of the program) with different counts."""
     counts = {v.rank: {family(g.label): g.seq for g in v.groups}
               for v in groups.by_rank.values() if v.groups}
     point = {v.rank: (g.label, g.collectives) for v in groups.by_rank.values()
              for g in v.waiting[:1] if g.op not in P2P}
     conflicts: Counter[int] = Counter()
-    ranks = sorted(counts)
-    for i, a in enumerate(ranks):
-        for b in ranks[i + 1:]:
-            shared = counts[a].keys() & counts[b].keys()
-            less = any(counts[a][f] < counts[b][f] for f in shared)
-            more = any(counts[a][f] > counts[b][f] for f in shared)
+    for a in sorted(cycle & counts.keys()):
+        for b, theirs in counts.items():
+            shared = counts[a].keys() & theirs.keys()
+            less = any(counts[a][f] < theirs[f] for f in shared)
+            more = any(counts[a][f] > theirs[f] for f in shared)
             together = a in point and point.get(b) == point[a]
-            if (less and more) or (together and (less or more)):
-                conflicts.update((a, b))
-    ranked = [(n, r) for r, n in conflicts.most_common() if r in cycle]
+            conflicts[a] += (less and more) or (together and (less or more))
+    ranked = [(n, r) for r, n in conflicts.most_common() if n]
     if not ranked or (len(ranked) > 1 and ranked[1][0] == ranked[0][0]):
         return []
     rank = ranked[0][1]
@@ -108,7 +106,7 @@ def _by_conflicts(groups: Groups, cycle: frozenset[int], edges: Edges) -> list[C
         return []
     g = waited[0][1]
     mine = next(mg for mg in groups.by_rank[rank].groups if mg.label == g.label)
-    usual = Counter(counts[r].get(family(g.label)) for r in ranks if r != rank).most_common(1)
+    usual = Counter(c.get(family(g.label)) for r, c in counts.items() if r != rank).most_common(1)
     kind = "behind" if usual and usual[0][0] is not None and mine.seq < usual[0][0] else "past"
     return [Cause(rank, kind, g.label, g.op, g.seq, tuple(w for w, _ in waited),
                   f"{mine.seq} operations on {g.label}, in conflict with the counts of "

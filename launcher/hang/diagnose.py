@@ -16,6 +16,7 @@ from launcher.hang.model import P2P, Cause
 from launcher.hang.views import GroupView, RankView
 
 MAX_CONSEQUENCE_LINES = 12   # one per operation waited in; a big job's others are counted
+MAX_NAMED = 8                # ranks named one by one with their hosts; more are given as ranges
 
 
 @dataclass(frozen=True)
@@ -38,13 +39,28 @@ class Diagnosis:
 
 
 def who(ranks: Iterable[int], views: Mapping[int, RankView]) -> str:
-    """``rank 2 (node2)`` or ``ranks 0, 1 (node1), 3 (node2)``: ranks grouped by host."""
+    """``rank 2 (node2)`` or ``ranks 0, 1 (node1), 3 (node2)``: ranks grouped by host; beyond
+    `MAX_NAMED` ranks, ``2047 ranks 0-76, 78-2047 (256 hosts)``."""
     ordered = sorted(set(ranks))
+    if len(ordered) > MAX_NAMED:
+        hosts = len({views[r].host for r in ordered if r in views})
+        return f"{len(ordered)} ranks {_ranges(ordered)} ({hosts} host{'s' * (hosts != 1)})"
     by_host: dict[str, list[int]] = {}
     for r in ordered:
         by_host.setdefault(views[r].host if r in views else "?", []).append(r)
     parts = [f"{', '.join(map(str, rs))} ({host})" for host, rs in by_host.items()]
     return f"{'rank' if len(ordered) == 1 else 'ranks'} {', '.join(parts)}"
+
+
+def _ranges(ordered: Sequence[int], most: int = 6) -> str:
+    runs: list[list[int]] = []
+    for r in ordered:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = [f"{a}-{b}" if b > a else str(a) for a, b in runs[:most]]
+    return ", ".join(shown) + (", ..." if len(runs) > most else "")
 
 
 def diagnose(views: Sequence[RankView], stacks: Mapping[int, str] | None = None) -> Diagnosis:

@@ -57,7 +57,8 @@ def majority(votes: Counter[Signature]) -> Signature | None:
 
 
 class Groups:
-    """Every group's members, as the views hold them."""
+    """Every group's members, as the views hold them; each consensus is counted once (a world
+    of thousands asks the same question once per waiting rank)."""
 
     def __init__(self, views: Sequence[RankView]) -> None:
         self.by_rank = {v.rank: v for v in views}
@@ -65,6 +66,8 @@ class Groups:
         for v in views:
             for g in v.groups:
                 self.members.setdefault(g.label, {})[g.group_rank] = (v, g)
+        self._agreed: dict[tuple[str, int], Signature | None] = {}
+        self._program: dict[tuple[str, int], tuple[Signature | None, int]] = {}
 
     def siblings(self, label: str) -> Iterable[Member]:
         """The members of every group of ``label``'s family and size, its own first."""
@@ -82,6 +85,11 @@ class Groups:
     def consensus(self, label: str, count: int) -> Signature | None:
         """The operation collective ``count`` on ``label`` is: its members' majority, else that
         of the sibling groups too; None while that is still a tie."""
+        if (label, count) not in self._agreed:
+            self._agreed[label, count] = self._consensus(label, count)
+        return self._agreed[label, count]
+
+    def _consensus(self, label: str, count: int) -> Signature | None:
         votes = Counter(s for _, g in self.members[label].values()
                         if (s := self.collective(g, count)))
         agreed = majority(votes)
@@ -93,7 +101,9 @@ class Groups:
     def program(self, label: str, seq: int) -> tuple[Signature | None, int]:
         """The operation at sequence number ``seq`` on ``label``'s family, by the histories that
         reach it, and how many of them name it."""
-        votes = Counter(signature(e[1], e[2]) for _, g in self.siblings(label)
-                        for e in g.history if e[0] == seq)
-        agreed = majority(votes)
-        return agreed, votes[agreed] if agreed else 0
+        if (label, seq) not in self._program:
+            votes = Counter(signature(e[1], e[2]) for _, g in self.siblings(label)
+                            for e in g.history if e[0] == seq)
+            agreed = majority(votes)
+            self._program[label, seq] = agreed, votes[agreed] if agreed else 0
+        return self._program[label, seq]
