@@ -33,6 +33,9 @@ which ignores MASTER_ADDR and waits on rank 0's host name:
     TORCH_NCCL_ASYNC_ERROR_HANDLING
                                 1 (a timed-out NCCL operation tears the process down) unless set
 
+TORCHELASTIC_ERROR_FILE is left out: torchrun points it at a file its agent reads back after a
+failure (`@record`); dtrain reports a failure from the rank's exit status and stderr.
+
 MPICH wire-up (PMI-1, served through the per-host agent):
 
     PMI_FD            a socket inherited from the agent (default), or
