@@ -11,25 +11,30 @@ over 300 lines).
     generate     `python -m trainer.generate`: sample text from a run's newest checkpoint
     hello        `python -m trainer.hello`: each rank prints the worker contract it received
     errors       the exception hierarchy (base in workerenv.py)
-    config/      options, toml_file, help: flags and TOML into one frozen TrainConfig
+    schema       how a config dataclass declares its options (help, bounds, flag, TOML key)
+    config/      options, sections, common, flags, toml_file: flags and TOML into one frozen
+                 TrainConfig in sections
     training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
                  resume: one run, from start-up to the last checkpoint
     model/       config, layers, gpt, precision, flops: the plain single-device GPT
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
     data/        corpus, batches: byte-level data and deterministic DP-sharded batches
-    comm/        the Communicator protocol, its mpi/ and nccl/ backends, groups, timing,
-                 progress records
-    data_parallel/  grad_sync (DataParallel), buckets
+    comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
+                 axes and their groups), timing, progress records
+    data_parallel/  grad_sync (DataParallel), split (one per kind of replica), buckets
     tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize
     pipeline/    schedules, their checker, the runtime, stages, timeline
     zero/        ZeRO-1: sharded optimizer state and gradient reduce-scatter
     activations/ sequence parallelism and activation recomputation
     construction/  per-rank model construction on the meta device
     moe/         mixture of experts with expert parallelism
-    checkpoint/  atomic, verified checkpoint files
+    placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,
+                 replicas; who counts and who writes each slice
+    checkpoint/  atomic, verified checkpoints of safetensors and JSON, resumed at any layout
     inference/   validation loss, sampling, merging checkpoint shards
     gpu/         GPU settings, compile, vocab padding
     health/      rank-side probes of `dtrain check --perf`
+    stopping/    when training stops before --steps: --time-limit
     sparse/      model-parallel sparse embeddings (SOK style)
     recsys/      `python -m trainer.recsys`: a DLRM-style recommender on sparse/
 

@@ -5,8 +5,9 @@ Sample text from the newest checkpoint of a run, whatever layout it was trained 
 
     python -m trainer.generate --run-dir runs/3d --prompt "def main(" --temperature 0  # greedy
 
-The checkpoint's shards (tp x pp of them) are merged into the single-device GPT on this one
-process (`trainer.inference.merge`), so a model trained at any dp, tp and pp samples the same.
+The checkpoint's slices are put together into the single-device GPT on this one process from
+its index alone (`trainer.inference.merge`: no parallel model is built), so a model trained at
+any dp, tp, pp, ep or ZeRO stage samples the same.
 The prompt's UTF-8 bytes are continued by ``--tokens`` bytes (`trainer.inference.sampling`),
 printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD.
 """
@@ -17,7 +18,6 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 
 from trainer import checkpoint
@@ -74,7 +74,7 @@ def check_model_fields(path: Path) -> None:
     """Refuse a checkpoint whose model has fields this dtrain does not know (a newer dtrain
     wrote it): it would be built without them, a different model."""
     _, meta = checkpoint.read_meta(path)  # verified against the commit record
-    known = {f.name for f in fields(GPTConfig)}
+    known = set(GPTConfig().to_dict())
     unknown = sorted(set(meta.get("model", {})) - known)
     if unknown:
         raise checkpoint.CheckpointError(

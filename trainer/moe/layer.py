@@ -21,10 +21,12 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.layers import MLP
 from trainer.moe.dispatch import combine, dispatch
+from trainer.moe.parallel import shard_layer
 from trainer.moe.router import Routing, route
 
 
@@ -33,16 +35,16 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_experts, self.topk = cfg.moe_experts, cfg.moe_topk
-        self.score, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
-        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
-        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.moe_experts)})
+        self.n_experts, self.topk = cfg.moe.experts, cfg.moe.topk
+        self.score, self.capacity_factor = cfg.moe.router, cfg.moe.capacity_factor
+        self.aux_coeff, self.z_coeff = cfg.moe.aux_loss_coeff, cfg.moe.z_loss_coeff
+        self.router = nn.Linear(cfg.d_model, cfg.moe.experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.moe.experts)})
         self.ep: Communicator | None = None
         """The expert-parallel group the experts are split over (None: all are here)."""
         self.aux_scale = 1.0
         """The weight of the auxiliary loss in backward (1 / microbatches per step)."""
-        self.load = torch.zeros(cfg.moe_experts + 3, dtype=torch.float64)
+        self.load = torch.zeros(cfg.moe.experts + 3, dtype=torch.float64)
         """Training forwards since `take_load`: assignments per expert (before dropping),
         dropped assignments, the auxiliary loss summed, the number of forwards."""
 
@@ -61,6 +63,17 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and routing.aux_loss.requires_grad:
             y_BTD = _AuxLoss.apply(y_BTD, routing.aux_loss * self.aux_scale)
         return y_BTD
+
+    def place_on(self, name: str, mesh: Mesh) -> None:
+        """Split the experts over the mesh's EP group, each over its TP group (the run places
+        every module that can, `trainer.placement.parameters.place_parameters`)."""
+        self.shard(mesh.group("ep"), mesh.group("tp"), name=name)
+
+    def shard(self, ep: Communicator, tp: Communicator | None = None, *, name: str = "") -> None:
+        """Keep this member of ``ep``'s block of experts, split over ``tp``
+        (`trainer.moe.parallel`)."""
+        shard_layer(name, self.experts, ep, tp)
+        self.ep = ep
 
     def take_load(self) -> torch.Tensor:
         """The load counted since the last call (see ``load``), and start counting anew."""
@@ -89,7 +102,7 @@ class _AuxLoss(Function):
 
 def is_moe_layer(index: int, cfg: GPTConfig) -> bool:
     """Megatron's ``moe_layer_freq``: layers 0, n, 2n, ... are MoE layers."""
-    return cfg.moe_experts > 0 and index % cfg.moe_every == 0
+    return cfg.moe.experts > 0 and index % cfg.moe.every == 0
 
 
 def install_moe(blocks: nn.ModuleDict, cfg: GPTConfig) -> None:

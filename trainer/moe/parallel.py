@@ -1,10 +1,10 @@
-"""Expert parallelism: EP groups carved from DP, expert sharding, gradient reduction, norms.
+"""Expert parallelism: expert sharding over the mesh's ep axis, and the gradient reduction.
 
-Groups (Megatron's order): the DP ranks of one (tp, pp) position are cut into blocks of ``ep``
-adjacent DP ranks, each block an EP group that splits every MoE layer's experts among its
-members; the DP ranks holding the same experts (same index in their EP block) form the
-expert-data-parallel (EDP) group of dp/ep ranks. With dp = 4, ep = 2: EP groups of DP ranks
-{0,1}, {2,3}; EDP groups {0,2}, {1,3}.
+Groups (Megatron's order, `trainer.comm.topology`): the DP ranks of one (tp, pp) position are
+cut into blocks of ``ep`` adjacent DP ranks, each block an EP group that splits every MoE
+layer's experts among its members; the DP ranks holding the same experts (same index in their
+EP block) form the expert-data-parallel (EDP) group of dp/ep ranks. With dp = 4, ep = 2: EP
+groups of DP ranks {0,1}, {2,3}; EDP groups {0,2}, {1,3}. The mesh splits both.
 
 Gradients: dense parameters are averaged over the whole DP group as before. An expert on EP
 member q of group g processed the tokens of every member of g, so its local gradient already
@@ -12,6 +12,12 @@ sums those ranks' contributions; the serial model's gradient (the mean over all 
 is then the EDP sum times 1/dp (Megatron's ``expert_gradient_scaling_factor``). The expert
 parameters carry a hook that multiplies their gradient by 1/ep before it is accumulated, and
 their own `DataParallel` on the EDP group averages (1/(dp/ep)): 1/dp in all.
+
+Nothing outside this package names the EP axes for that: each expert parameter says on itself
+which DP axes its copies span (``param.dp_replicas = ("edp",)``), and the run groups its
+gradient reductions (`trainer.data_parallel.split`), its checkpoint replicas and its norm by
+the parameters' placements (`trainer.placement.parameters`). The MoE layer splits itself when
+the run places the model on the mesh (`MoE.place_on`).
 
 With TP > 1 every TP rank holds the same tokens (there is no sequence parallelism) and so routes
 them identically; each expert MLP is split over TP like a dense one (fc by columns, proj by
@@ -21,155 +27,31 @@ The router is replicated over TP like the norms.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-
-import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.data_parallel.grad_sync import DataParallel
-from trainer.moe.layer import moe_layers, set_aux_scale
-from trainer.optim.grad_clip import NormScope
 from trainer.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    """This rank's expert-parallel and expert-data-parallel groups (sub-groups of DP)."""
-
-    ep: Communicator
-    edp: Communicator
+EXPERT_REPLICAS = ("edp",)
+"""The DP axes an expert's copies span: the ranks at its place in every EP block."""
 
 
-def expert_groups(dp: Communicator, ep: int) -> ExpertGroups:
-    """Split the DP group into EP blocks of ``ep`` adjacent ranks and their EDP groups
-    (collective over ``dp``, the same calls on every rank)."""
-    block, member = divmod(dp.rank, ep)
-    return ExpertGroups(ep=dp.split(block, member, name="ep"),
-                        edp=dp.split(member, block, name="edp"))
-
-
-def shard_experts(model: nn.Module, ep: Communicator, tp: Communicator | None = None) -> None:
-    """Keep this EP member's block of experts in every MoE layer (the others are deleted, so
-    the remaining names carry global expert indices) and split them over ``tp``."""
-    for name, layer in moe_layers(model):
-        local = layer.n_experts // ep.size
-        mine = range(ep.rank * local, (ep.rank + 1) * local)
-        for key in [k for k in layer.experts if int(k) not in mine]:
-            del layer.experts[key]
-        layer.ep = ep
-        if tp is not None and tp.size > 1:
-            for key, mlp in layer.experts.items():
-                where = f"{name}.experts.{key}"
-                mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.fc")
-                mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.proj")
+def shard_layer(name: str, experts: nn.ModuleDict, ep: Communicator,
+                tp: Communicator | None = None) -> None:
+    """Keep this EP member's block of ``experts`` (keyed by global index; the others are
+    deleted, so the remaining names carry global expert indices), split them over ``tp``, and
+    mark their parameters as replicated over expert-DP only. ``name``: the layer's, for the
+    TP layers' messages."""
+    local = len(experts) // ep.size
+    mine = range(ep.rank * local, (ep.rank + 1) * local)
+    for key in [k for k in experts if int(k) not in mine]:
+        del experts[key]
+    if tp is not None and tp.size > 1:
+        for key, mlp in experts.items():
+            where = f"{name}.experts.{key}"
+            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.fc")
+            mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.proj")
+    for p in experts.parameters():
+        p.dp_replicas = EXPERT_REPLICAS
         if ep.size > 1:
-            for p in layer.experts.parameters():
-                p.register_hook(lambda g, s=1.0 / ep.size: g * s)
-
-
-def is_expert(name: str) -> bool:
-    return ".experts." in name
-
-
-@dataclass(frozen=True)
-class ParamSubset:
-    """The part of a model one `DataParallel` synchronises (it reads only these three)."""
-
-    named: Sequence[tuple[str, nn.Parameter]]
-    buffer_list: Sequence[torch.Tensor] = ()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        return iter(self.named)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return (p for _, p in self.named)
-
-    def buffers(self) -> Iterator[torch.Tensor]:
-        return iter(self.buffer_list)
-
-
-class ExpertDataParallel:
-    """Two `DataParallel`s behind the one interface the training step uses: dense parameters
-    over DP, expert parameters over EDP."""
-
-    def __init__(self, dense: DataParallel, experts: DataParallel) -> None:
-        self.dense, self.experts = dense, experts
-
-    @classmethod
-    def build(cls, model: nn.Module, dp: Communicator, edp: Communicator,
-              **options: object) -> ExpertDataParallel:
-        named = list(model.named_parameters())
-        dense = ParamSubset([(n, p) for n, p in named if not is_expert(n)],
-                            list(model.buffers()))
-        experts = ParamSubset([(n, p) for n, p in named if is_expert(n)])
-        return cls(DataParallel(dense, dp, **options), DataParallel(experts, edp, **options))
-
-    @property
-    def comm(self) -> Communicator:
-        return self.dense.comm
-
-    @property
-    def buffer(self) -> torch.Tensor:
-        return self.dense.buffer
-
-    @property
-    def params(self) -> list[nn.Parameter]:
-        return self.dense.params + self.experts.params
-
-    @property
-    def buckets(self) -> list:
-        return self.dense.buckets + self.experts.buckets
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        with ExitStack() as stack:
-            stack.enter_context(self.dense.no_sync())
-            stack.enter_context(self.experts.no_sync())
-            yield
-
-    def zero_grad(self) -> None:
-        self.dense.zero_grad()
-        self.experts.zero_grad()
-
-    def finish_grad_sync(self) -> None:
-        self.dense.finish_grad_sync()
-        self.experts.finish_grad_sync()
-
-
-def ep_scope(scope: NormScope, ep: Communicator, model: nn.Module) -> NormScope:
-    """``scope`` extended over EP: experts count on every member (each holds others), the
-    dense parameters on EP member 0 only (every member holds the same)."""
-    if ep.size == 1:
-        return scope
-    experts = {id(p) for n, p in model.named_parameters() if is_expert(n)}
-    leader = ep.rank == 0
-    return scope.along(ep, lambda p: leader or id(p) in experts)
-
-
-def apply_expert_parallel(model: nn.Module, *, ep: int, microbatches: int, dp: Communicator,
-                          tp: Communicator | None) -> ExpertGroups | None:
-    """Weigh the auxiliary losses for ``microbatches`` per step and, when the model has MoE
-    layers, split its experts over EP (carved from ``dp``) and TP. Returns the groups (None
-    for a dense model)."""
-    if not moe_layers(model):
-        return None
-    set_aux_scale(model, microbatches)
-    groups = expert_groups(dp, ep)
-    shard_experts(model, groups.ep, tp)
-    return groups
-
-
-def checkpoint_writers(world: Communicator | None, dp: Communicator, ep: int,
-                       shard: tuple[int, ...], *, tp: int, pp: int) -> Communicator:
-    """The ranks that write one checkpoint together: every (tp, pp, ep) shard of the first EP
-    block of DP ranks (collective over ``world``, or over ``dp`` when tp * pp = 1). Stages
-    without MoE layers take part too: their ep index is their place in the EP block."""
-    if tp * pp == 1:
-        return dp.split(dp.rank // ep, dp.rank % ep, name="writers")
-    if world is None:
-        raise TypeError("checkpoint_writers needs the world communicator when tp * pp > 1")
-    return world.split(dp.rank // ep, shard[0] + tp * (shard[1] + pp * (dp.rank % ep)),
-                       name="writers")
+            p.register_hook(lambda g, s=1.0 / ep.size: g * s)

@@ -28,7 +28,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from trainer.optim.grad_clip import NormScope
+from trainer.comm.protocol import Communicator
+from trainer.optim.main_weights import sum_main_grad
+from trainer.optim.optimizer import set_lr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -49,7 +51,6 @@ class MainParams:
                  main: list[nn.Parameter]) -> None:
         self.model, self.optimizer, self.main = model, optimizer, main
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._model_of = {id(m): p for m, p in zip(main, self.params, strict=True)}
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
@@ -59,6 +60,8 @@ class MainParams:
         to ``dtype``. The model's parameter objects (and their TP attributes) are kept."""
         params = [p for p in model.parameters() if p.requires_grad]
         main = [nn.Parameter(p.detach().clone().float()) for p in params]
+        for m, p in zip(main, params, strict=True):  # where it lies: its parameter's place
+            m.placement = getattr(p, "placement", None)
         stepper = build(main)
         # Index-based, so the state (empty, or the checkpoint's) lands on the same parameters.
         stepper.load_state_dict(optimizer.state_dict())
@@ -73,14 +76,22 @@ class MainParams:
             m.grad = p.main_grad
         return self.main
 
-    def scope(self, scope: NormScope) -> NormScope:
-        """``scope`` for the main copies: each counts where its model parameter does."""
-        return NormScope(scope.groups, lambda m: scope.counts(self._model_of[id(m)]))
+    def step(self, lr: float) -> None:
+        """AdamW on the main parameters, then `publish`."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.publish()
 
     @torch.no_grad()
     def publish(self) -> None:
         """Round the stepped fp32 main parameters into the bf16 model parameters."""
         torch._foreach_copy_([p.data for p in self.params], [m.data for m in self.main])
+
+    def sum_grad(self, param: nn.Parameter, group: Communicator) -> None:
+        sum_main_grad(param, group)
+
+    def values(self) -> list[nn.Parameter]:
+        return self.main
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state with the fp32 main weights in place of the bf16 parameters."""

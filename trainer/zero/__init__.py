@@ -5,13 +5,16 @@
 * `trainer.zero.layout`     which gradient elements a DP rank owns (buckets padded to dp)
 * `trainer.zero.grad_sync`  `DataParallel` with a bucketed, overlapped reduce-scatter
 * `trainer.zero.optimizer`  AdamW over this rank's shard, then the all-gather of parameters
-* `trainer.zero.state`      checkpoints: each DP rank writes its shard; resume re-shards
-* `trainer.zero.reshard`    which saved shard files hold the pieces of a new layout
+* `trainer.zero.memory`     expected and held bytes per rank, peak memory per step
+
+A ZeRO-1 piece carries its placement (`trainer.placement`): a checkpoint holds each piece
+once, and a run resumes at any layout, ZeRO-1 or not (`trainer.checkpoint.pieces`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -19,18 +22,19 @@ from torch import nn
 from trainer.comm.protocol import Communicator
 from trainer.zero.grad_sync import ShardedGradSync
 from trainer.zero.optimizer import ZeroOptimizer
-from trainer.zero.state import resume_shards
 
-__all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero", "resume_shards"]
+__all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero"]
 
 
 def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communicator,
                dtype: torch.dtype | None, *, bucket_size: int, overlap: bool,
-               reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = ()
+               reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = (),
+               blocked: Callable[[], AbstractContextManager[None]] = nullcontext
                ) -> tuple[ShardedGradSync, ZeroOptimizer]:
     """The gradient sync and the sharded optimizer of ``model`` (fp32, restored if resuming;
     cast to ``dtype`` at the end, after DP's broadcast from rank 0). ``optimizer``: AdamW over
-    the whole model, whose groups, hyperparameters and (restored) state the shards take."""
+    the whole model, whose groups, hyperparameters and (restored) state the shards take.
+    ``blocked``: marks the step's wait for the parameters' all-gather."""
     sync = ShardedGradSync(model, dp, bucket_size=bucket_size, overlap=overlap,
                            reduce_dtype=reduce_dtype, alone=alone)
-    return sync, ZeroOptimizer(sync, optimizer, dtype)
+    return sync, ZeroOptimizer(sync, optimizer, dtype, blocked)

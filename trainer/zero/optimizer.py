@@ -10,42 +10,42 @@ A piece's gradient is the matching part of this rank's reduce-scattered shard of
 buffer (`trainer.zero.grad_sync`). AdamW is elementwise, so stepping pieces is stepping whole
 tensors; weight decay follows the piece's parameter (matrices only, `trainer.optim.optimizer`).
 
-`ZeroOptimizer` has `trainer.optim.mixed_precision.MainParams`'s interface (``grads``, ``scope``,
-``publish``, ``main``, ``optimizer``), so a training step is written once for both:
+`ZeroOptimizer` has the `trainer.optim.main_weights.MainWeights` interface (``grads``,
+``step``, ``sum_grad``, ``values``, ``publish``, ``optimizer``), so a training step is written
+once for every way of holding the weights:
 
-* ``scope`` counts every gradient element once across DP, TP and PP: the pieces are disjoint
-  across DP ranks, so their squared norms are summed over DP too, and the TP/PP rule of a
-  piece's parameter (replicated weights on TP rank 0, the tied copy on the first stage) applies.
-* ``publish`` all-gathers the stepped shards, bucket by bucket, into every rank's parameters.
-
-Checkpoints hold each DP rank's pieces in a file of its own (`trainer.zero.state`); a run
-resumes at any dp, each rank reading only the saved shards that overlap its pieces.
+* every piece carries its placement: its parameter's, narrowed to the piece's range and no
+  longer a replica over DP (`trainer.placement`), so the gradient norm counts each element
+  once across DP, TP and PP, and a checkpoint holds each piece once;
+* ``step`` runs AdamW on the pieces, then ``publish`` all-gathers the stepped shards, bucket
+  by bucket, into every rank's parameters (the step waits for it: ``blocked`` marks the wait
+  for the communication clock, `trainer.comm.timing`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
-from trainer.optim.grad_clip import NormScope
+from trainer.optim.optimizer import set_lr
+from trainer.placement.parameters import DP_AXES
 from trainer.zero.grad_sync import ShardedGradSync
-
-if TYPE_CHECKING:
-    from trainer.zero.state import ShardReads
 
 
 class ZeroOptimizer:
     """The main pieces of this DP rank, the AdamW that steps them and the all-gather."""
 
     def __init__(self, sync: ShardedGradSync, full: torch.optim.Optimizer,
-                 dtype: torch.dtype | None) -> None:
-        """``full``: the AdamW the run built over the whole model (restored on --resume); its
-        hyperparameters and groups are kept and its state (if any) is sliced into the pieces,
-        then dropped. ``dtype``: what the model is then cast to (bf16), or None (keep)."""
-        self.sync, self.model, self.dtype = sync, sync.model, dtype
+                 dtype: torch.dtype | None,
+                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+        """``full``: the AdamW the run built over the whole model, whose groups and
+        hyperparameters the pieces take. ``dtype``: what the model is then cast to (bf16), or
+        None (keep)."""
+        self.sync, self.model, self.dtype, self.blocked = sync, sync.model, dtype, blocked
         self.layout, self.params = sync.layout, sync.params
         self.pieces = self.layout.pieces()
         group_of = {id(p): g for g, group in enumerate(full.param_groups)
@@ -55,6 +55,8 @@ class ZeroOptimizer:
         for piece in self.pieces:
             part = self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
             main = nn.Parameter(part.clone().float() if dtype is not None else part)
+            main.placement = self.params[piece.param].placement.piece(piece.lo, piece.hi,
+                                                                     over=DP_AXES)
             self.main.append(main)
             groups[group_of[id(self.params[piece.param])]].append(main)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in full.param_groups]
@@ -63,26 +65,10 @@ class ZeroOptimizer:
             [{**h, "params": ps} for h, ps in zip(hyper, groups, strict=True)],
             lr=full.defaults["lr"])
         self.full_groups = [list(g["params"]) for g in full.param_groups]
-        self._take_state(full)
-        self.restored: ShardReads | None = None
-        """What a resume read of a sharded checkpoint (`trainer.zero.state.resume_shards`)."""
-        self._model_of = {id(m): self.params[p.param] for m, p in zip(self.main, self.pieces,
-                                                                      strict=True)}
         if dtype is not None:
             for p in self.params:
                 p.grad = None
             self.model.to(dtype)
-
-    @torch.no_grad()
-    def _take_state(self, full: torch.optim.Optimizer) -> None:
-        for main, piece in zip(self.main, self.pieces, strict=True):
-            state = full.state.get(self.params[piece.param])
-            if state:
-                self.optimizer.state[main] = {
-                    k: v.clone() if k == "step" else
-                    v.reshape(-1)[piece.lo:piece.hi].to(main.dtype, copy=True)
-                    for k, v in state.items()}
-        full.state.clear()  # the whole model's moments: never kept under ZeRO
 
     def grads(self) -> list[nn.Parameter]:
         """The main pieces, each with its part of the reduce-scattered gradient as .grad."""
@@ -91,11 +77,16 @@ class ZeroOptimizer:
             main.grad = shard[piece.at:piece.at + piece.hi - piece.lo]
         return self.main
 
-    def scope(self, scope: NormScope) -> NormScope:
-        """``scope`` over the pieces: summed over DP as well, each counting where its
-        parameter does."""
-        dp = (self.sync.comm,) if self.sync.comm.size > 1 else ()
-        return NormScope((*dp, *scope.groups), lambda m: scope.counts(self._model_of[id(m)]))
+    def step(self, lr: float) -> None:
+        """AdamW on this rank's pieces, then the all-gather of the parameters (`publish`),
+        which the next forward needs."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        with self.blocked():
+            self.publish()
+
+    def values(self) -> list[nn.Parameter]:
+        return self.main
 
     @torch.no_grad()
     def publish(self) -> None:
@@ -140,11 +131,10 @@ class ZeroOptimizer:
             return flat, None
         return flat, self.sync.comm.all_gather(flat, own, async_op=True)
 
-    def sync_tied_grads(self, embd: Communicator | None, tied: nn.Parameter | None) -> None:
-        """Sum the tied embedding's reduced shard over the first and last pipeline stage (it
-        has a bucket of its own on both, so the shards hold the same elements)."""
-        if embd is None or tied is None:
-            return
-        index = next(i for i, p in enumerate(self.params) if p is tied)
+    def sum_grad(self, param: nn.Parameter, group: Communicator) -> None:
+        """Sum ``param``'s reduced shard over ``group`` (the tied embedding over the first and
+        last pipeline stage: it has a bucket of its own on both, so the shards hold the same
+        elements)."""
+        index = next(i for i, p in enumerate(self.params) if p is param)
         bucket = next(k for k, b in enumerate(self.layout.buckets) if index in b.params)
-        embd.all_reduce(self.sync.shard_grad(bucket), ReduceOp.SUM)
+        group.all_reduce(self.sync.shard_grad(bucket), ReduceOp.SUM)
