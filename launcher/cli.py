@@ -22,6 +22,7 @@ from launcher import __version__
 from launcher.errors import DtrainError
 from launcher.head.options import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
+from launcher.restart.policy import RestartOptions, parse_codes
 from launcher.transport.options import SSHOptions
 
 #: `--help` sections: option destination -> section title, in the order sections are shown.
@@ -34,6 +35,8 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run", "status_interval"),
     "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
                          "hang_timeout", "hang_action"),
+    "Restarts": ("max_restarts", "restart_backoff", "no_restart_on", "spares", "min_nodes",
+                 "restart_check"),
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
 }
 FORGOT_DASHES = ("If it belongs to your program, put `--` before the program: "
@@ -166,6 +169,23 @@ whose name starts with a dash; it is always safe."""
               "(exit 123).")
 @click.option("--status-interval", type=click.FloatRange(min=0), default=0.0,
               help="Print every rank's step, last operation and step time this often (seconds).")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="After a failure, stop every rank and start the job again, up to N times "
+              "(agents stay connected; blamed hosts are replaced by spares).")
+@click.option("--restart-backoff", type=click.FloatRange(min=0), default=1.0,
+              show_default=True, help="Seconds before the first restart; doubled for each "
+              "further one (at most 60).")
+@click.option("--no-restart-on", default="2", show_default=True, metavar="CODES",
+              help="Exit codes that are never restarted (comma-separated, or `none`); 2 is "
+              "the trainer's code for bad input.")
+@click.option("--spares", type=click.IntRange(min=0), default=0,
+              help="The last K hosts stand by as spares (as hosts marked `spare` in the "
+              "hostfile): each takes a failed host's place.")
+@click.option("--min-nodes", type=click.IntRange(min=1),
+              help="Without a spare, go on without a failed host while at least M hosts "
+              "remain (the program sees the smaller world).")
+@click.option("--restart-check", is_flag=True,
+              help="Run the `dtrain check` probes on a spare before it takes a place.")
 @click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
 @click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
@@ -188,7 +208,8 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
 
     Exit code: 0 when every rank exits 0; otherwise the first failing rank's code (128+N for
     signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host,
-    123 for a hang under --hang-action abort.
+    123 for a hang under --hang-action abort; after restarts (--max-restarts), the last
+    round's.
     """
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
@@ -205,8 +226,19 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
                                    hang_action=kw["hang_action"],
                                    status_interval=kw["status_interval"]),
         launcher=kw["launcher_kind"], mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
+        restart=_restart_options(kw),
     )
     sys.exit(_guard(lambda: run_launch(req)))
+
+
+def _restart_options(kw: dict[str, Any]) -> RestartOptions:
+    try:
+        codes = parse_codes(kw["no_restart_on"])
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="'--no-restart-on'") from None
+    return RestartOptions(max_restarts=kw["max_restarts"], backoff=kw["restart_backoff"],
+                          no_restart_on=codes, spares=kw["spares"], min_nodes=kw["min_nodes"],
+                          restart_check=kw["restart_check"])
 
 
 def _guard(action: Callable[[], int]) -> int:

@@ -2,7 +2,8 @@
 
 Everything that can be checked before a connection is checked first (hostfile, filters,
 environment); every connection is made before any agent starts; every agent checks its part of
-the job before any rank starts.
+the job before any rank starts. The job runs as rounds (`launcher.restart.rounds`): one, or
+with --max-restarts one more after each failure the policy restarts.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,13 +24,14 @@ from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
+from launcher.restart.policy import RestartOptions
+from launcher.restart.pool import split_spares
 from launcher.slurm import allocation
-from launcher.transport.connect import close_streams, open_streams, validate_remote_python
+from launcher.transport.connect import start_agents, validate_remote_python
 from launcher.transport.options import SSHOptions
 
 if TYPE_CHECKING:  # imported for real while the agents boot (see run_launch)
-    from launcher.head.outcome import JobOutcome
-    from launcher.head.supervisor import Supervisor
+    from launcher.restart.rounds import JobEnd
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class LaunchRequest:
     launcher: str = "ssh"                # ssh or slurm (agents via srun), or mpirun
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
     mpi_flavour: str | None = None       # hydra or openmpi; detected when None
+    restart: RestartOptions = RestartOptions()  # --max-restarts, spares, --min-nodes
 
 
 def select(req: HostRequest) -> list[selection.HostSlots]:
@@ -105,49 +108,81 @@ def run_launch(req: LaunchRequest) -> int:
         raise UsageError("nothing to run", "launch", "no program after the options",
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
     selected = select(req.hosts)
+    active, spares = _split(req, selected)
     base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
-    plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
-                              base_env=base_env)
+    plan = planning.make_plan(active, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
+                              base_env=base_env, grace=req.supervise.grace,
+                              restart=planning.RoundInfo(0, req.restart.max_restarts))
     # A given --master-addr/--master-port is checked now, before anything connects.
     planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
     if req.launcher == "mpirun":
-        return _run_mpirun(req, plan, selected)
+        return _run_mpirun(req, plan, active)
     if req.dry_run:
         from launcher.dryrun import print_plan
 
         print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
+        if spares:
+            print(f"spares: {', '.join(s.entry.name for s in spares)}")
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh,
+    hosts = [*active, *spares]
+    results = start_agents(hosts, python=req.remote_python, ssh=req.ssh,
                            starter=slurm.starter_for(req.launcher))
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
-    from launcher.head.supervisor import Supervisor
     from launcher.output.sink import OutputSink
+    from launcher.restart.rounds import Rounds, RoundsSetup
 
-    sink = OutputSink({r.rank: r.host for r in plan.ranks}, sys.stdout.buffer, sys.stderr.buffer,
-                      prefix=req.prefix, raw=req.raw, log_dir=log_dir)
-    sup = Supervisor(streams, plan, sink, req.supervise)
-    previous = {s: signal.signal(s, sup.on_signal)
+    def sink_for(round_plan: planning.JobPlan, folder: Path | None) -> OutputSink:
+        return OutputSink({r.rank: r.host for r in round_plan.ranks}, sys.stdout.buffer,
+                          sys.stderr.buffer, prefix=req.prefix, raw=req.raw, log_dir=folder)
+
+    rounds = Rounds(RoundsSetup(
+        argv=req.argv, cwd=req.cwd, job_id=plan.job_id, base_env=base_env,
+        supervise=replace(req.supervise, rounds=req.restart.enabled), restart=req.restart,
+        master=(req.master_addr, req.master_port), log_dir=log_dir, sink_for=sink_for,
+        connect=lambda chosen: start_agents(chosen, python=req.remote_python, ssh=req.ssh,
+                                            starter=slurm.starter_for(req.launcher))),
+        active, spares)
+    rounds.adopt(hosts, results)
+    previous = {s: signal.signal(s, rounds.on_signal)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        outcome = sup.run((req.master_addr, req.master_port))
+        end = rounds.run(t0)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        close_streams(streams)
-    _print_end(req, sup, outcome, sink.tail, started=t0, connected=connected)
-    return outcome.exit_code
+    _print_end(req, end, log_dir, started=t0, connected=connected)
+    return end.outcome.exit_code
 
 
-def _print_end(req: LaunchRequest, sup: Supervisor, outcome: JobOutcome,
-               tail: Callable[[int], list[str]], *, started: float, connected: float) -> None:
+def _split(req: LaunchRequest, selected: list[selection.HostSlots]
+           ) -> tuple[list[selection.HostSlots], list[selection.HostSlots]]:
+    """The hosts that run ranks, and the spares (`launcher.restart.pool`)."""
+    opts = req.restart
+    marked = [h.entry for h in selected if h.entry.spare]
+    if not opts.enabled and (opts.spares or marked or opts.min_nodes is not None):
+        where = marked[0].source if marked else ("--spares" if opts.spares else "--min-nodes")
+        raise UsageError("spare hosts and --min-nodes need restarts", where or "hosts",
+                         "they act only when a failed job starts again",
+                         "Add --max-restarts N (N >= 1)")
+    if opts.enabled and req.launcher == "mpirun":
+        raise UsageError("restarts are not supported with --launcher mpirun", "--max-restarts",
+                         "mpiexec/mpirun supervises the ranks there, not dtrain's agents",
+                         "Use --launcher ssh or slurm, or drop --max-restarts")
+    return split_spares(selected, opts.spares)
+
+
+def _print_end(req: LaunchRequest, end: JobEnd, log_dir: Path | None, *, started: float,
+               connected: float) -> None:
     """What the head prints once the job is over: the report, the stragglers, why Slurm ended
-    the job, and with --timings where the start-up went."""
+    the job, with --max-restarts the rounds (and goodput.json), with --timings where the
+    start-up went."""
     from launcher.head.report import print_report  # rich: only once the job is over
 
-    print_report(outcome, tail, time.monotonic() - started, sys.stderr)
+    sup, outcome = end.last, end.outcome
+    print_report(outcome, end.tail, time.monotonic() - started, sys.stderr)
     for line in sup.progress.final_report():
         sys.stderr.write(f"dtrain: {line}\n")
     if req.launcher == "slurm" and outcome.exit_code:
@@ -155,6 +190,8 @@ def _print_end(req: LaunchRequest, sup: Supervisor, outcome: JobOutcome,
 
         if why := srun.slurm_ended_job():
             sys.stderr.write(f"dtrain: {why}\n")
+    if req.restart.enabled:
+        end.report(log_dir, sys.stderr)
     if req.timings:
         from launcher.head.startup import slowest_phases
 

@@ -19,7 +19,8 @@ TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy r
 if TYPE_CHECKING:
     from typing import Any
 
-PROTOCOL_VERSION = 3  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE
+PROTOCOL_VERSION = 4  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
+#                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare)
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")

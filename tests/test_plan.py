@@ -53,6 +53,8 @@ def test_rank_env_holds_the_whole_contract_once_the_rendezvous_is_known():
         we.RANK: "3", we.WORLD_SIZE: "5", we.LOCAL_RANK: "1", we.LOCAL_WORLD_SIZE: "2",
         we.GROUP_RANK: "1", we.NODE_RANK: "1", we.MASTER_ADDR: "node1",
         we.MASTER_PORT: "29500", we.JOB_ID: "j7", we.HOST: "node2", we.PMI_RANK: "3",
+        we.RESTART_COUNT: "0", we.TORCHELASTIC_RESTART_COUNT: "0",
+        we.TORCHELASTIC_MAX_RESTARTS: "0",
         we.PMI_SIZE: "5", we.OMP_NUM_THREADS: "1"}
 
 

@@ -4,8 +4,10 @@ It says HELLO, checks the SPEC (usually already waiting in its stdin: READY or E
 its host's ranks on START, relays their output, exit statuses and PMI traffic, and stops every
 rank (SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE,
 when the stream from the head closes, or when the head falls silent for `misses` heartbeat
-intervals. What it imports is kept to what it uses (no `typing`, `pathlib`, `secrets` at
-start-up): every host pays the agent's start-up before its ranks can start.
+intervals. With `--max-restarts` (SPEC ``rounds``) it stays once its ranks are done, while the
+head's heartbeats last: a new SPEC starts the next round (a spare's has no ranks: a check).
+Imports are kept to what it uses (no `typing`, `pathlib`, `secrets` at start-up): every host
+pays the agent's start-up before its ranks can start.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from launcher import netroute, wire
 from launcher.agent import descendants, facts
 from launcher.agent.head_link import Eof, HeadLink
 from launcher.agent.progress import ProgressReporter
-from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
+from launcher.agent.ranks import RankExited, RankProcess, check_job, start_rank
 from launcher.agent.stdin import RankStdin
 from launcher.plan.environment import rank_environment
 
@@ -130,18 +132,22 @@ class Agent:
 
     def _on_spec(self, spec: dict[str, Any]) -> None:
         t0 = time.monotonic()
-        self.spec = spec
+        if self.ranks:  # the head sends a round's SPEC only once the last round is done
+            self.link.send_json(wire.Kind.ERROR, {"what": "SPEC while ranks run"})
+            return
+        self._end_round()
+        self.spec, self.leave_at = spec, None
         self.interval = float(spec.get("heartbeat", 5.0))
         self.silence_limit = self.interval * int(spec.get("misses", 3))
-        problem = self._check_spec(spec)
+        env = spec["ranks"][0]["env"] if spec["ranks"] else spec.get("check_env", {})
+        problem = check_job(spec["cwd"], spec["argv"][0], rank_environment(os.environ, env))
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
-        interval = float((spec.get("progress") or {}).get("interval", 0.0))
         if spec.get("progress") is not None:
             self.progress = ProgressReporter(
-                spec["job_id"], _host_of(spec),
-                [r["rank"] for r in spec["ranks"]], interval,
+                spec["job_id"], _host_of(spec), [r["rank"] for r in spec["ranks"]],
+                float(spec["progress"].get("interval", 0.0)),
                 lambda body: self.link.send_json(wire.Kind.PROGRESS, body))
         pmi = spec.get("pmi") or {}
         if pmi.get("mode", "off") != "off":
@@ -157,18 +163,6 @@ class Agent:
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"]),
                                                **facts.rendezvous(spec.get("probe") or {}),
                                                "check_s": round(time.monotonic() - t0, 4)})
-
-    def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
-        cwd = spec["cwd"]
-        if not os.path.isdir(cwd):
-            return {"what": "working directory missing", "why": f"{cwd} does not exist here",
-                    "fix": "create it on every host, or pass --chdir DIR"}
-        argv = spec["argv"]
-        env = self._rank_env(spec["ranks"][0]) if spec["ranks"] else dict(os.environ)
-        if find_program(argv[0], env, cwd) is None:
-            return {"what": "program not found", "why": f"{argv[0]!r} is not an executable in "
-                    f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
-        return None
 
     def _rank_env(self, rank_spec: dict[str, Any]) -> dict[str, str]:
         env = rank_environment(os.environ, rank_spec["env"])
@@ -250,7 +244,8 @@ class Agent:
             if self.progress is not None:
                 self.progress.final()
             self.link.send_json(wire.Kind.DONE)
-            self.leave_at = time.monotonic() + AFTER_DONE_S
+            # Under rounds the head may start another here: stay while its heartbeats last.
+            self.leave_at = None if self.spec.get("rounds") else time.monotonic() + AFTER_DONE_S
 
     def _stop(self, sig: int, grace: float) -> None:
         if not self.ranks:
@@ -283,13 +278,20 @@ class Agent:
             if isinstance(event, RankExited):
                 self._on_exit(event)
         self._signal_all(signal.SIGKILL)
+        self._end_round()
+        self.exit_code = code
+        return code
+
+    def _end_round(self) -> None:
+        """Close what one round's SPEC set up: PMI sockets, shared memory, progress records."""
         if self.pmi is not None:
             self.pmi.close()
             self.pmi.remove_shared_memory()
+            self.pmi = None
         if self.progress is not None:
             self.progress.close()
-        self.exit_code = code
-        return code
+            self.progress = None
+        self.stdin = None
 
 
 def _host_of(spec: dict[str, Any]) -> str:

@@ -122,6 +122,18 @@ def find_program(argv0: str, env: Mapping[str, str], cwd: str) -> str | None:
     return shutil.which(argv0, path=env.get("PATH", os.defpath))
 
 
+def check_job(cwd: str, argv0: str, env: Mapping[str, str]) -> dict[str, str] | None:
+    """Why this host cannot run the job (an ERROR frame's body), or None: the working directory
+    exists and argv[0] is an executable a rank with ``env`` would find."""
+    if not os.path.isdir(cwd):
+        return {"what": "working directory missing", "why": f"{cwd} does not exist here",
+                "fix": "create it on every host, or pass --chdir DIR"}
+    if find_program(argv0, env, cwd) is None:
+        return {"what": "program not found", "why": f"{argv0!r} is not an executable in "
+                f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
+    return None
+
+
 def start_rank(
     rank: int,
     argv: Sequence[str],

@@ -22,10 +22,10 @@ from typing import Any
 
 from launcher import netroute, wire
 from launcher.errors import AgentError
-from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
-from launcher.plan.job import JobPlan, Rendezvous
+from launcher.plan.job import HostPlan, JobPlan, Rendezvous
 
 #: A SPEC up to this size is written as soon as the streams are open: it fits the buffer of any
 #: pipe (64 KiB on Linux) and SSH channel window, so the write cannot block on an agent that has
@@ -44,10 +44,15 @@ class Signalled:
 
 
 class Startup:
-    def __init__(self, links: Sequence[AgentLink], events: queue.Queue[Any], opts: Any) -> None:
+    def __init__(self, links: Sequence[AgentLink], fleet: Fleet, opts: Any) -> None:
+        """Start-up on ``links`` of ``fleet`` (in the plan's host order); the fleet's other
+        links (spares, hosts of no round now) are kept alive meanwhile."""
         self.links = list(links)
-        self.events = events
+        self._at = {link.index: position for position, link in enumerate(self.links)}
+        self.fleet = fleet
+        self.events = fleet.events
         self.opts = opts
+        self._beat_at = time.monotonic()
         self.deadline = time.monotonic() + opts.launch_timeout
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
@@ -61,7 +66,8 @@ class Startup:
         probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
                  "free_port": user_port is None}
         ready: dict[int, dict[str, Any]] = {}
-        specs = {link.index: self._spec_frame(plan, link.index, probe) for link in self.links}
+        specs = {link.index: self._spec_frame(plan, self._at[link.index], probe)
+                 for link in self.links}
         unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
         for link in self.links:
             if link.index not in unsent:
@@ -81,7 +87,7 @@ class Startup:
 
         self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
         self.ready_at = time.monotonic()
-        answer = ready[0]
+        answer = ready[self.links[0].index]
         if "probe_error" in answer:
             raise AgentError("rendezvous address not found", f"host {self.links[0].name}",
                              answer["probe_error"], "pass --master-addr and --master-port")
@@ -101,7 +107,8 @@ class Startup:
                 handle(self.events.get(timeout=0.2))
             except queue.Empty:
                 pass
-            silent = self._silent({link.index for link in self.links})
+            self._beat()
+            silent = self._silent()
             if silent is not None:
                 handle(Closed(silent.index, "no heartbeat while starting its ranks"))
 
@@ -114,29 +121,10 @@ class Startup:
         return _address_of(second)
 
     def _spec_frame(self, plan: JobPlan, index: int, probe: dict[str, Any]) -> bytes:
-        spec = self._spec(plan, plan.hosts[index])
+        spec = spec_of(plan, plan.hosts[index], self.opts)
         if index == 0:
             spec["probe"] = probe
         return wire.encode_json(wire.Kind.SPEC, spec)
-
-    def _spec(self, plan: JobPlan, host_plan: Any) -> dict[str, Any]:
-        return {
-            "job_id": plan.job_id,
-            "argv": list(plan.argv),
-            "cwd": plan.cwd,
-            "ranks": [{"rank": r.rank, "env": plan.rank_env(r)} for r in host_plan.ranks],
-            "heartbeat": self.opts.heartbeat,
-            "misses": self.opts.misses,
-            "grace": self.opts.grace,
-            "progress": {"interval": sample_interval(self.opts)},
-            "pmi": {
-                "mode": self.opts.pmi,
-                "kvsname": plan.job_id,
-                "world_size": plan.world_size,
-                "process_mapping": plan.process_mapping,
-                "stall": self.opts.pmi_stall,
-            },
-        }
 
     def _until(self, done: Callable[[], bool], doing: str,
                on_frame: Callable[[AgentLink, wire.Frame], None]) -> None:
@@ -152,34 +140,75 @@ class Startup:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 event = None
-            if isinstance(event, Closed):
-                _agent_failed(self.links[event.host], f"could not {doing}", event.reason)
+            self._beat()
+            if isinstance(event, Received | Closed) and event.host not in self._at:
+                self.fleet.idle_event(event)
+            elif isinstance(event, Closed):
+                _agent_failed(self.links[self._at[event.host]], f"could not {doing}",
+                              event.reason)
             elif isinstance(event, Signalled):
                 raise KeyboardInterrupt
             elif isinstance(event, Received):
-                link = self.links[event.host]
+                link = self.links[self._at[event.host]]
                 link.last_heard = time.monotonic()
                 if event.frame.kind is wire.Kind.ERROR:
                     body = event.frame.json()
                     raise AgentError(str(body.get("what")), f"host {link.name}",
                                      str(body.get("why")), str(body.get("fix", "")))
                 on_frame(link, event.frame)
-            silent = self._silent({link.index for link in self.links})
+            silent = self._silent()
             if silent is not None:
                 raise AgentError(f"agent did not {doing}", f"host {silent.name}",
                                  "no heartbeat (host down or network cut?)",
                                  "nothing was started; check the host")
 
-    def _silent(self, indices: set[int]) -> AgentLink | None:
+    def _beat(self) -> None:
+        """Heartbeats while starting to agents that said HELLO (a later round's start-up may
+        be long: agents that already ran a round judge the head's silence by the job's
+        interval); nothing is written ahead of a SPEC that waits for its agent's HELLO."""
+        now = time.monotonic()
+        beat = now - self._beat_at >= self.opts.heartbeat
+        if beat:
+            self._beat_at = now
+            self.fleet.heartbeat([link for link in self.links if link.hello])
+        self.fleet.tend_idle(self._at, now, beat=beat,
+                             limit=self.opts.heartbeat * self.opts.misses)
+
+    def _silent(self) -> AgentLink | None:
         # Agents send heartbeats every 5 s until the SPEC sets the job's interval.
         limit = max(self.opts.heartbeat * self.opts.misses, 15.0)
         now = time.monotonic()
-        for index in sorted(indices):
-            if self.links[index].held:
+        for link in self.links:
+            if link.held:
                 continue  # its reader waits for our full output queue: not the agent's silence
-            if now - self.links[index].last_heard > limit:
-                return self.links[index]
+            if now - link.last_heard > limit:
+                return link
         return None
+
+
+def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: Any) -> dict[str, Any]:
+    """A host's SPEC: its ranks, or with no ``host_plan`` none (a spare's check of the job:
+    its working directory and program, for a rank with the job's forwarded environment)."""
+    spec: dict[str, Any] = {
+        "job_id": plan.job_id,
+        "rounds": opts.rounds,
+        "argv": list(plan.argv),
+        "cwd": plan.cwd,
+        "ranks": [{"rank": r.rank, "env": plan.rank_env(r)} for r in host_plan.ranks]
+        if host_plan is not None else [],
+        "heartbeat": opts.heartbeat,
+        "misses": opts.misses,
+        "grace": opts.grace,
+    }
+    if host_plan is None:
+        return {**spec, "check_env": dict(plan.base_env)}
+    return {**spec, "progress": {"interval": sample_interval(opts)}, "pmi": {
+        "mode": opts.pmi,
+        "kvsname": plan.kvsname,
+        "world_size": plan.world_size,
+        "process_mapping": plan.process_mapping,
+        "stall": opts.pmi_stall,
+    }}
 
 
 def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:

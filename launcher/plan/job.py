@@ -69,6 +69,29 @@ class Rendezvous:
 
 
 @dataclass(frozen=True)
+class RoundInfo:
+    """Which round of a job the plan is for (`launcher.restart`): the restart variables."""
+
+    number: int = 0
+    """How many times the job was restarted before this round."""
+    max_restarts: int = 0
+    """--max-restarts, the budget."""
+    cause: str = ""
+    """What ended the round before (rounds after the first)."""
+    initial_world: int = 0
+    """WORLD_SIZE of the first round (rounds after the first)."""
+
+    def env(self) -> dict[str, str]:
+        out = {we.RESTART_COUNT: str(self.number),
+               we.TORCHELASTIC_RESTART_COUNT: str(self.number),
+               we.TORCHELASTIC_MAX_RESTARTS: str(self.max_restarts)}
+        if self.number:
+            out[we.RESTART_CAUSE] = self.cause
+            out[we.INITIAL_WORLD_SIZE] = str(self.initial_world)
+        return out
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """Everything needed to start the job; the same plan drives the agents and `mpirun`."""
 
@@ -78,6 +101,14 @@ class JobPlan:
     argv: tuple[str, ...]
     cwd: str
     base_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    round: int = 0
+    """The restart count of the round this plan is for (0: the first)."""
+
+    @property
+    def kvsname(self) -> str:
+        """The PMI key-value space, also the prefix of MPICH's shared-memory segments: one per
+        round, so a later round never meets what a killed rank of an earlier one left."""
+        return self.job_id if not self.round else f"{self.job_id}-r{self.round}"
 
     def rank_env(self, spec: RankSpec, rendezvous: Rendezvous | None = None) -> dict[str, str]:
         """The rank's full added environment: base_env, then the contract on top, with
@@ -96,12 +127,17 @@ class JobPlan:
 
 
 def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_id: str,
-              base_env: Mapping[str, str]) -> JobPlan:
+              base_env: Mapping[str, str], restart: RoundInfo = RoundInfo(),
+              grace: float | None = None) -> JobPlan:
     """Place ranks on the selected hosts and write each rank's contract variables (all but
-    the `Rendezvous`, which start-up decides)."""
+    the `Rendezvous`, which start-up decides); ``restart`` says which round of the job this
+    is, ``grace`` the --grace the ranks get to stop."""
     _check_inputs(selected, argv, cwd, job_id, base_env)
     world_size = sum(len(host.slots) for host in selected)
-    shared = {we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size), we.JOB_ID: job_id}
+    shared = {we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size), we.JOB_ID: job_id,
+              **restart.env()}
+    if grace is not None:
+        shared[we.GRACE_S] = f"{grace:g}"
     if we.OMP_NUM_THREADS not in base_env:  # one thread per rank unless the user chose
         shared[we.OMP_NUM_THREADS] = "1"
     hosts, next_rank = [], 0
@@ -109,7 +145,7 @@ def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_i
         hosts.append(_host_plan(host, node_rank, next_rank, shared))
         next_rank += len(host.slots)
     return JobPlan(job_id=job_id, hosts=tuple(hosts), world_size=world_size, argv=tuple(argv),
-                   cwd=cwd, base_env=MappingProxyType(dict(base_env)))
+                   cwd=cwd, base_env=MappingProxyType(dict(base_env)), round=restart.number)
 
 
 def new_job_id() -> str:
