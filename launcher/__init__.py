@@ -20,7 +20,7 @@ launcher/ and trainer/ never import each other.
                                errors; adapter), config (`ssh -G` per host and jump hop,
                                refused as for paramiko)
                  ssh_config    ~/.ssh/config resolution
-                 ssh_config_refusal  reading the config as ssh does; refusing local commands
+                 ssh_config_refusal  reading the config as ssh does; refusing what runs code
                  ssh_sockets   TCP within ConnectTimeout, ProxyJump tunnels (adapter)
                  ssh_auth      host-key check and public-key authentication (adapter)
                  host_keys     known_hosts policy: verify, accept-new, revoked/changed keys
@@ -47,6 +47,8 @@ launcher/ and trainer/ never import each other.
                  ranks         rank processes: own process group, parent-death signal (adapter)
                  descendants   subreaper; stray descendants (setsid) stopped with the job
                  pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)
+                 leftovers     what a job leaves in /dev/shm; a dead agent's, removed by the
+                               next agent on the host (adapter)
                  facts         what the agent reports about its host (dtrain check)
                  progress      the ranks' progress records: folder, reading, py-spy stacks
     hang/        views, diagnose, watch, status: hang diagnosis, stragglers, live table (pure)

@@ -9,7 +9,6 @@ with --max-restarts one more after each failure the policy restarts.
 from __future__ import annotations
 
 import os
-import shlex
 import signal
 import sys
 import time
@@ -109,7 +108,9 @@ def run_launch(req: LaunchRequest) -> int:
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
     selected = select(req.hosts)
     active, spares = _split(req, selected)
-    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
+    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
+                                            tell=lambda line: print(f"dtrain: {line}",
+                                                                    file=sys.stderr))
     plan = planning.make_plan(active, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
                               base_env=base_env, grace=req.supervise.grace,
                               restart=planning.RoundInfo(0, req.restart.max_restarts))
@@ -229,7 +230,7 @@ def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
                                head_addr=where.head_addr,
                                python=validate_remote_python(req.remote_python))
     if req.dry_run:
-        print(shlex.join(cmd.argv))
+        print(cmd.shown())
         if cmd.hostfile_text:
             print("# hostfile:\n" + cmd.hostfile_text, end="")
         return 0

@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from launcher.launch import HostRequest
+from launcher.transport.local import python_module
 from launcher.transport.options import SSHOptions
 
 PREFIX = "DTRAIN_PERF "
@@ -53,7 +54,8 @@ def judge(result: dict[str, Any]) -> PerfReport:
 
 def launch_argv(hosts: HostRequest, ssh: SSHOptions, python: str) -> list[str]:
     """`dtrain launch` of the probe on the same hosts, one rank on each."""
-    argv = [sys.executable, "-m", "launcher", "launch", "--nproc-per-node", "1", "--no-prefix"]
+    argv = [*python_module(sys.executable, "launcher"), "launch", "--nproc-per-node", "1",
+            "--no-prefix"]
     for flag, value in (("--hostfile", hosts.hostfile), ("-H", hosts.hosts),
                         ("--include", hosts.include), ("--exclude", hosts.exclude),
                         ("--num-nodes", hosts.num_nodes), ("--ssh-config", ssh.config_file),
@@ -63,7 +65,7 @@ def launch_argv(hosts: HostRequest, ssh: SSHOptions, python: str) -> list[str]:
             argv += [flag, str(value)]
     argv += ["--ssh-accept-new"] if ssh.accept_new else []
     argv += ["--ssh-allow-config-exec"] if ssh.allow_config_exec else []
-    return [*argv, "--remote-python", python, "--", python, "-m", "trainer.health.perf"]
+    return [*argv, "--remote-python", python, "--", *python_module(python, "trainer.health.perf")]
 
 
 def measure(hosts: HostRequest, ssh: SSHOptions, python: str, cwd: str) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Installs the system tools the tests use (sshd, ip, pdsh, Slurm, munge) when running as root;
+# Installs the system tools the tests use (sshd, ip, pdsh, Slurm, munge, cc) when running as root;
 # otherwise only reports.
 set -euo pipefail
 need=()
@@ -11,6 +11,8 @@ command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
 [ -x /usr/sbin/slurmd ] || need+=(slurmd)
 command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 [ -x /usr/sbin/munged ] || need+=(munge)
+# A C compiler builds the shared library whose loading tests/test_ssh_config_refusal.py detects.
+command -v cc >/dev/null 2>&1 || need+=(gcc)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then
     echo "sysdeps: not root; tests needing ${need[*]} will be skipped" >&2

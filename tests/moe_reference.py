@@ -25,7 +25,7 @@ def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.
     logits = [x[t].to(torch.promote_types(x.dtype, torch.float32)) @ layer.router.weight.t()
               for t in range(n)]
     scores = [lg.softmax(-1) if layer.score == "softmax" else lg.sigmoid() for lg in logits]
-    chosen = [torch.topk(s, k) for s in scores]  # (weights, experts) of each token
+    chosen = [_top(s, k) for s in scores]  # (weights, experts) of each token
     assignments = {i: [] for i in range(e)}
     for t in range(n):
         for j in range(k):
@@ -50,6 +50,13 @@ def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.
     if layer.z_coeff:
         aux = aux + layer.z_coeff * sum(torch.logsumexp(lg, -1) ** 2 for lg in logits) / n
     return torch.stack(out).to(x.dtype).view_as(x_BTD), aux
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.return_types.topk:
+    """The k highest scores, ties to the lower expert index (the router's stated rule)."""
+    picked = sorted(range(len(scores)), key=lambda i: (-float(scores[i].detach()), i))[:k]
+    index = torch.tensor(picked)
+    return torch.return_types.topk((scores[index], index))
 
 
 def _normalised(scores: torch.Tensor, score: str) -> torch.Tensor:

@@ -75,3 +75,24 @@ def wait_for_lines(path: Path, count: int, timeout: float = 30.0) -> list[str]:
                 return lines
         time.sleep(0.05)
     raise TimeoutError(f"{path} did not get {count} lines in {timeout}s")
+
+
+#: The console script a user runs: its own directory, not the working directory, starts its path.
+DTRAIN_SCRIPT = str(Path(PYTHON).parent / "dtrain")
+
+#: Files that `plant_imposters` leaves in a folder; each writes one marker when imported.
+IMPOSTERS = {"launcher/__init__.py": "launcher", "workerenv.py": "workerenv"}
+
+
+def plant_imposters(folder: Path) -> Path:
+    """A `launcher/` package and a `workerenv.py` in ``folder``, as a shared directory or a
+    user's project may hold them; importing either writes ``folder/IMPORTED-<name>``."""
+    for rel, name in IMPOSTERS.items():
+        path = folder / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(f"open({str(folder / f'IMPORTED-{name}')!r}, 'w').close()\n")
+    return folder
+
+
+def imposters_imported(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("IMPORTED-*"))

@@ -150,11 +150,32 @@ def test_a_checkpoint_without_checksums_is_refused_with_the_format_named(tmp_pat
         checkpoint.load(path)
 
 
-def test_a_garbled_commit_record_is_damage_not_a_crash(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("body", "why"), [
+    (b'{"format": 2, "files": {"rng.pt": 7}}', "its keys are 'files', 'format', not"),
+    (b'{"format": 2, "step": 4, "files": {}}', "its step 4 is not the folder's"),
+    (b'{"format": 2, "step": 3, "files": {"meta.json": 1, "rng.pt": 2}}',
+     "its entry for 'meta.json' is not a size and a sha256"),
+    (b'[2, 3]', "it is a JSON list, not an object"),
+    (b'{"format": 2, "st', "the commit record cannot be parsed"),
+], ids=["no-step", "other-step", "bad-entry", "a-list", "cut-off"])
+def test_a_garbled_commit_record_is_damage_not_a_crash(tmp_path: Path, body: bytes,
+                                                       why: str) -> None:
     path = save(tmp_path, 3)
-    (path / "COMMITTED").write_bytes(b'{"format": 2, "files": {"rng.pt": 7}}')
-    with pytest.raises(CheckpointDamaged, match=r"\[file COMMITTED\]: the commit record cannot"):
+    (path / "COMMITTED").write_bytes(body)
+    with pytest.raises(CheckpointDamaged, match=r"\[file COMMITTED\]: ") as err:
         checkpoint.load(path)
+    assert why in str(err.value)
+
+
+def test_a_commit_record_of_a_newer_format_is_refused_not_taken_for_damage(tmp_path: Path
+                                                                          ) -> None:
+    path = save(tmp_path, 3)
+    record = json.loads((path / "COMMITTED").read_text())
+    (path / "COMMITTED").write_text(json.dumps({**record, "format": 3}))
+    with pytest.raises(CheckpointError, match=r"checkpoint of another format \[.*COMMITTED\]: "
+                       r"its commit record says format 3, this dtrain reads format 2") as err:
+        checkpoint.load(path)
+    assert not isinstance(err.value, CheckpointDamaged)
 
 
 def test_a_folder_left_by_a_prune_killed_after_the_marker_delete_is_pruned_by_the_next_save(

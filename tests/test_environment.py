@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,12 +21,15 @@ from launcher.plan.environment import (
     read_env_file,
     scrub,
 )
+from tests.support import PYTHON, run_dtrain
 
 
-def env_file(directory: Path, content: str | bytes, name: str = ".dtrainenv") -> Path:
+def env_file(directory: Path, content: str | bytes, name: str = ".dtrainenv",
+             mode: int = 0o644) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / name
     path.write_bytes(content.encode() if isinstance(content, str) else content)
+    path.chmod(mode)  # whatever the umask: only the owner may write an env file
     return path
 
 
@@ -243,3 +250,71 @@ def test_compose_reports_a_bad_cwd_file_with_its_line(tmp_path):
     with pytest.raises(EnvironmentFileError) as info:
         compose_base_env({"HOME": str(tmp_path / "h")}, cwd=str(tmp_path))
     assert info.value.where == f"{tmp_path / '.dtrainenv'}:2"
+
+
+# --- who may write an env file ----------------------------------------------------------------
+
+@pytest.mark.parametrize("mode,who", [(0o664, "its group"), (0o646, "every user"),
+                                      (0o666, "its group and every user")],
+                         ids=["group", "others", "both"])
+def test_an_env_file_that_others_can_write_is_refused_naming_who_and_the_fix(tmp_path, mode, who):
+    path = env_file(tmp_path, "A=1\n", mode=mode)
+    with pytest.raises(EnvironmentFileError) as info:
+        compose_base_env({"HOME": str(tmp_path / "h")}, cwd=str(tmp_path))
+    error = info.value
+    assert (error.what, error.where) == ("environment file refused", str(path))
+    assert error.why.startswith(f"{who} can write it") and f"chmod go-w {path}" in error.fix
+
+
+def test_an_env_file_that_is_a_fifo_is_refused_at_once_not_waited_on(tmp_path):
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / ".dtrainenv").symlink_to(tmp_path / "pipe")
+    with pytest.raises(EnvironmentFileError, match="not a regular file"):
+        compose_base_env({"HOME": str(tmp_path / "h")}, cwd=str(tmp_path),
+                         env_files=[tmp_path / ".dtrainenv"])
+
+
+NOBODY = 65534
+SHOW_PLANTED = "import os; print('planted =', os.environ.get('PLANTED'))"
+
+
+@pytest.fixture
+def shared_directory():
+    """A world-writable, sticky directory any local user can write to, as /tmp is."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to act as a second user")
+    folder = Path(tempfile.mkdtemp(prefix="dtrain-shared-"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder)
+
+
+def test_a_dtrainenv_another_user_planted_in_a_shared_directory_is_refused_and_nothing_runs(
+        shared_directory):
+    # The other user writes it, as `nobody`; we then launch from that directory.
+    planted = shared_directory / ".dtrainenv"
+    subprocess.run(["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--",
+                    "tee", str(planted)], input="PLANTED=yes\nLD_PRELOAD=/x.so\n", text=True,
+                   check=True, stdout=subprocess.DEVNULL)
+    assert planted.stat().st_uid == NOBODY
+    res = run_dtrain(["launch", "--nproc-per-node", "2", "--", PYTHON, "-c", SHOW_PLANTED],
+                     cwd=shared_directory)
+    assert res.returncode == 2, res.stdout + res.stderr
+    [error] = res.stderr.splitlines()
+    assert error.startswith(f"dtrain: error: environment file refused [{planted}]: it belongs "
+                            f"to user nobody (uid {NOBODY}), not to you")
+    assert "planted" not in res.stdout  # no rank started
+    assert sorted(p.name for p in shared_directory.iterdir()) == [".dtrainenv"]
+
+
+def test_the_head_says_once_how_many_variables_each_env_file_gave(tmp_path):
+    home, job = tmp_path / "home", tmp_path / "job"
+    env_file(home, "A=1\nB=2\n")
+    env_file(job, "PLANTED=mine\n")
+    res = run_dtrain(["launch", "--nproc-per-node", "2", "--", PYTHON, "-c", SHOW_PLANTED],
+                     cwd=job, env={"HOME": str(home)})
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("planted = mine") == 2
+    line = (f"dtrain: environment files: 2 variables from {home / '.dtrainenv'}, "
+            f"1 variable from {job / '.dtrainenv'}\n")
+    assert res.stderr.count(line) == 1, res.stderr

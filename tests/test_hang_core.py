@@ -216,4 +216,4 @@ def test_perf_check_launches_one_rank_per_host_on_the_same_hosts_and_ssh_setting
     assert argv[argv.index("-H") + 1] == "n1:4,n2:4" and argv[argv.index("--exclude") + 1] == \
         "n2:3"
     assert "--ssh-accept-new" in argv and argv[argv.index("--ssh-config") + 1] == "/c"
-    assert argv[argv.index("--") + 1:] == ["/py", "-m", "trainer.health.perf"]
+    assert argv[argv.index("--") + 1:] == ["/py", "-E", "-P", "-m", "trainer.health.perf"]

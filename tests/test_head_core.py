@@ -140,6 +140,23 @@ def test_the_exit_code_rule_first_match_wins(outcome: JobOutcome, code: int) -> 
     assert outcome.exit_code == code
 
 
+def test_a_sigkilled_rank_whose_pmi_close_came_first_is_its_signal_not_1() -> None:
+    outcome = JobOutcome({0: RankOutcome(0, "h", "running"), 1: RankOutcome(1, "h", "running")})
+    outcome.record_failure(Failure(1, "rank 1@h", "closed its PMI connection", 1, inferred=True))
+    assert outcome.rank_exited(0, 143, signal.SIGTERM, stopping=True) is None
+    assert outcome.rank_exited(1, 137, signal.SIGKILL, stopping=True) is None
+    assert outcome.exit_code == 137
+    assert outcome.failures[0].why.startswith("killed by SIGKILL")
+    assert [outcome.ranks[r].state for r in (0, 1)] == ["stopped", "exited"]
+
+
+def test_a_rank_that_closed_pmi_and_then_exited_0_still_fails_with_1() -> None:
+    outcome = JobOutcome({0: RankOutcome(0, "h", "running")})
+    outcome.record_failure(Failure(1, "rank 0@h", "closed its PMI connection", 0, inferred=True))
+    outcome.rank_exited(0, 0, None, stopping=True)
+    assert (outcome.exit_code, outcome.failures[0].why) == (1, "closed its PMI connection")
+
+
 def test_frames_decode_the_same_whatever_the_chunking() -> None:
     frames = [wire.encode_json(K.HELLO, {"protocol": 2}), wire.encode_output(3, 2, b"x\r\ny"),
               wire.encode(K.HEARTBEAT), wire.encode_json(K.EXIT, {"rank": 3, "code": 0})]

@@ -67,6 +67,30 @@ def test_the_layer_equals_the_plain_loop_reference(moe: dict) -> None:
         compare_with_reference(layer, x)
 
 
+def test_ties_of_saturated_sigmoid_scores_go_to_the_lower_expert_index() -> None:
+    """Logits in the hundreds make sigmoid exactly 1.0 for about half of the 64 experts of
+    every token; torch.topk picked other experts among those ties on CPU."""
+    x = torch.randn(64, D, generator=torch.Generator().manual_seed(3)) * 100
+    weight = torch.randn(64, D, generator=torch.Generator().manual_seed(4))
+    scores = (x @ weight.t()).sigmoid()
+    assert ((scores == 1).sum(-1) > 8).all()  # every token has ties above its top k
+    routing = route(x, weight, topk=8, score="sigmoid")
+    want = [sorted(range(64), key=lambda e: (-float(scores[t, e]), e))[:8] for t in range(64)]
+    assert routing.experts.tolist() == want
+    assert torch.equal(routing.weights, scores.gather(-1, routing.experts))
+
+
+def test_the_layer_equals_the_reference_when_its_sigmoid_scores_saturate() -> None:
+    with float64():
+        layer = make_layer(moe_router="sigmoid", moe_experts=8, moe_topk=3,
+                           moe_capacity_factor=1.0)
+        with torch.no_grad():
+            layer.router.weight.mul_(1000)  # logits in the thousands: fp64 sigmoid is 1.0
+        x = torch.randn(3, 8, D, generator=torch.Generator().manual_seed(2))
+        assert (layer.route(x.reshape(-1, D)).weights == 1).sum() > 24  # ties in the top 3
+        compare_with_reference(layer, x)
+
+
 def test_a_capacity_factor_below_one_really_drops_tokens() -> None:
     with float64():
         layer = make_layer(moe_capacity_factor=0.5)

@@ -39,10 +39,12 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
                                python="/venv/bin/python")
     argv = list(cmd.argv)
     assert argv[:7] == ["mpiexec", "-launcher", "ssh", "-hosts", "node1:2,node2:2", "-n", "4"]
-    assert ["-genv", "NCCL_DEBUG", "INFO"] == argv[argv.index("NCCL_DEBUG") - 1:][:3]
-    assert ["-genv", "MASTER_ADDR", "node1"] == argv[argv.index("MASTER_ADDR") - 1:][:3]
-    assert argv[-7:] == ["/venv/bin/python", "-m", "launcher.mpirun.rankshim", "--", "python",
-                         "t.py", "a b"]
+    names = argv[argv.index("-genvlist") + 1].split(",")
+    assert {"NCCL_DEBUG", "MASTER_ADDR", "WORLD_SIZE"} <= set(names)
+    assert cmd.env["NCCL_DEBUG"] == "INFO" and cmd.env["MASTER_ADDR"] == "node1"
+    assert "INFO" not in argv  # values travel in mpiexec's environment, not on its command line
+    assert argv[-9:] == ["/venv/bin/python", "-E", "-P", "-m", "launcher.mpirun.rankshim", "--",
+                         "python", "t.py", "a b"]
     assert "RANK" not in argv  # per-rank variables come from the workerenv shim
 
 
@@ -51,7 +53,9 @@ def test_open_mpi_command_uses_a_hostfile_map_by_slot_and_x_exports():
                                flavour="openmpi", python="/venv/bin/python")
     argv = list(cmd.argv)
     assert argv[:6] == ["mpirun", "--hostfile", "{hostfile}", "-np", "3", "--map-by"]
-    assert "-x" in argv and "NCCL_DEBUG=INFO" in argv and "WORLD_SIZE=3" in argv
+    assert argv[argv.index("NCCL_DEBUG") - 1] == "-x" and "WORLD_SIZE" in argv
+    assert not [a for a in argv if "=" in a]  # names only: -x NAME exports mpirun's value
+    assert cmd.env["NCCL_DEBUG"] == "INFO" and cmd.env["WORLD_SIZE"] == "3"
     assert cmd.hostfile_text == "alice@node1 slots=2\nnode2 slots=1\n"
 
 
@@ -78,9 +82,33 @@ def test_mpi_ranks_under_hydra_get_the_torchrun_contract_and_the_exit_code_propa
 
 def test_dry_run_prints_the_mpi_command_without_running_it():
     res = run_dtrain(["launch", "--launcher", "mpirun", "--dry-run", "-H", "localhost:2", "--",
-                      PYTHON, "-c", "raise SystemExit(9)"])
+                      PYTHON, "-c", "raise SystemExit(9)"], env={"HF_TOKEN": "hf_dry run"})
     assert res.returncode == 0, res.stderr
     assert "mpiexec" in res.stdout and "-hosts localhost:2" in res.stdout
+    assert "HF_TOKEN='hf_dry run' " in res.stdout  # shown to its user, ready to paste
+
+
+SECRET_SEEN = ("import glob, os\n"
+               "secret = os.environ['HF_TOKEN'].encode()\n"
+               "seen = []\n"
+               "for path in glob.glob('/proc/[0-9]*/cmdline'):\n"
+               "    try:\n"
+               "        if secret in open(path, 'rb').read():\n"
+               "            seen.append(path)\n"
+               "    except OSError:\n"
+               "        pass\n"
+               "open(os.path.join(os.environ['REPORT_DIR'], os.environ['RANK']), 'w')"
+               ".write(repr(seen))\n")
+
+
+def test_a_forwarded_secret_reaches_the_ranks_but_no_command_line_under_hydra(tmp_path):
+    # What `ps` shows any local user while the job runs: mpiexec, its proxies, the rank shims.
+    token = f"hf_{os.urandom(12).hex()}"
+    res = run_dtrain(["launch", "--launcher", "mpirun", "-H", "localhost:2", "--env",
+                      f"REPORT_DIR={tmp_path}", "--", PYTHON, "-c", SECRET_SEEN],
+                     env={"HF_TOKEN": token})
+    assert res.returncode == 0, res.stderr
+    assert [(tmp_path / r).read_text() for r in ("0", "1")] == ["[]", "[]"]
 
 
 def test_hydra_is_given_the_head_address_its_proxies_connect_back_to():

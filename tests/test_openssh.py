@@ -96,7 +96,7 @@ def test_the_ssh_command_checks_keys_never_prompts_and_quotes_the_agent_command(
                         "/opt/py thon/bin/python")
     split = argv.index("--")
     options, (host, command) = argv[:split], argv[split + 1:]
-    assert host == "node7" and command == "'/opt/py thon/bin/python' -u -m launcher.agent"
+    assert host == "node7" and command == "'/opt/py thon/bin/python' -E -P -u -m launcher.agent"
     for pair in ("BatchMode=yes", "StrictHostKeyChecking=yes", "ConnectTimeout=10"):
         assert options[options.index(pair) - 1] == "-o"
     assert options[-8:] == ["-F", str(tmp_path / "cfg"),

@@ -20,7 +20,16 @@ import pytest
 from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.selection import HostSlots
 from launcher.slurm.srun import SrunAgentStream, start_agents
-from tests.support import PYTHON, REPO, dtrain_cmd, dtrain_env, kill_recorded
+from tests.support import (
+    DTRAIN_SCRIPT,
+    PYTHON,
+    REPO,
+    dtrain_cmd,
+    dtrain_env,
+    imposters_imported,
+    kill_recorded,
+    plant_imposters,
+)
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
 MPI_CODE = ("from mpi4py import MPI; import json; c = MPI.COMM_WORLD\n"
@@ -96,6 +105,18 @@ def test_launcher_slurm_forms_one_mpi_world_across_nodes_that_run_no_ssh_server(
     assert res.returncode == 0, res.stderr
     got = _rank_json(res.stdout)
     assert [got[r] for r in range(3)] == [[3, 6, "node1"], [3, 6, "node2"], [3, 6, "node3"]]
+
+
+def test_srun_agents_never_import_from_the_launch_directory_they_start_in(slurm, tmp_path):
+    # slurmstepd starts each step in srun's working directory: here one holding imposters.
+    shared = plant_imposters(tmp_path)
+    argv = ["salloc", "--nodes=2", "--ntasks-per-node=1", "--quiet", "--", DTRAIN_SCRIPT,
+            "launch", "--launcher", "slurm", "--", PYTHON, "-c", "print('ran')"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=shared,
+                         env=_env(slurm))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("ran") == 2
+    assert imposters_imported(shared) == []
 
 
 def test_a_failing_rank_ends_the_job_with_its_exit_code_and_stops_every_node(slurm):

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -59,6 +61,40 @@ def test_a_node_list_expands_exactly_as_scontrol_show_hostnames(scontrol, text):
 def test_a_malformed_node_list_is_one_clear_error_naming_the_variable(text):
     with pytest.raises(HostfileError, match=r"SLURM_JOB_NODELIST"):
         expand_nodelist(text)
+
+
+def peak_bytes(work: Callable[[], object]) -> int:
+    """The most memory Python allocated while ``work`` ran (it is expected to raise)."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(HostfileError) as info:
+            work()
+        assert "too long" in info.value.what or "too many" in info.value.what, info.value
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("text", [
+    "a[1-300]b[1-300]",                          # a product of two small groups: 90,000 names
+    "n[" + ",".join(["1-60000"] * 3) + "]",      # one group of ranges that each pass alone
+    "x,a[1-256][1-256][1-2]",                    # three groups after a plain name
+], ids=["product", "ranges-in-a-group", "three-groups"])
+def test_a_node_list_over_the_limit_is_refused_before_its_names_are_built(text):
+    # 90,000 names of ~8 characters would take several MiB; the refusal needs next to nothing.
+    assert peak_bytes(lambda: expand_nodelist(text)) < 256 * 1024
+
+
+def test_repeated_per_node_counts_over_the_limit_are_refused_before_they_are_built():
+    assert peak_bytes(lambda: expand_counts("4(x10000000)", "SLURM_TASKS_PER_NODE")) < 256 * 1024
+
+
+@pytest.mark.parametrize("text", ["n[" + "9" * 5000 + "]", "n[1-" + "9" * 5000 + "]"])
+def test_a_number_too_long_for_a_node_name_is_one_error_not_a_traceback(text):
+    with pytest.raises(HostfileError, match="SLURM_JOB_NODELIST"):
+        expand_nodelist(text)
+    with pytest.raises(HostfileError, match="SLURM_TASKS_PER_NODE"):
+        expand_counts("9" * 5000, "SLURM_TASKS_PER_NODE")
 
 
 def test_per_node_counts_expand_their_repetitions():
@@ -140,7 +176,7 @@ def test_outside_an_allocation_nothing_changes(tmp_path):
 
 def test_the_srun_step_is_a_constant_command_and_srun_reads_no_inherited_options():
     argv = srun_command("gpu01", "42", "/opt/py/bin/python", "/usr/bin/srun")
-    assert argv[-4:] == ["/opt/py/bin/python", "-u", "-m", "launcher.agent"]
+    assert argv[-6:] == ["/opt/py/bin/python", "-E", "-P", "-u", "-m", "launcher.agent"]
     assert "--nodelist=gpu01" in argv and "--jobid=42" in argv and "--unbuffered" in argv
     env = srun_environment({"SLURM_NTASKS_PER_NODE": "4", "SLURM_JOB_ID": "42",
                             "SLURM_CONF": "/etc/slurm.conf", "PATH": "/bin"})

@@ -7,7 +7,9 @@ sshd (or run `dtrain check`/`launch` against it) and assert the marker is absent
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +21,7 @@ from launcher.hosts.hostfile import HostEntry
 from launcher.transport.openssh import config as openssh_config
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from launcher.transport.ssh_config_refusal import parse_line, read_config, refuse_match_exec
-from tests.support import PYTHON, run_dtrain
+from tests.support import DTRAIN_SCRIPT, PYTHON, dtrain_env, run_dtrain
 
 # Match lines that ssh or paramiko would read as `exec`; {cmd} is the quoted marker command.
 MATCH_EXEC_SPELLINGS = {
@@ -114,6 +116,9 @@ HOST_COMMAND_SPELLINGS = {
     "quoted ProxyCommand": ('  ProxyCommand "sh -c {cmd}"', "ProxyCommand"),
     "KnownHostsCommand": ("  KnownHostsCommand sh -c {cmd}", "KnownHostsCommand"),
     "LocalCommand": ("  PermitLocalCommand yes\n  LocalCommand sh -c {cmd}", "LocalCommand"),
+    # ssh loads these shared libraries into its helpers: their code runs as the user.
+    "PKCS11Provider": ("  PKCS11Provider /tmp/{cmd}.so", "PKCS11Provider"),
+    "SecurityKeyProvider": ("  securitykeyprovider=/tmp/{cmd}.so", "SecurityKeyProvider"),
 }
 
 
@@ -195,3 +200,76 @@ def test_include_of_a_missing_pattern_is_skipped_and_a_loop_is_stopped(tmp_path,
     loop.write_text("Include nothing-here-*\nInclude loop\n")
     with pytest.raises(ConnectError, match="Include nesting too deep"):
         read_config(loop)
+
+
+def test_no_provider_and_the_internal_security_key_provider_are_not_refused(sshd, tmp_path,
+                                                                            connect):
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.config_block("loopback") + "  PKCS11Provider none\n"
+                      "  SecurityKeyProvider internal\n")
+    connect("loopback", SSHOptions(config_file=config))
+
+
+@pytest.fixture
+def provider_library(tmp_path):
+    """A shared library whose constructor writes ``tmp_path/loaded``: proof that ssh ran it.
+    It exports C_GetFunctionList, the symbol ssh looks for before it loads a provider."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a shared library (`make sysdeps` installs gcc)")
+    marker = tmp_path / "loaded"
+    source = tmp_path / "provider.c"
+    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void loaded(void)'
+                      f' {{ FILE *f = fopen("{marker}", "w"); if (f) fclose(f); }}\n'
+                      "int C_GetFunctionList(void **list) { return 5; }\n")
+    library = tmp_path / "provider.so"
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    return library, marker
+
+
+def test_a_pkcs11_provider_is_refused_before_ssh_loads_it(sshd, tmp_path, provider_library):
+    library, marker = provider_library
+    config = tmp_path / "ssh_config"
+    config.write_text(sshd.config_block("loopback") + f"  PKCS11Provider {library}\n")
+    res = run_dtrain(["launch", "-H", "loopback:1", "--ssh-config", str(config), "--ssh-client",
+                      "openssh", "--", PYTHON, "-c", "pass"])
+    assert res.returncode == 255, res.stderr
+    assert f"`PKCS11Provider` refused [{config}:8]" in res.stderr, res.stderr
+    assert not marker.exists()
+
+
+# ssh reads /etc/ssh/ssh_config (and what it includes) whenever it is not given -F, whether or
+# not ~/.ssh/config exists. Each test replaces /etc/ssh, and hides ~/.ssh, in a mount namespace
+# of its own: nothing outside it sees the change.
+SYSTEM_DIRECTIVES = {
+    "Match exec": ('Match exec "touch {marker}"\n', 1),
+    "ProxyCommand": ("  ProxyCommand sh -c 'touch {marker}'\n", 8),
+}
+
+
+@pytest.mark.parametrize("directive", list(SYSTEM_DIRECTIVES))
+def test_the_system_ssh_config_is_refused_too_when_there_is_no_user_config(sshd, tmp_path,
+                                                                            directive):
+    text, line = SYSTEM_DIRECTIVES[directive]
+    marker = tmp_path / "ran"
+    etc_ssh = tmp_path / "etc-ssh"
+    (etc_ssh / "ssh_config.d").mkdir(parents=True)
+    (etc_ssh / "ssh_config").write_text("Include /etc/ssh/ssh_config.d/*.conf\nHost *\n"
+                                        "  SendEnv LANG LC_*\n")
+    site = etc_ssh / "ssh_config.d" / "50-site.conf"
+    block = sshd.config_block("loopback")
+    site.write_text(text.format(marker=marker) + block if line == 1
+                    else block + text.format(marker=marker))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    dot_ssh = Path(pwd.getpwuid(os.getuid()).pw_dir) / ".ssh"
+    script = ('mount --bind "$1" /etc/ssh && { [ ! -d "$2" ] || mount --bind "$3" "$2"; } '
+              '&& shift 3 && exec "$@"')
+    argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+            str(etc_ssh), str(dot_ssh), str(empty), DTRAIN_SCRIPT, "launch", "-H", "loopback:1",
+            "--ssh-client", "openssh", "--", PYTHON, "-c", "pass"]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=dtrain_env())
+    assert res.returncode == 255, res.stderr
+    shown = "/etc/ssh/ssh_config.d/50-site.conf"
+    assert f"`{directive}` refused [{shown}:{line}]" in res.stderr, res.stderr
+    assert not marker.exists()

@@ -14,14 +14,17 @@ printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 
 from trainer import checkpoint
 from trainer.errors import ConfigError, TrainerError
 from trainer.inference.merge import load_serial
 from trainer.inference.sampling import sample
+from trainer.model.config import GPTConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,20 +48,39 @@ def generate(args: argparse.Namespace) -> str:
             raise ConfigError("invalid option", f"--{name.replace('_', '-')} "
                               f"{getattr(args, name)}", f"must be >= {low}",
                               f"Pass a value >= {low}")
-    if args.temperature < 0:
+    if not 0 <= args.temperature < math.inf:
         raise ConfigError("invalid option", f"--temperature {args.temperature}",
-                          "must be >= 0", "Pass 0 for greedy decoding or a positive value")
+                          "must be a finite number >= 0",
+                          "Pass 0 for greedy decoding or a positive value")
+    if not 0 <= args.seed < 2**64:
+        raise ConfigError("invalid option", f"--seed {args.seed}",
+                          "must be >= 0 and below 2**64 (a 64-bit seed)",
+                          "Pass a smaller --seed")
     root = Path(args.run_dir) / "checkpoints"
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(
             "no checkpoint to sample from", str(root), "there is no committed step-<N> folder",
             "Train with --run-dir pointing here first (a checkpoint is saved at the end)")
+    check_model_fields(path)
     model, _ = load_serial(path)
     prompt = args.prompt.encode()
     out = sample(model, prompt, tokens=args.tokens, temperature=args.temperature,
                  top_k=args.top_k, seed=args.seed)
     return (prompt + out).decode("utf-8", errors="replace")
+
+
+def check_model_fields(path: Path) -> None:
+    """Refuse a checkpoint whose model has fields this dtrain does not know (a newer dtrain
+    wrote it): it would be built without them, a different model."""
+    _, meta = checkpoint.read_meta(path)  # verified against the commit record
+    known = {f.name for f in fields(GPTConfig)}
+    unknown = sorted(set(meta.get("model", {})) - known)
+    if unknown:
+        raise checkpoint.CheckpointError(
+            "checkpoint of a newer dtrain", str(path / "meta.json"),
+            f"its model has field(s) this dtrain does not know: {', '.join(unknown)}",
+            "Sample with the dtrain that trained it (or a newer one)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

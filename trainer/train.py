@@ -73,7 +73,7 @@ from trainer.comm.bootstrap import World, build_groups
 from trainer.comm.progress import record_of
 from trainer.comm.topology import ParallelDims
 from trainer.config.options import TrainConfig, resolve_dp
-from trainer.data.corpus import Corpus
+from trainer.data.corpus import Corpus, skipped_warning
 from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
 from trainer.model.flops import mfu, peak_tflops
@@ -142,6 +142,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
+    log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
     peak_mem = PeakMemory(world.device)
     pipe = run.pipeline

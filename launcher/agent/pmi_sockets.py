@@ -6,16 +6,19 @@ is never exposed on the network:
 * ``fd`` (default): a socketpair per rank, the child end inherited as ``PMI_FD``;
 * ``port``: a listener on 127.0.0.1 (``PMI_PORT``), each rank with a one-time ``PMI_ID``
   token; a forged or reused id is refused by the proxy core without harming the job.
+  Any local user can connect, so a connection is a stranger's until it presents a valid id,
+  within `UNAUTHENTICATED_S` of its accept whatever it sends; at most `MAX_UNAUTHENTICATED`
+  are kept (a new one replaces the oldest: a rank sends its id at once, so only strangers grow
+  old), running out of files makes room instead of failing, and the listener closes once
+  every rank of the host has connected.
 
 One selector thread owns the sockets and the proxy; messages from the head are handed to it
 through a queue and a wake-up socket, so no lock is needed around the core.
 """
 
-
 from __future__ import annotations
 
 import itertools
-import os
 import queue
 import selectors
 import socket
@@ -32,8 +35,13 @@ TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy r
 if TYPE_CHECKING:
     from typing import Any
 
-#: A PMI_PORT connection that has not said anything after this long is dropped (slowloris).
-SILENT_CONNECTION_S = 30.0
+#: A PMI_PORT connection that has not presented a valid PMI_ID this long after it was accepted
+#: is dropped, however much it sent (slowloris).
+UNAUTHENTICATED_S = 30.0
+#: The most PMI_PORT connections kept without a valid PMI_ID; a new one replaces the oldest.
+MAX_UNAUTHENTICATED = 32
+#: How long the listener rests when an accept fails with nothing to make room (out of files).
+ACCEPT_PAUSE_S = 0.5
 _EXITED = "_rank_exited"  # the agent's own note through the inbox, never from the head
 
 
@@ -65,7 +73,10 @@ class PmiSockets:
         )
         if mode == "fd":
             self._pair(ranks)
-        self._silent: dict[int, float] = {}  # accepted connections that have not spoken yet
+        # PMI_PORT connections without a valid PMI_ID yet -> when accepted (oldest first)
+        self._strangers: dict[int, float] = {}
+        self._connected: set[int] = set()  # ranks that presented their PMI_ID
+        self._accept_again: float | None = None  # when the paused listener is watched again
         self._kvsname = kvsname
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
@@ -130,19 +141,9 @@ class PmiSockets:
 
     def remove_shared_memory(self) -> None:
         """Delete the /dev/shm segments of this job's MPICH ranks; killed ranks leave them."""
-        from launcher.pmi.actions import shm_segment_prefixes
+        from launcher.agent.leftovers import remove_mpich_segments
 
-        prefixes = shm_segment_prefixes(self._kvsname)
-        try:
-            names = os.listdir("/dev/shm")
-        except OSError:
-            return
-        for name in names:
-            if name.startswith(prefixes):
-                try:
-                    os.unlink(os.path.join("/dev/shm", name))
-                except OSError:
-                    pass
+        remove_mpich_segments(self._kvsname)
 
     def _wake(self) -> None:
         try:
@@ -163,7 +164,7 @@ class PmiSockets:
 
     def _loop(self) -> None:
         while not self._stopped:
-            self._drop_silent()
+            self._drop_strangers(time.monotonic())
             self._report_stall()
             for key, _ in self._sel.select(timeout=1.0):
                 if key.data == "wake":
@@ -200,23 +201,55 @@ class PmiSockets:
             self._send_head({"op": "stall", "ranks": missing, "gone": gone,
                              "seconds": round(waited)})
 
-    def _drop_silent(self) -> None:
-        now = time.monotonic()
-        for conn, since in list(self._silent.items()):
-            if now - since > SILENT_CONNECTION_S:
-                self._silent.pop(conn)
-                self._run(self.proxy.closed(conn))
-                self._drop(conn)
+    def _drop_strangers(self, now: float) -> None:
+        """Drop connections that did not present a valid PMI_ID in time; watch a paused
+        listener again."""
+        for conn, since in list(self._strangers.items()):
+            if now - since <= UNAUTHENTICATED_S:
+                break  # oldest first: the rest are younger
+            self._drop_stranger(conn)
+        if self._accept_again is not None and now >= self._accept_again:
+            self._accept_again = None
+            self._sel.register(self._listener, selectors.EVENT_READ, "accept")
+
+    def _drop_stranger(self, conn: int) -> None:
+        self._strangers.pop(conn, None)
+        self._run(self.proxy.closed(conn))
+        self._drop(conn)
 
     def _accept(self) -> None:
+        """One connection per round of the loop, so a rank's first line is read before a
+        flood of new connections can push it out of `MAX_UNAUTHENTICATED`."""
         try:
             sock, _ = self._listener.accept()
-        except OSError:
+        except (BlockingIOError, InterruptedError):
             return
+        except OSError:  # out of files or memory: room from a stranger, else a short rest
+            if self._strangers:
+                self._drop_stranger(next(iter(self._strangers)))
+            else:
+                self._sel.unregister(self._listener)
+                self._accept_again = time.monotonic() + ACCEPT_PAUSE_S
+            return
+        if len(self._strangers) >= MAX_UNAUTHENTICATED:
+            self._drop_stranger(next(iter(self._strangers)))
         conn = next(self._ids)
         self._add(conn, sock)
-        self._silent[conn] = time.monotonic()
+        self._strangers[conn] = time.monotonic()
         self._run(self.proxy.open(conn, None))
+
+    def _authenticated(self, conn: int, rank: int) -> None:
+        """``conn`` presented ``rank``'s PMI_ID; once all have, nobody else may connect."""
+        del self._strangers[conn]
+        self._connected.add(rank)
+        if len(self._connected) < len(self._env):
+            return
+        if self._accept_again is None:
+            self._sel.unregister(self._listener)
+        self._accept_again = None
+        self._listener.close()
+        for stranger in list(self._strangers):
+            self._drop_stranger(stranger)
 
     def _read(self, conn: int) -> None:
         sock = self._conns.get(conn)
@@ -228,10 +261,14 @@ class PmiSockets:
             return
         except OSError:
             data = b""
-        self._silent.pop(conn, None)
         if data:
-            self._run(self.proxy.feed(conn, data))
+            actions = self.proxy.feed(conn, data)
+            rank = self.proxy.rank_of(conn) if conn in self._strangers else None
+            if rank is not None:
+                self._authenticated(conn, rank)  # before its reply: the port is closed by then
+            self._run(actions)
         else:
+            self._strangers.pop(conn, None)
             self._run(self.proxy.closed(conn))
             self._drop(conn)
 
@@ -242,7 +279,7 @@ class PmiSockets:
                 if sock is not None:
                     self._reply(action.conn, sock, action.data)
             elif isinstance(action, pmi_actions.Close):
-                self._silent.pop(action.conn, None)
+                self._strangers.pop(action.conn, None)
                 self._drop(action.conn)
             elif isinstance(action, pmi_actions.Send):
                 self._send_head(dict(action.msg))

@@ -1,7 +1,9 @@
 """The agent's side of progress records: a private folder, reading, stacks (adapter).
 
 Each rank gets ``DTRAIN_PROGRESS_FILE`` in a folder of its own job made with ``mkdtemp`` (mode
-0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves.
+0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves;
+its name marks the agent, so that the next agent on the host removes it if this one is killed
+(`launcher.agent.leftovers`, run before the folder is made).
 The agent reads the records without the ranks' help (layout in `workerenv`), notes the share
 of a core each rank used since an earlier reading (/proc: a rank busy outside communication
 is working, not hung; `launcher.hang.watch`) and sends the head one PROGRESS frame per
@@ -24,6 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import workerenv
+from launcher.agent import leftovers
 from launcher.hang.views import RankView, view_of
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
@@ -40,7 +43,9 @@ class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
                  send: Callable[[dict[str, Any]], object]) -> None:
         base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
-        self.folder = tempfile.mkdtemp(prefix=f"dtrain-{job_id}-", dir=base)
+        mark = leftovers.own_mark()
+        leftovers.sweep(base or tempfile.gettempdir(), mark)  # what dead agents left here
+        self.folder = tempfile.mkdtemp(prefix=leftovers.folder_prefix(job_id, mark), dir=base)
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
@@ -53,13 +58,22 @@ class ProgressReporter:
         now = time.monotonic()  # the records' clock (`workerenv`)
         out = []
         for rank in self.ranks:
-            path = self.path(rank)
-            record = workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
+            record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
             state, cpu = ("exited", None) if rank not in pids else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             out.append(replace(view, cpu_share=self._share(rank, cpu, now)))
         return out
+
+    @staticmethod
+    def _record(path: str) -> workerenv.RankProgress | None:
+        """The rank's record; None when it has none yet, or when it cannot be read now: out
+        of files (a flood of connections to the PMI port) or memory is the next reading's
+        problem, never the agent's end."""
+        try:
+            return workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
+        except OSError:
+            return None
 
     def _share(self, rank: int, cpu: float | None, now: float) -> float:
         """The share of a core ``rank`` used since the reading at least `CPU_WINDOW_S` ago

@@ -6,9 +6,11 @@ Exit-code rule, first match wins:
 2. `--timeout` expired: 124;
 3. a rank called MPI_Abort / PMI abort: the abort's exit code;
 4. the first failure the head observed: a rank's exit code, or 128+N when signal N killed it;
-   a rank that closed its PMI connection before finalize counts as 1 unless its exit code is
-   known; a host lost (agent gone, heartbeat silence) is 255; a hang diagnosed under
-   `--hang-action abort` is 123 (`launcher.head.progress`);
+   a rank that closed its PMI connection before finalize counts as 1 until its exit status
+   arrives, which then replaces that inference when it is not 0 (the kernel closes a SIGKILLed
+   rank's socket before the agent reaps it, so the close is usually seen first); a host lost
+   (agent gone, heartbeat silence) is 255; a hang diagnosed under `--hang-action abort` is 123
+   (`launcher.head.progress`);
 5. otherwise 0.
 
 Ranks stopped by dtrain because another rank failed are reported as "stopped", not as failures.
@@ -46,6 +48,10 @@ class Failure:
     code: int
     where: str   # "rank 3@node2" or "host node2"
     why: str
+    #: The rank that failed, when the failure is one rank's.
+    rank: int | None = None
+    #: Inferred from the rank's closed PMI connection: its exit status, once known, is the truth.
+    inferred: bool = False
 
 
 @dataclass
@@ -60,6 +66,30 @@ class JobOutcome:
         """Record a failure; True when it is the first (the caller then stops the job)."""
         self.failures.append(failure)
         return len(self.failures) == 1 and self.abort is None
+
+    def rank_exited(self, rank: int, code: int, signum: int | None,
+                    stopping: bool) -> Failure | None:
+        """Record a rank's exit status; returns the failure it is, if it is a new one.
+
+        A rank already failed by inference (its PMI connection closed) keeps its place as the
+        first failure, now with its real status; a rank dtrain was stopping is "stopped".
+        """
+        r = self.ranks[rank]
+        r.code, r.signal = code, signum
+        inferred = [i for i, f in enumerate(self.failures) if f.rank == rank and f.inferred]
+        if inferred:
+            r.state = "exited"
+            if code != 0:
+                self.failures[inferred[0]] = Failure(code, f"rank {rank}@{r.host}",
+                                                     exit_status_why(code, signum), rank)
+            return None
+        if stopping and code != 0:
+            r.state = "stopped"  # we asked it to stop; not a failure of its own
+            return None
+        r.state = "exited"
+        if code == 0:
+            return None
+        return Failure(code, f"rank {rank}@{r.host}", exit_status_why(code, signum), rank)
 
     @property
     def exit_code(self) -> int:

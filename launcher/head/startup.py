@@ -253,5 +253,5 @@ def _agent_failed(link: AgentLink, what: str, why: str) -> None:
     if stderr:
         why += f"; agent stderr: {stderr.splitlines()[-1]}"
     raise AgentError(f"agent {what}", f"host {link.name}", why,
-                     "check that dtrain is installed in the same Python on that host "
-                     "(`dtrain check`)")
+                     "check that dtrain is installed in the same Python on that host, not "
+                     "only on PYTHONPATH, which its agent ignores (`dtrain check`)")

@@ -26,7 +26,7 @@ from typing import Any
 from launcher import wire
 from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.options import SuperviseOptions
-from launcher.head.outcome import Failure, JobOutcome, RankOutcome, exit_status_why
+from launcher.head.outcome import Failure, JobOutcome, RankOutcome
 from launcher.head.pmi_notes import PmiRelay
 from launcher.head.progress import HANG_CODE, ProgressMonitor
 from launcher.head.startup import Signalled, Startup, note_phase
@@ -224,16 +224,12 @@ class Supervisor:
                                f"{body.get('what')}: {body.get('why')}"))
 
     def _on_exit(self, body: dict[str, Any]) -> None:
-        r = self.outcome.ranks[int(body["rank"])]
-        r.code, r.signal = int(body["code"]), body.get("signal")
-        self.writer.flush_rank(r.rank)
-        if self.stopping and r.code != 0:
-            r.state = "stopped"  # we asked it to stop; not a failure of its own
-            return
-        r.state = "exited"
-        if r.code != 0:
-            why = exit_status_why(r.code, r.signal)
-            self._fail(Failure(r.code, f"rank {r.rank}@{r.host}", why))
+        rank = int(body["rank"])
+        self.writer.flush_rank(rank)
+        failure = self.outcome.rank_exited(rank, int(body["code"]), body.get("signal"),
+                                           self.stopping)
+        if failure is not None:
+            self._fail(failure)
 
     def _on_pmi(self, link: AgentLink, msg: dict[str, Any]) -> None:
         op = msg.get("op")
@@ -247,8 +243,9 @@ class Supervisor:
                 self._stop(signal.SIGTERM, self.opts.grace)
         elif op == "rank_failed":
             if not self.stopping:  # else a consequence of our own stop, not a new failure
-                self._fail(Failure(1, f"rank {msg.get('rank')}@{link.name}",
-                                   str(msg.get("reason"))))
+                rank = int(msg["rank"])
+                self._fail(Failure(1, f"rank {rank}@{link.name}", str(msg.get("reason")), rank,
+                                   inferred=True))
         elif self.pmi is not None:
             for host, reply in self.pmi.handle(self._at[link.index], link.name, msg):
                 self.links[host].send_json(wire.Kind.PMI, reply)

@@ -1,11 +1,15 @@
 """`dtrain launch --launcher mpirun`: the same hosts, filters and environment as an MPI command.
 
 For Open MPI clusters (Open MPI 5 speaks only PMIx, not the PMI-1 dtrain serves) and for sites
-that want their MPI's own launcher. MPICH Hydra gets `-hosts h:n,... -genv K V`, Open MPI gets
-`--hostfile F --map-by slot -x K=V`. Rank variables (RANK, LOCAL_RANK...) cannot be set per rank
-by these launchers, so the program runs under `python -m launcher.mpirun.rankshim --`, which derives
-them from the MPI launcher's own variables, sets GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME per host
-and makes a failing rank end the whole job (see its docstring), as dtrain's agents do.
+that want their MPI's own launcher. MPICH Hydra gets `-hosts h:n,... -genvlist K,...`, Open MPI
+gets `--hostfile F --map-by slot -x K ...`: the variables' values travel in the environment of
+the mpiexec/mpirun process and only their names on its command line, which every local user can
+read (`ps`) for as long as the job runs, so a forwarded HF_TOKEN never appears there.
+
+Rank variables (RANK, LOCAL_RANK...) cannot be set per rank by these launchers, so the program
+runs under `python -E -P -m launcher.mpirun.rankshim --`, which derives them from the MPI
+launcher's own variables, sets GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME per host and makes a failing
+rank end the whole job (see its docstring), as dtrain's agents do.
 
 Addresses follow the SSH launcher's rule (`launcher.head.startup`): MASTER_ADDR is rank 0's
 host as the others reach it (with the head as rank 0's host: its address on the route to the
@@ -17,19 +21,21 @@ reach, so Hydra is given ``-localhost`` with the head's address on the route to 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import workerenv
 from launcher import netroute
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.plan.job import JobPlan, Rendezvous
+from launcher.transport.local import python_module
 
 FLAVOURS = ("hydra", "openmpi")
 
@@ -44,8 +50,18 @@ class Addresses:
 
 @dataclass(frozen=True)
 class MpiCommand:
+    #: The command line: variable names only, never their values.
     argv: tuple[str, ...]
-    hostfile_text: str | None = None   # Open MPI: written to a temporary file at run time
+    #: The job's shared variables, set in the MPI launcher's own environment, which forwards
+    #: the ones argv names to every rank.
+    env: Mapping[str, str] = field(default_factory=dict)
+    #: Open MPI: written to a temporary file at run time.
+    hostfile_text: str | None = None
+
+    def shown(self) -> str:
+        """The command as a shell line, values included: for --dry-run, shown to its user."""
+        assignments = [f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items())]
+        return " ".join([*assignments, shlex.join(self.argv)])
 
 
 def detect_flavour(mpirun: str) -> str:
@@ -100,7 +116,7 @@ def build_command(plan: JobPlan, rendezvous: Rendezvous, *, mpirun: str, flavour
                              f"host {hp.entry.name}", "MPI launchers cannot give each host its "
                              "own CUDA_VISIBLE_DEVICES", "use the default SSH launcher for "
                              "--include/--exclude of GPU slots")
-    program = (python, "-m", "launcher.mpirun.rankshim", "--", *plan.argv)
+    program = (*python_module(python, "launcher.mpirun.rankshim"), "--", *plan.argv)
     env = shared_env(plan, rendezvous)
     n = str(plan.world_size)
     if flavour == "hydra":
@@ -110,41 +126,43 @@ def build_command(plan: JobPlan, rendezvous: Rendezvous, *, mpirun: str, flavour
                                  hp.entry.name, "mpiexec -hosts takes plain names",
                                  "put User/Port in ~/.ssh/config instead")
         hosts = ",".join(f"{hp.entry.name}:{len(hp.ranks)}" for hp in plan.hosts)
-        genv = [a for k in sorted(env) for a in ("-genv", k, env[k])]
+        genv = ("-genvlist", ",".join(sorted(env))) if env else ()
         control = ("-localhost", head_addr) if head_addr else ()
         return MpiCommand((mpirun, "-launcher", "ssh", *control, "-hosts", hosts, "-n", n,
-                           "-wdir", plan.cwd, *genv, *program))
+                           "-wdir", plan.cwd, *genv, *program), env)
     if flavour == "openmpi":
         lines = []
         for hp in plan.hosts:
             name = f"{hp.entry.user}@{hp.entry.name}" if hp.entry.user else hp.entry.name
             lines.append(f"{name} slots={len(hp.ranks)}")
-        exports = [a for k in sorted(env) for a in ("-x", f"{k}={env[k]}")]
+        exports = [a for k in sorted(env) for a in ("-x", k)]
         return MpiCommand((mpirun, "--hostfile", "{hostfile}", "-np", n, "--map-by", "slot",
-                           "--wdir", plan.cwd, *exports, *program), "\n".join(lines) + "\n")
+                           "--wdir", plan.cwd, *exports, *program), env,
+                          "\n".join(lines) + "\n")
     raise UsageError("unknown MPI flavour", "--mpi-flavour", flavour, f"use one of {FLAVOURS}")
 
 
 def run_command(cmd: MpiCommand, *, timeout: float | None = None, grace: float = 10.0) -> int:
-    """Run it with our scrubbed environment; Ctrl-C/SIGTERM reach it; its exit code is ours.
-    After ``timeout`` seconds it gets SIGTERM (Hydra then stops every rank), SIGKILL after
-    ``grace``, and the exit code is 124, as with the SSH launcher."""
+    """Run it with our scrubbed environment plus the job's variables; Ctrl-C/SIGTERM reach it;
+    its exit code is ours. After ``timeout`` seconds it gets SIGTERM (Hydra then stops every
+    rank), SIGKILL after ``grace``, and the exit code is 124, as with the SSH launcher."""
+    from launcher.plan.environment import scrub
+
+    env = {**scrub(os.environ), **cmd.env}
     if cmd.hostfile_text is None:  # no scratch directory for a SIGKILLed head to leave behind
-        return _run(list(cmd.argv), timeout, grace)
+        return _run(list(cmd.argv), env, timeout, grace)
     with tempfile.TemporaryDirectory(prefix="dtrain-mpirun-") as tmp:
         path = os.path.join(tmp, "hostfile")
         with open(path, "w") as f:
             f.write(cmd.hostfile_text)
-        return _run([path if a == "{hostfile}" else a for a in cmd.argv], timeout, grace)
+        return _run([path if a == "{hostfile}" else a for a in cmd.argv], env, timeout, grace)
 
 
-def _run(argv: list[str], timeout: float | None, grace: float) -> int:
+def _run(argv: list[str], env: dict[str, str], timeout: float | None, grace: float) -> int:
     from launcher.mpirun.rankshim import die_with_parent
-    from launcher.plan.environment import scrub
 
     # A SIGKILLed head must not leave the MPI launcher behind: SIGTERM makes it end the job.
-    proc = subprocess.Popen(argv, env=scrub(os.environ),
-                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    proc = subprocess.Popen(argv, env=env, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     forward = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum))
                for s in (signal.SIGINT, signal.SIGTERM)}
     try:

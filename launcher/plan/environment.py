@@ -12,6 +12,12 @@ Composed on the head node, later sources winning:
    DeepSpeed's `.deepspeed_env`;
 3. `--env KEY=VALUE`, in order.
 
+A `.dtrainenv` is read only when it is a regular file owned by the user (or root) that
+neither group nor others can write, checked on the open file (`open_env_file`): every rank gets
+its variables (LD_PRELOAD, PYTHONPATH...), so one written by someone else, in a shared or
+world-writable launch directory, is refused with one error before anything starts. The head
+says once how many variables each file gave (`compose_base_env`'s ``tell``).
+
 A `.dtrainenv` line is `KEY=VALUE`, optionally after `export `; `#` lines and blank lines are
 skipped. VALUE is literal (no `$VAR` expansion) and may be quoted: '...' keeps everything,
 "..." understands \\" \\\\ \\n \\t; an unquoted value ends at ` #` (a comment). Values can hold any
@@ -31,9 +37,11 @@ silently ignored setting is worse than an error; inherited ones are dropped.
 
 from __future__ import annotations
 
+import io
 import os
 import re
-from collections.abc import Mapping, Sequence
+import stat
+from collections.abc import Callable, Mapping, Sequence
 
 import workerenv as we
 from launcher.errors import EnvironmentFileError, UsageError
@@ -94,7 +102,7 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     """Parse a `.dtrainenv` file; errors name `file:line` and never echo a value."""
     shown = os.fspath(path)
     try:
-        with open(shown, "rb") as f:
+        with open_env_file(shown) as f:
             data = f.read()
     except OSError as err:
         raise EnvironmentFileError("environment file unreadable", shown,
@@ -115,6 +123,44 @@ def read_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
     return result
 
 
+def open_env_file(shown: str) -> io.FileIO:
+    """The file opened, then judged by what was opened (no swap between check and read): a
+    regular file (a FIFO would block, a device never end), owned by us or root, not writable
+    by group or others. Raises EnvironmentFileError naming the file and the fix."""
+    fd = os.open(shown, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO opens at once
+    f = os.fdopen(fd, "rb", buffering=0)
+    try:
+        st = os.fstat(fd)
+        why = fix = ""
+        if not stat.S_ISREG(st.st_mode):
+            why, fix = "it is not a regular file", "Replace it with a regular file"
+        elif st.st_uid not in (os.geteuid(), 0):
+            why = (f"it belongs to {_user_name(st.st_uid)}, not to you, and its variables would "
+                   "reach every rank (LD_PRELOAD, PYTHONPATH...)")
+            fix = "Remove it if you did not write it, or keep your variables in a file you own"
+        elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            who = {stat.S_IWGRP: "its group", stat.S_IWOTH: "every user"}
+            writers = " and ".join(w for bit, w in who.items() if st.st_mode & bit)
+            why = (f"{writers} can write it (mode {stat.filemode(st.st_mode)}), and its "
+                   "variables would reach every rank")
+            fix = f"Run `chmod go-w {shown}` if its content is yours"
+        if why:
+            raise EnvironmentFileError("environment file refused", shown, why, fix)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _user_name(uid: int) -> str:
+    import pwd  # only on the way to a refusal
+
+    try:
+        return f"user {pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def parse_env_assignments(items: Sequence[str], where: str = "--env") -> dict[str, str]:
     """Parse `KEY=VALUE` items (VALUE taken verbatim, may be empty); later items win."""
     result: dict[str, str] = {}
@@ -131,12 +177,19 @@ def parse_env_assignments(items: Sequence[str], where: str = "--env") -> dict[st
 
 
 def compose_base_env(head_environ: Mapping[str, str], *, cwd: str, cli_env: Sequence[str] = (),
-                     env_files: Sequence[Path] | None = None) -> dict[str, str]:
-    """forwarded prefixes, then env files (default ~/.dtrainenv, ./.dtrainenv), then --env."""
+                     env_files: Sequence[Path] | None = None,
+                     tell: Callable[[str], object] | None = None) -> dict[str, str]:
+    """forwarded prefixes, then env files (default ~/.dtrainenv, ./.dtrainenv), then --env;
+    ``tell`` gets one line saying how many variables each env file gave, when there was one."""
     env = forwarded_env(head_environ)
     files = default_env_files(head_environ, cwd) if env_files is None else env_files
+    counts = []
     for path in files:
-        env.update(read_env_file(path))
+        variables = read_env_file(path)
+        env.update(variables)
+        counts.append(f"{len(variables)} variable{'s' * (len(variables) != 1)} from {path}")
+    if counts and tell is not None:
+        tell(f"environment files: {', '.join(counts)}")
     env.update(parse_env_assignments(cli_env))
     return env
 

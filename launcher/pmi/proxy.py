@@ -141,6 +141,10 @@ class PmiProxy:
         """Completed barriers: names the barrier under way."""
         return self._epoch
 
+    def rank_of(self, conn: int) -> int | None:
+        """The rank ``conn`` serves; None until it presents a valid PMI_ID (PMI_PORT mode)."""
+        return c.rank if (c := self._conns.get(conn)) is not None else None
+
     def holding_up(self, host_waited: bool = False) -> tuple[list[int], list[int]]:
         """(missing, gone): see `launcher.pmi.stall.holding_up`."""
         return stall.holding_up(self._ranks, self._barrier, self._spoke, self._left_silent,

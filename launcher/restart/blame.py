@@ -59,7 +59,7 @@ def blame(outcome: JobOutcome, *, lost: Collection[str] = (),
 
 
 def _rank_cause(failure: Failure, outcome: JobOutcome) -> str:
-    rank = _rank_in(failure.where)
+    rank = failure.rank if failure.rank is not None else _rank_in(failure.where)
     state = outcome.ranks.get(rank) if rank is not None else None
     if state is not None and state.signal:
         return f"rank killed by {signal_name(state.signal)}"

@@ -1,7 +1,7 @@
 """--launcher slurm: each host's agent is one `srun` job step; its pipes are the stream.
 
     srun --jobid=J --nodes=1 --ntasks=1 --ntasks-per-node=1 --nodelist=HOST --overlap
-         --unbuffered --mpi=none --quiet -- <python> -u -m launcher.agent
+         --unbuffered --mpi=none --quiet -- <python> -E -P -u -m launcher.agent
 
 One step per host rather than one step of N tasks: each agent's stream is then srun's own
 stdin/stdout, an inherited pipe that Slurm carries over its authenticated (munge) I/O

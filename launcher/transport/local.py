@@ -18,10 +18,25 @@ from launcher.transport.stream import AgentConnection
 
 AGENT_MODULE = "launcher.agent"
 
+#: The interpreter options of every process that runs dtrain's own code (the agent, the mpirun
+#: rank shim, the launch of `dtrain check --perf`), which starts in a directory dtrain does not
+#: control (the launch directory, a login's). `-m` would put that directory first on sys.path,
+#: so a `launcher/` or `workerenv.py` there would run instead of dtrain's: -P leaves it out, and
+#: -E ignores PYTHONPATH, whose empty or relative entries (`PYTHONPATH=$PYTHONPATH:/x` with
+#: none set gives ":/x") are that directory again. dtrain is found where it is installed: the
+#: interpreter's site-packages with their .pth entries (absolute: an editable install's
+#: source folder) and the user's site-packages (`pip install --user`). docs/design.md, 1.
+OWN_CODE_OPTIONS = ("-E", "-P")
+
+
+def python_module(python: str, module: str, *options: str) -> list[str]:
+    """``python`` running dtrain's ``module`` with OWN_CODE_OPTIONS (and ``options``)."""
+    return [python, *OWN_CODE_OPTIONS, *options, "-m", module]
+
 
 def agent_command(python: str) -> list[str]:
     """The constant agent command: the interpreter, then `-m launcher.agent`, nothing else."""
-    return [python, "-u", "-m", AGENT_MODULE]
+    return python_module(python, AGENT_MODULE, "-u")
 
 
 class LocalAgentStream:

@@ -24,6 +24,9 @@ previous checkpoint as the resume point. `prune` deletes a folder's marker befor
 and deletes leftovers of dead saves (temporaries, folders without a marker). Every point is
 exercised by the kill hook of `trainer.checkpoint.fault`.
 
+The run dir (`run_dir`): checked before a run is built; a new run never mixes with the
+checkpoints of another (refused, or with ``--overwrite`` moved aside first).
+
 Agreement (`verdict`): every rank judges the checkpoint it reads; the ranks agree on the worst
 verdict collectively and the lowest rank holding it reports it, once.
 
@@ -42,11 +45,11 @@ from trainer.checkpoint.layout import (
     shard_name,
     step_dirs,
 )
-from trainer.checkpoint.load import Checkpoint, check_compatible, load, restore_rng
+from trainer.checkpoint.load import Checkpoint, check_compatible, load, read_meta, restore_rng
 from trainer.checkpoint.save import save
 
 __all__ = [
     "DAMAGED_SUFFIX", "FAULT_ENV", "FORMAT_VERSION", "MARKER", "POINTS", "Checkpoint",
-    "CheckpointDamaged", "CheckpointError", "check_compatible", "latest", "load", "restore_rng",
-    "save", "shard_name", "step_dirs",
+    "CheckpointDamaged", "CheckpointError", "check_compatible", "latest", "load", "read_meta",
+    "restore_rng", "save", "shard_name", "step_dirs",
 ]

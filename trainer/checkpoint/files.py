@@ -38,11 +38,17 @@ class _HashingWriter:
 
     def __init__(self, fh: BinaryIO) -> None:
         self._fh, self.hash, self.size = fh, hashlib.sha256(), 0
+        self.error: OSError | None = None
+        """The OSError of a failed write (e.g. a full disk), whatever torch raises for it."""
 
     def write(self, data: bytes) -> int:
         self.hash.update(data)
         self.size += len(data)
-        return self._fh.write(data)
+        try:
+            return self._fh.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._fh.flush()
@@ -51,7 +57,12 @@ class _HashingWriter:
 def write_torch(path: Path, obj: Any) -> FileRecord:
     with open(path, "wb") as fh:
         writer = _HashingWriter(fh)
-        torch.save(obj, writer)
+        try:
+            torch.save(obj, writer)
+        except Exception as exc:
+            if writer.error is not None and writer.error is not exc:
+                raise writer.error from exc  # the disk's error, not torch's wrapper of it
+            raise
         _sync(fh)
     return FileRecord(writer.size, writer.hash.hexdigest())
 

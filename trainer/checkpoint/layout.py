@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from pathlib import Path
 
 from trainer.errors import TrainerError
@@ -33,15 +35,45 @@ def shard_name(kind: str, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) 
     return f"{kind}-tp{tp_rank:02d}-pp{pp_rank:02d}{ep}.pt"
 
 
+def real_folder(path: Path) -> bool:
+    """A folder itself, not a symbolic link to one (``lstat``: the link is never followed)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def committed(path: Path) -> bool:
+    """``path`` is a real folder holding a commit record that is a regular file (no link)."""
+    try:
+        return real_folder(path) and stat.S_ISREG(os.lstat(path / MARKER).st_mode)
+    except OSError:
+        return False
+
+
+def _named_like_steps(root: Path) -> list[Path]:
+    """Entries of ``root`` named like a checkpoint or one of its temporaries, sorted."""
+    try:
+        names = os.listdir(root) if real_folder(root) else []
+    except OSError:
+        names = []
+    return sorted(root / n for n in names if STEP_DIR.match(n) or TMP_DIR.match(n))
+
+
 def step_dirs(root: Path) -> dict[int, Path]:
-    """Committed checkpoints under ``root`` by step."""
+    """Committed checkpoints under ``root`` by step. Only real folders count: a symbolic link or
+    a file named ``step-<N>`` is never listed (`strays`), so nothing reads or deletes through it."""
     found = {}
-    if root.is_dir():
-        for child in root.iterdir():
-            match = STEP_DIR.match(child.name)
-            if match and (child / MARKER).is_file():
-                found[int(match.group(1))] = child
+    for child in _named_like_steps(root):
+        match = STEP_DIR.match(child.name)
+        if match and committed(child):
+            found[int(match.group(1))] = child
     return found
+
+
+def strays(root: Path) -> list[Path]:
+    """Entries named like checkpoints that are links or not folders: reported, never touched."""
+    return [child for child in _named_like_steps(root) if not real_folder(child)]
 
 
 def latest(root: Path) -> Path | None:
@@ -51,11 +83,14 @@ def latest(root: Path) -> Path | None:
 
 
 def leftover_step(path: Path) -> int | None:
-    """The step of a temporary or uncommitted ``step-<N>`` folder (a dead save), else None."""
+    """The step of a temporary or uncommitted ``step-<N>`` folder (a dead save), else None.
+    A link or a file is never a leftover (`strays`)."""
+    if not real_folder(path):
+        return None
     tmp = TMP_DIR.match(path.name)
     if tmp:
         return int(tmp.group(1))
     bare = STEP_DIR.match(path.name)
-    if bare and not (path / MARKER).exists():
+    if bare and not committed(path):
         return int(bare.group(1))
     return None

@@ -2,16 +2,31 @@
 
 A folder loses its marker first (fsynced), then its files one by one, then itself: a kill
 half-way leaves an uncommitted ``step-<N>/`` that no resume reads and the next prune deletes.
+
+Nothing is deleted through a symbolic link: a ``step-<N>`` that is a link (an archived
+checkpoint linked back, or one planted there) or a file is never listed (`layout.strays`);
+pruning reports it once per process and leaves it, and `remove` refuses anything but a real
+folder, deleting the links inside one as links.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 from pathlib import Path
 
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import fsync_dir
-from trainer.checkpoint.layout import MARKER, leftover_step, step_dirs
+from trainer.checkpoint.layout import (
+    MARKER,
+    CheckpointError,
+    leftover_step,
+    step_dirs,
+    strays,
+)
+
+_reported: set[Path] = set()  # strays already warned about by this process
 
 
 def prune(root: Path, *, keep: int, current: int) -> None:
@@ -29,12 +44,32 @@ def prune(root: Path, *, keep: int, current: int) -> None:
     for path in doomed:
         remove(path, current)
         fault("prune_after_remove", current)
+    warn_strays(root)
+
+
+def warn_strays(root: Path) -> None:
+    """Say once per process which entries named like checkpoints are links or not folders."""
+    for path in strays(root):
+        if path in _reported:
+            continue
+        _reported.add(path)
+        what = f"a symbolic link to {os.readlink(path)}" if path.is_symlink() else "not a folder"
+        print(f"warning: not a checkpoint folder [{path}]: it is {what}; dtrain never lists, "
+              "loads, prunes or deletes through it and leaves it as it is. Move it out of "
+              f"{root} (copy a checkpoint in, not a link, to resume from it)", file=sys.stderr,
+              flush=True)
 
 
 def remove(path: Path, current: int) -> None:
-    """Delete one checkpoint folder, marker first (``current``: the step being saved)."""
+    """Delete one checkpoint folder, marker first (``current``: the step being saved). Only a
+    real folder: a link is refused, never followed; links inside are deleted as links."""
+    if path.is_symlink() or not path.is_dir():
+        raise CheckpointError("refusing to delete a checkpoint", str(path),
+                              "it is a symbolic link or not a folder, and deleting through it "
+                              "would delete files outside the run dir",
+                              f"Move it out of {path.parent}")
     marker = path / MARKER
-    if marker.exists():
+    if marker.exists() or marker.is_symlink():
         marker.unlink()
         fsync_dir(path)
         fault("remove_after_marker", current)

@@ -9,9 +9,11 @@ group's rank 0, which commits.
 
 from __future__ import annotations
 
+import errno
 import json
 import random
 import secrets
+import shutil
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,7 +23,15 @@ import torch
 
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_torch
-from trainer.checkpoint.layout import FORMAT_VERSION, MARKER, CheckpointError, shard_name
+from trainer.checkpoint.layout import (
+    FORMAT_VERSION,
+    MARKER,
+    CheckpointError,
+    committed,
+    latest,
+    real_folder,
+    shard_name,
+)
 from trainer.checkpoint.prune import prune, remove
 from trainer.comm.protocol import Communicator, ReduceOp
 
@@ -55,10 +65,10 @@ def save(root: Path, step: int, *, model: dict[str, torch.Tensor] | None,
         return _save_together(root, step, files=files, meta=meta, keep=keep, writers=writers)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step}"
-    if (final / MARKER).is_file():
+    if committed(final):
         return final  # the same step is already committed (e.g. resumed, then saved at the end)
     tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
-    with _save_errors(tmp):
+    with _save_errors(tmp, final):
         tmp.mkdir()
         _commit(root, tmp, final, step, meta, _write_files(tmp, files, step))
         prune(root, keep=keep, current=step)
@@ -74,15 +84,16 @@ def _save_together(root: Path, step: int, *, files: dict[str, Any], meta: dict[s
     token = torch.tensor([-1], dtype=torch.int64, device=device)
     if leader:
         root.mkdir(parents=True, exist_ok=True)
-        if not (final / MARKER).is_file():
+        if not committed(final):
             token[0] = secrets.randbits(31)
     writers.broadcast(token, 0)
     if int(token) < 0:
         return final  # already committed: nobody writes
     tmp = root / f"step-{step}.tmp-{int(token):08x}"
     mine: Records = {}
-    _agreed(writers, tmp, device, "create the folder", tmp.mkdir if leader else lambda: None)
-    _agreed(writers, tmp, device, "write its shard",
+    _agreed(writers, tmp, final, device, "create the folder",
+            tmp.mkdir if leader else lambda: None)
+    _agreed(writers, tmp, final, device, "write its shard",
             lambda: mine.update(_write_files(tmp, files, step)))
     records = _gather_records(writers, mine, device)
 
@@ -91,16 +102,17 @@ def _save_together(root: Path, step: int, *, files: dict[str, Any], meta: dict[s
             _commit(root, tmp, final, step, meta, records)
             prune(root, keep=keep, current=step)
 
-    _agreed(writers, tmp, device, "commit", commit)
+    _agreed(writers, tmp, final, device, "commit", commit)
     return final
 
 
-def _agreed(writers: Communicator, tmp: Path, device: torch.device, what: str,
+def _agreed(writers: Communicator, tmp: Path, final: Path, device: torch.device, what: str,
             action: Callable[[], Any]) -> None:
-    """Run ``action`` on every writer; if it fails on any, raise on all."""
+    """Run ``action`` on every writer; if it fails on any, rank 0 removes what the save left
+    (once nobody writes any more) and every writer raises."""
     error = None
     try:
-        with _save_errors(tmp):
+        with _save_errors(tmp, final, clean=False):
             action()
     except CheckpointError as exc:
         error = exc
@@ -109,10 +121,12 @@ def _agreed(writers: Communicator, tmp: Path, device: torch.device, what: str,
                                 "Save only tensors and plain Python values")
     failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
     writers.all_reduce(failed, ReduceOp.SUM)
+    if int(failed) and writers.rank == 0:
+        _discard(tmp, final)
     if error is not None:
         raise error
     if int(failed):
-        raise CheckpointError("checkpoint save failed", str(tmp),
+        raise CheckpointError("checkpoint save failed", str(final),
                               f"{int(failed)} other writer(s) failed to {what}",
                               "See their messages; check free space and permissions of "
                               "--run-dir")
@@ -161,13 +175,56 @@ def _bytes(words: list[int]) -> bytes:
 
 
 @contextmanager
-def _save_errors(tmp: Path) -> Iterator[None]:
-    """OSError of a save becomes the CheckpointError users see."""
+def _save_errors(tmp: Path, final: Path, *, clean: bool = True) -> Iterator[None]:
+    """A failed save removes what it left (``clean``: here; else the caller does, `_discard`),
+    and its OSError becomes the one CheckpointError users see (`_failure`)."""
     try:
         yield
-    except OSError as exc:
-        raise CheckpointError("checkpoint save failed", str(tmp), exc.strerror or str(exc),
-                              "Check free space and permissions of --run-dir") from exc
+    except BaseException as exc:
+        if clean:
+            _discard(tmp, final)
+        if isinstance(exc, OSError):
+            raise _failure(final, exc) from exc
+        raise
+
+
+def _discard(tmp: Path, final: Path) -> None:
+    """Remove the temporary folder of a failed save, and ``final`` if it was renamed but not
+    committed: a full disk stays full otherwise. Real folders only (`layout.real_folder`);
+    errors are ignored, the save's own error is the one to report."""
+    for path in (tmp, final):
+        if real_folder(path) and not committed(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _failure(final: Path, exc: OSError) -> CheckpointError:
+    """The error of a save that failed with ``exc``; a full disk says how much is free now."""
+    root = final.parent
+    newest = latest(root)
+    kept = f"the newest checkpoint is {newest.name}" if newest else "no checkpoint is committed"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        full = "no space left on device" if exc.errno == errno.ENOSPC else \
+            "disk quota exceeded"
+        return CheckpointError(
+            "checkpoint save failed", str(final),
+            f"{full} ({_free(root)} free on the file system of {root} after removing the "
+            f"partial save; {kept})", "Free space there, or pass a --run-dir on a larger disk, "
+            "then --resume")
+    return CheckpointError("checkpoint save failed", str(final),
+                           f"{exc.strerror or exc} ({kept})",
+                           "Check free space and permissions of --run-dir")
+
+
+def _free(root: Path) -> str:
+    try:
+        size = float(shutil.disk_usage(root).free)
+    except OSError:
+        return "unknown"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
 
 
 def _write_files(tmp: Path, files: dict[str, Any], step: int) -> Records:
@@ -189,13 +246,16 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
                                      json.dumps(body, indent=2, sort_keys=True).encode())
     fsync_dir(tmp)
     fault("save_after_meta", step)
-    if final.exists():
+    if final.exists() or final.is_symlink():
         remove(final, step)  # an uncommitted leftover of a save that died after its rename
+        # (a link there is refused, not followed)
     tmp.rename(final)
     fsync_dir(root)
     fault("save_after_rename", step)
     record = {"format": FORMAT_VERSION, "step": step,
               "files": {name: rec.to_json() for name, rec in sorted(files.items())}}
-    write_bytes(final / MARKER, json.dumps(record, indent=1).encode())
+    # Written aside and renamed: a marker is whole or absent, never torn by a full disk.
+    write_bytes(final / f".{MARKER}.tmp", json.dumps(record, indent=1).encode())
+    (final / f".{MARKER}.tmp").rename(final / MARKER)
     fsync_dir(final)
     fault("save_after_marker", step)

@@ -58,6 +58,8 @@ HELP: dict[str, str] = {
               "0); refused if its checksums do not verify",
     "resume_fallback": "with --resume, skip damaged checkpoints (each reported and renamed to "
                        "step-N.damaged-*) and resume from the newest that verifies",
+    "overwrite": "start a new run in a --run-dir that holds another run's checkpoints (refused "
+                 "without it): they and metrics.jsonl are moved to <run-dir>/replaced-<time>/",
     "skip_nonfinite": "skip at most N steps whose loss or gradient norm is NaN or Inf (their "
                       "update is dropped) before stopping; 0 = stop at the first",
     "data": "text file or folder to train on (default: the Python stdlib sources)",

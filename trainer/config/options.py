@@ -13,6 +13,7 @@ named, so a typo never becomes a silently ignored setting.
 from __future__ import annotations
 
 import argparse
+import math
 import types
 import typing
 from collections.abc import Sequence
@@ -76,6 +77,7 @@ class TrainConfig:
     keep: int = 2
     resume: bool = False
     resume_fallback: bool = False
+    overwrite: bool = False
     skip_nonfinite: int = 0
     data: str | None = None
     data_cap_mb: float = 8.0
@@ -85,6 +87,9 @@ class TrainConfig:
     log_every: int = 10
 
     def __post_init__(self) -> None:
+        for name, value in vars(self).items():  # before the comparisons: nan fails them all
+            if isinstance(value, float):
+                _require(math.isfinite(value), name, value, "must be a finite number")
         for name in ("steps", "global_batch", "microbatches", "bucket_size", "log_every", "tp",
                      "eval_batches"):
             _require(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
@@ -93,7 +98,9 @@ class TrainConfig:
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip", "peak_tflops", "time_limit"):
             _require(getattr(self, name) >= 0, name, getattr(self, name), "must be >= 0")
-        _require(self.data_cap_mb > 0, "data_cap_mb", self.data_cap_mb, "must be > 0")
+        _require(self.seed < 2**64, "seed", self.seed, "must be below 2**64 (a 64-bit seed)")
+        _require(0 < self.data_cap_mb <= 2**43, "data_cap_mb", self.data_cap_mb,
+                 "must be > 0 and at most 2**43 (8 EiB)")
         _require(0 <= self.val_fraction < 1, "val_fraction", self.val_fraction,
                  "must be >= 0 and < 1")
         if self.eval_every and not self.val_fraction:
@@ -111,6 +118,10 @@ class TrainConfig:
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")
+        if self.overwrite and self.resume:
+            raise ConfigError("--overwrite with --resume", "--overwrite --resume",
+                              "--resume continues the checkpoints that --overwrite sets aside",
+                              "Drop one of them")
         try:  # refused when the options are read, not after the world is up
             check_divisible(self.gpt, self.tp)
         except TrainerError as exc:

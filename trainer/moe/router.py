@@ -8,7 +8,9 @@ computing the same microbatch does.
 * Scores: ``logits = x @ W_r.T`` in at least fp32 (`trainer.model.precision`), then softmax over the
   experts or an element-wise sigmoid. The top-k scores are the combine weights, not
   renormalised, so the router gets a gradient from the language-model loss even at k = 1
-  (Switch). Ties go to the lower expert index (``torch.topk`` on a stable order).
+  (Switch). Ties go to the lower expert index: a stable descending sort of each token's
+  scores, its first k taken (``torch.topk`` promises no order among equal scores, and on CPU
+  picks others once sigmoid scores saturate at 1.0), so every device and layout routes alike.
 * Load balancing (Switch / Megatron ``switch_load_balancing_loss_func``):
   ``coeff * E * sum_i f_i * P_i`` with ``f_i`` the fraction of the N*k assignments that chose
   expert i (counted before any dropping, detached) and ``P_i`` the mean score of expert i over
@@ -58,7 +60,8 @@ def route(x_ND: torch.Tensor, weight_ED: torch.Tensor, *, topk: int, score: str 
     logits = at_least_fp32(x_ND) @ at_least_fp32(weight_ED).t()
     n_tokens, n_experts = logits.shape
     scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
-    weights, experts = torch.topk(scores, topk, dim=-1, sorted=True)
+    experts = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    weights = scores.gather(-1, experts)
     routed = torch.bincount(experts.flatten(), minlength=n_experts)
     aux = logits.new_zeros(())
     if aux_coeff and n_tokens:

@@ -1,14 +1,18 @@
 """Options of ``python -m trainer.recsys``: a frozen `RecsysConfig` from command-line flags.
 
-Checks that need no other rank (sizes, choices) run here; those that need the world (the batch
+Checks that need no other rank (sizes, choices, the run dir: `trainer.checkpoint.run_dir`) run
+here; those that need the world (the batch
 divides over the ranks) in `check_world`. Every refusal names the flag and how to fix it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
+from trainer.checkpoint import run_dir
 from trainer.comm.bootstrap import BACKENDS
 from trainer.config.options import _Parser  # the GPT trainer's quiet-capable argparse
 from trainer.errors import ConfigError
@@ -43,6 +47,8 @@ HELP: dict[str, str] = {
     "save_every": "save a checkpoint every N steps (0 = only at the end)",
     "keep": "number of newest checkpoints to keep (0 = all)",
     "resume": "continue from the newest committed checkpoint in --run-dir",
+    "overwrite": "start a new run in a --run-dir that holds another run's checkpoints (refused "
+                 "without it): they and the metrics are moved to <run-dir>/replaced-<time>/",
     "log_every": "print a log line every N steps",
 }
 
@@ -71,6 +77,7 @@ class RecsysConfig:
     save_every: int = 0
     keep: int = 2
     resume: bool = False
+    overwrite: bool = False
     log_every: int = 10
 
     @property
@@ -114,8 +121,33 @@ def check(cfg: RecsysConfig) -> RecsysConfig:
         raise ConfigError("validation fraction out of range", f"--val-fraction "
                           f"{cfg.val_fraction}", "it must lie strictly between 0 and 1",
                           "E.g. --val-fraction 0.1")
+    for name in ("lr", "embedding_lr", "zipf"):
+        if not math.isfinite(getattr(cfg, name)):
+            raise ConfigError("option must be a finite number", f"--{name.replace('_', '-')} "
+                              f"{getattr(cfg, name)}", "inf and nan train nothing",
+                              "Give a finite value")
+    if not 0 <= cfg.seed < 2**64:
+        raise ConfigError("invalid seed", f"--seed {cfg.seed}", "it must be >= 0 and below "
+                          "2**64 (a 64-bit seed)", "Pass a smaller --seed")
+    if not cfg.data:  # the synthetic log's size is known now; a file's once it is read
+        check_rows(cfg, cfg.rows - max(1, int(cfg.rows * cfg.val_fraction)))
+    if cfg.overwrite and cfg.resume:
+        raise ConfigError("--overwrite with --resume", "--overwrite --resume",
+                          "--resume continues the checkpoints that --overwrite sets aside",
+                          "Drop one of them")
     cfg.model()  # the MLP widths parse
     return cfg
+
+
+def check_rows(cfg: RecsysConfig, train_rows: int) -> None:
+    """Refuse a log with fewer training rows (after the validation split) than one step takes."""
+    if train_rows < cfg.global_batch:
+        source = f"--data {cfg.data}" if cfg.data else f"--rows {cfg.rows}"
+        raise ConfigError("too few training rows for one step",
+                          f"{source} --global-batch {cfg.global_batch}",
+                          f"{max(train_rows, 0)} training row(s) after the --val-fraction "
+                          f"{cfg.val_fraction} split, and every step takes {cfg.global_batch}",
+                          "Give more rows, or a smaller --global-batch")
 
 
 def check_world(cfg: RecsysConfig, world_size: int) -> None:
@@ -141,4 +173,6 @@ def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> Rec
     if parsed["backend"] not in BACKENDS:
         raise ConfigError("unknown communication backend", f"--backend {parsed['backend']}",
                           f"the backends are {', '.join(BACKENDS)}", "Pick one of them")
-    return check(RecsysConfig(**parsed))
+    cfg = check(RecsysConfig(**parsed))
+    run_dir.check(Path(cfg.run_dir), resume=cfg.resume, overwrite=cfg.overwrite)
+    return cfg

@@ -90,7 +90,7 @@ def planted_model(vocab: tuple[int, ...], seed: int) -> Planted:
 def synthetic(n: int, vocab: tuple[int, ...], *, seed: int, zipf: float = 1.1) -> ClickLog:
     """``n`` rows of the planted click log of ``seed`` (see the module docstring)."""
     truth_model = planted_model(vocab, seed)
-    gen = torch.Generator().manual_seed(seed + 1)
+    gen = torch.Generator().manual_seed((seed + 1) % 2**64)
     scatter = [torch.randperm(v, generator=gen) for v in vocab]
     probs = [1.0 / torch.arange(1, v + 1, dtype=torch.float64) ** zipf for v in vocab]
     parts = [_chunk(seed, c, min(_CHUNK, n - c * _CHUNK), probs, scatter)
@@ -109,7 +109,7 @@ def synthetic(n: int, vocab: tuple[int, ...], *, seed: int, zipf: float = 1.1) -
 
 def _chunk(seed: int, index: int, rows: int, probs: list[torch.Tensor],
            scatter: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + index + 2)
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + index + 2) % 2**64)
     dense = torch.randn(rows, DENSE, generator=gen)
     keys = [perm[torch.multinomial(p, rows, replacement=True, generator=gen)]
             for p, perm in zip(probs, scatter, strict=True)]
@@ -185,4 +185,5 @@ class Batches:
 
 @lru_cache(maxsize=2)
 def _epoch_order(seed: int, epoch: int, n: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    gen = torch.Generator().manual_seed((seed * 7919 + epoch) % 2**64)  # any 64-bit seed
+    return torch.randperm(n, generator=gen)

@@ -19,6 +19,7 @@ from torch.nn import functional
 
 from trainer.recsys.data import ClickLog
 from trainer.recsys.model import DLRM
+from trainer.training.metrics import draw, read_records, truncate_after
 
 CHUNK = 8192
 EVALS_FILE = "evals.jsonl"
@@ -69,13 +70,10 @@ def ceiling(val: ClickLog) -> float | None:
     return auc(val.truth, val.labels) if val.truth is not None else None
 
 
-def truncate(run_dir: Path, start_step: int) -> None:
-    """Drop the evaluations after ``start_step`` (a resumed run evaluates those steps again)."""
-    path = run_dir / EVALS_FILE
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["step"] <= start_step]
-        path.write_text("".join(line + "\n" for line in kept))
+def truncate(run_dir: Path, start_step: int) -> str:
+    """Drop the evaluations after ``start_step`` (a resumed run evaluates those steps again)
+    and torn lines; the warning about those ("" if none, `trainer.training.metrics`)."""
+    return truncate_after(run_dir / EVALS_FILE, start_step)
 
 
 def record(run_dir: Path, step: int, result: dict[str, float]) -> None:
@@ -84,17 +82,20 @@ def record(run_dir: Path, step: int, result: dict[str, float]) -> None:
         fh.write(json.dumps({"step": step, **result}) + "\n")
 
 
-def plot(run_dir: Path, planted: float | None, title: str) -> None:
+def plot(run_dir: Path, planted: float | None, title: str) -> str:
+    """``auc.png`` from ``evals.jsonl``; a failure is the returned warning (`metrics.draw`)."""
+    rows: list[dict[str, Any]] = read_records(run_dir / EVALS_FILE)
+    if not rows:
+        return ""
+    return draw(lambda png: _plot_auc(rows, planted, title, png), run_dir / AUC_PLOT)
+
+
+def _plot_auc(rows: list[dict[str, Any]], planted: float | None, title: str, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    path = run_dir / EVALS_FILE
-    rows: list[dict[str, Any]] = [json.loads(line) for line in path.read_text().splitlines()
-                                  if line.strip()] if path.exists() else []
-    if not rows:
-        return
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     ax.plot([r["step"] for r in rows], [r["val_auc"] for r in rows], "o-", ms=3,
             label="validation AUC")
@@ -108,5 +109,7 @@ def plot(run_dir: Path, planted: float | None, title: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(run_dir / AUC_PLOT)
-    plt.close(fig)
+    try:
+        fig.savefig(png)
+    finally:
+        plt.close(fig)

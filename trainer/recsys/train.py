@@ -30,17 +30,18 @@ from pathlib import Path
 import torch
 from torch.nn import functional
 
+from trainer.checkpoint.run_dir import set_aside
 from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import ReduceOp
 from trainer.data_parallel.grad_sync import DataParallel
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 from trainer.recsys import evaluate, state
-from trainer.recsys.config import RecsysConfig, check_world, parse_args
+from trainer.recsys.config import RecsysConfig, check_rows, check_world, parse_args
 from trainer.recsys.data import Batches, ClickLog, read_criteo, synthetic
 from trainer.recsys.model import DLRM
 from trainer.sparse import SparseOptimizer
 from trainer.training import startup
-from trainer.training.metrics import MetricsLog, StepRecord
+from trainer.training.metrics import METRICS_FILE, MetricsLog, StepRecord
 
 _DENSE_OPTIMIZERS = {"sgd": torch.optim.SGD, "adagrad": torch.optim.Adagrad,
                      "adam": torch.optim.Adam}
@@ -115,15 +116,22 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
     """Train on this rank of ``world``; every rank returns the same losses and evaluations."""
     check_world(cfg, world.size)
     train_rows, val = load_log(cfg).split(cfg.val_fraction)
+    try:  # every rank read the same log: all refuse it together, rank 0 says why
+        check_rows(cfg, len(train_rows))
+    except ConfigError as exc:
+        raise exc.everywhere(report=world.rank == 0) from None
     run = build(cfg, world, train_rows)
     start = state.resume(cfg, run.model, run.dense_opt, run.sparse_opt) if cfg.resume else 0
     result = RecsysResult(start, ceiling=evaluate.ceiling(val))
     writer, run_dir = world.rank == 0, Path(cfg.run_dir)
+    replaced = set_aside(run_dir, [METRICS_FILE, evaluate.EVALS_FILE]) \
+        if cfg.overwrite and writer else ""
     log = MetricsLog(run_dir, enabled=writer, total_steps=cfg.steps, start_step=start,
                      log_every=cfg.log_every)
-    if writer:
-        evaluate.truncate(run_dir, start)
     log.info(_banner(cfg, run, world.size, len(train_rows), len(val), result.ceiling, start))
+    log.info(replaced)
+    if writer:
+        log.info(evaluate.truncate(run_dir, start))
     try:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
@@ -150,7 +158,8 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
     finally:
         log.close(plot_title=f"DLRM on {world.size} rank(s), global batch {cfg.global_batch}")
         if writer:
-            evaluate.plot(run_dir, result.ceiling, f"DLRM validation AUC, {world.size} rank(s)")
+            log.info(evaluate.plot(run_dir, result.ceiling,
+                                   f"DLRM validation AUC, {world.size} rank(s)"))
     return result
 
 

@@ -6,19 +6,22 @@ others). ``loss.png`` draws the training and validation loss against the step, a
 learning rate on a second axis. Communication time is split as in `trainer.comm.timing`:
 ``comm_exposed_s`` (the step waited on it) and ``comm_total_s`` (exposed plus what overlapped
 compute, so never below the exposed time), over the DP, TP and PP groups. A resumed run first
-drops the lines after its checkpoint step, so the file always describes one consistent history.
+drops the lines after its checkpoint step, so the file always describes one consistent history;
+lines that do not parse (a torn write) are dropped then too, said once, and the file is
+rewritten atomically.
 Each console line can show the interval's MFU (`trainer.model.flops`). The console shows a rich
 progress bar on a terminal and plain lines otherwise (e.g. when a launcher relays the output).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -64,25 +67,71 @@ class StepRecord:
         return json.dumps({**asdict(self), "tokens_per_s": round(self.tokens_per_s, 1)})
 
 
+def parse_lines(path: Path) -> tuple[list[dict[str, Any]], list[int]]:
+    """The records of a JSON-lines file (objects with an integer ``step``), in file order, and
+    the numbers of the lines that are not one: a torn write (NUL bytes after a power loss, a
+    line cut off by a full disk). Blank lines are neither."""
+    records, bad = [], []
+    raw = path.read_bytes() if path.exists() else b""
+    for number, line in enumerate(raw.split(b"\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError
+            rec = None
+        if isinstance(rec, dict) and type(rec.get("step")) is int:
+            records.append(rec)
+        else:
+            bad.append(number)
+    return records, bad
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
-    """Records of a metrics file; for a step written twice the last line wins."""
-    by_step: dict[int, dict[str, Any]] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                by_step[rec["step"]] = rec
+    """Records of a metrics file, lines that do not parse skipped; for a step written twice
+    the last line wins."""
+    by_step = {rec["step"]: rec for rec in parse_lines(path)[0]}
     return [by_step[s] for s in sorted(by_step)]
 
 
-def truncate_after(path: Path, step: int) -> None:
-    """Keep the records of steps <= ``step`` (a resumed run rewrites what came after)."""
+def truncate_after(path: Path, step: int) -> str:
+    """Keep the records of steps <= ``step`` (a resumed run rewrites what came after), written
+    to a temporary file, fsynced and renamed over ``path``, so a crash leaves the old file or
+    the new one. Returns the warning to print once when torn lines were dropped ("" if none)."""
     if not path.exists():
-        return
-    kept = [json.dumps(r) for r in read_records(path) if r["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
+        return ""
+    records, bad = parse_lines(path)
+    by_step = {rec["step"]: rec for rec in records}
+    kept = [json.dumps(by_step[s]) + "\n" for s in sorted(by_step) if s <= step]
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write("".join(kept))
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    if not bad:
+        return ""
+    shown = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+    return (f"warning: torn lines dropped [{path}, line(s) {shown}]: {len(bad)} line(s) are not "
+            "JSON records (NUL bytes after a power loss, or a line cut off by a full disk); "
+            "the file was rewritten without them")
+
+
+def draw(plot: Callable[[Path], None], png: Path) -> str:
+    """Run ``plot`` into a temporary file, then rename it to ``png``: a failed plot (a full
+    disk) leaves the previous picture, never an empty one, and is only the returned warning
+    ("" when drawn), never an error that would hide the one that ended the run."""
+    tmp = png.with_name(f".{png.stem}.tmp-{os.getpid()}{png.suffix}")  # the suffix: the format
+    try:
+        plot(tmp)
+        os.replace(tmp, png)
+    except Exception as exc:  # noqa: BLE001 - any failure to draw is reported the same way
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
+            f"{type(exc).__name__}: {exc}"
+        return f"warning: {png.name} not drawn [{png}]: {why}. Its data are kept"
+    return ""
 
 
 def plot_loss(records: list[dict[str, Any]], png: Path, *, title: str = "") -> None:
@@ -112,8 +161,10 @@ def plot_loss(records: list[dict[str, Any]], png: Path, *, title: str = "") -> N
     more = lr_ax.get_legend_handles_labels()
     ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(png)
-    plt.close(fig)
+    try:
+        fig.savefig(png)
+    finally:
+        plt.close(fig)
 
 
 class MetricsLog:
@@ -129,9 +180,10 @@ class MetricsLog:
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
-        truncate_after(self.path, start_step)
-        # Open for the whole run (closed in close()), one flushed line per step.
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+        torn = truncate_after(self.path, start_step)
+        # Open for the whole run (closed in close()), one flushed line per step; None once a
+        # write failed (`_lost`).
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
         if self._console.is_terminal:
             self._progress = Progress(
                 TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
@@ -140,6 +192,7 @@ class MetricsLog:
             self._task = self._progress.add_task("train", total=total_steps,
                                                  completed=start_step, status="")
             self._progress.start()
+        self.info(torn)
 
     def info(self, text: str) -> None:
         """Print ``text`` on rank 0 (nothing for an empty text)."""
@@ -149,8 +202,12 @@ class MetricsLog:
     def record(self, rec: StepRecord) -> None:
         if not self.enabled:
             return
-        self._file.write(rec.to_json() + "\n")
-        self._file.flush()
+        if self._file is not None:
+            try:
+                self._file.write(rec.to_json() + "\n")
+                self._file.flush()
+            except OSError as exc:  # e.g. a full disk: warned once; the run goes on
+                self._lost(exc, f"step {rec.step} and later steps are missing from it")
         self._window.append(rec)
         if self._progress is not None:
             self._progress.update(self._task, completed=rec.step, status=f"loss {rec.loss:.4f}")
@@ -165,10 +222,23 @@ class MetricsLog:
             self.info(summarize(self._window, self.mfu))
         if self._progress is not None:
             self._progress.stop()
-        self._file.close()
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._lost(exc, "its last lines may be missing")
         records = read_records(self.path)
         if records:
-            plot_loss(records, self.path.with_name(PLOT_FILE), title=plot_title)
+            png = self.path.with_name(PLOT_FILE)
+            self.info(draw(lambda tmp: plot_loss(records, tmp, title=plot_title), png))
+
+    def _lost(self, exc: OSError, what: str) -> None:
+        """Stop writing the metrics file after a write failed, saying so once."""
+        file, self._file = self._file, None
+        if file is not None:
+            with contextlib.suppress(OSError):
+                file.close()
+        self.info(f"warning: metrics not written [{self.path}]: {exc.strerror or exc}; {what}")
 
 
 def summarize(window: list[StepRecord], mfu: Callable[[float], float] | None = None) -> str:

@@ -3,7 +3,8 @@
 The rule of ``--resume``:
 
 * It loads the newest committed checkpoint in ``<run_dir>/checkpoints``. Every rank verifies
-  the files it reads (size and sha256 from the commit record). If any rank finds one damaged,
+  the files it reads (size and sha256 from the commit record), the ZeRO-1 index and optimizer
+  shards included, before the checkpoint is chosen. If any rank finds one damaged,
   the run stops with one error naming the checkpoint and the file; nothing is skipped silently.
 * ``--resume --resume-fallback`` instead skips a damaged checkpoint and tries the next older
   one, until one verifies. Each skipped folder is reported (which file, why) and renamed to
@@ -18,9 +19,15 @@ after TP every rank of the first pipeline stage, after PP everyone), so no rank 
 different step than the others. The verdicts of the ranks are reduced along the same groups,
 so every rank takes the same branch (load, skip, stop) and the lowest failing rank reports.
 
+Without ``--resume`` a run dir holding committed checkpoints is refused at start-up
+(`trainer.checkpoint.run_dir`, via `check_run_dir`), unless ``--overwrite`` is given: then
+`start_anew` moves the previous run's checkpoints and metrics aside before anything is saved.
+
 What must match: the model config and the layout along the sharded axes (tp, pp, and with a
 pipeline the virtual stages and the layers of every stage, since a ``ppNN`` shard holds those
-layers); `trainer.checkpoint.check_compatible` lists every difference. dp may change.
+layers); `trainer.checkpoint.check_compatible` lists every difference. dp may change. It is
+compared first, from the verified ``meta.json``, before any shard is looked for: a checkpoint
+that does not fit is refused once (even with ``--resume-fallback``) and nothing is renamed.
 """
 
 from __future__ import annotations
@@ -34,14 +41,33 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.checkpoint import Checkpoint, CheckpointError
+from trainer.checkpoint import Checkpoint, CheckpointError, run_dir
+from trainer.checkpoint.files import FileRecord, verify_file
+from trainer.checkpoint.load import load_file, optim_sharded
 from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
 from trainer.comm.protocol import Communicator
 from trainer.config.options import TrainConfig
+from trainer.training.metrics import METRICS_FILE
+from trainer.zero.state import index_name as zero_index_name
+from trainer.zero.state import shard_name as zero_shard_name
 
 #: Options that steer one invocation rather than the training math (not reported on resume).
-RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "save_every", "keep",
+RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "overwrite", "save_every", "keep",
                "log_every", "run_dir", "dp", "backend", "gpt", "peak_tflops"}
+
+
+def check_run_dir(cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` if its run dir can take this run (`trainer.checkpoint.run_dir.check`)."""
+    run_dir.check(Path(cfg.run_dir), resume=cfg.resume, overwrite=cfg.overwrite)
+    return cfg
+
+
+def start_anew(cfg: TrainConfig, *, leader: bool) -> tuple[int, str, None]:
+    """What `restore` returns for a run without ``--resume``: step 0, and under ``--overwrite``
+    what the ``leader`` (global rank 0, before any save) set aside."""
+    said = run_dir.set_aside(Path(cfg.run_dir), [METRICS_FILE]) if cfg.overwrite and leader \
+        else ""
+    return 0, said, None
 
 
 def layout_of(cfg: TrainConfig) -> dict[str, Any]:
@@ -69,13 +95,13 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         if step < 0:
             break
         path = root / f"step-{step}"
-        ckpt, error = _try_load(path, shard, device)
+        ckpt, error = _try_load(cfg, path, shard, (deciders[0].rank, deciders[0].size), device)
         worst, reporter = agree(error, deciders, device)
         if worst == OK:
             assert ckpt is not None  # every rank loaded it
-            return step, _apply(cfg, ckpt, model, optimizer, skipped, leader=leader), ckpt
+            return step, _apply(cfg, ckpt, model, optimizer, skipped), ckpt
         if worst != DAMAGED or not cfg.resume_fallback:
-            raise (error if reporter else quiet(path)).everywhere(report=reporter)
+            raise (error if error is not None else quiet(path)).everywhere(report=reporter)
         if reporter:
             print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
                   f"{error.why}", file=sys.stderr, flush=True)
@@ -89,17 +115,50 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
     return 0, f"--resume found no checkpoint in {root}: starting at step 0", None
 
 
-def _try_load(path: Path, shard: tuple[int, ...], device: torch.device
-              ) -> tuple[Checkpoint | None, CheckpointError | None]:
+def _try_load(cfg: TrainConfig, path: Path, shard: tuple[int, ...], dp_member: tuple[int, int],
+              device: torch.device) -> tuple[Checkpoint | None, CheckpointError | None]:
+    """This rank's part of ``path``, or why not: a checkpoint of another model or layout is
+    refused (never "damaged") from its verified meta.json before any shard is looked for, so
+    --resume-fallback never sets aside a good checkpoint that merely does not fit.
+    ``dp_member``: this rank's (rank, size) in its DP group."""
     if not path.is_dir():
         return None, CheckpointError(
             "checkpoint not visible on this rank", str(path),
             f"rank 0 resumes from {path.name} but this rank (tp, pp shard {shard}) cannot see "
             "the folder", "Put --run-dir on a filesystem that every host shares")
     try:
-        return checkpoint.load(path, map_location=device, shard=shard), None
+        read = checkpoint.read_meta(path)
+        _check_fits(cfg, path, shard, *read)
+        ckpt = checkpoint.load(path, map_location=device, shard=shard, read=read)
+        if ckpt.optim is None:
+            _verify_zero_files(ckpt, shard, dp_member, device)
+        return ckpt, None
     except CheckpointError as exc:
         return None, exc
+
+
+def _verify_zero_files(ckpt: Checkpoint, shard: tuple[int, ...], dp_member: tuple[int, int],
+                       device: torch.device) -> None:
+    """Verify the ZeRO-1 files of this rank's stage before the checkpoint is chosen, so that
+    --resume-fallback covers them: the index, then the saved DP shards, shared out over this
+    run's DP ranks (each file hashed once per stage; at the same dp every rank takes its own,
+    the one `trainer.zero.state.load_shards` will read)."""
+    index = load_file(ckpt.path, zero_index_name(*shard[:2]), ckpt.record, device)
+    saved_dp = int(index["dp"]) if isinstance(index, dict) and "dp" in index else 0
+    rank, size = dp_member
+    for saved_rank in range(rank, saved_dp, size):
+        verify_file(ckpt.path, zero_shard_name(*shard[:2], saved_rank), ckpt.record)
+
+
+def _check_fits(cfg: TrainConfig, path: Path, shard: tuple[int, ...],
+                record: dict[str, FileRecord], meta: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model, sharded layout or optimizer sharding."""
+    checkpoint.check_compatible(meta, model=cfg.gpt.to_dict(), layout=layout_of(cfg), path=path)
+    if optim_sharded(record, shard) and not cfg.zero:
+        raise CheckpointError(
+            "checkpoint does not match this run", str(path),
+            "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "
+            "--zero 0", "Resume with --zero 1 (at any --dp), or use a new --run-dir")
 
 
 def _broadcast(step: int, deciders: Sequence[Communicator], device: torch.device) -> int:
@@ -117,19 +176,8 @@ def _set_aside(path: Path) -> str:
 
 
 def _apply(cfg: TrainConfig, ckpt: Checkpoint, model: torch.nn.Module,
-           optimizer: torch.optim.Optimizer, skipped: list[str], *, leader: bool) -> str:
-    """Check ``ckpt`` fits this run, put its state back; the banner's words about it."""
-    try:
-        checkpoint.check_compatible(ckpt.meta, model=cfg.gpt.to_dict(), layout=layout_of(cfg),
-                                    path=ckpt.path)
-    except CheckpointError as exc:  # every rank read the same meta.json: all raise together
-        raise exc.everywhere(report=leader) from None
-    if ckpt.optim is None and not cfg.zero:
-        raise CheckpointError(
-            "checkpoint does not match this run", str(ckpt.path),
-            "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "
-            "--zero 0", "Resume with --zero 1 (at any --dp), or use a new --run-dir"
-        ).everywhere(report=leader)
+           optimizer: torch.optim.Optimizer, skipped: list[str]) -> str:
+    """Put the state of ``ckpt`` (it fits this run: `_check_fits`) back; the banner's words."""
     model.load_state_dict(ckpt.model)
     if ckpt.optim is not None:  # else the ZeRO-1 shards, read once the optimizer is built
         optimizer.load_state_dict(ckpt.optim)

@@ -44,7 +44,7 @@ from trainer.training.pipeline_step import (
     build_pipeline,
     stage_layout,
 )
-from trainer.training.resume import restore
+from trainer.training.resume import restore, start_anew
 from trainer.zero import ZeroOptimizer, build_zero, resume_shards
 
 
@@ -123,7 +123,8 @@ def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
              dp_comm.rank % cfg.ep)
     deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
     start, resumed, ckpt = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
-                                   device=device) if cfg.resume else (0, "", None)
+                                   device=device) if cfg.resume else \
+        start_anew(cfg, leader=rank == 0)
     dtype = model_dtype(cfg.precision, device)
     dp, main, zero = _data_parallel(cfg, model, optimizer, dtype, dp_comm, experts, layout=layout,
                                     ckpt=ckpt, shard=shard, deciders=deciders, device=device)

@@ -5,8 +5,9 @@ Two phases, each ended by `agree` on ``MPI_COMM_WORLD`` (an allgather of every r
 or None):
 
 1. the options: argparse, the TOML file, `trainer.config.options` validation (including whether the
-   model splits over ``--tp`` and ``--pp``). Only rank 0 (``RANK``/``PMI_RANK`` of the
-   environment) lets argparse print usage and help; the other ranks parse quietly.
+   model splits over ``--tp`` and ``--pp``), and the run dir (`trainer.checkpoint.run_dir`).
+   Only rank 0 (``RANK``/``PMI_RANK`` of the environment) lets argparse print usage and help;
+   the other ranks parse quietly.
 2. the world and the data (`prepare`): joining the job, the layout against the number of ranks,
    reading the data (a host may lack it), the vocabulary against the data's bytes, both splits
    large enough for a window; then (`same_data`) every rank read the same bytes. Files that
@@ -36,6 +37,7 @@ from trainer.config.options import TrainConfig, parse_args, resolve_dp
 from trainer.data.batches import check_splits
 from trainer.data.corpus import Corpus, check_vocab, load_corpus
 from trainer.errors import BootstrapError, TrainerError
+from trainer.training.resume import check_run_dir
 
 T = TypeVar("T")
 #: Where launchers put the global rank: dtrain and torchrun, MPICH, Open MPI.
@@ -104,7 +106,7 @@ def agree(comm: Any, failure: Failure | None) -> Failure | None:
 def start(argv: Sequence[str] | None) -> tuple[World, TrainConfig, Corpus] | int:
     """Both phases with their agreements: what to train with, or the exit code of bad input."""
     quiet = env_rank() != 0
-    cfg, failed = attempt(lambda: parse_args(argv, quiet=quiet))
+    cfg, failed = attempt(lambda: check_run_dir(parse_args(argv, quiet=quiet)))
     failed = agree(world_comm(), failed)
     if failed is None:
         ready, failed = attempt(lambda: prepare(cfg))

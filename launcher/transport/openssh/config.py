@@ -1,15 +1,20 @@
 """ssh's own view of the ssh config for `transport.openssh.session`: `ssh -G` per host, refused as
 `transport.ssh_config` refuses it for paramiko, before anything connects.
 
-``Match exec`` lines are refused on the raw lines (`ssh -G` would run them); then, for every
-host and every ProxyJump hop (OpenSSH starts each hop as another `ssh` with the same ``-F``
-file), the values ssh will use: ``ProxyCommand``, ``KnownHostsCommand`` and ``LocalCommand``
-are refused unless --ssh-allow-config-exec, HostName and hop names must be plain names. Only
-on the way to a refusal is paramiko's parser asked which line set the directive.
+The files are those `ssh` reads (`files_ssh_reads`): the --ssh-config file alone (given to ssh
+as -F), else ``~/.ssh/config`` (ssh's ``~``: the passwd entry's home, not $HOME) when it exists
+and ``/etc/ssh/ssh_config`` with what it includes, even when there is no user file. ``Match
+exec`` lines are refused on the raw lines of all of them (`ssh -G` would run them); then, for
+every host and every ProxyJump hop (OpenSSH starts each hop as another `ssh` with the same
+files), the values ssh will use: the `REFUSED` directives (commands and provider libraries)
+unless --ssh-allow-config-exec, and HostName and hop names must be plain names. Only on the
+way to a refusal is paramiko's parser asked which line set the directive.
 """
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
 import subprocess
 from collections.abc import Sequence
@@ -20,17 +25,19 @@ from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.names import validate_host_name, validate_user_name
 from launcher.transport.options import SSHOptions
 from launcher.transport.ssh_config_refusal import (
+    REFUSED,
+    SYSTEM_CONFIG,
     ConfigLine,
+    IncludeRule,
     read_config,
     refuse_host_commands,
     refuse_match_exec,
 )
 
-#: Directives whose values must be known before `ssh` starts: those that run a command or
-#: start `ssh` for another host (refused or checked), and ConnectTimeout (it decides whether
+#: Directives whose values must be known before `ssh` starts: those that run code (refused),
+#: ProxyJump (starts `ssh` for another host, checked), and ConnectTimeout (it decides whether
 #: dtrain passes its own).
-NEEDED_FIRST = frozenset({"proxycommand", "proxyjump", "knownhostscommand", "localcommand",
-                          "connecttimeout"})
+NEEDED_FIRST = frozenset({*REFUSED, "proxyjump", "connecttimeout"})
 
 
 def read_hosts(ssh: str, entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, str]]:
@@ -44,8 +51,8 @@ class ConfigReader:
 
     def __init__(self, ssh: str, opts: SSHOptions) -> None:
         self.ssh, self.opts = ssh, opts
-        self.config = _config_file(opts)
-        self.lines = read_config(self.config) if self.config is not None else []
+        self.files = files_ssh_reads(opts)
+        self.lines = [line for path, rule in self.files for line in read_config(path, rule)]
         if not opts.allow_config_exec:
             refuse_match_exec(self.lines)  # before `ssh -G`, which runs Match exec
 
@@ -58,7 +65,7 @@ class ConfigReader:
 
     def read(self, entries: Sequence[HostEntry]) -> list[dict[str, str]]:
         """`ssh -G` of every host, in parallel; no config file: {} each, no process."""
-        if self.config is None:
+        if not self.files:
             return [{} for _ in entries]
         probes = [self.probe(e.name, e.user, e.port) for e in entries]
         return [self.checked(e.name, probe, 0) for e, probe in zip(entries, probes, strict=True)]
@@ -71,7 +78,7 @@ class ConfigReader:
 
     def checked(self, name: str, probe: subprocess.Popen[str], depth: int) -> dict[str, str]:
         out, err = probe.communicate()
-        where = f"{self.config} (host {name})"
+        where = f"{' + '.join(str(path) for path, _ in self.files)} (host {name})"
         if probe.returncode != 0:
             raise ConnectError("cannot read the ssh config", where,
                                last_line(err) or f"`ssh -G` exited {probe.returncode}",
@@ -122,11 +129,15 @@ def _check_names(host: str, user: str | None, where: str) -> None:
                            "Use a plain host or user name in the ssh config") from None
 
 
-def _config_file(opts: SSHOptions) -> Path | None:
+def files_ssh_reads(opts: SSHOptions) -> list[tuple[Path, IncludeRule]]:
+    """The config files `ssh` reads, in its order, each with its Include rule: with -F that
+    file only, else the user's file (if any) and the system file (if any)."""
+    home = Path(pwd.getpwuid(os.getuid()).pw_dir)  # ssh's `~`, whatever $HOME says
     if opts.config_file is not None:
-        return Path(opts.config_file)
-    default = Path.home() / ".ssh" / "config"
-    return default if default.is_file() else None
+        return [(Path(opts.config_file), IncludeRule.user(home))]
+    found = [(home / ".ssh" / "config", IncludeRule.user(home)),
+             (SYSTEM_CONFIG, IncludeRule.system(home))]
+    return [(path, rule) for path, rule in found if path.is_file()]
 
 
 def host_options(entry: HostEntry, opts: SSHOptions) -> list[str]:

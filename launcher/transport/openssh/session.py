@@ -4,7 +4,7 @@
 
     ssh -T -e none -x -a -o BatchMode=yes -o StrictHostKeyChecking=yes [-F config]
         [-o UserKnownHostsFile=...] [-o ConnectTimeout=N] [-l user] [-p port]
-        -- HOST '<python>' -u -m launcher.agent
+        -- HOST '<python>' -E -P -u -m launcher.agent
 
 The stream is the local transport's (`LocalAgentStream`): the same pipes, EOF and kill rules,
 with `ssh` in between. The head imports no paramiko and starts every `ssh` at once, so the
