@@ -61,6 +61,7 @@ checkpoint shard each.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -77,8 +78,9 @@ from trainer.data.corpus import Corpus, skipped_warning
 from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
 from trainer.model.flops import mfu, peak_tflops
+from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
-from trainer.training import readout, startup
+from trainer.training import readout, restart, startup
 from trainer.training.expert_load import write_load_plot
 from trainer.training.guard import check_parameters
 from trainer.training.metrics import MetricsLog
@@ -103,6 +105,8 @@ class TrainResult:
     final_step: int
     losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
+    stopped_at: int | None = None
+    """The step every rank stopped after on SIGTERM (`trainer.stopping.sigterm`), else None."""
 
 
 def save_checkpoint(run: Run, step: int) -> Path | None:
@@ -141,6 +145,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      start_step=run.start_step, log_every=cfg.log_every,
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
+    log.info(restart.announcement(restart.of_environ(os.environ), run.start_step))
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
@@ -152,6 +157,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
     pending: list[PendingStep] = []
     time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.log_every, world.device)
+    stop = sigterm.install(world.mpi_comm, world.size, world.rank)
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
@@ -161,7 +167,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             if progress is not None:  # host timings: known without reading the device
                 progress.step(step, done.record.compute_s)
             result.final_step = step
-            last = step == cfg.last_step or time_limit.reached(step)
+            last = step == cfg.last_step or time_limit.reached(step) or stop.after(step)
             evaluate = validation is not None and (step % cfg.eval_every == 0 or last)
             save = cfg.save_every > 0 and step % cfg.save_every == 0 and not last
             if evaluate or save or step % cfg.log_every == 0 or last:
@@ -175,6 +181,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         if run.pipeline is not None and groups.coords.tp == 0 and groups.coords.dp == 0:
             log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))
     finally:
+        stop.close(clean=sys.exc_info()[0] is None)
+        result.stopped_at = stop.stopped_at
         _log_steps(log, result, pending)  # the good steps before an error are kept
         log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
                              f"global batch {cfg.global_batch}")
@@ -236,7 +244,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(ready, int):
             return ready
         world, cfg, corpus = ready
-        train(cfg, world, corpus)
+        active = restart.active_world(world, cfg)  # None: a rank a smaller layout left out
+        if active is None:
+            return 0
+        result = train(cfg, active, corpus)
+        if result.stopped_at is not None:
+            if active.rank == 0:
+                print(f"dtrain: SIGTERM: every rank stopped after step {result.stopped_at}, "
+                      f"checkpoint {result.checkpoint}; exiting {sigterm.EXIT_CODE}",
+                      file=sys.stderr, flush=True)
+            return sigterm.EXIT_CODE
         return 0
     except TrainerError as exc:
         return startup.fail_alone(world, f"error: {exc}", 2, exc)
