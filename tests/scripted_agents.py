@@ -86,6 +86,7 @@ class Script:
     refuse_spec: bool = False        # answer the SPEC with ERROR instead of READY
     silent_after_start: bool = False  # stop sending anything (a cut cable)
     abort: tuple[int, int] | None = None  # (rank, code): that rank calls MPI_Abort
+    mute: bool = False               # never answer the SPEC (an agent stuck while starting)
 
 
 class ScriptedAgent:
@@ -138,7 +139,9 @@ class ScriptedAgent:
             self.ranks = [int(r["rank"]) for r in frame.json()["ranks"]]
             rounds = sum(1 for spec in self.specs if spec["ranks"])  # a spare's check: none
             self.script = self.scripts[min(max(rounds - 1, 0), len(self.scripts) - 1)]
-            if self.script.refuse_spec:
+            if self.script.mute:
+                pass
+            elif self.script.refuse_spec:
                 self.send(wire.Kind.ERROR, {"what": "program not found", "why": "scripted"})
             else:
                 self.send(wire.Kind.READY, {"ranks": len(self.ranks)})

@@ -130,17 +130,32 @@ def test_without_a_spare_min_nodes_goes_on_with_the_hosts_left():
     assert (env["WORLD_SIZE"], env["DTRAIN_INITIAL_WORLD_SIZE"]) == ("2", "3")
 
 
-def test_ctrl_c_during_the_back_off_ends_the_job_with_130_and_dismisses_every_agent():
-    def interrupt_soon(rounds: Rounds) -> None:
+def _interrupt_when(ready) -> object:
+    """An ``on_start`` that sends the head Ctrl-C once ``ready(rounds)`` holds."""
+    def on_start(rounds: Rounds) -> None:
         def later() -> None:
-            while len(rounds.records) < 1 or rounds.current is not None:
+            while not ready(rounds):
                 time.sleep(0.01)
             rounds.on_signal(signal.SIGINT)
         threading.Thread(target=later, daemon=True).start()
+    return on_start
 
+
+def test_ctrl_c_during_the_back_off_ends_the_job_with_130_and_dismisses_every_agent():
     t0 = time.monotonic()
     end, cluster = run_job("node1\nnode2\nnode3 spare\n", {"node1": [Script({0: 9})]},
-                           RestartOptions(max_restarts=3, backoff=30), on_start=interrupt_soon)
+                           RestartOptions(max_restarts=3, backoff=30), on_start=_interrupt_when(
+                               lambda r: len(r.records) == 1 and r.current is None))
     assert end.outcome.exit_code == 130 and time.monotonic() - t0 < 10
     assert len(end.records) == 1
     assert all(cluster.received(h)[-1] is K.BYE for h in ("node1", "node2", "node3"))
+
+
+def test_ctrl_c_while_a_restart_starts_ends_the_job_with_130_and_dismisses_every_agent():
+    stuck = Script(mute=True)  # the second round's agent never answers its SPEC
+    end, cluster = run_job("node1\nnode2\n", {"node1": [Script({0: 9}), stuck]},
+                           RestartOptions(max_restarts=3, backoff=0), on_start=_interrupt_when(
+                               lambda r: len(r.records) == 2 and r.current is not None))
+    assert end.outcome.exit_code == 130 and len(end.records) == 2
+    assert all(cluster.received(h)[-1] is K.BYE for h in ("node1", "node2"))
+    assert K.START not in cluster.received("node1")[2:]  # the second round started nothing
