@@ -17,17 +17,20 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher import STARTED, slurm
-from launcher.errors import UsageError
+from launcher import STARTED, wire
+from launcher.errors import ConnectError, UsageError
 from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
+from launcher.rendezvous.options import RendezvousOptions
 from launcher.restart.policy import RestartOptions
 from launcher.restart.pool import split_spares
 from launcher.slurm import allocation
-from launcher.transport.connect import start_agents, validate_remote_python
+from launcher.transport import table
+from launcher.transport.connect import close_streams, open_streams, start_agents
 from launcher.transport.options import SSHOptions
+from launcher.transport.stream import AgentStream
 
 if TYPE_CHECKING:  # imported for real while the agents boot (see run_launch)
     from launcher.restart.rounds import JobEnd
@@ -61,9 +64,10 @@ class LaunchRequest:
     dry_run: bool = False
     timings: bool = False                # print when each start-up phase completed
     supervise: SuperviseOptions = SuperviseOptions()
-    launcher: str = "ssh"                # ssh or slurm (agents via srun), or mpirun
+    launcher: str = table.DEFAULT_LAUNCHER  # a --launcher row of launcher.transport.table
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
     mpi_flavour: str | None = None       # hydra or openmpi; detected when None
+    rendezvous: RendezvousOptions | None = None  # --launcher rendezvous: port, nodes, token
     restart: RestartOptions = RestartOptions()  # --max-restarts, spares, --min-nodes
 
 
@@ -106,18 +110,14 @@ def run_launch(req: LaunchRequest) -> int:
     if not req.argv:
         raise UsageError("nothing to run", "launch", "no program after the options",
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
-    selected = select(req.hosts)
-    active, spares = _split(req, selected)
-    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
-                                            tell=lambda line: print(f"dtrain: {line}",
-                                                                    file=sys.stderr))
-    plan = planning.make_plan(active, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
-                              base_env=base_env, grace=req.supervise.grace,
-                              restart=planning.RoundInfo(0, req.restart.max_restarts))
-    # A given --master-addr/--master-port is checked now, before anything connects.
-    planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
-    if req.launcher == "mpirun":
-        return _run_mpirun(req, plan, active)
+    transport = table.get(req.launcher)
+    if transport.flow is table.Flow.JOIN:
+        return _run_joined(req, transport)
+    active, spares = _split(req, select(req.hosts), transport)
+    plan = _plan(req, active)
+    if transport.flow is table.Flow.COMMAND:
+        code: int = transport.load()(req, plan, active)
+        return code
     if req.dry_run:
         from launcher.dryrun import print_plan
 
@@ -127,38 +127,54 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    hosts = [*active, *spares]
-    results = start_agents(hosts, python=req.remote_python, ssh=req.ssh,
-                           starter=slurm.starter_for(req.launcher))
-    connected = time.monotonic()
-    # Imported while the agents boot on their hosts: off the critical path of a launch.
-    from launcher.output.sink import OutputSink
-    from launcher.restart.rounds import Rounds, RoundsSetup
+    streams = open_streams(active, python=req.remote_python, ssh=req.ssh, transport=transport,
+                           retry_for=req.supervise.launch_timeout)
+    # Spares boot while the first round starts; one that cannot be reached is left out.
+    extra = start_agents(spares, python=req.remote_python, ssh=req.ssh,
+                         transport=transport) if spares else []
+    return _supervise(req, transport, plan, [*active, *spares], [*streams, *extra], log_dir,
+                      started=t0)
 
-    def sink_for(round_plan: planning.JobPlan, folder: Path | None) -> OutputSink:
-        return OutputSink({r.rank: r.host for r in round_plan.ranks}, sys.stdout.buffer,
-                          sys.stderr.buffer, prefix=req.prefix, raw=req.raw, log_dir=folder)
 
-    rounds = Rounds(RoundsSetup(
-        argv=req.argv, cwd=req.cwd, job_id=plan.job_id, base_env=base_env,
-        supervise=replace(req.supervise, rounds=req.restart.enabled), restart=req.restart,
-        master=(req.master_addr, req.master_port), log_dir=log_dir, sink_for=sink_for,
-        connect=lambda chosen: start_agents(chosen, python=req.remote_python, ssh=req.ssh,
-                                            starter=slurm.starter_for(req.launcher))),
-        active, spares)
-    rounds.adopt(hosts, results)
-    previous = {s: signal.signal(s, rounds.on_signal)
-                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
+    """The join flow: the hosts are the agents that joined (`launcher.rendezvous`)."""
+    environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)  # fails early
+    joined = transport.load()(req.rendezvous, include=req.hosts.include,
+                              exclude=req.hosts.exclude, nproc_per_node=req.hosts.nproc_per_node,
+                              heartbeat=req.supervise.heartbeat)
     try:
-        end = rounds.run(t0)
+        plan = _plan(req, joined.selected)
+        log_dir = None if req.dry_run else _log_dir(req.log_dir, plan.job_id)
+    except BaseException as exc:
+        joined.abandon(f"the head stopped before the start: {exc}")
+        raise
+    try:
+        if req.dry_run:
+            from launcher.dryrun import print_plan
+
+            print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
+            for stream in joined.streams:  # nothing to run: the agents leave with 0
+                stream.write(wire.encode(wire.Kind.BYE))
+            close_streams(joined.streams)
+            return 0
+        return _supervise(req, transport, plan, joined.selected, joined.streams, log_dir,
+                          started=time.monotonic())
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    _print_end(req, end, log_dir, started=t0, connected=connected)
-    return end.outcome.exit_code
+        joined.close("the job is over")
 
 
-def _split(req: LaunchRequest, selected: list[selection.HostSlots]
+def _plan(req: LaunchRequest, selected: list[selection.HostSlots]) -> planning.JobPlan:
+    """The job's plan; a given --master-addr/--master-port is checked now, before anything
+    connects."""
+    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
+    plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
+                              base_env=base_env, grace=req.supervise.grace,
+                              restart=planning.RoundInfo(0, req.restart.max_restarts))
+    planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
+    return plan
+
+
+def _split(req: LaunchRequest, selected: list[selection.HostSlots], transport: table.Transport
            ) -> tuple[list[selection.HostSlots], list[selection.HostSlots]]:
     """The hosts that run ranks, and the spares (`launcher.restart.pool`)."""
     opts = req.restart
@@ -168,29 +184,66 @@ def _split(req: LaunchRequest, selected: list[selection.HostSlots]
         raise UsageError("spare hosts and --min-nodes need restarts", where or "hosts",
                          "they act only when a failed job starts again",
                          "Add --max-restarts N (N >= 1)")
-    if opts.enabled and req.launcher == "mpirun":
-        raise UsageError("restarts are not supported with --launcher mpirun", "--max-restarts",
-                         "mpiexec/mpirun supervises the ranks there, not dtrain's agents",
-                         "Use --launcher ssh or slurm, or drop --max-restarts")
+    if opts.enabled and transport.flow is table.Flow.COMMAND:
+        raise UsageError(f"restarts are not supported with --launcher {transport.name}",
+                         "--max-restarts", "another launcher supervises the ranks there, not "
+                         "dtrain's agents", "Use --launcher ssh or slurm, or drop --max-restarts")
     return split_spares(selected, opts.spares)
 
 
-def _print_end(req: LaunchRequest, end: JobEnd, log_dir: Path | None, *, started: float,
-               connected: float) -> None:
-    """What the head prints once the job is over: the report, the stragglers, why Slurm ended
-    the job, with --max-restarts the rounds (and goodput.json), with --timings where the
-    start-up went."""
+def _supervise(req: LaunchRequest, transport: table.Transport, plan: planning.JobPlan,
+               hosts: Sequence[selection.HostSlots],
+               started_agents: Sequence[AgentStream | ConnectError], log_dir: Path | None, *,
+               started: float) -> int:
+    """The job over the agents started on ``hosts`` (spares last), to its report and exit
+    code."""
+    connected = time.monotonic()
+    # Imported while the agents boot on their hosts: off the critical path of a launch.
+    from launcher.output.sink import OutputSink
+    from launcher.restart.rounds import Rounds, RoundsSetup
+
+    def sink_for(round_plan: planning.JobPlan, folder: Path | None) -> OutputSink:
+        return OutputSink({r.rank: r.host for r in round_plan.ranks}, sys.stdout.buffer,
+                          sys.stderr.buffer, prefix=req.prefix, raw=req.raw, log_dir=folder)
+
+    def connect(chosen: Sequence[selection.HostSlots]) -> list[AgentStream | ConnectError]:
+        if transport.flow is table.Flow.JOIN:  # the head cannot start an agent there
+            return [ConnectError("agent gone", f"host {h.entry.name}", "it joined through "
+                                 "the rendezvous and left", "start its agent again")
+                    for h in chosen]
+        return start_agents(chosen, python=req.remote_python, ssh=req.ssh, transport=transport)
+
+    rounds = Rounds(RoundsSetup(
+        argv=req.argv, cwd=req.cwd, job_id=plan.job_id, base_env=plan.base_env,
+        supervise=replace(req.supervise, rounds=req.restart.enabled), restart=req.restart,
+        master=(req.master_addr, req.master_port), log_dir=log_dir, sink_for=sink_for,
+        connect=connect), hosts[:len(plan.hosts)], hosts[len(plan.hosts):])
+    rounds.adopt(hosts, started_agents)
+    previous = {s: signal.signal(s, rounds.on_signal)
+                for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        end = rounds.run(started)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        close_streams([link.stream for link in rounds.fleet.links])
+    _print_end(req, transport, end, log_dir, started=started, connected=connected)
+    return end.outcome.exit_code
+
+
+def _print_end(req: LaunchRequest, transport: table.Transport, end: JobEnd,
+               log_dir: Path | None, *, started: float, connected: float) -> None:
+    """What the head prints once the job is over: the report, the stragglers, why the
+    transport's own system ended the job (Slurm), with --max-restarts the rounds (and
+    goodput.json), and with --timings where the start-up went."""
     from launcher.head.report import print_report  # rich: only once the job is over
 
     sup, outcome = end.last, end.outcome
     print_report(outcome, end.tail, time.monotonic() - started, sys.stderr)
     for line in sup.progress.final_report():
         sys.stderr.write(f"dtrain: {line}\n")
-    if req.launcher == "slurm" and outcome.exit_code:
-        from launcher.slurm import srun
-
-        if why := srun.slurm_ended_job():
-            sys.stderr.write(f"dtrain: {why}\n")
+    if outcome.exit_code and (why := transport.explain_failure()):
+        sys.stderr.write(f"dtrain: {why}\n")
     if req.restart.enabled:
         end.report(log_dir, sys.stderr)
     if req.timings:
@@ -216,22 +269,3 @@ def _log_dir(root: Path | None, job_id: str) -> Path | None:
                          exc.strerror or str(exc), "give a folder you can write to") from None
     sys.stderr.write(f"dtrain: rank logs in {folder}/\n")
     return folder
-
-
-def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
-                selected: Sequence[selection.HostSlots]) -> int:
-    from launcher.mpirun import command as mpirun
-
-    where = mpirun.addresses([s.entry for s in selected], req.master_addr)
-    rendezvous = planning.Rendezvous(where.master_addr, req.master_port or 29500)
-    exe = mpirun.find_mpirun(req.mpirun)
-    flavour = req.mpi_flavour or mpirun.detect_flavour(exe)
-    cmd = mpirun.build_command(plan, rendezvous, mpirun=exe, flavour=flavour,
-                               head_addr=where.head_addr,
-                               python=validate_remote_python(req.remote_python))
-    if req.dry_run:
-        print(cmd.shown())
-        if cmd.hostfile_text:
-            print("# hostfile:\n" + cmd.hostfile_text, end="")
-        return 0
-    return mpirun.run_command(cmd, timeout=req.supervise.timeout, grace=req.supervise.grace)

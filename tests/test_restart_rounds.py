@@ -59,7 +59,7 @@ def run_job(hostfile: str, scripts: dict[str, Sequence[Script]], restart: Restar
     active, spares = split_spares(select_hosts(parse_hostfile_text(hostfile, "hf")),
                                   restart.spares)
     setup = RoundsSetup(
-        argv=("train",), cwd="/", job_id="job", base_env={}, supervise=OPTS, restart=restart,
+        argv=("train",), cwd="/", job_id="job", base_env={"FORWARDED": "1"}, supervise=OPTS, restart=restart,
         master=("10.0.0.1", 29500), log_dir=None, connect=cluster.connect,  # type: ignore
         sink_for=lambda plan, folder: OutputSink({r.rank: r.host for r in plan.ranks},
                                                  io.BytesIO(), io.BytesIO()))
@@ -98,7 +98,9 @@ def test_a_lost_host_is_replaced_by_the_spare_in_its_place():
     assert end.records[0].cause == "host lost" and end.records[0].change == "node4 replaces node2"
     spare = cluster.agents["node4"][0]
     assert spec_ranks(spare) == [[], [1]]  # a check of the job first, then rank 1's place
-    assert spare.specs[0]["check_env"] == {} and "pmi" not in spare.specs[0]
+    # the job's forwarded variables, for the program's lookup; no PMI, no progress records
+    assert spare.specs[0]["check_env"] == {"FORWARDED": "1"}
+    assert spare.specs[0]["pmi"]["mode"] == "off" and "progress" not in spare.specs[0]
     assert [h for h, _ in end.last.outcome.ranks.items()] == [0, 1, 2]
     assert {r.host for r in end.last.outcome.ranks.values()} == {"node1", "node4", "node3"}
 

@@ -61,7 +61,7 @@ class _Pump(threading.Thread):
     """Relays one pipe of a rank; counts what it relayed so a waiter can see progress."""
 
     def __init__(self, rank: int, stream: int, pipe: Any,
-                 on_output: Callable[[int, int, bytes], None]) -> None:
+                 on_output: Callable[[int, int, bytes], object]) -> None:
         super().__init__(daemon=True, name=f"rank{rank}-{stream}")
         self.rank, self.stream, self.pipe, self.on_output = rank, stream, pipe, on_output
         self.relaying = False   # inside on_output (possibly blocked by back-pressure)
@@ -92,7 +92,7 @@ class RankProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def watch(self, on_output: Callable[[int, int, bytes], None],
+    def watch(self, on_output: Callable[[int, int, bytes], object],
               events: queue.Queue[Any]) -> None:
         """Relay stdout and stderr to ``on_output`` (a thread each); queue `RankExited` once it
         has exited and its output is relayed (a third thread). Called once every rank of the

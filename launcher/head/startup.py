@@ -23,6 +23,7 @@ from typing import Any
 from launcher import netroute, wire
 from launcher.errors import AgentError
 from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
+from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
 from launcher.plan.job import HostPlan, JobPlan, Rendezvous
@@ -44,7 +45,8 @@ class Signalled:
 
 
 class Startup:
-    def __init__(self, links: Sequence[AgentLink], fleet: Fleet, opts: Any) -> None:
+    def __init__(self, links: Sequence[AgentLink], fleet: Fleet,
+                 opts: SuperviseOptions) -> None:
         """Start-up on ``links`` of ``fleet`` (in the plan's host order); the fleet's other
         links (spares, hosts of no round now) are kept alive meanwhile."""
         self.links = list(links)
@@ -63,8 +65,8 @@ class Startup:
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
         user_addr, user_port = master
-        probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
-                 "free_port": user_port is None}
+        probe = wire.Probe(None if user_addr or len(self.links) == 1 else self._next_host(),
+                           free_port=user_port is None)
         ready: dict[int, dict[str, Any]] = {}
         specs = {link.index: self._spec_frame(plan, self._at[link.index], probe)
                  for link in self.links}
@@ -120,11 +122,9 @@ class Startup:
             return netroute.route_source(_address_of(first))
         return _address_of(second)
 
-    def _spec_frame(self, plan: JobPlan, index: int, probe: dict[str, Any]) -> bytes:
-        spec = spec_of(plan, plan.hosts[index], self.opts)
-        if index == 0:
-            spec["probe"] = probe
-        return wire.encode_json(wire.Kind.SPEC, spec)
+    def _spec_frame(self, plan: JobPlan, index: int, probe: wire.Probe) -> bytes:
+        spec = spec_of(plan, plan.hosts[index], self.opts, probe if index == 0 else None)
+        return wire.encode_json(wire.Kind.SPEC, spec.to_json())
 
     def _until(self, done: Callable[[], bool], doing: str,
                on_frame: Callable[[AgentLink, wire.Frame], None]) -> None:
@@ -175,8 +175,9 @@ class Startup:
                              limit=self.opts.heartbeat * self.opts.misses)
 
     def _silent(self) -> AgentLink | None:
-        # Agents send heartbeats every 5 s until the SPEC sets the job's interval.
-        limit = max(self.opts.heartbeat * self.opts.misses, 15.0)
+        # Agents send heartbeats at the default interval until the SPEC sets the job's.
+        first = wire.Watch()
+        limit = max(self.opts.heartbeat * self.opts.misses, first.heartbeat * first.misses)
         now = time.monotonic()
         for link in self.links:
             if link.held:
@@ -186,29 +187,19 @@ class Startup:
         return None
 
 
-def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: Any) -> dict[str, Any]:
-    """A host's SPEC: its ranks, or with no ``host_plan`` none (a spare's check of the job:
-    its working directory and program, for a rank with the job's forwarded environment)."""
-    spec: dict[str, Any] = {
-        "job_id": plan.job_id,
-        "rounds": opts.rounds,
-        "argv": list(plan.argv),
-        "cwd": plan.cwd,
-        "ranks": [{"rank": r.rank, "env": plan.rank_env(r)} for r in host_plan.ranks]
-        if host_plan is not None else [],
-        "heartbeat": opts.heartbeat,
-        "misses": opts.misses,
-        "grace": opts.grace,
-    }
-    if host_plan is None:
-        return {**spec, "check_env": dict(plan.base_env)}
-    return {**spec, "progress": {"interval": sample_interval(opts)}, "pmi": {
-        "mode": opts.pmi,
-        "kvsname": plan.kvsname,
-        "world_size": plan.world_size,
-        "process_mapping": plan.process_mapping,
-        "stall": opts.pmi_stall,
-    }}
+def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: SuperviseOptions,
+            probe: wire.Probe | None = None) -> wire.AgentSpec:
+    """What one host runs, as its SPEC frame carries it; with no ``host_plan`` no ranks (a
+    spare's check of the job: its working directory and program, for a rank's variables)."""
+    return wire.AgentSpec(
+        job_id=plan.job_id, argv=plan.argv, cwd=plan.cwd,
+        ranks=tuple(wire.RankStart(r.rank, plan.rank_env(r)) for r in host_plan.ranks)
+        if host_plan is not None else (),
+        watch=opts.watch, rounds=opts.rounds,
+        pmi=wire.PmiSpec(opts.pmi if host_plan is not None else "off", plan.kvsname,
+                         plan.world_size, plan.process_mapping, opts.pmi_stall),
+        progress_interval=sample_interval(opts) if host_plan is not None else None,
+        probe=probe, check_env={} if host_plan is not None else dict(plan.base_env))
 
 
 def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:

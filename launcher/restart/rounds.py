@@ -125,7 +125,8 @@ class Rounds:
                 f"{len(errors)} hosts could not be reached", "",
                 "; ".join(str(e) for e in errors), "nothing was started anywhere")
         plan = self._plan(self.pool.active, RoundInfo())
-        check = wire.encode_json(wire.Kind.SPEC, spec_of(plan, None, self.setup.supervise))
+        check = wire.encode_json(wire.Kind.SPEC,
+                                 spec_of(plan, None, self.setup.supervise).to_json())
         for host, result in zip(hosts, results, strict=True):
             name = host.entry.name
             if isinstance(result, ConnectError):
