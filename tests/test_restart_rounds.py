@@ -59,7 +59,8 @@ def run_job(hostfile: str, scripts: dict[str, Sequence[Script]], restart: Restar
     active, spares = split_spares(select_hosts(parse_hostfile_text(hostfile, "hf")),
                                   restart.spares)
     setup = RoundsSetup(
-        argv=("train",), cwd="/", job_id="job", base_env={"FORWARDED": "1"}, supervise=OPTS, restart=restart,
+        argv=("train",), cwd="/", job_id="job", base_env={"FORWARDED": "1"}, supervise=OPTS,
+        restart=restart,
         master=("10.0.0.1", 29500), log_dir=None, connect=cluster.connect,  # type: ignore
         sink_for=lambda plan, folder: OutputSink({r.rank: r.host for r in plan.ranks},
                                                  io.BytesIO(), io.BytesIO()))
