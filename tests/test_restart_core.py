@@ -166,9 +166,9 @@ def test_without_a_spare_min_nodes_lets_the_job_go_on_smaller():
     step = pool.next_round(LOST2)
     assert _names(step) == ["node1", "node3", "node4"]
     assert isinstance(step, NextRound) and "without node2" in step.describe()
-    pool.next_round(Blame("host lost", ("node3",), ("node3",), ""))
-    ends = pool.next_round(Blame("host lost", ("node4",), ("node4",), ""))
-    assert _names(ends) == ["node1", "node4"]  # not excluded: used again at the floor
+    # node2 was not excluded: at the next loss it is the spare (connected again then)
+    assert _names(pool.next_round(Blame("host lost", ("node3",), ("node3",), ""))) == [
+        "node1", "node2", "node4"]
 
 
 def test_without_a_spare_a_lost_host_is_used_again_and_a_host_blamed_twice_ends_the_job():
@@ -179,6 +179,17 @@ def test_without_a_spare_a_lost_host_is_used_again_and_a_host_blamed_twice_ends_
     ends = pool.next_round(CRASH2)
     assert isinstance(ends, JobEnds)
     assert "host node2 was blamed 2 times" in ends.why and "--spares K" in ends.why
+
+
+def test_a_host_that_left_without_exclusion_is_the_last_spare_and_exclude_after_0_never_excludes():
+    pool = _pool("node1\nnode2\nnode3 spare\n", exclude_after=0)
+    assert _names(pool.next_round(LOST2)) == ["node1", "node3"]
+    assert [s.entry.name for s in pool.spares] == ["node2"]  # back when its turn comes
+    lost3 = Blame("host lost", ("node3",), ("node3",), "")
+    assert _names(pool.next_round(lost3)) == ["node1", "node2"]
+    for _ in range(5):
+        assert isinstance(pool.next_round(CRASH2), NextRound)
+    assert not pool.excluded
 
 
 def test_a_lost_spare_takes_no_place():

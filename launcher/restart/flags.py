@@ -15,7 +15,7 @@ from launcher.restart.policy import RestartOptions, parse_codes
 
 #: The destinations, for the "Restarts" section of `dtrain launch --help`.
 NAMES = ("max_restarts", "restart_backoff", "no_restart_on", "spares", "min_nodes",
-         "restart_check")
+         "exclude_after", "restart_check")
 _DEFAULT = RestartOptions()
 
 
@@ -40,6 +40,10 @@ def restart_flags(fn: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--min-nodes", type=click.IntRange(min=1), default=_DEFAULT.min_nodes,
                      help="Without a spare, go on without a failed host while at least M "
                      "hosts remain (the program sees the smaller world)."),
+        click.option("--exclude-after", type=click.IntRange(min=0),
+                     default=_DEFAULT.exclude_after, show_default=True,
+                     help="A host blamed this many times is not used again in the job (0: "
+                     "never; for long jobs whose failures are transient)."),
         click.option("--restart-check", is_flag=True, default=_DEFAULT.restart_check,
                      help="Run the `dtrain check` probes on a spare before it takes a place."),
     ]
@@ -54,4 +58,5 @@ def restart_options(kw: dict[str, Any]) -> RestartOptions:
         raise click.BadParameter(str(exc), param_hint="'--no-restart-on'") from None
     return RestartOptions(max_restarts=kw.pop("max_restarts"), backoff=kw.pop("restart_backoff"),
                           no_restart_on=codes, spares=kw.pop("spares"),
-                          min_nodes=kw.pop("min_nodes"), restart_check=kw.pop("restart_check"))
+                          min_nodes=kw.pop("min_nodes"), restart_check=kw.pop("restart_check"),
+                          exclude_after=kw.pop("exclude_after"))

@@ -39,6 +39,8 @@ class RestartOptions:
     """--min-nodes: without a spare, go on with fewer hosts while at least this many remain."""
     restart_check: bool = False
     """--restart-check: run the `dtrain check` probes on a replacement host before using it."""
+    exclude_after: int = 2
+    """--exclude-after: blames that take a host out of the job for good (0: never)."""
 
     @property
     def enabled(self) -> bool:

@@ -4,10 +4,12 @@ Spares are the hosts marked ``spare`` in the hostfile, or the last `--spares K` 
 list; they are connected and checked at start but run no ranks until one takes a place.
 
 After a failure (`launcher.restart.blame`), every blamed host counts one blame; a host blamed
-twice is excluded from the job for good. A host that must leave (lost, hung, reported an error,
-or excluded) is replaced, in its node position (so the ranks keep their numbers), by a spare
-with at least as many slots (the fewest that suffice; its first N slots are used). Without such
-a spare:
+twice (`--exclude-after`, 0: never) is excluded from the job for good. A host that must leave
+(lost, hung, reported an error, or excluded) is replaced, in its node position (so the ranks
+keep their numbers), by a spare with at least as many slots (the fewest that suffice; its first
+N slots are used); one that left without being excluded becomes the last spare (connected
+again when its turn comes: a cut link may be back, a hang may have been a passing one). Without
+such a spare:
 
 * with `--min-nodes M` the job goes on without the host while at least M hosts remain (the
   ranks are renumbered; the program learns the smaller world from the usual variables);
@@ -75,7 +77,7 @@ def split_spares(selected: Sequence[HostSlots], spares: int) -> tuple[list[HostS
 
 class HostPool:
     def __init__(self, active: Sequence[HostSlots], spares: Sequence[HostSlots], *,
-                 min_nodes: int | None = None) -> None:
+                 min_nodes: int | None = None, exclude_after: int = 2) -> None:
         if min_nodes is not None and min_nodes > len(active):
             raise UsageError("--min-nodes above the job's hosts", f"--min-nodes {min_nodes}",
                              f"the job starts on {len(active)} host(s)",
@@ -83,6 +85,7 @@ class HostPool:
         self.active = list(active)
         self.spares = list(spares)
         self.min_nodes = min_nodes
+        self.exclude_after = exclude_after
         self.blamed: Counter[str] = Counter()
         self.excluded: set[str] = set()
 
@@ -96,9 +99,9 @@ class HostPool:
         """Count the blame and place the next round (see the module docstring)."""
         for name in blame.hosts:
             self.blamed[name] += 1
-            if self.blamed[name] >= 2:
+            if self.exclude_after and self.blamed[name] >= self.exclude_after:
                 self.excluded.add(name)
-        hosts = list(self.active)
+        hosts, rejoining = list(self.active), []
         replaced: list[tuple[str, str]] = []
         dropped: list[str] = []
         kept: list[str] = []
@@ -115,9 +118,13 @@ class HostPool:
                 dropped.append(name)
             elif name not in self.excluded:
                 kept.append(name)
+                continue
             else:
                 return JobEnds(self._no_place(host, blame))
+            if name not in self.excluded:
+                rejoining.append(host)
         self.active = hosts
+        self.spares += rejoining
         return NextRound(tuple(hosts), tuple(replaced), tuple(dropped), tuple(kept))
 
     def _take_spare(self, slots: int) -> HostSlots | None:
@@ -125,7 +132,8 @@ class HostPool:
                 and s.entry.name not in self.excluded]
         if not fits:
             return None
-        spare = min(fits, key=lambda s: len(s.slots))
+        # Spares never used first (a host that left is the last resort), the fewest slots first.
+        spare = min(fits, key=lambda s: (s.entry.name in self.blamed, len(s.slots)))
         self.spares.remove(spare)
         return replace(spare, slots=spare.slots[:slots])
 

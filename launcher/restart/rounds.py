@@ -95,7 +95,8 @@ class Rounds:
                  spares: Sequence[HostSlots]) -> None:
         self.setup = setup
         self.fleet = Fleet()
-        self.pool = HostPool(active, spares, min_nodes=setup.restart.min_nodes)
+        self.pool = HostPool(active, spares, min_nodes=setup.restart.min_nodes,
+                             exclude_after=setup.restart.exclude_after)
         self.links: dict[str, AgentLink] = {}  # host name -> its agent's link
         self.records: list[RoundRecord] = []
         self.current: Supervisor | None = None  # the round running now, if one is
