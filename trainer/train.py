@@ -18,10 +18,11 @@ at the end, and checkpoints every ``--save-every`` steps and at the end. ``--res
 bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
 with Megatron or DeepSpeed), verified file by file (`trainer.training.resume` states the rule and
 ``--resume-fallback``). Dropout is reseeded from (seed, step, dp rank) every step, so the random
-stream needs no state across a resume. Under ``dtrain launch --max-restarts`` a restarted round resumes by
-itself (`trainer.training.restart`); SIGTERM stops every rank after the same step with a
-checkpoint and exit code 143 (`trainer.stopping.sigterm`). A NaN or Inf loss or gradient norm stops every rank
-before the update, and non-finite parameters are never saved (`trainer.training.guard`). Each log
+stream needs no state across a resume. Under ``dtrain launch --max-restarts`` a restarted round
+resumes by itself (`trainer.training.restart`); SIGTERM stops every rank after the same step
+with a checkpoint and exit code 143 (`trainer.stopping.sigterm`). A NaN or Inf loss or gradient
+norm stops every rank before the update, and non-finite parameters are never saved
+(`trainer.training.guard`). Each log
 line shows the MFU when the device's peak is known (`trainer.model.flops`, ``--peak-tflops``).
 
 With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW steps fp32

@@ -256,6 +256,7 @@ class Agent:
             return
         self._signal_all(sig)
         if sig != signal.SIGKILL:
+            self._signal_all(signal.SIGCONT)  # a stopped rank (SIGSTOP) acts on it once awake
             deadline = time.monotonic() + grace
             self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
 

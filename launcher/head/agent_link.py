@@ -159,6 +159,12 @@ class Fleet:
         for link in self.silent(idle, limit, now):
             self.drop(link)
 
+    def release(self, link: AgentLink) -> None:
+        """BYE and close now, without waiting: the head keeps its heartbeats going (a host
+        leaving between rounds); its transport is waited for with the rest in `dismiss`."""
+        link.send_json(wire.Kind.BYE)
+        link.close()
+
     def heartbeat(self, links: list[AgentLink]) -> list[AgentLink]:
         """A heartbeat to each live link of ``links``; returns those whose stream broke."""
         return [link for link in links

@@ -194,7 +194,9 @@ class Supervisor:
             self.fleet.idle_event(event)  # a spare, or a host of no round now
         elif isinstance(event, Received):
             self._on_frame(self.links[self._at[event.host]], event.frame)
-        elif isinstance(event, Closed) and event.host not in self.done_hosts:
+        elif isinstance(event, Closed) and event.host in self.done_hosts:
+            self.fleet.drop(self.links[self._at[event.host]])  # gone before the next round
+        elif isinstance(event, Closed):
             self._host_lost(self.links[self._at[event.host]], event.reason)
         elif isinstance(event, Signalled):
             self._on_signal(event.signum)

@@ -169,7 +169,7 @@ class Rounds:
             wait = policy.backoff(opts, info.number + 1)
             _say(f"round {info.number} failed ({found.cause}: {found.detail}); restart "
                  f"{info.number + 1} of {opts.max_restarts} in {wait:g}s: {nxt.describe()}")
-            signum = self._back_off(wait)
+            signum = self.tend(wait)
             if signum is not None:
                 sup.outcome.interrupted_by = signum
                 return self._end(sup, started, "")
@@ -228,7 +228,7 @@ class Rounds:
         while isinstance(nxt, NextRound):
             for name in [old for old, _ in nxt.replaced] + list(nxt.dropped):
                 if name in self.links:  # out of the job: nothing of it may stay there
-                    self.fleet.dismiss([self.links.pop(name)])
+                    self.fleet.release(self.links.pop(name))
             problem = vet(self, nxt)
             if problem is None:
                 return nxt
@@ -236,14 +236,15 @@ class Rounds:
             nxt = self.pool.next_round(found)
         return nxt
 
-    def _back_off(self, seconds: float) -> int | None:
-        """Wait, keeping every agent alive; a signal ends the wait (its number)."""
+    def tend(self, seconds: float, done: Callable[[], bool] = lambda: False) -> int | None:
+        """Between rounds: keep every agent alive (heartbeats, their events) for ``seconds``
+        or until ``done()``; a signal ends the wait early (its number)."""
         deadline = time.monotonic() + seconds
         beat_at = 0.0
         opts = self.setup.supervise
         while True:
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or done():
                 return None
             beat = now - beat_at >= opts.heartbeat
             beat_at = now if beat else beat_at

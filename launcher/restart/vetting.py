@@ -10,16 +10,17 @@ that fails is returned as a `Blame`, so the pool places the round again without 
 
 from __future__ import annotations
 
-import queue
-import time
-from typing import TYPE_CHECKING, Any
+import threading
+from typing import TYPE_CHECKING
 
 from launcher import wire
 from launcher.errors import ConnectError
-from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.agent_link import AgentLink
 from launcher.head.startup import Signalled
+from launcher.hosts.selection import HostSlots
 from launcher.restart.blame import Blame
 from launcher.restart.pool import NextRound
+from launcher.transport.stream import AgentStream
 
 if TYPE_CHECKING:
     from launcher.restart.rounds import Rounds
@@ -34,7 +35,7 @@ def vet(rounds: Rounds, nxt: NextRound) -> Blame | None:
         name = host.entry.name
         link = rounds.links.get(name)
         if link is None or not link.alive:
-            [result] = rounds.setup.connect([host])
+            result = _connect(rounds, host)
             if isinstance(result, ConnectError):
                 return Blame("host lost", (name,), (name,),
                              f"host {name}: cannot be reached again: {result}")
@@ -51,6 +52,24 @@ def vet(rounds: Rounds, nxt: NextRound) -> Blame | None:
     return None
 
 
+def _connect(rounds: Rounds, host: HostSlots) -> AgentStream | ConnectError:
+    """Connect to ``host`` again on a thread, the other agents kept alive meanwhile (an SSH
+    connection can take its whole timeout; they would take the head for gone)."""
+    done: list[AgentStream | ConnectError] = []
+    thread = threading.Thread(target=lambda: done.extend(rounds.setup.connect([host])),
+                              name="reconnect", daemon=True)
+    thread.start()
+    _hold_signal(rounds, rounds.tend(float("inf"), lambda: bool(done)))
+    thread.join()
+    return done[0]
+
+
+def _hold_signal(rounds: Rounds, signum: int | None) -> None:
+    """A signal while vetting waits for the next round's start-up, which acts on it."""
+    if signum is not None:
+        rounds.fleet.events.put(Signalled(signum))
+
+
 def _probe(rounds: Rounds, link: AgentLink, slots: int) -> list[str]:
     """`dtrain check`'s comparison of ``link``'s host with the head's (what differs)."""
     from launcher.agent.facts import host_facts
@@ -60,19 +79,8 @@ def _probe(rounds: Rounds, link: AgentLink, slots: int) -> list[str]:
     planned = dict(setup.base_env)
     fleet.replies.pop(link.index, None)
     link.send_json(wire.Kind.QUERY, {"op": "facts", "cwd": setup.cwd, "env": planned})
-    deadline = time.monotonic() + CHECK_TIMEOUT_S
-    held: list[Any] = []  # a signal waits for the next round's start-up, which acts on it
-    while link.index not in fleet.replies and link.alive and time.monotonic() < deadline:
-        try:
-            event = fleet.events.get(timeout=0.2)
-        except queue.Empty:
-            continue
-        if isinstance(event, Received | Closed):
-            fleet.idle_event(event)
-        elif isinstance(event, Signalled):
-            held.append(event)
-    for event in held:
-        fleet.events.put(event)
+    _hold_signal(rounds, rounds.tend(CHECK_TIMEOUT_S, lambda: link.index in fleet.replies
+                                     or not link.alive))
     reply = fleet.replies.get(link.index)
     if reply is None or "error" in reply:
         return [f"no answer to the check probes ({(reply or {}).get('error', 'timed out')})"]
