@@ -162,3 +162,20 @@ def test_ctrl_c_while_a_restart_starts_ends_the_job_with_130_and_dismisses_every
     assert end.outcome.exit_code == 130 and len(end.records) == 2
     assert all(cluster.received(h)[-1] is K.BYE for h in ("node1", "node2"))
     assert K.START not in cluster.received("node1")[2:]  # the second round started nothing
+
+
+def test_restarts_under_mpirun_and_spares_without_restarts_are_refused_once(tmp_path):
+    from tests.support import PYTHON, run_dtrain
+
+    res = run_dtrain(["launch", "--launcher", "mpirun", "--max-restarts", "2", "--", PYTHON,
+                      "-c", "pass"])
+    assert res.returncode == 2 and res.stderr.count("error:") == 1
+    assert "restarts are not supported with --launcher mpirun [--max-restarts]" in res.stderr
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1 spare\n")
+    res = run_dtrain(["launch", "-f", str(hostfile), "--", PYTHON, "-c", "pass"])
+    assert res.returncode == 2
+    assert f"spare hosts and --min-nodes need restarts [{hostfile}:2]" in res.stderr
+    assert "Add --max-restarts N" in res.stderr
+    res = run_dtrain(["launch", "--no-restart-on", "2,x", "--", PYTHON, "-c", "pass"])
+    assert res.returncode == 2 and "'x' is not an exit code" in res.stderr
