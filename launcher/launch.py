@@ -114,7 +114,7 @@ def run_launch(req: LaunchRequest) -> int:
     if transport.flow is table.Flow.JOIN:
         return _run_joined(req, transport)
     active, spares = _split(req, select(req.hosts), transport)
-    plan = _plan(req, active)
+    plan = _plan(req, active, _base_env(req))
     if transport.flow is table.Flow.COMMAND:
         code: int = transport.load()(req, plan, active)
         return code
@@ -138,12 +138,12 @@ def run_launch(req: LaunchRequest) -> int:
 
 def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
     """The join flow: the hosts are the agents that joined (`launcher.rendezvous`)."""
-    environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)  # fails early
+    base_env = _base_env(req)  # a bad .dtrainenv or --env fails before any agent joins
     joined = transport.load()(req.rendezvous, include=req.hosts.include,
                               exclude=req.hosts.exclude, nproc_per_node=req.hosts.nproc_per_node,
                               heartbeat=req.supervise.heartbeat)
     try:
-        plan = _plan(req, joined.selected)
+        plan = _plan(req, joined.selected, base_env)
         log_dir = None if req.dry_run else _log_dir(req.log_dir, plan.job_id)
     except BaseException as exc:
         joined.abandon(f"the head stopped before the start: {exc}")
@@ -163,10 +163,17 @@ def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
         joined.close("the job is over")
 
 
-def _plan(req: LaunchRequest, selected: list[selection.HostSlots]) -> planning.JobPlan:
+def _base_env(req: LaunchRequest) -> dict[str, str]:
+    """The variables every rank gets; the head says once how many each env file gave."""
+    return environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
+                                        tell=lambda line: print(f"dtrain: {line}",
+                                                                file=sys.stderr))
+
+
+def _plan(req: LaunchRequest, selected: list[selection.HostSlots],
+          base_env: dict[str, str]) -> planning.JobPlan:
     """The job's plan; a given --master-addr/--master-port is checked now, before anything
     connects."""
-    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env)
     plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
                               base_env=base_env, grace=req.supervise.grace,
                               restart=planning.RoundInfo(0, req.restart.max_restarts))

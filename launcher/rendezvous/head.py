@@ -27,7 +27,7 @@ from launcher.transport.stream import AgentStream
 @dataclass
 class Joined:
     """The hosts that joined, their streams in the same order, and the still open listener
-    (late agents are refused; `listener.roster.vacate` is the restart hook)."""
+    (late agents are refused; `listener.vacate` is the restart hook)."""
 
     selected: list[HostSlots]
     streams: list[AgentStream]

@@ -7,7 +7,7 @@ again). A wrong token, or an agent of another dtrain version, ends the rendezvou
 error on both sides and nothing started; a connection that is no dtrain agent at all (a port
 scan, a TCP health check) is dropped without a word. After the start the socket stays open, so
 a late agent hears why it is refused instead of retrying until its deadline; one that takes a
-vacated seat (`Roster.vacate`, the restart hook) is handed over on `replacements`.
+vacated seat (`vacate`, the restart hook) is handed over on `replacements`.
 """
 
 from __future__ import annotations
@@ -107,6 +107,12 @@ class Listener:
                 self.say(f"agent {arrival.shown()} left before the start; {count} of "
                          f"{self.roster.nnodes} agents here")
 
+    def vacate(self, node_rank: int) -> None:
+        """The restart hook: free the seat of a node a restart round gave up on; the next
+        agent that joins takes it and arrives on `replacements`."""
+        with self._lock:
+            self.roster.vacate(node_rank)
+
     def close(self, why: str) -> None:
         """No more agents; those still waiting for a start that will not come are told why."""
         with self._lock:
@@ -199,19 +205,19 @@ class Listener:
 
     def _refuse(self, sealed: SealedSocket, who: str, why: str, fix: str, *,
                 fatal: bool) -> None:
-        with contextlib.suppress(OSError):
-            sealed.send_json(wire.Kind.REFUSE, {"why": why, "fix": fix})
-            sealed.sock.close()
         if fatal:
             self._fail(who, why, fix)
         else:
             self.say(f"refused the agent {who}: {why}")
+        with contextlib.suppress(OSError):
+            sealed.send_json(wire.Kind.REFUSE, {"why": why, "fix": fix})
+            sealed.sock.close()
 
     def _refuse_clear(self, conn: socket.socket, address: str, why: str, fix: str) -> None:
+        self._fail(address, why, fix)
         with contextlib.suppress(OSError):
             send_clear(conn, wire.Kind.REFUSE, {"why": why, "fix": fix})
             conn.close()
-        self._fail(address, why, fix)
 
     def _fail(self, who: str, why: str, fix: str = TOKEN_FIX) -> None:
         """Before the start: the rendezvous ends with this error. After it: one line."""

@@ -10,10 +10,10 @@ fill the free places in host-name order, numbers compared as numbers (node2 befo
 stable key, whatever order they arrived in. From
 then on every place is a *seat*, and an agent that joins is refused unless a seat is vacant.
 
-Restart hook: `vacate(node_rank)` frees the seat of a node a restart round gave up on; the next
-agent that joins (with that --node-rank, or none) takes it (`Admission.seat`), and
-`launcher.rendezvous.listener.Listener.replacements` hands its stream over. Nothing vacates a
-seat yet, so after the start every agent is refused.
+Restart hook: `Listener.vacate(node_rank)` (this roster's `vacate`, under the listener's lock)
+frees the seat of a node a restart round gave up on; the next agent that joins (with that
+--node-rank, or none) takes it (`Admission.seat`), and `Listener.replacements` hands its stream
+over. Nothing vacates a seat yet, so after the start every agent is refused.
 """
 
 from __future__ import annotations
