@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -264,7 +265,5 @@ class Rounds:
 
 
 def _say(text: str) -> None:
-    import sys
-
     sys.stderr.write(f"dtrain: {text}\n")
     sys.stderr.flush()
