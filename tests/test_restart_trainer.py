@@ -70,7 +70,7 @@ def test_a_restart_resumes_whatever_the_command_line_says():
     restart = of_environ(env)
     assert restart == Restart(2, "host lost: node2", 4)
     cfg = resuming(make_config({}, {}), restart)
-    assert cfg.resume and cfg.resume_fallback
+    assert cfg.checkpoint.resume and cfg.checkpoint.resume_fallback
     assert of_environ({"DTRAIN_RESTART_COUNT": "0"}) is None and of_environ({}) is None
     assert announcement(restart, 30) == (
         "dtrain: resumed at step 30 after restart 2 (cause: host lost: node2)")
@@ -85,11 +85,12 @@ def _fit(world: int, initial: int = 4, **train):
 
 def test_a_smaller_world_keeps_the_global_batch_with_more_microbatches_per_rank():
     cfg, active = _fit(3, global_batch=12)  # dp 4 took 3 each; dp 3: 4 each, 2 + 2
-    assert (cfg.dp, cfg.microbatches, active) == (3, 2, 3)
+    assert (cfg.parallel.dp, cfg.parallel.microbatches, active) == (3, 2, 3)
     cfg, active = _fit(3, global_batch=8)  # 8 does not split over 3: dp 2, one rank stands by
-    assert (cfg.dp, cfg.microbatches, cfg.global_batch, active) == (2, 2, 8, 2)
+    assert (cfg.parallel.dp, cfg.parallel.microbatches, cfg.data.global_batch, active) == (
+        2, 2, 8, 2)
     cfg, active = _fit(2, global_batch=16, microbatches=2)  # 2 per microbatch: 4 of them
-    assert (cfg.dp, cfg.microbatches, active) == (2, 4, 2)
+    assert (cfg.parallel.dp, cfg.parallel.microbatches, active) == (2, 4, 2)
 
 
 def test_a_world_that_did_not_shrink_is_left_alone():
