@@ -30,7 +30,7 @@ from tests.numerics import U32, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
 from tests.support import PYTHON, REPO, run_dtrain, start_dtrain
 from trainer.checkpoint import load, step_dirs
-from trainer.config.options import GPT_TYPES, make_config
+from trainer.config.options import make_config
 
 WORKER = str(REPO / "tests" / "workers" / "restart_worker.py")
 THREE = "node1 slots=1\nnode2 slots=1\nnode3 slots=1\n"
@@ -280,8 +280,7 @@ def test_min_nodes_goes_on_at_a_smaller_dp_with_the_same_global_batch(cluster, t
     # (another reduction order after the restart). fp32 as users run it: an fp32 reference
     # and fp32 bounds (tests/numerics.py).
     flags = {**MODEL, "global_batch": 8, "steps": STEPS}
-    cfg = make_config({k: v for k, v in flags.items() if k not in GPT_TYPES},
-                      {k: v for k, v in flags.items() if k in GPT_TYPES})
+    cfg = make_config(flags)
     want = train_serially(cfg, STEPS, fp64=False)
     tokens = 8 * 32 + 32
     atol = loss_atol(steps=STEPS, lr=cfg.lr, n_params=sum(
