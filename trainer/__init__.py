@@ -14,7 +14,9 @@ over 300 lines).
     config/      options, toml_file, help: flags and TOML into one frozen TrainConfig
     training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
                  resume: one run, from start-up to the last checkpoint
-    model/       config, layers, gpt, precision, flops: the plain single-device GPT
+    model/       config, layers, gpt, precision, flops: the plain single-device GPT;
+                 llama_config, llama: the Llama family on the same decoder
+    hf/          config, names, weights, folder: Hugging Face Llama folders both ways
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
     data/        corpus, batches: byte-level data and deterministic DP-sharded batches
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, groups, timing,

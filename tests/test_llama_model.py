@@ -1,0 +1,61 @@
+"""The Llama presets have the published shapes, and the model's parts behave as Llama's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.model.llama import Llama, apply_rope_half, inv_frequencies
+from trainer.model.llama_config import LLAMA_PRESETS, LlamaConfig
+
+
+@pytest.mark.parametrize(("preset", "hidden", "params"), [
+    # Parameter counts of meta-llama/Meta-Llama-3-8B and Llama-3.2-1B (tied embeddings).
+    ("llama3-8b", 14336, 8_030_261_248),
+    ("llama3-1b", 8192, 1_235_814_400),
+])
+def test_the_presets_have_the_published_sizes(preset: str, hidden: int, params: int) -> None:
+    cfg = LLAMA_PRESETS[preset]
+    assert cfg.hidden == hidden
+    with torch.device("meta"):
+        assert Llama(cfg).num_params() == params
+
+
+def test_grouped_query_attention_shares_each_kv_head_among_its_query_heads() -> None:
+    cfg = LLAMA_PRESETS["llama-tiny"]
+    model = Llama(cfg, seed=0)
+    attn = model.blocks["0"].attn
+    B, T, K = 1, 5, cfg.head_dim
+    q = torch.randn(B, cfg.n_head, T, K)
+    kv = torch.randn(2, B, cfg.kv_heads, T, K)
+    repeated = [t.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1) for t in kv]
+    torch.testing.assert_close(attn.core(q, kv[0], kv[1]), attn.core(q, *repeated))
+
+
+def test_rotary_embedding_rotates_the_two_halves_of_each_head() -> None:
+    cfg = LlamaConfig(n_head=1, d_model=4, seq_len=3)
+    angles = torch.outer(torch.arange(3.0, dtype=torch.float64), inv_frequencies(cfg))
+    x = torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(1, 1, 3, 4)
+    out = apply_rope_half(x, angles.cos().float(), angles.sin().float())
+    # Channel 0 pairs with channel 2 (Hugging Face's rotate_half), not with channel 1.
+    torch.testing.assert_close(out[0, 0, :, 2], angles[:, 0].sin().float())
+    assert not out[0, 0, :, 1].any()
+
+
+def test_llama3_scaling_keeps_high_and_divides_low_frequencies() -> None:
+    plain = LlamaConfig(n_head=1, d_model=128, rope_base=500000.0)
+    scaled = LlamaConfig(n_head=1, d_model=128, rope_base=500000.0, rope_scaling="llama3",
+                         rope_factor=8.0)
+    a, b = inv_frequencies(plain), inv_frequencies(scaled)
+    assert b[0] == a[0]  # wavelength 2π, far below 8192 / 4
+    assert torch.isclose(b[-1], a[-1] / 8, rtol=1e-12)  # wavelength far above 8192
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"n_head": 8, "n_kv_head": 3}, "multiple of n_kv_head"),
+    ({"rope_scaling": "yarn"}, "rope_scaling must be one of"),
+    ({"bias": True}, "no biases"),
+])
+def test_an_impossible_llama_is_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        LlamaConfig(d_model=64, **{"n_head": 8, **fields})

@@ -1,0 +1,173 @@
+"""A plain single-device Llama: the reference every parallel Llama layout is compared against.
+
+It is the GPT's decoder (`trainer.model.gpt`) with Llama's parts inside each block, under the
+same module names, so the parallel machinery that replaces named submodules applies to both:
+
+    tok_emb                      nn.Embedding(vocab, d_model)
+    blocks["i"]  LlamaBlock      ln1 (RMSNorm) -> attn (q, kv, proj) -> +res,
+                                 ln2 (RMSNorm) -> mlp (fc, proj) -> +res
+    ln_f                         final RMSNorm
+    head                         nn.Linear(d_model, vocab), untied unless ``cfg.tied``
+
+Grouped-query attention keeps the query projection ``q`` (D -> H·K) apart from the fused key and
+value projection ``kv`` (D -> [k; v], 2·Hkv·K): tensor parallelism splits ``q`` by heads and
+``kv`` with stride 2 (each rank gets its own key heads and the same value heads) when the
+key/value heads divide over tp, and replicates ``kv`` otherwise. The SwiGLU MLP fuses the gate
+and up projections into ``fc`` (D -> [gate; up], 2·F), split with stride 2 the same way
+(``fc_stride``); ``proj`` is the down projection. Output projections are named ``proj`` so the
+GPT's init rule (`trainer.model.gpt.init_rule`: residual projections scaled by
+1/sqrt(2·n_layer)) and every rule keyed on names apply unchanged.
+
+Rotary embeddings rotate the pair (i, i + K/2) of each head, Hugging Face's ``rotate_half``
+layout (the GPT rotates (2i, 2i+1)): the weights of a Hugging Face Llama load without any
+permutation of q or k (`trainer.hf`). The tables hold (T, K/2) angles like the GPT's.
+
+Shape legend: B batch, T sequence, D d_model, H query heads, G key/value heads, K head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.model.gpt import GPT, cross_entropy
+from trainer.model.layers import RMSNorm, Runner, run_directly
+from trainer.model.llama_config import LlamaConfig
+
+
+def inv_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+    """The K/2 rotary frequencies (fp64), with Llama 3's scaling when ``cfg`` asks for it."""
+    k = cfg.head_dim
+    cpu64 = {"dtype": torch.float64, "device": "cpu"}  # real values even on the meta device
+    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, k, 2, **cpu64) / k))
+    if cfg.rope_scaling == "none":
+        return inv
+    old = cfg.rope_original_seq_len
+    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old / low, inv / cfg.rope_factor, inv)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, blended, scaled)
+
+
+def llama_rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (T, K/2), fp32, computed in fp64 on the CPU (real even on meta)."""
+    positions = torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu")
+    angles = torch.outer(positions, inv_frequencies(cfg))
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope_half(x_BHTK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (i, i + K/2) of channels by its position's angle (``rotate_half``)."""
+    T = x_BHTK.shape[-2]
+    cos, sin = cos[:T].to(x_BHTK.dtype), sin[:T].to(x_BHTK.dtype)
+    x1, x2 = x_BHTK.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class GQAttention(nn.Module):
+    """Causal grouped-query self-attention with half-split RoPE, no biases."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
+        self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.kv = nn.Linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias=False)
+        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        self.probs_rng: Callable[[], AbstractContextManager] = nullcontext
+        """Context of the attention-probability dropout (hook for tensor parallelism, as in
+        `trainer.model.layers.Attention`)."""
+        self.core_runner: Runner = run_directly
+        """How `core` runs (hook for selective recomputation)."""
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(QKᵀ/√K) V, query head h reading key/value head h // (H/G)."""
+        with self.probs_rng():
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+                enable_gqa=q.shape[1] != k.shape[1])
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # Head counts come from the outputs, so a tensor-parallel shard (fewer heads) and a
+        # sequence-parallel input (a sequence block; the outputs span the sequence) work as is.
+        q = self.q(x_BTD)
+        B, T, _ = q.shape
+        q_BHTK = q.view(B, T, -1, self.head_dim).transpose(1, 2)
+        kv = self.kv(x_BTD).view(B, T, 2, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+        q_BHTK, k_BGTK = apply_rope_half(q_BHTK, cos, sin), apply_rope_half(kv[0], cos, sin)
+        y = self.core_runner(self.core, q_BHTK, k_BGTK, kv[1])
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+
+
+class SwiGLU(nn.Module):
+    """fc (D -> [gate; up]) -> silu(gate) * up -> proj (F -> D)."""
+
+    fc_stride = 2
+    """``fc`` stacks two equal parts; tensor parallelism cuts each part over the ranks."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
+        self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
+        gate, up = self.fc(x_BTD).chunk(2, dim=-1)
+        return self.drop(self.proj(F.silu(gate) * up))
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm Llama block (`trainer.model.layers.Block`'s interface and hooks)."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.ln1, self.attn = RMSNorm(cfg.d_model, cfg.norm_eps), GQAttention(cfg)
+        self.ln2, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), SwiGLU(cfg)
+        self.runner: Runner = run_directly
+        """How `body` runs (hook for full recomputation)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.runner(self.body, x, cos, sin)
+
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin)
+        return x + self.mlp(self.ln2(x))
+
+
+class Llama(GPT):
+    """Token ids (B, T) -> logits (B, T, V), initialised deterministically from ``seed``.
+
+    A `GPT` in everything but its blocks and rotary tables: forward, loss, init and the hooks
+    are the GPT's, so every caller that takes a GPT takes a Llama."""
+
+    def __init__(self, cfg: LlamaConfig, *, seed: int = 0) -> None:
+        # GPT.__init__ builds GPT blocks; this builds the same attributes with Llama's parts.
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        with torch.random.fork_rng(devices=[]):  # keep the caller's global RNG where it was
+            self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
+            self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layer)})
+            if cfg.moe_experts:
+                from trainer.moe.layer import install_moe  # trainer.moe builds on this module
+
+                install_moe(self.blocks, cfg)
+            self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
+        self.emb_drop = nn.Dropout(cfg.dropout)
+        self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+        self.vocab_start = 0
+        if cfg.tied:
+            self.head.weight = self.tok_emb.weight
+        cos, sin = llama_rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        if not self.ln_f.weight.is_meta:  # a meta-device model: trainer.construction fills it
+            self.init_weights(seed)
