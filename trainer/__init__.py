@@ -18,7 +18,8 @@ over 300 lines).
                  llama_config, llama: the Llama family on the same decoder
     hf/          config, names, weights, folder: Hugging Face Llama folders both ways
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
-    data/        corpus, batches: byte-level data and deterministic DP-sharded batches
+    data/        corpus, batches: byte-level data and deterministic DP-sharded batches;
+                 prepare, shard_writer, token_files, token_batches: tokenized datasets
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, groups, timing,
                  progress records
     data_parallel/  grad_sync (DataParallel), buckets

@@ -1,0 +1,198 @@
+"""Deterministic, resumable, DP-sharded batches of tokenized datasets, blended by weight.
+
+Samples. A dataset's shards (`trainer.data.token_files`) are cut into windows of seq_len+1
+tokens starting every seq_len tokens (the last token of one window is the first of the next,
+as the target of its last input), shard by shard; the last ``val_fraction`` of the windows
+(the end of the last shards) is the held-out split, never trained on.
+
+Order. Dataset d's training windows are visited epoch by epoch, each epoch a pseudo-random
+permutation of all of them (a Feistel network keyed by (seed, d, epoch), walked until it lands
+inside the range: O(1) memory whatever the dataset's size, no window repeated or skipped within
+an epoch). Blending (``--data a:0.7,b:0.3``) follows Megatron's rule: global sample i comes from
+the dataset furthest behind its share, argmax_d(w_d·(i+1) - taken_d), so every prefix of the
+run holds each dataset within one sample of its weight.
+
+Position. The global batch of a step is the next ``global_batch`` samples of that sequence;
+DP rank r takes its contiguous slice (`trainer.data.batches.BatchPlan`). The position, samples
+taken in all and per dataset (`Position`), is all the state there is: saved in a checkpoint and
+restored, the run continues with exactly the samples it would have seen, at any dp.
+Validation batch k is the same whatever the position: the held-out windows in order, blended
+by the same rule from sample 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trainer.data.batches import BatchPlan, step_seed
+from trainer.data.corpus import DataError
+from trainer.data.token_files import TokenFiles
+
+_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _hash(x: np.ndarray, key: int) -> np.ndarray:
+    """A splitmix64-style mix of uint64 values with ``key``."""
+    with np.errstate(over="ignore"):
+        x = (x ^ np.uint64(key & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(29))
+
+
+def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
+    """A pseudo-random permutation of range(n) applied to ``index`` (uint64 values < n)."""
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    out = index.astype(np.uint64)
+    todo = np.ones(out.shape, dtype=bool)
+    while todo.any():  # cycle walking: the domain is < 4n, so a few rounds at most
+        x = out[todo]
+        left, right = x >> np.uint64(half), x & mask
+        for r in range(4):
+            left, right = right, left ^ (_hash(right, step_seed(key, r)) & mask)
+        out[todo] = (left << np.uint64(half)) | right
+        todo = out >= np.uint64(n)
+    return out
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset of a blend: its files and how its windows split into train and held out."""
+
+    files: TokenFiles
+    seq_len: int
+    val_fraction: float
+    starts: np.ndarray = field(init=False)
+    """Cumulative windows per shard (shards + 1 values)."""
+
+    def __post_init__(self) -> None:
+        per_shard = [max(0, (s.tokens - 1) // self.seq_len) for s in self.files.manifest.shards]
+        object.__setattr__(self, "starts", np.concatenate([[0], np.cumsum(per_shard)]))
+        if self.train < 1 or (self.val_fraction > 0 and self.val < 1):
+            raise DataError("tokenized dataset too small", str(self.files.folder),
+                            f"{int(self.starts[-1])} windows of {self.seq_len + 1} tokens, "
+                            f"{self.val} of them held out", "Use more data, a smaller --seq-len"
+                            " or a smaller --val-fraction")
+
+    @property
+    def val(self) -> int:
+        total = int(self.starts[-1])
+        return min(total - 1, max(1, int(total * self.val_fraction))) if self.val_fraction else 0
+
+    @property
+    def train(self) -> int:
+        return int(self.starts[-1]) - self.val
+
+    def window(self, index: int) -> np.ndarray:
+        """Window ``index`` (train windows first, then the held-out ones) as int64 ids."""
+        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
+        start = (index - int(self.starts[shard])) * self.seq_len
+        return self.files.window(shard, start, self.seq_len + 1).astype(np.int64)
+
+
+@dataclass
+class Position:
+    """Samples taken so far, in all and from each dataset: the loader's whole state."""
+
+    samples: int = 0
+    taken: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"samples": self.samples, "taken": list(self.taken)}
+
+
+def choose(weights: list[float], position: Position, count: int) -> list[int]:
+    """The datasets of the next ``count`` samples (advancing ``position``)."""
+    if len(weights) == 1:
+        position.samples += count
+        position.taken[0] += count
+        return [0] * count
+    out = []
+    for _ in range(count):
+        i = position.samples
+        d = max(range(len(weights)), key=lambda k: weights[k] * (i + 1) - position.taken[k])
+        position.taken[d] += 1
+        position.samples += 1
+        out.append(d)
+    return out
+
+
+class TokenBatches:
+    """Microbatches of one DP rank, step after step, from a blend of tokenized datasets."""
+
+    def __init__(self, blend: list[tuple[Path, float]], *, seq_len: int, plan: BatchPlan,
+                 seed: int, dp_rank: int, model_vocab: int, val_fraction: float = 0.0,
+                 device: torch.device | str = "cpu", validation: bool = False) -> None:
+        total = sum(w for _, w in blend)
+        self.weights = [w / total for _, w in blend]
+        self.sources = [Source(TokenFiles(path, model_vocab=model_vocab), seq_len, val_fraction)
+                        for path, _ in blend]
+        self.plan, self.seed, self.dp_rank = plan, seed, dp_rank
+        self.device, self.validation = torch.device(device), validation
+        self.position = Position(0, [0] * len(blend))
+        self._step: int | None = None
+        self._cached: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def restore(self, state: dict[str, object], step: int) -> None:
+        """Continue from a saved `Position` (``Position.to_dict``) at the start of ``step``."""
+        taken = [int(t) for t in state["taken"]]  # type: ignore[attr-defined]
+        if len(taken) != len(self.sources):
+            raise DataError("data position does not match the datasets", "--data",
+                            f"the checkpoint blended {len(taken)} dataset(s), this run "
+                            f"{len(self.sources)}", "Resume with the --data of the saved run")
+        self.position = Position(int(state["samples"]), taken)  # type: ignore[call-overload]
+        self._step, self._cached = step - 1, []
+
+    def _windows(self, source: int, index: np.ndarray) -> list[np.ndarray]:
+        """The windows of dataset ``source``'s samples number ``index`` (its own count)."""
+        src = self.sources[source]
+        if self.validation:
+            return [src.window(src.train + int(i) % src.val) for i in index]
+        epoch, offset = np.divmod(index, src.train)
+        chosen = np.empty_like(offset)
+        for e in np.unique(epoch):  # one permutation per epoch the batch touches
+            at = epoch == e
+            chosen[at] = permute(offset[at], src.train, step_seed(self.seed, source, int(e)))
+        return [src.window(int(i)) for i in chosen]
+
+    def _rows(self, position: Position, count: int) -> list[np.ndarray]:
+        """This DP rank's rows of the ``count`` samples after ``position`` (advanced past
+        all of them); only those rows are read."""
+        first = list(position.taken)
+        picks = np.asarray(choose(self.weights, position, count))
+        number = np.empty(count, dtype=np.uint64)  # each sample's number within its dataset
+        for d, start in enumerate(first):
+            at = picks == d
+            number[at] = start + np.arange(int(at.sum()), dtype=np.uint64)
+        local = self.plan.local_slice(self.dp_rank)
+        picks, number = picks[local], number[local]
+        rows: list[np.ndarray] = [np.empty(0)] * len(picks)
+        for d in np.unique(picks):
+            at = np.flatnonzero(picks == d)
+            for k, window in zip(at, self._windows(int(d), number[at]), strict=True):
+                rows[k] = window
+        return rows
+
+    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's microbatches of ``step``: training steps come in order (a step asked
+        again gives the same batch); validation batch ``step`` from anywhere."""
+        if not self.validation and step == self._step:
+            return self._cached
+        if self.validation:  # from sample 0, so batch k never depends on the run's position
+            position = Position(0, [0] * len(self.sources))
+            choose(self.weights, position, step * self.plan.global_batch)
+        else:
+            if self._step is not None and step != self._step + 1:
+                raise RuntimeError(f"step {step} asked after step {self._step}")  # a loop bug
+            position = self.position
+        batch = torch.from_numpy(np.stack(self._rows(position, self.plan.global_batch)))
+        if self.device.type != "cpu":
+            batch = batch.to(self.device, non_blocking=True)
+        micro = [(rows[:, :-1], rows[:, 1:]) for rows in batch.split(self.plan.micro_batch_size)]
+        if not self.validation:
+            self._step, self._cached = step, micro
+        return micro
