@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DTRAIN := $(VENV)/bin/dtrain
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install bytecode sysdeps test run bench lint clean
+.PHONY: install bytecode sysdeps test run bench bench-peers lint clean
 
 install: $(VENV)/.installed
 
@@ -40,8 +40,16 @@ run: install bytecode
 		--log-every 25 --save-every 100 --run-dir $(RUN_DIR)
 	@echo "run folder: $(RUN_DIR) (metrics.jsonl, loss.png, checkpoints/)"
 
-bench: install sysdeps bytecode
+bench: install sysdeps bytecode bench-peers
 	$(PY) -m bench.run_all
+
+# The peers bench/llama_step.py races: torchtitan's Llama 3 model code without its data and
+# distributed dependencies (--no-deps: its requirements would pull another torch), plus the few
+# modules its model package imports (triton: its MoE kernels, imported by the package's init).
+bench-peers: install
+	@$(PY) -c "import torchtitan.models.llama3" 2>/dev/null || $(PY) -m pip install -q --no-deps \
+		torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing einops tyro docstring_parser \
+		triton==3.9.0
 
 # ruff everywhere; mypy on what pyproject.toml's [tool.mypy] lists (strict on launcher/).
 lint: install

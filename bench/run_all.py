@@ -75,6 +75,8 @@ BENCHES = (
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
     Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
           quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
+    Bench("llama_step", "Llama training tokens/s, one CPU process: dtrain vs transformers and "
+          "torchtitan", quick={"sizes": ("tiny",), "steps": 1, "reps": 1}),
     Bench("sparse", "Sharded embeddings: lookups/s, all-to-all bytes vs analytic, step split, "
           "table memory per rank", quick={"rows": 100_000, "batch": 64, "steps": 2}),
 )

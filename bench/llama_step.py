@@ -1,0 +1,194 @@
+"""Llama training tokens/s on one CPU process: dtrain against transformers and torchtitan.
+
+    python -m bench.llama_step [--sizes tiny,100m] [--steps 3] [--reps 3]
+
+Three sides train the same shape (layers, width, heads, key/value heads, MLP width, vocabulary,
+sequence length, batch), fp32, AdamW, untied head, in the same process and thread count:
+
+* ``dtrain``: `trainer.model.llama.Llama` with dtrain's loss (what ``--arch llama`` trains);
+* ``transformers``: ``LlamaForCausalLM`` (sdpa attention), logits -> cross entropy;
+* ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only: the package
+  is installed without its data and distributed dependencies), tokens -> logits -> cross entropy.
+
+Each repetition runs every side for ``steps`` timed steps after one warm-up step, the sides'
+order rotated between repetitions so drifting load on a shared machine hits them alike; the row
+keeps the median step time. Ratios are dtrain's tokens/s over each peer's (target >= 1.0).
+A side whose package is missing is a row saying so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.llama import Llama
+from trainer.model.llama_config import LlamaConfig
+
+Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Size:
+    cfg: LlamaConfig
+    batch: int
+
+
+SIZES = {
+    # llama-tiny's shape with a 2,048-token vocabulary (a tokenizer's, not bytes).
+    "tiny": Size(LlamaConfig(vocab_size=2048, n_layer=2, n_head=8, n_kv_head=2, d_model=64,
+                             seq_len=64, multiple_of=16), batch=16),
+    # ~100M parameters: 12 layers of 768 with 4 key/value heads, a 16,384-token vocabulary.
+    "100m": Size(LlamaConfig(vocab_size=16384, n_layer=12, n_head=12, n_kv_head=4,
+                             d_model=768, seq_len=256, multiple_of=256), batch=4),
+}
+
+Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _trainer(model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = forward(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def dtrain_side(cfg: LlamaConfig) -> Step:
+    model = Llama(cfg, seed=0).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+def transformers_side(cfg: LlamaConfig) -> Step:
+    from transformers import LlamaConfig as HFConfig
+    from transformers import LlamaForCausalLM
+
+    hf = HFConfig(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                  intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layer,
+                  num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
+                  max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
+                  tie_word_embeddings=False, rope_theta=cfg.rope_base,
+                  attn_implementation="sdpa")
+    model = LlamaForCausalLM(hf).train()
+    return _trainer(model, lambda x: model(input_ids=x, use_cache=False).logits)
+
+
+def torchtitan_side(cfg: LlamaConfig) -> Step:
+    # torchtitan's own builders with its SDPA attention class: its language-model presets now
+    # pick flex or varlen attention, which need compilation or CUDA; SDPA is its eager path.
+    from torchtitan.models import llama3 as tt
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
+
+    d = cfg.d_model
+    rope = ComplexRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.seq_len, theta=cfg.rope_base)
+    layers = [tt.Llama3TransformerBlock.Config(
+        attention_norm=RMSNorm.Config(normalized_shape=d, param_init=tt._NORM_INIT),
+        ffn_norm=RMSNorm.Config(normalized_shape=d, param_init=tt._NORM_INIT),
+        attention=make_gqa_config(dim=d, n_heads=cfg.n_head, n_kv_heads=cfg.kv_heads,
+                                  wqkv_param_init=tt._LINEAR_INIT,
+                                  wo_param_init=tt._depth_init(i),
+                                  inner_attention=ScaledDotProductAttention.Config(),
+                                  fuse_qkv=True, rope=rope),
+        feed_forward=make_ffn_config(dim=d, hidden_dim=cfg.hidden,
+                                     w1_param_init=tt._LINEAR_INIT,
+                                     w2w3_param_init=tt._depth_init(i)))
+        for i in range(cfg.n_layer)]
+    spec = tt.Llama3Model.Config(
+        dim=d, vocab_size=cfg.vocab_size,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=d,
+                                        param_init=tt._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=d, param_init=tt._NORM_INIT),
+        lm_head=Linear.Config(in_features=d, out_features=cfg.vocab_size,
+                              param_init=tt._output_linear_init(d)),
+        layers=layers)
+    model = spec.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    model.train()
+    return _trainer(model, model)
+
+
+SIDES: dict[str, Callable[[LlamaConfig], Step]] = {
+    "dtrain": dtrain_side, "transformers": transformers_side, "torchtitan": torchtitan_side}
+
+
+def measure(size: str, *, steps: int, reps: int) -> list[Row]:
+    spec = SIZES[size]
+    cfg, batch = spec.cfg, spec.batch
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
+    x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    built: dict[str, Step] = {}
+    missing: dict[str, str] = {}
+    for name, make in SIDES.items():
+        torch.manual_seed(0)
+        try:
+            built[name] = make(cfg)
+        except ImportError as err:
+            missing[name] = f"not installed ({err.name})"
+        built.get(name, lambda *_: None)(x, y)  # warm-up step
+    times: dict[str, list[float]] = {name: [] for name in built}
+    order = list(built)
+    for rep in range(reps):
+        for name in order[rep % len(order):] + order[:rep % len(order)]:
+            start = time.perf_counter()
+            for _ in range(steps):
+                built[name](x, y)
+            times[name].append((time.perf_counter() - start) / steps)
+    tokens = batch * cfg.seq_len
+    params = sum(p.numel() for p in Llama(cfg).parameters()) if size == "tiny" else None
+    rows: list[Row] = []
+    for name in SIDES:
+        if name in missing:
+            rows.append({"size": size, "side": name, "note": missing[name]})
+            continue
+        step_s = statistics.median(times[name])
+        rows.append({"size": size, "side": name, "batch": batch, "seq_len": cfg.seq_len,
+                     "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
+                     "threads": torch.get_num_threads(), "params": params})
+    ours = rows[0].get("tokens_per_s")
+    for row in rows[1:]:
+        if ours and row.get("tokens_per_s"):
+            row["dtrain_over_this"] = round(ours / row["tokens_per_s"], 3)
+    return rows
+
+
+def run(sizes: tuple[str, ...] = ("tiny", "100m"), steps: int = 3, reps: int = 3) -> list[Row]:
+    return [row for size in sizes for row in measure(size, steps=steps, reps=reps)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="tiny,100m")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    for row in run(tuple(args.sizes.split(",")), args.steps, args.reps):
+        print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
