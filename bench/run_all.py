@@ -77,6 +77,8 @@ BENCHES = (
           quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
     Bench("llama_step", "Llama training tokens/s, one CPU process: dtrain vs transformers and "
           "torchtitan", quick={"sizes": ("tiny",), "steps": 1, "reps": 1}),
+    Bench("token_loader", "Tokenized data: loader tokens/s vs training's, prepare MB/s vs "
+          "tokenizers", quick={"tokens": 2_000_000, "text_mb": 1.0, "seconds": 1.0}),
     Bench("sparse", "Sharded embeddings: lookups/s, all-to-all bytes vs analytic, step split, "
           "table memory per rank", quick={"rows": 100_000, "batch": 64, "steps": 2}),
 )

@@ -32,30 +32,38 @@ from trainer.data.batches import BatchPlan, step_seed
 from trainer.data.corpus import DataError
 from trainer.data.token_files import TokenFiles
 
-_M64 = np.uint64(0xFFFFFFFFFFFFFFFF)
+def _hash(x: np.ndarray, key: np.uint64) -> np.ndarray:
+    """A splitmix64-style mix of uint64 values with ``key`` (wrapping multiplication)."""
+    x = (x ^ key) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(29))
 
 
-def _hash(x: np.ndarray, key: int) -> np.ndarray:
-    """A splitmix64-style mix of uint64 values with ``key``."""
-    with np.errstate(over="ignore"):
-        x = (x ^ np.uint64(key & 0xFFFFFFFFFFFFFFFF)) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(29))
+def permute(index: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndarray:
+    """A pseudo-random permutation of range(n) applied to ``index`` (values < n).
 
-
-def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
-    """A pseudo-random permutation of range(n) applied to ``index`` (uint64 values < n)."""
-    half = max(1, ((n - 1).bit_length() + 1) // 2)
-    mask = np.uint64((1 << half) - 1)
+    An unbalanced Feistel network on the ``bits`` = bit_length(n - 1) bits of an index: the
+    high part (``hi`` bits) and the low part (``lo`` bits) trade places every round, the new
+    low part being the old high part xor a keyed hash of the old low part, so each round is a
+    bijection of [0, 2^bits). An even number of rounds restores the split. Values that land
+    at n or above go round again (cycle walking); the domain is below 2n, so fewer than two
+    passes on average."""
+    bits = max(1, (n - 1).bit_length())
+    sizes = (bits // 2, bits - bits // 2)  # (hi, lo)
+    keys = [np.uint64(step_seed(key, r)) for r in range(rounds)]
     out = index.astype(np.uint64)
     todo = np.ones(out.shape, dtype=bool)
-    while todo.any():  # cycle walking: the domain is < 4n, so a few rounds at most
-        x = out[todo]
-        left, right = x >> np.uint64(half), x & mask
-        for r in range(4):
-            left, right = right, left ^ (_hash(right, step_seed(key, r)) & mask)
-        out[todo] = (left << np.uint64(half)) | right
-        todo = out >= np.uint64(n)
+    with np.errstate(over="ignore"):
+        while todo.any():
+            x = out[todo]
+            hi_bits, lo_bits = sizes
+            for r in range(rounds):
+                hi, lo = x >> np.uint64(lo_bits), x & np.uint64((1 << lo_bits) - 1)
+                new_lo = (hi ^ _hash(lo, keys[r])) & np.uint64((1 << hi_bits) - 1)
+                x = (lo << np.uint64(hi_bits)) | new_lo
+                hi_bits, lo_bits = lo_bits, hi_bits
+            out[todo] = x
+            todo = out >= np.uint64(n)
     return out
 
 
@@ -87,11 +95,17 @@ class Source:
     def train(self) -> int:
         return int(self.starts[-1]) - self.val
 
-    def window(self, index: int) -> np.ndarray:
-        """Window ``index`` (train windows first, then the held-out ones) as int64 ids."""
-        shard = int(np.searchsorted(self.starts, index, side="right")) - 1
-        start = (index - int(self.starts[shard])) * self.seq_len
-        return self.files.window(shard, start, self.seq_len + 1).astype(np.int64)
+    def windows(self, index: np.ndarray) -> np.ndarray:
+        """Windows number ``index`` (train windows first, then the held-out ones) as an
+        (n, seq_len + 1) int64 array, in the order asked."""
+        index = index.astype(np.int64)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        out = np.empty((len(index), self.seq_len + 1), dtype=np.int64)
+        for s in np.unique(shard):
+            at = shard == s
+            starts = (index[at] - self.starts[s]) * self.seq_len
+            out[at] = self.files.gather(int(s), starts, self.seq_len + 1)
+        return out
 
 
 @dataclass
@@ -147,19 +161,19 @@ class TokenBatches:
         self.position = Position(int(state["samples"]), taken)  # type: ignore[call-overload]
         self._step, self._cached = step - 1, []
 
-    def _windows(self, source: int, index: np.ndarray) -> list[np.ndarray]:
-        """The windows of dataset ``source``'s samples number ``index`` (its own count)."""
+    def _windows(self, source: int, number: np.ndarray) -> np.ndarray:
+        """The windows of dataset ``source``'s samples ``number`` (counted per dataset)."""
         src = self.sources[source]
         if self.validation:
-            return [src.window(src.train + int(i) % src.val) for i in index]
-        epoch, offset = np.divmod(index, src.train)
+            return src.windows(src.train + number % np.uint64(src.val))
+        epoch, offset = np.divmod(number, np.uint64(src.train))
         chosen = np.empty_like(offset)
         for e in np.unique(epoch):  # one permutation per epoch the batch touches
             at = epoch == e
             chosen[at] = permute(offset[at], src.train, step_seed(self.seed, source, int(e)))
-        return [src.window(int(i)) for i in chosen]
+        return src.windows(chosen)
 
-    def _rows(self, position: Position, count: int) -> list[np.ndarray]:
+    def _rows(self, position: Position, count: int) -> np.ndarray:
         """This DP rank's rows of the ``count`` samples after ``position`` (advanced past
         all of them); only those rows are read."""
         first = list(position.taken)
@@ -170,11 +184,10 @@ class TokenBatches:
             number[at] = start + np.arange(int(at.sum()), dtype=np.uint64)
         local = self.plan.local_slice(self.dp_rank)
         picks, number = picks[local], number[local]
-        rows: list[np.ndarray] = [np.empty(0)] * len(picks)
+        rows = np.empty((len(picks), self.sources[0].seq_len + 1), dtype=np.int64)
         for d in np.unique(picks):
-            at = np.flatnonzero(picks == d)
-            for k, window in zip(at, self._windows(int(d), number[at]), strict=True):
-                rows[k] = window
+            at = picks == d
+            rows[at] = self._windows(int(d), number[at])
         return rows
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -189,7 +202,7 @@ class TokenBatches:
             if self._step is not None and step != self._step + 1:
                 raise RuntimeError(f"step {step} asked after step {self._step}")  # a loop bug
             position = self.position
-        batch = torch.from_numpy(np.stack(self._rows(position, self.plan.global_batch)))
+        batch = torch.from_numpy(self._rows(position, self.plan.global_batch))
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True)
         micro = [(rows[:, :-1], rows[:, 1:]) for rows in batch.split(self.plan.micro_batch_size)]

@@ -134,14 +134,25 @@ class TokenFiles:
 
     def window(self, shard: int, start: int, length: int) -> np.ndarray:
         """Tokens ``start .. start+length`` of ``shard`` (a view of the mapping), verified."""
-        width = self.dtype.itemsize
-        first, last = start * width // BLOCK_BYTES, ((start + length) * width - 1) // BLOCK_BYTES
-        todo = self._verified[shard][first:last + 1]
-        if not todo.all():
-            for block in range(first, last + 1):
-                if not self._verified[shard][block]:
-                    self._verify(shard, block)
+        self._check(shard, np.array([start]), length)
         return self.maps[shard][start:start + length]
+
+    def gather(self, shard: int, starts: np.ndarray, length: int) -> np.ndarray:
+        """Rows ``starts[i] .. starts[i]+length`` of ``shard`` as one (n, length) array (read
+        from the mapping: only the pages they touch), verified."""
+        self._check(shard, starts, length)
+        return self.maps[shard][starts[:, None] + np.arange(length)]
+
+    def _check(self, shard: int, starts: np.ndarray, length: int) -> None:
+        """Verify the blocks these rows touch that are not verified yet."""
+        width = self.dtype.itemsize
+        first, last = starts * width // BLOCK_BYTES, ((starts + length) * width - 1) // BLOCK_BYTES
+        done = self._verified[shard]
+        if done[first].all() and done[last].all():
+            return
+        for block in np.unique(np.concatenate([first, last])):
+            if not done[block]:
+                self._verify(shard, int(block))
 
     def _verify(self, shard: int, block: int) -> None:
         info = self.manifest.shards[shard]
