@@ -32,6 +32,7 @@ from trainer.data.batches import BatchPlan, step_seed
 from trainer.data.corpus import DataError
 from trainer.data.token_files import TokenFiles
 
+
 def _hash(x: np.ndarray, key: np.uint64) -> np.ndarray:
     """A splitmix64-style mix of uint64 values with ``key`` (wrapping multiplication)."""
     x = (x ^ key) * np.uint64(0xBF58476D1CE4E5B9)
