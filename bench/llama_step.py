@@ -10,9 +10,9 @@ sequence length, batch), fp32, AdamW, untied head, in the same process and threa
 * ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only: the package
   is installed without its data and distributed dependencies), tokens -> logits -> cross entropy.
 
-Each repetition runs every side for ``steps`` timed steps after one warm-up step, the sides'
-order rotated between repetitions so drifting load on a shared machine hits them alike; the row
-keeps the median step time. Ratios are dtrain's tokens/s over each peer's (target >= 1.0).
+After one warm-up step each, the sides take ``steps`` x ``reps`` timed steps in turn, one step
+each, their order rotated every round, so drifting load on a shared machine hits them alike;
+the row keeps the median step time. Ratios are dtrain's tokens/s over each peer's (target >= 1.0).
 A side whose package is missing is a row saying so.
 """
 
@@ -152,12 +152,11 @@ def measure(size: str, *, steps: int, reps: int) -> list[Row]:
         built.get(name, lambda *_: None)(x, y)  # warm-up step
     times: dict[str, list[float]] = {name: [] for name in built}
     order = list(built)
-    for rep in range(reps):
-        for name in order[rep % len(order):] + order[:rep % len(order)]:
+    for k in range(steps * reps):  # one step of each side in turn: drifting load hits all
+        for name in order[k % len(order):] + order[:k % len(order)]:
             start = time.perf_counter()
-            for _ in range(steps):
-                built[name](x, y)
-            times[name].append((time.perf_counter() - start) / steps)
+            built[name](x, y)
+            times[name].append(time.perf_counter() - start)
     tokens = batch * cfg.seq_len
     params = sum(p.numel() for p in Llama(cfg).parameters()) if size == "tiny" else None
     rows: list[Row] = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.model.llama import Llama, apply_rope_half, inv_frequencies
+from trainer.model.llama import Llama, apply_rope_half, inv_frequencies, llama_rope_tables
 from trainer.model.llama_config import LLAMA_PRESETS, LlamaConfig
 
 
@@ -35,11 +35,11 @@ def test_grouped_query_attention_shares_each_kv_head_among_its_query_heads() -> 
 def test_rotary_embedding_rotates_the_two_halves_of_each_head() -> None:
     cfg = LlamaConfig(n_head=1, d_model=4, seq_len=3)
     angles = torch.outer(torch.arange(3.0, dtype=torch.float64), inv_frequencies(cfg))
-    x = torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(1, 1, 3, 4)
-    out = apply_rope_half(x, angles.cos().float(), angles.sin().float())
+    x = torch.tensor([1.0, 0.0, 0.0, 0.0]).expand(1, 3, 1, 4)  # (B, T, H, K)
+    out = apply_rope_half(x, *llama_rope_tables(cfg))
     # Channel 0 pairs with channel 2 (Hugging Face's rotate_half), not with channel 1.
-    torch.testing.assert_close(out[0, 0, :, 2], angles[:, 0].sin().float())
-    assert not out[0, 0, :, 1].any()
+    torch.testing.assert_close(out[0, :, 0, 2], angles[:, 0].sin().float())
+    assert not out[0, :, 0, 1].any()
 
 
 def test_llama3_scaling_keeps_high_and_divides_low_frequencies() -> None:

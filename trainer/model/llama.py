@@ -20,7 +20,7 @@ GPT's init rule (`trainer.model.gpt.init_rule`: residual projections scaled by
 
 Rotary embeddings rotate the pair (i, i + K/2) of each head, Hugging Face's ``rotate_half``
 layout (the GPT rotates (2i, 2i+1)): the weights of a Hugging Face Llama load without any
-permutation of q or k (`trainer.hf`). The tables hold (T, K/2) angles like the GPT's.
+permutation of q or k (`trainer.hf`). The tables are (T, K): cos and signed sin per channel.
 
 Shape legend: B batch, T sequence, D d_model, H query heads, G key/value heads, K head dim.
 """
@@ -58,18 +58,22 @@ def inv_frequencies(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def llama_rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables (T, K/2), fp32, computed in fp64 on the CPU (real even on meta)."""
+    """The tables `apply_rope_half` multiplies by, (T, K) fp32 each: [cos, cos] and
+    [-sin, sin] of every position's K/2 angles (computed in fp64 on the CPU, real even on the
+    meta device)."""
     positions = torch.arange(cfg.seq_len, dtype=torch.float64, device="cpu")
     angles = torch.outer(positions, inv_frequencies(cfg))
-    return angles.cos().float(), angles.sin().float()
+    cos, sin = angles.cos(), angles.sin()
+    return torch.cat([cos, cos], -1).float(), torch.cat([-sin, sin], -1).float()
 
 
-def apply_rope_half(x_BHTK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (i, i + K/2) of channels by its position's angle (``rotate_half``)."""
-    T = x_BHTK.shape[-2]
-    cos, sin = cos[:T].to(x_BHTK.dtype), sin[:T].to(x_BHTK.dtype)
-    x1, x2 = x_BHTK.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+def apply_rope_half(x_BTHK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each pair (i, i + K/2) of channels by its position's angle: Hugging Face's
+    ``x·cos + rotate_half(x)·sin``, with rotate_half(x) = [-x2, x1] written as a roll of x
+    by K/2 times the signed table (one copy instead of two halves and a concatenation)."""
+    T, K = x_BTHK.shape[1], x_BTHK.shape[-1]
+    cos, sin = cos[:T, None].to(x_BTHK.dtype), sin[:T, None].to(x_BTHK.dtype)
+    return x_BTHK * cos + x_BTHK.roll(K // 2, -1) * sin
 
 
 class GQAttention(nn.Module):
@@ -98,12 +102,15 @@ class GQAttention(nn.Module):
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # Head counts come from the outputs, so a tensor-parallel shard (fewer heads) and a
         # sequence-parallel input (a sequence block; the outputs span the sequence) work as is.
+        # Heads stay in (B, T, H, K) memory order and attention gets transposed views: the CPU
+        # attention kernels work in that order, so they copy nothing.
         q = self.q(x_BTD)
         B, T, _ = q.shape
-        q_BHTK = q.view(B, T, -1, self.head_dim).transpose(1, 2)
-        kv = self.kv(x_BTD).view(B, T, 2, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-        q_BHTK, k_BGTK = apply_rope_half(q_BHTK, cos, sin), apply_rope_half(kv[0], cos, sin)
-        y = self.core_runner(self.core, q_BHTK, k_BGTK, kv[1])
+        kv = self.kv(x_BTD).view(B, T, 2, -1, self.head_dim)
+        q_BTHK = apply_rope_half(q.view(B, T, -1, self.head_dim), cos, sin)
+        k_BTGK = apply_rope_half(kv[:, :, 0], cos, sin)
+        y = self.core_runner(self.core, q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2),
+                             kv[:, :, 1].transpose(1, 2))
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
