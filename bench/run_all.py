@@ -3,9 +3,9 @@
     python -m bench.run_all [--only NAME[,NAME...]] [--quick] [--results DIR]
 
 Benches are imported lazily, so one that is missing (still being written) or broken is
-reported and the others still run. The network-namespace benches (launch_time, slurm,
-wireup, output) need root and are skipped with the reason otherwise. Each finished bench writes
-``<results>/<name>.json`` ({bench, options, machine, seconds, rows}); then
+reported and the others still run. The network-namespace benches (launch_time, rendezvous,
+slurm, wireup, output) need root and are skipped with the reason otherwise. Each finished
+bench writes ``<results>/<name>.json`` ({bench, options, machine, seconds, rows}); then
 ``<results>/summary.md`` is rebuilt from every JSON file there, so ``--only`` refreshes one
 bench without dropping the others from the summary. ``--quick`` runs small configurations
 (a sanity pass, not numbers to quote). Exit code 1 when a bench failed, 0 otherwise.
@@ -47,6 +47,8 @@ class Bench:
 BENCHES = (
     Bench("launch_time", "Launch time: dtrain vs mpiexec.hydra vs pdsh over SSH", True,
           quick={"hosts": (1, 2), "reps": 2}),
+    Bench("rendezvous", "Rendezvous launch: dtrain agents joining vs over SSH vs torchrun c10d",
+          True, quick={"hosts": (1, 2), "reps": 1}),
     Bench("launch_breakdown", "Launch start-up breakdown: imports, agent boot, first frames",
           True, quick={"hosts": (1,), "reps": 1}),
     Bench("slurm", "Launch time in a Slurm allocation: dtrain --launcher slurm vs srun", True,

@@ -5,14 +5,16 @@ paramiko and subprocess live in the modules marked (adapter). `tests/test_layers
 that subpackages import each other without a cycle, that no module is over 300 lines, and that
 launcher/ and trainer/ never import each other.
 
-    cli          click commands `launch` and `check`: parse, delegate, map errors (adapter)
+    cli          click commands `launch`, `check`, `agent`: parse, delegate, map errors (adapter)
     launch       one launch from request to exit code: hosts -> plan -> agents -> supervise
     hosts/       hostfile      hostfile and -H parsing, host name validation (pure)
                  selection     --include/--exclude/--num-nodes, slots per host (pure)
     plan/        job           global/node/local ranks and each rank's environment (pure)
                  environment   forwarded variables, .dtrainenv, --env, scrubbing (pure)
-    transport/   stream        the AgentStream protocol every transport implements
-                 connect       open one agent stream per host, local or SSH, in parallel
+    transport/   table         every transport in one table: --launcher and --ssh-client rows,
+                               the entry each starts with (imported only when used)
+                 stream        the AgentStream protocol every transport implements
+                 connect       open one agent stream per host by its row, in parallel
                  options       SSHOptions, built by the CLI without importing paramiko
                  local         the agent as a local subprocess (adapter)
                  ssh           paramiko connection and agent channel (adapter)
@@ -39,7 +41,16 @@ launcher/ and trainer/ never import each other.
     output/      writer        the output writer thread and its byte-bounded queue
                  sink          [rank@host] prefixes, raw passthrough, per-rank log files
                  lines         linear line splitting with a 1 MiB line cap (pure)
+    rendezvous/  agents started elsewhere join the head (`dtrain agent --rendezvous`):
+                 options       the head's and the agent's settings, the token file (pure)
+                 handshake     challenge and response over the shared token (pure)
+                 channel       the sealed records after the handshake (pure)
+                 roster        who joined, their order, who is refused; the restart hook (pure)
+                 stream, listener, join   the sockets of both sides (adapters)
+                 head          the table's rendezvous entry: wait for N agents, place them
+                 command       the click options of both sides (adapter)
     agent/       the per-host agent, run on each host as `python -m launcher.agent`
+                 serve         the process around the loop: signals, subreaper, exit
                  main          the agent's event loop: spec check, start, relay, stop
                  head_link     the agent's end of the stream to the head
                  writer        one thread writes every frame; rank output back-pressured
@@ -58,8 +69,9 @@ launcher/ and trainer/ never import each other.
     perf         `dtrain check --perf`: matmul per host, all-reduce per host pair
     dryrun       the --dry-run table: hosts, ranks, environments, the program each runs
     mpirun/      command       --launcher mpirun: the same plan as an mpiexec/mpirun command
+                 job           the table's mpirun entry: build, print or run the command
                  rankshim      each rank under it: contract, interfaces, abort on failure
-    wire         head <-> agent frames (pure)
+    wire         head <-> agent frames, and the typed SPEC whose defaults are the only ones (pure)
     netroute     which local address and interface reach a given host
     errors       the exception hierarchy
 

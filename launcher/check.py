@@ -28,7 +28,7 @@ from launcher.agent.facts import host_facts
 from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
 from launcher.plan.environment import compose_base_env
-from launcher.slurm import starter_for
+from launcher.transport import table
 from launcher.transport.connect import close_streams, start_agents
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
@@ -104,11 +104,12 @@ def forwarded_to_ranks(cwd: str) -> dict[str, str]:
 
 
 def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,
-                cwd: str, timeout: float = 60.0, via: str = "ssh") -> list[HostCheck]:
+                cwd: str, timeout: float = 60.0,
+                via: table.Transport = table.get(table.DEFAULT_LAUNCHER)) -> list[HostCheck]:
     rows = {h.entry.name: HostCheck(h.entry.name, len(h.slots)) for h in selected}
     planned = forwarded_to_ranks(cwd)  # a bad .dtrainenv fails before anything starts
     streams: dict[str, AgentStream] = {}
-    results = start_agents(selected, python=python, ssh=ssh, starter=starter_for(via))
+    results = start_agents(selected, python=python, ssh=ssh, transport=via)
     for h, res in zip(selected, results, strict=True):
         if isinstance(res, DtrainError):
             rows[h.entry.name].problems.append(str(res))
@@ -157,7 +158,8 @@ def print_table(rows: Sequence[HostCheck], out: TextIO) -> None:
 
 
 def run_check(selected: Sequence[HostSlots], *, ssh: SSHOptions,
-              python: str = sys.executable, cwd: str | None = None, via: str = "ssh") -> int:
+              python: str = sys.executable, cwd: str | None = None,
+              via: table.Transport = table.get(table.DEFAULT_LAUNCHER)) -> int:
     rows = check_hosts(selected, ssh=ssh, python=python, cwd=cwd or os.getcwd(), via=via)
     print_table(rows, sys.stdout)
     bad = [r.host for r in rows if not r.ok]

@@ -22,6 +22,8 @@ from launcher import __version__
 from launcher.errors import DtrainError
 from launcher.head.options import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
+from launcher.rendezvous import command as rendezvous
+from launcher.transport import table
 from launcher.transport.options import SSHOptions
 
 #: `--help` sections: option destination -> section title, in the order sections are shown.
@@ -35,7 +37,10 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
                          "hang_timeout", "hang_action"),
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
+    "Rendezvous (agents started elsewhere join)": rendezvous.HEAD_OPTIONS,
 }
+#: The defaults the options show: each is written once, in its dataclass.
+SUPERVISE, SSH, LAUNCH = SuperviseOptions(), SSHOptions(), LaunchRequest(argv=())
 FORGOT_DASHES = ("If it belongs to your program, put `--` before the program: "
                  "dtrain launch [OPTIONS] -- PROGRAM [ARGS]...")
 
@@ -84,7 +89,8 @@ def host_options(fn: Callable[..., Any]) -> Callable[..., Any]:
                      help="known_hosts file (default from ssh_config or ~/.ssh/known_hosts)."),
         click.option("--ssh-accept-new", is_flag=True,
                      help="Trust and record unknown host keys (changed keys are always refused)."),
-        click.option("--ssh-connect-timeout", type=float, default=10.0, show_default=True,
+        click.option("--ssh-connect-timeout", type=float, default=SSH.connect_timeout,
+                     show_default=True,
                      help="Seconds to wait for each host's TCP connection."),
         click.option("--ssh-allow-config-exec", is_flag=True,
                      help="Let ssh_config ProxyCommand / Match exec run (refused by default)."),
@@ -100,7 +106,7 @@ def _host_request(kw: dict[str, Any]) -> HostRequest:
 
 def _ssh_options(kw: dict[str, Any]) -> SSHOptions:
     config, known = kw.pop("ssh_config"), kw.pop("known_hosts")
-    return SSHOptions(client=kw.pop("ssh_client", "paramiko"),
+    return SSHOptions(client=kw.pop("ssh_client", SSH.client),
                       config_file=Path(config) if config else None,
                       known_hosts=Path(known) if known else None,
                       accept_new=kw.pop("ssh_accept_new"),
@@ -125,6 +131,7 @@ LAUNCH_EXAMPLES = """Examples:
   dtrain launch -H node1:4,node2:4 --exclude node2:3 --log-dir logs -- python train.py
   dtrain launch --hostfile hosts --dry-run -- python train.py
   dtrain launch --hostfile hosts --launcher mpirun -- python mpi_prog.py
+  dtrain launch --rendezvous-port 29400 --nnodes 4 --token-file token -- python train.py
 
 Everything from PROGRAM on is passed to it unchanged, so `--` is only needed before a program
 whose name starts with a dash; it is always safe."""
@@ -136,44 +143,48 @@ whose name starts with a dash; it is always safe."""
               context_settings={"ignore_unknown_options": False,
                                 "allow_interspersed_args": False})
 @host_options
+@rendezvous.head_options
 @click.option("--env", "env", multiple=True, metavar="K=V", help="Extra variable for every rank.")
 @click.option("--master-addr", help="Rendezvous address (default: rank 0's routable address).")
 @click.option("--master-port", type=click.IntRange(1, 65535),
               help="Rendezvous port (default: a free port on rank 0's host).")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory of the ranks (default: the current one, on every host).")
-@click.option("--remote-python", default=sys.executable, show_default=True,
+@click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
               help="Interpreter that runs the agent on every host.")
-@click.option("--ssh-client", type=click.Choice(["paramiko", "openssh"]), default="paramiko",
-              show_default=True, help="paramiko in dtrain, or the system `ssh` command (starts "
-              "faster; uses ssh's own config, keys and agent).")
+@click.option("--ssh-client", type=click.Choice(table.SSH_CLIENTS), default=SSH.client,
+              show_default=True, help=table.helps(table.SSH_CLIENTS) + ".")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Also write DIR/<job id>/rank-N.log files (a new folder per run).")
 @click.option("--timeout", type=float, help="Stop the job after this many seconds (exit 124).")
-@click.option("--grace", type=float, default=10.0, show_default=True,
+@click.option("--grace", type=float, default=SUPERVISE.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
-@click.option("--heartbeat-interval", type=click.FloatRange(min=0.05), default=5.0,
-              show_default=True, help="Seconds between heartbeats (a host is lost after 3 misses).")
-@click.option("--launch-timeout", type=float, default=120.0, show_default=True,
+@click.option("--heartbeat-interval", type=click.FloatRange(min=0.05),
+              default=SUPERVISE.heartbeat, show_default=True,
+              help=f"Seconds between heartbeats (a host is lost after {SUPERVISE.misses} misses).")
+@click.option("--launch-timeout", type=float, default=SUPERVISE.launch_timeout, show_default=True,
               help="Seconds from connecting to every rank running.")
-@click.option("--hang-timeout", type=click.FloatRange(min=0), default=1800.0, show_default=True,
+@click.option("--hang-timeout", type=click.FloatRange(min=0), default=SUPERVISE.hang_timeout,
+              show_default=True,
               help="Diagnose a hang when no rank advanced for this many seconds while ranks "
               "wait in a communication operation (0: never).")
-@click.option("--hang-action", type=click.Choice(["report", "abort"]), default="report",
+@click.option("--hang-action", type=click.Choice(["report", "abort"]),
+              default=SUPERVISE.hang_action,
               show_default=True, help="After a hang diagnosis: keep waiting, or stop the job "
               "(exit 123).")
-@click.option("--status-interval", type=click.FloatRange(min=0), default=0.0,
+@click.option("--status-interval", type=click.FloatRange(min=0), default=SUPERVISE.status_interval,
               help="Print every rank's step, last operation and step time this often (seconds).")
-@click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default="fd", show_default=True,
+@click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default=SUPERVISE.pmi,
+              show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
-@click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=30.0, show_default=True,
+@click.option("--pmi-stall", type=click.FloatRange(min=0.1), default=SUPERVISE.pmi_stall,
+              show_default=True,
               help="Seconds after which a waiting PMI barrier names the ranks it waits for.")
-@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm", "mpirun"]),
-              default="ssh", show_default=True,
-              help="dtrain's agents over SSH or as srun steps (in a Slurm allocation), or an "
-              "mpiexec/mpirun command.")
+@click.option("--launcher", "launcher_kind", type=click.Choice(table.launchers()),
+              default=LAUNCH.launcher, show_default=True,
+              help=table.helps(table.launchers()) + ".")
 @click.option("--mpirun", "mpirun_path", help="mpiexec/mpirun to use with --launcher mpirun.")
 @click.option("--mpi-flavour", type=click.Choice(["hydra", "openmpi"]),
               help="Kind of --mpirun (detected from its --version by default).")
@@ -190,9 +201,15 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
     signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host,
     123 for a hang under --hang-action abort.
     """
+    sys.exit(_guard(lambda: run_launch(_launch_request(program, kw))))
+
+
+def _launch_request(program: tuple[str, ...], kw: dict[str, Any]) -> LaunchRequest:
     hosts = _host_request(kw)
     ssh = _ssh_options(kw)
-    req = LaunchRequest(
+    kind, joining = rendezvous.head_request(kw, kw["launcher_kind"], hosts_given=bool(
+        hosts.hostfile or hosts.hosts or hosts.num_nodes))
+    return LaunchRequest(
         argv=program, hosts=hosts, cwd=os.path.abspath(kw["chdir"] or os.getcwd()),
         env=kw["env"], master_addr=kw["master_addr"], master_port=kw["master_port"], ssh=ssh,
         remote_python=kw["remote_python"], prefix=not kw["no_prefix"], raw=kw["raw"],
@@ -204,9 +221,9 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
                                    hang_timeout=kw["hang_timeout"],
                                    hang_action=kw["hang_action"],
                                    status_interval=kw["status_interval"]),
-        launcher=kw["launcher_kind"], mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
+        launcher=kind, mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
+        rendezvous=joining,
     )
-    sys.exit(_guard(lambda: run_launch(req)))
 
 
 def _guard(action: Callable[[], int]) -> int:
@@ -221,15 +238,29 @@ def _guard(action: Callable[[], int]) -> int:
         return 130
 
 
+@main.command()
+@rendezvous.agent_options
+def agent(**kw: Any) -> None:
+    """Join the head at HOST:PORT and run this node's ranks (rendezvous mode).
+
+    What Kubernetes, a batch script or an instance group runs on every node, with the token
+    file the head has. Exit code: 0 when every rank here exited 0; non-zero when refused
+    (wrong token, late, excluded), when no head answered, the head went away, or a rank failed.
+    """
+    from launcher.rendezvous.join import run_agent
+
+    sys.exit(_guard(lambda: run_agent(rendezvous.join_request(kw))))
+
+
 @main.command(cls=SectionedCommand)
 @host_options
-@click.option("--remote-python", default=sys.executable, show_default=True,
+@click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
               help="Interpreter that runs the agent on every host.")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory to look for (default: the current one).")
-@click.option("--launcher", "launcher_kind", type=click.Choice(["ssh", "slurm"]), default="ssh",
-              show_default=True, help="Reach the hosts over SSH, or as srun steps in a Slurm "
-              "allocation (where nodes run no sshd).")
+@click.option("--launcher", "launcher_kind", type=click.Choice(table.launchers(checks=True)),
+              default=LAUNCH.launcher, show_default=True,
+              help=table.helps(table.launchers(checks=True)) + ".")
 @click.option("--perf", is_flag=True, help="Then time a matmul on every host and an all-reduce "
               "between every pair of hosts, and flag the slow ones.")
 def check(**kw: Any) -> None:
@@ -244,7 +275,8 @@ def check(**kw: Any) -> None:
 
     def checks() -> int:
         python = validate_remote_python(kw["remote_python"])
-        code = run_check(select(hosts), ssh=ssh, python=python, cwd=cwd, via=kw["launcher_kind"])
+        code = run_check(select(hosts), ssh=ssh, python=python, cwd=cwd,
+                         via=table.get(kw["launcher_kind"]))
         if kw["perf"] and code == 0:
             from launcher.perf import run_perf
 

@@ -28,6 +28,11 @@ class ConnectError(DtrainError):
     exit_code = 255
 
 
+class UnreachableError(ConnectError):
+    """A host does not resolve or accept connections (yet): a launch tries it again until
+    --launch-timeout (a Kubernetes worker whose pod or DNS record is not up yet)."""
+
+
 class HostKeyError(ConnectError):
     """A host key is unknown (and --ssh-accept-new was not given) or has changed."""
 
@@ -40,3 +45,9 @@ class AgentError(DtrainError):
 
 class PmiError(DtrainError):
     """A PMI-1 client sent something the server refuses."""
+
+
+class RendezvousError(DtrainError):
+    """Agents and the head did not meet: a wrong token, a refused agent, a rendezvous timeout."""
+
+    exit_code = 255

@@ -16,15 +16,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from launcher import STARTED, slurm
+from launcher import STARTED, wire
 from launcher.errors import UsageError
 from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
+from launcher.rendezvous.options import RendezvousOptions
 from launcher.slurm import allocation
-from launcher.transport.connect import close_streams, open_streams, validate_remote_python
+from launcher.transport import table
+from launcher.transport.connect import close_streams, open_streams
 from launcher.transport.options import SSHOptions
+from launcher.transport.stream import AgentStream
 
 if TYPE_CHECKING:  # imported for real while the agents boot (see run_launch)
     from launcher.head.outcome import JobOutcome
@@ -59,9 +62,10 @@ class LaunchRequest:
     dry_run: bool = False
     timings: bool = False                # print when each start-up phase completed
     supervise: SuperviseOptions = SuperviseOptions()
-    launcher: str = "ssh"                # ssh or slurm (agents via srun), or mpirun
+    launcher: str = table.DEFAULT_LAUNCHER  # a --launcher row of launcher.transport.table
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
     mpi_flavour: str | None = None       # hydra or openmpi; detected when None
+    rendezvous: RendezvousOptions | None = None  # --launcher rendezvous: port, nodes, token
 
 
 def select(req: HostRequest) -> list[selection.HostSlots]:
@@ -103,16 +107,14 @@ def run_launch(req: LaunchRequest) -> int:
     if not req.argv:
         raise UsageError("nothing to run", "launch", "no program after the options",
                          "add the command after `--`, e.g. `dtrain launch -- python train.py`")
+    transport = table.get(req.launcher)
+    if transport.flow is table.Flow.JOIN:
+        return _run_joined(req, transport)
     selected = select(req.hosts)
-    base_env = environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
-                                            tell=lambda line: print(f"dtrain: {line}",
-                                                                    file=sys.stderr))
-    plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
-                              base_env=base_env)
-    # A given --master-addr/--master-port is checked now, before anything connects.
-    planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
-    if req.launcher == "mpirun":
-        return _run_mpirun(req, plan, selected)
+    plan = _plan(req, selected, _base_env(req))
+    if transport.flow is table.Flow.COMMAND:
+        code: int = transport.load()(req, plan, selected)
+        return code
     if req.dry_run:
         from launcher.dryrun import print_plan
 
@@ -120,8 +122,58 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh,
-                           starter=slurm.starter_for(req.launcher))
+    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh, transport=transport,
+                           retry_for=req.supervise.launch_timeout)
+    return _supervise(req, transport, plan, streams, log_dir, started=t0)
+
+
+def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
+    """The join flow: the hosts are the agents that joined (`launcher.rendezvous`)."""
+    base_env = _base_env(req)  # a bad .dtrainenv or --env fails before any agent joins
+    joined = transport.load()(req.rendezvous, include=req.hosts.include,
+                              exclude=req.hosts.exclude, nproc_per_node=req.hosts.nproc_per_node,
+                              heartbeat=req.supervise.heartbeat)
+    try:
+        plan = _plan(req, joined.selected, base_env)
+        log_dir = None if req.dry_run else _log_dir(req.log_dir, plan.job_id)
+    except BaseException as exc:
+        joined.abandon(f"the head stopped before the start: {exc}")
+        raise
+    try:
+        if req.dry_run:
+            from launcher.dryrun import print_plan
+
+            print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
+            for stream in joined.streams:  # nothing to run: the agents leave with 0
+                stream.write(wire.encode(wire.Kind.BYE))
+            close_streams(joined.streams)
+            return 0
+        return _supervise(req, transport, plan, joined.streams, log_dir,
+                          started=time.monotonic())
+    finally:
+        joined.close("the job is over")
+
+
+def _base_env(req: LaunchRequest) -> dict[str, str]:
+    """The variables every rank gets; the head says once how many each env file gave."""
+    return environment.compose_base_env(os.environ, cwd=req.cwd, cli_env=req.env,
+                                        tell=lambda line: print(f"dtrain: {line}",
+                                                                file=sys.stderr))
+
+
+def _plan(req: LaunchRequest, selected: list[selection.HostSlots],
+          base_env: dict[str, str]) -> planning.JobPlan:
+    """The job's plan; a given --master-addr/--master-port is checked now, before anything
+    connects."""
+    plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
+                              base_env=base_env)
+    planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
+    return plan
+
+
+def _supervise(req: LaunchRequest, transport: table.Transport, plan: planning.JobPlan,
+               streams: list[AgentStream], log_dir: Path | None, *, started: float) -> int:
+    """The job over connected agents, to its report and exit code."""
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
     from launcher.head.supervisor import Supervisor
@@ -138,24 +190,22 @@ def run_launch(req: LaunchRequest) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         close_streams(streams)
-    _print_end(req, sup, outcome, sink.tail, started=t0, connected=connected)
+    _print_end(req, transport, sup, outcome, sink.tail, started=started, connected=connected)
     return outcome.exit_code
 
 
-def _print_end(req: LaunchRequest, sup: Supervisor, outcome: JobOutcome,
-               tail: Callable[[int], list[str]], *, started: float, connected: float) -> None:
-    """What the head prints once the job is over: the report, the stragglers, why Slurm ended
-    the job, and with --timings where the start-up went."""
+def _print_end(req: LaunchRequest, transport: table.Transport, sup: Supervisor,
+               outcome: JobOutcome, tail: Callable[[int], list[str]], *, started: float,
+               connected: float) -> None:
+    """What the head prints once the job is over: the report, the stragglers, why the
+    transport's own system ended the job (Slurm), and with --timings where the start-up went."""
     from launcher.head.report import print_report  # rich: only once the job is over
 
     print_report(outcome, tail, time.monotonic() - started, sys.stderr)
     for line in sup.progress.final_report():
         sys.stderr.write(f"dtrain: {line}\n")
-    if req.launcher == "slurm" and outcome.exit_code:
-        from launcher.slurm import srun
-
-        if why := srun.slurm_ended_job():
-            sys.stderr.write(f"dtrain: {why}\n")
+    if outcome.exit_code and (why := transport.explain_failure()):
+        sys.stderr.write(f"dtrain: {why}\n")
     if req.timings:
         from launcher.head.startup import slowest_phases
 
@@ -179,22 +229,3 @@ def _log_dir(root: Path | None, job_id: str) -> Path | None:
                          exc.strerror or str(exc), "give a folder you can write to") from None
     sys.stderr.write(f"dtrain: rank logs in {folder}/\n")
     return folder
-
-
-def _run_mpirun(req: LaunchRequest, plan: planning.JobPlan,
-                selected: Sequence[selection.HostSlots]) -> int:
-    from launcher.mpirun import command as mpirun
-
-    where = mpirun.addresses([s.entry for s in selected], req.master_addr)
-    rendezvous = planning.Rendezvous(where.master_addr, req.master_port or 29500)
-    exe = mpirun.find_mpirun(req.mpirun)
-    flavour = req.mpi_flavour or mpirun.detect_flavour(exe)
-    cmd = mpirun.build_command(plan, rendezvous, mpirun=exe, flavour=flavour,
-                               head_addr=where.head_addr,
-                               python=validate_remote_python(req.remote_python))
-    if req.dry_run:
-        print(cmd.shown())
-        if cmd.hostfile_text:
-            print("# hostfile:\n" + cmd.hostfile_text, end="")
-        return 0
-    return mpirun.run_command(cmd, timeout=req.supervise.timeout, grace=req.supervise.grace)

@@ -1,9 +1,13 @@
-"""Frames exchanged between the head and a per-host agent over one byte stream.
+"""Frames exchanged between the head and a per-host agent over one byte stream, and the SPEC.
 
 The stream is the agent's stdin/stdout: an SSH channel for a remote host, a pipe for localhost.
 A frame is ``length (u32, big-endian) | kind (u8) | payload``, where ``length`` counts the kind
 byte and the payload. Control frames carry UTF-8 JSON objects; OUTPUT carries raw bytes so the
 ranks' output is relayed unchanged (progress bars, partial lines, non-UTF-8 all survive).
+
+The SPEC (what one host runs) is typed: `AgentSpec` with its `RankStart` and `PmiSpec` parts,
+built by the head and read by the agent, and `Watch`, the liveness settings both sides use.
+Their defaults are the only ones: the head's options and the command line read them from here.
 
 Everything here is pure: no sockets, no threads.
 """
@@ -45,6 +49,11 @@ class Kind(enum.IntEnum):
     STDIN_ACK = 17  # agent -> head: {"bytes"}: written into rank 0's stdin (flow credit)
     PROGRESS = 18   # agent -> head: {"ranks": [RankView...], "stacks"?, "probe"?, "final"?}
     PROBE = 19      # head -> agent: {"probe", "stacks": [ranks]}: records now, with stacks
+    # A rendezvous connection's handshake (launcher.rendezvous), before the frames above:
+    AUTH = 20       # both ways: nonces and proofs of the shared token (never the token)
+    JOIN = 21       # agent -> head: who joins (host name, node rank, GPUs, versions)
+    ADMIT = 22      # head -> agent: accepted; the SPEC follows once every agent is here
+    REFUSE = 23     # both ways: {"why", "fix"}: refused; this agent starts nothing
 
 
 class WireError(ValueError):
@@ -122,3 +131,102 @@ class Decoder:
     def pending(self) -> int:
         """Bytes of an incomplete frame still waiting for the rest."""
         return len(self._buf)
+
+
+# -- the SPEC ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Watch:
+    """How the head and an agent watch each other (the agent uses these before any SPEC)."""
+
+    heartbeat: float = 5.0   # seconds between heartbeats, both directions
+    misses: int = 3          # silent intervals before the other side counts as gone
+    grace: float = 10.0      # seconds from SIGTERM to SIGKILL when ranks are stopped
+
+
+@dataclass(frozen=True)
+class PmiSpec:
+    """The PMI-1 server an agent runs for its ranks (docs/design.md §3)."""
+
+    mode: str = "fd"             # fd (PMI_FD), port (PMI_PORT + PMI_ID) or off
+    kvsname: str = ""            # the job's key-value space (the job id)
+    world_size: int = 0          # ranks in the whole job
+    process_mapping: str = ""    # PMI_process_mapping: the ranks per host, MPICH's layout
+    stall: float = 30.0          # seconds before a waiting barrier names the missing ranks
+
+
+@dataclass(frozen=True)
+class RankStart:
+    """One rank of the host: its global rank and the variables the head planned for it."""
+
+    rank: int
+    env: dict[str, str]          # contract and forwarded variables (START adds MASTER_*)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What rank 0's host is asked to find out and answer in its READY."""
+
+    route_to: str | None = None  # its source address towards this address is MASTER_ADDR
+    free_port: bool = False      # pick a free port for MASTER_PORT
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """The SPEC frame: everything one host's agent needs to check and start its ranks."""
+
+    job_id: str
+    argv: tuple[str, ...]        # the program and its arguments, the same on every rank
+    cwd: str                     # the ranks' working directory (checked before READY)
+    ranks: tuple[RankStart, ...]
+    watch: Watch = Watch()
+    pmi: PmiSpec = PmiSpec()
+    progress_interval: float | None = None  # seconds between progress samples; None: off
+    probe: Probe | None = None   # rank 0's host only
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "job_id": self.job_id, "argv": list(self.argv), "cwd": self.cwd,
+            "ranks": [{"rank": r.rank, "env": r.env} for r in self.ranks],
+            "heartbeat": self.watch.heartbeat, "misses": self.watch.misses,
+            "grace": self.watch.grace, "pmi": _fields(self.pmi),
+        }
+        if self.progress_interval is not None:
+            body["progress"] = {"interval": self.progress_interval}
+        if self.probe is not None:
+            body["probe"] = _fields(self.probe)
+        return body
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> AgentSpec:
+        """The SPEC a head sent; WireError names the first field that is missing or wrong."""
+        try:
+            if not _typed(body["argv"], list, "argv"):
+                raise ValueError("argv is empty")
+            ranks = tuple(RankStart(_typed(r["rank"], int, "rank"),
+                                    {str(k): str(v) for k, v in _typed(r["env"], dict,
+                                                                        "env").items()})
+                          for r in _typed(body["ranks"], list, "ranks"))
+            progress = body.get("progress")
+            return cls(
+                job_id=_typed(body["job_id"], str, "job_id"),
+                argv=tuple(str(a) for a in _typed(body["argv"], list, "argv")),
+                cwd=_typed(body["cwd"], str, "cwd"), ranks=ranks,
+                watch=Watch(float(body.get("heartbeat", Watch.heartbeat)),
+                            int(body.get("misses", Watch.misses)),
+                            float(body.get("grace", Watch.grace))),
+                pmi=PmiSpec(**_typed(body.get("pmi") or {}, dict, "pmi")),
+                progress_interval=None if progress is None else float(progress["interval"]),
+                probe=None if body.get("probe") is None else Probe(**body["probe"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise WireError(f"SPEC frame is malformed: {type(exc).__name__} {exc}") from None
+
+
+def _typed(value: Any, kind: type, name: str) -> Any:
+    if not isinstance(value, kind):
+        raise TypeError(f"{name} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A flat dataclass as a JSON object (`dataclasses.asdict` deep-copies; not needed)."""
+    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}

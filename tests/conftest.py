@@ -1,5 +1,5 @@
-"""Shared fixtures: a real sshd on loopback, a 3-host network-namespace cluster, a real Slurm
-over three namespace hosts, the venv python.
+"""Shared fixtures: a real sshd on loopback, a 3-host network-namespace cluster, a 4-host one
+without sshd, a real Slurm over three namespace hosts, the venv python.
 
 Tests using `sshd` or `netns_cluster` are marked ``sshd``/``netns`` automatically, so
 ``pytest -m "not netns"`` deselects them; they skip with the reason when the machine cannot
@@ -45,6 +45,19 @@ def netns_cluster() -> Iterator[NetnsCluster]:
 
 
 @pytest.fixture(scope="session")
+def bare_cluster() -> Iterator[NetnsCluster]:
+    """Hosts node1..node4 in network namespaces that run no sshd: what a Kubernetes node pool
+    or a fleet without node-to-node SSH looks like (rendezvous mode; a test may start sshd on
+    a host, late, and must stop it)."""
+    usable, reason = netns_available()
+    if not usable:
+        pytest.skip(f"netns cluster: {reason}")
+    cluster = NetnsCluster(4, sshd=False)
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
 def slurm_cluster() -> Iterator[SlurmCluster]:
     """A real Slurm (slurmctld, munged, one slurmd per host) over namespace hosts node1..node3
     that run no sshd: what a cluster that forbids SSH between nodes looks like."""
@@ -71,5 +84,5 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         names = getattr(item, "fixturenames", ())
         if "sshd" in names:
             item.add_marker(pytest.mark.sshd)
-        if "netns_cluster" in names or "slurm_cluster" in names:
+        if {"netns_cluster", "slurm_cluster", "bare_cluster"} & set(names):
             item.add_marker(pytest.mark.netns)

@@ -53,7 +53,7 @@ class Head:
 def head() -> Iterator[Head]:
     to_agent_r, to_agent_w = os.pipe()
     from_agent_r, from_agent_w = os.pipe()
-    agent = Agent(lambda events: HeadLink(events, to_agent_r,
+    agent = Agent(lambda events: HeadLink(events, lambda size: os.read(to_agent_r, size),
                                           os.fdopen(from_agent_w, "wb", buffering=0)))
     result: queue.Queue[int] = queue.Queue()
     threading.Thread(target=lambda: result.put(agent.run()), daemon=True).start()
@@ -65,8 +65,9 @@ def head() -> Iterator[Head]:
 
 def spec(cwd: str = "/", argv: tuple[str, ...] = (sys.executable,), beat: float = 5.0
          ) -> dict[str, Any]:
-    return {"job_id": "job", "argv": list(argv), "cwd": cwd, "heartbeat": beat, "misses": 2,
-            "grace": 0.1, "ranks": [{"rank": 0, "env": {}}], "pmi": {"mode": "off"}}
+    return wire.AgentSpec("job", argv, cwd, (wire.RankStart(0, {}),),
+                          watch=wire.Watch(beat, misses=2, grace=0.1),
+                          pmi=wire.PmiSpec(mode="off")).to_json()
 
 
 def test_the_agent_says_hello_with_its_protocol_version_first(head: Head) -> None:
@@ -89,6 +90,16 @@ def test_a_spec_whose_program_is_not_found_is_answered_with_an_error(head: Head)
     head.send(K.SPEC, spec(argv=("no-such-program-xyz",)))
     error = head.next_frame()
     assert error.kind is K.ERROR and error.json()["what"] == "program not found"
+
+
+def test_a_spec_with_a_missing_field_is_answered_with_an_error_naming_it(head: Head) -> None:
+    head.next_frame()
+    body = spec()
+    del body["cwd"]
+    head.send(K.SPEC, body)
+    error = head.next_frame()
+    assert error.kind is K.ERROR and error.json()["what"] == "unreadable SPEC"
+    assert "KeyError 'cwd'" in error.json()["why"]
 
 
 def test_a_good_spec_is_answered_ready_and_bye_ends_the_agent_with_0(head: Head) -> None:
@@ -116,10 +127,10 @@ def test_a_query_is_answered_and_an_unknown_one_gets_an_error_reply(head: Head) 
     assert head.next_frame().json()["error"] == "unknown query 'reboot'"
 
 
-def test_the_head_closing_its_stream_ends_an_idle_agent_with_0(head: Head) -> None:
+def test_the_head_closing_its_stream_without_bye_ends_an_idle_agent_with_1(head: Head) -> None:
     head.next_frame()
     head.to_agent.close()
-    assert head.result.get(timeout=10) == 0
+    assert head.result.get(timeout=10) == 1
 
 
 def test_a_program_the_kernel_cannot_execute_is_an_error_naming_the_rank(

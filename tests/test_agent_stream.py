@@ -14,7 +14,7 @@ def test_a_local_agent_stream_is_local_and_abort_ends_it():
         assert stream.is_local and stream.connection is None
         stream.abort()
         assert stream.read() == b""
-        assert stream.wait(15) == 0  # EOF before HELLO: the agent leaves on its own
+        assert stream.wait(15) == 1  # EOF without BYE: the agent leaves on its own, non-zero
         assert stream.stderr_text() == ""
     finally:
         stream.kill()

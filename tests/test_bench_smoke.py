@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bench import common, launch_time, run_all, slurm, wireup
+from bench import common, launch_time, rendezvous, run_all, slurm, wireup
 
 
 def _usable(tools):
@@ -39,6 +39,15 @@ def test_launch_time_on_one_host_starts_every_rank_under_every_tool(netns_cluste
         assert row["start_s_growth"] == 1.0
     if "hydra" in tools:
         assert isinstance(rows[0]["start_s_vs_hydra"], float)
+    assert netns_cluster.wait_no_job_pids(5) == {}
+
+
+def test_the_rendezvous_bench_on_one_host_starts_every_rank_under_every_tool(netns_cluster):
+    tools = list(rendezvous.TOOLS)
+    rows = rendezvous.run(hosts=(1,), reps=1, tools=tools, warmup=False, cluster=netns_cluster)
+    _check_rows(rows, tools, ("start", "exit"))
+    assert all(row["start_s"] <= row["exit_s"] for row in rows)
+    assert isinstance(rows[0]["start_s_vs_torchrun"], float)
     assert netns_cluster.wait_no_job_pids(5) == {}
 
 

@@ -130,24 +130,27 @@ def test_accept_new_records_unknown_host_keys_and_launches(cluster, tmp_path, cl
     assert again.returncode == 0, again.stderr
 
 
-def test_unreachable_host_fails_within_the_timeout_and_starts_nothing(cluster, tmp_path):
+def test_unreachable_host_is_retried_until_the_launch_timeout_and_starts_nothing(cluster,
+                                                                               tmp_path):
     cluster.link_down("node3")
     t0 = time.monotonic()
     res = run_dtrain(["launch", "-H", "node1:1,node2:1,node3:1", *_ssh(cluster),
-                      "--ssh-connect-timeout", "2", "--", PYTHON, PROBE, "sleep", "30"])
+                      "--ssh-connect-timeout", "2", "--launch-timeout", "3", "--", PYTHON, PROBE,
+                      "sleep", "30"])
     elapsed = time.monotonic() - t0
     assert res.returncode == 255
-    assert "node3" in res.stderr and "nothing was started" not in res.stdout
+    assert "1 host(s) not reachable yet: node3 (TCP connect timed out" in res.stderr
+    assert "nothing was started" not in res.stdout
     assert elapsed < 15
     assert not cluster.job_pids("node1") and not cluster.job_pids("node2")
 
 
 @CLIENTS
-def test_refused_port_gives_a_clear_error_at_once(cluster, tmp_path, client):
+def test_refused_port_gives_a_clear_error_once_the_launch_timeout_ends(cluster, tmp_path, client):
     hf = _hostfile(tmp_path, "node1 slots=1\nnode2 slots=1 port=2\n")
     t0 = time.monotonic()
-    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster, client), "--", PYTHON, PROBE, "sleep",
-                      "30"])
+    res = run_dtrain(["launch", "-f", hf, *_ssh(cluster, client), "--launch-timeout", "1", "--",
+                      PYTHON, PROBE, "sleep", "30"])
     assert res.returncode == 255
     assert "refused" in res.stderr and "node2" in res.stderr
     assert time.monotonic() - t0 < 10

@@ -43,13 +43,15 @@ def hello() -> dict[str, Any]:
     }
 
 
-def rendezvous(probe: dict[str, Any]) -> dict[str, Any]:
+def rendezvous(probe: wire.Probe | None) -> dict[str, Any]:
     """Rank 0's host picks the rendezvous: its address towards the next host, a free port."""
     found: dict[str, Any] = {}
+    if probe is None:
+        return found
     try:
-        if probe.get("route_to"):
-            found["address"] = route_source(str(probe["route_to"]))
-        if probe.get("free_port"):
+        if probe.route_to:
+            found["address"] = route_source(probe.route_to)
+        if probe.free_port:
             found["port"] = free_port()
     except OSError as exc:
         found["probe_error"] = str(exc)

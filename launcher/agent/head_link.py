@@ -1,4 +1,5 @@
-"""The agent's end of the stream to the head: frames in on stdin, frames out on stdout.
+"""The agent's end of the stream to the head: frames in on stdin, frames out on stdout (or both
+over a rendezvous connection's sealed socket, `launcher.rendezvous.join`).
 
 The agent's real stdout is taken over for frames at start-up and fd 1 is pointed at stderr,
 so a stray print in the agent (or in a library it imports) cannot corrupt the stream. Frames
@@ -18,7 +19,10 @@ from launcher.agent.writer import FrameWriter
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
-    from typing import Any, BinaryIO
+    from collections.abc import Callable
+    from typing import Any
+
+    from launcher.agent.writer import ByteSink
 
 
 @dataclass(frozen=True)
@@ -31,10 +35,12 @@ class Eof:
 class HeadLink:
     """The frame writer thread plus a reader thread that queues incoming frames."""
 
-    def __init__(self, events: queue.Queue[Any], in_fd: int, out: BinaryIO) -> None:
-        """Frames are read from ``in_fd`` and written to ``out`` (both owned from now on)."""
+    def __init__(self, events: queue.Queue[Any], read: Callable[[int], bytes],
+                 out: ByteSink) -> None:
+        """Frames are read with ``read(max_bytes)`` (b"" at the end) and written to ``out``
+        (both owned from now on)."""
         self._writer = FrameWriter(out)
-        self._in_fd = in_fd
+        self._read = read
         self._events = events
         threading.Thread(target=self._read_loop, name="head-reader", daemon=True).start()
 
@@ -47,7 +53,7 @@ class HeadLink:
         os.dup2(devnull, 0)
         os.close(devnull)
         os.dup2(2, 1)
-        return cls(events, in_fd, out)
+        return cls(events, lambda size: os.read(in_fd, size), out)
 
     def send(self, data: bytes) -> bool:
         """Queue one encoded control frame; never blocks. False once the stream is broken."""
@@ -69,7 +75,7 @@ class HeadLink:
         reason = "the head closed the stream"
         try:
             while True:
-                data = os.read(self._in_fd, 65536)
+                data = self._read(65536)
                 if not data:
                     break
                 for frame in decoder.feed(data):

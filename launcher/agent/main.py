@@ -4,8 +4,9 @@ It says HELLO, checks the SPEC (usually already waiting in its stdin: READY or E
 its host's ranks on START, relays their output, exit statuses and PMI traffic, and stops every
 rank (SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE,
 when the stream from the head closes, or when the head falls silent for `misses` heartbeat
-intervals. What it imports is kept to what it uses (no `typing`, `pathlib`, `secrets` at
-start-up): every host pays the agent's start-up before its ranks can start.
+intervals. It exits 0 after BYE when every rank of its host exited 0, else 1 (a pod restarts).
+Its imports are kept to what it uses (no `typing`, `pathlib`, `secrets` at start-up): every
+host pays the agent's start-up before its ranks can start.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import os
 import queue
 import signal
+import sys
 import time
 from collections.abc import Callable
 
@@ -37,18 +39,18 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class Agent:
-    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink] = HeadLink.over_stdio
-                 ) -> None:
-        """``connect`` makes the link to the head from the agent's event queue (stdin/stdout
-        in production; a pair of pipes in the core tests)."""
+    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink]) -> None:
+        """``connect`` makes the link to the head from the agent's event queue (stdin/stdout,
+        a rendezvous socket; a pair of pipes in the core tests)."""
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
-        self.spec: dict[str, Any] = {}
+        self.spec: wire.AgentSpec | None = None
+        self.job_env: dict[str, str] = {}  # what START adds to every rank (MASTER_ADDR/PORT)
         self.interface: str | None = None  # the NIC that reaches MASTER_ADDR
         self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
         self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
-        self.interval = 5.0
+        self.interval = wire.Watch.heartbeat  # until the SPEC sets the job's
         self.silence_limit = HELLO_SILENCE_S
         self.last_heard = self.last_sent = time.monotonic()
         self.kill_at: float | None = None
@@ -76,13 +78,11 @@ class Agent:
                 self._on_exit(event)
             elif isinstance(event, Eof):
                 self._stop(signal.SIGTERM, EOF_GRACE_S)
-                return self._leave(1 if self.ranks else 0)
+                return self._leave(1)  # the head went away without BYE: nobody said done
 
     def _wait_time(self, now: float) -> float:
-        waits = [self.interval - (now - self.last_sent), 1.0]
-        if self.kill_at is not None:
-            waits.append(self.kill_at - now)
-        return max(0.01, min(waits))
+        kill = 1.0 if self.kill_at is None else self.kill_at - now
+        return max(0.01, min(self.interval - (now - self.last_sent), 1.0, kill))
 
     def _deadlines(self, now: float) -> bool:
         """Heartbeats and timers; True when the agent must leave now."""
@@ -109,11 +109,12 @@ class Agent:
         kind = frame.kind
         if kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
-        elif kind is wire.Kind.START:
-            self._start_all(frame.json().get("env", {}))
+        elif kind is wire.Kind.START and self.spec is not None:
+            self._start_all(self.spec, frame.json().get("env", {}))
         elif kind is wire.Kind.KILL:
             body = frame.json()
-            self._stop(int(body.get("signal", signal.SIGTERM)), float(body.get("grace", 10.0)))
+            self._stop(int(body.get("signal", signal.SIGTERM)),
+                       float(body.get("grace", wire.Watch.grace)))
         elif kind is wire.Kind.STDIN:
             self._on_stdin(frame.payload)
         elif kind is wire.Kind.PMI and self.pmi is not None:
@@ -122,77 +123,81 @@ class Agent:
             self.progress.probe(frame.json(), self._pids())
         elif kind is wire.Kind.QUERY:
             self.link.send_json(wire.Kind.REPLY, facts.answer(frame.json()))
-        elif kind is wire.Kind.BYE:
+        elif kind in (wire.Kind.BYE, wire.Kind.REFUSE):  # REFUSE: the head gave up before START
+            if kind is wire.Kind.REFUSE:
+                sys.stderr.write(f"dtrain agent: {frame.json().get('why')}\n")
             self._stop(signal.SIGKILL, 0.0)
-            self._leave(self.exit_code)
+            self._leave(self.exit_code if kind is wire.Kind.BYE else 1)
             return True
         return False
 
-    def _on_spec(self, spec: dict[str, Any]) -> None:
+    def _on_spec(self, body: dict[str, Any]) -> None:
         t0 = time.monotonic()
+        try:
+            spec = wire.AgentSpec.from_json(body)
+        except wire.WireError as exc:
+            self.link.send_json(wire.Kind.ERROR, {"what": "unreadable SPEC", "why": str(exc),
+                                                  "fix": "use one dtrain version everywhere"})
+            return
         self.spec = spec
-        self.interval = float(spec.get("heartbeat", 5.0))
-        self.silence_limit = self.interval * int(spec.get("misses", 3))
+        self.interval = spec.watch.heartbeat
+        self.silence_limit = spec.watch.heartbeat * spec.watch.misses
         problem = self._check_spec(spec)
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
-        interval = float((spec.get("progress") or {}).get("interval", 0.0))
-        if spec.get("progress") is not None:
+        ranks = [r.rank for r in spec.ranks]
+        if spec.progress_interval is not None:
             self.progress = ProgressReporter(
-                spec["job_id"], _host_of(spec),
-                [r["rank"] for r in spec["ranks"]], interval,
+                spec.job_id, spec.ranks[0].env.get(workerenv.HOST, "") if ranks else "",
+                ranks, spec.progress_interval,
                 lambda body: self.link.send_json(wire.Kind.PROGRESS, body))
-        pmi = spec.get("pmi") or {}
-        if pmi.get("mode", "off") != "off":
+        if spec.pmi.mode != "off":
             from launcher.agent.pmi_sockets import PmiSockets
 
             self.pmi = PmiSockets(
-                mode=pmi["mode"], ranks=[r["rank"] for r in spec["ranks"]],
-                world_size=int(pmi["world_size"]), kvsname=pmi["kvsname"],
-                process_mapping=pmi["process_mapping"],
-                stall_after=float(pmi.get("stall", 30.0)),
+                mode=spec.pmi.mode, ranks=ranks, world_size=spec.pmi.world_size,
+                kvsname=spec.pmi.kvsname, process_mapping=spec.pmi.process_mapping,
+                stall_after=spec.pmi.stall,
                 send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
             )
-        self.link.send_json(wire.Kind.READY, {"ranks": len(spec["ranks"]),
-                                               **facts.rendezvous(spec.get("probe") or {}),
+        self.link.send_json(wire.Kind.READY, {"ranks": len(spec.ranks),
+                                               **facts.rendezvous(spec.probe),
                                                "check_s": round(time.monotonic() - t0, 4)})
 
-    def _check_spec(self, spec: dict[str, Any]) -> dict[str, str] | None:
-        cwd = spec["cwd"]
+    def _check_spec(self, spec: wire.AgentSpec) -> dict[str, str] | None:
+        cwd = spec.cwd
         if not os.path.isdir(cwd):
             return {"what": "working directory missing", "why": f"{cwd} does not exist here",
                     "fix": "create it on every host, or pass --chdir DIR"}
-        argv = spec["argv"]
-        env = self._rank_env(spec["ranks"][0]) if spec["ranks"] else dict(os.environ)
-        if find_program(argv[0], env, cwd) is None:
-            return {"what": "program not found", "why": f"{argv[0]!r} is not an executable in "
+        env = self._rank_env(spec.ranks[0]) if spec.ranks else dict(os.environ)
+        if find_program(spec.argv[0], env, cwd) is None:
+            return {"what": "program not found", "why": f"{spec.argv[0]!r} is not an executable in "
                     f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
         return None
 
-    def _rank_env(self, rank_spec: dict[str, Any]) -> dict[str, str]:
-        env = rank_environment(os.environ, rank_spec["env"])
+    def _rank_env(self, rank: wire.RankStart) -> dict[str, str]:
+        env = rank_environment(os.environ, {**rank.env, **self.job_env})
         if self.interface:
             for name in SOCKET_IFNAME_VARS:
                 env.setdefault(name, self.interface)
         if self.pmi is not None:
-            env.update(self.pmi.rank_env(rank_spec["rank"]))
+            env.update(self.pmi.rank_env(rank.rank))
         if self.progress is not None:
-            env[workerenv.PROGRESS_FILE] = self.progress.path(rank_spec["rank"])
+            env[workerenv.PROGRESS_FILE] = self.progress.path(rank.rank)
         return env
 
     def _pids(self) -> dict[int, int]:
         return {rank: rp.pid for rank, rp in self.ranks.items()}
 
     # -- ranks ---------------------------------------------------------------------------------
-    def _start_all(self, job_env: dict[str, str]) -> None:
+    def _start_all(self, spec: wire.AgentSpec, job_env: dict[str, str]) -> None:
         """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
-        for rank_spec in self.spec["ranks"]:
-            rank_spec["env"].update(job_env)
+        self.job_env = {str(k): str(v) for k, v in job_env.items()}
         master = job_env.get("MASTER_ADDR")
         self.interface = netroute.interface_for(master) if master else None
         t0 = time.monotonic()
-        started, failure = self._spawn_all()
+        started, failure = self._spawn_all(spec)
         self.started = bool(started)
         spawn_s = round(time.monotonic() - t0, 4)  # for `dtrain launch --timings`
         for rp in started:  # watched only now: see RankProcess.watch
@@ -205,17 +210,17 @@ class Agent:
             self.link.send_json(wire.Kind.ERROR, {
                 "what": "rank did not start", "why": failure,
                 "fix": "check the program and the working directory on this host"})
-            self._stop(signal.SIGTERM, float(self.spec.get("grace", 10.0)))
+            self._stop(signal.SIGTERM, spec.watch.grace)
 
-    def _spawn_all(self) -> tuple[list[RankProcess], str | None]:
+    def _spawn_all(self, spec: wire.AgentSpec) -> tuple[list[RankProcess], str | None]:
         """Start this host's ranks in order; stops at the first that cannot start (why)."""
         started: list[RankProcess] = []
-        for rank_spec in self.spec["ranks"]:
-            rank = rank_spec["rank"]
+        for rank_start in spec.ranks:
+            rank = rank_start.rank
             fds = self.pmi.rank_fds(rank) if self.pmi else []
             try:
-                rp = start_rank(rank, self.spec["argv"], self._rank_env(rank_spec),
-                                self.spec["cwd"], fds, stdin_pipe=rank == 0)
+                rp = start_rank(rank, spec.argv, self._rank_env(rank_start), spec.cwd,
+                                fds, stdin_pipe=rank == 0)
             except OSError as exc:
                 return started, f"rank {rank}: {exc}"
             if self.pmi:
@@ -239,6 +244,7 @@ class Agent:
 
     def _on_exit(self, ev: RankExited) -> None:
         rp = self.ranks.pop(ev.rank, None)
+        self.exit_code = self.exit_code or int(ev.code != 0)  # 0 only if every rank exited 0
         if self.pmi is not None:
             self.pmi.exited(ev.rank)
         if rp is not None:
@@ -290,9 +296,4 @@ class Agent:
             self.progress.close()
         self.exit_code = code
         return code
-
-
-def _host_of(spec: dict[str, Any]) -> str:
-    ranks = spec.get("ranks") or [{}]
-    return str(ranks[0].get("env", {}).get(workerenv.HOST, ""))
 

@@ -22,13 +22,19 @@ import time
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
-    from typing import BinaryIO
+    from typing import Protocol
+
+    class ByteSink(Protocol):
+        """Where frames go: a pipe or file (stdout), or a rendezvous connection's sealed socket."""
+
+        def write(self, data: memoryview, /) -> int:
+            """Write some of ``data``; the number of bytes written."""
 
 OUTPUT_QUEUE_BYTES = 1024 * 1024
 
 
 class FrameWriter:
-    def __init__(self, out: BinaryIO, limit: int = OUTPUT_QUEUE_BYTES) -> None:
+    def __init__(self, out: ByteSink, limit: int = OUTPUT_QUEUE_BYTES) -> None:
         self._out = out
         self._limit = limit
         self._frames: collections.deque[tuple[bytes, bool]] = collections.deque()

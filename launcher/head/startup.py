@@ -23,9 +23,10 @@ from typing import Any
 from launcher import netroute, wire
 from launcher.errors import AgentError
 from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
-from launcher.plan.job import JobPlan, Rendezvous
+from launcher.plan.job import HostPlan, JobPlan, Rendezvous
 
 #: A SPEC up to this size is written as soon as the streams are open: it fits the buffer of any
 #: pipe (64 KiB on Linux) and SSH channel window, so the write cannot block on an agent that has
@@ -44,7 +45,8 @@ class Signalled:
 
 
 class Startup:
-    def __init__(self, links: Sequence[AgentLink], events: queue.Queue[Any], opts: Any) -> None:
+    def __init__(self, links: Sequence[AgentLink], events: queue.Queue[Any],
+                 opts: SuperviseOptions) -> None:
         self.links = list(links)
         self.events = events
         self.opts = opts
@@ -58,8 +60,8 @@ class Startup:
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
         user_addr, user_port = master
-        probe = {"route_to": None if user_addr or len(self.links) == 1 else self._next_host(),
-                 "free_port": user_port is None}
+        probe = wire.Probe(None if user_addr or len(self.links) == 1 else self._next_host(),
+                           free_port=user_port is None)
         ready: dict[int, dict[str, Any]] = {}
         specs = {link.index: self._spec_frame(plan, link.index, probe) for link in self.links}
         unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
@@ -113,30 +115,20 @@ class Startup:
             return netroute.route_source(_address_of(first))
         return _address_of(second)
 
-    def _spec_frame(self, plan: JobPlan, index: int, probe: dict[str, Any]) -> bytes:
-        spec = self._spec(plan, plan.hosts[index])
-        if index == 0:
-            spec["probe"] = probe
-        return wire.encode_json(wire.Kind.SPEC, spec)
+    def _spec_frame(self, plan: JobPlan, index: int, probe: wire.Probe) -> bytes:
+        spec = self.spec(plan, plan.hosts[index], probe if index == 0 else None)
+        return wire.encode_json(wire.Kind.SPEC, spec.to_json())
 
-    def _spec(self, plan: JobPlan, host_plan: Any) -> dict[str, Any]:
-        return {
-            "job_id": plan.job_id,
-            "argv": list(plan.argv),
-            "cwd": plan.cwd,
-            "ranks": [{"rank": r.rank, "env": plan.rank_env(r)} for r in host_plan.ranks],
-            "heartbeat": self.opts.heartbeat,
-            "misses": self.opts.misses,
-            "grace": self.opts.grace,
-            "progress": {"interval": sample_interval(self.opts)},
-            "pmi": {
-                "mode": self.opts.pmi,
-                "kvsname": plan.job_id,
-                "world_size": plan.world_size,
-                "process_mapping": plan.process_mapping,
-                "stall": self.opts.pmi_stall,
-            },
-        }
+    def spec(self, plan: JobPlan, host_plan: HostPlan, probe: wire.Probe | None = None
+             ) -> wire.AgentSpec:
+        """What one host runs, as its SPEC frame carries it."""
+        return wire.AgentSpec(
+            job_id=plan.job_id, argv=plan.argv, cwd=plan.cwd,
+            ranks=tuple(wire.RankStart(r.rank, plan.rank_env(r)) for r in host_plan.ranks),
+            watch=self.opts.watch,
+            pmi=wire.PmiSpec(self.opts.pmi, plan.job_id, plan.world_size,
+                             plan.process_mapping, self.opts.pmi_stall),
+            progress_interval=sample_interval(self.opts), probe=probe)
 
     def _until(self, done: Callable[[], bool], doing: str,
                on_frame: Callable[[AgentLink, wire.Frame], None]) -> None:
@@ -171,8 +163,9 @@ class Startup:
                                  "nothing was started; check the host")
 
     def _silent(self, indices: set[int]) -> AgentLink | None:
-        # Agents send heartbeats every 5 s until the SPEC sets the job's interval.
-        limit = max(self.opts.heartbeat * self.opts.misses, 15.0)
+        # Agents send heartbeats at the default interval until the SPEC sets the job's.
+        first = wire.Watch()
+        limit = max(self.opts.heartbeat * self.opts.misses, first.heartbeat * first.misses)
         now = time.monotonic()
         for index in sorted(indices):
             if self.links[index].held:

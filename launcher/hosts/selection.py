@@ -45,16 +45,18 @@ Filter = Mapping[str, "frozenset[int] | None"]
 
 def select_hosts(entries: list[HostEntry], *, include: str | None = None,
                  exclude: str | None = None, num_nodes: int | None = None,
-                 nproc_per_node: int | None = None) -> list[HostSlots]:
-    """Apply the filters to the hostfile's entries; the result is never empty."""
+                 nproc_per_node: int | None = None, unknown_ok: bool = False) -> list[HostSlots]:
+    """Apply the filters to the hostfile's entries; the result is never empty. With
+    ``unknown_ok`` a filter may name hosts that are not there (agents that joined by rendezvous
+    are whoever came: `refusal` turned the others away)."""
     if include is not None and exclude is not None:
         raise UsageError("conflicting options", "--include/--exclude", "they are mutually "
                          "exclusive", "Give only one of them")
     pool = [HostSlots(e, tuple(range(e.slots)), False) for e in entries]
     if include is not None:
-        pool = _include(pool, parse_filter(include, "--include", entries))
+        pool = _include(pool, parse_filter(include, "--include", entries, unknown_ok))
     elif exclude is not None:
-        pool = _exclude(pool, parse_filter(exclude, "--exclude", entries))
+        pool = _exclude(pool, parse_filter(exclude, "--exclude", entries, unknown_ok))
     if not pool:
         option = "--include" if include is not None else "--exclude" if exclude is not None \
             else "hosts"
@@ -67,18 +69,16 @@ def select_hosts(entries: list[HostEntry], *, include: str | None = None,
     return pool
 
 
-def parse_filter(text: str, option: str, entries: list[HostEntry]) -> dict[str, frozenset[int]
-                                                                          | None]:
+def parse_filter(text: str, option: str, entries: list[HostEntry], unknown_ok: bool = False
+                 ) -> dict[str, frozenset[int] | None]:
     """Parse `NODE_SPEC[@NODE_SPEC...]` against the known hosts; names are checked here."""
     by_name = {e.name.lower(): e for e in entries}
     chosen: dict[str, frozenset[int] | None] = {}
-    if not text.strip():
-        raise UsageError("empty host filter", option, "no NODE_SPEC was given",
-                         "Write e.g. node1:0,1@node2")
-    for spec in text.split("@"):
-        name, slots = _split_spec(spec.strip(), option)
+    for name, slots in filter_specs(text, option):
         entry = by_name.get(name.lower())
         if entry is None:
+            if unknown_ok:
+                continue
             raise UsageError("unknown host in filter", option, f"{name!r} is not in the host "
                              f"list; known hosts: {_known(entries)}",
                              "Use a name exactly as the hostfile writes it")
@@ -89,6 +89,28 @@ def parse_filter(text: str, option: str, entries: list[HostEntry]) -> dict[str, 
             slots = None if old is None or slots is None else old | slots
         chosen[key] = slots
     return chosen
+
+
+def filter_specs(text: str, option: str) -> list[tuple[str, frozenset[int] | None]]:
+    """The (host name, slots or None for all) pairs of a filter, as written."""
+    if not text.strip():
+        raise UsageError("empty host filter", option, "no NODE_SPEC was given",
+                         "Write e.g. node1:0,1@node2")
+    return [_split_spec(spec.strip(), option) for spec in text.split("@")]
+
+
+def refusal(name: str, *, include: str | None, exclude: str | None) -> str:
+    """Why a host that comes by itself (a rendezvous agent) is not used, "" when it is:
+    --include does not name it, or --exclude names all of it (slots are chosen later)."""
+    option, text = ("--include", include) if include is not None else ("--exclude", exclude)
+    if text is None:
+        return ""
+    named = {n.lower(): slots for n, slots in filter_specs(text, option)}
+    if include is not None and name.lower() not in named:
+        return f"--include does not name {name}"
+    if exclude is not None and name.lower() in named and named[name.lower()] is None:
+        return f"--exclude leaves {name} out"
+    return ""
 
 
 def _split_spec(spec: str, option: str) -> tuple[str, frozenset[int] | None]:

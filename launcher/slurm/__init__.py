@@ -6,21 +6,5 @@
                 (adapter)
 
 Everything after the agents start is the SSH launcher's code path; see docs/design.md §5.
+The `slurm` row of `launcher.transport.table` names srun's entry points.
 """
-
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from launcher.transport.connect import AgentStarter
-
-
-def starter_for(launcher: str) -> AgentStarter | None:
-    """What `transport.connect` starts agents with: srun steps for "slurm", else None (SSH or
-    local). `srun` is imported only then: an SSH launch's start-up would pay ~10 ms for it."""
-    if launcher != "slurm":
-        return None
-    from launcher.slurm import srun
-
-    return srun.start_agents

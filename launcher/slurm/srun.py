@@ -33,6 +33,7 @@ from launcher.errors import ConnectError, UsageError
 from launcher.hosts.selection import HostSlots
 from launcher.slurm.allocation import JOB_ID
 from launcher.transport.local import LocalAgentStream, agent_command
+from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
 
 
@@ -84,9 +85,10 @@ def srun_environment(environ: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in environ.items() if not k.startswith("SLURM_") or k in keep}
 
 
-def start_agents(selected: Sequence[HostSlots], *, python: str,
+def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions | None = None,
                  environ: Mapping[str, str] = os.environ) -> list[AgentStream | ConnectError]:
-    """One srun step per host, all started before any is waited on."""
+    """One srun step per host, all started before any is waited on (``ssh`` is not used:
+    Slurm carries the streams; the table's dispatch entries all take it)."""
     job_id = environ.get(JOB_ID)
     srun = shutil.which("srun", path=environ.get("PATH"))
     if not job_id or srun is None:

@@ -1,5 +1,6 @@
-"""One agent per host over the right transport: a local subprocess or one SSH session
-(paramiko in the head, or an `ssh` process with --ssh-client openssh).
+"""One agent per host over the transport the table names (`transport.table`): for the ssh
+launcher each host's own row, a local subprocess or one SSH session (paramiko in the head, or an
+`ssh` process with --ssh-client openssh); srun steps for the slurm launcher.
 
 Each remote host is connected and its agent started in one worker, so a host's agent boots
 while other hosts are still shaking hands. Agents start no rank until told to, so when any
@@ -8,22 +9,25 @@ host fails, closing the others' streams leaves nothing anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import sys
+import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from launcher.errors import ConnectError, UsageError
+from launcher import wire
+from launcher.errors import ConnectError, UnreachableError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.hosts.selection import HostSlots
-from launcher.transport.local import LocalAgentStream, agent_command
+from launcher.transport import table
+from launcher.transport.local import agent_command
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
 
-# Starts the agents of all hosts another way than SSH: (selected, python=...) -> results.
-AgentStarter = Callable[..., "list[AgentStream | ConnectError]"]
-
+#: Pauses between rounds of connecting to hosts not reachable yet: the first, the longest.
+RETRY_PAUSE_S = (0.5, 5.0)
 _SHELL_CHARS = "'\"`$;&|<>\\()*?[]{}!#~"
 
 
@@ -36,9 +40,31 @@ def validate_remote_python(path: str) -> str:
 
 
 def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 starter: AgentStarter | None = None) -> list[AgentStream]:
-    """Agent streams in host order; ConnectError (nothing left running) if any host fails."""
-    results = start_agents(selected, python=python, ssh=ssh, starter=starter)
+                 transport: table.Transport, retry_for: float = 0.0) -> list[AgentStream]:
+    """Agent streams in host order; ConnectError (nothing left running) if any host fails.
+
+    Hosts that do not resolve or accept connections yet (UnreachableError: a Kubernetes
+    worker whose pod or DNS record is not up when the launcher starts) are tried again with
+    back-off for up to ``retry_for`` seconds, one line per round naming them, while the agents
+    already started hear heartbeats (they would leave after a minute of silence)."""
+    deadline = time.monotonic() + retry_for
+    results = start_agents(selected, python=python, ssh=ssh, transport=transport)
+    pause = RETRY_PAUSE_S[0]
+    while True:
+        waiting = [i for i, r in enumerate(results) if isinstance(r, UnreachableError)]
+        failed = sum(isinstance(r, ConnectError) for r in results) > len(waiting)
+        left = deadline - time.monotonic()
+        if not waiting or failed or left <= 0:  # a host that refused us fails the launch now
+            break
+        names = ", ".join(f"{selected[i].entry.name} ({_cause(results[i])})" for i in waiting)
+        sys.stderr.write(f"dtrain: {len(waiting)} host(s) not reachable yet: {names}; trying "
+                         f"again for {left:.0f}s more (--launch-timeout)\n")
+        _keep_alive([r for r in results if not isinstance(r, ConnectError)], min(pause, left))
+        again = start_agents([selected[i] for i in waiting], python=python, ssh=ssh,
+                             transport=transport)
+        for i, result in zip(waiting, again, strict=True):
+            results[i] = result
+        pause = min(2 * pause, RETRY_PAUSE_S[1])
     streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:
@@ -49,36 +75,50 @@ def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
     return streams
 
 
-def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 starter: AgentStarter | None = None) -> list[AgentStream | ConnectError]:
-    """An agent stream, or why there is none, for every host, in host order; an ssh config
-    that cannot be used (a refused directive, a bad name) raises before anything connects.
-    A ``starter`` starts every host's agent its own way (`launcher.slurm.srun`: srun steps)."""
-    python = validate_remote_python(python)
-    if starter is not None:
-        return starter(selected, python=python)
-    results: dict[int, AgentStream | ConnectError] = {
-        i: LocalAgentStream(h.entry.name, python=python)
-        for i, h in enumerate(selected) if h.entry.is_local}
-    remote = [(i, h) for i, h in enumerate(selected) if not h.entry.is_local]
-    if remote:
-        entries = [h.entry for _, h in remote]
-        if ssh.client == "openssh":  # `ssh` processes: paramiko is never imported
-            from launcher.transport.openssh import session
+def _cause(error: AgentStream | ConnectError) -> str:
+    return error.why if isinstance(error, ConnectError) else ""
 
-            started: Sequence[AgentStream | ConnectError] = session.start_agents(
-                entries, python=python, opts=ssh)
-        else:
-            started = _start_paramiko(entries, python=python, ssh=ssh)
-        for (i, _), result in zip(remote, started, strict=True):
-            results[i] = result
+
+def _keep_alive(streams: Sequence[AgentStream], seconds: float) -> None:
+    """Wait ``seconds``, with a heartbeat to every started agent at the default interval."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, wire.Watch.heartbeat))
+        for stream in streams:
+            with contextlib.suppress(OSError, ValueError):  # a broken one shows at start-up
+                stream.write(wire.encode(wire.Kind.HEARTBEAT))
+
+
+def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
+                 transport: table.Transport) -> list[AgentStream | ConnectError]:
+    """An agent stream, or why there is none, for every host, in host order, started by a
+    dispatching ``transport``; an ssh config that cannot be used (a refused directive, a bad
+    name) raises before anything connects."""
+    python = validate_remote_python(python)
+    results: list[AgentStream | ConnectError] = transport.load()(selected, python=python,
+                                                                 ssh=ssh)
+    return results
+
+
+def start_by_host(selected: Sequence[HostSlots], *, python: str,
+                  ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+    """The ssh launcher: every host by its own row of the table (a loopback name locally, the
+    others over the --ssh-client), each kind of host started together, in host order."""
+    groups: dict[table.Transport, list[int]] = {}
+    for i, host in enumerate(selected):
+        groups.setdefault(table.for_host(host.entry, ssh), []).append(i)
+    results: dict[int, AgentStream | ConnectError] = {}
+    for transport, indices in groups.items():
+        started = transport.load()([selected[i].entry for i in indices], python=python,
+                                   opts=ssh)
+        results.update(zip(indices, started, strict=True))
     return [results[i] for i in range(len(selected))]
 
 
-def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
-                    ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+def start_paramiko(entries: Sequence[HostEntry], *, python: str,
+                   opts: SSHOptions) -> list[AgentStream | ConnectError]:
     """One paramiko connection and agent channel per host, ``max_parallel`` at a time."""
-    import_paramiko(allow_config_exec=ssh.allow_config_exec)
+    import_paramiko(allow_config_exec=opts.allow_config_exec)
     # the thread pool and the SSH modules only when a remote host needs them
     from concurrent.futures import ThreadPoolExecutor
 
@@ -87,12 +127,12 @@ def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
     command = shlex.join(agent_command(python))
     # Every host's ssh config is decided before any connection, so a refused directive is
     # one error (raised here), not one per host, and nothing connects.
-    resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=ssh)
+    resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=opts)
                 for e in entries}
 
     def start(entry: HostEntry) -> AgentStream | ConnectError:
         try:
-            conn = SSHConnection.open(resolved[entry.name], ssh)
+            conn = SSHConnection.open(resolved[entry.name], opts)
         except ConnectError as exc:
             return exc
         try:
@@ -102,7 +142,7 @@ def _start_paramiko(entries: Sequence[HostEntry], *, python: str,
             return exc
         return stream
 
-    workers = max(1, min(ssh.max_parallel, len(entries)))
+    workers = max(1, min(opts.max_parallel, len(entries)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
         return list(pool.map(start, entries))
 

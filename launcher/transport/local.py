@@ -12,9 +12,16 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from launcher.errors import DtrainError
 from launcher.transport.stream import AgentConnection
+
+if TYPE_CHECKING:
+    from launcher.errors import ConnectError
+    from launcher.hosts.hostfile import HostEntry
+    from launcher.transport.options import SSHOptions
+    from launcher.transport.stream import AgentStream
 
 AGENT_MODULE = "launcher.agent"
 
@@ -37,6 +44,12 @@ def python_module(python: str, module: str, *options: str) -> list[str]:
 def agent_command(python: str) -> list[str]:
     """The constant agent command: the interpreter, then `-m launcher.agent`, nothing else."""
     return python_module(python, AGENT_MODULE, "-u")
+
+
+def start_agents(entries: Sequence[HostEntry], *, python: str,
+                 opts: SSHOptions) -> list[AgentStream | ConnectError]:
+    """The table's `local` row: one agent subprocess per loopback host (``opts`` unused)."""
+    return [LocalAgentStream(entry.name, python=python) for entry in entries]
 
 
 class LocalAgentStream:

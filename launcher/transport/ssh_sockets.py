@@ -19,7 +19,7 @@ from concurrent.futures import Future
 
 import paramiko
 
-from launcher.errors import ConnectError
+from launcher.errors import ConnectError, UnreachableError
 from launcher.transport.ssh_config import ResolvedHost
 
 #: What an SSH transport runs over: TCP, a jump host's tunnel, or a ProxyCommand's pipes.
@@ -47,7 +47,7 @@ def _resolve_addresses(host: ResolvedHost, deadline: float) -> _Addresses:
         why = f"no answer within {host.connect_timeout:g} s"
     except OSError as exc:
         why = str(exc)
-    raise ConnectError(f"cannot resolve host name {host.hostname!r}", host.where,
+    raise UnreachableError(f"cannot resolve host name {host.hostname!r}", host.where,
                        f"name not resolved ({why})", "Check the hostfile entry, /etc/hosts or "
                        "DNS, or set HostName for it in ~/.ssh/config")
 
@@ -67,7 +67,8 @@ def _tcp_error(host: ResolvedHost, exc: OSError | None) -> ConnectError:
                "ConnectTimeout for slow networks")
     else:
         why, fix = f"TCP connect failed: {exc}", "Check the host and its network"
-    return ConnectError(f"cannot connect to {host.alias}", host.where, why, fix)
+        return ConnectError(f"cannot connect to {host.alias}", host.where, why, fix)
+    return UnreachableError(f"cannot connect to {host.alias}", host.where, why, fix)
 
 
 class _PromptSocket(socket.socket):

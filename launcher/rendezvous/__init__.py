@@ -1,0 +1,13 @@
+"""Rendezvous mode: agents that something else starts (Kubernetes, a batch system, an instance
+group) join the head over TCP, authenticated by a shared token; docs/design.md, "Rendezvous".
+
+    options     the head's and the agent's settings, the token file (pure)
+    handshake   challenge and response over the token, both sides (pure)
+    channel     the sealed records everything after the handshake travels in (pure)
+    roster      who joined, their order, who is refused; `vacate`: the restart hook (pure)
+    stream      the handshake's frames, the sealed socket, the head's AgentStream (adapter)
+    listener    the head's socket: handshakes, the lobby until the start, late agents (adapter)
+    head        the transport table's `rendezvous` entry: wait for N agents, place them
+    join        `dtrain agent --rendezvous`: reach the head, join, serve as its agent (adapter)
+    command     the click options of `dtrain launch --rendezvous-port` and `dtrain agent`
+"""

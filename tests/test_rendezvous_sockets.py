@@ -1,0 +1,63 @@
+"""The rendezvous sockets on loopback: the head's listener and agents' `join`, real TCP and
+real handshakes in one process (no agent is served: what is checked is who gets a seat)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher import wire
+from launcher.errors import RendezvousError
+from launcher.rendezvous.join import join
+from launcher.rendezvous.listener import Listener
+from launcher.rendezvous.options import JoinOptions, RendezvousOptions
+from launcher.rendezvous.roster import Roster
+from testbed.sshd import free_port
+
+TOKEN = b"the-test-token-0123456789abcdef"
+
+
+@pytest.fixture
+def head(tmp_path: Path):
+    opts = RendezvousOptions(port=free_port(), nnodes=1, token_file=str(tmp_path / "unused"),
+                             host="127.0.0.1", timeout=10)
+    said: list[str] = []
+    listener = Listener(opts, TOKEN, Roster(1), said.append)
+    yield listener, said
+    listener.close("the test is over")
+
+
+def _join(listener: Listener, node_rank: int | None = None, timeout: float = 5.0):
+    port = listener.sock.getsockname()[1]
+    return join(JoinOptions("127.0.0.1", port, "unused", node_rank, timeout), TOKEN)
+
+
+def test_after_the_start_an_agent_is_refused_until_a_seat_is_vacated_then_takes_it(head):
+    listener, said = head
+    first: list[object] = []
+    threading.Thread(target=lambda: first.append(_join(listener)), daemon=True).start()
+    [(arrival, stream)] = listener.wait(time.monotonic() + 10, heartbeat=1.0)
+    with pytest.raises(RendezvousError, match="already started with 1 agents"):
+        _join(listener)
+    assert any("already started" in line for line in said)  # the head says so too
+    listener.vacate(0)  # the restart hook: node 0 was given up on
+    replacement = _join(listener, node_rank=0)
+    seat, joined = listener.replacements.get(timeout=5)
+    assert seat == 0 and joined.host == arrival.host
+    replacement.send_json(wire.Kind.HEARTBEAT)
+    assert wire.Decoder().feed(joined.read())[0].kind is wire.Kind.HEARTBEAT  # sealed, both ways
+    for sealed in (first[0], replacement):
+        sealed.sock.close()
+    stream.kill()
+    joined.kill()
+
+
+def test_an_agent_gives_up_when_no_head_answers_before_its_deadline() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match=r"no head answered .*tried for 0.5s.*refused"):
+        join(JoinOptions("127.0.0.1", port, "unused", None, 0.5), TOKEN)
+    assert time.monotonic() - t0 < 5
