@@ -14,6 +14,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from trainer.data.batches import BatchPlan
 from trainer.data.corpus import DataError
 from trainer.data.prepare import main as prepare_main
+from trainer.data.sources import DataSources, parse_data
 from trainer.data.token_batches import Position, TokenBatches, permute
 from trainer.data.token_files import MANIFEST, TokenFiles, file_sha256
 
@@ -182,3 +183,16 @@ def test_prepare_refuses_an_existing_output_and_leaves_it_alone(tmp_path: Path,
     assert "output folder exists" in capsys.readouterr().err
     assert (tmp_path / "ds" / "mine").read_text() == "keep"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "in"]  # no temporary left
+
+
+def test_data_names_text_one_dataset_or_a_weighted_blend(dataset: tuple[Path, list[Path]],
+                                                         tmp_path: Path) -> None:
+    folder = dataset[0]
+    assert parse_data(None) == DataSources()
+    assert parse_data(str(tmp_path)) == DataSources(text=str(tmp_path))
+    assert parse_data(str(folder)) == DataSources(tokenized=((folder, 1.0),))
+    assert parse_data(f"{folder}:0.7,{folder}:0.3").tokenized == ((folder, 0.7), (folder, 0.3))
+    with pytest.raises(DataError, match=rf"not a tokenized dataset \[--data .*: {tmp_path}\]"):
+        parse_data(f"{folder}:0.5,{tmp_path}:0.5")
+    with pytest.raises(DataError, match="the weight must be a positive number"):
+        parse_data(f"{folder}:-1")
