@@ -196,3 +196,13 @@ def test_data_names_text_one_dataset_or_a_weighted_blend(dataset: tuple[Path, li
         parse_data(f"{folder}:0.5,{tmp_path}:0.5")
     with pytest.raises(DataError, match="the weight must be a positive number"):
         parse_data(f"{folder}:-1")
+
+
+def test_a_blend_of_datasets_from_different_tokenizers_is_refused(
+        dataset: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    folder, files = dataset
+    assert prepare_main(["--input", *map(str, files), "--out", str(tmp_path / "other"),
+                         "--train-bpe", "280", "--quiet"]) == 0
+    with pytest.raises(DataError, match="blended datasets have different tokenizers"):
+        TokenBatches([(folder, 0.5), (tmp_path / "other", 0.5)], seq_len=SEQ,
+                     plan=BatchPlan(8, 1, 1), seed=0, dp_rank=0, model_vocab=512)

@@ -30,7 +30,7 @@ import torch
 
 from trainer.data.batches import BatchPlan, step_seed
 from trainer.data.corpus import DataError
-from trainer.data.token_files import TokenFiles
+from trainer.data.token_files import TOKENIZER, TokenFiles
 
 
 def _hash(x: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -109,6 +109,17 @@ class Source:
         return out
 
 
+def check_same_tokenizer(datasets: list[TokenFiles]) -> None:
+    """Refuse a blend of datasets made by different tokenizers (their ids mean other tokens)."""
+    first = datasets[0]
+    for other in datasets[1:]:
+        if other.manifest.files[TOKENIZER]["sha256"] != first.manifest.files[TOKENIZER]["sha256"]:
+            raise DataError("blended datasets have different tokenizers",
+                            f"--data {first.folder} and {other.folder}",
+                            "their token ids stand for different text",
+                            "Prepare every blended dataset with the same --tokenizer")
+
+
 @dataclass
 class Position:
     """Samples taken so far, in all and from each dataset: the loader's whole state."""
@@ -146,6 +157,7 @@ class TokenBatches:
         self.weights = [w / total for _, w in blend]
         self.sources = [Source(TokenFiles(path, model_vocab=model_vocab), seq_len, val_fraction)
                         for path, _ in blend]
+        check_same_tokenizer([s.files for s in self.sources])
         self.plan, self.seed, self.dp_rank = plan, seed, dp_rank
         self.device, self.validation = torch.device(device), validation
         self.position = Position(0, [0] * len(blend))
