@@ -78,19 +78,15 @@ class Variant:
     """One model of the bench, built by the trainer."""
 
     def __init__(self, args: argparse.Namespace, world: Any, name: str, run_dir: str) -> None:
-        from trainer.comm.bootstrap import build_groups
-        from trainer.comm.topology import ParallelDims
         from trainer.config.options import make_config
-        from trainer.training.run import build_run
+        from trainer.training.run import build_run, mesh_for
 
-        groups = build_groups(world, ParallelDims(dp=1, tp=2))
         cfg = make_config({"model": args.model, "global_batch": args.global_batch, "tp": 2,
                            "dp": 1, "steps": WARMUP + args.steps, "lr": 1e-4,
                            "warmup_steps": 1, "data_cap_mb": 1.0, "run_dir": run_dir,
                            "eval_every": 0, "precision": "fp32", **VARIANTS[name]},
                           {"seq_len": args.seq_len})
-        self.run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                             groups=groups)
+        self.run = build_run(cfg, mesh_for(cfg, world))
         self.name, self.device = name, world.device
         self.steps: list[dict[str, float]] = []
 

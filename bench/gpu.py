@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from bench.gpu_sides import dtrain_side, groups_of_one, largest_batch, plain_side
+from bench.gpu_sides import dtrain_side, largest_batch, mesh_of_one, plain_side
 from trainer.config.options import TrainConfig, make_config
 from trainer.model.flops import flops_per_token, peak_tflops
 
@@ -59,13 +59,13 @@ def throughput(world: Any, *, model: str, max_batch: int, steps: int, warmup: in
     """dtrain vs plain tokens/s and MFU, per compile setting."""
     device = world.device
     peak = peak_tflops(device)
-    groups = groups_of_one(world)
+    mesh = mesh_of_one(world)
     base = _config(model, precision="bf16", batch=1, run_dir=run_dir)
-    batch = largest_batch(base, world, groups, max_batch) if device.type == "cuda" else max_batch
+    batch = largest_batch(base, world, mesh, max_batch) if device.type == "cuda" else max_batch
     rows = []
     for compiled in compiles:
-        cfg = replace(base, global_batch=batch, compile=compiled)
-        ours = dtrain_side(cfg, world, groups, warmup=warmup, steps=steps)
+        cfg = base.with_options(global_batch=batch, compile=compiled)
+        ours = dtrain_side(cfg, world, mesh, warmup=warmup, steps=steps)
         plain = plain_side(cfg, device, warmup=warmup, steps=steps)
         tokens = batch * cfg.gpt.seq_len
         row: Row = {"part": "throughput", "model": model, "device": _device_name(device),
@@ -85,9 +85,9 @@ def cpu_precision(world: Any, *, steps: int, warmup: int, run_dir: str) -> Row:
 
     cpu_world = replace(world, device=torch.device("cpu"),
                         comm=MpiCommunicator(world.mpi_comm.Split(world.rank, 0), "cpu"))
-    groups = groups_of_one(cpu_world)
+    mesh = mesh_of_one(cpu_world)
     times = {p: dtrain_side(_config("tiny", precision=p, batch=8, run_dir=run_dir), cpu_world,
-                            groups, warmup=warmup, steps=steps) for p in ("fp32", "bf16")}
+                            mesh, warmup=warmup, steps=steps) for p in ("fp32", "bf16")}
     return {"part": "cpu-precision", "model": "tiny", "fp32_step_s": times["fp32"],
             "bf16_step_s": times["bf16"], "bf16_over_fp32": times["bf16"] / times["fp32"]}
 

@@ -1,10 +1,11 @@
 """The two sides `bench.gpu` times, on one process: dtrain's full training path and a plain
 PyTorch loop of the same model.
 
-* ``dtrain``: `trainer.training.run.build_run` on a world of one rank with its dp, tp and pp groups,
-  as ``python -m trainer.train`` builds it: the DP gradient buffer (fp32 main gradients),
-  `trainer.tensor_parallel.parallelize` at TP = 1, PP = 1, bf16 parameters with fp32 main weights
-  (`trainer.optim.mixed_precision`), fused AdamW on CUDA, the guard and gradient clipping,
+* ``dtrain``: `trainer.training.run.build_run` on a world of one rank with its mesh (every
+  group of one rank), as ``python -m trainer.train`` builds it: the DP gradient buffer (fp32
+  main gradients), `trainer.tensor_parallel.parallelize` at TP = 1, PP = 1, bf16 parameters
+  with fp32 main weights (`trainer.optim.mixed_precision`), fused AdamW on CUDA, the guard and
+  gradient clipping,
   ``--compile`` when asked; batches from the corpus.
 * ``plain``: `trainer.model.gpt.GPT` (the plain model; no parallel code lives in it) in fp32 under
   ``torch.autocast(bf16)``, fused AdamW on CUDA (foreach elsewhere),
@@ -20,12 +21,12 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 import torch
 
-from trainer.comm.bootstrap import ParallelGroups, World, build_groups
-from trainer.comm.topology import ParallelDims
+from trainer.comm.bootstrap import World
+from trainer.comm.mesh import Mesh
+from trainer.comm.topology import MeshShape
 from trainer.config.options import TrainConfig
 from trainer.gpu.settings import adamw_kernel
 from trainer.model.gpt import GPT
@@ -53,18 +54,17 @@ def time_steps(step: Callable[[int], None], device: torch.device, *, warmup: int
     return statistics.median(times) if times else 0.0
 
 
-def groups_of_one(world: World) -> ParallelGroups:
-    """The dp = tp = pp = 1 groups of a world of one rank (built once: on CUDA each is an NCCL
+def mesh_of_one(world: World) -> Mesh:
+    """The mesh of a world of one rank (built once: on CUDA each group is an NCCL
     communicator)."""
-    return build_groups(world, ParallelDims())
+    return Mesh.build(world.comm, MeshShape(), world.device)
 
 
-def dtrain_side(cfg: TrainConfig, world: World, groups: ParallelGroups, *, warmup: int,
+def dtrain_side(cfg: TrainConfig, world: World, mesh: Mesh, *, warmup: int,
                 steps: int) -> float:
     """Median step seconds of the trainer's own step on ``cfg`` (dp = tp = pp = 1)."""
     try:
-        run = build_run(replace(cfg, dp=1), rank=0, dp_comm=groups.dp, device=world.device,
-                        groups=groups, world_comm=world.comm)
+        run = build_run(cfg.with_options(dp=1), mesh)
         return time_steps(lambda i: run_step(run, i), world.device, warmup=warmup, steps=steps)
     finally:
         release(world.device)
@@ -84,10 +84,10 @@ def _plain_step(cfg: TrainConfig, device: torch.device) -> Callable[[int], None]
         for block in model.blocks.values():
             block.forward = torch.compile(block.forward)
     params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            **adamw_kernel(params))
+    opt = torch.optim.AdamW(params, lr=cfg.optimizer.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.optimizer.weight_decay, **adamw_kernel(params))
     gen = torch.Generator().manual_seed(cfg.seed)
-    shape = (cfg.global_batch, cfg.gpt.seq_len)
+    shape = (cfg.data.global_batch, cfg.gpt.seq_len)
     x = torch.randint(0, 256, shape, generator=gen).to(device)
     y = torch.randint(0, 256, shape, generator=gen).to(device)
 
@@ -95,7 +95,7 @@ def _plain_step(cfg: TrainConfig, device: torch.device) -> Callable[[int], None]
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = model.loss(x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        torch.nn.utils.clip_grad_norm_(params, cfg.optimizer.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -109,19 +109,19 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def fits(cfg: TrainConfig, world: World, groups: ParallelGroups) -> bool:
+def fits(cfg: TrainConfig, world: World, mesh: Mesh) -> bool:
     """Whether one dtrain step of ``cfg`` fits in the device's memory."""
     try:
-        dtrain_side(cfg, world, groups, warmup=1, steps=0)
+        dtrain_side(cfg, world, mesh, warmup=1, steps=0)
     except torch.OutOfMemoryError:
         release(world.device)
         return False
     return True
 
 
-def largest_batch(cfg: TrainConfig, world: World, groups: ParallelGroups, cap: int) -> int:
+def largest_batch(cfg: TrainConfig, world: World, mesh: Mesh, cap: int) -> int:
     """The largest power-of-two micro-batch up to ``cap`` whose dtrain step fits (at least 1)."""
     batch = 1
-    while batch * 2 <= cap and fits(replace(cfg, global_batch=batch * 2), world, groups):
+    while batch * 2 <= cap and fits(cfg.with_options(global_batch=batch * 2), world, mesh):
         batch *= 2
     return batch

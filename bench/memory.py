@@ -98,20 +98,15 @@ class Side:
 
     def __init__(self, args: argparse.Namespace, world: Any, name: str, over: dict[str, Any],
                  run_dir: str) -> None:
-        from trainer.comm.bootstrap import build_groups
-        from trainer.comm.topology import ParallelDims
         from trainer.config.options import make_config
-        from trainer.training.run import build_run
+        from trainer.training.run import build_run, mesh_for
 
         self.cfg = make_config({"model": args.model, "global_batch": args.global_batch,
                                 "steps": WARMUP + args.steps, "lr": 1e-4, "warmup_steps": 1,
                                 "data_cap_mb": 1.0, "run_dir": run_dir, "seed": 0,
                                 "bucket_size": args.bucket_size, "precision": "fp32",
                                 "eval_every": 0, **over}, {"seq_len": args.seq_len})
-        groups = build_groups(world, ParallelDims(dp=self.cfg.dp, tp=self.cfg.tp,
-                                                  pp=self.cfg.pp))
-        self.run = build_run(self.cfg, rank=world.rank, dp_comm=groups.dp,
-                             device=world.device, groups=groups, world_comm=world.comm)
+        self.run = build_run(self.cfg, mesh_for(self.cfg, world))
         self.name, self.steps, self.act = name, [], 0
 
     def step(self, i: int, timed: bool) -> None:
@@ -132,9 +127,9 @@ class Side:
         from trainer.zero.memory import expected_bytes, held_bytes
 
         run = self.run
-        held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
+        held = held_bytes(run.model.parameters(), run.dp.buffer, run.weights.optimizer)
         n = sum(p.numel() for p in run.dp.params)
-        calc = expected_bytes(n, bf16=False, zero=self.cfg.zero, dp=self.cfg.dp)
+        calc = expected_bytes(n, bf16=False, zero=self.cfg.optimizer.zero, dp=self.cfg.parallel.dp)
         return {"layout": self.name, "steps": self.steps, "params": held.params,
                 "grads": held.grads, "optim": held.optimizer, "optim_calc": calc.optimizer,
                 "act": self.act}

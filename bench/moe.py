@@ -107,11 +107,10 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
     """Step times at every ep, and the all-to-all rows of one step at the largest ep."""
     import torch
 
-    from trainer.comm.bootstrap import build_groups, init
-    from trainer.comm.topology import ParallelDims
+    from trainer.comm.bootstrap import init
     from trainer.config.options import make_config, resolve_dp
     from trainer.moe.layer import moe_layers
-    from trainer.training.run import build_run
+    from trainer.training.run import build_run, mesh_for
     from trainer.training.step import train_step
 
     torch.set_num_threads(1)
@@ -122,9 +121,7 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
         cfg = resolve_dp(make_config(
             {"model": "tiny", "global_batch": BATCH, "steps": steps, "ep": ep, "eval_every": 0,
              "data_cap_mb": 0.5, "run_dir": run_dir}, MODEL), world.size)
-        groups = build_groups(world, ParallelDims(dp=cfg.dp))
-        run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                        groups=groups, world_comm=world.comm)
+        run = build_run(cfg, mesh_for(cfg, world))
         counted = _count_rows(moe_layers(run.model)) if ep == max(ep_sizes) else None
         times = [train_step(run, step).step_s for step in range(1, steps + 1)]
         result["step_s"][ep] = statistics.median(times[1:] or times)

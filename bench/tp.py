@@ -30,7 +30,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from typing import Any
 
 from bench import rankjobs
@@ -51,8 +50,8 @@ SUMMARY_NOTE = ("TP=2 all-reduces activations (4L+2 per microbatch, b*T*D each) 
 
 def analytic(cfg: Any, *, tp: int, dp: int, buckets: int, grad_numel: int) -> dict[str, float]:
     """Calls and bytes per step on the TP and DP groups (0 for a group of one)."""
-    g, m = cfg.gpt, cfg.microbatches
-    b = cfg.global_batch // (dp * m)
+    g, m = cfg.gpt, cfg.parallel.microbatches
+    b = cfg.data.global_batch // (dp * m)
     act, tokens = b * g.seq_len * g.d_model * 4, b * g.seq_len * 4
     per_micro = 4 * g.n_layer + 2
     out = {"tp_calls_calc": 0, "tp_mb_calc": 0.0, "dp_calls_calc": 0, "dp_mb_calc": 0.0}
@@ -70,24 +69,24 @@ class Side:
 
     def __init__(self, args: argparse.Namespace, world: Any, tp: int, dp: int,
                  run_dir: str) -> None:
-        from trainer.comm.bootstrap import build_groups
-        from trainer.comm.topology import ParallelDims
+        from trainer.comm.mesh import Mesh
+        from trainer.comm.topology import MeshShape
         from trainer.config.options import make_config, resolve_dp
         from trainer.tensor_parallel.counting import CountingCommunicator
         from trainer.training.run import build_run
 
-        groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
-        self.tp_count = CountingCommunicator(groups.tp)
-        self.dp_count = CountingCommunicator(groups.dp)
-        counted = replace(groups, tp=self.tp_count, dp=self.dp_count)
+        mesh = Mesh.build(world.comm, MeshShape(dp=dp, tp=tp), world.device)
+        self.tp_count = CountingCommunicator(mesh.group("tp"))
+        self.dp_count = CountingCommunicator(mesh.group("dp"))
+        counters = {("tp",): self.tp_count, ("ep", "edp"): self.dp_count}
+        counted = mesh.wrapped(lambda axes, comm: counters.get(axes, comm))
         cfg = make_config({"model": args.model, "global_batch": args.global_batch,
                            "microbatches": args.microbatches, "tp": tp, "dp": dp,
                            "steps": WARMUP + args.steps, "lr": 1e-4, "warmup_steps": 1,
                            "data_cap_mb": 1.0, "run_dir": run_dir, "seed": 0},
                           {"seq_len": args.seq_len})
         self.cfg = resolve_dp(cfg, world.size)
-        self.run = build_run(self.cfg, rank=world.rank, dp_comm=counted.dp,
-                             device=world.device, groups=counted)
+        self.run = build_run(self.cfg, counted)
         self.name, self.tp, self.dp = f"tp{tp}" if tp > 1 else f"dp{dp}", tp, dp
         self.steps: list[dict[str, float]] = []
 

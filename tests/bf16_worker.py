@@ -15,11 +15,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from trainer.comm.bootstrap import World, build_groups, init
-from trainer.comm.topology import ParallelDims
+from trainer.comm.bootstrap import World, init
 from trainer.config.options import TrainConfig, make_config, resolve_dp
 from trainer.train import save_checkpoint, train
-from trainer.training.run import Run, build_run
+from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import train_step
 
 STEPS, HALF = 20, 10
@@ -35,16 +34,15 @@ def config(**train: object) -> TrainConfig:
 
 def train_loop(world: World, cfg: TrainConfig) -> tuple[Run, dict[str, Any]]:
     cfg = resolve_dp(cfg, world.size)
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    mesh = mesh_for(cfg, world)
+    run = build_run(cfg, mesh)
     out: dict[str, Any] = {"losses": [], "norms": [], "lrs": []}
     for step in range(1, STEPS + 1):
         rec = train_step(run, step)
         out["losses"].append(rec.loss)
         out["norms"].append(rec.grad_norm)
         out["lrs"].append(rec.lr)
-    out["coords"] = (groups.coords.tp, groups.coords.dp, groups.coords.pp)
+    out["coords"] = (mesh.rank("tp"), mesh.rank("dp"), mesh.rank("pp"))
     out["model"] = {n: t.detach().clone() for n, t in run.model.state_dict().items()}
     return run, out
 
@@ -55,7 +53,7 @@ def run(out: Path) -> dict[str, Any]:
     _, result["fp32"] = train_loop(world, config(precision="fp32",
                                                  run_dir=str(out / "fp32")))
     bf16, result["bf16"] = train_loop(world, config(precision="bf16", run_dir=str(out / "bf16")))
-    result["bf16"]["main"] = {n: t.detach().clone() for n, t in bf16.main.state_dict().items()}
+    result["bf16"]["main"] = {n: t.detach().clone() for n, t in bf16.weights.state_dict().items()}
     result["bf16"]["checkpoint"] = str(save_checkpoint(bf16, STEPS))
     _, result["bf16_reduce"] = train_loop(world, config(
         precision="bf16", grad_reduce_dtype="bf16", run_dir=str(out / "bf16-reduce")))

@@ -15,7 +15,7 @@ from trainer.config.options import TrainConfig
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import load_corpus
 from trainer.model.gpt import GPT
-from trainer.optim.optimizer import Schedule, build_optimizer, set_lr
+from trainer.optim.optimizer import LRSchedule, build_optimizer, set_lr
 
 
 def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True,
@@ -33,13 +33,15 @@ def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) 
     model = GPT(cfg.gpt, seed=cfg.seed)
     if prepare is not None:
         prepare(model)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
+    optimizer = build_optimizer(model, lr=cfg.optimizer.lr,
+                                weight_decay=cfg.optimizer.weight_decay)
+    corpus = load_corpus(cfg.data.path, cap_bytes=int(cfg.data.data_cap_mb * 2**20))
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len,
-                             plan=BatchPlan(cfg.global_batch, 1, cfg.microbatches),
+                             plan=BatchPlan(cfg.data.global_batch, 1, cfg.parallel.microbatches),
                              seed=cfg.seed, dp_rank=0)
-    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                        decay_steps=cfg.schedule_end)
+    opt = cfg.optimizer
+    schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+                        decay_steps=cfg.decay_end)
     losses, norms = [], []
     for step in range(1, steps + 1):
         set_lr(optimizer, schedule.lr_at(step))
@@ -49,7 +51,7 @@ def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) 
             part = model.loss(x, y) / len(micro)
             part.backward()
             loss += part.detach()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)))
         optimizer.step()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -142,4 +142,4 @@ def test_an_unknown_recompute_mode_is_refused_listing_the_modes() -> None:
 
 def test_the_training_entry_accepts_the_new_options() -> None:
     cfg = parse_args(["--tp", "2", "--sequence-parallel", "--recompute", "selective"])
-    assert cfg.sequence_parallel and cfg.recompute == "selective"
+    assert cfg.parallel.sequence_parallel and cfg.parallel.recompute == "selective"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config.options import TrainConfig, parse_args, resolve_dp
+from trainer.config.options import make_config, parse_args, resolve_dp
 from trainer.errors import ConfigError
 from trainer.model.config import PRESETS
 
@@ -19,13 +19,16 @@ def toml(tmp_path: Path, text: str) -> str:
 
 def test_defaults_give_the_small_preset_and_derive_dp_later() -> None:
     cfg = parse_args([])
-    assert cfg.model == "small" and cfg.gpt == PRESETS["small"] and cfg.dp == 0
+    assert cfg.model.preset == "small" and cfg.gpt == PRESETS["small"] and cfg.parallel.dp == 0
 
 
-def test_a_toml_file_sets_options_and_gpt_fields_and_flags_override_it(tmp_path: Path) -> None:
-    path = toml(tmp_path, 'model = "tiny"\nsteps = 5\nlr = 1\n[gpt]\nn_layer = 3\n')
+def test_a_toml_file_sets_options_and_model_fields_and_flags_override_it(tmp_path: Path
+                                                                         ) -> None:
+    path = toml(tmp_path, 'steps = 5\n[optimizer]\nlr = 1\n[model]\npreset = "tiny"\n'
+                          'n_layer = 3\n')
     cfg = parse_args(["--config", path, "--steps", "7", "--no-overlap", "--d-model", "128"])
-    assert (cfg.model, cfg.steps, cfg.lr, cfg.overlap) == ("tiny", 7, 1.0, False)
+    assert (cfg.model.preset, cfg.steps, cfg.optimizer.lr, cfg.parallel.overlap) == (
+        "tiny", 7, 1.0, False)
     assert (cfg.gpt.n_layer, cfg.gpt.d_model, cfg.gpt.seq_len) == (3, 128, PRESETS["tiny"].seq_len)
 
 
@@ -37,9 +40,9 @@ def test_an_unknown_toml_key_is_rejected_naming_the_key_and_the_file(tmp_path: P
                               "of the trainer. Did you mean 'steps'?")
 
 
-def test_an_unknown_gpt_key_is_rejected_with_its_table(tmp_path: Path) -> None:
-    path = toml(tmp_path, "[gpt]\nn_layers = 3\n")
-    with pytest.raises(ConfigError, match=r"\[.*run.toml: gpt.n_layers\].*'gpt.n_layer'"):
+def test_an_unknown_model_key_is_rejected_with_its_table(tmp_path: Path) -> None:
+    path = toml(tmp_path, "[model]\nn_layers = 3\n")
+    with pytest.raises(ConfigError, match=r"\[.*run.toml: model.n_layers\].*'model.n_layer'"):
         parse_args(["--config", path])
 
 
@@ -57,8 +60,10 @@ def test_invalid_toml_syntax_names_the_file(tmp_path: Path) -> None:
 
 def test_pipeline_parallelism_is_accepted_with_a_balanced_layer_split() -> None:
     cfg = parse_args(["--pp", "2", "--model", "small"])
-    assert (cfg.pp, cfg.schedule, cfg.virtual_stages, cfg.stage_layers) == (2, "1f1b", 1, (2, 2))
-    assert resolve_dp(parse_args(["--pp", "2", "--tp", "2", "--global-batch", "8"]), 8).dp == 2
+    par = cfg.parallel
+    assert (par.pp, par.schedule, par.virtual_stages, cfg.stage_layers) == (2, "1f1b", 1, (2, 2))
+    cfg = resolve_dp(parse_args(["--pp", "2", "--tp", "2", "--global-batch", "8"]), 8)
+    assert cfg.parallel.dp == 2
 
 
 def test_a_model_with_fewer_layers_than_pipeline_stages_is_refused() -> None:
@@ -93,7 +98,7 @@ def test_an_unknown_schedule_and_a_wrong_layer_override_name_the_flag() -> None:
 
 
 def test_tensor_parallel_size_counts_in_the_derived_dp() -> None:
-    assert resolve_dp(parse_args(["--tp", "2", "--global-batch", "8"]), 8).dp == 4
+    assert resolve_dp(parse_args(["--tp", "2", "--global-batch", "8"]), 8).parallel.dp == 4
 
 
 def test_an_unknown_preset_lists_the_presets() -> None:
@@ -113,22 +118,22 @@ def test_out_of_range_values_name_the_flag() -> None:
 
 
 def test_dp_defaults_to_the_world_size() -> None:
-    assert resolve_dp(TrainConfig(global_batch=8), 4).dp == 4
+    assert resolve_dp(make_config({"global_batch": 8}), 4).parallel.dp == 4
 
 
 def test_a_dp_that_does_not_fill_the_world_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"dp\*tp\*pp = 2 but 4 ranks were started"):
-        resolve_dp(TrainConfig(dp=2), 4)
+        resolve_dp(make_config({"dp": 2}), 4)
 
 
 def test_a_global_batch_that_does_not_split_over_dp_and_microbatches_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"\[--global-batch 10\].*dp\*microbatches = 4\*1"):
-        resolve_dp(TrainConfig(global_batch=10), 4)
+        resolve_dp(make_config({"global_batch": 10}), 4)
 
 
 def test_stop_at_ends_the_invocation_early_without_moving_the_schedule() -> None:
-    cfg = TrainConfig(steps=100, stop_at=40)
-    assert cfg.last_step == 40 and cfg.schedule_end == 100
+    cfg = make_config({"steps": 100, "stop_at": 40})
+    assert cfg.last_step == 40 and cfg.decay_end == 100
 
 
 def test_a_zero_data_cap_is_refused_naming_the_flag() -> None:
@@ -140,7 +145,7 @@ def test_evaluation_without_a_validation_split_is_refused_with_both_ways_out() -
     with pytest.raises(ConfigError, match=r"evaluation without a validation split .*"
                        r"--val-fraction above 0 .*or --eval-every 0"):
         parse_args(["--val-fraction", "0"])
-    assert parse_args(["--val-fraction", "0", "--eval-every", "0"]).eval_every == 0
+    assert parse_args(["--val-fraction", "0", "--eval-every", "0"]).logging.eval_every == 0
 
 
 def test_a_model_that_does_not_split_over_tp_is_refused_when_the_options_are_read() -> None:

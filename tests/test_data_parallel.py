@@ -34,12 +34,12 @@ FP32_RTOL = reduction_rtol(TOKENS + 32, U32)
 
 
 def param_atol(case: str) -> float:
-    return adam_atol(steps=STEPS, lr=case_config(case).lr, n_terms=TOKENS + 32)
+    return adam_atol(steps=STEPS, lr=case_config(case).optimizer.lr, n_terms=TOKENS + 32)
 
 
 def losses_atol(case: str) -> float:
     n_params = sum(p.numel() for p in reference(case)["params"].values())
-    return loss_atol(steps=STEPS, lr=case_config(case).lr, n_params=n_params,
+    return loss_atol(steps=STEPS, lr=case_config(case).optimizer.lr, n_params=n_params,
                      n_terms=TOKENS + 32)
 
 
@@ -150,8 +150,9 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
     process resumes (dp is not a sharded axis) and finishes; every loss matches the reference."""
     cfg = case_config("one_bucket")
     flags = ["-m", "trainer.train", "--model", "tiny", "--n-layer", "2", "--d-model", "32",
-             "--seq-len", "32", "--global-batch", "8", "--lr", str(cfg.lr), "--warmup-steps", "1",
-             "--seed", str(cfg.seed), "--data-cap-mb", str(cfg.data_cap_mb),
+             "--seq-len", "32", "--global-batch", "8", "--lr", str(cfg.optimizer.lr),
+             "--warmup-steps", "1",
+             "--seed", str(cfg.seed), "--data-cap-mb", str(cfg.data.data_cap_mb),
              "--run-dir", str(tmp_path), "--steps", str(STEPS)]
     first = run_ranks(2, [*flags, "--stop-at", "2"])
     assert first.returncode == 0, first.stdout[-3000:]
@@ -162,7 +163,8 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
     # This run is fp32, as users run it: an fp32 reference (fp64 would draw other initial
     # weights from the same seed) and fp32 bounds.
     n_params = sum(p.numel() for p in reference("one_bucket", fp64=False)["params"].values())
-    atol = loss_atol(steps=STEPS, lr=cfg.lr, n_params=n_params, n_terms=TOKENS + 32, unit=U32)
+    atol = loss_atol(steps=STEPS, lr=cfg.optimizer.lr, n_params=n_params, n_terms=TOKENS + 32,
+                     unit=U32)
     expected = f64(reference("one_bucket", fp64=False)["losses"])
     torch.testing.assert_close(f64(losses), expected, rtol=FP32_RTOL, atol=atol)
     assert (tmp_path / "loss.png").stat().st_size > 0

@@ -6,6 +6,8 @@ Merging real checkpoints of tp 2, pp 2 and 3-D runs, and the CLI, are tested end
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def test_a_prompt_longer_than_the_context_keeps_only_the_last_seq_len_bytes(mode
 def test_an_empty_or_out_of_vocabulary_prompt_is_refused(model: GPT) -> None:
     with pytest.raises(ConfigError, match=r"empty prompt \[--prompt\]"):
         sample(model, b"", tokens=1)
-    small = GPT(CFG.__class__(**{**CFG.to_dict(), "vocab_size": 128}), seed=1)
+    small = GPT(replace(CFG, vocab_size=128), seed=1)
     with pytest.raises(ConfigError, match=r"prompt does not fit the vocabulary \[byte 195\]"):
         sample(small, "\u00ef".encode(), tokens=1)
 

@@ -155,10 +155,12 @@ def test_precision_auto_is_bf16_on_cuda_and_keeps_the_built_dtype_on_cpu() -> No
 
 
 def test_an_unknown_precision_or_reduce_dtype_is_refused_naming_the_flag() -> None:
-    assert parse_args(["--precision", "bf16", "--grad-reduce-dtype", "bf16"]).precision == "bf16"
+    cfg = parse_args(["--precision", "bf16", "--grad-reduce-dtype", "bf16"])
+    assert cfg.optimizer.precision == "bf16"
     with pytest.raises(ConfigError, match=r"\[--precision fp16\]: must be one of auto, fp32"):
         parse_args(["--precision", "fp16"])
-    with pytest.raises(ConfigError, match=r"\[--grad-reduce-dtype fp16\]: must be fp32 or bf16"):
+    with pytest.raises(ConfigError,
+                       match=r"\[--grad-reduce-dtype fp16\]: must be one of fp32, bf16"):
         parse_args(["--grad-reduce-dtype", "fp16"])
 
 

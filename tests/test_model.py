@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from tests.numerics import U32, reduction_rtol
+from trainer.errors import ConfigError
 from trainer.model.config import PRESETS, GPTConfig
 from trainer.model.gpt import GPT
 from trainer.model.layers import apply_rope, rope_tables
@@ -51,7 +53,7 @@ def test_attention_is_causal_a_future_token_does_not_change_earlier_logits() -> 
 
 
 def test_tied_head_is_the_embedding_and_untied_head_is_its_own_parameter() -> None:
-    tied, untied = GPT(TINY), GPT(GPTConfig(**{**TINY.to_dict(), "tied": False}))
+    tied, untied = GPT(TINY), GPT(replace(TINY, tied=False))
     assert tied.head.weight is tied.tok_emb.weight
     assert untied.head.weight is not untied.tok_emb.weight
     assert untied.num_params() - tied.num_params() == 256 * 32
@@ -74,7 +76,7 @@ def test_a_stage_without_some_layers_keeps_global_layer_names_and_runs_on_hidden
 
 
 def test_rmsnorm_variant_uses_rms_norm_layers_and_trains() -> None:
-    model = GPT(GPTConfig(**{**TINY.to_dict(), "norm": "rmsnorm", "bias": True}))
+    model = GPT(replace(TINY, norm="rmsnorm", bias=True))
     assert type(model.blocks["0"].ln1).__name__ == "RMSNorm"
     model.loss(tokens(), tokens(seed=1)).backward()
     assert model.blocks["0"].mlp.fc.bias.grad is not None
@@ -107,13 +109,13 @@ def test_a_few_steps_on_one_batch_lower_the_loss() -> None:
 @pytest.mark.parametrize("bad, message", [
     ({"n_head": 3}, "divisible by n_head"),
     ({"n_head": 32}, "must be even"),
-    ({"norm": "batchnorm"}, "norm must be one of"),
-    ({"dropout": 1.0}, "dropout must be in"),
-    ({"n_layer": 0}, "n_layer must be >= 1"),
+    ({"norm": "batchnorm"}, r"\[--norm batchnorm\]: must be one of layernorm, rmsnorm"),
+    ({"dropout": 1.0}, r"\[--dropout 1.0\]: must be below 1"),
+    ({"n_layer": 0}, r"\[--n-layer 0\]: must be >= 1"),
 ])
 def test_invalid_model_shapes_are_rejected_with_the_reason(bad: dict, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        GPTConfig(**{**TINY.to_dict(), **bad})
+    with pytest.raises(ConfigError, match=message):
+        replace(TINY, **bad)
 
 
 def test_presets_are_valid_and_grow_in_size() -> None:

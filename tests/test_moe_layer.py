@@ -14,7 +14,7 @@ from tests.moe_reference import reference_moe
 from tests.numerics import float64, reduction_rtol
 from trainer.config.options import make_config, resolve_dp
 from trainer.errors import ConfigError
-from trainer.model.config import GPTConfig
+from trainer.model.config import GPTConfig, MoEConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.layer import MoE
 from trainer.moe.router import Routing, capacity_mask, route
@@ -25,8 +25,8 @@ ATOL = RTOL  # activations and weights are O(1) at most
 
 
 def make_layer(**moe: object) -> MoE:
-    fields = {"moe_experts": 4, "moe_topk": 2, "moe_z_loss_coeff": 1e-3, **moe}
-    cfg = GPTConfig(n_layer=1, n_head=2, d_model=D, seq_len=8, **fields)
+    fields = {"experts": 4, "topk": 2, "z_loss_coeff": 1e-3, **moe}
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=D, seq_len=8, moe=MoEConfig(**fields))
     torch.manual_seed(0)
     layer = MoE(cfg)
     with torch.no_grad():
@@ -57,8 +57,8 @@ def compare_with_reference(layer: MoE, x: torch.Tensor) -> dict[str, torch.Tenso
 
 
 @pytest.mark.parametrize("moe", [
-    {}, {"moe_router": "sigmoid", "moe_topk": 1}, {"moe_capacity_factor": 0.5},
-    {"moe_capacity_factor": 1.0, "moe_topk": 3, "moe_router": "sigmoid"}],
+    {}, {"router": "sigmoid", "topk": 1}, {"capacity_factor": 0.5},
+    {"capacity_factor": 1.0, "topk": 3, "router": "sigmoid"}],
     ids=["dropless", "sigmoid-top1", "capacity-0.5", "capacity-1-sigmoid-top3"])
 def test_the_layer_equals_the_plain_loop_reference(moe: dict) -> None:
     with float64():
@@ -82,8 +82,7 @@ def test_ties_of_saturated_sigmoid_scores_go_to_the_lower_expert_index() -> None
 
 def test_the_layer_equals_the_reference_when_its_sigmoid_scores_saturate() -> None:
     with float64():
-        layer = make_layer(moe_router="sigmoid", moe_experts=8, moe_topk=3,
-                           moe_capacity_factor=1.0)
+        layer = make_layer(router="sigmoid", experts=8, topk=3, capacity_factor=1.0)
         with torch.no_grad():
             layer.router.weight.mul_(1000)  # logits in the thousands: fp64 sigmoid is 1.0
         x = torch.randn(3, 8, D, generator=torch.Generator().manual_seed(2))
@@ -93,7 +92,7 @@ def test_the_layer_equals_the_reference_when_its_sigmoid_scores_saturate() -> No
 
 def test_a_capacity_factor_below_one_really_drops_tokens() -> None:
     with float64():
-        layer = make_layer(moe_capacity_factor=0.5)
+        layer = make_layer(capacity_factor=0.5)
         routing = layer.route(torch.randn(24, D, generator=torch.Generator().manual_seed(2)))
     # 24 tokens x 2 choices, 4 experts: each keeps ceil(48 * 0.5 / 4) = 6 of its assignments
     assert routing.dropped == sum(max(0, n - 6) for n in routing.routed.tolist()) > 0
@@ -110,7 +109,7 @@ def test_capacity_keeps_the_highest_scores_and_on_ties_the_earlier_token() -> No
 
 def test_a_router_biased_to_one_expert_sends_it_every_token_and_still_trains() -> None:
     with float64():
-        layer = make_layer(moe_topk=1)
+        layer = make_layer(topk=1)
         with torch.no_grad():
             layer.router.weight.zero_()
             layer.router.weight[2, 0] = 50.0  # expert 2 wins for every token with x_0 > 0
@@ -141,8 +140,10 @@ def test_a_uniform_router_has_a_load_balancing_loss_equal_to_its_coefficient() -
 
 
 @pytest.mark.parametrize(("gpt", "train", "world", "message"), [
-    ({"moe_experts": 4, "moe_topk": 5}, {}, 1, "moe_topk must be between 1 and moe_experts (4)"),
-    ({"moe_experts": 4, "moe_router": "relu"}, {}, 1, "moe_router must be one of softmax"),
+    ({"moe_experts": 4, "moe_topk": 5}, {}, 1,
+     "[--moe-topk 5]: a token cannot go to more than the 4 experts"),
+    ({"moe_experts": 4, "moe_router": "relu"}, {}, 1,
+     "[--moe-router relu]: must be one of softmax, sigmoid"),
     ({"moe_experts": 6}, {"ep": 4}, 4, "6 experts is not a multiple of ep = 4"),
     ({"moe_experts": 4}, {"ep": 4}, 2, "ep = 4 does not divide them"),
     ({}, {"ep": 2}, 2, "the model has no MoE layers"),

@@ -29,7 +29,7 @@ from trainer.tensor_parallel.sharding import shard_tensor
 
 TOKENS = 8 * 16 + 4 * 16  # tokens of a step + the widest matmul (mlp hidden): longest sum
 RTOL = reduction_rtol(TOKENS)
-LR = case_config("dropless").lr
+LR = case_config("dropless").optimizer.lr
 
 
 def ranks() -> list[dict]:
@@ -63,7 +63,7 @@ def test_every_parameter_shard_equals_the_serial_plain_loop_moe(case: str, layou
             # The last stage's copy of a tied head is the embedding's weight.
             full = want[name if name in want else "tok_emb.weight"]
             spec = got["specs"][name]
-            expected = full if spec is None else shard_tensor(full, got["coords"].tp, tp, spec)
+            expected = full if spec is None else shard_tensor(full, got["tp_rank"], tp, spec)
             torch.testing.assert_close(value, expected, rtol=0, atol=atol, msg=name)
             seen.add(name if name in want else "tok_emb.weight")
     assert seen == set(want)  # every expert is held somewhere

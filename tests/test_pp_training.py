@@ -152,8 +152,9 @@ def test_a_resumed_pipeline_run_is_bit_identical_to_an_uninterrupted_one(world: 
 @pytest.mark.parametrize("world,c", CKPT, ids=CKPT_IDS)
 def test_resuming_a_pipeline_checkpoint_at_pp1_is_refused_showing_the_difference(
         world: int, c: Case) -> None:
-    for ck in ckpt_of(world):
-        text = ck["refused"]
+    reports = [ck["refused"] for ck in ckpt_of(world) if ck["refused"]]
+    assert len(reports) == 1, reports
+    for text in reports:
         assert text.startswith("checkpoint does not match this run ["), text
         assert "pp: checkpoint 2, now 1" in text
         assert "stage_layers: checkpoint [2, 2, 2, 2], now [8]" in text
@@ -250,6 +251,7 @@ def _stages_match_serial() -> None:
 def test_the_training_entry_takes_the_pipeline_options() -> None:
     cfg = parse_args(["--pp", "2", "--schedule", "interleaved", "--virtual-stages", "2",
                       "--microbatches", "4", "--n-layer", "5", "--pp-layers", "2,1,1,1"])
-    assert (cfg.pp, cfg.schedule, cfg.virtual_stages, cfg.stage_layers) == (
+    par = cfg.parallel
+    assert (par.pp, par.schedule, par.virtual_stages, cfg.stage_layers) == (
         2, "interleaved", 2, (2, 1, 1, 1))
     assert parse_args(["--pp", "4", "--n-layer", "7"]).stage_layers == (2, 2, 2, 1)

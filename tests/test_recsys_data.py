@@ -76,7 +76,7 @@ def test_a_malformed_criteo_line_is_refused_naming_file_and_line(tmp_path):
 
 
 def test_options_are_checked_before_training() -> None:
-    with pytest.raises(ConfigError, match=r"unknown optimizer \[--optimizer rmsprop\]"):
+    with pytest.raises(ConfigError, match=r"\[--optimizer rmsprop\]: must be one of sgd, adagrad"):
         parse_args(["--optimizer", "rmsprop"], quiet=True)
     with pytest.raises(ConfigError, match=r"vocabulary sizes do not match the features"):
         parse_args(["--features", "3", "--vocab", "10,20"], quiet=True)

@@ -13,7 +13,6 @@ A wrong owner, a lost duplicate or a missing 1/G moves them by the order of lr.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -41,16 +40,16 @@ def _ranks(g: int) -> list[dict[str, Any]]:
 
 
 def _serial(optimizer: str) -> dict[str, Any]:
-    cfg = replace(CFG, optimizer=optimizer)
-    model_cfg = cfg.model()
-    rows, _ = load_log(cfg).split(cfg.val_fraction)
+    cfg = CFG.with_options(optimizer=optimizer)
+    model_cfg = cfg.dlrm()
+    rows, _ = load_log(cfg).split(cfg.data.val_fraction)
     dense = DenseTower(model_cfg, seed=cfg.seed).to(torch.float64)
     weight = init_rows(torch.arange(sum(model_cfg.vocab)), model_cfg.dim, seed=cfg.seed,
                        scale=INIT_SCALE, dtype=torch.float64)
     table = nn.EmbeddingBag.from_pretrained(weight, freeze=False, mode="sum", sparse=True)
-    opts = [_OPTIMIZERS[optimizer](dense.parameters(), lr=cfg.lr),
-            _OPTIMIZERS[optimizer](table.parameters(), lr=cfg.embedding_lr)]
-    batches, losses = Batches(rows, cfg.global_batch, cfg.seed), []
+    opts = [_OPTIMIZERS[optimizer](dense.parameters(), lr=cfg.optimizer.lr),
+            _OPTIMIZERS[optimizer](table.parameters(), lr=cfg.optimizer.embedding_lr)]
+    batches, losses = Batches(rows, cfg.data.global_batch, cfg.seed), []
     for step in range(1, STEPS + 1):
         b = batches.at(step)
         for opt in opts:
@@ -68,8 +67,8 @@ def _serial(optimizer: str) -> dict[str, Any]:
 
 
 def _param_atol(optimizer: str) -> float:
-    lr = max(CFG.lr, CFG.embedding_lr)
-    return STEPS * lr * _SENSITIVITY[optimizer] * reduction_rtol(CFG.global_batch)
+    lr = max(CFG.optimizer.lr, CFG.optimizer.embedding_lr)
+    return STEPS * lr * _SENSITIVITY[optimizer] * reduction_rtol(CFG.data.global_batch)
 
 
 @pytest.mark.parametrize("g", WORLDS)
@@ -83,10 +82,10 @@ def test_dlrm_training_gives_the_serial_models_losses_and_embedding_rows(optimiz
         rows[r::g] = rank[optimizer]["rows"]
         for name, value in rank[optimizer]["dense"].items():
             torch.testing.assert_close(value, want["dense"][name], rtol=0, atol=atol)
-        loss_atol = atol * want["n_params"] + reduction_rtol(CFG.global_batch)
+        loss_atol = atol * want["n_params"] + reduction_rtol(CFG.data.global_batch)
         assert rank[optimizer]["losses"] == pytest.approx(want["losses"], rel=0, abs=loss_atol)
     torch.testing.assert_close(rows, want["rows"], rtol=0, atol=atol)
-    assert not torch.equal(want["rows"], init_rows(torch.arange(len(rows)), CFG.dim,
+    assert not torch.equal(want["rows"], init_rows(torch.arange(len(rows)), CFG.model.dim,
                                                    seed=CFG.seed, scale=INIT_SCALE,
                                                    dtype=torch.float64))
 

@@ -1,16 +1,19 @@
-"""Rank layout tp-dp-pp (TP fastest), checked against Megatron's docstring example."""
+"""The mesh's rank arithmetic (tp-ep-edp-pp, TP fastest), checked against Megatron's docstring
+example, and the `Mesh` that always has every group."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
 
-from trainer.comm.topology import AXES, Coords, ParallelDims
+from trainer.comm.mesh import GROUPS, Mesh
+from trainer.comm.topology import AXES, MeshShape
 from trainer.errors import TopologyError
 
 # Megatron parallel_state.py docstring: 16 GPUs, TP=2, PP=4, hence DP=2.
-MEGATRON = ParallelDims(dp=2, tp=2, pp=4)
+MEGATRON = MeshShape(dp=2, tp=2, pp=4)
 
 
 def test_megatron_16_gpu_example_tensor_parallel_groups_are_adjacent_pairs():
@@ -26,57 +29,63 @@ def test_megatron_16_gpu_example_pipeline_groups_stride_by_tp_times_dp():
     assert MEGATRON.groups("pp") == ((0, 4, 8, 12), (1, 5, 9, 13), (2, 6, 10, 14), (3, 7, 11, 15))
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 4), ParallelDims(3, 2, 2),
-                                  ParallelDims(1, 4, 1),
-                                  ParallelDims(4, 1, 2), ParallelDims(1, 1, 1)])
-def test_rank_formula_and_coords_are_inverse_for_every_rank(dims):
-    for rank in range(dims.world_size):
-        c = dims.coords(rank)
-        assert rank == c.tp + dims.tp * (c.dp + dims.dp * c.pp)
-        assert dims.rank_of(c) == rank
+@pytest.mark.parametrize("shape", [MeshShape(2, 2, 4), MeshShape(3, 2, 2), MeshShape(1, 4, 1),
+                                   MeshShape(4, 1, 2, ep=2), MeshShape(1, 1, 1)])
+def test_the_rank_formula_and_the_coordinates_are_inverse_for_every_rank(shape):
+    for rank in range(shape.world_size):
+        c = shape.coords(rank)
+        dp_rank = c["ep"] + shape.ep * c["edp"]
+        assert rank == c["tp"] + shape.tp * (dp_rank + shape.dp * c["pp"])
+        assert shape.coord(rank, "dp") == dp_rank
+        assert shape.rank_of(c) == rank
 
 
-@pytest.mark.parametrize("dims", [ParallelDims(2, 2, 4), ParallelDims(3, 2, 2),
-                                  ParallelDims(2, 1, 3)])
-def test_groups_of_each_axis_partition_the_world_and_vary_only_their_axis(dims):
-    for axis in AXES:
-        groups = dims.groups(axis)
-        flat = sorted(itertools.chain.from_iterable(groups))
-        assert flat == list(range(dims.world_size))
-        for group in groups:
-            coords = [dims.coords(r) for r in group]
-            assert [c.on(axis) for c in coords] == list(range(dims.size(axis)))
-            others = {tuple(c.on(a) for a in AXES if a != axis) for c in coords}
-            assert len(others) == 1
+@pytest.mark.parametrize("shape", [MeshShape(2, 2, 4), MeshShape(4, 2, 2, ep=2),
+                                   MeshShape(2, 1, 3)])
+@pytest.mark.parametrize("axes", [("tp",), ("ep",), ("edp",), ("dp",), ("pp",), ("tp", "pp"),
+                                  ("tp", "ep", "pp")])
+def test_the_groups_along_any_axes_partition_the_world_and_vary_only_those_axes(shape, axes):
+    spanned = shape.axes(*axes)
+    groups = shape.groups(*axes)
+    assert sorted(itertools.chain.from_iterable(groups)) == list(range(shape.world_size))
+    for color, group in enumerate(groups):
+        assert [shape.coord(r, *axes) for r in group] == list(range(shape.size(*axes)))
+        assert {shape.color(r, *axes) for r in group} == {color}
+        others = {tuple(shape.coords(r)[a] for a in AXES if a not in spanned) for r in group}
+        assert len(others) == 1
 
 
-def test_group_index_is_the_position_of_the_rank_group_and_shared_by_its_members():
-    for axis in AXES:
-        for index, group in enumerate(MEGATRON.groups(axis)):
-            assert {MEGATRON.group_index(axis, r) for r in group} == {index}
-            for r in group:
-                assert MEGATRON.group_ranks(axis, r) == group
+def test_expert_groups_are_blocks_of_adjacent_dp_ranks_and_expert_dp_their_columns():
+    shape = MeshShape(dp=4, ep=2)
+    assert shape.groups("ep") == ((0, 1), (2, 3))
+    assert shape.groups("edp") == ((0, 2), (1, 3))
+    assert shape.groups("dp") == ((0, 1, 2, 3),)
 
 
 def test_infer_gives_dp_as_what_remains_of_the_world():
-    assert ParallelDims.infer(16, tp=2, pp=4) == MEGATRON
+    assert MeshShape.infer(16, tp=2, pp=4) == MEGATRON
 
 
 def test_infer_rejects_tp_times_pp_that_does_not_divide_the_world():
     with pytest.raises(TopologyError, match=r"tp=3 x pp=2 = 6 does not divide the world"):
-        ParallelDims.infer(16, tp=3, pp=2)
+        MeshShape.infer(16, tp=3, pp=2)
 
 
 def test_layout_for_another_world_size_is_rejected_with_both_numbers():
     with pytest.raises(TopologyError) as err:
-        ParallelDims(dp=2, tp=2, pp=2).check_world(4)
+        MeshShape(dp=2, tp=2, pp=2).check_world(4)
     assert "[world size 4]" in str(err.value) and "= 8 ranks" in str(err.value)
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True])
 def test_non_positive_or_non_integer_degree_is_rejected_naming_the_option(bad):
     with pytest.raises(TopologyError, match=r"\[--tp\]"):
-        ParallelDims(dp=1, tp=bad, pp=1)
+        MeshShape(dp=1, tp=bad, pp=1)
+
+
+def test_an_ep_that_does_not_divide_dp_is_rejected():
+    with pytest.raises(TopologyError, match=r"\[--ep 2\]: ep=2 does not divide dp=3"):
+        MeshShape(dp=3, ep=2)
 
 
 def test_rank_outside_the_layout_is_rejected():
@@ -86,9 +95,50 @@ def test_rank_outside_the_layout_is_rejected():
 
 def test_coordinates_outside_the_layout_are_rejected():
     with pytest.raises(TopologyError, match=r"pp=4"):
-        MEGATRON.rank_of(Coords(tp=0, dp=0, pp=4))
+        MEGATRON.rank_of({"pp": 4})
 
 
 def test_unknown_axis_is_rejected():
     with pytest.raises(TopologyError, match="unknown parallel axis"):
-        MEGATRON.groups("ep")
+        MEGATRON.groups("cp")
+
+
+class SplitRecorder:
+    """A stand-in world communicator of one rank of ``shape``: a split answers a group whose
+    rank is the key and whose size is the number of ranks sharing the color."""
+
+    def __init__(self, shape: MeshShape, rank: int, size: int | None = None,
+                 name: str = "world") -> None:
+        self.shape, self.rank, self.name = shape, rank, name
+        self.size = shape.world_size if size is None else size
+        self.splits: list[str] = []
+
+    def split(self, color: int, key: int, *, name: str = "") -> SplitRecorder:
+        self.splits.append(name)
+        members = [r for r in range(self.shape.world_size)
+                   if self.shape.color(r, *name.split("+")) == color]
+        return SplitRecorder(self.shape, key, len(members), name)
+
+
+@pytest.mark.parametrize("rank", range(8))
+def test_a_mesh_has_every_group_even_of_one_rank_and_answers_ranks_sizes_and_ends(rank):
+    shape = MeshShape(dp=4, tp=2, pp=1, ep=2)
+    world = SplitRecorder(shape, rank)
+    mesh = Mesh.build(world, shape, torch.device("cpu"))
+    assert world.splits == ["tp", "ep", "edp", "dp", "pp"] == ["+".join(g) for g in GROUPS]
+    assert mesh.group() is world and mesh.group("tp", "dp", "pp") is world
+    for axis in ("tp", "ep", "edp", "dp", "pp"):
+        assert mesh.group(axis).rank == mesh.rank(axis) == shape.coord(rank, axis)
+        assert mesh.group(axis).size == mesh.size(axis) == shape.size(axis)
+        assert mesh.is_first(axis) == (mesh.rank(axis) == 0)
+        assert mesh.is_last(axis) == (mesh.rank(axis) == mesh.size(axis) - 1)
+    assert mesh.size("pp") == 1 and mesh.is_first("pp") and mesh.is_last("pp")
+    assert mesh.rank() == rank
+
+
+def test_asking_a_mesh_for_a_group_it_does_not_split_names_the_ones_it_has():
+    shape = MeshShape(dp=2, tp=2, pp=2)
+    mesh = Mesh.build(SplitRecorder(shape, 0), shape, torch.device("cpu"))
+    with pytest.raises(TopologyError, match=r"no such group in the mesh \[tp\+pp\]: the mesh "
+                                            r"splits tp, ep, edp, dp, pp and the world"):
+        mesh.group("tp", "pp")

@@ -42,12 +42,13 @@ from trainer.training.metrics import read_records
 
 TOKENS = 8 * 16 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
-PARAM_ATOL = adam_atol(steps=STEPS, lr=case_config("tied").lr, n_terms=TOKENS)
+PARAM_ATOL = adam_atol(steps=STEPS, lr=case_config("tied").optimizer.lr, n_terms=TOKENS)
 
 
 def loss_tolerance(case: str) -> float:
     n_params = sum(p.numel() for p in serial_reference(case)["params"].values())
-    return loss_atol(steps=STEPS, lr=case_config(case).lr, n_params=n_params, n_terms=TOKENS)
+    return loss_atol(steps=STEPS, lr=case_config(case).optimizer.lr, n_params=n_params,
+                     n_terms=TOKENS)
 
 
 def norm_tolerance(case: str) -> float:
@@ -207,7 +208,7 @@ def test_resuming_a_tp2_checkpoint_at_tp1_is_refused_showing_the_difference(
 
 
 def test_the_training_entry_accepts_tp() -> None:
-    assert parse_args(["--tp", "2"]).tp == 2
+    assert parse_args(["--tp", "2"]).parallel.tp == 2
 
 
 @pytest.mark.parametrize("world", [2, 4], ids=lambda n: f"tp{n}")

@@ -168,7 +168,7 @@ def test_peak_memory_covers_a_transient_tensor_and_starts_over_each_interval() -
 
 
 def test_a_zero_stage_other_than_0_or_1_is_refused_naming_the_flag() -> None:
-    with pytest.raises(TrainerError, match=r"--zero 2.*must be 0 or 1"):
+    with pytest.raises(TrainerError, match=r"--zero 2.*must be one of 0, 1"):
         make_config({"zero": 2}, {})
 
 

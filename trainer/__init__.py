@@ -11,7 +11,9 @@ over 300 lines).
     generate     `python -m trainer.generate`: sample text from a run's newest checkpoint
     hello        `python -m trainer.hello`: each rank prints the worker contract it received
     errors       the exception hierarchy (base in workerenv.py)
-    config/      options, toml_file, help: flags and TOML into one frozen TrainConfig
+    schema       how a config dataclass declares its options (help, bounds, flag, TOML key)
+    config/      options, sections, common, flags, toml_file: flags and TOML into one frozen
+                 TrainConfig in sections
     training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
                  resume: one run, from start-up to the last checkpoint
     model/       config, layers, gpt, precision, flops: the plain single-device GPT;
@@ -20,9 +22,9 @@ over 300 lines).
     dashboards/  names, tb_sink, wandb_sink: TensorBoard and W&B views of the metrics
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
     data/        corpus, batches: byte-level data and deterministic DP-sharded batches;
-                 prepare, shard_writer, token_files, token_batches: tokenized datasets
-    comm/        the Communicator protocol, its mpi/ and nccl/ backends, groups, timing,
-                 progress records
+                 prepare, shard_writer, token_files, token_batches, sources: tokenized datasets
+    comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
+                 axes and their groups), timing, progress records
     data_parallel/  grad_sync (DataParallel), buckets
     tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize
     pipeline/    schedules, their checker, the runtime, stages, timeline

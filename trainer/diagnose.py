@@ -22,8 +22,9 @@ from rich.table import Table
 
 from trainer.comm import bootstrap
 from trainer.comm.bandwidth import Sample, format_size, measure_allreduce, parse_sizes
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
-from trainer.comm.topology import AXES, ParallelDims
+from trainer.comm.topology import MeshShape
 from trainer.errors import TrainerError
 
 
@@ -68,8 +69,8 @@ def communicators(world: bootstrap.World) -> list[tuple[str, Communicator]]:
     """The world plus the axes of a (dp, tp=2, pp=1) grid when the world size is even."""
     out: list[tuple[str, Communicator]] = [("world", world.comm)]
     if world.size >= 2 and world.size % 2 == 0:
-        groups = bootstrap.build_groups(world, ParallelDims(dp=world.size // 2, tp=2, pp=1))
-        out += [(f"grid_{axis}", groups.on(axis)) for axis in AXES]
+        mesh = Mesh.build(world.comm, MeshShape(dp=world.size // 2, tp=2), world.device)
+        out += [(f"grid_{axis}", mesh.group(axis)) for axis in ("tp", "dp", "pp")]
     return out
 
 

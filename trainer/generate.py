@@ -17,7 +17,6 @@ import argparse
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import fields
 from pathlib import Path
 
 from trainer import checkpoint
@@ -74,7 +73,7 @@ def check_model_fields(path: Path) -> None:
     """Refuse a checkpoint whose model has fields this dtrain does not know (a newer dtrain
     wrote it): it would be built without them, a different model."""
     _, meta = checkpoint.read_meta(path)  # verified against the commit record
-    known = {f.name for f in fields(GPTConfig)}
+    known = set(GPTConfig().to_dict())
     unknown = sorted(set(meta.get("model", {})) - known)
     if unknown:
         raise checkpoint.CheckpointError(

@@ -69,14 +69,14 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint
-from trainer.comm.bootstrap import World, build_groups
+from trainer.comm.bootstrap import World
 from trainer.comm.progress import record_of
-from trainer.comm.topology import ParallelDims
 from trainer.config.options import TrainConfig, resolve_dp
 from trainer.data.corpus import Corpus, skipped_warning
 from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
 from trainer.model.flops import mfu, peak_tflops
+from trainer.optim.mixed_precision import MainParams
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, startup
 from trainer.training.expert_load import write_load_plot
@@ -84,13 +84,12 @@ from trainer.training.guard import check_parameters
 from trainer.training.metrics import MetricsLog
 from trainer.training.pipeline_step import (
     describe_pipeline,
-    write_timeline,
 )
 from trainer.training.readout import PendingStep
 from trainer.training.resume import meta_of
-from trainer.training.run import Run, build_run
+from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
-from trainer.zero import memory
+from trainer.zero import ZeroOptimizer, memory
 from trainer.zero.memory import PeakMemory
 from trainer.zero.state import shard_files
 
@@ -110,48 +109,45 @@ def save_checkpoint(run: Run, step: int) -> Path | None:
     tp x pp (x ep) ranks one shard each, together; others return None. Under --zero 1 every
     rank writes its optimizer shard (`trainer.zero.state`), DP rank 0 the model besides.
     Every rank first checks (collectively) that no parameter is NaN or infinite."""
-    pp_comm = run.pipeline.comm if run.pipeline is not None else None
-    groups = [c for c in (run.dp.comm, run.tp_comm, pp_comm) if c is not None]
-    main = run.main
-    check_parameters(main.main if main else run.model.parameters(), step, groups,
-                     report=run.is_writer)
+    weights, mesh = run.weights, run.mesh
+    check_parameters(weights.values(), step, mesh.group(), report=run.is_writer)
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint)
     root = Path(run.cfg.run_dir) / "checkpoints"
-    if run.zero is not None:
-        return checkpoint.save(root, step, model=run.model.state_dict() if run.dp_rank == 0
-                               else None, optim=None, meta=meta, keep=run.cfg.keep,
-                               writers=run.writers, shard=(run.tp_rank, run.pp_rank),
-                               extra=shard_files(run.zero, run.tp_rank, run.pp_rank))
-    if run.dp_rank >= run.cfg.ep:  # the first EP block of DP ranks holds every expert
+    if isinstance(weights, ZeroOptimizer):
+        tp, pp = mesh.rank("tp"), mesh.rank("pp")
+        return checkpoint.save(root, step, model=run.model.state_dict()
+                               if mesh.is_first("dp") else None, optim=None, meta=meta,
+                               keep=run.cfg.checkpoint.keep, writers=run.writers,
+                               shard=(tp, pp),
+                               extra=shard_files(weights, tp, pp))
+    if not mesh.is_first("edp"):  # the first EP block of DP ranks holds every expert
         return None
-    model = main.state_dict() if main else run.model.state_dict()
-    return checkpoint.save(root, step, model=model, optim=run.optimizer.state_dict(),
-                           meta=meta, keep=run.cfg.keep, writers=run.writers,
-                           shard=(run.tp_rank, run.pp_rank, run.ep_rank))
+    model = weights.state_dict() if isinstance(weights, MainParams) else run.model.state_dict()
+    return checkpoint.save(root, step, model=model, optim=weights.optimizer.state_dict(),
+                           meta=meta, keep=run.cfg.checkpoint.keep, writers=run.writers,
+                           shard=(mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep")))
 
 
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
     """Run training on this rank of ``world`` (on ``corpus``, the checked data, if given)."""
     cfg = resolve_dp(cfg, world.size)
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm, corpus=corpus)
+    run = build_run(cfg, mesh_for(cfg, world), corpus)
     peak = peak_tflops(world.device, cfg.peak_tflops)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
-                     start_step=run.start_step, log_every=cfg.log_every,
+                     start_step=run.start_step, log_every=cfg.logging.log_every,
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
     peak_mem = PeakMemory(world.device)
-    pipe = run.pipeline
-    validation = Validation.of(run.corpus, run.batches, run.model, run.dp.comm,
-                               pipe and pipe.comm, pipe and pipe.layout) if cfg.eval_every else None
+    validation = Validation.of(run.corpus, run.batches, run.model, run.body,
+                               run.mesh.group("dp"), run.mesh.group("pp")) \
+        if cfg.logging.eval_every else None
     result = TrainResult(run.start_step, run.start_step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
     pending: list[PendingStep] = []
-    time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.log_every, world.device)
+    time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.logging.log_every, world.device)
     try:
         for step in range(run.start_step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
@@ -162,25 +158,26 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                 progress.step(step, done.record.compute_s)
             result.final_step = step
             last = step == cfg.last_step or time_limit.reached(step)
-            evaluate = validation is not None and (step % cfg.eval_every == 0 or last)
-            save = cfg.save_every > 0 and step % cfg.save_every == 0 and not last
-            if evaluate or save or step % cfg.log_every == 0 or last:
-                val = validation.loss(cfg.eval_batches) if evaluate else None
+            evaluate = validation is not None and (step % cfg.logging.eval_every == 0 or last)
+            every = cfg.checkpoint.save_every
+            save = every > 0 and step % every == 0 and not last
+            if evaluate or save or step % cfg.logging.log_every == 0 or last:
+                val = validation.loss(cfg.data.eval_batches) if evaluate else None
                 _log_steps(log, result, pending, val)
             if save:
                 save_checkpoint(run, step)
             if last:
                 break
         result.checkpoint = save_checkpoint(run, result.final_step)
-        if run.pipeline is not None and groups.coords.tp == 0 and groups.coords.dp == 0:
-            log.info(write_timeline(run.pipeline, Path(cfg.run_dir), write=run.is_writer))
+        if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
+            log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
         _log_steps(log, result, pending)  # the good steps before an error are kept
-        log.close(plot_title=f"{cfg.model} GPT, dp={cfg.dp}, tp={cfg.tp}, pp={cfg.pp}, "
-                             f"global batch {cfg.global_batch}")
+        log.close(plot_title=f"{cfg.model.preset} GPT, {_layout(cfg)}, "
+                             f"global batch {cfg.data.global_batch}")
     if run.is_writer:
-        write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe_experts} experts, "
-                        f"top-{cfg.gpt.moe_topk}, ep={cfg.ep}")
+        write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe.experts} experts, "
+                        f"top-{cfg.gpt.moe.topk}, ep={cfg.parallel.ep}")
     return result
 
 
@@ -199,10 +196,11 @@ def _log_steps(log: MetricsLog, result: TrainResult, pending: list[PendingStep],
 
 def _memory_line(run: Run) -> str:
     """Rank 0's expected parameter, gradient and optimizer bytes (`trainer.zero.memory`)."""
-    where = "rank 0" + (", its TP x PP shard" if run.cfg.tp * run.cfg.pp > 1 else "")
-    return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.zero,
+    par = run.cfg.parallel
+    where = "rank 0" + (", its TP x PP shard" if par.tp * par.pp > 1 else "")
+    return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.optimizer.zero,
                            bf16=_bf16(run),
-                           dp=run.cfg.dp, where=where)
+                           dp=par.dp, where=where)
 
 
 def _bf16(run: Run) -> bool:
@@ -210,21 +208,28 @@ def _bf16(run: Run) -> bool:
 
 
 def _banner(run: Run, world_size: int) -> str:
-    cfg = run.cfg
+    cfg, par = run.cfg, run.cfg.parallel
     resumed = f", {run.resumed}" if run.resumed else ""
-    per_rank = " per TP rank" if cfg.tp > 1 else ""
-    per_rank += " of pipeline rank 0" if cfg.pp > 1 else ""
-    pipeline = f" ({describe_pipeline(cfg)})" if cfg.pp > 1 else ""
-    return (f"dtrain: {cfg.model} GPT, {run.model.num_params():,} parameters{per_rank} | "
-            f"world {world_size}"
-            f" = dp {cfg.dp} x tp {cfg.tp} x pp {cfg.pp}{pipeline} | "
+    per_rank = " per TP rank" if par.tp > 1 else ""
+    per_rank += " of pipeline rank 0" if par.pp > 1 else ""
+    pipeline = f" ({describe_pipeline(cfg)})" if par.pp > 1 else ""
+    return (f"dtrain: {cfg.model.preset} GPT, {run.model.num_params():,} parameters{per_rank} | "
+            f"world {world_size} = {_layout(cfg, ' x ')}{pipeline} | "
             f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
-            f"{', ZeRO-1' if run.zero else ''}"
+            f"{', ZeRO-1' if cfg.optimizer.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
-            f"grad bucket(s), overlap {'on' if cfg.overlap else 'off'} | global batch "
-            f"{cfg.global_batch} x {cfg.gpt.seq_len} bytes, {cfg.microbatches} microbatch(es) | "
+            f"grad bucket(s), overlap {'on' if par.overlap else 'off'} | global batch "
+            f"{cfg.data.global_batch} x {cfg.gpt.seq_len} bytes, {par.microbatches} "
+            "microbatch(es) | "
             f"data {run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"
             f"{resumed}")
+
+
+def _layout(cfg: TrainConfig, sep: str = ", ") -> str:
+    """``dp 2 x tp 2 x pp 1`` (with ``sep`` " x "), or ``dp=2, tp=2, pp=1``."""
+    par = cfg.parallel
+    eq = " " if sep == " x " else "="
+    return sep.join(f"{axis}{eq}{getattr(par, axis)}" for axis in ("dp", "tp", "pp"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

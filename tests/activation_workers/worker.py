@@ -19,23 +19,21 @@ from torch.utils._pytree import tree_flatten
 
 from tests.activation_workers.cases import BIG, BIG_SEED, CONSTRUCTION, RUNS, STEPS, Run
 from tests.numerics import float64
-from trainer.comm.bootstrap import World, build_groups, init
-from trainer.comm.topology import ParallelDims
-from trainer.config.options import TrainConfig
+from trainer.comm.bootstrap import World, init
+from trainer.comm.mesh import Mesh
+from trainer.comm.topology import MeshShape
 from trainer.construction import build_rank_model
 from trainer.data.corpus import load_corpus
+from trainer.pipeline.partition import StageLayout, stage_counts
 from trainer.tensor_parallel import shard_spec
-from trainer.training.pipeline_step import stage_layout
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
 
 def train_run(world: World, run: Run, out: Path) -> dict[str, Any]:
     cfg = run.config(str(out / run.name))
-    groups = build_groups(world, ParallelDims(dp=1, tp=run.tp, pp=run.pp))
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20))
-    state = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                      groups=groups, world_comm=world.comm, corpus=corpus)
+    corpus = load_corpus(cfg.data.path, cap_bytes=int(cfg.data.data_cap_mb * 2**20))
+    state = build_run(cfg, mesh_for(cfg, world), corpus)
     losses = [train_step(state, step).loss for step in range(1, STEPS + 1)]
     return {"losses": losses,
             "params": {n: p.detach().clone() for n, p in state.model.named_parameters()}}
@@ -58,14 +56,15 @@ class LargestAllocation(TorchDispatchMode):
 
 
 def construct(world: World, tp: int, pp: int) -> dict[str, Any]:
-    groups = build_groups(world, ParallelDims(dp=world.size // (tp * pp), tp=tp, pp=pp))
+    mesh = Mesh.build(world.comm, MeshShape(dp=world.size // (tp * pp), tp=tp, pp=pp),
+                      world.device)
     layout = None
     if pp > 1:
-        layout = stage_layout(TrainConfig(gpt=BIG, tp=tp, pp=pp), groups.coords.pp)
+        layout = StageLayout(pp, 1, mesh.rank("pp"), stage_counts(BIG.n_layer, pp, 1))
     with LargestAllocation() as seen:
         model = build_rank_model(BIG, BIG_SEED, device=world.device, layout=layout,
-                                 groups=groups)
-    return {"tp_rank": groups.coords.tp, "largest_allocation": seen.numel,
+                                 tp=mesh.group("tp"))
+    return {"tp_rank": mesh.rank("tp"), "largest_allocation": seen.numel,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "specs": {n: shard_spec(p) for n, p in model.named_parameters()}}
 

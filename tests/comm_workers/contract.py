@@ -23,8 +23,9 @@ import cases
 import torch
 
 from trainer.comm import bootstrap
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import ReduceOp
-from trainer.comm.topology import ParallelDims
+from trainer.comm.topology import MeshShape
 from trainer.errors import CommError
 
 
@@ -42,10 +43,11 @@ def groups(world: bootstrap.World) -> list[cases.Group]:
     out.append(split_group(world, "cols", lambda q: q % 2, lambda q: q))
     out.append(split_group(world, "reversed", lambda q: 0, lambda q: -q))
     tp = 2 if world.size % 2 == 0 else 1
-    dims = ParallelDims(dp=world.size // tp, tp=tp, pp=1)
-    grid = bootstrap.build_groups(world, dims)
+    shape = MeshShape(dp=world.size // tp, tp=tp, pp=1)
+    grid = Mesh.build(world.comm, shape, world.device)
     for axis in ("tp", "dp", "pp"):
-        out.append(cases.Group(f"grid_{axis}", grid.on(axis), dims.group_ranks(axis, world.rank)))
+        out.append(cases.Group(f"grid_{axis}", grid.group(axis),
+                               shape.group_ranks(world.rank, axis)))
     return out
 
 

@@ -12,7 +12,6 @@ every rank, so the test sees a failure instead of a hang.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,10 @@ from torch import nn
 
 from tests.dp_workers.cases import CASES, STEPS, case_config
 from tests.numerics import float64
-from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.bootstrap import World, init
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
-from trainer.comm.topology import ParallelDims
+from trainer.comm.topology import MeshShape
 from trainer.config.options import resolve_dp
 from trainer.data_parallel.grad_sync import DataParallel, GradSyncError
 from trainer.model.config import GPTConfig
@@ -32,9 +32,9 @@ from trainer.training.run import build_run
 from trainer.training.step import train_step
 
 
-def run_case(name: str, world: World, dp_comm: Communicator, out: Path) -> dict[str, Any]:
-    cfg = resolve_dp(replace(case_config(name), run_dir=str(out / name)), world.size)
-    run = build_run(cfg, rank=world.rank, dp_comm=dp_comm, device=world.device)
+def run_case(name: str, world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
+    cfg = resolve_dp(case_config(name).with_options(run_dir=str(out / name)), world.size)
+    run = build_run(cfg, mesh)
     losses, orders = [], []
     for step in range(1, STEPS + 1):
         losses.append(train_step(run, step).loss)
@@ -43,10 +43,10 @@ def run_case(name: str, world: World, dp_comm: Communicator, out: Path) -> dict[
     return {"losses": losses, "orders": orders, "buckets": len(run.dp.buckets), "params": params}
 
 
-def probe_no_sync(world: World, dp_comm: Communicator, out: Path) -> dict[str, Any]:
+def probe_no_sync(world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
     """Inside no_sync nothing is launched and grads stay local; the last microbatch reduces."""
-    cfg = resolve_dp(replace(case_config("accumulation"), run_dir=str(out)), world.size)
-    run = build_run(cfg, rank=world.rank, dp_comm=dp_comm, device=world.device)
+    cfg = resolve_dp(case_config("accumulation").with_options(run_dir=str(out)), world.size)
+    run = build_run(cfg, mesh)
     (x0, y0), (x1, y1) = run.batches.microbatches(1)
     run.dp.zero_grad()
     with run.dp.no_sync():
@@ -116,10 +116,11 @@ def probe_mismatch(world: World, dp_comm: Communicator) -> str:
 
 def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
-    dp_comm = build_groups(world, ParallelDims(dp=world.size)).dp
+    mesh = Mesh.build(world.comm, MeshShape(dp=world.size), world.device)
+    dp_comm = mesh.group("dp")
     with float64():  # compared with an fp64 single-process reference (tests/numerics.py)
-        result: dict[str, Any] = {name: run_case(name, world, dp_comm, out) for name in CASES}
-    result["no_sync"] = probe_no_sync(world, dp_comm, out)
+        result: dict[str, Any] = {name: run_case(name, world, mesh, out) for name in CASES}
+    result["no_sync"] = probe_no_sync(world, mesh, out)
     result["async_paths"] = probe_async_paths(world, dp_comm)
     result["unused"] = probe_unused(dp_comm)
     result["second_backward"] = probe_second_backward(dp_comm)

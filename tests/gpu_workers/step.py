@@ -18,14 +18,15 @@ import torch
 
 from tests.host_syncs import HostSyncs, optimizer_step_counters
 from tests.numerics import float64
-from trainer.comm.bootstrap import World, build_groups, init
-from trainer.comm.topology import ParallelDims
+from trainer.comm.bootstrap import World, init
+from trainer.comm.mesh import Mesh
+from trainer.comm.topology import MeshShape
 from trainer.config.options import make_config
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.tensor_parallel.parallelize import parallelize
 from trainer.training import readout
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import run_step
 
 PADDED = GPTConfig(vocab_size=200, vocab_multiple=256, n_layer=1, n_head=2, d_model=16,
@@ -41,9 +42,9 @@ def batch(vocab: int = PADDED.vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def padding_probe(world: World) -> dict[str, Any]:
-    groups = build_groups(world, ParallelDims(tp=2))
+    mesh = Mesh.build(world.comm, MeshShape(tp=2), world.device)
     with float64():
-        model = parallelize(GPT(PADDED, seed=3), groups)
+        model = parallelize(GPT(PADDED, seed=3), mesh.group("tp"))
         x, y = batch()
         loss = model.loss(x, y)
         loss.backward()
@@ -51,17 +52,15 @@ def padding_probe(world: World) -> dict[str, Any]:
             "start": model.vocab_start, "grad": model.tok_emb.weight.grad.clone()}
 
 
-def sync_probe(world: World, out: Path, dims: ParallelDims) -> dict[str, Any]:
+def sync_probe(world: World, out: Path, dims: MeshShape) -> dict[str, Any]:
     cfg = make_config({"model": "tiny", "steps": STEPS, "global_batch": 8, "microbatches": 4,
                        "dp": dims.dp, "pp": dims.pp, "lr": 1e-2, "warmup_steps": 1,
                        "data_cap_mb": 0.25, "eval_every": 0, "run_dir": str(out)},
                       {"n_layer": 2, "d_model": 32, "seq_len": 16})
-    groups = build_groups(world, dims)
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    run = build_run(cfg, mesh_for(cfg, world))
     counts, reads, pending = [], [], []
     for step in range(1, STEPS + 1):
-        with HostSyncs(ignore=optimizer_step_counters(run.optimizer)) as syncs:
+        with HostSyncs(ignore=optimizer_step_counters(run.weights.optimizer)) as syncs:
             pending.append(run_step(run, step))
         counts.append(syncs.count)
         reads.append(syncs.ops)
@@ -76,5 +75,5 @@ def sync_probe(world: World, out: Path, dims: ParallelDims) -> dict[str, Any]:
 def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     return {"padding": padding_probe(world),
-            "dp2": sync_probe(world, out / "dp2", ParallelDims(dp=2)),
-            "pp2": sync_probe(world, out / "pp2", ParallelDims(pp=2))}
+            "dp2": sync_probe(world, out / "dp2", MeshShape(dp=2)),
+            "pp2": sync_probe(world, out / "pp2", MeshShape(pp=2))}

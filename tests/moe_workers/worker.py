@@ -11,7 +11,6 @@ trainer's own ``build_run``/``train_step`` in fp64.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +19,16 @@ import torch
 from tests.moe_reference import reference_moe
 from tests.moe_workers.cases import CASES, LAYOUTS, STEPS, case_config
 from tests.numerics import float64
-from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.comm.topology import ParallelDims
 from trainer.config.options import resolve_dp
-from trainer.model.config import GPTConfig
+from trainer.model.config import GPTConfig, MoEConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.layer import MoE
 from trainer.moe.parallel import shard_experts
 from trainer.moe.router import Routing
 from trainer.tensor_parallel.sharding import shard_spec
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
 D = 8
@@ -49,8 +47,8 @@ def round_trip(ep: Communicator, experts_of: torch.Tensor) -> bool:
 def imbalance_probe(ep: Communicator) -> dict[str, Any]:
     """Every token of every rank goes to expert 0 (on member 0): outputs, input gradients and
     the summed expert gradients equal the plain loop's."""
-    cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8, moe_experts=2 * ep.size,
-                    moe_topk=1, moe_z_loss_coeff=1e-3)
+    cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8,
+                    moe=MoEConfig(experts=2 * ep.size, topk=1, z_loss_coeff=1e-3))
     torch.manual_seed(0)
     layer = MoE(cfg)
     with torch.no_grad():
@@ -77,13 +75,12 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
 
 
 def train_layout(case: str, layout: str, world: World, out: Path) -> dict[str, Any]:
-    cfg = resolve_dp(replace(case_config(case, layout), run_dir=str(out / case / layout)),
+    cfg = resolve_dp(case_config(case, layout).with_options(run_dir=str(out / case / layout)),
                      world.size)
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    mesh = mesh_for(cfg, world)
+    run = build_run(cfg, mesh)
     records = [train_step(run, step) for step in range(1, STEPS + 1)]
-    return {"coords": groups.coords, "losses": [r.loss for r in records],
+    return {"tp_rank": mesh.rank("tp"), "losses": [r.loss for r in records],
             "norms": [r.grad_norm for r in records],
             "params": {n: p.detach().clone() for n, p in run.model.named_parameters()},
             "specs": {n: shard_spec(p) for n, p in run.model.named_parameters()},

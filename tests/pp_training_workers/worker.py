@@ -17,31 +17,29 @@ from typing import Any
 
 from tests.numerics import float64
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
-from trainer.comm.bootstrap import World, build_groups, init
-from trainer.comm.topology import ParallelDims
+from trainer.comm.bootstrap import World, init
 from trainer.config.options import resolve_dp
 from trainer.errors import TrainerError
 from trainer.tensor_parallel import full_state
 from trainer.train import train
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
 
 def train_case(world: World, c: Case, out: Path) -> dict[str, Any]:
     cfg = resolve_dp(c.config(run_dir=str(out / c.name)), world.size)
-    groups = build_groups(world, ParallelDims(dp=c.dp, tp=c.tp, pp=c.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    mesh = mesh_for(cfg, world)
+    run = build_run(cfg, mesh)
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         rec = train_step(run, step)
         losses.append(rec.loss)
         norms.append(rec.grad_norm)
-    return {"coords": (groups.coords.tp, groups.coords.dp, groups.coords.pp),
-            "losses": losses, "norms": norms, "params": full_state(run.model, groups.tp),
+    return {"coords": (mesh.rank("tp"), mesh.rank("dp"), mesh.rank("pp")),
+            "losses": losses, "norms": norms, "params": full_state(run.model, mesh.group("tp")),
             "local": {n: t.detach().clone() for n, t in run.model.state_dict().items()},
-            "in_flight": run.pipeline.last.max_in_flight,
-            "tied_group": run.pipeline.embd.size if run.pipeline.embd is not None else 0}
+            "in_flight": run.body.last.max_in_flight,
+            "tied_group": run.body.embd.size if run.body.embd is not None else 0}
 
 
 def checkpoint_runs(world: World, c: Case, out: Path) -> dict[str, Any]:
@@ -53,8 +51,8 @@ def checkpoint_runs(world: World, c: Case, out: Path) -> dict[str, Any]:
         train(c.config(run_dir=run_dir, resume=True, pp=1, dp=0, schedule="1f1b",
                        virtual_stages=1, microbatches=1, steps=STEPS + 1), world)
         refused = "not refused"
-    except TrainerError as exc:
-        refused = str(exc)
+    except TrainerError as exc:  # every rank refuses, the reporting one says why
+        refused = str(exc) if exc.report else ""
     return {"run_dir": run_dir, "first": first.losses, "second": second.losses,
             "start": second.start_step, "refused": refused}
 

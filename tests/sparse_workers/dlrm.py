@@ -6,30 +6,29 @@ G = 2 a resume and a longer run for the validation AUC.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from trainer.comm.bootstrap import init
-from trainer.recsys.config import RecsysConfig
+from trainer.recsys.config import RecsysConfig, make_config
 from trainer.recsys.train import build, load_log, train
 
 STEPS = 4
 #: Tiny: 4 features x 50 keys (200 rows, 50 per rank at G = 4), a batch every G divides.
-CFG = RecsysConfig(steps=STEPS, global_batch=32, lr=0.05, embedding_lr=0.1, dim=8, bottom="16",
-                   top="16", rows=2048, features=4, vocab="50", eval_every=0, seed=11,
-                   log_every=100)
+CFG = make_config(steps=STEPS, global_batch=32, lr=0.05, embedding_lr=0.1, dim=8, bottom="16",
+                  top="16", rows=2048, features=4, vocab="50", eval_every=0, seed=11,
+                  log_every=100)
 #: Hash mode, raw keys: the index (which key holds which row) must resume too.
-HASH_CFG = replace(CFG, hash_capacity=150, optimizer="adam")
-AUC_CFG = replace(CFG, steps=150, global_batch=128, rows=16384, features=6, vocab="300",
-                  eval_every=50, optimizer="adagrad", lr=0.05, embedding_lr=0.05)
+HASH_CFG = CFG.with_options(hash_capacity=150, optimizer="adam")
+AUC_CFG = CFG.with_options(steps=150, global_batch=128, rows=16384, features=6, vocab="300",
+                           eval_every=50, optimizer="adagrad", lr=0.05, embedding_lr=0.05)
 
 
 def fp64_steps(world: Any, optimizer: str) -> dict[str, Any]:
-    cfg = replace(CFG, optimizer=optimizer)
-    rows, _ = load_log(cfg).split(cfg.val_fraction)
+    cfg = CFG.with_options(optimizer=optimizer)
+    rows, _ = load_log(cfg).split(cfg.data.val_fraction)
     run = build(cfg, world, rows, dtype=torch.float64)
     losses = [run.step(step)[0] for step in range(1, STEPS + 1)]
     return {"losses": losses, "rows": run.model.table.weight.clone(),
@@ -37,10 +36,10 @@ def fp64_steps(world: Any, optimizer: str) -> dict[str, Any]:
 
 
 def resumed(world: Any, out: Path, cfg: RecsysConfig) -> dict[str, Any]:
-    straight = train(replace(cfg, run_dir=str(out / "straight")), world)
+    straight = train(cfg.with_options(run_dir=str(out / "straight")), world)
     split_dir = str(out / "split")
-    first = train(replace(cfg, steps=2, run_dir=split_dir), world)
-    second = train(replace(cfg, run_dir=split_dir, resume=True), world)
+    first = train(cfg.with_options(steps=2, run_dir=split_dir), world)
+    second = train(cfg.with_options(run_dir=split_dir, resume=True), world)
     shard = f"model-tp{world.rank:02d}-pp00.pt"
     return {"straight": straight.losses, "split": first.losses + second.losses,
             "start": second.start_step,
@@ -54,7 +53,7 @@ def run(out: Path) -> dict[str, Any]:
     if world.size == 2:  # resume and AUC once, on a sharded table
         result["resume"] = {"identity": resumed(world, out / "identity", CFG),
                             "hash": resumed(world, out / "hash", HASH_CFG)}
-        done = train(replace(AUC_CFG, run_dir=str(out / "auc")), world)
+        done = train(AUC_CFG.with_options(run_dir=str(out / "auc")), world)
         result["auc"] = {"evals": done.evals, "ceiling": done.ceiling,
                          "plot": (out / "auc" / "auc.png").is_file()}
     return result

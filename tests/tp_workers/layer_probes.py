@@ -7,7 +7,6 @@ test builds the same serial computation from `cases.layer_tensors` and compares.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +15,6 @@ from torch import nn
 
 from tests.tp_workers.cases import LINEAR_VARIANTS, layer_tensors
 from trainer import checkpoint
-from trainer.comm.bootstrap import ParallelGroups
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
@@ -94,10 +92,10 @@ COUNT_CFG = GPTConfig(n_layer=3, n_head=4, d_model=32, seq_len=16)
 COUNT_BATCH = 2
 
 
-def count_probe(groups: ParallelGroups) -> dict[str, Any]:
+def count_probe(tp: Communicator) -> dict[str, Any]:
     """Collectives of one forward and one backward of the TP GPT, by phase and op."""
-    counter = CountingCommunicator(groups.tp)
-    model = parallelize(GPT(COUNT_CFG, seed=0), replace(groups, tp=counter))
+    counter = CountingCommunicator(tp)
+    model = parallelize(GPT(COUNT_CFG, seed=0), counter)
     x = torch.randint(0, 256, (COUNT_BATCH, COUNT_CFG.seq_len),
                       generator=torch.Generator().manual_seed(0))
     counter.phase = "forward"
@@ -108,13 +106,14 @@ def count_probe(groups: ParallelGroups) -> dict[str, Any]:
             "sizes": list(counter.sizes)}
 
 
-def refusal_probe(groups: ParallelGroups) -> str:
+def refusal_probe(tp: Communicator) -> str:
     """A model whose heads and vocabulary do not split over this TP size (raises before any
     collective, so every rank can try it)."""
-    tp = groups.tp.size
-    cfg = GPTConfig(n_layer=1, n_head=tp + 1, d_model=4 * (tp + 1), vocab_size=255, seq_len=8)
+    size = tp.size
+    cfg = GPTConfig(n_layer=1, n_head=size + 1, d_model=4 * (size + 1), vocab_size=255,
+                    seq_len=8)
     try:
-        parallelize(GPT(cfg, seed=0), groups)
+        parallelize(GPT(cfg, seed=0), tp)
     except Exception as exc:  # noqa: BLE001 - the message is what is checked
         return f"{type(exc).__name__}: {exc}"
     return "no error"
@@ -124,18 +123,18 @@ def grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
-def checkpoint_failure_probe(groups: ParallelGroups, out: Path) -> dict[str, Any]:
+def checkpoint_failure_probe(tp: Communicator, out: Path) -> dict[str, Any]:
     """The TP writers save together and rank 1's shard cannot be written (unpicklable):
     every writer must fail with the cause, none may hang, nothing may be committed."""
     state: dict[str, Any] = {"w": torch.zeros(2)}
-    if groups.tp.rank == 1:
+    if tp.rank == 1:
         state["bad"] = lambda: None
     root = out / "ckpt-failure"
     try:
-        checkpoint.save(root, 1, model=state, optim={}, meta={}, shard=(groups.tp.rank, 0),
-                        writers=groups.tp)
+        checkpoint.save(root, 1, model=state, optim={}, meta={}, shard=(tp.rank, 0),
+                        writers=tp)
         message = "no error"
     except checkpoint.CheckpointError as exc:
         message = str(exc)
-    groups.tp.barrier()
+    tp.barrier()
     return {"message": message, "latest": checkpoint.latest(root)}

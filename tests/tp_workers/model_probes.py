@@ -11,7 +11,9 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from tests.numerics import float64
 from tests.tp_workers.cases import CASES, STEPS, case_config
 from tests.tp_workers.layer_probes import grads_of
-from trainer.comm.bootstrap import ParallelGroups, World
+from trainer.comm.bootstrap import World
+from trainer.comm.mesh import Mesh
+from trainer.comm.protocol import Communicator
 from trainer.config.options import resolve_dp
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
@@ -30,9 +32,9 @@ from trainer.training.step import train_step
 DROP_CFG = GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=16, dropout=0.2)
 
 
-def _dropout_model(groups: ParallelGroups, *, same_heads: bool) -> tuple[GPT, RNGStatesTracker]:
+def _dropout_model(tp: Communicator, *, same_heads: bool) -> tuple[GPT, RNGStatesTracker]:
     tracker = RNGStatesTracker()
-    model = parallelize(GPT(DROP_CFG, seed=4), groups, tracker=tracker)
+    model = parallelize(GPT(DROP_CFG, seed=4), tp, tracker=tracker)
     if same_heads:
         # Give every rank rank 0's heads, so their attention outputs can only differ through
         # the attention-probability dropout masks.
@@ -40,7 +42,7 @@ def _dropout_model(groups: ParallelGroups, *, same_heads: bool) -> tuple[GPT, RN
         for key, block in model.blocks.items():
             full = serial.blocks[key].attn.qkv.weight
             with torch.no_grad():
-                block.attn.qkv.weight.copy_(shard_tensor(full, 0, groups.tp.size,
+                block.attn.qkv.weight.copy_(shard_tensor(full, 0, tp.size,
                                                          ShardSpec(0, 3)))
     return model, tracker
 
@@ -68,10 +70,10 @@ def _record_forward(model: GPT, tracker: RNGStatesTracker, tp_seed: int,
     return seen
 
 
-def dropout_probe(groups: ParallelGroups) -> dict[str, Any]:
-    rank = groups.tp.rank
-    model, tracker = _dropout_model(groups, same_heads=False)
-    same, same_tracker = _dropout_model(groups, same_heads=True)
+def dropout_probe(tp: Communicator) -> dict[str, Any]:
+    rank = tp.rank
+    model, tracker = _dropout_model(tp, same_heads=False)
+    same, same_tracker = _dropout_model(tp, same_heads=True)
     return {
         "model": _record_forward(model, tracker, 2000 + rank, train=True),
         "same_heads": _record_forward(same, same_tracker, 2000 + rank, train=True),
@@ -80,10 +82,10 @@ def dropout_probe(groups: ParallelGroups) -> dict[str, Any]:
     }
 
 
-def recompute_probe(groups: ParallelGroups) -> dict[str, Any]:
+def recompute_probe(tp: Communicator) -> dict[str, Any]:
     """One TP block with dropout: plain, under our `checkpoint`, and under torch's checkpoint
     (which restores the default generator but not the tracker's TP stream)."""
-    model, tracker = _dropout_model(groups, same_heads=False)
+    model, tracker = _dropout_model(tp, same_heads=False)
     model.train()
     block = model.blocks["0"]
     h0 = torch.randn(2, DROP_CFG.seq_len, DROP_CFG.d_model,
@@ -97,7 +99,7 @@ def recompute_probe(groups: ParallelGroups) -> dict[str, Any]:
     for mode in ("plain", "ours", "torch"):
         block.zero_grad(set_to_none=True)
         torch.manual_seed(77)
-        tracker.seed(TP_RNG, 88 + groups.tp.rank)
+        tracker.seed(TP_RNG, 88 + tp.rank)
         h = h0.clone().requires_grad_(True)
         if mode == "plain":
             out = fn(h)
@@ -113,23 +115,23 @@ def recompute_probe(groups: ParallelGroups) -> dict[str, Any]:
     return results
 
 
-def train_case(name: str, world: World, groups: ParallelGroups, out: Path) -> dict[str, Any]:
+def train_case(name: str, world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
     """Train one case with the trainer's own build_run/train_step at this layout."""
-    dims = groups.dims
+    dims = mesh.shape
     cfg = resolve_dp(case_config(name, tp=dims.tp, dp=dims.dp,
                                  run_dir=str(out / f"{name}-tp{dims.tp}")), world.size)
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device, groups=groups)
+    run = build_run(cfg, mesh)
     losses, norms = [], []
     for step in range(1, STEPS + 1):
         rec = train_step(run, step)
         losses.append(rec.loss)
         norms.append(rec.grad_norm)
-    return {"losses": losses, "norms": norms, "params": full_state(run.model, groups.tp),
+    return {"losses": losses, "norms": norms, "params": full_state(run.model, mesh.group("tp")),
             "local_shapes": {n: tuple(p.shape) for n, p in run.model.named_parameters()}}
 
 
-def train_all(world: World, groups: ParallelGroups, out: Path) -> dict[str, Any]:
+def train_all(world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
     """Every training case in fp64, as the single-process reference (tests/numerics.py)."""
     with float64():
-        return {name: train_case(name, world, groups, out) for name in CASES}
+        return {name: train_case(name, world, mesh, out) for name in CASES}
 

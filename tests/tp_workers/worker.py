@@ -22,26 +22,27 @@ from tests.tp_workers.layer_probes import (
     refusal_probe,
 )
 from tests.tp_workers.model_probes import dropout_probe, recompute_probe, train_all, train_case
-from trainer.comm.bootstrap import build_groups, init
-from trainer.comm.topology import ParallelDims
+from trainer.comm.bootstrap import init
+from trainer.comm.mesh import Mesh
+from trainer.comm.topology import MeshShape
 
 
 def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     result: dict[str, Any] = {"rank": world.rank}
     if world.size > 1:
-        groups = build_groups(world, ParallelDims(tp=world.size))
-        result["layers"] = all_layer_probes(groups.tp)
-        result["counts"] = count_probe(groups)
-        result["dropout"] = dropout_probe(groups)
-        result["recompute"] = recompute_probe(groups)
-        result["refusal"] = refusal_probe(groups)
-        result["checkpoint_failure"] = checkpoint_failure_probe(groups, out)
-    for tp, dp in layouts(world.size):
-        groups = build_groups(world, ParallelDims(dp=dp, tp=tp))
-        result[f"tp{tp}dp{dp}"] = {"coords": groups.coords,
-                                   **train_all(world, groups, out)}
+        tp = Mesh.build(world.comm, MeshShape(tp=world.size), world.device).group("tp")
+        result["layers"] = all_layer_probes(tp)
+        result["counts"] = count_probe(tp)
+        result["dropout"] = dropout_probe(tp)
+        result["recompute"] = recompute_probe(tp)
+        result["refusal"] = refusal_probe(tp)
+        result["checkpoint_failure"] = checkpoint_failure_probe(tp, out)
+    for tp_size, dp in layouts(world.size):
+        mesh = Mesh.build(world.comm, MeshShape(dp=dp, tp=tp_size), world.device)
+        result[f"tp{tp_size}dp{dp}"] = {"tp_rank": mesh.rank("tp"),
+                                         **train_all(world, mesh, out)}
     if world.size == 4:  # fp32, as `python -m trainer.train` runs: the resume test's baseline
-        groups = build_groups(world, ParallelDims(dp=2, tp=2))
-        result["fp32-tp2dp2"] = train_case(CKPT_CASE, world, groups, out / "fp32")
+        mesh = Mesh.build(world.comm, MeshShape(dp=2, tp=2), world.device)
+        result["fp32-tp2dp2"] = train_case(CKPT_CASE, world, mesh, out / "fp32")
     return result

@@ -14,21 +14,22 @@ import time
 
 import torch
 
-from trainer.comm.bootstrap import build_groups, init
+from trainer.comm.bootstrap import init
+from trainer.comm.mesh import Mesh
 from trainer.comm.progress import record_of
 from trainer.comm.protocol import P2POp, wait_all
-from trainer.comm.topology import ParallelDims
+from trainer.comm.topology import MeshShape
 
 
 def skip() -> None:
     world = init(backend="mpi")
-    groups = build_groups(world, ParallelDims(dp=2, tp=2, pp=1))
+    mesh = Mesh.build(world.comm, MeshShape(dp=2, tp=2), world.device)
     record = record_of(world.comm)
     t = torch.ones(256)
     for step in range(1, 6):
-        groups.tp.all_reduce(t)
+        mesh.group("tp").all_reduce(t)
         if not (world.rank == 2 and step == 3):  # a data-dependent branch gone wrong
-            groups.dp.all_reduce(t)
+            mesh.group("dp").all_reduce(t)
         record.step(step, 0.0)
         print(f"step {step}", flush=True)
     world.comm.barrier()
@@ -38,7 +39,7 @@ def pipe() -> None:
     """Two pipeline stages exchanging activations and gradients as `trainer.pipeline` does
     (one batch_p2p per transfer); stage 1 gets stuck in its compute at step 3."""
     world = init(backend="mpi")
-    pp = build_groups(world, ParallelDims(dp=1, tp=1, pp=2)).pp
+    pp = Mesh.build(world.comm, MeshShape(pp=2), world.device).group("pp")
     record = record_of(world.comm)
     act, grad = torch.ones(64), torch.ones(64)
     for step in range(1, 6):

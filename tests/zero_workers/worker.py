@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,13 +26,15 @@ from tests.numerics import float64
 from tests.zero_workers.cases import CASES, RESUME_STEPS, STEPS, case_config, config
 from trainer import checkpoint
 from trainer.checkpoint.load import load_file
-from trainer.comm.bootstrap import World, build_groups, init
+from trainer.comm.bootstrap import World, init
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
-from trainer.comm.topology import ParallelDims
+from trainer.comm.topology import MeshShape
 from trainer.errors import TrainerError
 from trainer.train import save_checkpoint, train
-from trainer.training.run import build_run
+from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
+from trainer.zero import ZeroOptimizer
 from trainer.zero.memory import held_bytes
 from trainer.zero.reshard import FlatIndex, plan_reads
 from trainer.zero.state import flat_index, index_name, shard_name
@@ -42,14 +43,13 @@ from trainer.zero.state import flat_index, index_name, shard_name
 def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
                ) -> dict[str, Any]:
     """``steps`` steps of ``cfg``; with ``save`` a checkpoint at the end, read back on rank 0."""
-    groups = build_groups(world, ParallelDims(dp=cfg.dp, tp=cfg.tp, pp=cfg.pp))
-    run = build_run(cfg, rank=world.rank, dp_comm=groups.dp, device=world.device,
-                    groups=groups, world_comm=world.comm)
+    run = build_run(cfg, mesh_for(cfg, world))
     recs = [train_step(run, step) for step in range(1, steps + 1)]
-    held = held_bytes(run.model.parameters(), run.dp.buffer, run.optimizer)
+    held = held_bytes(run.model.parameters(), run.dp.buffer, run.weights.optimizer)
     saved = save_checkpoint(run, steps) if save else None
     name_of = {id(p): n for n, p in run.model.named_parameters()}
-    order = [name_of[id(p)] for p in itertools.chain(*run.zero.full_groups)] if run.zero else []
+    zero = run.weights if isinstance(run.weights, ZeroOptimizer) else None
+    order = [name_of[id(p)] for p in itertools.chain(*zero.full_groups)] if zero else []
     return {"losses": [r.loss for r in recs], "norms": [r.grad_norm for r in recs],
             "local": {n: t.detach().clone() for n, t in run.model.state_dict().items()},
             "n_params": sum(p.numel() for p in run.dp.params), "held": held, "order": order,
@@ -95,19 +95,19 @@ def resume_split(world: World, out: Path) -> dict[str, Any]:
     the split run resumed once more (no steps): at dp 2 (the files each rank reads), with
     another model, and with --zero 0 (both refused)."""
     cfg = case_config(2, "dp2", zero=1, steps=RESUME_STEPS)
-    whole = train(replace(cfg, run_dir=str(out / "whole")), world)
-    split = replace(cfg, run_dir=str(out / "split"))
-    first = train(replace(split, stop_at=2), world)
-    second = train(replace(split, resume=True), world)
+    whole = train(cfg.with_options(run_dir=str(out / "whole")), world)
+    split = cfg.with_options(run_dir=str(out / "split"))
+    first = train(split.with_options(stop_at=2), world)
+    second = train(split.with_options(resume=True), world)
     ckpts = [read_saved(r.checkpoint) if world.rank == 0 and r.checkpoint else None
              for r in (whole, second)]
-    again = replace(split, resume=True)
+    again = split.with_options(resume=True)
     return {"whole": whole.losses, "first": first.losses, "second": second.losses,
             "start": second.start_step, "run_dirs": [str(out / "whole"), str(out / "split")],
-            "states": ckpts, "reads": resumed(again, world.comm, world).zero.restored,
-            "refused": {"model": refusal(replace(again, gpt=replace(again.gpt, n_layer=3)),
+            "states": ckpts, "reads": resumed(again, world.comm, world).weights.restored,
+            "refused": {"model": refusal(again.with_options(n_layer=3),
                                          world),
-                        "zero0": refusal(replace(again, zero=0), world),
+                        "zero0": refusal(again.with_options(zero=0), world),
                         "damaged": damaged(again, world, out / "split")}}
 
 
@@ -124,8 +124,8 @@ def damaged(cfg: Any, world: World, run_dir: Path) -> dict[str, Any]:
 
 def resumed(cfg: Any, comm: Communicator, world: World) -> Any:
     """The run of ``cfg`` (with --resume) built on ``comm`` as its DP group."""
-    return build_run(replace(cfg, dp=comm.size), rank=comm.rank, dp_comm=comm,
-                     device=world.device)
+    return build_run(cfg.with_options(dp=comm.size),
+                     Mesh.build(comm, MeshShape(dp=comm.size), world.device))
 
 
 def refusal(cfg: Any, world: World) -> dict[str, Any]:
@@ -141,11 +141,11 @@ def phase(cfg: Any, comm: Communicator, world: World, last: int, *, resume: bool
           ) -> dict[str, Any]:
     """Train dp = comm.size ranks (a sub-world) to step ``last``, saving there: the losses and
     what the resume read."""
-    run = resumed(replace(cfg, resume=resume), comm, world)
+    run = resumed(cfg.with_options(resume=resume), comm, world)
     losses = [train_step(run, step).loss for step in range(run.start_step + 1, last + 1)]
     save_checkpoint(run, last)
-    return {"losses": losses, "reads": run.zero.restored, "pieces": run.zero.pieces,
-            "names": flat_index(run.zero).names}
+    return {"losses": losses, "reads": run.weights.restored, "pieces": run.weights.pieces,
+            "names": flat_index(run.weights).names}
 
 
 def change_dp(world: World, out: Path) -> dict[str, Any]:
@@ -154,11 +154,11 @@ def change_dp(world: World, out: Path) -> dict[str, Any]:
     pair = world.comm.split(int(world.rank >= 2), world.rank, name="pair")
     cfg = case_config(4, "dp4", zero=1, steps=RESUME_STEPS)
     result: dict[str, Any] = {}
-    up = replace(cfg, run_dir=str(out / "2to4"))
+    up = cfg.with_options(run_dir=str(out / "2to4"))
     if world.rank < 2:
         phase(up, pair, world, 2, resume=False)
     result["2to4"] = phase(up, world.comm, world, RESUME_STEPS, resume=True)
-    down = replace(cfg, run_dir=str(out / "4to2"))
+    down = cfg.with_options(run_dir=str(out / "4to2"))
     phase(down, world.comm, world, 2, resume=False)
     if world.rank < 2:
         result["4to2"] = phase(down, pair, world, RESUME_STEPS, resume=True)
@@ -180,7 +180,7 @@ def big(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
     cfg = config(2, 2, 2, {"n_layer": BIG["n_layer"], "schedule": "1f1b"}, zero=1, steps=2,
                  microbatches=2, bucket_size=100_000, run_dir=str(out / "big"))
-    cfg = replace(cfg, gpt=replace(cfg.gpt, **BIG))
+    cfg = cfg.with_options(**BIG)
     return train_case(world, cfg, steps=2)
 
 

@@ -8,9 +8,9 @@
 RNG-safe `checkpoint` they build on live in `trainer.tensor_parallel`.
 """
 
-from trainer.activations.options import RECOMPUTE_MODES, check_activation_options
+from trainer.activations.options import RECOMPUTE_MODES, check_sequence_split
 from trainer.activations.recompute import apply_recompute
 from trainer.activations.sequence_parallel import apply_sequence_parallel
 
 __all__ = ["RECOMPUTE_MODES", "apply_recompute", "apply_sequence_parallel",
-           "check_activation_options"]
+           "check_sequence_split"]

@@ -12,9 +12,9 @@ from trainer.comm.protocol import (
     ReduceOp,
     wait_all,
 )
-from trainer.comm.topology import AXES, Coords, ParallelDims
+from trainer.comm.topology import AXES, MeshShape
 
 __all__ = [
-    "AXES", "Communicator", "Coords", "DoneHandle", "Handle", "P2POp", "ParallelDims",
-    "ReduceOp", "wait_all",
+    "AXES", "Communicator", "DoneHandle", "Handle", "MeshShape", "P2POp", "ReduceOp",
+    "wait_all",
 ]

@@ -1,4 +1,4 @@
-"""Join the job: MPI world, device, world communicator, then the DP/TP/PP sub-communicators.
+"""Join the job: MPI world, device and the world communicator (`trainer.comm.mesh` splits it).
 
 ``init()`` works the same under ``dtrain launch`` (the worker contract of ``workerenv`` is set and
 PMI-1 comes from the launcher), under plain ``mpiexec -n N`` (no contract: MPI's rank and size,
@@ -9,7 +9,8 @@ MPI library that cannot speak to dtrain's PMI-1 server (Open MPI 5 speaks only P
 then starts as a singleton world of one) or a worker started by hand or by torchrun with
 ``RANK``/``WORLD_SIZE`` copied into its environment; `check_world` names the cause it sees.
 
-Nothing is global: `World` and `ParallelGroups` are explicit objects passed to whoever needs them.
+Nothing is global: `World` (and the `trainer.comm.mesh.Mesh` built on it) are explicit objects
+passed to whoever needs them.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import torch
 import workerenv
 from trainer.comm.progress import recorded
 from trainer.comm.protocol import Communicator
-from trainer.comm.topology import AXES, Coords, ParallelDims
 from trainer.errors import BootstrapError
 
 BACKENDS = ("auto", "mpi", "nccl")
@@ -44,21 +44,7 @@ class World:
 
 
 @dataclass(frozen=True)
-class ParallelGroups:
-    """The three sub-communicators of a 3-D layout, and this rank's coordinates in it."""
-
-    tp: Communicator
-    dp: Communicator
-    pp: Communicator
-    dims: ParallelDims
-    coords: Coords
-
-    def on(self, axis: str) -> Communicator:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}[axis]
-
-
-@dataclass(frozen=True)
-class Placement:
+class Seat:
     """Rank, size and local rank as decided before any communicator exists (pure)."""
 
     rank: int
@@ -69,7 +55,7 @@ class Placement:
 
 def check_world(
     mpi_rank: int, mpi_size: int, environ: Mapping[str, str], mpi_library: str
-) -> Placement | None:
+) -> Seat | None:
     """Compare MPI's world with the worker contract; ``None`` when there is no contract.
 
     Pure, so every mismatch message is tested without starting processes.
@@ -93,7 +79,7 @@ def check_world(
             f"MPI.COMM_WORLD rank is {mpi_rank} but RANK is {env.rank}",
             "Do not override RANK or PMI_RANK; start the job with `dtrain launch`",
         )
-    return Placement(env.rank, env.world_size, env.local_rank, env.local_world_size)
+    return Seat(env.rank, env.world_size, env.local_rank, env.local_world_size)
 
 
 def _mismatch_fix(mpi_size: int, environ: Mapping[str, str], mpi_library: str) -> str:
@@ -121,28 +107,17 @@ def init(*, backend: str = "auto", environ: Mapping[str, str] | None = None) -> 
     mpi = import_mpi()
     world = mpi.COMM_WORLD
     env = os.environ if environ is None else environ
-    placement = check_world(world.Get_rank(), world.Get_size(), env, mpi.Get_library_version())
-    if placement is None:
-        placement = _placement_from_mpi(mpi, world)
+    seat = check_world(world.Get_rank(), world.Get_size(), env, mpi.Get_library_version())
+    if seat is None:
+        seat = _seat_from_mpi(mpi, world)
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "mpi"
     if backend == "nccl":
-        return _init_nccl(placement, world)
+        return _init_nccl(seat, world)
     from trainer.comm.mpi.communicator import MpiCommunicator
 
-    return World(placement.rank, placement.size, placement.local_rank, torch.device("cpu"),
-                 recorded(MpiCommunicator(world, "world"), env), world, placement.local_size)
-
-
-def build_groups(world: World, dims: ParallelDims) -> ParallelGroups:
-    """Split the world into TP, DP and PP groups (collective; same call order on every rank)."""
-    dims.check_world(world.size)
-    made = {}
-    for axis in AXES:  # tp, dp, pp on every rank: splits are collective and must line up
-        color = dims.group_index(axis, world.rank)
-        key = dims.coords(world.rank).on(axis)
-        made[axis] = world.comm.split(color, key, name=axis)
-    return ParallelGroups(made["tp"], made["dp"], made["pp"], dims, dims.coords(world.rank))
+    return World(seat.rank, seat.size, seat.local_rank, torch.device("cpu"),
+                 recorded(MpiCommunicator(world, "world"), env), world, seat.local_size)
 
 
 def import_mpi() -> Any:
@@ -157,38 +132,38 @@ def import_mpi() -> Any:
     return MPI
 
 
-def _placement_from_mpi(mpi: Any, world: Any) -> Placement:
+def _seat_from_mpi(mpi: Any, world: Any) -> Seat:
     """No worker contract: plain mpiexec (or python). Local rank = rank among this host's ranks."""
     local = world.Split_type(mpi.COMM_TYPE_SHARED, key=world.Get_rank())
     try:
-        return Placement(world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size())
+        return Seat(world.Get_rank(), world.Get_size(), local.Get_rank(), local.Get_size())
     finally:
         local.Free()
 
 
-def _init_nccl(placement: Placement, world: Any) -> World:
+def _init_nccl(seat: Seat, world: Any) -> World:
     from trainer.comm.nccl.communicator import NcclCommunicator
 
     # Every rank learns whether every rank has a GPU before any rank enters NCCL's collective
     # init: a rank that failed alone would otherwise leave the others waiting forever.
-    problem = _gpu_problem(placement)
+    problem = _gpu_problem(seat)
     problems = [p for p in world.allgather(problem) if p is not None]
     if problems:
         what, where, why, fix = problems[0]
         raise BootstrapError(what, where, why, fix)
-    torch.cuda.set_device(placement.local_rank)
-    comm = recorded(NcclCommunicator.create(world, placement.local_rank, "world"), os.environ)
-    return World(placement.rank, placement.size, placement.local_rank,
-                 torch.device("cuda", placement.local_rank), comm, world, placement.local_size)
+    torch.cuda.set_device(seat.local_rank)
+    comm = recorded(NcclCommunicator.create(world, seat.local_rank, "world"), os.environ)
+    return World(seat.rank, seat.size, seat.local_rank,
+                 torch.device("cuda", seat.local_rank), comm, world, seat.local_size)
 
 
-def _gpu_problem(placement: Placement) -> tuple[str, str, str, str] | None:
-    where = f"rank {placement.rank}, LOCAL_RANK={placement.local_rank}"
+def _gpu_problem(seat: Seat) -> tuple[str, str, str, str] | None:
+    where = f"rank {seat.rank}, LOCAL_RANK={seat.local_rank}"
     if not torch.cuda.is_available():
         return ("NCCL backend needs a GPU", where, "torch.cuda.is_available() is False",
                 "Run with backend='mpi' (CPU), or install a CUDA build of torch on a GPU host")
     count = torch.cuda.device_count()
-    if placement.local_rank >= count:
+    if seat.local_rank >= count:
         return ("no GPU for this rank", where, f"only {count} GPU(s) are visible on this host",
                 "Start at most one rank per GPU (--nproc-per-node), or check CUDA_VISIBLE_DEVICES")
     from trainer.comm.nccl.setup import import_nccl

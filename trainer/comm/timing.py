@@ -28,11 +28,10 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 
-from trainer.comm.bootstrap import ParallelGroups
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
 
 Interval = tuple[float, float]
@@ -208,11 +207,9 @@ class TimedCommunicator:
                                  handles_block=self.handles_block)
 
 
-def timed_groups(groups: ParallelGroups | None, dp: Communicator, clock: CommClock
-                 ) -> tuple[ParallelGroups | None, Communicator]:
-    """The TP and PP groups and the DP communicator of a run, timed on ``clock`` (DP's handles
-    are polled during backward, so they do not count as blocking)."""
-    if groups is not None:
-        groups = replace(groups, tp=TimedCommunicator(groups.tp, clock),
-                         pp=TimedCommunicator(groups.pp, clock))
-    return groups, TimedCommunicator(dp, clock, handles_block=False)
+def timed_mesh(mesh: Mesh, clock: CommClock) -> Mesh:
+    """Every group of ``mesh`` timed on ``clock``. The DP groups' handles (dp, and edp, whose
+    `DataParallel` runs the expert gradients) are polled during backward, so they do not
+    count as blocking."""
+    return mesh.wrapped(lambda axes, comm: TimedCommunicator(
+        comm, clock, handles_block=not set(axes) <= {"ep", "edp"}))

@@ -1,60 +1,62 @@
-"""Rank layout of a 3-D parallel job (pure; no MPI, no torch).
+"""The shape of a parallel job: named axes and their rank arithmetic (pure; no MPI, no torch).
 
-Megatron's order ``tp-dp-pp`` with TP varying fastest, so the ranks of one TP group are adjacent
+Four axes, fastest-varying first: ``tp``, ``ep``, ``edp``, ``pp``. Data parallelism is the
+pair ``dp = (ep, edp)``: its ranks are cut into blocks of ``ep`` adjacent ranks (the expert-
+parallel groups of `trainer.moe`), and the ranks at the same place in every block form the
+expert-data-parallel group ``edp``. A dense model has ep = 1, so edp is all of dp. Megatron's
+order ``tp-dp-pp`` follows, with TP varying fastest so the ranks of one TP group are adjacent
 and land on one host (TP traffic is the heaviest and wants NVLink)::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank),   dp_rank = ep_rank + ep * edp_rank
 
-A group along an axis is every rank that shares the coordinates on the other two axes; its
-members are ordered by their coordinate on the axis, so a rank's index inside its TP group is its
-``tp_rank``. Groups of one axis are numbered by their lowest member, which is the ``color`` used
-to split a communicator into them. Megatron's docstring example (16 GPUs, tp=2, pp=4, dp=2):
-TP groups [0,1],[2,3],..., DP groups [0,2],[1,3],[4,6],..., PP groups [0,4,8,12],[1,5,9,13],...
+A group along some axes is every rank that shares its coordinates on the other axes; its
+members are ordered by their index along those axes (mixed radix, fastest axis first), so a
+rank's index in its TP group is its tp rank. The groups of one set of axes are numbered the
+same way by the coordinates they do not span: that number is the ``color`` a communicator is
+split by. Megatron's docstring example (16 GPUs, tp=2, pp=4, dp=2): TP groups [0,1],[2,3],...,
+DP groups [0,2],[1,3],[4,6],..., PP groups [0,4,8,12],[1,5,9,13],...
+
+A new axis (context parallelism, say) is a new entry of `AXES` and of `MeshShape`.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 from trainer.errors import TopologyError
 
-Axis = Literal["tp", "dp", "pp"]
-AXES: tuple[Axis, ...] = ("tp", "dp", "pp")  # fastest-varying first
+AXES: tuple[str, ...] = ("tp", "ep", "edp", "pp")
+"""The primitive axes, fastest-varying first."""
+SPANS: dict[str, tuple[str, ...]] = {"dp": ("ep", "edp"), "world": AXES}
+"""Names for several primitive axes at once."""
 
 
 @dataclass(frozen=True)
-class Coords:
-    """A rank's position on the three axes."""
-
-    tp: int
-    dp: int
-    pp: int
-
-    def on(self, axis: Axis) -> int:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}[_axis(axis)]
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """Degrees of data, tensor and pipeline parallelism; their product is the world size."""
+class MeshShape:
+    """Degrees of data, tensor, pipeline and expert parallelism; dp * tp * pp ranks in all."""
 
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """The expert-parallel sub-axis of dp (divides it)."""
 
     def __post_init__(self) -> None:
-        for axis in AXES:
+        for axis in ("dp", "tp", "pp", "ep"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TopologyError(
-                    "invalid parallel layout", f"--{axis}",
-                    f"{axis}={value!r} is not a positive integer",
-                    f"Pass --{axis} 1 or more",
-                )
+                raise TopologyError("invalid parallel layout", f"--{axis}",
+                                    f"{axis}={value!r} is not a positive integer",
+                                    f"Pass --{axis} 1 or more")
+        if self.dp % self.ep:
+            raise TopologyError("invalid parallel layout", f"--ep {self.ep}",
+                                f"ep={self.ep} does not divide dp={self.dp}",
+                                "Choose an ep that divides the number of DP ranks")
 
     @classmethod
-    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
+    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MeshShape:
         """Megatron's rule: dp is what remains of the world after tp and pp."""
         if world_size % (tp * pp):
             raise TopologyError(
@@ -62,19 +64,78 @@ class ParallelDims:
                 f"tp={tp} x pp={pp} = {tp * pp} does not divide the world",
                 "Choose tp and pp whose product divides the number of ranks",
             )
-        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp)
+        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp, ep=ep)
 
     @property
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
-    def size(self, axis: Axis) -> int:
-        return {"tp": self.tp, "dp": self.dp, "pp": self.pp}[_axis(axis)]
+    @property
+    def sizes(self) -> dict[str, int]:
+        """The size of every primitive axis."""
+        return {"tp": self.tp, "ep": self.ep, "edp": self.dp // self.ep, "pp": self.pp}
 
-    def stride(self, axis: Axis) -> int:
-        return {"tp": 1, "dp": self.tp, "pp": self.tp * self.dp}[_axis(axis)]
+    def axes(self, *names: str) -> tuple[str, ...]:
+        """The primitive axes the names cover, in `AXES` order (no name: the world)."""
+        wanted: set[str] = set()
+        for name in names or ("world",):
+            if name not in AXES and name not in SPANS:
+                raise TopologyError("unknown parallel axis", repr(name),
+                                    f"the axes are {', '.join((*AXES, *SPANS))}", "Use one of them")
+            wanted.update(SPANS.get(name, (name,)))
+        return tuple(a for a in AXES if a in wanted)
 
-    def check_world(self, world_size: int) -> ParallelDims:
+    def size(self, *names: str) -> int:
+        sizes = self.sizes
+        return math.prod(sizes[a] for a in self.axes(*names))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``rank``'s coordinate on every primitive axis."""
+        self._check_rank(rank)
+        out = {}
+        for axis, size in self.sizes.items():
+            rank, out[axis] = divmod(rank, size)
+        return out
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        """The global rank at ``coords`` (primitive axes; a missing axis is 0)."""
+        rank, stride = 0, 1
+        for axis, size in self.sizes.items():
+            at = coords.get(axis, 0)
+            if not 0 <= at < size:
+                raise TopologyError("coordinates outside the layout", f"{axis}={at}",
+                                    f"{axis} ranks run from 0 to {size - 1}",
+                                    "Pass a valid coordinate")
+            rank, stride = rank + at * stride, stride * size
+        return rank
+
+    def coord(self, rank: int, *names: str) -> int:
+        """``rank``'s index in its group along ``names`` (mixed radix, fastest axis first)."""
+        return self._index(self.coords(rank), self.axes(*names))
+
+    def color(self, rank: int, *names: str) -> int:
+        """The number of ``rank``'s group along ``names`` among all such groups."""
+        spanned = self.axes(*names)
+        return self._index(self.coords(rank), tuple(a for a in AXES if a not in spanned))
+
+    def group_ranks(self, rank: int, *names: str) -> tuple[int, ...]:
+        """The global ranks of ``rank``'s group along ``names``, ordered by their index in it."""
+        spanned, base = self.axes(*names), self.coords(rank)
+        out = []
+        for i in range(self.size(*names)):
+            at = dict(base)
+            for axis in spanned:
+                i, at[axis] = divmod(i, self.sizes[axis])
+            out.append(self.rank_of(at))
+        return tuple(out)
+
+    def groups(self, *names: str) -> tuple[tuple[int, ...], ...]:
+        """Every group along ``names``, in color order."""
+        firsts = {self.color(r, *names): r for r in range(self.world_size)
+                  if self.coord(r, *names) == 0}
+        return tuple(self.group_ranks(firsts[c], *names) for c in sorted(firsts))
+
+    def check_world(self, world_size: int) -> MeshShape:
         """Raise unless the layout uses exactly ``world_size`` ranks; returns self."""
         if self.world_size != world_size:
             raise TopologyError(
@@ -84,49 +145,17 @@ class ParallelDims:
             )
         return self
 
-    def coords(self, rank: int) -> Coords:
-        self._check_rank(rank)
-        return Coords(tp=rank % self.tp, dp=(rank // self.tp) % self.dp,
-                      pp=rank // (self.tp * self.dp))
-
-    def rank_of(self, coords: Coords) -> int:
-        for axis in AXES:
-            if not 0 <= coords.on(axis) < self.size(axis):
-                raise TopologyError(
-                    "coordinates outside the layout", f"{axis}={coords.on(axis)}",
-                    f"{axis} ranks run from 0 to {self.size(axis) - 1}", "Pass a valid coordinate",
-                )
-        return coords.tp + self.tp * (coords.dp + self.dp * coords.pp)
-
-    def group_ranks(self, axis: Axis, rank: int) -> tuple[int, ...]:
-        """The global ranks of ``rank``'s group along ``axis``, ordered by their axis coordinate."""
-        stride = self.stride(axis)
-        base = rank - self.coords(rank).on(axis) * stride
-        return tuple(base + i * stride for i in range(self.size(axis)))
-
-    def groups(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
-        """Every group along ``axis``, numbered (ordered) by their lowest rank."""
-        return tuple(
-            self.group_ranks(axis, r) for r in range(self.world_size)
-            if self.coords(r).on(axis) == 0
-        )
-
-    def group_index(self, axis: Axis, rank: int) -> int:
-        """The number of ``rank``'s group among ``groups(axis)``: the split color."""
-        return self.groups(axis).index(self.group_ranks(axis, rank))
+    def _index(self, coords: Mapping[str, int], axes: tuple[str, ...]) -> int:
+        index, stride = 0, 1
+        for axis in axes:
+            index, stride = index + coords[axis] * stride, stride * self.sizes[axis]
+        return index
 
     def _check_rank(self, rank: int) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+        if isinstance(rank, bool) or not isinstance(rank, int) or \
+                not 0 <= rank < self.world_size:
             raise TopologyError(
                 "rank outside the layout", f"rank {rank!r}",
                 f"dp={self.dp} x tp={self.tp} x pp={self.pp} has ranks 0..{self.world_size - 1}",
                 "Check the layout against the world size",
             )
-
-
-def _axis(axis: str) -> str:
-    if axis not in AXES:
-        raise TopologyError(
-            "unknown parallel axis", repr(axis), "the axes are tp, dp and pp", "Use one of them"
-        )
-    return axis

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from trainer.activations import apply_recompute, apply_sequence_parallel
-from trainer.comm.bootstrap import ParallelGroups
+from trainer.comm.protocol import Communicator
 from trainer.construction.materialise import materialise
 from trainer.construction.meta import meta_gpt
 from trainer.model.config import GPTConfig
@@ -30,16 +30,15 @@ from trainer.tensor_parallel.random import RNGStatesTracker
 
 
 def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
-                     layout: StageLayout | None = None, groups: ParallelGroups | None = None,
+                     layout: StageLayout | None = None, tp: Communicator | None = None,
                      tracker: RNGStatesTracker | None = None, sequence_parallel: bool = False,
                      recompute: str = "none") -> GPT:
-    """This rank's model (``layout``: its pipeline stage; ``groups.tp``: its TP shard) with
-    its initial weights on ``device``."""
+    """This rank's model (``layout``: its pipeline stage; ``tp``: the group it is sharded
+    over) with its initial weights on ``device``."""
     tracker = tracker if tracker is not None else RNGStatesTracker(device)
     model = meta_gpt(gpt, seed, layout)
-    tp = groups.tp if groups is not None else None
-    if groups is not None:
-        model = parallelize(model, groups, tracker=tracker)
+    if tp is not None:
+        model = parallelize(model, tp, tracker=tracker)
     if sequence_parallel:
         model = apply_sequence_parallel(model, tp, tracker)
     model = apply_recompute(model, recompute, tracker)

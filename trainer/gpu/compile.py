@@ -20,7 +20,6 @@ uses the same backend that passed the trial.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,21 +30,22 @@ from trainer.comm.protocol import Communicator, ReduceOp
 _NONE = 2**62  # no rank failed
 
 
-def compile_blocks(model: nn.Module, batch: int, *, rank: int = 0,
-                   groups: Sequence[Communicator] = (), backend: Any = "inductor") -> bool:
+def compile_blocks(model: nn.Module, batch: int, *, world: Communicator | None = None,
+                   backend: Any = "inductor") -> bool:
     """Compile the blocks of ``model`` (a `trainer.model.gpt.GPT` or pipeline stage) for
     micro-batches of ``batch`` sequences; True when compiled, False when some rank of
-    ``groups`` (together: the world) could not, and every rank runs eager. Then the lowest
-    failing rank (``rank`` is this one's) prints its error, once for the job. ``backend`` is
-    torch.compile's (``--compile`` uses inductor)."""
+    ``world`` (None: this process alone) could not, and every rank runs eager. Then the lowest
+    failing rank prints its error, once for the job. ``backend`` is torch.compile's
+    (``--compile`` uses inductor)."""
+    rank = world.rank if world is not None else 0
     blocks = list(model.blocks.values())
     for block in blocks:
         block.forward = torch.compile(block.forward, backend=backend)
     error = _trial(model, blocks[0], batch) if blocks else None
     first_failed = torch.tensor([rank if error else _NONE], dtype=torch.int64,
                                 device=model.rope_cos.device)
-    for comm in groups:
-        comm.all_reduce(first_failed, ReduceOp.MIN)
+    if world is not None:
+        world.all_reduce(first_failed, ReduceOp.MIN)
     if int(first_failed) == _NONE:
         return True
     for block in blocks:

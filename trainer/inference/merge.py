@@ -20,8 +20,6 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.comm.bootstrap import ParallelGroups
-from trainer.comm.topology import Coords, ParallelDims
 from trainer.errors import CommError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
@@ -49,11 +47,9 @@ def shard_specs(cfg: GPTConfig, tp: int) -> dict[str, ShardSpec]:
     replicated parameters are absent)."""
     if tp == 1:
         return {}
-    one = LayoutOnlyGroup(1)
-    groups = ParallelGroups(LayoutOnlyGroup(tp), one, one, ParallelDims(1, tp, 1),
-                            Coords(0, 0, 0))
-    model = parallelize(GPT(cfg), groups, tracker=RNGStatesTracker())
-    shard_experts(model, one, groups.tp)  # MoE experts are split like the MLP (trainer.moe)
+    group = LayoutOnlyGroup(tp)
+    model = parallelize(GPT(cfg), group, tracker=RNGStatesTracker())
+    shard_experts(model, LayoutOnlyGroup(1), group)  # experts split like the MLP (trainer.moe)
     return {name: spec for name, p in model.named_parameters(remove_duplicate=False)
             if (spec := shard_spec(p)) is not None}
 
@@ -61,7 +57,7 @@ def shard_specs(cfg: GPTConfig, tp: int) -> dict[str, ShardSpec]:
 def load_serial(path: Path) -> tuple[GPT, dict[str, Any]]:
     """The single-device GPT of the committed checkpoint folder ``path``, and its meta."""
     meta = checkpoint.load(path).meta  # every file it reads is verified against the record
-    cfg = GPTConfig(**meta["model"])
+    cfg = GPTConfig.from_dict(meta["model"])
     tp, pp = meta["layout"]["tp"], meta["layout"]["pp"]
     specs = shard_specs(cfg, tp)
     full: dict[str, torch.Tensor] = {}

@@ -64,7 +64,7 @@ class GPT(nn.Module):
         with torch.random.fork_rng(devices=[]):
             self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
             self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
-            if cfg.moe_experts:
+            if cfg.moe.experts:
                 from trainer.moe.layer import install_moe  # trainer.moe builds on this module
 
                 install_moe(self.blocks, cfg)

@@ -1,45 +1,17 @@
-"""Refuse an MoE model or expert-parallel layout that cannot run, before any rank starts work.
-
-`check_model` runs inside `GPTConfig.__post_init__` (a ValueError there becomes the trainer's
-ConfigError naming the source); `check_layout` runs on the training options once dp is known.
+"""Refuse an expert-parallel layout or a combination MoE models cannot run, before any rank
+starts work (`trainer.config.options.TrainConfig` calls both; the MoE fields themselves are
+checked by `trainer.model.config.MoEConfig`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from trainer.errors import ConfigError
-from trainer.moe.router import SCORE_FUNCTIONS
-
-if TYPE_CHECKING:
-    from trainer.model.config import GPTConfig
 
 
-def check_model(cfg: GPTConfig) -> None:
-    """Raise ValueError naming the first impossible MoE field of ``cfg``."""
-    if cfg.moe_experts < 0:
-        raise ValueError(f"moe_experts must be >= 0 (0 = dense), got {cfg.moe_experts}")
-    if not cfg.moe_experts:
-        return
-    if not 1 <= cfg.moe_topk <= cfg.moe_experts:
-        raise ValueError(f"moe_topk must be between 1 and moe_experts ({cfg.moe_experts}), "
-                         f"got {cfg.moe_topk}")
-    if cfg.moe_every < 1:
-        raise ValueError(f"moe_every must be >= 1, got {cfg.moe_every}")
-    if cfg.moe_router not in SCORE_FUNCTIONS:
-        raise ValueError(f"moe_router must be one of {', '.join(SCORE_FUNCTIONS)}, "
-                         f"got {cfg.moe_router!r}")
-    for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_capacity_factor"):
-        if getattr(cfg, name) < 0:
-            raise ValueError(f"{name} must be >= 0, got {getattr(cfg, name)}")
-
-
-def check_layout(*, experts: int, ep: int, dp: int | None) -> None:
-    """Refuse an expert-parallel size that does not split the experts or the DP ranks (``dp``
-    None: not known yet, only the experts are checked)."""
+def check_layout(*, experts: int, ep: int) -> None:
+    """Refuse an expert-parallel size that does not split the experts (whether it splits the
+    DP ranks is the parallel section's check)."""
     where = f"--ep {ep}"
-    if ep < 1:
-        raise ConfigError("invalid option", where, "must be >= 1", "Pass --ep 1 or more")
     if ep == 1:
         return
     if not experts:
@@ -51,12 +23,6 @@ def check_layout(*, experts: int, ep: int, dp: int | None) -> None:
                           f"{where} --moe-experts {experts}",
                           f"{experts} experts is not a multiple of ep = {ep}",
                           f"Choose an ep that divides {experts}, or a multiple of {ep} experts")
-    if dp is not None and dp % ep:
-        raise ConfigError("expert parallelism does not fit the data-parallel ranks",
-                          f"{where}, dp = {dp}",
-                          f"the EP groups are carved from the {dp} DP rank(s), and ep = {ep} "
-                          "does not divide them",
-                          f"Start a multiple of {ep} DP ranks, or choose an ep that divides {dp}")
 
 
 def check_combinations(*, experts: int, zero: int, sequence_parallel: bool,

@@ -33,16 +33,16 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.n_experts, self.topk = cfg.moe_experts, cfg.moe_topk
-        self.score, self.capacity_factor = cfg.moe_router, cfg.moe_capacity_factor
-        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff
-        self.router = nn.Linear(cfg.d_model, cfg.moe_experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.moe_experts)})
+        self.n_experts, self.topk = cfg.moe.experts, cfg.moe.topk
+        self.score, self.capacity_factor = cfg.moe.router, cfg.moe.capacity_factor
+        self.aux_coeff, self.z_coeff = cfg.moe.aux_loss_coeff, cfg.moe.z_loss_coeff
+        self.router = nn.Linear(cfg.d_model, cfg.moe.experts, bias=False)
+        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.moe.experts)})
         self.ep: Communicator | None = None
         """The expert-parallel group the experts are split over (None: all are here)."""
         self.aux_scale = 1.0
         """The weight of the auxiliary loss in backward (1 / microbatches per step)."""
-        self.load = torch.zeros(cfg.moe_experts + 3, dtype=torch.float64)
+        self.load = torch.zeros(cfg.moe.experts + 3, dtype=torch.float64)
         """Training forwards since `take_load`: assignments per expert (before dropping),
         dropped assignments, the auxiliary loss summed, the number of forwards."""
 
@@ -89,7 +89,7 @@ class _AuxLoss(Function):
 
 def is_moe_layer(index: int, cfg: GPTConfig) -> bool:
     """Megatron's ``moe_layer_freq``: layers 0, n, 2n, ... are MoE layers."""
-    return cfg.moe_experts > 0 and index % cfg.moe_every == 0
+    return cfg.moe.experts > 0 and index % cfg.moe.every == 0
 
 
 def install_moe(blocks: nn.ModuleDict, cfg: GPTConfig) -> None:

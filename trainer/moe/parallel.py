@@ -1,10 +1,10 @@
-"""Expert parallelism: EP groups carved from DP, expert sharding, gradient reduction, norms.
+"""Expert parallelism: expert sharding over the mesh's ep axis, gradient reduction, norms.
 
-Groups (Megatron's order): the DP ranks of one (tp, pp) position are cut into blocks of ``ep``
-adjacent DP ranks, each block an EP group that splits every MoE layer's experts among its
-members; the DP ranks holding the same experts (same index in their EP block) form the
-expert-data-parallel (EDP) group of dp/ep ranks. With dp = 4, ep = 2: EP groups of DP ranks
-{0,1}, {2,3}; EDP groups {0,2}, {1,3}.
+Groups (Megatron's order, `trainer.comm.topology`): the DP ranks of one (tp, pp) position are
+cut into blocks of ``ep`` adjacent DP ranks, each block an EP group that splits every MoE
+layer's experts among its members; the DP ranks holding the same experts (same index in their
+EP block) form the expert-data-parallel (EDP) group of dp/ep ranks. With dp = 4, ep = 2: EP
+groups of DP ranks {0,1}, {2,3}; EDP groups {0,2}, {1,3}. The mesh splits both.
 
 Gradients: dense parameters are averaged over the whole DP group as before. An expert on EP
 member q of group g processed the tokens of every member of g, so its local gradient already
@@ -28,27 +28,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.data_parallel.grad_sync import DataParallel
 from trainer.moe.layer import moe_layers, set_aux_scale
 from trainer.optim.grad_clip import NormScope
 from trainer.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-
-
-@dataclass(frozen=True)
-class ExpertGroups:
-    """This rank's expert-parallel and expert-data-parallel groups (sub-groups of DP)."""
-
-    ep: Communicator
-    edp: Communicator
-
-
-def expert_groups(dp: Communicator, ep: int) -> ExpertGroups:
-    """Split the DP group into EP blocks of ``ep`` adjacent ranks and their EDP groups
-    (collective over ``dp``, the same calls on every rank)."""
-    block, member = divmod(dp.rank, ep)
-    return ExpertGroups(ep=dp.split(block, member, name="ep"),
-                        edp=dp.split(member, block, name="edp"))
 
 
 def shard_experts(model: nn.Module, ep: Communicator, tp: Communicator | None = None) -> None:
@@ -149,27 +134,11 @@ def ep_scope(scope: NormScope, ep: Communicator, model: nn.Module) -> NormScope:
     return scope.along(ep, lambda p: leader or id(p) in experts)
 
 
-def apply_expert_parallel(model: nn.Module, *, ep: int, microbatches: int, dp: Communicator,
-                          tp: Communicator | None) -> ExpertGroups | None:
+def apply_expert_parallel(model: nn.Module, mesh: Mesh, *, microbatches: int) -> bool:
     """Weigh the auxiliary losses for ``microbatches`` per step and, when the model has MoE
-    layers, split its experts over EP (carved from ``dp``) and TP. Returns the groups (None
-    for a dense model)."""
+    layers, split its experts over the mesh's EP and TP groups. Whether it has MoE layers."""
     if not moe_layers(model):
-        return None
+        return False
     set_aux_scale(model, microbatches)
-    groups = expert_groups(dp, ep)
-    shard_experts(model, groups.ep, tp)
-    return groups
-
-
-def checkpoint_writers(world: Communicator | None, dp: Communicator, ep: int,
-                       shard: tuple[int, ...], *, tp: int, pp: int) -> Communicator:
-    """The ranks that write one checkpoint together: every (tp, pp, ep) shard of the first EP
-    block of DP ranks (collective over ``world``, or over ``dp`` when tp * pp = 1). Stages
-    without MoE layers take part too: their ep index is their place in the EP block."""
-    if tp * pp == 1:
-        return dp.split(dp.rank // ep, dp.rank % ep, name="writers")
-    if world is None:
-        raise TypeError("checkpoint_writers needs the world communicator when tp * pp > 1")
-    return world.split(dp.rank // ep, shard[0] + tp * (shard[1] + pp * (dp.rank % ep)),
-                       name="writers")
+    shard_experts(model, mesh.group("ep"), mesh.group("tp"))
+    return True

@@ -28,7 +28,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from trainer.comm.protocol import Communicator
 from trainer.optim.grad_clip import NormScope
+from trainer.optim.main_weights import sum_main_grad
+from trainer.optim.optimizer import set_lr
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -77,10 +80,22 @@ class MainParams:
         """``scope`` for the main copies: each counts where its model parameter does."""
         return NormScope(scope.groups, lambda m: scope.counts(self._model_of[id(m)]))
 
+    def step(self, lr: float) -> None:
+        """AdamW on the main parameters, then `publish`."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        self.publish()
+
     @torch.no_grad()
     def publish(self) -> None:
         """Round the stepped fp32 main parameters into the bf16 model parameters."""
         torch._foreach_copy_([p.data for p in self.params], [m.data for m in self.main])
+
+    def sum_grad(self, param: nn.Parameter, group: Communicator) -> None:
+        sum_main_grad(param, group)
+
+    def values(self) -> list[nn.Parameter]:
+        return self.main
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's state with the fp32 main weights in place of the bf16 parameters."""

@@ -19,7 +19,7 @@ from trainer.gpu.settings import adamw_kernel
 
 
 @dataclass(frozen=True, kw_only=True)
-class Schedule:
+class LRSchedule:
     """Warmup + cosine learning-rate schedule (steps are 1-based: step 1 is the first update)."""
 
     lr: float

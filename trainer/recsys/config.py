@@ -1,95 +1,127 @@
-"""Options of ``python -m trainer.recsys``: a frozen `RecsysConfig` from command-line flags.
+"""Options of ``python -m trainer.recsys``: a frozen, sectioned `RecsysConfig` from flags (and
+``--config FILE``), through the same declarations and parser as the GPT trainer
+(`trainer.schema`, `trainer.config.flags`), sharing its checkpoint and logging sections.
 
 Checks that need no other rank (sizes, choices, the run dir: `trainer.checkpoint.run_dir`) run
-here; those that need the world (the batch
-divides over the ranks) in `check_world`. Every refusal names the flag and how to fix it.
+here; those that need the world (the batch divides over the ranks) in `check_world`. Every
+refusal names the flag and how to fix it.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from trainer.checkpoint import run_dir
 from trainer.comm.bootstrap import BACKENDS
-from trainer.config.options import _Parser  # the GPT trainer's quiet-capable argparse
+from trainer.config.common import CheckpointSection, LoggingSection
+from trainer.config.flags import option_table, parse
 from trainer.errors import ConfigError
 from trainer.recsys.data import CRITEO_SPARSE
 from trainer.recsys.model import DLRMConfig
+from trainer.schema import Section, option, replaced, section
 from trainer.sparse import KINDS
-
-HELP: dict[str, str] = {
-    "steps": "optimizer steps in total (a resumed run stops at the same step)",
-    "global_batch": "click-log rows per step, summed over the ranks (must divide by them)",
-    "optimizer": "rule for the embeddings and the MLPs: sgd, adagrad or adam (lazy per-row "
-                 "Adam for the embeddings)",
-    "lr": "learning rate of the MLPs",
-    "embedding_lr": "learning rate of the embedding rows",
-    "dim": "embedding width (and the bottom MLP's output)",
-    "bottom": "hidden widths of the bottom MLP, e.g. 64,32",
-    "top": "hidden widths of the top MLP",
-    "data": "Criteo-format TSV file (label, 13 integers, 26 hex categoricals); default: the "
-            "synthetic click log",
-    "rows": "rows of the synthetic click log (or at most this many of --data; 0 = all)",
-    "features": "categorical features of the synthetic log",
-    "vocab": "keys per categorical feature: one number for all, or one per feature (Criteo "
-             "keys are taken mod it); with --hash-capacity the keys are used as they are",
-    "zipf": "power-law exponent of the synthetic keys' frequencies",
-    "hash_capacity": "hash mode: rows per rank of an open-addressing table (0: identity mode, "
-                     "sum(vocab) rows sharded over the ranks)",
-    "val_fraction": "hold out this last fraction of the rows for validation",
-    "eval_every": "validation log-loss and AUC every N steps and at the end (0 = never)",
-    "seed": "seed of the synthetic log, initialisation and batch order",
-    "backend": "communication backend: auto (nccl on GPU, else mpi), mpi or nccl",
-    "run_dir": "folder for checkpoints, metrics.jsonl, loss.png and auc.png",
-    "save_every": "save a checkpoint every N steps (0 = only at the end)",
-    "keep": "number of newest checkpoints to keep (0 = all)",
-    "resume": "continue from the newest committed checkpoint in --run-dir",
-    "overwrite": "start a new run in a --run-dir that holds another run's checkpoints (refused "
-                 "without it): they and the metrics are moved to <run-dir>/replaced-<time>/",
-    "log_every": "print a log line every N steps",
-}
 
 
 @dataclass(frozen=True, kw_only=True)
-class RecsysConfig:
-    steps: int = 200
-    global_batch: int = 256
-    optimizer: str = "adagrad"
-    lr: float = 0.05
-    embedding_lr: float = 0.05
-    dim: int = 16
-    bottom: str = "64"
-    top: str = "64"
-    data: str | None = None
-    rows: int = 65536
-    features: int = 8
-    vocab: str = "2000"
-    zipf: float = 1.1
-    hash_capacity: int = 0
-    val_fraction: float = 0.1
-    eval_every: int = 50
-    seed: int = 1234
-    backend: str = "auto"
-    run_dir: str = "runs/recsys"
-    save_every: int = 0
-    keep: int = 2
-    resume: bool = False
-    overwrite: bool = False
-    log_every: int = 10
+class RecsysModel(Section):
+    """The DLRM's widths and its embedding table's mode."""
+
+    dim: int = option(16, "embedding width (and the bottom MLP's output)", at_least=1)
+    bottom: str = option("64", "hidden widths of the bottom MLP, e.g. 64,32")
+    top: str = option("64", "hidden widths of the top MLP")
+    hash_capacity: int = option(0, "hash mode: rows per rank of an open-addressing table (0: "
+                                "identity mode, sum(vocab) rows sharded over the ranks)",
+                                at_least=0)
+
+    def check(self) -> None:
+        _ints(self.bottom, "--bottom")
+        _ints(self.top, "--top")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecsysData(Section):
+    """The click log: a Criteo file or the synthetic log, and how much of it per step."""
+
+    path: str | None = option(None, "Criteo-format TSV file (label, 13 integers, 26 hex "
+                              "categoricals); default: the synthetic click log", flag="data")
+    rows: int = option(65536, "rows of the synthetic click log (or at most this many of --data; "
+                       "0 = all)", at_least=0)
+    features: int = option(8, "categorical features of the synthetic log", at_least=1)
+    vocab: str = option("2000", "keys per categorical feature: one number for all, or one per "
+                        "feature (Criteo keys are taken mod it); with --hash-capacity the keys "
+                        "are used as they are")
+    zipf: float = option(1.1, "power-law exponent of the synthetic keys' frequencies",
+                         at_least=0)
+    val_fraction: float = option(0.1, "hold out this last fraction of the rows for validation",
+                                 above=0, below=1)
+    global_batch: int = option(256, "click-log rows per step, summed over the ranks (must "
+                               "divide by them)", at_least=1)
 
     @property
     def vocab_sizes(self) -> tuple[int, ...]:
-        n = CRITEO_SPARSE if self.data else self.features
+        n = CRITEO_SPARSE if self.path else self.features
         sizes = _ints(self.vocab, "--vocab")
         return sizes * n if len(sizes) == 1 else sizes
 
-    def model(self) -> DLRMConfig:
-        return DLRMConfig(vocab=self.vocab_sizes, dim=self.dim,
-                          bottom=_ints(self.bottom, "--bottom"), top=_ints(self.top, "--top"),
-                          hash_capacity=self.hash_capacity)
+    def check(self) -> None:
+        vocab = self.vocab_sizes
+        if not self.path and len(vocab) != self.features:
+            raise ConfigError("vocabulary sizes do not match the features",
+                              f"--vocab {self.vocab}", f"{len(vocab)} sizes for "
+                              f"{self.features} features", "Give one size, or one per feature")
+        if not self.path:  # the synthetic log's size is known now; a file's once it is read
+            check_rows(self, self.rows - max(1, int(self.rows * self.val_fraction)))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecsysOptimizer(Section):
+    """The update rule of the embeddings and the MLPs."""
+
+    kind: str = option("adagrad", "rule for the embeddings and the MLPs: sgd, adagrad or adam "
+                       "(lazy per-row Adam for the embeddings)", flag="optimizer", choices=KINDS)
+    lr: float = option(0.05, "learning rate of the MLPs", at_least=0)
+    embedding_lr: float = option(0.05, "learning rate of the embedding rows", at_least=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecsysConfig(Section):
+    """One recommender run."""
+
+    steps: int = option(200, "optimizer steps in total (a resumed run stops at the same step)",
+                        at_least=1)
+    seed: int = option(1234, "seed of the synthetic log, initialisation and batch order",
+                       at_least=0, below=2**64)
+    backend: str = option("auto", "communication backend: auto (nccl on GPU, else mpi), mpi or "
+                          "nccl", choices=BACKENDS)
+    run_dir: str = option("runs/recsys", "folder for checkpoints, metrics.jsonl, loss.png and "
+                          "auc.png")
+    model: RecsysModel = section(RecsysModel, "the DLRM")
+    data: RecsysData = section(RecsysData, "the click log")
+    optimizer: RecsysOptimizer = section(RecsysOptimizer, "the optimizer")
+    checkpoint: CheckpointSection = section(CheckpointSection, "checkpoints")
+    logging: LoggingSection = section(LoggingSection, "logging and evaluation")
+
+    def dlrm(self) -> DLRMConfig:
+        return DLRMConfig(vocab=self.data.vocab_sizes, dim=self.model.dim,
+                          bottom=_ints(self.model.bottom, "--bottom"),
+                          top=_ints(self.model.top, "--top"),
+                          hash_capacity=self.model.hash_capacity)
+
+    def with_options(self, **changes: Any) -> RecsysConfig:
+        """This config with the options named by flag changed (checked again)."""
+        return replaced(self, changes, OPTIONS)
+
+
+OPTIONS = option_table(RecsysConfig)
+"""Every option of a recommender run by flag name."""
+
+
+def make_config(**options: Any) -> RecsysConfig:
+    """A checked config from options by flag name."""
+    return RecsysConfig().with_options(**options)
 
 
 def _ints(text: str, flag: str) -> tuple[int, ...]:
@@ -103,76 +135,30 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
-def check(cfg: RecsysConfig) -> RecsysConfig:
-    positive = ("steps", "global_batch", "dim", "log_every")
-    for name in positive:
-        if getattr(cfg, name) < 1:
-            raise ConfigError("option must be positive", f"--{name.replace('_', '-')}",
-                              f"got {getattr(cfg, name)}", "Give a value of at least 1")
-    if cfg.optimizer not in KINDS:
-        raise ConfigError("unknown optimizer", f"--optimizer {cfg.optimizer}",
-                          f"the choices are {', '.join(KINDS)}", "Pick one of them")
-    vocab = cfg.vocab_sizes
-    if not cfg.data and len(vocab) != cfg.features:
-        raise ConfigError("vocabulary sizes do not match the features",
-                          f"--vocab {cfg.vocab}", f"{len(vocab)} sizes for {cfg.features} "
-                          "features", "Give one size, or one per feature")
-    if not 0 < cfg.val_fraction < 1:
-        raise ConfigError("validation fraction out of range", f"--val-fraction "
-                          f"{cfg.val_fraction}", "it must lie strictly between 0 and 1",
-                          "E.g. --val-fraction 0.1")
-    for name in ("lr", "embedding_lr", "zipf"):
-        if not math.isfinite(getattr(cfg, name)):
-            raise ConfigError("option must be a finite number", f"--{name.replace('_', '-')} "
-                              f"{getattr(cfg, name)}", "inf and nan train nothing",
-                              "Give a finite value")
-    if not 0 <= cfg.seed < 2**64:
-        raise ConfigError("invalid seed", f"--seed {cfg.seed}", "it must be >= 0 and below "
-                          "2**64 (a 64-bit seed)", "Pass a smaller --seed")
-    if not cfg.data:  # the synthetic log's size is known now; a file's once it is read
-        check_rows(cfg, cfg.rows - max(1, int(cfg.rows * cfg.val_fraction)))
-    if cfg.overwrite and cfg.resume:
-        raise ConfigError("--overwrite with --resume", "--overwrite --resume",
-                          "--resume continues the checkpoints that --overwrite sets aside",
-                          "Drop one of them")
-    cfg.model()  # the MLP widths parse
-    return cfg
-
-
-def check_rows(cfg: RecsysConfig, train_rows: int) -> None:
-    """Refuse a log with fewer training rows (after the validation split) than one step takes."""
-    if train_rows < cfg.global_batch:
-        source = f"--data {cfg.data}" if cfg.data else f"--rows {cfg.rows}"
+def check_rows(data: RecsysData, train_rows: int) -> None:
+    """Refuse a log with fewer training rows (after the validation split) than one step
+    takes."""
+    if train_rows < data.global_batch:
+        source = f"--data {data.path}" if data.path else f"--rows {data.rows}"
         raise ConfigError("too few training rows for one step",
-                          f"{source} --global-batch {cfg.global_batch}",
+                          f"{source} --global-batch {data.global_batch}",
                           f"{max(train_rows, 0)} training row(s) after the --val-fraction "
-                          f"{cfg.val_fraction} split, and every step takes {cfg.global_batch}",
-                          "Give more rows, or a smaller --global-batch")
+                          f"{data.val_fraction} split, and every step takes "
+                          f"{data.global_batch}", "Give more rows, or a smaller --global-batch")
 
 
 def check_world(cfg: RecsysConfig, world_size: int) -> None:
-    if cfg.global_batch % world_size:
+    if cfg.data.global_batch % world_size:
         raise ConfigError("global batch does not divide over the ranks",
-                          f"--global-batch {cfg.global_batch}, {world_size} rank(s)",
+                          f"--global-batch {cfg.data.global_batch}, {world_size} rank(s)",
                           "every rank takes an equal share of each step's rows",
                           f"Use a multiple of {world_size}")
 
 
 def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> RecsysConfig:
     """The config of the flags; ``quiet`` parses without printing (every rank but rank 0)."""
-    parser = _Parser(prog="python -m trainer.recsys", quiet=quiet,
-                     description="Train a DLRM click model on sharded embeddings.")
-    for f in fields(RecsysConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool", bool):
-            parser.add_argument(flag, action="store_true", help=HELP[f.name])
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            parser.add_argument(flag, type=kind, default=f.default, help=HELP[f.name])
-    parsed = vars(parser.parse_args(argv))
-    if parsed["backend"] not in BACKENDS:
-        raise ConfigError("unknown communication backend", f"--backend {parsed['backend']}",
-                          f"the backends are {', '.join(BACKENDS)}", "Pick one of them")
-    cfg = check(RecsysConfig(**parsed))
-    run_dir.check(Path(cfg.run_dir), resume=cfg.resume, overwrite=cfg.overwrite)
+    cfg = parse(RecsysConfig, argv, prog="python -m trainer.recsys", quiet=quiet,
+                description="Train a DLRM click model on sharded embeddings.")
+    run_dir.check(Path(cfg.run_dir), resume=cfg.checkpoint.resume,
+                  overwrite=cfg.checkpoint.overwrite)
     return cfg

@@ -21,20 +21,23 @@ import torch
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointError
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.recsys.config import RecsysConfig
+from trainer.recsys.config import OPTIONS, RecsysConfig
 from trainer.recsys.model import DLRM
+from trainer.schema import flatten
 from trainer.sparse import SparseOptimizer
 
 
 def save(cfg: RecsysConfig, step: int, model: DLRM, dense_opt: torch.optim.Optimizer,
          sparse_opt: SparseOptimizer) -> Path:
     comm = model.table.comm
-    meta = {"config": asdict(cfg), "model": _model_meta(cfg), "layout": {"shards": comm.size}}
+    meta = {"config": flatten(cfg, OPTIONS), "model": _model_meta(cfg),
+            "layout": {"shards": comm.size}}
     return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step,
                            model=_flat(model),
                            optim={"dense": dense_opt.state_dict(),
                                   "sparse": sparse_opt.state_dict()},
-                           meta=meta, keep=cfg.keep, shard=(comm.rank, 0), writers=comm)
+                           meta=meta, keep=cfg.checkpoint.keep, shard=(comm.rank, 0),
+                           writers=comm)
 
 
 def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
@@ -81,7 +84,7 @@ def _part(flat: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def _model_meta(cfg: RecsysConfig) -> dict[str, Any]:
-    return {**asdict(cfg.model()), "optimizer": cfg.optimizer, "seed": cfg.seed}
+    return {**asdict(cfg.dlrm()), "optimizer": cfg.optimizer.kind, "seed": cfg.seed}
 
 
 def _check(cfg: RecsysConfig, meta: dict[str, Any], size: int, path: Path) -> None:

@@ -96,38 +96,40 @@ class Trainer:
 
 
 def load_log(cfg: RecsysConfig) -> ClickLog:
-    if cfg.data:
-        return read_criteo(Path(cfg.data), cfg.vocab_sizes, limit=cfg.rows)
-    return synthetic(cfg.rows, cfg.vocab_sizes, seed=cfg.seed, zipf=cfg.zipf)
+    if cfg.data.path:
+        return read_criteo(Path(cfg.data.path), cfg.data.vocab_sizes, limit=cfg.data.rows)
+    return synthetic(cfg.data.rows, cfg.data.vocab_sizes, seed=cfg.seed, zipf=cfg.data.zipf)
 
 
 def build(cfg: RecsysConfig, world: World, train_rows: ClickLog,
           dtype: torch.dtype = torch.float32) -> Trainer:
     """The model, optimizers and batches of this rank (``dtype``: of rows and MLPs)."""
-    model = DLRM(cfg.model(), world.comm, seed=cfg.seed, device=world.device, dtype=dtype)
-    dense_opt = _DENSE_OPTIMIZERS[cfg.optimizer](model.dense.parameters(), lr=cfg.lr)
-    sparse_opt = SparseOptimizer([model.table], kind=cfg.optimizer, lr=cfg.embedding_lr)
+    model = DLRM(cfg.dlrm(), world.comm, seed=cfg.seed, device=world.device, dtype=dtype)
+    opt = cfg.optimizer
+    dense_opt = _DENSE_OPTIMIZERS[opt.kind](model.dense.parameters(), lr=opt.lr)
+    sparse_opt = SparseOptimizer([model.table], kind=opt.kind, lr=opt.embedding_lr)
     dp = DataParallel(model.dense, world.comm)
-    batches = Batches(train_rows, cfg.global_batch, cfg.seed, world.rank, world.size)
+    batches = Batches(train_rows, cfg.data.global_batch, cfg.seed, world.rank, world.size)
     return Trainer(cfg, model, dp, dense_opt, sparse_opt, batches, world.device)
 
 
 def train(cfg: RecsysConfig, world: World) -> RecsysResult:
     """Train on this rank of ``world``; every rank returns the same losses and evaluations."""
     check_world(cfg, world.size)
-    train_rows, val = load_log(cfg).split(cfg.val_fraction)
+    train_rows, val = load_log(cfg).split(cfg.data.val_fraction)
     try:  # every rank read the same log: all refuse it together, rank 0 says why
-        check_rows(cfg, len(train_rows))
+        check_rows(cfg.data, len(train_rows))
     except ConfigError as exc:
         raise exc.everywhere(report=world.rank == 0) from None
     run = build(cfg, world, train_rows)
-    start = state.resume(cfg, run.model, run.dense_opt, run.sparse_opt) if cfg.resume else 0
+    start = state.resume(cfg, run.model, run.dense_opt, run.sparse_opt) \
+        if cfg.checkpoint.resume else 0
     result = RecsysResult(start, ceiling=evaluate.ceiling(val))
     writer, run_dir = world.rank == 0, Path(cfg.run_dir)
     replaced = set_aside(run_dir, [METRICS_FILE, evaluate.EVALS_FILE]) \
-        if cfg.overwrite and writer else ""
+        if cfg.checkpoint.overwrite and writer else ""
     log = MetricsLog(run_dir, enabled=writer, total_steps=cfg.steps, start_step=start,
-                     log_every=cfg.log_every)
+                     log_every=cfg.logging.log_every)
     log.info(_banner(cfg, run, world.size, len(train_rows), len(val), result.ceiling, start))
     log.info(replaced)
     if writer:
@@ -136,12 +138,13 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
         for step in range(start + 1, cfg.steps + 1):
             t0 = time.perf_counter()
             loss, phases = run.step(step)
-            rec = StepRecord(step=step, loss=loss, lr=cfg.lr, grad_norm=phases["grad_norm"],
-                             tokens=cfg.global_batch, step_s=time.perf_counter() - t0,
+            rec = StepRecord(step=step, loss=loss, lr=cfg.optimizer.lr,
+                             grad_norm=phases["grad_norm"],
+                             tokens=cfg.data.global_batch, step_s=time.perf_counter() - t0,
                              compute_s=phases["lookup"] + phases["dense"],
                              comm_exposed_s=phases["dispatch"] + phases["return"] +
                              phases["backward"])
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if cfg.logging.eval_every and (step % cfg.logging.eval_every == 0 or step == cfg.steps):
                 result.evals[step] = evaluate.evaluate(run.model, val)
                 rec = StepRecord(**{**rec.__dict__, "val_loss": result.evals[step]["val_loss"]})
                 if writer:
@@ -151,12 +154,13 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
                          f"{result.evals[step]['val_auc']:.4f}")
             log.record(rec)
             result.losses.append(loss)
-            if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+            every = cfg.checkpoint.save_every
+            if every and step % every == 0 and step != cfg.steps:
                 state.save(cfg, step, run.model, run.dense_opt, run.sparse_opt)
         result.checkpoint = state.save(cfg, max(cfg.steps, start), run.model, run.dense_opt,
                                        run.sparse_opt)
     finally:
-        log.close(plot_title=f"DLRM on {world.size} rank(s), global batch {cfg.global_batch}")
+        log.close(plot_title=f"DLRM on {world.size} rank(s), global batch {cfg.data.global_batch}")
         if writer:
             log.info(evaluate.plot(run_dir, result.ceiling,
                                    f"DLRM validation AUC, {world.size} rank(s)"))
@@ -166,12 +170,12 @@ def train(cfg: RecsysConfig, world: World) -> RecsysResult:
 def _banner(cfg: RecsysConfig, run: Trainer, ranks: int, n_train: int, n_val: int,
             ceiling: float | None, start: int) -> str:
     table = run.model.table
-    mode = (f"hash mode, {cfg.hash_capacity:,} rows per rank" if table.hashed else
+    mode = (f"hash mode, {cfg.model.hash_capacity:,} rows per rank" if table.hashed else
             f"{table.num_rows:,} rows, {len(table.weight):,} on rank 0")
     planted = f" | planted-model AUC {ceiling:.4f}" if ceiling is not None else ""
     resumed = f" | resumed at step {start}" if start else ""
-    return (f"dtrain recsys: DLRM, {run.model.cfg.features} sparse features x {cfg.dim} dims "
-            f"({mode}) over {ranks} rank(s) | {cfg.optimizer} | {n_train:,} training / "
+    return (f"dtrain recsys: DLRM, {run.model.cfg.features} sparse features x {cfg.model.dim} dims "
+            f"({mode}) over {ranks} rank(s) | {cfg.optimizer.kind} | {n_train:,} training / "
             f"{n_val:,} validation rows of {run.batches.log.source}{planted}{resumed}")
 
 

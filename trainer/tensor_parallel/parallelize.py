@@ -1,6 +1,6 @@
 """Turn the plain GPT into its tensor-parallel version, in one place (torchtitan's pattern).
 
-``parallelize(model, groups, tracker=...)`` replaces, in every block, the four linear layers by
+``parallelize(model, tp, tracker=...)`` replaces, in every block, the four linear layers by
 their Megatron counterparts and the embedding and head by vocabulary-parallel ones:
 
     attn.qkv   ColumnParallelLinear, stride 3: each rank gets q, k and v of its own heads
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from functools import partial
 
-from trainer.comm.bootstrap import ParallelGroups
+from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.model.layers import MLP
@@ -56,11 +56,10 @@ def check_divisible(cfg: GPTConfig, tp: int) -> None:
             "--vocab-multiple 128 to pad the vocabulary)")
 
 
-def parallelize(model: GPT, groups: ParallelGroups, *,
+def parallelize(model: GPT, tp: Communicator, *,
                 tracker: RNGStatesTracker | None = None) -> GPT:
-    """Shard ``model`` over ``groups.tp`` (a no-op at tp = 1). ``tracker`` supplies the TP
-    random stream for attention dropout; it is required when the model has dropout."""
-    tp = groups.tp
+    """Shard ``model`` over the TP group ``tp`` (a no-op at tp = 1). ``tracker`` supplies the
+    TP random stream for attention dropout; it is required when the model has dropout."""
     if tp.size == 1:
         return model
     check_divisible(model.cfg, tp.size)

@@ -11,8 +11,8 @@ loss scaler drops an overflowing step) and the run stops at the next one.
 
 Per save (`check_parameters`, before a checkpoint is written): parameters can overflow in the
 update itself (a huge learning rate times weight decay) while that step's loss and norm were
-finite; each rank tests its own parameters and the verdict is reduced over the DP, TP and PP
-groups, so all ranks refuse together. Neither check lets a non-finite state reach a checkpoint,
+finite; each rank tests its own parameters and the verdict is reduced over the world, so all
+ranks refuse together. Neither check lets a non-finite state reach a checkpoint,
 and since nothing is saved, nothing is pruned because of it.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -79,18 +79,18 @@ def _finite(*values: float | torch.Tensor) -> bool:
     return bool(verdict)
 
 
-def check_parameters(params: Iterable[torch.Tensor], step: int, groups: Sequence[Communicator],
+def check_parameters(params: Iterable[torch.Tensor], step: int, world: Communicator | None,
                      *, report: bool) -> None:
-    """Raise on every rank if any rank of ``groups`` (together: the world) holds a non-finite
-    parameter; called before saving step ``step``."""
+    """Raise on every rank if any rank of ``world`` (None: this process alone) holds a
+    non-finite parameter; called before saving step ``step``."""
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
     finite = [torch.isfinite(p.detach()).all() for p in params]  # on the device: one sync
     bad = torch.zeros(1, dtype=torch.int64, device=device)
     if finite:
         bad += ~torch.stack(finite).all()
-    for comm in groups:
-        comm.all_reduce(bad, ReduceOp.MAX)
+    if world is not None:
+        world.all_reduce(bad, ReduceOp.MAX)
     if int(bad):
         raise DivergedError("training diverged", f"step {step}",
                             "a parameter is NaN or infinite after the update; the checkpoint "

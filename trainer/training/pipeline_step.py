@@ -1,20 +1,24 @@
-"""One optimizer step of pipeline-parallel training, between the schedule and the optimizer.
+"""The body of a pipeline-parallel step (`trainer.training.body.StepBody`), between the
+schedule and the optimizer.
 
-`trainer.train` owns the step (learning rate, clipping, optimizer, logging); with ``--pp > 1``
-it hands the forward and backward of the step's microbatches to a `Pipeline`:
+`trainer.training.step` owns the step (learning rate, clipping, optimizer, logging); with
+``--pp > 1`` the run's body is a `Pipeline`:
 
 1. `Pipeline.forward_backward`: this rank's action list of the chosen schedule runs on its
    `GPTStage` over the PP communicator (`trainer.pipeline.runtime.run_schedule`). DP gradient
    buckets are all-reduced once per step, each launched right after the last backward of its
    parameters (the stage's ``grad_sync`` hook) and finished by ``DataParallel.finish_grad_sync``
    after the schedule, Megatron's ``finalize_model_grads`` order.
-2. `Pipeline.sync_tied_grads`: the tied embedding's gradient is summed over the embedding group
-   (the first and the last stage of this pipeline) so both copies get the serial gradient.
+2. `Pipeline.sum_shared_grads`: the tied embedding's gradient is summed over the embedding
+   group (the first and the last stage of this pipeline) so both copies get the serial
+   gradient (the main weights know where that gradient is: `MainWeights.sum_grad`).
 3. `Pipeline.norm_scope`: the global gradient norm is summed over TP (by the caller's scope)
    and PP, the tied copy on the last stage not counted (`trainer.optim.grad_clip`).
 4. `Pipeline.reduce_loss`: the loss lives on the last stage. It is averaged over DP there and
    broadcast over the pipeline, so *every* rank returns the step's loss and global rank 0 (the
    first stage) logs it like any other run.
+5. `Pipeline.eval_loss`: the validation forward, stage to stage; `Pipeline.report`: the
+   timeline at the end of a run.
 
 The embedding group is split from the PP communicator rather than the world: it is its first
 and last rank, so only the pipeline's own ranks need to take part in the split.
@@ -45,11 +49,12 @@ from trainer.data_parallel.grad_sync import DataParallel
 from trainer.model.gpt import GPT
 from trainer.model.precision import at_least_fp32
 from trainer.optim.grad_clip import NormScope
+from trainer.optim.main_weights import MainWeights
 from trainer.pipeline.actions import Action
 from trainer.pipeline.check import check_schedule
 from trainer.pipeline.partition import StageLayout, describe
 from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_schedule
-from trainer.pipeline.schedule import build, chunks_of
+from trainer.pipeline.schedule import build
 from trainer.pipeline.stages import Batch, GPTStage, tied_weight
 from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
 
@@ -58,7 +63,7 @@ TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
 
 def stage_layout(cfg: TrainConfig, pp_rank: int) -> StageLayout:
     """This pipeline rank's `StageLayout` from the (already validated) config."""
-    return StageLayout(cfg.pp, chunks_of(cfg.schedule, cfg.virtual_stages), pp_rank,
+    return StageLayout(cfg.parallel.pp, cfg.parallel.chunks, pp_rank,
                        cfg.stage_layers)
 
 
@@ -88,6 +93,8 @@ class Pipeline:
     stage: GPTStage
     actions: list[Action]
     spec: P2PSpec
+    dp: Communicator
+    """The DP group: the loss is averaged over it."""
     embd: Communicator | None
     tied: nn.Parameter | None
     wait: Callable[[Sequence[Handle]], None] = wait_all
@@ -105,38 +112,60 @@ class Pipeline:
             loss = loss + at_least_fp32(value)
         return loss
 
-    def sync_tied_grads(self) -> None:
+    def sum_shared_grads(self, weights: MainWeights) -> None:
         """Sum the tied embedding's gradient over the first and last stage (after DP)."""
-        if self.embd is None or self.tied is None:
-            return
-        grad = getattr(self.tied, "main_grad", self.tied.grad)
-        self.embd.all_reduce(grad, ReduceOp.SUM)
-        if self.tied.grad is not None and self.tied.grad.data_ptr() != grad.data_ptr():
-            self.tied.grad.copy_(grad)  # a non-fp32 parameter's grad is a copy of main_grad
+        if self.embd is not None and self.tied is not None:
+            weights.sum_grad(self.tied, self.embd)
 
     def norm_scope(self, base: NormScope) -> NormScope:
         """``base`` (TP) extended over the pipeline, counting the tied weight once."""
         copy = self.tied if self.tied is not None and not self.layout.holds_first else None
         return base.along(self.comm, lambda p: p is not copy)
 
-    def reduce_loss(self, loss: torch.Tensor, dp: Communicator) -> torch.Tensor:
+    def reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The global batch's loss on every rank, a 0-d tensor left on the device: DP average,
         then from the last stage."""
-        loss = loss.reshape(1).clone()
-        dp.all_reduce(loss, ReduceOp.AVG)
+        loss = loss_sum.reshape(1).clone()
+        self.dp.all_reduce(loss, ReduceOp.AVG)
         self.comm.broadcast(loss, self.comm.size - 1)
         return loss.reshape(())
 
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """The microbatch's mean loss, forward only, stage after stage: the rank of stage s
+        receives the activation from stage s-1, runs its layers and sends to stage s+1 (with
+        virtual chunks, stage s is chunk s // p of rank s % p). The last stage returns the
+        loss, the others None."""
+        model, layout, comm = self.stage.model, self.layout, self.comm
+        h = torch.empty(0)
+        for stage in range(comm.rank, layout.num_stages, layout.p):
+            chunk = stage // layout.p
+            if layout.is_first(chunk):
+                h = model.emb_drop(model.tok_emb(x))
+            else:
+                h = torch.empty((*x.shape, model.cfg.d_model), device=x.device,
+                                dtype=next(model.parameters()).dtype)
+                comm.recv(h, (stage - 1) % layout.p)
+            for i in layout.layers(chunk):
+                h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin)
+            if layout.is_last(chunk):
+                return model.criterion(model.head(model.ln_f(h)).flatten(0, 1), y.flatten())
+            comm.send(h.contiguous(), (stage + 1) % layout.p)
+        return None
+
+    def report(self, run_dir: Path, *, write: bool) -> str:
+        """The last step's timeline and bubble (`write_timeline`)."""
+        return write_timeline(self, run_dir, write=write)
+
 
 def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Communicator,
-                   dp: DataParallel, device: torch.device) -> Pipeline:
+                   dp: DataParallel, dp_group: Communicator, device: torch.device) -> Pipeline:
     """The schedule, stage, p2p shape and embedding group of this rank (collective over pp)."""
-    schedule = build(cfg.schedule, cfg.pp, cfg.microbatches, layout.v)
-    check_schedule(schedule, cfg.pp, layout.v, m=cfg.microbatches)
-    micro_batch = cfg.global_batch // (cfg.dp * cfg.microbatches)
+    schedule = build(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, layout.v)
+    check_schedule(schedule, cfg.parallel.pp, layout.v, m=cfg.parallel.microbatches)
+    micro_batch = cfg.micro_batch
     dtype = next(model.parameters()).dtype
     # Under sequence parallelism a stage sends its sequence block (trainer.activations).
-    seq = cfg.gpt.seq_len // (cfg.tp if cfg.sequence_parallel else 1)
+    seq = cfg.gpt.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
     spec = P2PSpec((micro_batch, seq, cfg.gpt.d_model), dtype, str(device))
     agree_on_spec(pp, spec)
 
@@ -144,7 +173,7 @@ def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Commun
         return nullcontext() if final else dp.no_sync()
 
     stage = GPTStage(model, layout, grad_sync=grad_sync)
-    return Pipeline(cfg, pp, layout, stage, schedule[pp.rank], spec,
+    return Pipeline(cfg, pp, layout, stage, schedule[pp.rank], spec, dp_group,
                     embd=_embedding_group(pp, layout, cfg.gpt.tied),
                     tied=tied_weight(model, layout), wait=p2p_wait(pp.backend))
 
@@ -160,8 +189,9 @@ def _embedding_group(pp: Communicator, layout: StageLayout, tied: bool) -> Commu
 
 def describe_pipeline(cfg: TrainConfig) -> str:
     """The banner's pipeline part, e.g. ``interleaved, v 2, 8 microbatches, layers 0|1|2|3``."""
-    v = chunks_of(cfg.schedule, cfg.virtual_stages)
-    return (f"{cfg.schedule}{f', v {v}' if v > 1 else ''}, {cfg.microbatches} microbatch(es), "
+    par = cfg.parallel
+    v = par.chunks
+    return (f"{par.schedule}{f', v {v}' if v > 1 else ''}, {par.microbatches} microbatch(es), "
             f"layers {describe(cfg.stage_layers)}")
 
 
@@ -171,10 +201,10 @@ def write_timeline(pipe: Pipeline, run_dir: Path, *, write: bool) -> str:
     if pipe.last is None:
         return ""
     events = gather(pipe.comm, pipe.last.timeline, pipe.spec.device)
-    p, m, v = pipe.comm.size, pipe.cfg.microbatches, pipe.layout.v
+    p, m, v = pipe.comm.size, pipe.cfg.parallel.microbatches, pipe.layout.v
     stats = bubble(events, p)
-    ideal = theory(pipe.cfg.schedule, p, m, v)
-    title = f"{pipe.cfg.schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
+    ideal = theory(pipe.cfg.parallel.schedule, p, m, v)
+    title = f"{pipe.cfg.parallel.schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
     if write:
         write_chrome_trace(run_dir / TIMELINE_JSON, events, title=title)
         write_gantt(run_dir / TIMELINE_PNG, events, title=f"last step: {title}")

@@ -58,22 +58,23 @@ RUN_CONTROL = {"steps", "stop_at", "resume", "resume_fallback", "overwrite", "sa
 
 def check_run_dir(cfg: TrainConfig) -> TrainConfig:
     """``cfg`` if its run dir can take this run (`trainer.checkpoint.run_dir.check`)."""
-    run_dir.check(Path(cfg.run_dir), resume=cfg.resume, overwrite=cfg.overwrite)
+    run_dir.check(Path(cfg.run_dir), resume=cfg.checkpoint.resume,
+                  overwrite=cfg.checkpoint.overwrite)
     return cfg
 
 
 def start_anew(cfg: TrainConfig, *, leader: bool) -> tuple[int, str, None]:
     """What `restore` returns for a run without ``--resume``: step 0, and under ``--overwrite``
     what the ``leader`` (global rank 0, before any save) set aside."""
-    said = run_dir.set_aside(Path(cfg.run_dir), [METRICS_FILE]) if cfg.overwrite and leader \
-        else ""
+    said = run_dir.set_aside(Path(cfg.run_dir), [METRICS_FILE]) \
+        if cfg.checkpoint.overwrite and leader else ""
     return 0, said, None
 
 
 def layout_of(cfg: TrainConfig) -> dict[str, Any]:
     """The parallel layout a checkpoint records (and a resume must match along tp and pp)."""
-    return {"dp": cfg.dp, "tp": cfg.tp, "pp": cfg.pp, "ep": cfg.ep,
-            "virtual_stages": cfg.virtual_stages if cfg.schedule == "interleaved" else 1,
+    par = cfg.parallel
+    return {"dp": par.dp, "tp": par.tp, "pp": par.pp, "ep": par.ep, "virtual_stages": par.chunks,
             "stage_layers": list(cfg.stage_layers)}
 
 
@@ -100,7 +101,7 @@ def restore(cfg: TrainConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         if worst == OK:
             assert ckpt is not None  # every rank loaded it
             return step, _apply(cfg, ckpt, model, optimizer, skipped), ckpt
-        if worst != DAMAGED or not cfg.resume_fallback:
+        if worst != DAMAGED or not cfg.checkpoint.resume_fallback:
             raise (error if error is not None else quiet(path)).everywhere(report=reporter)
         if reporter:
             print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
@@ -154,7 +155,7 @@ def _check_fits(cfg: TrainConfig, path: Path, shard: tuple[int, ...],
                 record: dict[str, FileRecord], meta: dict[str, Any]) -> None:
     """Refuse a checkpoint of another model, sharded layout or optimizer sharding."""
     checkpoint.check_compatible(meta, model=cfg.gpt.to_dict(), layout=layout_of(cfg), path=path)
-    if optim_sharded(record, shard) and not cfg.zero:
+    if optim_sharded(record, shard) and not cfg.optimizer.zero:
         raise CheckpointError(
             "checkpoint does not match this run", str(path),
             "its optimizer state is sharded over data parallelism (ZeRO-1); this run has "

@@ -1,51 +1,49 @@
-"""One training run as a rank holds it: model, optimizer, DP, data, schedule, groups.
+"""One training run as a rank holds it: model, gradient sync, main weights, step body, data.
 
-`build_run` assembles it from the config and the communicators (the same code for every
-layout); `trainer.train` steps it.
+`build_run(cfg, mesh)` assembles it (the same code for every layout) and chooses, once, what
+varies between layouts: the step body (plain accumulation or a pipeline schedule,
+`trainer.training.body`) and the holder of the main weights (the model's fp32 parameters, fp32
+copies of a bf16 model, or ZeRO-1's pieces, `trainer.optim.main_weights`). `trainer.train`
+steps it with `trainer.training.step.run_step`, which reads straight through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trainer.checkpoint import Checkpoint
-from trainer.comm.bootstrap import ParallelGroups
+from trainer.comm.bootstrap import World
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
-from trainer.comm.timing import CommClock, timed_groups
-from trainer.config.options import TrainConfig
+from trainer.comm.timing import CommClock, timed_mesh
+from trainer.config.options import TrainConfig, mesh_shape, resolve_dp
 from trainer.construction import build_rank_model
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
 from trainer.data_parallel.grad_sync import DataParallel
+from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
 from trainer.model.gpt import GPT
-from trainer.moe.parallel import (
-    ExpertDataParallel,
-    ExpertGroups,
-    apply_expert_parallel,
-    checkpoint_writers,
-    ep_scope,
-)
+from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
 from trainer.optim.grad_clip import NormScope, tp_scope
+from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
-from trainer.optim.optimizer import Schedule, build_optimizer
+from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.pipeline.partition import StageLayout
 from trainer.pipeline.stages import build_stage_model, tied_weight
 from trainer.tensor_parallel.parallelize import parallelize
 from trainer.tensor_parallel.random import RNGStatesTracker
 from trainer.training import startup
+from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
-from trainer.training.pipeline_step import (
-    Pipeline,
-    build_pipeline,
-    stage_layout,
-)
+from trainer.training.pipeline_step import build_pipeline, stage_layout
 from trainer.training.resume import restore, start_anew
-from trainer.zero import ZeroOptimizer, build_zero, resume_shards
+from trainer.training.step import DropoutSeeds
+from trainer.zero import build_zero, resume_shards
 
 
 @dataclass
@@ -53,172 +51,149 @@ class Run:
     """Everything one rank trains with (built by `build_run`)."""
 
     cfg: TrainConfig
+    mesh: Mesh
+    """This rank's place on the axes and its groups, each timed on ``clock``."""
     model: GPT
-    optimizer: torch.optim.Optimizer
     dp: DataParallel
+    """The gradient sync: DP (expert DP with experts, the reduce-scatter under ZeRO-1)."""
+    weights: MainWeights
+    """What AdamW steps (`trainer.optim.main_weights`)."""
+    body: StepBody
+    """Forward and backward of a step: accumulation or a pipeline (`trainer.training.body`)."""
     batches: ShardedBatches
     corpus: Corpus
-    schedule: Schedule
-    dp_rank: int
-    is_writer: bool
-    start_step: int = 0
-    resumed: str = ""
-    """What --resume did: the step, skipped checkpoints, changed options (for the banner)."""
-    tp_comm: Communicator | None = None
-    tracker: RNGStatesTracker = field(default_factory=RNGStatesTracker)
+    lr_schedule: LRSchedule
+    seeds: DropoutSeeds
+    tracker: RNGStatesTracker
     """Random streams of TP regions (attention dropout), reseeded every step."""
-    norm_scope: NormScope = field(default_factory=NormScope)
-    pipeline: Pipeline | None = None
-    """The pipeline of this rank (``--pp > 1``), else None."""
-    writers: Communicator | None = None
-    """The ranks that write one checkpoint shard each: the tp x pp ranks of this DP replica."""
-    guard: StepGuard = field(default_factory=StepGuard)
-    clock: CommClock = field(default_factory=CommClock)
-    """Communication time of the DP, TP and PP groups (`trainer.comm.timing`)."""
-    main: MainParams | ZeroOptimizer | None = None
-    """The fp32 main parameters under ``--precision bf16`` (`trainer.optim.mixed_precision`), or
-    under ``--zero 1`` the sharded optimizer, which has the same interface."""
-    zero: ZeroOptimizer | None = None
-    """The ZeRO-1 optimizer (``--zero 1``, `trainer.zero`), else None."""
-    device_notes: str = ""
+    norm_scope: NormScope
+    """Which groups the gradient norm is summed over, and what this rank counts in it."""
+    guard: StepGuard
+    clock: CommClock
+    """Communication time of every group (`trainer.comm.timing`)."""
+    writers: Communicator
+    """The ranks that write one checkpoint together (`trainer.train.save_checkpoint`)."""
+    start_step: int
+    resumed: str
+    """What --resume did: the step, skipped checkpoints, changed options (for the banner)."""
+    device_notes: str
     """What `trainer.gpu` set up for the banner (tf32, compiled blocks)."""
-    experts: ExpertGroups | None = None
-    """The EP and expert-DP groups of an MoE model (`trainer.moe`), else None."""
 
     @property
-    def tp_rank(self) -> int:
-        return self.tp_comm.rank if self.tp_comm is not None else 0
-
-    @property
-    def ep_rank(self) -> int:
-        """Index in the EP block of DP ranks (also on a pipeline stage without MoE layers)."""
-        return self.dp_rank % self.cfg.ep
-
-    @property
-    def pp_rank(self) -> int:
-        return self.pipeline.comm.rank if self.pipeline is not None else 0
+    def is_writer(self) -> bool:
+        """Global rank 0: it logs and reports for the run."""
+        return self.mesh.rank() == 0
 
 
-def build_run(cfg: TrainConfig, *, rank: int, dp_comm: Communicator,
-              device: torch.device, groups: ParallelGroups | None = None,
-              world_comm: Communicator | None = None, corpus: Corpus | None = None) -> Run:
-    """Model, optimizer, data, DP (and the pipeline) of this rank, restored from a checkpoint on
-    --resume. ``groups`` (needed when cfg.tp > 1 or cfg.pp > 1) supplies the TP and PP groups;
-    DP runs on ``dp_comm``; ``world_comm`` (needed when cfg.pp > 1, or cfg.ep > 1 with
-    cfg.tp > 1) forms the shard writers;
-    ``corpus`` is the checked data (read here when not given). Every group is timed on the
-    run's clock. The steps run in one order on every rank: several of them are collective."""
+def mesh_for(cfg: TrainConfig, world: World) -> Mesh:
+    """The mesh of ``cfg``'s layout over ``world`` (collective: splits the world)."""
+    return Mesh.build(world.comm, mesh_shape(resolve_dp(cfg, world.size)), world.device)
+
+
+def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run:
+    """Model, optimizer, data, DP (and the pipeline) of this rank of ``mesh``, restored from a
+    checkpoint on --resume. ``corpus`` is the checked data (read here when not given). Every
+    group is timed on the run's clock. The steps run in one order on every rank: several of
+    them are collective."""
     clock = CommClock()
-    groups, dp_comm = timed_groups(groups, dp_comm, clock)
-    tp_comm = groups.tp if groups is not None else None
-    pp_comm = groups.pp if groups is not None else None
-    corpus = _checked_inputs(cfg, corpus, device, (dp_comm, tp_comm, pp_comm), world_comm)
+    mesh = timed_mesh(mesh, clock)
+    device = mesh.device
+    corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
-    layout = stage_layout(cfg, pp_comm.rank) if cfg.pp > 1 else None
-    model = _rank_model(cfg, layout, groups, tracker, device)
-    experts = apply_expert_parallel(model, ep=cfg.ep, microbatches=cfg.microbatches, dp=dp_comm,
-                                    tp=tp_comm)
-    optimizer = build_optimizer(model, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    shard = (tp_comm.rank if tp_comm is not None else 0, pp_comm.rank if layout else 0,
-             dp_comm.rank % cfg.ep)
-    deciders = [c for c in (dp_comm, tp_comm, pp_comm) if c is not None]
+    layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
+    model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
+    experts = apply_expert_parallel(model, mesh, microbatches=cfg.parallel.microbatches)
+    optimizer = _optimizer(cfg, model)
+    shard = (mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep"))
+    deciders = [mesh.group("dp"), mesh.group("tp"), mesh.group("pp")]
     start, resumed, ckpt = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
-                                   device=device) if cfg.resume else \
-        start_anew(cfg, leader=rank == 0)
-    dtype = model_dtype(cfg.precision, device)
-    dp, main, zero = _data_parallel(cfg, model, optimizer, dtype, dp_comm, experts, layout=layout,
-                                    ckpt=ckpt, shard=shard, deciders=deciders, device=device)
-    optimizer = main.optimizer if main is not None else optimizer
+                                   device=device) if cfg.checkpoint.resume else \
+        start_anew(cfg, leader=mesh.rank() == 0)
+    dtype = model_dtype(cfg.optimizer.precision, device)
+    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, experts, clock, layout=layout,
+                           resumed=(ckpt, shard))
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
-    if cfg.compile and compile_blocks(model, cfg.global_batch // (cfg.dp * cfg.microbatches),
-                                      rank=rank, groups=deciders):
+    if cfg.compile and compile_blocks(model, cfg.micro_batch, world=mesh.group()):
         notes.append("compiled blocks")
     batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
-                             plan=BatchPlan(cfg.global_batch, cfg.dp, cfg.microbatches),
-                             dp_rank=dp_comm.rank)
-    schedule = Schedule(lr=cfg.lr, min_lr=cfg.min_lr, warmup_steps=cfg.warmup_steps,
-                        decay_steps=cfg.schedule_end)
-    scope = tp_scope(tp_comm) if tp_comm is not None else NormScope()
-    if experts is not None:
-        scope = ep_scope(scope, experts.ep, model)
-    pipeline = build_pipeline(cfg, model, layout, pp_comm, dp, device) \
-        if layout is not None else None
-    if pipeline is not None:
-        scope = pipeline.norm_scope(scope)
-    writers = _writers(cfg, shard, dp_comm, tp_comm, world_comm, pipelined=layout is not None)
-    return Run(cfg, model, optimizer, dp, batches, corpus, schedule, dp_comm.rank,
-               is_writer=rank == 0, start_step=start, resumed=resumed, tp_comm=tp_comm,
-               tracker=tracker, norm_scope=scope, pipeline=pipeline, writers=writers,
-               guard=StepGuard(cfg.skip_nonfinite), clock=clock, main=main, zero=zero,
-               device_notes=", ".join(n for n in notes if n), experts=experts)
+                             plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
+                                            cfg.parallel.microbatches),
+                             dp_rank=mesh.rank("dp"))
+    opt = cfg.optimizer
+    lr_schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
+                             decay_steps=cfg.decay_end)
+    body: StepBody = build_pipeline(cfg, model, layout, mesh.group("pp"), dp,
+                                    mesh.group("dp"), device) if layout is not None else \
+        Accumulation(model, dp, mesh.group("dp"))
+    scope = tp_scope(mesh.group("tp"))
+    if experts:
+        scope = ep_scope(scope, mesh.group("ep"), model)
+    writers = mesh.group() if cfg.optimizer.zero else mesh.group().split(
+        mesh.rank("edp"), mesh.rank("tp", "ep", "pp"), name="writers")
+    return Run(cfg, mesh, model, dp, weights, body, batches, corpus, lr_schedule,
+               DropoutSeeds.of(cfg.seed, mesh, pipelined=layout is not None), tracker,
+               body.norm_scope(scope), StepGuard(cfg.skip_nonfinite), clock, writers, start,
+               resumed, ", ".join(n for n in notes if n))
 
 
-def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, device: torch.device,
-                    comms: tuple[Communicator, Communicator | None, Communicator | None],
-                    world_comm: Communicator | None) -> Corpus:
-    """The groups fit the layout, and every rank of every group in ``comms`` (dp, tp, pp) reads
-    the same training data (``corpus``, read here when not given)."""
-    startup.check_groups(cfg, comms[1], comms[2], world_comm)
+def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corpus:
+    """The mesh fits the layout, and every rank reads the same training data (``corpus``,
+    read here when not given)."""
+    shape = mesh_shape(cfg)
+    if mesh.shape != shape:
+        raise TrainerError("mesh does not match the options", repr(mesh),
+                           f"the options ask for {shape}",
+                           "Build the mesh from the run's options (`mesh_for`)")
     corpus = startup.training_data(cfg) if corpus is None else corpus
-    for comm in (c for c in comms if c is not None):
-        startup.require_same(comm, int(corpus.fingerprint[:15], 16), device,
-                             "ranks read different training data", corpus.source,
-                             "Give every host the same --data (or the same Python for the "
-                             "default corpus)")
+    startup.require_same(mesh.group(), int(corpus.fingerprint[:15], 16), mesh.device,
+                         "ranks read different training data", corpus.source,
+                         "Give every host the same --data (or the same Python for the "
+                         "default corpus)")
     return corpus
 
 
-def _rank_model(cfg: TrainConfig, layout: StageLayout | None, groups: ParallelGroups | None,
+def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
                 tracker: RNGStatesTracker, device: torch.device) -> GPT:
-    """This rank's part of the model (its stage under ``layout``, its TP shard under ``groups``)."""
-    if not cfg.gpt.moe_experts:  # built on the meta device, only this rank's shard allocated
-        return build_rank_model(cfg.gpt, cfg.seed, device=device, layout=layout, groups=groups,
-                                tracker=tracker, sequence_parallel=cfg.sequence_parallel,
-                                recompute=cfg.recompute)
+    """This rank's part of the model (its stage under ``layout``, its TP shard over ``tp``)."""
+    if not cfg.gpt.moe.experts:  # built on the meta device, only this rank's shard allocated
+        return build_rank_model(cfg.gpt, cfg.seed, device=device, layout=layout, tp=tp,
+                                tracker=tracker,
+                                sequence_parallel=cfg.parallel.sequence_parallel,
+                                recompute=cfg.parallel.recompute)
     # Per-rank construction does not cover experts yet (trainer.config.options refuses SP and
     # recompute with them): the model is built whole, then cut and sharded.
     model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
              GPT(cfg.gpt, seed=cfg.seed)).to(device)
-    return parallelize(model, groups, tracker=tracker) if groups is not None else model
+    return parallelize(model, tp, tracker=tracker)
 
 
-def _data_parallel(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-                   dtype: torch.dtype | None, dp_comm: Communicator,
-                   experts: ExpertGroups | None, *, layout: StageLayout | None,
-                   ckpt: Checkpoint | None,
-                   shard: tuple[int, int, int], deciders: list[Communicator],
-                   device: torch.device
-                   ) -> tuple[DataParallel, MainParams | ZeroOptimizer | None,
-                              ZeroOptimizer | None]:
-    """DP over ``dp_comm``, and what holds the main weights: (dp, main, the ZeRO optimizer)."""
-    reduce_dtype = DTYPES[cfg.grad_reduce_dtype] if cfg.grad_reduce_dtype != "fp32" else None
-    if cfg.zero:  # the tied embedding gets a bucket of its own: its shards match across stages
+def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
+             dtype: torch.dtype | None, mesh: Mesh, experts: bool, clock: CommClock, *,
+             layout: StageLayout | None, resumed: tuple[Checkpoint | None, tuple[int, ...]]
+             ) -> tuple[DataParallel, MainWeights]:
+    """The gradient sync over the mesh's DP group, and what holds the main weights."""
+    par = cfg.parallel
+    reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
+    dp_comm = mesh.group("dp")
+    if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
-        sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=cfg.bucket_size,
-                                overlap=cfg.overlap, reduce_dtype=reduce_dtype,
-                                alone=[tied] if tied is not None else [])
+        sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=par.bucket_size,
+                                overlap=par.overlap, reduce_dtype=reduce_dtype,
+                                alone=[tied] if tied is not None else [], blocked=clock.blocked)
+        ckpt, shard = resumed
         if ckpt is not None and ckpt.optim is None:
-            resume_shards(zero, ckpt, shard[:2], deciders, device)
-        return sync, zero, zero
-    dp_options: dict[str, Any] = dict(bucket_size=cfg.bucket_size, overlap=cfg.overlap,
+            resume_shards(zero, ckpt, shard[:2], [mesh.group()], mesh.device)
+        return sync, zero
+    dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
-    dp = DataParallel(model, dp_comm, **dp_options) if experts is None else \
-        ExpertDataParallel.build(model, dp_comm, experts.edp, **dp_options)
+    dp = ExpertDataParallel.build(model, dp_comm, mesh.group("edp"), **dp_options) \
+        if experts else DataParallel(model, dp_comm, **dp_options)
+    if dtype is None:
+        return dp, PlainWeights(dp.params, optimizer)
     # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.
-    main = MainParams.take(model, optimizer, dtype, lambda params: build_optimizer(
-        params, lr=cfg.lr, weight_decay=cfg.weight_decay)) if dtype is not None else None
-    return dp, main, None
+    return dp, MainParams.take(model, optimizer, dtype, lambda params: _optimizer(cfg, params))
 
 
-def _writers(cfg: TrainConfig, shard: tuple[int, int, int], dp_comm: Communicator,
-             tp_comm: Communicator | None, world_comm: Communicator | None, *,
-             pipelined: bool) -> Communicator | None:
-    """The group that writes a checkpoint together (splits of ``world_comm`` are collective)."""
-    writers = tp_comm
-    if pipelined:  # every tp x pp rank of one DP replica
-        writers = world_comm.split(dp_comm.rank, shard[0] + cfg.tp * shard[1], name="writers")
-    if cfg.zero:  # every rank writes its optimizer shard
-        writers = world_comm if world_comm is not None else dp_comm
-    if cfg.ep > 1:  # on every stage, with or without MoE layers: the split is collective
-        writers = checkpoint_writers(world_comm, dp_comm, cfg.ep, shard, tp=cfg.tp, pp=cfg.pp)
-    return writers
+def _optimizer(cfg: TrainConfig, params: torch.nn.Module | list[torch.nn.Parameter]
+               ) -> torch.optim.Optimizer:
+    return build_optimizer(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)

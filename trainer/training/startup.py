@@ -141,29 +141,11 @@ def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:
 
 def training_data(cfg: TrainConfig) -> Corpus:
     """The run's corpus, refused when the model or the splits cannot use it."""
-    corpus = load_corpus(cfg.data, cap_bytes=int(cfg.data_cap_mb * 2**20),
-                         val_fraction=cfg.val_fraction)
+    corpus = load_corpus(cfg.data.path, cap_bytes=int(cfg.data.data_cap_mb * 2**20),
+                         val_fraction=cfg.data.val_fraction)
     check_vocab(corpus, cfg.gpt.vocab_size)
-    check_splits(corpus, cfg.gpt.seq_len, validation=cfg.eval_every > 0)
+    check_splits(corpus, cfg.gpt.seq_len, validation=cfg.logging.eval_every > 0)
     return corpus
-
-
-def check_groups(cfg: TrainConfig, tp: Communicator | None, pp: Communicator | None,
-                  world: Communicator | None) -> None:
-    """Refuse groups that do not match the config (a programming error of build_run's caller)."""
-    for axis, want, comm in (("tp", cfg.tp, tp), ("pp", cfg.pp, pp)):
-        if want != (comm.size if comm is not None else 1):
-            raise TrainerError(f"parallel group does not match --{axis}", f"--{axis} {want}",
-                               f"build_run got no {axis.upper()} group of that size",
-                               "Pass groups=build_groups(world, ParallelDims(dp, tp, pp))")
-    if cfg.pp > 1 and world is None:
-        raise TrainerError("pipeline run without the world communicator", f"--pp {cfg.pp}",
-                           "the checkpoint writers (tp x pp ranks of DP replica 0) are split "
-                           "from it", "Pass world_comm=world.comm to build_run")
-    if cfg.zero and cfg.tp > 1 and world is None:
-        raise TrainerError("ZeRO-1 run without the world communicator", f"--tp {cfg.tp}",
-                           "every rank writes its optimizer shard, all of them together",
-                           "Pass world_comm=world.comm to build_run")
 
 
 def require_same(comm: Communicator, value: int, device: torch.device, what: str,

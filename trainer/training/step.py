@@ -1,5 +1,7 @@
-"""One optimizer step of a training run, on every layout: seeds, microbatches, gradient sync,
-clipping, the guard, the optimizer (`trainer.train` runs the loop around it).
+"""One optimizer step of a training run, the same on every layout: seeds, the body's forward
+and backward, gradient sync, clipping, the guard, the update (`trainer.train` runs the loop
+around it). What differs between layouts was chosen when the run was built: the body
+(`trainer.training.body`) and the holder of the main weights (`trainer.optim.main_weights`).
 
 The dropout seeds come from (seed, step, dp rank), and the pp rank under PP, alone, so the
 random stream needs no state across a resume; the TP stream also mixes in the tp rank.
@@ -9,23 +11,47 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from trainer.comm.protocol import ReduceOp
+from trainer.comm.mesh import Mesh
 from trainer.data.batches import step_seed
 from trainer.optim.grad_clip import clip_grad_norm
-from trainer.optim.optimizer import set_lr
-from trainer.tensor_parallel.random import TP_RNG
+from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
 from trainer.training import readout
 from trainer.training.expert_load import step_load
 from trainer.training.metrics import StepRecord
 from trainer.training.readout import PendingStep
-from trainer.training.run import Run
+
+if TYPE_CHECKING:
+    from trainer.training.run import Run
 
 _DROPOUT_STREAM = 1
 _TP_DROPOUT_STREAM = 2
+
+
+@dataclass(frozen=True)
+class DropoutSeeds:
+    """Where a step's dropout streams start: (seed, step, dp rank[, pp rank]), the TP stream
+    with the tp rank too."""
+
+    seed: int
+    dp_rank: int
+    tp_rank: int
+    stage: tuple[int, ...]
+    """(pp rank,) under PP, else () so that runs without it keep their random streams."""
+
+    @classmethod
+    def of(cls, seed: int, mesh: Mesh, *, pipelined: bool) -> DropoutSeeds:
+        return cls(seed, mesh.rank("dp"), mesh.rank("tp"), (mesh.rank("pp"),) if pipelined
+                   else ())
+
+    def reseed(self, step: int, tracker: RNGStatesTracker) -> None:
+        torch.manual_seed(step_seed(self.seed, step, _DROPOUT_STREAM, self.dp_rank, *self.stage))
+        tracker.seed(TP_RNG, step_seed(self.seed, step, _TP_DROPOUT_STREAM, self.dp_rank,
+                                       self.tp_rank, *self.stage))
 
 
 def train_step(run: Run, step: int) -> StepRecord:
@@ -39,58 +65,23 @@ def run_step(run: Run, step: int) -> PendingStep:
     norm still on the device: the step's one host read is the guard's finite check."""
     run.clock.take()  # what ran between steps (evaluation, checkpoints) is not the step's
     start = time.perf_counter()
-    # The pp rank joins the seeds only under PP, so runs without it keep their random streams.
-    stage = (run.pp_rank,) if run.pipeline is not None else ()
-    torch.manual_seed(step_seed(run.cfg.seed, step, _DROPOUT_STREAM, run.dp_rank, *stage))
-    run.tracker.seed(TP_RNG, step_seed(run.cfg.seed, step, _TP_DROPOUT_STREAM, run.dp_rank,
-                                       run.tp_rank, *stage))
-    lr = run.schedule.lr_at(step)
-    set_lr(run.optimizer, lr)
+    run.seeds.reseed(step, run.tracker)
     run.dp.zero_grad()
-    micro = run.batches.microbatches(step)
-    if run.pipeline is not None:
-        loss_sum = run.pipeline.forward_backward(micro)
-    else:
-        loss_sum = _accumulate(run, micro)
+    loss_sum = run.body.forward_backward(run.batches.microbatches(step))
     with run.clock.blocked():
         run.dp.finish_grad_sync()
-    if run.zero is not None and run.pipeline is not None:
-        run.zero.sync_tied_grads(run.pipeline.embd, run.pipeline.tied)
-    elif run.pipeline is not None:
-        run.pipeline.sync_tied_grads()
-    params, scope = (run.main.grads(), run.main.scope(run.norm_scope)) if run.main else (
-        run.dp.params, run.norm_scope)
-    grad_norm = clip_grad_norm(params, run.cfg.grad_clip, scope)
-    if run.pipeline is not None:
-        loss = run.pipeline.reduce_loss(loss_sum, run.dp.comm)
-    else:
-        run.dp.comm.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
-        loss = loss_sum
+    run.body.sum_shared_grads(run.weights)
+    grad_norm = clip_grad_norm(run.weights.grads(), run.cfg.optimizer.grad_clip,
+                               run.weights.scope(run.norm_scope))
+    loss = run.body.reduce_loss(loss_sum)
+    lr = run.lr_schedule.lr_at(step)
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
-        run.optimizer.step()
-        if run.zero is not None:
-            with run.clock.blocked():  # ZeRO-1's all-gather: the next forward needs it
-                run.zero.publish()
-        elif run.main is not None:
-            run.main.publish()
-    load = step_load(run.model, run.dp.comm)
+        run.weights.step(lr)
+    load = step_load(run.model, run.mesh.group("dp"))
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
     record = StepRecord(step=step, loss=math.nan, lr=lr, grad_norm=math.nan,
-                        tokens=run.cfg.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
+                        tokens=run.cfg.data.global_batch * run.cfg.gpt.seq_len, step_s=step_s,
                         compute_s=step_s - exposed, comm_exposed_s=exposed, comm_total_s=total,
                         moe=load)
     return PendingStep(loss, grad_norm, record)
-
-
-def _accumulate(run: Run, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Forward and backward of every microbatch, DP-synchronised on the last one only."""
-    loss_sum = torch.zeros((), device=run.dp.buffer.device)
-    for i, (x, y) in enumerate(micro):
-        last = i == len(micro) - 1
-        with nullcontext() if last else run.dp.no_sync():
-            # Mean over the step's tokens = mean over microbatches of microbatch means.
-            loss = run.model.loss(x, y) / len(micro)
-            loss.backward()
-        loss_sum += loss.detach()
-    return loss_sum

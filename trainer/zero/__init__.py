@@ -11,7 +11,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -26,11 +27,13 @@ __all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero", "resume_shards"]
 
 def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communicator,
                dtype: torch.dtype | None, *, bucket_size: int, overlap: bool,
-               reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = ()
+               reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = (),
+               blocked: Callable[[], AbstractContextManager[None]] = nullcontext
                ) -> tuple[ShardedGradSync, ZeroOptimizer]:
     """The gradient sync and the sharded optimizer of ``model`` (fp32, restored if resuming;
     cast to ``dtype`` at the end, after DP's broadcast from rank 0). ``optimizer``: AdamW over
-    the whole model, whose groups, hyperparameters and (restored) state the shards take."""
+    the whole model, whose groups, hyperparameters and (restored) state the shards take.
+    ``blocked``: marks the step's wait for the parameters' all-gather."""
     sync = ShardedGradSync(model, dp, bucket_size=bucket_size, overlap=overlap,
                            reduce_dtype=reduce_dtype, alone=alone)
-    return sync, ZeroOptimizer(sync, optimizer, dtype)
+    return sync, ZeroOptimizer(sync, optimizer, dtype, blocked)

@@ -10,13 +10,16 @@ A piece's gradient is the matching part of this rank's reduce-scattered shard of
 buffer (`trainer.zero.grad_sync`). AdamW is elementwise, so stepping pieces is stepping whole
 tensors; weight decay follows the piece's parameter (matrices only, `trainer.optim.optimizer`).
 
-`ZeroOptimizer` has `trainer.optim.mixed_precision.MainParams`'s interface (``grads``, ``scope``,
-``publish``, ``main``, ``optimizer``), so a training step is written once for both:
+`ZeroOptimizer` has the `trainer.optim.main_weights.MainWeights` interface (``grads``,
+``scope``, ``step``, ``sum_grad``, ``values``, ``optimizer``), so a training step is written
+once for every way of holding the weights:
 
 * ``scope`` counts every gradient element once across DP, TP and PP: the pieces are disjoint
   across DP ranks, so their squared norms are summed over DP too, and the TP/PP rule of a
   piece's parameter (replicated weights on TP rank 0, the tied copy on the first stage) applies.
-* ``publish`` all-gathers the stepped shards, bucket by bucket, into every rank's parameters.
+* ``step`` runs AdamW on the pieces, then ``publish`` all-gathers the stepped shards, bucket
+  by bucket, into every rank's parameters (the step waits for it: ``blocked`` marks the wait
+  for the communication clock, `trainer.comm.timing`).
 
 Checkpoints hold each DP rank's pieces in a file of its own (`trainer.zero.state`); a run
 resumes at any dp, each rank reading only the saved shards that overlap its pieces.
@@ -24,6 +27,8 @@ resumes at any dp, each rank reading only the saved shards that overlap its piec
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +36,7 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
 from trainer.optim.grad_clip import NormScope
+from trainer.optim.optimizer import set_lr
 from trainer.zero.grad_sync import ShardedGradSync
 
 if TYPE_CHECKING:
@@ -41,11 +47,12 @@ class ZeroOptimizer:
     """The main pieces of this DP rank, the AdamW that steps them and the all-gather."""
 
     def __init__(self, sync: ShardedGradSync, full: torch.optim.Optimizer,
-                 dtype: torch.dtype | None) -> None:
+                 dtype: torch.dtype | None,
+                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """``full``: the AdamW the run built over the whole model (restored on --resume); its
         hyperparameters and groups are kept and its state (if any) is sliced into the pieces,
         then dropped. ``dtype``: what the model is then cast to (bf16), or None (keep)."""
-        self.sync, self.model, self.dtype = sync, sync.model, dtype
+        self.sync, self.model, self.dtype, self.blocked = sync, sync.model, dtype, blocked
         self.layout, self.params = sync.layout, sync.params
         self.pieces = self.layout.pieces()
         group_of = {id(p): g for g, group in enumerate(full.param_groups)
@@ -97,6 +104,17 @@ class ZeroOptimizer:
         dp = (self.sync.comm,) if self.sync.comm.size > 1 else ()
         return NormScope((*dp, *scope.groups), lambda m: scope.counts(self._model_of[id(m)]))
 
+    def step(self, lr: float) -> None:
+        """AdamW on this rank's pieces, then the all-gather of the parameters (`publish`),
+        which the next forward needs."""
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        with self.blocked():
+            self.publish()
+
+    def values(self) -> list[nn.Parameter]:
+        return self.main
+
     @torch.no_grad()
     def publish(self) -> None:
         """All-gather the stepped shards into the parameters of every DP rank, bucket by
@@ -140,11 +158,10 @@ class ZeroOptimizer:
             return flat, None
         return flat, self.sync.comm.all_gather(flat, own, async_op=True)
 
-    def sync_tied_grads(self, embd: Communicator | None, tied: nn.Parameter | None) -> None:
-        """Sum the tied embedding's reduced shard over the first and last pipeline stage (it
-        has a bucket of its own on both, so the shards hold the same elements)."""
-        if embd is None or tied is None:
-            return
-        index = next(i for i, p in enumerate(self.params) if p is tied)
+    def sum_grad(self, param: nn.Parameter, group: Communicator) -> None:
+        """Sum ``param``'s reduced shard over ``group`` (the tied embedding over the first and
+        last pipeline stage: it has a bucket of its own on both, so the shards hold the same
+        elements)."""
+        index = next(i for i, p in enumerate(self.params) if p is param)
         bucket = next(k for k, b in enumerate(self.layout.buckets) if index in b.params)
-        embd.all_reduce(self.sync.shard_grad(bucket), ReduceOp.SUM)
+        group.all_reduce(self.sync.shard_grad(bucket), ReduceOp.SUM)

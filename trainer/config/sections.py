@@ -1,0 +1,176 @@
+"""The sections of a GPT training run (``python -m trainer.train``): model, parallelism,
+optimizer, data and checkpoints; each option declared with its help and bounds
+(`trainer.schema`), each section checking its own options. Checks that relate two sections
+(the model against the parallel layout) are `trainer.config.options.TrainConfig`'s.
+
+In a TOML file each section is a table (``[parallel] tp = 2``); the model's shape goes in
+``[model]`` and its experts in ``[moe]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from trainer.activations.options import RECOMPUTE_MODES
+from trainer.config.common import CheckpointSection
+from trainer.data.corpus import DEFAULT_VAL_FRACTION
+from trainer.errors import ConfigError
+from trainer.model.config import PRESETS, GPTConfig
+from trainer.pipeline.partition import parse_counts, stage_counts
+from trainer.pipeline.schedule import ScheduleError, check_interleaving, chunks_of
+from trainer.schema import Section, option, section
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PRECISIONS = ("auto", "fp32", "bf16")
+ARCHS = ("gpt",)
+"""Model families; `trainer.model.gpt` builds the only one so far."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection(Section):
+    """Which model: a family, a preset of its sizes, and single fields changed from it."""
+
+    preset: str = option("small", "model size preset: " + ", ".join(PRESETS), flag="model")
+    arch: str = option("gpt", "model family: " + ", ".join(ARCHS), choices=ARCHS)
+    gpt: GPTConfig = section(lambda: PRESETS["small"], "the preset's shape, then these fields",
+                             merge=True)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> ModelSection:
+        """The preset named in ``values`` with the given model fields changed."""
+        preset = values.get("preset", "small")
+        if preset not in PRESETS:
+            raise ConfigError("unknown model preset", f"--model {preset}",
+                              f"choose one of {', '.join(PRESETS)}",
+                              "Pick a preset and override single fields (e.g. --n-layer)")
+        fields = dict(values.get("gpt", {}))
+        base = PRESETS[preset]
+        moe = replace(base.moe, **fields.pop("moe", {}))
+        return cls(preset=preset, arch=values.get("arch", "gpt"),
+                   gpt=replace(base, **fields, moe=moe))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection(Section):
+    """How the ranks split the work: the mesh's degrees, the pipeline and its schedule, the
+    activation-memory techniques and data-parallel gradient reduction."""
+
+    dp: int = option(0, "data-parallel size (0 = world size / (tp*pp))", at_least=0)
+    tp: int = option(1, "tensor-parallel size: heads, MLP width and vocabulary split over tp "
+                     "adjacent ranks", at_least=1)
+    pp: int = option(1, "pipeline-parallel size: the layers split into pp stages on pp ranks",
+                     at_least=1)
+    ep: int = option(1, "expert-parallel size: the experts of each MoE layer split over ep DP "
+                     "ranks (trainer.moe); must divide dp and --moe-experts", at_least=1)
+    microbatches: int = option(1, "microbatches per step on each DP rank (gradient "
+                               "accumulation; with --pp the microbatches the pipeline schedule "
+                               "runs)", at_least=1)
+    schedule: str = option("1f1b", "pipeline schedule: gpipe, 1f1b or interleaved (with "
+                           "--virtual-stages)", choices=SCHEDULES)
+    virtual_stages: int = option(1, "model chunks per pipeline rank (interleaved schedule only)",
+                                 at_least=1)
+    pp_layers: str = option("", "layers per pipeline stage, e.g. 3,2,2,1 (default: balanced by "
+                            "layer count)")
+    sequence_parallel: bool = option(False, "split the activations between tensor-parallel "
+                                     "layers (norms, dropout, residuals) along the sequence "
+                                     "over the tp ranks (needs tp > 1)")
+    recompute: str = option("none", "activation recomputation in backward: none, selective (the "
+                            "attention core) or full (every transformer block)",
+                            choices=RECOMPUTE_MODES)
+    bucket_size: int = option(1_000_000, "DP gradient bucket size in elements", at_least=1)
+    overlap: bool = option(True, "overlap DP gradient all-reduce with backward")
+    grad_reduce_dtype: str = option("fp32", "dtype of the DP gradient all-reduce: fp32 (the main "
+                                    "gradients as they are) or bf16 (half the bytes; each "
+                                    "bucket rounded first)", choices=("fp32", "bf16"))
+
+    def check(self) -> None:
+        if self.virtual_stages > 1 and self.schedule != "interleaved":
+            raise ConfigError("virtual stages need the interleaved schedule",
+                              f"--virtual-stages {self.virtual_stages}",
+                              f"the {self.schedule} schedule runs one chunk per rank",
+                              "Add --schedule interleaved, or use --virtual-stages 1")
+        if self.schedule == "interleaved" and self.pp > 1:
+            try:
+                check_interleaving(self.pp, self.microbatches, self.virtual_stages)
+            except ScheduleError as exc:
+                raise ConfigError(exc.what, f"--pp {self.pp} --microbatches {self.microbatches} "
+                                  f"--virtual-stages {self.virtual_stages}", exc.why,
+                                  exc.fix.replace("microbatches", "microbatches (--microbatches)",
+                                                  1)) from None
+        parse_counts(self.pp_layers)
+        if self.sequence_parallel and self.tp < 2:
+            raise ConfigError("sequence parallelism needs tensor parallelism",
+                              f"--sequence-parallel --tp {self.tp}",
+                              "it splits the activations between the tensor-parallel layers "
+                              "over the tp ranks, and with tp 1 there is nothing to split over",
+                              "Add --tp 2 (or more), or drop --sequence-parallel")
+        if self.dp and self.dp % self.ep:
+            raise ConfigError("expert parallelism does not fit the data-parallel ranks",
+                              f"--ep {self.ep}, dp = {self.dp}",
+                              f"the EP groups are carved from the {self.dp} DP rank(s), and ep "
+                              f"= {self.ep} does not divide them",
+                              f"Start a multiple of {self.ep} DP ranks, or choose an ep that "
+                              f"divides {self.dp}")
+
+    @property
+    def chunks(self) -> int:
+        """Model chunks per pipeline rank (v): the virtual stages of the interleaved schedule."""
+        return chunks_of(self.schedule, self.virtual_stages)
+
+    def stage_layers(self, n_layer: int) -> tuple[int, ...]:
+        """Layers of every pipeline stage (pp * v of them)."""
+        return stage_counts(n_layer, self.pp, self.chunks, parse_counts(self.pp_layers))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSection(Section):
+    """AdamW, its learning-rate schedule and clipping, and how the main weights are held."""
+
+    lr: float = option(1e-3, "peak learning rate", at_least=0)
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine decay", at_least=0)
+    warmup_steps: int = option(20, "linear warmup steps", at_least=0)
+    decay_steps: int = option(0, "step at which the cosine decay reaches min_lr (0 = --steps)",
+                              at_least=0)
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices", at_least=0)
+    grad_clip: float = option(1.0, "clip the global gradient norm to this value (0 = off)",
+                              at_least=0)
+    precision: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16: bf16 "
+                            "weights and activations with fp32 main weights, gradients and "
+                            "optimizer (trainer.optim.mixed_precision)", choices=PRECISIONS)
+    zero: int = option(0, "ZeRO stage: 0 (every DP rank keeps the whole optimizer state) or 1 "
+                       "(gradients reduce-scattered, optimizer state and fp32 main weights "
+                       "sharded over DP, parameters all-gathered after the step; trainer.zero)",
+                       choices=(0, 1))
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSection(Section):
+    """What the run trains and evaluates on, and how much of it per step."""
+
+    path: str | None = option(None, "text file or folder to train on (default: the Python "
+                              "stdlib sources)", flag="data")
+    data_cap_mb: float = option(8.0, "read at most this many MiB of training text (the "
+                                "validation split is read after it)", above=0, at_most=2**43)
+    val_fraction: float = option(DEFAULT_VAL_FRACTION, "hold out this last fraction of the data "
+                                 "for validation (never trained on)", at_least=0, below=1)
+    global_batch: int = option(32, "sequences per optimizer step, summed over data-parallel "
+                               "ranks", at_least=1)
+    eval_batches: int = option(4, "validation batches (of --global-batch sequences) per "
+                               "evaluation", at_least=1)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainCheckpointSection(CheckpointSection):
+    """`CheckpointSection`, and what a resume does with a damaged checkpoint."""
+
+    resume_fallback: bool = option(False, "with --resume, skip damaged checkpoints (each "
+                                   "reported and renamed to step-N.damaged-*) and resume from "
+                                   "the newest that verifies")
+
+    def check(self) -> None:
+        super().check()
+        if self.resume_fallback and not self.resume:
+            raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
+                              "it only changes which checkpoint --resume loads", "Add --resume")
