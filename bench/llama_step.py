@@ -29,25 +29,28 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.model.config import GPTConfig
 from trainer.model.llama import Llama
-from trainer.model.llama_config import LlamaConfig
+from trainer.model.llama_config import LlamaShape
 
 Row = dict[str, Any]
 
 
 @dataclass(frozen=True)
 class Size:
-    cfg: LlamaConfig
+    cfg: GPTConfig
     batch: int
 
 
 SIZES = {
     # llama-tiny's shape with a 2,048-token vocabulary (a tokenizer's, not bytes).
-    "tiny": Size(LlamaConfig(vocab_size=2048, n_layer=2, n_head=8, n_kv_head=2, d_model=64,
-                             seq_len=64, multiple_of=16), batch=16),
+    "tiny": Size(GPTConfig(arch="llama", norm="rmsnorm", tied=False, vocab_size=2048,
+                           n_layer=2, n_head=8, d_model=64, seq_len=64,
+                           llama=LlamaShape(n_kv_head=2, multiple_of=16)), batch=16),
     # ~100M parameters: 12 layers of 768 with 4 key/value heads, a 16,384-token vocabulary.
-    "100m": Size(LlamaConfig(vocab_size=16384, n_layer=12, n_head=12, n_kv_head=4,
-                             d_model=768, seq_len=256, multiple_of=256), batch=4),
+    "100m": Size(GPTConfig(arch="llama", norm="rmsnorm", tied=False, vocab_size=16384,
+                           n_layer=12, n_head=12, d_model=768, seq_len=256,
+                           llama=LlamaShape(n_kv_head=4, multiple_of=256)), batch=4),
 }
 
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -67,7 +70,7 @@ def _trainer(model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Ten
     return step
 
 
-def dtrain_side(cfg: LlamaConfig) -> Step:
+def dtrain_side(cfg: GPTConfig) -> Step:
     model = Llama(cfg, seed=0).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -81,7 +84,7 @@ def dtrain_side(cfg: LlamaConfig) -> Step:
     return step
 
 
-def transformers_side(cfg: LlamaConfig) -> Step:
+def transformers_side(cfg: GPTConfig) -> Step:
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
@@ -89,13 +92,13 @@ def transformers_side(cfg: LlamaConfig) -> Step:
                   intermediate_size=cfg.hidden, num_hidden_layers=cfg.n_layer,
                   num_attention_heads=cfg.n_head, num_key_value_heads=cfg.kv_heads,
                   max_position_embeddings=cfg.seq_len, rms_norm_eps=cfg.norm_eps,
-                  tie_word_embeddings=False, rope_theta=cfg.rope_base,
+                  tie_word_embeddings=False, rope_theta=cfg.rope_theta,
                   attn_implementation="sdpa")
     model = LlamaForCausalLM(hf).train()
     return _trainer(model, lambda x: model(input_ids=x, use_cache=False).logits)
 
 
-def torchtitan_side(cfg: LlamaConfig) -> Step:
+def torchtitan_side(cfg: GPTConfig) -> Step:
     # torchtitan's own builders with its SDPA attention class: its language-model presets now
     # pick flex or varlen attention, which need compilation or CUDA; SDPA is its eager path.
     from torchtitan.models import llama3 as tt
@@ -104,7 +107,7 @@ def torchtitan_side(cfg: LlamaConfig) -> Step:
     from torchtitan.models.common.config_utils import make_ffn_config, make_gqa_config
 
     d = cfg.d_model
-    rope = ComplexRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.seq_len, theta=cfg.rope_base)
+    rope = ComplexRoPE.Config(dim=cfg.head_dim, max_seq_len=cfg.seq_len, theta=cfg.rope_theta)
     layers = [tt.Llama3TransformerBlock.Config(
         attention_norm=RMSNorm.Config(normalized_shape=d, param_init=tt._NORM_INIT),
         ffn_norm=RMSNorm.Config(normalized_shape=d, param_init=tt._NORM_INIT),
@@ -131,7 +134,7 @@ def torchtitan_side(cfg: LlamaConfig) -> Step:
     return _trainer(model, model)
 
 
-SIDES: dict[str, Callable[[LlamaConfig], Step]] = {
+SIDES: dict[str, Callable[[GPTConfig], Step]] = {
     "dtrain": dtrain_side, "transformers": transformers_side, "torchtitan": torchtitan_side}
 
 

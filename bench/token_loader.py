@@ -33,8 +33,8 @@ from trainer.data.prepare import documents, prepare, train_bpe
 from trainer.data.shard_writer import ShardWriter
 from trainer.data.token_batches import TokenBatches
 from trainer.data.token_files import MANIFEST, Manifest, token_dtype
+from trainer.model.config import PRESETS
 from trainer.model.llama import Llama
-from trainer.model.llama_config import LLAMA_PRESETS
 
 Row = dict[str, Any]
 VOCAB = 32768
@@ -56,7 +56,7 @@ def random_dataset(folder: Path, tokens: int, shard_tokens: int = 1 << 25) -> Pa
 
 def training_tokens_per_s(steps: int = 5) -> float:
     """dtrain's llama-tiny training tokens/s on this CPU (batch 16, AdamW, fp32)."""
-    cfg = LLAMA_PRESETS["llama-tiny"]
+    cfg = PRESETS["llama-tiny"]
     model = Llama(cfg, seed=0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     x = torch.randint(0, cfg.vocab_size, (16, cfg.seq_len + 1))

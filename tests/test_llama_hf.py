@@ -25,11 +25,13 @@ from tests.numerics import U32, reduction_rtol
 from trainer.hf.config import HFError
 from trainer.hf.folder import load_serial, read_folder, write_folder
 from trainer.hf.weights import INDEX
+from trainer.model.config import PRESETS
 from trainer.model.llama import Llama
-from trainer.model.llama_config import LLAMA_PRESETS
+from trainer.model.llama_config import LlamaShape
 
-CFG = replace(LLAMA_PRESETS["llama-tiny"], vocab_size=96, rope_base=500000.0,
-              rope_scaling="llama3", rope_original_seq_len=16)  # scaling active within 64
+CFG = replace(PRESETS["llama-tiny"], vocab_size=96, rope_theta=500000.0,
+              llama=LlamaShape(n_kv_head=2, multiple_of=16, rope_scaling="llama3",
+                               rope_original_seq_len=16))  # scaling active within 64
 STAGES = CFG.n_layer * (5 * CFG.d_model + 2 * CFG.seq_len + CFG.hidden) + 2 * CFG.d_model
 FORWARD_RTOL = reduction_rtol(STAGES, U32)
 
@@ -72,9 +74,9 @@ def test_a_folder_saved_by_transformers_imports_with_the_same_logits(tmp_path: P
     hf_cfg = HFLlamaConfig(
         vocab_size=CFG.vocab_size, hidden_size=CFG.d_model, intermediate_size=CFG.hidden,
         num_hidden_layers=CFG.n_layer, num_attention_heads=CFG.n_head,
-        num_key_value_heads=CFG.n_kv_head, max_position_embeddings=CFG.seq_len,
+        num_key_value_heads=CFG.kv_heads, max_position_embeddings=CFG.seq_len,
         rms_norm_eps=CFG.norm_eps, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": CFG.rope_base, "factor": 8.0,
+        rope_parameters={"rope_type": "llama3", "rope_theta": CFG.rope_theta, "factor": 8.0,
                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                          "original_max_position_embeddings": 16})
     torch.manual_seed(0)
@@ -82,7 +84,8 @@ def test_a_folder_saved_by_transformers_imports_with_the_same_logits(tmp_path: P
     theirs.save_pretrained(tmp_path / "hf")
     folder = read_folder(tmp_path / "hf")
     # Hugging Face states the MLP's hidden size itself: kept as ffn_hidden, not the rule.
-    assert folder.cfg == replace(CFG, ffn_hidden=CFG.hidden, multiple_of=256)
+    assert folder.cfg == replace(CFG, llama=replace(CFG.llama, ffn_hidden=CFG.hidden,
+                                                    multiple_of=256))
     ours = Llama(folder.cfg).eval()
     load_serial(ours, folder)
     assert_same_logits(ours, theirs)

@@ -18,13 +18,15 @@ import torch
 
 from tests.numerics import float64
 from trainer.comm.bootstrap import init
+from trainer.model.config import PRESETS
 from trainer.model.llama import Llama
-from trainer.model.llama_config import LLAMA_PRESETS
+from trainer.model.llama_config import LlamaShape
 from trainer.tensor_parallel.gqa import shard_llama_block
 from trainer.tensor_parallel.sharding import gather_full, shard_spec
 
-CASES = {"gqa": replace(LLAMA_PRESETS["llama-tiny"], vocab_size=96),   # 8 heads, 2 kv heads
-         "mha": replace(LLAMA_PRESETS["llama-tiny"], vocab_size=96, n_kv_head=8)}
+TINY = PRESETS["llama-tiny"]
+CASES = {"gqa": replace(TINY, vocab_size=96),   # 8 heads, 2 kv heads
+         "mha": replace(TINY, vocab_size=96, llama=LlamaShape(n_kv_head=8, multiple_of=16))}
 
 
 def grads(model: torch.nn.Module, comm: Any) -> dict[str, torch.Tensor]:

@@ -24,22 +24,19 @@ from trainer.schema import Section, option, section
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("auto", "fp32", "bf16")
-ARCHS = ("gpt",)
-"""Model families; `trainer.model.gpt` builds the only one so far."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelSection(Section):
-    """Which model: a family, a preset of its sizes, and single fields changed from it."""
+    """Which model: a preset of a family's sizes, and single fields changed from it."""
 
     preset: str = option("small", "model size preset: " + ", ".join(PRESETS), flag="model")
-    arch: str = option("gpt", "model family: " + ", ".join(ARCHS), choices=ARCHS)
     gpt: GPTConfig = section(lambda: PRESETS["small"], "the preset's shape, then these fields",
                              merge=True)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> ModelSection:
-        """The preset named in ``values`` with the given model fields changed."""
+        """The preset named in ``values`` with the given model fields changed. ``--arch
+        llama`` on a GPT preset keeps its sizes and takes Llama's other defaults (RMSNorm,
+        untied head, no biases) unless they are given too."""
         preset = values.get("preset", "small")
         if preset not in PRESETS:
             raise ConfigError("unknown model preset", f"--model {preset}",
@@ -47,9 +44,11 @@ class ModelSection(Section):
                               "Pick a preset and override single fields (e.g. --n-layer)")
         fields = dict(values.get("gpt", {}))
         base = PRESETS[preset]
+        if fields.get("arch") == "llama" and base.arch != "llama":
+            fields = {"norm": "rmsnorm", "tied": False, "bias": False, **fields}
         moe = replace(base.moe, **fields.pop("moe", {}))
-        return cls(preset=preset, arch=values.get("arch", "gpt"),
-                   gpt=replace(base, **fields, moe=moe))
+        llama = replace(base.llama, **fields.pop("llama", {}))
+        return cls(preset=preset, gpt=replace(base, **fields, moe=moe, llama=llama))
 
 
 @dataclass(frozen=True, kw_only=True)

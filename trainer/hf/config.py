@@ -11,11 +11,11 @@ refused naming the key, never approximated.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
-from trainer.errors import TrainerError
-from trainer.model.llama_config import LlamaConfig
+from trainer.errors import ConfigError, TrainerError
+from trainer.model.config import GPTConfig
+from trainer.model.llama_config import LlamaShape
 
 ARCHITECTURE = "LlamaForCausalLM"
 
@@ -30,34 +30,36 @@ def _refuse(where: str, key: str, value: object, why: str) -> HFError:
                    "scaling, or convert the model with its own tools")
 
 
-def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """The LlamaConfig fields of the rotary settings in ``hf``."""
+def _rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """rope_theta and the `LlamaShape` fields of the rotary settings in ``hf``."""
     params = hf.get("rope_parameters") or {}
     key = "rope_parameters" if params else "rope_scaling"
     scaling = params or hf.get("rope_scaling") or {}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return {"rope_base": float(theta)}
+        return theta, {}
     if kind != "llama3":
         raise _refuse(where, f"{key}.rope_type", kind,
                       "dtrain's Llama implements the default rotary frequencies and Llama 3's "
                       "scaling ('llama3') only")
-    fields = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
-              "rope_high_freq_factor": "high_freq_factor",
-              "rope_original_seq_len": "original_max_position_embeddings"}
-    missing = [hf_key for hf_key in fields.values() if hf_key not in scaling]
+    missing = [hf_key for hf_key in _LLAMA3.values() if hf_key not in scaling]
     if missing:
         raise _refuse(where, f"{key}.{missing[0]}", None, "llama3 rope scaling needs it")
-    out: dict[str, Any] = {"rope_base": float(theta), "rope_scaling": "llama3"}
-    for ours, hf_key in fields.items():
-        out[ours] = type(getattr(LlamaConfig, ours))(scaling[hf_key])
-    return out
+    fields: dict[str, Any] = {"rope_scaling": "llama3"}
+    for ours, hf_key in _LLAMA3.items():
+        fields[ours] = type(getattr(LlamaShape(), ours))(scaling[hf_key])
+    return theta, fields
+
+
+_LLAMA3 = {"rope_factor": "factor", "rope_low_freq_factor": "low_freq_factor",
+           "rope_high_freq_factor": "high_freq_factor",
+           "rope_original_seq_len": "original_max_position_embeddings"}
 
 
 def from_hf_config(hf: dict[str, Any], where: str, *, seq_len: int | None = None,
-                   vocab_multiple: int = 1) -> LlamaConfig:
-    """The `LlamaConfig` of a Hugging Face ``config.json`` (``where`` names it in errors).
+                   vocab_multiple: int = 1) -> GPTConfig:
+    """The Llama `GPTConfig` of a Hugging Face ``config.json`` (``where`` names it in errors).
     ``seq_len`` is the training context (default: ``max_position_embeddings``)."""
     archs = hf.get("architectures") or [ARCHITECTURE]
     if hf.get("model_type", "llama") != "llama" or ARCHITECTURE not in archs:
@@ -73,31 +75,33 @@ def from_hf_config(hf: dict[str, Any], where: str, *, seq_len: int | None = None
             raise _refuse(where, "head_dim", hf["head_dim"],
                           f"dtrain's Llama has head_dim = hidden_size / num_attention_heads "
                           f"= {d // heads}")
-        cfg = LlamaConfig(
-            vocab_size=int(hf["vocab_size"]), n_layer=int(hf["num_hidden_layers"]), n_head=heads,
-            n_kv_head=int(hf.get("num_key_value_heads") or heads), d_model=d,
-            ffn_hidden=int(hf["intermediate_size"]),
-            seq_len=seq_len or int(hf.get("max_position_embeddings", 2048)),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tied=bool(hf.get("tie_word_embeddings", False)), **_rope(hf, where))
+        theta, rope = _rope(hf, where)
+        shape = LlamaShape(n_kv_head=int(hf.get("num_key_value_heads") or heads),
+                           ffn_hidden=int(hf["intermediate_size"]), **rope)
+        return GPTConfig(
+            arch="llama", norm="rmsnorm", vocab_size=int(hf["vocab_size"]),
+            vocab_multiple=vocab_multiple, n_layer=int(hf["num_hidden_layers"]), n_head=heads,
+            d_model=d, seq_len=seq_len or int(hf.get("max_position_embeddings", 2048)),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            tied=bool(hf.get("tie_word_embeddings", False)), llama=shape)
     except KeyError as err:
         raise HFError("incomplete Hugging Face config", where, f"the key {err} is missing",
                       "Use the config.json written with the weights") from None
     except (TypeError, ValueError) as err:
         raise HFError("invalid Hugging Face config", where, str(err),
                       "Use the config.json written with the weights") from None
-    return replace(cfg, vocab_multiple=vocab_multiple) if vocab_multiple > 1 else cfg
+    except ConfigError as err:
+        raise HFError("invalid Hugging Face config", where, f"{err.where}: {err.why}",
+                      "Use the config.json written with the weights") from None
 
 
-def to_hf_config(cfg: LlamaConfig, *, dtype: str, bos_token_id: int | None = None,
+def to_hf_config(cfg: GPTConfig, *, dtype: str, bos_token_id: int | None = None,
                  eos_token_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``cfg`` that transformers' `AutoModelForCausalLM` loads as is."""
     scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = {"rope_type": "llama3", "factor": cfg.rope_factor,
-                   "low_freq_factor": cfg.rope_low_freq_factor,
-                   "high_freq_factor": cfg.rope_high_freq_factor,
-                   "original_max_position_embeddings": cfg.rope_original_seq_len}
+    if cfg.llama.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3",
+                   **{hf_key: getattr(cfg.llama, ours) for ours, hf_key in _LLAMA3.items()}}
     return {
         "architectures": [ARCHITECTURE], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
@@ -105,7 +109,7 @@ def to_hf_config(cfg: LlamaConfig, *, dtype: str, bos_token_id: int | None = Non
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu",
         "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_base, "rope_scaling": scaling,
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": cfg.tied, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,
         "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "torch_dtype": dtype,

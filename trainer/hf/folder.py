@@ -25,7 +25,7 @@ import torch
 from trainer.hf.config import HFError, from_hf_config, generation_config, to_hf_config
 from trainer.hf.names import hf_tensors, split_to_hf
 from trainer.hf.weights import DEFAULT_SHARD_BYTES, HFWeights, write_weights
-from trainer.model.llama_config import LlamaConfig
+from trainer.model.config import GPTConfig
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class Folder:
     """A Hugging Face Llama folder, read: its model config, weights and tokenizer (if any)."""
 
-    cfg: LlamaConfig
+    cfg: GPTConfig
     weights: HFWeights
     tokenizer: Path | None
     """Its ``tokenizer.json``, when it has one."""
@@ -60,12 +60,16 @@ def read_folder(folder: Path, *, seq_len: int | None = None, vocab_multiple: int
     return Folder(cfg, HFWeights(folder), tokenizer if tokenizer.is_file() else None)
 
 
-def write_folder(out: Path, cfg: LlamaConfig, param: Callable[[str], torch.Tensor], *,
+def write_folder(out: Path, cfg: GPTConfig, param: Callable[[str], torch.Tensor], *,
                  dtype: str = "float32", tokenizer_dir: Path | None = None,
                  bos_token_id: int | None = None, eos_token_id: int | None = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write ``cfg``'s model into the new folder ``out``; ``param(name)`` gives dtrain's whole
     parameter ``name`` (`trainer.hf.names.serial_names`), asked once per shard holding it."""
+    if cfg.arch != "llama":
+        raise HFError("no Hugging Face architecture for this model", f"arch = {cfg.arch}",
+                      "dtrain exports Llama models (LlamaForCausalLM) only; its GPT has no "
+                      "Hugging Face class", "Train with --arch llama to export")
     if out.exists():
         raise HFError("export folder exists", str(out), "it would be overwritten",
                       "Pass a new --out, or remove the old folder first")

@@ -20,7 +20,7 @@ import re
 import torch
 
 from trainer.hf.config import HFError
-from trainer.model.llama_config import LlamaConfig
+from trainer.model.config import GPTConfig
 
 _BLOCK = re.compile(r"blocks\.(\d+)\.(.+)")
 _SIMPLE = {"ln1.weight": "input_layernorm.weight",
@@ -34,7 +34,7 @@ Piece = tuple[str, tuple[int, ...]]
 """(Hugging Face tensor name, its shape)."""
 
 
-def pieces(name: str, cfg: LlamaConfig) -> list[Piece]:
+def pieces(name: str, cfg: GPTConfig) -> list[Piece]:
     """The Hugging Face tensors whose rows, stacked in this order, make dtrain's parameter
     ``name`` (without its padded vocabulary rows)."""
     d, f, kv = cfg.d_model, cfg.hidden, cfg.kv_heads * cfg.head_dim
@@ -60,7 +60,7 @@ def pieces(name: str, cfg: LlamaConfig) -> list[Piece]:
     return [(prefix + _SIMPLE[rest], shapes[rest])]
 
 
-def serial_names(cfg: LlamaConfig) -> list[str]:
+def serial_names(cfg: GPTConfig) -> list[str]:
     """dtrain's parameter names of the whole serial Llama, in module order (a tied head is
     the embedding and not listed)."""
     per_block = ["ln1.weight", "attn.q.weight", "attn.kv.weight", "attn.proj.weight",
@@ -70,14 +70,14 @@ def serial_names(cfg: LlamaConfig) -> list[str]:
     return names + ["ln_f.weight"] + ([] if cfg.tied else ["head.weight"])
 
 
-def hf_tensors(cfg: LlamaConfig) -> list[tuple[str, str, int]]:
+def hf_tensors(cfg: GPTConfig) -> list[tuple[str, str, int]]:
     """(Hugging Face name, dtrain parameter, elements) of every tensor of ``cfg``'s model, in
     dtrain's parameter order."""
     return [(hf, name, math.prod(shape)) for name in serial_names(cfg)
             for hf, shape in pieces(name, cfg)]
 
 
-def split_to_hf(name: str, full: torch.Tensor, cfg: LlamaConfig) -> dict[str, torch.Tensor]:
+def split_to_hf(name: str, full: torch.Tensor, cfg: GPTConfig) -> dict[str, torch.Tensor]:
     """dtrain's whole parameter ``name`` as its Hugging Face tensors (padded rows dropped)."""
     out: dict[str, torch.Tensor] = {}
     start = 0

@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 
 from trainer.hf.config import HFError
 from trainer.hf.names import pieces
-from trainer.model.llama_config import LlamaConfig
+from trainer.model.config import GPTConfig
 
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1000**3
@@ -109,7 +109,7 @@ class HFWeights:
         part = self._handle(name).get_slice(name)  # type: ignore[attr-defined]
         return part[index] if index else part[:]
 
-    def rows(self, param: str, cfg: LlamaConfig, dim: int,
+    def rows(self, param: str, cfg: GPTConfig, dim: int,
              ranges: list[tuple[int, int]]) -> torch.Tensor:
         """The part of dtrain parameter ``param`` made of ``ranges`` (ascending (start, stop)
         along ``dim``), concatenated in order; rows past the real vocabulary are zeros."""

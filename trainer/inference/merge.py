@@ -22,6 +22,7 @@ import torch
 from trainer import checkpoint
 from trainer.errors import CommError
 from trainer.model.config import GPTConfig
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.moe.parallel import shard_experts
 from trainer.tensor_parallel import ShardSpec
@@ -48,7 +49,7 @@ def shard_specs(cfg: GPTConfig, tp: int) -> dict[str, ShardSpec]:
     if tp == 1:
         return {}
     group = LayoutOnlyGroup(tp)
-    model = parallelize(GPT(cfg), group, tracker=RNGStatesTracker())
+    model = parallelize(build_model(cfg), group, tracker=RNGStatesTracker())
     shard_experts(model, LayoutOnlyGroup(1), group)  # experts split like the MLP (trainer.moe)
     return {name: spec for name, p in model.named_parameters(remove_duplicate=False)
             if (spec := shard_spec(p)) is not None}
@@ -68,7 +69,7 @@ def load_serial(path: Path) -> tuple[GPT, dict[str, Any]]:
             spec = specs.get(name)
             if name not in full:  # (the tied head copy of the last stage is already in)
                 full[name] = unshard([s[name] for s in shards], spec) if spec else tensor
-    model = GPT(cfg)
+    model = build_model(cfg)
     try:
         model.load_state_dict(full)
     except RuntimeError as exc:

@@ -35,29 +35,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.model.gpt import GPT, cross_entropy
+from trainer.model.config import GPTConfig
+from trainer.model.gpt import GPT
 from trainer.model.layers import RMSNorm, Runner, run_directly
-from trainer.model.llama_config import LlamaConfig
 
 
-def inv_frequencies(cfg: LlamaConfig) -> torch.Tensor:
+def inv_frequencies(cfg: GPTConfig) -> torch.Tensor:
     """The K/2 rotary frequencies (fp64), with Llama 3's scaling when ``cfg`` asks for it."""
     k = cfg.head_dim
     cpu64 = {"dtype": torch.float64, "device": "cpu"}  # real values even on the meta device
-    inv = 1.0 / (cfg.rope_base ** (torch.arange(0, k, 2, **cpu64) / k))
-    if cfg.rope_scaling == "none":
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, k, 2, **cpu64) / k))
+    if cfg.llama.rope_scaling == "none":
         return inv
-    old = cfg.rope_original_seq_len
-    low, high = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.llama.rope_original_seq_len
+    low, high = cfg.llama.rope_low_freq_factor, cfg.llama.rope_high_freq_factor
     wavelen = 2 * math.pi / inv
-    scaled = torch.where(wavelen > old / low, inv / cfg.rope_factor, inv)
+    scaled = torch.where(wavelen > old / low, inv / cfg.llama.rope_factor, inv)
     smooth = (old / wavelen - low) / (high - low)
-    blended = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+    blended = (1 - smooth) * scaled / cfg.llama.rope_factor + smooth * scaled
     medium = (wavelen >= old / high) & (wavelen <= old / low)
     return torch.where(medium, blended, scaled)
 
 
-def llama_rope_tables(cfg: LlamaConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def llama_rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The tables `apply_rope_half` multiplies by, (T, K) fp32 each: [cos, cos] and
     [-sin, sin] of every position's K/2 angles (computed in fp64 on the CPU, real even on the
     meta device)."""
@@ -79,7 +79,7 @@ def apply_rope_half(x_BTHK: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) 
 class GQAttention(nn.Module):
     """Causal grouped-query self-attention with half-split RoPE, no biases."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
         self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
@@ -120,7 +120,7 @@ class SwiGLU(nn.Module):
     fc_stride = 2
     """``fc`` stacks two equal parts; tensor parallelism cuts each part over the ranks."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
         self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
@@ -134,7 +134,7 @@ class SwiGLU(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm Llama block (`trainer.model.layers.Block`'s interface and hooks)."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1, self.attn = RMSNorm(cfg.d_model, cfg.norm_eps), GQAttention(cfg)
         self.ln2, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), SwiGLU(cfg)
@@ -153,28 +153,11 @@ class Llama(GPT):
     """Token ids (B, T) -> logits (B, T, V), initialised deterministically from ``seed``.
 
     A `GPT` in everything but its blocks and rotary tables: forward, loss, init and the hooks
-    are the GPT's, so every caller that takes a GPT takes a Llama."""
+    are the GPT's, so every caller that takes a GPT takes a Llama. Its final norm is the GPT's
+    for ``norm = "rmsnorm"``, which a Llama config requires."""
 
-    def __init__(self, cfg: LlamaConfig, *, seed: int = 0) -> None:
-        # GPT.__init__ builds GPT blocks; this builds the same attributes with Llama's parts.
-        nn.Module.__init__(self)
-        self.cfg = cfg
-        with torch.random.fork_rng(devices=[]):  # keep the caller's global RNG where it was
-            self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
-            self.blocks = nn.ModuleDict({str(i): LlamaBlock(cfg) for i in range(cfg.n_layer)})
-            if cfg.moe_experts:
-                from trainer.moe.layer import install_moe  # trainer.moe builds on this module
+    make_block = staticmethod(LlamaBlock)
 
-                install_moe(self.blocks, cfg)
-            self.ln_f: nn.Module | None = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
-        self.emb_drop = nn.Dropout(cfg.dropout)
-        self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-        self.vocab_start = 0
-        if cfg.tied:
-            self.head.weight = self.tok_emb.weight
-        cos, sin = llama_rope_tables(cfg)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        if not self.ln_f.weight.is_meta:  # a meta-device model: trainer.construction fills it
-            self.init_weights(seed)
+    @staticmethod
+    def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        return llama_rope_tables(cfg)

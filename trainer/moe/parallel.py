@@ -48,7 +48,8 @@ def shard_experts(model: nn.Module, ep: Communicator, tp: Communicator | None = 
         if tp is not None and tp.size > 1:
             for key, mlp in layer.experts.items():
                 where = f"{name}.experts.{key}"
-                mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.fc")
+                mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, stride=mlp.fc_stride,
+                                                          name=f"{where}.fc")
                 mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.proj")
         if ep.size > 1:
             for p in layer.experts.parameters():

@@ -28,14 +28,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.comm.protocol import Communicator
+from trainer.model.config import GPTConfig
 from trainer.model.llama import GQAttention, LlamaBlock, SwiGLU
-from trainer.model.llama_config import LlamaConfig
 from trainer.tensor_parallel import mappings as m
 from trainer.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from trainer.tensor_parallel.sharding import TensorParallelError
 
 
-def check_heads(cfg: LlamaConfig, tp: int) -> None:
+def check_heads(cfg: GPTConfig, tp: int) -> None:
     """Refuse key/value heads that neither split over nor evenly share ``tp`` ranks."""
     g = cfg.kv_heads
     if (g >= tp and g % tp) or (g < tp and tp % g):
@@ -72,7 +72,7 @@ class ReplicatedKVLinear(nn.Module):
                 f"{self.comm.size} ranks), sequence_parallel={self.sequence_parallel}")
 
 
-def shard_attention(attn: GQAttention, cfg: LlamaConfig, tp: Communicator, where: str) -> None:
+def shard_attention(attn: GQAttention, cfg: GPTConfig, tp: Communicator, where: str) -> None:
     """Split one grouped-query attention over ``tp``, in place."""
     attn.q = ColumnParallelLinear.from_linear(attn.q, tp, name=f"{where}.q")
     if cfg.kv_heads >= tp.size:
@@ -90,7 +90,7 @@ def shard_swiglu(mlp: SwiGLU, tp: Communicator, where: str) -> None:
     mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.proj")
 
 
-def shard_llama_block(block: LlamaBlock, cfg: LlamaConfig, tp: Communicator,
+def shard_llama_block(block: LlamaBlock, cfg: GPTConfig, tp: Communicator,
                       where: str) -> None:
     """Split a Llama block's attention and (dense) MLP over ``tp``, in place."""
     shard_attention(block.attn, cfg, tp, f"{where}.attn")

@@ -27,6 +27,7 @@ from trainer.data_parallel.grad_sync import DataParallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
 from trainer.optim.grad_clip import NormScope, tp_scope
@@ -163,7 +164,7 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
     # Per-rank construction does not cover experts yet (trainer.config.options refuses SP and
     # recompute with them): the model is built whole, then cut and sharded.
     model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
-             GPT(cfg.gpt, seed=cfg.seed)).to(device)
+             build_model(cfg.gpt, seed=cfg.seed)).to(device)
     return parallelize(model, tp, tracker=tracker)
 
 
