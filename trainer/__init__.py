@@ -19,7 +19,7 @@ over 300 lines).
     model/       config, layers, gpt, precision, flops: the plain single-device GPT;
                  llama_config, llama: the Llama family on the same decoder
     hf/          config, names, weights, folder: Hugging Face Llama folders both ways
-    dashboards/  names, tb_sink, wandb_sink: TensorBoard and W&B views of the metrics
+    dashboards/  names, tb_sink, wandb_sink, hub: TensorBoard and W&B views of the metrics
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
     data/        corpus, batches: byte-level data and deterministic DP-sharded batches;
                  prepare, shard_writer, token_files, token_batches, sources: tokenized datasets

@@ -21,7 +21,6 @@ from typing import Any
 from trainer.activations.options import check_sequence_split
 from trainer.comm.bootstrap import BACKENDS
 from trainer.comm.topology import MeshShape
-from trainer.config.common import LoggingSection
 from trainer.config.flags import option_table, parse
 from trainer.config.sections import (
     DataSection,
@@ -29,6 +28,7 @@ from trainer.config.sections import (
     OptimizerSection,
     ParallelSection,
     TrainCheckpointSection,
+    TrainLoggingSection,
 )
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
@@ -69,7 +69,8 @@ class TrainConfig(Section):
     optimizer: OptimizerSection = section(OptimizerSection, "the optimizer")
     data: DataSection = section(DataSection, "the data")
     checkpoint: TrainCheckpointSection = section(TrainCheckpointSection, "checkpoints")
-    logging: LoggingSection = section(LoggingSection, "logging and evaluation")
+    logging: TrainLoggingSection = section(TrainLoggingSection, "logging, evaluation and "
+                                           "dashboards")
 
     def check(self) -> None:
         """What relates two sections: the model against the layout, evaluation and data."""

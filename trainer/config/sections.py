@@ -9,12 +9,13 @@ In a TOML file each section is a table (``[parallel] tp = 2``); the model's shap
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.activations.options import RECOMPUTE_MODES
-from trainer.config.common import CheckpointSection
+from trainer.config.common import CheckpointSection, LoggingSection
 from trainer.data.corpus import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError
 from trainer.model.config import PRESETS, GPTConfig
@@ -173,3 +174,22 @@ class TrainCheckpointSection(CheckpointSection):
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainLoggingSection(LoggingSection):
+    """`LoggingSection`, and the dashboards the run's metrics also go to (rank 0 writes them,
+    `trainer.dashboards`)."""
+
+    tensorboard: bool = option(False, "also write the metrics as TensorBoard event files in "
+                               "<run-dir>/tensorboard")
+    wandb: str = option("", "also log the metrics to Weights & Biases: offline (written under "
+                        "<run-dir>/wandb for `wandb sync`) or online; needs the wandb package",
+                        choices=("", "offline", "online"))
+
+    def check(self) -> None:
+        super().check()
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb needs the wandb package", f"--wandb {self.wandb}",
+                              "it is not installed in this environment",
+                              "pip install 'dtrain[wandb]', or drop --wandb")

@@ -6,6 +6,7 @@
   package's own writer (no TensorFlow)
 * `trainer.dashboards.wandb_sink` ``--wandb offline|online``: a W&B run, when ``wandb`` is
   installed
+* `trainer.dashboards.hub`        the sinks a run asked for, fed each logged step
 
 ``metrics.jsonl`` and the PNG plots (`trainer.training.metrics`) stay the record of a run; these
 sinks are views of the same numbers.

@@ -12,12 +12,19 @@ datasets: every item must be one, and text is a single path.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
-from trainer.data.corpus import DataError
-from trainer.data.token_files import MANIFEST
+import torch
+
+from trainer.data.batches import BatchPlan, ShardedBatches
+from trainer.data.corpus import Corpus, DataError
+from trainer.data.token_batches import Source, TokenBatches, check_same_tokenizer
+from trainer.data.token_files import MANIFEST, TOKENIZER, TokenFiles
 
 
 @dataclass(frozen=True)
@@ -61,3 +68,71 @@ def parse_data(value: str | None) -> DataSources:
                         "Prepare the text with python -m trainer.data.prepare, or pass one "
                         "text file or folder without a weight")
     return DataSources(tokenized=tuple((path, weight or 1.0) for path, weight in tokenized))
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """Tokenized training data, checked and described like a `Corpus` (its manifests read,
+    every file's size checked; no token read)."""
+
+    blend: tuple[tuple[Path, float], ...]
+    val_fraction: float
+    model_vocab: int
+    tokens: int
+    fingerprint: str
+    """sha256 of the manifests and weights, shortened as a `Corpus` fingerprint is."""
+    unit: ClassVar[str] = "tokens"
+    binary_files: ClassVar[tuple[str, ...]] = ()
+    skipped: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def source(self) -> str:
+        return ",".join(f"{path}:{weight:g}" for path, weight in self.blend)
+
+    @property
+    def tokenizer(self) -> Path:
+        """The ``tokenizer.json`` that made the ids (the same for every blended dataset)."""
+        return self.blend[0][0] / TOKENIZER
+
+    def __len__(self) -> int:
+        return self.tokens
+
+
+def load_token_data(sources: DataSources, *, model_vocab: int, seq_len: int,
+                    val_fraction: float) -> TokenData:
+    """Open and check the tokenized datasets of ``sources`` for a model of ``model_vocab``
+    ids: sizes, vocabulary, tokenizers, and splits large enough for one window each."""
+    files = [TokenFiles(path, model_vocab=model_vocab) for path, _ in sources.tokenized]
+    check_same_tokenizer(files)
+    for data in files:
+        Source(data, seq_len, val_fraction)  # refuses splits too small for a window
+    digest = hashlib.sha256()
+    for path, weight in sources.tokenized:
+        digest.update((path / MANIFEST).read_bytes() + f"{weight!r}".encode())
+    tokens = sum(s.tokens for data in files for s in data.manifest.shards)
+    return TokenData(sources.tokenized, val_fraction, model_vocab, tokens,
+                     digest.hexdigest()[:16])
+
+
+def make_batches(data: Corpus | TokenData, *, seq_len: int, plan: BatchPlan, seed: int,
+                 dp_rank: int, device: torch.device, validation: bool = False
+                 ) -> ShardedBatches | TokenBatches:
+    """The batches of one DP rank from either kind of data (both answer ``microbatches(step)``
+    with the same plan, seed and device)."""
+    if isinstance(data, TokenData):
+        return TokenBatches(list(data.blend), seq_len=seq_len, plan=plan, seed=seed,
+                            dp_rank=dp_rank, model_vocab=data.model_vocab,
+                            val_fraction=data.val_fraction, device=device,
+                            validation=validation)
+    return ShardedBatches(data, seq_len=seq_len, plan=plan, seed=seed, dp_rank=dp_rank,
+                          device=device, validation=validation)
+
+
+def keep_tokenizer(data: TokenData, run_dir: Path) -> Path:
+    """Copy the data's tokenizer into ``run_dir`` (replaced atomically: a resumed run on the
+    same data writes the same file), where generation and export find it."""
+    target = run_dir / TOKENIZER
+    tmp = run_dir / f".{TOKENIZER}.tmp"
+    tmp.write_bytes(data.tokenizer.read_bytes())
+    os.replace(tmp, target)
+    return target

@@ -158,7 +158,7 @@ class TokenBatches:
         self.sources = [Source(TokenFiles(path, model_vocab=model_vocab), seq_len, val_fraction)
                         for path, _ in blend]
         check_same_tokenizer([s.files for s in self.sources])
-        self.plan, self.seed, self.dp_rank = plan, seed, dp_rank
+        self.seq_len, self.plan, self.seed, self.dp_rank = seq_len, plan, seed, dp_rank
         self.device, self.validation = torch.device(device), validation
         self.position = Position(0, [0] * len(blend))
         self._step: int | None = None

@@ -19,6 +19,8 @@ from trainer.schema import Section, option, section
 NORMS = ("layernorm", "rmsnorm")
 ARCHS = ("gpt", "llama")
 """Model families: `trainer.model.gpt` and `trainer.model.llama` (`trainer.model.family`)."""
+FAMILY_NAMES = {"gpt": "GPT", "llama": "Llama"}
+"""How a family is named in banners and plots."""
 ROUTERS = ("softmax", "sigmoid")
 """The router's score functions (`trainer.moe.router`)."""
 

@@ -194,7 +194,10 @@ def _apply(cfg: TrainConfig, ckpt: Checkpoint, model: torch.nn.Module,
     return said
 
 
-def meta_of(cfg: TrainConfig, step: int, *, source: str, fingerprint: str) -> dict[str, Any]:
-    """The meta.json body of a save at ``step``."""
+def meta_of(cfg: TrainConfig, step: int, *, source: str, fingerprint: str,
+            samples: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The meta.json body of a save at ``step``; ``samples``: the tokenized data's position
+    (`trainer.data.token_batches.Position`; byte-level data's is the step itself)."""
+    data = {"position": step, "source": source, "fingerprint": fingerprint}
     return {"config": cfg.to_dict(), "model": cfg.gpt.to_dict(), "layout": layout_of(cfg),
-            "data": {"position": step, "source": source, "fingerprint": fingerprint}}
+            "data": data if samples is None else {**data, "samples": samples}}

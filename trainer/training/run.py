@@ -23,6 +23,8 @@ from trainer.config.options import TrainConfig, mesh_shape, resolve_dp
 from trainer.construction import build_rank_model
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
+from trainer.data.sources import TokenData, make_batches
+from trainer.data.token_batches import TokenBatches
 from trainer.data_parallel.grad_sync import DataParallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
@@ -61,8 +63,8 @@ class Run:
     """What AdamW steps (`trainer.optim.main_weights`)."""
     body: StepBody
     """Forward and backward of a step: accumulation or a pipeline (`trainer.training.body`)."""
-    batches: ShardedBatches
-    corpus: Corpus
+    batches: ShardedBatches | TokenBatches
+    corpus: Corpus | TokenData
     lr_schedule: LRSchedule
     seeds: DropoutSeeds
     tracker: RNGStatesTracker
@@ -91,7 +93,7 @@ def mesh_for(cfg: TrainConfig, world: World) -> Mesh:
     return Mesh.build(world.comm, mesh_shape(resolve_dp(cfg, world.size)), world.device)
 
 
-def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run:
+def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = None) -> Run:
     """Model, optimizer, data, DP (and the pipeline) of this rank of ``mesh``, restored from a
     checkpoint on --resume. ``corpus`` is the checked data (read here when not given). Every
     group is timed on the run's clock. The steps run in one order on every rank: several of
@@ -116,10 +118,12 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
     if cfg.compile and compile_blocks(model, cfg.micro_batch, world=mesh.group()):
         notes.append("compiled blocks")
-    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
-                             plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
-                                            cfg.parallel.microbatches),
-                             dp_rank=mesh.rank("dp"))
+    batches = make_batches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
+                           plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
+                                          cfg.parallel.microbatches),
+                           dp_rank=mesh.rank("dp"))
+    if isinstance(batches, TokenBatches) and ckpt is not None:  # continue the sample order
+        batches.restore(ckpt.meta["data"]["samples"], start + 1)
     opt = cfg.optimizer
     lr_schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
                              decay_steps=cfg.decay_end)
@@ -137,7 +141,8 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
                resumed, ", ".join(n for n in notes if n))
 
 
-def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corpus:
+def _checked_inputs(cfg: TrainConfig, corpus: Corpus | TokenData | None, mesh: Mesh
+                    ) -> Corpus | TokenData:
     """The mesh fits the layout, and every rank reads the same training data (``corpus``,
     read here when not given)."""
     shape = mesh_shape(cfg)
