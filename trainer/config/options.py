@@ -15,7 +15,8 @@ the key and the file named, so a typo never becomes a silently ignored setting.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from trainer.activations.options import check_sequence_split
@@ -134,9 +135,9 @@ OPTIONS = option_table(TrainConfig)
 def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> TrainConfig:
     """TrainConfig from flags (and the file named by ``--config``). ``quiet`` parses without
     printing usage, errors or help (the ranks of a job but one; the exit code stays)."""
-    return _with_tp_padding(parse(
+    return _with_tp_padding(_with_hf_model(parse(
         TrainConfig, argv, prog="python -m trainer.train", quiet=quiet,
-        description="Train a byte-level GPT (data, tensor, pipeline and expert parallel)."))
+        description="Train a GPT or Llama (data, tensor, pipeline and expert parallel).")))
 
 
 def make_config(train: Mapping[str, Any] | None = None,
@@ -148,7 +149,20 @@ def make_config(train: Mapping[str, Any] | None = None,
     if unknown:
         raise ConfigError("unknown option", ", ".join(unknown), "not an option of the trainer",
                           "Use the names of the flags, with _ for -")
-    return _with_tp_padding(build(TrainConfig, nest(values, OPTIONS)))
+    return _with_tp_padding(_with_hf_model(build(TrainConfig, nest(values, OPTIONS))))
+
+
+def _with_hf_model(cfg: TrainConfig) -> TrainConfig:
+    """With ``--init-from-hf DIR``: the model is the folder's (`trainer.hf.config`), at the
+    run's sequence length, dropout and vocabulary padding."""
+    if not cfg.checkpoint.init_from_hf:
+        return cfg
+    from trainer.hf.folder import read_folder  # safetensors: only when asked for
+
+    gpt = read_folder(Path(cfg.checkpoint.init_from_hf), seq_len=cfg.gpt.seq_len,
+                      vocab_multiple=cfg.gpt.vocab_multiple).cfg
+    gpt = replace(gpt, dropout=cfg.gpt.dropout, moe=cfg.gpt.moe)
+    return replace(cfg, model=replace(cfg.model, gpt=gpt))
 
 
 def _with_tp_padding(cfg: TrainConfig) -> TrainConfig:

@@ -165,6 +165,10 @@ class DataSection(Section):
 class TrainCheckpointSection(CheckpointSection):
     """`CheckpointSection`, and what a resume does with a damaged checkpoint."""
 
+    init_from_hf: str = option("", "start from the weights of a Hugging Face Llama folder "
+                               "(config.json + safetensors); the model's shape is the folder's, "
+                               "--seq-len, --dropout and --vocab-multiple stay options; each rank "
+                               "reads only its slices")
     resume_fallback: bool = option(False, "with --resume, skip damaged checkpoints (each "
                                    "reported and renamed to step-N.damaged-*) and resume from "
                                    "the newest that verifies")

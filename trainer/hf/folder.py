@@ -7,7 +7,9 @@
 
 `write_folder` writes into a fresh temporary folder beside ``out`` and renames it into place,
 so an export that fails midway leaves nothing half-written and never touches an existing
-folder. `read_folder` refuses a folder that is not a Llama before reading any weight.
+folder. `read_folder` refuses a folder that is not a Llama before reading any weight;
+`load_serial` fills a whole model, `load_rank_slices` one rank's stage and tensor-parallel
+shards (``--init-from-hf``), each reading only the rows or columns it keeps.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from trainer.hf.config import HFError, from_hf_config, generation_config, to_hf_
 from trainer.hf.names import hf_tensors, split_to_hf
 from trainer.hf.weights import DEFAULT_SHARD_BYTES, HFWeights, write_weights
 from trainer.model.config import GPTConfig
+from trainer.tensor_parallel.sharding import shard_spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,3 +114,21 @@ def load_serial(model: torch.nn.Module, folder: Folder) -> None:
     """Copy the folder's weights into a whole (serial) Llama of the folder's config, in place."""
     for name, p in model.named_parameters():
         p.copy_(folder.weights.rows(name, folder.cfg, 0, [(0, p.shape[0])]))
+
+
+@torch.no_grad()
+def load_rank_slices(model: torch.nn.Module, folder: Folder, tp_rank: int, tp_size: int) -> None:
+    """Fill every parameter of this rank's model (its pipeline stage, its tensor-parallel
+    shards) with its slice of the folder's weights, reading only that slice from the files."""
+    for name, p in model.named_parameters():
+        spec = shard_spec(p)
+        if spec is None or tp_size == 1:
+            value = folder.weights.rows(name, folder.cfg, 0, [(0, p.shape[0])])
+        else:
+            full = p.shape[spec.dim] * tp_size
+            part = full // spec.stride
+            block = part // tp_size
+            ranges = [(k * part + tp_rank * block, k * part + (tp_rank + 1) * block)
+                      for k in range(spec.stride)]
+            value = folder.weights.rows(name, folder.cfg, spec.dim, ranges)
+        p.copy_(value.to(p.dtype))

@@ -10,6 +10,7 @@ steps it with `trainer.training.step.run_step`, which reads straight through.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from trainer.data_parallel.grad_sync import DataParallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
+from trainer.hf.folder import load_rank_slices, read_folder
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
@@ -105,6 +107,9 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
     model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
+    if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
+        load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
+                         mesh.rank("tp"), mesh.size("tp"))
     experts = apply_expert_parallel(model, mesh, microbatches=cfg.parallel.microbatches)
     optimizer = _optimizer(cfg, model)
     shard = (mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep"))
