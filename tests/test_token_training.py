@@ -23,16 +23,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from tests.mpi_runs import run_ranks
 from tests.numerics import U32, loss_atol, reduction_rtol
 from tests.support import PYTHON, REPO, dtrain_env
 from tests.test_dashboards import read_back
+from trainer import checkpoint
 from trainer.config.options import make_config
 from trainer.dashboards.names import NAMES
 from trainer.data.prepare import main as prepare_main
 from trainer.data.shard_writer import ShardWriter
 from trainer.data.token_files import MANIFEST, TOKENIZER, Manifest, file_sha256, token_dtype
+from trainer.inference.merge import load_serial
+from trainer.inference.sampling import sample_ids
 from trainer.model.family import build_model
 from trainer.training.metrics import read_records
 
@@ -171,3 +175,20 @@ def test_tensorboard_event_files_hold_the_logged_losses(corpus: Path, tmp_path: 
                                      for r in records]
     assert series[NAMES["val_loss"]] == [(3, pytest.approx(records[-1]["val_loss"], rel=1e-6))]
     assert {NAMES[k] for k in ("lr", "grad_norm", "tokens_per_s", "tflops")} <= set(series)
+
+
+def test_generate_decodes_with_the_runs_tokenizer(corpus: Path, tmp_path: Path) -> None:
+    train(tmp_path / "run", str(corpus), "--steps", "2")
+    done = subprocess.run([PYTHON, "-m", "trainer.generate", "--run-dir", str(tmp_path / "run"),
+                           "--prompt", "import json", "--tokens", "8", "--temperature", "1"],
+                          capture_output=True, text=True, cwd=REPO, env=dtrain_env(),
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = done.stdout.rstrip("\n")
+    assert text.startswith("import json")
+    # Decoded text, not the byte-level BPE's symbols for space and newline (Ġ, Ċ).
+    assert not {"Ġ", "Ċ"} & set(text)
+    tok = Tokenizer.from_file(str(tmp_path / "run" / TOKENIZER))
+    model, _ = load_serial(checkpoint.latest(tmp_path / "run" / "checkpoints"))
+    ids = tok.encode("import json", add_special_tokens=False).ids
+    assert text == tok.decode(ids + sample_ids(model, ids, tokens=8, temperature=1.0, seed=0))
