@@ -5,7 +5,8 @@
 Three sides train the same shape (layers, width, heads, key/value heads, MLP width, vocabulary,
 sequence length, batch), fp32, AdamW, untied head, in the same process and thread count:
 
-* ``dtrain``: `trainer.model.llama.Llama` with dtrain's loss (what ``--arch llama`` trains);
+* ``dtrain``: the trainer's own step on the Llama (``build_run``/``run_step``: what ``python -m
+  trainer.train --arch llama`` runs, DP gradient buffer, clipping and guard included);
 * ``transformers``: ``LlamaForCausalLM`` (sdpa attention), logits -> cross entropy;
 * ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only: the package
   is installed without its data and distributed dependencies), tokens -> logits -> cross entropy.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model.config import GPTConfig
-from trainer.model.llama import Llama
+from trainer.model.family import build_model
 from trainer.model.llama_config import LlamaShape
 
 Row = dict[str, Any]
@@ -53,7 +55,8 @@ SIZES = {
                            llama=LlamaShape(n_kv_head=4, multiple_of=256)), batch=4),
 }
 
-Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Step = Callable[[torch.Tensor, torch.Tensor], object]
+SIZES_BATCH = {size.cfg: size.batch for size in SIZES.values()}
 
 
 def _trainer(model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Step:
@@ -71,17 +74,24 @@ def _trainer(model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Ten
 
 
 def dtrain_side(cfg: GPTConfig) -> Step:
-    model = Llama(cfg, seed=0).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    """The trainer's own step (``build_run``/``run_step`` on a world of one rank, as ``python
+    -m trainer.train`` runs it: DP gradient buffer, clipping, the guard, fp32), on the
+    byte corpus (ids below 256 of the model's vocabulary: the same matmuls)."""
+    from trainer.comm.bootstrap import init
+    from trainer.comm.mesh import Mesh
+    from trainer.comm.topology import MeshShape
+    from trainer.config.options import make_config
+    from trainer.training.run import build_run
+    from trainer.training.step import run_step
 
-    def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+    world = init(backend="mpi")
+    train = {"steps": 1_000_000, "global_batch": SIZES_BATCH[cfg], "dp": 1, "precision": "fp32",
+             "eval_every": 0, "warmup_steps": 10, "data_cap_mb": 2.0,
+             "run_dir": tempfile.mkdtemp(prefix="dtrain-bench-llama-")}
+    run = build_run(make_config(train, cfg.to_dict()), Mesh.build(world.comm, MeshShape(),
+                                                                   world.device))
+    steps = iter(range(1, 10**9))
+    return lambda x, y: run_step(run, next(steps))
 
 
 def transformers_side(cfg: GPTConfig) -> Step:
@@ -161,7 +171,7 @@ def measure(size: str, *, steps: int, reps: int) -> list[Row]:
             built[name](x, y)
             times[name].append(time.perf_counter() - start)
     tokens = batch * cfg.seq_len
-    params = sum(p.numel() for p in Llama(cfg).parameters()) if size == "tiny" else None
+    params = build_model(cfg).num_params() if size == "tiny" else None
     rows: list[Row] = []
     for name in SIDES:
         if name in missing:

@@ -106,11 +106,13 @@ class GQAttention(nn.Module):
         # attention kernels work in that order, so they copy nothing.
         q = self.q(x_BTD)
         B, T, _ = q.shape
-        kv = self.kv(x_BTD).view(B, T, 2, -1, self.head_dim)
+        # unbind, not indexing: its backward stacks the two gradients instead of zero-filling
+        # the whole [k; v] gradient once per index.
+        k_BTGK, v_BTGK = self.kv(x_BTD).view(B, T, 2, -1, self.head_dim).unbind(2)
         q_BTHK = apply_rope_half(q.view(B, T, -1, self.head_dim), cos, sin)
-        k_BTGK = apply_rope_half(kv[:, :, 0], cos, sin)
+        k_BTGK = apply_rope_half(k_BTGK, cos, sin)
         y = self.core_runner(self.core, q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2),
-                             kv[:, :, 1].transpose(1, 2))
+                             v_BTGK.transpose(1, 2))
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
