@@ -12,6 +12,7 @@ Logits are compared within the fp32 rounding bound of `tests.test_llama_hf`.
 
 from __future__ import annotations
 
+import math
 import subprocess
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from tests.support import PYTHON, REPO, dtrain_env
 from tests.test_llama_hf import assert_same_logits
 from trainer import checkpoint
 from trainer.inference.merge import load_serial
+from trainer.training.metrics import read_records
 
 FLAGS = ["--model", "llama-tiny", "--seq-len", "32", "--global-batch", "4", "--microbatches",
          "2", "--eval-every", "0", "--data-cap-mb", "0.25", "--log-every", "1"]
@@ -72,3 +74,14 @@ def test_export_refuses_a_gpt_run_with_one_message(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("no Hugging Face architecture for this model [arch = gpt]") == 1
     assert not (tmp_path / "hf").exists() and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_llama_trains_in_bf16_with_fp32_main_weights(tmp_path: Path) -> None:
+    train(1, tmp_path / "bf16", "--precision", "bf16", "--steps", "8", "--lr", "1e-2",
+          "--warmup-steps", "1")
+    records = read_records(tmp_path / "bf16" / "metrics.jsonl")
+    losses = [r["loss"] for r in records]
+    assert len(losses) == 8 and all(math.isfinite(v) for v in losses)
+    assert losses[-1] < losses[0] - 0.3  # it learns (byte data: ~5.5 nats at the start)
+    ours, _ = load_serial(checkpoint.latest(tmp_path / "bf16" / "checkpoints"))
+    assert ours.cfg.arch == "llama"

@@ -45,12 +45,16 @@ class Run:
 
 PP = {"pp": 2, "schedule": "1f1b"}
 FOUR_LAYERS = {"n_layer": 4}  # pp 2 x 2 virtual stages: one layer per chunk
+# No load-balancing loss: it is computed per DP rank's tokens (Megatron's rule), so with it a
+# dp 2 run is another objective than the single process's, not the same one summed otherwise.
+MOE = {"moe_experts": 4, "moe_topk": 2, "moe_aux_loss_coeff": 0.0}
 RUNS: dict[int, list[Run]] = {
-    1: [Run("serial"), Run("serial-4-layers", model=FOUR_LAYERS)],
+    1: [Run("serial"), Run("serial-4-layers", model=FOUR_LAYERS), Run("serial-moe", model=MOE)],
     4: [Run("tp4-sp", {"tp": 4, "sequence_parallel": True}),  # kv heads replicated (2 < 4)
         Run("tp2pp2-interleaved-full", {"tp": 2, "pp": 2, "schedule": "interleaved",
                                         "virtual_stages": 2, "recompute": "full"},
-            "serial-4-layers", FOUR_LAYERS)],
+            "serial-4-layers", FOUR_LAYERS),
+        Run("dp2tp2ep2-moe", {"tp": 2, "ep": 2}, "serial-moe", MOE)],  # SwiGLU experts
     8: [Run("dp2tp2pp2", {"tp": 2, **PP}),
         Run("dp2tp2pp2-zero1", {"tp": 2, **PP, "zero": 1}),
         Run("dp2tp2pp2-sp", {"tp": 2, **PP, "sequence_parallel": True}),
