@@ -17,7 +17,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.llama_workers.training import GLOBAL_BATCH, MODEL, RUNS, STEPS, TRAIN, WORKER, Run
+from tests.llama_workers.training import (
+    CONSTRUCTED_SEED,
+    GLOBAL_BATCH,
+    MODEL,
+    RUNS,
+    STEPS,
+    TRAIN,
+    WORKER,
+    Run,
+)
 from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
 from trainer.config.options import make_config
@@ -50,3 +59,18 @@ def test_the_layout_trains_to_the_single_process_losses_and_parameters(world: in
                 want = shard_tensor(want, got["tp_rank"], got["tp"], spec)
             torch.testing.assert_close(value, want, rtol=0, atol=PARAM_ATOL,
                                        msg=f"{name}: {param}")
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_per_rank_construction_gives_each_rank_its_slice_of_the_serial_init(world: int) -> None:
+    """Built on the meta device at tp 4 (key/value weights replicated) and tp 8: every
+    parameter equals its slice of the whole model built from the same seed."""
+    serial = {n: p.detach() for n, p in build_model(CFG, seed=CONSTRUCTED_SEED).named_parameters()}
+    for rank in world_run(WORKER, world).ranks:
+        built = rank["constructed"]
+        assert built["params"].keys() == serial.keys()
+        for name, value in built["params"].items():
+            spec = built["specs"][name]
+            want = serial[name] if spec is None else shard_tensor(serial[name],
+                                                                  built["tp_rank"], world, spec)
+            assert torch.equal(value, want), name

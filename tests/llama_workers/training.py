@@ -16,6 +16,7 @@ from typing import Any
 from tests.numerics import float64
 from trainer.comm.bootstrap import init
 from trainer.config.options import TrainConfig, make_config
+from trainer.construction import build_rank_model
 from trainer.data.corpus import load_corpus
 from trainer.tensor_parallel import shard_spec
 from trainer.training.run import build_run, mesh_for
@@ -43,6 +44,7 @@ class Run:
                            {**MODEL, **self.model})
 
 
+CONSTRUCTED_SEED = 5
 PP = {"pp": 2, "schedule": "1f1b"}
 FOUR_LAYERS = {"n_layer": 4}  # pp 2 x 2 virtual stages: one layer per chunk
 # No load-balancing loss: it is computed per DP rank's tokens (Megatron's rule), so with it a
@@ -63,9 +65,18 @@ RUNS: dict[int, list[Run]] = {
 }
 
 
+def construct(world: Any) -> dict[str, Any]:
+    """This rank's model of `CONSTRUCTED` built per rank on the meta device at tp = world."""
+    cfg = make_config(TRAIN, MODEL).gpt
+    model = build_rank_model(cfg, CONSTRUCTED_SEED, device=world.device, tp=world.comm)
+    return {"tp_rank": world.rank,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "specs": {n: shard_spec(p) for n, p in model.named_parameters()}}
+
+
 def run(out: Path) -> dict[str, Any]:
     world = init(backend="mpi")
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"constructed": construct(world)}
     with float64():
         for r in RUNS[world.size]:
             cfg = r.config(str(out / r.name), world.size)
