@@ -8,6 +8,7 @@ launcher/ and trainer/ never import each other.
     cli          click commands `launch`, `check`, `agent`: parse, delegate, map errors (adapter)
     launch       one launch from request to exit code: hosts -> plan -> agents -> supervise
     hosts/       hostfile      hostfile and -H parsing, host name validation (pure)
+                 names         host and user names dtrain accepts (pure)
                  selection     --include/--exclude/--num-nodes, slots per host (pure)
     plan/        job           global/node/local ranks and each rank's environment (pure)
                  environment   forwarded variables, .dtrainenv, --env, scrubbing (pure)
@@ -63,8 +64,8 @@ launcher/ and trainer/ never import each other.
                  facts         what the agent reports about its host (dtrain check)
                  progress      the ranks' progress records: folder, reading, py-spy stacks
     hang/        views, diagnose, watch, status: hang diagnosis, stragglers, live table (pure)
-    pmi/         PMI-1 codec, per-host proxy core, the head's key-value space, the stall
-                 clock (pure)
+    pmi/         PMI-1 codec, per-host proxy core and the actions it asks for, the head's
+                 key-value space, the stall clock (pure)
     check        the preflight table (`dtrain check`)
     perf         `dtrain check --perf`: matmul per host, all-reduce per host pair
     dryrun       the --dry-run table: hosts, ranks, environments, the program each runs

@@ -54,6 +54,7 @@ def run(out: Path) -> dict[str, Any]:
                                                  run_dir=str(out / "fp32")))
     bf16, result["bf16"] = train_loop(world, config(precision="bf16", run_dir=str(out / "bf16")))
     result["bf16"]["main"] = {n: t.detach().clone() for n, t in bf16.weights.state_dict().items()}
+    result["bf16"]["held"] = [(m.detach().clone(), m.placement) for m in bf16.weights.values()]
     result["bf16"]["checkpoint"] = str(save_checkpoint(bf16, STEPS))
     _, result["bf16_reduce"] = train_loop(world, config(
         precision="bf16", grad_reduce_dtype="bf16", run_dir=str(out / "bf16-reduce")))

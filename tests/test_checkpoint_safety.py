@@ -207,7 +207,7 @@ def test_a_planted_pickle_is_refused_as_hostile_even_when_torch_is_told_to_unpic
         archive: Path, tmp_path: Path) -> None:
     run_dir = Path(shutil.copytree(archive.parent, tmp_path / "run"))
     step, canary = run_dir / "checkpoints" / "step-2", tmp_path / "code-ran"
-    shard = step / "model-tp00-pp00.pt"
+    shard = step / "rank-00000.safetensors"
     torch.save({"tok_emb.weight": Planted(canary)}, shard)
     record = json.loads((step / "COMMITTED").read_text())  # whoever plants can rewrite it too
     record["files"][shard.name] = {"size": shard.stat().st_size,
@@ -218,7 +218,7 @@ def test_a_planted_pickle_is_refused_as_hostile_even_when_torch_is_told_to_unpic
     assert code == 2, out[-3000:]
     assert not canary.exists()
     [line] = [line for line in out.splitlines() if "error" in line]
-    assert line.startswith(f"error: checkpoint file is not plain tensor data [{shard}]: "
-                           "unpickling it would call posix.mkdir: it may be hostile"), line
-    assert line.endswith("Do not load it: restore the checkpoint from a copy you trust, or "
-                         "start a new --run-dir")
+    assert line.startswith(f"error: checkpoint file is not a safetensors file [{shard}]: "), line
+    assert "it may be a pickle or another format put in its place" in line
+    assert line.endswith("Restore the checkpoint from a copy you trust, or start a new "
+                         "--run-dir")

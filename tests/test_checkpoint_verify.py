@@ -60,17 +60,17 @@ def tp2_run(tp2_base: Path, tmp_path: Path) -> Path:
     return Path(shutil.copytree(tp2_base, tmp_path / "run"))
 
 
-def test_a_flipped_bit_in_a_model_shard_stops_the_resume_with_one_message_naming_the_file(
+def test_a_flipped_bit_in_a_tensor_file_stops_the_resume_with_one_message_naming_the_file(
         tp2_run: Path) -> None:
-    shard = tp2_run / "checkpoints" / "step-3" / "model-tp01-pp00.pt"
+    shard = tp2_run / "checkpoints" / "step-3" / "rank-00001.safetensors"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
     code, out = launch_tp2(tp2_run, "--resume")
     assert code == 2, out[-3000:]
-    [line] = rank_lines(out, "error:")
-    assert f"[rank 1] error: checkpoint {tp2_run / 'checkpoints' / 'step-3'} is damaged [file " \
-           "model-tp01-pp00.pt]: sha256 mismatch (written " in line, line
+    [line] = rank_lines(out, "error:")  # both ranks read it (replicated weights are spread)
+    assert f"error: checkpoint {tp2_run / 'checkpoints' / 'step-3'} is damaged [file " \
+           "rank-00001.safetensors]: sha256 mismatch (written " in line, line
     assert line.endswith("add --resume-fallback to resume from the newest checkpoint that "
                          "verifies")
     # Without --resume-fallback nothing is skipped, renamed or trained.
@@ -79,30 +79,31 @@ def test_a_flipped_bit_in_a_model_shard_stops_the_resume_with_one_message_naming
     assert "step      4" not in out
 
 
-def test_an_empty_rng_shard_read_by_every_rank_is_reported_once(tp2_run: Path) -> None:
-    (tp2_run / "checkpoints" / "step-3" / "rng.pt").write_bytes(b"")
+def test_an_empty_rng_file_read_by_every_rank_is_reported_once(tp2_run: Path) -> None:
+    (tp2_run / "checkpoints" / "step-3" / "rng.safetensors").write_bytes(b"")
     code, out = launch_tp2(tp2_run, "--resume")
     assert code == 2, out[-3000:]
-    [line] = rank_lines(out, "error:")  # both ranks read rng.pt; the lowest one reports
+    [line] = rank_lines(out, "error:")  # both ranks read the RNG file; the lowest one reports
     assert "[rank 0] error: checkpoint " in line and \
-        "step-3 is damaged [file rng.pt]: it has 0 bytes, the commit record " in line, line
+        "step-3 is damaged [file rng.safetensors]: it has 0 bytes, the commit record " in line, \
+        line
 
 
 def test_resume_fallback_skips_a_damaged_checkpoint_saying_which_and_why_and_trains_on(
         tp2_base: Path, tp2_run: Path) -> None:
-    optim = tp2_run / "checkpoints" / "step-3" / "optim-tp00-pp00.pt"
+    optim = tp2_run / "checkpoints" / "step-3" / "rank-00000.safetensors"
     optim.write_bytes(optim.read_bytes()[:100])
     code, out = launch_tp2(tp2_run, "--resume", "--resume-fallback")
     assert code == 0, out[-3000:]
     [skip] = rank_lines(out, "--resume-fallback skips")
-    assert "step-3 is damaged [file optim-tp00-pp00.pt]: it has 100 bytes" in skip, skip
+    assert "step-3 is damaged [file rank-00000.safetensors]: it has 100 bytes" in skip, skip
     assert re.search(r"resumed at step 2 \(--resume-fallback set aside damaged step-3 \(now "
                      r"step-3\.damaged-[0-9a-f]{8}\)\)", out), out[-3000:]
     names = sorted(p.name for p in (tp2_run / "checkpoints").iterdir())
     assert [re.sub(r"damaged-[0-9a-f]{8}$", "damaged-*", n) for n in names] == [
         "step-2", "step-3", "step-3.damaged-*", "step-4"]  # step 3 saved anew, step 1 pruned
     aside = tp2_run / "checkpoints" / names[2]  # kept as it was, for inspection
-    assert (aside / "optim-tp00-pp00.pt").stat().st_size == 100
+    assert (aside / "rank-00000.safetensors").stat().st_size == 100
     # Step 3 was trained again from the verified step 2: the same loss as the first time.
     assert losses(tp2_run)[3] == losses(tp2_base)[3] and 4 in losses(tp2_run)
 
@@ -119,11 +120,11 @@ def test_resume_fallback_stops_when_no_checkpoint_verifies(serial_base: Path,
                                                            tmp_path: Path) -> None:
     run_dir = Path(shutil.copytree(serial_base, tmp_path / "run"))
     for step in (1, 2):
-        (run_dir / "checkpoints" / f"step-{step}" / "optim-tp00-pp00.pt").write_bytes(b"")
+        (run_dir / "checkpoints" / f"step-{step}" / "rank-00000.safetensors").write_bytes(b"")
     code, out = train_serial(run_dir, "--resume", "--resume-fallback")
     assert code == 2, out[-3000:]
     assert re.findall(r"--resume-fallback skips (step-\d+): checkpoint .* is damaged \[file "
-                      r"optim-tp00-pp00.pt\]: it has 0 bytes", out) == ["step-2", "step-1"]
+                      r"rank-00000.safetensors\]: it has 0 bytes", out) == ["step-2", "step-1"]
     assert re.search(r"error: no checkpoint verifies \[.*checkpoints\]: --resume-fallback set "
                      r"aside step-2 \(now step-2\.damaged-\w+\), step-1 \(now step-1\.damaged-"
                      r"\w+\): each is damaged", out), out[-3000:]

@@ -40,6 +40,11 @@ from trainer.inference.merge import load_serial
 from trainer.inference.sampling import sample
 from trainer.model.config import PRESETS
 from trainer.model.gpt import GPT
+from trainer.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from trainer.training.metrics import read_records
 
 STEPS, LR, EVAL_EVERY = 8, 3e-3, 3
@@ -123,9 +128,16 @@ def serial_val_loss(model: torch.nn.Module) -> float:
                    ) / 4
 
 
+def refuse(*_: object, **__: object) -> None:
+    raise AssertionError("the merge built a parallel model")
+
+
 @pytest.mark.parametrize("layout", ["serial", "tp2", "pp2", "dp2tp2pp2"])
 def test_a_checkpoint_of_any_layout_merges_into_the_model_that_run_evaluated(
-        runs, layout: str) -> None:
+        runs, layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the index alone: no parallel layer is built to learn where the weights were cut."""
+    for layer in (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding):
+        monkeypatch.setattr(layer, "__init__", refuse)
     model, meta = load_serial(latest(runs[layout] / "checkpoints"))
     nproc, _ = LAYOUTS[layout]
     assert meta["layout"]["tp"] * meta["layout"]["pp"] * meta["layout"]["dp"] == nproc
@@ -133,8 +145,8 @@ def test_a_checkpoint_of_any_layout_merges_into_the_model_that_run_evaluated(
     assert serial_val_loss(model) == pytest.approx(logged, rel=FORWARD_RTOL)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2"])
-def test_a_tp_or_pp_checkpoint_samples_what_its_merged_serial_model_samples(
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2tp2pp2"])
+def test_a_tp_pp_or_3d_checkpoint_samples_what_its_merged_serial_model_samples(
         runs, layout: str) -> None:
     got = generate(runs[layout])
     assert got.returncode == 0, got.stderr

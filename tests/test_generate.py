@@ -11,12 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer.errors import CommError, ConfigError
-from trainer.inference.merge import LayoutOnlyGroup, shard_specs
+from trainer.errors import ConfigError
 from trainer.inference.sampling import sample
 from trainer.model.config import PRESETS
 from trainer.model.gpt import GPT
-from trainer.tensor_parallel import ShardSpec
 
 CFG = PRESETS["tiny"]
 
@@ -52,18 +50,3 @@ def test_an_empty_or_out_of_vocabulary_prompt_is_refused(model: GPT) -> None:
     small = GPT(replace(CFG, vocab_size=128), seed=1)
     with pytest.raises(ConfigError, match=r"prompt does not fit the vocabulary \[byte 195\]"):
         sample(small, "\u00ef".encode(), tokens=1)
-
-
-def test_the_cut_map_is_read_from_parallelize_with_the_fused_qkv_stride() -> None:
-    specs = shard_specs(CFG, 2)
-    assert specs["blocks.0.attn.qkv.weight"] == ShardSpec(0, 3)
-    assert specs["blocks.1.attn.proj.weight"] == ShardSpec(1, 1)
-    assert specs["tok_emb.weight"] == specs["head.weight"] == ShardSpec(0, 1)
-    assert "blocks.0.ln1.weight" not in specs and shard_specs(CFG, 1) == {}
-
-
-def test_a_layout_only_group_cannot_communicate() -> None:
-    group = LayoutOnlyGroup(4)
-    assert (group.rank, group.size) == (0, 4)
-    with pytest.raises(CommError, match=r"layout-only group cannot communicate \[all_reduce\(\)\]"):
-        group.all_reduce(torch.zeros(1))

@@ -39,7 +39,8 @@ import torch
 from tests.bf16_worker import GPT as MODEL
 from tests.bf16_worker import HALF, STEPS
 from tests.mpi_runs import world_run
-from trainer.checkpoint import shard_name
+from tests.saved import same_states, saved_state, slice_of
+from trainer.checkpoint.pieces import assemble
 from trainer.config.options import parse_args
 from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig
@@ -100,49 +101,28 @@ def test_the_model_runs_in_bf16_on_fp32_main_weights_it_is_the_rounding_of() -> 
 
 
 def test_the_checkpoint_holds_the_fp32_main_weights() -> None:
+    saved = assemble(Path(ranks()[0]["bf16"]["checkpoint"]))
+    assert all(t.dtype == torch.float32 for t in saved.values())
     for r in ranks():
-        tp, dp, pp = r["bf16"]["coords"]
-        if dp != 0:
-            continue
-        saved = torch.load(Path(r["bf16"]["checkpoint"]) / shard_name("model", tp, pp),
-                           weights_only=True)
-        main = r["bf16"]["main"]
-        assert saved.keys() == main.keys()
-        assert all(torch.equal(saved[n], main[n]) for n in saved), (tp, pp)
+        for main, placement in r["bf16"]["held"]:
+            assert torch.equal(slice_of(saved[placement.name], placement), main.view(-1)), \
+                (r["bf16"]["coords"], placement.name)
 
 
 def test_a_resumed_bf16_run_is_bit_identical_to_an_uninterrupted_one() -> None:
     for r in ranks():
         assert r["resumed"]["start"] == HALF
         assert r["resumed"]["losses"] == r["bf16"]["losses"]  # exact, not just close
-        tp, dp, pp = r["bf16"]["coords"]
-        if dp == 0:
-            name = shard_name("model", tp, pp)
-            whole = Path(r["bf16"]["checkpoint"])
-            resumed = Path(r["resumed"]["checkpoint"])
-            assert resumed.name == f"step-{STEPS}"
-            for kind in ("model", "optim"):
-                name = shard_name(kind, tp, pp)
-                a = torch.load(whole / name, weights_only=True)
-                b = torch.load(resumed / name, weights_only=True)
-                assert _equal(a, b), (kind, tp, pp)
+    resumed = Path(ranks()[0]["resumed"]["checkpoint"])
+    assert resumed.name == f"step-{STEPS}"
+    assert same_states(saved_state(Path(ranks()[0]["bf16"]["checkpoint"])),
+                       saved_state(resumed)) == []
 
 
 def test_a_bf16_checkpoint_resumes_in_fp32_from_its_main_weights() -> None:
     for r in ranks():
         assert r["switched"]["start"] == STEPS and len(r["switched"]["losses"]) == 1
         assert math.isfinite(r["switched"]["losses"][0])
-
-
-def _equal(a: object, b: object) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(
-            _equal(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
 
 
 # -- without MPI ------------------------------------------------------------------------------

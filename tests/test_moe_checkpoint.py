@@ -1,20 +1,21 @@
-"""An ep 2 run through ``python -m trainer.train``: expert shards per EP rank, bit-exact resume,
-refusal of another E or ep, and the expert load in the metrics file and its heat map.
+"""An ep 2 run through ``python -m trainer.train``: each EP rank writes its experts, bit-exact
+resume, refusal of another E, and the expert load in the metrics file and its heat map.
 
-Two ranks (dp 2 = ep 2): each holds 2 of the 4 experts of the MoE layer, so each writes its own
-model and optimizer shard. The same run split at step 2 and resumed must give the very floats
-of an uninterrupted run; the refusal names every difference at once.
+Two ranks (dp 2 = ep 2): each holds 2 of the 4 experts of the MoE layer, so each writes their
+slices (and a share of the dense ones). The same run split at step 2 and resumed must give the
+very floats of an uninterrupted run; another number of experts is another model, refused.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.mpi_runs import run_ranks
-from trainer.checkpoint import shard_name
+from tests.saved import same_states, saved_state
 from trainer.inference.merge import load_serial
 from trainer.training.expert_load import PLOT_FILE
 from trainer.training.metrics import read_records
@@ -46,33 +47,28 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return resumed, straight
 
 
-def test_each_ep_rank_writes_the_shard_of_its_own_experts(runs: tuple[Path, Path]) -> None:
-    step = runs[0] / "checkpoints" / "step-2"
+def test_each_ep_rank_writes_the_slices_of_its_own_experts(runs: tuple[Path, Path]) -> None:
+    index = json.loads((runs[0] / "checkpoints" / "step-2" / "index.json").read_text())
     for ep_rank, experts in ((0, {"0", "1"}), (1, {"2", "3"})):
-        shard = torch.load(step / shard_name("model", 0, 0, ep_rank), weights_only=True)
-        held = {name.split(".")[4] for name in shard if ".experts." in name}
-        assert held == experts
-        assert (step / shard_name("optim", 0, 0, ep_rank)).is_file()
+        entries = index["files"][f"rank-{ep_rank:05d}.safetensors"]
+        assert {e["name"].split(".")[4] for e in entries if ".experts." in e["name"]} == experts
+        assert {e["kind"] for e in entries} == {"param", "exp_avg", "exp_avg_sq"}
 
 
 def test_a_resumed_ep_run_is_bit_identical_to_an_uninterrupted_one(
         runs: tuple[Path, Path]) -> None:
     resumed, straight = ([r["loss"] for r in read_records(d / "metrics.jsonl")] for d in runs)
     assert len(resumed) == STEPS and resumed == straight
-    for ep_rank in (0, 1):
-        name = shard_name("model", 0, 0, ep_rank)
-        a, b = (torch.load(d / "checkpoints" / f"step-{STEPS}" / name, weights_only=True)
-                for d in runs)
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert same_states(*(saved_state(d / "checkpoints" / f"step-{STEPS}") for d in runs)) == []
 
 
-def test_resuming_with_other_experts_or_ep_is_refused_showing_every_difference(
+def test_resuming_with_another_number_of_experts_is_refused_as_another_model(
         runs: tuple[Path, Path]) -> None:
     code, out = run_train(["--ep", "1", "--moe-experts", "2", "--run-dir", str(runs[0]),
                            "--steps", str(STEPS + 1), "--resume"])
     assert code == 2, out[-3000:]
     assert out.count("checkpoint does not match this run") == 1
-    assert "moe_experts: checkpoint 4, now 2" in out and "ep: checkpoint 2, now 1" in out
+    assert "moe_experts: checkpoint 4, now 2" in out and "ep:" not in out
 
 
 def test_the_metrics_hold_the_expert_load_and_the_run_draws_its_heat_map(
@@ -87,8 +83,6 @@ def test_the_metrics_hold_the_expert_load_and_the_run_draws_its_heat_map(
 def test_the_ep_shards_merge_into_the_single_device_model(runs: tuple[Path, Path]) -> None:
     step = runs[1] / "checkpoints" / f"step-{STEPS}"
     model, _ = load_serial(step)
-    merged = model.state_dict()
-    for ep_rank in (0, 1):
-        shard = torch.load(step / shard_name("model", 0, 0, ep_rank), weights_only=True)
-        assert all(torch.equal(merged[name], tensor) for name, tensor in shard.items())
+    merged, saved = model.state_dict(), saved_state(step)["param"]
+    assert all(torch.equal(merged[name], tensor) for name, tensor in saved.items())
     assert {n.split(".")[4] for n in merged if ".experts." in n} == {"0", "1", "2", "3"}

@@ -34,5 +34,5 @@ def test_dlrm_across_two_hosts_completes_with_falling_validation_log_loss(cluste
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     assert evals[-1]["val_auc"] > 0.65
     committed = run_dir / "checkpoints" / "step-60"
-    assert {p.name for p in committed.glob("model-*")} == {"model-tp00-pp00.pt",
-                                                           "model-tp01-pp00.pt"}
+    assert {p.name for p in committed.glob("rank-*")} == {"rank-00000.safetensors",
+                                                          "rank-00001.safetensors"}

@@ -7,8 +7,8 @@ summed over shards), so losses agree to the fp64 reduction bound and parameters 
 carried through Adam. In fp32 at dp 2 without clipping every gradient element is a sum of two
 terms, which is exact in either order, and AdamW is elementwise, so zero 0 and zero 1 must be
 bit-identical. Resuming at the same dp must be bit-identical too; at another dp the remaining
-losses match the reference to the fp64 bound. Checkpoints are sharded: each DP rank writes and
-reads back only its part of the optimizer state (`trainer.zero.state`, `trainer.zero.reshard`).
+losses match the reference to the fp64 bound. Checkpoints hold each piece once: each DP rank
+writes and reads back only its part of the optimizer state (`trainer.checkpoint.pieces`).
 """
 
 from __future__ import annotations
@@ -21,16 +21,17 @@ import torch
 
 from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.saved import same_states
 from tests.serial_reference import train_serially
 from tests.zero_workers.cases import CASES, RESUME_STEPS, STEPS, WORKER, case_config
 from tests.zero_workers.worker import BIG, BIG_WORLD, BUDGET_BYTES
+from trainer.checkpoint import rank_file
 from trainer.config.options import make_config
 from trainer.errors import TrainerError
+from trainer.placement import Placement, copies
 from trainer.training.metrics import read_records
 from trainer.zero.layout import shard_layout
 from trainer.zero.memory import PeakMemory, describe, expected_bytes
-from trainer.zero.reshard import FlatIndex, layout_differences, plan_reads
-from trainer.zero.state import shard_name
 
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
@@ -88,62 +89,7 @@ def test_a_lone_parameter_gets_the_same_elements_in_two_different_layouts() -> N
         assert mine == [(p.lo, p.hi) for p in last.pieces() if p.param == 2]
 
 
-# -- re-sharding a checkpoint (pure) ----------------------------------------------------------
-
-_NUMELS = [7, 1, 300, 64, 5, 129, 2]
-_NAMES = [f"p{i}" for i in range(len(_NUMELS))]
-
-
-def _saved_files(dp: int, bucket_size: int) -> tuple[FlatIndex, list[torch.Tensor]]:
-    """What dp ranks save of a buffer whose elements are their ids (param * 1000 + element):
-    each file holds that rank's ranges, concatenated; padding is -1."""
-    layout = shard_layout(_NUMELS, bucket_size, dp, 0, alone=[3])
-    index = FlatIndex.of(layout, _NAMES, [(n,) for n in _NUMELS])
-    buffer = torch.full((index.padded,), -1, dtype=torch.int64)
-    for i, (offset, n) in enumerate(zip(index.offsets, _NUMELS, strict=True)):
-        buffer[offset:offset + n] = i * 1000 + torch.arange(n)
-    return index, [torch.cat([buffer[lo:hi] for lo, hi in index.ranges(r)]) for r in range(dp)]
-
-
-@pytest.mark.parametrize(("old_dp", "new_dp", "old_bucket", "new_bucket"), [
-    (2, 2, 100, 100), (2, 4, 100, 100), (4, 2, 100, 100), (3, 2, 64, 200), (1, 3, 50, 90)])
-def test_every_new_piece_is_cut_exactly_from_the_saved_shards_that_overlap_it(
-        old_dp: int, new_dp: int, old_bucket: int, new_bucket: int) -> None:
-    index, files = _saved_files(old_dp, old_bucket)
-    for rank in range(new_dp):
-        pieces = shard_layout(_NUMELS, new_bucket, new_dp, rank, alone=[3]).pieces()
-        wanted = [(_NAMES[p.param], p.lo, p.hi) for p in pieces]
-        got = [torch.full((hi - lo,), -2, dtype=torch.int64) for _, lo, hi in wanted]
-        reads = plan_reads(index, wanted)
-        for r in reads:
-            got[r.piece][r.dst:r.dst + r.n] = files[r.rank][r.src:r.src + r.n]
-        for p, values in zip(pieces, got, strict=True):
-            assert torch.equal(values, p.param * 1000 + torch.arange(p.lo, p.hi)), p
-        positions = [(index.offsets[p.param] + p.lo, index.offsets[p.param] + p.hi)
-                     for p in pieces]
-        overlapping = {old for old in range(old_dp) for lo, hi in index.ranges(old)
-                       for a, z in positions if a < hi and lo < z}
-        assert {r.rank for r in reads} == overlapping
-
-
-def test_the_saved_flat_layout_survives_its_round_trip_through_the_index_file() -> None:
-    index, _ = _saved_files(3, 64)
-    assert FlatIndex.from_dict(index.to_dict()) == index
-    assert index.to_dict()["ranges"] == [index.ranges(r) for r in range(3)]
-
-
-def test_a_saved_layout_of_other_parameters_lists_every_difference() -> None:
-    index, _ = _saved_files(2, 100)
-    names = [*_NAMES[:-1], "extra"]
-    shapes = [(n,) for n in _NUMELS]
-    shapes[2] = (10, 30)
-    assert layout_differences(index, _NAMES, [(n,) for n in _NUMELS]) == []
-    assert layout_differences(index, names, shapes) == [
-        "p2: checkpoint [300], now [10, 30]", "extra: not in the checkpoint",
-        "p6: only in the checkpoint"]
-
-
-# -- memory accounting (pure) ------------------------------------------------------------------
+# -- memory (pure) ----------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("bf16", "zero", "dp", "per_param"), [
     (False, 0, 4, 16), (False, 1, 4, 8 + 8 / 4), (True, 0, 2, 18), (True, 1, 2, 6 + 12 / 2)])
@@ -208,48 +154,28 @@ def test_zero1_parameters_are_bit_identical_on_every_dp_rank(world: int) -> None
                          ["dp2-bf16", "dp2-bf16-wire"])
 def test_zero1_at_dp2_is_bit_identical_to_zero0_checkpoint_included(name: str) -> None:
     """fp32, bf16 (fp32 main weights sharded) and fp32 reduced in bf16: the same losses,
-    parameters and saved state, bit for bit: zero 1's shard files, put together, hold zero
-    0's optimizer file (and under bf16 its fp32 weights)."""
+    parameters and saved state, bit for bit: zero 1's pieces, put together, are zero 0's
+    weights and moments."""
     rank = ranks(2)[0][name]
     assert rank[1]["losses"] == rank[0]["losses"]
     for key, want in rank[0]["local"].items():
         assert torch.equal(rank[1]["local"][key], want), key
     zero0, zero1 = rank[0]["saved"], rank[1]["saved"]
-    assert zero1["model"].keys() == zero0["model"].keys()
-    for key, want in zero0["model"].items():  # bf16: the model file holds the bf16 model
-        got = zero1["model"][key]
-        assert torch.equal(got, want.to(got.dtype)), key
-    assert zero1["optim"] is None and zero0["optim"]["state"]
-    index, state = zero1["index"], zero1["state"]
-    assert [{k: g[k] for k in h} for g, h in zip(zero0["optim"]["param_groups"],
-                                                  index["hyper"], strict=True)] == index["hyper"]
-    for i, param in enumerate(rank[1]["order"]):
-        want = zero0["optim"]["state"][i]
-        assert index["step"] == int(want["step"])
-        for key in ("exp_avg", "exp_avg_sq"):
-            assert torch.equal(state[key][param], want[key]), (param, key)
-        if "main" in state:
-            assert torch.equal(state["main"][param], zero0["model"][param]), param
+    assert same_states(zero0["state"], zero1["state"]) == []
+    assert zero0["meta"]["optimizer"] == zero1["meta"]["optimizer"]
 
 
-def test_a_zero1_checkpoint_has_no_optimizer_file_and_one_dp_th_of_the_state_per_rank_file(
-        ) -> None:
+def test_each_zero1_rank_writes_its_own_pieces_one_dp_th_of_the_state() -> None:
     saved = [ranks(2)[0]["dp2-bf16"][1]["saved"],
              *ranks(4)[0]["change_dp"]["saved"].values()]
     for ckpt in saved:
-        index, dp = ckpt["index"], ckpt["index"]["dp"]
-        assert not [f for f in ckpt["files"] if f.startswith("optim-")]
-        files = {f: size for f, size in ckpt["files"].items() if f.startswith("zero-tp00-pp00-dp")}
-        assert sorted(files) == [shard_name(0, 0, r) for r in range(dp)]
-        for r, shard in enumerate(ckpt["shards"]):
-            assert shard["rank"] == r and shard["dp"] == dp
-            assert shard["ranges"] == index["ranges"][r]
-            for kind in index["kinds"]:
-                assert shard[kind][0] == index["padded"] // dp, (r, kind)
-        assert max(files.values()) < 1.1 * sum(files.values()) / dp
-        covered = sorted(rng for ranges in index["ranges"] for rng in ranges)
-        assert [a for a, _ in covered[1:]] == [z for _, z in covered[:-1]]  # disjoint, whole
-        assert (covered[0][0], covered[-1][1]) == (0, index["padded"])
+        dp = ckpt["meta"]["layout"]["dp"]
+        files = {f: size for f, size in ckpt["files"].items() if f.startswith("rank-")}
+        assert sorted(files) == [rank_file(r) for r in range(dp)]
+        assert max(files.values()) < 1.2 * sum(files.values()) / dp
+        moments = [e for entries in ckpt["index"]["files"].values() for e in entries
+                   if e["kind"] == "exp_avg"]
+        assert all(e["flat"] is not None for e in moments)  # pieces, not whole tensors
 
 
 @pytest.mark.parametrize(("world", "name"), WORLD_CASES)
@@ -267,43 +193,34 @@ def test_zero1_resume_at_the_same_dp_is_bit_exact() -> None:
     assert got["start"] == 2
     assert got["first"] + got["second"] == got["whole"]
     whole, split = got["states"]
-    for key, want in whole["model"].items():
-        assert torch.equal(split["model"][key], want), key
-    assert whole["index"]["step"] == split["index"]["step"] == RESUME_STEPS
-    assert whole["state"].keys() == split["state"].keys() == {"exp_avg", "exp_avg_sq"}
-    for kind, params in whole["state"].items():
-        for param, want in params.items():
-            assert torch.equal(split["state"][kind][param], want), (kind, param)
+    assert same_states(whole["state"], split["state"]) == []
+    assert whole["meta"]["optimizer"]["step"] == split["meta"]["optimizer"]["step"] == \
+        RESUME_STEPS
 
 
-def test_a_resume_at_the_same_dp_reads_only_the_ranks_own_shard_file() -> None:
+def test_a_resume_at_the_same_dp_reads_only_the_ranks_own_file() -> None:
     files = ranks(2)[0]["resume"]["states"][1]["files"]  # the checkpoint resumed
     for rank in ranks(2):
         reads = rank["resume"]["reads"]
-        assert reads.files == (shard_name(0, 0, rank["rank"]),)
+        assert reads.files == (rank_file(rank["rank"]),)
         assert reads.bytes == files[reads.files[0]]
 
 
 @pytest.mark.parametrize("change", ["2to4", "4to2"])
-def test_a_resume_at_another_dp_opens_only_the_saved_shards_overlapping_its_range(
-        change: str) -> None:
-    """Which saved files a rank must read, from the saved shard ranges and this rank's pieces:
-    exactly those the loader opened (and measured the bytes of), never all of them."""
+def test_a_resume_at_another_dp_opens_only_the_files_holding_its_pieces(change: str) -> None:
+    """Which saved files a rank must read, from the saved pieces and this rank's own
+    (`trainer.placement.copies`): exactly those the loader opened, never all of them."""
     saved = ranks(4)[0]["change_dp"]["saved"][change]
-    index = FlatIndex.from_dict(saved["index"])
-    where = dict(zip(index.names, index.offsets, strict=True))
+    entries = [(f, Placement.from_json(e)) for f, es in saved["index"]["files"].items()
+               for e in es if e["kind"] == "param"]
     resumed = [r["change_dp"][change] for r in ranks(4) if change in r["change_dp"]]
     for new in resumed:
-        names = new["names"]
-        wanted = [(where[names[p.param]] + p.lo, where[names[p.param]] + p.hi)
-                  for p in new["pieces"]]
-        overlapping = sorted({old for old in range(index.dp) for lo, hi in index.ranges(old)
-                              for a, z in wanted if a < hi and lo < z})
-        reads = new["reads"]
-        assert reads.files == tuple(shard_name(0, 0, old) for old in overlapping)
-        assert reads.bytes == sum(saved["files"][f] for f in reads.files)
-    assert len(resumed[0]["reads"].files) <= index.dp // 2  # the first new rank: half at most
-    assert all(len(new["reads"].files) < index.dp for new in resumed) or index.dp == 2
+        holding = sorted({f for f, have in entries for want in new["placements"]
+                          if want.name == have.name and copies(want, have)})
+        assert new["reads"].files == tuple(holding)
+        assert new["reads"].bytes == sum(saved["files"][f] for f in holding)
+    old_dp = saved["meta"]["layout"]["dp"]
+    assert all(len(new["reads"].files) < old_dp for new in resumed) or old_dp == 2
 
 
 def test_resuming_a_zero1_checkpoint_with_another_model_is_refused_once_on_every_rank() -> None:
@@ -311,21 +228,23 @@ def test_resuming_a_zero1_checkpoint_with_another_model_is_refused_once_on_every
     assert all(g["agreed"] for g in got) and [g["report"] for g in got] == [True, False]
     assert got[0]["message"].startswith("checkpoint does not match this run [")
     assert "differing fields: n_layer: checkpoint 2, now 3" in got[0]["message"]
-    assert got[0]["message"].endswith("Resume with the checkpoint's settings, or use a new "
+    assert got[0]["message"].endswith("Resume with the checkpoint's model, or use a new "
                                       "--run-dir")
 
 
-def test_a_changed_byte_in_one_ranks_shard_file_stops_every_rank_named_by_its_reader() -> None:
+def test_a_changed_byte_in_one_ranks_file_stops_every_rank_named_by_a_reader() -> None:
     got = [r["resume"]["refused"]["damaged"] for r in ranks(2)]
-    assert all(g["agreed"] for g in got) and [g["report"] for g in got] == [False, True]
-    assert f"[file {shard_name(0, 0, 1)}]: sha256 mismatch" in got[1]["message"]
+    assert all(g["agreed"] for g in got) and sum(g["report"] for g in got) == 1
+    reporter = next(g for g in got if g["report"])
+    assert f"[file {rank_file(1)}]: sha256 mismatch" in reporter["message"]
 
 
-def test_resuming_a_zero1_checkpoint_with_zero_0_is_refused_naming_the_fix() -> None:
-    got = [r["resume"]["refused"]["zero0"] for r in ranks(2)]
-    assert all(g["agreed"] for g in got) and [g["report"] for g in got] == [True, False]
-    assert "optimizer state is sharded over data parallelism (ZeRO-1); this run has --zero 0. " \
-           "Resume with --zero 1 (at any --dp)" in got[0]["message"]
+def test_a_zero1_checkpoint_resumes_under_zero_0_reading_every_piece() -> None:
+    files = ranks(2)[0]["resume"]["states"][1]["files"]
+    for rank in ranks(2):  # a whole tensor's pieces lie in both ranks' files
+        assert rank["resume"]["zero0"].files == (rank_file(0), rank_file(1))
+        assert rank["resume"]["zero0"].step == RESUME_STEPS
+    assert sum(files[rank_file(r)] for r in (0, 1)) > 0
 
 
 def test_zero1_metrics_record_the_peak_memory_of_every_step() -> None:

@@ -27,17 +27,20 @@ over 300 lines).
                  prepare, shard_writer, token_files, token_batches, sources: tokenized datasets
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
                  axes and their groups), timing, progress records
-    data_parallel/  grad_sync (DataParallel), buckets
+    data_parallel/  grad_sync (DataParallel), split (one per kind of replica), buckets
     tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize, gqa
     pipeline/    schedules, their checker, the runtime, stages, timeline
     zero/        ZeRO-1: sharded optimizer state and gradient reduce-scatter
     activations/ sequence parallelism and activation recomputation
     construction/  per-rank model construction on the meta device
     moe/         mixture of experts with expert parallelism
-    checkpoint/  atomic, verified checkpoint files
+    placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,
+                 replicas; who counts and who writes each slice
+    checkpoint/  atomic, verified checkpoints of safetensors and JSON, resumed at any layout
     inference/   validation loss, sampling, merging checkpoint shards
     gpu/         GPU settings, compile, vocab padding
     health/      rank-side probes of `dtrain check --perf`
+    stopping/    when training stops before --steps: --time-limit
     sparse/      model-parallel sparse embeddings (SOK style)
     recsys/      `python -m trainer.recsys`: a DLRM-style recommender on sparse/
 

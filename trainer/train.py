@@ -14,11 +14,13 @@ is timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out spli
 (`trainer.inference.validation`). A step leaves its loss and gradient norm on the device; each
 ``--log-every`` interval (and each evaluation or checkpoint step) reads them in one copy
 (`trainer.training.readout`). Rank 0 logs, writes a ``metrics.jsonl`` line per step, ``loss.png``
-at the end, and checkpoints every ``--save-every`` steps and at the end. ``--resume`` continues
-bit-exactly from the newest committed checkpoint (the run dir must be visible to every rank, as
-with Megatron or DeepSpeed), verified file by file (`trainer.training.resume` states the rule and
-``--resume-fallback``). Dropout is reseeded from (seed, step, dp rank) every step, so the random
-stream needs no state across a resume. A NaN or Inf loss or gradient norm stops every rank
+at the end. Every ``--save-every`` steps and at the end each rank saves the slices it is the
+writer of (one writer per slice, spread over the ranks that hold it: `trainer.placement`).
+``--resume`` continues from the newest committed checkpoint at any layout (bit-exactly at the
+saved one; the run dir must be visible to every rank, as with Megatron or DeepSpeed), verified
+file by file (`trainer.training.resume` states the rule and ``--resume-fallback``). Dropout is
+reseeded from (seed, step, dp rank) every step, so the random stream needs no state across a
+resume. A NaN or Inf loss or gradient norm stops every rank
 before the update, and non-finite parameters are never saved (`trainer.training.guard`). Each log
 line shows the MFU when the device's peak is known (`trainer.model.flops`, ``--peak-tflops``).
 
@@ -28,23 +30,22 @@ checkpoints hold the fp32 main weights.
 
 With ``--zero 1`` (`trainer.zero`) each bucket's gradients are reduce-scattered instead of
 all-reduced, AdamW (and under bf16 the fp32 main weights) holds only this DP rank's shard, and
-the stepped shards are all-gathered into the parameters; every rank checkpoints its own
-optimizer shard, and a run resumes at any dp, re-sharding on load (`trainer.zero.state`).
+the stepped shards are all-gathered into the parameters; every rank checkpoints its own pieces.
 Rank 0 prints the expected bytes per rank at start-up, and ``metrics.jsonl`` records each
 step's peak memory (`trainer.zero.memory`).
 
 With ``--tp N`` the model is split over N adjacent ranks by `trainer.tensor_parallel.parallelize`
 (each DP replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over
 TP (`trainer.optim.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp
-rank, tp rank), and each TP rank of DP replica 0 writes its own checkpoint shard.
+rank, tp rank).
 
 With ``--pp N`` the layers are split into N stages (``--virtual-stages V`` chunks per rank with
 ``--schedule interleaved``; ``--pp-layers`` overrides the balanced split) and each step runs the
 pipeline schedule (`trainer.training.pipeline_step`): the ``--microbatches`` are the pipeline's,
 the tied embedding's gradient is summed over the first and last stage, the gradient norm over
 TP and PP. Ranks follow Megatron's ``tp-dp-pp`` order. The loss is computed on the last stage
-and broadcast over the pipeline, so rank 0 (first stage) logs it like any run. Every (tp, pp)
-rank of DP replica 0 writes its own shard, and at the end rank 0 writes the last step's
+and broadcast over the pipeline, so rank 0 (first stage) logs it like any run. At the end
+rank 0 writes the last step's
 timeline (``timeline.json`` for Perfetto, ``timeline.png``) and logs the measured bubble.
 Dropout seeds also mix in the pp rank (each stage draws its own masks).
 
@@ -53,8 +54,7 @@ Dropout seeds also mix in the pp rank (each stage draws its own masks).
 
 With ``--moe-experts E`` the MLPs of every ``--moe-every``-th layer are mixtures of experts,
 and ``--ep N`` splits their experts over N DP ranks (`trainer.moe`): each step's record holds
-the expert load, ``expert_load.png`` is drawn at the end, and the first N DP replicas write one
-checkpoint shard each.
+the expert load and ``expert_load.png`` is drawn at the end.
 
     mpiexec -n 4 python -m trainer.train --model tiny --moe-experts 8 --ep 4 --run-dir runs/moe
 """
@@ -69,8 +69,10 @@ from pathlib import Path
 import torch
 
 from trainer import checkpoint
+from trainer.checkpoint.pieces import adam_step, held, stage
 from trainer.comm.bootstrap import World
 from trainer.comm.progress import record_of
+from trainer.comm.protocol import ReduceOp
 from trainer.config.options import TrainConfig, resolve_dp
 from trainer.dashboards.hub import Dashboards, open_sinks
 from trainer.data.corpus import Corpus, skipped_warning
@@ -80,7 +82,7 @@ from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
 from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
-from trainer.optim.mixed_precision import MainParams
+from trainer.placement import writers
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, startup
 from trainer.training.expert_load import write_load_plot
@@ -93,9 +95,8 @@ from trainer.training.readout import PendingStep
 from trainer.training.resume import meta_of
 from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
-from trainer.zero import ZeroOptimizer, memory
+from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
-from trainer.zero.state import shard_files
 
 
 @dataclass
@@ -108,30 +109,25 @@ class TrainResult:
     checkpoint: Path | None = None
 
 
-def save_checkpoint(run: Run, step: int) -> Path | None:
-    """DP replica 0 writes (with --ep, the first ep replicas: each holds other experts): its
-    tp x pp (x ep) ranks one shard each, together; others return None. Under --zero 1 every
-    rank writes its optimizer shard (`trainer.zero.state`), DP rank 0 the model besides.
-    Every rank first checks (collectively) that no parameter is NaN or infinite."""
+def save_checkpoint(run: Run, step: int) -> Path:
+    """Every rank saves the slices it is the writer of (one writer per slice, spread over the
+    ranks that hold it: `trainer.checkpoint.pieces`), together. First every rank checks
+    (collectively) that no weight is NaN or infinite; then it stages a copy of its slices on
+    the CPU, and the files are written, fsynced and committed (`trainer.checkpoint.save`)."""
     weights, mesh = run.weights, run.mesh
     check_parameters(weights.values(), step, mesh.group(), report=run.is_writer)
+    mine = held(weights.values(), weights.optimizer)
+    staged, contents = stage(mine, writers([h.placement for h in mine], mesh))
+    count = torch.tensor([adam_step(weights.optimizer)], dtype=torch.int64, device=mesh.device)
+    mesh.group().all_reduce(count, ReduceOp.MAX)  # a rank may hold no state of its own
+    groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
+              for g in weights.optimizer.param_groups]
     samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
-                   samples=samples)
-    root = Path(run.cfg.run_dir) / "checkpoints"
-    if isinstance(weights, ZeroOptimizer):
-        tp, pp = mesh.rank("tp"), mesh.rank("pp")
-        return checkpoint.save(root, step, model=run.model.state_dict()
-                               if mesh.is_first("dp") else None, optim=None, meta=meta,
-                               keep=run.cfg.checkpoint.keep, writers=run.writers,
-                               shard=(tp, pp),
-                               extra=shard_files(weights, tp, pp))
-    if not mesh.is_first("edp"):  # the first EP block of DP ranks holds every expert
-        return None
-    model = weights.state_dict() if isinstance(weights, MainParams) else run.model.state_dict()
-    return checkpoint.save(root, step, model=model, optim=weights.optimizer.state_dict(),
-                           meta=meta, keep=run.cfg.checkpoint.keep, writers=run.writers,
-                           shard=(mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep")))
+                   optimizer={"step": int(count), "groups": groups}, samples=samples)
+    return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step, tensors=staged,
+                           contents=contents, meta=meta, keep=run.cfg.checkpoint.keep,
+                           world=mesh.group(), device=mesh.device)
 
 
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
@@ -140,7 +136,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     run = build_run(cfg, mesh_for(cfg, world), corpus)
     peak = peak_tflops(world.device, cfg.peak_tflops)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
-                     start_step=run.start_step, log_every=cfg.logging.log_every,
+                     start_step=run.restored.step, log_every=cfg.logging.log_every,
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(startup.binary_warning(run.corpus))
@@ -157,12 +153,12 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     validation = Validation.of(run.corpus, run.batches, run.model, run.body,
                                run.mesh.group("dp"), run.mesh.group("pp")) \
         if cfg.logging.eval_every else None
-    result = TrainResult(run.start_step, run.start_step)
+    result = TrainResult(run.restored.step, run.restored.step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
     pending: list[PendingStep] = []
     time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.logging.log_every, world.device)
     try:
-        for step in range(run.start_step + 1, cfg.last_step + 1):
+        for step in range(run.restored.step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
             done = pending[-1]
             pending[-1] = replace(done, record=replace(done.record,
@@ -187,11 +183,12 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     finally:
         _log_steps(log, dash, result, pending)  # the good steps before an error are kept
         dash.close()
-        log.close(plot_title=f"{cfg.model.preset} {FAMILY_NAMES[cfg.gpt.arch]}, {_layout(cfg)}, "
+        log.close(plot_title=f"{cfg.model.preset} {FAMILY_NAMES[cfg.gpt.arch]}, "
+                             f"{cfg.parallel.describe()}, "
                              f"global batch {cfg.data.global_batch}")
     if run.is_writer:
         write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe.experts} experts, "
-                        f"top-{cfg.gpt.moe.topk}, ep={cfg.parallel.ep}")
+                        f"top-{cfg.gpt.moe.topk}, {cfg.parallel.describe()}")
     return result
 
 
@@ -224,13 +221,13 @@ def _bf16(run: Run) -> bool:
 
 def _banner(run: Run, world_size: int) -> str:
     cfg, par = run.cfg, run.cfg.parallel
-    resumed = f", {run.resumed}" if run.resumed else ""
+    resumed = f", {run.restored.said}" if run.restored.said else ""
     per_rank = " per TP rank" if par.tp > 1 else ""
     per_rank += " of pipeline rank 0" if par.pp > 1 else ""
     pipeline = f" ({describe_pipeline(cfg)})" if par.pp > 1 else ""
     return (f"dtrain: {cfg.model.preset} {FAMILY_NAMES[cfg.gpt.arch]}, "
             f"{run.model.num_params():,} parameters{per_rank} | "
-            f"world {world_size} = {_layout(cfg, ' x ')}{pipeline} | "
+            f"world {world_size} = {cfg.parallel.describe(' x ')}{pipeline} | "
             f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
             f"{', ZeRO-1' if cfg.optimizer.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
@@ -240,13 +237,6 @@ def _banner(run: Run, world_size: int) -> str:
             f"data {run.corpus.source} ({len(run.corpus):,} {run.corpus.unit}, "
             f"{run.corpus.fingerprint})"
             f"{resumed}")
-
-
-def _layout(cfg: TrainConfig, sep: str = ", ") -> str:
-    """``dp 2 x tp 2 x pp 1`` (with ``sep`` " x "), or ``dp=2, tp=2, pp=1``."""
-    par = cfg.parallel
-    eq = " " if sep == " x " else "="
-    return sep.join(f"{axis}{eq}{getattr(par, axis)}" for axis in ("dp", "tp", "pp"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

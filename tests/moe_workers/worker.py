@@ -25,7 +25,6 @@ from trainer.config.options import resolve_dp
 from trainer.model.config import GPTConfig, MoEConfig
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.layer import MoE
-from trainer.moe.parallel import shard_experts
 from trainer.moe.router import Routing
 from trainer.tensor_parallel.sharding import shard_spec
 from trainer.training.run import build_run, mesh_for
@@ -64,7 +63,7 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
     layer.zero_grad()
     for p in ref_expert0:  # the EP expert sees every rank's tokens: sum the references
         ep.all_reduce(p, ReduceOp.SUM)
-    shard_experts(layer, ep)
+    layer.shard(ep)
     x.requires_grad_()
     out = layer(x)
     out.square().sum().backward()

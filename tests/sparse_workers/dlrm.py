@@ -40,7 +40,7 @@ def resumed(world: Any, out: Path, cfg: RecsysConfig) -> dict[str, Any]:
     split_dir = str(out / "split")
     first = train(cfg.with_options(steps=2, run_dir=split_dir), world)
     second = train(cfg.with_options(run_dir=split_dir, resume=True), world)
-    shard = f"model-tp{world.rank:02d}-pp00.pt"
+    shard = f"rank-{world.rank:05d}.safetensors"
     return {"straight": straight.losses, "split": first.losses + second.losses,
             "start": second.start_step,
             "same_files": (out / "straight/checkpoints/step-4" / shard).read_bytes() ==

@@ -124,15 +124,15 @@ def grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_failure_probe(tp: Communicator, out: Path) -> dict[str, Any]:
-    """The TP writers save together and rank 1's shard cannot be written (unpicklable):
-    every writer must fail with the cause, none may hang, nothing may be committed."""
-    state: dict[str, Any] = {"w": torch.zeros(2)}
+    """The TP writers save together and rank 1's tensor file cannot be written (a tensor
+    that is not contiguous): every writer must fail with the cause, none may hang, nothing may
+    be committed."""
+    state = {"w": torch.zeros(2)}
     if tp.rank == 1:
-        state["bad"] = lambda: None
+        state["bad"] = torch.zeros(4, 4).t()
     root = out / "ckpt-failure"
     try:
-        checkpoint.save(root, 1, model=state, optim={}, meta={}, shard=(tp.rank, 0),
-                        writers=tp)
+        checkpoint.save(root, 1, tensors=state, contents=[], meta={}, world=tp)
         message = "no error"
     except checkpoint.CheckpointError as exc:
         message = str(exc)

@@ -7,8 +7,8 @@ with ``--zero 0`` and ``--zero 1``, in fp64 (compared with each other and with t
 single-process reference, tests/numerics.py); the dp-only cases also in fp32 without clipping,
 where two ranks' sums are exact in any order, so zero 0 and zero 1 must agree bit for bit.
 On 2 ranks ``trainer.train.train`` runs dp 2 with zero 1 uninterrupted and split at step 2
-(bit-exact resume), then the split run's checkpoint is resumed at the same dp (which shard files
-each rank reads) and with another model and with --zero 0 (refused). On 4 ranks a dp 2 run on
+(bit-exact resume), then the split run's checkpoint is resumed at the same dp (which tensor
+files each rank reads), with another model (refused) and with --zero 0. On 4 ranks a dp 2 run on
 ranks 0-1 is resumed at dp 4 and a dp 4 run at dp 2. `big` (8 ranks) trains a model over the
 per-rank budget with tp 2 x pp 2 x dp 2 x zero 1 with its bytes measured (`held_bytes`).
 """
@@ -16,16 +16,13 @@ per-rank budget with tp 2 x pp 2 x dp 2 x zero 1 with its bytes measured (`held_
 from __future__ import annotations
 
 import itertools
-import math
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from tests.numerics import float64
+from tests.saved import saved_state
 from tests.zero_workers.cases import CASES, RESUME_STEPS, STEPS, case_config, config
 from trainer import checkpoint
-from trainer.checkpoint.load import load_file
 from trainer.comm.bootstrap import World, init
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
@@ -36,8 +33,6 @@ from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 from trainer.zero import ZeroOptimizer
 from trainer.zero.memory import held_bytes
-from trainer.zero.reshard import FlatIndex, plan_reads
-from trainer.zero.state import flat_index, index_name, shard_name
 
 
 def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
@@ -57,30 +52,11 @@ def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False
 
 
 def read_saved(path: Path) -> dict[str, Any]:
-    """A checkpoint as stored: its files, the model file, the optimizer file (zero 0), and for
-    zero 1 the index, what each shard file holds, and every saved kind of state assembled per
-    parameter name from all shard files (`trainer.zero.reshard.plan_reads`)."""
-    ckpt = checkpoint.load(path)
-    out: dict[str, Any] = {"files": {n: r.size for n, r in ckpt.record.items()},
-                           "model": ckpt.model, "optim": ckpt.optim}
-    if ckpt.optim is not None:
-        return out
-    index_dict = load_file(path, index_name(0, 0), ckpt.record)
-    index = FlatIndex.from_dict(index_dict)
-    shards = [load_file(path, shard_name(0, 0, r), ckpt.record) for r in range(index.dp)]
-    wanted = [(n, 0, math.prod(s)) for n, s in zip(index.names, index.shapes, strict=True)]
-    whole = {kind: [torch.zeros(hi, dtype=shards[0][kind].dtype) for _, _, hi in wanted]
-             for kind in index_dict["kinds"]}
-    for r in plan_reads(index, wanted):
-        for kind, parts in whole.items():
-            parts[r.piece][r.dst:r.dst + r.n] = shards[r.rank][kind][r.src:r.src + r.n]
-    out["index"] = index_dict
-    out["shards"] = [{k: (v.numel(), v.dtype) if isinstance(v, torch.Tensor) else v
-                      for k, v in shard.items()} for shard in shards]
-    out["state"] = {kind: {name: t.view(shape) for (name, _, _), t, shape
-                           in zip(wanted, parts, index.shapes, strict=True)}
-                    for kind, parts in whole.items()}
-    return out
+    """A checkpoint as stored: its files and their sizes, its index, and every saved tensor
+    put together (`tests.saved`)."""
+    record, meta = checkpoint.read_meta(path)
+    return {"files": {n: r.size for n, r in record.items()}, "meta": meta,
+            "index": checkpoint.read_index(path, record), "state": saved_state(path)}
 
 
 def both(world: World, name: str, out: Path, *, save: bool = False, **train: object
@@ -93,7 +69,7 @@ def both(world: World, name: str, out: Path, *, save: bool = False, **train: obj
 def resume_split(world: World, out: Path) -> dict[str, Any]:
     """dp 2, zero 1, fp32: uninterrupted to RESUME_STEPS, and stopped at 2 then resumed; then
     the split run resumed once more (no steps): at dp 2 (the files each rank reads), with
-    another model, and with --zero 0 (both refused)."""
+    another model (refused), and with --zero 0."""
     cfg = case_config(2, "dp2", zero=1, steps=RESUME_STEPS)
     whole = train(cfg.with_options(run_dir=str(out / "whole")), world)
     split = cfg.with_options(run_dir=str(out / "split"))
@@ -104,17 +80,16 @@ def resume_split(world: World, out: Path) -> dict[str, Any]:
     again = split.with_options(resume=True)
     return {"whole": whole.losses, "first": first.losses, "second": second.losses,
             "start": second.start_step, "run_dirs": [str(out / "whole"), str(out / "split")],
-            "states": ckpts, "reads": resumed(again, world.comm, world).weights.restored,
-            "refused": {"model": refusal(again.with_options(n_layer=3),
-                                         world),
-                        "zero0": refusal(again.with_options(zero=0), world),
+            "states": ckpts, "reads": resumed(again, world.comm, world).restored,
+            "zero0": resumed(again.with_options(zero=0), world.comm, world).restored,
+            "refused": {"model": refusal(again.with_options(n_layer=3), world),
                         "damaged": damaged(again, world, out / "split")}}
 
 
 def damaged(cfg: Any, world: World, run_dir: Path) -> dict[str, Any]:
-    """Resuming after one byte of DP rank 1's shard file changed (rank 0 flips it)."""
+    """Resuming after one byte of rank 1's tensor file changed (rank 0 flips it)."""
     if world.rank == 0:
-        path = run_dir / "checkpoints" / f"step-{RESUME_STEPS}" / shard_name(0, 0, 1)
+        path = run_dir / "checkpoints" / f"step-{RESUME_STEPS}" / checkpoint.rank_file(1)
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
@@ -142,10 +117,10 @@ def phase(cfg: Any, comm: Communicator, world: World, last: int, *, resume: bool
     """Train dp = comm.size ranks (a sub-world) to step ``last``, saving there: the losses and
     what the resume read."""
     run = resumed(cfg.with_options(resume=resume), comm, world)
-    losses = [train_step(run, step).loss for step in range(run.start_step + 1, last + 1)]
+    losses = [train_step(run, step).loss for step in range(run.restored.step + 1, last + 1)]
     save_checkpoint(run, last)
-    return {"losses": losses, "reads": run.weights.restored, "pieces": run.weights.pieces,
-            "names": flat_index(run.weights).names}
+    return {"losses": losses, "reads": run.restored,
+            "placements": [m.placement for m in run.weights.values()]}
 
 
 def change_dp(world: World, out: Path) -> dict[str, Any]:

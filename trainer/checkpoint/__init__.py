@@ -1,21 +1,25 @@
-"""Atomic, verified checkpoints: save every N steps, keep the last K, resume the newest.
+"""Atomic, verified checkpoints of safetensors and JSON: save every N steps, keep the last K,
+resume the newest at any layout.
 
 Layout of one checkpoint (``<run_dir>/checkpoints/step-<N>/``):
 
-    model-tp00-pp00.pt   model state_dict of the (tp, pp) shard, one file per model shard
-    optim-tp00-pp00.pt   optimizer state_dict of that shard (none under ZeRO-1: instead
-                         zero-tp00-pp00-index.pt and one zero-tp00-pp00-dpRRR.pt per DP rank,
-                         `trainer.zero.state`)
-    rng.pt               torch (CPU and CUDA) and Python ``random`` states of the leading rank
-    meta.json            step, data position, full config, model config, parallel layout
-    COMMITTED            the commit record, written last: size and sha256 of every file above;
-                         a folder without it is not a checkpoint
+    rank-00003.safetensors  the slices global rank 3 is the writer of (`trainer.placement`:
+                            one writer per slice, spread over the ranks that hold it), each
+                            flat, under ``<kind>/<global name>``: ``param`` (the main weights,
+                            fp32 whatever the model's precision), ``exp_avg``, ``exp_avg_sq``
+    index.json              every tensor file's slices: kind, key, global name and shape, the
+                            TP cut and the ZeRO-1 range (`trainer.checkpoint.pieces`)
+    rng.safetensors         torch (CPU and CUDA) random states of the leading rank
+    meta.json               step, data position, options, model, layout, AdamW's step count
+                            and hyperparameters, Python's random state
+    COMMITTED               the commit record, written last: size and sha256 of every file
+                            above; a folder without it is not a checkpoint
 
-Under data parallelism every DP rank holds the same state, so only DP rank 0 writes (under
-ZeRO-1 every rank writes its optimizer shard besides, all ranks being the writers). A model
-split over tensor or pipeline parallelism is written by the ranks of DP replica 0 together
-(``writers``), each its own ``model``/``optim`` shard into one shared temporary folder; the
-group agrees that every shard is on disk and gathers their checksums before its rank 0 commits.
+No file is a pickle: loading never unpickles anything, whatever the environment says
+(``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` included). A checkpoint of format 2 (pickled shards) is
+refused with what to do. A resume reads at any layout: each rank plans which saved slices
+overlap its own, opens only the files that hold them and reads only those ranges
+(`pieces`). The trainer of recommenders saves its per-rank state the same way (`tree`).
 
 Crash safety (`save`): files are written into ``step-<N>.tmp-<random>/`` and fsynced, the
 folder is renamed to ``step-<N>/`` and the parent fsynced, then ``COMMITTED`` is written and
@@ -30,26 +34,36 @@ checkpoints of another (refused, or with ``--overwrite`` moved aside first).
 Agreement (`verdict`): every rank judges the checkpoint it reads; the ranks agree on the worst
 verdict collectively and the lowest rank holding it reports it, once.
 
-Integrity (`load`): every file a rank reads is checked against the commit record
+Integrity (`load`, `files`): every file a rank reads is checked against the commit record
 (size, then sha256) before it is parsed; a mismatch raises `CheckpointDamaged` naming the file.
 """
 
 from trainer.checkpoint.fault import FAULT_ENV, POINTS
+from trainer.checkpoint.files import TensorFile
 from trainer.checkpoint.layout import (
     DAMAGED_SUFFIX,
     FORMAT_VERSION,
+    INDEX,
     MARKER,
+    META,
+    RNG,
     CheckpointDamaged,
     CheckpointError,
     latest,
-    shard_name,
+    rank_file,
     step_dirs,
 )
-from trainer.checkpoint.load import Checkpoint, check_compatible, load, read_meta, restore_rng
+from trainer.checkpoint.load import (
+    check_compatible,
+    read_index,
+    read_meta,
+    read_record,
+    restore_rng,
+)
 from trainer.checkpoint.save import save
 
 __all__ = [
-    "DAMAGED_SUFFIX", "FAULT_ENV", "FORMAT_VERSION", "MARKER", "POINTS", "Checkpoint",
-    "CheckpointDamaged", "CheckpointError", "check_compatible", "latest", "load", "read_meta",
-    "restore_rng", "save", "shard_name", "step_dirs",
+    "DAMAGED_SUFFIX", "FAULT_ENV", "FORMAT_VERSION", "INDEX", "MARKER", "META", "POINTS", "RNG",
+    "CheckpointDamaged", "CheckpointError", "TensorFile", "check_compatible", "latest",
+    "rank_file", "read_index", "read_meta", "read_record", "restore_rng", "save", "step_dirs",
 ]

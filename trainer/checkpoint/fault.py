@@ -3,9 +3,8 @@ it reaches ``point`` while saving checkpoint ``step`` (any step without ``@``).
 
 Points, in the order a save reaches them (`trainer.checkpoint.save`, `trainer.checkpoint.prune`):
 
-    save_after_model     this writer's model shard is in the temporary folder
-    save_after_optim     its optimizer shard too
-    save_after_rng       the leader wrote rng.pt
+    save_after_tensors   this writer's tensor file is in the temporary folder (every rank)
+    save_after_rng       the leader wrote index.json and rng.safetensors
     save_after_meta      meta.json written and the folder fsynced, before the rename
     save_after_rename    renamed to step-<N>/, before the marker
     save_after_marker    committed, before pruning
@@ -20,9 +19,8 @@ import os
 import signal
 
 FAULT_ENV = "DTRAIN_FAULT"
-POINTS = ("save_after_model", "save_after_optim", "save_after_rng", "save_after_meta",
-          "save_after_rename", "save_after_marker", "remove_after_marker", "remove_mid_files",
-          "prune_after_remove")
+POINTS = ("save_after_tensors", "save_after_rng", "save_after_meta", "save_after_rename",
+          "save_after_marker", "remove_after_marker", "remove_mid_files", "prune_after_remove")
 
 
 def fault(point: str, step: int) -> None:

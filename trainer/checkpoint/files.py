@@ -1,25 +1,31 @@
-"""Durable, checksummed checkpoint files: hashed while written, verified before read back.
+"""Durable, checksummed checkpoint files: safetensors and JSON, never a pickle.
 
-Every file is written through a sha256 hasher (no second read of what was just written) and
-fsynced; its `FileRecord` (size, digest) goes into the commit record. A reader checks the size
+Tensors are written by `safetensors` (a header of names, dtypes, shapes and offsets, then the
+raw bytes): reading one back runs no code, whatever the file holds. Every file is fsynced and
+hashed; its `FileRecord` (size, sha256) goes into the commit record. A reader checks the size
 (a truncated or emptied file fails without being read) and then the digest before the file is
-parsed, so a flipped bit or a cut-off shard is refused with the file named instead of loading
-garbage or failing deep inside the unpickler.
+parsed, so a flipped bit or a cut-off file is refused with the file named instead of loading
+garbage. A tensor file is then opened memory-mapped (`TensorFile`): a reader takes only the
+ranges it needs, and a file that is not safetensors (a pickle put in its place) is one error.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from trainer.checkpoint.layout import FALLBACK_HINT, CheckpointDamaged
+from trainer.checkpoint.layout import FALLBACK_HINT, CheckpointDamaged, CheckpointError
 
 _SHOWN = 12  # hex digits of a digest shown in messages
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors reports an I/O error
 
 
 @dataclass(frozen=True)
@@ -33,38 +39,20 @@ class FileRecord:
         return {"size": self.size, "sha256": self.sha256}
 
 
-class _HashingWriter:
-    """The file object handed to ``torch.save``: counts and hashes every byte it passes on."""
-
-    def __init__(self, fh: BinaryIO) -> None:
-        self._fh, self.hash, self.size = fh, hashlib.sha256(), 0
-        self.error: OSError | None = None
-        """The OSError of a failed write (e.g. a full disk), whatever torch raises for it."""
-
-    def write(self, data: bytes) -> int:
-        self.hash.update(data)
-        self.size += len(data)
-        try:
-            return self._fh.write(data)
-        except OSError as exc:
-            self.error = exc
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+    """``tensors`` (contiguous, on the CPU) as one safetensors file, fsynced, then hashed. A
+    failed write raises the OSError behind it (e.g. a full disk), not safetensors' wrapper."""
+    try:
+        save_file(tensors, str(path))
+    except SafetensorError as exc:
+        code = _OS_ERROR.search(str(exc))
+        if code is None:
             raise
-
-    def flush(self) -> None:
-        self._fh.flush()
-
-
-def write_torch(path: Path, obj: Any) -> FileRecord:
-    with open(path, "wb") as fh:
-        writer = _HashingWriter(fh)
-        try:
-            torch.save(obj, writer)
-        except Exception as exc:
-            if writer.error is not None and writer.error is not exc:
-                raise writer.error from exc  # the disk's error, not torch's wrapper of it
-            raise
-        _sync(fh)
-    return FileRecord(writer.size, writer.hash.hexdigest())
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+        digest = hashlib.file_digest(fh, "sha256").hexdigest()
+    return FileRecord(path.stat().st_size, digest)
 
 
 def write_bytes(path: Path, data: bytes) -> FileRecord:
@@ -113,3 +101,30 @@ def verify_file(folder: Path, name: str, record: dict[str, FileRecord]) -> Path:
         raise damaged(f"sha256 mismatch (written {want.sha256[:_SHOWN]}..., read "
                       f"{got[:_SHOWN]}...): its bytes changed after the save")
     return path
+
+
+class TensorFile:
+    """A verified safetensors file, memory-mapped: ``read(key, lo, hi)`` copies out elements
+    [lo, hi) of a flat tensor, nothing else. Refuses a file that is not safetensors."""
+
+    def __init__(self, folder: Path, name: str, record: dict[str, FileRecord]) -> None:
+        path = verify_file(folder, name, record)
+        try:
+            self._file = safe_open(str(path), framework="pt", device="cpu")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(
+                "checkpoint file is not a safetensors file", str(path),
+                f"{exc}: it may be a pickle or another format put in its place (its checksum "
+                "matches, so whoever wrote it wrote the commit record too), and dtrain never "
+                "unpickles a checkpoint", "Restore the checkpoint from a copy you trust, or "
+                "start a new --run-dir") from None
+        self.path = path
+
+    def keys(self) -> list[str]:
+        return list(self._file.keys())
+
+    def read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
+        """Tensor ``key`` (its elements [lo, hi) when given: a flat tensor's range)."""
+        if lo is None:
+            return self._file.get_tensor(key)
+        return self._file.get_slice(key)[lo:hi]

@@ -1,4 +1,4 @@
-"""Names on disk: step folders, shard files, the commit marker, and the errors of checkpoints."""
+"""Names on disk: step folders, tensor files, the commit marker, and the errors of checkpoints."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ from pathlib import Path
 
 from trainer.errors import TrainerError
 
-#: 2: the marker holds the commit record (size and sha256 of every file). 1 had no checksums.
-FORMAT_VERSION = 2
+#: 3: safetensors and JSON files, one tensor file per writing rank, an index of placements.
+#: 2 pickled each (tp, pp) shard; 1 had no checksums.
+FORMAT_VERSION = 3
 MARKER = "COMMITTED"
+META = "meta.json"
+INDEX = "index.json"
+RNG = "rng.safetensors"
+#: The files every checkpoint has besides the tensor files of its writers.
+REQUIRED = (META, INDEX, RNG)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
 #: What a resume that skipped a damaged checkpoint renames it to (kept, never loaded or pruned).
@@ -29,10 +35,9 @@ class CheckpointDamaged(CheckpointError):
     """A committed checkpoint's files differ from its commit record (a resume may skip it)."""
 
 
-def shard_name(kind: str, tp_rank: int = 0, pp_rank: int = 0, ep_rank: int = 0) -> str:
-    """``ep_rank`` > 0: the experts of another expert-parallel member (`trainer.moe`)."""
-    ep = f"-ep{ep_rank:02d}" if ep_rank else ""
-    return f"{kind}-tp{tp_rank:02d}-pp{pp_rank:02d}{ep}.pt"
+def rank_file(rank: int) -> str:
+    """The tensor file global rank ``rank`` writes (the slices it is the writer of)."""
+    return f"rank-{rank:05d}.safetensors"
 
 
 def real_folder(path: Path) -> bool:

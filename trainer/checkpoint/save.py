@@ -1,10 +1,14 @@
-"""Writing a checkpoint: shards into a temporary folder, rename, commit record, prune.
+"""Writing a checkpoint: every writer's tensor file into a temporary folder, the leader's
+index, meta and RNG, rename, commit record, prune.
 
-The commit record (the ``COMMITTED`` marker, written last) lists every file of the folder with
-its size and sha256, hashed while it was written (`trainer.checkpoint.files`). With several
-writers (the tp x pp ranks of DP replica 0; under ZeRO-1 every rank, each adding its optimizer
-shard as an ``extra`` file) each hashes its own files and the records are all-gathered to the
-group's rank 0, which commits.
+Every rank of the group (``world``) calls `save` together: each writes its own tensor file
+(``rank-RRRRR.safetensors``, the slices it is the writer of; none when it writes nothing) and
+describes it (``contents``, JSON). The descriptions and the files' records are gathered to the
+leader (rank 0 of the group), which writes ``index.json`` (every file's contents),
+``meta.json``, ``rng.safetensors``, renames the folder into place and writes the commit record
+(the ``COMMITTED`` marker, last): the size and sha256 of every file. Every phase ends with an
+agreement, so a failure on one rank fails every rank, without a hang, and the partial save is
+removed.
 """
 
 from __future__ import annotations
@@ -22,88 +26,104 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.fault import fault
-from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_torch
+from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_tensors
 from trainer.checkpoint.layout import (
     FORMAT_VERSION,
+    INDEX,
     MARKER,
+    META,
+    RNG,
     CheckpointError,
     committed,
     latest,
+    rank_file,
     real_folder,
-    shard_name,
 )
 from trainer.checkpoint.prune import prune, remove
 from trainer.comm.protocol import Communicator, ReduceOp
 
 Records = dict[str, FileRecord]
-_WORDS = 4  # int64 words of a sha256 digest
-_NAME_WORDS = 8  # int64 words of a file name (64 ASCII bytes) in the gathered records
+_COMMITTED, _FAILED = -1, -2  # what the leader broadcasts instead of a folder token
 
 
-def capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+def rng_state() -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """This process's random states: torch's (CPU, and CUDA's) as tensors, Python's as JSON."""
+    tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+        tensors |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    version, internal, gauss = random.getstate()
+    return tensors, [version, list(internal), gauss]
 
 
-def save(root: Path, step: int, *, model: dict[str, torch.Tensor] | None,
-         optim: dict[str, Any] | None, meta: dict[str, Any], keep: int = 0,
-         shard: tuple[int, ...] = (0, 0), writers: Communicator | None = None,
-         extra: dict[str, Any] | None = None) -> Path:
+def save(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: Any,
+         meta: dict[str, Any], keep: int = 0, world: Communicator | None = None,
+         device: torch.device | None = None) -> Path:
     """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all).
 
-    ``shard`` is this rank's (tp, pp) model shard; ``model``/``optim`` None: this writer has
-    none to write (a DP rank > 0 under ZeRO-1). ``extra``: more files of this writer, by name.
-    With ``writers`` (the group of ranks that hold the different shards, every one calling
-    ``save``) the call is collective: rank 0 of the group names the temporary folder and
-    commits it once every file is written."""
-    files = {shard_name(kind, *shard): state
-             for kind, state in (("model", model), ("optim", optim)) if state is not None}
-    files.update(extra or {})
-    if writers is not None and writers.size > 1:
-        return _save_together(root, step, files=files, meta=meta, keep=keep, writers=writers)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step-{step}"
-    if committed(final):
-        return final  # the same step is already committed (e.g. resumed, then saved at the end)
-    tmp = root / f"step-{step}.tmp-{secrets.token_hex(4)}"
-    with _save_errors(tmp, final):
-        tmp.mkdir()
-        _commit(root, tmp, final, step, meta, _write_files(tmp, files, step))
-        prune(root, keep=keep, current=step)
-    return final
-
-
-def _save_together(root: Path, step: int, *, files: dict[str, Any], meta: dict[str, Any],
-                   keep: int, writers: Communicator) -> Path:
-    """`save` by a group: folder named by rank 0, files written by all, commit by rank 0.
-    Every phase ends with an agreement, so a failure on one rank fails every rank (no hang)."""
-    final, leader = root / f"step-{step}", writers.rank == 0
-    device = _device_of(files)
-    token = torch.tensor([-1], dtype=torch.int64, device=device)
+    ``tensors``: this rank's tensor file (contiguous, on the CPU; empty: none), ``contents``:
+    what the index says about it. Collective over ``world`` (None: this process alone);
+    ``device``: where the agreements' tensors live (the communicator's device). A step already
+    committed is not written again (a resumed run saving the step it resumed at)."""
+    group = _Alone() if world is None else world
+    device = device or torch.device("cpu")
+    final, leader = root / f"step-{step}", group.rank == 0
+    token = torch.tensor([_COMMITTED], dtype=torch.int64, device=device)
+    error: CheckpointError | None = None
     if leader:
-        root.mkdir(parents=True, exist_ok=True)
-        if not committed(final):
-            token[0] = secrets.randbits(31)
-    writers.broadcast(token, 0)
-    if int(token) < 0:
+        try:
+            with _save_errors(final, final, clean=False):
+                root.mkdir(parents=True, exist_ok=True)
+            if not committed(final):
+                token[0] = secrets.randbits(31)
+        except CheckpointError as exc:
+            error, token[0] = exc, _FAILED
+    group.broadcast(token, 0)
+    if int(token) == _FAILED:
+        raise error or CheckpointError("checkpoint save failed", str(final), "the leading "
+                                       "rank could not create the folder (its message says "
+                                       "why)", "Check free space and permissions of --run-dir")
+    if int(token) == _COMMITTED:
         return final  # already committed: nobody writes
     tmp = root / f"step-{step}.tmp-{int(token):08x}"
     mine: Records = {}
-    _agreed(writers, tmp, final, device, "create the folder",
+    _agreed(group, tmp, final, device, "create the folder",
             tmp.mkdir if leader else lambda: None)
-    _agreed(writers, tmp, final, device, "write its shard",
-            lambda: mine.update(_write_files(tmp, files, step)))
-    records = _gather_records(writers, mine, device)
+
+    def write() -> None:
+        if tensors:
+            name = rank_file(group.rank)
+            mine[name] = write_tensors(tmp / name, tensors)
+        fault("save_after_tensors", step)
+
+    _agreed(group, tmp, final, device, "write its tensor file", write)
+    gathered = _gather_json(group, {"files": {n: r.to_json() for n, r in mine.items()},
+                                    "contents": contents if mine else None}, device)
 
     def commit() -> None:
         if leader:
-            _commit(root, tmp, final, step, meta, records)
+            records = {n: FileRecord(r["size"], r["sha256"]) for g in gathered
+                       for n, r in g["files"].items()}
+            index = {"files": {n: g["contents"] for g in gathered for n in g["files"]}}
+            _commit(root, tmp, final, step, meta, index, records)
             prune(root, keep=keep, current=step)
 
-    _agreed(writers, tmp, final, device, "commit", commit)
+    _agreed(group, tmp, final, device, "commit", commit)
     return final
+
+
+class _Alone:
+    """The group of a process that saves alone."""
+
+    rank, size = 0, 1
+
+    def broadcast(self, t: torch.Tensor, root: int) -> None:
+        pass
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+        pass
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        out.copy_(inp)
 
 
 def _agreed(writers: Communicator, tmp: Path, final: Path, device: torch.device, what: str,
@@ -132,46 +152,19 @@ def _agreed(writers: Communicator, tmp: Path, final: Path, device: torch.device,
                               "--run-dir")
 
 
-def _device_of(files: dict[str, Any]) -> torch.device:
-    """Where the writers' agreement tensors live: the device of the first tensor saved."""
-    for state in files.values():
-        for value in state.values() if isinstance(state, dict) else ():
-            if isinstance(value, torch.Tensor):
-                return value.device
-    return torch.device("cpu")
-
-
-def _gather_records(writers: Communicator, mine: Records, device: torch.device) -> Records:
-    """Every writer's file records on every writer. A file is one row of int64 words (its name,
-    its size, its digest) so that any backend's all-gather carries it; each writer sends as
-    many rows as the writer with the most files, unused rows all zero."""
-    slots = torch.tensor([len(mine)], dtype=torch.int64, device=device)
-    writers.all_reduce(slots, ReduceOp.MAX)
-    width = _NAME_WORDS + 1 + _WORDS
-    rows = [[0] * width for _ in range(int(slots))]
-    for row, (name, rec) in zip(rows, sorted(mine.items()), strict=False):
-        raw = name.encode("ascii")
-        if len(raw) > 8 * _NAME_WORDS:
-            raise ValueError(f"checkpoint file name longer than {8 * _NAME_WORDS} bytes: {name}")
-        row[:] = [*_words(raw.ljust(8 * _NAME_WORDS, b"\0")), rec.size,
-                  *_words(bytes.fromhex(rec.sha256))]
-    inp = torch.tensor(rows, dtype=torch.int64, device=device).view(-1)
-    out = torch.empty(writers.size * inp.numel(), dtype=torch.int64, device=device)
-    writers.all_gather(out, inp)
-    records: Records = {}
-    for values in out.cpu().view(-1, width).tolist():
-        name = _bytes(values[:_NAME_WORDS]).rstrip(b"\0").decode("ascii")
-        if name:
-            records[name] = FileRecord(values[_NAME_WORDS], _bytes(values[-_WORDS:]).hex())
-    return records
-
-
-def _words(raw: bytes) -> list[int]:
-    return [int.from_bytes(raw[i:i + 8], "little", signed=True) for i in range(0, len(raw), 8)]
-
-
-def _bytes(words: list[int]) -> bytes:
-    return b"".join(w.to_bytes(8, "little", signed=True) for w in words)
+def _gather_json(group: Any, obj: Any, device: torch.device) -> list[Any]:
+    """``obj`` (JSON) of every rank of ``group``, on every rank: its bytes as int64 words, so
+    that any backend's all-gather carries them, each rank padded to the longest."""
+    raw = json.dumps(obj).encode()
+    words = torch.tensor([len(raw)], dtype=torch.int64, device=device)
+    group.all_reduce(words, ReduceOp.MAX)
+    width = (int(words) + 7) // 8
+    mine = torch.zeros(width, dtype=torch.int64)
+    mine.view(torch.uint8)[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    out = torch.empty(group.size * width, dtype=torch.int64, device=device)
+    group.all_gather(out, mine.to(device))
+    return [json.loads(bytes(row.view(torch.uint8).tolist()).rstrip(b"\0"))
+            for row in out.cpu().view(group.size, width)]
 
 
 @contextmanager
@@ -227,23 +220,16 @@ def _free(root: Path) -> str:
     return f"{size:.1f} TiB"
 
 
-def _write_files(tmp: Path, files: dict[str, Any], step: int) -> Records:
-    records = {}
-    for name, state in files.items():
-        records[name] = write_torch(tmp / name, state)
-        fault(f"save_after_{name.split('-')[0]}", step)  # save_after_model, save_after_optim
-    return records
-
-
 def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
-            shards: Records) -> None:
-    """RNG and meta into ``tmp``, rename it to ``final``, then the commit record (the marker)."""
-    files = dict(shards)
-    files["rng.pt"] = write_torch(tmp / "rng.pt", capture_rng())
+            index: dict[str, Any], written: Records) -> None:
+    """Index, RNG and meta into ``tmp``, rename it to ``final``, then the commit record."""
+    files = dict(written)
+    files[INDEX] = write_bytes(tmp / INDEX, json.dumps(index).encode())
+    rng, python = rng_state()
+    files[RNG] = write_tensors(tmp / RNG, rng)
     fault("save_after_rng", step)
-    body = {"format": FORMAT_VERSION, "step": step, **meta}
-    files["meta.json"] = write_bytes(tmp / "meta.json",
-                                     json.dumps(body, indent=2, sort_keys=True).encode())
+    body = {"format": FORMAT_VERSION, "step": step, **meta, "python_rng": python}
+    files[META] = write_bytes(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode())
     fsync_dir(tmp)
     fault("save_after_meta", step)
     if final.exists() or final.is_symlink():

@@ -3,7 +3,6 @@ lowest with that verdict) reports it, so a refusal is printed once, not once per
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -15,20 +14,16 @@ OK, DAMAGED, FATAL = 0, 1, 2  # a rank's verdict on a checkpoint; the worst one 
 _KEY_BITS = 32
 
 
-def agree(error: CheckpointError | None, deciders: Sequence[Communicator],
-           device: torch.device) -> tuple[int, bool]:
-    """(the worst verdict of all ranks, whether this rank reports it: the lowest rank with
-    that verdict). Reduced along every decider group, which together span the world."""
+def agree(error: CheckpointError | None, world: Communicator,
+          device: torch.device) -> tuple[int, bool]:
+    """(the worst verdict of all ranks of ``world``, whether this rank reports it: the lowest
+    rank with that verdict); one all-reduce."""
     verdict = OK if error is None else DAMAGED if isinstance(error, CheckpointDamaged) else \
         FATAL
-    key, stride = 0, 1
-    for comm in deciders:  # a unique number per rank: its coordinates in the group grid
-        key, stride = key + comm.rank * stride, stride * comm.size
-    top = (1 << _KEY_BITS) - 1
+    key, top = world.rank, (1 << _KEY_BITS) - 1
     value = torch.tensor([(verdict << _KEY_BITS) | (top - key)], dtype=torch.int64,
                          device=device)
-    for comm in deciders:
-        comm.all_reduce(value, ReduceOp.MAX)
+    world.all_reduce(value, ReduceOp.MAX)
     worst, reporter_key = int(value) >> _KEY_BITS, top - (int(value) & top)
     return worst, worst != OK and reporter_key == key
 

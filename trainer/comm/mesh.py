@@ -19,12 +19,14 @@ from collections.abc import Callable, Mapping
 import torch
 
 from trainer.comm.protocol import Communicator
-from trainer.comm.topology import AXES, MeshShape
+from trainer.comm.topology import AXES, SPANS, MeshShape
 from trainer.errors import TopologyError
 
-#: The groups every mesh has, split in this order (the world is the communicator itself).
-GROUPS: tuple[tuple[str, ...], ...] = (("tp",), ("ep",), ("edp",), ("dp",), ("pp",))
-_NAMES: dict[tuple[str, ...], str] = {("ep", "edp"): "dp"}
+#: The groups every mesh has, split in this order: every axis, then every span but the world
+#: (which is the communicator itself).
+GROUPS: tuple[tuple[str, ...], ...] = (*((axis,) for axis in AXES),
+                                       *((span,) for span in SPANS if span != "world"))
+_NAMES: dict[tuple[str, ...], str] = {axes: span for span, axes in SPANS.items()}
 
 
 class Mesh:
@@ -77,6 +79,4 @@ class Mesh:
                     {axes: wrap(axes, comm) for axes, comm in self._groups.items()})
 
     def __repr__(self) -> str:
-        s = self.shape
-        return (f"Mesh(rank {self._rank}: dp={s.dp} (ep={s.ep}) x tp={s.tp} x pp={s.pp}, "
-                f"{self.shape.coords(self._rank)})")
+        return f"Mesh(rank {self._rank}: {self.shape}, {self.shape.coords(self._rank)})"

@@ -33,6 +33,7 @@ import torch
 
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
+from trainer.comm.topology import SPANS
 
 Interval = tuple[float, float]
 
@@ -208,8 +209,9 @@ class TimedCommunicator:
 
 
 def timed_mesh(mesh: Mesh, clock: CommClock) -> Mesh:
-    """Every group of ``mesh`` timed on ``clock``. The DP groups' handles (dp, and edp, whose
-    `DataParallel` runs the expert gradients) are polled during backward, so they do not
-    count as blocking."""
+    """Every group of ``mesh`` timed on ``clock``. The handles of the groups inside dp (those a
+    `DataParallel` reduces over, `trainer.data_parallel.split`) are polled during backward, so
+    they do not count as blocking."""
+    inside_dp = set(SPANS["dp"])
     return mesh.wrapped(lambda axes, comm: TimedCommunicator(
-        comm, clock, handles_block=not set(axes) <= {"ep", "edp"}))
+        comm, clock, handles_block=not set(axes) <= inside_dp))

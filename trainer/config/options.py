@@ -21,7 +21,6 @@ from typing import Any
 
 from trainer.activations.options import check_sequence_split
 from trainer.comm.bootstrap import BACKENDS
-from trainer.comm.topology import MeshShape
 from trainer.config.flags import option_table, parse
 from trainer.config.sections import (
     DataSection,
@@ -34,7 +33,7 @@ from trainer.config.sections import (
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
 from trainer.model.config import GPTConfig
-from trainer.moe.checks import check_combinations, check_layout
+from trainer.moe.checks import check_moe
 from trainer.schema import Section, build, flatten, nest, option, replaced, section
 from trainer.tensor_parallel.parallelize import check_divisible
 
@@ -84,9 +83,7 @@ class TrainConfig(Section):
             _ = self.stage_layers  # raises when the layers do not split
         check_sequence_split(sequence_parallel=par.sequence_parallel, tp=par.tp,
                              seq_len=gpt.seq_len)
-        check_layout(experts=gpt.moe.experts, ep=par.ep)
-        check_combinations(experts=gpt.moe.experts, zero=self.optimizer.zero,
-                           sequence_parallel=par.sequence_parallel, recompute=par.recompute)
+        check_moe(gpt.moe, par, zero=self.optimizer.zero)
         if self.logging.eval_every and not self.data.val_fraction:
             raise ConfigError("evaluation without a validation split",
                               f"--eval-every {self.logging.eval_every} --val-fraction 0",
@@ -170,12 +167,6 @@ def _with_tp_padding(cfg: TrainConfig) -> TrainConfig:
     (`trainer.gpu.vocab`)."""
     return cfg.with_options(vocab_multiple=multiple_for_tp(cfg.gpt.vocab_multiple,
                                                            cfg.parallel.tp))
-
-
-def mesh_shape(cfg: TrainConfig) -> MeshShape:
-    """The mesh of a config whose dp is resolved (`resolve_dp`)."""
-    par = cfg.parallel
-    return MeshShape(dp=par.dp, tp=par.tp, pp=par.pp, ep=par.ep)
 
 
 def resolve_dp(cfg: TrainConfig, world_size: int) -> TrainConfig:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.activations.options import RECOMPUTE_MODES
+from trainer.comm.topology import MeshShape
 from trainer.config.common import CheckpointSection, LoggingSection
 from trainer.data.corpus import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError
@@ -113,6 +114,17 @@ class ParallelSection(Section):
                               f"= {self.ep} does not divide them",
                               f"Start a multiple of {self.ep} DP ranks, or choose an ep that "
                               f"divides {self.dp}")
+
+    def mesh(self) -> MeshShape:
+        """The mesh of these degrees (dp resolved first: `trainer.config.options.resolve_dp`)."""
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+
+    def describe(self, sep: str = ", ") -> str:
+        """``dp 2 x tp 2 x pp 1`` (with ``sep`` " x "), or ``dp=2, tp=2, pp=1``; the expert-
+        parallel sub-axis follows dp when it splits it: ``dp=4 (ep=2)``."""
+        eq = " " if sep == " x " else "="
+        dp = f"dp{eq}{self.dp}" + (f" (ep{eq}{self.ep})" if self.ep > 1 else "")
+        return sep.join((dp, f"tp{eq}{self.tp}", f"pp{eq}{self.pp}"))
 
     @property
     def chunks(self) -> int:

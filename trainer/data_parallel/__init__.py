@@ -2,6 +2,8 @@
 
 * `trainer.data_parallel.grad_sync`  `DataParallel`: one contiguous gradient buffer, bucketed
   all-reduce overlapped with backward, ``no_sync`` for accumulation
+* `trainer.data_parallel.split`      `data_parallel`: one `DataParallel` per kind of replica
+  (the whole DP group; the expert-DP group of an expert), `SplitDataParallel` joining them
 * `trainer.data_parallel.buckets`    how the buffer is cut into buckets; a bucket's state; the
   comm thread's handle and policy
 """

@@ -1,10 +1,11 @@
 """The GPU path of the trainer: what makes a step cheap on a GPU, and still right on a CPU.
 
-    readout    steps whose loss and gradient norm stay on the device; one read per interval
     settings   TF32 matmuls for fp32 CUDA runs; fused AdamW on CUDA, foreach elsewhere
     compile    --compile: torch.compile of every block, or one message and eager blocks
     vocab      vocabulary padding to 128 x tp rows, padded rows masked out of the logits
 
-The DP gradient all-reduce's overlap with backward on CUDA lives where the buckets do
-(`trainer.data_parallel.grad_sync`, on the NCCL communicator's side stream, `trainer.comm.nccl`).
+A step's loss and gradient norm stay on the device and are read once per logging interval
+(`trainer.training.readout`). The DP gradient all-reduce's overlap with backward on CUDA lives
+where the buckets do (`trainer.data_parallel.grad_sync`, on the NCCL communicator's side
+stream, `trainer.comm.nccl`).
 """

@@ -1,11 +1,32 @@
 """Refuse an expert-parallel layout or a combination MoE models cannot run, before any rank
-starts work (`trainer.config.options.TrainConfig` calls both; the MoE fields themselves are
-checked by `trainer.model.config.MoEConfig`).
+starts work (`trainer.config.options.TrainConfig` calls `check_moe` with its sections; the MoE
+fields themselves are checked by `trainer.model.config.MoEConfig`).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from trainer.errors import ConfigError
+from trainer.model.config import MoEConfig
+
+
+class Layout(Protocol):
+    """What the checks read of the parallel section (`trainer.config.sections`)."""
+
+    @property
+    def ep(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def recompute(self) -> str: ...
+
+
+def check_moe(moe: MoEConfig, layout: Layout, *, zero: int) -> None:
+    """Both checks below, on the run's sections."""
+    check_layout(experts=moe.experts, ep=layout.ep)
+    check_combinations(experts=moe.experts, zero=zero,
+                       sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
 
 
 def check_layout(*, experts: int, ep: int) -> None:

@@ -22,10 +22,12 @@ import torch
 from torch import nn
 from torch.autograd import Function
 
+from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.family import make_mlp
 from trainer.moe.dispatch import combine, dispatch
+from trainer.moe.parallel import shard_layer
 from trainer.moe.router import Routing, route
 
 
@@ -62,6 +64,17 @@ class MoE(nn.Module):
         if torch.is_grad_enabled() and routing.aux_loss.requires_grad:
             y_BTD = _AuxLoss.apply(y_BTD, routing.aux_loss * self.aux_scale)
         return y_BTD
+
+    def place_on(self, name: str, mesh: Mesh) -> None:
+        """Split the experts over the mesh's EP group, each over its TP group (the run places
+        every module that can, `trainer.placement.parameters.place_parameters`)."""
+        self.shard(mesh.group("ep"), mesh.group("tp"), name=name)
+
+    def shard(self, ep: Communicator, tp: Communicator | None = None, *, name: str = "") -> None:
+        """Keep this member of ``ep``'s block of experts, split over ``tp``
+        (`trainer.moe.parallel`)."""
+        shard_layer(name, self.experts, ep, tp)
+        self.ep = ep
 
     def take_load(self) -> torch.Tensor:
         """The load counted since the last call (see ``load``), and start counting anew."""

@@ -7,14 +7,12 @@ global norm. Two bugs this avoids: clipping with the local norm only (torchtitan
 stage saw just its own layers) and counting replicated parameters once per rank
 (ROCm/TransformerEngine#715, norms 1.4-1.5x too big).
 
-A `NormScope` says which groups to sum over and which parameters this rank counts:
-
-* TP (`tp_scope`): a sharded parameter (``tp_shard`` set) is counted on every rank (each rank
-  holds a different slice); a replicated one (norm weights, row-parallel biases) only on TP
-  rank 0.
-* DP needs nothing: gradients are already averaged and identical on every DP rank.
-* PP extends a scope with `NormScope.along`: the PP group joins ``groups`` and its rule (e.g. a
-  tied embedding counted on the first stage only) is and-ed with the TP rule.
+A `NormScope` says which groups to sum over and which tensors this rank counts. A run's scope
+(`trainer.training.run`) is one rule for every layout, read from each tensor's placement
+(`trainer.placement.leads`): summed over the world, each rank counts the tensors it *leads*,
+those of which it is the first replica (a TP-replicated norm weight on TP rank 0, a dense
+weight on DP rank 0, an expert on its expert-DP rank 0, a ZeRO-1 piece everywhere, the tied
+copy on the last pipeline stage never).
 
 The arithmetic follows ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, coefficient
 ``max_norm / (norm + 1e-6)`` capped at 1), so at TP = 1 the result equals it.
@@ -30,7 +28,6 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.model.precision import at_least_fp32
-from trainer.tensor_parallel.sharding import shard_spec
 
 Counts = Callable[[nn.Parameter], bool]
 
@@ -46,20 +43,6 @@ class NormScope:
     groups: tuple[Communicator, ...] = ()
     counts: Counts = _every
 
-    def along(self, comm: Communicator, counts: Counts = _every) -> NormScope:
-        """This scope extended by another model-parallel group and its counting rule."""
-        if comm.size == 1 and counts is _every:
-            return self
-        first = self.counts
-        return NormScope((*self.groups, comm), lambda p: first(p) and counts(p))
-
-
-def tp_scope(tp: Communicator) -> NormScope:
-    """Sharded parameters count on every TP rank; replicated ones on TP rank 0 only."""
-    if tp.size == 1:
-        return NormScope()
-    leader = tp.rank == 0
-    return NormScope((tp,), lambda p: leader or shard_spec(p) is not None)
 
 
 def global_grad_norm(params: Iterable[nn.Parameter], scope: NormScope = NormScope()

@@ -7,7 +7,10 @@
   (``--zero 1``), all-gathered into the model after each step.
 
 All three have the `MainWeights` interface, so a training step is written once
-(`trainer.training.step.run_step`): clip ``grads()`` within ``scope(...)``, then ``step()``.
+(`trainer.training.step.run_step`): clip ``grads()``, then ``step()``. Every stepped tensor
+carries its parameter's ``.placement`` (`trainer.placement`): the gradient norm counts it where
+it leads, and a checkpoint saves and restores it at any layout (``publish`` then brings the
+model's parameters to the restored weights).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.optim.grad_clip import NormScope
 from trainer.optim.optimizer import set_lr
 
 
@@ -33,10 +35,6 @@ class MainWeights(Protocol):
         """The stepped weights, each with its DP-synchronised gradient as ``.grad``."""
         ...
 
-    def scope(self, scope: NormScope) -> NormScope:
-        """``scope`` (the model parameters' counting rule) for the stepped weights."""
-        ...
-
     def step(self, lr: float) -> None:
         """One AdamW update at ``lr``, then the model's parameters follow the stepped weights."""
         ...
@@ -48,6 +46,10 @@ class MainWeights(Protocol):
 
     def values(self) -> Iterable[torch.Tensor]:
         """The stepped weights' values (checked before a save)."""
+        ...
+
+    def publish(self) -> None:
+        """The model's parameters follow the stepped weights (after a restore)."""
         ...
 
 
@@ -64,9 +66,6 @@ class PlainWeights:
     def grads(self) -> list[nn.Parameter]:
         return self.params
 
-    def scope(self, scope: NormScope) -> NormScope:
-        return scope
-
     def step(self, lr: float) -> None:
         set_lr(self._optimizer, lr)
         self._optimizer.step()
@@ -76,6 +75,9 @@ class PlainWeights:
 
     def values(self) -> Iterable[torch.Tensor]:
         return self.params
+
+    def publish(self) -> None:
+        """Nothing: the stepped weights are the parameters."""
 
 
 def sum_main_grad(param: nn.Parameter, group: Communicator) -> None:

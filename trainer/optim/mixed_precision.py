@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import sum_main_grad
 from trainer.optim.optimizer import set_lr
 
@@ -52,7 +51,6 @@ class MainParams:
                  main: list[nn.Parameter]) -> None:
         self.model, self.optimizer, self.main = model, optimizer, main
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self._model_of = {id(m): p for m, p in zip(main, self.params, strict=True)}
 
     @classmethod
     def take(cls, model: nn.Module, optimizer: torch.optim.Optimizer, dtype: torch.dtype,
@@ -62,6 +60,8 @@ class MainParams:
         to ``dtype``. The model's parameter objects (and their TP attributes) are kept."""
         params = [p for p in model.parameters() if p.requires_grad]
         main = [nn.Parameter(p.detach().clone().float()) for p in params]
+        for m, p in zip(main, params, strict=True):  # where it lies: its parameter's place
+            m.placement = getattr(p, "placement", None)
         stepper = build(main)
         # Index-based, so the state (empty, or the checkpoint's) lands on the same parameters.
         stepper.load_state_dict(optimizer.state_dict())
@@ -75,10 +75,6 @@ class MainParams:
         for m, p in zip(self.main, self.params, strict=True):
             m.grad = p.main_grad
         return self.main
-
-    def scope(self, scope: NormScope) -> NormScope:
-        """``scope`` for the main copies: each counts where its model parameter does."""
-        return NormScope(scope.groups, lambda m: scope.counts(self._model_of[id(m)]))
 
     def step(self, lr: float) -> None:
         """AdamW on the main parameters, then `publish`."""

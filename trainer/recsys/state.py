@@ -1,13 +1,13 @@
 """Checkpoints of the recommender, through `trainer.checkpoint` (atomic, checksummed, pruned).
 
-Every rank writes one shard, ``model-tpRR-pp00.pt`` / ``optim-tpRR-pp00.pt`` with RR its rank
-(the table shard it holds; the ``tp`` slot of the shard name is the embedding-shard rank here):
-the rows (and the hash index) of its table, plus the replicated MLPs and their optimizer, so a
-rank reads its own files only. The ranks write together (`trainer.checkpoint.save` with the
-world as ``writers``) and rank 0 commits. A resume loads the newest committed checkpoint (rank
-0 picks it; every rank verifies its files against the commit record) and must run on the same
-number of ranks and the same model; the batch of a step depends on (seed, step) only, so the
-continued run is bit-exact.
+Every rank writes one tensor file, ``rank-RRRRR.safetensors`` (`trainer.checkpoint.rank_file`):
+the rows (and the hash index) of its table shard, plus the replicated MLPs and the state of
+both optimizers, flattened to tensors with a JSON skeleton in the index
+(`trainer.checkpoint.tree`: nothing is pickled), so a rank reads its own file only. The ranks
+write together (`trainer.checkpoint.save` over the world) and rank 0 commits. A resume loads
+the newest committed checkpoint (rank 0 picks it; every rank verifies its files against the
+commit record) and must run on the same number of ranks and the same model; the batch of a
+step depends on (seed, step) only, so the continued run is bit-exact.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import CheckpointDamaged, CheckpointError, tree
+from trainer.checkpoint.layout import FALLBACK_HINT
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.recsys.config import OPTIONS, RecsysConfig
 from trainer.recsys.model import DLRM
@@ -32,12 +33,11 @@ def save(cfg: RecsysConfig, step: int, model: DLRM, dense_opt: torch.optim.Optim
     comm = model.table.comm
     meta = {"config": flatten(cfg, OPTIONS), "model": _model_meta(cfg),
             "layout": {"shards": comm.size}}
-    return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step,
-                           model=_flat(model),
-                           optim={"dense": dense_opt.state_dict(),
-                                  "sparse": sparse_opt.state_dict()},
-                           meta=meta, keep=cfg.checkpoint.keep, shard=(comm.rank, 0),
-                           writers=comm)
+    skeleton, tensors = tree.flatten({"model": _flat(model), "dense": dense_opt.state_dict(),
+                                      "sparse": sparse_opt.state_dict()})
+    return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step, tensors=tensors,
+                           contents=skeleton, meta=meta, keep=cfg.checkpoint.keep, world=comm,
+                           device=comm_device(comm))
 
 
 def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
@@ -49,25 +49,37 @@ def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
     step = _broadcast(comm, int(found.name.split("-")[1]) if found else 0)
     if step == 0:
         return 0
-    error, ckpt = None, None
+    error, state, path = None, None, root / f"step-{step}"
     try:
-        ckpt = checkpoint.load(root / f"step-{step}", shard=(comm.rank, 0))
-        _check(cfg, ckpt.meta, comm.size, ckpt.path)
+        state = _read(path, cfg, comm)
     except CheckpointError as exc:
         error = exc
     if _any_failed(comm, error is not None):
         if error is not None:
             raise error
-        raise CheckpointError("checkpoint refused", str(root / f"step-{step}"),
+        raise CheckpointError("checkpoint refused", str(path),
                               "reported by another rank").everywhere(report=False)
-    model.dense.load_state_dict(_part(ckpt.model, "dense."))
-    table = _part(ckpt.model, "table.")
+    model.dense.load_state_dict(_part(state["model"], "dense."))
+    table = _part(state["model"], "table.")
     if model.table.hashed:
         table["index"] = _part(table, "index.")
     model.table.load_state_dict(table)
-    dense_opt.load_state_dict(ckpt.optim["dense"])
-    sparse_opt.load_state_dict(ckpt.optim["sparse"])
+    dense_opt.load_state_dict(state["dense"])
+    sparse_opt.load_state_dict(state["sparse"])
     return step
+
+
+def _read(path: Path, cfg: RecsysConfig, comm: Communicator) -> dict[str, Any]:
+    """This rank's state in checkpoint ``path`` (every file read is verified first)."""
+    record, meta = checkpoint.read_meta(path)
+    _check(cfg, meta, comm.size, path)
+    name = checkpoint.rank_file(comm.rank)
+    index = checkpoint.read_index(path, record)
+    if name not in index["files"]:
+        raise CheckpointDamaged(f"checkpoint {path} is damaged", f"file {name}",
+                                "the index does not list this rank's file", FALLBACK_HINT)
+    saved = checkpoint.TensorFile(path, name, record)
+    return tree.unflatten(index["files"][name], {k: saved.read(k) for k in saved.keys()})
 
 
 def _flat(model: DLRM) -> dict[str, torch.Tensor]:

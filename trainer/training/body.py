@@ -13,9 +13,8 @@ from typing import Protocol
 import torch
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.data_parallel.grad_sync import DataParallel
+from trainer.data_parallel.split import GradSync
 from trainer.model.gpt import GPT
-from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -36,10 +35,6 @@ class StepBody(Protocol):
         """The global batch's loss on every rank (0-d, on the device)."""
         ...
 
-    def norm_scope(self, base: NormScope) -> NormScope:
-        """``base`` extended over the groups this body spreads the model across."""
-        ...
-
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """A microbatch's mean loss in evaluation (None on ranks that compute no loss)."""
         ...
@@ -53,7 +48,7 @@ class StepBody(Protocol):
 class Accumulation:
     """Every microbatch's forward and backward in turn, DP-synchronised on the last one only."""
 
-    def __init__(self, model: GPT, dp: DataParallel, dp_group: Communicator) -> None:
+    def __init__(self, model: GPT, dp: GradSync, dp_group: Communicator) -> None:
         self.model, self.dp, self.dp_group = model, dp, dp_group
 
     def forward_backward(self, micro: Microbatches) -> torch.Tensor:
@@ -73,9 +68,6 @@ class Accumulation:
     def reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         self.dp_group.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
         return loss_sum
-
-    def norm_scope(self, base: NormScope) -> NormScope:
-        return base
 
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return self.model.loss(x, y)

@@ -12,12 +12,10 @@ schedule and the optimizer.
 2. `Pipeline.sum_shared_grads`: the tied embedding's gradient is summed over the embedding
    group (the first and the last stage of this pipeline) so both copies get the serial
    gradient (the main weights know where that gradient is: `MainWeights.sum_grad`).
-3. `Pipeline.norm_scope`: the global gradient norm is summed over TP (by the caller's scope)
-   and PP, the tied copy on the last stage not counted (`trainer.optim.grad_clip`).
-4. `Pipeline.reduce_loss`: the loss lives on the last stage. It is averaged over DP there and
+3. `Pipeline.reduce_loss`: the loss lives on the last stage. It is averaged over DP there and
    broadcast over the pipeline, so *every* rank returns the step's loss and global rank 0 (the
    first stage) logs it like any other run.
-5. `Pipeline.eval_loss`: the validation forward, stage to stage; `Pipeline.report`: the
+4. `Pipeline.eval_loss`: the validation forward, stage to stage; `Pipeline.report`: the
    timeline at the end of a run.
 
 The embedding group is split from the PP communicator rather than the world: it is its first
@@ -45,10 +43,9 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
 from trainer.config.options import TrainConfig
-from trainer.data_parallel.grad_sync import DataParallel
+from trainer.data_parallel.split import GradSync
 from trainer.model.gpt import GPT
 from trainer.model.precision import at_least_fp32
-from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights
 from trainer.pipeline.actions import Action
 from trainer.pipeline.check import check_schedule
@@ -117,11 +114,6 @@ class Pipeline:
         if self.embd is not None and self.tied is not None:
             weights.sum_grad(self.tied, self.embd)
 
-    def norm_scope(self, base: NormScope) -> NormScope:
-        """``base`` (TP) extended over the pipeline, counting the tied weight once."""
-        copy = self.tied if self.tied is not None and not self.layout.holds_first else None
-        return base.along(self.comm, lambda p: p is not copy)
-
     def reduce_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """The global batch's loss on every rank, a 0-d tensor left on the device: DP average,
         then from the last stage."""
@@ -158,7 +150,7 @@ class Pipeline:
 
 
 def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Communicator,
-                   dp: DataParallel, dp_group: Communicator, device: torch.device) -> Pipeline:
+                   dp: GradSync, dp_group: Communicator, device: torch.device) -> Pipeline:
     """The schedule, stage, p2p shape and embedding group of this rank (collective over pp)."""
     schedule = build(cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.microbatches, layout.v)
     check_schedule(schedule, cfg.parallel.pp, layout.v, m=cfg.parallel.microbatches)

@@ -15,40 +15,40 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint import Checkpoint
 from trainer.comm.bootstrap import World
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_mesh
-from trainer.config.options import TrainConfig, mesh_shape, resolve_dp
+from trainer.config.options import TrainConfig, resolve_dp
 from trainer.construction import build_rank_model
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
 from trainer.data.sources import TokenData, make_batches
 from trainer.data.token_batches import TokenBatches
-from trainer.data_parallel.grad_sync import DataParallel
+from trainer.data_parallel.split import GradSync, data_parallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
 from trainer.hf.folder import load_rank_slices, read_folder
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT
-from trainer.moe.parallel import ExpertDataParallel, apply_expert_parallel, ep_scope
-from trainer.optim.grad_clip import NormScope, tp_scope
+from trainer.moe.layer import set_aux_scale
+from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.pipeline.partition import StageLayout
 from trainer.pipeline.stages import build_stage_model, tied_weight
+from trainer.placement import dp_axes, leads, place_parameters, placement_of
 from trainer.tensor_parallel.parallelize import parallelize
 from trainer.tensor_parallel.random import RNGStatesTracker
 from trainer.training import startup
 from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
 from trainer.training.pipeline_step import build_pipeline, stage_layout
-from trainer.training.resume import restore, start_anew
+from trainer.training.resume import Restored, restore, start_anew
 from trainer.training.step import DropoutSeeds
-from trainer.zero import build_zero, resume_shards
+from trainer.zero import build_zero
 
 
 @dataclass
@@ -59,8 +59,9 @@ class Run:
     mesh: Mesh
     """This rank's place on the axes and its groups, each timed on ``clock``."""
     model: GPT
-    dp: DataParallel
-    """The gradient sync: DP (expert DP with experts, the reduce-scatter under ZeRO-1)."""
+    dp: GradSync
+    """The gradient sync: over each parameter's DP replicas (the reduce-scatter under
+    ZeRO-1)."""
     weights: MainWeights
     """What AdamW steps (`trainer.optim.main_weights`)."""
     body: StepBody
@@ -76,11 +77,8 @@ class Run:
     guard: StepGuard
     clock: CommClock
     """Communication time of every group (`trainer.comm.timing`)."""
-    writers: Communicator
-    """The ranks that write one checkpoint together (`trainer.train.save_checkpoint`)."""
-    start_step: int
-    resumed: str
-    """What --resume did: the step, skipped checkpoints, changed options (for the banner)."""
+    restored: Restored
+    """Where the run starts: the checkpoint's step (0: none), what --resume did and read."""
     device_notes: str
     """What `trainer.gpu` set up for the banner (tf32, compiled blocks)."""
 
@@ -92,7 +90,7 @@ class Run:
 
 def mesh_for(cfg: TrainConfig, world: World) -> Mesh:
     """The mesh of ``cfg``'s layout over ``world`` (collective: splits the world)."""
-    return Mesh.build(world.comm, mesh_shape(resolve_dp(cfg, world.size)), world.device)
+    return Mesh.build(world.comm, resolve_dp(cfg, world.size).parallel.mesh(), world.device)
 
 
 def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = None) -> Run:
@@ -110,16 +108,13 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
         load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
                          mesh.rank("tp"), mesh.size("tp"))
-    experts = apply_expert_parallel(model, mesh, microbatches=cfg.parallel.microbatches)
+    set_aux_scale(model, cfg.parallel.microbatches)
+    place_parameters(model, mesh, copies=_copies(cfg, layout))
     optimizer = _optimizer(cfg, model)
-    shard = (mesh.rank("tp"), mesh.rank("pp"), mesh.rank("ep"))
-    deciders = [mesh.group("dp"), mesh.group("tp"), mesh.group("pp")]
-    start, resumed, ckpt = restore(cfg, model, optimizer, deciders=deciders, shard=shard,
-                                   device=device) if cfg.checkpoint.resume else \
-        start_anew(cfg, leader=mesh.rank() == 0)
     dtype = model_dtype(cfg.optimizer.precision, device)
-    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, experts, clock, layout=layout,
-                           resumed=(ckpt, shard))
+    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, clock, layout=layout)
+    restored = restore(cfg, mesh, weights) if cfg.checkpoint.resume else \
+        start_anew(cfg, leader=mesh.rank() == 0)
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
     if cfg.compile and compile_blocks(model, cfg.micro_batch, world=mesh.group()):
         notes.append("compiled blocks")
@@ -127,30 +122,39 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
                            plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
                                           cfg.parallel.microbatches),
                            dp_rank=mesh.rank("dp"))
-    if isinstance(batches, TokenBatches) and ckpt is not None:  # continue the sample order
-        batches.restore(ckpt.meta["data"]["samples"], start + 1)
+    if isinstance(batches, TokenBatches) and restored.samples is not None:
+        batches.restore(restored.samples, restored.step + 1)  # continue the sample order
     opt = cfg.optimizer
     lr_schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
                              decay_steps=cfg.decay_end)
     body: StepBody = build_pipeline(cfg, model, layout, mesh.group("pp"), dp,
                                     mesh.group("dp"), device) if layout is not None else \
         Accumulation(model, dp, mesh.group("dp"))
-    scope = tp_scope(mesh.group("tp"))
-    if experts:
-        scope = ep_scope(scope, mesh.group("ep"), model)
-    writers = mesh.group() if cfg.optimizer.zero else mesh.group().split(
-        mesh.rank("edp"), mesh.rank("tp", "ep", "pp"), name="writers")
     return Run(cfg, mesh, model, dp, weights, body, batches, corpus, lr_schedule,
                DropoutSeeds.of(cfg.seed, mesh, pipelined=layout is not None), tracker,
-               body.norm_scope(scope), StepGuard(cfg.skip_nonfinite), clock, writers, start,
-               resumed, ", ".join(n for n in notes if n))
+               _norm_scope(weights, mesh), StepGuard(cfg.skip_nonfinite), clock, restored,
+               ", ".join(n for n in notes if n))
+
+
+def _copies(cfg: TrainConfig, layout: StageLayout | None) -> dict[str, str]:
+    """The parameters that copy another stage's tensor: the last stage's tied head."""
+    copy = cfg.gpt.tied and layout is not None and layout.holds_last and not layout.holds_first
+    return {"head.weight": "tok_emb.weight"} if copy else {}
+
+
+def _norm_scope(weights: MainWeights, mesh: Mesh) -> NormScope:
+    """The gradient norm summed over the world, each rank counting the stepped tensors it
+    leads (`trainer.placement.leads`): every element of the model once, on any layout."""
+    world = mesh.group()
+    counted = {id(t) for t in weights.values() if leads(placement_of(t), mesh)}
+    return NormScope((world,) if world.size > 1 else (), lambda t: id(t) in counted)
 
 
 def _checked_inputs(cfg: TrainConfig, corpus: Corpus | TokenData | None, mesh: Mesh
                     ) -> Corpus | TokenData:
     """The mesh fits the layout, and every rank reads the same training data (``corpus``,
     read here when not given)."""
-    shape = mesh_shape(cfg)
+    shape = cfg.parallel.mesh()
     if mesh.shape != shape:
         raise TrainerError("mesh does not match the options", repr(mesh),
                            f"the options ask for {shape}",
@@ -179,10 +183,10 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
 
 
 def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
-             dtype: torch.dtype | None, mesh: Mesh, experts: bool, clock: CommClock, *,
-             layout: StageLayout | None, resumed: tuple[Checkpoint | None, tuple[int, ...]]
-             ) -> tuple[DataParallel, MainWeights]:
-    """The gradient sync over the mesh's DP group, and what holds the main weights."""
+             dtype: torch.dtype | None, mesh: Mesh, clock: CommClock, *,
+             layout: StageLayout | None) -> tuple[GradSync, MainWeights]:
+    """The gradient sync over the mesh's DP groups (each parameter over the axes its copies
+    span, `trainer.placement.dp_axes`), and what holds the main weights."""
     par = cfg.parallel
     reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
     dp_comm = mesh.group("dp")
@@ -191,14 +195,10 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=par.bucket_size,
                                 overlap=par.overlap, reduce_dtype=reduce_dtype,
                                 alone=[tied] if tied is not None else [], blocked=clock.blocked)
-        ckpt, shard = resumed
-        if ckpt is not None and ckpt.optim is None:
-            resume_shards(zero, ckpt, shard[:2], [mesh.group()], mesh.device)
         return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
-    dp = ExpertDataParallel.build(model, dp_comm, mesh.group("edp"), **dp_options) \
-        if experts else DataParallel(model, dp_comm, **dp_options)
+    dp = data_parallel(model, lambda p: dp_axes(placement_of(p)), mesh.group, **dp_options)
     if dtype is None:
         return dp, PlainWeights(dp.params, optimizer)
     # Cast after DP's broadcast from rank 0, so the fp32 main weights are rank 0's too.

@@ -72,7 +72,7 @@ def run_step(run: Run, step: int) -> PendingStep:
         run.dp.finish_grad_sync()
     run.body.sum_shared_grads(run.weights)
     grad_norm = clip_grad_norm(run.weights.grads(), run.cfg.optimizer.grad_clip,
-                               run.weights.scope(run.norm_scope))
+                               run.norm_scope)
     loss = run.body.reduce_loss(loss_sum)
     lr = run.lr_schedule.lr_at(step)
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike

@@ -5,8 +5,10 @@
 * `trainer.zero.layout`     which gradient elements a DP rank owns (buckets padded to dp)
 * `trainer.zero.grad_sync`  `DataParallel` with a bucketed, overlapped reduce-scatter
 * `trainer.zero.optimizer`  AdamW over this rank's shard, then the all-gather of parameters
-* `trainer.zero.state`      checkpoints: each DP rank writes its shard; resume re-shards
-* `trainer.zero.reshard`    which saved shard files hold the pieces of a new layout
+* `trainer.zero.memory`     expected and held bytes per rank, peak memory per step
+
+A ZeRO-1 piece carries its placement (`trainer.placement`): a checkpoint holds each piece
+once, and a run resumes at any layout, ZeRO-1 or not (`trainer.checkpoint.pieces`).
 """
 
 from __future__ import annotations
@@ -20,9 +22,8 @@ from torch import nn
 from trainer.comm.protocol import Communicator
 from trainer.zero.grad_sync import ShardedGradSync
 from trainer.zero.optimizer import ZeroOptimizer
-from trainer.zero.state import resume_shards
 
-__all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero", "resume_shards"]
+__all__ = ["ShardedGradSync", "ZeroOptimizer", "build_zero"]
 
 
 def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communicator,

@@ -11,36 +11,29 @@ buffer (`trainer.zero.grad_sync`). AdamW is elementwise, so stepping pieces is s
 tensors; weight decay follows the piece's parameter (matrices only, `trainer.optim.optimizer`).
 
 `ZeroOptimizer` has the `trainer.optim.main_weights.MainWeights` interface (``grads``,
-``scope``, ``step``, ``sum_grad``, ``values``, ``optimizer``), so a training step is written
+``step``, ``sum_grad``, ``values``, ``publish``, ``optimizer``), so a training step is written
 once for every way of holding the weights:
 
-* ``scope`` counts every gradient element once across DP, TP and PP: the pieces are disjoint
-  across DP ranks, so their squared norms are summed over DP too, and the TP/PP rule of a
-  piece's parameter (replicated weights on TP rank 0, the tied copy on the first stage) applies.
+* every piece carries its placement: its parameter's, narrowed to the piece's range and no
+  longer a replica over DP (`trainer.placement`), so the gradient norm counts each element
+  once across DP, TP and PP, and a checkpoint holds each piece once;
 * ``step`` runs AdamW on the pieces, then ``publish`` all-gathers the stepped shards, bucket
   by bucket, into every rank's parameters (the step waits for it: ``blocked`` marks the wait
   for the communication clock, `trainer.comm.timing`).
-
-Checkpoints hold each DP rank's pieces in a file of its own (`trainer.zero.state`); a run
-resumes at any dp, each rank reading only the saved shards that overlap its pieces.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
-from trainer.optim.grad_clip import NormScope
 from trainer.optim.optimizer import set_lr
+from trainer.placement.parameters import DP_AXES
 from trainer.zero.grad_sync import ShardedGradSync
-
-if TYPE_CHECKING:
-    from trainer.zero.state import ShardReads
 
 
 class ZeroOptimizer:
@@ -49,9 +42,9 @@ class ZeroOptimizer:
     def __init__(self, sync: ShardedGradSync, full: torch.optim.Optimizer,
                  dtype: torch.dtype | None,
                  blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
-        """``full``: the AdamW the run built over the whole model (restored on --resume); its
-        hyperparameters and groups are kept and its state (if any) is sliced into the pieces,
-        then dropped. ``dtype``: what the model is then cast to (bf16), or None (keep)."""
+        """``full``: the AdamW the run built over the whole model, whose groups and
+        hyperparameters the pieces take. ``dtype``: what the model is then cast to (bf16), or
+        None (keep)."""
         self.sync, self.model, self.dtype, self.blocked = sync, sync.model, dtype, blocked
         self.layout, self.params = sync.layout, sync.params
         self.pieces = self.layout.pieces()
@@ -62,6 +55,8 @@ class ZeroOptimizer:
         for piece in self.pieces:
             part = self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
             main = nn.Parameter(part.clone().float() if dtype is not None else part)
+            main.placement = self.params[piece.param].placement.piece(piece.lo, piece.hi,
+                                                                     over=DP_AXES)
             self.main.append(main)
             groups[group_of[id(self.params[piece.param])]].append(main)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in full.param_groups]
@@ -70,26 +65,10 @@ class ZeroOptimizer:
             [{**h, "params": ps} for h, ps in zip(hyper, groups, strict=True)],
             lr=full.defaults["lr"])
         self.full_groups = [list(g["params"]) for g in full.param_groups]
-        self._take_state(full)
-        self.restored: ShardReads | None = None
-        """What a resume read of a sharded checkpoint (`trainer.zero.state.resume_shards`)."""
-        self._model_of = {id(m): self.params[p.param] for m, p in zip(self.main, self.pieces,
-                                                                      strict=True)}
         if dtype is not None:
             for p in self.params:
                 p.grad = None
             self.model.to(dtype)
-
-    @torch.no_grad()
-    def _take_state(self, full: torch.optim.Optimizer) -> None:
-        for main, piece in zip(self.main, self.pieces, strict=True):
-            state = full.state.get(self.params[piece.param])
-            if state:
-                self.optimizer.state[main] = {
-                    k: v.clone() if k == "step" else
-                    v.reshape(-1)[piece.lo:piece.hi].to(main.dtype, copy=True)
-                    for k, v in state.items()}
-        full.state.clear()  # the whole model's moments: never kept under ZeRO
 
     def grads(self) -> list[nn.Parameter]:
         """The main pieces, each with its part of the reduce-scattered gradient as .grad."""
@@ -97,12 +76,6 @@ class ZeroOptimizer:
             shard = self.sync.shard_grad(piece.bucket)
             main.grad = shard[piece.at:piece.at + piece.hi - piece.lo]
         return self.main
-
-    def scope(self, scope: NormScope) -> NormScope:
-        """``scope`` over the pieces: summed over DP as well, each counting where its
-        parameter does."""
-        dp = (self.sync.comm,) if self.sync.comm.size > 1 else ()
-        return NormScope((*dp, *scope.groups), lambda m: scope.counts(self._model_of[id(m)]))
 
     def step(self, lr: float) -> None:
         """AdamW on this rank's pieces, then the all-gather of the parameters (`publish`),

@@ -1,0 +1,193 @@
+"""A run's trained state as slices of global tensors: what a rank saves, and what it reads back,
+at any layout (`trainer.placement`).
+
+What a rank's optimizer steps (its parameters, their fp32 main copies, or its ZeRO-1 pieces)
+are `Held` tensors, each with its `Placement` and its AdamW moments. A save writes the slices
+this rank is the writer of (`trainer.placement.writers`: one writer per slice, spread over
+the ranks that hold it), each flattened, under ``<kind>/<global name>`` (kinds: ``param``,
+``exp_avg``, ``exp_avg_sq``); the index records every slice's placement. A load asks, for each
+tensor of the new placement, which saved slices overlap it (`trainer.placement.copies`), opens
+only the files that hold them, reads from each only the range it needs (memory-mapped), and
+copies the overlaps in: no rank ever holds a saved tensor it does not own, beyond one piece.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.files import FileRecord, TensorFile
+from trainer.checkpoint.layout import FALLBACK_HINT, CheckpointDamaged
+from trainer.checkpoint.load import read_index, read_meta
+from trainer.placement import Copy, Placement, copies, placement_of
+
+PARAM, MOMENTS = "param", ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Held:
+    """One tensor a rank's optimizer steps, where it lies, and its optimizer state."""
+
+    tensor: torch.Tensor
+    placement: Placement
+    moments: dict[str, torch.Tensor]
+
+
+def held(stepped: Iterable[torch.Tensor], optimizer: torch.optim.Optimizer) -> list[Held]:
+    """The stepped tensors (each carrying ``.placement``) with their AdamW moments."""
+    return [Held(t, placement_of(t), {k: v for k, v in optimizer.state.get(t, {}).items()
+                                      if k in MOMENTS}) for t in stepped]
+
+
+def adam_step(optimizer: torch.optim.Optimizer) -> int:
+    """AdamW's step count on this rank (0: no state yet)."""
+    return max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+
+
+def stage(tensors: Sequence[Held], writes: Sequence[bool]
+          ) -> tuple[dict[str, torch.Tensor], list[Any]]:
+    """A copy, on the CPU, of every slice this rank writes (``writes``: for each held tensor,
+    `trainer.placement.writers`), and the index entries that describe them: (tensors by key,
+    contents)."""
+    out: dict[str, torch.Tensor] = {}
+    contents: list[Any] = []
+    for h, mine in zip(tensors, writes, strict=True):
+        if not mine:
+            continue
+        for kind, value in ((PARAM, h.tensor), *sorted(h.moments.items())):
+            key = f"{kind}/{h.placement.name}"
+            out[key] = value.detach().reshape(-1).to("cpu", copy=True)
+            contents.append({"kind": kind, "key": key, **h.placement.to_json()})
+    return out, contents
+
+
+@dataclass(frozen=True)
+class Read:
+    """Copy ``copies`` of saved flat tensor ``key`` into target number ``slot`` (flat)."""
+
+    key: str
+    slot: int
+    copies: tuple[Copy, ...]
+
+
+@dataclass
+class ReadPlan:
+    """The saved slices one rank reads, file by file, and the files it opened (verified)."""
+
+    reads: dict[str, list[Read]] = field(default_factory=dict)
+    opened: dict[str, TensorFile] = field(default_factory=dict)
+
+    def bytes(self, record: dict[str, FileRecord]) -> int:
+        return sum(record[name].size for name in self.opened)
+
+
+def plan(path: Path, index: dict[str, Any], record: dict[str, FileRecord],
+         targets: Sequence[tuple[str, Placement]]) -> ReadPlan:
+    """Where every target (its kind and placement) comes from; opens and verifies the files
+    that hold any of it. Raises `CheckpointDamaged` when the index lacks part of a target (a
+    file or an entry missing)."""
+    saved: dict[tuple[str, str], list[tuple[str, str, Placement]]] = {}
+    for name, entries in index["files"].items():
+        for e in entries or ():
+            saved.setdefault((e["kind"], e["name"]), []).append(
+                (name, e["key"], Placement.from_json(e)))
+    out = ReadPlan()
+    for slot, (kind, want) in enumerate(targets):
+        found, limit = 0, _overlap_end(want, saved.get((kind, want.name), []))
+        for file, key, have in saved.get((kind, want.name), []):
+            moves = copies(want, have, limit)
+            if moves:
+                out.reads.setdefault(file, []).append(Read(key, slot, tuple(moves)))
+                found += sum(c.n for c in moves)
+        if found < _expected(want, limit):
+            raise CheckpointDamaged(
+                f"checkpoint {path} is incomplete", f"{kind} of {want.name}",
+                f"its index holds {found:,} of the {_expected(want, limit):,} elements this "
+                "rank needs (a tensor file or its entries are missing)", FALLBACK_HINT)
+    for file in sorted(out.reads):
+        out.opened[file] = TensorFile(path, file, record)
+    return out
+
+
+def _overlap_end(want: Placement, saved: list[tuple[str, str, Placement]]) -> int | None:
+    """Where the saved rows end when the saved tensor has fewer rows than this run's (a
+    vocabulary padded to another multiple); None when the shapes are the same."""
+    if not saved or saved[0][2].shape == want.shape:
+        return None
+    have = saved[0][2].shape
+    if have[1:] != want.shape[1:]:
+        raise CheckpointDamaged(f"tensor {want.name} has another shape",
+                                f"checkpoint {list(have)}, this run {list(want.shape)}",
+                                "only the rows of a padded vocabulary may differ", FALLBACK_HINT)
+    return min(have[0], want.shape[0]) * math.prod(want.shape[1:])
+
+
+def _expected(want: Placement, limit: int | None) -> int:
+    """The elements of ``want`` that a checkpoint must hold (those below ``limit``)."""
+    if limit is None:
+        return want.numel
+    probe = Placement(want.name, want.shape, want.tp, want.flat)
+    return sum(c.n for c in copies(probe, Placement(want.name, want.shape), limit))
+
+
+@torch.no_grad()
+def read(plan: ReadPlan, targets: Sequence[torch.Tensor]) -> None:
+    """Fill every target (flat, in `plan`'s order), one saved slice at a time, reading from
+    each file (memory-mapped) only the range of each slice that holds what this rank needs."""
+    for file, reads in plan.reads.items():
+        source = plan.opened[file]
+        for r in reads:
+            lo = min(c.src_at for c in r.copies)
+            hi = max(c.src_at + c.n for c in r.copies)
+            data = source.read(r.key, lo, hi)
+            target = targets[r.slot]
+            for c in r.copies:
+                target[c.dst_at:c.dst_at + c.n].copy_(data[c.src_at - lo:c.src_at - lo + c.n])
+            del data
+
+
+def install(optimizer: torch.optim.Optimizer, tensors: Sequence[Held],
+            moments: Sequence[dict[str, torch.Tensor]], step: int,
+            groups: Sequence[dict[str, Any]]) -> None:
+    """Put the read moments and AdamW's step count into ``optimizer``'s state, and the saved
+    hyperparameters into its groups (as torch's ``load_state_dict`` would)."""
+    dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    for h, saved in zip(tensors, moments, strict=True):
+        if step and saved:
+            on_device = group_of[id(h.tensor)].get("fused") or \
+                group_of[id(h.tensor)].get("capturable")
+            optimizer.state[h.tensor] = {
+                "step": torch.tensor(float(step), dtype=torch.float32 if on_device else dtype,
+                                     device=h.tensor.device if on_device else "cpu"),
+                **saved}
+    for group, hyper in zip(optimizer.param_groups, groups, strict=True):
+        group.update({k: tuple(v) if k == "betas" else v for k, v in hyper.items()})
+
+
+def assemble(path: Path, kind: str = PARAM) -> dict[str, torch.Tensor]:
+    """Every whole global tensor of ``kind`` the checkpoint ``path`` holds, by name, put
+    together from its slices (a merge: reads every file that holds one, each verified; for
+    one process that wants everything)."""
+    record, _ = read_meta(path)
+    index = read_index(path, record)
+    shapes: dict[str, tuple[int, ...]] = {}
+    first: dict[str, tuple[str, str]] = {}
+    for file, entries in index["files"].items():
+        for e in entries or ():
+            if e["kind"] == kind:
+                shapes.setdefault(e["name"], tuple(e["shape"]))
+                first.setdefault(e["name"], (file, e["key"]))
+    if not shapes:
+        return {}
+    how = plan(path, index, record, [(kind, Placement(n, s)) for n, s in shapes.items()])
+    # Allocated once the files are open (verified): in the saved slices' dtype.
+    out = {name: torch.empty(shape, dtype=how.opened[first[name][0]].read(
+        first[name][1], 0, 0).dtype) for name, shape in shapes.items()}
+    read(how, [t.view(-1) for t in out.values()])
+    return out
