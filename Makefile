@@ -16,7 +16,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# compat: a plain path entry in a .pth file. The default editable finder is a module every
 	# Python process of the venv imports at start-up (~0.1 s: head, agents and ranks alike).
-	$(PY) -m pip install -q -e '.[dev]' --config-settings editable_mode=compat
+	# The constraint keeps torch at the CPU wheel: the dev extra's frameworks (lightning-fabric,
+	# accelerate, deepspeed) accept any torch, and their builds must not fetch another one.
+	echo 'torch==2.13.0' > $(VENV)/constraints.txt
+	PIP_CONSTRAINT=$(VENV)/constraints.txt $(PY) -m pip install -q -e '.[dev]' \
+		--config-settings editable_mode=compat
 	touch $@
 
 # Compiled modules for every Python process of a launch and of the tests (head, agents, ranks):

@@ -14,6 +14,28 @@ torchrun-compatible variables (an unmodified ``torch.distributed`` ``env://`` sc
     MASTER_ADDR       an address of rank 0's host that the other hosts can reach
     MASTER_PORT       a TCP port on MASTER_ADDR free for a rendezvous store
 
+The rest of what a torchrun worker gets (`torch/distributed/elastic/agent/server/
+local_elastic_agent.py`), so frameworks that look for torchrun take their torchrun path:
+Lightning (`TorchElasticEnvironment`) and `torch.distributed.is_torchelastic_launched()` test
+TORCHELASTIC_RUN_ID; without it Lightning picks its MPI mode whenever mpi4py sees a PMI world,
+which ignores MASTER_ADDR and waits on rank 0's host name:
+
+    TORCHELASTIC_RUN_ID         the job id (DTRAIN_JOB_ID)
+    TORCHELASTIC_RESTART_COUNT  restarts of the job before this round: 0 for a first run (the
+                                plan's ``restart_count``, set by the restart logic)
+    TORCHELASTIC_MAX_RESTARTS   restarts the job may have (the plan's ``max_restarts``; 0)
+    TORCHELASTIC_USE_AGENT_STORE
+                                False: rank 0 serves the env:// store at MASTER_ADDR:MASTER_PORT
+                                (True would make every rank a client of an agent's store)
+    ROLE_RANK, ROLE_WORLD_SIZE  RANK and WORLD_SIZE (one role)
+    ROLE_NAME                   default
+    GROUP_WORLD_SIZE            the number of hosts
+    TORCH_NCCL_ASYNC_ERROR_HANDLING
+                                1 (a timed-out NCCL operation tears the process down) unless set
+
+TORCHELASTIC_ERROR_FILE is left out: torchrun points it at a file its agent reads back after a
+failure (`@record`); dtrain reports a failure from the rank's exit status and stderr.
+
 MPICH wire-up (PMI-1, served through the per-host agent):
 
     PMI_FD            a socket inherited from the agent (default), or
@@ -35,7 +57,15 @@ dtrain's own:
                       take the first interface, often a bridge or docker0)
 
 Forwarded from the head (launcher/plan/environment.py): variables whose names start with one
-of FORWARDED_PREFIXES or are named in FORWARDED_NAMES, then .dtrainenv files and --env. PATH is
+of FORWARDED_PREFIXES or are named in FORWARDED_NAMES, then .dtrainenv files and --env. Besides
+the communication libraries' own (NCCL_, UCX_, FI_, GLOO_, MPICH_...), these are the settings the
+common frameworks read from the environment, so a script written for another launcher sees the
+head's: DeepSpeed DS_ (DS_ACCELERATOR=cpu picks its CPU accelerator; DeepSpeed's own launcher
+forwards only its export list and .deepspeed_env), Accelerate ACCELERATE_, FSDP_, MEGATRON_LM_
+and PARALLELISM_CONFIG_ (what `accelerate launch` would have set from its config), Lightning
+PL_ (PL_GLOBAL_SEED...), Megatron-core and Transformer Engine NVTE_ and
+PYTORCH_CUDA_ALLOC_CONF (PYTORCH_), NVIDIA_TF32_OVERRIDE, torch.compile TORCHINDUCTOR_,
+TORCHDYNAMO_ and TRITON_, Hugging Face HF_, TRANSFORMERS_ and TOKENIZERS_. PATH is
 merged rather than replaced: the head's entries first, then the host's own PATH entries that
 are not already in it, so ``python`` (or any argv[0]) is the head's wherever the head's
 virtualenv or conda prefix exists on the host, and the host's own otherwise. VIRTUAL_ENV,
@@ -55,9 +85,16 @@ the group, the group's size), the operation last entered (`PROGRESS_SLOT_OP`, on
 operation: sequence number counted from 1, op code into `PROGRESS_OPS`, dtype code into
 `PROGRESS_DTYPES`, p2p kind 0 none / 1 send / 2 recv, peer as a group rank or -1, bytes,
 `time.monotonic()` of entry: CLOCK_MONOTONIC, shared by every process of the host and never
-stepped) and the number of operations completed (`PROGRESS_SLOT_DONE`, an 8-byte word at an
-offset that is a multiple of 8, so the rank updates it with one store). A reader copies the
-record until two copies agree (`read_progress`), so a torn write is never seen.
+stepped), the number of operations completed (`PROGRESS_SLOT_DONE`, an 8-byte word at an
+offset that is a multiple of 8, so the rank updates it with one store) and the last
+`PROGRESS_HISTORY` operations entered (`PROGRESS_HISTORY_AT`: one aligned 8-byte word per
+operation, operation ``seq`` at index ``seq % PROGRESS_HISTORY``: its op code in bits 0-7,
+peer + 1 in bits 16-31 (0: none) and, from bit 32, the number of collectives entered on the
+group so far, this one included).
+Collectives must run in the same order on every member of a group, point-to-point operations
+need not (a pipeline's inner stages send and receive where the outer ones do one of the two),
+so the diagnosis lines collectives up by that count, not by the sequence number. A reader copies
+the record until two copies agree (`read_progress`), so a torn write is never seen.
 """
 
 from __future__ import annotations
@@ -81,6 +118,15 @@ PMI_ID = "PMI_ID"
 PMI_RANK = "PMI_RANK"
 PMI_SIZE = "PMI_SIZE"
 JOB_ID = "DTRAIN_JOB_ID"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+ROLE_RANK = "ROLE_RANK"
+ROLE_NAME = "ROLE_NAME"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 HOST = "DTRAIN_HOST"
 PROGRESS_FILE = "DTRAIN_PROGRESS_FILE"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
@@ -94,11 +140,20 @@ SCRUBBED_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "SLURM_")
 FORWARDED_PREFIXES = (
     "NCCL_", "PYTHON", "CUDA_", "MPICH_", "MPIR_CVAR_", "TORCH_", "UCX_", "FI_", "HF_",
     "WANDB_", "MLFLOW_", "GLOO_", "OMP_", "MKL_", "LANG", "LC_", "TZ",
+    # frameworks' settings (see above)
+    "DS_", "ACCELERATE_", "FSDP_", "MEGATRON_LM_", "PARALLELISM_CONFIG_", "PL_", "NVTE_",
+    "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_", "TRANSFORMERS_", "TOKENIZERS_",
 )
 
 #: Head-node variables forwarded by exact name: the programs and interpreter the head would run
-#: (PATH is put in front of the host's own PATH, see above).
-FORWARDED_NAMES = (PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")
+#: (PATH is put in front of the host's own PATH, see above), and TF32 for Megatron-core.
+FORWARDED_NAMES = (PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV",
+                   "NVIDIA_TF32_OVERRIDE")
+
+#: torchrun's variables equal on every rank of a job, which the plan sets (see above).
+TORCHRUN_JOB_WIDE = (TORCHELASTIC_RUN_ID, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS,
+                     TORCHELASTIC_USE_AGENT_STORE, ROLE_NAME, ROLE_WORLD_SIZE, GROUP_WORLD_SIZE,
+                     TORCH_NCCL_ASYNC_ERROR_HANDLING)
 
 
 class DtrainError(Exception):
@@ -181,6 +236,7 @@ def from_mpi_launcher(environ: Mapping[str, str]) -> dict[str, str]:
                 "not started by mpiexec/mpirun. Start it with `dtrain launch`")
     node = str(int(found[RANK]) // max(1, int(found[LOCAL_WORLD_SIZE])))
     found[GROUP_RANK] = found[NODE_RANK] = node
+    found[ROLE_RANK] = found[RANK]
     return found
 
 
@@ -200,19 +256,23 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
         ) from None
 
 
-PROGRESS_MAGIC = b"DTPROG1\0"
+PROGRESS_MAGIC = b"DTPROG2\0"
 PROGRESS_HEADER = struct.Struct("=8sIIqddd16x")   # 64 bytes
 PROGRESS_SLOT_ID = struct.Struct("=24sii")        # 32 bytes at slot + 0
 PROGRESS_SLOT_OP = struct.Struct("=QBBbxiQd")     # 32 bytes at slot + 32
 PROGRESS_SLOT_DONE = struct.Struct("=Q")          # 8 bytes at slot + 64
-PROGRESS_SLOT_SIZE = 80
+PROGRESS_HISTORY = 16                             # 8-byte words at slot + 72
+PROGRESS_DONE_AT = PROGRESS_SLOT_ID.size + PROGRESS_SLOT_OP.size  # in a slot; 8-aligned in file
+PROGRESS_HISTORY_AT = PROGRESS_DONE_AT + PROGRESS_SLOT_DONE.size
+PROGRESS_SLOT_SIZE = PROGRESS_HISTORY_AT + 8 * PROGRESS_HISTORY   # 200, a multiple of 8
 PROGRESS_SLOTS = 32
 PROGRESS_SIZE = PROGRESS_HEADER.size + PROGRESS_SLOTS * PROGRESS_SLOT_SIZE
-PROGRESS_DONE_AT = PROGRESS_SLOT_ID.size + PROGRESS_SLOT_OP.size  # in a slot; 8-aligned in file
 PROGRESS_OPS = ("", "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv",
                 "batch_p2p", "all_to_all", "barrier", "split")
 PROGRESS_DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int64", "int32", "int8",
                    "uint8", "bool")
+#: Operations matched pairwise rather than by every member in the same order.
+PROGRESS_P2P_OPS = frozenset({"send", "recv", "batch_p2p"})
 
 
 @dataclass(frozen=True)
@@ -230,6 +290,9 @@ class GroupProgress:
     peer: int
     nbytes: int
     entered_at: float  # time.monotonic() on the rank's host
+    # The last operations entered, oldest first, the last one included: (seq, op, peer as a
+    # group rank or -1, collectives entered on the group up to it).
+    history: tuple[tuple[int, str, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -265,8 +328,18 @@ def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
         (done,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + PROGRESS_DONE_AT)
         groups.append(GroupProgress(
             label.rstrip(b"\0").decode("utf-8", "replace"), grank, gsize, seq, done,
-            _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered))
+            _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered,
+            _history(raw, at + PROGRESS_HISTORY_AT, seq)))
     return RankProgress(pid, rank, step, step_at, compute, avg, tuple(groups))
+
+
+def _history(raw: bytes, at: int, seq: int) -> tuple[tuple[int, str, int, int], ...]:
+    entries = []
+    for n in range(max(1, seq - PROGRESS_HISTORY + 1), seq + 1):
+        (word,) = PROGRESS_SLOT_DONE.unpack_from(raw, at + 8 * (n % PROGRESS_HISTORY))
+        entries.append((n, _name(PROGRESS_OPS, word & 0xFF), ((word >> 16) & 0xFFFF) - 1,
+                        word >> 32))
+    return tuple(entries)
 
 
 def _name(names: tuple[str, ...], code: int) -> str:

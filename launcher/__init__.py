@@ -63,7 +63,8 @@ launcher/ and trainer/ never import each other.
                                next agent on the host (adapter)
                  facts         what the agent reports about its host (dtrain check)
                  progress      the ranks' progress records: folder, reading, py-spy stacks
-    hang/        views, diagnose, watch, status: hang diagnosis, stragglers, live table (pure)
+    hang/        views, model, causes, cycles, graph, diagnose: who caused a hang (the
+                 Diagnosis the restart logic reads); watch, status: stragglers, live table (pure)
     pmi/         PMI-1 codec, per-host proxy core and the actions it asks for, the head's
                  key-value space, the stall clock (pure)
     check        the preflight table (`dtrain check`)

@@ -49,6 +49,27 @@ def test_only_allow_listed_prefixes_are_forwarded():
                                    "TORCH_LOGS": "+dynamo", "OMP_NUM_THREADS": "4"}
 
 
+def test_the_settings_frameworks_read_from_the_environment_are_forwarded():
+    """DeepSpeed, Accelerate, Lightning, Megatron-core / Transformer Engine, torch.compile and
+    Hugging Face read these (workerenv's FORWARDED_PREFIXES); torchrun's own are the plan's."""
+    head = {"DS_ACCELERATOR": "cpu", "DS_SKIP_CUDA_CHECK": "1", "ACCELERATE_MIXED_PRECISION": "no",
+            "FSDP_OFFLOAD_PARAMS": "false", "MEGATRON_LM_TP_DEGREE": "2",
+            "PARALLELISM_CONFIG_TP_SIZE": "2", "PL_GLOBAL_SEED": "7", "NVTE_FLASH_ATTN": "0",
+            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "NVIDIA_TF32_OVERRIDE": "0",
+            "TORCHINDUCTOR_CACHE_DIR": "/c", "TORCHDYNAMO_VERBOSE": "1", "TRITON_CACHE_DIR": "/t",
+            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    outside = {"TORCHELASTIC_RUN_ID": "other", "ROLE_RANK": "5", "DSX": "no", "ACCELERATOR": "x"}
+    assert forwarded_env({**head, **outside}) == head
+
+
+@pytest.mark.parametrize("name", ["TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                                  "TORCHELASTIC_USE_AGENT_STORE", "ROLE_RANK",
+                                  "GROUP_WORLD_SIZE"])
+def test_env_assignment_of_a_torchrun_variable_the_plan_sets_is_a_usage_error(name):
+    with pytest.raises(UsageError, match="set per rank"):
+        parse_env_assignments([f"{name}=1"])
+
+
 def test_the_head_interpreter_variables_are_forwarded_by_name():
     head = {"PATH": "/venv/bin:/usr/bin", "VIRTUAL_ENV": "/venv", "CONDA_PREFIX": "/c",
             "CONDA_DEFAULT_ENV": "base", "PATHOLOGY": "no", "MANPATH": "/man", "HOME": "/root"}

@@ -60,11 +60,16 @@ def test_a_rank_that_skips_an_all_reduce_is_named_and_the_job_is_aborted(cluster
     assert res.returncode == 123, res.stderr[-3000:]
     text = _diagnosis(tmp_path)
     # dp 2 x tp 2: rank 2's DP group is dp[0] = {0, 2}; it skipped its 3rd all-reduce, so
-    # rank 0's 5th (#5 on dp[0]) is the one rank 2 never entered.
-    assert "rank 2 (node2) never entered all_reduce #5 on dp[0] (float32, 1.0 KiB)" in text
-    assert "rank 0 (node1) waits in it" in text
-    assert "hang:" in res.stderr and "never entered all_reduce #5 on dp[0]" in res.stderr
-    assert "hung (" in res.stderr  # the final report names the hang as the job's failure
+    # rank 0's 5th (#5 on dp[0]) is the one rank 2 never entered. Rank 2 waits in the final
+    # barrier for rank 0 in turn: a cycle, broken by the ranks in the barrier with rank 2,
+    # which entered 5 operations on their DP group where rank 2 entered 4.
+    assert text.splitlines()[0].endswith(
+        "cause: rank 2 (node2) never entered all_reduce #5 on dp[0] (float32, 1.0 KiB), which "
+        "rank 0 (node1) waits in: it entered 4 operations on dp[0], in conflict with the counts "
+        "of 3 other ranks (the same program cannot have brought them there); now it waits in "
+        "barrier #4 on world"), text
+    assert "rank 0 (node1) waits in all_reduce #5 on dp[0]" in text and "a consequence" in text
+    assert "first failure: rank 2@node2: hung (rank 2 (node2) never entered" in res.stderr
     assert time.monotonic() - started < HANG_TIMEOUT + SLACK_S
 
 
@@ -74,9 +79,9 @@ def test_a_stage_blocked_in_a_pipeline_receive_names_its_peer_with_its_stack(clu
                       WORKER, "pipe"], timeout=120)
     assert res.returncode == 123, res.stderr[-3000:]
     text = _diagnosis(tmp_path)
-    assert ("rank 0 (node1) waits in batch_p2p #6 on pp[0] to receive from rank 1 (node2) "
-            "(its rank 1 there)") in text
-    assert "rank 1 (node2): is in no communication operation at step 2" in text
+    assert ("cause: rank 1 (node2) never posted its part of batch_p2p #6 on pp[0] (float32, "
+            "256 B), which rank 0 (node1) waits in; it is in no communication operation at "
+            "step 2") in text, text
     assert "stack of rank 1" in text and "pipe (hang_worker.py" in text  # py-spy's dump
 
 
@@ -100,12 +105,40 @@ def test_a_stopped_rank_of_a_pipeline_training_run_is_named_as_stopped(cluster, 
     assert f"rank 1 (node2): is stopped (SIGSTOP/SIGTSTP); `kill -CONT {stopped[0]}`" in text
     # Where rank 0 waits depends on where the stop landed (a pipeline p2p on pp[0], the tied
     # embedding's all-reduce on embd[0], the loss or time-limit reductions on the world): any
-    # operation of a group it shares with the stopped rank. When rank 1 was stopped before a
-    # collective that rank 0 then entered, the line names the operation first: "rank 1 never
-    # entered all_reduce #11 on embd[0] (...); rank 0 (node1) waits in it".
+    # operation of a group it shares with the stopped rank; it is named as waiting for it.
     op = r"\w+ #\d+ on \w+(\[\d+\])?"
-    assert re.search(rf"0 \(node1\)[^\n]*? waits? in {op}", text) or \
-        re.search(rf"never entered {op}[^\n]*; rank 0 \(node1\) waits in it", text), text
+    assert re.search(rf"cause: rank 1 \(node2\) is stopped [^\n]*; rank 0 \(node1\) waits for "
+                     rf"it in {op}", text), text
+
+
+# One real run per operation kind, on both the TP group and the world, with the skipping rank
+# as a broadcast's root and not: (kind, family, rank, elements). The non-root broadcast is 1 MiB:
+# a small one's root returns at once and nobody hangs (`tests.test_hang_blame`).
+REAL_SKIPS = [("all_reduce", "tp", 1, 256), ("all_gather", "world", 2, 256),
+              ("reduce_scatter", "tp", 3, 256), ("broadcast", "tp", 0, 256),
+              ("broadcast", "world", 1, 262144), ("p2p", "world", 1, 256)]
+
+
+@pytest.mark.parametrize(("kind", "family", "rank", "numel"), REAL_SKIPS,
+                         ids=[f"{k}-{f}-rank{r}" for k, f, r, _ in REAL_SKIPS])
+def test_real_ranks_blame_exactly_the_rank_that_skipped_an_operation(kind, family, rank, numel,
+                                                                    tmp_path):
+    """4 MPICH ranks (dp 2 x tp 2) run every operation kind on the TP group and the world each
+    step; one leaves one out in the last step. The headline names it, the operation, group
+    and sequence number it skipped, and the job's failure blames only it."""
+    from tests.test_hang_blame import skipped
+
+    res = run_dtrain(["launch", "--nproc-per-node", "4", "--hang-timeout", str(HANG_TIMEOUT),
+                      "--hang-action", "abort", "--grace", "1", "--log-dir", str(tmp_path),
+                      "--", PYTHON, WORKER, "leave", kind, family, str(rank), str(numel)],
+                     timeout=120)
+    assert res.returncode == 123, res.stderr[-3000:]
+    first = _diagnosis(tmp_path).splitlines()[0]
+    label = f"tp[{rank // 2}]" if family == "tp" else "world"
+    op = "batch_p2p" if kind == "p2p" else kind
+    assert f"cause: rank {rank} (localhost) " in first, first
+    assert f"{op} #{skipped(kind, family)[1]} on {label}" in first, first
+    assert f"first failure: rank {rank}@localhost: hung (" in res.stderr, res.stderr[-3000:]
 
 
 def _is_rank(pid: int) -> bool:

@@ -22,83 +22,97 @@ def rank(r: int, host: str, *groups: GroupView, state: str = "running", step: in
                     groups=groups)
 
 
+def op(label: str, grank: int, seq: int, done: int, name: str = "all_reduce", size: int = 2,
+       age: float = 10.0, **kw) -> GroupView:
+    """A group whose every operation so far was ``name`` (a collective unless point-to-point)."""
+    p2p = name in ("send", "recv", "batch_p2p")
+    history = tuple((n, name, kw.get("peer", -1), 0 if p2p else n) for n in range(1, seq + 1))
+    return GroupView(label, grank, size, seq, done, name, kw.pop("dtype", "float32"),
+                     nbytes=kw.pop("nbytes", 1024), age=age, history=history, **kw)
+
+
 def ar(label: str, grank: int, seq: int, done: int, age: float = 10.0) -> GroupView:
-    return GroupView(label, grank, 2, seq, done, "all_reduce", "float32", nbytes=1024, age=age)
+    return op(label, grank, seq, done, age=age)
+
+
+def barrier(grank: int, seq: int, done: int) -> GroupView:
+    return op("world", grank, seq, done, "barrier", size=4, age=11.0, dtype="", nbytes=0)
 
 
 def skipped_all_reduce() -> list[RankView]:
     """dp 2 x tp 2: rank 2 skipped dp[0]'s all-reduce #4 and waits in the world barrier."""
     return [
-        rank(0, "node1", ar("dp[0]", 0, 4, 3, age=12.0), ar("tp[0]", 0, 4, 4)),
-        rank(1, "node1", ar("dp[1]", 0, 4, 4), ar("tp[0]", 1, 4, 4),
-             GroupView("world", 1, 4, 4, 3, "barrier", age=11.0)),
-        rank(2, "node2", ar("dp[0]", 1, 3, 3), ar("tp[1]", 0, 4, 4),
-             GroupView("world", 2, 4, 4, 3, "barrier", age=11.0)),
-        rank(3, "node2", ar("dp[1]", 1, 4, 4), ar("tp[1]", 1, 4, 4),
-             GroupView("world", 3, 4, 4, 3, "barrier", age=11.0)),
+        rank(0, "node1", ar("dp[0]", 0, 4, 3, age=12.0), ar("tp[0]", 0, 4, 4), barrier(0, 3, 3)),
+        rank(1, "node1", ar("dp[1]", 0, 4, 4), ar("tp[0]", 1, 4, 4), barrier(1, 4, 3)),
+        rank(2, "node2", ar("dp[0]", 1, 3, 3), ar("tp[1]", 0, 4, 4), barrier(2, 4, 3)),
+        rank(3, "node2", ar("dp[1]", 1, 4, 4), ar("tp[1]", 1, 4, 4), barrier(3, 4, 3)),
     ]
 
 
-def test_a_rank_that_skipped_an_all_reduce_is_named_with_operation_number_and_group():
-    views = skipped_all_reduce()
-    views[0] = rank(0, "node1", ar("dp[0]", 0, 4, 3, age=12.0), ar("tp[0]", 0, 4, 4),
-                    GroupView("world", 0, 4, 3, 3, "split", age=30.0))
-    found = diagnose(views)
-    line = next(s for s in found.lines if "dp[0]" in s and "never entered" in s)
-    assert line.startswith("rank 2 (node2) never entered all_reduce #4 on dp[0] "
-                           "(float32, 1.0 KiB) (rank 2 last entered #3)")
-    assert "rank 0 (node1) waits in it (for 12.0s)" in line
-    # The world barrier that rank 0 never reached is the other half of the same mismatch.
-    assert any("rank 0 (node1) never entered barrier #4 on world" in s for s in found.lines)
-    assert set(found.culprits) == {0, 2}
-    assert any("rank 2 (node2): waits in barrier #4 on world" in s for s in found.lines)
+def test_a_rank_that_skipped_an_all_reduce_is_blamed_and_the_rank_waiting_for_it_is_not():
+    """Rank 0 waits for rank 2 in dp[0], rank 2 for rank 0 in the world barrier: the cycle is
+    broken by the ranks waiting with rank 2 in the barrier, which each entered 4 operations on
+    their DP group where rank 2 entered 3."""
+    found = diagnose(skipped_all_reduce())
+    assert found.culprit_ranks == (2,) and found.blamed_hosts == ("node2",), found.text
+    assert (found.kind, found.group, found.op, found.seq) == ("behind", "dp[0]", "all_reduce", 4)
+    assert found.headline.startswith("rank 2 (node2) never entered all_reduce #4 on dp[0] "
+                                     "(float32, 1.0 KiB), which rank 0 (node1) waits in: it "
+                                     "entered 3 operations on dp[0]"), found.text
+    assert "now it waits in barrier #4 on world" in found.headline
+    assert "  ranks 1 (node1), 3 (node2) wait in barrier #4 on world (for 11.0s) for rank 0 " \
+           "(node1): a consequence, not a cause" in found.lines, found.text
+    assert "rank 2 (node2): waits in barrier #4 on world" in found.text
 
 
 def test_a_rank_blocked_in_a_pipeline_receive_names_its_peer_and_the_peer_state():
-    recv = GroupView("pp[0]", 0, 2, 7, 6, "batch_p2p", "float32", p2p=2, peer=1, nbytes=64,
-                     age=9.0)
+    recv = op("pp[0]", 0, 7, 6, "batch_p2p", p2p=2, peer=1, nbytes=64, age=9.0)
     views = [rank(0, "node1", recv),
-             rank(1, "node2", GroupView("pp[0]", 1, 2, 6, 6, "batch_p2p", age=9.5),
-                  state="stopped")]
+             rank(1, "node2", op("pp[0]", 1, 6, 6, "batch_p2p", age=9.5), state="stopped")]
     found = diagnose(views, {1: "Thread 42 (idle)\n    forward (model.py:10)\n"})
-    assert found.culprits == (1,)
-    assert found.lines[0] == ("rank 0 (node1) waits in batch_p2p #7 on pp[0] to receive from "
-                              "rank 1 (node2) (its rank 1 there) for 9.0s")
-    assert "rank 1 (node2): is stopped (SIGSTOP/SIGTSTP); `kill -CONT 1001`" in found.text
+    assert found.culprit_ranks == (1,) and found.kind == "stopped"
+    assert found.headline == ("rank 1 (node2) is stopped (SIGSTOP/SIGTSTP); `kill -CONT 1001` "
+                              "on its host resumes it; rank 0 (node1) waits for it in batch_p2p "
+                              "#7 on pp[0] (float32, 64 B)")
     assert "        forward (model.py:10)" in found.lines  # the stack, indented under it
 
 
 def test_a_rank_stopped_inside_a_receive_from_a_running_peer_is_still_named_as_stopped():
-    waits = GroupView("pp[0]", 1, 2, 7, 6, "batch_p2p", "float32", p2p=2, peer=0, nbytes=64,
-                      age=9.0)
-    views = [rank(0, "node1", GroupView("pp[0]", 0, 2, 6, 6, "batch_p2p", age=9.5)),
+    waits = op("pp[0]", 1, 7, 6, "batch_p2p", p2p=2, peer=0, nbytes=64, age=9.0)
+    views = [rank(0, "node1", op("pp[0]", 0, 6, 6, "batch_p2p", age=9.5)),
              rank(1, "node2", waits, state="stopped")]
     found = diagnose(views)
-    assert found.culprits == (0, 1)
+    assert found.culprit_ranks == (1, 0)
+    assert found.headline.startswith("rank 1 (node2) is stopped (SIGSTOP/SIGTSTP); `kill -CONT "
+                                     "1001`")
     assert "rank 0 (node1): is in no communication operation" in found.text
-    assert "rank 1 (node2): is stopped (SIGSTOP/SIGTSTP); `kill -CONT 1001`" in found.text
 
 
 def test_two_ranks_each_waiting_to_receive_from_the_other_is_called_a_deadlock():
-    views = [rank(r, "n", GroupView("pp[0]", r, 2, 1, 0, "recv", p2p=2, peer=1 - r))
-             for r in (0, 1)]
-    assert "a deadlock" in diagnose(views).lines[0]
+    views = [rank(r, "n", op("pp[0]", r, 1, 0, "recv", p2p=2, peer=1 - r)) for r in (0, 1)]
+    found = diagnose(views)
+    assert found.kind == "deadlock" and found.culprit_ranks == (0, 1)
+    assert found.headline == ("rank 0 (n) waits in recv #1 on pp[0] for rank 1 (n), which waits "
+                              "for it in turn (a deadlock)")
 
 
 def test_when_every_member_entered_the_operation_nobody_is_blamed():
     views = [rank(r, f"node{r}", ar("dp[0]", r, 9, 8)) for r in (0, 1)]
     found = diagnose(views)
-    assert found.culprits == ()
-    assert found.lines[0] == ("ranks 0 (node0), 1 (node1) wait in all_reduce #9 on dp[0]: every "
+    assert found.culprit_ranks == () and found.blamed_hosts == () and found.kind == "stalled"
+    assert found.headline == ("ranks 0 (node0), 1 (node1) wait in all_reduce #9 on dp[0]: every "
                               "member entered it, but it does not complete (a network or device "
                               "problem?)")
 
 
-def test_a_rank_computing_outside_communication_is_described_as_such():
+def test_a_rank_computing_outside_communication_is_blamed_as_behind():
     views = [rank(0, "a", ar("dp[0]", 0, 3, 2)), rank(1, "b", ar("dp[0]", 1, 2, 2, age=4.0))]
-    text = diagnose(views).text
-    assert "rank 1 (b): is in no communication operation at step 5 (computing or blocked " \
-           "elsewhere); its last operation, all_reduce #2 on dp[0], began 4.0s ago" in text
+    found = diagnose(views)
+    assert found.culprit_ranks == (1,) and found.kind == "behind"
+    assert found.headline.startswith("rank 1 (b) never entered all_reduce #3 on dp[0] (float32, "
+                                     "1.0 KiB), which rank 0 (a) waits in; it is in no "
+                                     "communication operation at step 5")
+    assert "its last operation, all_reduce #2 on dp[0], began 4.0s ago" in found.text
 
 
 def test_ranks_are_grouped_by_host_in_messages():
@@ -217,3 +231,20 @@ def test_perf_check_launches_one_rank_per_host_on_the_same_hosts_and_ssh_setting
         "n2:3"
     assert "--ssh-accept-new" in argv and argv[argv.index("--ssh-config") + 1] == "/c"
     assert argv[argv.index("--") + 1:] == ["/py", "-E", "-P", "-m", "trainer.health.perf"]
+
+
+def test_a_world_of_thousands_blames_its_one_late_rank_in_a_headline_of_one_line():
+    """2,048 ranks, 8 per host, wait in all-reduce #10 on the world; rank 77 is in none."""
+    views = [rank(r, f"h{r // 8}", op("world", r, 9 if r == 77 else 10, 9, size=2048))
+             for r in range(2048)]
+    found = diagnose(views)
+    assert found.culprit_ranks == (77,) and found.blamed_hosts == ("h9",)
+    assert found.headline.startswith("rank 77 (h9) never entered all_reduce #10 on world "
+                                     "(float32, 1.0 KiB), which 2047 ranks 0-76, 78-2047 "
+                                     "(256 hosts) wait in; it is in no communication operation")
+
+
+def test_many_ranks_are_named_as_ranges_with_their_host_count():
+    views = {r: rank(r, f"n{r % 3}") for r in range(30)}
+    assert who([*range(0, 5), *range(6, 20)], views) == "19 ranks 0-4, 6-19 (3 hosts)"
+    assert who(range(0, 30, 3), views) == "10 ranks 0, 3, 6, 9, 12, 15, ... (1 host)"

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+import workerenv
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_host_list, parse_hostfile_text
 from launcher.hosts.selection import select_hosts
@@ -46,6 +47,15 @@ def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
     assert argv[-9:] == ["/venv/bin/python", "-E", "-P", "-m", "launcher.mpirun.rankshim", "--",
                          "python", "t.py", "a b"]
     assert "RANK" not in argv  # per-rank variables come from the workerenv shim
+    # torchrun's job-wide variables too, so frameworks that look for torchrun find it
+    assert (cmd.env["TORCHELASTIC_RUN_ID"], cmd.env["TORCHELASTIC_RESTART_COUNT"],
+            cmd.env["GROUP_WORLD_SIZE"]) == ("job-1", "0", "2")
+
+
+def test_the_rank_shim_derives_torchruns_role_rank_from_the_mpi_launchers_rank():
+    env = workerenv.from_mpi_launcher({"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "1",
+                                       "MPI_LOCALNRANKS": "2"})
+    assert (env["RANK"], env["ROLE_RANK"], env["GROUP_RANK"]) == ("3", "3", "1")
 
 
 def test_open_mpi_command_uses_a_hostfile_map_by_slot_and_x_exports():

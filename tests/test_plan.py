@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 
@@ -53,7 +54,26 @@ def test_rank_env_holds_the_whole_contract_once_the_rendezvous_is_known():
         we.RANK: "3", we.WORLD_SIZE: "5", we.LOCAL_RANK: "1", we.LOCAL_WORLD_SIZE: "2",
         we.GROUP_RANK: "1", we.NODE_RANK: "1", we.MASTER_ADDR: "node1",
         we.MASTER_PORT: "29500", we.JOB_ID: "j7", we.HOST: "node2", we.PMI_RANK: "3",
-        we.PMI_SIZE: "5", we.OMP_NUM_THREADS: "1"}
+        we.PMI_SIZE: "5", we.OMP_NUM_THREADS: "1",
+        # what torchrun adds (torch/distributed/elastic/agent/server/local_elastic_agent.py)
+        we.TORCHELASTIC_RUN_ID: "j7", we.TORCHELASTIC_RESTART_COUNT: "0",
+        we.TORCHELASTIC_MAX_RESTARTS: "0", we.TORCHELASTIC_USE_AGENT_STORE: "False",
+        we.ROLE_RANK: "3", we.ROLE_NAME: "default", we.ROLE_WORLD_SIZE: "5",
+        we.GROUP_WORLD_SIZE: "3", we.TORCH_NCCL_ASYNC_ERROR_HANDLING: "1"}
+
+
+def test_the_restart_count_is_the_plans_and_reaches_every_rank():
+    plan = dataclasses.replace(plan_for(), restart_count=2, max_restarts=3)
+    for spec in plan.ranks:
+        env = plan.rank_env(spec)
+        assert (env[we.TORCHELASTIC_RESTART_COUNT], env[we.TORCHELASTIC_MAX_RESTARTS]) == \
+            ("2", "3")
+    assert plan.job_env()[we.TORCHELASTIC_RESTART_COUNT] == "2"  # --launcher mpirun's too
+
+
+def test_a_users_nccl_error_handling_wins_over_torchruns_default():
+    plan = plan_for(base_env={we.TORCH_NCCL_ASYNC_ERROR_HANDLING: "3"})
+    assert plan.rank_env(plan.ranks[0])[we.TORCH_NCCL_ASYNC_ERROR_HANDLING] == "3"
 
 
 def test_worker_contract_reads_back_what_the_plan_wrote():

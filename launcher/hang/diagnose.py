@@ -1,12 +1,9 @@
-"""Which rank holds a hung job up, in which operation, on which group (pure).
+"""A hung job's diagnosis: the root cause as data for the restart logic, and as text (pure).
 
 Input: every rank's view (`launcher.hang.views`) and the Python stacks the agents could take.
-Members of one group share its label (``dp[1]``) and count its operations alike, so a
-collective in which some members wait at sequence number ``s`` while others have entered fewer
-than ``s`` operations names the latter: they *never entered* ``op #s`` on that group. A rank
-waiting in a point-to-point receive names its peer. Each named rank is then described: stopped
-(SIGSTOP), exited, waiting elsewhere, or in no operation at all (computing or blocked outside
-communication), with its stack when one was taken. A stopped rank is always named.
+`launcher.hang.causes` finds the causes; this module orders the text: one headline naming the
+first cause (rank, host, operation, group, sequence number), then the other causes, then the
+ranks that only wait as a consequence (never blamed), then each blamed rank's state and stack.
 """
 
 from __future__ import annotations
@@ -14,24 +11,40 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from launcher.hang.causes import analyse
+from launcher.hang.model import P2P, Cause
 from launcher.hang.views import GroupView, RankView
 
-_RECV = 2
+MAX_CONSEQUENCE_LINES = 12   # one per operation waited in; a big job's others are counted
+MAX_NAMED = 8                # ranks named one by one with their hosts; more are given as ranges
 
 
 @dataclass(frozen=True)
 class Diagnosis:
-    culprits: tuple[int, ...]   # the ranks the job waits for
-    lines: tuple[str, ...]
+    """Why a job is hung. `launcher.hang` documents the fields the restart logic reads."""
+
+    kind: str                        # the headline cause's kind (`causes.KINDS`), or "stalled"
+    culprit_ranks: tuple[int, ...]   # every rank blamed, the headline's first
+    blamed_hosts: tuple[str, ...]    # their hosts, each once, in the same order
+    group: str                       # the headline's group, operation and sequence number
+    op: str                          # ("" and 0 when no operation names the cause)
+    seq: int
+    headline: str
+    lines: tuple[str, ...]           # what follows the headline
+    causes: tuple[Cause, ...] = ()
 
     @property
     def text(self) -> str:
-        return "\n".join(self.lines)
+        return "\n".join((self.headline, *self.lines))
 
 
 def who(ranks: Iterable[int], views: Mapping[int, RankView]) -> str:
-    """``rank 2 (node2)`` or ``ranks 0, 1 (node1), 3 (node2)``: ranks grouped by host."""
+    """``rank 2 (node2)`` or ``ranks 0, 1 (node1), 3 (node2)``: ranks grouped by host; beyond
+    `MAX_NAMED` ranks, ``2047 ranks 0-76, 78-2047 (256 hosts)``."""
     ordered = sorted(set(ranks))
+    if len(ordered) > MAX_NAMED:
+        hosts = len({views[r].host for r in ordered if r in views})
+        return f"{len(ordered)} ranks {_ranges(ordered)} ({hosts} host{'s' * (hosts != 1)})"
     by_host: dict[str, list[int]] = {}
     for r in ordered:
         by_host.setdefault(views[r].host if r in views else "?", []).append(r)
@@ -39,85 +52,102 @@ def who(ranks: Iterable[int], views: Mapping[int, RankView]) -> str:
     return f"{'rank' if len(ordered) == 1 else 'ranks'} {', '.join(parts)}"
 
 
+def _ranges(ordered: Sequence[int], most: int = 6) -> str:
+    runs: list[list[int]] = []
+    for r in ordered:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    shown = [f"{a}-{b}" if b > a else str(a) for a, b in runs[:most]]
+    return ", ".join(shown) + (", ..." if len(runs) > most else "")
+
+
 def diagnose(views: Sequence[RankView], stacks: Mapping[int, str] | None = None) -> Diagnosis:
     by_rank = {v.rank: v for v in views}
-    members: dict[str, dict[int, tuple[RankView, GroupView]]] = {}
-    for v in views:
-        for g in v.groups:
-            members.setdefault(g.label, {})[g.group_rank] = (v, g)
-    lines: list[str] = []
-    culprits: list[int] = []
-    for label in sorted(members):
-        found = _collective_findings(label, members[label], by_rank)
-        for text, missing in found:
-            lines.append(text)
-            culprits += [r for r in missing if r not in culprits]
-    for text, peer in _p2p_findings(views, members, by_rank):
-        lines.append(text)
-        if peer not in culprits:
-            culprits.append(peer)
-    if not lines:
-        lines.append(_nobody_missing(views, by_rank))
-    # A stopped rank holds the job up whatever it was doing when stopped: one stopped inside
-    # a receive from a running peer names that peer above, and must be named itself too.
-    culprits += [v.rank for v in views if v.state == "stopped" and v.rank not in culprits]
+    found = analyse(views)
+    told = [_cause_text(c, by_rank, found.needs) for c in found.causes]
+    lines = [f"also: {t}" for t in told[1:]]
+    lines += _consequences(found.explained, found.needs, by_rank)
+    stalled = [v for v in views if v.waiting and v.rank not in found.explained
+               and v.rank not in {c.rank for c in found.causes}]
+    headline = told[0] if told else _stalled(stalled or list(views), by_rank)
+    if told and stalled:
+        lines.append(_stalled(stalled, by_rank))
+    culprits = tuple(c.rank for c in found.causes)
     for r in culprits:
-        lines.append(f"  {who([r], by_rank)}: {_describe(by_rank[r])}")
-    for r in (culprits or sorted(by_rank)):
+        lines.append(f"  {who([r], by_rank)}: {describe(by_rank[r])}" if r in by_rank else
+                     f"  rank {r}: has no progress record")
+    for r in (culprits or tuple(sorted(by_rank))):
         if stacks and stacks.get(r):
             lines.append(f"  stack of rank {r} (pid {by_rank[r].pid}):")
             lines += [f"    {s}" for s in stacks[r].rstrip().splitlines()]
-    return Diagnosis(tuple(culprits), tuple(lines))
+    hosts = tuple(dict.fromkeys(by_rank[r].host for r in culprits if r in by_rank))
+    first = found.causes[0] if found.causes else None
+    return Diagnosis(first.kind if first else "stalled", culprits, hosts,
+                     first.label if first else "", first.op if first else "",
+                     first.seq if first else 0, headline, tuple(lines), found.causes)
 
 
-def _collective_findings(label: str, mem: Mapping[int, tuple[RankView, GroupView]],
-                         by_rank: Mapping[int, RankView]) -> list[tuple[str, list[int]]]:
-    found = []
-    seqs = sorted({g.seq for _, g in mem.values() if g.in_flight and g.p2p == 0})
-    for s in seqs:
-        waiting = [v.rank for v, g in mem.values() if g.in_flight and g.seq == s and g.p2p == 0]
-        missing = sorted(v.rank for v, g in mem.values() if g.seq < s)
-        size = next(iter(mem.values()))[1].group_size
-        unseen = size - len(mem)
-        if not missing and not unseen:
-            continue
-        g = next(g for v, g in mem.values() if v.rank == waiting[0])
-        what = f"{g.op} #{s} on {label}{_payload(g)}"
-        parts = []
-        if missing:
-            lasts = "; ".join(f"rank {r} last entered #{_seq_of(mem, r)}" for r in missing)
-            parts.append(f"{who(missing, by_rank)} never entered {what} ({lasts})")
-        if unseen:
-            parts.append(f"{unseen} member(s) of {label} have no progress record")
-        age = max(g.age for v, g in mem.values() if v.rank in waiting)
-        parts.append(f"{who(waiting, by_rank)} {_wait(waiting)} in it (for {age:.1f}s)")
-        found.append(("; ".join(parts), missing))
-    return found
+def _cause_text(c: Cause, by_rank: Mapping[int, RankView],
+                needs: Mapping[int, Sequence[int]]) -> str:
+    me = who([c.rank], by_rank)
+    waiters = who(c.waiters, by_rank) if c.waiters else ""
+    waited = next((g for w in c.waiters if w in by_rank
+                   for g in by_rank[w].waiting if g.label == c.label), None)
+    what = f"{c.op} #{c.seq} on {c.label}{_payload(waited)}" if c.op else ""
+    which = f", which {waiters} {_wait(c.waiters)} in" if waiters and what else ""
+    now = _now(by_rank.get(c.rank))
+    if c.kind == "past":
+        did = f"it entered {c.instead} there, which returned" if c.instead else \
+            "it went on beyond what its history holds"
+        return (f"{me} is past {what}{which}: {did} (it skipped {c.op} #{c.seq}, or ran another "
+                f"operation in its place); {now}")
+    if c.kind == "mismatch":
+        return (f"{me} entered {c.instead} on {c.label} where the other members entered {what}"
+                f"{which} (a mismatch: the same point of the program, different operations); "
+                f"{now}")
+    if c.kind == "behind" and c.op in P2P and what:
+        return f"{me} never posted its part of {what}{which}; {now}"
+    if c.kind == "behind" and what:
+        since = f": it entered {c.instead}" if c.instead else ""
+        return f"{me} never entered {what}{which}{since}; {now}"
+    if c.kind == "deadlock":
+        circle = [r for r in needs.get(c.rank, ()) if r in c.waiters]
+        return (f"{me} waits in {c.op} #{c.seq} on {c.label} for {who(circle, by_rank)}, which "
+                f"{_wait(circle)} for it in turn (a deadlock)")
+    state = describe(by_rank[c.rank]) if c.rank in by_rank else "has no progress record"
+    return f"{me} {state}" + (f"; {waiters} {_wait(c.waiters)} for it in {what}"
+                              if waiters and what else "")
 
 
-def _seq_of(mem: Mapping[int, tuple[RankView, GroupView]], rank: int) -> int:
-    return next(g.seq for v, g in mem.values() if v.rank == rank)
+def _now(v: RankView | None) -> str:
+    if v is None:
+        return "it has no progress record"
+    g = v.waiting[0] if v.waiting else None
+    if v.state != "running" or g is None:
+        return f"it {describe(v)}"
+    return f"now it waits in {g.op} #{g.seq} on {g.label}"
 
 
-def _p2p_findings(views: Sequence[RankView],
-                  members: Mapping[str, Mapping[int, tuple[RankView, GroupView]]],
-                  by_rank: Mapping[int, RankView]) -> list[tuple[str, int]]:
-    found = []
-    for v in views:
-        for g in v.waiting:
-            if g.p2p != _RECV or g.peer not in members.get(g.label, {}):
-                continue
-            peer, peer_group = members[g.label][g.peer]
-            both = peer_group.in_flight and peer_group.p2p == _RECV and \
-                peer_group.peer == g.group_rank
-            tail = " (each waits to receive from the other: a deadlock)" if both else ""
-            found.append((f"{who([v.rank], by_rank)} waits in {g.op} #{g.seq} on {g.label} to "
-                          f"receive from {who([peer.rank], by_rank)} (its rank {g.peer} there) "
-                          f"for {g.age:.1f}s{tail}", peer.rank))
-    return found
+def _consequences(explained: Iterable[int], needs: Mapping[int, Sequence[int]],
+                  by_rank: Mapping[int, RankView]) -> list[str]:
+    lines: dict[tuple[str, int, str, tuple[int, ...]], list[int]] = {}
+    for r in sorted(explained):
+        g = by_rank[r].waiting[0]
+        lines.setdefault((g.label, g.seq, g.op, tuple(needs[r])), []).append(r)
+    out = []
+    for (label, seq, op, needed), ranks in list(lines.items())[:MAX_CONSEQUENCE_LINES]:
+        age = max(g.age for r in ranks for g in by_rank[r].waiting[:1])
+        out.append(f"  {who(ranks, by_rank)} {_wait(ranks)} in {op} #{seq} on {label} (for "
+                   f"{age:.1f}s) for {who(needed, by_rank)}: a consequence, not a cause")
+    if len(lines) > MAX_CONSEQUENCE_LINES:
+        rest = sum(len(rs) for rs in list(lines.values())[MAX_CONSEQUENCE_LINES:])
+        out.append(f"  and {rest} more ranks waiting as a consequence")
+    return out
 
 
-def _nobody_missing(views: Sequence[RankView], by_rank: Mapping[int, RankView]) -> str:
+def _stalled(views: Sequence[RankView], by_rank: Mapping[int, RankView]) -> str:
     waits: dict[str, list[int]] = {}
     for v in views:
         for g in v.waiting[:1]:
@@ -132,7 +162,8 @@ def _wait(ranks: Sequence[int]) -> str:
     return "waits" if len(ranks) == 1 else "wait"
 
 
-def _describe(v: RankView) -> str:
+def describe(v: RankView) -> str:
+    """What a rank does now, for the lines under the headline."""
     if v.state == "stopped":
         return f"is stopped (SIGSTOP/SIGTSTP); `kill -CONT {v.pid}` on its host resumes it"
     if v.state == "exited":
@@ -140,9 +171,8 @@ def _describe(v: RankView) -> str:
     if v.state == "no-record":
         return "has written no progress record (still starting, or not using dtrain's trainer)"
     step = f" at step {v.step}" if v.step else ""
-    waiting = v.waiting
-    if waiting:
-        g = waiting[0]
+    if v.waiting:
+        g = v.waiting[0]
         return f"waits in {g.op} #{g.seq} on {g.label}{step} (for {g.age:.1f}s)"
     last = min(v.groups, key=lambda g: g.age, default=None)
     since = f"; its last operation, {last.op} #{last.seq} on {last.label}, began " \
@@ -150,8 +180,8 @@ def _describe(v: RankView) -> str:
     return f"is in no communication operation{step} (computing or blocked elsewhere){since}"
 
 
-def _payload(g: GroupView) -> str:
-    if not g.nbytes:
+def _payload(g: GroupView | None) -> str:
+    if g is None or not g.nbytes:
         return ""
     return f" ({g.dtype or 'data'}, {_size(g.nbytes)})"
 

@@ -30,10 +30,24 @@ class GroupView:
     peer: int = -1
     nbytes: int = 0
     age: float = 0.0      # seconds since the rank entered the operation
+    # The last operations entered, oldest first, this one included: (seq, op, peer, collectives
+    # entered on the group up to it), as `workerenv.GroupProgress.history`.
+    history: tuple[tuple[int, str, int, int], ...] = ()
 
     @property
     def in_flight(self) -> bool:
         return self.done < self.seq
+
+    @property
+    def collectives(self) -> int:
+        """Collectives entered on the group so far (0 when the history is empty)."""
+        return self.history[-1][3] if self.history else 0
+
+    def collective(self, number: int) -> tuple[int, str, int] | None:
+        """(seq, op, peer) of the group's collective ``number`` as this rank entered it, while
+        its history holds it."""
+        return next(((seq, op, peer) for seq, op, peer, count in self.history
+                     if count == number and op not in workerenv.PROGRESS_P2P_OPS), None)
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,8 @@ class RankView:
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> RankView:
-        groups = tuple(GroupView(**g) for g in body.get("groups", ()))
+        groups = tuple(GroupView(**{**g, "history": tuple(map(tuple, g.get("history", ())))})
+                       for g in body.get("groups", ()))
         return cls(**{**body, "groups": groups})
 
 
@@ -77,7 +92,7 @@ def view_of(record: workerenv.RankProgress | None, *, rank: int, host: str, stat
     if record is None:
         return RankView(rank, host, state="no-record" if state == "running" else state)
     groups = tuple(GroupView(g.label, g.group_rank, g.group_size, g.seq, g.done, g.op, g.dtype,
-                             g.p2p, g.peer, g.nbytes, max(0.0, now - g.entered_at))
+                             g.p2p, g.peer, g.nbytes, max(0.0, now - g.entered_at), g.history)
                    for g in record.groups)
     return RankView(rank, host, record.pid, state, record.step,
                     max(0.0, now - record.step_at) if record.step_at else None,

@@ -84,7 +84,7 @@ class ProgressMonitor:
             return self._conclude(now)
         if self.clock.due(self.views, now):
             self.clock.fired = True
-            blamed = diagnose(list(self.views.values())).culprits or tuple(
+            blamed = diagnose(list(self.views.values())).culprit_ranks or tuple(
                 sorted(self.views))[:MAX_STACKS]
             self._probing = {"id": len(self.diagnoses) + 1, "pending": set(hosts),
                              "until": now + PROBE_WAIT_S, "stacks": {},
@@ -96,22 +96,22 @@ class ProgressMonitor:
         probing, self._probing = self._probing or {}, None
         found = diagnose(list(self.views.values()), probing.get("stacks"))
         head = (f"hang: no rank made progress for {probing.get('stalled', 0.0):.1f}s "
-                f"(--hang-timeout {self.opts.hang_timeout:g})")
-        found = Diagnosis(found.culprits, (head, *found.lines))
+                f"(--hang-timeout {self.opts.hang_timeout:g}); cause: {found.headline}")
         self.diagnoses.append(found)
-        where = self._write(found, len(self.diagnoses))
-        for line in found.lines:
+        text = "\n".join((head, *found.lines))
+        where = self._write(text, len(self.diagnoses))
+        for line in text.splitlines():
             self._say(line)
         if where:
             self._say(f"hang diagnosis written to {where}")
         return found
 
-    def _write(self, found: Diagnosis, n: int) -> Path | None:
+    def _write(self, text: str, n: int) -> Path | None:
         if self.log_dir is None:
             return None
         path = self.log_dir / f"hang-{n}.txt"
         try:
-            path.write_text(found.text + "\n")
+            path.write_text(text + "\n")
         except OSError as exc:
             self._say(f"warning: cannot write {path}: {exc.strerror}")
             return None

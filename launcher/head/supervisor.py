@@ -151,9 +151,9 @@ class Supervisor:
         live = {link.index for link in self.links if link.index not in self.done_hosts}
         found = self.progress.tick(now, live)
         if found is not None and self.opts.hang_action == "abort" and not self.stopping:
-            where = ", ".join(f"rank {r}@{self.outcome.ranks[r].host}" for r in found.culprits
-                              if r in self.outcome.ranks) or "job"
-            self._fail(Failure(HANG_CODE, where, f"hung ({found.lines[1]}); stopped by "
+            where = ", ".join(f"rank {r}@{self.outcome.ranks[r].host}"
+                              for r in found.culprit_ranks if r in self.outcome.ranks) or "job"
+            self._fail(Failure(HANG_CODE, where, f"hung ({found.headline}); stopped by "
                                "--hang-action abort"))
 
     def _probe(self, body: dict[str, Any]) -> None:

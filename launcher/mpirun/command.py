@@ -30,7 +30,6 @@ import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import workerenv
 from launcher import netroute
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import HostEntry
@@ -82,12 +81,7 @@ def detect_flavour(mpirun: str) -> str:
 
 def shared_env(plan: JobPlan, rendezvous: Rendezvous) -> dict[str, str]:
     """Variables equal on every rank: the base environment plus the job-wide contract."""
-    env = dict(plan.base_env)
-    first = plan.ranks[0].env
-    for key in (workerenv.WORLD_SIZE, workerenv.JOB_ID, workerenv.OMP_NUM_THREADS):
-        if key in first:
-            env[key] = first[key]
-    return {**env, **rendezvous.env()}
+    return {**plan.base_env, **plan.job_env(), **rendezvous.env()}
 
 
 def addresses(hosts: Sequence[HostEntry], master_addr: str | None) -> Addresses:

@@ -3,8 +3,9 @@
 Composed on the head node, later sources winning:
 
 1. head variables whose names start with an allow-listed prefix (`workerenv.FORWARDED_PREFIXES`:
-   NCCL_, PYTHON, CUDA_, ...) or are named in `workerenv.FORWARDED_NAMES` (PATH, VIRTUAL_ENV,
-   CONDA_PREFIX, CONDA_DEFAULT_ENV: the rank's `python` is the one the head's shell finds).
+   NCCL_, PYTHON, CUDA_, ..., and the frameworks' DS_, ACCELERATE_, PL_, NVTE_, ...) or are
+   named in `workerenv.FORWARDED_NAMES` (PATH, VIRTUAL_ENV, CONDA_PREFIX, CONDA_DEFAULT_ENV:
+   the rank's `python` is the one the head's shell finds).
    Never the whole environment: LD_PRELOAD, BASH_ENV and secrets stay home.
    CUDA_VISIBLE_DEVICES is not forwarded either: it describes the head's GPUs, not the
    workers' (select GPUs with --include host:0,1);
@@ -52,10 +53,13 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
 ENV_FILE_NAME = ".dtrainenv"
-#: Contract variables only the plan may set (CUDA_VISIBLE_DEVICES and OMP_NUM_THREADS may be set).
+#: Contract variables only the plan may set (CUDA_VISIBLE_DEVICES, OMP_NUM_THREADS and
+#: TORCH_NCCL_ASYNC_ERROR_HANDLING may be set).
 LAUNCHER_OWNED = frozenset({
     we.RANK, we.WORLD_SIZE, we.LOCAL_RANK, we.LOCAL_WORLD_SIZE, we.GROUP_RANK, we.NODE_RANK,
-    we.MASTER_ADDR, we.MASTER_PORT, we.JOB_ID, we.HOST,
+    we.MASTER_ADDR, we.MASTER_PORT, we.JOB_ID, we.HOST, we.TORCHELASTIC_RUN_ID,
+    we.TORCHELASTIC_RESTART_COUNT, we.TORCHELASTIC_MAX_RESTARTS, we.TORCHELASTIC_USE_AGENT_STORE,
+    we.ROLE_RANK, we.ROLE_NAME, we.ROLE_WORLD_SIZE, we.GROUP_WORLD_SIZE,
 })
 NOT_FORWARDED = frozenset({we.CUDA_VISIBLE_DEVICES})
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

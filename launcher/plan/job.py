@@ -78,11 +78,28 @@ class JobPlan:
     argv: tuple[str, ...]
     cwd: str
     base_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # How many times the job was restarted before this round (TORCHELASTIC_RESTART_COUNT): the
+    # restart logic plans each round with its count; 0 for a first run.
+    restart_count: int = 0
+    # How many restarts the job may have (TORCHELASTIC_MAX_RESTARTS).
+    max_restarts: int = 0
 
     def rank_env(self, spec: RankSpec, rendezvous: Rendezvous | None = None) -> dict[str, str]:
         """The rank's full added environment: base_env, then the contract on top, with
         MASTER_ADDR/MASTER_PORT once the rendezvous is known."""
-        return {**self.base_env, **spec.env, **(rendezvous.env() if rendezvous else {})}
+        return {**self.base_env, **spec.env, **self.restart_env(),
+                **(rendezvous.env() if rendezvous else {})}
+
+    def restart_env(self) -> dict[str, str]:
+        """torchrun's restart variables, from this plan's counts (their one source)."""
+        return {we.TORCHELASTIC_RESTART_COUNT: str(self.restart_count),
+                we.TORCHELASTIC_MAX_RESTARTS: str(self.max_restarts)}
+
+    def job_env(self) -> dict[str, str]:
+        """The contract variables equal on every rank (what `--launcher mpirun` sets once)."""
+        first = self.ranks[0].env
+        shared = (we.WORLD_SIZE, we.JOB_ID, we.OMP_NUM_THREADS, *we.TORCHRUN_JOB_WIDE)
+        return {**{k: first[k] for k in shared if k in first}, **self.restart_env()}
 
     @property
     def ranks(self) -> tuple[RankSpec, ...]:
@@ -101,9 +118,15 @@ def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_i
     the `Rendezvous`, which start-up decides)."""
     _check_inputs(selected, argv, cwd, job_id, base_env)
     world_size = sum(len(host.slots) for host in selected)
-    shared = {we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size), we.JOB_ID: job_id}
+    shared = {we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size), we.JOB_ID: job_id,
+              # torchrun's (workerenv): frameworks that test for torchrun take its path
+              we.TORCHELASTIC_RUN_ID: job_id, we.TORCHELASTIC_USE_AGENT_STORE: "False",
+              we.ROLE_NAME: "default", we.ROLE_WORLD_SIZE: str(world_size),
+              we.GROUP_WORLD_SIZE: str(len(selected))}
     if we.OMP_NUM_THREADS not in base_env:  # one thread per rank unless the user chose
         shared[we.OMP_NUM_THREADS] = "1"
+    if we.TORCH_NCCL_ASYNC_ERROR_HANDLING not in base_env:  # torchrun's default
+        shared[we.TORCH_NCCL_ASYNC_ERROR_HANDLING] = "1"
     hosts, next_rank = [], 0
     for node_rank, host in enumerate(selected):
         hosts.append(_host_plan(host, node_rank, next_rank, shared))
@@ -151,7 +174,8 @@ def _host_plan(host: HostSlots, node_rank: int, first_rank: int,
         rank = first_rank + local_rank
         env = dict(shared)
         env.update({
-            we.RANK: str(rank), we.PMI_RANK: str(rank), we.LOCAL_RANK: str(local_rank),
+            we.RANK: str(rank), we.PMI_RANK: str(rank), we.ROLE_RANK: str(rank),
+            we.LOCAL_RANK: str(local_rank),
             we.LOCAL_WORLD_SIZE: str(count), we.GROUP_RANK: str(node_rank),
             we.NODE_RANK: str(node_rank), we.HOST: entry.name,
         })

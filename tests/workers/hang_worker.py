@@ -3,6 +3,10 @@
     python tests/workers/hang_worker.py skip    # dp 2 x tp 2: rank 2 skips step 3's DP all-reduce
     python tests/workers/hang_worker.py pipe    # pp 2: stage 1 stops sending at step 3
     python tests/workers/hang_worker.py busy    # 2 ranks: rank 1 computes alone for 8 s (healthy)
+    python tests/workers/hang_worker.py leave KIND FAMILY RANK [NUMEL]
+        # dp 2 x tp 2: every step runs each operation kind on the TP group, a DP all-reduce and
+        # each kind on the world (`tests.test_hang_blame.step_ops`); RANK leaves out KIND on
+        # FAMILY (tp or world) in the last step
 
 Each step reports itself to the progress record like the trainer does.
 """
@@ -71,5 +75,42 @@ def busy() -> None:
     print(f"rank {world.rank} done", flush=True)
 
 
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
+STEPS = 3
+
+
+def leave() -> None:
+    kind, family, skipper = sys.argv[2], sys.argv[3], int(sys.argv[4])
+    numel = int(sys.argv[5]) if len(sys.argv) > 5 else 256
+    world = init(backend="mpi")
+    groups = build_groups(world, ParallelDims(dp=2, tp=2, pp=1))
+    record = record_of(world.comm)
+    comms = {"tp": groups.tp, "dp": groups.dp, "world": world.comm}
+    t = torch.ones(numel)
+    for step in range(1, STEPS + 1):
+        for fam, k in [*(("tp", k) for k in KINDS), ("dp", "all_reduce"),
+                       *(("world", k) for k in KINDS)]:
+            if not (world.rank == skipper and step == STEPS and (fam, k) == (family, kind)):
+                _run(comms[fam], k, t)
+        record.step(step, 0.0)
+    world.comm.barrier()
+
+
+def _run(comm, kind: str, t: torch.Tensor) -> None:
+    n = comm.size
+    if kind == "all_reduce":
+        comm.all_reduce(t)
+    elif kind == "all_gather":
+        comm.all_gather(torch.empty(n * t.numel()), t)
+    elif kind == "reduce_scatter":
+        comm.reduce_scatter(torch.empty(t.numel() // n), t)
+    elif kind == "broadcast":
+        comm.broadcast(t, 0)
+    else:  # a ring exchange, as a pipeline's batched send and receive
+        got = torch.empty_like(t)
+        wait_all(comm.batch_p2p([P2POp("send", t, (comm.rank + 1) % n),
+                                 P2POp("recv", got, (comm.rank - 1) % n)]))
+
+
 if __name__ == "__main__":
-    {"skip": skip, "pipe": pipe, "busy": busy}[sys.argv[1]]()
+    {"skip": skip, "pipe": pipe, "busy": busy, "leave": leave}[sys.argv[1]]()

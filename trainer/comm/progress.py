@@ -12,10 +12,11 @@ collective, stopped, or spinning in MPI: no thread, signal or lock of the rank i
 
 Every operation pays this on the rank's critical path, so the path is kept to the bone (under
 1 µs per operation, `bench/progress.py`): two Python calls (`_Slot.enter`, `_Slot.after`), one
-``pack_into`` of a `struct.Struct` bound once per slot at enter, and one store of the completed
-count into an aligned 8-byte word of the mapping at completion (a single store, so a reader
-never sees half of it). Codes are module constants, the dtype's code one dict lookup, the size
-the tensor's ``nbytes``, the time ``time.monotonic()`` (ages on one host, immune to clock steps).
+``pack_into`` of a `struct.Struct` bound once per slot and one store of its history word at
+enter, and one store of the completed count into an aligned 8-byte word of the mapping at
+completion (single stores, so a reader never sees half of one). Codes are module constants,
+the dtype's code one dict lookup, the size the tensor's ``nbytes``, the time
+``time.monotonic()`` (ages on one host, immune to clock steps).
 
 On NCCL an operation counts as completed when the host has waited for it (its handle's
 ``wait()`` orders the stream and returns), so the record shows what the host last issued; a
@@ -46,6 +47,10 @@ _DTYPES = {getattr(torch, name): code for code, name in enumerate(workerenv.PROG
            if name}
 _SEND, _RECV = 1, 2
 _OP_AT, _DONE_AT = workerenv.PROGRESS_SLOT_ID.size, workerenv.PROGRESS_DONE_AT
+_HISTORY_AT, _HISTORY = workerenv.PROGRESS_HISTORY_AT, workerenv.PROGRESS_HISTORY
+# 1 for the codes of collectives (counted in each history word), 0 for point-to-point ones.
+_COLLECTIVE = tuple(int(name not in workerenv.PROGRESS_P2P_OPS)
+                    for name in workerenv.PROGRESS_OPS)
 _clock = time.monotonic
 
 
@@ -86,8 +91,8 @@ class ProgressRecord:
         """A new communicator's slot; once every slot is taken, one in private memory (its
         operations run and are counted, but nobody sees them)."""
         if self._slots >= workerenv.PROGRESS_SLOTS:
-            return _Slot(bytearray(workerenv.PROGRESS_SLOT_SIZE), 0,
-                         memoryview(bytearray(_DONE_AT + 8)).cast("Q"))
+            private = bytearray(workerenv.PROGRESS_SLOT_SIZE)
+            return _Slot(private, 0, memoryview(private).cast("Q"))
         at = workerenv.PROGRESS_HEADER.size + self._slots * workerenv.PROGRESS_SLOT_SIZE
         self._slots += 1
         workerenv.PROGRESS_SLOT_ID.pack_into(self._map, at, label.encode()[:24], group_rank,
@@ -98,16 +103,21 @@ class ProgressRecord:
 class _Slot:
     """A communicator's sequence number and completed count, written into its slot."""
 
-    __slots__ = ("seq", "done", "_buf", "_at", "_words", "_word", "_pack")
+    __slots__ = ("seq", "done", "collectives", "_buf", "_at", "_words", "_word", "_history",
+                 "_pack")
 
     def __init__(self, buf: mmap.mmap | bytearray, at: int, words: memoryview) -> None:
-        self.seq = self.done = 0
+        self.seq = self.done = self.collectives = 0
         self._buf, self._at, self._words = buf, at + _OP_AT, words
         self._word = (at + _DONE_AT) // 8   # an aligned word: one store, never torn
+        self._history = (at + _HISTORY_AT) // 8
         self._pack = workerenv.PROGRESS_SLOT_OP.pack_into
 
     def enter(self, op: int, t: torch.Tensor | None, p2p: int = 0, peer: int = -1) -> None:
         seq = self.seq = self.seq + 1
+        count = self.collectives = self.collectives + _COLLECTIVE[op]
+        self._words[self._history + seq % _HISTORY] = op | ((peer + 1) & 0xFFFF) << 16 | \
+            count << 32
         if t is None:
             self._pack(self._buf, self._at, seq, op, 0, p2p, peer, 0, _clock())
         else:

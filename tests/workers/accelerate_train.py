@@ -1,0 +1,41 @@
+"""An Accelerate CPU script as its users write it, nothing of dtrain in it: it runs unchanged
+under torchrun and under `dtrain launch` (tests/test_frameworks_cluster.py).
+
+Each rank trains a linear model on its own data for a few steps; every step it prints one JSON
+line: its rank, the world size, the step and the loss averaged over all ranks.
+"""
+
+import json
+import sys
+
+import torch
+from accelerate import Accelerator
+
+
+def main(steps: int = 4) -> None:
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.02)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    data = torch.Generator().manual_seed(100 + accelerator.process_index)
+    for step in range(1, steps + 1):
+        x = torch.randn(16, 8, generator=data, dtype=torch.float64).float()
+        y = x.sum(dim=1, keepdim=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = accelerator.reduce(loss.detach(), reduction="mean")
+        print(json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
+                          "local": accelerator.local_process_index, "step": step,
+                          "loss": float(mean), "type": str(accelerator.distributed_type)}),
+              flush=True)
+    # As Accelerate's examples end; the model goes first (see fabric_ddp.py: torch 2.13's gloo
+    # deadlocks when DDP's reducer holds the last reference to the process group).
+    del model, optimizer
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 4)
