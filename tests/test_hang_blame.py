@@ -14,6 +14,7 @@ import pytest
 from launcher.hang.diagnose import diagnose
 from launcher.hang.views import GroupView, RankView
 from tests.hangsim import Op, groups_of, run
+from trainer.comm.mesh import GROUPS as MESH_GROUPS
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 STEPS = 3
@@ -26,14 +27,14 @@ def step_ops() -> list[Op]:
 
 
 def program() -> list[Op]:
-    start = [Op("world", "split")] * 3   # the tp, dp and pp splits of `build_groups`
+    start = [Op("world", "split")] * len(MESH_GROUPS)  # the splits of `Mesh.build`
     return [*start, *(step_ops() * STEPS), Op("world", "barrier")]
 
 
 def skipped(kind: str, family: str, step: int = STEPS) -> tuple[int, str]:
     """(index in `program`, seq on its group) of ``kind`` on ``family`` in ``step``."""
     ops = program()
-    index = 3 + (step - 1) * len(step_ops()) + step_ops().index(Op(family, kind))
+    index = len(MESH_GROUPS) + (step - 1) * len(step_ops()) + step_ops().index(Op(family, kind))
     seq = sum(1 for op in ops[:index + 1] if op.group == family)
     return index, seq
 

@@ -83,9 +83,9 @@ def leave() -> None:
     kind, family, skipper = sys.argv[2], sys.argv[3], int(sys.argv[4])
     numel = int(sys.argv[5]) if len(sys.argv) > 5 else 256
     world = init(backend="mpi")
-    groups = build_groups(world, ParallelDims(dp=2, tp=2, pp=1))
+    mesh = Mesh.build(world.comm, MeshShape(dp=2, tp=2), world.device)
     record = record_of(world.comm)
-    comms = {"tp": groups.tp, "dp": groups.dp, "world": world.comm}
+    comms = {"tp": mesh.group("tp"), "dp": mesh.group("dp"), "world": world.comm}
     t = torch.ones(numel)
     for step in range(1, STEPS + 1):
         for fam, k in [*(("tp", k) for k in KINDS), ("dp", "all_reduce"),
