@@ -13,6 +13,7 @@ summed, to first order, and the head turns that into an absolute bound per logit
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -54,6 +55,12 @@ def _hidden(model: Llama, idx: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def by_name(model: torch.nn.Module) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """What `write_folder` asks for: the model's whole parameters of some names."""
+    params = dict(model.named_parameters())
+    return lambda names: {name: params[name].detach() for name in names}
+
+
 def assert_same_logits(ours: Llama, theirs: torch.nn.Module) -> None:
     """dtrain's and transformers' logits of one random batch differ by rounding only."""
     cfg = ours.cfg
@@ -67,8 +74,7 @@ def assert_same_logits(ours: Llama, theirs: torch.nn.Module) -> None:
 
 def test_an_exported_llama_loads_in_transformers_with_the_same_logits(tmp_path: Path) -> None:
     ours = Llama(CFG, seed=3).eval()
-    params = dict(ours.named_parameters())
-    write_folder(tmp_path / "hf", CFG, lambda name: params[name].detach(), eos_token_id=0,
+    write_folder(tmp_path / "hf", CFG, by_name(ours), eos_token_id=0,
                  max_shard_bytes=40_000)
     assert (tmp_path / "hf" / INDEX).is_file(), "the small shard limit must give an index"
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32).eval()
@@ -100,8 +106,7 @@ def test_a_folder_saved_by_transformers_imports_with_the_same_logits(tmp_path: P
 def test_vocabulary_padding_is_dropped_on_export_and_zero_on_import(tmp_path: Path) -> None:
     padded = replace(CFG, vocab_multiple=64)  # 96 -> 128 rows
     ours = Llama(padded, seed=1)
-    params = dict(ours.named_parameters())
-    write_folder(tmp_path / "hf", padded, lambda name: params[name].detach())
+    write_folder(tmp_path / "hf", padded, by_name(ours))
     back = read_folder(tmp_path / "hf", vocab_multiple=64)
     again = Llama(back.cfg)
     load_serial(again, back)
@@ -118,8 +123,7 @@ def test_vocabulary_padding_is_dropped_on_export_and_zero_on_import(tmp_path: Pa
 ])
 def test_an_unsupported_config_is_refused_naming_the_key(tmp_path: Path, key: str, value: object,
                                                          named: str) -> None:
-    params = dict(Llama(CFG).named_parameters())
-    write_folder(tmp_path / "hf", CFG, lambda name: params[name].detach())
+    write_folder(tmp_path / "hf", CFG, by_name(Llama(CFG)))
     config = tmp_path / "hf" / "config.json"
     data = json.loads(config.read_text())
     config.write_text(json.dumps({**data, key: value}))
@@ -132,5 +136,5 @@ def test_an_export_never_overwrites_a_folder(tmp_path: Path) -> None:
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep").write_text("mine")
     with pytest.raises(HFError, match="export folder exists"):
-        write_folder(tmp_path / "hf", CFG, lambda name: torch.zeros(0))
+        write_folder(tmp_path / "hf", CFG, by_name(Llama(CFG)))
     assert (tmp_path / "hf" / "keep").read_text() == "mine"

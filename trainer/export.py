@@ -10,9 +10,10 @@ custom code:
     tokenizer.json                           the run's tokenizer (kept by a run on tokenized
                                              data), for AutoTokenizer
 
-The checkpoint's shards are merged into the single-device model on this process
-(`trainer.inference.merge`), then each Hugging Face shard is written and dropped
-(`trainer.hf.weights`). The folder appears only when complete (`trainer.hf.folder`).
+Each Hugging Face shard's parameters are put together from the checkpoint's slices, written
+and dropped (`trainer.checkpoint.pieces.assemble` of those names, `trainer.hf.weights`): an
+export holds one shard's worth of weights at a time, never the whole model. The folder appears
+only when complete (`trainer.hf.folder`).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from trainer import checkpoint
+from trainer.checkpoint.pieces import assemble
 from trainer.data.prepare import EOS_NAMES
 from trainer.errors import ConfigError, TrainerError
 from trainer.hf.folder import DTYPES, write_folder
 from trainer.hf.weights import DEFAULT_SHARD_BYTES
-from trainer.inference.merge import load_serial
+from trainer.model.config import GPTConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,11 +65,11 @@ def export(run_dir: Path, out: Path, *, dtype: str, max_shard_bytes: int) -> Pat
         raise checkpoint.CheckpointError(
             "no checkpoint to export", str(root), "there is no committed step-<N> folder",
             "Train with --run-dir pointing here first (a checkpoint is saved at the end)")
-    model, _ = load_serial(path)
-    params = dict(model.named_parameters())
+    _, meta = checkpoint.read_meta(path)  # verified against the commit record
+    cfg = GPTConfig.from_dict(meta["model"])
     tokenizer = run_dir / "tokenizer.json"
     bos, eos = special_ids(tokenizer) if tokenizer.is_file() else (None, None)
-    write_folder(out, model.cfg, lambda name: params[name].detach(), dtype=dtype,
+    write_folder(out, cfg, lambda names: assemble(path, names=names), dtype=dtype,
                  tokenizer_dir=run_dir if tokenizer.is_file() else None, bos_token_id=bos,
                  eos_token_id=eos, max_shard_bytes=max_shard_bytes)
     return path

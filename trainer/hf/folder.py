@@ -63,12 +63,14 @@ def read_folder(folder: Path, *, seq_len: int | None = None, vocab_multiple: int
     return Folder(cfg, HFWeights(folder), tokenizer if tokenizer.is_file() else None)
 
 
-def write_folder(out: Path, cfg: GPTConfig, param: Callable[[str], torch.Tensor], *,
+def write_folder(out: Path, cfg: GPTConfig,
+                 params: Callable[[list[str]], dict[str, torch.Tensor]], *,
                  dtype: str = "float32", tokenizer_dir: Path | None = None,
                  bos_token_id: int | None = None, eos_token_id: int | None = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
-    """Write ``cfg``'s model into the new folder ``out``; ``param(name)`` gives dtrain's whole
-    parameter ``name`` (`trainer.hf.names.serial_names`), asked once per shard holding it."""
+    """Write ``cfg``'s model into the new folder ``out``; ``params(names)`` gives dtrain's
+    whole parameters of those names (`trainer.hf.names.serial_names`), asked once per written
+    shard for the parameters it holds, so an export holds one shard's worth at a time."""
     if cfg.arch != "llama":
         raise HFError("no Hugging Face architecture for this model", f"arch = {cfg.arch}",
                       "dtrain exports Llama models (LlamaForCausalLM) only; its GPT has no "
@@ -86,8 +88,9 @@ def write_folder(out: Path, cfg: GPTConfig, param: Callable[[str], torch.Tensor]
 
         def fetch(names: list[str]) -> dict[str, torch.Tensor]:
             got: dict[str, torch.Tensor] = {}
-            for name in dict.fromkeys(owner[hf] for hf in names):  # each parameter once
-                got.update(split_to_hf(name, param(name), cfg))
+            wanted = list(dict.fromkeys(owner[hf] for hf in names))  # each parameter once
+            for name, value in params(wanted).items():
+                got.update(split_to_hf(name, value, cfg))
             return {hf: got[hf].to(torch_dtype) for hf in names}
 
         write_weights(tmp, sizes, fetch, max_shard_bytes)
