@@ -161,8 +161,10 @@ class OptimizerSection(Section):
 class DataSection(Section):
     """What the run trains and evaluates on, and how much of it per step."""
 
-    path: str | None = option(None, "text file or folder to train on (default: the Python "
-                              "stdlib sources)", flag="data")
+    path: str | None = option(None, "what to train on: a text file or folder (byte-level; "
+                              "default: the Python stdlib sources), a tokenized dataset folder "
+                              "(python -m trainer.data.prepare), or a blend of them, "
+                              "a:0.7,b:0.3", flag="data")
     data_cap_mb: float = option(8.0, "read at most this many MiB of training text (the "
                                 "validation split is read after it)", above=0, at_most=2**43)
     val_fraction: float = option(DEFAULT_VAL_FRACTION, "hold out this last fraction of the data "
