@@ -192,3 +192,25 @@ def test_generate_decodes_with_the_runs_tokenizer(corpus: Path, tmp_path: Path) 
     model, _ = load_serial(checkpoint.latest(tmp_path / "run" / "checkpoints"))
     ids = tok.encode("import json", add_special_tokens=False).ids
     assert text == tok.decode(ids + sample_ids(model, ids, tokens=8, temperature=1.0, seed=0))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped"])
+def test_a_damaged_shard_stops_every_rank_with_one_message(corpus: Path, tmp_path: Path,
+                                                           damage: str) -> None:
+    """A shard shorter than its manifest says is refused at start-up; one whose bytes changed
+    at the first sample read from it (its block's checksum): either way one message, naming
+    the file, and no rank left running."""
+    folder = tmp_path / "ds"
+    shutil.copytree(corpus, folder)
+    shard = folder / "tokens-00000.bin"
+    raw = bytearray(shard.read_bytes())
+    if damage == "truncated":
+        del raw[-2:]
+    else:
+        raw[100] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    done = run_ranks(2, ["-m", "trainer.train", *FLAGS, "--steps", "2", "--data", str(folder),
+                         "--run-dir", str(tmp_path / "run")])
+    assert done.returncode != 0
+    assert done.stdout.count("damaged tokenized dataset") == 1, done.stdout[-3000:]
+    assert str(shard) in done.stdout
