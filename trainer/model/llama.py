@@ -11,7 +11,7 @@ same module names, so the parallel machinery that replaces named submodules appl
 
 Grouped-query attention keeps the query projection ``q`` (D -> H·K) apart from the fused key and
 value projection ``kv`` (D -> [k; v], 2·Hkv·K): tensor parallelism splits ``q`` by heads and
-``kv`` with stride 2 (each rank gets its own key heads and the same value heads) when the
+``kv`` with stride 2 (each rank gets the key and value heads of its query heads' groups) when the
 key/value heads divide over tp, and replicates ``kv`` otherwise. The SwiGLU MLP fuses the gate
 and up projections into ``fc`` (D -> [gate; up], 2·F), split with stride 2 the same way
 (``fc_stride``); ``proj`` is the down projection. Output projections are named ``proj`` so the
