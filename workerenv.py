@@ -50,6 +50,18 @@ dtrain's own:
                       where the rank keeps its progress record (below); set by the agent to a
                       file in a private per-job folder on the host's local disk (/dev/shm)
     OMP_NUM_THREADS   1 unless the user set it
+    DTRAIN_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT
+                      how many times the job was restarted (`--max-restarts`): 0 in its first
+                      round; TORCHELASTIC_MAX_RESTARTS is the budget (torchrun's names, so
+                      scripts written for torchrun behave the same)
+    DTRAIN_RESTART_CAUSE
+                      from the first restart on: what ended the round before, in a few words
+                      (``host lost: node2``); the trainer prints it when it resumes
+    DTRAIN_INITIAL_WORLD_SIZE
+                      from the first restart on: WORLD_SIZE of the first round, so a program
+                      can tell that hosts were left out (`--min-nodes`) and keep its batch
+    DTRAIN_GRACE_S    seconds between the SIGTERM that stops a rank and the SIGKILL that
+                      follows (`--grace`): the time a rank has to save a checkpoint
     CUDA_VISIBLE_DEVICES  only when --include/--exclude selected GPU slots on this host
     GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME
                       the network interface of this host that routes to MASTER_ADDR, unless
@@ -78,7 +90,9 @@ The progress record (`PROGRESS_FILE`): a fixed-size file the rank memory-maps an
 the host's agent reads without the rank's help (hang diagnosis, live view, stragglers). Only
 the rank writes it, so no lock is shared. In the host's native byte order (writer and reader
 are always on one host); a 64-byte header (`PROGRESS_HEADER`: magic, pid, rank, last step,
-`time.monotonic()` of its report, its compute seconds, their moving average) and
+`time.monotonic()` of its report, its compute seconds, their moving average, the first step
+this process reported and when: a run resumed from a checkpoint at step S reports S+1 first,
+which is how the launcher counts the steps a restart repeated) and
 `PROGRESS_SLOTS` slots of `PROGRESS_SLOT_SIZE` bytes, one per communicator in creation order: a
 fixed part written once (`PROGRESS_SLOT_ID`: group label such as ``dp[1]``, the rank's index in
 the group, the group's size), the operation last entered (`PROGRESS_SLOT_OP`, one write per
@@ -132,6 +146,12 @@ PROGRESS_FILE = "DTRAIN_PROGRESS_FILE"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 PATH = "PATH"
+RESTART_COUNT = "DTRAIN_RESTART_COUNT"
+RESTART_CAUSE = "DTRAIN_RESTART_CAUSE"
+INITIAL_WORLD_SIZE = "DTRAIN_INITIAL_WORLD_SIZE"
+GRACE_S = "DTRAIN_GRACE_S"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
 
 #: Prefixes of inherited variables that belong to another launcher and are always removed.
 SCRUBBED_PREFIXES = ("PMI_", "PMIX_", "OMPI_", "SLURM_")
@@ -256,8 +276,8 @@ def _int(env: Mapping[str, str], name: str, default: str | None = None) -> int:
         ) from None
 
 
-PROGRESS_MAGIC = b"DTPROG2\0"
-PROGRESS_HEADER = struct.Struct("=8sIIqddd16x")   # 64 bytes
+PROGRESS_MAGIC = b"DTPROG3\0"
+PROGRESS_HEADER = struct.Struct("=8sIIqdddqd")    # 64 bytes
 PROGRESS_SLOT_ID = struct.Struct("=24sii")        # 32 bytes at slot + 0
 PROGRESS_SLOT_OP = struct.Struct("=QBBbxiQd")     # 32 bytes at slot + 32
 PROGRESS_SLOT_DONE = struct.Struct("=Q")          # 8 bytes at slot + 64
@@ -304,6 +324,8 @@ class RankProgress:
     compute_s: float
     compute_avg_s: float
     groups: tuple[GroupProgress, ...]
+    first_step: int = 0      # the first step this process reported (0: none yet)
+    first_step_at: float = 0.0
 
 
 def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
@@ -316,7 +338,7 @@ def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
         raw, again = again, data()
     if len(raw) < PROGRESS_SIZE or raw[:8] != PROGRESS_MAGIC:
         return None
-    _, pid, rank, step, step_at, compute, avg = PROGRESS_HEADER.unpack_from(raw)
+    _, pid, rank, step, step_at, compute, avg, first, first_at = PROGRESS_HEADER.unpack_from(raw)
     groups = []
     for i in range(PROGRESS_SLOTS):
         at = PROGRESS_HEADER.size + i * PROGRESS_SLOT_SIZE
@@ -330,7 +352,7 @@ def read_progress(data: Callable[[], bytes]) -> RankProgress | None:
             label.rstrip(b"\0").decode("utf-8", "replace"), grank, gsize, seq, done,
             _name(PROGRESS_OPS, op), _name(PROGRESS_DTYPES, dtype), p2p, peer, nbytes, entered,
             _history(raw, at + PROGRESS_HISTORY_AT, seq)))
-    return RankProgress(pid, rank, step, step_at, compute, avg, tuple(groups))
+    return RankProgress(pid, rank, step, step_at, compute, avg, tuple(groups), first, first_at)
 
 
 def _history(raw: bytes, at: int, seq: int) -> tuple[tuple[int, str, int, int], ...]:

@@ -6,7 +6,7 @@ that subpackages import each other without a cycle, that no module is over 300 l
 launcher/ and trainer/ never import each other.
 
     cli          click commands `launch`, `check`, `agent`: parse, delegate, map errors (adapter)
-    launch       one launch from request to exit code: hosts -> plan -> agents -> supervise
+    launch       one launch from request to exit code: hosts -> plan -> agents -> rounds
     hosts/       hostfile      hostfile and -H parsing, host name validation (pure)
                  names         host and user names dtrain accepts (pure)
                  selection     --include/--exclude/--num-nodes, slots per host (pure)
@@ -31,14 +31,23 @@ launcher/ and trainer/ never import each other.
                  allocation    hosts, slots and GPU ids from SLURM_* with their source (pure)
                  srun          --launcher slurm: each agent as one srun step (adapter)
     head/        startup       SPEC to all at once, HELLO + READY back, START on all or none
-                 supervisor    fail-fast, Ctrl-C, timeout, heartbeats, PMI relay
-                 pmi_notes     refused MPI features and stalled barriers, told once
-                 agent_link    the head's end of one agent stream: reader thread and sender
+                 supervisor    one job or round: fail-fast, Ctrl-C, timeout, heartbeats, PMI
+                 pmi_notes     the PMI relay; refused MPI features and stalled barriers
+                 agent_link    the head's end of one agent stream: reader thread and sender;
+                               the Fleet of a job's links across its rounds
                  options       heartbeats, grace, timeouts, PMI: how the head supervises
                  stdin         the head's stdin to rank 0, credit flow control
                  outcome       per-rank states and the exit-code rule
                  report        the final per-rank exit table
                  progress      --hang-timeout/--hang-action, --status-interval, stragglers
+    restart/     rounds after failures (--max-restarts):
+                 policy        which failures restart, the budget, the back-off (pure)
+                 blame         the hosts a failure names, those that must leave (pure)
+                 pool          active hosts, spares, exclusion, --min-nodes (pure)
+                 goodput       per-round timings, steps repeated, goodput (pure)
+                 rounds        the job as supervisor rounds over agents that stay connected
+                 vetting       the next round's hosts reachable and checked (reconnect, probes)
+                 flags         the click options of restarts (adapter)
     output/      writer        the output writer thread and its byte-bounded queue
                  sink          [rank@host] prefixes, raw passthrough, per-rank log files
                  lines         linear line splitting with a 1 MiB line cap (pure)

@@ -23,6 +23,7 @@ from launcher.errors import DtrainError
 from launcher.head.options import SuperviseOptions
 from launcher.launch import HostRequest, LaunchRequest, run_launch
 from launcher.rendezvous import command as rendezvous
+from launcher.restart import flags as restart_flags
 from launcher.transport import table
 from launcher.transport.options import SSHOptions
 
@@ -36,6 +37,7 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run", "status_interval"),
     "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
                          "hang_timeout", "hang_action"),
+    "Restarts": restart_flags.NAMES,
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
     "Rendezvous (agents started elsewhere join)": rendezvous.HEAD_OPTIONS,
 }
@@ -176,6 +178,7 @@ whose name starts with a dash; it is always safe."""
               "(exit 123).")
 @click.option("--status-interval", type=click.FloatRange(min=0), default=SUPERVISE.status_interval,
               help="Print every rank's step, last operation and step time this often (seconds).")
+@restart_flags.restart_flags
 @click.option("--pmi", type=click.Choice(["fd", "port", "off"]), default=SUPERVISE.pmi,
               show_default=True,
               help="How MPI ranks reach the PMI-1 server of their agent.")
@@ -199,7 +202,8 @@ def launch(program: tuple[str, ...], **kw: Any) -> None:
 
     Exit code: 0 when every rank exits 0; otherwise the first failing rank's code (128+N for
     signal N), the MPI_Abort code, 124 for --timeout, 130 for Ctrl-C, 255 for a lost host,
-    123 for a hang under --hang-action abort.
+    123 for a hang under --hang-action abort; after restarts (--max-restarts), the last
+    round's.
     """
     sys.exit(_guard(lambda: run_launch(_launch_request(program, kw))))
 
@@ -223,6 +227,7 @@ def _launch_request(program: tuple[str, ...], kw: dict[str, Any]) -> LaunchReque
                                    status_interval=kw["status_interval"]),
         launcher=kind, mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
         rendezvous=joining,
+        restart=restart_flags.restart_options(kw),
     )
 
 

@@ -2,7 +2,8 @@
 
 Everything that can be checked before a connection is checked first (hostfile, filters,
 environment); every connection is made before any agent starts; every agent checks its part of
-the job before any rank starts.
+the job before any rank starts. The job runs as rounds (`launcher.restart.rounds`): one, or
+with --max-restarts one more after each failure the policy restarts.
 """
 
 from __future__ import annotations
@@ -11,27 +12,28 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher import STARTED, wire
-from launcher.errors import UsageError
+from launcher.errors import ConnectError, UsageError
 from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
 from launcher.plan import job as planning
 from launcher.rendezvous.options import RendezvousOptions
+from launcher.restart.policy import RestartOptions
+from launcher.restart.pool import split_spares
 from launcher.slurm import allocation
 from launcher.transport import table
-from launcher.transport.connect import close_streams, open_streams
+from launcher.transport.connect import close_streams, open_streams, start_agents
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
 
 if TYPE_CHECKING:  # imported for real while the agents boot (see run_launch)
-    from launcher.head.outcome import JobOutcome
-    from launcher.head.supervisor import Supervisor
+    from launcher.restart.rounds import JobEnd
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class LaunchRequest:
     mpirun: str | None = None            # path of mpiexec/mpirun for --launcher mpirun
     mpi_flavour: str | None = None       # hydra or openmpi; detected when None
     rendezvous: RendezvousOptions | None = None  # --launcher rendezvous: port, nodes, token
+    restart: RestartOptions = RestartOptions()  # --max-restarts, spares, --min-nodes
 
 
 def select(req: HostRequest) -> list[selection.HostSlots]:
@@ -110,21 +113,27 @@ def run_launch(req: LaunchRequest) -> int:
     transport = table.get(req.launcher)
     if transport.flow is table.Flow.JOIN:
         return _run_joined(req, transport)
-    selected = select(req.hosts)
-    plan = _plan(req, selected, _base_env(req))
+    active, spares = _split(req, select(req.hosts), transport)
+    plan = _plan(req, active, _base_env(req))
     if transport.flow is table.Flow.COMMAND:
-        code: int = transport.load()(req, plan, selected)
+        code: int = transport.load()(req, plan, active)
         return code
     if req.dry_run:
         from launcher.dryrun import print_plan
 
         print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
+        if spares:
+            print(f"spares: {', '.join(s.entry.name for s in spares)}")
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(selected, python=req.remote_python, ssh=req.ssh, transport=transport,
+    streams = open_streams(active, python=req.remote_python, ssh=req.ssh, transport=transport,
                            retry_for=req.supervise.launch_timeout)
-    return _supervise(req, transport, plan, streams, log_dir, started=t0)
+    # Spares boot while the first round starts; one that cannot be reached is left out.
+    extra = start_agents(spares, python=req.remote_python, ssh=req.ssh,
+                         transport=transport) if spares else []
+    return _supervise(req, transport, plan, [*active, *spares], [*streams, *extra], log_dir,
+                      started=t0)
 
 
 def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
@@ -148,7 +157,7 @@ def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:
                 stream.write(wire.encode(wire.Kind.BYE))
             close_streams(joined.streams)
             return 0
-        return _supervise(req, transport, plan, joined.streams, log_dir,
+        return _supervise(req, transport, plan, joined.selected, joined.streams, log_dir,
                           started=time.monotonic())
     finally:
         joined.close("the job is over")
@@ -166,46 +175,84 @@ def _plan(req: LaunchRequest, selected: list[selection.HostSlots],
     """The job's plan; a given --master-addr/--master-port is checked now, before anything
     connects."""
     plan = planning.make_plan(selected, argv=req.argv, cwd=req.cwd, job_id=planning.new_job_id(),
-                              base_env=base_env)
+                              base_env=base_env, grace=req.supervise.grace,
+                              restart=planning.RoundInfo(0, req.restart.max_restarts))
     planning.Rendezvous(req.master_addr or "127.0.0.1", req.master_port or 29500)
     return plan
 
 
+def _split(req: LaunchRequest, selected: list[selection.HostSlots], transport: table.Transport
+           ) -> tuple[list[selection.HostSlots], list[selection.HostSlots]]:
+    """The hosts that run ranks, and the spares (`launcher.restart.pool`)."""
+    opts = req.restart
+    marked = [h.entry for h in selected if h.entry.spare]
+    if not opts.enabled and (opts.spares or marked or opts.min_nodes is not None):
+        where = marked[0].source if marked else ("--spares" if opts.spares else "--min-nodes")
+        raise UsageError("spare hosts and --min-nodes need restarts", where or "hosts",
+                         "they act only when a failed job starts again",
+                         "Add --max-restarts N (N >= 1)")
+    if opts.enabled and transport.flow is table.Flow.COMMAND:
+        raise UsageError(f"restarts are not supported with --launcher {transport.name}",
+                         "--max-restarts", "another launcher supervises the ranks there, not "
+                         "dtrain's agents", "Use --launcher ssh or slurm, or drop --max-restarts")
+    return split_spares(selected, opts.spares)
+
+
 def _supervise(req: LaunchRequest, transport: table.Transport, plan: planning.JobPlan,
-               streams: list[AgentStream], log_dir: Path | None, *, started: float) -> int:
-    """The job over connected agents, to its report and exit code."""
+               hosts: Sequence[selection.HostSlots],
+               started_agents: Sequence[AgentStream | ConnectError], log_dir: Path | None, *,
+               started: float) -> int:
+    """The job over the agents started on ``hosts`` (spares last), to its report and exit
+    code."""
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
-    from launcher.head.supervisor import Supervisor
     from launcher.output.sink import OutputSink
+    from launcher.restart.rounds import Rounds, RoundsSetup
 
-    sink = OutputSink({r.rank: r.host for r in plan.ranks}, sys.stdout.buffer, sys.stderr.buffer,
-                      prefix=req.prefix, raw=req.raw, log_dir=log_dir)
-    sup = Supervisor(streams, plan, sink, req.supervise)
-    previous = {s: signal.signal(s, sup.on_signal)
+    def sink_for(round_plan: planning.JobPlan, folder: Path | None) -> OutputSink:
+        return OutputSink({r.rank: r.host for r in round_plan.ranks}, sys.stdout.buffer,
+                          sys.stderr.buffer, prefix=req.prefix, raw=req.raw, log_dir=folder)
+
+    def connect(chosen: Sequence[selection.HostSlots]) -> list[AgentStream | ConnectError]:
+        if transport.flow is table.Flow.JOIN:  # the head cannot start an agent there
+            return [ConnectError("agent gone", f"host {h.entry.name}", "it joined through "
+                                 "the rendezvous and left", "start its agent again")
+                    for h in chosen]
+        return start_agents(chosen, python=req.remote_python, ssh=req.ssh, transport=transport)
+
+    rounds = Rounds(RoundsSetup(
+        argv=req.argv, cwd=req.cwd, job_id=plan.job_id, base_env=plan.base_env,
+        supervise=replace(req.supervise, rounds=req.restart.enabled), restart=req.restart,
+        master=(req.master_addr, req.master_port), log_dir=log_dir, sink_for=sink_for,
+        connect=connect), hosts[:len(plan.hosts)], hosts[len(plan.hosts):])
+    rounds.adopt(hosts, started_agents)
+    previous = {s: signal.signal(s, rounds.on_signal)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
-        outcome = sup.run((req.master_addr, req.master_port))
+        end = rounds.run(started)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        close_streams(streams)
-    _print_end(req, transport, sup, outcome, sink.tail, started=started, connected=connected)
-    return outcome.exit_code
+        close_streams([link.stream for link in rounds.fleet.links])
+    _print_end(req, transport, end, log_dir, started=started, connected=connected)
+    return end.outcome.exit_code
 
 
-def _print_end(req: LaunchRequest, transport: table.Transport, sup: Supervisor,
-               outcome: JobOutcome, tail: Callable[[int], list[str]], *, started: float,
-               connected: float) -> None:
+def _print_end(req: LaunchRequest, transport: table.Transport, end: JobEnd,
+               log_dir: Path | None, *, started: float, connected: float) -> None:
     """What the head prints once the job is over: the report, the stragglers, why the
-    transport's own system ended the job (Slurm), and with --timings where the start-up went."""
+    transport's own system ended the job (Slurm), with --max-restarts the rounds (and
+    goodput.json), and with --timings where the start-up went."""
     from launcher.head.report import print_report  # rich: only once the job is over
 
-    print_report(outcome, tail, time.monotonic() - started, sys.stderr)
+    sup, outcome = end.last, end.outcome
+    print_report(outcome, end.tail, time.monotonic() - started, sys.stderr)
     for line in sup.progress.final_report():
         sys.stderr.write(f"dtrain: {line}\n")
     if outcome.exit_code and (why := transport.explain_failure()):
         sys.stderr.write(f"dtrain: {why}\n")
+    if req.restart.enabled:
+        end.report(log_dir, sys.stderr)
     if req.timings:
         from launcher.head.startup import slowest_phases
 

@@ -17,13 +17,14 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
 
-PROTOCOL_VERSION = 3  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE
+PROTOCOL_VERSION = 4  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
+#                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare)
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
@@ -182,6 +183,9 @@ class AgentSpec:
     pmi: PmiSpec = PmiSpec()
     progress_interval: float | None = None  # seconds between progress samples; None: off
     probe: Probe | None = None   # rank 0's host only
+    rounds: bool = False         # stay after the ranks exit: another round may follow
+    check_env: dict[str, str] = field(default_factory=dict)  # no ranks (a spare): check the
+    #                                                          program with these variables
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -190,6 +194,10 @@ class AgentSpec:
             "heartbeat": self.watch.heartbeat, "misses": self.watch.misses,
             "grace": self.watch.grace, "pmi": _fields(self.pmi),
         }
+        if self.rounds:
+            body["rounds"] = True
+        if self.check_env:
+            body["check_env"] = self.check_env
         if self.progress_interval is not None:
             body["progress"] = {"interval": self.progress_interval}
         if self.probe is not None:
@@ -216,7 +224,10 @@ class AgentSpec:
                             float(body.get("grace", Watch.grace))),
                 pmi=PmiSpec(**_typed(body.get("pmi") or {}, dict, "pmi")),
                 progress_interval=None if progress is None else float(progress["interval"]),
-                probe=None if body.get("probe") is None else Probe(**body["probe"]))
+                probe=None if body.get("probe") is None else Probe(**body["probe"]),
+                rounds=bool(body.get("rounds", False)),
+                check_env={str(k): str(v) for k, v in _typed(body.get("check_env") or {}, dict,
+                                                               "check_env").items()})
         except (KeyError, TypeError, ValueError) as exc:
             raise WireError(f"SPEC frame is malformed: {type(exc).__name__} {exc}") from None
 

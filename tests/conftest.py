@@ -1,4 +1,4 @@
-"""Shared fixtures: a real sshd on loopback, a 3-host network-namespace cluster, a 4-host one
+"""Shared fixtures: a real sshd on loopback, a 4-host network-namespace cluster, a 4-host one
 without sshd, a real Slurm over three namespace hosts, the venv python.
 
 Tests using `sshd` or `netns_cluster` are marked ``sshd``/``netns`` automatically, so
@@ -35,11 +35,12 @@ def sshd() -> Iterator[SshdServer]:
 
 @pytest.fixture(scope="session")
 def netns_cluster() -> Iterator[NetnsCluster]:
-    """Hosts node1..node3 in network namespaces behind a bridge, each with its own sshd."""
+    """Hosts node1..node4 in network namespaces behind a bridge, each with its own sshd (most
+    tests use three; restarts need a fourth: a spare, or a host to lose)."""
     usable, reason = netns_available()
     if not usable:
         pytest.skip(f"netns cluster: {reason}")
-    cluster = NetnsCluster(3)
+    cluster = NetnsCluster(4)
     yield cluster
     cluster.close()
 

@@ -86,13 +86,17 @@ class Script:
     refuse_spec: bool = False        # answer the SPEC with ERROR instead of READY
     silent_after_start: bool = False  # stop sending anything (a cut cable)
     abort: tuple[int, int] | None = None  # (rank, code): that rank calls MPI_Abort
+    mute: bool = False               # never answer the SPEC (an agent stuck while starting)
 
 
 class ScriptedAgent:
-    """A thread that plays one host's agent over a `MemoryAgentStream`."""
+    """A thread that plays one host's agent over a `MemoryAgentStream`; ``later`` scripts the
+    rounds after the first (`launcher.restart`: a SPEC after DONE), the last one repeating."""
 
-    def __init__(self, stream: MemoryAgentStream, script: Script, *, beat: float) -> None:
+    def __init__(self, stream: MemoryAgentStream, script: Script, *, beat: float,
+                 later: tuple[Script, ...] = ()) -> None:
         self.stream, self.script, self.beat = stream, script, beat
+        self.scripts, self.specs = (script, *later), []  # every SPEC received, in order
         self.received: list[wire.Kind] = []  # every frame kind the head sent, in order
         self.kills: list[dict[str, Any]] = []
         self.ranks: list[int] = []
@@ -131,8 +135,13 @@ class ScriptedAgent:
     def _on(self, frame: wire.Frame) -> bool:
         kind = frame.kind
         if kind is wire.Kind.SPEC:
+            self.specs.append(frame.json())
             self.ranks = [int(r["rank"]) for r in frame.json()["ranks"]]
-            if self.script.refuse_spec:
+            rounds = sum(1 for spec in self.specs if spec["ranks"])  # a spare's check: none
+            self.script = self.scripts[min(max(rounds - 1, 0), len(self.scripts) - 1)]
+            if self.script.mute:
+                pass
+            elif self.script.refuse_spec:
                 self.send(wire.Kind.ERROR, {"what": "program not found", "why": "scripted"})
             else:
                 self.send(wire.Kind.READY, {"ranks": len(self.ranks)})
@@ -160,7 +169,8 @@ class ScriptedAgent:
             self.send(wire.Kind.PMI, {"op": "abort", "rank": rank, "code": code,
                                       "message": "scripted abort"})
         for rank, code in sorted(self.script.exit_codes.items()):
-            self._exit(rank, code, None)
+            if rank in self._running:  # a script may name ranks of other hosts or rounds
+                self._exit(rank, code, None)
 
     def _exit(self, rank: int, code: int, signum: int | None) -> None:
         self._running.discard(rank)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from bench import common, launch_time, rendezvous, run_all, slurm, wireup
+from bench import common, launch_time, recovery, rendezvous, run_all, slurm, wireup
 
 
 def _usable(tools):
@@ -85,3 +85,13 @@ def test_run_all_saves_json_and_a_markdown_summary_and_rejects_unknown_names(tmp
         run_all.main(["--only", "no_such_bench", "--results", str(tmp_path)])
     assert exit_info.value.code == 2
     assert "unknown bench no_such_bench" in capsys.readouterr().err
+
+
+def test_the_recovery_bench_times_one_rank_crash_under_torchrun_and_under_dtrain():
+    rows = recovery.run(reps=1, causes=())
+    assert [r["tool"] for r in rows] == ["torchrun", "dtrain"]
+    for row in rows:
+        assert row["ok"] == 1, row.get("error")
+        assert 0 < row["restart_s"] < row["total_s"]
+    assert isinstance(rows[1]["restart_s_vs_torchrun"], float)
+    json.dumps(rows)

@@ -15,8 +15,8 @@ def test_launch_help_lists_its_options_in_named_sections_with_examples():
     lines = res.stdout.splitlines()
     titles = [x for x in lines if x and not x.startswith(" ") and x.endswith(":")]
     assert titles == ["Hosts and slots:", "SSH:", "Environment:", "Output:",
-                      "Failure handling:", "MPI:", "Rendezvous (agents started elsewhere join):",
-                      "Other:"]
+                      "Failure handling:", "Restarts:", "MPI:",
+                      "Rendezvous (agents started elsewhere join):", "Other:"]
     section = {}
     for line in lines:
         if line in titles:

@@ -43,7 +43,7 @@ def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None
                                                                          strict=True)]
 
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
-    outcome = Supervisor(streams, plan, sink, OPTS).run(("10.0.0.1", 29500))
+    outcome = Supervisor.over(streams, plan, sink, OPTS).run(("10.0.0.1", 29500))
     return outcome, agents
 
 
@@ -65,7 +65,7 @@ def _frames_to_an_agent_that_never_starts(base_env: dict[str, str]) -> list[wire
     stream.finished.set()  # nothing to wait for once the head gives up
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
     with pytest.raises(AgentError, match=r"did not check the job in time"):
-        Supervisor([stream], plan, sink, dataclasses.replace(OPTS, launch_timeout=0.5)).run(
+        Supervisor.over([stream], plan, sink, dataclasses.replace(OPTS, launch_timeout=0.5)).run(
             ("10.0.0.1", 29500))
     decoder, kinds = wire.Decoder(), []
     while data := stream.to_agent.read(1 << 20):

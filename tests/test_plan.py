@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import re
 
@@ -13,7 +12,7 @@ from launcher.dryrun import print_plan, program_column
 from launcher.errors import UsageError
 from launcher.hosts.hostfile import parse_hostfile_text
 from launcher.hosts.selection import select_hosts
-from launcher.plan.job import JobPlan, Rendezvous, make_plan, new_job_id, process_mapping
+from launcher.plan.job import JobPlan, Rendezvous, RoundInfo, make_plan, new_job_id, process_mapping
 
 HOSTS = parse_hostfile_text("node1 slots=2\nnode2 slots=2\nnode3 slots=1\n", "hf")
 
@@ -54,7 +53,7 @@ def test_rank_env_holds_the_whole_contract_once_the_rendezvous_is_known():
         we.RANK: "3", we.WORLD_SIZE: "5", we.LOCAL_RANK: "1", we.LOCAL_WORLD_SIZE: "2",
         we.GROUP_RANK: "1", we.NODE_RANK: "1", we.MASTER_ADDR: "node1",
         we.MASTER_PORT: "29500", we.JOB_ID: "j7", we.HOST: "node2", we.PMI_RANK: "3",
-        we.PMI_SIZE: "5", we.OMP_NUM_THREADS: "1",
+        we.PMI_SIZE: "5", we.OMP_NUM_THREADS: "1", we.RESTART_COUNT: "0",
         # what torchrun adds (torch/distributed/elastic/agent/server/local_elastic_agent.py)
         we.TORCHELASTIC_RUN_ID: "j7", we.TORCHELASTIC_RESTART_COUNT: "0",
         we.TORCHELASTIC_MAX_RESTARTS: "0", we.TORCHELASTIC_USE_AGENT_STORE: "False",
@@ -63,11 +62,12 @@ def test_rank_env_holds_the_whole_contract_once_the_rendezvous_is_known():
 
 
 def test_the_restart_count_is_the_plans_and_reaches_every_rank():
-    plan = dataclasses.replace(plan_for(), restart_count=2, max_restarts=3)
+    plan = plan_for(restart=RoundInfo(number=2, max_restarts=3, cause="rank 1 exited 1",
+                                      initial_world=5))
     for spec in plan.ranks:
         env = plan.rank_env(spec)
-        assert (env[we.TORCHELASTIC_RESTART_COUNT], env[we.TORCHELASTIC_MAX_RESTARTS]) == \
-            ("2", "3")
+        assert (env[we.RESTART_COUNT], env[we.TORCHELASTIC_RESTART_COUNT],
+                env[we.TORCHELASTIC_MAX_RESTARTS]) == ("2", "2", "3")
     assert plan.job_env()[we.TORCHELASTIC_RESTART_COUNT] == "2"  # --launcher mpirun's too
 
 

@@ -210,3 +210,42 @@ def test_dp2_tp2_training_under_launcher_slurm_completes_and_its_loss_falls(slur
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) >= 30
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.3
+
+
+def test_a_node_whose_slurmd_dies_is_replaced_by_the_spare_node_and_training_resumes(
+        slurm, tmp_path):
+    """salloc --no-kill keeps the allocation when a node fails; the last node stands by
+    (--spares 1) and its srun step takes the failed node's place. UCX_TLS=tcp: the ranks'
+    traffic takes the network, as between real nodes (see tests/test_restart_cluster.py)."""
+    run_dir = tmp_path / "run"
+    train = [PYTHON, "-m", "trainer.train", "--model", "tiny", "--n-layer", "1", "--d-model",
+             "32", "--seq-len", "32", "--global-batch", "4", "--warmup-steps", "1",
+             "--steps", "1000000", "--time-limit", "25", "--log-every", "50", "--eval-every",
+             "0", "--save-every", "50",
+             "--data-cap-mb", "0.25", "--run-dir", str(run_dir)]
+    head = subprocess.Popen(
+        ["salloc", "--nodes=3", "--ntasks-per-node=1", "--no-kill", "--quiet", "--",
+         *dtrain_cmd(["launch", "--launcher", "slurm", "--spares", "1", "--max-restarts", "1",
+                      "--heartbeat-interval", "0.5", "--grace", "3", "--restart-backoff", "0",
+                      "--env", "UCX_TLS=tcp", "--", *train])],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=_env(slurm))
+    try:
+        deadline = time.monotonic() + 120
+        # Slurm needs SlurmdTimeout (5 s) and more to call the node failed, however fast the
+        # steps are: each round trains for 25 s (--time-limit; the clock starts with a round).
+        while not (run_dir / "checkpoints" / "step-50" / "COMMITTED").exists():
+            if time.monotonic() > deadline or head.poll() is not None:
+                pytest.fail(f"training did not start: {head.communicate(timeout=30)[1][-3000:]}")
+            time.sleep(0.1)
+        slurm.kill_slurmd("node2")
+        out, err = head.communicate(timeout=240)
+    finally:
+        kill_recorded([head.pid])
+    assert head.returncode == 0, err[-3000:]
+    assert "node3 replaces node2" in err
+    said = out + err
+    assert "after restart 1 (cause: host lost: node2)" in said
+    resumed = int(said.split("resumed at step ")[1].split()[0])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert resumed >= 50 and [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+    assert len(rows) > resumed  # the spare's round trained on from the checkpoint

@@ -29,6 +29,12 @@ def test_a_spec_survives_its_json_round_trip_unchanged(probe: wire.Probe | None)
     assert wire.AgentSpec.from_json(frame.json()) == spec
 
 
+def test_a_round_and_a_spares_check_survive_the_round_trip() -> None:
+    for spec in (_spec(rounds=True), _spec(ranks=(), check_env={"PATH": "/venv/bin"})):
+        frame = wire.Decoder().feed(wire.encode_json(wire.Kind.SPEC, spec.to_json()))[0]
+        assert wire.AgentSpec.from_json(frame.json()) == spec
+
+
 def test_a_spec_without_progress_or_pmi_fields_reads_as_off_and_the_defaults() -> None:
     body = _spec().to_json()
     for key in ("progress", "pmi", "heartbeat", "misses", "grace", "probe"):

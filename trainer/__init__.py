@@ -17,7 +17,10 @@ over 300 lines).
     config/      options, sections, common, flags, toml_file: flags and TOML into one frozen
                  TrainConfig in sections
     training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
-                 resume: one run, from start-up to the last checkpoint
+                 resume, restart: one run, from start-up to the last checkpoint (restart: a
+                 restarted round resumes by itself and fits a smaller world)
+    stopping/    time_limit, agreement, sigterm: stopping before --steps, every rank after the
+                 same step (SIGTERM: checkpoint, exit 143)
     model/       config, layers, gpt, precision, flops: the plain single-device GPT;
                  llama_config, llama, family: the Llama family on the same decoder
     hf/          config, names, weights, folder: Hugging Face Llama folders both ways

@@ -20,9 +20,12 @@ writer of (one writer per slice, spread over the ranks that hold it: `trainer.pl
 saved one; the run dir must be visible to every rank, as with Megatron or DeepSpeed), verified
 file by file (`trainer.training.resume` states the rule and ``--resume-fallback``). Dropout is
 reseeded from (seed, step, dp rank) every step, so the random stream needs no state across a
-resume. A NaN or Inf loss or gradient norm stops every rank
-before the update, and non-finite parameters are never saved (`trainer.training.guard`). Each log
-line shows the MFU when the device's peak is known (`trainer.model.flops`, ``--peak-tflops``).
+resume. Under ``dtrain launch --max-restarts`` a restarted round resumes by itself
+(`trainer.training.restart`); SIGTERM stops every rank after the same step with a checkpoint
+and exit code 143 (`trainer.stopping.sigterm`). A NaN or Inf loss or gradient norm stops every
+rank before the update, and non-finite parameters are never saved (`trainer.training.guard`).
+Each log line shows the MFU when the device's peak is known (`trainer.model.flops`,
+``--peak-tflops``).
 
 With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW steps fp32
 main weights on the fp32 main gradients of the DP buffer (`trainer.optim.mixed_precision`); the
@@ -61,6 +64,7 @@ the expert load and ``expert_load.png`` is drawn at the end.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -83,8 +87,9 @@ from trainer.inference.validation import Validation
 from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.placement import writers
+from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
-from trainer.training import readout, startup
+from trainer.training import readout, restart, startup
 from trainer.training.expert_load import write_load_plot
 from trainer.training.guard import check_parameters
 from trainer.training.metrics import MetricsLog
@@ -107,6 +112,8 @@ class TrainResult:
     final_step: int
     losses: list[float] = field(default_factory=list)
     checkpoint: Path | None = None
+    stopped_at: int | None = None
+    """The step every rank stopped after on SIGTERM (`trainer.stopping.sigterm`), else None."""
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
@@ -139,6 +146,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      start_step=run.restored.step, log_every=cfg.logging.log_every,
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
+    log.info(restart.announcement(restart.of_environ(os.environ), run.restored.step))
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
@@ -157,6 +165,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
     pending: list[PendingStep] = []
     time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.logging.log_every, world.device)
+    stop = sigterm.install(world.mpi_comm, world.size, world.rank)
     try:
         for step in range(run.restored.step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
@@ -166,7 +175,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             if progress is not None:  # host timings: known without reading the device
                 progress.step(step, done.record.compute_s)
             result.final_step = step
-            last = step == cfg.last_step or time_limit.reached(step)
+            last = step == cfg.last_step or time_limit.reached(step) or stop.after(step)
             evaluate = validation is not None and (step % cfg.logging.eval_every == 0 or last)
             every = cfg.checkpoint.save_every
             save = every > 0 and step % every == 0 and not last
@@ -181,6 +190,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
             log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
+        stop.close(clean=sys.exc_info()[0] is None)
+        result.stopped_at = stop.stopped_at
         _log_steps(log, dash, result, pending)  # the good steps before an error are kept
         dash.close()
         log.close(plot_title=f"{cfg.model.preset} {FAMILY_NAMES[cfg.gpt.arch]}, "
@@ -248,7 +259,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if isinstance(ready, int):
             return ready
         world, cfg, corpus = ready
-        train(cfg, world, corpus)
+        active = restart.active_world(world, cfg)  # None: a rank a smaller layout left out
+        if active is None:
+            return 0
+        result = train(cfg, active, corpus)
+        if result.stopped_at is not None:
+            if active.rank == 0:
+                print(f"dtrain: SIGTERM: every rank stopped after step {result.stopped_at}, "
+                      f"checkpoint {result.checkpoint}; exiting {sigterm.EXIT_CODE}",
+                      file=sys.stderr, flush=True)
+            return sigterm.EXIT_CODE
         return 0
     except TrainerError as exc:
         return startup.fail_alone(world, f"error: {exc}", 2, exc)

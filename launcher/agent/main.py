@@ -5,8 +5,9 @@ its host's ranks on START, relays their output, exit statuses and PMI traffic, a
 rank (SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE,
 when the stream from the head closes, or when the head falls silent for `misses` heartbeat
 intervals. It exits 0 after BYE when every rank of its host exited 0, else 1 (a pod restarts).
-Its imports are kept to what it uses (no `typing`, `pathlib`, `secrets` at start-up): every
-host pays the agent's start-up before its ranks can start.
+Under rounds (`--max-restarts`) it stays after its ranks while the head's heartbeats last: a
+new SPEC starts the next round (a spare's has no ranks: a check). Imports are kept to what it
+uses (no `typing`, `pathlib`, `secrets`): every host pays its start-up before its ranks start.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from launcher import netroute, wire
 from launcher.agent import descendants, facts
 from launcher.agent.head_link import Eof, HeadLink
 from launcher.agent.progress import ProgressReporter
-from launcher.agent.ranks import RankExited, RankProcess, find_program, start_rank
+from launcher.agent.ranks import RankExited, RankProcess, check_job, start_rank
 from launcher.agent.stdin import RankStdin
 from launcher.plan.environment import rank_environment
 
@@ -133,16 +134,21 @@ class Agent:
 
     def _on_spec(self, body: dict[str, Any]) -> None:
         t0 = time.monotonic()
+        if self.ranks:  # the head sends a round's SPEC only once the last round is done
+            self.link.send_json(wire.Kind.ERROR, {"what": "SPEC while ranks run"})
+            return
+        self._end_round()
         try:
             spec = wire.AgentSpec.from_json(body)
         except wire.WireError as exc:
             self.link.send_json(wire.Kind.ERROR, {"what": "unreadable SPEC", "why": str(exc),
                                                   "fix": "use one dtrain version everywhere"})
             return
-        self.spec = spec
+        self.spec, self.leave_at, self.exit_code = spec, None, 0
         self.interval = spec.watch.heartbeat
         self.silence_limit = spec.watch.heartbeat * spec.watch.misses
-        problem = self._check_spec(spec)
+        env = spec.ranks[0].env if spec.ranks else spec.check_env
+        problem = check_job(spec.cwd, spec.argv[0], rank_environment(os.environ, env))
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
@@ -164,17 +170,6 @@ class Agent:
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec.ranks),
                                                **facts.rendezvous(spec.probe),
                                                "check_s": round(time.monotonic() - t0, 4)})
-
-    def _check_spec(self, spec: wire.AgentSpec) -> dict[str, str] | None:
-        cwd = spec.cwd
-        if not os.path.isdir(cwd):
-            return {"what": "working directory missing", "why": f"{cwd} does not exist here",
-                    "fix": "create it on every host, or pass --chdir DIR"}
-        env = self._rank_env(spec.ranks[0]) if spec.ranks else dict(os.environ)
-        if find_program(spec.argv[0], env, cwd) is None:
-            return {"what": "program not found", "why": f"{spec.argv[0]!r} is not an executable in "
-                    f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
-        return None
 
     def _rank_env(self, rank: wire.RankStart) -> dict[str, str]:
         env = rank_environment(os.environ, {**rank.env, **self.job_env})
@@ -201,7 +196,7 @@ class Agent:
         self.started = bool(started)
         spawn_s = round(time.monotonic() - t0, 4)  # for `dtrain launch --timings`
         for rp in started:  # watched only now: see RankProcess.watch
-            rp.watch(self._relay_output, self.events)
+            rp.watch(self.link.send_output, self.events)  # pumps block while the head lags
             if rp.rank == 0:
                 self.stdin = RankStdin(rp.proc.stdin, self._ack_stdin)
             self.link.send_json(wire.Kind.STARTED, {"rank": rp.rank, "pid": rp.pid,
@@ -239,9 +234,6 @@ class Agent:
     def _ack_stdin(self, count: int) -> None:
         self.link.send_json(wire.Kind.STDIN_ACK, {"bytes": count})
 
-    def _relay_output(self, rank: int, stream: int, data: bytes) -> None:
-        self.link.send_output(rank, stream, data)  # a pump thread; blocks when the head lags
-
     def _on_exit(self, ev: RankExited) -> None:
         rp = self.ranks.pop(ev.rank, None)
         self.exit_code = self.exit_code or int(ev.code != 0)  # 0 only if every rank exited 0
@@ -256,13 +248,15 @@ class Agent:
             if self.progress is not None:
                 self.progress.final()
             self.link.send_json(wire.Kind.DONE)
-            self.leave_at = time.monotonic() + AFTER_DONE_S
+            rounds = self.spec is not None and self.spec.rounds  # another round may follow
+            self.leave_at = None if rounds else time.monotonic() + AFTER_DONE_S
 
     def _stop(self, sig: int, grace: float) -> None:
         if not self.ranks:
             return
         self._signal_all(sig)
         if sig != signal.SIGKILL:
+            self._signal_all(signal.SIGCONT)  # a stopped rank (SIGSTOP) acts on it once awake
             deadline = time.monotonic() + grace
             self.kill_at = deadline if self.kill_at is None else min(self.kill_at, deadline)
 
@@ -289,11 +283,17 @@ class Agent:
             if isinstance(event, RankExited):
                 self._on_exit(event)
         self._signal_all(signal.SIGKILL)
+        self._end_round()
+        self.exit_code = code
+        return code
+
+    def _end_round(self) -> None:  # what one round's SPEC set up: PMI, shm, progress records
         if self.pmi is not None:
             self.pmi.close()
             self.pmi.remove_shared_memory()
+            self.pmi = None
         if self.progress is not None:
             self.progress.close()
-        self.exit_code = code
-        return code
+            self.progress = None
+        self.stdin = None
 

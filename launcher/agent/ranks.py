@@ -61,7 +61,7 @@ class _Pump(threading.Thread):
     """Relays one pipe of a rank; counts what it relayed so a waiter can see progress."""
 
     def __init__(self, rank: int, stream: int, pipe: Any,
-                 on_output: Callable[[int, int, bytes], None]) -> None:
+                 on_output: Callable[[int, int, bytes], object]) -> None:
         super().__init__(daemon=True, name=f"rank{rank}-{stream}")
         self.rank, self.stream, self.pipe, self.on_output = rank, stream, pipe, on_output
         self.relaying = False   # inside on_output (possibly blocked by back-pressure)
@@ -92,7 +92,7 @@ class RankProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def watch(self, on_output: Callable[[int, int, bytes], None],
+    def watch(self, on_output: Callable[[int, int, bytes], object],
               events: queue.Queue[Any]) -> None:
         """Relay stdout and stderr to ``on_output`` (a thread each); queue `RankExited` once it
         has exited and its output is relayed (a third thread). Called once every rank of the
@@ -120,6 +120,18 @@ def find_program(argv0: str, env: Mapping[str, str], cwd: str) -> str | None:
         path = argv0 if os.path.isabs(argv0) else os.path.join(cwd, argv0)
         return path if os.access(path, os.X_OK) and not os.path.isdir(path) else None
     return shutil.which(argv0, path=env.get("PATH", os.defpath))
+
+
+def check_job(cwd: str, argv0: str, env: Mapping[str, str]) -> dict[str, str] | None:
+    """Why this host cannot run the job (an ERROR frame's body), or None: the working directory
+    exists and argv[0] is an executable a rank with ``env`` would find."""
+    if not os.path.isdir(cwd):
+        return {"what": "working directory missing", "why": f"{cwd} does not exist here",
+                "fix": "create it on every host, or pass --chdir DIR"}
+    if find_program(argv0, env, cwd) is None:
+        return {"what": "program not found", "why": f"{argv0!r} is not an executable in "
+                f"PATH or {cwd}", "fix": "install it on every host or give its full path"}
+    return None
 
 
 def start_rank(

@@ -62,6 +62,8 @@ class RankView:
     compute_avg_s: float = 0.0
     groups: tuple[GroupView, ...] = ()
     cpu_share: float = 0.0           # of one core, over the agent's last half second or more
+    first_step: int = 0              # the first step this process reported (a resume's S+1)
+    first_step_age: float | None = None  # seconds since it was reported
 
     def group(self, label: str) -> GroupView | None:
         return next((g for g in self.groups if g.label == label), None)
@@ -96,4 +98,6 @@ def view_of(record: workerenv.RankProgress | None, *, rank: int, host: str, stat
                    for g in record.groups)
     return RankView(rank, host, record.pid, state, record.step,
                     max(0.0, now - record.step_at) if record.step_at else None,
-                    record.compute_s, record.compute_avg_s, groups)
+                    record.compute_s, record.compute_avg_s, groups, first_step=record.first_step,
+                    first_step_age=max(0.0, now - record.first_step_at)
+                    if record.first_step_at else None)

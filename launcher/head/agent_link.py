@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,3 +101,89 @@ class AgentLink:
         finally:
             self.last_heard = time.monotonic()  # before `held` drops: never seen stale
             self.held = False
+
+
+class Fleet:
+    """Every agent link of one job, across its rounds (`launcher.restart`): one event queue,
+    and the output of every link goes to the writer of the round that runs (``output``).
+
+    Links are numbered in the order they were added and keep their number for the job: a
+    round runs on some of them (`launcher.head.supervisor`); the others are idle (spares, and
+    between rounds every healthy host). Their events reach `idle_event`: a link that closes
+    is dead, a spare's READY says it checked the job, its ERROR what is wrong with it.
+    """
+
+    def __init__(self) -> None:
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.links: list[AgentLink] = []
+        self.output: Callable[[wire.Output], None] = lambda out: None
+        self.checked: dict[int, str] = {}  # link index -> "" (READY) or what its agent refused
+        self.replies: dict[int, dict[str, Any]] = {}  # link index -> its last REPLY
+        self.dropped: set[int] = set()  # links given up (lost hosts): never waited for
+
+    def add(self, stream: AgentStream) -> AgentLink:
+        link = AgentLink(len(self.links), stream, self.events, lambda out: self.output(out))
+        self.links.append(link)
+        return link
+
+    def idle_event(self, event: Received | Closed) -> None:
+        """An event of a link that runs no round now."""
+        link = self.links[event.host]
+        if isinstance(event, Closed):
+            self.drop(link)
+            return
+        kind = event.frame.kind
+        if kind is wire.Kind.READY:
+            self.checked[link.index] = ""
+        elif kind is wire.Kind.ERROR:
+            body = event.frame.json()
+            self.checked[link.index] = f"{body.get('what')}: {body.get('why')}"
+        elif kind is wire.Kind.REPLY:
+            self.replies[link.index] = event.frame.json()
+        elif kind is wire.Kind.HELLO:
+            link.hello = event.frame.json()
+
+    def drop(self, link: AgentLink) -> None:
+        """The link is gone for good: nothing more will come from it."""
+        self.dropped.add(link.index)
+        link.close()
+        link.stream.abort()
+
+    def tend_idle(self, busy: Mapping[int, object], now: float, *, beat: bool,
+                  limit: float) -> None:
+        """The links not in ``busy`` (a round's): a heartbeat if ``beat``, and a silent one
+        (more than ``limit`` seconds) is dropped: a spare gone is no spare."""
+        idle = [link for link in self.links if link.alive and link.index not in busy]
+        for link in self.heartbeat(idle) if beat else []:
+            self.drop(link)
+        for link in self.silent(idle, limit, now):
+            self.drop(link)
+
+    def release(self, link: AgentLink) -> None:
+        """BYE and close now, without waiting: the head keeps its heartbeats going (a host
+        leaving between rounds); its transport is waited for with the rest in `dismiss`."""
+        link.send_json(wire.Kind.BYE)
+        link.close()
+
+    def heartbeat(self, links: list[AgentLink]) -> list[AgentLink]:
+        """A heartbeat to each live link of ``links``; returns those whose stream broke."""
+        return [link for link in links
+                if link.alive and not link.send(wire.encode(wire.Kind.HEARTBEAT))]
+
+    def silent(self, links: list[AgentLink], limit: float, now: float) -> list[AgentLink]:
+        """The live links of ``links`` silent for more than ``limit`` seconds (not held)."""
+        return [link for link in links
+                if link.alive and not link.held and now - link.last_heard > limit]
+
+    def dismiss(self, links: list[AgentLink], wait: float = 5.0) -> None:
+        """BYE and close; agents still holding ranks SIGKILL them on BYE/EOF. Waits up to
+        ``wait`` seconds for each transport to end, then kills what is left of it."""
+        for link in links:
+            link.send_json(wire.Kind.BYE)
+            link.close()
+        deadline = time.monotonic() + wait
+        for link in links:
+            if link.index in self.dropped:
+                continue  # nothing to wait for on a dead connection
+            if link.stream.wait(timeout=max(0.0, deadline - time.monotonic())) is None:
+                link.stream.kill()

@@ -22,6 +22,7 @@ class SuperviseOptions:
     hang_timeout: float = 1800.0        # diagnose records that stood still this long (0: off)
     hang_action: str = "report"         # report (and keep waiting) or abort (exit 123)
     status_interval: float = 0.0        # print the live progress table this often (0: never)
+    rounds: bool = False                # agents stay after their ranks: a round may follow
 
     @property
     def watch(self) -> Watch:

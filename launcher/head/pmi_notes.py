@@ -1,4 +1,5 @@
-"""What the head tells the user about PMI: refused MPI features and stalled barriers.
+"""The head's PMI service (`PmiRelay`: the key-value space of the round's hosts) and what it
+tells the user about PMI: refused MPI features and stalled barriers.
 
 Both are printed by the head, once: a refused feature (``MPI_Comm_spawn``, name publishing)
 once per feature for the whole job, a stalled barrier once per ``--pmi-stall`` interval in one
@@ -19,6 +20,43 @@ from launcher.pmi.stall import StallClock, stall_text
 UNSUPPORTED_FIX = ("dtrain's PMI-1 server starts every process up front and has no name "
                    "service; start all processes with `dtrain launch` (or use --launcher "
                    "mpirun with an MPI launcher that supports it)")
+
+
+class PmiRelay:
+    """PMI across the hosts of one round (numbered 0..n-1 in host order): the key-value space
+    (`launcher.pmi.kvs`; none under --pmi off) and the notes. Made while the agents boot:
+    between the last READY and START the import would delay every rank."""
+
+    def __init__(self, *, hosts: int, kvsname: str, mode: str, stall_after: float,
+                 say: Callable[[str], None]) -> None:
+        self.kvs: Any = None
+        if mode != "off":
+            from launcher.pmi.kvs import KeyValueSpace
+
+            self.kvs = KeyValueSpace(hosts=hosts, kvsname=kvsname)
+        self.notes = PmiNotes(stall_after, say)
+
+    def stall_queries(self, now: float, names: Sequence[str]) -> list[int]:
+        """The hosts to ask which of their ranks hold a long-stalled barrier up."""
+        if self.kvs is None:
+            return []
+        waiting = {h: names[h] for h in self.kvs.waiting_hosts()}
+        return self.notes.tick(now, waiting, self.kvs.epoch)
+
+    def handle(self, host: int, name: str, msg: Mapping[str, Any]
+               ) -> list[tuple[int, dict[str, Any]]]:
+        """A PMI message of host ``host`` (``name``) but abort and rank_failed (failures, the
+        supervisor's); returns the replies, each to its host."""
+        op = msg.get("op")
+        if op == "stall":
+            self.notes.agent_stall(name, msg, bool(self.kvs and self.kvs.waiting_hosts()))
+        elif op == "stall_state":
+            self.notes.answer(host, msg)
+        elif op == "unsupported":
+            self.notes.unsupported(msg.get("rank"), name, str(msg.get("feature")))
+        elif self.kvs is not None:
+            return list(self.kvs.handle(host, dict(msg)))
+        return []
 
 
 class PmiNotes:

@@ -13,8 +13,9 @@ stragglers (`launcher.hang.watch`) are named in it and once more at the end of t
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,17 @@ from launcher.head.options import SuperviseOptions
 HANG_CODE = 123          # exit code of a job ended by --hang-action abort
 PROBE_WAIT_S = 15.0      # how long the head waits for the agents' stacks
 MAX_STACKS = 8           # stacks asked for when no rank is to blame (every rank waits)
+
+
+@dataclass(frozen=True)
+class RoundSteps:
+    """The training steps of one round as the records showed them, on the head's clock (the
+    goodput report's input, `launcher.restart.goodput`); None where no rank reported a step."""
+
+    first_step: int | None = None    # the first step a rank of the round completed
+    trained_at: float | None = None  # every rank had completed its first step
+    last_step: int | None = None     # the furthest step a rank completed
+    last_step_at: float | None = None
 
 
 def sample_interval(opts: SuperviseOptions) -> float:
@@ -44,6 +56,7 @@ class ProgressMonitor:
                  say: Callable[[str], None], log_dir: Path | None, now: float) -> None:
         self.opts, self._probe, self._say, self.log_dir = opts, probe, say, log_dir
         self.views: dict[int, RankView] = {}
+        self.received: dict[int, float] = {}  # rank -> when its view arrived (head's clock)
         # rank -> (steps, their compute seconds): the records' own average covers only the last
         # few steps, so the end-of-run verdict sums each view's average over the steps it saw.
         self._run_compute: dict[int, tuple[int, float]] = {}
@@ -53,14 +66,28 @@ class ProgressMonitor:
         self._next_status = now + (opts.status_interval or 0.0)
 
     def on_progress(self, host: int, body: dict[str, Any]) -> None:
+        now = time.monotonic()
         for raw in body.get("ranks", ()):
             view = RankView.from_json(raw)
             self._count_steps(view)
             self.views[view.rank] = view
+            self.received[view.rank] = now
         probing = self._probing
         if probing is not None and body.get("probe") == probing["id"]:
             probing["stacks"].update({int(r): s for r, s in (body.get("stacks") or {}).items()})
             probing["pending"].discard(host)
+
+    def round_steps(self) -> RoundSteps:
+        """First and last steps the views showed; ages are turned into the head's clock with
+        the time each view arrived (the agents' clocks never meet the head's)."""
+        stepped = [v for v in self.views.values() if v.first_step and v.first_step_age is not None]
+        if not stepped:
+            return RoundSteps()
+        last = max(stepped, key=lambda v: v.step)
+        return RoundSteps(
+            min(v.first_step for v in stepped),
+            max(self.received[v.rank] - (v.first_step_age or 0.0) for v in stepped),
+            last.step, self.received[last.rank] - (last.step_age or 0.0))
 
     def _count_steps(self, view: RankView) -> None:
         last = self.views.get(view.rank)

@@ -22,7 +22,7 @@ from typing import Any
 
 from launcher import netroute, wire
 from launcher.errors import AgentError
-from launcher.head.agent_link import AgentLink, Closed, Received
+from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
@@ -45,11 +45,16 @@ class Signalled:
 
 
 class Startup:
-    def __init__(self, links: Sequence[AgentLink], events: queue.Queue[Any],
+    def __init__(self, links: Sequence[AgentLink], fleet: Fleet,
                  opts: SuperviseOptions) -> None:
+        """Start-up on ``links`` of ``fleet`` (in the plan's host order); the fleet's other
+        links (spares, hosts of no round now) are kept alive meanwhile."""
         self.links = list(links)
-        self.events = events
+        self._at = {link.index: position for position, link in enumerate(self.links)}
+        self.fleet = fleet
+        self.events = fleet.events
         self.opts = opts
+        self._beat_at = time.monotonic()
         self.deadline = time.monotonic() + opts.launch_timeout
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
@@ -63,7 +68,8 @@ class Startup:
         probe = wire.Probe(None if user_addr or len(self.links) == 1 else self._next_host(),
                            free_port=user_port is None)
         ready: dict[int, dict[str, Any]] = {}
-        specs = {link.index: self._spec_frame(plan, link.index, probe) for link in self.links}
+        specs = {link.index: self._spec_frame(plan, self._at[link.index], probe)
+                 for link in self.links}
         unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
         for link in self.links:
             if link.index not in unsent:
@@ -83,7 +89,7 @@ class Startup:
 
         self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
         self.ready_at = time.monotonic()
-        answer = ready[0]
+        answer = ready[self.links[0].index]
         if "probe_error" in answer:
             raise AgentError("rendezvous address not found", f"host {self.links[0].name}",
                              answer["probe_error"], "pass --master-addr and --master-port")
@@ -103,7 +109,8 @@ class Startup:
                 handle(self.events.get(timeout=0.2))
             except queue.Empty:
                 pass
-            silent = self._silent({link.index for link in self.links})
+            self._beat()
+            silent = self._silent()
             if silent is not None:
                 handle(Closed(silent.index, "no heartbeat while starting its ranks"))
 
@@ -116,19 +123,8 @@ class Startup:
         return _address_of(second)
 
     def _spec_frame(self, plan: JobPlan, index: int, probe: wire.Probe) -> bytes:
-        spec = self.spec(plan, plan.hosts[index], probe if index == 0 else None)
+        spec = spec_of(plan, plan.hosts[index], self.opts, probe if index == 0 else None)
         return wire.encode_json(wire.Kind.SPEC, spec.to_json())
-
-    def spec(self, plan: JobPlan, host_plan: HostPlan, probe: wire.Probe | None = None
-             ) -> wire.AgentSpec:
-        """What one host runs, as its SPEC frame carries it."""
-        return wire.AgentSpec(
-            job_id=plan.job_id, argv=plan.argv, cwd=plan.cwd,
-            ranks=tuple(wire.RankStart(r.rank, plan.rank_env(r)) for r in host_plan.ranks),
-            watch=self.opts.watch,
-            pmi=wire.PmiSpec(self.opts.pmi, plan.job_id, plan.world_size,
-                             plan.process_mapping, self.opts.pmi_stall),
-            progress_interval=sample_interval(self.opts), probe=probe)
 
     def _until(self, done: Callable[[], bool], doing: str,
                on_frame: Callable[[AgentLink, wire.Frame], None]) -> None:
@@ -144,35 +140,66 @@ class Startup:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 event = None
-            if isinstance(event, Closed):
-                _agent_failed(self.links[event.host], f"could not {doing}", event.reason)
+            self._beat()
+            if isinstance(event, Received | Closed) and event.host not in self._at:
+                self.fleet.idle_event(event)
+            elif isinstance(event, Closed):
+                _agent_failed(self.links[self._at[event.host]], f"could not {doing}",
+                              event.reason)
             elif isinstance(event, Signalled):
                 raise KeyboardInterrupt
             elif isinstance(event, Received):
-                link = self.links[event.host]
+                link = self.links[self._at[event.host]]
                 link.last_heard = time.monotonic()
                 if event.frame.kind is wire.Kind.ERROR:
                     body = event.frame.json()
                     raise AgentError(str(body.get("what")), f"host {link.name}",
                                      str(body.get("why")), str(body.get("fix", "")))
                 on_frame(link, event.frame)
-            silent = self._silent({link.index for link in self.links})
+            silent = self._silent()
             if silent is not None:
                 raise AgentError(f"agent did not {doing}", f"host {silent.name}",
                                  "no heartbeat (host down or network cut?)",
                                  "nothing was started; check the host")
 
-    def _silent(self, indices: set[int]) -> AgentLink | None:
+    def _beat(self) -> None:
+        """Heartbeats while starting to agents that said HELLO (a later round's start-up may
+        be long: agents that already ran a round judge the head's silence by the job's
+        interval); nothing is written ahead of a SPEC that waits for its agent's HELLO."""
+        now = time.monotonic()
+        beat = now - self._beat_at >= self.opts.heartbeat
+        if beat:
+            self._beat_at = now
+            self.fleet.heartbeat([link for link in self.links if link.hello])
+        self.fleet.tend_idle(self._at, now, beat=beat,
+                             limit=self.opts.heartbeat * self.opts.misses)
+
+    def _silent(self) -> AgentLink | None:
         # Agents send heartbeats at the default interval until the SPEC sets the job's.
         first = wire.Watch()
         limit = max(self.opts.heartbeat * self.opts.misses, first.heartbeat * first.misses)
         now = time.monotonic()
-        for index in sorted(indices):
-            if self.links[index].held:
+        for link in self.links:
+            if link.held:
                 continue  # its reader waits for our full output queue: not the agent's silence
-            if now - self.links[index].last_heard > limit:
-                return self.links[index]
+            if now - link.last_heard > limit:
+                return link
         return None
+
+
+def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: SuperviseOptions,
+            probe: wire.Probe | None = None) -> wire.AgentSpec:
+    """What one host runs, as its SPEC frame carries it; with no ``host_plan`` no ranks (a
+    spare's check of the job: its working directory and program, for a rank's variables)."""
+    return wire.AgentSpec(
+        job_id=plan.job_id, argv=plan.argv, cwd=plan.cwd,
+        ranks=tuple(wire.RankStart(r.rank, plan.rank_env(r)) for r in host_plan.ranks)
+        if host_plan is not None else (),
+        watch=opts.watch, rounds=opts.rounds,
+        pmi=wire.PmiSpec(opts.pmi if host_plan is not None else "off", plan.kvsname,
+                         plan.world_size, plan.process_mapping, opts.pmi_stall),
+        progress_interval=sample_interval(opts) if host_plan is not None else None,
+        probe=probe, check_env={} if host_plan is not None else dict(plan.base_env))
 
 
 def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:

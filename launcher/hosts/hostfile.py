@@ -8,6 +8,8 @@ One host per line; `#` starts a comment; blank lines are skipped; CRLF line ends
     node1                           a bare host is 1 slot (Open MPI would count CPUs; dtrain
                                     runs one rank per GPU, so it never guesses)
     node1:4                         MPICH Hydra (Hydra's `user=NAME` key is accepted too)
+    node5 slots=4 spare             a spare: connected and checked, runs ranks only when it
+                                    replaces a failed host (`dtrain launch --max-restarts`)
     [fe80::1]:2  /  [::1] slots=2   IPv6 literals, always in brackets (`host:N` owns the colon)
 
 Every error names `path:line` and is raised before any connection, because a host name flows
@@ -52,6 +54,7 @@ class HostEntry:
     port: int | None = None  # from `port=N`
     max_slots: int | None = None
     source: str = ""        # where it came from: "path:line", "-H", or "localhost"
+    spare: bool = False     # marked `spare`: stands by for a failed host (launcher.restart)
 
     def __post_init__(self) -> None:
         # Entries built in code get the same checks as parsed ones.
@@ -201,21 +204,29 @@ def _parse_line(content: str, where: str) -> HostEntry:
         raise HostfileError("slots exceed max_slots", where, f"slots={slots} > "
                             f"max_slots={max_slots}", "Lower slots or raise max_slots")
     port = _port(fields["port"], where) if "port" in fields else None
-    return HostEntry(name, slots, user=user, port=port, max_slots=max_slots, source=where)
+    return HostEntry(name, slots, user=user, port=port, max_slots=max_slots, source=where,
+                     spare="spare" in fields)
 
 
 def _parse_pairs(pairs: list[str], where: str) -> dict[str, str]:
     fields: dict[str, str] = {}
     for pair in pairs:
+        if pair == "spare":  # a bare mark, not key=value
+            if pair in fields:
+                raise HostfileError("key given twice", where, "spare appears twice",
+                                    "Keep one of them")
+            fields[pair] = ""
+            continue
         key, eq, value = pair.partition("=")
         if not eq:
             raise HostfileError("unexpected text after the host", where, f"{shown_text(pair)} is "
                                 "not key=value", "Remove it, or write slots=N / max_slots=N /"
-                                " port=N")
+                                " port=N / spare")
         field = _KEYS.get(key)
         if field is None:
             near = difflib.get_close_matches(key.lower(), list(_KEYS), n=1, cutoff=0.6)
-            hint = f"Did you mean {near[0]}=?" if near else "Known keys: slots, max_slots, port"
+            hint = f"Did you mean {near[0]}=?" if near else ("Known keys: slots, max_slots, port, "
+                                                               "and the mark spare")
             raise HostfileError("unknown key", where, f"{shown_text(key)} is not a hostfile key",
                                 hint)
         if field in fields:

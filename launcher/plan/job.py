@@ -69,6 +69,29 @@ class Rendezvous:
 
 
 @dataclass(frozen=True)
+class RoundInfo:
+    """Which round of a job the plan is for (`launcher.restart`): the restart variables."""
+
+    number: int = 0
+    """How many times the job was restarted before this round."""
+    max_restarts: int = 0
+    """--max-restarts, the budget."""
+    cause: str = ""
+    """What ended the round before (rounds after the first)."""
+    initial_world: int = 0
+    """WORLD_SIZE of the first round (rounds after the first)."""
+
+    def env(self) -> dict[str, str]:
+        out = {we.RESTART_COUNT: str(self.number),
+               we.TORCHELASTIC_RESTART_COUNT: str(self.number),
+               we.TORCHELASTIC_MAX_RESTARTS: str(self.max_restarts)}
+        if self.number:
+            out[we.RESTART_CAUSE] = self.cause
+            out[we.INITIAL_WORLD_SIZE] = str(self.initial_world)
+        return out
+
+
+@dataclass(frozen=True)
 class JobPlan:
     """Everything needed to start the job; the same plan drives the agents and `mpirun`."""
 
@@ -78,28 +101,31 @@ class JobPlan:
     argv: tuple[str, ...]
     cwd: str
     base_env: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    # How many times the job was restarted before this round (TORCHELASTIC_RESTART_COUNT): the
-    # restart logic plans each round with its count; 0 for a first run.
-    restart_count: int = 0
-    # How many restarts the job may have (TORCHELASTIC_MAX_RESTARTS).
-    max_restarts: int = 0
+    restart: RoundInfo = RoundInfo()
+    """The round of the job this plan is for: the one source of the restart variables
+    (DTRAIN_RESTART_COUNT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS)."""
+
+    @property
+    def round(self) -> int:
+        """The restart count of the round this plan is for (0: the first)."""
+        return self.restart.number
+
+    @property
+    def kvsname(self) -> str:
+        """The PMI key-value space, also the prefix of MPICH's shared-memory segments: one per
+        round, so a later round never meets what a killed rank of an earlier one left."""
+        return self.job_id if not self.round else f"{self.job_id}-r{self.round}"
 
     def rank_env(self, spec: RankSpec, rendezvous: Rendezvous | None = None) -> dict[str, str]:
         """The rank's full added environment: base_env, then the contract on top, with
         MASTER_ADDR/MASTER_PORT once the rendezvous is known."""
-        return {**self.base_env, **spec.env, **self.restart_env(),
-                **(rendezvous.env() if rendezvous else {})}
-
-    def restart_env(self) -> dict[str, str]:
-        """torchrun's restart variables, from this plan's counts (their one source)."""
-        return {we.TORCHELASTIC_RESTART_COUNT: str(self.restart_count),
-                we.TORCHELASTIC_MAX_RESTARTS: str(self.max_restarts)}
+        return {**self.base_env, **spec.env, **(rendezvous.env() if rendezvous else {})}
 
     def job_env(self) -> dict[str, str]:
         """The contract variables equal on every rank (what `--launcher mpirun` sets once)."""
         first = self.ranks[0].env
         shared = (we.WORLD_SIZE, we.JOB_ID, we.OMP_NUM_THREADS, *we.TORCHRUN_JOB_WIDE)
-        return {**{k: first[k] for k in shared if k in first}, **self.restart_env()}
+        return {**{k: first[k] for k in shared if k in first}, **self.restart.env()}
 
     @property
     def ranks(self) -> tuple[RankSpec, ...]:
@@ -113,16 +139,20 @@ class JobPlan:
 
 
 def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_id: str,
-              base_env: Mapping[str, str]) -> JobPlan:
+              base_env: Mapping[str, str], restart: RoundInfo = RoundInfo(),
+              grace: float | None = None) -> JobPlan:
     """Place ranks on the selected hosts and write each rank's contract variables (all but
-    the `Rendezvous`, which start-up decides)."""
+    the `Rendezvous`, which start-up decides); ``restart`` says which round of the job this
+    is, ``grace`` the --grace the ranks get to stop."""
     _check_inputs(selected, argv, cwd, job_id, base_env)
     world_size = sum(len(host.slots) for host in selected)
     shared = {we.WORLD_SIZE: str(world_size), we.PMI_SIZE: str(world_size), we.JOB_ID: job_id,
               # torchrun's (workerenv): frameworks that test for torchrun take its path
               we.TORCHELASTIC_RUN_ID: job_id, we.TORCHELASTIC_USE_AGENT_STORE: "False",
               we.ROLE_NAME: "default", we.ROLE_WORLD_SIZE: str(world_size),
-              we.GROUP_WORLD_SIZE: str(len(selected))}
+              we.GROUP_WORLD_SIZE: str(len(selected)), **restart.env()}
+    if grace is not None:
+        shared[we.GRACE_S] = f"{grace:g}"
     if we.OMP_NUM_THREADS not in base_env:  # one thread per rank unless the user chose
         shared[we.OMP_NUM_THREADS] = "1"
     if we.TORCH_NCCL_ASYNC_ERROR_HANDLING not in base_env:  # torchrun's default
@@ -132,7 +162,7 @@ def make_plan(selected: list[HostSlots], *, argv: Sequence[str], cwd: str, job_i
         hosts.append(_host_plan(host, node_rank, next_rank, shared))
         next_rank += len(host.slots)
     return JobPlan(job_id=job_id, hosts=tuple(hosts), world_size=world_size, argv=tuple(argv),
-                   cwd=cwd, base_env=MappingProxyType(dict(base_env)))
+                   cwd=cwd, base_env=MappingProxyType(dict(base_env)), restart=restart)
 
 
 def new_job_id() -> str:

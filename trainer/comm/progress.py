@@ -67,6 +67,7 @@ class ProgressRecord:
         self._words = memoryview(self._map).cast("Q")  # native order, as the layout is
         self._slots = 0
         self._avg = 0.0
+        self._first = (0, 0.0)  # the first step reported, and when (a resume's start)
         self._header(rank=rank, step=0, at=0.0, compute=0.0)
 
     @classmethod
@@ -78,14 +79,17 @@ class ProgressRecord:
     def _header(self, *, rank: int, step: int, at: float, compute: float) -> None:
         self._rank = rank
         workerenv.PROGRESS_HEADER.pack_into(self._map, 0, workerenv.PROGRESS_MAGIC, os.getpid(),
-                                            rank, step, at, compute, self._avg)
+                                            rank, step, at, compute, self._avg, *self._first)
 
     def step(self, step: int, compute_s: float) -> None:
         """The trainer finished ``step``, computing for ``compute_s`` seconds of it."""
         # A moving average over ~5 steps: stragglers are persistent, one slow step is not one.
         self._avg = compute_s if step <= 1 or self._avg == 0.0 else (
             0.8 * self._avg + 0.2 * compute_s)
-        self._header(rank=self._rank, step=step, at=_clock(), compute=compute_s)
+        now = _clock()
+        if not self._first[0]:
+            self._first = (step, now)
+        self._header(rank=self._rank, step=step, at=now, compute=compute_s)
 
     def slot(self, label: str, group_rank: int, group_size: int) -> _Slot:
         """A new communicator's slot; once every slot is taken, one in private memory (its

@@ -38,6 +38,7 @@ from trainer.data.batches import check_splits
 from trainer.data.corpus import Corpus, check_vocab, load_corpus
 from trainer.data.sources import TokenData, load_token_data, parse_data
 from trainer.errors import BootstrapError, TrainerError
+from trainer.training import restart
 from trainer.training.resume import check_run_dir
 
 T = TypeVar("T")
@@ -107,7 +108,9 @@ def agree(comm: Any, failure: Failure | None) -> Failure | None:
 def start(argv: Sequence[str] | None) -> tuple[World, TrainConfig, Corpus] | int:
     """Both phases with their agreements: what to train with, or the exit code of bad input."""
     quiet = env_rank() != 0
-    cfg, failed = attempt(lambda: check_run_dir(parse_args(argv, quiet=quiet)))
+    restarted = restart.of_environ(os.environ)  # a restarted round resumes by itself
+    cfg, failed = attempt(lambda: check_run_dir(restart.resuming(parse_args(argv, quiet=quiet),
+                                                                 restarted)))
     failed = agree(world_comm(), failed)
     if failed is None:
         ready, failed = attempt(lambda: prepare(cfg))
@@ -136,7 +139,7 @@ def same_data(comm: Any, corpus: Corpus) -> Failure | None:
 def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:
     """Phase 2 on this rank: join the world, fit the layout to it, read and check the data."""
     world = init(backend=cfg.backend)
-    cfg = resolve_dp(cfg, world.size)
+    cfg = resolve_dp(*restart.fit_world(cfg, world.size, restart.of_environ(os.environ)))
     return world, cfg, training_data(cfg)
 
 
