@@ -157,6 +157,27 @@ def test_a_damaged_shard_is_refused_at_its_first_use_naming_file_and_block(
         data.window(1, 0, 10)
 
 
+def test_every_dp_rank_meets_a_damaged_block_at_the_same_step_and_one_reports_it(
+        dataset: tuple[Path, list[Path]], tmp_path: Path) -> None:
+    """Each rank reads only its rows but verifies the blocks of the whole global batch: the
+    ranks whose rows avoid the damage stop at the same step, so no rank waits in a collective
+    and one message is printed."""
+    folder = copy_dataset(dataset[0], tmp_path / "ds")
+    shard = folder / "tokens-00000.bin"
+    raw = bytearray(shard.read_bytes())
+    raw[10] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    loaders = [TokenBatches([(folder, 1.0)], seq_len=SEQ, plan=BatchPlan(8, 4, 1), seed=5,
+                            dp_rank=r, model_vocab=512, reporter=r == 0) for r in range(4)]
+    failed_at: list[tuple[int, bool]] = []
+    for loader in loaders:
+        with pytest.raises(DataError, match="tokens-00000.bin.*block 0") as err:
+            for step in range(100):
+                loader.microbatches(step)
+        failed_at.append((step, err.value.agreed and err.value.report))
+    assert failed_at == [(failed_at[0][0], True)] + [(failed_at[0][0], False)] * 3
+
+
 def test_a_truncated_shard_and_a_too_large_vocabulary_are_refused_when_opened(
         dataset: tuple[Path, list[Path]], tmp_path: Path) -> None:
     folder = copy_dataset(dataset[0], tmp_path / "ds")

@@ -8,7 +8,7 @@ processes; two ranks under ``mpiexec``).
   in tests/numerics.py (another sample would move the loss by far more).
 - A blend of two datasets trains; a blend with another tokenizer is refused.
 - The peak memory of a rank (start-up and every step) is the same within 20 MB for a 2 MB and
-  a 500 MB token dataset: the shards are mapped, not read.
+  a 500 MB token dataset: windows are read into the batch, nothing is mapped.
 - ``--tensorboard`` writes event files that TensorBoard's reader reads back with the losses of
   ``metrics.jsonl``.
 """
@@ -198,8 +198,8 @@ def test_generate_decodes_with_the_runs_tokenizer(corpus: Path, tmp_path: Path) 
 def test_a_damaged_shard_stops_every_rank_with_one_message(corpus: Path, tmp_path: Path,
                                                            damage: str) -> None:
     """A shard shorter than its manifest says is refused at start-up; one whose bytes changed
-    at the first sample read from it (its block's checksum): either way one message, naming
-    the file, and no rank left running."""
+    at the first global batch that touches it (its block's checksum, verified by every rank):
+    either way one message, naming the file, and no rank left running."""
     folder = tmp_path / "ds"
     shutil.copytree(corpus, folder)
     shard = folder / "tokens-00000.bin"

@@ -115,15 +115,16 @@ def load_token_data(sources: DataSources, *, model_vocab: int, seq_len: int,
 
 
 def make_batches(data: Corpus | TokenData, *, seq_len: int, plan: BatchPlan, seed: int,
-                 dp_rank: int, device: torch.device, validation: bool = False
-                 ) -> ShardedBatches | TokenBatches:
+                 dp_rank: int, device: torch.device, validation: bool = False,
+                 reporter: bool = True) -> ShardedBatches | TokenBatches:
     """The batches of one DP rank from either kind of data (both answer ``microbatches(step)``
-    with the same plan, seed and device)."""
+    with the same plan, seed and device); ``reporter``: this rank prints an error every rank
+    meets together (a damaged block of a tokenized dataset)."""
     if isinstance(data, TokenData):
         return TokenBatches(list(data.blend), seq_len=seq_len, plan=plan, seed=seed,
                             dp_rank=dp_rank, model_vocab=data.model_vocab,
                             val_fraction=data.val_fraction, device=device,
-                            validation=validation)
+                            validation=validation, reporter=reporter)
     return ShardedBatches(data, seq_len=seq_len, plan=plan, seed=seed, dp_rank=dp_rank,
                           device=device, validation=validation)
 

@@ -22,6 +22,7 @@ by the same rule from sample 0.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,16 +97,25 @@ class Source:
     def train(self) -> int:
         return int(self.starts[-1]) - self.val
 
+    def _by_shard(self, index: np.ndarray) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
+        """(shard, where in ``index``, token offsets) of windows number ``index``."""
+        index = index.astype(np.int64)
+        shard = np.searchsorted(self.starts, index, side="right") - 1
+        for s in np.unique(shard):
+            at = shard == s
+            yield int(s), at, (index[at] - self.starts[s]) * self.seq_len
+
+    def verify(self, index: np.ndarray) -> None:
+        """Check the blocks of windows number ``index`` (`TokenFiles.verify`)."""
+        for shard, _, starts in self._by_shard(index):
+            self.files.verify(shard, starts, self.seq_len + 1)
+
     def windows(self, index: np.ndarray) -> np.ndarray:
         """Windows number ``index`` (train windows first, then the held-out ones) as an
         (n, seq_len + 1) int64 array, in the order asked."""
-        index = index.astype(np.int64)
-        shard = np.searchsorted(self.starts, index, side="right") - 1
         out = np.empty((len(index), self.seq_len + 1), dtype=np.int64)
-        for s in np.unique(shard):
-            at = shard == s
-            starts = (index[at] - self.starts[s]) * self.seq_len
-            out[at] = self.files.gather(int(s), starts, self.seq_len + 1)
+        for shard, at, starts in self._by_shard(index):
+            out[at] = self.files.gather(shard, starts, self.seq_len + 1)
         return out
 
 
@@ -152,7 +162,8 @@ class TokenBatches:
 
     def __init__(self, blend: list[tuple[Path, float]], *, seq_len: int, plan: BatchPlan,
                  seed: int, dp_rank: int, model_vocab: int, val_fraction: float = 0.0,
-                 device: torch.device | str = "cpu", validation: bool = False) -> None:
+                 device: torch.device | str = "cpu", validation: bool = False,
+                 reporter: bool = True) -> None:
         total = sum(w for _, w in blend)
         self.weights = [w / total for _, w in blend]
         self.sources = [Source(TokenFiles(path, model_vocab=model_vocab), seq_len, val_fraction)
@@ -160,6 +171,8 @@ class TokenBatches:
         check_same_tokenizer([s.files for s in self.sources])
         self.seq_len, self.plan, self.seed, self.dp_rank = seq_len, plan, seed, dp_rank
         self.device, self.validation = torch.device(device), validation
+        self.reporter = reporter
+        """Whether this rank prints a damaged block's error (every rank raises it)."""
         self.position = Position(0, [0] * len(blend))
         self._step: int | None = None
         self._cached: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -174,33 +187,40 @@ class TokenBatches:
         self.position = Position(int(state["samples"]), taken)  # type: ignore[call-overload]
         self._step, self._cached = step - 1, []
 
-    def _windows(self, source: int, number: np.ndarray) -> np.ndarray:
-        """The windows of dataset ``source``'s samples ``number`` (counted per dataset)."""
+    def _index(self, source: int, number: np.ndarray) -> np.ndarray:
+        """The window numbers of dataset ``source``'s samples ``number`` (counted per
+        dataset)."""
         src = self.sources[source]
         if self.validation:
-            return src.windows(src.train + number % np.uint64(src.val))
+            return src.train + number % np.uint64(src.val)
         epoch, offset = np.divmod(number, np.uint64(src.train))
         chosen = np.empty_like(offset)
         for e in np.unique(epoch):  # one permutation per epoch the batch touches
             at = epoch == e
             chosen[at] = permute(offset[at], src.train, step_seed(self.seed, source, int(e)))
-        return src.windows(chosen)
+        return chosen
 
     def _rows(self, position: Position, count: int) -> np.ndarray:
         """This DP rank's rows of the ``count`` samples after ``position`` (advanced past
-        all of them); only those rows are read."""
+        all of them); only those rows are read, but the blocks of all of them are verified:
+        a damaged block then stops every rank at the same step, and one of them says so."""
         first = list(position.taken)
         picks = np.asarray(choose(self.weights, position, count))
-        number = np.empty(count, dtype=np.uint64)  # each sample's number within its dataset
+        index = np.empty(count, dtype=np.uint64)  # each sample's window in its dataset
         for d, start in enumerate(first):
             at = picks == d
-            number[at] = start + np.arange(int(at.sum()), dtype=np.uint64)
+            index[at] = self._index(d, start + np.arange(int(at.sum()), dtype=np.uint64))
+        try:
+            for d in np.unique(picks):
+                self.sources[d].verify(index[picks == d])
+        except DataError as err:
+            raise err.everywhere(report=self.reporter) from None
         local = self.plan.local_slice(self.dp_rank)
-        picks, number = picks[local], number[local]
+        picks, index = picks[local], index[local]
         rows = np.empty((len(picks), self.sources[0].seq_len + 1), dtype=np.int64)
         for d in np.unique(picks):
             at = picks == d
-            rows[at] = self._windows(int(d), number[at])
+            rows[at] = self.sources[d].windows(index[at])
         return rows
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -142,7 +142,7 @@ class TokenFiles:
     def gather(self, shard: int, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows ``starts[i] .. starts[i]+length`` of ``shard`` as one (n, length) array,
         each read straight into its row (verified)."""
-        self._check(shard, starts, length)
+        self.verify(shard, starts, length)
         rows = np.empty((len(starts), length), dtype=self.dtype)
         width = self.dtype.itemsize
         fd = os.open(self.folder / self.manifest.shards[shard].file, os.O_RDONLY | os.O_CLOEXEC)
@@ -155,8 +155,9 @@ class TokenFiles:
             os.close(fd)
         return rows
 
-    def _check(self, shard: int, starts: np.ndarray, length: int) -> None:
-        """Verify the blocks these rows touch that are not verified yet."""
+    def verify(self, shard: int, starts: np.ndarray, length: int) -> None:
+        """Verify the blocks the rows ``starts[i] .. starts[i]+length`` touch that are not
+        verified yet."""
         width = self.dtype.itemsize
         first, last = starts * width // BLOCK_BYTES, ((starts + length) * width - 1) // BLOCK_BYTES
         done = self._verified[shard]

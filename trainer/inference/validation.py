@@ -50,7 +50,8 @@ class Validation:
         """The validation of a run whose training batches are ``train`` (same plan, seed,
         DP rank and device)."""
         batches = make_batches(corpus, seq_len=train.seq_len, plan=train.plan, seed=train.seed,
-                               dp_rank=train.dp_rank, device=train.device, validation=True)
+                               dp_rank=train.dp_rank, device=train.device, validation=True,
+                               reporter=not isinstance(train, TokenBatches) or train.reporter)
         return cls(batches, model, body, dp, pp)
 
     @torch.no_grad()

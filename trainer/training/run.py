@@ -121,7 +121,7 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     batches = make_batches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
                            plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
                                           cfg.parallel.microbatches),
-                           dp_rank=mesh.rank("dp"))
+                           dp_rank=mesh.rank("dp"), reporter=mesh.rank() == 0)
     if isinstance(batches, TokenBatches) and restored.samples is not None:
         batches.restore(restored.samples, restored.step + 1)  # continue the sample order
     opt = cfg.optimizer
