@@ -47,13 +47,12 @@ run: install bytecode
 bench: install sysdeps bytecode bench-peers
 	$(PY) -m bench.run_all
 
-# The peers bench/llama_step.py races: torchtitan's Llama 3 model code without its data and
-# distributed dependencies (--no-deps: its requirements would pull another torch), plus the few
-# modules its model package imports (triton: its MoE kernels, imported by the package's init).
+# The peers bench/llama_step.py races (setup.cfg's bench extra: torchtitan and what it brings,
+# datasets, wandb and a huggingface_hub that transformers accepts), under the same torch pin.
 bench-peers: install
-	@$(PY) -c "import torchtitan.models.llama3" 2>/dev/null || $(PY) -m pip install -q --no-deps \
-		torchtitan==0.3.0 spmd_types==0.2.3 torch_checkpointing einops tyro docstring_parser \
-		triton==3.9.0
+	@$(PY) -c "import torchtitan.models.llama3" 2>/dev/null || \
+		PIP_CONSTRAINT=$(VENV)/constraints.txt $(PY) -m pip install -q -e '.[dev,bench]' \
+		--config-settings editable_mode=compat
 
 # ruff everywhere; mypy on what pyproject.toml's [tool.mypy] lists (strict on launcher/).
 lint: install

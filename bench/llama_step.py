@@ -8,8 +8,8 @@ sequence length, batch), fp32, AdamW, untied head, in the same process and threa
 * ``dtrain``: the trainer's own step on the Llama (``build_run``/``run_step``: what ``python -m
   trainer.train --arch llama`` runs, DP gradient buffer, clipping and guard included);
 * ``transformers``: ``LlamaForCausalLM`` (sdpa attention), logits -> cross entropy;
-* ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only: the package
-  is installed without its data and distributed dependencies), tokens -> logits -> cross entropy.
+* ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only; setup.cfg's
+  ``bench`` extra, installed by ``make bench``), tokens -> logits -> cross entropy.
 
 After one warm-up step each, the sides take ``steps`` x ``reps`` timed steps in turn, one step
 each, their order rotated every round, so drifting load on a shared machine hits them alike;
