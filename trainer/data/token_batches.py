@@ -157,6 +157,10 @@ def choose(weights: list[float], position: Position, count: int) -> list[int]:
     return out
 
 
+CHUNK = 4096
+"""Samples of a dataset whose windows are permuted at once (32 KiB of indices)."""
+
+
 class TokenBatches:
     """Microbatches of one DP rank, step after step, from a blend of tokenized datasets."""
 
@@ -176,6 +180,8 @@ class TokenBatches:
         self.position = Position(0, [0] * len(blend))
         self._step: int | None = None
         self._cached: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._chunks: dict[int, tuple[int, np.ndarray]] = {}
+        """Per dataset, the last chunk of permuted window numbers (`_chunk`)."""
 
     def restore(self, state: dict[str, object], step: int) -> None:
         """Continue from a saved `Position` (``Position.to_dict``) at the start of ``step``."""
@@ -193,11 +199,28 @@ class TokenBatches:
         src = self.sources[source]
         if self.validation:
             return src.train + number % np.uint64(src.val)
+        chunk = number // np.uint64(CHUNK)
+        chosen = np.empty_like(number)
+        for c in np.unique(chunk):
+            at = chunk == c
+            chosen[at] = self._chunk(source, int(c))[number[at] - c * np.uint64(CHUNK)]
+        return chosen
+
+    def _chunk(self, source: int, c: int) -> np.ndarray:
+        """The window numbers of dataset ``source``'s samples ``c·CHUNK .. (c+1)·CHUNK``,
+        permuted together and kept until the run moves on: one vectorised permutation per
+        `CHUNK` samples instead of a few dozen small NumPy calls per step."""
+        kept = self._chunks.get(source)
+        if kept is not None and kept[0] == c:
+            return kept[1]
+        src = self.sources[source]
+        number = np.arange(c * CHUNK, (c + 1) * CHUNK, dtype=np.uint64)
         epoch, offset = np.divmod(number, np.uint64(src.train))
         chosen = np.empty_like(offset)
-        for e in np.unique(epoch):  # one permutation per epoch the batch touches
+        for e in np.unique(epoch):  # one permutation per epoch the chunk touches
             at = epoch == e
             chosen[at] = permute(offset[at], src.train, step_seed(self.seed, source, int(e)))
+        self._chunks[source] = (c, chosen)
         return chosen
 
     def _rows(self, position: Position, count: int) -> np.ndarray:
