@@ -3,13 +3,15 @@
     python -m bench.llama_step [--sizes tiny,100m] [--steps 3] [--reps 3]
 
 Three sides train the same shape (layers, width, heads, key/value heads, MLP width, vocabulary,
-sequence length, batch), fp32, AdamW, untied head, in the same process and thread count:
+sequence length, batch; the rows show each side's parameter count), fp32, AdamW, untied head,
+gradient norm clipped to the trainer's default (1.0, as torchtitan's and Hugging Face's trainers
+do too), in the same process and thread count:
 
 * ``dtrain``: the trainer's own step on the Llama (``build_run``/``run_step``: what ``python -m
   trainer.train --arch llama`` runs, DP gradient buffer, clipping and guard included);
-* ``transformers``: ``LlamaForCausalLM`` (sdpa attention), logits -> cross entropy;
+* ``transformers``: ``LlamaForCausalLM`` (sdpa attention), logits -> cross entropy -> clip;
 * ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only; setup.cfg's
-  ``bench`` extra, installed by ``make bench``), tokens -> logits -> cross entropy.
+  ``bench`` extra, installed by ``make bench``), tokens -> logits -> cross entropy -> clip.
 
 After one warm-up step each, the sides take ``steps`` x ``reps`` timed steps in turn, one step
 each, their order rotated every round, so drifting load on a shared machine hits them alike;
@@ -31,11 +33,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from trainer.config.sections import OptimizerSection
 from trainer.model.config import GPTConfig
-from trainer.model.family import build_model
 from trainer.model.llama_config import LlamaShape
 
 Row = dict[str, Any]
+CLIP = OptimizerSection().grad_clip
 
 
 @dataclass(frozen=True)
@@ -56,24 +59,27 @@ SIZES = {
 }
 
 Step = Callable[[torch.Tensor, torch.Tensor], object]
+Side = tuple[Step, int]
+"""A side's training step and its model's parameter count (the same on every side)."""
 SIZES_BATCH = {size.cfg: size.batch for size in SIZES.values()}
 
 
-def _trainer(model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+def _trainer(model: torch.nn.Module, forward: Callable[[torch.Tensor], torch.Tensor]) -> Side:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         logits = forward(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    return step
+    return step, sum(p.numel() for p in model.parameters())
 
 
-def dtrain_side(cfg: GPTConfig) -> Step:
+def dtrain_side(cfg: GPTConfig) -> Side:
     """The trainer's own step (``build_run``/``run_step`` on a world of one rank, as ``python
     -m trainer.train`` runs it: DP gradient buffer, clipping, the guard, fp32), on the
     byte corpus (ids below 256 of the model's vocabulary: the same matmuls)."""
@@ -91,10 +97,10 @@ def dtrain_side(cfg: GPTConfig) -> Step:
     run = build_run(make_config(train, cfg.to_dict()), Mesh.build(world.comm, MeshShape(),
                                                                    world.device))
     steps = iter(range(1, 10**9))
-    return lambda x, y: run_step(run, next(steps))
+    return (lambda x, y: run_step(run, next(steps))), run.model.num_params()
 
 
-def transformers_side(cfg: GPTConfig) -> Step:
+def transformers_side(cfg: GPTConfig) -> Side:
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
@@ -108,7 +114,7 @@ def transformers_side(cfg: GPTConfig) -> Step:
     return _trainer(model, lambda x: model(input_ids=x, use_cache=False).logits)
 
 
-def torchtitan_side(cfg: GPTConfig) -> Step:
+def torchtitan_side(cfg: GPTConfig) -> Side:
     # torchtitan's own builders with its SDPA attention class: its language-model presets now
     # pick flex or varlen attention, which need compilation or CUDA; SDPA is its eager path.
     from torchtitan.models import llama3 as tt
@@ -144,7 +150,7 @@ def torchtitan_side(cfg: GPTConfig) -> Step:
     return _trainer(model, model)
 
 
-SIDES: dict[str, Callable[[GPTConfig], Step]] = {
+SIDES: dict[str, Callable[[GPTConfig], Side]] = {
     "dtrain": dtrain_side, "transformers": transformers_side, "torchtitan": torchtitan_side}
 
 
@@ -155,11 +161,12 @@ def measure(size: str, *, steps: int, reps: int) -> list[Row]:
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
     x, y = x[:, :-1].contiguous(), x[:, 1:].contiguous()
     built: dict[str, Step] = {}
+    params: dict[str, int] = {}
     missing: dict[str, str] = {}
     for name, make in SIDES.items():
         torch.manual_seed(0)
         try:
-            built[name] = make(cfg)
+            built[name], params[name] = make(cfg)
         except ImportError as err:
             missing[name] = f"not installed ({err.name})"
         built.get(name, lambda *_: None)(x, y)  # warm-up step
@@ -171,7 +178,6 @@ def measure(size: str, *, steps: int, reps: int) -> list[Row]:
             built[name](x, y)
             times[name].append(time.perf_counter() - start)
     tokens = batch * cfg.seq_len
-    params = build_model(cfg).num_params() if size == "tiny" else None
     rows: list[Row] = []
     for name in SIDES:
         if name in missing:
@@ -180,7 +186,7 @@ def measure(size: str, *, steps: int, reps: int) -> list[Row]:
         step_s = statistics.median(times[name])
         rows.append({"size": size, "side": name, "batch": batch, "seq_len": cfg.seq_len,
                      "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
-                     "threads": torch.get_num_threads(), "params": params})
+                     "threads": torch.get_num_threads(), "params": params[name]})
     ours = rows[0].get("tokens_per_s")
     for row in rows[1:]:
         if ours and row.get("tokens_per_s"):
