@@ -1,9 +1,9 @@
 """A Llama with grouped-query attention (8 query heads, 2 key/value heads) trains to the
 single-process model's losses and parameters at every layout: dp2 x tp2 x pp2 (1F1B; with
-ZeRO-1; with sequence parallelism; GPipe with selective recomputation), tp 4 with sequence
-parallelism (each key/value head replicated on two ranks), tp2 x pp2 interleaved (4 layers,
-2 virtual stages) with full recomputation, and mixture-of-experts layers (SwiGLU experts) at
-dp2 x tp2 with ep 2.
+ZeRO-1; with ZeRO-1 and sequence parallelism together; GPipe with selective recomputation),
+tp 4 with sequence parallelism (each key/value head replicated on two ranks), tp2 x pp2
+interleaved (4 layers, 2 virtual stages) with full recomputation, and mixture-of-experts layers
+(SwiGLU experts) at dp2 x tp2 with ep 2.
 
 Every run is three steps of the trainer's own ``build_run``/``train_step`` in fp64 on the same
 global batches; layouts differ from the serial run only in the order of sums (DP all-reduce,

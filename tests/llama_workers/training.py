@@ -59,7 +59,7 @@ RUNS: dict[int, list[Run]] = {
         Run("dp2tp2ep2-moe", {"tp": 2, "ep": 2}, "serial-moe", MOE)],  # SwiGLU experts
     8: [Run("dp2tp2pp2", {"tp": 2, **PP}),
         Run("dp2tp2pp2-zero1", {"tp": 2, **PP, "zero": 1}),
-        Run("dp2tp2pp2-sp", {"tp": 2, **PP, "sequence_parallel": True}),
+        Run("dp2tp2pp2-zero1-sp", {"tp": 2, **PP, "zero": 1, "sequence_parallel": True}),
         Run("dp2tp2pp2-gpipe-selective", {"tp": 2, "pp": 2, "schedule": "gpipe",
                                           "recompute": "selective"})],
 }
