@@ -81,6 +81,10 @@ BENCHES = (
           "torchtitan", quick={"sizes": ("tiny",), "steps": 1, "reps": 1}),
     Bench("token_loader", "Tokenized data: loader tokens/s vs training's, prepare MB/s vs "
           "tokenizers", quick={"tokens": 2_000_000, "text_mb": 1.0, "seconds": 1.0}),
+    Bench("checkpoint", "Checkpoint save/load per rank: safetensors slices vs format-2 pickles, "
+          "resume at other layouts", quick={"reps": 1}),
+    Bench("nanogpt", "One-process step: dtrain vs karpathy/nanoGPT model.py (fp32, CPU)",
+          quick={"model": "tiny", "steps": 2}),
     Bench("recovery", "Recovery time per cause (crash, host lost, hang); dtrain vs torchrun "
           "--max-restarts 1 on a rank crash", True, quick={"reps": 1}),
     Bench("goodput", "Goodput of a training run with a failure every minute (3 hosts + 1 "

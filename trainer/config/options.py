@@ -134,7 +134,8 @@ def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> Tra
     printing usage, errors or help (the ranks of a job but one; the exit code stays)."""
     return _with_tp_padding(_with_hf_model(parse(
         TrainConfig, argv, prog="python -m trainer.train", quiet=quiet,
-        description="Train a GPT or Llama (data, tensor, pipeline and expert parallel).")))
+        description="Train a GPT or Llama on one process or in parallel (the [parallel] "
+                    "options).")))
 
 
 def make_config(train: Mapping[str, Any] | None = None,
