@@ -22,7 +22,9 @@ A side whose package is missing is a row saying so.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -94,6 +96,7 @@ def dtrain_side(cfg: GPTConfig) -> Side:
     train = {"steps": 1_000_000, "global_batch": SIZES_BATCH[cfg], "dp": 1, "precision": "fp32",
              "eval_every": 0, "warmup_steps": 10, "data_cap_mb": 2.0,
              "run_dir": tempfile.mkdtemp(prefix="dtrain-bench-llama-")}
+    atexit.register(shutil.rmtree, train["run_dir"], True)  # the bench saves nothing there
     run = build_run(make_config(train, cfg.to_dict()), Mesh.build(world.comm, MeshShape(),
                                                                    world.device))
     steps = iter(range(1, 10**9))
