@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,9 +40,11 @@ class FileRecord:
         return {"size": self.size, "sha256": self.sha256}
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
+                  before_sync: Callable[[], None] = lambda: None) -> FileRecord:
     """``tensors`` (contiguous, on the CPU) as one safetensors file, fsynced, then hashed. A
-    failed write raises the OSError behind it (e.g. a full disk), not safetensors' wrapper."""
+    failed write raises the OSError behind it (e.g. a full disk), not safetensors' wrapper.
+    ``before_sync`` runs between the write and the fsync (a fault point)."""
     try:
         save_file(tensors, str(path))
     except SafetensorError as exc:
@@ -49,6 +52,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
+    before_sync()
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
         digest = hashlib.file_digest(fh, "sha256").hexdigest()

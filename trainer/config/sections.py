@@ -175,7 +175,14 @@ class DataSection(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainCheckpointSection(CheckpointSection):
-    """`CheckpointSection`, and what a resume does with a damaged checkpoint."""
+    """`CheckpointSection`, how a save is written, and what a resume does with a damaged
+    checkpoint."""
+
+    async_save: bool = option(True, "write each checkpoint in a background thread while "
+                              "training goes on (trainer.checkpoint.writer): the step's state "
+                              "is copied to host memory first, at most one save is in flight, "
+                              "and the end of training, SIGTERM and errors wait for it; "
+                              "--no-async-save blocks every rank until the save is committed")
 
     resume_fallback: bool = option(False, "with --resume, skip damaged checkpoints (each "
                                    "reported and renamed to step-N.damaged-*) and resume from "
