@@ -1,4 +1,5 @@
-"""``python -m trainer.train`` in this process, watched or constrained (`tests.test_checkpoint_async`).
+"""``python -m trainer.train`` in this process, watched or constrained
+(`tests.test_checkpoint_async`).
 
     python -m tests.checkpoint_probe hold K OUT.json -- <train flags>
     python -m tests.checkpoint_probe no-pickle -- <train flags>
