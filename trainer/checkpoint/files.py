@@ -15,6 +15,7 @@ import hashlib
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -53,9 +54,12 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
     before_sync()
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+    with open(path, "rb") as fh, ThreadPoolExecutor(1) as pool:
+        # The fsync waits on the disk while the hash reads the page cache: both release the
+        # GIL, so they overlap; the fsync's error (EIO) is raised by result().
+        synced = pool.submit(os.fsync, fh.fileno())
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        synced.result()
     return FileRecord(path.stat().st_size, digest)
 
 

@@ -32,13 +32,14 @@ from trainer.training.resume import meta_of
 from trainer.training.run import Run
 
 
-def begin(run: Run, step: int) -> Save | None:
-    """Collective: check the weights, stage this rank's slices, create the save's folder (None:
-    ``step`` is already committed)."""
+def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> Save | None:
+    """Collective: check the weights, stage this rank's slices (into ``pool``'s host tensors,
+    `trainer.checkpoint.pieces.stage`), create the save's folder (None: ``step`` is already
+    committed)."""
     weights, mesh = run.weights, run.mesh
     check_parameters(weights.values(), step, mesh.group(), report=run.is_writer)
     mine = held(weights.values(), weights.optimizer)
-    staged, contents = stage(mine, writers([h.placement for h in mine], mesh))
+    staged, contents = stage(mine, writers([h.placement for h in mine], mesh), pool)
     count = torch.tensor([adam_step(weights.optimizer)], dtype=torch.int64, device=mesh.device)
     mesh.group().all_reduce(count, ReduceOp.MAX)  # a rank may hold no state of its own
     groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
@@ -83,6 +84,7 @@ class Checkpoints:
         self.writer = Writer(vote, background=self.background)
         self.blocked: dict[int, float] = {}  # seconds the loop waited, per step saved
         self.reports: list[dict[str, Any]] = []  # finished saves not logged yet
+        self.pool: dict[str, torch.Tensor] = {}  # the host copies, reused save after save
 
     def describe(self) -> str:
         """The start-up line: how saves are written, and the host memory staged per save."""
@@ -105,7 +107,7 @@ class Checkpoints:
     def _save(self, step: int, *, wait: bool) -> Path:
         began = time.perf_counter()
         previous, done = self.writer.wait(), None
-        job = begin(self.run, step)
+        job = begin(self.run, step, self.pool)  # the previous save is written: reuse its copies
         if job is not None:
             self.writer.submit(job)
             done = self.writer.wait() if wait else None
