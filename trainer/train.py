@@ -161,9 +161,10 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
             log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
-        clean = sys.exc_info()[0] is None
-        saves.close(clean=clean)
-        stop.close(clean=clean)
+        error = sys.exc_info()[1]
+        # An error every rank raised together (a NaN stop) still finishes the save in flight.
+        saves.close(clean=error is None or (isinstance(error, TrainerError) and error.agreed))
+        stop.close(clean=error is None)
         result.stopped_at = stop.stopped_at
         _log_steps(log, result, pending)  # the good steps before an error are kept
         log.close(plot_title=f"{cfg.model.preset} GPT, {cfg.parallel.describe()}, "

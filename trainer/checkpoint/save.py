@@ -3,8 +3,8 @@ leader's index, meta and RNG, rename, commit record, prune.
 
 Every rank of the group (``world``) runs the phases together, in this order:
 
-    start    collective: the leader (rank 0 of the group) draws the temporary folder's name and
-             creates it, and takes its random state now (the state of the step saved)
+    start    collective (one broadcast): the leader (rank 0 of the group) draws the temporary
+             folder's name and creates it, and takes its random state now (the step's)
     write    local I/O, any thread: this rank's tensor file (``rank-RRRRR.safetensors``, the
              slices it is the writer of; none when it writes nothing), fsynced and hashed
     settle   collective: the ranks agree that every write succeeded, and the leader gathers
@@ -96,22 +96,24 @@ def start(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: 
         try:
             with save_errors(final, final, clean=False):
                 root.mkdir(parents=True, exist_ok=True)
-            if not committed(final):
-                token[0] = secrets.randbits(31)
+                if not committed(final):
+                    token[0] = secrets.randbits(31)
+                    _tmp(root, step, int(token)).mkdir()
         except CheckpointError as exc:
             error, token[0] = exc, _FAILED
-    group.broadcast(token, 0)
+    group.broadcast(token, 0)  # the folder exists, or every rank learns why not
     if int(token) == _FAILED:
         raise error or CheckpointError("checkpoint save failed", str(final), "the leading "
                                        "rank could not create the folder (its message says "
                                        "why)", "Check free space and permissions of --run-dir")
     if int(token) == _COMMITTED:
         return None
-    job = Save(root, step, root / f"step-{step}.tmp-{int(token):08x}", final, keep, group,
-               device, tensors, contents, meta, rng_state() if leader else ({}, []))
-    agree(group, job.attempt(job.tmp.mkdir if leader else lambda: None), job.tmp, final,
-           device, "create the folder")
-    return job
+    return Save(root, step, _tmp(root, step, int(token)), final, keep, group, device, tensors,
+                contents, meta, rng_state() if leader else ({}, []))
+
+
+def _tmp(root: Path, step: int, token: int) -> Path:
+    return root / f"step-{step}.tmp-{token:08x}"
 
 
 @dataclass

@@ -127,8 +127,9 @@ class Checkpoints:
         return out
 
     def close(self, *, clean: bool) -> None:
-        """``clean``: training ended alike on every rank (the vote's communicator is
-        collective to free); else only let this rank's thread finish its file."""
+        """``clean``: training ended alike on every rank, or with an error every rank raised
+        together (a NaN stop): the save in flight is finished (collective, as is freeing the
+        vote's communicator); else only this rank's thread finishes its file."""
         if not clean:
             self.writer.abandon()
             return
