@@ -1,13 +1,16 @@
 """Checkpoints that do not stop training: saves in the background vs in place, against the disk.
 
-    python -m bench.checkpoint_async [--quick] [--json PATH]
+    python -m bench.checkpoint_async [--configs A,B] [--steps 30] [--every 10] [--reps 3]
+                                     [--dir FOLDER] [--json PATH]
 
 For each configuration (the ``125m`` preset, ~85M parameters, at dp 2; the ``small`` preset at
-dp 2 x tp 2 x pp 2), in one run and on one disk (a folder next to the run dirs):
+dp 2 x tp 2 x pp 2), in one run and on one disk (``--dir``, default the temporary folder: the
+run dirs and dd's file):
 
-* ``dd`` writes as many bytes as one checkpoint has, with ``conv=fsync``: the disk's own
-  sequential write speed.
-* ``python -m trainer.train`` runs ``steps`` steps three times through ``dtrain launch``: no save
+* ``dd`` writes 1 GiB with ``conv=fsync`` right before each in-place run: the disk's own
+  sequential write speed at that moment (the disk is shared with whatever else runs).
+* ``python -m trainer.train`` runs ``steps`` steps three ways through ``dtrain launch`` (``reps``
+  times each, the order rotated; ratios are taken within a repetition, medians reported): no save
   but the last (``--save-every 0``), a save every ``every`` steps in place
   (``--no-async-save``), and in the background (``--async-save``). From ``metrics.jsonl``: the
   seconds the loop was blocked per save (the median of the saves before the last), the save's
@@ -28,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,6 +50,7 @@ CONFIGS = {
                               "--tp", "2", "--pp", "2", "--microbatches", "2"]),
 }
 COMMON = ["--warmup-steps", "1", "--data-cap-mb", "1", "--eval-every", "0", "--keep", "1"]
+DD_MB = 1024.0  # dd's file: the size of the 125m checkpoint of dp 2 (1,022 MB)
 MODES = {"none": ["--save-every", "0"], "sync": ["--no-async-save"], "async": ["--async-save"]}
 SUMMARY_COLUMNS = [("config", "config"), ("load avg", "loadavg"), ("ckpt MB", "mb"),
                    ("dd MB/s", "dd_mb_s"), ("sync MB/s", "sync_mb_s"),
@@ -106,39 +112,58 @@ def measure(records: list[dict[str, Any]], last: int) -> dict[str, Any]:
 
 
 def run(configs: Sequence[str] = tuple(CONFIGS), steps: int = 30, every: int = 10,
-        progress: Any = print) -> list[common.Row]:
-    import os
-
+        reps: int = 3, where: str | None = None, progress: Any = print) -> list[common.Row]:
+    """Rows per configuration; the run dirs and dd's file under ``where`` (None: the system's
+    temporary folder): the disk measured. Each ratio is taken within one repetition (dd right
+    before the in-place run), the row holds the medians over the repetitions."""
     rows = []
     for name in configs:
         ranks, model = CONFIGS[name]
-        with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=common.REPO / "bench") as tmp:
-            folder, row = Path(tmp), {"config": name, "loadavg": round(os.getloadavg()[0], 1)}
-            seen: dict[str, dict[str, Any]] = {}
-            for mode, flags in MODES.items():
-                args = [*model, *COMMON, "--steps", str(steps), "--log-every", str(every),
-                        *(flags if mode == "none" else ["--save-every", str(every), *flags])]
-                seen[mode] = measure(train(ranks, folder / mode, args), steps)
-                progress(f"{name} {mode}: {seen[mode]}")
-            dd = dd_mb_s(folder, seen["sync"]["mb"])
-            row |= {"mb": seen["sync"]["mb"], "dd_mb_s": round(dd, 1),
-                    "sync_mb_s": statistics.median(seen["sync"]["mb_s_all"]),
-                    "async_mb_s": seen["async"]["last_mb_s"],
-                    "async_mb_s_all": seen["async"]["mb_s_all"],
-                    "blocked_sync_s": seen["sync"]["blocked_s"],
-                    "blocked_async_s": seen["async"]["blocked_s"],
-                    "step_none_s": round(seen["none"]["step_s"], 4)}
-            row["sync_vs_dd"] = round(row["sync_mb_s"] / dd, 3)
-            row["blocked_ratio"] = round(row["blocked_sync_s"] / max(row["blocked_async_s"],
-                                                                     1e-6), 1)
+        with tempfile.TemporaryDirectory(prefix="ckpt-bench-", dir=where) as tmp:
+            folder = Path(tmp)
+            row: common.Row = {"config": name, "loadavg": round(os.getloadavg()[0], 1)}
+            reps_seen = []
+            for rep in range(reps):  # the modes rotated, so drifting load hits each alike
+                order = list(MODES)[rep % len(MODES):] + list(MODES)[:rep % len(MODES)]
+                seen: dict[str, dict[str, Any]] = {}
+                for mode in order:
+                    flags = MODES[mode]
+                    args = [*model, *COMMON, "--steps", str(steps), "--log-every", str(every),
+                            *(flags if mode == "none" else ["--save-every", str(every), *flags])]
+                    shutil.rmtree(folder / mode, ignore_errors=True)
+                    if mode == "sync":
+                        seen["dd"] = {"mb_s": dd_mb_s(folder, DD_MB)}
+                    seen[mode] = measure(train(ranks, folder / mode, args), steps)
+                    progress(f"{name} rep {rep} {mode}: {seen[mode]}")
+                reps_seen.append(seen)
+            row |= summary(reps_seen)
             for mode in ("sync", "async"):
-                row[f"step_{mode}_ratio"] = round(seen[mode]["step_s"] / seen["none"]["step_s"],
-                                                  3)
                 row[f"load_{mode}_s"] = round(load_seconds(
                     ranks, folder / mode, [*model, *COMMON, "--steps", str(steps)]), 3)
             progress(f"{name}: {row}")
             rows.append(row)
     return rows
+
+
+def summary(reps: list[dict[str, dict[str, Any]]]) -> common.Row:
+    """Medians over the repetitions of each number and of each within-repetition ratio."""
+    def med(values: list[float], digits: int = 3) -> float:
+        return round(statistics.median(values), digits)
+
+    sync_mb_s = [statistics.median(r["sync"]["mb_s_all"]) for r in reps]
+    return {
+        "mb": reps[0]["sync"]["mb"], "dd_mb_s": med([r["dd"]["mb_s"] for r in reps], 1),
+        "sync_mb_s": med(sync_mb_s, 1),
+        "sync_vs_dd": med([m / r["dd"]["mb_s"] for m, r in zip(sync_mb_s, reps, strict=True)]),
+        "async_mb_s": med([r["async"]["last_mb_s"] for r in reps], 1),
+        "blocked_sync_s": med([r["sync"]["blocked_s"] for r in reps]),
+        "blocked_async_s": med([r["async"]["blocked_s"] for r in reps]),
+        "blocked_ratio": med([r["sync"]["blocked_s"] / max(r["async"]["blocked_s"], 1e-6)
+                              for r in reps], 1),
+        "step_none_s": med([r["none"]["step_s"] for r in reps], 4),
+        "step_sync_ratio": med([r["sync"]["step_s"] / r["none"]["step_s"] for r in reps]),
+        "step_async_ratio": med([r["async"]["step_s"] / r["none"]["step_s"] for r in reps]),
+        "raw": reps}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -147,9 +172,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated names")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=3, help="runs of each mode, rotated")
+    ap.add_argument("--dir", help="folder on the disk to measure (default: the temp folder)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
-    rows = run(args.configs.split(","), args.steps, args.every,
+    rows = run(args.configs.split(","), args.steps, args.every, args.reps, args.dir,
                progress=lambda line: print(line, flush=True))
     return common.report(rows, lambda r: common.print_rows("Asynchronous checkpoints", r,
                                                            SUMMARY_COLUMNS), args.json)

@@ -24,18 +24,24 @@ from trainer.comm.protocol import Communicator, ReduceOp
 def agree(writers: Communicator, error: CheckpointError | None, tmp: Path, final: Path,
           device: torch.device, what: str) -> None:
     """Every writer's ``error`` of a phase (None: it succeeded); if any failed, rank 0 removes
-    what the save left (once nobody writes any more) and every writer raises."""
-    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
-    writers.all_reduce(failed, ReduceOp.SUM)
-    if int(failed) and writers.rank == 0:
+    what the save left (once nobody writes any more) and every writer raises, together: the
+    lowest failing rank's message is the one printed (`TrainerError.everywhere`)."""
+    rank = writers.rank
+    # One MAX: whether any failed, and minus the lowest failing rank.
+    seen = torch.tensor([int(error is not None), -rank if error else -writers.size],
+                        dtype=torch.int64, device=device)
+    writers.all_reduce(seen, ReduceOp.MAX)
+    failed, lowest = int(seen[0]), -int(seen[1])
+    if not failed:
+        return
+    if rank == 0:
         discard(tmp, final)
-    if error is not None:
-        raise error
-    if int(failed):
-        raise CheckpointError("checkpoint save failed", str(final),
-                              f"{int(failed)} other writer(s) failed to {what}",
-                              "See their messages; check free space and permissions of "
-                              "--run-dir")
+    if error is None:
+        error = CheckpointError("checkpoint save failed", str(final),
+                                f"another writer (rank {lowest}) failed to {what}",
+                                "See its message; check free space and permissions of "
+                                "--run-dir")
+    raise error.everywhere(report=rank == lowest)
 
 
 @contextmanager
