@@ -8,9 +8,9 @@ PyTorch loop of the same model.
   gradient clipping,
   ``--compile`` when asked; batches from the corpus.
 * ``plain``: `trainer.model.gpt.GPT` (the plain model; no parallel code lives in it) in fp32 under
-  ``torch.autocast(bf16)``, fused AdamW on CUDA (foreach elsewhere),
-  ``clip_grad_norm_``; blocks compiled with ``torch.compile`` when asked; one fixed batch on
-  the device, so the reference pays no data loading at all.
+  ``torch.autocast(bf16)``, fused AdamW on CUDA (the per-tensor loop elsewhere:
+  `trainer.gpu.settings`), ``clip_grad_norm_``; blocks compiled with ``torch.compile`` when
+  asked; one fixed batch on the device, so the reference pays no data loading at all.
 
 Both report the median step time over the timed steps, the device synchronised around each.
 """

@@ -77,6 +77,10 @@ BENCHES = (
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
     Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
           quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
+    Bench("checkpoint", "Checkpoint save/load per rank: safetensors slices vs format-2 pickles, "
+          "resume at other layouts", quick={"reps": 1}),
+    Bench("nanogpt", "One-process step: dtrain vs karpathy/nanoGPT model.py (fp32, CPU)",
+          quick={"model": "tiny", "steps": 2}),
     Bench("recovery", "Recovery time per cause (crash, host lost, hang); dtrain vs torchrun "
           "--max-restarts 1 on a rank crash", True, quick={"reps": 1}),
     Bench("goodput", "Goodput of a training run with a failure every minute (3 hosts + 1 "

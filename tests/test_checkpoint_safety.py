@@ -186,7 +186,7 @@ def test_a_full_disk_during_a_save_is_one_error_naming_the_folder_and_the_free_s
         r"checkpoint is committed\)\. Free space there, or pass a --run-dir on a larger disk, "
         r"then --resume", error), error
     [warning] = [line for line in out.splitlines() if "loss.png" in line]
-    assert warning == f"warning: loss.png not drawn [{run_dir / 'loss.png'}]: No space left " \
+    assert warning == f"warning: loss.png not written [{run_dir / 'loss.png'}]: No space left " \
                       "on device. Its data are kept"
     assert "Traceback" not in out
     assert sorted(p.name for p in run_dir.rglob("*")) == ["checkpoints", "metrics.jsonl"]
@@ -222,3 +222,23 @@ def test_a_planted_pickle_is_refused_as_hostile_even_when_torch_is_told_to_unpic
     assert "it may be a pickle or another format put in its place" in line
     assert line.endswith("Restore the checkpoint from a copy you trust, or start a new "
                          "--run-dir")
+
+
+def test_pictures_that_cannot_be_written_after_a_finished_run_are_one_warning_each(
+        tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    taken = ["expert_load.png", "timeline.json", "timeline.png"]
+    for name in taken:  # a folder of the user's in the place of each picture
+        (run_dir / name).mkdir(parents=True)
+        (run_dir / name / "keep").write_text(name)
+    code, out = launch(run_dir, "--steps", "2", "--pp", "2", "--n-layer", "2",
+                       "--moe-experts", "2")
+    assert code == 0, out[-3000:]
+    assert "Traceback" not in out
+    for name in taken:
+        [warning] = [line for line in out.splitlines() if f"{name} not written" in line]
+        assert warning.endswith(f"warning: {name} not written [{run_dir / name}]: Is a "
+                                "directory. Its data are kept"), warning
+        assert (run_dir / name / "keep").read_text() == name
+    assert (run_dir / "loss.png").stat().st_size > 0
+    assert not [p.name for p in run_dir.iterdir() if ".tmp-" in p.name]

@@ -1,7 +1,7 @@
-"""Sampling (`trainer.inference.sampling`) and the TP cut map of the merge, in-process.
+"""Sampling (`trainer.inference.sampling`), in-process.
 
-Merging real checkpoints of tp 2, pp 2 and 3-D runs, and the CLI, are tested end to end in
-`tests/test_evaluation.py`.
+Merging real checkpoints of tp 2, pp 2 and 3-D runs from their index alone (no parallel model
+built), and the CLI, are tested end to end in `tests/test_evaluation.py`.
 """
 
 from __future__ import annotations

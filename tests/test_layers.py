@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import re
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -119,3 +120,42 @@ def test_no_module_of_the_launcher_or_the_trainer_is_over_300_lines():
             for _, path in _modules(package)
             if (lines := len(path.read_text().splitlines())) > 300}
     assert long == {}, "split each along a seam of what it does"
+
+
+EP_NAME = re.compile(r"(^|_)(ep|edp)($|_)|expert_?parallel", re.IGNORECASE)
+EP_TEXT = re.compile(r"\b(ep|edp)\b|expert.parallel", re.IGNORECASE)
+EP_KNOWERS = ["trainer/comm/topology.py", "trainer/config/sections.py"]
+"""The files outside trainer/moe whose code names expert parallelism: the mesh's axes and the
+``--ep`` option (docs/design.md §4, "A feature stays in its folder")."""
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the string statements (module, class, function and attribute docstrings)."""
+    return {id(stmt.value) for node in ast.walk(tree)
+            for stmt in (node.body if isinstance(getattr(node, "body", None), list) else [])
+            if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant)}
+
+
+def _names_ep(path: Path) -> bool:
+    """Whether the code of ``path`` (not its comments or docstrings) names the ep axis: an
+    identifier ``ep``/``edp``/``ep_*``, or a string such as ``"ep"`` or ``--ep``."""
+    tree, _ = _parsed(path)
+    docs = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if id(node) not in docs and EP_TEXT.search(node.value):
+                return True
+            continue
+        name = (node.id if isinstance(node, ast.Name) else node.attr
+                if isinstance(node, ast.Attribute) else node.arg
+                if isinstance(node, ast.arg | ast.keyword) else node.name
+                if isinstance(node, ast.FunctionDef | ast.ClassDef) else None)
+        if name and EP_NAME.search(name):
+            return True
+    return False
+
+
+def test_expert_parallelism_is_named_outside_trainer_moe_only_by_the_mesh_axes_and_its_option():
+    knowers = [str(path.relative_to(REPO)) for _, path in _modules("trainer")
+               if path.parts[len(REPO.parts) + 1] != "moe" and _names_ep(path)]
+    assert knowers == EP_KNOWERS, "let the feature place itself (trainer.placement.PlacesItself)"

@@ -68,7 +68,8 @@ def test_the_copies_between_two_placements_move_exactly_the_overlap(want, have) 
     got = torch.full((want.numel,), -1.0)
     source = held(have, full)
     for c in copies(want, have):
-        got[c.dst_at:c.dst_at + c.n] = source[c.src_at:c.src_at + c.n]
+        for dst, src, n in c.each():
+            got[dst:dst + n] = source[src:src + n]
     expected = held(want, full)
     mine, theirs = set(held(want, full).tolist()), set(source.tolist())
     assert torch.equal(got == expected, torch.tensor([v in theirs for v in expected.tolist()]))
@@ -83,7 +84,8 @@ def test_slices_of_every_layout_rebuild_the_tensor_when_put_together() -> None:
         got = torch.zeros(want.numel)
         for have in saved:
             for c in copies(want, have):
-                got[c.dst_at:c.dst_at + c.n] = held(have, full)[c.src_at:c.src_at + c.n]
+                for dst, src, n in c.each():
+                    got[dst:dst + n] = held(have, full)[src:src + n]
         assert torch.equal(got, held(want, full)), want
 
 
@@ -91,6 +93,16 @@ def test_a_vocabulary_padded_to_more_rows_takes_the_rows_the_checkpoint_has() ->
     saved, want = Placement("emb", (8, 4)), Placement("emb", (12, 4), TPSplit(0, 1, 1, 2))
     moves = copies(want, saved, limit=8 * 4)
     assert [(c.dst_at, c.src_at, c.n) for c in moves] == [(0, 24, 8)]  # rows 6, 7 of 6..11
+
+
+def test_the_rows_of_a_slice_cut_along_an_inner_dimension_move_as_one_strided_copy() -> None:
+    """A row-parallel weight saved at tp 4 and read whole: one copy per saved piece however
+    many rows the tensor has, each moving every row at fixed steps."""
+    want = Placement("proj", (4096, 64))
+    for r in range(4):
+        [c] = copies(want, Placement("proj", (4096, 64), TPSplit(1, 1, r, 4)))
+        assert (c.dst_at, c.src_at, c.n, c.count, c.dst_step, c.src_step) == \
+            (16 * r, 0, 16, 4096, 64, 16)
 
 
 @pytest.mark.parametrize("shape", [MeshShape(dp=4, tp=2), MeshShape(dp=2, tp=2, pp=2),

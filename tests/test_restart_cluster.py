@@ -29,7 +29,8 @@ import torch
 from tests.numerics import U32, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
 from tests.support import PYTHON, REPO, run_dtrain, start_dtrain
-from trainer.checkpoint import load, step_dirs
+from trainer.checkpoint import step_dirs
+from trainer.checkpoint.pieces import assemble
 from trainer.config.options import make_config
 
 WORKER = str(REPO / "tests" / "workers" / "restart_worker.py")
@@ -195,7 +196,7 @@ def _losses(run_dir: Path) -> dict[int, float]:
 
 
 def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load(run_dir / "checkpoints" / f"step-{STEPS}").model
+    return assemble(run_dir / "checkpoints" / f"step-{STEPS}")
 
 
 def _saved(run_dir: Path, step: int):
@@ -283,7 +284,7 @@ def test_min_nodes_goes_on_at_a_smaller_dp_with_the_same_global_batch(cluster, t
     cfg = make_config(flags)
     want = train_serially(cfg, STEPS, fp64=False)
     tokens = 8 * 32 + 32
-    atol = loss_atol(steps=STEPS, lr=cfg.lr, n_params=sum(
+    atol = loss_atol(steps=STEPS, lr=cfg.optimizer.lr, n_params=sum(
         p.numel() for p in want["params"].values()), n_terms=tokens, unit=U32)
     got = _losses(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))

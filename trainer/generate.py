@@ -7,7 +7,7 @@ Sample text from the newest checkpoint of a run, whatever layout it was trained 
 
 The checkpoint's slices are put together into the single-device GPT on this one process from
 its index alone (`trainer.inference.merge`: no parallel model is built), so a model trained at
-any dp, tp, pp, ep or ZeRO stage samples the same.
+any layout (every axis of the mesh) or ZeRO stage samples the same.
 The prompt's UTF-8 bytes are continued by ``--tokens`` bytes (`trainer.inference.sampling`),
 printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD.
 """

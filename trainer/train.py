@@ -170,8 +170,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         log.close(plot_title=f"{cfg.model.preset} GPT, {cfg.parallel.describe()}, "
                              f"global batch {cfg.data.global_batch}")
     if run.is_writer:
-        write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe.experts} experts, "
-                        f"top-{cfg.gpt.moe.topk}, {cfg.parallel.describe()}")
+        log.info(write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe.experts} "
+                                 f"experts, top-{cfg.gpt.moe.topk}, {cfg.parallel.describe()}"))
     return result
 
 

@@ -113,7 +113,7 @@ def plan(path: Path, index: dict[str, Any], record: dict[str, FileRecord],
             moves = copies(want, have, limit)
             if moves:
                 out.reads.setdefault(file, []).append(Read(key, slot, tuple(moves)))
-                found += sum(c.n for c in moves)
+                found += sum(c.elements for c in moves)
         if found < _expected(want, limit):
             raise CheckpointDamaged(
                 f"checkpoint {path} is incomplete", f"{kind} of {want.name}",
@@ -142,7 +142,7 @@ def _expected(want: Placement, limit: int | None) -> int:
     if limit is None:
         return want.numel
     probe = Placement(want.name, want.shape, want.tp, want.flat)
-    return sum(c.n for c in copies(probe, Placement(want.name, want.shape), limit))
+    return sum(c.elements for c in copies(probe, Placement(want.name, want.shape), limit))
 
 
 @torch.no_grad()
@@ -153,12 +153,24 @@ def read(plan: ReadPlan, targets: Sequence[torch.Tensor]) -> None:
         source = plan.opened[file]
         for r in reads:
             lo = min(c.src_at for c in r.copies)
-            hi = max(c.src_at + c.n for c in r.copies)
+            hi = max(c.src_end for c in r.copies)
             data = source.read(r.key, lo, hi)
             target = targets[r.slot]
             for c in r.copies:
-                target[c.dst_at:c.dst_at + c.n].copy_(data[c.src_at - lo:c.src_at - lo + c.n])
+                _move(target, data, c, lo)
             del data
+
+
+def _move(dst: torch.Tensor, src: torch.Tensor, c: Copy, src_base: int) -> None:
+    """Do ``c`` from ``src`` (flat, holding the source from element ``src_base``) into ``dst``
+    (flat and contiguous), its rows as one strided copy."""
+    at = c.src_at - src_base
+    if c.count == 1:
+        dst[c.dst_at:c.dst_at + c.n].copy_(src[at:at + c.n])
+        return
+    rows = (c.count, c.n)
+    dst[c.dst_at:].as_strided(rows, (c.dst_step, 1)).copy_(
+        src[at:].as_strided(rows, (c.src_step, 1)))
 
 
 def install(optimizer: torch.optim.Optimizer, tensors: Sequence[Held],

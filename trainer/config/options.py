@@ -132,7 +132,8 @@ def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> Tra
     printing usage, errors or help (the ranks of a job but one; the exit code stays)."""
     return _with_tp_padding(parse(
         TrainConfig, argv, prog="python -m trainer.train", quiet=quiet,
-        description="Train a byte-level GPT (data, tensor, pipeline and expert parallel)."))
+        description="Train a byte-level GPT on one process or in parallel (the [parallel] "
+                    "options)."))
 
 
 def make_config(train: Mapping[str, Any] | None = None,

@@ -3,7 +3,8 @@
 * `trainer.data_parallel.grad_sync`  `DataParallel`: one contiguous gradient buffer, bucketed
   all-reduce overlapped with backward, ``no_sync`` for accumulation
 * `trainer.data_parallel.split`      `data_parallel`: one `DataParallel` per kind of replica
-  (the whole DP group; the expert-DP group of an expert), `SplitDataParallel` joining them
+  (the whole DP group; the axes a parameter's ``dp_replicas`` names), `SplitDataParallel`
+  joining them
 * `trainer.data_parallel.buckets`    how the buffer is cut into buckets; a bucket's state; the
   comm thread's handle and policy
 """

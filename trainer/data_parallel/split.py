@@ -1,12 +1,12 @@
 """One gradient sync for a model whose parameters are replicated over different groups.
 
 Most parameters are the same on every DP rank and are averaged over the whole DP group; some
-are the same only on part of it (an expert of `trainer.moe`, on the expert-DP ranks at its
-place in every EP block). `data_parallel` groups the parameters by the axes their copies span
-and gives each group its own `DataParallel` over the mesh's group of those axes, behind the one
-interface the training step uses (`SplitDataParallel`); a model of one kind gets a plain
-`DataParallel`. The groups are built widest first, in the same order on every rank: each
-construction is collective over its group.
+are the same only on part of it, and say which axes their copies span (``param.dp_replicas``,
+set by a module that places itself: the experts of `trainer.moe`). `data_parallel` groups the
+parameters by the axes their copies span and gives each group its own `DataParallel` over the
+mesh's group of those axes, behind the one interface the training step uses
+(`SplitDataParallel`); a model of one kind gets a plain `DataParallel`. The groups are built
+widest first, in the same order on every rank: each construction is collective over its group.
 """
 
 from __future__ import annotations

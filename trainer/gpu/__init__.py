@@ -1,6 +1,6 @@
 """The GPU path of the trainer: what makes a step cheap on a GPU, and still right on a CPU.
 
-    settings   TF32 matmuls for fp32 CUDA runs; fused AdamW on CUDA, foreach elsewhere
+    settings   TF32 matmuls for fp32 CUDA runs; fused AdamW on CUDA, the per-tensor loop elsewhere
     compile    --compile: torch.compile of every block, or one message and eager blocks
     vocab      vocabulary padding to 128 x tp rows, padded rows masked out of the logits
 

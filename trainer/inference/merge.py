@@ -3,7 +3,7 @@
 A checkpoint's index records where every saved slice of every global tensor lies (its global
 name and shape, its TP cut, its ZeRO-1 range: `trainer.checkpoint`), so the merge reads the
 metadata only: each whole tensor of the main weights is put together from its slices
-(`trainer.checkpoint.pieces.assemble`), whatever dp, tp, pp, ep or ZeRO stage wrote them; no
+(`trainer.checkpoint.pieces.assemble`), whatever layout or ZeRO stage wrote them; no
 parallel model is built. The result is loaded strictly: a missing or extra tensor is an error.
 """
 

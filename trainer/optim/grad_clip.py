@@ -11,7 +11,8 @@ A `NormScope` says which groups to sum over and which tensors this rank counts. 
 (`trainer.training.run`) is one rule for every layout, read from each tensor's placement
 (`trainer.placement.leads`): summed over the world, each rank counts the tensors it *leads*,
 those of which it is the first replica (a TP-replicated norm weight on TP rank 0, a dense
-weight on DP rank 0, an expert on its expert-DP rank 0, a ZeRO-1 piece everywhere, the tied
+weight on DP rank 0, a weight replicated over part of dp on the first rank of that part, a
+ZeRO-1 piece everywhere, the tied
 copy on the last pipeline stage never).
 
 The arithmetic follows ``torch.nn.utils.clip_grad_norm_`` (per-tensor norms, coefficient

@@ -52,7 +52,7 @@ def build_optimizer(model: nn.Module | Iterable[nn.Parameter], *, lr: float, wei
                     betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8
                     ) -> torch.optim.Optimizer:
     """AdamW over ``model``'s trainable parameters (or over the given parameters: the fp32 main
-    copies of `trainer.optim.mixed_precision`): fused on CUDA, foreach elsewhere
+    copies of `trainer.optim.mixed_precision`): fused on CUDA, the per-tensor loop elsewhere
     (`trainer.gpu.settings`), each deterministic for a fixed device, which bit-exact resume
     needs."""
     params = list(model.parameters() if isinstance(model, nn.Module) else model)

@@ -35,7 +35,7 @@ otherwise (``param.dp_replicas``)."""
 @runtime_checkable
 class PlacesItself(Protocol):
     """A module that splits its own parameters over the mesh when the run places the model
-    (the experts of a MoE layer over the EP group), marking those that differ between DP ranks
+    (the experts of a MoE layer, `trainer.moe`), marking those that differ between DP ranks
     with the DP axes their copies span (``param.dp_replicas``)."""
 
     def place_on(self, name: str, mesh: Mesh) -> None: ...

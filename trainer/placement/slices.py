@@ -12,7 +12,8 @@ A tensor of the serial model (its *global* name and shape) is held by a rank as 
 The rank's data is the slice's elements in its own row-major order. In the global tensor's
 row-major order those elements are a few *runs* of consecutive elements (`runs`), so the
 overlap of any two placements of one tensor (what a saved piece holds of what a rank needs) is
-the overlap of two sorted lists of runs (`copies`). A tensor whose saved shape has fewer
+the overlap of two sorted lists of runs (`copies`, rows at fixed steps joined into one strided
+copy). A tensor whose saved shape has fewer
 rows than the rank's (the vocabulary padded to another multiple of tp) overlaps in the rows
 both have: their flat indices are the same.
 
@@ -128,11 +129,31 @@ def _cut(starts: list[int], lengths: list[int], lo: int, hi: int) -> Runs:
 
 @dataclass(frozen=True)
 class Copy:
-    """``dst[dst_at:dst_at + n] = src[src_at:src_at + n]``, both flat."""
+    """``count`` moves of ``n`` elements, both sides flat: move i is ``dst[dst_at + i *
+    dst_step:][:n] = src[src_at + i * src_step:][:n]``. A slice cut along an inner dimension
+    is one run per row, and the rows of two such slices meet at fixed steps: one `Copy` says
+    it for every row (a strided copy), where a list of rows would grow with the tensor."""
 
     dst_at: int
     src_at: int
     n: int
+    count: int = 1
+    dst_step: int = 0
+    src_step: int = 0
+
+    @property
+    def elements(self) -> int:
+        return self.n * self.count
+
+    @property
+    def src_end(self) -> int:
+        """One past the last source element read."""
+        return self.src_at + (self.count - 1) * self.src_step + self.n
+
+    def each(self) -> list[tuple[int, int, int]]:
+        """(dst_at, src_at, n) of every move."""
+        return [(self.dst_at + i * self.dst_step, self.src_at + i * self.src_step, self.n)
+                for i in range(self.count)]
 
 
 def copies(wanted: Placement, saved: Placement, limit: int | None = None) -> list[Copy]:
@@ -162,8 +183,18 @@ def _offsets(lengths: Sequence[int]) -> list[int]:
 
 
 def _append(out: list[Copy], c: Copy) -> None:
+    """Add the single move ``c``: joined to the last move when both sides continue it, or
+    to the last strided copy when it is that copy's next row."""
     last = out[-1] if out else None
-    if last is not None and last.dst_at + last.n == c.dst_at and last.src_at + last.n == c.src_at:
+    if last is None or last.n != c.n and last.count > 1:
+        out.append(c)
+    elif last.count == 1 and last.dst_at + last.n == c.dst_at and last.src_at + last.n == c.src_at:
         out[-1] = Copy(last.dst_at, last.src_at, last.n + c.n)
+    elif last.n == c.n and last.count == 1:
+        out[-1] = Copy(last.dst_at, last.src_at, c.n, 2, c.dst_at - last.dst_at,
+                       c.src_at - last.src_at)
+    elif (last.n == c.n and c.dst_at == last.dst_at + last.count * last.dst_step
+          and c.src_at == last.src_at + last.count * last.src_step):
+        out[-1] = replace(last, count=last.count + 1)
     else:
         out.append(c)

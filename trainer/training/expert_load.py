@@ -21,7 +21,7 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.moe.layer import moe_layers
-from trainer.training.metrics import METRICS_FILE, read_records
+from trainer.training.metrics import METRICS_FILE, draw, read_records
 
 PLOT_FILE = "expert_load.png"
 
@@ -42,11 +42,8 @@ def step_load(model: nn.Module, dp: Communicator) -> dict[str, Any] | None:
     return out
 
 
-def plot_expert_load(records: list[dict[str, Any]], png: Path, *, title: str = "") -> bool:
-    """Write the heat map of the records' expert load; False when they hold none."""
-    steps = [r for r in records if r.get("moe")]
-    if not steps:
-        return False
+def plot_expert_load(steps: list[dict[str, Any]], png: Path, *, title: str = "") -> None:
+    """Write the heat map of the expert load of ``steps`` (records that hold one)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,11 +65,13 @@ def plot_expert_load(records: list[dict[str, Any]], png: Path, *, title: str = "
     fig.tight_layout()
     fig.savefig(png)
     plt.close(fig)
-    return True
 
 
-def write_load_plot(run_dir: Path, *, title: str = "") -> None:
-    """``expert_load.png`` in ``run_dir`` from its metrics file (nothing for a dense model)."""
+def write_load_plot(run_dir: Path, *, title: str = "") -> str:
+    """``expert_load.png`` in ``run_dir`` from its metrics file (nothing for a dense model).
+    Drawn after the run has saved, so a failure is only the returned warning (`draw`)."""
     path = run_dir / METRICS_FILE
-    if path.is_file():
-        plot_expert_load(read_records(path), run_dir / PLOT_FILE, title=title)
+    steps = [r for r in read_records(path) if r.get("moe")] if path.is_file() else []
+    if not steps:
+        return ""
+    return draw(lambda tmp: plot_expert_load(steps, tmp, title=title), run_dir / PLOT_FILE)

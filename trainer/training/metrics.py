@@ -134,7 +134,7 @@ def draw(plot: Callable[[Path], None], png: Path) -> str:
             tmp.unlink(missing_ok=True)
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else \
             f"{type(exc).__name__}: {exc}"
-        return f"warning: {png.name} not drawn [{png}]: {why}. Its data are kept"
+        return f"warning: {png.name} not written [{png}]: {why}. Its data are kept"
     return ""
 
 

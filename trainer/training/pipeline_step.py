@@ -54,6 +54,7 @@ from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_sch
 from trainer.pipeline.schedule import build
 from trainer.pipeline.stages import Batch, GPTStage, tied_weight
 from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
+from trainer.training.metrics import draw
 
 TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"
 
@@ -197,9 +198,15 @@ def write_timeline(pipe: Pipeline, run_dir: Path, *, write: bool) -> str:
     stats = bubble(events, p)
     ideal = theory(pipe.cfg.parallel.schedule, p, m, v)
     title = f"{pipe.cfg.parallel.schedule} p={p} m={m}" + (f" v={v}" if v > 1 else "")
-    if write:
-        write_chrome_trace(run_dir / TIMELINE_JSON, events, title=title)
-        write_gantt(run_dir / TIMELINE_PNG, events, title=f"last step: {title}")
-    return (f"pipeline ({title}), last step: measured bubble {stats.mean_idle_over_busy:.1%} "
-            f"of compute ({stats.mean_idle_over_span:.1%} of the step), theory "
-            f"{ideal:.1%}; timeline in {run_dir / TIMELINE_JSON} and {TIMELINE_PNG}")
+    line = (f"pipeline ({title}), last step: measured bubble {stats.mean_idle_over_busy:.1%} "
+            f"of compute ({stats.mean_idle_over_span:.1%} of the step), theory {ideal:.1%}")
+    if not write:
+        return line
+    # The run has finished and saved: a picture that cannot be written is a warning only.
+    warnings = [draw(lambda tmp: write_chrome_trace(tmp, events, title=title),
+                     run_dir / TIMELINE_JSON),
+                draw(lambda tmp: write_gantt(tmp, events, title=f"last step: {title}"),
+                     run_dir / TIMELINE_PNG)]
+    if any(warnings):
+        return "\n".join([line, *filter(None, warnings)])
+    return f"{line}; timeline in {run_dir / TIMELINE_JSON} and {TIMELINE_PNG}"

@@ -76,7 +76,7 @@ def fit_world(cfg: TrainConfig, world_size: int, restart: Restart | None
         microbatches = next(k for k in range(-(-share // largest), share + 1) if share % k == 0)
         try:
             fitted = cfg.with_options(dp=dp, microbatches=microbatches)
-        except ConfigError as exc:  # e.g. --ep no longer divides dp, a pipeline schedule
+        except ConfigError as exc:  # e.g. a size that no longer divides dp, a pipeline schedule
             problems.append(f"dp {dp}: {exc.why}")
             continue
         return fitted, dp * model

@@ -23,7 +23,7 @@ Without ``--resume`` a run dir holding committed checkpoints is refused at start
 (`trainer.checkpoint.run_dir`, via `check_run_dir`), unless ``--overwrite`` is given: then
 `start_anew` moves the previous run's checkpoints and metrics aside before anything is saved.
 
-What must match: the model, and nothing else. dp, tp, pp, ep, the virtual stages,
+What must match: the model, and nothing else. Every axis of the mesh, the virtual stages,
 ``--pp-layers``, ``--zero`` and the precision of the main weights may all differ: every rank
 reads the slices of the saved tensors that its own placement needs
 (`trainer.checkpoint.pieces`). A checkpoint of another model is refused from its verified
