@@ -85,7 +85,7 @@ from trainer.model.flops import mfu, peak_tflops
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
-from trainer.training.checkpointing import Checkpoints
+from trainer.training.checkpointing import Checkpoints, save_checkpoint
 from trainer.training.expert_load import write_load_plot
 from trainer.training.metrics import MetricsLog
 from trainer.training.pipeline_step import (
@@ -96,6 +96,8 @@ from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
+
+__all__ = ["TrainResult", "main", "save_checkpoint", "train"]  # save_checkpoint: saved in place
 
 
 @dataclass
