@@ -43,6 +43,8 @@ def test_steps_after_a_save_run_before_it_commits_and_it_holds_the_weights_of_it
     assert "hold timed out" not in events, events
     # Steps 4 and 5 ran while checkpoint 3 was still being written, let alone committed.
     assert events.index("step 5") < events.index("write 3") < events.index("commit 3"), events
+    # One save in flight: the last one (step 6) starts writing once checkpoint 3 is committed.
+    assert events.index("commit 3") < events.index("write 6"), events
     saved = saved_state(tmp_path / "run" / "checkpoints" / "step-3")["param"]
     for name, flat in seen["weights"]["3"].items():
         assert torch.equal(saved[name].reshape(-1), torch.tensor(flat)), name

@@ -2,15 +2,16 @@
 
 At a save step every rank first checks (collectively) that no weight is NaN or infinite, then
 stages a copy on the CPU of the slices it is the writer of (one writer per slice, spread over
-the ranks that hold it: `trainer.checkpoint.pieces`), with the step's metadata and random
-state (`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on
-at once and `trainer.checkpoint.writer` writes, fsyncs and commits in the background; the
-training only mutates the parameters, never the staged copy, so the checkpoint holds the state
-of the step it names. Without it the loop waits for the commit.
+the ranks that hold it: `trainer.checkpoint.pieces`), into host tensors allocated once at
+start-up and reused, with the step's metadata and random state
+(`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on at once
+and `trainer.checkpoint.writer` writes, fsyncs and commits in the background; the training only
+mutates the parameters, never the staged copy, so the checkpoint holds the state of the step
+it names. Without it the loop waits for the commit.
 
 What each save measured (MB and MB/s in all and per rank, seconds until committed, seconds the
-loop was blocked) goes into the ``checkpoint`` field of the first ``metrics.jsonl`` record logged
-after the save was seen committed.
+loop was blocked, of which waiting for the save before it) goes into the ``checkpoint`` field
+of the first ``metrics.jsonl`` record logged after the save was seen committed.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.pieces import MOMENTS, adam_step, held, stage
+from trainer.checkpoint.pieces import MOMENTS, Held, adam_step, held, stage
 from trainer.checkpoint.save import Save, start
 from trainer.checkpoint.writer import Writer
 from trainer.comm.bootstrap import World
@@ -62,14 +63,6 @@ def save_checkpoint(run: Run, step: int) -> Path:
     return job.final
 
 
-def staging_bytes(run: Run) -> int:
-    """Host memory one save stages on this rank: its slices, with their AdamW moments."""
-    mine = held(run.weights.values(), run.weights.optimizer)
-    written = writers([h.placement for h in mine], run.mesh)
-    return sum(h.tensor.numel() * h.tensor.element_size() * (1 + len(MOMENTS))
-               for h, w in zip(mine, written, strict=True) if w)
-
-
 class Checkpoints:
     """The saves of one run, at most one in flight (collective calls, on every rank alike)."""
 
@@ -83,17 +76,25 @@ class Checkpoints:
         self._vote = vote
         self.writer = Writer(vote, background=self.background)
         self.blocked: dict[int, float] = {}  # seconds the loop waited, per step saved
+        self.waited: dict[int, float] = {}  # of which for the save before it
         self.reports: list[dict[str, Any]] = []  # finished saves not logged yet
         self.pool: dict[str, torch.Tensor] = {}  # the host copies, reused save after save
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """Allocate and touch the host copies now (each moment shaped as its parameter: the
+        optimizer has none before its first step), so no save pays for page faults."""
+        mine = held(self.run.weights.values(), self.run.weights.optimizer)
+        shaped = [Held(h.tensor, h.placement, dict.fromkeys(MOMENTS, h.tensor)) for h in mine]
+        stage(shaped, writers([h.placement for h in mine], self.run.mesh), self.pool)
 
     def describe(self) -> str:
-        """The start-up line: how saves are written, and the host memory staged per save."""
-        mib = staging_bytes(self.run) / 2**20
-        if not self.background:
-            return f"checkpoints: written in place (--no-async-save); rank 0 stages {mib:.1f} " \
-                   "MiB per save"
-        return f"checkpoints: written in the background (--async-save); rank 0 stages " \
-               f"{mib:.1f} MiB of host memory per save, one save in flight at a time"
+        """The start-up line: how saves are written, and the host memory kept for staging."""
+        mib = sum(t.numel() * t.element_size() for t in self.pool.values()) / 2**20
+        how = "in the background (--async-save), one save in flight at a time" \
+            if self.background else "in place (--no-async-save)"
+        return f"checkpoints: written {how}; rank 0 keeps {mib:.1f} MiB of host memory for " \
+               "the staged copy"
 
     def save(self, step: int) -> Path:
         """Checkpoint ``step``: waits for the save in flight, stages, and hands it to the
@@ -107,6 +108,7 @@ class Checkpoints:
     def _save(self, step: int, *, wait: bool) -> Path:
         began = time.perf_counter()
         previous, done = self.writer.wait(), None
+        self.waited[step] = time.perf_counter() - began
         job = begin(self.run, step, self.pool)  # the previous save is written: reuse its copies
         if job is not None:
             self.writer.submit(job)
@@ -140,5 +142,6 @@ class Checkpoints:
     def _finished(self, save: Save | None) -> None:
         if save is not None and self.run.is_writer:
             self.reports.append({**save.report(),
-                                 "blocked_s": round(self.blocked.pop(save.step, 0.0), 4)})
+                                 "blocked_s": round(self.blocked.pop(save.step, 0.0), 4),
+                                 "waited_s": round(self.waited.pop(save.step, 0.0), 4)})
 
