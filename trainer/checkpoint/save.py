@@ -102,10 +102,11 @@ def start(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: 
         except CheckpointError as exc:
             error, token[0] = exc, _FAILED
     group.broadcast(token, 0)  # the folder exists, or every rank learns why not
-    if int(token) == _FAILED:
-        raise error or CheckpointError("checkpoint save failed", str(final), "the leading "
-                                       "rank could not create the folder (its message says "
-                                       "why)", "Check free space and permissions of --run-dir")
+    if int(token) == _FAILED:  # every rank raises here, the leader's message is printed
+        raise (error or CheckpointError(
+            "checkpoint save failed", str(final), "the leading rank could not create the "
+            "folder (its message says why)", "Check free space and permissions of --run-dir"
+        )).everywhere(report=leader)
     if int(token) == _COMMITTED:
         return None
     return Save(root, step, _tmp(root, step, int(token)), final, keep, group, device, tensors,
