@@ -15,7 +15,8 @@ import torch
 
 from tests.mpi_runs import forked_python
 from tests.saved import saved_state
-from tests.support import REPO, dtrain_env
+from tests.support import REPO, dtrain_env, run_dtrain
+from tests.test_checkpoint_safety import small_disk  # noqa: F401 - a fixture
 from trainer.checkpoint.layout import CheckpointError
 from trainer.checkpoint.writer import Writer
 from trainer.training.metrics import read_records
@@ -66,6 +67,24 @@ def test_a_resume_unpickles_nothing_even_when_torch_is_told_to_unpickle_anything
     assert code == 0, text[-3000:]
     assert "resumed at step 2" in text
     assert "unpickling is not allowed" not in text
+
+
+def test_a_background_save_that_fails_stops_every_rank_at_a_later_step_with_one_error(
+        small_disk: Path) -> None:  # noqa: F811 - the fixture
+    run_dir = small_disk / "run"
+    # Leave 64 KiB: the metrics fit, the two ranks' tensor files (126 KB each) do not.
+    (small_disk / "filler").write_bytes(b"x" * (256 - 64) * 1024)
+    done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
+                       "trainer.train", *FLAGS, "--tp", "2", "--steps", "8", "--save-every", "1",
+                       "--run-dir", str(run_dir)], timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    [error] = [line for line in out.splitlines() if "error: checkpoint save failed" in line]
+    assert f"[{run_dir / 'checkpoints' / 'step-1'}]: no space left on device" in error, error
+    assert "Traceback" not in out
+    assert list((run_dir / "checkpoints").iterdir()) == []  # the partial save is removed
+    steps = [r["step"] for r in read_records(run_dir / "metrics.jsonl")]
+    assert 1 < steps[-1] < 8, steps  # trained on while step 1 was written, stopped after
 
 
 class Votes:
