@@ -1,7 +1,8 @@
 """The background checkpoint writer (``--async-save``): training goes on while a save is in
-flight and the save holds the state of its own step; the ranks move a save on together, only
-once every rank's part is written; a resume unpickles nothing. Real runs of ``python -m
-trainer.train`` (`tests.checkpoint_probe`), and the writer's core with in-memory ranks."""
+flight and the save holds the state of its own step; one save at a time; a failure in the
+background stops every rank with one error; the ranks move a save on together, only once every
+rank's part is written; a resume unpickles nothing. Real runs of ``python -m trainer.train``
+(`tests.checkpoint_probe`, ``dtrain launch``), and the writer's core with in-memory ranks."""
 
 from __future__ import annotations
 
