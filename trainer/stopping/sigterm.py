@@ -9,7 +9,7 @@ end of every step; the ranks agree on the step with `trainer.stopping.agreement`
 `trainer.comm.mpi.vote`, over a duplicate of the MPI communicator of the ranks that train, so
 the job's own communicators and their progress records are untouched). Once they agree, the
 watchdog is disarmed and the run saves its checkpoint as after a last step (a save still being
-written in the background is finished first: `trainer.checkpoint.save`), then exits 143
+written in the background is finished first: `trainer.checkpoint.writer`), then exits 143
 (`trainer.train`). When they cannot agree in time (`agreement.reach_seconds`: a rank died and
 the others are stuck in a collective with it), the watchdog ends the rank with 143 at once,
 without a checkpoint: the launcher's grace would only be waited out, and a restart resumes from

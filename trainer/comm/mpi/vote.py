@@ -2,7 +2,7 @@
 
 The training loop asks the ranks things they must answer alike, at the same step, without
 stopping to talk: "was SIGTERM seen?" (`trainer.stopping.sigterm`), "is every rank's part of
-the checkpoint written?" (`trainer.checkpoint.save`). Each rank posts its value into a
+the checkpoint written?" (`trainer.checkpoint.writer`). Each rank posts its value into a
 non-blocking all-ranks MAX (``Iallreduce``) at the end of a step and reads the result one step
 later, when it has long completed, so the question costs no latency.
 
