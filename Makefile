@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DTRAIN := $(VENV)/bin/dtrain
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install bytecode sysdeps test run bench lint clean
+.PHONY: install bytecode sysdeps test run bench bench-peers lint clean
 
 install: $(VENV)/.installed
 
@@ -44,8 +44,15 @@ run: install bytecode
 		--log-every 25 --save-every 100 --run-dir $(RUN_DIR)
 	@echo "run folder: $(RUN_DIR) (metrics.jsonl, loss.png, checkpoints/)"
 
-bench: install sysdeps bytecode
+bench: install sysdeps bytecode bench-peers
 	$(PY) -m bench.run_all
+
+# The peers bench/llama_step.py races (setup.cfg's bench extra: torchtitan and what it brings,
+# datasets, wandb and a huggingface_hub that transformers accepts), under the same torch pin.
+bench-peers: install
+	@$(PY) -c "import torchtitan.models.llama3" 2>/dev/null || \
+		PIP_CONSTRAINT=$(VENV)/constraints.txt $(PY) -m pip install -q -e '.[dev,bench]' \
+		--config-settings editable_mode=compat
 
 # ruff everywhere; mypy on what pyproject.toml's [tool.mypy] lists (strict on launcher/).
 lint: install

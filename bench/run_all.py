@@ -77,6 +77,10 @@ BENCHES = (
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
     Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
           quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
+    Bench("llama_step", "Llama training tokens/s, one CPU process: dtrain vs transformers and "
+          "torchtitan", quick={"sizes": ("tiny",), "steps": 1, "reps": 1}),
+    Bench("token_loader", "Tokenized data: loader tokens/s vs training's, prepare MB/s vs "
+          "tokenizers", quick={"tokens": 2_000_000, "text_mb": 1.0, "seconds": 1.0}),
     Bench("checkpoint", "Checkpoint save/load per rank: safetensors slices vs format-2 pickles, "
           "resume at other layouts", quick={"reps": 1}),
     Bench("nanogpt", "One-process step: dtrain vs karpathy/nanoGPT model.py (fp32, CPU)",

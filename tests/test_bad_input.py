@@ -94,7 +94,7 @@ def newer_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     assert done.returncode == 0, done.stderr[-3000:]
     step = run_dir / "checkpoints" / "step-1"
     meta = json.loads((step / "meta.json").read_text())
-    meta["model"]["rope_scaling"] = 2.0
+    meta["model"]["attention_sinks"] = 4
     (step / "meta.json").write_text(json.dumps(meta))
     record = json.loads((step / "COMMITTED").read_text())
     data = (step / "meta.json").read_bytes()
@@ -112,7 +112,7 @@ def test_generate_refuses_a_checkpoint_whose_model_has_a_field_it_does_not_know(
     meta = newer_checkpoint / "checkpoints" / "step-1" / "meta.json"
     assert done.stderr.strip() == (
         f"error: checkpoint of a newer dtrain [{meta}]: its model has field(s) this dtrain does "
-        "not know: rope_scaling. Sample with the dtrain that trained it (or a newer one)")
+        "not know: attention_sinks. Sample with the dtrain that trained it (or a newer one)")
 
 
 def test_resume_refuses_a_checkpoint_whose_model_has_a_field_it_does_not_know(
@@ -122,7 +122,7 @@ def test_resume_refuses_a_checkpoint_whose_model_has_a_field_it_does_not_know(
     assert code == 2, out[-3000:]
     [error] = [line for line in lines if "error" in line]
     assert "checkpoint does not match this run" in error
-    assert "rope_scaling: checkpoint 2.0, unknown to this dtrain" in error, error
+    assert "attention_sinks: checkpoint 4, unknown to this dtrain" in error, error
 
 
 def criteo_lines(n: int) -> str:

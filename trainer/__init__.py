@@ -1,4 +1,5 @@
-"""dtrain's trainer: DP/TP/PP GPT training on MPI or NCCL communicators (never imports launcher/).
+"""dtrain's trainer: DP/TP/PP GPT and Llama training on MPI or NCCL communicators (never imports
+launcher/).
 
 Module map. Entry points stay at the top, where users call them; everything else lives in a
 subpackage named for its concept. Subpackages import each other without a cycle, roughly
@@ -9,6 +10,7 @@ over 300 lines).
     train        `python -m trainer.train`: the training loop, checkpoints, the entry point
     diagnose     `python -m trainer.diagnose`: communication soundness and bandwidth
     generate     `python -m trainer.generate`: sample text from a run's newest checkpoint
+    export       `python -m trainer.export`: a Llama run's checkpoint as a Hugging Face folder
     hello        `python -m trainer.hello`: each rank prints the worker contract it received
     errors       the exception hierarchy (base in workerenv.py)
     schema       how a config dataclass declares its options (help, bounds, flag, TOML key)
@@ -20,13 +22,17 @@ over 300 lines).
                  checkpointing: what a save step stages, written in the background)
     stopping/    time_limit, agreement, sigterm: stopping before --steps, every rank after the
                  same step (SIGTERM: checkpoint, exit 143)
-    model/       config, layers, gpt, precision, flops: the plain single-device GPT
+    model/       config, layers, gpt, precision, flops: the plain single-device GPT;
+                 llama_config, llama, family: the Llama family on the same decoder
+    hf/          config, names, weights, folder: Hugging Face Llama folders both ways
+    dashboards/  names, tb_sink, wandb_sink, hub: TensorBoard and W&B views of the metrics
     optim/       optimizer (AdamW, schedule), grad_clip, mixed_precision (bf16, fp32 main)
-    data/        corpus, batches: byte-level data and deterministic DP-sharded batches
+    data/        corpus, batches: byte-level data and deterministic DP-sharded batches;
+                 prepare, shard_writer, token_files, token_batches, sources: tokenized datasets
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
                  axes and their groups), timing, progress records
     data_parallel/  grad_sync (DataParallel), split (one per kind of replica), buckets
-    tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize
+    tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize, gqa
     pipeline/    schedules, their checker, the runtime, stages, timeline
     zero/        ZeRO-1: sharded optimizer state and gradient reduce-scatter
     activations/ sequence parallelism and activation recomputation

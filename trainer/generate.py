@@ -9,7 +9,9 @@ The checkpoint's slices are put together into the single-device GPT on this one 
 its index alone (`trainer.inference.merge`: no parallel model is built), so a model trained at
 any layout (every axis of the mesh) or ZeRO stage samples the same.
 The prompt's UTF-8 bytes are continued by ``--tokens`` bytes (`trainer.inference.sampling`),
-printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD.
+printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD. A run trained on
+tokenized data kept its tokenizer (``<run-dir>/tokenizer.json``): the prompt is encoded and
+the ``--tokens`` new tokens decoded with it.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from tokenizers import Tokenizer
+
 from trainer import checkpoint
 from trainer.errors import ConfigError, TrainerError
 from trainer.inference.merge import load_serial
-from trainer.inference.sampling import sample
+from trainer.inference.sampling import sample, sample_ids
 from trainer.model.config import GPTConfig
 
 
@@ -64,10 +68,17 @@ def generate(args: argparse.Namespace) -> str:
             "Train with --run-dir pointing here first (a checkpoint is saved at the end)")
     check_model_fields(path)
     model, _ = load_serial(path)
+    tokenizer = Path(args.run_dir) / "tokenizer.json"  # kept by a run on tokenized data
+    if tokenizer.is_file():
+        tok = Tokenizer.from_file(str(tokenizer))
+        ids = tok.encode(args.prompt, add_special_tokens=False).ids
+        out = sample_ids(model, ids, tokens=args.tokens, temperature=args.temperature,
+                         top_k=args.top_k, seed=args.seed)
+        return tok.decode(ids + out)
     prompt = args.prompt.encode()
-    out = sample(model, prompt, tokens=args.tokens, temperature=args.temperature,
-                 top_k=args.top_k, seed=args.seed)
-    return (prompt + out).decode("utf-8", errors="replace")
+    out_bytes = sample(model, prompt, tokens=args.tokens, temperature=args.temperature,
+                       top_k=args.top_k, seed=args.seed)
+    return (prompt + out_bytes).decode("utf-8", errors="replace")
 
 
 def check_model_fields(path: Path) -> None:

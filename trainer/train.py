@@ -78,10 +78,13 @@ import torch
 from trainer.comm.bootstrap import World
 from trainer.comm.progress import record_of
 from trainer.config.options import TrainConfig, resolve_dp
+from trainer.dashboards.hub import Dashboards, open_sinks
 from trainer.data.corpus import Corpus, skipped_warning
+from trainer.data.sources import TokenData, keep_tokenizer
 from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
-from trainer.model.flops import mfu, peak_tflops
+from trainer.model.config import FAMILY_NAMES
+from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
@@ -125,7 +128,14 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
+    if isinstance(run.corpus, TokenData) and run.is_writer:  # generate and export decode with it
+        keep_tokenizer(run.corpus, Path(cfg.run_dir))
     peak_mem = PeakMemory(world.device)
+    dash = Dashboards(
+        open_sinks(Path(cfg.run_dir), tensorboard=cfg.logging.tensorboard,
+                   wandb=cfg.logging.wandb, config=cfg.to_dict(), enabled=run.is_writer),
+        flops_per_token=flops_per_token(cfg.gpt), devices=world.size, peak_tflops=peak,
+        skipped=lambda: len(run.guard.skipped))
     validation = Validation.of(run.corpus, run.batches, run.model, run.body,
                                run.mesh.group("dp"), run.mesh.group("pp")) \
         if cfg.logging.eval_every else None
@@ -155,11 +165,11 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                 val = validation.loss(cfg.data.eval_batches) if evaluate else None
                 if last:  # logged after the last save, with what it measured
                     break
-                _log_steps(log, result, pending, val, saves.take_reports())
+                _log_steps(log, dash, result, pending, val, saves.take_reports())
             if save:
                 saves.save(step)
         result.checkpoint = saves.last(result.final_step)
-        _log_steps(log, result, pending, val, saves.take_reports())
+        _log_steps(log, dash, result, pending, val, saves.take_reports())
         if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
             log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
@@ -168,8 +178,10 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         saves.close(clean=error is None or (isinstance(error, TrainerError) and error.agreed))
         stop.close(clean=error is None)
         result.stopped_at = stop.stopped_at
-        _log_steps(log, result, pending)  # the good steps before an error are kept
-        log.close(plot_title=f"{cfg.model.preset} GPT, {cfg.parallel.describe()}, "
+        _log_steps(log, dash, result, pending)  # the good steps before an error are kept
+        dash.close()
+        log.close(plot_title=f"{cfg.model.preset} {FAMILY_NAMES[cfg.gpt.arch]}, "
+                             f"{cfg.parallel.describe()}, "
                              f"global batch {cfg.data.global_batch}")
     if run.is_writer:
         log.info(write_load_plot(Path(cfg.run_dir), title=f"expert load, {cfg.gpt.moe.experts} "
@@ -177,8 +189,9 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     return result
 
 
-def _log_steps(log: MetricsLog, result: TrainResult, pending: list[PendingStep],
-               val_loss: float | None = None, saves: list[dict[str, Any]] | None = None) -> None:
+def _log_steps(log: MetricsLog, dash: Dashboards, result: TrainResult,
+               pending: list[PendingStep], val_loss: float | None = None,
+               saves: list[dict[str, Any]] | None = None) -> None:
     """Read the pending steps (one host transfer), log them and empty ``pending``; the last
     one gets ``val_loss`` and what the ``saves`` finished since the last log measured."""
     records = readout.read(pending)
@@ -187,6 +200,7 @@ def _log_steps(log: MetricsLog, result: TrainResult, pending: list[PendingStep],
         records[-1] = replace(records[-1], val_loss=val_loss, checkpoint=saves or None)
     for rec in records:
         log.record(rec)
+        dash.record(rec)
         result.losses.append(rec.loss)
 
 
@@ -209,15 +223,17 @@ def _banner(run: Run, world_size: int) -> str:
     per_rank = " per TP rank" if par.tp > 1 else ""
     per_rank += " of pipeline rank 0" if par.pp > 1 else ""
     pipeline = f" ({describe_pipeline(cfg)})" if par.pp > 1 else ""
-    return (f"dtrain: {cfg.model.preset} GPT, {run.model.num_params():,} parameters{per_rank} | "
+    return (f"dtrain: {cfg.model.preset} {FAMILY_NAMES[cfg.gpt.arch]}, "
+            f"{run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size} = {cfg.parallel.describe(' x ')}{pipeline} | "
             f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
             f"{', ZeRO-1' if cfg.optimizer.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
             f"grad bucket(s), overlap {'on' if par.overlap else 'off'} | global batch "
-            f"{cfg.data.global_batch} x {cfg.gpt.seq_len} bytes, {par.microbatches} "
+            f"{cfg.data.global_batch} x {cfg.gpt.seq_len} {run.corpus.unit}, {par.microbatches} "
             "microbatch(es) | "
-            f"data {run.corpus.source} ({len(run.corpus):,} bytes, {run.corpus.fingerprint})"
+            f"data {run.corpus.source} ({len(run.corpus):,} {run.corpus.unit}, "
+            f"{run.corpus.fingerprint})"
             f"{resumed}")
 
 

@@ -10,7 +10,7 @@ splits them along the sequence instead, so each TP rank holds and computes ``1/t
                  over TP in backward (each rank saw only its tokens: Megatron-LM#1446 is
                  that sum forgotten)
     qkv, fc      all-gather the sequence before the column-parallel matmul (backward:
-                 reduce-scatter of the input gradient)
+                 reduce-scatter of the input gradient); a Llama's q and kv alike
     proj         reduce-scatter the row-parallel partial sums instead of all-reducing them;
                  a replicated bias is added to the block and its gradient summed over TP
     head         all-gather the sequence before the vocabulary-parallel matmul
@@ -80,8 +80,9 @@ def apply_sequence_parallel(model: GPT, tp: Communicator, tracker: RNGStatesTrac
     for _, block in model.layers():
         block.ln1 = SequenceParallelNorm(block.ln1, tp)
         block.ln2 = SequenceParallelNorm(block.ln2, tp)
-        for layer in (block.attn.qkv, block.attn.proj, block.mlp.fc, block.mlp.proj):
-            layer.sequence_parallel = True
+        for layer in (*block.attn.children(), *block.mlp.children()):
+            if hasattr(layer, "sequence_parallel"):  # the tensor-parallel linears of any family
+                layer.sequence_parallel = True
         block.attn.resid_drop = TrackedDropout(p, tracker)
         block.mlp.drop = TrackedDropout(p, tracker)
     if model.tok_emb is not None:

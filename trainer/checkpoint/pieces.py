@@ -192,17 +192,18 @@ def install(optimizer: torch.optim.Optimizer, tensors: Sequence[Held],
         group.update({k: tuple(v) if k == "betas" else v for k, v in hyper.items()})
 
 
-def assemble(path: Path, kind: str = PARAM) -> dict[str, torch.Tensor]:
-    """Every whole global tensor of ``kind`` the checkpoint ``path`` holds, by name, put
-    together from its slices (a merge: reads every file that holds one, each verified; for
-    one process that wants everything)."""
+def assemble(path: Path, kind: str = PARAM,
+             names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every whole global tensor of ``kind`` the checkpoint ``path`` holds (only ``names``,
+    when given), by name, put together from its slices (a merge: reads every file that holds
+    one, each verified; for one process that wants them whole)."""
     record, _ = read_meta(path)
     index = read_index(path, record)
     shapes: dict[str, tuple[int, ...]] = {}
     first: dict[str, tuple[str, str]] = {}
     for file, entries in index["files"].items():
         for e in entries or ():
-            if e["kind"] == kind:
+            if e["kind"] == kind and (names is None or e["name"] in names):
                 shapes.setdefault(e["name"], tuple(e["shape"]))
                 first.setdefault(e["name"], (file, e["key"]))
     if not shapes:

@@ -15,12 +15,12 @@ the key and the file named, so a typo never becomes a silently ignored setting.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from trainer.activations.options import check_sequence_split
 from trainer.comm.bootstrap import BACKENDS
-from trainer.config.common import LoggingSection
 from trainer.config.flags import option_table, parse
 from trainer.config.sections import (
     DataSection,
@@ -28,6 +28,7 @@ from trainer.config.sections import (
     OptimizerSection,
     ParallelSection,
     TrainCheckpointSection,
+    TrainLoggingSection,
 )
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
@@ -68,7 +69,8 @@ class TrainConfig(Section):
     optimizer: OptimizerSection = section(OptimizerSection, "the optimizer")
     data: DataSection = section(DataSection, "the data")
     checkpoint: TrainCheckpointSection = section(TrainCheckpointSection, "checkpoints")
-    logging: LoggingSection = section(LoggingSection, "logging and evaluation")
+    logging: TrainLoggingSection = section(TrainLoggingSection, "logging, evaluation and "
+                                           "dashboards")
 
     def check(self) -> None:
         """What relates two sections: the model against the layout, evaluation and data."""
@@ -130,10 +132,10 @@ OPTIONS = option_table(TrainConfig)
 def parse_args(argv: Sequence[str] | None = None, *, quiet: bool = False) -> TrainConfig:
     """TrainConfig from flags (and the file named by ``--config``). ``quiet`` parses without
     printing usage, errors or help (the ranks of a job but one; the exit code stays)."""
-    return _with_tp_padding(parse(
+    return _with_tp_padding(_with_hf_model(parse(
         TrainConfig, argv, prog="python -m trainer.train", quiet=quiet,
-        description="Train a byte-level GPT on one process or in parallel (the [parallel] "
-                    "options)."))
+        description="Train a GPT or Llama on one process or in parallel (the [parallel] "
+                    "options).")))
 
 
 def make_config(train: Mapping[str, Any] | None = None,
@@ -145,7 +147,20 @@ def make_config(train: Mapping[str, Any] | None = None,
     if unknown:
         raise ConfigError("unknown option", ", ".join(unknown), "not an option of the trainer",
                           "Use the names of the flags, with _ for -")
-    return _with_tp_padding(build(TrainConfig, nest(values, OPTIONS)))
+    return _with_tp_padding(_with_hf_model(build(TrainConfig, nest(values, OPTIONS))))
+
+
+def _with_hf_model(cfg: TrainConfig) -> TrainConfig:
+    """With ``--init-from-hf DIR``: the model is the folder's (`trainer.hf.config`), at the
+    run's sequence length, dropout and vocabulary padding."""
+    if not cfg.checkpoint.init_from_hf:
+        return cfg
+    from trainer.hf.folder import read_folder  # safetensors: only when asked for
+
+    gpt = read_folder(Path(cfg.checkpoint.init_from_hf), seq_len=cfg.gpt.seq_len,
+                      vocab_multiple=cfg.gpt.vocab_multiple).cfg
+    gpt = replace(gpt, dropout=cfg.gpt.dropout, moe=cfg.gpt.moe)
+    return replace(cfg, model=replace(cfg.model, gpt=gpt))
 
 
 def _with_tp_padding(cfg: TrainConfig) -> TrainConfig:

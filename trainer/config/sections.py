@@ -9,13 +9,14 @@ In a TOML file each section is a table (``[parallel] tp = 2``); the model's shap
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.activations.options import RECOMPUTE_MODES
 from trainer.comm.topology import MeshShape
-from trainer.config.common import CheckpointSection
+from trainer.config.common import CheckpointSection, LoggingSection
 from trainer.data.corpus import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError
 from trainer.model.config import PRESETS, GPTConfig
@@ -25,22 +26,19 @@ from trainer.schema import Section, option, section
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PRECISIONS = ("auto", "fp32", "bf16")
-ARCHS = ("gpt",)
-"""Model families; `trainer.model.gpt` builds the only one so far."""
-
-
 @dataclass(frozen=True, kw_only=True)
 class ModelSection(Section):
-    """Which model: a family, a preset of its sizes, and single fields changed from it."""
+    """Which model: a preset of a family's sizes, and single fields changed from it."""
 
     preset: str = option("small", "model size preset: " + ", ".join(PRESETS), flag="model")
-    arch: str = option("gpt", "model family: " + ", ".join(ARCHS), choices=ARCHS)
     gpt: GPTConfig = section(lambda: PRESETS["small"], "the preset's shape, then these fields",
                              merge=True)
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> ModelSection:
-        """The preset named in ``values`` with the given model fields changed."""
+        """The preset named in ``values`` with the given model fields changed. ``--arch
+        llama`` on a GPT preset keeps its sizes and takes Llama's other defaults (RMSNorm,
+        untied head, no biases) unless they are given too."""
         preset = values.get("preset", "small")
         if preset not in PRESETS:
             raise ConfigError("unknown model preset", f"--model {preset}",
@@ -48,9 +46,11 @@ class ModelSection(Section):
                               "Pick a preset and override single fields (e.g. --n-layer)")
         fields = dict(values.get("gpt", {}))
         base = PRESETS[preset]
+        if fields.get("arch") == "llama" and base.arch != "llama":
+            fields = {"norm": "rmsnorm", "tied": False, "bias": False, **fields}
         moe = replace(base.moe, **fields.pop("moe", {}))
-        return cls(preset=preset, arch=values.get("arch", "gpt"),
-                   gpt=replace(base, **fields, moe=moe))
+        llama = replace(base.llama, **fields.pop("llama", {}))
+        return cls(preset=preset, gpt=replace(base, **fields, moe=moe, llama=llama))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -161,8 +161,10 @@ class OptimizerSection(Section):
 class DataSection(Section):
     """What the run trains and evaluates on, and how much of it per step."""
 
-    path: str | None = option(None, "text file or folder to train on (default: the Python "
-                              "stdlib sources)", flag="data")
+    path: str | None = option(None, "what to train on: a text file or folder (byte-level; "
+                              "default: the Python stdlib sources), a tokenized dataset folder "
+                              "(python -m trainer.data.prepare), or a blend of them, "
+                              "a:0.7,b:0.3", flag="data")
     data_cap_mb: float = option(8.0, "read at most this many MiB of training text (the "
                                 "validation split is read after it)", above=0, at_most=2**43)
     val_fraction: float = option(DEFAULT_VAL_FRACTION, "hold out this last fraction of the data "
@@ -184,6 +186,10 @@ class TrainCheckpointSection(CheckpointSection):
                               "and the end of training, SIGTERM and errors wait for it; "
                               "--no-async-save blocks every rank until the save is committed")
 
+    init_from_hf: str = option("", "start from the weights of a Hugging Face Llama folder "
+                               "(config.json + safetensors); the model's shape is the folder's, "
+                               "--seq-len, --dropout and --vocab-multiple stay options; each rank "
+                               "reads only its slices")
     resume_fallback: bool = option(False, "with --resume, skip damaged checkpoints (each "
                                    "reported and renamed to step-N.damaged-*) and resume from "
                                    "the newest that verifies")
@@ -193,3 +199,22 @@ class TrainCheckpointSection(CheckpointSection):
         if self.resume_fallback and not self.resume:
             raise ConfigError("--resume-fallback without --resume", "--resume-fallback",
                               "it only changes which checkpoint --resume loads", "Add --resume")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainLoggingSection(LoggingSection):
+    """`LoggingSection`, and the dashboards the run's metrics also go to (rank 0 writes them,
+    `trainer.dashboards`)."""
+
+    tensorboard: bool = option(False, "also write the metrics as TensorBoard event files in "
+                               "<run-dir>/tensorboard")
+    wandb: str = option("", "also log the metrics to Weights & Biases: offline (written under "
+                        "<run-dir>/wandb for `wandb sync`) or online; needs the wandb package",
+                        choices=("", "offline", "online"))
+
+    def check(self) -> None:
+        super().check()
+        if self.wandb and importlib.util.find_spec("wandb") is None:
+            raise ConfigError("--wandb needs the wandb package", f"--wandb {self.wandb}",
+                              "it is not installed in this environment",
+                              "pip install 'dtrain[wandb]', or drop --wandb")

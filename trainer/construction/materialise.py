@@ -10,7 +10,6 @@ from trainer.construction.init_stream import normal_pieces, shard_of_stream
 from trainer.construction.meta import meta_gpt
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT, init_rule
-from trainer.model.layers import rope_tables
 from trainer.tensor_parallel.sharding import ShardSpec, shard_shape, shard_spec
 
 
@@ -70,7 +69,7 @@ def materialise(model: GPT, seed: int, tp_rank: int, tp_size: int,
                 new.__dict__.update(old.__dict__)
                 made[id(old)] = new
             module._parameters[key] = made[id(old)]
-    cos, sin = rope_tables(model.cfg.seq_len, model.cfg.head_dim, model.cfg.rope_base)
+    cos, sin = model.rope_tables(model.cfg)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:

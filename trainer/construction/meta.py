@@ -8,6 +8,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from trainer.model.config import GPTConfig
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
 from trainer.pipeline.stages import build_stage_model
@@ -32,4 +33,4 @@ def meta_gpt(cfg: GPTConfig, seed: int = 0, layout: StageLayout | None = None) -
     """The GPT (cut to ``layout``'s stage when given) with every parameter on the meta device;
     the RoPE tables, small and derived from the config, are real (CPU)."""
     with _SkipInitOnMeta(), torch.device("meta"):
-        return build_stage_model(cfg, seed, layout) if layout else GPT(cfg, seed=seed)
+        return build_stage_model(cfg, seed, layout) if layout else build_model(cfg, seed=seed)

@@ -30,6 +30,7 @@ import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -51,6 +52,8 @@ class Corpus:
 
     tokens: torch.Tensor
     source: str
+    unit: ClassVar[str] = "bytes"
+    """What one token is (a `trainer.data.sources.TokenData` says "tokens")."""
     val_bytes: int = 0
     """The last ``val_bytes`` bytes are the validation split."""
     files: tuple[tuple[int, str], ...] = ()

@@ -15,6 +15,7 @@ from typing import Any
 from trainer import checkpoint
 from trainer.checkpoint.pieces import assemble
 from trainer.model.config import GPTConfig
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 
 
@@ -24,7 +25,7 @@ def load_serial(path: Path) -> tuple[GPT, dict[str, Any]]:
     _, meta = checkpoint.read_meta(path)
     cfg = GPTConfig.from_dict(meta["model"])
     full = assemble(path)
-    model = GPT(cfg)
+    model = build_model(cfg)
     if cfg.tied and "tok_emb.weight" in full:  # the head *is* the embedding
         full["head.weight"] = full["tok_emb.weight"]
     try:

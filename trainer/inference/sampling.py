@@ -13,20 +13,28 @@ from trainer.errors import ConfigError
 from trainer.model.gpt import GPT
 
 
-@torch.no_grad()
 def sample(model: GPT, prompt: bytes, *, tokens: int, temperature: float = 1.0,
            top_k: int = 0, seed: int = 0) -> bytes:
     """``tokens`` bytes continuing ``prompt`` (ids are bytes)."""
+    return bytes(sample_ids(model, list(prompt), tokens=tokens, temperature=temperature,
+                            top_k=top_k, seed=seed, unit="byte"))
+
+
+@torch.no_grad()
+def sample_ids(model: GPT, prompt: list[int], *, tokens: int, temperature: float = 1.0,
+               top_k: int = 0, seed: int = 0, unit: str = "token") -> list[int]:
+    """``tokens`` ids continuing the ids of ``prompt`` (a tokenizer's, or bytes: ``unit``
+    names them in errors)."""
     vocab = model.cfg.vocab_size
     if not prompt:
-        raise ConfigError("empty prompt", "--prompt", "sampling continues at least one byte",
+        raise ConfigError("empty prompt", "--prompt", f"sampling continues at least one {unit}",
                           "Pass a non-empty --prompt")
     if max(prompt) >= vocab:
-        raise ConfigError("prompt does not fit the vocabulary", f"byte {max(prompt)}",
+        raise ConfigError("prompt does not fit the vocabulary", f"{unit} {max(prompt)}",
                           f"the model's vocab_size is {vocab}",
-                          f"Use a prompt whose bytes are below {vocab}")
+                          f"Use a prompt whose {unit}s are below {vocab}")
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    idx = torch.tensor([list(prompt)], dtype=torch.long)
+    idx = torch.tensor([prompt], dtype=torch.long)
     for _ in range(tokens):
         logits = model(idx[:, -model.cfg.seq_len:])[0, -1].float()
         if temperature == 0:
@@ -38,4 +46,4 @@ def sample(model: GPT, prompt: bytes, *, tokens: int, temperature: float = 1.0,
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen)
         idx = torch.cat([idx, nxt.reshape(1, 1)], dim=1)
-    return bytes(idx[0, len(prompt):].tolist())
+    return idx[0, len(prompt):].tolist()

@@ -25,13 +25,15 @@ from torch import nn
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.data.batches import ShardedBatches
 from trainer.data.corpus import Corpus
+from trainer.data.sources import TokenData, make_batches
+from trainer.data.token_batches import TokenBatches
 
 
 @dataclass
 class Validation:
     """What one rank needs to compute the validation loss of its model."""
 
-    batches: ShardedBatches
+    batches: ShardedBatches | TokenBatches
     """This DP rank's slices of the validation batches (``validation=True``)."""
     model: nn.Module
     body: EvalForward
@@ -42,12 +44,14 @@ class Validation:
     every stage."""
 
     @classmethod
-    def of(cls, corpus: Corpus, train: ShardedBatches, model: nn.Module, body: EvalForward,
-           dp: Communicator, pp: Communicator) -> Validation:
+    def of(cls, corpus: Corpus | TokenData, train: ShardedBatches | TokenBatches,
+           model: nn.Module, body: EvalForward, dp: Communicator, pp: Communicator
+           ) -> Validation:
         """The validation of a run whose training batches are ``train`` (same plan, seed,
         DP rank and device)."""
-        batches = ShardedBatches(corpus, seq_len=train.seq_len, plan=train.plan, seed=train.seed,
-                                 dp_rank=train.dp_rank, device=train.device, validation=True)
+        batches = make_batches(corpus, seq_len=train.seq_len, plan=train.plan, seed=train.seed,
+                               dp_rank=train.dp_rank, device=train.device, validation=True,
+                               reporter=not isinstance(train, TokenBatches) or train.reporter)
         return cls(batches, model, body, dp, pp)
 
     @torch.no_grad()

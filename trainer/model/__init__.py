@@ -5,5 +5,10 @@
 * `trainer.model.gpt`        `GPT`: embedding, blocks, head, deterministic init, the loss
 * `trainer.model.precision`  losses, norms and main gradients in at least fp32 (shared with
   every parallel layer)
+* `trainer.model.llama_config`  `LlamaShape`: the Llama family's own fields (GQA, the SwiGLU
+  size rule, rope scaling)
+* `trainer.model.llama`     `Llama`: the GPT's decoder with RMSNorm, SwiGLU, grouped-query
+  attention and half-split rotary embeddings
+* `trainer.model.family`    which classes build ``cfg.arch``: `build_model`, `make_mlp`
 * `trainer.model.flops`      model FLOPs per token and MFU
 """

@@ -29,9 +29,10 @@ def matmul_params(cfg: GPTConfig) -> int:
     """N: the parameters a token multiplies (the serial model's, tied embedding once, an
     untied embedding table not at all; padded vocabulary rows included, as the head
     multiplies them too)."""
-    d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
+    d, hidden, kv = cfg.d_model, cfg.hidden, cfg.kv_heads * cfg.head_dim
     norm = d if cfg.norm == NORMS[1] else 2 * d  # RMSNorm: weight; LayerNorm: weight, bias
-    linear = 4 * d * d + 2 * d * hidden  # qkv, attention proj, fc, mlp proj
+    mlp = 3 if cfg.arch == "llama" else 2  # SwiGLU: gate, up, down; GELU MLP: fc, proj
+    linear = 2 * d * d + 2 * d * kv + mlp * d * hidden  # q, k and v, attention proj, the MLP
     bias = (3 * d + d + hidden + d) if cfg.bias else 0
     return cfg.n_layer * (2 * norm + linear + bias) + norm + cfg.vocab_rows * d
 

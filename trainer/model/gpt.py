@@ -63,12 +63,13 @@ class GPT(nn.Module):
         # building a model never shifts the data or dropout streams of the caller.
         with torch.random.fork_rng(devices=[]):
             self.tok_emb: nn.Embedding | None = nn.Embedding(cfg.vocab_rows, cfg.d_model)
-            self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
+            self.blocks = nn.ModuleDict({str(i): self.make_block(cfg)
+                                         for i in range(cfg.n_layer)})
             if cfg.moe.experts:
                 from trainer.moe.layer import install_moe  # trainer.moe builds on this module
 
                 install_moe(self.blocks, cfg)
-            self.ln_f: nn.Module | None = make_norm(cfg)
+            self.ln_f: nn.Module | None = self.make_norm(cfg)
             self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)
         self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
@@ -79,12 +80,23 @@ class GPT(nn.Module):
         masking the padded rows (``vocab_multiple``)."""
         if cfg.tied:
             self.head.weight = self.tok_emb.weight
-        cos, sin = rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_base)
+        cos, sin = self.rope_tables(cfg)
         # Derived from the config, so not saved: a checkpoint holds only learned state.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         if not self.ln_f.weight.is_meta:  # a meta-device model: trainer.construction fills it
             self.init_weights(seed)
+
+    # The family's parts: `trainer.model.llama.Llama` overrides these three.
+    make_block = staticmethod(Block)
+    """The block of one layer."""
+    make_norm = staticmethod(make_norm)
+    """The final norm."""
+
+    @staticmethod
+    def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables the blocks get (derived from the config, so never saved)."""
+        return rope_tables(cfg.seq_len, cfg.head_dim, cfg.rope_theta)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

@@ -107,6 +107,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """fc (D -> ratio*D) -> GELU -> proj (ratio*D -> D)."""
 
+    fc_stride = 1
+    """``fc`` is one part (a SwiGLU's stacks two; tensor parallelism cuts each part)."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.d_model

@@ -1,7 +1,8 @@
 """The mixture-of-experts layer that replaces the MLP of every ``moe_every``-th block.
 
     router    nn.Linear(D, E, bias=False), run in at least fp32 (`trainer.moe.router`)
-    experts   nn.ModuleDict of plain `trainer.model.layers.MLP`s keyed by the *global* expert index
+    experts   nn.ModuleDict of the family's dense MLPs (`trainer.model.family.make_mlp`) keyed by
+              the *global* expert index
 
 Keying the experts by global index is the pipeline's trick for layers: expert parallelism
 (`trainer.moe.parallel`) deletes the experts a rank does not hold, and the names that remain
@@ -24,7 +25,7 @@ from torch.autograd import Function
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
-from trainer.model.layers import MLP
+from trainer.model.family import make_mlp
 from trainer.moe.dispatch import combine, dispatch
 from trainer.moe.parallel import shard_layer
 from trainer.moe.router import Routing, route
@@ -39,7 +40,7 @@ class MoE(nn.Module):
         self.score, self.capacity_factor = cfg.moe.router, cfg.moe.capacity_factor
         self.aux_coeff, self.z_coeff = cfg.moe.aux_loss_coeff, cfg.moe.z_loss_coeff
         self.router = nn.Linear(cfg.d_model, cfg.moe.experts, bias=False)
-        self.experts = nn.ModuleDict({str(e): MLP(cfg) for e in range(cfg.moe.experts)})
+        self.experts = nn.ModuleDict({str(e): make_mlp(cfg) for e in range(cfg.moe.experts)})
         self.ep: Communicator | None = None
         """The expert-parallel group the experts are split over (None: all are here)."""
         self.aux_scale = 1.0

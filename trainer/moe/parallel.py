@@ -49,7 +49,8 @@ def shard_layer(name: str, experts: nn.ModuleDict, ep: Communicator,
     if tp is not None and tp.size > 1:
         for key, mlp in experts.items():
             where = f"{name}.experts.{key}"
-            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.fc")
+            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, stride=mlp.fc_stride,
+                                                      name=f"{where}.fc")
             mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.proj")
     for p in experts.parameters():
         p.dp_replicas = EXPERT_REPLICAS

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from trainer.model.config import GPTConfig
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.pipeline.partition import StageLayout
 
@@ -44,7 +45,7 @@ Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
 
 def build_stage_model(cfg: GPTConfig, seed: int, layout: StageLayout) -> GPT:
     """The plain GPT built from ``seed``, cut down to the chunks of ``layout.rank``."""
-    model = GPT(cfg, seed=seed)
+    model = build_model(cfg, seed=seed)
     keep = {str(i) for i in layout.owned_layers()}
     for key in [k for k in model.blocks if k not in keep]:
         del model.blocks[key]

@@ -4,7 +4,7 @@
 vocabulary-parallel embedding), ``cross_entropy`` (vocabulary-parallel loss), ``random`` (RNG
 tracker and RNG-safe recompute), ``sharding`` (how tensors are cut and re-assembled) and
 ``counting`` (a communicator that counts traffic). ``trainer.tensor_parallel.parallelize`` applies
-them to the GPT.
+them to the GPT; ``gqa`` splits the Llama block (grouped-query attention, SwiGLU).
 """
 
 from trainer.tensor_parallel.cross_entropy import (

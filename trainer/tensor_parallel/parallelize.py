@@ -1,7 +1,8 @@
 """Turn the plain GPT into its tensor-parallel version, in one place (torchtitan's pattern).
 
 ``parallelize(model, tp, tracker=...)`` replaces, in every block, the four linear layers by
-their Megatron counterparts and the embedding and head by vocabulary-parallel ones:
+their Megatron counterparts and the embedding and head by vocabulary-parallel ones (a Llama's
+blocks: `trainer.tensor_parallel.gqa`):
 
     attn.qkv   ColumnParallelLinear, stride 3: each rank gets q, k and v of its own heads
     attn.proj  RowParallelLinear (sums the heads' contributions: 1 all-reduce forward)
@@ -30,8 +31,9 @@ from functools import partial
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.model.layers import MLP
+from trainer.model.layers import MLP, Block
 from trainer.tensor_parallel.cross_entropy import mean_vocab_parallel_cross_entropy
+from trainer.tensor_parallel.gqa import check_heads, shard_llama_block
 from trainer.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -44,8 +46,7 @@ from trainer.tensor_parallel.sharding import TensorParallelError
 def check_divisible(cfg: GPTConfig, tp: int) -> None:
     """Refuse a model whose heads, widths or vocabulary do not split over ``tp`` ranks,
     naming every offending field at once."""
-    sizes = {"n_head": cfg.n_head, "d_model": cfg.d_model,
-             "mlp hidden (mlp_ratio*d_model)": cfg.mlp_ratio * cfg.d_model,
+    sizes = {"n_head": cfg.n_head, "d_model": cfg.d_model, "mlp hidden": cfg.hidden,
              "vocab_size": cfg.vocab_rows}
     bad = [f"{name} = {value}" for name, value in sizes.items() if value % tp]
     if bad:
@@ -54,6 +55,19 @@ def check_divisible(cfg: GPTConfig, tp: int) -> None:
             f"{', '.join(bad)} not divisible by tp = {tp}",
             "Choose a tp that divides n_head and vocab_size (or change the model, e.g. "
             "--vocab-multiple 128 to pad the vocabulary)")
+    if cfg.arch == "llama":
+        check_heads(cfg, tp)
+
+
+def shard_gpt_block(block: Block, cfg: GPTConfig, tp: Communicator, where: str) -> None:
+    """Split one GPT block's attention and (dense) MLP over ``tp``, in place."""
+    attn, mlp = block.attn, block.mlp
+    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, tp, stride=3, name=f"{where}.attn.qkv")
+    attn.proj = RowParallelLinear.from_linear(attn.proj, tp, name=f"{where}.attn.proj")
+    attn.n_head //= tp.size
+    if isinstance(mlp, MLP):  # MoE layers split their experts themselves (trainer.moe)
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.mlp.fc")
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.mlp.proj")
 
 
 def parallelize(model: GPT, tp: Communicator, *,
@@ -68,18 +82,11 @@ def parallelize(model: GPT, tp: Communicator, *,
             "tensor-parallel dropout needs its own random stream", f"tp rank {tp.rank}",
             "attention probabilities are split by head, and masks drawn from the shared "
             "stream would repeat across ranks", "Pass tracker=RNGStatesTracker(device)")
+    shard_block = shard_llama_block if model.cfg.arch == "llama" else shard_gpt_block
     for index, block in model.layers():
-        where = f"blocks.{index}"
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, tp, stride=3,
-                                                    name=f"{where}.attn.qkv")
-        attn.proj = RowParallelLinear.from_linear(attn.proj, tp, name=f"{where}.attn.proj")
-        attn.n_head //= tp.size
+        shard_block(block, model.cfg, tp, f"blocks.{index}")
         if tracker is not None:
-            attn.probs_rng = partial(tracker.fork, TP_RNG)
-        if isinstance(mlp, MLP):  # MoE layers split their experts themselves (trainer.moe)
-            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.mlp.fc")
-            mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.mlp.proj")
+            block.attn.probs_rng = partial(tracker.fork, TP_RNG)
     if model.tok_emb is not None:
         model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, tp, name="tok_emb")
     if model.head is not None:

@@ -27,6 +27,7 @@ from trainer.checkpoint.save import Save, start
 from trainer.checkpoint.writer import Writer
 from trainer.comm.bootstrap import World
 from trainer.comm.protocol import ReduceOp
+from trainer.data.token_batches import TokenBatches
 from trainer.placement import writers
 from trainer.training.guard import check_parameters
 from trainer.training.resume import meta_of
@@ -45,8 +46,9 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> S
     mesh.group().all_reduce(count, ReduceOp.MAX)  # a rank may hold no state of its own
     groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
               for g in weights.optimizer.param_groups]
+    samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
-                   optimizer={"step": int(count), "groups": groups})
+                   optimizer={"step": int(count), "groups": groups}, samples=samples)
     return start(Path(run.cfg.run_dir) / "checkpoints", step, tensors=staged,
                  contents=contents, meta=meta, keep=run.cfg.checkpoint.keep,
                  world=mesh.group(), device=mesh.device)

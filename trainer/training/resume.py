@@ -65,6 +65,8 @@ class Restored:
     said: str = ""
     files: tuple[str, ...] = ()
     bytes: int = 0
+    samples: dict[str, Any] | None = None
+    """The tokenized data's position at the checkpoint (`trainer.data.token_batches`)."""
 
 
 def check_run_dir(cfg: TrainConfig) -> TrainConfig:
@@ -199,7 +201,8 @@ def _apply(cfg: TrainConfig, path: Path, chosen: _Chosen, weights: MainWeights,
     if changed:
         said += " with changed options: " + ", ".join(changed)
     files = tuple(sorted(chosen.plan.opened))
-    return Restored(step, said, files, chosen.plan.bytes(chosen.record))
+    return Restored(step, said, files, chosen.plan.bytes(chosen.record),
+                    chosen.meta["data"].get("samples"))
 
 
 def _broadcast(step: int, mesh: Mesh) -> int:
@@ -216,9 +219,11 @@ def _set_aside(path: Path) -> str:
 
 
 def meta_of(cfg: TrainConfig, step: int, *, source: str, fingerprint: str,
-            optimizer: dict[str, Any]) -> dict[str, Any]:
+            optimizer: dict[str, Any], samples: dict[str, Any] | None = None) -> dict[str, Any]:
     """The meta.json body of a save at ``step`` (``optimizer``: AdamW's step count and the
-    hyperparameters of its groups)."""
+    hyperparameters of its groups; ``samples``: the tokenized data's position,
+    `trainer.data.token_batches.Position`, where byte-level data's is the step itself)."""
+    data = {"position": step, "source": source, "fingerprint": fingerprint}
     return {"config": cfg.to_dict(), "model": cfg.gpt.to_dict(), "layout": layout_of(cfg),
-            "data": {"position": step, "source": source, "fingerprint": fingerprint},
+            "data": data if samples is None else {**data, "samples": samples},
             "optimizer": optimizer}

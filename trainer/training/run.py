@@ -10,6 +10,7 @@ steps it with `trainer.training.step.run_step`, which reads straight through.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,10 +23,14 @@ from trainer.config.options import TrainConfig, resolve_dp
 from trainer.construction import build_rank_model
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
+from trainer.data.sources import TokenData, make_batches
+from trainer.data.token_batches import TokenBatches
 from trainer.data_parallel.split import GradSync, data_parallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
+from trainer.hf.folder import load_rank_slices, read_folder
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.moe.layer import set_aux_scale
 from trainer.optim.grad_clip import NormScope
@@ -61,8 +66,8 @@ class Run:
     """What AdamW steps (`trainer.optim.main_weights`)."""
     body: StepBody
     """Forward and backward of a step: accumulation or a pipeline (`trainer.training.body`)."""
-    batches: ShardedBatches
-    corpus: Corpus
+    batches: ShardedBatches | TokenBatches
+    corpus: Corpus | TokenData
     lr_schedule: LRSchedule
     seeds: DropoutSeeds
     tracker: RNGStatesTracker
@@ -88,7 +93,7 @@ def mesh_for(cfg: TrainConfig, world: World) -> Mesh:
     return Mesh.build(world.comm, resolve_dp(cfg, world.size).parallel.mesh(), world.device)
 
 
-def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run:
+def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = None) -> Run:
     """Model, optimizer, data, DP (and the pipeline) of this rank of ``mesh``, restored from a
     checkpoint on --resume. ``corpus`` is the checked data (read here when not given). Every
     group is timed on the run's clock. The steps run in one order on every rank: several of
@@ -100,6 +105,9 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
     model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
+    if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
+        load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
+                         mesh.rank("tp"), mesh.size("tp"))
     set_aux_scale(model, cfg.parallel.microbatches)
     place_parameters(model, mesh, copies=_copies(cfg, layout))
     optimizer = _optimizer(cfg, model)
@@ -110,10 +118,12 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | None = None) -> Run
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
     if cfg.compile and compile_blocks(model, cfg.micro_batch, world=mesh.group()):
         notes.append("compiled blocks")
-    batches = ShardedBatches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
-                             plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
-                                            cfg.parallel.microbatches),
-                             dp_rank=mesh.rank("dp"))
+    batches = make_batches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
+                           plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
+                                          cfg.parallel.microbatches),
+                           dp_rank=mesh.rank("dp"), reporter=mesh.rank() == 0)
+    if isinstance(batches, TokenBatches) and restored.samples is not None:
+        batches.restore(restored.samples, restored.step + 1)  # continue the sample order
     opt = cfg.optimizer
     lr_schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
                              decay_steps=cfg.decay_end)
@@ -140,7 +150,8 @@ def _norm_scope(weights: MainWeights, mesh: Mesh) -> NormScope:
     return NormScope((world,) if world.size > 1 else (), lambda t: id(t) in counted)
 
 
-def _checked_inputs(cfg: TrainConfig, corpus: Corpus | None, mesh: Mesh) -> Corpus:
+def _checked_inputs(cfg: TrainConfig, corpus: Corpus | TokenData | None, mesh: Mesh
+                    ) -> Corpus | TokenData:
     """The mesh fits the layout, and every rank reads the same training data (``corpus``,
     read here when not given)."""
     shape = cfg.parallel.mesh()
@@ -167,7 +178,7 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
     # Per-rank construction does not cover experts yet (trainer.config.options refuses SP and
     # recompute with them): the model is built whole, then cut and sharded.
     model = (build_stage_model(cfg.gpt, cfg.seed, layout) if layout else
-             GPT(cfg.gpt, seed=cfg.seed)).to(device)
+             build_model(cfg.gpt, seed=cfg.seed)).to(device)
     return parallelize(model, tp, tracker=tracker)
 
 

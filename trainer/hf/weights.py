@@ -1,0 +1,139 @@
+"""Safetensors weights in Hugging Face's layout: written in shards with an index, read by slice.
+
+Writing (`write_weights`): the tensors are planned into shards of at most ``max_shard_bytes``
+from their sizes alone (Hugging Face's rule: a tensor larger than the limit gets a shard of its
+own), then each shard's tensors are fetched, written and dropped, so an export holds one shard
+at a time. One shard is ``model.safetensors``; more are ``model-00001-of-0000N.safetensors``
+plus ``model.safetensors.index.json`` (``weight_map``: tensor -> file), what ``from_pretrained``
+reads.
+
+Reading (`HFWeights`): the index (or the single file's header) says which file holds each
+tensor; `HFWeights.rows` reads only the requested row or column ranges of a dtrain parameter
+through safetensors' lazy slices (the file is memory-mapped, only the touched pages are read),
+so a tensor-parallel rank never holds a tensor it does not own beyond one piece.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from trainer.hf.config import HFError
+from trainer.hf.names import pieces
+from trainer.model.config import GPTConfig
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+DEFAULT_SHARD_BYTES = 5 * 1000**3
+"""Hugging Face's default ``max_shard_size`` of ``save_pretrained`` (5 GB)."""
+
+
+def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Names grouped into consecutive shards of at most ``max_bytes`` (a bigger tensor alone)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes:
+        if shards[-1] and used + size > max_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_weights(out: Path, sizes: list[tuple[str, int]],
+                  fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
+    """Write the tensors named in ``sizes`` (name, bytes) into ``out``; ``fetch(names)`` gives
+    one shard's tensors. Returns the files written."""
+    plan = plan_shards(sizes, max_shard_bytes)
+    files = [SINGLE] if len(plan) == 1 else [
+        f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
+    weight_map: dict[str, str] = {}
+    for names, file in zip(plan, files, strict=True):
+        tensors = {name: t.contiguous() for name, t in fetch(names).items()}
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, file))
+    if len(plan) > 1:
+        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
+                 "weight_map": weight_map}
+        (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return files
+
+
+class HFWeights:
+    """The safetensors weights of a Hugging Face folder, read tensor by tensor or by slice."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        index = folder / INDEX
+        if index.is_file():
+            try:
+                self.weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise HFError("unreadable weight index", str(index), str(err),
+                              "Re-save the folder with save_pretrained") from None
+        elif (folder / SINGLE).is_file():
+            with safe_open(str(folder / SINGLE), framework="pt") as f:
+                self.weight_map = dict.fromkeys(f.keys(), SINGLE)
+        else:
+            raise HFError("no safetensors weights", str(folder),
+                          f"neither {SINGLE} nor {INDEX} is there (PyTorch .bin files are "
+                          "not read: unpickling runs code)",
+                          "Save the model with save_pretrained(safe_serialization=True)")
+        self._open: dict[str, object] = {}
+
+    def _handle(self, name: str) -> object:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise HFError("tensor missing from Hugging Face weights", str(self.folder),
+                          f"{name} is in no file of the folder",
+                          "Check that the folder holds the whole model")
+        if os.sep in file or file.startswith(".."):
+            raise HFError("weight index names a file outside the folder", str(self.folder),
+                          f"{name} -> {file}", "Use an index written by save_pretrained")
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.folder / file), framework="pt")
+        return self._open[file]
+
+    def shape(self, name: str) -> list[int]:
+        return list(self._handle(name).get_slice(name).get_shape())  # type: ignore[attr-defined]
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        """Tensor ``name``, or its part ``index`` (slices), read lazily."""
+        part = self._handle(name).get_slice(name)  # type: ignore[attr-defined]
+        return part[index] if index else part[:]
+
+    def rows(self, param: str, cfg: GPTConfig, dim: int,
+             ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """The part of dtrain parameter ``param`` made of ``ranges`` (ascending (start, stop)
+        along ``dim``), concatenated in order; rows past the real vocabulary are zeros."""
+        out = []
+        offset = 0
+        for hf, shape in pieces(param, cfg):
+            self._check_shape(hf, shape)
+            for start, stop in ranges:
+                if dim == 0:
+                    lo, hi = max(start, offset), min(stop, offset + shape[0])
+                    if lo < hi:
+                        out.append(self.read(hf, (slice(lo - offset, hi - offset),)))
+                else:
+                    out.append(self.read(hf, (slice(None), slice(start, stop))))
+            offset += shape[0]
+        pad = sum(max(0, stop - max(start, offset)) for start, stop in ranges) if dim == 0 else 0
+        if pad:  # padded vocabulary rows, after the real ones
+            dtype = self.read(hf, (slice(0, 0),)).dtype
+            out.append(torch.zeros(pad, *shape[1:], dtype=dtype))
+        return torch.cat(out, dim=dim)
+
+    def _check_shape(self, hf: str, want: tuple[int, ...]) -> None:
+        shape = tuple(self.shape(hf))
+        if shape != want:
+            raise HFError("Hugging Face tensor of the wrong shape", f"{self.folder}: {hf}",
+                          f"it is {list(shape)}, the config says {list(want)}",
+                          "Use the config.json saved with these weights")
