@@ -91,6 +91,9 @@ BENCHES = (
           "spare)", True, quick={"minutes": 1.5, "every": 30.0}),
     Bench("sparse", "Sharded embeddings: lookups/s, all-to-all bytes vs analytic, step split, "
           "table memory per rank", quick={"rows": 100_000, "batch": 64, "steps": 2}),
+    Bench("checkpoint_async", "Checkpoints: saved in the background vs in place, against the "
+          "disk's dd speed; step and load time",
+          quick={"configs": ("small dp2xtp2xpp2",), "steps": 4, "every": 2, "reps": 1}),
 )
 
 

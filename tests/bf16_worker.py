@@ -17,7 +17,8 @@ from typing import Any
 
 from trainer.comm.bootstrap import World, init
 from trainer.config.options import TrainConfig, make_config, resolve_dp
-from trainer.train import save_checkpoint, train
+from trainer.train import train
+from trainer.training.checkpointing import save_checkpoint
 from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import train_step
 

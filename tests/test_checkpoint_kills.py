@@ -1,7 +1,17 @@
 """The checkpoint kill matrix: a tp 2 run through ``dtrain launch`` is SIGKILLed at every point
 of a save and of the pruning that follows it (`trainer.checkpoint.fault.POINTS`), then
 ``--resume`` continues from the newest committed checkpoint, saves and prunes again, finishes
-with exit 0, and ends bit-identical to a run that was never interrupted."""
+with exit 0, and ends bit-identical to a run that was never interrupted.
+
+Every point is run twice: with saves written in place (``--no-async-save``) and in the
+background (``--async-save``: the writer's thread reaches the point, and kills the process,
+while the training thread runs the next step). The points of a background write: staged
+(``save_after_stage``), partly written (``save_after_write`` on one rank, ``save_after_tensors``,
+``save_after_rng``), written not fsynced (``save_after_write``), fsynced not committed
+(``save_after_meta``, ``save_after_rename``), committed (``save_after_marker``), during pruning
+(``remove_after_marker``, ``remove_mid_files``, ``prune_after_remove``). Both modes resume to
+the state of the uninterrupted run written in place.
+"""
 
 from __future__ import annotations
 
@@ -24,7 +34,8 @@ FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "3
          "--keep", str(KEEP)]
 #: What the checkpoint folder holds after the kill at each point (the point was reached).
 ON_DISK = {
-    **dict.fromkeys(("save_after_tensors", "save_after_rng", "save_after_meta"),
+    **dict.fromkeys(("save_after_stage", "save_after_write", "save_after_tensors",
+                     "save_after_rng", "save_after_meta"),
                     ["step-1", "step-2", "step-3.tmp"]),
     "save_after_rename": ["step-1", "step-2", "step-3 uncommitted"],
     "save_after_marker": ["step-1", "step-2", "step-3"],
@@ -32,6 +43,9 @@ ON_DISK = {
                     ["step-1 uncommitted", "step-2", "step-3"]),
     "prune_after_remove": ["step-2", "step-3"],
 }
+
+MODES = ("--no-async-save", "--async-save")
+
 
 def launch(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess[str]:
     env = ["--env", f"DTRAIN_FAULT={fault}"] if fault else []
@@ -46,7 +60,7 @@ def losses(run_dir: Path) -> list[float]:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     run_dir = tmp_path_factory.mktemp("uninterrupted")
-    done = launch(run_dir)
+    done = launch(run_dir, "--no-async-save")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return run_dir
 
@@ -65,10 +79,11 @@ def test_the_matrix_covers_every_fault_point() -> None:
     assert sorted(ON_DISK) == sorted(POINTS)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("point", POINTS)
 def test_a_run_killed_at_this_point_resumes_saves_again_and_matches_an_uninterrupted_one(
-        point: str, uninterrupted: Path, tmp_path: Path) -> None:
-    killed = launch(tmp_path, fault=f"{point}@{KILLED_AT}")
+        point: str, mode: str, uninterrupted: Path, tmp_path: Path) -> None:
+    killed = launch(tmp_path, mode, fault=f"{point}@{KILLED_AT}")
     out = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "killed by SIGKILL" in out, out[-3000:]
     ckpts = tmp_path / "checkpoints"
@@ -76,7 +91,7 @@ def test_a_run_killed_at_this_point_resumes_saves_again_and_matches_an_uninterru
     resume_at = KILLED_AT if "step-3" in ON_DISK[point] else KILLED_AT - 1
     assert checkpoint.latest(ckpts) == ckpts / f"step-{resume_at}"
 
-    resumed = launch(tmp_path, "--resume")
+    resumed = launch(tmp_path, mode, "--resume")
     out = resumed.stdout + resumed.stderr
     assert resumed.returncode == 0, out[-3000:]
     assert f"resumed at step {resume_at}" in out

@@ -17,8 +17,9 @@ over 300 lines).
     config/      options, sections, common, flags, toml_file: flags and TOML into one frozen
                  TrainConfig in sections
     training/    startup, run, step, pipeline_step, readout, guard, metrics, expert_load,
-                 resume, restart: one run, from start-up to the last checkpoint (restart: a
-                 restarted round resumes by itself and fits a smaller world)
+                 resume, restart, checkpointing: one run, from start-up to the last checkpoint
+                 (restart: a restarted round resumes by itself and fits a smaller world;
+                 checkpointing: what a save step stages, written in the background)
     stopping/    time_limit, agreement, sigterm: stopping before --steps, every rank after the
                  same step (SIGTERM: checkpoint, exit 143)
     model/       config, layers, gpt, precision, flops: the plain single-device GPT;
@@ -39,7 +40,8 @@ over 300 lines).
     moe/         mixture of experts with expert parallelism
     placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,
                  replicas; who counts and who writes each slice
-    checkpoint/  atomic, verified checkpoints of safetensors and JSON, resumed at any layout
+    checkpoint/  atomic, verified checkpoints of safetensors and JSON, resumed at any layout;
+                 the writer commits them in a background thread
     inference/   validation loss, sampling, merging checkpoint shards
     gpu/         GPU settings, compile, vocab padding
     health/      rank-side probes of `dtrain check --perf`

@@ -15,7 +15,9 @@ is timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out spli
 ``--log-every`` interval (and each evaluation or checkpoint step) reads them in one copy
 (`trainer.training.readout`). Rank 0 logs, writes a ``metrics.jsonl`` line per step, ``loss.png``
 at the end. Every ``--save-every`` steps and at the end each rank saves the slices it is the
-writer of (one writer per slice, spread over the ranks that hold it: `trainer.placement`).
+writer of (one writer per slice, spread over the ranks that hold it: `trainer.placement`),
+staged on the host and written in the background while training goes on (``--async-save``, the
+default: `trainer.training.checkpointing`).
 ``--resume`` continues from the newest committed checkpoint at any layout (bit-exactly at the
 saved one; the run dir must be visible to every rank, as with Megatron or DeepSpeed), verified
 file by file (`trainer.training.resume` states the rule and ``--resume-fallback``). Dropout is
@@ -69,39 +71,36 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from trainer import checkpoint
-from trainer.checkpoint.pieces import adam_step, held, stage
 from trainer.comm.bootstrap import World
 from trainer.comm.progress import record_of
-from trainer.comm.protocol import ReduceOp
 from trainer.config.options import TrainConfig, resolve_dp
 from trainer.dashboards.hub import Dashboards, open_sinks
 from trainer.data.corpus import Corpus, skipped_warning
 from trainer.data.sources import TokenData, keep_tokenizer
-from trainer.data.token_batches import TokenBatches
 from trainer.errors import TrainerError
 from trainer.inference.validation import Validation
 from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
-from trainer.placement import writers
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
+from trainer.training.checkpointing import Checkpoints, save_checkpoint
 from trainer.training.expert_load import write_load_plot
-from trainer.training.guard import check_parameters
 from trainer.training.metrics import MetricsLog
 from trainer.training.pipeline_step import (
     describe_pipeline,
 )
 from trainer.training.readout import PendingStep
-from trainer.training.resume import meta_of
 from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
+
+__all__ = ["TrainResult", "main", "save_checkpoint", "train"]  # save_checkpoint: saved in place
 
 
 @dataclass
@@ -114,27 +113,6 @@ class TrainResult:
     checkpoint: Path | None = None
     stopped_at: int | None = None
     """The step every rank stopped after on SIGTERM (`trainer.stopping.sigterm`), else None."""
-
-
-def save_checkpoint(run: Run, step: int) -> Path:
-    """Every rank saves the slices it is the writer of (one writer per slice, spread over the
-    ranks that hold it: `trainer.checkpoint.pieces`), together. First every rank checks
-    (collectively) that no weight is NaN or infinite; then it stages a copy of its slices on
-    the CPU, and the files are written, fsynced and committed (`trainer.checkpoint.save`)."""
-    weights, mesh = run.weights, run.mesh
-    check_parameters(weights.values(), step, mesh.group(), report=run.is_writer)
-    mine = held(weights.values(), weights.optimizer)
-    staged, contents = stage(mine, writers([h.placement for h in mine], mesh))
-    count = torch.tensor([adam_step(weights.optimizer)], dtype=torch.int64, device=mesh.device)
-    mesh.group().all_reduce(count, ReduceOp.MAX)  # a rank may hold no state of its own
-    groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
-              for g in weights.optimizer.param_groups]
-    samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
-    meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
-                   optimizer={"step": int(count), "groups": groups}, samples=samples)
-    return checkpoint.save(Path(run.cfg.run_dir) / "checkpoints", step, tensors=staged,
-                           contents=contents, meta=meta, keep=run.cfg.checkpoint.keep,
-                           world=mesh.group(), device=mesh.device)
 
 
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
@@ -166,6 +144,9 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     pending: list[PendingStep] = []
     time_limit = TimeLimit(cfg.time_limit, world.comm, cfg.logging.log_every, world.device)
     stop = sigterm.install(world.mpi_comm, world.size, world.rank)
+    saves = Checkpoints(run, world)
+    log.info(saves.describe())
+    val = None
     try:
         for step in range(run.restored.step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
@@ -175,22 +156,27 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             if progress is not None:  # host timings: known without reading the device
                 progress.step(step, done.record.compute_s)
             result.final_step = step
+            saves.poll()
             last = step == cfg.last_step or time_limit.reached(step) or stop.after(step)
             evaluate = validation is not None and (step % cfg.logging.eval_every == 0 or last)
             every = cfg.checkpoint.save_every
             save = every > 0 and step % every == 0 and not last
             if evaluate or save or step % cfg.logging.log_every == 0 or last:
                 val = validation.loss(cfg.data.eval_batches) if evaluate else None
-                _log_steps(log, dash, result, pending, val)
+                if last:  # logged after the last save, with what it measured
+                    break
+                _log_steps(log, dash, result, pending, val, saves.take_reports())
             if save:
-                save_checkpoint(run, step)
-            if last:
-                break
-        result.checkpoint = save_checkpoint(run, result.final_step)
+                saves.save(step)
+        result.checkpoint = saves.last(result.final_step)
+        _log_steps(log, dash, result, pending, val, saves.take_reports())
         if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
             log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
-        stop.close(clean=sys.exc_info()[0] is None)
+        error = sys.exc_info()[1]
+        # An error every rank raised together (a NaN stop) still finishes the save in flight.
+        saves.close(clean=error is None or (isinstance(error, TrainerError) and error.agreed))
+        stop.close(clean=error is None)
         result.stopped_at = stop.stopped_at
         _log_steps(log, dash, result, pending)  # the good steps before an error are kept
         dash.close()
@@ -204,13 +190,14 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
 
 
 def _log_steps(log: MetricsLog, dash: Dashboards, result: TrainResult,
-               pending: list[PendingStep], val_loss: float | None = None) -> None:
+               pending: list[PendingStep], val_loss: float | None = None,
+               saves: list[dict[str, Any]] | None = None) -> None:
     """Read the pending steps (one host transfer), log them and empty ``pending``; the last
-    one gets ``val_loss``."""
+    one gets ``val_loss`` and what the ``saves`` finished since the last log measured."""
     records = readout.read(pending)
     pending.clear()
-    if records and val_loss is not None:
-        records[-1] = replace(records[-1], val_loss=val_loss)
+    if records:
+        records[-1] = replace(records[-1], val_loss=val_loss, checkpoint=saves or None)
     for rec in records:
         log.record(rec)
         dash.record(rec)

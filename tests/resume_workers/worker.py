@@ -26,7 +26,7 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.config.options import resolve_dp
 from trainer.data.corpus import Corpus, load_corpus
-from trainer.train import save_checkpoint
+from trainer.training.checkpointing import save_checkpoint
 from trainer.training.run import build_run
 from trainer.training.step import train_step
 

@@ -28,7 +28,8 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import MeshShape
 from trainer.errors import TrainerError
-from trainer.train import save_checkpoint, train
+from trainer.train import train
+from trainer.training.checkpointing import save_checkpoint
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 from trainer.zero import ZeroOptimizer

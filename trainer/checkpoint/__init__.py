@@ -21,6 +21,13 @@ refused with what to do. A resume reads at any layout: each rank plans which sav
 overlap its own, opens only the files that hold them and reads only those ranges
 (`pieces`). The trainer of recommenders saves its per-rank state the same way (`tree`).
 
+Phases (`save`): ``start`` (collective: folder, the leader's random state), ``write`` (each
+rank's tensor file), ``settle`` (collective: every write succeeded; the records gathered),
+``commit`` (the leader), ``finish`` (collective). `writer` runs the two local phases in a
+background thread while training goes on (``--async-save``), at most one save in flight, the
+ranks moving it on together by a late vote at step ends; `failure` makes a failed phase one
+error on every rank and removes what it left.
+
 Crash safety (`save`): files are written into ``step-<N>.tmp-<random>/`` and fsynced, the
 folder is renamed to ``step-<N>/`` and the parent fsynced, then ``COMMITTED`` is written and
 fsynced. `latest` only returns folders with the marker, so a kill at any point leaves the

@@ -1,9 +1,14 @@
 """The test hook ``DTRAIN_FAULT=<point>[@<step>]``: SIGKILL this process, like a power cut, when
 it reaches ``point`` while saving checkpoint ``step`` (any step without ``@``).
 
-Points, in the order a save reaches them (`trainer.checkpoint.save`, `trainer.checkpoint.prune`):
+Points, in the order a save reaches them (`trainer.checkpoint.save`, `trainer.checkpoint.prune`;
+with ``--async-save`` the writer's background thread reaches every one, and kills the process
+from there while the training thread runs a later step):
 
-    save_after_tensors   this writer's tensor file is in the temporary folder (every rank)
+    save_after_stage     the state is staged (copied off the training's tensors) and the
+                         temporary folder exists; nothing is written (every rank)
+    save_after_write     this writer's tensor file is written, not yet fsynced
+    save_after_tensors   this writer's tensor file is in the temporary folder, fsynced
     save_after_rng       the leader wrote index.json and rng.safetensors
     save_after_meta      meta.json written and the folder fsynced, before the rename
     save_after_rename    renamed to step-<N>/, before the marker
@@ -19,8 +24,9 @@ import os
 import signal
 
 FAULT_ENV = "DTRAIN_FAULT"
-POINTS = ("save_after_tensors", "save_after_rng", "save_after_meta", "save_after_rename",
-          "save_after_marker", "remove_after_marker", "remove_mid_files", "prune_after_remove")
+POINTS = ("save_after_stage", "save_after_write", "save_after_tensors", "save_after_rng",
+          "save_after_meta", "save_after_rename", "save_after_marker", "remove_after_marker",
+          "remove_mid_files", "prune_after_remove")
 
 
 def fault(point: str, step: int) -> None:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -39,9 +41,11 @@ class FileRecord:
         return {"size": self.size, "sha256": self.sha256}
 
 
-def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
+def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
+                  before_sync: Callable[[], None] = lambda: None) -> FileRecord:
     """``tensors`` (contiguous, on the CPU) as one safetensors file, fsynced, then hashed. A
-    failed write raises the OSError behind it (e.g. a full disk), not safetensors' wrapper."""
+    failed write raises the OSError behind it (e.g. a full disk), not safetensors' wrapper.
+    ``before_sync`` runs between the write and the fsync (a fault point)."""
     try:
         save_file(tensors, str(path))
     except SafetensorError as exc:
@@ -49,9 +53,13 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> FileRecord:
         if code is None:
             raise
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from exc
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())
+    before_sync()
+    with open(path, "rb") as fh, ThreadPoolExecutor(1) as pool:
+        # The fsync waits on the disk while the hash reads the page cache: both release the
+        # GIL, so they overlap; the fsync's error (EIO) is raised by result().
+        synced = pool.submit(os.fsync, fh.fileno())
         digest = hashlib.file_digest(fh, "sha256").hexdigest()
+        synced.result()
     return FileRecord(path.stat().st_size, digest)
 
 

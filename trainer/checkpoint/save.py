@@ -1,30 +1,38 @@
-"""Writing a checkpoint: every writer's tensor file into a temporary folder, the leader's
-index, meta and RNG, rename, commit record, prune.
+"""Writing a checkpoint in phases: every writer's tensor file into a temporary folder, the
+leader's index, meta and RNG, rename, commit record, prune.
 
-Every rank of the group (``world``) calls `save` together: each writes its own tensor file
-(``rank-RRRRR.safetensors``, the slices it is the writer of; none when it writes nothing) and
-describes it (``contents``, JSON). The descriptions and the files' records are gathered to the
-leader (rank 0 of the group), which writes ``index.json`` (every file's contents),
-``meta.json``, ``rng.safetensors``, renames the folder into place and writes the commit record
-(the ``COMMITTED`` marker, last): the size and sha256 of every file. Every phase ends with an
-agreement, so a failure on one rank fails every rank, without a hang, and the partial save is
-removed.
+Every rank of the group (``world``) runs the phases together, in this order:
+
+    start    collective (one broadcast): the leader (rank 0 of the group) draws the temporary
+             folder's name and creates it, and takes its random state now (the step's)
+    write    local I/O, any thread: this rank's tensor file (``rank-RRRRR.safetensors``, the
+             slices it is the writer of; none when it writes nothing), fsynced and hashed
+    settle   collective: the ranks agree that every write succeeded, and the leader gathers
+             each file's record and what it holds (``contents``, JSON)
+    commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``,
+             ``rng.safetensors``, the rename into place, the commit record (the ``COMMITTED``
+             marker, last: size and sha256 of every file), then pruning
+    finish   collective: the ranks agree that the commit succeeded
+
+`save` runs them in a row; `trainer.checkpoint.writer` runs write and commit in a background
+thread while training goes on. Every collective phase ends with an agreement, so a failure on
+one rank fails every rank, without a hang, and the partial save is removed.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import random
 import secrets
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.checkpoint.failure import agree, save_errors
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_tensors
 from trainer.checkpoint.layout import (
@@ -35,18 +43,18 @@ from trainer.checkpoint.layout import (
     RNG,
     CheckpointError,
     committed,
-    latest,
     rank_file,
-    real_folder,
 )
 from trainer.checkpoint.prune import prune, remove
 from trainer.comm.protocol import Communicator, ReduceOp
 
 Records = dict[str, FileRecord]
+RandomState = tuple[dict[str, torch.Tensor], list[Any]]
 _COMMITTED, _FAILED = -1, -2  # what the leader broadcasts instead of a folder token
+_MB = 1e6  # the unit of the reported sizes and rates (dd's)
 
 
-def rng_state() -> tuple[dict[str, torch.Tensor], list[Any]]:
+def rng_state() -> RandomState:
     """This process's random states: torch's (CPU, and CUDA's) as tensors, Python's as JSON."""
     tensors = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -58,12 +66,27 @@ def rng_state() -> tuple[dict[str, torch.Tensor], list[Any]]:
 def save(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: Any,
          meta: dict[str, Any], keep: int = 0, world: Communicator | None = None,
          device: torch.device | None = None) -> Path:
-    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all).
+    """Write checkpoint ``step`` atomically, then prune to the newest ``keep`` (0 = keep all):
+    every phase in a row (`start`'s arguments)."""
+    job = start(root, step, tensors=tensors, contents=contents, meta=meta, keep=keep,
+                world=world, device=device)
+    if job is None:
+        return root / f"step-{step}"
+    job.settle(job.attempt(job.write))
+    return job.finish(job.attempt(job.commit))
 
-    ``tensors``: this rank's tensor file (contiguous, on the CPU; empty: none), ``contents``:
-    what the index says about it. Collective over ``world`` (None: this process alone);
-    ``device``: where the agreements' tensors live (the communicator's device). A step already
-    committed is not written again (a resumed run saving the step it resumed at)."""
+
+def start(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: Any,
+          meta: dict[str, Any], keep: int = 0, world: Communicator | None = None,
+          device: torch.device | None = None) -> Save | None:
+    """The first phase of saving checkpoint ``step`` (collective over ``world``; None: this
+    process alone): the temporary folder exists when it returns. None when the step is already
+    committed (a resumed run saving the step it resumed at): nobody writes.
+
+    ``tensors``: this rank's tensor file (contiguous, on the CPU, a copy the training does not
+    change; empty: none), ``contents``: what the index says about it, ``meta``: what
+    ``meta.json`` holds besides the format, the step and Python's random state; ``device``:
+    where the agreements' tensors live (the communicator's device)."""
     group = _Alone() if world is None else world
     device = device or torch.device("cpu")
     final, leader = root / f"step-{step}", group.rank == 0
@@ -71,44 +94,116 @@ def save(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: A
     error: CheckpointError | None = None
     if leader:
         try:
-            with _save_errors(final, final, clean=False):
+            with save_errors(final, final, clean=False):
                 root.mkdir(parents=True, exist_ok=True)
-            if not committed(final):
-                token[0] = secrets.randbits(31)
+                if not committed(final):
+                    token[0] = secrets.randbits(31)
+                    _tmp(root, step, int(token)).mkdir()
         except CheckpointError as exc:
             error, token[0] = exc, _FAILED
-    group.broadcast(token, 0)
-    if int(token) == _FAILED:
-        raise error or CheckpointError("checkpoint save failed", str(final), "the leading "
-                                       "rank could not create the folder (its message says "
-                                       "why)", "Check free space and permissions of --run-dir")
+    group.broadcast(token, 0)  # the folder exists, or every rank learns why not
+    if int(token) == _FAILED:  # every rank raises here, the leader's message is printed
+        raise (error or CheckpointError(
+            "checkpoint save failed", str(final), "the leading rank could not create the "
+            "folder (its message says why)", "Check free space and permissions of --run-dir"
+        )).everywhere(report=leader)
     if int(token) == _COMMITTED:
-        return final  # already committed: nobody writes
-    tmp = root / f"step-{step}.tmp-{int(token):08x}"
-    mine: Records = {}
-    _agreed(group, tmp, final, device, "create the folder",
-            tmp.mkdir if leader else lambda: None)
+        return None
+    return Save(root, step, _tmp(root, step, int(token)), final, keep, group, device, tensors,
+                contents, meta, rng_state() if leader else ({}, []))
 
-    def write() -> None:
-        if tensors:
-            name = rank_file(group.rank)
-            mine[name] = write_tensors(tmp / name, tensors)
-        fault("save_after_tensors", step)
 
-    _agreed(group, tmp, final, device, "write its tensor file", write)
-    gathered = _gather_json(group, {"files": {n: r.to_json() for n, r in mine.items()},
-                                    "contents": contents if mine else None}, device)
+def _tmp(root: Path, step: int, token: int) -> Path:
+    return root / f"step-{step}.tmp-{token:08x}"
 
-    def commit() -> None:
-        if leader:
-            records = {n: FileRecord(r["size"], r["sha256"]) for g in gathered
+
+@dataclass
+class Save:
+    """One checkpoint between `start` and `finish`: what each phase needs and measured."""
+
+    root: Path
+    step: int
+    tmp: Path
+    final: Path
+    keep: int
+    group: Communicator
+    device: torch.device
+    tensors: dict[str, torch.Tensor]
+    contents: Any
+    meta: dict[str, Any]
+    rng: RandomState
+    """The leader's random state at `start` (empty on the others)."""
+    started: float = field(default_factory=time.perf_counter)
+    written: Records = field(default_factory=dict)
+    write_s: float = 0.0
+    gathered: list[Any] = field(default_factory=list)
+    commit_s: float = 0.0
+    """Seconds from `start` to the end of the commit (the leader's)."""
+
+    @property
+    def leader(self) -> bool:
+        return self.group.rank == 0
+
+    def attempt(self, phase: Callable[[], Any]) -> CheckpointError | None:
+        """Run a local phase (`write`, `commit`; any thread); its error as users see it."""
+        try:
+            with save_errors(self.tmp, self.final, clean=False):
+                phase()
+        except CheckpointError as exc:
+            return exc
+        except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable state: the others wait
+            return CheckpointError("checkpoint save failed", str(self.tmp),
+                                   f"{type(exc).__name__}: {exc}",
+                                   "Save only tensors and plain Python values")
+        return None
+
+    def write(self) -> None:
+        """This rank's tensor file, fsynced and hashed; then the staged copy is let go."""
+        fault("save_after_stage", self.step)
+        began = time.perf_counter()
+        if self.tensors:
+            name = rank_file(self.group.rank)
+            self.written[name] = write_tensors(self.tmp / name, self.tensors,
+                                               lambda: fault("save_after_write", self.step))
+        self.tensors = {}
+        self.write_s = time.perf_counter() - began
+        fault("save_after_tensors", self.step)
+
+    def settle(self, error: CheckpointError | None) -> None:
+        """Collective: every rank's `write` succeeded (else every rank raises), and the
+        leader has every file's record and contents."""
+        agree(self.group, error, self.tmp, self.final, self.device, "write its tensor file")
+        self.gathered = _gather_json(self.group, {
+            "files": {n: r.to_json() for n, r in self.written.items()},
+            "contents": self.contents if self.written else None, "write_s": self.write_s},
+            self.device)
+
+    def commit(self) -> None:
+        """On the leader: index, RNG, meta, rename, commit record, prune."""
+        if self.leader:
+            records = {n: FileRecord(r["size"], r["sha256"]) for g in self.gathered
                        for n, r in g["files"].items()}
-            index = {"files": {n: g["contents"] for g in gathered for n in g["files"]}}
-            _commit(root, tmp, final, step, meta, index, records)
-            prune(root, keep=keep, current=step)
+            index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
+            _commit(self.root, self.tmp, self.final, self.step, self.meta, self.rng, index,
+                    records)
+            prune(self.root, keep=self.keep, current=self.step)
+        self.commit_s = time.perf_counter() - self.started
 
-    _agreed(group, tmp, final, device, "commit", commit)
-    return final
+    def finish(self, error: CheckpointError | None) -> Path:
+        """Collective: the commit succeeded (else every rank raises); the folder."""
+        agree(self.group, error, self.tmp, self.final, self.device, "commit")
+        return self.final
+
+    def report(self) -> dict[str, Any]:
+        """What the save wrote and how fast (meaningful on the leader): MB (10^6 bytes) in
+        all and per rank, MB/s in all (from `start` to the commit) and per rank (its write)."""
+        sizes = [sum(r["size"] for r in g["files"].values()) / _MB for g in self.gathered]
+        rates = [mb / g["write_s"] if g["write_s"] > 0 else 0.0
+                 for mb, g in zip(sizes, self.gathered, strict=True)]
+        return {"step": self.step, "mb": round(sum(sizes), 3), "seconds": round(self.commit_s, 4),
+                "mb_s": round(sum(sizes) / self.commit_s, 1) if self.commit_s > 0 else 0.0,
+                "rank_mb": [round(mb, 3) for mb in sizes],
+                "rank_mb_s": [round(rate, 1) for rate in rates]}
 
 
 class _Alone:
@@ -126,32 +221,6 @@ class _Alone:
         out.copy_(inp)
 
 
-def _agreed(writers: Communicator, tmp: Path, final: Path, device: torch.device, what: str,
-            action: Callable[[], Any]) -> None:
-    """Run ``action`` on every writer; if it fails on any, rank 0 removes what the save left
-    (once nobody writes any more) and every writer raises."""
-    error = None
-    try:
-        with _save_errors(tmp, final, clean=False):
-            action()
-    except CheckpointError as exc:
-        error = exc
-    except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable state: the others wait
-        error = CheckpointError("checkpoint save failed", str(tmp), f"{type(exc).__name__}: {exc}",
-                                "Save only tensors and plain Python values")
-    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
-    writers.all_reduce(failed, ReduceOp.SUM)
-    if int(failed) and writers.rank == 0:
-        _discard(tmp, final)
-    if error is not None:
-        raise error
-    if int(failed):
-        raise CheckpointError("checkpoint save failed", str(final),
-                              f"{int(failed)} other writer(s) failed to {what}",
-                              "See their messages; check free space and permissions of "
-                              "--run-dir")
-
-
 def _gather_json(group: Any, obj: Any, device: torch.device) -> list[Any]:
     """``obj`` (JSON) of every rank of ``group``, on every rank: its bytes as int64 words, so
     that any backend's all-gather carries them, each rank padded to the longest."""
@@ -167,65 +236,12 @@ def _gather_json(group: Any, obj: Any, device: torch.device) -> list[Any]:
             for row in out.cpu().view(group.size, width)]
 
 
-@contextmanager
-def _save_errors(tmp: Path, final: Path, *, clean: bool = True) -> Iterator[None]:
-    """A failed save removes what it left (``clean``: here; else the caller does, `_discard`),
-    and its OSError becomes the one CheckpointError users see (`_failure`)."""
-    try:
-        yield
-    except BaseException as exc:
-        if clean:
-            _discard(tmp, final)
-        if isinstance(exc, OSError):
-            raise _failure(final, exc) from exc
-        raise
-
-
-def _discard(tmp: Path, final: Path) -> None:
-    """Remove the temporary folder of a failed save, and ``final`` if it was renamed but not
-    committed: a full disk stays full otherwise. Real folders only (`layout.real_folder`);
-    errors are ignored, the save's own error is the one to report."""
-    for path in (tmp, final):
-        if real_folder(path) and not committed(path):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _failure(final: Path, exc: OSError) -> CheckpointError:
-    """The error of a save that failed with ``exc``; a full disk says how much is free now."""
-    root = final.parent
-    newest = latest(root)
-    kept = f"the newest checkpoint is {newest.name}" if newest else "no checkpoint is committed"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        full = "no space left on device" if exc.errno == errno.ENOSPC else \
-            "disk quota exceeded"
-        return CheckpointError(
-            "checkpoint save failed", str(final),
-            f"{full} ({_free(root)} free on the file system of {root} after removing the "
-            f"partial save; {kept})", "Free space there, or pass a --run-dir on a larger disk, "
-            "then --resume")
-    return CheckpointError("checkpoint save failed", str(final),
-                           f"{exc.strerror or exc} ({kept})",
-                           "Check free space and permissions of --run-dir")
-
-
-def _free(root: Path) -> str:
-    try:
-        size = float(shutil.disk_usage(root).free)
-    except OSError:
-        return "unknown"
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "bytes" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
-
-
 def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
-            index: dict[str, Any], written: Records) -> None:
+            random_state: RandomState, index: dict[str, Any], written: Records) -> None:
     """Index, RNG and meta into ``tmp``, rename it to ``final``, then the commit record."""
     files = dict(written)
     files[INDEX] = write_bytes(tmp / INDEX, json.dumps(index).encode())
-    rng, python = rng_state()
+    rng, python = random_state
     files[RNG] = write_tensors(tmp / RNG, rng)
     fault("save_after_rng", step)
     body = {"format": FORMAT_VERSION, "step": step, **meta, "python_rng": python}

@@ -78,6 +78,15 @@ class P2POp:
     peer: int
 
 
+class Vote(Protocol):
+    """A non-blocking MAX of one small integer over every rank, read a step after it was posted
+    (`trainer.comm.mpi.vote.LateMax`): `post` then `result`, in turn, on every rank alike."""
+
+    def post(self, value: int) -> None: ...
+
+    def result(self) -> int: ...
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """A group of ranks and the operations they run together.

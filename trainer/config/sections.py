@@ -177,7 +177,14 @@ class DataSection(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainCheckpointSection(CheckpointSection):
-    """`CheckpointSection`, and what a resume does with a damaged checkpoint."""
+    """`CheckpointSection`, how a save is written, and what a resume does with a damaged
+    checkpoint."""
+
+    async_save: bool = option(True, "write each checkpoint in a background thread while "
+                              "training goes on (trainer.checkpoint.writer): the step's state "
+                              "is copied to host memory first, at most one save is in flight, "
+                              "and the end of training, SIGTERM and errors wait for it; "
+                              "--no-async-save blocks every rank until the save is committed")
 
     init_from_hf: str = option("", "start from the weights of a Hugging Face Llama folder "
                                "(config.json + safetensors); the model's shape is the folder's, "

@@ -14,15 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Protocol
 
-
-class Vote(Protocol):
-    """A non-blocking MAX of one flag over every rank (`trainer.stopping.sigterm.MpiVote`)."""
-
-    def post(self, flag: bool) -> None: ...
-
-    def result(self) -> bool: ...
+from trainer.comm.protocol import Vote
 
 
 class StopAgreement:

@@ -5,13 +5,15 @@ on it, save a checkpoint, exit 143 (adapter: signals, a thread, MPI).
 the main thread comes back to the interpreter, which a rank blocked inside an MPI or NCCL call
 never does; so the handler also writes to a wakeup pipe (`signal.set_wakeup_fd`) read by a
 thread, which notes the request at once and arms a watchdog. The loop asks `after(step)` at the
-end of every step; the ranks agree on the step with `trainer.stopping.agreement` (a vote over
-a duplicate of the MPI communicator of the ranks that train, so the job's own communicators and
-their progress records are untouched). Once they agree, the watchdog is disarmed and the run
-saves its checkpoint as after a last step, then exits 143 (`trainer.train`). When they cannot
-agree in time (`agreement.reach_seconds`: a rank died and the others are stuck in a collective
-with it), the watchdog ends the rank with 143 at once, without a checkpoint: the launcher's
-grace would only be waited out, and a restart resumes from the last committed one.
+end of every step; the ranks agree on the step with `trainer.stopping.agreement` (a late vote,
+`trainer.comm.mpi.vote`, over a duplicate of the MPI communicator of the ranks that train, so
+the job's own communicators and their progress records are untouched). Once they agree, the
+watchdog is disarmed and the run saves its checkpoint as after a last step (a save still being
+written in the background is finished first: `trainer.checkpoint.writer`), then exits 143
+(`trainer.train`). When they cannot agree in time (`agreement.reach_seconds`: a rank died and
+the others are stuck in a collective with it), the watchdog ends the rank with 143 at once,
+without a checkpoint: the launcher's grace would only be waited out, and a restart resumes from
+the last committed one.
 
 The grace is the launcher's (``DTRAIN_GRACE_S``, `workerenv`; 10 s, dtrain's default, when
 not launched by dtrain): the save must fit in what is left of it.
@@ -19,7 +21,6 @@ not launched by dtrain): the save must fit in what is left of it.
 
 from __future__ import annotations
 
-import array
 import os
 import signal
 import sys
@@ -28,37 +29,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import workerenv
+from trainer.comm.mpi.vote import LateMax
 from trainer.stopping.agreement import StopAgreement, reach_seconds
 
 EXIT_CODE = 128 + signal.SIGTERM
 DEFAULT_GRACE_S = 10.0
 
 
-class MpiVote:
-    """`Vote` over a duplicate of ``mpi_comm`` (collective to make and to free)."""
-
-    def __init__(self, mpi_comm: Any) -> None:
-        from mpi4py import MPI
-
-        self._max = MPI.MAX
-        self.comm = mpi_comm.Dup()
-        self._send, self._recv = array.array("b", [0]), array.array("b", [0])
-        self._request: Any = None
-
-    def post(self, flag: bool) -> None:
-        self._send[0] = int(flag)
-        self._request = self.comm.Iallreduce(self._send, self._recv, op=self._max)
-
-    def result(self) -> bool:
-        self._request.Wait()
-        return bool(self._recv[0])
-
-    def close(self) -> None:
-        self.comm.Free()
-
-
 class SigtermStop:
-    def __init__(self, vote: MpiVote | None, rank: int, grace: float) -> None:
+    def __init__(self, vote: LateMax | None, rank: int, grace: float) -> None:
         self.agreement = StopAgreement(vote)
         self._vote, self.rank, self.grace = vote, rank, grace
         self.requested = threading.Event()
@@ -124,4 +103,4 @@ def install(mpi_comm: Any, size: int, rank: int,
         seconds = float(grace) if grace else DEFAULT_GRACE_S
     except ValueError:
         seconds = DEFAULT_GRACE_S
-    return SigtermStop(MpiVote(mpi_comm) if size > 1 else None, rank, seconds)
+    return SigtermStop(LateMax(mpi_comm) if size > 1 else None, rank, seconds)

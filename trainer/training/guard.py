@@ -85,10 +85,14 @@ def check_parameters(params: Iterable[torch.Tensor], step: int, world: Communica
     non-finite parameter; called before saving step ``step``."""
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
-    finite = [torch.isfinite(p.detach()).all() for p in params]  # on the device: one sync
     bad = torch.zeros(1, dtype=torch.int64, device=device)
-    if finite:
-        bad += ~torch.stack(finite).all()
+    if params:
+        # A sum is NaN or infinite when any element is, and costs a read of the tensor where
+        # isfinite writes a mask as large; only a sum that overflowed (all elements finite, a
+        # huge total) sends its tensor to the exact check.
+        sums = torch.stack([p.detach().sum() for p in params])  # on the device: one sync
+        if not bool(torch.isfinite(sums).all()):
+            bad += ~torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()
     if world is not None:
         world.all_reduce(bad, ReduceOp.MAX)
     if int(bad):

@@ -58,6 +58,10 @@ class StepRecord:
     (`trainer.zero.memory.PeakMemory`)."""
     moe: dict[str, Any] | None = None
     """Expert load per MoE layer (`trainer.training.expert_load`); None for a dense model."""
+    checkpoint: list[dict[str, Any]] | None = None
+    """The saves seen committed at the end of this step, each with its step, MB and MB/s in
+    all and per rank, and the seconds the loop was blocked (`trainer.training.checkpointing`);
+    None on the others."""
 
     @property
     def tokens_per_s(self) -> float:

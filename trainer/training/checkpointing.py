@@ -1,0 +1,149 @@
+"""The training loop's checkpoints: what every rank stages at a save step, and who writes it.
+
+At a save step every rank first checks (collectively) that no weight is NaN or infinite, then
+stages a copy on the CPU of the slices it is the writer of (one writer per slice, spread over
+the ranks that hold it: `trainer.checkpoint.pieces`), into host tensors allocated once at
+start-up and reused, with the step's metadata and random state
+(`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on at once
+and `trainer.checkpoint.writer` writes, fsyncs and commits in the background; the training only
+mutates the parameters, never the staged copy, so the checkpoint holds the state of the step
+it names. Without it the loop waits for the commit.
+
+What each save measured (MB and MB/s in all and per rank, seconds until committed, seconds the
+loop was blocked, of which waiting for the save before it) goes into the ``checkpoint`` field
+of the first ``metrics.jsonl`` record logged after the save was seen committed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer.checkpoint.pieces import MOMENTS, Held, adam_step, held, stage
+from trainer.checkpoint.save import Save, start
+from trainer.checkpoint.writer import Writer
+from trainer.comm.bootstrap import World
+from trainer.comm.protocol import ReduceOp
+from trainer.data.token_batches import TokenBatches
+from trainer.placement import writers
+from trainer.training.guard import check_parameters
+from trainer.training.resume import meta_of
+from trainer.training.run import Run
+
+
+def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> Save | None:
+    """Collective: check the weights, stage this rank's slices (into ``pool``'s host tensors,
+    `trainer.checkpoint.pieces.stage`), create the save's folder (None: ``step`` is already
+    committed)."""
+    weights, mesh = run.weights, run.mesh
+    check_parameters(weights.values(), step, mesh.group(), report=run.is_writer)
+    mine = held(weights.values(), weights.optimizer)
+    staged, contents = stage(mine, writers([h.placement for h in mine], mesh), pool)
+    count = torch.tensor([adam_step(weights.optimizer)], dtype=torch.int64, device=mesh.device)
+    mesh.group().all_reduce(count, ReduceOp.MAX)  # a rank may hold no state of its own
+    groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
+              for g in weights.optimizer.param_groups]
+    samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
+    meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
+                   optimizer={"step": int(count), "groups": groups}, samples=samples)
+    return start(Path(run.cfg.run_dir) / "checkpoints", step, tensors=staged,
+                 contents=contents, meta=meta, keep=run.cfg.checkpoint.keep,
+                 world=mesh.group(), device=mesh.device)
+
+
+def save_checkpoint(run: Run, step: int) -> Path:
+    """Every rank saves checkpoint ``step`` together and waits for its commit; its folder."""
+    job = begin(run, step)
+    if job is None:
+        return Path(run.cfg.run_dir) / "checkpoints" / f"step-{step}"
+    writer = Writer(None, background=False)
+    writer.submit(job)
+    writer.wait()
+    return job.final
+
+
+class Checkpoints:
+    """The saves of one run, at most one in flight (collective calls, on every rank alike)."""
+
+    def __init__(self, run: Run, world: World) -> None:
+        self.run, self.background = run, run.cfg.checkpoint.async_save
+        vote = None
+        if self.background and world.size > 1:
+            from trainer.comm.mpi.vote import LateMax  # mpi4py: the adapter
+
+            vote = LateMax(world.mpi_comm)
+        self._vote = vote
+        self.writer = Writer(vote, background=self.background)
+        self.blocked: dict[int, float] = {}  # seconds the loop waited, per step saved
+        self.waited: dict[int, float] = {}  # of which for the save before it
+        self.reports: list[dict[str, Any]] = []  # finished saves not logged yet
+        self.pool: dict[str, torch.Tensor] = {}  # the host copies, reused save after save
+        self._allocate()
+
+    def _allocate(self) -> None:
+        """Allocate and touch the host copies now (each moment shaped as its parameter: the
+        optimizer has none before its first step), so no save pays for page faults."""
+        mine = held(self.run.weights.values(), self.run.weights.optimizer)
+        shaped = [Held(h.tensor, h.placement, dict.fromkeys(MOMENTS, h.tensor)) for h in mine]
+        stage(shaped, writers([h.placement for h in mine], self.run.mesh), self.pool)
+
+    def describe(self) -> str:
+        """The start-up line: how saves are written, and the host memory kept for staging."""
+        mib = sum(t.numel() * t.element_size() for t in self.pool.values()) / 2**20
+        how = "in the background (--async-save), one save in flight at a time" \
+            if self.background else "in place (--no-async-save)"
+        return f"checkpoints: written {how}; rank 0 keeps {mib:.1f} MiB of host memory for " \
+               "the staged copy"
+
+    def save(self, step: int) -> Path:
+        """Checkpoint ``step``: waits for the save in flight, stages, and hands it to the
+        writer (with --no-async-save: returns once it is committed)."""
+        return self._save(step, wait=not self.background)
+
+    def last(self, step: int) -> Path:
+        """The last checkpoint (end of training, --time-limit, SIGTERM): saved and waited for."""
+        return self._save(step, wait=True)
+
+    def _save(self, step: int, *, wait: bool) -> Path:
+        began = time.perf_counter()
+        previous, done = self.writer.wait(), None
+        self.waited[step] = time.perf_counter() - began
+        job = begin(self.run, step, self.pool)  # the previous save is written: reuse its copies
+        if job is not None:
+            self.writer.submit(job)
+            done = self.writer.wait() if wait else None
+        self.blocked[step] = time.perf_counter() - began
+        self._finished(previous)
+        self._finished(done)
+        return Path(self.run.cfg.run_dir) / "checkpoints" / f"step-{step}"
+
+    def poll(self) -> None:
+        """At the end of every step: let the save in flight move on (its error raises here)."""
+        self._finished(self.writer.poll())
+
+    def take_reports(self) -> list[dict[str, Any]]:
+        """What the saves finished since the last call measured (rank 0's view: every rank's
+        sizes and rates)."""
+        out, self.reports = self.reports, []
+        return out
+
+    def close(self, *, clean: bool) -> None:
+        """``clean``: training ended alike on every rank, or with an error every rank raised
+        together (a NaN stop): the save in flight is finished (collective, as is freeing the
+        vote's communicator); else only this rank's thread finishes its file."""
+        if not clean:
+            self.writer.abandon()
+            return
+        self.writer.wait()
+        if self._vote is not None:
+            self._vote.close()
+
+    def _finished(self, save: Save | None) -> None:
+        if save is not None and self.run.is_writer:
+            self.reports.append({**save.report(),
+                                 "blocked_s": round(self.blocked.pop(save.step, 0.0), 4),
+                                 "waited_s": round(self.waited.pop(save.step, 0.0), 4)})
+
