@@ -205,4 +205,4 @@ def test_a_shard_that_cannot_be_written_fails_every_writer_and_commits_nothing(w
         if rank["rank"] == 1:
             assert "contiguous" in got["message"].lower(), got["message"]
         else:
-            assert "1 other writer(s) failed to write its tensor file" in got["message"]
+            assert "another writer (rank 1) failed to write its tensor file" in got["message"]

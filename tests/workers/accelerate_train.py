@@ -27,10 +27,13 @@ def main(steps: int = 4) -> None:
         optimizer.step()
         optimizer.zero_grad()
         mean = accelerator.reduce(loss.detach(), reduction="mean")
-        print(json.dumps({"rank": accelerator.process_index, "world": accelerator.num_processes,
-                          "local": accelerator.local_process_index, "step": step,
-                          "loss": float(mean), "type": str(accelerator.distributed_type)}),
-              flush=True)
+        # One write per record: torchrun's local ranks share one pipe, and with
+        # PYTHONUNBUFFERED print() writes the text and its newline separately.
+        record = {"rank": accelerator.process_index, "world": accelerator.num_processes,
+                  "local": accelerator.local_process_index, "step": step,
+                  "loss": float(mean), "type": str(accelerator.distributed_type)}
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
     # As Accelerate's examples end; the model goes first (see fabric_ddp.py: torch 2.13's gloo
     # deadlocks when DDP's reducer holds the last reference to the process group).
     del model, optimizer

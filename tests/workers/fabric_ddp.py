@@ -9,6 +9,7 @@ line: its rank, the world size, the step and the loss averaged over all ranks.
 
 import argparse
 import json
+import sys
 
 import torch
 from lightning_fabric import Fabric
@@ -36,10 +37,14 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
         mean = fabric.all_reduce(loss.detach(), reduce_op="mean")
-        print(json.dumps({"rank": fabric.global_rank, "world": fabric.world_size,
-                          "node": fabric.node_rank, "local": fabric.local_rank, "step": step,
-                          "loss": float(mean), "env": type(fabric._connector.cluster_environment)
-                          .__name__}), flush=True)
+        # One write per record: torchrun's local ranks share one pipe, and with
+        # PYTHONUNBUFFERED print() writes the text and its newline separately.
+        record = {"rank": fabric.global_rank, "world": fabric.world_size,
+                  "node": fabric.node_rank, "local": fabric.local_rank, "step": step,
+                  "loss": float(mean),
+                  "env": type(fabric._connector.cluster_environment).__name__}
+        sys.stdout.write(json.dumps(record) + "\n")
+        sys.stdout.flush()
     # torch 2.13 and gloo, under torchrun too: a process group left to interpreter exit aborts
     # it (SIGABRT), and one whose last reference is DDP's reducer deadlocks its teardown (its
     # worker thread wants the GIL the deleting thread holds). Free the model first.
