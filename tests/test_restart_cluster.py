@@ -235,8 +235,10 @@ def test_a_cut_host_is_replaced_by_the_spare_and_the_run_ends_bit_for_bit(cluste
     row = _row(err, 0)
     assert "host lost" in row and cut in row and f"node4 replaces {cut}" in row, row
     said = out + err
+    # Steps go on until the cut stalls the next all-reduce, so a newer checkpoint than the
+    # one waited for may be committed first: the resume takes the newest.
     resumed = int(said.split("resumed at step ")[1].split()[0])
-    assert resumed <= at and f"after restart 1 (cause: host lost: {cut})" in said
+    assert at <= resumed < STEPS and f"after restart 1 (cause: host lost: {cut})" in said
     _same(_final_params(run_dir), want_params)
     assert _losses(run_dir) == want_losses  # every step, those after the resumed one too
     cluster.link_up(cut)  # its agent stopped its ranks on its own: the fixture checks
