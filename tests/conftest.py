@@ -45,6 +45,17 @@ def netns_cluster() -> Iterator[NetnsCluster]:
     cluster.close()
 
 
+@pytest.fixture
+def cluster(netns_cluster: NetnsCluster) -> Iterator[NetnsCluster]:
+    """The session's namespace hosts for one test: afterwards every cable a test cut is back
+    and no process of a job is left on any host."""
+    yield netns_cluster
+    for host in netns_cluster.hosts:
+        netns_cluster.link_up(host)
+    left = netns_cluster.wait_no_job_pids(10)
+    assert not left, f"job processes left on hosts: {left}"
+
+
 @pytest.fixture(scope="session")
 def bare_cluster() -> Iterator[NetnsCluster]:
     """Hosts node1..node4 in network namespaces that run no sshd: what a Kubernetes node pool

@@ -12,21 +12,12 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
-
 from tests.support import PYTHON, REPO, dtrain_env, kill_recorded, run_dtrain
 
 WORKERS = REPO / "tests" / "workers"
 # A port per script: the netns hosts live for the whole session, and a closed store's port
 # may linger in TIME_WAIT.
 TORCHRUN_PORTS = {"fabric_ddp.py": 29511, "accelerate_train.py": 29512}
-
-
-@pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
 
 
 def _records(stdout: str) -> list[dict]:

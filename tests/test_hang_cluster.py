@@ -36,13 +36,6 @@ HANG_TIMEOUT = 3.0
 SLACK_S = 60.0
 
 
-@pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
-
-
 def _hang_args(cluster, hosts: str, log_dir: Path) -> list[str]:
     return ["launch", "-H", hosts, "--ssh-config", str(cluster.ssh_config),
             "--hang-timeout", str(HANG_TIMEOUT), "--hang-action", "abort", "--grace", "1",

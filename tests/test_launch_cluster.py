@@ -24,15 +24,6 @@ PROBE = str(REPO / "tests" / "workers" / "probe.py")
 CLIENTS = pytest.mark.parametrize("client", ["paramiko", "openssh"])
 
 
-@pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    for host in netns_cluster.hosts:
-        netns_cluster.link_up(host)
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
-
-
 def _hostfile(tmp_path: Path, text: str) -> str:
     path = tmp_path / "hostfile"
     path.write_text(text)

@@ -6,16 +6,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.support import PYTHON, run_dtrain
-
-
-@pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
 
 
 def test_ep2_training_across_two_hosts_completes_and_its_loss_falls(cluster, tmp_path):

@@ -23,13 +23,6 @@ SHOW = "import json, sys; print(json.dumps([sys.executable, sys.prefix]))"
 
 
 @pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
-
-
-@pytest.fixture
 def venv(tmp_path: Path) -> Path:
     path = tmp_path / "venv"
     subprocess.run([PYTHON, "-m", "venv", "--system-site-packages", "--without-pip", str(path)],

@@ -8,16 +8,7 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.support import PYTHON, run_dtrain
-
-
-@pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
 
 
 def test_dlrm_across_two_hosts_completes_with_falling_validation_log_loss(cluster, tmp_path):

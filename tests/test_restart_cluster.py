@@ -44,15 +44,6 @@ MODEL = {"model": "tiny", "n_layer": 1, "d_model": 32, "seq_len": 32, "warmup_st
          "data_cap_mb": 0.25, "eval_every": 0, "log_every": 1, "save_every": 4}
 
 
-@pytest.fixture
-def cluster(netns_cluster):
-    yield netns_cluster
-    for host in netns_cluster.hosts:
-        netns_cluster.link_up(host)
-    left = netns_cluster.wait_no_job_pids(10)
-    assert not left, f"job processes left on hosts: {left}"
-
-
 class Head:
     """`dtrain launch` running, its stdout and stderr collected line by line as they come."""
 
