@@ -88,7 +88,7 @@ from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
-from trainer.training.checkpointing import Checkpoints, save_checkpoint
+from trainer.training.checkpointing import Checkpoints
 from trainer.training.expert_load import write_load_plot
 from trainer.training.metrics import MetricsLog
 from trainer.training.pipeline_step import (
@@ -100,7 +100,7 @@ from trainer.training.step import run_step
 from trainer.zero import memory
 from trainer.zero.memory import PeakMemory
 
-__all__ = ["TrainResult", "main", "save_checkpoint", "train"]  # save_checkpoint: saved in place
+__all__ = ["TrainResult", "main", "train"]
 
 
 @dataclass
