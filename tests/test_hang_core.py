@@ -105,6 +105,25 @@ def test_when_every_member_entered_the_operation_nobody_is_blamed():
                               "problem?)")
 
 
+def test_a_rank_stopped_inside_an_operation_every_member_entered_is_what_the_others_wait_for():
+    views = [rank(0, "node0", ar("dp[0]", 0, 9, 8)),
+             rank(1, "node1", ar("dp[0]", 1, 9, 8), state="stopped")]
+    found = diagnose(views)
+    assert found.culprit_ranks == (1,) and found.kind == "stopped", found.text
+    assert found.headline.startswith("rank 1 (node1) is stopped (SIGSTOP/SIGTSTP); `kill -CONT "
+                                     "1001` on its host resumes it; rank 0 (node0) waits for it "
+                                     "in all_reduce #9 on dp[0]"), found.text
+    assert "every member entered it" not in found.text
+
+
+def test_a_receive_whose_stopped_peer_posted_its_send_waits_for_that_peer():
+    views = [rank(0, "node0", op("pp[0]", 0, 7, 6, "recv", p2p=2, peer=1)),
+             rank(1, "node1", op("pp[0]", 1, 7, 6, "send", p2p=1, peer=0), state="stopped")]
+    found = diagnose(views)
+    assert found.culprit_ranks == (1,), found.text
+    assert "rank 0 (node0) waits for it in recv #7 on pp[0]" in found.headline, found.text
+
+
 def test_a_rank_computing_outside_communication_is_blamed_as_behind():
     views = [rank(0, "a", ar("dp[0]", 0, 3, 2)), rank(1, "b", ar("dp[0]", 1, 2, 2, age=4.0))]
     found = diagnose(views)

@@ -3,7 +3,9 @@
 For the collective that a rank waits in on group G (lined up by its count, `launcher.hang.model`),
 each other member of G is
 
-    joined    it entered that collective as the same operation (and root, for a broadcast)
+    joined    it entered that collective as the same operation (and root, for a broadcast);
+              a joined member that is stopped is still needed: the collective cannot finish
+              while it does not run (likewise a stopped peer that posted its point-to-point part)
     behind    it has entered fewer collectives on G
     past      it entered that collective as another operation, which returned (a broadcast it
               roots), and went on; or it went on beyond what its history holds, past an
@@ -108,7 +110,7 @@ def _needed(groups: Groups, v: RankView, g: GroupView, unseen: list[int],
         if g.peer not in mem:
             return []
         peer, pg = mem[g.peer]
-        posted = pg.in_flight and pg.op in P2P
+        posted = pg.in_flight and pg.op in P2P and peer.state != "stopped"
         mutual = g.op == pg.op == "recv" and pg.peer == g.group_rank
         return [] if posted and not mutual else [(peer.rank, None)]
     count = g.collectives
@@ -141,6 +143,8 @@ def _judge(groups: Groups, g: GroupView, count: int, reference: Signature | None
             entry = mg.collective(count)
             kind = "mismatch" if mg.in_flight and entry and entry[0] == mg.seq else "past"
             found.append((m.rank, _deviant(m, mg, g, count, kind)))
+        elif m.state == "stopped" and mg.in_flight and mg.collectives == count:
+            found.append((m.rank, None))  # it joined, but a stopped member never completes it
     found += [(r, None) for r in unseen if len(groups.members[g.label]) < g.group_size]
     return found
 
