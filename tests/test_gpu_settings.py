@@ -43,11 +43,33 @@ def test_cpu_and_bf16_runs_keep_full_fp32_matmuls(matmul_precision: None, device
     assert torch.get_float32_matmul_precision() == "highest"
 
 
-def test_adamw_runs_the_per_tensor_loop_on_a_cpu() -> None:
+def test_adamw_runs_the_fused_kernel_on_a_cpu() -> None:
     model = GPT(CFG)
-    assert adamw_kernel(list(model.parameters())) == {"foreach": False}
+    assert adamw_kernel(list(model.parameters())) == {"fused": True}
     optimizer = build_optimizer(model, lr=1e-3, weight_decay=0.1)
-    assert optimizer.defaults["foreach"] is False and not optimizer.defaults["fused"]
+    assert optimizer.defaults["fused"] is True
+
+
+def test_adamw_takes_the_per_tensor_loop_where_no_fused_kernel_takes_the_parameters() -> None:
+    assert adamw_kernel([torch.zeros(2, device="meta")]) == {"foreach": False}
+    assert adamw_kernel([torch.zeros(2), torch.zeros(2, device="meta")]) == {"foreach": False}
+
+
+def test_fused_adamw_steps_an_element_alike_however_the_parameters_are_split() -> None:
+    """What lets ZeRO-1's flat-buffer pieces step exactly as whole parameters do."""
+    gen = torch.Generator().manual_seed(3)
+    weights, grads = (torch.randn(1031, generator=gen, dtype=torch.float64) for _ in "wg")
+
+    def stepped(sizes: list[int]) -> torch.Tensor:
+        parts = [torch.nn.Parameter(w.clone()) for w in torch.split(weights, sizes)]
+        optimizer = torch.optim.AdamW(parts, lr=1e-2, weight_decay=0.1, **adamw_kernel(parts))
+        for k in range(3):
+            for p, g in zip(parts, torch.split(grads, sizes), strict=True):
+                p.grad = g * (k + 1)
+            optimizer.step()
+        return torch.cat([p.detach() for p in parts])
+
+    assert torch.equal(stepped([1031]), stepped([5, 512, 17, 497]))
 
 
 def _loss_and_grads(model: GPT) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -4,11 +4,14 @@
   cores for fp32 matmuls and convolutions, ``torch.backends.cuda.matmul.allow_tf32``): about 8x
   the fp32 rate on an A100/H100 for a 10-bit mantissa inside the products, the trade Megatron
   and PyTorch's own recipes make. bf16 runs and CPUs keep the default (``"highest"``).
-* AdamW is the fused single-kernel implementation on CUDA (``fused=True``: the step counters
-  stay on the device, so the step never reads one on the host) and the per-tensor loop
-  elsewhere: on a CPU the multi-tensor ``foreach`` kernels, which allocate their intermediates
-  list by list, took 12 ms where the loop took 9 for the ``small`` model's step (one core,
-  `bench.nanogpt`). Each is deterministic on a fixed device, which bit-exact resume needs.
+* AdamW is torch's fused single-kernel implementation (``fused=True``) on CUDA and on CPUs: on
+  CUDA the step counters stay on the device, so the step never reads one on the host; on a CPU
+  one vectorised pass over each tensor took 0.15 s where the per-tensor loop took 0.78 s and
+  the multi-tensor ``foreach`` kernels 0.97 s for a 100M-parameter Llama's tensors (one thread,
+  2026-11-27). It is elementwise and deterministic on a fixed device, which bit-exact resume
+  needs, and gives the same bits however the elements are split into tensors, so ZeRO-1's
+  flat-buffer pieces step exactly as whole parameters do. Other devices or dtypes take the
+  per-tensor loop.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
-#: The parameter dtypes torch's fused AdamW takes.
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: The parameter dtypes torch's fused AdamW takes, per device type.
+_FUSED_DTYPES = {"cuda": (torch.float32, torch.bfloat16, torch.float16),
+                 "cpu": (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
 
 def configure_matmul(device: torch.device, precision: str) -> str:
@@ -31,8 +35,9 @@ def configure_matmul(device: torch.device, precision: str) -> str:
 
 
 def adamw_kernel(params: Sequence[torch.Tensor]) -> dict[str, bool]:
-    """AdamW's implementation flag for ``params``: fused on CUDA, the per-tensor loop
-    elsewhere."""
-    on_cuda = bool(params) and all(p.device.type == "cuda" and p.dtype in _FUSED_DTYPES
-                                   for p in params)
-    return {"fused": True} if on_cuda else {"foreach": False}
+    """AdamW's implementation flag for ``params``: fused when they all sit on one kind of
+    device whose fused kernel takes their dtypes (CUDA, CPU), else the per-tensor loop."""
+    kinds = {p.device.type for p in params}
+    fused = len(kinds) == 1 and all(p.dtype in _FUSED_DTYPES.get(p.device.type, ())
+                                    for p in params)
+    return {"fused": True} if fused else {"foreach": False}
