@@ -1,6 +1,7 @@
 """Per-device settings of the GPU path, checked on a CPU: TF32 only for fp32 CUDA runs, the
-AdamW kernel per device, and ``--compile``'s two outcomes (compiled blocks that compute what
-eager ones do, and a failing compiler that leaves eager blocks and one message).
+AdamW kernel per device, a CPU run keeping the memory it frees, and ``--compile``'s two
+outcomes (compiled blocks that compute what eager ones do, and a failing compiler that leaves
+eager blocks and one message).
 
 The compile tests use torch.compile's ``aot_eager`` backend (dynamo and AOTAutograd, the parts
 shared with inductor) and a backend that raises: inductor itself needs minutes of C++ builds on
@@ -9,13 +10,16 @@ this 2-core host, which `tests/test_gpu.py` and ``python -m bench.gpu`` run on a
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from tests.support import REPO
 from trainer.gpu.compile import compile_blocks
-from trainer.gpu.settings import adamw_kernel, configure_matmul
+from trainer.gpu.settings import adamw_kernel, configure_matmul, keep_freed_memory
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.optim.optimizer import build_optimizer
@@ -109,3 +113,33 @@ def test_a_compiler_that_fails_leaves_eager_blocks_and_says_so_once(
     loss, grads = _loss_and_grads(model)  # trains as the eager model
     want_loss, want_grads = _loss_and_grads(GPT(CFG, seed=2))
     assert torch.equal(loss, want_loss) and all(map(torch.equal, grads, want_grads))
+
+
+FAULTS = """
+import resource, sys, torch
+from trainer.gpu.settings import keep_freed_memory
+
+def faults_per_step() -> float:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(20):  # a 64 MiB activation made and freed, as each step does
+        torch.empty(16 << 20).fill_(1.0)
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 20
+
+before = faults_per_step()
+kept = keep_freed_memory(torch.device("cpu"))
+faults_per_step()  # the first steps grow the heap: its pages are new once
+print(before, kept, faults_per_step())
+"""
+
+
+def test_a_cpu_run_reuses_the_memory_its_steps_free_instead_of_faulting_it_in_again() -> None:
+    done = subprocess.run([sys.executable, "-c", FAULTS], capture_output=True, text=True,
+                          check=True, cwd=REPO)
+    before, kept, after = done.stdout.split()
+    assert kept == "True", done.stdout
+    # 64 MiB is 16,384 pages: glibc maps a block that large afresh every time by default.
+    assert float(before) > 8000 and float(after) < 100, done.stdout
+
+
+def test_other_devices_keep_the_c_library_defaults() -> None:
+    assert keep_freed_memory(torch.device("meta")) is False

@@ -82,6 +82,7 @@ from trainer.dashboards.hub import Dashboards, open_sinks
 from trainer.data.corpus import Corpus, skipped_warning
 from trainer.data.sources import TokenData, keep_tokenizer
 from trainer.errors import TrainerError
+from trainer.gpu.settings import keep_freed_memory
 from trainer.inference.validation import Validation
 from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
@@ -118,6 +119,7 @@ class TrainResult:
 def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
     """Run training on this rank of ``world`` (on ``corpus``, the checked data, if given)."""
     cfg = resolve_dp(cfg, world.size)
+    keep_freed_memory(world.device)  # a process setting, so here and not in build_run
     run = build_run(cfg, mesh_for(cfg, world), corpus)
     peak = peak_tflops(world.device, cfg.peak_tflops)
     log = MetricsLog(Path(cfg.run_dir), enabled=run.is_writer, total_steps=cfg.steps,
