@@ -12,6 +12,9 @@ from __future__ import annotations
 import json
 import subprocess
 
+import psutil
+import pytest
+
 from tests.support import PYTHON, REPO, dtrain_env, kill_recorded, run_dtrain
 
 WORKERS = REPO / "tests" / "workers"
@@ -38,7 +41,22 @@ def _dtrain(cluster, script: str, *args: str, env: dict[str, str] | None = None)
 
 
 def _torchrun(cluster, script: str, *args: str) -> list[dict]:
-    """One torchrun per host, in the host's namespace, as its users start a 2-node job."""
+    """One torchrun per host, in the host's namespace, as its users start a 2-node job. The
+    reference is the peer's run, not the subject: one that hangs (seen once, 2026-11-27: the
+    torchrun pair never finished; the test then kept none of its output) is stopped and started once
+    more on another port; a second hang fails the test with both hosts' output."""
+    seen = []
+    for attempt in range(2):
+        outs = _torchrun_once(cluster, TORCHRUN_PORTS[script] + 100 * attempt, script, *args)
+        if isinstance(outs, list):
+            return outs
+        seen.append(outs)
+    pytest.fail("torchrun's reference run hung twice:\n" + "\n".join(seen))
+
+
+def _torchrun_once(cluster, port: int, script: str, *args: str) -> list[dict] | str:
+    """The records of one reference run, or what its hosts printed when it hung (every process
+    it started is stopped: the recorded torchruns and their children)."""
     procs = []
     env = dtrain_env({"GLOO_SOCKET_IFNAME": "eth0"})  # torchrun leaves the interface to gloo
     try:
@@ -47,14 +65,29 @@ def _torchrun(cluster, script: str, *args: str) -> list[dict]:
                 ["ip", "netns", "exec", cluster.namespace(host), PYTHON, "-m",
                  "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                  "--node-rank", str(node), "--master-addr", cluster.address("node1"),
-                 "--master-port", str(TORCHRUN_PORTS[script]), str(WORKERS / script), *args],
+                 "--master-port", str(port), str(WORKERS / script), *args],
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
-        outs = [p.communicate(timeout=240) for p in procs]
+        outs = [p.communicate(timeout=120) for p in procs]
+    except subprocess.TimeoutExpired:
+        _stop_trees([p.pid for p in procs])
+        return "\n".join(f"host {n + 1}: {err[-1500:]}" for n, (_, err) in
+                         enumerate(p.communicate() for p in procs))
     finally:
         kill_recorded([p.pid for p in procs if p.poll() is None])
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     return [r for out, _ in outs for r in _records(out)]
+
+
+def _stop_trees(pids: list[int]) -> None:
+    """SIGKILL the recorded processes and every descendant they started (their workers)."""
+    found = []
+    for pid in pids:
+        try:
+            found += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+        except psutil.NoSuchProcess:
+            pass
+    kill_recorded(found)
 
 
 def _losses(records: list[dict]) -> dict[int, float]:
