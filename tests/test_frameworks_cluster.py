@@ -43,8 +43,8 @@ def _dtrain(cluster, script: str, *args: str, env: dict[str, str] | None = None)
 def _torchrun(cluster, script: str, *args: str) -> list[dict]:
     """One torchrun per host, in the host's namespace, as its users start a 2-node job. The
     reference is the peer's run, not the subject: one that hangs (seen once, 2026-11-27: the
-    torchrun pair never finished; the test then kept none of its output) is stopped and started once
-    more on another port; a second hang fails the test with both hosts' output."""
+    torchrun pair never finished; the test then kept none of its output) is stopped and
+    started once more on another port; a second hang fails the test with both hosts' output."""
     seen = []
     for attempt in range(2):
         outs = _torchrun_once(cluster, TORCHRUN_PORTS[script] + 100 * attempt, script, *args)

@@ -116,7 +116,7 @@ def test_a_compiler_that_fails_leaves_eager_blocks_and_says_so_once(
 
 
 FAULTS = """
-import resource, sys, torch
+import resource, torch
 from trainer.gpu.settings import keep_freed_memory
 
 def faults_per_step() -> float:

@@ -35,7 +35,6 @@ import torch
 _FUSED_DTYPES = {"cuda": (torch.float32, torch.bfloat16, torch.float16),
                  "cpu": (torch.float64, torch.float32, torch.bfloat16, torch.float16)}
 
-
 #: glibc's mallopt parameters (malloc.h) and the size up to which the heap serves allocations.
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _HEAP_SERVES = 1 << 30
