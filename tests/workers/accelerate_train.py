@@ -6,6 +6,7 @@ line: its rank, the world size, the step and the loss averaged over all ranks.
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -38,6 +39,11 @@ def main(steps: int = 4) -> None:
     # deadlocks when DDP's reducer holds the last reference to the process group).
     del model, optimizer
     accelerator.end_training()
+    # torch 2.13's gloo threads can abort the process at interpreter teardown ("terminate
+    # called without an active exception", seen once under dtrain, 2026-11-27) or hang it (the
+    # same day under torchrun): every record is out, so leave without that teardown.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
