@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common, grid
+from launcher.rendezvous import tokens
 
 HOSTS = (1, 2, 4, 8)
 TOOLS = ("dtrain-rdzv", "dtrain-ssh", "torchrun")
@@ -156,8 +157,7 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 5, *, tools: Sequence[str] = T
     with common.bench_cluster(max(hosts), cluster) as used, \
             tempfile.TemporaryDirectory(prefix="dtrain-bench-token-") as folder:
         token = Path(folder, "token")
-        token.write_text(secrets.token_hex(32))
-        token.chmod(0o600)
+        tokens.write(str(token))  # the form the head accepts, owner-only
 
         def one(tool: str, n: int) -> common.Sample:
             return run_one(used, tool, n, per_host, str(token))

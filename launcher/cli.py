@@ -257,6 +257,9 @@ def agent(**kw: Any) -> None:
     sys.exit(_guard(lambda: run_agent(rendezvous.join_request(kw))))
 
 
+main.add_command(rendezvous.token_group)
+
+
 @main.command(cls=SectionedCommand)
 @host_options
 @click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,

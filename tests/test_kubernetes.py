@@ -44,8 +44,9 @@ def _options(command: Any, args: list[str]) -> dict[str, Any]:
     return dict(command.make_context(command.name, list(args)).params)
 
 
-def test_the_examples_are_an_mpijob_and_a_rendezvous_jobset_with_its_token_secret() -> None:
-    assert {"MPIJob", "JobSet", "Secret"} <= set(_objects())
+def test_the_examples_are_an_mpijob_and_a_rendezvous_jobset_with_its_secret_and_policy(
+) -> None:
+    assert {"MPIJob", "JobSet", "Secret", "NetworkPolicy"} <= set(_objects())
 
 
 def test_the_example_secrets_placeholder_is_refused_until_a_real_token_replaces_it(
@@ -119,6 +120,31 @@ def test_the_rendezvous_jobset_points_every_agent_at_the_heads_port_with_the_tok
     joins = rendezvous_command.join_request(_options(agent, []))
     assert (joins.host, joins.port, joins.node_rank) == (head_name, opts["rendezvous_port"], 3)
     assert joins.timeout == opts["rendezvous_timeout"]
+
+
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"        # labels JobSet puts on the pods it makes
+REPLICATED_JOB = "jobset.sigs.k8s.io/replicatedjob-name"
+
+
+def test_a_network_policy_admits_only_the_jobs_own_worker_pods_to_the_rendezvous_port() -> None:
+    objects = _objects()
+    jobset, policy = objects["JobSet"], objects["NetworkPolicy"]
+    assert policy["apiVersion"] == "networking.k8s.io/v1"
+    name = jobset["metadata"]["name"]
+    jobs = {r["name"]: r for r in jobset["spec"]["replicatedJobs"]}
+    [head] = _containers(jobs["head"]["template"]["spec"]["template"]).values()
+    port = _options(launch, head["command"][2:])["rendezvous_port"]
+    [agents] = [job for job, spec in jobs.items()
+                if _containers(spec["template"]["spec"]["template"]).popitem()[1]["command"]
+                == ["dtrain", "agent"]]
+    spec = policy["spec"]
+    assert spec["podSelector"] == {"matchLabels": {JOBSET_NAME: name, REPLICATED_JOB: "head"}}
+    assert spec["policyTypes"] == ["Ingress"]  # the head pod takes nothing else
+    [rule] = spec["ingress"]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {JOBSET_NAME: name,
+                                                             REPLICATED_JOB: agents}}}]
+    assert rule["ports"] == [{"protocol": "TCP", "port": port}]
+    assert policy["metadata"].get("namespace") == jobset["metadata"].get("namespace")
 
 
 def test_a_hostfile_whose_hosts_come_up_3s_after_the_launch_launches_without_error(

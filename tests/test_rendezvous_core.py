@@ -10,18 +10,20 @@ import pytest
 
 from launcher import wire
 from launcher.errors import UsageError
+from launcher.rendezvous import tokens
 from launcher.rendezvous.channel import RECORD_MAX, ChannelError
 from launcher.rendezvous.handshake import AgentSide, AuthError, HandshakeError, HeadSide
 from launcher.rendezvous.options import parse_endpoint, read_token
 from launcher.rendezvous.roster import Arrival, Roster, Unusable, read_join
 
-TOKEN = b"a-shared-token-of-32-characters!"
+TOKEN = tokens.new().encode()
+OTHER = tokens.new().encode()
 
 
 def _joined(agent_token: bytes = TOKEN, head_token: bytes = TOKEN):
     agent, head = AgentSide(agent_token), HeadSide(head_token)
-    proof = agent.answer(head.answer(agent.hello()))
-    return agent.channel(), head.verify(proof)
+    reply, to_agent = head.verify(agent.prove(head.challenge(agent.hello())))
+    return agent.check(reply), to_agent
 
 
 def test_both_sides_with_one_token_meet_and_their_channel_carries_bytes_both_ways() -> None:
@@ -30,48 +32,58 @@ def test_both_sides_with_one_token_meet_and_their_channel_carries_bytes_both_way
     assert to_head.open(to_agent.seal(b"SPEC" * 1000)) == b"SPEC" * 1000
 
 
-def test_an_agent_with_another_token_refuses_the_head_before_proving_anything() -> None:
-    agent, head = AgentSide(b"x" * 32), HeadSide(TOKEN)
-    with pytest.raises(AuthError, match="head's proof does not match"):
-        agent.answer(head.answer(agent.hello()))
+def test_the_head_answers_a_stranger_with_nothing_keyed_by_its_token() -> None:
+    """What anyone who reaches the port gets back is the same whatever the head's token: there
+    is nothing to take home and guess the token against."""
+    hello = AgentSide(OTHER).hello()
+    nonce = os.urandom(32)
+    assert HeadSide(TOKEN, nonce).challenge(hello) == HeadSide(OTHER, nonce).challenge(hello)
+    assert HeadSide(TOKEN, nonce).challenge(hello) == {"nonce": nonce.hex()}
 
 
-def test_a_head_refuses_a_forged_proof() -> None:
-    head = HeadSide(TOKEN)
-    head.answer(AgentSide(b"y" * 32).hello())
+def test_a_head_refuses_an_agent_with_another_token_before_proving_anything() -> None:
+    agent, head = AgentSide(OTHER), HeadSide(TOKEN)
     with pytest.raises(AuthError, match="agent's proof does not match"):
-        head.verify({"proof": "00" * 32})
+        head.verify(agent.prove(head.challenge(agent.hello())))
+
+
+def test_an_agent_refuses_a_forged_head_proof() -> None:
+    agent, head = AgentSide(TOKEN), HeadSide(TOKEN)
+    agent.prove(head.challenge(agent.hello()))
+    with pytest.raises(AuthError, match="head's proof does not match"):
+        agent.check({"proof": "00" * 32})
 
 
 def test_the_token_never_travels_and_a_recorded_proof_does_not_pass_a_new_nonce() -> None:
     agent, head = AgentSide(TOKEN), HeadSide(TOKEN)
     hello = agent.hello()
-    reply = head.answer(hello)
-    proof = agent.answer(reply)
+    challenge = head.challenge(hello)
+    proof = agent.prove(challenge)
+    reply, _ = head.verify(proof)
     assert all(TOKEN.hex() not in str(m) and TOKEN.decode() not in str(m)
-               for m in (hello, reply, proof))
+               for m in (hello, challenge, proof, reply))
     replayed = HeadSide(TOKEN)
-    replayed.answer(hello)  # the same agent nonce, a new head nonce
+    replayed.challenge(hello)  # the same agent nonce, a new head nonce
     with pytest.raises(AuthError):
         replayed.verify(proof)
 
 
-def test_a_head_proof_does_not_pass_as_an_agent_proof() -> None:
+def test_an_agent_proof_does_not_pass_as_a_head_proof() -> None:
     agent, head = AgentSide(TOKEN), HeadSide(TOKEN)
-    reply = head.answer(agent.hello())
+    proof = agent.prove(head.challenge(agent.hello()))
     with pytest.raises(AuthError):
-        head.verify({"proof": reply["proof"]})  # reflected back: the roles differ
+        agent.check(proof)  # reflected back: the roles differ
 
 
 @pytest.mark.parametrize(("hello", "why"), [
     ({"nonce": "00" * 32}, "did not open with a dtrain rendezvous hello"),
-    ({"rendezvous": 99, "nonce": "00" * 32}, "speaks rendezvous 99, the head 1"),
-    ({"rendezvous": 1, "nonce": "zz"}, "nonce field is not 32 bytes"),
+    ({"rendezvous": 99, "nonce": "00" * 32}, "speaks rendezvous 99, the head 2"),
+    ({"rendezvous": 2, "nonce": "zz"}, "nonce field is not 32 bytes"),
 ])
 def test_a_hello_that_is_not_this_handshake_is_a_handshake_error(hello: dict[str, object],
                                                                  why: str) -> None:
     with pytest.raises(HandshakeError, match=why):
-        HeadSide(TOKEN).answer(hello)
+        HeadSide(TOKEN).challenge(hello)
 
 
 def test_a_changed_or_replayed_record_breaks_the_channel() -> None:
@@ -186,18 +198,35 @@ def _token_file(tmp_path: Path, text: str, mode: int = 0o600) -> str:
     return str(path)
 
 
-def test_a_token_is_read_without_its_surrounding_whitespace(tmp_path: Path) -> None:
-    assert read_token(_token_file(tmp_path, "  0123456789abcdef0123\n")) == b"0123456789abcdef0123"
+def test_a_generated_token_is_read_without_its_surrounding_whitespace(tmp_path: Path) -> None:
+    assert read_token(_token_file(tmp_path, f"  {TOKEN.decode()}\n")) == TOKEN
+
+
+def _changed(token: bytes, at: int) -> str:
+    text = token.decode()
+    return text[:at] + ("0" if text[at] != "0" else "1") + text[at + 1:]
 
 
 @pytest.mark.parametrize(("text", "mode", "why"), [
-    ("0123456789abcdef0123", 0o644, "open to other users.*mode 0644.*chmod 600"),
-    ("short", 0o600, "holds 5 bytes, not 16..4096"),
+    (TOKEN.decode(), 0o644, "open to other users.*mode 0644.*chmod 600"),
+    ("short", 0o600, "not a token made by `dtrain token new`"),
+    ("0123456789abcdef0123456789abcdef", 0o600, "not a token made by `dtrain token new`"),
+    ("correct horse battery staple!!!!", 0o600, "not a token made by `dtrain token new`"),
+    (_changed(TOKEN, 20), 0o600, "check digits do not match"),
+    (TOKEN.decode()[:-1], 0o600, "not a token made"),
 ])
-def test_a_token_file_others_can_read_or_a_short_token_is_refused(
+def test_a_token_file_others_can_read_or_a_token_not_made_by_dtrain_is_refused_saying_how(
         tmp_path: Path, text: str, mode: int, why: str) -> None:
-    with pytest.raises(UsageError, match=why):
+    with pytest.raises(UsageError, match=why) as refused:
         read_token(_token_file(tmp_path, text, mode))
+    assert "dtrain token new > token" in str(refused.value) or "chmod 600" in str(refused.value)
+    assert text not in str(refused.value)  # a secret, even a bad one, is never printed
+
+
+def test_tokens_carry_256_random_bits_and_two_are_never_alike() -> None:
+    made = {tokens.new() for _ in range(100)}
+    assert len(made) == 100
+    assert all(tokens.why_not(t) == "" and len(t) == len(tokens.PREFIX) + 64 + 9 for t in made)
 
 
 def test_a_missing_token_file_is_one_error_naming_it(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """The rendezvous sockets on loopback: the head's listener and agents' `join`, real TCP and
-real handshakes in one process (no agent is served: what is checked is who gets a seat)."""
+real handshakes in one process (no agent is served: what is checked is who gets a seat, and
+that nothing which did not prove the token changes that)."""
 
 from __future__ import annotations
 
@@ -11,28 +12,33 @@ import pytest
 
 from launcher import wire
 from launcher.errors import RendezvousError
+from launcher.rendezvous import tokens
 from launcher.rendezvous.join import join
 from launcher.rendezvous.listener import Listener
 from launcher.rendezvous.options import JoinOptions, RendezvousOptions
 from launcher.rendezvous.roster import Roster
 from testbed.sshd import free_port
 
-TOKEN = b"the-test-token-0123456789abcdef"
+TOKEN = tokens.new().encode()
+
+
+def _listener(tmp_path: Path, nnodes: int = 1) -> tuple[Listener, list[str]]:
+    opts = RendezvousOptions(port=free_port(), nnodes=nnodes,
+                             token_file=str(tmp_path / "unused"), host="127.0.0.1", timeout=10)
+    said: list[str] = []
+    return Listener(opts, TOKEN, Roster(nnodes), said.append), said
 
 
 @pytest.fixture
 def head(tmp_path: Path):
-    opts = RendezvousOptions(port=free_port(), nnodes=1, token_file=str(tmp_path / "unused"),
-                             host="127.0.0.1", timeout=10)
-    said: list[str] = []
-    listener = Listener(opts, TOKEN, Roster(1), said.append)
+    listener, said = _listener(tmp_path)
     yield listener, said
     listener.close("the test is over")
 
 
-def _join(listener: Listener, node_rank: int | None = None, timeout: float = 5.0):
-    port = listener.sock.getsockname()[1]
-    return join(JoinOptions("127.0.0.1", port, "unused", node_rank, timeout), TOKEN)
+def _join(listener: Listener, node_rank: int | None = None, timeout: float = 5.0,
+          token: bytes = TOKEN):
+    return join(JoinOptions("127.0.0.1", listener.port, "unused", node_rank, timeout), token)
 
 
 def test_after_the_start_an_agent_is_refused_until_a_seat_is_vacated_then_takes_it(head):

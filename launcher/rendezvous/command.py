@@ -6,6 +6,7 @@ template sets it once for every node; the defaults are those of `launcher.rendez
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +20,7 @@ from launcher.transport import table
 HEAD_OPTIONS = ("rendezvous_port", "rendezvous_host", "nnodes", "token_file",
                 "rendezvous_timeout")
 _TOKEN_HELP = ("File holding the shared token that proves head and agents to each other "
-               f"(at least {rdzv.MIN_TOKEN_BYTES} bytes; no access for other users).")
+               "(made by `dtrain token new > FILE`; no access for other users).")
 
 
 def _apply(fn: Callable[..., Any], opts: list[Callable[[Any], Any]]) -> Callable[..., Any]:
@@ -94,3 +95,27 @@ def join_request(kw: dict[str, Any]) -> rdzv.JoinOptions:
     host, port = rdzv.parse_endpoint(kw["endpoint"], "--rendezvous")
     return rdzv.JoinOptions(host=host, port=port, token_file=kw["token_file"],
                             node_rank=kw["node_rank"], timeout=kw["join_timeout"])
+
+
+@click.group("token")
+def token_group() -> None:
+    """The shared token of rendezvous mode (--token-file)."""
+
+
+@token_group.command("new")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+def token_new(file: str | None) -> None:
+    """Write a new token: to FILE (created owner-only, never over an existing file), else to
+    standard output (a file it is redirected to is made owner-only first).
+
+    \b
+      dtrain token new > token
+      kubectl create secret generic dtrain-token --from-file=token
+    """
+    from launcher.rendezvous import tokens
+
+    try:
+        tokens.write(file)
+    except UsageError as exc:
+        click.echo(f"dtrain: error: {exc}", err=True)
+        sys.exit(exc.exit_code)

@@ -1,19 +1,27 @@
-"""The rendezvous handshake: a shared token proves the head and an agent to each other, with
+"""The rendezvous handshake: a shared token proves an agent and the head to each other, with
 challenge and response over the connection; the token itself is never sent.
 
     agent -> head   AUTH   {"rendezvous": VERSION, "nonce": Na}
-    head  -> agent  AUTH   {"nonce": Nh, "proof": MAC(token, "head", Na, Nh)}
-    agent -> head   AUTH   {"proof": MAC(token, "agent", Na, Nh)}   or REFUSE: a wrong head
+    head  -> agent  AUTH   {"nonce": Nh}                             (a challenge, no proof)
+    agent -> head   AUTH   {"proof": MAC(token, "agent", Na, Nh)}
+    head  -> agent  AUTH   {"proof": MAC(token, "head", Na, Nh)}     or REFUSE: a wrong proof
     (sealed from here: `launcher.rendezvous.channel`, keys derived from token, Na, Nh)
     agent -> head   JOIN   {"host", "node_rank", "gpus", "protocol", "dtrain"}
     head  -> agent  ADMIT  {"nnodes", "joined"}                      or REFUSE {"why", "fix"}
 
 MAC is HMAC-SHA256. Each side proves itself over a nonce the other chose, so a recorded
 exchange proves nothing later; the role names keep a proof of one side from passing as the
-other's; proofs are compared in constant time. The agent checks the head first: an agent with
-the wrong token tells the head so (REFUSE) and gives up, so both sides say what went wrong.
+other's; proofs are compared in constant time. The agent proves itself first: the head is the
+side anyone on the network can reach, so it answers a stranger with nothing keyed by the token
+(a stranger would otherwise take a proof home and guess the token offline). Only what answers
+on the head's own address sees an agent's proof, and the token's 256 random bits (`tokens`)
+make guessing it from one hopeless anyway.
 
-Pure: no sockets (`launcher.rendezvous.listener` and `join` carry the frames).
+Nothing before the sealed ADMIT/REFUSE is authenticated, so neither side lets it decide
+anything for good: the head drops a peer that fails (`listener`), the agent tries again
+(`join`).
+
+Pure: no sockets (`launcher.rendezvous.gate` and `join` carry the frames).
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from typing import Any
 
 from launcher.rendezvous.channel import Channel
 
-VERSION = 1              # of this handshake; a different one is refused by name
+VERSION = 2              # of this handshake (2: the agent proves first); another is refused
 NONCE_BYTES = 32
 _LABEL = b"dtrain rendezvous 1"
 
@@ -63,7 +71,8 @@ def _hex(body: dict[str, Any], name: str, size: int) -> bytes:
 
 @dataclass
 class AgentSide:
-    """The agent's half: `hello`, then `answer` the head's AUTH, then `channel`."""
+    """The agent's half: `hello`, `prove` on the head's challenge, `check` the head's proof,
+    then `channel`."""
 
     token: bytes
     nonce: bytes = b""
@@ -75,23 +84,25 @@ class AgentSide:
     def hello(self) -> dict[str, Any]:
         return {"rendezvous": VERSION, "nonce": self.nonce.hex()}
 
-    def answer(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The agent's proof, once the head proved it holds the token (AuthError if not)."""
-        self.head_nonce = _hex(body, "nonce", NONCE_BYTES)
+    def prove(self, challenge: dict[str, Any]) -> dict[str, Any]:
+        """The agent's proof over the head's nonce (HandshakeError for a malformed one)."""
+        self.head_nonce = _hex(challenge, "nonce", NONCE_BYTES)
+        return {"proof": _mac(self.token, b"agent", self.nonce, self.head_nonce).hex()}
+
+    def check(self, body: dict[str, Any]) -> Channel:
+        """The sealed channel to a head that proved the token; AuthError otherwise."""
         proof = _hex(body, "proof", hashlib.sha256().digest_size)
         if not hmac.compare_digest(proof, _mac(self.token, b"head", self.nonce,
                                                self.head_nonce)):
             raise AuthError("the head's proof does not match this agent's token")
-        return {"proof": _mac(self.token, b"agent", self.nonce, self.head_nonce).hex()}
-
-    def channel(self) -> Channel:
         to_agent, to_head = _keys(self.token, self.nonce, self.head_nonce)
         return Channel(send_key=to_head, receive_key=to_agent)
 
 
 @dataclass
 class HeadSide:
-    """The head's half of one connection: `answer` the agent's hello, then `verify` its proof."""
+    """The head's half of one connection: `challenge` the agent's hello, then `verify` its
+    proof; the head proves itself only to an agent that proved the token."""
 
     token: bytes
     nonce: bytes = b""
@@ -100,23 +111,24 @@ class HeadSide:
     def __post_init__(self) -> None:
         self.nonce = self.nonce or os.urandom(NONCE_BYTES)
 
-    def answer(self, hello: dict[str, Any]) -> dict[str, Any]:
-        """The head's nonce and proof; HandshakeError when the peer is not a dtrain agent of
-        this handshake's version."""
+    def challenge(self, hello: dict[str, Any]) -> dict[str, Any]:
+        """The head's nonce; HandshakeError when the peer is not a dtrain agent of this
+        handshake's version."""
         if "rendezvous" not in hello:
             raise HandshakeError("the peer did not open with a dtrain rendezvous hello")
         if hello["rendezvous"] != VERSION:
-            raise HandshakeError(f"the agent speaks rendezvous {hello['rendezvous']!r}, the "
-                                 f"head {VERSION}")
+            raise HandshakeError(f"the agent speaks rendezvous {str(hello['rendezvous'])[:20]}, "
+                                 f"the head {VERSION}")
         self.agent_nonce = _hex(hello, "nonce", NONCE_BYTES)
-        return {"nonce": self.nonce.hex(),
-                "proof": _mac(self.token, b"head", self.agent_nonce, self.nonce).hex()}
+        return {"nonce": self.nonce.hex()}
 
-    def verify(self, body: dict[str, Any]) -> Channel:
-        """The sealed channel to an agent that proved the token; AuthError otherwise."""
+    def verify(self, body: dict[str, Any]) -> tuple[dict[str, Any], Channel]:
+        """The head's proof and the sealed channel, for an agent that proved the token;
+        AuthError otherwise."""
         proof = _hex(body, "proof", hashlib.sha256().digest_size)
         if not hmac.compare_digest(proof, _mac(self.token, b"agent", self.agent_nonce,
                                                self.nonce)):
             raise AuthError("the agent's proof does not match the head's token")
         to_agent, to_head = _keys(self.token, self.agent_nonce, self.nonce)
-        return Channel(send_key=to_agent, receive_key=to_head)
+        return ({"proof": _mac(self.token, b"head", self.agent_nonce, self.nonce).hex()},
+                Channel(send_key=to_agent, receive_key=to_head))

@@ -1,12 +1,17 @@
 """`dtrain agent --rendezvous HOST:PORT --token-file F`: what the external starter runs on every
 node (a pod, a batch script, an instance group) to join the head (adapter).
 
-The agent keeps trying until the head answers (it may start first: connection refused, a name
-not resolvable yet, no route yet), with back-off, until --join-timeout. Then the handshake
-(`handshake`): a wrong token, or a head that refuses it (late, duplicate, excluded, another
-version), ends it at once with one error and a non-zero exit, nothing started. Admitted, it is
-the same agent as over SSH (`launcher.agent.serve`) over the sealed connection: it stops its
-ranks and exits non-zero when the head goes away (EOF, or silence for the heartbeat budget).
+The agent keeps trying until a head admits it (the head may start first: connection refused, a
+name not resolvable yet, no route yet), with back-off, until --join-timeout. Then the handshake
+(`handshake`): the agent proves the token, the head proves it back. Whatever answers on the
+head's address before its proof is believed for nothing: a refusal in clear (a wrong token,
+another version), a wrong head proof, a malformed frame or a channel that does not open is
+printed (network text escaped) and tried again until the deadline, so a stranger cannot end
+the agents of a job. Only a refusal over the sealed channel (late, duplicate, excluded, another
+protocol) comes from the head that holds the token and ends the agent at once, non-zero,
+nothing started. Admitted, it is the same agent as over SSH (`launcher.agent.serve`) over the
+sealed connection: it stops its ranks and exits non-zero when the head goes away (EOF, or
+silence for the heartbeat budget).
 """
 
 from __future__ import annotations
@@ -22,14 +27,20 @@ from launcher.agent.facts import gpu_count
 from launcher.agent.head_link import HeadLink
 from launcher.agent.serve import serve
 from launcher.errors import RendezvousError
+from launcher.rendezvous import clear
 from launcher.rendezvous.handshake import AgentSide, AuthError, HandshakeError
 from launcher.rendezvous.options import JoinOptions, read_token
 from launcher.rendezvous.stream import SealedSocket, prepare, read_clear, send_clear
+from launcher.rendezvous.tokens import MAKE_ONE
 
 HANDSHAKE_S = 10.0      # from connected to admitted
 CONNECT_S = 5.0         # one connection attempt
 BACKOFF_S = (0.1, 2.0)  # first and longest pause between attempts (with jitter)
 NOTE_EVERY_S = 30.0     # how often a waiting agent says what it waits for
+
+
+class _TokenRefused(HandshakeError):
+    """What answered on the head's address refused this agent's proof (in clear: unproved)."""
 
 
 def run_agent(opts: JoinOptions) -> NoReturn:
@@ -47,7 +58,7 @@ def join(opts: JoinOptions, token: bytes) -> SealedSocket:
         "host": socket.gethostname(), "node_rank": opts.node_rank, "gpus": gpu_count(),
         "protocol": wire.PROTOCOL_VERSION, "dtrain": __version__}
     deadline = time.monotonic() + opts.timeout
-    pause, noted = BACKOFF_S[0], 0.0
+    pause, noted, token_refused = BACKOFF_S[0], float("-inf"), False
     while True:
         left = deadline - time.monotonic()
         try:
@@ -58,13 +69,19 @@ def join(opts: JoinOptions, token: bytes) -> SealedSocket:
         else:
             try:
                 return _handshake(sock, token, facts, where)
-            except (HandshakeError, OSError, wire.WireError) as exc:  # cut off half-way, or
-                why = str(exc) or type(exc).__name__  # not a head yet: it may be restarting
+            except (HandshakeError, OSError, wire.WireError) as exc:  # cut off half-way, not
+                why = str(exc) or type(exc).__name__  # a head yet, or nothing that proved it
+                token_refused = token_refused or isinstance(exc, _TokenRefused)
             except BaseException:
                 sock.close()
                 raise
             sock.close()
         now = time.monotonic()
+        if now >= deadline and token_refused:
+            raise RendezvousError("the head did not accept this agent's token", where,
+                                  f"tried for {opts.timeout:g}s; the last attempt: {why}",
+                                  "give the head and every agent the same token file "
+                                  f"({MAKE_ONE}); nothing was started")
         if now >= deadline:
             raise RendezvousError("no head answered", where, f"tried for {opts.timeout:g}s; "
                                   f"the last attempt: {why}", "start the head (`dtrain launch "
@@ -84,34 +101,41 @@ def _handshake(sock: socket.socket, token: bytes, facts: dict[str, object],
     prepare(sock)
     agent = AgentSide(token)
     send_clear(sock, wire.Kind.AUTH, agent.hello())
+    challenge = _expect(read_clear(sock, deadline), "the head's challenge")
+    send_clear(sock, wire.Kind.AUTH, agent.prove(clear.body(challenge)))
     reply = read_clear(sock, deadline)
     if reply.kind is wire.Kind.REFUSE:
-        _refused(reply.json(), where)
+        raise _TokenRefused(f"refused in clear (unproved): {_said(reply)}")
     try:
-        proof = agent.answer(reply.json())
+        channel = agent.check(clear.body(_expect(reply, "the head's proof")))
     except AuthError:
-        send_clear(sock, wire.Kind.REFUSE, {"why": "the head's proof does not match the "
-                                                   "agent's token"})
-        raise RendezvousError("the head does not hold this agent's token", where,
-                              "its proof does not match --token-file",
-                              "give the head and every agent the same token file; "
-                              "nothing was started") from None
-    send_clear(sock, wire.Kind.AUTH, proof)
-    sealed = SealedSocket(sock, agent.channel())
+        raise HandshakeError("what answered does not hold this agent's token: its proof does "
+                             "not match") from None
+    sealed = SealedSocket(sock, channel)
     sealed.send_json(wire.Kind.JOIN, facts)
-    try:
-        answer = sealed.frame(deadline)
-    except wire.WireError:  # a REFUSE in clear does not open: the head refused the proof
-        raise RendezvousError("the head refused this agent's token", where, "its proof does "
-                              "not match the head's token", "give the head and every agent "
-                              "the same token file; nothing was started") from None
-    if answer.kind is not wire.Kind.ADMIT:
-        _refused(answer.json() if answer.kind is wire.Kind.REFUSE else
-                 {"why": f"{answer.kind.name} instead of ADMIT"}, where)
+    answer = sealed.frame(deadline)
+    if answer.kind is wire.Kind.REFUSE:  # sealed: the head that holds the token said so
+        body = clear.body(answer)
+        raise RendezvousError("the head refused this agent", where, clear.shown(body.get("why")),
+                              clear.shown(body.get("fix") or "see the head's output"))
+    _expect(answer, "ADMIT", wire.Kind.ADMIT)
     sock.settimeout(None)
     return sealed
 
 
-def _refused(body: dict[str, object], where: str) -> NoReturn:
-    fix = str(body.get("fix") or "see the head's output")
-    raise RendezvousError("the head refused this agent", where, str(body.get("why")), fix)
+def _expect(frame: wire.Frame, what: str, kind: wire.Kind = wire.Kind.AUTH) -> wire.Frame:
+    """``frame`` when it is of ``kind``; else HandshakeError (an unproved REFUSE says why)."""
+    if frame.kind is kind:
+        return frame
+    if frame.kind is wire.Kind.REFUSE:
+        raise HandshakeError(f"refused in clear (unproved): {_said(frame)}")
+    raise HandshakeError(f"a {frame.kind.name} frame instead of {what}")
+
+
+def _said(refusal: wire.Frame) -> str:
+    """An unproved REFUSE's text, escaped, for the agent's own lines."""
+    try:
+        body = clear.body(refusal)
+    except HandshakeError as exc:
+        return str(exc)
+    return clear.shown(" ".join(str(body.get(k) or "") for k in ("why", "fix")).strip())

@@ -1,13 +1,18 @@
-"""The head's rendezvous socket: accept agents, run each handshake in a thread of its own,
-keep the admitted ones alive until the start (adapter).
+"""The head's rendezvous socket: the gate in front (`gate`), then each JOIN in a thread of its
+own, the lobby of admitted agents until the start, late agents after it (adapter).
+
+Only an agent that proved the token can change the rendezvous. A connection that did not (a
+port scan, a health check, an idle or malformed peer, an agent with another job's token or of
+another version) is closed at the gate and counted (`Strangers`: one line per address,
+rate-limited); the rendezvous goes on, and its timeout names the addresses where agents failed
+the token. An agent that proved the token but cannot join any job of this head (another
+protocol, a bad host name) ends the rendezvous with one error on both sides, nothing started.
 
 Before the start every admitted agent waits in the lobby: the head sends it heartbeats (its
 own silence limit would end it otherwise) and notices when it goes away (its place is free
-again). A wrong token, or an agent of another dtrain version, ends the rendezvous with one
-error on both sides and nothing started; a connection that is no dtrain agent at all (a port
-scan, a TCP health check) is dropped without a word. After the start the socket stays open, so
-a late agent hears why it is refused instead of retrying until its deadline; one that takes a
-vacated seat (`vacate`, the restart hook) is handed over on `replacements`.
+again). After the start the socket stays open, so a late agent hears why it is refused instead
+of retrying until its deadline; one that takes a vacated seat (`vacate`, the restart hook) is
+handed over on `replacements`.
 """
 
 from __future__ import annotations
@@ -22,22 +27,16 @@ from collections.abc import Callable
 
 from launcher import wire
 from launcher.errors import RendezvousError
-from launcher.rendezvous.handshake import AuthError, HandshakeError, HeadSide
+from launcher.rendezvous import clear
+from launcher.rendezvous.channel import Channel
+from launcher.rendezvous.gate import Gate
+from launcher.rendezvous.handshake import HandshakeError
 from launcher.rendezvous.options import RendezvousOptions
 from launcher.rendezvous.roster import Arrival, Roster, Unusable, read_join
-from launcher.rendezvous.stream import (
-    JoinedPeer,
-    RendezvousStream,
-    SealedSocket,
-    prepare,
-    read_clear,
-    send_clear,
-)
+from launcher.rendezvous.strangers import Strangers
+from launcher.rendezvous.stream import JoinedPeer, RendezvousStream, SealedSocket
 
-HANDSHAKE_S = 10.0   # from accept to JOIN: a peer slower than this is not an agent
-HANDSHAKES = 64      # handshakes at once; a connection beyond waits in the listen backlog
-TOKEN_FIX = ("give every agent the head's token file (--token-file or DTRAIN_RDZV_TOKEN_FILE); "
-             "nothing was started")
+JOIN_S = 10.0   # from accept to JOIN, for an agent that proved the token
 
 
 def _say(text: str) -> None:
@@ -54,12 +53,13 @@ class Listener:
         self._lobby: dict[str, tuple[Arrival, RendezvousStream]] = {}  # by host, lower case
         self._failure: RendezvousError | None = None
         self._closed = False
-        self._handshakes = threading.BoundedSemaphore(HANDSHAKES)
+        self._strangers = Strangers()
         #: (node rank, stream) of each agent that took a vacated seat after the start.
         self.replacements: queue.Queue[tuple[int, RendezvousStream]] = queue.Queue()
         self.sock = _listen(opts)
-        self.shown = f"{opts.host or '*'}:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, name="rendezvous-accept", daemon=True).start()
+        self.port = self.sock.getsockname()[1]
+        self.shown = f"{opts.host or '*'}:{self.port}"
+        self.gate = Gate(self.sock, token, self._passed, self._note)
 
     # -- the lobby (the head's main thread) ------------------------------------------------
     def wait(self, deadline: float, heartbeat: float) -> list[tuple[Arrival, RendezvousStream]]:
@@ -77,6 +77,9 @@ class Listener:
             if now >= deadline:
                 with self._lock:
                     missing = self.roster.missing(f"within {self._timeout:g}s")
+                    failed = self._strangers.agents()
+                if failed:
+                    missing += f"; agents failed the token (or version) from {failed}"
                 raise RendezvousError(
                     "the rendezvous did not complete", f"--nnodes {self.roster.nnodes}, "
                     f"port {self.shown}", missing,
@@ -118,8 +121,7 @@ class Listener:
         with self._lock:
             self._closed = True
             waiting, self._lobby = list(self._lobby.values()), {}
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        self.gate.close()
         for _, stream in waiting:
             with contextlib.suppress(OSError):
                 stream.sealed.send_json(wire.Kind.REFUSE, {"why": why, "fix": ""})
@@ -127,62 +129,38 @@ class Listener:
         while not self.replacements.empty():
             self.replacements.get()[1].kill()
 
-    # -- one connection (a thread each) ----------------------------------------------------
-    def _accept(self) -> None:
-        while True:
-            self._handshakes.acquire()  # a flood of connections waits here, not in threads
-            try:
-                conn, addr = self.sock.accept()
-            except OSError:
-                return  # closed
-            threading.Thread(target=self._handshake, args=(conn, _address(addr)),
-                             name="rendezvous-join", daemon=True).start()
+    # -- one proved connection (a thread each) --------------------------------------------
+    def _note(self, address: str, why: str, agent: bool) -> None:
+        """A connection dropped before it proved anything: counted, and a line now and then."""
+        with self._lock:
+            line = self._strangers.note(address, clear.shown(why), time.monotonic(), agent=agent)
+        if line:
+            self.say(line)
 
-    def _handshake(self, conn: socket.socket, address: str) -> None:
-        try:
-            self._join(conn, address)
-        finally:
-            self._handshakes.release()
+    def _passed(self, conn: socket.socket, address: str, channel: Channel, since: float) -> None:
+        threading.Thread(target=self._join, args=(conn, address, channel, since),
+                         name="rendezvous-join", daemon=True).start()
 
-    def _join(self, conn: socket.socket, address: str) -> None:
-        t0 = time.monotonic()
-        deadline = t0 + HANDSHAKE_S
-        prepare(conn)
-        head = HeadSide(self._token)
+    def _join(self, conn: socket.socket, address: str, channel: Channel, since: float) -> None:
+        sealed = SealedSocket(conn, channel)
         try:
-            hello = read_clear(conn, deadline)
-            if hello.kind is not wire.Kind.AUTH:
-                raise HandshakeError("not a rendezvous hello")
-            try:
-                send_clear(conn, wire.Kind.AUTH, head.answer(hello.json()))
-            except HandshakeError as exc:
-                if "rendezvous" in hello.json():  # a dtrain agent of another version
-                    self._refuse_clear(conn, address, str(exc), "install the same dtrain "
-                                       "version on every node")
-                raise
-            reply = read_clear(conn, deadline)
-            if reply.kind is wire.Kind.REFUSE:
-                self._fail(address, "the agent's token differs from the head's (it refused "
-                           "the head's proof)")
-                raise HandshakeError("refused by the agent")
-            sealed = SealedSocket(conn, head.verify(reply.json()))
-            join = sealed.frame(deadline)
+            join = sealed.frame(since + JOIN_S)
             if join.kind is not wire.Kind.JOIN:
                 raise HandshakeError(f"{join.kind.name} instead of JOIN")
-            arrival = read_join(join.json(), address)
-        except AuthError:
-            self._refuse_clear(conn, address, "the agent's proof does not match the head's "
-                               "token", TOKEN_FIX)
-            return
+            arrival = read_join(clear.body(join), address)
         except Unusable as exc:
             self._refuse(sealed, address, exc.why, exc.fix, fatal=True)
             return
-        except (HandshakeError, OSError, wire.WireError):
+        except BaseException as exc:  # a broken stream, or anything else: this agent only
             with contextlib.suppress(OSError):
                 conn.close()
-            return
+            if isinstance(exc, Exception):
+                self._note(address, f"an agent that proved the token broke off before its "
+                           f"JOIN: {exc}", False)
+                return
+            raise
         stream = RendezvousStream(arrival.host, sealed,
-                                  JoinedPeer(address, (time.monotonic() - t0) * 1000, conn))
+                                  JoinedPeer(address, (time.monotonic() - since) * 1000, conn))
         self._admit(arrival, stream)
 
     def _admit(self, arrival: Arrival, stream: RendezvousStream) -> None:
@@ -193,6 +171,7 @@ class Listener:
                     stream.sealed.send_json(wire.Kind.ADMIT, {"nnodes": self.roster.nnodes})
                 except OSError:
                     self.roster.leave(arrival.host)
+                    stream.kill()
                     return
                 if admission.seat is None:
                     self._lobby[arrival.host.lower()] = (arrival, stream)
@@ -206,20 +185,15 @@ class Listener:
     def _refuse(self, sealed: SealedSocket, who: str, why: str, fix: str, *,
                 fatal: bool) -> None:
         if fatal:
-            self._fail(who, why, fix)
+            self._fail(who, clear.shown(why), fix)
         else:
             self.say(f"refused the agent {who}: {why}")
         with contextlib.suppress(OSError):
             sealed.send_json(wire.Kind.REFUSE, {"why": why, "fix": fix})
+        with contextlib.suppress(OSError):
             sealed.sock.close()
 
-    def _refuse_clear(self, conn: socket.socket, address: str, why: str, fix: str) -> None:
-        self._fail(address, why, fix)
-        with contextlib.suppress(OSError):
-            send_clear(conn, wire.Kind.REFUSE, {"why": why, "fix": fix})
-            conn.close()
-
-    def _fail(self, who: str, why: str, fix: str = TOKEN_FIX) -> None:
+    def _fail(self, who: str, why: str, fix: str) -> None:
         """Before the start: the rendezvous ends with this error. After it: one line."""
         with self._lock:
             if self.roster.started or self._closed:
@@ -234,20 +208,14 @@ def _listen(opts: RendezvousOptions) -> socket.socket:
     """Every address (IPv6 and IPv4 where the host has both) unless --rendezvous-host."""
     try:
         if opts.host:
-            return socket.create_server((opts.host, opts.port), backlog=128)
+            return socket.create_server((opts.host, opts.port), backlog=1024)
         if socket.has_dualstack_ipv6():
             return socket.create_server(("", opts.port), family=socket.AF_INET6,
-                                        dualstack_ipv6=True, backlog=128)
-        return socket.create_server(("", opts.port), backlog=128)
+                                        dualstack_ipv6=True, backlog=1024)
+        return socket.create_server(("", opts.port), backlog=1024)
     except OSError as exc:
         raise RendezvousError("cannot listen for agents",
                               f"--rendezvous-port {opts.port}",
                               exc.strerror or str(exc),
                               "choose a free port, or the address of one of this host's "
                               "interfaces for --rendezvous-host") from None
-
-
-def _address(addr: tuple[str, int] | tuple[str, int, int, int]) -> str:
-    """The peer's address, an IPv4 one without its IPv6-mapped prefix."""
-    host = str(addr[0])
-    return host.removeprefix("::ffff:") if "." in host else host

@@ -5,9 +5,10 @@ the shared token, read from its file with the checks a secret needs.
     dtrain agent --rendezvous HOST:PORT --token-file F                          (every node)
 
 The token file is what a Kubernetes Secret volume or a user's own file holds: whitespace
-around the token is ignored; it must hold at least MIN_TOKEN_BYTES, be a regular file (a link
-to one is followed: a Secret's files are links), be owned by this user or root, and give
-others no access and its group no write (group read is what a Secret gets under fsGroup).
+around the token is ignored; the token must be one `dtrain token new` made (`tokens`: 256
+random bits, so it cannot be guessed), and the file a regular file (a link to one is followed:
+a Secret's files are links), owned by this user or root, giving others no access and its group
+no write (group read is what a Secret gets under fsGroup).
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from dataclasses import dataclass
 
 from launcher.errors import UsageError
 from launcher.hosts.names import validate_host_name
+from launcher.rendezvous import tokens
 
-MIN_TOKEN_BYTES = 16
-MAX_TOKEN_BYTES = 4096
+MAX_TOKEN_BYTES = 4096   # read at most this much: a token file is one short line
 #: Environment variables `dtrain agent` (and the head's --token-file) read when the option is
 #: not given: what a pod template or a batch script sets once for every node.
 ENV_ENDPOINT = "DTRAIN_RDZV_ENDPOINT"
 ENV_TOKEN_FILE = "DTRAIN_RDZV_TOKEN_FILE"
 ENV_NODE_RANK = "DTRAIN_RDZV_NODE_RANK"
 ENV_TIMEOUT = "DTRAIN_RDZV_TIMEOUT"
-TOKEN_FIX = ("give the file holding the job's shared token, e.g. made once with "
-             "`head -c 32 /dev/urandom | base64 > token && chmod 600 token` (Kubernetes: a "
-             "Secret mounted with defaultMode: 0400)")
+TOKEN_FIX = (f"give the file holding the job's shared token: {tokens.MAKE_ONE}; Kubernetes: "
+             "`kubectl create secret generic dtrain-token --from-file=token`, mounted with "
+             "defaultMode: 0400")
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,13 @@ def read_token(path: str) -> bytes:
     finally:
         os.close(fd)
     token = data.strip()
-    if len(data) > MAX_TOKEN_BYTES or len(token) < MIN_TOKEN_BYTES:
-        raise UsageError("unusable token", where, f"it holds {len(token)} bytes, not "
-                         f"{MIN_TOKEN_BYTES}..{MAX_TOKEN_BYTES}", TOKEN_FIX)
+    try:
+        why = "it is longer than a token" if len(data) > MAX_TOKEN_BYTES else tokens.why_not(
+            token.decode("ascii"))
+    except UnicodeDecodeError:
+        why = "it is not text"
+    if why:
+        raise UsageError("unusable token", where, why, TOKEN_FIX)
     return token
 
 

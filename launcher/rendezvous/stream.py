@@ -1,5 +1,5 @@
-"""A rendezvous connection's socket: the handshake's frames in clear (bounded in size and
-time), then the sealed stream both sides use (adapter).
+"""A rendezvous connection's socket: the handshake's frames in clear (bounded in size, nesting
+and time: `clear`), then the sealed stream both sides use (adapter).
 
 `SealedSocket` is each end of the sealed stream: `read` and `write` are what the agent's
 `HeadLink` and `FrameWriter` use; `RendezvousStream` is the head's `AgentStream` over it, so
@@ -16,12 +16,9 @@ import time
 
 from launcher import wire
 from launcher.errors import DtrainError
+from launcher.rendezvous import clear
 from launcher.rendezvous.channel import Channel
 from launcher.rendezvous.handshake import HandshakeError
-
-#: A frame before the channel is sealed is small (nonces, proofs, host facts): anything bigger
-#: is not our peer, and an unauthenticated peer must not make the head buffer much.
-HANDSHAKE_FRAME_MAX = 4096
 
 
 def prepare(sock: socket.socket) -> None:
@@ -38,10 +35,8 @@ def send_clear(sock: socket.socket, kind: wire.Kind, body: dict[str, object]) ->
 def read_clear(sock: socket.socket, deadline: float) -> wire.Frame:
     """The next frame in clear; HandshakeError when it is too big, malformed or late."""
     data = _recv_exact(sock, 5, deadline)
-    length = int.from_bytes(data[:4], "big")
-    if not 1 <= length <= HANDSHAKE_FRAME_MAX:
-        raise HandshakeError(f"a {length}-byte frame is not a rendezvous handshake")
-    return _decode_one(data + _recv_exact(sock, length - 1, deadline))
+    clear.split(data)  # the length is checked before the rest is waited for
+    return _one(data + _recv_exact(sock, int.from_bytes(data[:4], "big") - 1, deadline))
 
 
 def _recv_exact(sock: socket.socket, count: int, deadline: float) -> bytes:
@@ -93,13 +88,10 @@ class SealedSocket:
         """The next whole frame (the handshake's sealed part); what follows it stays queued."""
         while True:
             if len(self._plain) >= 5:
-                size = 4 + int.from_bytes(self._plain[:4], "big")
-                if size - 4 > HANDSHAKE_FRAME_MAX:
-                    raise HandshakeError(f"a {size - 4}-byte frame in the handshake")
-                if len(self._plain) >= size:
-                    data = bytes(self._plain[:size])
-                    del self._plain[:size]
-                    return _decode_one(data)
+                found, used = clear.split(self._plain)
+                if found is not None:
+                    del self._plain[:used]
+                    return found
             left = deadline - time.monotonic()
             if left <= 0:
                 raise HandshakeError("the peer did not finish the handshake in time")
@@ -131,11 +123,11 @@ class SealedSocket:
         return True
 
 
-def _decode_one(data: bytes) -> wire.Frame:
-    try:
-        return wire.Decoder().feed(data)[0]
-    except wire.WireError as exc:
-        raise HandshakeError(str(exc)) from None
+def _one(data: bytes) -> wire.Frame:
+    found, _ = clear.split(data)
+    if found is None:
+        raise HandshakeError("a frame cut short")
+    return found
 
 
 class JoinedPeer:
