@@ -53,10 +53,12 @@ launcher/ and trainer/ never import each other.
                  lines         linear line splitting with a 1 MiB line cap (pure)
     rendezvous/  agents started elsewhere join the head (`dtrain agent --rendezvous`):
                  options       the head's and the agent's settings, the token file (pure)
+                 tokens        the accepted token form, `dtrain token new`
                  handshake     challenge and response over the shared token (pure)
+                 clear, strangers   unproved frames bounded; their few lines (pure)
                  channel       the sealed records after the handshake (pure)
                  roster        who joined, their order, who is refused; the restart hook (pure)
-                 stream, listener, join   the sockets of both sides (adapters)
+                 stream, gate, listener, join   the sockets of both sides (adapters)
                  head          the table's rendezvous entry: wait for N agents, place them
                  command       the click options of both sides (adapter)
     agent/       the per-host agent, run on each host as `python -m launcher.agent`

@@ -249,8 +249,9 @@ def agent(**kw: Any) -> None:
     """Join the head at HOST:PORT and run this node's ranks (rendezvous mode).
 
     What Kubernetes, a batch script or an instance group runs on every node, with the token
-    file the head has. Exit code: 0 when every rank here exited 0; non-zero when refused
-    (wrong token, late, excluded), when no head answered, the head went away, or a rank failed.
+    file the head has (`dtrain token new > FILE` makes one). Exit code: 0 when every rank here
+    exited 0; non-zero when refused (late, excluded), when no head accepted its token before
+    --join-timeout, when the head went away, or a rank failed.
     """
     from launcher.rendezvous.join import run_agent
 

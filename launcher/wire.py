@@ -69,7 +69,7 @@ class Frame:
     def json(self) -> dict[str, Any]:
         try:
             value = json.loads(self.payload.decode("utf-8")) if self.payload else {}
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
             raise WireError(f"{self.kind.name} frame is not JSON: {exc}") from None
         if not isinstance(value, dict):
             raise WireError(f"{self.kind.name} frame is not a JSON object")

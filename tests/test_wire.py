@@ -69,3 +69,9 @@ def test_the_command_line_shows_the_defaults_of_the_dataclasses() -> None:
             defaults["pmi_stall"], defaults["launch_timeout"], defaults["hang_timeout"]) == (
         opts.heartbeat, opts.grace, opts.pmi, opts.pmi_stall, opts.launch_timeout,
         opts.hang_timeout)
+
+
+def test_a_frame_nested_past_the_parsers_recursion_limit_is_a_wire_error() -> None:
+    frame = wire.Frame(wire.Kind.SPEC, b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(wire.WireError, match="SPEC frame is not JSON"):
+        frame.json()

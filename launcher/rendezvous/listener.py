@@ -63,8 +63,8 @@ class Listener:
 
     # -- the lobby (the head's main thread) ------------------------------------------------
     def wait(self, deadline: float, heartbeat: float) -> list[tuple[Arrival, RendezvousStream]]:
-        """Every agent in its place once all N joined; RendezvousError at the deadline or on a
-        wrong token."""
+        """Every agent in its place once all N joined; RendezvousError at the deadline, or when
+        an agent that proved the token cannot join any job of this head."""
         last_beat = 0.0
         while True:
             with self._lock:
