@@ -22,7 +22,8 @@ import pytest
 
 from launcher import wire
 from launcher.errors import RendezvousError
-from launcher.rendezvous import clear, gate, tokens
+from launcher.rendezvous import clear, tokens
+from launcher.rendezvous.gate import Limits
 from launcher.rendezvous.handshake import AgentSide
 from launcher.rendezvous.join import join
 from launcher.rendezvous.listener import Listener
@@ -181,34 +182,53 @@ def _idle_or_slow(listener: Listener, n: int) -> list[socket.socket]:
     return socks
 
 
-def test_a_real_agent_joins_while_500_idle_or_slow_connections_are_open(head, many_fds) -> None:
-    listener, said = head
+PATIENT = Limits(preauth_s=120)  # unproved connections outlive the test however slow it runs
+
+
+def test_a_real_agent_joins_while_500_idle_or_slow_connections_are_open(
+        tmp_path: Path, many_fds) -> None:
+    listener, said = _listener(tmp_path, limits=PATIENT)
     socks = _idle_or_slow(listener, 500)
     try:
         _until(lambda: listener.gate.pending == 500)  # under both limits: all still open
         joined: list[object] = []
-        threading.Thread(target=lambda: joined.append(_join(listener, timeout=gate.PREAUTH_S)),
+        threading.Thread(target=lambda: joined.append(_join(listener, timeout=10)),
                          daemon=True).start()
-        [(arrival, stream)] = listener.wait(time.monotonic() + 10, heartbeat=1.0)
+        [(arrival, stream)] = listener.wait(time.monotonic() + 15, heartbeat=1.0)
         stream.kill()
-        assert all(_closed_by_head(sock, within=gate.PREAUTH_S + 5) for sock in socks)
+        assert listener.gate.pending == 500  # it got in beside them, not instead of them
     finally:
         for sock in socks:
             sock.close()
-    _until(lambda: listener.gate.pending == 0)
-    assert len([line for line in said if line.startswith("ignored")]) <= 11  # bounded
+        listener.close("the test is over")
 
 
-def test_one_address_holds_at_most_8_unproved_connections_the_oldest_closed_first(head) -> None:
-    listener, _ = head
-    socks = [_connect(listener, "127.0.0.10") for _ in range(gate.PER_ADDRESS + 2)]
+def test_an_idle_a_stalled_and_a_silent_after_hello_connection_are_closed_after_3_s(
+        head) -> None:
+    listener, said = head
+    socks = _idle_or_slow(listener, 3)
     try:
-        assert [_closed_by_head(s, within=1.0) for s in socks[:2]] == [True, True]
-        assert not any(_closed_by_head(s, within=0.1) for s in socks[2:])
-        _until(lambda: listener.gate.pending == gate.PER_ADDRESS)
+        assert all(_closed_by_head(sock, within=Limits.preauth_s + 10) for sock in socks)
     finally:
         for sock in socks:
             sock.close()
+    assert listener.gate.pending == 0
+    assert [line for line in said if "sent nothing for 3s" in line]
+    assert [line for line in said if "did not prove the token within 3s" in line]
+
+
+def test_one_address_holds_at_most_8_unproved_connections_the_oldest_closed_first(
+        tmp_path: Path) -> None:
+    listener, _ = _listener(tmp_path, limits=PATIENT)
+    socks = [_connect(listener, "127.0.0.10") for _ in range(PATIENT.per_address + 2)]
+    try:
+        assert [_closed_by_head(s) for s in socks[:2]] == [True, True]
+        _until(lambda: listener.gate.pending == PATIENT.per_address)
+        assert not any(_closed_by_head(s, within=0.01) for s in socks[2:])
+    finally:
+        for sock in socks:
+            sock.close()
+        listener.close("the test is over")
 
 
 def _until(condition, within: float = 10.0) -> None:

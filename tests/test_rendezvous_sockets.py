@@ -13,6 +13,7 @@ import pytest
 from launcher import wire
 from launcher.errors import RendezvousError
 from launcher.rendezvous import tokens
+from launcher.rendezvous.gate import Limits
 from launcher.rendezvous.join import join
 from launcher.rendezvous.listener import Listener
 from launcher.rendezvous.options import JoinOptions, RendezvousOptions
@@ -22,11 +23,12 @@ from testbed.sshd import free_port
 TOKEN = tokens.new().encode()
 
 
-def _listener(tmp_path: Path, nnodes: int = 1) -> tuple[Listener, list[str]]:
+def _listener(tmp_path: Path, nnodes: int = 1,
+              limits: Limits = Limits()) -> tuple[Listener, list[str]]:
     opts = RendezvousOptions(port=free_port(), nnodes=nnodes,
                              token_file=str(tmp_path / "unused"), host="127.0.0.1", timeout=10)
     said: list[str] = []
-    return Listener(opts, TOKEN, Roster(nnodes), said.append), said
+    return Listener(opts, TOKEN, Roster(nnodes), said.append, limits), said
 
 
 @pytest.fixture

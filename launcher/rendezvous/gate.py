@@ -2,14 +2,15 @@
 thread (adapter: sockets, selectors).
 
 Anyone who reaches the port can connect, so an unproved connection costs the head one file
-descriptor and a few hundred bytes here, never a thread or a place a real agent needs: it has
-PREAUTH_S from accept to its proof, one address holds at most PER_ADDRESS unproved
-connections and all addresses together PENDING_MAX, and when a new one comes over either
-limit the oldest of them is closed (an agent's whole handshake takes milliseconds; what is
-oldest is what idles). A connection that fails anything (a malformed or oversized frame,
-another version, a wrong proof, silence) is closed and reported to ``note`` (the listener's
-`Strangers` decide what is printed); nothing it sends changes the rendezvous. One that proved
-the token is handed to ``on_pass`` with its channel, blocking again, out of this thread.
+descriptor and a few hundred bytes here, never a thread or a place a real agent needs
+(`Limits`): it has `preauth_s` from accept to its proof, one address holds at most
+`per_address` unproved connections and all addresses together `pending`, and when a new one
+comes over either limit the oldest of them is closed (an agent's whole handshake takes
+milliseconds; what is oldest is what idles). A connection that fails anything (a malformed or
+oversized frame, another version, a wrong proof, silence) is closed and reported to ``note``
+(the listener's `Strangers` decide what is printed); nothing it sends changes the rendezvous.
+One that proved the token is handed to ``on_pass`` with its channel, blocking again, out of
+this thread.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from launcher.rendezvous.channel import Channel
 from launcher.rendezvous.handshake import AuthError, HandshakeError, HeadSide
 from launcher.rendezvous.stream import prepare
 
-PREAUTH_S = 3.0        # from accept to the agent's proof: two round trips of small frames
-PER_ADDRESS = 8        # unproved connections from one address at once
-PENDING_MAX = 512      # unproved connections at once, all addresses together
 _ACCEPTS = 64          # accepts per wake-up, so reading the others is never starved
 _OUT_OF_FDS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 TOKEN_FIX = "give every agent the head's token file (--token-file or DTRAIN_RDZV_TOKEN_FILE)"
@@ -43,6 +41,15 @@ VERSION_FIX = "install the same dtrain version on every node"
 Pass = Callable[[socket.socket, str, Channel, float], None]
 #: (address, why it was dropped, whether a dtrain agent failed the token or version)
 Note = Callable[[str, str, bool], None]
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What an unproved connection may hold (the defaults are the head's)."""
+
+    preauth_s: float = 3.0   # from accept to the agent's proof: two round trips of small frames
+    per_address: int = 8     # unproved connections from one address at once
+    pending: int = 512       # unproved connections at once, all addresses together
 
 
 @dataclass(eq=False)
@@ -57,8 +64,9 @@ class _Peer:
 
 
 class Gate:
-    def __init__(self, sock: socket.socket, token: bytes, on_pass: Pass, note: Note) -> None:
-        self._listen, self._token = sock, token
+    def __init__(self, sock: socket.socket, token: bytes, on_pass: Pass, note: Note,
+                 limits: Limits = Limits()) -> None:
+        self._listen, self._token, self.limits = sock, token, limits
         self._on_pass, self._note = on_pass, note
         self._peers: dict[socket.socket, _Peer] = {}  # in the order they came: oldest first
         self._per_address: Counter[str] = Counter()
@@ -88,7 +96,8 @@ class Gate:
         try:
             while not self._closed:
                 oldest = next(iter(self._peers.values()), None)
-                wait = 1.0 if oldest is None else oldest.since + PREAUTH_S - time.monotonic()
+                wait = 1.0 if oldest is None else (oldest.since + self.limits.preauth_s
+                                                   - time.monotonic())
                 for key, _ in self._selector.select(min(1.0, max(0.0, wait))):
                     if key.data is None:
                         self._accept()
@@ -121,12 +130,13 @@ class Gate:
             self._admit(conn, _address(addr))
 
     def _admit(self, conn: socket.socket, address: str) -> None:
-        if self._per_address[address] >= PER_ADDRESS:
+        most = self.limits
+        if self._per_address[address] >= most.per_address:
             self._drop(next(p for p in self._peers.values() if p.address == address),
-                       f"more than {PER_ADDRESS} unproved connections at once from one "
+                       f"more than {most.per_address} unproved connections at once from one "
                        "address; the oldest is closed")
-        elif len(self._peers) >= PENDING_MAX:
-            self._drop(next(iter(self._peers.values())), f"more than {PENDING_MAX} unproved "
+        elif len(self._peers) >= most.pending:
+            self._drop(next(iter(self._peers.values())), f"more than {most.pending} unproved "
                        "connections at once; the oldest is closed")
         conn.setblocking(False)
         prepare(conn)
@@ -201,11 +211,12 @@ class Gate:
             raise HandshakeError("it does not read what the head sends")
 
     def _expire(self, now: float) -> None:
+        limit = self.limits.preauth_s
         for peer in list(self._peers.values()):
-            if now - peer.since < PREAUTH_S:
+            if now - peer.since < limit:
                 return
-            self._drop(peer, f"it did not prove the token within {PREAUTH_S:g}s of connecting"
-                       if peer.spoke else f"it sent nothing for {PREAUTH_S:g}s")
+            self._drop(peer, f"it did not prove the token within {limit:g}s of connecting"
+                       if peer.spoke else f"it sent nothing for {limit:g}s")
 
     def _release(self, peer: _Peer) -> None:
         if self._peers.pop(peer.sock, None) is not None:

@@ -29,7 +29,7 @@ from launcher import wire
 from launcher.errors import RendezvousError
 from launcher.rendezvous import clear
 from launcher.rendezvous.channel import Channel
-from launcher.rendezvous.gate import Gate
+from launcher.rendezvous.gate import Gate, Limits
 from launcher.rendezvous.handshake import HandshakeError
 from launcher.rendezvous.options import RendezvousOptions
 from launcher.rendezvous.roster import Arrival, Roster, Unusable, read_join
@@ -46,7 +46,7 @@ def _say(text: str) -> None:
 
 class Listener:
     def __init__(self, opts: RendezvousOptions, token: bytes, roster: Roster,
-                 say: Callable[[str], None] = _say) -> None:
+                 say: Callable[[str], None] = _say, limits: Limits = Limits()) -> None:
         self.roster, self.say = roster, say
         self._token, self._timeout = token, opts.timeout
         self._lock = threading.Condition()
@@ -59,7 +59,7 @@ class Listener:
         self.sock = _listen(opts)
         self.port = self.sock.getsockname()[1]
         self.shown = f"{opts.host or '*'}:{self.port}"
-        self.gate = Gate(self.sock, token, self._passed, self._note)
+        self.gate = Gate(self.sock, token, self._passed, self._note, limits)
 
     # -- the lobby (the head's main thread) ------------------------------------------------
     def wait(self, deadline: float, heartbeat: float) -> list[tuple[Arrival, RendezvousStream]]:
