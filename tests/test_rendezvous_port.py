@@ -13,6 +13,7 @@ import contextlib
 import os
 import resource
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from launcher.rendezvous.join import join
 from launcher.rendezvous.listener import Listener
 from launcher.rendezvous.options import JoinOptions, RendezvousOptions
 from launcher.rendezvous.roster import Roster
+from tests.support import PYTHON, REPO, dtrain_env
 from tests.test_rendezvous_sockets import TOKEN, _join, _listener
 
 OLD_TOKEN = tokens.new().encode()
@@ -346,3 +348,48 @@ def test_an_agent_refused_by_an_impostor_joins_the_real_head_that_comes_up_later
         stream.kill()
     finally:
         listener.close("the test is over")
+
+
+HEAD_WITH_FEW_FDS = """
+import resource, sys, time
+from launcher.rendezvous.gate import Limits
+from launcher.rendezvous.listener import Listener
+from launcher.rendezvous.options import RendezvousOptions
+from launcher.rendezvous.roster import Roster
+resource.setrlimit(resource.RLIMIT_NOFILE, (48, 48))
+opts = RendezvousOptions(port=0, nnodes=1, token_file="unused", host="127.0.0.1")
+listener = Listener(opts, sys.stdin.readline().strip().encode(), Roster(1),
+                    limits=Limits(preauth_s=120))
+print(listener.port, flush=True)
+[(arrival, stream)] = listener.wait(time.monotonic() + 30, heartbeat=1.0)
+print("joined", arrival.address, flush=True)
+"""
+
+
+def test_a_head_out_of_file_descriptors_closes_the_oldest_stranger_and_the_agent_joins() -> None:
+    """A head whose descriptor limit (48) is far below the 512 unproved connections it would
+    hold: 80 idle strangers fill it, and the agent still gets in."""
+    head = subprocess.Popen([PYTHON, "-c", HEAD_WITH_FEW_FDS], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, env=dtrain_env())
+    socks: list[socket.socket] = []
+    try:
+        assert head.stdin is not None and head.stdout is not None
+        head.stdin.write(TOKEN.decode() + "\n")
+        head.stdin.flush()
+        port = int(head.stdout.readline())
+        for i in range(80):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10,
+                                                  source_address=(f"127.0.2.{i % 20 + 1}", 0)))
+        sealed = join(JoinOptions("127.0.0.1", port, "unused", None, 15), TOKEN)
+        out, err = head.communicate(timeout=30)
+        sealed.sock.close()
+    finally:
+        for sock in socks:
+            sock.close()
+        if head.poll() is None:
+            head.kill()
+            head.communicate()
+    assert head.returncode == 0, err
+    assert "joined 127.0.0.1" in out
+    assert "out of file descriptors" in err  # it said why strangers were closed
