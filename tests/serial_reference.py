@@ -1,7 +1,8 @@
 """The single-device run every parallel layout is compared with.
 
-One process, the plain model, the whole global batch in the run's microbatches (as a single
-device with gradient accumulation would), torch's own clipping, in fp64 (tests/numerics.py).
+One process, the plain model of the run's family, the whole global batch in the run's
+microbatches (as a single device with gradient accumulation would), torch's own clipping, in
+fp64 (tests/numerics.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from tests.numerics import float64
 from trainer.config.options import TrainConfig
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import load_corpus
+from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.optim.optimizer import LRSchedule, build_optimizer, set_lr
 
@@ -30,7 +32,7 @@ def train_serially(cfg: TrainConfig, steps: int, *, fp64: bool = True,
 
 
 def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) -> dict:
-    model = GPT(cfg.gpt, seed=cfg.seed)
+    model = build_model(cfg.gpt, seed=cfg.seed)  # the GPT or the Llama
     if prepare is not None:
         prepare(model)
     optimizer = build_optimizer(model, lr=cfg.optimizer.lr,

@@ -3,7 +3,9 @@
 `GPT.init_weights` fills each weight with ``torch.randn(shape, generator=gen) * std``, one
 weight after the other from one generator. To give a rank its shard of that value without ever
 holding the whole weight, `normal_pieces` draws the same numbers in pieces of at most
-``PIECE`` elements (plus a 31-element tail), and `shard_of_stream` keeps the rank's part.
+``PIECE`` elements (plus a 31-element tail), and `shard_of_stream` keeps the rank's part. The
+padded rows of the vocabulary weights are never drawn (`trainer.model.gpt.drawn_rows`): the
+stream of such a weight is its real rows' numbers `followed_by_zeros`, cut like any other.
 
 Why the pieces are equal to one big draw (torch's CPU ``normal_fill``, float and double, with
 or without AVX2, for a contiguous tensor of n >= 16 elements): it first draws n uniforms, then
@@ -51,6 +53,16 @@ def normal_pieces(n: int, gen: torch.Generator, dtype: torch.dtype,
     torch.rand(tail, generator=gen, dtype=dtype)  # the uniforms torch draws, then overwrites
     fresh = torch.randn(BLOCK, generator=gen, dtype=dtype)
     yield torch.cat([last_block[:tail], fresh])  # values n-16-tail .. n-1
+
+
+def followed_by_zeros(pieces: Iterator[torch.Tensor], n: int, dtype: torch.dtype,
+                      piece: int = PIECE) -> Iterator[torch.Tensor]:
+    """``pieces``, then ``n`` zeros in pieces of at most ``piece`` elements: the padded
+    vocabulary rows, which the serial init leaves at zero without drawing them
+    (`trainer.model.gpt.drawn_rows`)."""
+    yield from pieces
+    for done in range(0, n, piece):
+        yield torch.zeros(min(piece, n - done), dtype=dtype)
 
 
 def shard_of_stream(pieces: Iterator[torch.Tensor], shape: torch.Size, spec: ShardSpec | None,

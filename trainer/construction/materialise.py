@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.construction.init_stream import normal_pieces, shard_of_stream
+from trainer.construction.init_stream import followed_by_zeros, normal_pieces, shard_of_stream
 from trainer.construction.meta import meta_gpt
 from trainer.model.config import GPTConfig
-from trainer.model.gpt import GPT, init_rule
+from trainer.model.gpt import GPT, drawn_rows, init_rule
 from trainer.tensor_parallel.sharding import ShardSpec, shard_shape, shard_spec
 
 
@@ -23,7 +23,8 @@ def local_values(model: GPT, seed: int, tp_rank: int, tp_size: int
                  ) -> dict[str, torch.Tensor]:
     """Every local parameter's initial value (CPU, default dtype), by local name. The serial
     model's weights are walked in `GPT.init_weights` order and every draw is made (a weight
-    this rank does not hold is drawn and dropped), so the generator stays in step."""
+    this rank does not hold is drawn and dropped), so the generator stays in step; padded
+    vocabulary rows are zeros, never drawn, as there."""
     cfg = model.cfg
     wanted: dict[str, list[tuple[str, ShardSpec | None]]] = {}
     for name, p in model.named_parameters():
@@ -40,13 +41,16 @@ def local_values(model: GPT, seed: int, tp_rank: int, tp_size: int
                 shape = shard_shape(p.shape, spec, tp_size)
                 out[local] = torch.full(shape, fill, dtype=dtype)
             continue
-        pieces = normal_pieces(p.numel(), gen, dtype)
+        row = p.shape[1:].numel()
+        rows = drawn_rows(name, p.shape[0], cfg)
+        pieces = normal_pieces(rows * row, gen, dtype)
         if not targets:  # another stage's weight: draw it, piece by piece, and drop it
             for _ in pieces:
                 pass
             continue
         if len({spec for _, spec in targets}) > 1:
             raise RuntimeError(f"{name} is held with two different shardings")  # a wiring bug
+        pieces = followed_by_zeros(pieces, (p.shape[0] - rows) * row, dtype)
         shard = shard_of_stream(pieces, p.shape, targets[0][1], tp_rank, tp_size)
         for local, _ in targets:
             out[local] = shard * std

@@ -19,6 +19,16 @@ The model's own hooks, plain attributes that `trainer.tensor_parallel.paralleliz
 the first logit, which masks padded rows on a shard; the layers' hooks are in
 `trainer.model.layers`. All default to the serial behaviour.
 
+One place computes the logits and the loss for every layout: `GPT.logits` (final norm, head,
+the padded vocabulary rows masked to -inf) and `GPT.head_loss` (the criterion on them). The
+serial model, a TP shard, the last pipeline stage (`trainer.pipeline.stages`) and validation
+all call them, so a padded vocabulary is the same model on each (`trainer.gpu.vocab`).
+
+A padded vocabulary also starts as the same model: `GPT.init_weights` draws only the real rows
+of the embedding and the head (`drawn_rows`) and leaves the padded rows at zero, so the padding
+(which follows tp) shifts no draw and every real weight is the unpadded model's, whatever the
+layout.
+
 Shape legend: B batch, T sequence, D d_model, H heads, K head dim (D/H), V vocab.
 """
 
@@ -51,6 +61,17 @@ def init_rule(name: str, n_layer: int) -> tuple[float, float]:
     if ".ln" in name or name.startswith("ln_f"):
         return 1.0, 0.0
     return 0.0, 0.02 / math.sqrt(2 * n_layer) if name.endswith("proj.weight") else 0.02
+
+
+VOCAB_WEIGHTS = frozenset({"tok_emb.weight", "head.weight"})
+"""The parameters with one row per vocabulary entry (the padded ones included)."""
+
+
+def drawn_rows(name: str, rows: int, cfg: GPTConfig) -> int:
+    """How many of the ``rows`` rows of parameter ``name`` `GPT.init_weights` draws (from the
+    first): the real vocabulary's of the embedding and the head, whose padded rows start at
+    zero; every row of any other weight. Shared with `trainer.construction`."""
+    return min(rows, cfg.vocab_size) if name in VOCAB_WEIGHTS else rows
 
 
 class GPT(nn.Module):
@@ -102,29 +123,48 @@ class GPT(nn.Module):
     def init_weights(self, seed: int) -> None:
         """GPT-2 init from a private generator, in parameter-name order, so it is reproducible
         and independent of the global RNG: N(0, 0.02), residual projections scaled by
-        1/sqrt(2 * n_layer), zero biases, unit norm weights."""
+        1/sqrt(2 * n_layer), zero biases, unit norm weights; padded vocabulary rows zero, never
+        drawn (`drawn_rows`)."""
         gen = torch.Generator(device="cpu").manual_seed(seed)
         for name, p in self.named_parameters():
             fill, std = init_rule(name, self.cfg.n_layer)
-            if std:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-            else:
+            if not std:
                 p.fill_(fill)
+                continue
+            rows = drawn_rows(name, p.shape[0], self.cfg)
+            p[:rows].copy_(torch.randn((rows, *p.shape[1:]), generator=gen) * std)
+            p[rows:].zero_()
 
     def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        h = self.emb_drop(self.tok_emb(idx_BT)) if self.tok_emb is not None else idx_BT
+        h = self.hidden(idx_BT)
+        return h if self.head is None else self.logits(h)
+
+    def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """The last block's output (B, T, D) for token ids, or for a received activation when
+        this model (a pipeline stage) has no embedding."""
+        h = self.embed(idx_BT) if self.tok_emb is not None else idx_BT
         for block in self.blocks.values():
             h = block(h, self.rope_cos, self.rope_sin)
-        if self.ln_f is not None:
-            h = self.ln_f(h)
-        if self.head is None:
-            return h
-        return mask_padded_vocab(self.head(h), self.cfg.vocab_size, self.vocab_start)
+        return h
+
+    def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> the first block's input (B, T, D)."""
+        return self.emb_drop(self.tok_emb(idx_BT))
+
+    def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
+        """The last block's output -> logits (B, T, V; this shard's rows under TP), the padded
+        vocabulary rows at -inf so that they are never predicted and get no gradient."""
+        return mask_padded_vocab(self.head(self.ln_f(h_BTD)), self.cfg.vocab_size,
+                                 self.vocab_start)
+
+    def head_loss(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross entropy of the last block's output over every position: the
+        loss of every layout (`loss`, the last pipeline stage, validation)."""
+        return self.criterion(self.logits(h_BTD).flatten(0, 1), targets_BT.flatten())
 
     def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over every position of the batch."""
-        logits = self(idx_BT)
-        return self.criterion(logits.flatten(0, 1), targets_BT.flatten())
+        return self.head_loss(self.hidden(idx_BT), targets_BT)
 
     def num_params(self) -> int:
         """Parameter count, a tied weight counted once."""

@@ -19,10 +19,11 @@ only.
 
 `GPTStage.forward` runs one (microbatch, chunk): stage 0 embeds the microbatch's tokens, other
 stages take the received activation as a fresh leaf (``detach().requires_grad_()``) so its
-gradient can be sent back; the last stage returns the microbatch's loss divided by the number
-of microbatches (the step's loss is their sum, as with gradient accumulation). The output keeps
-its autograd graph until `GPTStage.backward` runs it, so each forward's activations live
-exactly from its F to its B. The backward of a chunk's last microbatch runs with DP gradient
+gradient can be sent back; the last stage returns the microbatch's loss (`GPT.head_loss`, the
+one loss of every layout, padded vocabulary rows masked) divided by the number of microbatches
+(the step's loss is their sum, as with gradient accumulation). The output keeps its autograd
+graph until `GPTStage.backward` runs it, so each forward's activations live exactly from its F
+to its B. The backward of a chunk's last microbatch runs with DP gradient
 synchronisation on (the `grad_sync` hook), every other one inside ``no_sync``: each DP bucket
 is then all-reduced once per step, right after the last backward of its parameters.
 """
@@ -97,17 +98,14 @@ class GPTStage:
     def forward(self, microbatch: int, chunk: int, x: torch.Tensor | None) -> torch.Tensor:
         model, layout = self.model, self.layout
         if layout.is_first(chunk):
-            h = model.emb_drop(model.tok_emb(self.batch[microbatch][0]))
+            h = model.embed(self.batch[microbatch][0])
         else:
             x = x.detach().requires_grad_()
             h = x
         for i in layout.layers(chunk):
             h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin)
-        if layout.is_last(chunk):
-            # GPT.forward + GPT.loss of the serial model, for this stage's part.
-            logits = model.head(model.ln_f(h))
-            targets = self.batch[microbatch][1]
-            h = model.criterion(logits.flatten(0, 1), targets.flatten()) / len(self.batch)
+        if layout.is_last(chunk):  # the serial model's loss (padded rows masked), its part
+            h = model.head_loss(h, self.batch[microbatch][1]) / len(self.batch)
         self.saved[(microbatch, chunk)] = (x, h)
         return h
 

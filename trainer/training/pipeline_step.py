@@ -133,7 +133,7 @@ class Pipeline:
         for stage in range(comm.rank, layout.num_stages, layout.p):
             chunk = stage // layout.p
             if layout.is_first(chunk):
-                h = model.emb_drop(model.tok_emb(x))
+                h = model.embed(x)
             else:
                 h = torch.empty((*x.shape, model.cfg.d_model), device=x.device,
                                 dtype=next(model.parameters()).dtype)
@@ -141,7 +141,7 @@ class Pipeline:
             for i in layout.layers(chunk):
                 h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin)
             if layout.is_last(chunk):
-                return model.criterion(model.head(model.ln_f(h)).flatten(0, 1), y.flatten())
+                return model.head_loss(h, y)
             comm.send(h.contiguous(), (stage + 1) % layout.p)
         return None
 
