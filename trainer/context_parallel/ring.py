@@ -70,18 +70,16 @@ class RingAttention(Function):
         delta = delta_rows(dout5, out.unflatten(1, (groups, -1)))
         dq = torch.zeros(q5.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v])
-        dkv_in: torch.Tensor | None = None  # the sum so far for the block held
+        dkv_in = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)  # block held
         dkv_handles: list[Handle] = []
         for step in range(cp):
             incoming, kv_handles = _hop(comm, kv) if step < cp - 1 else (kv, [])
             part = backward_blocks(q5, kv[0], kv[1], dout5, lse, delta,
                                    block_plan(layout, rank, (rank - step) % cp), scale, dq)
-            wait_all(dkv_handles)
-            dkv = part if dkv_in is None else dkv_in + part
-            dkv_in, dkv_handles = _hop(comm, dkv) if cp > 1 else (dkv, [])
+            wait_all(dkv_handles)  # the sum of the ranks that held this block before
+            dkv_in, dkv_handles = _hop(comm, dkv_in + part) if cp > 1 else (dkv_in + part, [])
             wait_all(kv_handles)
             kv = incoming
         wait_all(dkv_handles)
-        assert dkv_in is not None  # cp >= 1 steps ran
         return (dq.to(q.dtype).flatten(1, 2), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype),
                 None, None, None)
