@@ -2,9 +2,9 @@
 
 A sequence of ``seq_len`` tokens is cut into ``2 * cp`` equal chunks and rank ``r`` of the cp
 group holds chunks ``r`` and ``2*cp - 1 - r``, in that order, as one local sequence of
-``2 * seq_len / cp`` tokens. Under a causal mask a chunk's work grows with its index (chunk ``i``
+``seq_len / cp`` tokens. Under a causal mask a chunk's work grows with its index (chunk ``i``
 attends to ``i + 1`` chunks), so pairing one chunk from each end gives every rank the same work;
-a contiguous split would give the last rank ``4*cp - 1`` blocks for the first rank's 1
+a contiguous split would give the last rank ``4*cp - 1`` blocks for the first rank's 3
 (`trainer.context_parallel.plan` counts both). cp 2, 8 tokens::
 
     chunks    0: t0 t1 | 1: t2 t3 | 2: t4 t5 | 3: t6 t7
