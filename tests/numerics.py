@@ -21,6 +21,7 @@ magnitude below both, so they separate rounding from bugs on Intel and AMD alike
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -68,3 +69,35 @@ def loss_atol(*, steps: int, lr: float, n_params: int, n_terms: int, grad_scale:
 def f64(values: list[float]) -> torch.Tensor:
     """A list of losses (or norms) as an fp64 tensor, for comparing with assert_close."""
     return torch.tensor(values, dtype=torch.float64)
+
+
+def attention_atol(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                   blocks: int, scale: float, unit: float = U64) -> dict[str, float]:
+    """Largest difference of causal attention's output and its q, k, v gradients between two
+    evaluations that differ in summation order and in how the softmax is split into blocks
+    merged with the log-sum-exp rule (context parallelism vs one process), first order in u.
+
+    q (B, H, T, K); k, v (B, G, T, K); ``blocks``: the most partial results merged into one
+    query row. With A = scale·K·max|q|·max|k| bounding every score and Λ = A + log T every
+    log-sum-exp: a score differs by reduction_rtol(K + 4)·A (K products and sums, the scale,
+    and torch's math kernel scaling q and k by √scale each); a probability p = e^(s - L)
+    relatively by twice that (s and L) plus reduction_rtol(T) (the sum of exponentials in L)
+    plus 2(blocks + 3)·u·(1 + Λ) (each merge's and the final exp/log/subtraction's rounding of
+    an argument of size Λ, on both sides). Then o = Σ p·v (Σ p = 1), dV = Σ_rows p·dO over
+    R·T query rows (R query heads per K/V head), dS = p(dP - Δ) with dP, Δ sums of K terms of
+    size at most W = K·max|dO|·max|v|, dQ = scale·Σ dS·k, dK = scale·Σ_rows dS·q."""
+    T, n_k, rows = q.shape[2], q.shape[3], q.shape[1] // k.shape[1] * q.shape[2]
+    qm, km, vm, gm = (float(t.abs().max()) for t in (q, k, v, dout))
+    score = scale * n_k * qm * km
+    lse = score + math.log(T)
+    e_s = reduction_rtol(n_k + 4, unit) * score
+    e_p = 2 * e_s + reduction_rtol(T, unit) + 2 * (blocks + 3) * unit * (1 + lse)
+    out = (e_p + reduction_rtol(T + 1, unit)) * vm
+    w = n_k * gm * vm
+    e_ds = e_p * 2 * w + 2 * reduction_rtol(n_k + 1, unit) * w + n_k * gm * out
+    return {  # sums of n products differ by reduction_rtol(n + 1); the scale adds one more
+        "out": out,
+        "dq": scale * km * (e_ds + reduction_rtol(T + 2, unit) * 2 * w),
+        "dk": scale * qm * rows * (e_ds + reduction_rtol(rows + 2, unit) * 2 * w),
+        "dv": rows * gm * (e_p + reduction_rtol(rows + 1, unit)),
+    }
