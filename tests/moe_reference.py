@@ -56,6 +56,16 @@ def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.
 GELU_SLOPE, GELU_CURVE = 1.13, 0.8
 
 
+def chain_terms(layer: MoE, n_tokens: int) -> int:
+    """Terms of every sum from the input to a gradient element of ``layer`` run on ``n_tokens``
+    tokens, added up: forward the router's logits (D) and softmax (E), an expert's fc (D + bias)
+    and proj (hidden + bias), the combine (k); backward the same again, a weight gradient's sum
+    over the tokens and the k + 1 paths that meet in the input's gradient."""
+    d, hidden = layer.router.in_features, layer.experts["0"].proj.in_features
+    forward = d + layer.n_experts + d + hidden + layer.topk + 2
+    return 2 * forward + n_tokens + layer.topk + 1
+
+
 def magnitudes(layer: MoE, x_BTD: torch.Tensor, upstream: torch.Tensor) -> dict[str, torch.Tensor]:
     """The magnitude (tests/numerics.py) of every value `compare_with_reference` checks, for the
     loss ``(out * upstream).sum() + aux``: "out", "aux", "x" (its gradient) and each parameter's

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.moe_reference import magnitudes, reference_moe
+from tests.moe_reference import chain_terms, magnitudes, reference_moe
 from tests.numerics import assert_within_order, float64
 from trainer.config.options import make_config, resolve_dp
 from trainer.errors import ConfigError
@@ -35,16 +35,6 @@ def make_layer(**moe: object) -> MoE:
         for p in layer.parameters():
             p.normal_(0, 0.5)
     return layer
-
-
-def chain_terms(layer: MoE, n_tokens: int) -> int:
-    """Terms of every sum from the input to a gradient element, added up: forward the router's
-    logits (D) and softmax (E), an expert's fc (D + bias) and proj (hidden + bias), the combine
-    (k); backward the same again, a weight gradient's sum over the tokens and the k + 1 paths
-    that meet in the input's gradient."""
-    hidden = layer.experts["0"].proj.in_features
-    forward = D + layer.n_experts + D + hidden + layer.topk + 2
-    return 2 * forward + n_tokens + layer.topk + 1
 
 
 def compare_with_reference(layer: MoE, x: torch.Tensor) -> dict[str, torch.Tensor]:
