@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DTRAIN := $(VENV)/bin/dtrain
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install bytecode sysdeps test run bench bench-peers lint clean
+.PHONY: install bytecode sysdeps test test-kernels run bench bench-peers lint clean
 
 install: $(VENV)/.installed
 
@@ -34,8 +34,43 @@ bytecode: install
 sysdeps:
 	@bash testbed/install_sysdeps.sh
 
+# The tests whose tolerances are derived from summation orders (tests/numerics.py): layouts
+# against the single-process model, MoE, sparse embeddings, TP/PP/DP/ZeRO, resume. `make test`
+# runs them again under each of KERNEL_VARIANTS, other BLAS and ATen kernels than this CPU's
+# defaults, so a tolerance that holds for one instruction set only fails on any machine.
+NUMERICS_TESTS := $(addprefix tests/,test_kernel_variants.py test_moe_layer.py test_model.py \
+	test_llama_hf.py test_pp_runtime.py test_tp_layers.py test_sparse_embedding.py test_moe_training.py \
+	test_tp_training.py test_pp_training.py test_data_parallel.py test_zero.py \
+	test_resume_matrix.py test_llama_tp.py test_llama_training.py test_activations.py \
+	test_recsys_training.py)
+# What a variant changes (torch 2.13's CPU wheel: MKL for BLAS, ATen's own vector kernels):
+# - MKL_CBWR=COMPATIBLE: MKL's SSE2 code path, other GEMM blocking and summation orders, on any
+#   x86-64 (MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD CPUs, but honours this);
+# - ATEN_CPU_CAPABILITY=default: ATen's scalar kernels (sums, softmax, norms) instead of the
+#   CPU's best (torch.backends.cpu.get_cpu_capability() shows the choice);
+# - MKL_ENABLE_INSTRUCTIONS=AVX2 (or SSE4_2): MKL's AVX2 kernels on an Intel CPU with AVX-512.
+# `make test` runs the first two together: another kernel set than the default on every CPU, at
+# the cost of one more pass over NUMERICS_TESTS. More: make test-kernels KERNEL_VARIANTS='"A=1"
+# "B=2 C=3"' (with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 they pass too).
+KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
+# Known to fail under another kernel, for a defect outside the tests (remove when fixed):
+# trainer/moe/router.py ranks capacity drops by fp64 scores, and tokens equal in exact
+# arithmetic (runs of one character) get scores one ulp apart that depend on the BLAS kernel, so
+# with MKL_CBWR=COMPATIBLE the layer drops another of them than the plain-loop reference.
+KERNEL_KNOWN_FAILURES := not (test_moe_training and dropping and (losses or parameter_shard))
+# Two workers, a file per worker: a file's MPI run is shared by its tests (tests/mpi_runs.py).
+NUMERICS_WORKERS ?= 2
+
 test: install sysdeps bytecode
 	$(PY) -m pytest -q -ra --durations=15 tests
+	$(MAKE) --no-print-directory test-kernels
+
+test-kernels: install
+	@for variant in $(KERNEL_VARIANTS); do \
+		echo "numerics tests again with $$variant"; \
+		env $$variant $(PY) -m pytest -q -ra -p no:cacheprovider -n $(NUMERICS_WORKERS) \
+			--dist loadfile -k "$(KERNEL_KNOWN_FAILURES)" $(NUMERICS_TESTS) || exit 1; \
+	done
 
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 

@@ -52,6 +52,66 @@ def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.
     return torch.stack(out).to(x.dtype).view_as(x_BTD), aux
 
 
+# Slope bounds of GELU (x·Φ(x)): |gelu(z)| <= |z|, |gelu'| <= 1.13 and |gelu''| <= 2·φ(0) < 0.8.
+GELU_SLOPE, GELU_CURVE = 1.13, 0.8
+
+
+def chain_terms(layer: MoE, n_tokens: int) -> int:
+    """Terms of every sum from the input to a gradient element of ``layer`` run on ``n_tokens``
+    tokens, added up: forward the router's logits (D) and softmax (E), an expert's fc (D + bias)
+    and proj (hidden + bias), the combine (k); backward the same again, a weight gradient's sum
+    over the tokens and the k + 1 paths that meet in the input's gradient."""
+    d, hidden = layer.router.in_features, layer.experts["0"].proj.in_features
+    forward = d + layer.n_experts + d + hidden + layer.topk + 2
+    return 2 * forward + n_tokens + layer.topk + 1
+
+
+def magnitudes(layer: MoE, x_BTD: torch.Tensor, upstream: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The magnitude (tests/numerics.py) of every value `compare_with_reference` checks, for the
+    loss ``(out * upstream).sum() + aux``: "out", "aux", "x" (its gradient) and each parameter's
+    name (its gradient), measured on these weights and tokens.
+
+    The layer is evaluated on absolute values, with each nonlinearity replaced by a majorant
+    whose slope bounds the real one's, so that autograd's gradients of the majorant are the
+    sums of the magnitudes of the real gradients' terms (non-negative: nothing cancels):
+
+    - expert: |x| -> |W1|·+|b1| -> Mz·(1.13 + 0.8·Mz) -> |W2|·+|b2|; the quadratic part covers
+      the error of gelu'(z) that an error in z brings into backward.
+    - combine weight of a chosen expert: s·(1 + 2·L), s its score, L the token's logits'
+      magnitude Σ_e (|W_r|·|x|)_e; a softmax or sigmoid score moves by at most 2·s times the
+      largest change of a logit, so the majorant's slope in L bounds each logit's gradient.
+    - auxiliary losses: z-loss c_z·(|lse| + L)²/N, load balancing c_a·E·(1 + 2·ΣL/N) (each
+      score's gradient is at most 2 times its logit's, the fractions and scores at most 1).
+    Every token's assignments count, dropped or not: a bound may only grow.
+    """
+    x = x_BTD.detach().reshape(-1, x_BTD.shape[-1]).abs().requires_grad_()
+    g = upstream.detach().reshape(x.shape).abs()
+    params = {name: p.detach().abs().requires_grad_() for name, p in layer.named_parameters()}
+    n = x.shape[0]
+    routing = layer.route(x_BTD.detach().reshape(-1, x_BTD.shape[-1]))
+    logits_mag = x @ params["router.weight"].t()
+    lse = torch.logsumexp(x_BTD.detach().reshape(n, -1) @ layer.router.weight.detach().t(), -1)
+    per_token = logits_mag.sum(-1, keepdim=True)
+    out = x.new_zeros(x.shape)
+    for e in range(layer.n_experts):
+        pre = f"experts.{e}."
+        z = x @ params[pre + "fc.weight"].t() + params.get(pre + "fc.bias", 0)
+        h = z * (GELU_SLOPE + GELU_CURVE * z)
+        y = h @ params[pre + "proj.weight"].t() + params.get(pre + "proj.bias", 0)
+        weight = (routing.weights.detach().abs() * (routing.experts == e)).sum(-1, keepdim=True)
+        out = out + weight * (1 + 2 * per_token) * y
+    aux = x.new_zeros(())
+    if layer.z_coeff:
+        aux = aux + layer.z_coeff * ((lse.abs().unsqueeze(-1) + per_token) ** 2).sum() / n
+    if layer.aux_coeff:
+        aux = aux + layer.aux_coeff * layer.n_experts * (1 + 2 * per_token.sum() / n)
+    ((out * g).sum() + aux).backward()
+    found = {name: p.grad if p.grad is not None else torch.zeros_like(p)
+             for name, p in params.items()}
+    return {"out": out.detach().view_as(x_BTD), "aux": aux.detach(),
+            "x": x.grad.view_as(x_BTD), **found}
+
+
 def _top(scores: torch.Tensor, k: int) -> torch.return_types.topk:
     """The k highest scores, ties to the lower expert index (the router's stated rule)."""
     picked = sorted(range(len(scores)), key=lambda i: (-float(scores[i].detach()), i))[:k]

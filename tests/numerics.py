@@ -9,6 +9,12 @@ so the order) by message size. The bounds below hold on any IEEE-754 machine wha
 - A sum of n terms in any order has an error of at most (n-1)·u·Σ|x_i| (Higham, Accuracy and
   Stability of Numerical Algorithms, eq. 4.4), u = 2^-53; two orders differ by at most twice
   that. `reduction_rtol(n)` is that bound relative to Σ|x_i|.
+- A value computed through a chain of such sums (a matmul feeding a GELU feeding a matmul, and
+  backward through them) differs by at most `reduction_rtol(N)` times its *magnitude*, N the
+  terms of every sum on the chain added up, the magnitude the same chain evaluated on absolute
+  values: |W|, |x|, each nonlinearity replaced by a bound on its slope (first order; Higham
+  §3.5). A test measures the magnitude on its own data (`within_order`): assuming it is O(1)
+  fails as soon as weights, activations or the tokens a gradient sums over grow.
 - Adam's update lr·m/(√v + eps) changes by at most about lr·δ/eps when one gradient element
   changes by δ (the derivative of g/(|g| + eps) peaks at 1/eps for g near 0). `adam_atol` adds
   that up over the steps (first order: fp64 rounding, ~1e-14, is far below eps, so no element
@@ -46,6 +52,29 @@ def float64() -> Iterator[None]:
 def reduction_rtol(n_terms: int, unit: float = U64) -> float:
     """Relative difference of two sums of ``n_terms`` terms in different orders."""
     return 2.0 * max(1, n_terms - 1) * unit
+
+
+def order_bound(n_terms: int, magnitude: torch.Tensor, unit: float = U64) -> torch.Tensor:
+    """Per-element bound on the difference of two evaluations in different summation orders of
+    a value whose chain of sums has ``n_terms`` terms in all and whose ``magnitude`` (the chain
+    on absolute values, see above) the test measured."""
+    return reduction_rtol(n_terms, unit) * magnitude
+
+
+def assert_within_order(got: torch.Tensor, want: torch.Tensor, *, n_terms: int,
+                        magnitude: torch.Tensor, unit: float = U64, name: str = "") -> None:
+    """``got`` equals ``want`` element by element to `order_bound` (the shapes must match)."""
+    assert got.shape == want.shape == magnitude.shape, (name, got.shape, want.shape,
+                                                        magnitude.shape)
+    bound = order_bound(n_terms, magnitude.to(torch.float64), unit)
+    excess = (got.double() - want.double()).abs() - bound
+    if excess.numel() and float(excess.max()) > 0:
+        at = int(excess.argmax())
+        raise AssertionError(
+            f"{name}: {int((excess > 0).sum())} of {excess.numel()} elements differ by more "
+            f"than rounding of {n_terms} terms allows; at flat index {at}: "
+            f"|{float(got.flatten()[at])!r} - {float(want.flatten()[at])!r}| > "
+            f"{float(bound.flatten()[at]):.3e} (magnitude {float(magnitude.flatten()[at]):.3e})")
 
 
 def adam_atol(*, steps: int, lr: float, n_terms: int, grad_scale: float = 1.0,

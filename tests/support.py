@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from testbed.procfs import stat_fields
+from testbed.procfs import descendants, stat_fields
 
 PYTHON = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -64,6 +64,12 @@ def kill_recorded(pids: Iterable[int]) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def stop_trees(pids: Iterable[int]) -> None:
+    """SIGKILL the recorded processes and every descendant they started (their workers)."""
+    pids = list(pids)
+    kill_recorded([*pids, *(child for pid in pids for child in descendants(pid))])
 
 
 def wait_for_lines(path: Path, count: int, timeout: float = 30.0) -> list[str]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 import json
 import subprocess
 
-import psutil
 import pytest
 
-from tests.support import PYTHON, REPO, dtrain_env, kill_recorded, run_dtrain
+from tests.support import PYTHON, REPO, dtrain_env, kill_recorded, run_dtrain, stop_trees
 
 WORKERS = REPO / "tests" / "workers"
 # A port per script: the netns hosts live for the whole session, and a closed store's port
@@ -69,7 +68,7 @@ def _torchrun_once(cluster, port: int, script: str, *args: str) -> list[dict] | 
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO))
         outs = [p.communicate(timeout=120) for p in procs]
     except subprocess.TimeoutExpired:
-        _stop_trees([p.pid for p in procs])
+        stop_trees([p.pid for p in procs])
         return "\n".join(f"host {n + 1}: {err[-1500:]}" for n, (_, err) in
                          enumerate(p.communicate() for p in procs))
     finally:
@@ -77,17 +76,6 @@ def _torchrun_once(cluster, port: int, script: str, *args: str) -> list[dict] | 
     for p, (_, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-3000:]
     return [r for out, _ in outs for r in _records(out)]
-
-
-def _stop_trees(pids: list[int]) -> None:
-    """SIGKILL the recorded processes and every descendant they started (their workers)."""
-    found = []
-    for pid in pids:
-        try:
-            found += [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
-        except psutil.NoSuchProcess:
-            pass
-    kill_recorded(found)
 
 
 def _losses(records: list[dict]) -> dict[int, float]:
@@ -125,6 +113,21 @@ def test_an_unmodified_accelerate_script_sees_its_ranks_and_the_losses_of_torchr
     assert {r["type"] for r in ours} == {"DistributedType.MULTI_CPU"}
     theirs = _torchrun(cluster, "accelerate_train.py")
     assert _losses(ours) == _losses(theirs) and len(_losses(ours)) == 4
+
+
+@pytest.mark.parametrize(("built", "left"), [
+    ("plain", []), ("ddp", ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"])])
+def test_gloo_threads_outlive_destroy_process_group_once_torch_built_a_ddp_model(
+        built: str, left: list[str]) -> None:
+    """Why the Fabric and Accelerate scripts leave with os._exit: with a DDP model built (and
+    freed) torch 2.13 keeps the gloo group's threads after destroy_process_group, and they race
+    the interpreter's teardown (tests/workers/accelerate_train.py). When torch stops doing so
+    this test fails, and the scripts can end as their users' do."""
+    res = subprocess.run([PYTHON, str(WORKERS / "gloo_threads.py"), built], capture_output=True,
+                         text=True, timeout=120, env=dtrain_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    threads = json.loads(res.stdout.splitlines()[-1])
+    assert [t for t in threads if t != "python"] == left
 
 
 def test_a_deepspeed_script_gets_ds_accelerator_from_the_heads_environment(cluster):

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from tests.moe_reference import reference_moe
+from tests.moe_reference import chain_terms, magnitudes, reference_moe
 from tests.moe_workers.cases import CASES, LAYOUTS, STEPS, case_config
 from tests.numerics import float64
 from trainer.comm.bootstrap import World, init
@@ -61,8 +61,14 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
     ref_expert0 = [p.grad.clone() for p in layer.experts["0"].parameters()]
     ref_router = layer.router.weight.grad.clone()
     layer.zero_grad()
-    for p in ref_expert0:  # the EP expert sees every rank's tokens: sum the references
+    # Magnitudes for the loss out² + aux: its upstream 2·out carries out's own rounding, so
+    # the chain runs on 2·|out|'s magnitude.
+    out_mag = magnitudes(layer, x, torch.zeros_like(x))["out"]
+    mag = magnitudes(layer, x, 2 * out_mag)
+    mag_expert0 = [mag[f"experts.0.{n}"] for n, _ in layer.experts["0"].named_parameters()]
+    for p in [*ref_expert0, *mag_expert0]:  # the EP expert sees every rank's tokens: sum them
         ep.all_reduce(p, ReduceOp.SUM)
+    terms = chain_terms(layer, x.shape[0] * x.shape[1] * ep.size)
     layer.shard(ep)
     x.requires_grad_()
     out = layer(x)
@@ -70,7 +76,10 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
     return {"out": out.detach(), "ref_out": ref_out.detach(), "grad": x.grad,
             "ref_grad": ref_x.grad, "router": layer.router.weight.grad, "ref_router": ref_router,
             "expert0": [p.grad for p in layer.experts["0"].parameters()] if ep.rank == 0 else [],
-            "ref_expert0": ref_expert0, "ep_scale": 1.0 / ep.size}
+            "ref_expert0": ref_expert0, "ep_scale": 1.0 / ep.size,
+            "mag": {"out": mag["out"], "grad": mag["x"], "router": mag["router.weight"],
+                    "expert0": mag_expert0},
+            "terms": terms}
 
 
 def train_layout(case: str, layout: str, world: World, out: Path) -> dict[str, Any]:

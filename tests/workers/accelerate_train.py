@@ -35,13 +35,16 @@ def main(steps: int = 4) -> None:
                   "loss": float(mean), "type": str(accelerator.distributed_type)}
         sys.stdout.write(json.dumps(record) + "\n")
         sys.stdout.flush()
-    # As Accelerate's examples end; the model goes first (see fabric_ddp.py: torch 2.13's gloo
-    # deadlocks when DDP's reducer holds the last reference to the process group).
+    # As Accelerate's examples end.
     del model, optimizer
     accelerator.end_training()
-    # torch 2.13's gloo threads can abort the process at interpreter teardown ("terminate
-    # called without an active exception", seen once under dtrain, 2026-11-27) or hang it (the
-    # same day under torchrun): every record is out, so leave without that teardown.
+    # Then leave without interpreter teardown. torch 2.13's DDP keeps its gloo process group
+    # alive past destroy_process_group (the group's worker threads and gloo's I/O loop stay:
+    # tests/workers/gloo_threads.py), so those threads run on into the interpreter's
+    # finalization; one dropping the last reference to a collective's tensor there takes the
+    # GIL, and the process aborts ("terminate called without an active exception", seen once
+    # under dtrain, 2026-11-27) or deadlocks with a destructor holding the GIL (the hung
+    # torchrun reference of the same day). Every record is out and flushed by now.
     sys.stdout.flush()
     os._exit(0)
 
