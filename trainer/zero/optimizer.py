@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,13 +34,29 @@ from torch import nn
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
 from trainer.optim.optimizer import set_lr
 from trainer.placement.parameters import DP_AXES
-from trainer.zero.grad_sync import ShardedGradSync
+from trainer.zero.layout import ShardLayout
+
+
+class ShardedSync(Protocol):
+    """What the optimizer reads of a sharded gradient sync: ZeRO-1's
+    `trainer.zero.grad_sync.ShardedGradSync` (a whole buffer, reduce-scattered in place) or
+    ZeRO-2's `trainer.zero.grad_shards.ShardedGradients` (the shards alone)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def comm(self) -> Communicator: ...
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+    @property
+    def layout(self) -> ShardLayout: ...
+    def shard_grad(self, k: int) -> torch.Tensor: ...
 
 
 class ZeroOptimizer:
     """The main pieces of this DP rank, the AdamW that steps them and the all-gather."""
 
-    def __init__(self, sync: ShardedGradSync, full: torch.optim.Optimizer,
+    def __init__(self, sync: ShardedSync, full: torch.optim.Optimizer,
                  dtype: torch.dtype | None,
                  blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """``full``: the AdamW the run built over the whole model, whose groups and

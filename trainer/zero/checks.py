@@ -1,0 +1,35 @@
+"""What each ZeRO stage runs with, refused when the options are read, before any rank builds
+anything (pure: no torch, no communicator)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from trainer.errors import ConfigError
+
+
+class Layout(Protocol):
+    """The parallel section's fields the checks read (`trainer.config.sections`)."""
+
+    @property
+    def pp(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def schedule(self) -> str: ...
+
+
+def check_zero(zero: int, layout: Layout) -> None:
+    """Refuse what ``--zero`` does not run with yet.
+
+    ZeRO-2 reduces its buckets in rounds that need every backward to cover the whole model
+    (`trainer.zero.grad_shards`); under the interleaved schedule a backward covers one model
+    chunk, so a bucket that spans two chunks would be reduced from part of its gradients."""
+    if zero == 2 and layout.pp > 1 and layout.chunks > 1:
+        raise ConfigError(
+            "unsupported combination",
+            f"--zero 2 with --schedule {layout.schedule} (v {layout.chunks})",
+            "ZeRO-2 reduce-scatters each bucket once per backward, and a backward of the "
+            "interleaved schedule covers only one of a rank's model chunks",
+            "Use --schedule 1f1b or gpipe with --zero 2, or --zero 1 with the interleaved "
+            "schedule")
