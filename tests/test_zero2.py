@@ -15,15 +15,20 @@ must then be bit-exact too.
 from __future__ import annotations
 
 import functools
+import re
 from contextlib import nullcontext
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from tests.mpi_runs import world_run
+from tests.mpi_runs import forked_python, world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.saved import same_states, saved_state
 from tests.serial_reference import train_serially
+from tests.support import run_dtrain
+from tests.test_guard import DIVERGING
 from tests.zero_workers.stage2 import PAIRS, STAGE2_CASES, STEPS, stage2_config
 from trainer.comm.protocol import DoneHandle, Handle, ReduceOp
 from trainer.config.options import make_config
@@ -216,6 +221,24 @@ def test_zero2_never_stages_more_than_the_buckets_in_flight(name: str) -> None:
         bound = sum(biggest[:IN_FLIGHT + 2])
         assert all(0 < peak <= bound for _, peak in two["staged"]), (two["staged"], bound)
         assert max(peak for _, peak in two["staged"]) < two["whole_grad_bytes"]
+
+
+# -- the NaN guard (the real launcher, 2 ranks) ----------------------------------------------
+
+def test_zero2_skips_diverged_steps_leaving_the_sharded_state_untouched(tmp_path: Path) -> None:
+    """dp 2 under --skip-nonfinite: the steps skipped after a NaN apply nothing, so their
+    checkpoints hold exactly the last applied step's pieces, and the run then stops."""
+    done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
+                       "trainer.train", *DIVERGING, "--dp", "2", "--zero", "2",
+                       "--skip-nonfinite", "2", "--run-dir", str(tmp_path)], timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    first, second = map(int, re.findall(r"dtrain: step (\d+) skipped: the loss is ", out))
+    assert second == first + 1
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{first}", f"step-{second}"]
+    before, after = (saved_state(ckpts / f"step-{s}") for s in (first, second))
+    assert same_states(before, after) == []
 
 
 # -- bit-exact against zero 1 (MPI, 2 ranks, one microbatch) ---------------------------------
