@@ -145,8 +145,7 @@ class ShardedGradients(DataParallel):
         for p in self.params:
             p.grad = None
         self.launch_order = []
-        self._rounds = 0
-        """Rounds completed since (one per microbatch's backward)."""
+        self._rounds = 0  # rounds completed since: one per microbatch's backward
         self.peak_staged_bytes = self.staged_bytes
 
     def finish_grad_sync(self) -> None:
