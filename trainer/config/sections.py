@@ -155,8 +155,13 @@ class OptimizerSection(Section):
                        "(optimizer state and fp32 main weights sharded over DP, gradients "
                        "reduce-scattered, parameters all-gathered after the step) or 2 (the "
                        "gradients sharded too: each bucket reduce-scattered into the rank's "
-                       "shard during backward, every microbatch; trainer.zero)",
-                       choices=(0, 1, 2))
+                       "shard during backward, every microbatch) or 3 (the parameters sharded "
+                       "too, each block gathered only while used: data parallelism, fp32 only "
+                       "so far; trainer.zero)",
+                       choices=(0, 1, 2, 3))
+    zero_prefetch: int = option(1, "with --zero 3: blocks gathered ahead of the one computing, "
+                                "the same on every rank (each costs one block of memory)",
+                                at_least=0)
 
 
 @dataclass(frozen=True, kw_only=True)

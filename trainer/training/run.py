@@ -195,7 +195,7 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
                                 bucket_size=par.bucket_size, overlap=par.overlap,
                                 reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],
-                                blocked=clock.blocked)
+                                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked)
         return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)

@@ -9,6 +9,8 @@ sharded over data parallelism.
                              into a whole gradient buffer
 * `trainer.zero.grad_shards` ZeRO-2: the same reduce-scatters into this rank's shards only,
                              each bucket staged while backward fills it and freed once reduced
+* `trainer.zero.units`       ZeRO-3 foundations: parameter units (a block, the root) sharded,
+                             gathered before forward and backward, freed after, prefetched
 * `trainer.zero.optimizer`   AdamW over this rank's shard, then the all-gather of parameters
 * `trainer.zero.memory`      expected and held bytes per rank, peak memory per step
 * `trainer.zero.checks`      the stages and what they run with, refused before any work
@@ -30,20 +32,29 @@ from trainer.comm.protocol import Communicator
 from trainer.zero.grad_shards import ShardedGradients
 from trainer.zero.grad_sync import ShardedGradSync
 from trainer.zero.optimizer import ZeroOptimizer
+from trainer.zero.units import ParamUnits, UnitGradients, Zero3Optimizer
 
-__all__ = ["ShardedGradSync", "ShardedGradients", "ZeroOptimizer", "build_zero"]
+__all__ = ["ParamUnits", "ShardedGradSync", "ShardedGradients", "UnitGradients",
+           "Zero3Optimizer", "ZeroOptimizer", "build_zero"]
 
 
 def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communicator,
                dtype: torch.dtype | None, *, stage: int, bucket_size: int, overlap: bool,
                reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = (),
+               prefetch: int = 1,
                blocked: Callable[[], AbstractContextManager[None]] = nullcontext
                ) -> tuple[ShardedGradSync | ShardedGradients, ZeroOptimizer]:
     """The gradient sync of ZeRO ``stage`` (1: a whole buffer, 2: the shards alone) and the
     sharded optimizer of ``model`` (fp32, restored if resuming; cast to ``dtype`` at the end,
     after DP's broadcast from rank 0). ``optimizer``: AdamW over the whole model, whose groups,
     hyperparameters and (restored) state the shards take. ``blocked``: marks the step's wait
-    for the parameters' all-gather."""
+    for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
+    ``prefetch`` blocks ahead (`trainer.zero.units`; fp32 only, checked with the options)."""
+    if stage == 3:
+        units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
+                              reduce_dtype=reduce_dtype)
+        return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
+                                     blocked)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,
                 alone=alone)

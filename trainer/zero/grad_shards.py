@@ -112,11 +112,15 @@ class ShardedGradients(DataParallel):
     def _make_buffer(self) -> torch.Tensor:
         """The shards buffer: this rank's block of every bucket, bucket after bucket."""
         device = self.params[0].device if self.params else torch.device("cpu")
-        alone = [i for i, p in enumerate(self.params) if id(p) in self._alone]
-        self.layout = shard_layout([p.numel() for p in self.params], self._bucket_size,
-                                   self.comm.size, self.comm.rank, alone)
+        self.layout = self._make_layout()
         return torch.zeros(self.layout.size // self.comm.size, device=device,
                            dtype=main_grad_dtype({p.dtype for p in self.params}))
+
+    def _make_layout(self) -> ShardLayout:
+        """Buckets of about ``bucket_size`` elements (ZeRO-3 cuts them at its units)."""
+        alone = [i for i, p in enumerate(self.params) if id(p) in self._alone]
+        return shard_layout([p.numel() for p in self.params], self._bucket_size,
+                            self.comm.size, self.comm.rank, alone)
 
     def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[StagedBucket]:
         self._reduce_dtype = reduce_dtype

@@ -8,6 +8,9 @@ ZeRO paper §3) for the parameters a rank holds (its TP x PP shard), d = dp:
     fp32       4           4          8  (Adam m, v)                 16      8 + 8/d   4 + 12/d
     bf16       2           4          12 (fp32 main weights + m, v)  18      6 + 12/d  2 + 16/d
 
+and ``--zero 3`` (fp32 only so far) 16/d: everything sharded; during a step the gathered
+units come on top (`trainer.zero.units`: ``peak_gathered_bytes``).
+
 Under fp32 the AdamW of ``--zero 1`` steps views of the parameters, so it holds no main copy;
 the gradient buffer stays whole (ZeRO-1 shards the optimizer only), padded by < dp elements per
 bucket. ZeRO-2 holds 1/d of that buffer (`trainer.zero.grad_shards`), plus, during backward
@@ -48,7 +51,8 @@ def expected_bytes(n_params: int, *, bf16: bool, zero: int, dp: int) -> MemoryTa
     shard = dp if zero else 1
     optimizer = (12 if bf16 else 8) * n_params / shard
     grads = 4 * n_params / (dp if zero >= 2 else 1)
-    return MemoryTable(params=(2 if bf16 else 4) * n_params, grads=round(grads),
+    params = (2 if bf16 else 4) * n_params / (dp if zero >= 3 else 1)
+    return MemoryTable(params=round(params), grads=round(grads),
                        optimizer=round(optimizer))
 
 
@@ -77,7 +81,7 @@ def describe(n_params: int, *, bf16: bool, zero: int, dp: int, where: str) -> st
     """The start-up line: the expected bytes per rank and the rule they come from."""
     t = expected_bytes(n_params, bf16=bf16, zero=zero, dp=dp)
     per = {0: "18" if bf16 else "16", 1: f"6 + 12/{dp}" if bf16 else f"8 + 8/{dp}",
-           2: f"2 + 16/{dp}" if bf16 else f"4 + 12/{dp}"}[zero]
+           2: f"2 + 16/{dp}" if bf16 else f"4 + 12/{dp}", 3: f"16/{dp}"}[zero]
     return (f"dtrain: memory per rank ({where}, {n_params:,} parameters, "
             f"{'bf16' if bf16 else 'fp32'}, zero {zero}, dp {dp}): parameters "
             f"{t.params / MIB:.1f} MiB + gradients {t.grads / MIB:.1f} MiB + optimizer "

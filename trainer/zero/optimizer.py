@@ -34,7 +34,7 @@ from torch import nn
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
 from trainer.optim.optimizer import set_lr
 from trainer.placement.parameters import DP_AXES
-from trainer.zero.layout import ShardLayout
+from trainer.zero.layout import Piece, ShardLayout
 
 
 class ShardedSync(Protocol):
@@ -70,7 +70,7 @@ class ZeroOptimizer:
         self.main: list[nn.Parameter] = []
         groups: list[list[nn.Parameter]] = [[] for _ in full.param_groups]
         for piece in self.pieces:
-            part = self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
+            part = self._part(piece)
             main = nn.Parameter(part.clone().float() if dtype is not None else part)
             main.placement = self.params[piece.param].placement.piece(piece.lo, piece.hi,
                                                                      over=DP_AXES)
@@ -86,6 +86,11 @@ class ZeroOptimizer:
             for p in self.params:
                 p.grad = None
             self.model.to(dtype)
+
+    def _part(self, piece: Piece) -> torch.Tensor:
+        """Where a piece's values live: its part of the model parameter (ZeRO-3: of the
+        parameter shards, `trainer.zero.units`)."""
+        return self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
 
     def grads(self) -> list[nn.Parameter]:
         """The main pieces, each with its part of the reduce-scattered gradient as .grad."""
