@@ -65,9 +65,9 @@ class UnitGradients(ShardedGradients):
     """ZeRO-2's gradient shards with one bucket per unit; a unit's parameters are freed as
     soon as its reduce-scatter is posted (`ParamUnits.release`)."""
 
-    release: Callable[[int], None] = staticmethod(lambda k: None)
-
     def __init__(self, model: nn.Module, comm: Communicator, **kwargs: Any) -> None:
+        self.release: Callable[[int], None] = lambda k: None
+        """Called with a unit's index once its reduce-scatter is posted (`ParamUnits`)."""
         # Every collective from the main thread, in hook order (module docstring).
         super().__init__(model, comm, comm_thread=False, **kwargs)
 
@@ -92,7 +92,6 @@ class ParamUnits:
         """This rank's block of each unit: the parameters' values between uses."""
         self.root: list[int] = []
         block_of: dict[str, int] = {}
-        width = lambda b: (b.end - b.start) // self.comm.size  # noqa: E731
         for k, b in enumerate(self.layout.buckets):
             params = [sync.params[i] for i in b.params]
             full = params[0].new_zeros(b.end - b.start)
@@ -102,8 +101,8 @@ class ParamUnits:
                     full[at:at + p.numel()].copy_(p.view(-1))
                     p.data = full[at:at + p.numel()].view_as(p)
             self.full.append(full)
-            self.shards.append(full[self.comm.rank * width(b):(self.comm.rank + 1)
-                                    * width(b)].clone())
+            lo, hi = self.layout.shard(k)
+            self.shards.append(full[lo - b.start:hi - b.start].clone())
             unit = unit_of(names[b.params.start])
             if unit:
                 block_of[unit] = k
