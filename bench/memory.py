@@ -10,8 +10,12 @@ the same machine load. Measured per rank (the largest rank), in MiB:
 
 * ``params``, ``grads``, ``optim``: the bytes of the tensors the rank holds
   (`trainer.zero.memory.held_bytes`: parameters, the gradient buffer, main copies and AdamW
-  state), with ``optim calc`` from Megatron's bytes-per-parameter table for the same rank
-  (`trainer.zero.memory.expected_bytes`);
+  state), with ``grads calc`` and ``optim calc`` from Megatron's bytes-per-parameter table for
+  the same rank (`trainer.zero.memory.expected_bytes`); ``grads peak``: the most gradient
+  memory during a step, the buffer plus, under ZeRO-2/3, the buckets staged while backward
+  fills and reduces them (`trainer.zero.grad_shards`); ``params peak``: likewise the
+  parameters plus, under ZeRO-3 (whose ``params`` are the shards), the units gathered at once
+  (`trainer.zero.units`);
 * ``activations``: the peak of the bytes autograd holds for backward during a step (every
   saved tensor counted once, from a ``saved_tensors_hooks`` meter), pipelines included;
 * ``total``: params + grads + optim + activations, the rank's training memory (peak RSS is not
@@ -44,20 +48,28 @@ ROWS: dict[str, tuple[int, dict[str, Any]]] = {
     "serial": (1, {"dp": 1}),
     "dp2": (2, {"dp": 2}),
     "dp2+zero1": (2, {"dp": 2, "zero": 1}),
+    "dp2+zero2": (2, {"dp": 2, "zero": 2}),
+    "dp2+zero3": (2, {"dp": 2, "zero": 3}),
     "dp2 overlap off": (2, {"dp": 2, "overlap": False}),
     "dp2+zero1 overlap off": (2, {"dp": 2, "zero": 1, "overlap": False}),
+    "dp2+zero2 overlap off": (2, {"dp": 2, "zero": 2, "overlap": False}),
     "tp2": (2, {"dp": 1, "tp": 2}),
     "pp2": (2, {"dp": 1, "pp": 2, "microbatches": 4}),
 }
 COLUMNS = [("layout", "layout"), ("ranks", "ranks"), ("params", "params_mib"),
-           ("grads", "grads_mib"), ("optim", "optim_mib"), ("optim calc", "optim_calc_mib"),
+           ("params peak", "params_peak_mib"),
+           ("grads", "grads_mib"), ("grads peak", "grads_peak_mib"), ("grads calc",
+                                                                    "grads_calc_mib"),
+           ("optim", "optim_mib"), ("optim calc", "optim_calc_mib"),
            ("activations", "act_mib"), ("total", "total_mib"), ("step ms", "step_ms"),
            ("vs dp2", "vs_dp2"), ("exposed ms", "exposed_ms")]
 SUMMARY_COLUMNS = COLUMNS
-SUMMARY_NOTE = ("MiB per rank (largest rank) of fp32 training: held tensors measured, 'optim "
-                "calc' from Megatron's bytes-per-parameter table (8 per parameter, 8/dp with "
-                "ZeRO-1); activations = peak bytes saved for backward. Times are CPU over MPI "
-                "on a shared machine; 'vs dp2' is the ZeRO-1 cost (target <= 1.05).")
+SUMMARY_NOTE = ("MiB per rank (largest rank) of fp32 training: held tensors measured, 'calc' "
+                "from Megatron's bytes-per-parameter table (gradients 4 per parameter, 4/dp "
+                "with ZeRO-2; optimizer 8, 8/dp with ZeRO-1 and 2); 'grads peak' adds ZeRO-2's "
+                "staged buckets during a step; activations = peak bytes saved for backward. "
+                "Times are CPU over MPI on a shared machine; 'vs dp2' is the ZeRO cost (target "
+                "<= 1.05).")
 
 
 class ActivationMeter:
@@ -107,7 +119,7 @@ class Side:
                                 "bucket_size": args.bucket_size, "precision": "fp32",
                                 "eval_every": 0, **over}, {"seq_len": args.seq_len})
         self.run = build_run(self.cfg, mesh_for(self.cfg, world))
-        self.name, self.steps, self.act = name, [], 0
+        self.name, self.steps, self.act, self.staged, self.gathered = name, [], 0, 0, 0
 
     def step(self, i: int, timed: bool) -> None:
         import torch
@@ -122,17 +134,27 @@ class Side:
             self.steps.append({"step_s": time.perf_counter() - start,
                                "exposed_s": rec.comm_exposed_s})
             self.act = max(self.act, meter.peak)
+            self.staged = max(self.staged, getattr(self.run.dp, "peak_staged_bytes", 0))
+            units = getattr(self.run.weights, "units", None)
+            if units is not None:
+                self.gathered = max(self.gathered, units.peak_gathered_bytes)
+                units.peak_gathered_bytes = units.gathered_bytes
 
     def summary(self) -> dict[str, Any]:
         from trainer.zero.memory import expected_bytes, held_bytes
 
         run = self.run
-        held = held_bytes(run.model.parameters(), run.dp.buffer, run.weights.optimizer)
+        units = getattr(run.weights, "units", None)  # ZeRO-3: the shards are the parameters
+        held = held_bytes(run.model.parameters() if units is None else units.shards,
+                          run.dp.buffer, run.weights.optimizer)
+        params = held.params
         n = sum(p.numel() for p in run.dp.params)
         calc = expected_bytes(n, bf16=False, zero=self.cfg.optimizer.zero, dp=self.cfg.parallel.dp)
-        return {"layout": self.name, "steps": self.steps, "params": held.params,
-                "grads": held.grads, "optim": held.optimizer, "optim_calc": calc.optimizer,
-                "act": self.act}
+        return {"layout": self.name, "steps": self.steps, "params": params,
+                "params_peak": params + self.gathered, "grads": held.grads,
+                "grads_peak": held.grads + self.staged,
+                "grads_calc": calc.grads, "optim": held.optimizer,
+                "optim_calc": calc.optimizer, "act": self.act}
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -171,7 +193,8 @@ def summarize(per_rank: list[dict[str, Any]], index: int) -> dict[str, Any]:
     steps = list(zip(*(s["steps"] for s in sides), strict=True))  # [step][rank]
     med = statistics.median
     row: dict[str, Any] = {"layout": sides[0]["layout"], "ranks": len(per_rank)}
-    for key in ("params", "grads", "optim", "optim_calc", "act"):
+    for key in ("params", "params_peak", "grads", "grads_peak", "grads_calc", "optim",
+                "optim_calc", "act"):
         row[f"{key}_mib"] = max(s[key] for s in sides) / MIB
     row["total_mib"] = max(s["params"] + s["grads"] + s["optim"] + s["act"] for s in sides) / MIB
     row["step_ms"] = 1e3 * med(max(r["step_s"] for r in s) for s in steps)

@@ -71,7 +71,7 @@ BENCHES = (
           quick={"timeouts": (2.0,)}),
     Bench("gpu", "GPU path: gpt-124m dtrain vs plain PyTorch (on a GPU), CPU bf16/fp32 step",
           quick={"cpu_tiny": True}),
-    Bench("memory", "Memory per rank (ZeRO-1, TP, PP) vs the analytic table; ZeRO-1 cost",
+    Bench("memory", "Memory per rank (ZeRO-1 and 2, TP, PP) vs the analytic table; ZeRO cost",
           quick={"model": "tiny", "steps": 2}),
     Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),

@@ -27,9 +27,9 @@ WORKER = REPO / "tests" / "comm_workers" / "contract.py"
 WORLD_SIZES = (1, 2, 4)
 OPS = ("all_reduce_sum", "all_reduce_max", "all_reduce_min", "all_reduce_avg",
        "all_reduce_strided", "all_reduce_requires_grad", "all_gather", "all_gather_in_place",
-       "reduce_scatter_sum", "reduce_scatter_max", "broadcast_first", "broadcast_last",
-       "broadcast_strided", "send_recv", "batch_p2p", "batch_p2p_empty", "all_to_all",
-       "all_to_all_uneven", "all_to_all_all_to_one", "all_to_all_empty",
+       "reduce_scatter_sum", "reduce_scatter_max", "reduce_scatter_in_place", "broadcast_first",
+       "broadcast_last", "broadcast_strided", "send_recv", "batch_p2p", "batch_p2p_empty",
+       "all_to_all", "all_to_all_uneven", "all_to_all_all_to_one", "all_to_all_empty",
        "many_in_flight", "barrier", "errors", "bootstrap")
 COMMS = ("world", "rows", "cols", "reversed", "grid_tp", "grid_dp", "grid_pp")
 

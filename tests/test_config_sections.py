@@ -76,7 +76,7 @@ def test_the_gpt_table_of_the_flat_layout_is_refused_naming_model_and_moe(tmp_pa
     (["--lr", "inf"], r"\[--lr inf\]: must be a finite number"),
     (["--data-cap-mb", "nan"], r"\[--data-cap-mb nan\]: must be a finite number"),
     (["--seed", str(2**64)], rf"\[--seed {2**64}\]: must be below 2\*\*64"),
-    (["--zero", "2"], r"\[--zero 2\]: must be one of 0, 1"),
+    (["--zero", "4"], r"\[--zero 4\]: must be one of 0, 1, 2, 3"),
     (["--moe-experts", "-1"], r"\[--moe-experts -1\]: must be >= 0"),
 ])
 def test_an_option_outside_its_declared_range_is_refused_naming_the_flag(flags, where) -> None:

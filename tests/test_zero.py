@@ -113,9 +113,9 @@ def test_peak_memory_covers_a_transient_tensor_and_starts_over_each_interval() -
     assert with_big - without >= 60 * 2**20
 
 
-def test_a_zero_stage_other_than_0_or_1_is_refused_naming_the_flag() -> None:
-    with pytest.raises(TrainerError, match=r"--zero 2.*must be one of 0, 1"):
-        make_config({"zero": 2}, {})
+def test_a_zero_stage_other_than_0_to_3_is_refused_naming_the_flag() -> None:
+    with pytest.raises(TrainerError, match=r"--zero 4.*must be one of 0, 1, 2, 3"):
+        make_config({"zero": 4}, {})
 
 
 # -- equivalence (MPI) -------------------------------------------------------------------------

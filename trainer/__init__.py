@@ -34,7 +34,7 @@ over 300 lines).
     data_parallel/  grad_sync (DataParallel), split (one per kind of replica), buckets
     tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize, gqa
     pipeline/    schedules, their checker, the runtime, stages, timeline
-    zero/        ZeRO-1: sharded optimizer state and gradient reduce-scatter
+    zero/        ZeRO-1, 2, 3: sharded optimizer state, gradients, parameters (units)
     activations/ sequence parallelism and activation recomputation
     construction/  per-rank model construction on the meta device
     moe/         mixture of experts with expert parallelism

@@ -229,7 +229,7 @@ def _banner(run: Run, world_size: int) -> str:
             f"{run.model.num_params():,} parameters{per_rank} | "
             f"world {world_size} = {cfg.parallel.describe(' x ')}{pipeline} | "
             f"{'bf16, fp32 main weights' if _bf16(run) else 'fp32'}"
-            f"{', ZeRO-1' if cfg.optimizer.zero else ''}"
+            f"{f', ZeRO-{cfg.optimizer.zero}' if cfg.optimizer.zero else ''}"
             f"{', ' + run.device_notes if run.device_notes else ''} | {len(run.dp.buckets)} "
             f"grad bucket(s), overlap {'on' if par.overlap else 'off'} | global batch "
             f"{cfg.data.global_batch} x {cfg.gpt.seq_len} {run.corpus.unit}, {par.microbatches} "

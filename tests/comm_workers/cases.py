@@ -136,6 +136,16 @@ def reduce_scatter(ctx: Ctx, op: ReduceOp) -> list[Check]:
     return [(out, serial_reduce(ctx.all_inputs(shape), op)[2 * r:2 * r + 2])]
 
 
+def reduce_scatter_in_place(ctx: Ctx) -> list[Check]:
+    """ZeRO's layout (`trainer.zero`): the output is this rank's block of the input, the form
+    NCCL calls in place; the other blocks of the input may change, the output must not mix."""
+    r, shape = ctx.comm.rank, (2 * ctx.n, 3)
+    buf = ctx.mine(shape).clone()
+    own = buf[2 * r:2 * r + 2]
+    ctx.wait(ctx.comm.reduce_scatter(own, buf, ReduceOp.SUM, async_op=ctx.async_op))
+    return [(own, serial_reduce(ctx.all_inputs(shape), ReduceOp.SUM)[2 * r:2 * r + 2])]
+
+
 def broadcast(ctx: Ctx, src: int) -> list[Check]:
     t = ctx.mine((4, 2))
     ctx.wait(ctx.comm.broadcast(t, src, async_op=ctx.async_op))
@@ -255,6 +265,7 @@ def plan(ctx: Ctx) -> list[tuple[str, Callable[[], list[Check]]]]:
             ("all_gather_in_place", lambda: all_gather_in_place(ctx)),
             ("reduce_scatter_sum", lambda: reduce_scatter(ctx, ReduceOp.SUM)),
             ("reduce_scatter_max", lambda: reduce_scatter(ctx, ReduceOp.MAX)),
+            ("reduce_scatter_in_place", lambda: reduce_scatter_in_place(ctx)),
             ("broadcast_first", lambda: broadcast(ctx, 0)),
             ("broadcast_last", lambda: broadcast(ctx, ctx.n - 1)),
             ("broadcast_strided", lambda: broadcast_strided(ctx)),

@@ -76,4 +76,7 @@ PAIRS = [
     Pair("bf16-to-fp32", "dense", BF16, FP32, fp64=False),
     Pair("fp32-to-bf16", "dense", FP32, BF16, fp64=False),
     Pair("2x2x2-to-1x4x1", "dense", THREE_D, Layout("1x4x1", {"dp": 1, "tp": 4})),
+    Pair("2x2x2-zero2-to-dp4-zero2", "dense",
+         Layout("2x2x2-zero2", {**THREE_D.options, "zero": 2}),
+         Layout("dp4-zero2", {"dp": 4, "zero": 2})),
 ]

@@ -36,6 +36,7 @@ from trainer.model.config import GPTConfig
 from trainer.moe.checks import check_moe
 from trainer.schema import Section, build, flatten, nest, option, replaced, section
 from trainer.tensor_parallel.parallelize import check_divisible
+from trainer.zero.checks import check_zero
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +85,8 @@ class TrainConfig(Section):
         check_sequence_split(sequence_parallel=par.sequence_parallel, tp=par.tp,
                              seq_len=gpt.seq_len)
         check_moe(gpt.moe, par, zero=self.optimizer.zero)
+        check_zero(self.optimizer.zero, par, precision=self.optimizer.precision,
+                   compiled=self.compile)
         if self.logging.eval_every and not self.data.val_fraction:
             raise ConfigError("evaluation without a validation split",
                               f"--eval-every {self.logging.eval_every} --val-fraction 0",

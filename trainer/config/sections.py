@@ -151,10 +151,17 @@ class OptimizerSection(Section):
     precision: str = option("auto", "auto (bf16 on CUDA, fp32 on CPU), fp32, or bf16: bf16 "
                             "weights and activations with fp32 main weights, gradients and "
                             "optimizer (trainer.optim.mixed_precision)", choices=PRECISIONS)
-    zero: int = option(0, "ZeRO stage: 0 (every DP rank keeps the whole optimizer state) or 1 "
-                       "(gradients reduce-scattered, optimizer state and fp32 main weights "
-                       "sharded over DP, parameters all-gathered after the step; trainer.zero)",
-                       choices=(0, 1))
+    zero: int = option(0, "ZeRO stage: 0 (every DP rank keeps the whole optimizer state), 1 "
+                       "(optimizer state and fp32 main weights sharded over DP, gradients "
+                       "reduce-scattered, parameters all-gathered after the step) or 2 (the "
+                       "gradients sharded too: each bucket reduce-scattered into the rank's "
+                       "shard during backward, every microbatch) or 3 (the parameters sharded "
+                       "too, each block gathered only while used: data parallelism, fp32 only "
+                       "so far; trainer.zero)",
+                       choices=(0, 1, 2, 3))
+    zero_prefetch: int = option(1, "with --zero 3: blocks gathered ahead of the one computing, "
+                                "the same on every rank (each costs one block of memory)",
+                                at_least=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,17 +48,17 @@ def check_layout(*, experts: int, ep: int) -> None:
 
 def check_combinations(*, experts: int, zero: int, sequence_parallel: bool,
                        recompute: str) -> None:
-    """Refuse what MoE models do not run with yet, before any rank starts: ZeRO-1 (expert
+    """Refuse what MoE models do not run with yet, before any rank starts: ZeRO (expert
     gradients reduce over their own expert-DP group, which the sharded optimizer does not know)
     and the activation techniques (MoE models are built whole, not per rank)."""
     if not experts:
         return
-    refused = [flag for flag, on in (("--zero 1", zero), ("--sequence-parallel",
+    refused = [flag for flag, on in ((f"--zero {zero}", zero), ("--sequence-parallel",
                                                           sequence_parallel),
                                      (f"--recompute {recompute}", recompute != "none")) if on]
     if refused:
         raise ConfigError(
             "unsupported combination", f"--moe-experts {experts} with {', '.join(refused)}",
-            "mixture-of-experts models do not run with ZeRO-1, sequence parallelism or "
+            "mixture-of-experts models do not run with ZeRO, sequence parallelism or "
             "recomputation yet",
             f"Drop {', '.join(refused)}, or train a dense model (--moe-experts 0)")

@@ -61,7 +61,7 @@ class Run:
     model: GPT
     dp: GradSync
     """The gradient sync: over each parameter's DP replicas (the reduce-scatter under
-    ZeRO-1)."""
+    ZeRO-1 and 2)."""
     weights: MainWeights
     """What AdamW steps (`trainer.optim.main_weights`)."""
     body: StepBody
@@ -192,9 +192,10 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
     dp_comm = mesh.group("dp")
     if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
-        sync, zero = build_zero(model, optimizer, dp_comm, dtype, bucket_size=par.bucket_size,
-                                overlap=par.overlap, reduce_dtype=reduce_dtype,
-                                alone=[tied] if tied is not None else [], blocked=clock.blocked)
+        sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
+                                bucket_size=par.bucket_size, overlap=par.overlap,
+                                reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],
+                                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked)
         return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)

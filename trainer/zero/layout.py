@@ -97,3 +97,19 @@ def shard_layout(numels: Sequence[int], bucket_size: int, dp: int, rank: int,
             buckets.append(ShardedBucket(cursor, cursor + padded, params))
             cursor += padded
     return ShardLayout(tuple(numels), dp, rank, tuple(buckets), tuple(offsets))
+
+
+def unit_layout(numels: Sequence[int], units: Sequence[range], dp: int, rank: int
+                ) -> ShardLayout:
+    """One bucket per unit (ZeRO-3: a run of parameters gathered and reduced together, a
+    transformer block, the embedding), each padded to a multiple of ``dp``; ``units`` are
+    consecutive ranges covering every parameter index in order."""
+    buckets, offsets, cursor = [], [0] * len(numels), 0
+    for unit in units:
+        offset = cursor
+        for i in unit:
+            offsets[i], offset = offset, offset + numels[i]
+        padded = -(-(offset - cursor) // dp) * dp
+        buckets.append(ShardedBucket(cursor, cursor + padded, unit))
+        cursor += padded
+    return ShardLayout(tuple(numels), dp, rank, tuple(buckets), tuple(offsets))

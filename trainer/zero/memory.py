@@ -4,14 +4,19 @@ state, what it does hold, and its peak memory per step.
 The expected bytes follow Megatron's bytes-per-parameter table (distributed optimizer docs;
 ZeRO paper §3) for the parameters a rank holds (its TP x PP shard), d = dp:
 
-    precision     parameters  gradients  optimizer                        zero 0  zero 1
-    fp32          4           4          8  (Adam m, v)                   16      8 + 8/d
-    bf16          2           4          12 (fp32 main weights + m, v)    18      6 + 12/d
+    precision  parameters  gradients  optimizer                      zero 0  zero 1    zero 2
+    fp32       4           4          8  (Adam m, v)                 16      8 + 8/d   4 + 12/d
+    bf16       2           4          12 (fp32 main weights + m, v)  18      6 + 12/d  2 + 16/d
+
+and ``--zero 3`` (fp32 only so far) 16/d: everything sharded; during a step the gathered
+units come on top (`trainer.zero.units`: ``peak_gathered_bytes``).
 
 Under fp32 the AdamW of ``--zero 1`` steps views of the parameters, so it holds no main copy;
 the gradient buffer stays whole (ZeRO-1 shards the optimizer only), padded by < dp elements per
-bucket. `held_bytes` measures the tensors themselves (distinct storages), so a test can hold the
-table to what a run allocates. `PeakMemory` is the metrics file's ``peak_mem_bytes``: CUDA's
+bucket. ZeRO-2 holds 1/d of that buffer (`trainer.zero.grad_shards`), plus, during backward
+only, the buckets being filled or reduced (its ``peak_staged_bytes``). `held_bytes` measures
+the tensors themselves (distinct storages), so a test can hold the table to what a run
+allocates. `PeakMemory` is the metrics file's ``peak_mem_bytes``: CUDA's
 max allocated on a GPU, else the process's peak resident set size (VmHWM, reset every step
 through /proc/self/clear_refs where the kernel allows it, else the peak since start).
 """
@@ -45,7 +50,9 @@ def expected_bytes(n_params: int, *, bf16: bool, zero: int, dp: int) -> MemoryTa
     """The table above for ``n_params`` parameters on one rank."""
     shard = dp if zero else 1
     optimizer = (12 if bf16 else 8) * n_params / shard
-    return MemoryTable(params=(2 if bf16 else 4) * n_params, grads=4 * n_params,
+    grads = 4 * n_params / (dp if zero >= 2 else 1)
+    params = (2 if bf16 else 4) * n_params / (dp if zero >= 3 else 1)
+    return MemoryTable(params=round(params), grads=round(grads),
                        optimizer=round(optimizer))
 
 
@@ -73,7 +80,8 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
 def describe(n_params: int, *, bf16: bool, zero: int, dp: int, where: str) -> str:
     """The start-up line: the expected bytes per rank and the rule they come from."""
     t = expected_bytes(n_params, bf16=bf16, zero=zero, dp=dp)
-    per = (f"6 + 12/{dp}" if bf16 else f"8 + 8/{dp}") if zero else ("18" if bf16 else "16")
+    per = {0: "18" if bf16 else "16", 1: f"6 + 12/{dp}" if bf16 else f"8 + 8/{dp}",
+           2: f"2 + 16/{dp}" if bf16 else f"4 + 12/{dp}", 3: f"16/{dp}"}[zero]
     return (f"dtrain: memory per rank ({where}, {n_params:,} parameters, "
             f"{'bf16' if bf16 else 'fp32'}, zero {zero}, dp {dp}): parameters "
             f"{t.params / MIB:.1f} MiB + gradients {t.grads / MIB:.1f} MiB + optimizer "

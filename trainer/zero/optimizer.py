@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,13 +34,29 @@ from torch import nn
 from trainer.comm.protocol import Communicator, Handle, ReduceOp
 from trainer.optim.optimizer import set_lr
 from trainer.placement.parameters import DP_AXES
-from trainer.zero.grad_sync import ShardedGradSync
+from trainer.zero.layout import Piece, ShardLayout
+
+
+class ShardedSync(Protocol):
+    """What the optimizer reads of a sharded gradient sync: ZeRO-1's
+    `trainer.zero.grad_sync.ShardedGradSync` (a whole buffer, reduce-scattered in place) or
+    ZeRO-2's `trainer.zero.grad_shards.ShardedGradients` (the shards alone)."""
+
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def comm(self) -> Communicator: ...
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+    @property
+    def layout(self) -> ShardLayout: ...
+    def shard_grad(self, k: int) -> torch.Tensor: ...
 
 
 class ZeroOptimizer:
     """The main pieces of this DP rank, the AdamW that steps them and the all-gather."""
 
-    def __init__(self, sync: ShardedGradSync, full: torch.optim.Optimizer,
+    def __init__(self, sync: ShardedSync, full: torch.optim.Optimizer,
                  dtype: torch.dtype | None,
                  blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         """``full``: the AdamW the run built over the whole model, whose groups and
@@ -53,7 +70,7 @@ class ZeroOptimizer:
         self.main: list[nn.Parameter] = []
         groups: list[list[nn.Parameter]] = [[] for _ in full.param_groups]
         for piece in self.pieces:
-            part = self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
+            part = self._part(piece)
             main = nn.Parameter(part.clone().float() if dtype is not None else part)
             main.placement = self.params[piece.param].placement.piece(piece.lo, piece.hi,
                                                                      over=DP_AXES)
@@ -69,6 +86,11 @@ class ZeroOptimizer:
             for p in self.params:
                 p.grad = None
             self.model.to(dtype)
+
+    def _part(self, piece: Piece) -> torch.Tensor:
+        """Where a piece's values live: its part of the model parameter (ZeRO-3: of the
+        parameter shards, `trainer.zero.units`)."""
+        return self.params[piece.param].detach().view(-1)[piece.lo:piece.hi]
 
     def grads(self) -> list[nn.Parameter]:
         """The main pieces, each with its part of the reduce-scattered gradient as .grad."""
