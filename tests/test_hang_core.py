@@ -105,6 +105,29 @@ def test_when_every_member_entered_the_operation_nobody_is_blamed():
                               "problem?)")
 
 
+def test_a_rank_whose_posted_send_never_arrives_is_blamed_first_and_its_receiver_after_it():
+    """Rank 2 sits in its send to rank 0 (posted, running, never completing: its link drops
+    what it sends) and rank 0 in the matching receive; ranks 1 and 3 wait in the world barrier
+    for both. Every member of the send entered it, yet the sender is the one the job waits for."""
+    send = op("world", 2, 7, 6, "send", size=4, p2p=1, peer=0, nbytes=4 << 20, age=9.0)
+    recv = op("world", 0, 7, 6, "recv", size=4, p2p=2, peer=2, nbytes=4 << 20, age=9.5)
+    views = [rank(0, "node1", recv), rank(1, "node1", barrier(1, 7, 6)),
+             rank(2, "node2", send), rank(3, "node2", barrier(3, 7, 6))]
+    found = diagnose(views, {2: "Thread 7 (idle)\n    send (worker.py:30)\n"})
+    assert found.culprit_ranks == (2,) and found.kind == "unsent", found.text
+    assert found.blamed_hosts == ("node2",)
+    assert (found.group, found.op, found.seq) == ("world", "send", 7)
+    assert found.headline == (
+        "rank 2 (node2) is stalled inside send #7 on world (float32, 4.0 MiB) to rank 0 "
+        "(node1), which waits in recv #7 on world for it: the posted send never arrives (its "
+        "host's network, or the transport under it, does not deliver); ranks 1 (node1), 3 "
+        "(node2) wait for it too"), found.text
+    assert "every member entered it" not in found.text
+    assert any(line.startswith("  ranks 1 (node1), 3 (node2) wait in barrier #7 on world")
+               and "a consequence" in line for line in found.lines), found.text
+    assert "        send (worker.py:30)" in found.lines
+
+
 def test_a_rank_stopped_inside_an_operation_every_member_entered_is_what_the_others_wait_for():
     views = [rank(0, "node0", ar("dp[0]", 0, 9, 8)),
              rank(1, "node1", ar("dp[0]", 1, 9, 8), state="stopped")]

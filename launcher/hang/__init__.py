@@ -18,8 +18,10 @@ For the restart logic, `launcher.hang.diagnose.Diagnosis` is the contract (froze
     kind           the headline cause: "past" (a member went on past an operation the others
                    wait in), "mismatch" (it waits at the same point in another operation),
                    "behind" (it never entered it: computing, blocked outside communication, or
-                   it skipped one), "stopped", "exited", "no-record", "deadlock" (a cycle of
-                   waits nothing explains: every rank in it is blamed), or "stalled" (every
+                   it skipped one), "unsent" (a running sender whose posted send never
+                   reaches the receiver waiting for it), "stopped", "exited", "no-record",
+                   "deadlock" (a cycle of waits nothing explains: every rank in it is
+                   blamed), or "stalled" (every
                    member entered and it does not complete: a network or device problem, no
                    rank blamed)
     culprit_ranks  every rank blamed, the headline's first; () when none is

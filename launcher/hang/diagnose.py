@@ -107,6 +107,8 @@ def _cause_text(c: Cause, by_rank: Mapping[int, RankView],
         return (f"{me} entered {c.instead} on {c.label} where the other members entered {what}"
                 f"{which} (a mismatch: the same point of the program, different operations); "
                 f"{now}")
+    if c.kind == "unsent":
+        return _unsent(c, by_rank)
     if c.kind == "behind" and c.op in P2P and what:
         return f"{me} never posted its part of {what}{which}; {now}"
     if c.kind == "behind" and what:
@@ -119,6 +121,21 @@ def _cause_text(c: Cause, by_rank: Mapping[int, RankView],
     state = describe(by_rank[c.rank]) if c.rank in by_rank else "has no progress record"
     return f"{me} {state}" + (f"; {waiters} {_wait(c.waiters)} for it in {what}"
                               if waiters and what else "")
+
+
+def _unsent(c: Cause, by_rank: Mapping[int, RankView]) -> str:
+    """The sender first, then the ranks receiving from it, then any others that wait for it."""
+    mine = by_rank[c.rank].group(c.label) if c.rank in by_rank else None
+    recvs = {w: g for w in c.waiters if w in by_rank and (g := by_rank[w].group(c.label))
+             and g.in_flight and g.op in P2P and mine and g.peer == mine.group_rank}
+    first = next(iter(recvs.values()), None)
+    into = f"{first.op} #{first.seq} on {c.label}" if first else "the matching receive"
+    others = [w for w in c.waiters if w not in recvs]
+    also = f"; {who(others, by_rank)} {_wait(others)} for it too" if others else ""
+    return (f"{who([c.rank], by_rank)} is stalled inside {c.op} #{c.seq} on {c.label}"
+            f"{_payload(mine)} to {who(recvs, by_rank) if recvs else 'its receiver'}, which "
+            f"{_wait(list(recvs))} in {into} for it: the posted send never arrives (its host's "
+            f"network, or the transport under it, does not deliver){also}")
 
 
 def _now(v: RankView | None) -> str:
