@@ -179,7 +179,7 @@ class Agent:
         if self.pmi is not None:
             env.update(self.pmi.rank_env(rank.rank))
         if self.progress is not None:
-            env[workerenv.PROGRESS_FILE] = self.progress.path(rank.rank)
+            env.update(self.progress.rank_env(rank.rank))
         return env
 
     def _pids(self) -> dict[int, int]:
@@ -241,7 +241,8 @@ class Agent:
             self.pmi.exited(ev.rank)
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
-        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal})
+        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal,
+                                             **(self.progress.error(ev) if self.progress else {})})
         if not self.ranks:
             descendants.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None

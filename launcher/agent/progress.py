@@ -1,7 +1,8 @@
 """The agent's side of progress records: a private folder, reading, stacks (adapter).
 
-Each rank gets ``DTRAIN_PROGRESS_FILE`` in a folder of its own job made with ``mkdtemp`` (mode
-0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves;
+Each rank gets ``DTRAIN_PROGRESS_FILE`` (and ``TORCHELASTIC_ERROR_FILE``: `launcher.errorfile`)
+in a folder of its own job made with ``mkdtemp`` (mode 0700) in /dev/shm (memory; the temp dir
+where it is missing) and removed when the agent leaves or the round ends;
 its name marks the agent, so that the next agent on the host removes it if this one is killed
 (`launcher.agent.leftovers`, run before the folder is made).
 The agent reads the records without the ranks' help (layout in `workerenv`), notes the share
@@ -26,12 +27,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import workerenv
+from launcher import errorfile
 from launcher.agent import leftovers
 from launcher.hang.views import RankView, view_of
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
+
+    from launcher.agent.ranks import RankExited
 
 STACK_TIMEOUT_S = 10.0
 CPU_WINDOW_S = 0.5
@@ -52,6 +56,17 @@ class ProgressReporter:
 
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.progress")
+
+    def rank_env(self, rank: int) -> dict[str, str]:
+        """Its progress record and its error file: one per rank, as torchrun gives (a file
+        shared by ranks would hold the last writer's)."""
+        return {workerenv.PROGRESS_FILE: self.path(rank),
+                errorfile.VARIABLE: errorfile.path(self.folder, rank)}
+
+    def error(self, ev: RankExited) -> dict[str, Any]:
+        """For a failed rank's EXIT frame: what its error file says (the head's summary)."""
+        cause = errorfile.read(errorfile.path(self.folder, ev.rank)) if ev.code else None
+        return {"error": cause.to_json()} if cause is not None else {}
 
     def views(self, pids: Mapping[int, int]) -> list[RankView]:
         """Every rank of this host; ``pids`` holds the live ones (the others have exited)."""
