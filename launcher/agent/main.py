@@ -157,7 +157,8 @@ class Agent:
             self.progress = ProgressReporter(
                 spec.job_id, spec.ranks[0].env.get(workerenv.HOST, "") if ranks else "",
                 ranks, spec.progress_interval,
-                lambda body: self.link.send_json(wire.Kind.PROGRESS, body))
+                lambda body: self.link.send_json(wire.Kind.PROGRESS, body),
+                lambda: self.pmi.proxy.fenced if self.pmi is not None else frozenset())
         if spec.pmi.mode != "off":
             from launcher.agent.pmi_sockets import PmiSockets
 
@@ -165,8 +166,7 @@ class Agent:
                 mode=spec.pmi.mode, ranks=ranks, world_size=spec.pmi.world_size,
                 kvsname=spec.pmi.kvsname, process_mapping=spec.pmi.process_mapping,
                 stall_after=spec.pmi.stall,
-                send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
-            )
+                send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg))
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec.ranks),
                                                **facts.rendezvous(spec.probe),
                                                "check_s": round(time.monotonic() - t0, 4)})

@@ -45,7 +45,9 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
-                 send: Callable[[dict[str, Any]], object]) -> None:
+                 send: Callable[[dict[str, Any]], object],
+                 fenced: Callable[[], frozenset[int]] = frozenset) -> None:
+        """``fenced``: the ranks in a PMI barrier now (`PmiProxy.fenced`)."""
         base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
         mark = leftovers.own_mark()
         leftovers.sweep(base or tempfile.gettempdir(), mark)  # what dead agents left here
@@ -53,6 +55,8 @@ class ProgressReporter:
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
+        self._fenced = fenced
+        self._fenced_at: dict[int, float] = {}  # rank -> when it was first seen fenced
 
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.progress")
@@ -71,13 +75,17 @@ class ProgressReporter:
     def views(self, pids: Mapping[int, int]) -> list[RankView]:
         """Every rank of this host; ``pids`` holds the live ones (the others have exited)."""
         now = time.monotonic()  # the records' clock (`workerenv`)
+        fenced = self._fenced()
+        self._fenced_at = {r: self._fenced_at.get(r, now) for r in fenced}
         out = []
         for rank in self.ranks:
             record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
             state, cpu = ("exited", None) if rank not in pids else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
-            out.append(replace(view, cpu_share=self._share(rank, cpu, now)))
+            since = self._fenced_at.get(rank)
+            out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
+                               fence_age=None if since is None else now - since))
         return out
 
     @staticmethod
@@ -119,7 +127,8 @@ class ProgressReporter:
 
         def answer() -> None:
             targets = {v.rank: v.pid for v in views if v.rank in wanted and v.pid}
-            self._send({"ranks": [v.to_json() for v in views], "stacks": stacks(targets),
+            found = stacks(targets, native=bool(body.get("native")))
+            self._send({"ranks": [v.to_json() for v in views], "stacks": found,
                         "probe": body.get("probe")})
 
         threading.Thread(target=answer, name="progress-probe", daemon=True).start()
@@ -156,8 +165,9 @@ def py_spy() -> str | None:
     return shutil.which("py-spy") or (beside if os.path.exists(beside) else None)
 
 
-def stacks(pids: Mapping[int, int]) -> dict[str, str]:
-    """rank -> its Python stack (``py-spy dump``), taken in parallel; {} without py-spy."""
+def stacks(pids: Mapping[int, int], native: bool = False) -> dict[str, str]:
+    """rank -> its Python stack (``py-spy dump``), taken in parallel; {} without py-spy.
+    ``native``: with the C frames (the MPI call a rank is in), pausing each rank a moment."""
     exe = py_spy()
     if exe is None or not pids:
         return {}
@@ -166,8 +176,9 @@ def stacks(pids: Mapping[int, int]) -> dict[str, str]:
     def dump(rank: int, pid: int) -> None:
         # --nonblocking reads the process's memory without pausing it, so a stopped rank
         # (SIGSTOP) is read too and a running one is not disturbed.
+        how = "--native" if native else "--nonblocking"
         try:
-            done = subprocess.run([exe, "dump", "--nonblocking", "--pid", str(pid)],
+            done = subprocess.run([exe, "dump", how, "--pid", str(pid)],
                                   capture_output=True, text=True, timeout=STACK_TIMEOUT_S)
             found[str(rank)] = done.stdout if done.returncode == 0 else \
                 f"(py-spy failed: {done.stderr.strip()[-300:]})"
