@@ -73,6 +73,9 @@ launcher/ and trainer/ never import each other.
                  facts         what the agent reports about its host (dtrain check)
                  progress      the ranks' progress records: folder, reading, py-spy stacks
                                (the folder holds each rank's error file too)
+                 flight        torch.distributed programs: the Flight Recorder turned on and
+                               read by flight_shim/sitecustomize in each rank (no record of
+                               their own needed)
     hang/        views, model, causes, cycles, graph, diagnose: who caused a hang (the
                  Diagnosis the restart logic reads); watch, status: stragglers, live table (pure)
     pmi/         PMI-1 codec, per-host proxy core and the actions it asks for, the head's

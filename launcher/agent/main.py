@@ -179,7 +179,7 @@ class Agent:
         if self.pmi is not None:
             env.update(self.pmi.rank_env(rank.rank))
         if self.progress is not None:
-            env.update(self.progress.rank_env(rank.rank))
+            env.update(self.progress.rank_env(rank.rank, env))
         return env
 
     def _pids(self) -> dict[int, int]:

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 import workerenv
 from launcher import errorfile
-from launcher.agent import leftovers
+from launcher.agent import flight, leftovers
 from launcher.hang.views import RankView, view_of
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
@@ -61,10 +61,12 @@ class ProgressReporter:
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.progress")
 
-    def rank_env(self, rank: int) -> dict[str, str]:
-        """Its progress record and its error file: one per rank, as torchrun gives (a file
-        shared by ranks would hold the last writer's)."""
+    def rank_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
+        """Its progress record, its Flight Recorder's reader (`launcher.agent.flight`) and
+        its error file: one per rank, as torchrun gives (a shared one holds the last
+        writer's). ``env``: the rank's environment so far (the user's settings)."""
         return {workerenv.PROGRESS_FILE: self.path(rank),
+                **flight.rank_env(env, self.path(rank), self.interval),
                 errorfile.VARIABLE: errorfile.path(self.folder, rank)}
 
     def error(self, ev: RankExited) -> dict[str, Any]:
@@ -94,9 +96,11 @@ class ProgressReporter:
         of files (a flood of connections to the PMI port) or memory is the next reading's
         problem, never the agent's end."""
         try:
-            return workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
+            if os.path.exists(path):
+                return workerenv.read_progress(_reader(path))
         except OSError:
             return None
+        return flight.read(flight.path(path))  # a torch.distributed program's, if any
 
     def _share(self, rank: int, cpu: float | None, now: float) -> float:
         """The share of a core ``rank`` used since the reading at least `CPU_WINDOW_S` ago
