@@ -147,6 +147,17 @@ def test_a_receive_whose_stopped_peer_posted_its_send_waits_for_that_peer():
     assert "rank 0 (node0) waits for it in recv #7 on pp[0]" in found.headline, found.text
 
 
+def test_a_rank_gone_without_a_record_is_what_the_others_wait_for():
+    """A torch.distributed rank that left its main before its first record (the Flight
+    Recorder's reader writes one a sampling interval after the group is up)."""
+    views = [rank(0, "a", op("world", 0, 3, 2, size=3)),
+             rank(1, "a", op("world", 1, 3, 2, size=3)), RankView(2, "b", state="exited")]
+    found = diagnose(views)
+    assert found.culprit_ranks == (2,) and found.kind == "exited", found.text
+    assert found.headline.startswith("rank 2 (b) has exited; ranks 0, 1 (a) wait for it in "
+                                     "all_reduce #3 on world"), found.text
+
+
 def test_a_rank_computing_outside_communication_is_blamed_as_behind():
     views = [rank(0, "a", ar("dp[0]", 0, 3, 2)), rank(1, "b", ar("dp[0]", 1, 2, 2, age=4.0))]
     found = diagnose(views)

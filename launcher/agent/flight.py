@@ -46,6 +46,12 @@ def rank_env(env: dict[str, str], record: str, interval: float) -> dict[str, str
     return extra
 
 
+def left(file: str) -> bool:
+    """The program left its main with torch.distributed up (the shim's marker): done with
+    the job, whatever its teardown does (torch's threads can hold it there)."""
+    return os.path.exists(file + ".left")
+
+
 def read(file: str) -> workerenv.RankProgress | None:
     """The rank's groups as the shim last wrote them; None without a readable file (the file
     is the rank's: anything unexpected in it is no record)."""

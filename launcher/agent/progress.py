@@ -83,7 +83,8 @@ class ProgressReporter:
         for rank in self.ranks:
             record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
-            state, cpu = ("exited", None) if rank not in pids else _stat(pid)
+            gone = rank not in pids or flight.left(flight.path(self.path(rank)))
+            state, cpu = ("exited", None) if gone else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             since = self._fenced_at.get(rank)
             out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),

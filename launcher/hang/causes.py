@@ -51,7 +51,9 @@ def analyse(views: Sequence[RankView]) -> Analysis:
     causes: dict[int, Cause] = {}
     needs: dict[int, set[int]] = {}
     edges: dict[tuple[int, int], GroupView] = {}   # (waiter, needed) -> the waiter's op
-    unseen = [v.rank for v in views if v.state == "no-record"]
+    # Ranks the others cannot see in their groups: no record yet, or gone without one.
+    unseen = [v.rank for v in views if v.state == "no-record" or
+              (v.state == "exited" and not v.groups)]
     judged: dict[tuple[str, int, Signature | None], list[tuple[int, Cause | None]]] = {}
     for v in views:
         # A stopped rank's waits count too: continued, it would still wait for them.

@@ -33,6 +33,12 @@ def _main() -> None:
         interval = float(os.environ.get("DTRAIN_FLIGHT_INTERVAL", "1"))
         threading.Thread(target=_run, args=(path, interval), name="dtrain-flight",
                          daemon=True).start()
+        # When the main thread is done (before the interpreter's atexit handlers): the program
+        # left its main while torch.distributed is up; its teardown may hang on torch's
+        # threads. Only a marker file: nothing of torch is touched there.
+        hook = getattr(threading, "_register_atexit", None)
+        if hook is not None:
+            hook(_left, path)
     _next_sitecustomize()
 
 
@@ -55,6 +61,16 @@ def _run(path: str, interval: float) -> None:
             _write(path, _summary(dist))
         except Exception:  # never disturb the program: no more records from this process
             return
+
+
+def _left(path: str) -> None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            with open(path + ".left", "w") as f:
+                f.write(str(os.getpid()))
+    except Exception:
+        pass
 
 
 _DTYPES = {"Float": ("float32", 4), "Double": ("float64", 8), "Half": ("float16", 2),
