@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from launcher.hang.diagnose import diagnose, who
@@ -208,6 +209,20 @@ def test_a_rank_working_outside_communication_holds_the_clock_until_it_stops_wor
     stopped = HangClock(3.0, now=0.0)
     stopped.update(views(0.9, state="stopped"), 0.0)  # its last reading before SIGSTOP
     assert stopped.due(views(0.9, state="stopped"), 3.5)
+
+
+def test_torch_ranks_using_their_cpu_inside_a_long_collective_hold_the_clock():
+    """Seen through the Flight Recorder, a rank blocks while it waits (gloo does not spin):
+    one that uses its CPU inside an all-reduce is moving data."""
+    clock = HangClock(3.0, now=0.0)
+    views = {r: rank(r, "a", ar("world", r, 4, 3), avg=0.0) for r in (0, 1)}
+    moving = {r: replace(v, cpu_share=0.4, recorder="flight") for r, v in views.items()}
+    for t in (1.0, 2.0, 3.0, 4.0):
+        clock.update(moving, t)
+    assert not clock.due(moving, 4.0)
+    idle = {r: replace(v, cpu_share=0.01) for r, v in moving.items()}
+    clock.update(idle, 5.0)
+    assert not clock.due(idle, 6.5) and clock.due(idle, 7.0)  # 3 s after the last work
 
 
 def test_ranks_spinning_inside_an_operation_are_not_working():

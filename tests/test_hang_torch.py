@@ -44,6 +44,18 @@ def test_an_unmodified_gloo_program_gets_the_culprit_first_within_the_hang_timeo
     assert not cluster.wait_no_job_pids(timeout=30)
 
 
+def test_a_healthy_all_reduce_longer_than_the_hang_timeout_is_no_hang(tmp_path):
+    """One all-reduce sized to take 4 hang timeouts on this machine: the ranks inside it use
+    their CPU (gloo moves and reduces the data), so the job ends normally."""
+    res = run_dtrain(["launch", "--nproc-per-node", "4", "--hang-timeout", "2",
+                      "--hang-action", "abort", "--log-dir", str(tmp_path), "--", PYTHON, WORKER,
+                      "long", "8"], timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    took = [float(m) for m in re.findall(r"all_reduce ([\d.]+) s", res.stdout)]
+    assert len(took) == 4 and min(took) > 2, res.stdout  # it did outlast the timeout
+    assert not list(tmp_path.rglob("hang-*.txt")) and "hang" not in res.stderr
+
+
 def test_the_recorder_is_turned_on_unless_the_user_set_it_and_the_shim_leads_the_path():
     env = flight.rank_env({"PYTHONPATH": "/mine"}, "/f/rank-0.progress", 0.6)
     assert env == {flight.FILE: "/f/rank-0.progress.flight.json", flight.INTERVAL: "0.6",

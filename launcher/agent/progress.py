@@ -88,7 +88,9 @@ class ProgressReporter:
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             since = self._fenced_at.get(rank)
             out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
-                               fence_age=None if since is None else now - since))
+                               fence_age=None if since is None else now - since,
+                               recorder="flight" if record and not os.path.exists(
+                                   self.path(rank)) else ""))
         return out
 
     @staticmethod

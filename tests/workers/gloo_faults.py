@@ -2,7 +2,7 @@
 in its last step; it knows nothing of dtrain.
 
     python tests/workers/gloo_faults.py FAULT     # FAULT: skip, mismatch, stop, none
-    python tests/workers/gloo_faults.py long SECONDS   # a healthy all-reduce of SECONDS or so
+    python tests/workers/gloo_faults.py long SECONDS   # one healthy all-reduce that long
 
 4 ranks in two pairs ({0, 1}, {2, 3}: `new_group`); each step all-reduces within the pair, then
 on the world. In step 3: ``skip``: rank 1 leaves out its pair's all-reduce; ``mismatch``: rank 2
@@ -46,12 +46,19 @@ def main() -> None:
 
 
 def long_all_reduce(seconds: float) -> None:
-    """All-reduces of 64 MiB until ``seconds`` have passed: long collectives, all healthy."""
-    t = torch.ones(16 << 20)
-    until = time.monotonic() + seconds
-    while time.monotonic() < until:
-        dist.all_reduce(t)
-    print(f"rank {dist.get_rank()} done", flush=True)
+    """One healthy all-reduce sized to last about ``seconds`` on this machine (rank 0 times a
+    64 MiB one and scales, capped at 1 GiB); prints how long it took."""
+    probe = torch.ones(16 << 20)
+    started = time.monotonic()
+    dist.all_reduce(probe)
+    numel = torch.tensor([min(1 << 28, int((16 << 20) * seconds / (time.monotonic() - started)))])
+    dist.broadcast(numel, 0)
+    del probe
+    t = torch.ones(int(numel.item()))
+    dist.barrier()
+    started = time.monotonic()
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} all_reduce {time.monotonic() - started:.2f} s", flush=True)
     dist.destroy_process_group()
 
 
