@@ -74,6 +74,10 @@ launcher/ and trainer/ never import each other.
                                next agent on the host (adapter)
                  facts         what the agent reports about its host (dtrain check)
                  progress      the ranks' progress records: folder, reading, py-spy stacks
+                               (the folder holds each rank's error file too)
+                 flight        torch.distributed programs: the Flight Recorder turned on and
+                               read by flight_shim/sitecustomize in each rank (no record of
+                               their own needed)
     hang/        views, model, causes, cycles, graph, diagnose: who caused a hang (the
                  Diagnosis the restart logic reads); watch, status: stragglers, live table (pure)
     pmi/         PMI-1 codec, per-host proxy core and the actions it asks for, the head's
@@ -86,6 +90,7 @@ launcher/ and trainer/ never import each other.
                  rankshim      each rank under it: contract, interfaces, abort on failure
     wire         head <-> agent frames, and the typed SPEC whose defaults are the only ones (pure)
     netroute     which local address and interface reach a given host
+    errorfile    a failed rank's root cause from its TORCHELASTIC_ERROR_FILE (pure)
     errors       the exception hierarchy
 
 Design notes the code relies on: docs/design.md.

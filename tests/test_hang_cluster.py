@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -107,6 +108,43 @@ def test_a_stopped_rank_of_a_pipeline_training_run_is_named_as_stopped(cluster, 
     assert re.search(rf"cause: rank 1 \(node2\) is stopped [^\n]*; rank 0 \(node1\) waits for "
                      rf"it in {op}", text), text
     assert "every member entered it" not in text, text
+
+
+def test_a_rank_stalled_inside_a_send_is_named_first_and_its_receiver_after_it(cluster,
+                                                                               tmp_path):
+    """Rank 2 (node2) posts a 4 MiB send to rank 0 (node1) after the test made node2's packets
+    to node1 vanish (node1's address resolves to a hardware address nobody has): both halves
+    are posted, nothing arrives, ranks 1 and 3 wait in the next all-reduce. The sender is
+    named first, its receiver after it; the other waiters are consequences."""
+    ready, go, logs = tmp_path / "ready", tmp_path / "go", tmp_path / "logs"
+    ns, node1 = cluster.namespace("node2"), cluster.address("node1")
+    # UCX_TLS=tcp: the namespace hosts share one kernel, and UCX would otherwise carry the
+    # ranks' traffic through shared memory, past the network (`tests.test_restart_cluster`).
+    proc = start_dtrain([*_hang_args(cluster, "node1:2,node2:2", logs), "--env", "UCX_TLS=tcp",
+                         "--", PYTHON, WORKER, "sendstall", str(ready), str(go)])
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run(["ip", "-n", ns, "neigh", "replace", node1, "lladdr",
+                        "02:00:00:00:00:01", "dev", "eth0", "nud", "permanent"], check=True)
+        go.touch()
+        _, err = proc.communicate(timeout=120)
+    finally:
+        subprocess.run(["ip", "-n", ns, "neigh", "del", node1, "dev", "eth0"], check=False)
+        kill_recorded([proc.pid])
+    assert proc.returncode == 123, err[-3000:]
+    text = _diagnosis(logs)
+    # World operations: a send or receive and an all-reduce per step for ranks 0 and 2, so the
+    # third step's send is #5; ranks 1 and 3 wait in their third all-reduce.
+    assert text.splitlines()[0].endswith(
+        "cause: rank 2 (node2) is stalled inside send #5 on world (float32, 4.0 MiB) to rank 0 "
+        "(node1), which waits in recv #5 on world for it: the posted send never arrives (its "
+        "host's network, or the transport under it, does not deliver); ranks 1 (node1), 3 "
+        "(node2) wait for it too"), text
+    assert "stack of rank 2" in text and "sendstall (hang_worker.py" in text
+    assert "first failure: rank 2@node2: hung (rank 2 (node2) is stalled inside send" in err
+    assert not cluster.wait_no_job_pids(timeout=30)
 
 
 # One real run per operation kind, on both the TP group and the world, with the skipping rank

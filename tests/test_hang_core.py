@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from launcher.hang.diagnose import diagnose, who
@@ -105,6 +106,29 @@ def test_when_every_member_entered_the_operation_nobody_is_blamed():
                               "problem?)")
 
 
+def test_a_rank_whose_posted_send_never_arrives_is_blamed_first_and_its_receiver_after_it():
+    """Rank 2 sits in its send to rank 0 (posted, running, never completing: its link drops
+    what it sends) and rank 0 in the matching receive; ranks 1 and 3 wait in the world barrier
+    for both. Every member of the send entered it, yet the sender is the one the job waits for."""
+    send = op("world", 2, 7, 6, "send", size=4, p2p=1, peer=0, nbytes=4 << 20, age=9.0)
+    recv = op("world", 0, 7, 6, "recv", size=4, p2p=2, peer=2, nbytes=4 << 20, age=9.5)
+    views = [rank(0, "node1", recv), rank(1, "node1", barrier(1, 7, 6)),
+             rank(2, "node2", send), rank(3, "node2", barrier(3, 7, 6))]
+    found = diagnose(views, {2: "Thread 7 (idle)\n    send (worker.py:30)\n"})
+    assert found.culprit_ranks == (2,) and found.kind == "unsent", found.text
+    assert found.blamed_hosts == ("node2",)
+    assert (found.group, found.op, found.seq) == ("world", "send", 7)
+    assert found.headline == (
+        "rank 2 (node2) is stalled inside send #7 on world (float32, 4.0 MiB) to rank 0 "
+        "(node1), which waits in recv #7 on world for it: the posted send never arrives (its "
+        "host's network, or the transport under it, does not deliver); ranks 1 (node1), 3 "
+        "(node2) wait for it too"), found.text
+    assert "every member entered it" not in found.text
+    assert any(line.startswith("  ranks 1 (node1), 3 (node2) wait in barrier #7 on world")
+               and "a consequence" in line for line in found.lines), found.text
+    assert "        send (worker.py:30)" in found.lines
+
+
 def test_a_rank_stopped_inside_an_operation_every_member_entered_is_what_the_others_wait_for():
     views = [rank(0, "node0", ar("dp[0]", 0, 9, 8)),
              rank(1, "node1", ar("dp[0]", 1, 9, 8), state="stopped")]
@@ -122,6 +146,17 @@ def test_a_receive_whose_stopped_peer_posted_its_send_waits_for_that_peer():
     found = diagnose(views)
     assert found.culprit_ranks == (1,), found.text
     assert "rank 0 (node0) waits for it in recv #7 on pp[0]" in found.headline, found.text
+
+
+def test_a_rank_gone_without_a_record_is_what_the_others_wait_for():
+    """A torch.distributed rank that left its main before its first record (the Flight
+    Recorder's reader writes one a sampling interval after the group is up)."""
+    views = [rank(0, "a", op("world", 0, 3, 2, size=3)),
+             rank(1, "a", op("world", 1, 3, 2, size=3)), RankView(2, "b", state="exited")]
+    found = diagnose(views)
+    assert found.culprit_ranks == (2,) and found.kind == "exited", found.text
+    assert found.headline.startswith("rank 2 (b) has exited; ranks 0, 1 (a) wait for it in "
+                                     "all_reduce #3 on world"), found.text
 
 
 def test_a_rank_computing_outside_communication_is_blamed_as_behind():
@@ -174,6 +209,20 @@ def test_a_rank_working_outside_communication_holds_the_clock_until_it_stops_wor
     stopped = HangClock(3.0, now=0.0)
     stopped.update(views(0.9, state="stopped"), 0.0)  # its last reading before SIGSTOP
     assert stopped.due(views(0.9, state="stopped"), 3.5)
+
+
+def test_torch_ranks_using_their_cpu_inside_a_long_collective_hold_the_clock():
+    """Seen through the Flight Recorder, a rank blocks while it waits (gloo does not spin):
+    one that uses its CPU inside an all-reduce is moving data."""
+    clock = HangClock(3.0, now=0.0)
+    views = {r: rank(r, "a", ar("world", r, 4, 3), avg=0.0) for r in (0, 1)}
+    moving = {r: replace(v, cpu_share=0.4, recorder="flight") for r, v in views.items()}
+    for t in (1.0, 2.0, 3.0, 4.0):
+        clock.update(moving, t)
+    assert not clock.due(moving, 4.0)
+    idle = {r: replace(v, cpu_share=0.01) for r, v in moving.items()}
+    clock.update(idle, 5.0)
+    assert not clock.due(idle, 6.5) and clock.due(idle, 7.0)  # 3 s after the last work
 
 
 def test_ranks_spinning_inside_an_operation_are_not_working():

@@ -157,7 +157,8 @@ class Agent:
             self.progress = ProgressReporter(
                 spec.job_id, spec.ranks[0].env.get(workerenv.HOST, "") if ranks else "",
                 ranks, spec.progress_interval,
-                lambda body: self.link.send_json(wire.Kind.PROGRESS, body))
+                lambda body: self.link.send_json(wire.Kind.PROGRESS, body),
+                lambda: self.pmi.proxy.fenced if self.pmi is not None else frozenset())
         if spec.pmi.mode != "off":
             from launcher.agent.pmi_sockets import PmiSockets
 
@@ -165,8 +166,7 @@ class Agent:
                 mode=spec.pmi.mode, ranks=ranks, world_size=spec.pmi.world_size,
                 kvsname=spec.pmi.kvsname, process_mapping=spec.pmi.process_mapping,
                 stall_after=spec.pmi.stall,
-                send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg),
-            )
+                send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg))
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec.ranks),
                                                **facts.rendezvous(spec.probe),
                                                "check_s": round(time.monotonic() - t0, 4)})
@@ -179,7 +179,7 @@ class Agent:
         if self.pmi is not None:
             env.update(self.pmi.rank_env(rank.rank))
         if self.progress is not None:
-            env[workerenv.PROGRESS_FILE] = self.progress.path(rank.rank)
+            env.update(self.progress.rank_env(rank.rank, env))
         return env
 
     def _pids(self) -> dict[int, int]:
@@ -241,7 +241,8 @@ class Agent:
             self.pmi.exited(ev.rank)
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
-        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal})
+        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal,
+                                             **(self.progress.error(ev) if self.progress else {})})
         if not self.ranks:
             descendants.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None

@@ -1,7 +1,8 @@
 """The agent's side of progress records: a private folder, reading, stacks (adapter).
 
-Each rank gets ``DTRAIN_PROGRESS_FILE`` in a folder of its own job made with ``mkdtemp`` (mode
-0700) in /dev/shm (memory; the temp dir where it is missing) and removed when the agent leaves;
+Each rank gets ``DTRAIN_PROGRESS_FILE`` (and ``TORCHELASTIC_ERROR_FILE``: `launcher.errorfile`)
+in a folder of its own job made with ``mkdtemp`` (mode 0700) in /dev/shm (memory; the temp dir
+where it is missing) and removed when the agent leaves or the round ends;
 its name marks the agent, so that the next agent on the host removes it if this one is killed
 (`launcher.agent.leftovers`, run before the folder is made).
 The agent reads the records without the ranks' help (layout in `workerenv`), notes the share
@@ -26,12 +27,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import workerenv
-from launcher.agent import leftovers
+from launcher import errorfile
+from launcher.agent import flight, leftovers
 from launcher.hang.views import RankView, view_of
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
+
+    from launcher.agent.ranks import RankExited
 
 STACK_TIMEOUT_S = 10.0
 CPU_WINDOW_S = 0.5
@@ -41,7 +45,9 @@ _TICKS = os.sysconf("SC_CLK_TCK")
 
 class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
-                 send: Callable[[dict[str, Any]], object]) -> None:
+                 send: Callable[[dict[str, Any]], object],
+                 fenced: Callable[[], frozenset[int]] = frozenset) -> None:
+        """``fenced``: the ranks in a PMI barrier now (`PmiProxy.fenced`)."""
         base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
         mark = leftovers.own_mark()
         leftovers.sweep(base or tempfile.gettempdir(), mark)  # what dead agents left here
@@ -49,20 +55,42 @@ class ProgressReporter:
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
+        self._fenced = fenced
+        self._fenced_at: dict[int, float] = {}  # rank -> when it was first seen fenced
 
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.progress")
 
+    def rank_env(self, rank: int, env: dict[str, str]) -> dict[str, str]:
+        """Its progress record, its Flight Recorder's reader (`launcher.agent.flight`) and
+        its error file: one per rank, as torchrun gives (a shared one holds the last
+        writer's). ``env``: the rank's environment so far (the user's settings)."""
+        return {workerenv.PROGRESS_FILE: self.path(rank),
+                **flight.rank_env(env, self.path(rank), self.interval),
+                errorfile.VARIABLE: errorfile.path(self.folder, rank)}
+
+    def error(self, ev: RankExited) -> dict[str, Any]:
+        """For a failed rank's EXIT frame: what its error file says (the head's summary)."""
+        cause = errorfile.read(errorfile.path(self.folder, ev.rank)) if ev.code else None
+        return {"error": cause.to_json()} if cause is not None else {}
+
     def views(self, pids: Mapping[int, int]) -> list[RankView]:
         """Every rank of this host; ``pids`` holds the live ones (the others have exited)."""
         now = time.monotonic()  # the records' clock (`workerenv`)
+        fenced = self._fenced()
+        self._fenced_at = {r: self._fenced_at.get(r, now) for r in fenced}
         out = []
         for rank in self.ranks:
             record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
-            state, cpu = ("exited", None) if rank not in pids else _stat(pid)
+            gone = rank not in pids or flight.left(flight.path(self.path(rank)))
+            state, cpu = ("exited", None) if gone else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
-            out.append(replace(view, cpu_share=self._share(rank, cpu, now)))
+            since = self._fenced_at.get(rank)
+            out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
+                               fence_age=None if since is None else now - since,
+                               recorder="flight" if record and not os.path.exists(
+                                   self.path(rank)) else ""))
         return out
 
     @staticmethod
@@ -71,9 +99,11 @@ class ProgressReporter:
         of files (a flood of connections to the PMI port) or memory is the next reading's
         problem, never the agent's end."""
         try:
-            return workerenv.read_progress(_reader(path)) if os.path.exists(path) else None
+            if os.path.exists(path):
+                return workerenv.read_progress(_reader(path))
         except OSError:
             return None
+        return flight.read(flight.path(path))  # a torch.distributed program's, if any
 
     def _share(self, rank: int, cpu: float | None, now: float) -> float:
         """The share of a core ``rank`` used since the reading at least `CPU_WINDOW_S` ago
@@ -104,7 +134,8 @@ class ProgressReporter:
 
         def answer() -> None:
             targets = {v.rank: v.pid for v in views if v.rank in wanted and v.pid}
-            self._send({"ranks": [v.to_json() for v in views], "stacks": stacks(targets),
+            found = stacks(targets, native=bool(body.get("native")))
+            self._send({"ranks": [v.to_json() for v in views], "stacks": found,
                         "probe": body.get("probe")})
 
         threading.Thread(target=answer, name="progress-probe", daemon=True).start()
@@ -141,8 +172,9 @@ def py_spy() -> str | None:
     return shutil.which("py-spy") or (beside if os.path.exists(beside) else None)
 
 
-def stacks(pids: Mapping[int, int]) -> dict[str, str]:
-    """rank -> its Python stack (``py-spy dump``), taken in parallel; {} without py-spy."""
+def stacks(pids: Mapping[int, int], native: bool = False) -> dict[str, str]:
+    """rank -> its Python stack (``py-spy dump``), taken in parallel; {} without py-spy.
+    ``native``: with the C frames (the MPI call a rank is in), pausing each rank a moment."""
     exe = py_spy()
     if exe is None or not pids:
         return {}
@@ -151,8 +183,9 @@ def stacks(pids: Mapping[int, int]) -> dict[str, str]:
     def dump(rank: int, pid: int) -> None:
         # --nonblocking reads the process's memory without pausing it, so a stopped rank
         # (SIGSTOP) is read too and a running one is not disturbed.
+        how = "--native" if native else "--nonblocking"
         try:
-            done = subprocess.run([exe, "dump", "--nonblocking", "--pid", str(pid)],
+            done = subprocess.run([exe, "dump", how, "--pid", str(pid)],
                                   capture_output=True, text=True, timeout=STACK_TIMEOUT_S)
             found[str(rank)] = done.stdout if done.returncode == 0 else \
                 f"(py-spy failed: {done.stderr.strip()[-300:]})"

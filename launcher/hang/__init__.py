@@ -1,6 +1,7 @@
 """Why a job is stuck, and who is slow: pure cores over the ranks' progress records.
 
     views      what the agents send about each rank: its groups' operations, step, state
+    mpi        an MPI program without records: MPI_Finalize seen by PMI, MPI calls in stacks
     model      what the members of a group must agree on; the record of a blamed rank (Cause)
     causes     which ranks the job waits for, and which are causes rather than consequences
     cycles     cycles of waits with no cause: which rank broke the program
@@ -18,8 +19,11 @@ For the restart logic, `launcher.hang.diagnose.Diagnosis` is the contract (froze
     kind           the headline cause: "past" (a member went on past an operation the others
                    wait in), "mismatch" (it waits at the same point in another operation),
                    "behind" (it never entered it: computing, blocked outside communication, or
-                   it skipped one), "stopped", "exited", "no-record", "deadlock" (a cycle of
-                   waits nothing explains: every rank in it is blamed), or "stalled" (every
+                   it skipped one), "unsent" (a running sender whose posted send never
+                   reaches the receiver waiting for it), "stopped", "exited", "finalizing"
+                   (an MPI rank in MPI_Finalize while others wait: `hang.mpi`), "no-record",
+                   "deadlock" (a cycle of waits nothing explains: every rank in it is
+                   blamed), or "stalled" (every
                    member entered and it does not complete: a network or device problem, no
                    rank blamed)
     culprit_ranks  every rank blamed, the headline's first; () when none is

@@ -18,8 +18,10 @@ the odd one out waits for nobody: it is the cause. A rank waiting in a point-to-
 needs its peer to have posted one on the group too (two plain receives from each other: both).
 
 Causes: a member past or mismatched (its program went another way: it skipped an operation or
-ran a different one), and a needed rank that waits in nothing (computing or blocked outside
-communication, stopped, exited, without a progress record). A needed rank that itself waits
+ran a different one), a running sender whose posted send never reaches the receiver that waits
+in the matching receive (``unsent``: both halves are posted, so what is stuck is below the
+program, on the sender's side), and a needed rank that waits in nothing (computing or blocked
+outside communication, stopped, exited, without a progress record). A needed rank that itself waits
 elsewhere explains the wait by its own: a consequence, and the chain of who waits for whom is
 followed across groups to its end (the "wavefront" of NVIDIA's flight-recorder attribution).
 A stopped rank is always a cause. Chains that close in a cycle with no cause are judged by
@@ -33,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from launcher.hang.cycles import break_cycle, stuck_cycles
 from launcher.hang.graph import explained_by, reachable, reverse
-from launcher.hang.model import KINDS, P2P, Cause, Groups, Signature
+from launcher.hang.model import KINDS, P2P, RECV, SEND, Cause, Groups, Signature
 from launcher.hang.views import GroupView, RankView
 
 
@@ -49,7 +51,9 @@ def analyse(views: Sequence[RankView]) -> Analysis:
     causes: dict[int, Cause] = {}
     needs: dict[int, set[int]] = {}
     edges: dict[tuple[int, int], GroupView] = {}   # (waiter, needed) -> the waiter's op
-    unseen = [v.rank for v in views if v.state == "no-record"]
+    # Ranks the others cannot see in their groups: no record yet, or gone without one.
+    unseen = [v.rank for v in views if v.state == "no-record" or
+              (v.state == "exited" and not v.groups)]
     judged: dict[tuple[str, int, Signature | None], list[tuple[int, Cause | None]]] = {}
     for v in views:
         # A stopped rank's waits count too: continued, it would still wait for them.
@@ -111,6 +115,10 @@ def _needed(groups: Groups, v: RankView, g: GroupView, unseen: list[int],
             return []
         peer, pg = mem[g.peer]
         posted = pg.in_flight and pg.op in P2P and peer.state != "stopped"
+        if posted and g.p2p == RECV and pg.p2p == SEND and pg.peer == g.group_rank:
+            # Both halves are posted and the sender runs, yet nothing arrives: the transfer
+            # is stuck on the sender's side (its link, or the transport under it).
+            return [(peer.rank, Cause(peer.rank, "unsent", g.label, pg.op, pg.seq, ()))]
         mutual = g.op == pg.op == "recv" and pg.peer == g.group_rank
         return [] if posted and not mutual else [(peer.rank, None)]
     count = g.collectives

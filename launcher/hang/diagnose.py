@@ -95,7 +95,7 @@ def _cause_text(c: Cause, by_rank: Mapping[int, RankView],
     waiters = who(c.waiters, by_rank) if c.waiters else ""
     waited = next((g for w in c.waiters if w in by_rank
                    for g in by_rank[w].waiting if g.label == c.label), None)
-    what = f"{c.op} #{c.seq} on {c.label}{_payload(waited)}" if c.op else ""
+    what = f"{at(c.op, c.seq, c.label)}{_payload(waited)}" if c.op else ""
     which = f", which {waiters} {_wait(c.waiters)} in" if waiters and what else ""
     now = _now(by_rank.get(c.rank))
     if c.kind == "past":
@@ -107,6 +107,8 @@ def _cause_text(c: Cause, by_rank: Mapping[int, RankView],
         return (f"{me} entered {c.instead} on {c.label} where the other members entered {what}"
                 f"{which} (a mismatch: the same point of the program, different operations); "
                 f"{now}")
+    if c.kind == "unsent":
+        return _unsent(c, by_rank)
     if c.kind == "behind" and c.op in P2P and what:
         return f"{me} never posted its part of {what}{which}; {now}"
     if c.kind == "behind" and what:
@@ -121,13 +123,28 @@ def _cause_text(c: Cause, by_rank: Mapping[int, RankView],
                               if waiters and what else "")
 
 
+def _unsent(c: Cause, by_rank: Mapping[int, RankView]) -> str:
+    """The sender first, then the ranks receiving from it, then any others that wait for it."""
+    mine = by_rank[c.rank].group(c.label) if c.rank in by_rank else None
+    recvs = {w: g for w in c.waiters if w in by_rank and (g := by_rank[w].group(c.label))
+             and g.in_flight and g.op in P2P and mine and g.peer == mine.group_rank}
+    first = next(iter(recvs.values()), None)
+    into = f"{first.op} #{first.seq} on {c.label}" if first else "the matching receive"
+    others = [w for w in c.waiters if w not in recvs]
+    also = f"; {who(others, by_rank)} {_wait(others)} for it too" if others else ""
+    return (f"{who([c.rank], by_rank)} is stalled inside {c.op} #{c.seq} on {c.label}"
+            f"{_payload(mine)} to {who(recvs, by_rank) if recvs else 'its receiver'}, which "
+            f"{_wait(list(recvs))} in {into} for it: the posted send never arrives (its host's "
+            f"network, or the transport under it, does not deliver){also}")
+
+
 def _now(v: RankView | None) -> str:
     if v is None:
         return "it has no progress record"
     g = v.waiting[0] if v.waiting else None
     if v.state != "running" or g is None:
         return f"it {describe(v)}"
-    return f"now it waits in {g.op} #{g.seq} on {g.label}"
+    return f"now it waits in {at(g.op, g.seq, g.label)}"
 
 
 def _consequences(explained: Iterable[int], needs: Mapping[int, Sequence[int]],
@@ -139,8 +156,9 @@ def _consequences(explained: Iterable[int], needs: Mapping[int, Sequence[int]],
     out = []
     for (label, seq, op, needed), ranks in list(lines.items())[:MAX_CONSEQUENCE_LINES]:
         age = max(g.age for r in ranks for g in by_rank[r].waiting[:1])
-        out.append(f"  {who(ranks, by_rank)} {_wait(ranks)} in {op} #{seq} on {label} (for "
-                   f"{age:.1f}s) for {who(needed, by_rank)}: a consequence, not a cause")
+        since = f" (for {age:.1f}s)" if seq else ""  # an MPI call seen from outside: unknown
+        out.append(f"  {who(ranks, by_rank)} {_wait(ranks)} in {at(op, seq, label)}{since} "
+                   f"for {who(needed, by_rank)}: a consequence, not a cause")
     if len(lines) > MAX_CONSEQUENCE_LINES:
         rest = sum(len(rs) for rs in list(lines.values())[MAX_CONSEQUENCE_LINES:])
         out.append(f"  and {rest} more ranks waiting as a consequence")
@@ -151,11 +169,16 @@ def _stalled(views: Sequence[RankView], by_rank: Mapping[int, RankView]) -> str:
     waits: dict[str, list[int]] = {}
     for v in views:
         for g in v.waiting[:1]:
-            waits.setdefault(f"{g.op} #{g.seq} on {g.label}", []).append(v.rank)
+            waits.setdefault(at(g.op, g.seq, g.label), []).append(v.rank)
     if not waits:
         return "no rank is inside a communication operation"
     return "; ".join(f"{who(rs, by_rank)} {_wait(rs)} in {op}" for op, rs in waits.items()) + \
         ": every member entered it, but it does not complete (a network or device problem?)"
+
+
+def at(op: str, seq: int, label: str) -> str:
+    """``all_reduce #5 on dp[0]``; an MPI call seen from outside has neither (`hang.mpi`)."""
+    return f"{op} #{seq} on {label}" if seq else op
 
 
 def _wait(ranks: Sequence[int]) -> str:
@@ -168,12 +191,15 @@ def describe(v: RankView) -> str:
         return f"is stopped (SIGSTOP/SIGTSTP); `kill -CONT {v.pid}` on its host resumes it"
     if v.state == "exited":
         return "has exited"
+    if v.state == "finalizing":
+        return (f"is in MPI_Finalize for {v.fence_age or 0.0:.1f}s: it has left its program "
+                "(returned from its main or called exit) while others still communicate")
     if v.state == "no-record":
         return "has written no progress record (still starting, or not using dtrain's trainer)"
     step = f" at step {v.step}" if v.step else ""
     if v.waiting:
         g = v.waiting[0]
-        return f"waits in {g.op} #{g.seq} on {g.label}{step} (for {g.age:.1f}s)"
+        return f"waits in {at(g.op, g.seq, g.label)}{step} (for {g.age:.1f}s)"
     last = min(v.groups, key=lambda g: g.age, default=None)
     since = f"; its last operation, {last.op} #{last.seq} on {last.label}, began " \
         f"{last.age:.1f}s ago" if last else ""

@@ -17,8 +17,10 @@ from dataclasses import dataclass
 from launcher.hang.views import GroupView, RankView
 
 P2P = frozenset({"send", "recv", "batch_p2p"})
+SEND, RECV = 1, 2   # `GroupView.p2p`: the side a point-to-point operation is named by
 #: The kinds of cause, in the order they are told; the first cause is the headline.
-KINDS = ("stopped", "exited", "past", "mismatch", "behind", "no-record", "deadlock")
+KINDS = ("stopped", "exited", "finalizing", "past", "mismatch", "behind", "unsent", "no-record",
+         "deadlock")
 
 Member = tuple[RankView, GroupView]
 Signature = tuple[str, int]   # an operation as members must agree on it: name, broadcast root

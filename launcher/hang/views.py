@@ -64,6 +64,12 @@ class RankView:
     cpu_share: float = 0.0           # of one core, over the agent's last half second or more
     first_step: int = 0              # the first step this process reported (a resume's S+1)
     first_step_age: float | None = None  # seconds since it was reported
+    # Seconds since it entered the PMI barrier it is in (MPI_Init's wire-up or MPI_Finalize:
+    # `launcher.hang.mpi`); None when it is in none.
+    fence_age: float | None = None
+    # Where its groups come from: "" its own record (trainer.comm), "flight" torch's Flight
+    # Recorder (`launcher.agent.flight`): a gloo rank blocks while it waits, it never spins.
+    recorder: str = ""
 
     def group(self, label: str) -> GroupView | None:
         return next((g for g in self.groups if g.label == label), None)

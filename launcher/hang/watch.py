@@ -8,7 +8,9 @@ not a hang; working is counted so that one rank's long phase while the others wa
 (rank 0 writing a checkpoint the others do not write, a slower compile, data preparation, a
 long first step, a straggler) is not one either. A rank that stopped, sleeps, or blocks
 outside communication while the others wait for it is a hang; so is every rank waiting
-(ranks inside an operation do not count as working: MPI spins while it waits). Reported once
+(ranks inside an operation do not count as working: MPI spins while it waits; torch.distributed
+ranks, seen through the Flight Recorder, do: gloo blocks while it waits, so a rank inside a long
+collective that uses its CPU moves data). Reported once
 per stall: any progress re-arms it. A rank that computes forever outside communication is
 not reported (its step stands still in the live view).
 
@@ -42,7 +44,10 @@ class HangClock:
 
     def update(self, views: Mapping[int, RankView], now: float) -> None:
         for rank, v in views.items():
-            working = v.state == "running" and v.cpu_share >= BUSY_SHARE and not v.waiting
+            # MPI spins while it waits: a waiting rank's CPU is work only where waiting
+            # blocks (torch.distributed's ranks: a long collective moving data is progress).
+            working = v.state == "running" and v.cpu_share >= BUSY_SHARE and (
+                not v.waiting or v.recorder == "flight")
             if self._seen.get(rank) != v.position or working:
                 self._seen[rank] = v.position
                 self.last_change, self.fired = now, False

@@ -21,6 +21,8 @@ from __future__ import annotations
 import signal as _signal
 from dataclasses import dataclass, field
 
+from launcher.errorfile import RootCause
+
 
 @dataclass
 class RankOutcome:
@@ -30,6 +32,8 @@ class RankOutcome:
     code: int | None = None
     signal: int | None = None
     pid: int | None = None
+    #: What its error file says (torch's ``@record``), when it failed and wrote one.
+    error: RootCause | None = None
 
     @property
     def failed(self) -> bool:
@@ -67,21 +71,22 @@ class JobOutcome:
         self.failures.append(failure)
         return len(self.failures) == 1 and self.abort is None
 
-    def rank_exited(self, rank: int, code: int, signum: int | None,
-                    stopping: bool) -> Failure | None:
-        """Record a rank's exit status; returns the failure it is, if it is a new one.
+    def rank_exited(self, rank: int, code: int, signum: int | None, stopping: bool,
+                    error: RootCause | None = None) -> Failure | None:
+        """Record a rank's exit status (and what its error file says); returns the failure it
+        is, if it is a new one.
 
         A rank already failed by inference (its PMI connection closed) keeps its place as the
         first failure, now with its real status; a rank dtrain was stopping is "stopped".
         """
         r = self.ranks[rank]
-        r.code, r.signal = code, signum
+        r.code, r.signal, r.error = code, signum, error
+        why = exit_status_why(code, signum) + (f" ({error.message})" if error else "")
         inferred = [i for i, f in enumerate(self.failures) if f.rank == rank and f.inferred]
         if inferred:
             r.state = "exited"
             if code != 0:
-                self.failures[inferred[0]] = Failure(code, f"rank {rank}@{r.host}",
-                                                     exit_status_why(code, signum), rank)
+                self.failures[inferred[0]] = Failure(code, f"rank {rank}@{r.host}", why, rank)
             return None
         if stopping and code != 0:
             r.state = "stopped"  # we asked it to stop; not a failure of its own
@@ -89,7 +94,7 @@ class JobOutcome:
         r.state = "exited"
         if code == 0:
             return None
-        return Failure(code, f"rank {rank}@{r.host}", exit_status_why(code, signum), rank)
+        return Failure(code, f"rank {rank}@{r.host}", why, rank)
 
     @property
     def exit_code(self) -> int:

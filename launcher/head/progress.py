@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from launcher.hang import mpi
 from launcher.hang.diagnose import Diagnosis, diagnose
 from launcher.hang.views import RankView
 from launcher.hang.watch import HangClock, stragglers
@@ -63,6 +64,8 @@ class ProgressMonitor:
         self.clock = HangClock(opts.hang_timeout, now) if opts.hang_timeout else None
         self.diagnoses: list[Diagnosis] = []
         self._probing: dict[str, Any] | None = None
+        self._mpi_next = 0.0                     # when MPI ranks' stacks may be looked at again
+        self._mpi_told: tuple[int, ...] = ()     # the fenced ranks last diagnosed (told once)
         self._next_status = now + (opts.status_interval or 0.0)
 
     def on_progress(self, host: int, body: dict[str, Any]) -> None:
@@ -113,15 +116,34 @@ class ProgressMonitor:
             self.clock.fired = True
             blamed = diagnose(list(self.views.values())).culprit_ranks or tuple(
                 sorted(self.views))[:MAX_STACKS]
-            self._probing = {"id": len(self.diagnoses) + 1, "pending": set(hosts),
-                             "until": now + PROBE_WAIT_S, "stacks": {},
-                             "stalled": self.clock.stalled_for(now)}
-            self._probe({"probe": self._probing["id"], "stacks": list(blamed)})
+            self._start_probe(now, hosts, blamed, self.clock.stalled_for(now))
+            return None
+        fenced, others = mpi.suspects(self.views.values(), self.opts.hang_timeout)
+        if fenced and tuple(fenced) != self._mpi_told and now >= self._mpi_next:
+            # An MPI program: a rank in MPI_Finalize for the timeout while others run. Their
+            # native stacks tell whether they wait in MPI (a hang) or compute (none yet).
+            self._mpi_next = now + self.opts.hang_timeout
+            stalled = max(self.views[r].fence_age or 0.0 for r in fenced)
+            self._start_probe(now, hosts, others[:MAX_STACKS], stalled, native=tuple(fenced))
         return None
 
-    def _conclude(self, now: float) -> Diagnosis:
+    def _start_probe(self, now: float, hosts: set[int], ranks: Sequence[int], stalled: float,
+                     native: tuple[int, ...] = ()) -> None:
+        self._probing = {"id": len(self.diagnoses) + 1, "pending": set(hosts),
+                         "until": now + PROBE_WAIT_S, "stacks": {}, "stalled": stalled,
+                         "fenced": native}
+        self._probe({"probe": self._probing["id"], "stacks": list(ranks),
+                     "native": bool(native)})
+
+    def _conclude(self, now: float) -> Diagnosis | None:
         probing, self._probing = self._probing or {}, None
-        found = diagnose(list(self.views.values()), probing.get("stacks"))
+        views: list[RankView] | None = list(self.views.values())
+        if probing.get("fenced"):
+            views = mpi.views(self.views, probing["stacks"], self.opts.hang_timeout)
+            if views is None:
+                return None  # the others compute: asked again after another timeout
+            self._mpi_told = probing["fenced"]
+        found = diagnose(views or [], probing.get("stacks"))
         head = (f"hang: no rank made progress for {probing.get('stalled', 0.0):.1f}s "
                 f"(--hang-timeout {self.opts.hang_timeout:g}); cause: {found.headline}")
         self.diagnoses.append(found)

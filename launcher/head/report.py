@@ -44,7 +44,16 @@ def print_report(outcome: JobOutcome, tail: Callable[[int], list[str]], elapsed:
         console.print(f"... and {len(shown) - MAX_ROWS} more ranks not shown")
     for f in outcome.failures[:8]:
         console.print(f"failure {f.where}: {f.why}")
+    first = next((outcome.ranks[f.rank] for f in outcome.failures if f.rank is not None), None)
+    if first is not None and first.error is not None:
+        # As torchrun's ChildFailedError: the first failure's exception, from its error file.
+        console.print(f"--- root cause: rank {first.rank}@{first.host} raised "
+                      f"{first.error.message} ---")
+        for line in first.error.lines():
+            console.print(line)
     for r in ranks:
+        if r is first and r.error is not None:
+            continue
         if r.failed or (r.signal and r.state == "exited"):
             lines = tail(r.rank)
             if lines:

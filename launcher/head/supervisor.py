@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from launcher import wire
+from launcher.errorfile import RootCause
 from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome
@@ -229,7 +230,7 @@ class Supervisor:
         rank = int(body["rank"])
         self.writer.flush_rank(rank)
         failure = self.outcome.rank_exited(rank, int(body["code"]), body.get("signal"),
-                                           self.stopping)
+                                           self.stopping, RootCause.from_json(body.get("error")))
         if failure is not None:
             self._fail(failure)
 

@@ -62,6 +62,7 @@ class PmiProxy:
         self._cache: dict[str, str] = {}
         self._epoch_puts: dict[str, str] = {}
         self._barrier: set[int] = set()
+        self.fenced: frozenset[int] = frozenset()  # in a barrier: MPI_Init or MPI_Finalize
         self._gets: dict[int, tuple[int, str]] = {}  # req -> (conn, key)
         self._next_req = 0
         self._epoch = 0
@@ -241,6 +242,7 @@ class PmiProxy:
     def _barrier_in(self, conn: int, rank: int, c: Conn, cmd: PmiCommand) -> list[Action]:
         c.pending = "barrier"
         self._barrier.add(rank)
+        self.fenced = frozenset(self._barrier)
         if len(self._barrier) < len(self._ranks):
             return []
         puts, self._epoch_puts = self._epoch_puts, {}
@@ -277,7 +279,7 @@ class PmiProxy:
             if conn is not None:
                 self._conns[conn].pending = None
                 out.append(Reply(conn, format_reply("barrier_out", rc=0)))
-        self._barrier.clear()
+        self._barrier, self.fenced = set(), frozenset()
         return out
 
     def _get_result(self, msg: Mapping[str, Any]) -> list[Action]:

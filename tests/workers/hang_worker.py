@@ -3,6 +3,9 @@
     python tests/workers/hang_worker.py skip    # dp 2 x tp 2: rank 2 skips step 3's DP all-reduce
     python tests/workers/hang_worker.py pipe    # pp 2: stage 1 stops sending at step 3
     python tests/workers/hang_worker.py busy    # 2 ranks: rank 1 computes alone for 8 s (healthy)
+    python tests/workers/hang_worker.py sendstall READY GO
+        # 4 ranks: rank 2 sends 4 MiB to rank 0 each step; before the last send it creates
+        # READY and spins until GO exists (the test cuts its host's link to rank 0's meanwhile)
     python tests/workers/hang_worker.py leave KIND FAMILY RANK [NUMEL]
         # dp 2 x tp 2: every step runs each operation kind on the TP group, a DP all-reduce and
         # each kind on the world (`tests.test_hang_blame.step_ops`); RANK leaves out KIND on
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -75,6 +79,28 @@ def busy() -> None:
     print(f"rank {world.rank} done", flush=True)
 
 
+def sendstall() -> None:
+    """Rank 2 sends to rank 0, then every rank joins an all-reduce, 3 steps; the last send is
+    posted only once the test has made node2's packets to node1 vanish, so it never arrives.
+    Rank 2 spins while it waits for the test, as a rank computing (no hang until it sends)."""
+    ready, go = Path(sys.argv[2]), Path(sys.argv[3])
+    world = init(backend="mpi")
+    record = record_of(world.comm)
+    big, t = torch.ones(1 << 20), torch.ones(8)  # 4 MiB: a rendezvous send, it blocks
+    for step in range(1, 4):
+        if world.rank == 2:
+            if step == 3:
+                ready.touch()
+                until = time.monotonic() + 120
+                while not go.exists() and time.monotonic() < until:
+                    pass
+            world.comm.send(big, 0)
+        elif world.rank == 0:
+            world.comm.recv(big, 2)
+        world.comm.all_reduce(t)
+        record.step(step, 0.0)
+
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 STEPS = 3
 
@@ -113,4 +139,5 @@ def _run(comm, kind: str, t: torch.Tensor) -> None:
 
 
 if __name__ == "__main__":
-    {"skip": skip, "pipe": pipe, "busy": busy, "leave": leave}[sys.argv[1]]()
+    {"skip": skip, "pipe": pipe, "busy": busy, "leave": leave,
+     "sendstall": sendstall}[sys.argv[1]]()

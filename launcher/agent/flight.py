@@ -1,0 +1,78 @@
+"""torch.distributed programs seen through torch's Flight Recorder, without their help (adapter).
+
+A rank that does not use dtrain's trainer writes no progress record; one that uses
+torch.distributed has torch's Flight Recorder, which records every collective of every process
+group (op, group, sequence number, sizes, state) once ``TORCH_FR_BUFFER_SIZE`` is set. The
+agent sets it (2000 entries) unless the user set it or its NCCL name, and puts
+`flight_shim` first on the ranks' PYTHONPATH: its ``sitecustomize`` reads the recorder from
+a thread of the rank's own and writes each group's state beside the rank's progress record
+(``DTRAIN_FLIGHT_FILE``), in the record's own fields. The agent reads that file where the rank
+has no record (`read`), so the same views, hang clock, causes engine and stacks serve both.
+
+What it cannot see: point-to-point operations (gloo's Flight Recorder does not record them),
+processes started with ``python -E``/``-I`` (they ignore PYTHONPATH), and programs that never
+initialise torch.distributed (these get the stack-only diagnosis).
+"""
+
+from __future__ import annotations
+
+import os
+
+import workerenv
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from typing import Any
+
+FILE = "DTRAIN_FLIGHT_FILE"
+INTERVAL = "DTRAIN_FLIGHT_INTERVAL"
+BUFFER = "TORCH_FR_BUFFER_SIZE"
+BUFFER_NAMES = (BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE")  # either turns the recorder on
+ENTRIES = 2000      # the recorder's ring: far more than a hang needs, a few hundred KiB
+MAX_BYTES = 1 << 20
+SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flight_shim")
+
+
+def path(record: str) -> str:
+    return record + ".flight.json"
+
+
+def rank_env(env: dict[str, str], record: str, interval: float) -> dict[str, str]:
+    """What a rank's environment gets so that its Flight Recorder is read."""
+    extra = {FILE: path(record), INTERVAL: f"{interval:g}",
+             "PYTHONPATH": os.pathsep.join(p for p in (SHIM, env.get("PYTHONPATH")) if p)}
+    if not any(env.get(name) for name in BUFFER_NAMES):
+        extra[BUFFER] = str(ENTRIES)
+    return extra
+
+
+def left(file: str) -> bool:
+    """The program left its main with torch.distributed up (the shim's marker): done with
+    the job, whatever its teardown does (torch's threads can hold it there)."""
+    return os.path.exists(file + ".left")
+
+
+def read(file: str) -> workerenv.RankProgress | None:
+    """The rank's groups as the shim last wrote them; None without a readable file (the file
+    is the rank's: anything unexpected in it is no record)."""
+    import json
+
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            body = json.loads(f.read(MAX_BYTES + 1)[:MAX_BYTES])
+        return workerenv.RankProgress(int(body["pid"]), int(body["rank"]), 0, 0.0, 0.0, 0.0,
+                                      tuple(_group(g) for g in body["groups"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _group(g: dict[str, Any]) -> workerenv.GroupProgress:
+    return workerenv.GroupProgress(
+        str(g["label"]), int(g["group_rank"]), int(g["group_size"]), int(g["seq"]),
+        int(g["done"]), str(g["op"]), str(g["dtype"]), int(g["p2p"]), int(g["peer"]),
+        int(g["nbytes"]), float(g["entered_at"]),
+        tuple((int(s), str(o), int(p), int(n)) for s, o, p, n in g["history"]))
