@@ -36,6 +36,9 @@ over 300 lines).
     pipeline/    schedules, their checker, the runtime, stages, timeline
     zero/        ZeRO-1, 2, 3: sharded optimizer state, gradients, parameters (units)
     activations/ sequence parallelism and activation recomputation
+    context_parallel/  layout (zig-zag split), plan (visible, diagonal and masked blocks),
+                 blocks, ring, allgather, attention: attention over a sequence split across a
+                 context-parallel group (not yet an axis of the run's mesh)
     construction/  per-rank model construction on the meta device
     moe/         mixture of experts with expert parallelism
     placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,
