@@ -27,6 +27,7 @@ from tokenizers import Tokenizer
 
 from trainer import checkpoint
 from trainer.checkpoint.pieces import assemble
+from trainer.checkpoint.run_dir import folder
 from trainer.data.prepare import EOS_NAMES
 from trainer.errors import ConfigError, TrainerError
 from trainer.hf.folder import DTYPES, write_folder
@@ -59,7 +60,7 @@ def special_ids(tokenizer: Path) -> tuple[int | None, int | None]:
 
 def export(run_dir: Path, out: Path, *, dtype: str, max_shard_bytes: int) -> Path:
     """Export the newest committed checkpoint of ``run_dir`` into ``out``."""
-    root = run_dir / "checkpoints"
+    root = folder(run_dir)
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(

@@ -25,6 +25,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from trainer import checkpoint
+from trainer.checkpoint.run_dir import folder
 from trainer.errors import ConfigError, TrainerError
 from trainer.inference.merge import load_serial
 from trainer.inference.sampling import sample, sample_ids
@@ -60,7 +61,7 @@ def generate(args: argparse.Namespace) -> str:
         raise ConfigError("invalid option", f"--seed {args.seed}",
                           "must be >= 0 and below 2**64 (a 64-bit seed)",
                           "Pass a smaller --seed")
-    root = Path(args.run_dir) / "checkpoints"
+    root = folder(Path(args.run_dir))
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(

@@ -21,6 +21,7 @@ import torch
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointDamaged, CheckpointError, tree
 from trainer.checkpoint.layout import FALLBACK_HINT
+from trainer.checkpoint.run_dir import folder, unusable
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.recsys.config import OPTIONS, RecsysConfig
 from trainer.recsys.model import DLRM
@@ -35,7 +36,7 @@ def save(cfg: RecsysConfig, step: int, model: DLRM, dense_opt: torch.optim.Optim
             "layout": {"shards": comm.size}}
     skeleton, tensors = tree.flatten({"model": _flat(model), "dense": dense_opt.state_dict(),
                                       "sparse": sparse_opt.state_dict()})
-    return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step, tensors=tensors,
+    return checkpoint.save(folder(Path(cfg.run_dir)), step, tensors=tensors,
                            contents=skeleton, meta=meta, keep=cfg.checkpoint.keep, world=comm,
                            device=comm_device(comm))
 
@@ -44,10 +45,14 @@ def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
            sparse_opt: SparseOptimizer) -> int:
     """Load the newest checkpoint of ``--run-dir`` (collective); its step, 0 when none."""
     comm = model.table.comm
-    root = Path(cfg.run_dir) / "checkpoints"
+    root = folder(Path(cfg.run_dir))
     found = checkpoint.latest(root) if comm.rank == 0 else None
     step = _broadcast(comm, int(found.name.split("-")[1]) if found else 0)
     if step == 0:
+        problem = unusable(root) if comm.rank == 0 else None
+        if _any_failed(comm, problem is not None):  # checkpoint-like content it cannot use
+            raise (problem or CheckpointError("checkpoint refused", str(root), "reported by "
+                   "rank 0")).everywhere(report=comm.rank == 0)
         return 0
     error, state, path = None, None, root / f"step-{step}"
     try:

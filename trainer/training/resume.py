@@ -14,6 +14,14 @@ The rule of ``--resume``:
   way of the run's next save of that step. If none verifies the run stops with an error.
 * With no checkpoint at all it starts at step 0 and says so (as Megatron's ``--load`` and
   torchtitan's checkpointer do), so one command serves a job's first start and its restarts.
+  With no committed checkpoint but checkpoint-like content it cannot use (a ``step-<N>`` that
+  is a link, a file or a folder of other files, or only checkpoints set aside as damaged) it
+  stops with an error naming them (`trainer.checkpoint.run_dir.unusable`): starting over at
+  step 0 would quietly throw away the run those stand for, on every automatic restart too.
+  The leftover of a save that died before its commit (the first one) is no such content: the
+  banner names it and the run starts at step 0.
+* ``<run_dir>/checkpoints`` may be a symbolic link to another disk: it is resolved once
+  (`trainer.checkpoint.run_dir.folder`), and links among the steps are never followed.
 
 Which checkpoint: global rank 0 picks it and broadcasts the choice over the world, so no rank
 can load a different step than the others; the ranks' verdicts are reduced over the world, so
@@ -109,7 +117,7 @@ def restore(cfg: TrainConfig, mesh: Mesh, weights: MainWeights) -> Restored:
     """Load the checkpoint ``--resume`` picks (see the docstring) into ``weights`` (this rank's
     slices, AdamW's moments and step count), then the model follows them; collective over the
     mesh's world."""
-    root = Path(cfg.run_dir) / "checkpoints"
+    root = run_dir.folder(Path(cfg.run_dir))
     world, device = mesh.group(), mesh.device
     leader = world.rank == 0
     newest_first = sorted(checkpoint.step_dirs(root), reverse=True) if leader else []
@@ -138,7 +146,11 @@ def restore(cfg: TrainConfig, mesh: Mesh, weights: MainWeights) -> Restored:
             f"--resume-fallback set aside {', '.join(skipped)}: each is damaged (see above)",
             "Restore the files from a copy, or start the run again without --resume"
         ).everywhere(report=leader)
-    return Restored(0, f"--resume found no checkpoint in {root}: starting at step 0")
+    unusable = run_dir.unusable(root) if leader else None
+    if _broadcast(int(unusable is not None), mesh):
+        raise (unusable or quiet(root)).everywhere(report=leader)
+    return Restored(0, f"--resume found no checkpoint in {root}{run_dir.unfinished(root)}: "
+                    "starting at step 0")
 
 
 def _try(cfg: TrainConfig, path: Path, mine: list[Held], mesh: Mesh
