@@ -52,7 +52,17 @@ import torch
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointError, run_dir
 from trainer.checkpoint.files import FileRecord, TensorFile
-from trainer.checkpoint.pieces import MOMENTS, PARAM, Held, ReadPlan, held, install, plan, read
+from trainer.checkpoint.pieces import (
+    MOMENTS,
+    PARAM,
+    Held,
+    ReadPlan,
+    held,
+    install,
+    plan,
+    read,
+    slices_index,
+)
 from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
 from trainer.comm.mesh import Mesh
 from trainer.config.options import TrainConfig
@@ -167,7 +177,7 @@ def _try(cfg: TrainConfig, path: Path, mine: list[Held], mesh: Mesh
     try:
         record, meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, model=cfg.gpt.to_dict(), path=path)
-        index = checkpoint.read_index(path, record)
+        index = slices_index(path, record)
         saved_kinds = {e["kind"] for entries in index["files"].values() for e in entries or ()}
         moments = [{k: torch.zeros_like(h.tensor) for k in MOMENTS if k in saved_kinds}
                    for h in mine]
