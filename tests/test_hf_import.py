@@ -4,16 +4,21 @@ the folder's tokenizer comes with the run, into its samples and its export."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoTokenizer, LlamaForCausalLM
 from transformers import LlamaConfig as HFLlamaConfig
-from transformers import LlamaForCausalLM
 
 from tests.mpi_runs import forked_python
-from tests.support import REPO, dtrain_env
+from tests.support import PYTHON, REPO, dtrain_env
+from trainer import checkpoint
+from trainer.inference.merge import load_serial
+from trainer.inference.sampling import sample_ids
 
 FLAGS = ["--seq-len", "16", "--global-batch", "4", "--eval-every", "0", "--data-cap-mb", "0.25",
          "--log-every", "1", "--warmup-steps", "1"]
@@ -52,3 +57,52 @@ def test_a_cut_off_weight_file_is_one_error_naming_it(tmp_path: Path, sharded: b
     assert lines[0].endswith("(a download cut short, or not a safetensors file). Download or "
                              "save the folder again (save_pretrained)"), lines[0]
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def bpe_tokenizer(vocab: int) -> Tokenizer:
+    """A byte-level BPE of ``vocab`` ids trained on the json package's sources, its first two
+    ids the special BOS and EOS."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|bos|>", "<|eos|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(p) for p in sorted(Path(json.__file__).parent.glob("*.py"))], trainer)
+    assert tok.get_vocab_size() == vocab
+    return tok
+
+
+def test_a_run_from_a_folder_keeps_its_tokenizer_special_ids_and_positions(
+        tmp_path: Path) -> None:
+    vocab = 300
+    folder = hf_folder(tmp_path / "hf", vocab=vocab)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(bos_token_id=0, eos_token_id=1)
+    (folder / "config.json").write_text(json.dumps(config))
+    tok = bpe_tokenizer(vocab)
+    tok.save(str(folder / "tokenizer.json"))
+    run_dir = tmp_path / "run"
+    code, out = train(run_dir, "--init-from-hf", str(folder), "--steps", "1")
+    assert code == 0, out[-3000:]
+    assert (run_dir / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
+
+    done = subprocess.run([PYTHON, "-m", "trainer.generate", "--run-dir", str(run_dir),
+                           "--prompt", "import json", "--tokens", "12", "--temperature", "1"],
+                          capture_output=True, text=True, cwd=REPO, env=dtrain_env(),
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model, _ = load_serial(checkpoint.latest(run_dir / "checkpoints"))
+    ids = tok.encode("import json", add_special_tokens=False).ids
+    assert done.stdout.rstrip("\n") == tok.decode(
+        ids + sample_ids(model, ids, tokens=12, temperature=1.0, seed=0))
+
+    done = subprocess.run([PYTHON, "-m", "trainer.export", "--run-dir", str(run_dir), "--out",
+                           str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO,
+                          env=dtrain_env(), timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (0, 1)
+    assert exported["max_position_embeddings"] == 64  # the source's, trained at --seq-len 16
+    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == \
+        (folder / "tokenizer.json").read_bytes()
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").decode(ids) == "import json"

@@ -130,6 +130,10 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
+    if cfg.checkpoint.init_from_hf and run.is_writer:  # its tokenizer: the run's ids
+        from trainer.hf import source
+
+        source.keep(Path(cfg.checkpoint.init_from_hf), Path(cfg.run_dir))
     if isinstance(run.corpus, TokenData) and run.is_writer:  # generate and export decode with it
         keep_tokenizer(run.corpus, Path(cfg.run_dir))
     peak_mem = PeakMemory(world.device)
