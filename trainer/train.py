@@ -127,6 +127,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(restart.announcement(restart.of_environ(os.environ), run.restored.step))
+    log.info(run.restored.warning)
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))

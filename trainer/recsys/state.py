@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.checkpoint import CheckpointDamaged, CheckpointError, tree
+from trainer.checkpoint import CheckpointDamaged, CheckpointError, tree, verdict
 from trainer.checkpoint.layout import FALLBACK_HINT
 from trainer.checkpoint.run_dir import folder, unusable
 from trainer.comm.protocol import Communicator, ReduceOp
@@ -59,11 +59,11 @@ def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
         state = _read(path, cfg, comm)
     except CheckpointError as exc:
         error = exc
-    if _any_failed(comm, error is not None):
-        if error is not None:
-            raise error
-        raise CheckpointError("checkpoint refused", str(path),
-                              "reported by another rank").everywhere(report=False)
+    # Every rank's verdict, agreed: the ranks stop together and the lowest failing rank says
+    # why, once (a checkpoint of another rank count is refused by all of them alike).
+    worst, reporter = verdict.agree(error, comm, comm_device(comm))
+    if worst != verdict.OK:
+        raise (error or verdict.quiet(path)).everywhere(report=reporter)
     model.dense.load_state_dict(_part(state["model"], "dense."))
     table = _part(state["model"], "table.")
     if model.table.hashed:

@@ -85,6 +85,8 @@ class Restored:
     bytes: int = 0
     samples: dict[str, Any] | None = None
     """The tokenized data's position at the checkpoint (`trainer.data.token_batches`)."""
+    warning: str = ""
+    """What the resumed run trains differently from the saved one (`moe_objective`)."""
 
 
 def check_run_dir(cfg: TrainConfig) -> TrainConfig:
@@ -224,7 +226,29 @@ def _apply(cfg: TrainConfig, path: Path, chosen: _Chosen, weights: MainWeights,
         said += " with changed options: " + ", ".join(changed)
     files = tuple(sorted(chosen.plan.opened))
     return Restored(step, said, files, chosen.plan.bytes(chosen.record),
-                    chosen.meta["data"].get("samples"))
+                    chosen.meta["data"].get("samples"), moe_objective(cfg, chosen.meta, path))
+
+
+def moe_objective(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> str:
+    """The warning for a MoE run resumed with another number of sequences per microbatch ("":
+    none). The load-balancing (and z-) loss is computed per microbatch over its own tokens
+    (`trainer.moe.router`), so its value and gradient depend on how many sequences one
+    microbatch holds: global batch / (dp x microbatches). The language-model loss does not."""
+    saved, layout = meta.get("config", {}), meta.get("layout", {})
+    try:
+        before = int(saved["global_batch"]) // (int(layout["dp"]) * int(saved["microbatches"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return ""
+    if not cfg.gpt.moe.experts or before == cfg.micro_batch:
+        return ""
+    return (f"warning: MoE load balancing changes on resume [{path.name}]: the checkpoint "
+            f"trained with {before} sequence(s) per microbatch (global batch "
+            f"{saved['global_batch']} over dp {layout['dp']} x {saved['microbatches']} "
+            f"microbatches), this run with {cfg.micro_batch}; the load-balancing loss is "
+            "computed per microbatch, over its tokens, so from here on the auxiliary objective "
+            "is another one (the language-model loss is the same). Resume with dp x "
+            "--microbatches = "
+            f"{int(layout['dp']) * int(saved['microbatches'])} to keep it")
 
 
 def _broadcast(step: int, mesh: Mesh) -> int:
