@@ -31,7 +31,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from trainer.checkpoint.files import FileRecord
+from trainer.checkpoint.files import FileRecord, TensorFile
 from trainer.checkpoint.layout import FALLBACK_HINT, PLAIN_NAME, CheckpointDamaged
 
 KINDS = ("param", "exp_avg", "exp_avg_sq")
@@ -77,22 +77,31 @@ def _header(path: Path, file: str, record: dict[str, FileRecord]) -> dict[str, i
         raise _bad(path, where, "the name is not a plain file name in the checkpoint folder")
     if file not in record:
         raise _bad(path, where, "the commit record does not list this file")
+
+    def damaged(why: str) -> CheckpointDamaged:  # the file itself: said as verify_file says it
+        return CheckpointDamaged(f"checkpoint {path} is damaged", f"file {file}", why,
+                                 FALLBACK_HINT)
+
     try:
         info = os.lstat(path / file)
     except FileNotFoundError:
-        raise _bad(path, where, "the file is missing") from None
+        raise damaged("the file is missing") from None
     except OSError as exc:
-        raise _bad(path, where, f"it cannot be read: {exc.strerror or exc}") from None
+        raise damaged(f"it cannot be read: {exc.strerror or exc}") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise damaged("it is a symbolic link, and is never followed")
     if not stat.S_ISREG(info.st_mode):
-        raise _bad(path, where, "it is not a regular file (a link, a device, a pipe or a "
-                   "folder), and is never read")
+        raise damaged("it is not a regular file (a device, a pipe or a folder), and is never "
+                      "read")
     if info.st_size != record[file].size:
-        raise _bad(path, where, f"it has {info.st_size:,} bytes, the commit record "
-                   f"{record[file].size:,}")
+        raise damaged(f"it has {info.st_size:,} bytes, the commit record "
+                      f"{record[file].size:,} (truncated, emptied or overwritten after the "
+                      "save)")
     try:
         with safe_open(str(path / file), framework="pt", device="cpu") as opened:
             shapes = {k: opened.get_slice(k).get_shape() for k in opened.keys()}
     except (SafetensorError, OSError, ValueError) as exc:
+        TensorFile(path, file, record)  # says why: damaged (its checksum), or not safetensors
         raise _bad(path, where, f"its header is not safetensors ({exc})") from None
     counts = {}
     for key, shape in shapes.items():
