@@ -8,7 +8,11 @@ custom code:
     model.safetensors                        or model-0000k-of-0000N.safetensors + index above
                                              --max-shard-mb (Hugging Face's 5 GB by default)
     tokenizer.json                           the run's tokenizer (kept by a run on tokenized
-                                             data), for AutoTokenizer
+                                             data, or from its --init-from-hf folder), for
+                                             AutoTokenizer
+
+A run started with ``--init-from-hf`` exports the source folder's special ids and its
+``max_position_embeddings`` (`trainer.hf.source`), whatever ``--seq-len`` it trained at.
 
 Each Hugging Face shard's parameters are put together from the checkpoint's slices, written
 and dropped (`trainer.checkpoint.pieces.assemble` of those names, `trainer.hf.weights`): an
@@ -27,8 +31,10 @@ from tokenizers import Tokenizer
 
 from trainer import checkpoint
 from trainer.checkpoint.pieces import assemble
+from trainer.checkpoint.run_dir import folder
 from trainer.data.prepare import EOS_NAMES
 from trainer.errors import ConfigError, TrainerError
+from trainer.hf import source
 from trainer.hf.folder import DTYPES, write_folder
 from trainer.hf.weights import DEFAULT_SHARD_BYTES
 from trainer.model.config import GPTConfig
@@ -59,7 +65,7 @@ def special_ids(tokenizer: Path) -> tuple[int | None, int | None]:
 
 def export(run_dir: Path, out: Path, *, dtype: str, max_shard_bytes: int) -> Path:
     """Export the newest committed checkpoint of ``run_dir`` into ``out``."""
-    root = run_dir / "checkpoints"
+    root = folder(run_dir)
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(
@@ -69,9 +75,14 @@ def export(run_dir: Path, out: Path, *, dtype: str, max_shard_bytes: int) -> Pat
     cfg = GPTConfig.from_dict(meta["model"])
     tokenizer = run_dir / "tokenizer.json"
     bos, eos = special_ids(tokenizer) if tokenizer.is_file() else (None, None)
+    imported = source.read(run_dir)  # a run started from a Hugging Face folder: its facts
+    if imported is not None:
+        bos = imported.bos_token_id if imported.bos_token_id is not None else bos
+        eos = imported.eos_token_id if imported.eos_token_id is not None else eos
     write_folder(out, cfg, lambda names: assemble(path, names=names), dtype=dtype,
                  tokenizer_dir=run_dir if tokenizer.is_file() else None, bos_token_id=bos,
-                 eos_token_id=eos, max_shard_bytes=max_shard_bytes)
+                 eos_token_id=eos, max_shard_bytes=max_shard_bytes,
+                 max_positions=imported.max_position_embeddings if imported else None)
     return path
 
 

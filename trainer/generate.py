@@ -9,9 +9,11 @@ The checkpoint's slices are put together into the single-device GPT on this one 
 its index alone (`trainer.inference.merge`: no parallel model is built), so a model trained at
 any layout (every axis of the mesh) or ZeRO stage samples the same.
 The prompt's UTF-8 bytes are continued by ``--tokens`` bytes (`trainer.inference.sampling`),
-printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD. A run trained on
-tokenized data kept its tokenizer (``<run-dir>/tokenizer.json``): the prompt is encoded and
-the ``--tokens`` new tokens decoded with it.
+printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD, and ids above 255
+(a byte-level run with a larger ``--vocab-size`` has them, with no tokenizer to name them) as
+``<id:N>``. A run trained on tokenized data, or started from a Hugging Face folder
+(``--init-from-hf``), kept its tokenizer (``<run-dir>/tokenizer.json``): the prompt is encoded
+and the ``--tokens`` new tokens decoded with it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from trainer import checkpoint
+from trainer.checkpoint.run_dir import folder
 from trainer.errors import ConfigError, TrainerError
 from trainer.inference.merge import load_serial
-from trainer.inference.sampling import sample, sample_ids
+from trainer.inference.sampling import sample_ids
 from trainer.model.config import GPTConfig
 
 
@@ -60,7 +63,7 @@ def generate(args: argparse.Namespace) -> str:
         raise ConfigError("invalid option", f"--seed {args.seed}",
                           "must be >= 0 and below 2**64 (a 64-bit seed)",
                           "Pass a smaller --seed")
-    root = Path(args.run_dir) / "checkpoints"
+    root = folder(Path(args.run_dir))
     path = checkpoint.latest(root)
     if path is None:
         raise checkpoint.CheckpointError(
@@ -75,10 +78,23 @@ def generate(args: argparse.Namespace) -> str:
         out = sample_ids(model, ids, tokens=args.tokens, temperature=args.temperature,
                          top_k=args.top_k, seed=args.seed)
         return tok.decode(ids + out)
-    prompt = args.prompt.encode()
-    out_bytes = sample(model, prompt, tokens=args.tokens, temperature=args.temperature,
-                       top_k=args.top_k, seed=args.seed)
-    return (prompt + out_bytes).decode("utf-8", errors="replace")
+    prompt = list(args.prompt.encode())
+    out = sample_ids(model, prompt, tokens=args.tokens, temperature=args.temperature,
+                     top_k=args.top_k, seed=args.seed, unit="byte")
+    return byte_text(prompt + out)
+
+
+def byte_text(ids: list[int]) -> str:
+    """The text of a byte-level run's ids: bytes as UTF-8 (U+FFFD where invalid); an id above
+    255 (a vocabulary larger than the bytes, without a tokenizer to name it) as ``<id:N>``."""
+    text, run = [], bytearray()
+    for i in ids:
+        if i < 256:
+            run.append(i)
+            continue
+        text += [run.decode("utf-8", errors="replace"), f"<id:{i}>"]
+        run = bytearray()
+    return "".join([*text, run.decode("utf-8", errors="replace")])
 
 
 def check_model_fields(path: Path) -> None:

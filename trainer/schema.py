@@ -141,6 +141,12 @@ def build(cls: type, values: Mapping[str, Any]) -> Any:
     custom = getattr(cls, "from_values", None)
     if custom is not None:
         return custom(values)
+    return build_fields(cls, values)
+
+
+def build_fields(cls: type, values: Mapping[str, Any]) -> Any:
+    """``cls`` from ``values`` field by field: `build` for a class without ``from_values`` (one
+    with it may end there, after changing ``values``)."""
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for f in fields(cls):

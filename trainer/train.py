@@ -127,9 +127,14 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                      mfu=(lambda rate: mfu(rate, cfg.gpt, peak, world.size)) if peak else None)
     log.info(_banner(run, world.size))
     log.info(restart.announcement(restart.of_environ(os.environ), run.restored.step))
+    log.info(run.restored.warning)
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
+    if cfg.checkpoint.init_from_hf and run.is_writer:  # its tokenizer: the run's ids
+        from trainer.hf import source
+
+        source.keep(Path(cfg.checkpoint.init_from_hf), Path(cfg.run_dir))
     if isinstance(run.corpus, TokenData) and run.is_writer:  # generate and export decode with it
         keep_tokenizer(run.corpus, Path(cfg.run_dir))
     peak_mem = PeakMemory(world.device)

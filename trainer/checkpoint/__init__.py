@@ -43,6 +43,9 @@ verdict collectively and the lowest rank holding it reports it, once.
 
 Integrity (`load`, `files`): every file a rank reads is checked against the commit record
 (size, then sha256) before it is parsed; a mismatch raises `CheckpointDamaged` naming the file.
+Names in the record and the index are plain names in the folder, only regular files are read,
+never through a link, and every index entry is held to its tensor file's header and size before
+anything is planned or allocated from it (`bounds`).
 """
 
 from trainer.checkpoint.fault import FAULT_ENV, POINTS

@@ -11,9 +11,11 @@ ranges it needs, and a file that is not safetensors (a pickle put in its place) 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import re
+import stat
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +26,12 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from trainer.checkpoint.layout import FALLBACK_HINT, CheckpointDamaged, CheckpointError
+from trainer.checkpoint.layout import (
+    FALLBACK_HINT,
+    PLAIN_NAME,
+    CheckpointDamaged,
+    CheckpointError,
+)
 
 _SHOWN = 12  # hex digits of a digest shown in messages
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors reports an I/O error
@@ -94,16 +101,25 @@ def verify_file(folder: Path, name: str, record: dict[str, FileRecord]) -> Path:
     if want is None:
         raise damaged("the commit record does not list this file (a shard of another layout, "
                       "or the record was edited)")
+    if not PLAIN_NAME.match(name):
+        raise damaged("the name is not a plain file name in the checkpoint folder")
     try:
-        size = path.stat().st_size
-        if size != want.size:
-            raise damaged(f"it has {size:,} bytes, the commit record {want.size:,} (truncated, "
-                          "emptied or overwritten after the save)")
-        with open(path, "rb") as fh:
+        # Never through a link, never blocking on a pipe; only a regular file is read.
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK), "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode):
+                raise damaged("it is not a regular file (a device, a pipe or a folder), and is "
+                              "never read")
+            if info.st_size != want.size:
+                raise damaged(f"it has {info.st_size:,} bytes, the commit record "
+                              f"{want.size:,} (truncated, emptied or overwritten after the "
+                              "save)")
             got = hashlib.file_digest(fh, "sha256").hexdigest()
     except FileNotFoundError:
         raise damaged("the file is missing") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise damaged("it is a symbolic link, and is never followed") from None
         raise damaged(f"it cannot be read: {exc.strerror or exc}") from exc
     if got != want.sha256:
         raise damaged(f"sha256 mismatch (written {want.sha256[:_SHOWN]}..., read "

@@ -22,6 +22,14 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 TMP_DIR = re.compile(r"^step-(\d+)\.tmp-[0-9a-f]+$")
 #: What a resume that skipped a damaged checkpoint renames it to (kept, never loaded or pruned).
 DAMAGED_SUFFIX = ".damaged-"
+DAMAGED_DIR = re.compile(r"^step-(\d+)\.damaged-[0-9a-f]+$")
+#: Every name a save writes into a checkpoint folder: a folder named like a step that holds
+#: anything else is not a dead save, and nothing in it but these files is ever deleted.
+OWN_FILE = re.compile(r"^(rank-\d{5,}\.safetensors|index\.json|meta\.json|rng\.safetensors"
+                      r"|COMMITTED|\.COMMITTED\.tmp)$")
+#: What a file name in a commit record or an index may be: a plain name in the checkpoint
+#: folder (no separator, no ``..``, not hidden), so a reader never leaves the folder.
+PLAIN_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}$")
 #: The hint every refusal of a damaged checkpoint ends with.
 FALLBACK_HINT = ("Restore the file from a copy, or add --resume-fallback to resume from the "
                  "newest checkpoint that verifies")
@@ -65,6 +73,16 @@ def _named_like_steps(root: Path) -> list[Path]:
     return sorted(root / n for n in names if STEP_DIR.match(n) or TMP_DIR.match(n))
 
 
+def foreign(path: Path) -> list[str]:
+    """The entries of the real folder ``path`` that no save writes (sorted; a folder among
+    them, whatever its name, too): none in a checkpoint or in the leftover of a dead save."""
+    try:
+        names = os.listdir(path) if real_folder(path) else []
+    except OSError:
+        return []
+    return sorted(n for n in names if not OWN_FILE.match(n) or real_folder(path / n))
+
+
 def step_dirs(root: Path) -> dict[int, Path]:
     """Committed checkpoints under ``root`` by step. Only real folders count: a symbolic link or
     a file named ``step-<N>`` is never listed (`strays`), so nothing reads or deletes through it."""
@@ -77,8 +95,30 @@ def step_dirs(root: Path) -> dict[int, Path]:
 
 
 def strays(root: Path) -> list[Path]:
-    """Entries named like checkpoints that are links or not folders: reported, never touched."""
-    return [child for child in _named_like_steps(root) if not real_folder(child)]
+    """Entries named like checkpoints that are links, not folders, or uncommitted folders
+    holding files no save writes: reported, never touched."""
+    return [child for child in _named_like_steps(root) if not real_folder(child)
+            or (not committed(child) and foreign(child))]
+
+
+def stray_kind(path: Path) -> str:
+    """What a stray (`strays`) is, in words."""
+    if path.is_symlink():
+        return f"a symbolic link to {os.readlink(path)}"
+    if not real_folder(path):
+        return "not a folder"
+    names = foreign(path)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"a folder holding what no save writes ({shown})"
+
+
+def set_aside_damaged(root: Path) -> list[Path]:
+    """The damaged checkpoints a ``--resume-fallback`` renamed (``step-<N>.damaged-<hex>``)."""
+    try:
+        names = os.listdir(root) if real_folder(root) else []
+    except OSError:
+        names = []
+    return sorted(root / n for n in names if DAMAGED_DIR.match(n))
 
 
 def latest(root: Path) -> Path | None:
@@ -89,8 +129,9 @@ def latest(root: Path) -> Path | None:
 
 def leftover_step(path: Path) -> int | None:
     """The step of a temporary or uncommitted ``step-<N>`` folder (a dead save), else None.
-    A link or a file is never a leftover (`strays`)."""
-    if not real_folder(path):
+    A link, a file or a folder holding anything a save does not write is never a leftover
+    (`strays`)."""
+    if not real_folder(path) or foreign(path):
         return None
     tmp = TMP_DIR.match(path.name)
     if tmp:

@@ -18,6 +18,7 @@ from trainer.checkpoint.layout import (
     INDEX,
     MARKER,
     META,
+    PLAIN_NAME,
     REQUIRED,
     RNG,
     STEP_DIR,
@@ -91,6 +92,9 @@ def _record_problem(body: Any, path: Path) -> str:
     if not isinstance(files, dict) or not set(REQUIRED) <= files.keys():
         return f"its file list lacks one of {', '.join(REQUIRED)}"
     for name, entry in files.items():
+        if not PLAIN_NAME.match(name):
+            return (f"it names the file {name!r}, not a plain file name in the checkpoint "
+                    "folder")
         if not (isinstance(entry, dict) and entry.keys() == {"size", "sha256"}
                 and type(entry["size"]) is int and entry["size"] >= 0
                 and isinstance(entry["sha256"], str) and _SHA256.fullmatch(entry["sha256"])):

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import bounds
 from trainer.checkpoint.files import FileRecord, TensorFile
 from trainer.checkpoint.layout import FALLBACK_HINT, CheckpointDamaged
 from trainer.checkpoint.load import read_index, read_meta
@@ -96,11 +97,19 @@ class ReadPlan:
         return sum(record[name].size for name in self.opened)
 
 
+def slices_index(path: Path, record: dict[str, FileRecord]) -> dict[str, Any]:
+    """The verified ``index.json`` of ``path``, every entry checked against the tensor files
+    before any number in it is planned or allocated with (`trainer.checkpoint.bounds`)."""
+    index = read_index(path, record)
+    bounds.check(path, index, record)
+    return index
+
+
 def plan(path: Path, index: dict[str, Any], record: dict[str, FileRecord],
          targets: Sequence[tuple[str, Placement]]) -> ReadPlan:
     """Where every target (its kind and placement) comes from; opens and verifies the files
     that hold any of it. Raises `CheckpointDamaged` when the index lacks part of a target (a
-    file or an entry missing)."""
+    file or an entry missing). ``index``: `slices_index`'s, checked."""
     saved: dict[tuple[str, str], list[tuple[str, str, Placement]]] = {}
     for name, entries in index["files"].items():
         for e in entries or ():
@@ -198,7 +207,7 @@ def assemble(path: Path, kind: str = PARAM,
     when given), by name, put together from its slices (a merge: reads every file that holds
     one, each verified; for one process that wants them whole)."""
     record, _ = read_meta(path)
-    index = read_index(path, record)
+    index = slices_index(path, record)
     shapes: dict[str, tuple[int, ...]] = {}
     first: dict[str, tuple[str, str]] = {}
     for file, entries in index["files"].items():

@@ -6,13 +6,14 @@ half-way leaves an uncommitted ``step-<N>/`` that no resume reads and the next p
 Nothing is deleted through a symbolic link: a ``step-<N>`` that is a link (an archived
 checkpoint linked back, or one planted there) or a file is never listed (`layout.strays`);
 pruning reports it once per process and leaves it, and `remove` refuses anything but a real
-folder, deleting the links inside one as links.
+folder, deleting the links inside one as links. Nothing but what a save writes is deleted: an
+uncommitted ``step-<N>`` holding anything else (a user's own folder) is no dead save and is
+reported like a link, and `remove` deletes only a checkpoint's own files (`layout.OWN_FILE`),
+leaving a folder that holds more in place (reported from then on).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -20,9 +21,12 @@ from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import fsync_dir
 from trainer.checkpoint.layout import (
     MARKER,
+    OWN_FILE,
     CheckpointError,
     leftover_step,
+    real_folder,
     step_dirs,
+    stray_kind,
     strays,
 )
 
@@ -48,21 +52,22 @@ def prune(root: Path, *, keep: int, current: int) -> None:
 
 
 def warn_strays(root: Path) -> None:
-    """Say once per process which entries named like checkpoints are links or not folders."""
+    """Say once per process which entries named like checkpoints are not ours (`strays`)."""
     for path in strays(root):
         if path in _reported:
             continue
         _reported.add(path)
-        what = f"a symbolic link to {os.readlink(path)}" if path.is_symlink() else "not a folder"
-        print(f"warning: not a checkpoint folder [{path}]: it is {what}; dtrain never lists, "
-              "loads, prunes or deletes through it and leaves it as it is. Move it out of "
+        print(f"warning: not a checkpoint folder [{path}]: it is {stray_kind(path)}; dtrain "
+              "never lists, loads, prunes or deletes through it and leaves it as it is. Move "
+              "it out of "
               f"{root} (copy a checkpoint in, not a link, to resume from it)", file=sys.stderr,
               flush=True)
 
 
 def remove(path: Path, current: int) -> None:
     """Delete one checkpoint folder, marker first (``current``: the step being saved). Only a
-    real folder: a link is refused, never followed; links inside are deleted as links."""
+    real folder: a link is refused, never followed; links inside are deleted as links. Only
+    what a save writes is deleted: a folder holding more stays, with the rest."""
     if path.is_symlink() or not path.is_dir():
         raise CheckpointError("refusing to delete a checkpoint", str(path),
                               "it is a symbolic link or not a folder, and deleting through it "
@@ -73,11 +78,13 @@ def remove(path: Path, current: int) -> None:
         marker.unlink()
         fsync_dir(path)
         fault("remove_after_marker", current)
+    kept = False
     for i, child in enumerate(sorted(path.iterdir())):
-        if child.is_dir() and not child.is_symlink():
-            shutil.rmtree(child)
-        else:
+        if OWN_FILE.match(child.name) and not real_folder(child):
             child.unlink()
+        else:
+            kept = True
         if i == 0:
             fault("remove_mid_files", current)
-    path.rmdir()
+    if not kept:
+        path.rmdir()

@@ -43,6 +43,7 @@ from trainer.checkpoint.layout import (
     RNG,
     CheckpointError,
     committed,
+    foreign,
     rank_file,
 )
 from trainer.checkpoint.prune import prune, remove
@@ -248,6 +249,10 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
     files[META] = write_bytes(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode())
     fsync_dir(tmp)
     fault("save_after_meta", step)
+    if foreign(final):
+        raise CheckpointError("refusing to replace a folder that is not a checkpoint",
+                              str(final), f"it holds {', '.join(foreign(final))}, which no "
+                              "save writes", f"Move it out of {root}")
     if final.exists() or final.is_symlink():
         remove(final, step)  # an uncommitted leftover of a save that died after its rename
         # (a link there is refused, not followed)

@@ -34,7 +34,16 @@ from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
 from trainer.model.config import GPTConfig
 from trainer.moe.checks import check_moe
-from trainer.schema import Section, build, flatten, nest, option, replaced, section
+from trainer.schema import (
+    Section,
+    build,
+    build_fields,
+    flatten,
+    nest,
+    option,
+    replaced,
+    section,
+)
 from trainer.tensor_parallel.parallelize import check_divisible
 from trainer.zero.checks import check_zero
 
@@ -72,6 +81,24 @@ class TrainConfig(Section):
     checkpoint: TrainCheckpointSection = section(TrainCheckpointSection, "checkpoints")
     logging: TrainLoggingSection = section(TrainLoggingSection, "logging, evaluation and "
                                            "dashboards")
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> TrainConfig:
+        """The config of ``values``, the model's vocabulary the data's when ``--data`` names
+        tokenized datasets and ``--vocab-size`` is not given: their tokenizer's ids are the
+        model's tokens (a preset's vocabulary is the tokenizer it was made for, not this
+        data's). A ``--vocab-size`` given is kept, and refused at start-up if the data's ids
+        do not fit it."""
+        model = values.get("model", {})
+        path = values.get("data", {}).get("path")
+        if path and "vocab_size" not in model.get("gpt", {}):
+            from trainer.data.sources import data_vocab, parse_data  # numpy: only when asked
+
+            vocab = data_vocab(parse_data(path))
+            if vocab is not None:
+                values = {**values, "model": {**model, "gpt": {**model.get("gpt", {}),
+                                                              "vocab_size": vocab}}}
+        return build_fields(cls, values)  # type: ignore[no-any-return]
 
     def check(self) -> None:
         """What relates two sections: the model against the layout, evaluation and data."""

@@ -155,6 +155,13 @@ def prepare(files: Sequence[Path], out: Path, *, tokenizer: Path | None = None,
         with Progress(*columns, disable=quiet, transient=True) as progress:
             encode_into(writer, tok, files, eos_token, progress)
         writer.close()
+        if writer.tokens == writer.documents:  # nothing but the EOS after each document
+            shown = ", ".join(map(str, files[:3])) + \
+                (f" and {len(files) - 3} more" if len(files) > 3 else "")
+            raise DataError("no text to tokenize", shown,
+                            f"the {len(files)} input file(s) hold no text (empty files or "
+                            "documents), so the dataset would hold no training window",
+                            "Pass files with text in them")
         tok.save(str(tmp / TOKENIZER))
         writer.files[TOKENIZER] = {"bytes": (tmp / TOKENIZER).stat().st_size,
                                    "sha256": file_sha256(tmp / TOKENIZER)}

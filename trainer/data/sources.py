@@ -24,7 +24,7 @@ import torch
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus, DataError
 from trainer.data.token_batches import Source, TokenBatches, check_same_tokenizer
-from trainer.data.token_files import MANIFEST, TOKENIZER, TokenFiles
+from trainer.data.token_files import MANIFEST, TOKENIZER, Manifest, TokenFiles
 
 
 @dataclass(frozen=True)
@@ -127,6 +127,13 @@ def make_batches(data: Corpus | TokenData, *, seq_len: int, plan: BatchPlan, see
                             validation=validation, reporter=reporter)
     return ShardedBatches(data, seq_len=seq_len, plan=plan, seed=seed, dp_rank=dp_rank,
                           device=device, validation=validation)
+
+
+def data_vocab(sources: DataSources) -> int | None:
+    """The vocabulary of the tokenized datasets of ``sources`` (their manifests' largest: one
+    tokenizer made them all, `check_same_tokenizer`); None for text."""
+    sizes = [Manifest.read(path).vocab_size for path, _ in sources.tokenized]
+    return max(sizes) if sizes else None
 
 
 def keep_tokenizer(data: TokenData, run_dir: Path) -> Path:

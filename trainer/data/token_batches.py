@@ -91,7 +91,8 @@ class Source:
     @property
     def val(self) -> int:
         total = int(self.starts[-1])
-        return min(total - 1, max(1, int(total * self.val_fraction))) if self.val_fraction else 0
+        return max(0, min(total - 1, max(1, int(total * self.val_fraction)))) \
+            if self.val_fraction else 0
 
     @property
     def train(self) -> int:

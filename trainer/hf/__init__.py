@@ -5,4 +5,6 @@
   gate/up), and back
 * `trainer.hf.weights`  sharded safetensors with an index, written shard by shard, read by slice
 * `trainer.hf.folder`   a whole folder: written atomically (export), read and loaded (import)
+* `trainer.hf.source`   what a run started from a folder keeps of it: its tokenizer, special
+  ids and ``max_position_embeddings``, for sampling and export
 """

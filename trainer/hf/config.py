@@ -96,8 +96,11 @@ def from_hf_config(hf: dict[str, Any], where: str, *, seq_len: int | None = None
 
 
 def to_hf_config(cfg: GPTConfig, *, dtype: str, bos_token_id: int | None = None,
-                 eos_token_id: int | None = None) -> dict[str, Any]:
-    """The ``config.json`` of ``cfg`` that transformers' `AutoModelForCausalLM` loads as is."""
+                 eos_token_id: int | None = None,
+                 max_positions: int | None = None) -> dict[str, Any]:
+    """The ``config.json`` of ``cfg`` that transformers' `AutoModelForCausalLM` loads as is;
+    ``max_positions``: the positions the model is made for, when more than it trained at (an
+    imported model's, `trainer.hf.source`)."""
     scaling = None
     if cfg.llama.rope_scaling == "llama3":
         scaling = {"rope_type": "llama3",
@@ -108,7 +111,8 @@ def to_hf_config(cfg: GPTConfig, *, dtype: str, bos_token_id: int | None = None,
         "intermediate_size": cfg.hidden, "num_hidden_layers": cfg.n_layer,
         "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.seq_len, "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": max(cfg.seq_len, max_positions or 0),
+        "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "tie_word_embeddings": cfg.tied, "attention_bias": False, "mlp_bias": False,
         "attention_dropout": 0.0, "initializer_range": 0.02, "use_cache": True,

@@ -67,6 +67,7 @@ def write_folder(out: Path, cfg: GPTConfig,
                  params: Callable[[list[str]], dict[str, torch.Tensor]], *,
                  dtype: str = "float32", tokenizer_dir: Path | None = None,
                  bos_token_id: int | None = None, eos_token_id: int | None = None,
+                 max_positions: int | None = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write ``cfg``'s model into the new folder ``out``; ``params(names)`` gives dtrain's
     whole parameters of those names (`trainer.hf.names.serial_names`), asked once per written
@@ -94,8 +95,9 @@ def write_folder(out: Path, cfg: GPTConfig,
             return {hf: got[hf].to(torch_dtype) for hf in names}
 
         write_weights(tmp, sizes, fetch, max_shard_bytes)
-        _write_json(tmp / "config.json", to_hf_config(cfg, dtype=dtype, bos_token_id=bos_token_id,
-                                                      eos_token_id=eos_token_id))
+        _write_json(tmp / "config.json", to_hf_config(
+            cfg, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            max_positions=max_positions))
         _write_json(tmp / "generation_config.json",
                     generation_config(bos_token_id=bos_token_id, eos_token_id=eos_token_id))
         for file in TOKENIZER_FILES if tokenizer_dir else ():

@@ -19,9 +19,10 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from trainer.hf.config import HFError
@@ -71,6 +72,7 @@ class HFWeights:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self._open: dict[str, Any] = {}
         index = folder / INDEX
         if index.is_file():
             try:
@@ -79,34 +81,51 @@ class HFWeights:
                 raise HFError("unreadable weight index", str(index), str(err),
                               "Re-save the folder with save_pretrained") from None
         elif (folder / SINGLE).is_file():
-            with safe_open(str(folder / SINGLE), framework="pt") as f:
-                self.weight_map = dict.fromkeys(f.keys(), SINGLE)
+            self.weight_map = dict.fromkeys(self._opened(SINGLE).keys(), SINGLE)
         else:
             raise HFError("no safetensors weights", str(folder),
                           f"neither {SINGLE} nor {INDEX} is there (PyTorch .bin files are "
                           "not read: unpickling runs code)",
                           "Save the model with save_pretrained(safe_serialization=True)")
-        self._open: dict[str, object] = {}
+        # Every file's header is read now (a few KB each, memory-mapped): a broken or
+        # missing shard is one error naming it, at start-up on every rank alike, not a
+        # safetensors traceback on the ranks that reach it.
+        if not isinstance(self.weight_map, dict):
+            raise HFError("unreadable weight index", str(index), "its weight_map is not an "
+                          "object", "Re-save the folder with save_pretrained")
+        for name, file in self.weight_map.items():
+            if not isinstance(file, str) or os.sep in file or file.startswith(".."):
+                raise HFError("weight index names a file outside the folder", str(index),
+                              f"{name} -> {file}", "Use an index written by save_pretrained")
+        for file in sorted(set(self.weight_map.values())):
+            self._opened(file)
 
-    def _handle(self, name: str) -> object:
+    def _opened(self, file: str) -> Any:
+        """The open safetensors file ``file`` of the folder (opened once)."""
+        if file not in self._open:
+            path = self.folder / file
+            try:
+                self._open[file] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, ValueError) as err:
+                raise HFError("unreadable Hugging Face weights", str(path),
+                              f"{err} (a download cut short, or not a safetensors file)",
+                              "Download or save the folder again (save_pretrained)") from None
+        return self._open[file]
+
+    def _handle(self, name: str) -> Any:
         file = self.weight_map.get(name)
         if file is None:
             raise HFError("tensor missing from Hugging Face weights", str(self.folder),
                           f"{name} is in no file of the folder",
                           "Check that the folder holds the whole model")
-        if os.sep in file or file.startswith(".."):
-            raise HFError("weight index names a file outside the folder", str(self.folder),
-                          f"{name} -> {file}", "Use an index written by save_pretrained")
-        if file not in self._open:
-            self._open[file] = safe_open(str(self.folder / file), framework="pt")
-        return self._open[file]
+        return self._opened(file)
 
     def shape(self, name: str) -> list[int]:
-        return list(self._handle(name).get_slice(name).get_shape())  # type: ignore[attr-defined]
+        return list(self._handle(name).get_slice(name).get_shape())
 
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """Tensor ``name``, or its part ``index`` (slices), read lazily."""
-        part = self._handle(name).get_slice(name)  # type: ignore[attr-defined]
+        part = self._handle(name).get_slice(name)
         return part[index] if index else part[:]
 
     def rows(self, param: str, cfg: GPTConfig, dim: int,

@@ -15,7 +15,10 @@ from trainer.model.gpt import GPT
 
 def sample(model: GPT, prompt: bytes, *, tokens: int, temperature: float = 1.0,
            top_k: int = 0, seed: int = 0) -> bytes:
-    """``tokens`` bytes continuing ``prompt`` (ids are bytes)."""
+    """``tokens`` bytes continuing ``prompt`` (ids are bytes: a model of at most 256 ids)."""
+    if model.cfg.vocab_size > 256:
+        raise ConfigError("not a byte-level model", f"vocab_size {model.cfg.vocab_size}",
+                          "its ids above 255 are no bytes", "Sample ids with sample_ids")
     return bytes(sample_ids(model, list(prompt), tokens=tokens, temperature=temperature,
                             top_k=top_k, seed=seed, unit="byte"))
 

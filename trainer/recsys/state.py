@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from trainer import checkpoint
-from trainer.checkpoint import CheckpointDamaged, CheckpointError, tree
+from trainer.checkpoint import CheckpointDamaged, CheckpointError, tree, verdict
 from trainer.checkpoint.layout import FALLBACK_HINT
+from trainer.checkpoint.run_dir import folder, unusable
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.recsys.config import OPTIONS, RecsysConfig
 from trainer.recsys.model import DLRM
@@ -35,7 +36,7 @@ def save(cfg: RecsysConfig, step: int, model: DLRM, dense_opt: torch.optim.Optim
             "layout": {"shards": comm.size}}
     skeleton, tensors = tree.flatten({"model": _flat(model), "dense": dense_opt.state_dict(),
                                       "sparse": sparse_opt.state_dict()})
-    return checkpoint.save(Path(cfg.run_dir) / "checkpoints", step, tensors=tensors,
+    return checkpoint.save(folder(Path(cfg.run_dir)), step, tensors=tensors,
                            contents=skeleton, meta=meta, keep=cfg.checkpoint.keep, world=comm,
                            device=comm_device(comm))
 
@@ -44,21 +45,25 @@ def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
            sparse_opt: SparseOptimizer) -> int:
     """Load the newest checkpoint of ``--run-dir`` (collective); its step, 0 when none."""
     comm = model.table.comm
-    root = Path(cfg.run_dir) / "checkpoints"
+    root = folder(Path(cfg.run_dir))
     found = checkpoint.latest(root) if comm.rank == 0 else None
     step = _broadcast(comm, int(found.name.split("-")[1]) if found else 0)
     if step == 0:
+        problem = unusable(root) if comm.rank == 0 else None
+        if _any_failed(comm, problem is not None):  # checkpoint-like content it cannot use
+            raise (problem or CheckpointError("checkpoint refused", str(root), "reported by "
+                   "rank 0")).everywhere(report=comm.rank == 0)
         return 0
     error, state, path = None, None, root / f"step-{step}"
     try:
         state = _read(path, cfg, comm)
     except CheckpointError as exc:
         error = exc
-    if _any_failed(comm, error is not None):
-        if error is not None:
-            raise error
-        raise CheckpointError("checkpoint refused", str(path),
-                              "reported by another rank").everywhere(report=False)
+    # Every rank's verdict, agreed: the ranks stop together and the lowest failing rank says
+    # why, once (a checkpoint of another rank count is refused by all of them alike).
+    worst, reporter = verdict.agree(error, comm, comm_device(comm))
+    if worst != verdict.OK:
+        raise (error or verdict.quiet(path)).everywhere(report=reporter)
     model.dense.load_state_dict(_part(state["model"], "dense."))
     table = _part(state["model"], "table.")
     if model.table.hashed:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint.pieces import MOMENTS, Held, adam_step, held, stage
+from trainer.checkpoint.run_dir import folder
 from trainer.checkpoint.save import Save, start
 from trainer.checkpoint.writer import Writer
 from trainer.comm.bootstrap import World
@@ -49,7 +50,7 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> S
     samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
                    optimizer={"step": int(count), "groups": groups}, samples=samples)
-    return start(Path(run.cfg.run_dir) / "checkpoints", step, tensors=staged,
+    return start(folder(Path(run.cfg.run_dir)), step, tensors=staged,
                  contents=contents, meta=meta, keep=run.cfg.checkpoint.keep,
                  world=mesh.group(), device=mesh.device)
 
@@ -58,7 +59,7 @@ def save_checkpoint(run: Run, step: int) -> Path:
     """Every rank saves checkpoint ``step`` together and waits for its commit; its folder."""
     job = begin(run, step)
     if job is None:
-        return Path(run.cfg.run_dir) / "checkpoints" / f"step-{step}"
+        return folder(Path(run.cfg.run_dir)) / f"step-{step}"
     writer = Writer(None, background=False)
     writer.submit(job)
     writer.wait()
@@ -118,7 +119,7 @@ class Checkpoints:
         self.blocked[step] = time.perf_counter() - began
         self._finished(previous)
         self._finished(done)
-        return Path(self.run.cfg.run_dir) / "checkpoints" / f"step-{step}"
+        return folder(Path(self.run.cfg.run_dir)) / f"step-{step}"
 
     def poll(self) -> None:
         """At the end of every step: let the save in flight move on (its error raises here)."""

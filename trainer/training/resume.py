@@ -14,6 +14,14 @@ The rule of ``--resume``:
   way of the run's next save of that step. If none verifies the run stops with an error.
 * With no checkpoint at all it starts at step 0 and says so (as Megatron's ``--load`` and
   torchtitan's checkpointer do), so one command serves a job's first start and its restarts.
+  With no committed checkpoint but checkpoint-like content it cannot use (a ``step-<N>`` that
+  is a link, a file or a folder of other files, or only checkpoints set aside as damaged) it
+  stops with an error naming them (`trainer.checkpoint.run_dir.unusable`): starting over at
+  step 0 would quietly throw away the run those stand for, on every automatic restart too.
+  The leftover of a save that died before its commit (the first one) is no such content: the
+  banner names it and the run starts at step 0.
+* ``<run_dir>/checkpoints`` may be a symbolic link to another disk: it is resolved once
+  (`trainer.checkpoint.run_dir.folder`), and links among the steps are never followed.
 
 Which checkpoint: global rank 0 picks it and broadcasts the choice over the world, so no rank
 can load a different step than the others; the ranks' verdicts are reduced over the world, so
@@ -44,7 +52,17 @@ import torch
 from trainer import checkpoint
 from trainer.checkpoint import CheckpointError, run_dir
 from trainer.checkpoint.files import FileRecord, TensorFile
-from trainer.checkpoint.pieces import MOMENTS, PARAM, Held, ReadPlan, held, install, plan, read
+from trainer.checkpoint.pieces import (
+    MOMENTS,
+    PARAM,
+    Held,
+    ReadPlan,
+    held,
+    install,
+    plan,
+    read,
+    slices_index,
+)
 from trainer.checkpoint.verdict import DAMAGED, OK, agree, quiet
 from trainer.comm.mesh import Mesh
 from trainer.config.options import TrainConfig
@@ -67,6 +85,8 @@ class Restored:
     bytes: int = 0
     samples: dict[str, Any] | None = None
     """The tokenized data's position at the checkpoint (`trainer.data.token_batches`)."""
+    warning: str = ""
+    """What the resumed run trains differently from the saved one (`moe_objective`)."""
 
 
 def check_run_dir(cfg: TrainConfig) -> TrainConfig:
@@ -109,7 +129,7 @@ def restore(cfg: TrainConfig, mesh: Mesh, weights: MainWeights) -> Restored:
     """Load the checkpoint ``--resume`` picks (see the docstring) into ``weights`` (this rank's
     slices, AdamW's moments and step count), then the model follows them; collective over the
     mesh's world."""
-    root = Path(cfg.run_dir) / "checkpoints"
+    root = run_dir.folder(Path(cfg.run_dir))
     world, device = mesh.group(), mesh.device
     leader = world.rank == 0
     newest_first = sorted(checkpoint.step_dirs(root), reverse=True) if leader else []
@@ -138,7 +158,11 @@ def restore(cfg: TrainConfig, mesh: Mesh, weights: MainWeights) -> Restored:
             f"--resume-fallback set aside {', '.join(skipped)}: each is damaged (see above)",
             "Restore the files from a copy, or start the run again without --resume"
         ).everywhere(report=leader)
-    return Restored(0, f"--resume found no checkpoint in {root}: starting at step 0")
+    unusable = run_dir.unusable(root) if leader else None
+    if _broadcast(int(unusable is not None), mesh):
+        raise (unusable or quiet(root)).everywhere(report=leader)
+    return Restored(0, f"--resume found no checkpoint in {root}{run_dir.unfinished(root)}: "
+                    "starting at step 0")
 
 
 def _try(cfg: TrainConfig, path: Path, mine: list[Held], mesh: Mesh
@@ -155,7 +179,7 @@ def _try(cfg: TrainConfig, path: Path, mine: list[Held], mesh: Mesh
     try:
         record, meta = checkpoint.read_meta(path)
         checkpoint.check_compatible(meta, model=cfg.gpt.to_dict(), path=path)
-        index = checkpoint.read_index(path, record)
+        index = slices_index(path, record)
         saved_kinds = {e["kind"] for entries in index["files"].values() for e in entries or ()}
         moments = [{k: torch.zeros_like(h.tensor) for k in MOMENTS if k in saved_kinds}
                    for h in mine]
@@ -202,7 +226,29 @@ def _apply(cfg: TrainConfig, path: Path, chosen: _Chosen, weights: MainWeights,
         said += " with changed options: " + ", ".join(changed)
     files = tuple(sorted(chosen.plan.opened))
     return Restored(step, said, files, chosen.plan.bytes(chosen.record),
-                    chosen.meta["data"].get("samples"))
+                    chosen.meta["data"].get("samples"), moe_objective(cfg, chosen.meta, path))
+
+
+def moe_objective(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> str:
+    """The warning for a MoE run resumed with another number of sequences per microbatch ("":
+    none). The load-balancing (and z-) loss is computed per microbatch over its own tokens
+    (`trainer.moe.router`), so its value and gradient depend on how many sequences one
+    microbatch holds: global batch / (dp x microbatches). The language-model loss does not."""
+    saved, layout = meta.get("config", {}), meta.get("layout", {})
+    try:
+        before = int(saved["global_batch"]) // (int(layout["dp"]) * int(saved["microbatches"]))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return ""
+    if not cfg.gpt.moe.experts or before == cfg.micro_batch:
+        return ""
+    return (f"warning: MoE load balancing changes on resume [{path.name}]: the checkpoint "
+            f"trained with {before} sequence(s) per microbatch (global batch "
+            f"{saved['global_batch']} over dp {layout['dp']} x {saved['microbatches']} "
+            f"microbatches), this run with {cfg.micro_batch}; the load-balancing loss is "
+            "computed per microbatch, over its tokens, so from here on the auxiliary objective "
+            "is another one (the language-model loss is the same). Resume with dp x "
+            "--microbatches = "
+            f"{int(layout['dp']) * int(saved['microbatches'])} to keep it")
 
 
 def _broadcast(step: int, mesh: Mesh) -> int:
