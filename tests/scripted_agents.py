@@ -98,6 +98,7 @@ class ScriptedAgent:
         self.stream, self.script, self.beat = stream, script, beat
         self.scripts, self.specs = (script, *later), []  # every SPEC received, in order
         self.received: list[wire.Kind] = []  # every frame kind the head sent, in order
+        self.frames: list[wire.Frame] = []  # every frame the head sent, in order
         self.kills: list[dict[str, Any]] = []
         self.ranks: list[int] = []
         self._running: set[int] = set()
@@ -121,6 +122,7 @@ class ScriptedAgent:
             while data := self.stream.to_agent.read(65536):
                 for frame in decoder.feed(data):
                     self.received.append(frame.kind)
+                    self.frames.append(frame)
                     if self._on(frame):
                         return
         finally:
@@ -152,6 +154,10 @@ class ScriptedAgent:
             signum = int(frame.json()["signal"])
             for rank in sorted(self._running):
                 self._exit(rank, 128 + signum, signum)
+        elif kind is wire.Kind.QUERY:  # `--restart-check`: this machine's real answer
+            from launcher.agent.facts import answer
+
+            self.send(wire.Kind.REPLY, answer(frame.json()))
         elif kind is wire.Kind.BYE:
             return True
         return False

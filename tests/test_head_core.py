@@ -31,16 +31,18 @@ OPTS = SuperviseOptions(heartbeat=BEAT, misses=20, grace=0.2, launch_timeout=10.
 K = wire.Kind
 
 
-def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None
-            ) -> tuple[JobOutcome, list[ScriptedAgent]]:
-    """Two ranks per host, one scripted agent per host; the supervised job's outcome."""
+def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None,
+            agents: list[ScriptedAgent] | None = None) -> tuple[JobOutcome, list[ScriptedAgent]]:
+    """Two ranks per host, one scripted agent per host (added to ``agents`` as they start);
+    the supervised job's outcome."""
     names = [f"node{i}" for i in range(len(scripts))]
     selected = select_hosts(parse_host_list(",".join(f"{n}:2" for n in names)))
 
     plan = make_plan(selected, argv=["train"], cwd="/", job_id="job", base_env=base_env or {})
     streams = [MemoryAgentStream(n) for n in names]
-    agents = [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
-                                                                         strict=True)]
+    agents = [] if agents is None else agents
+    agents += [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
+                                                                          strict=True)]
 
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
     outcome = Supervisor.over(streams, plan, sink, OPTS).run(("10.0.0.1", 29500))
@@ -78,16 +80,29 @@ def test_the_spec_is_waiting_in_the_stream_before_the_agent_says_hello() -> None
 
 
 def test_a_spec_too_large_for_a_pipe_waits_for_the_agents_hello() -> None:
-    # Written at once it could block the head on a pipe nobody reads yet.
-    assert _frames_to_an_agent_that_never_starts({"BIG": "x" * 70_000}) == [K.BYE]
+    # Written at once it could block the head on a pipe nobody reads yet (a SPEC holds the
+    # PATH its agent checks the program with).
+    assert _frames_to_an_agent_that_never_starts({"PATH": "x" * 70_000}) == [K.BYE]
 
 
 def test_a_job_whose_specs_are_too_large_for_a_pipe_starts_once_its_agents_say_hello() -> None:
     outcome, agents = run_job([Script({0: 0, 1: 0}), Script({2: 0, 3: 0})],
-                              base_env={"BIG": "x" * 70_000})
+                              base_env={"PATH": "x" * 70_000})
     assert outcome.exit_code == 0
     assert all([k for k in a.received if k is not K.HEARTBEAT][:2] == [K.SPEC, K.START]
                for a in agents)
+
+
+def test_a_host_that_starts_no_ranks_because_another_refused_never_gets_the_secrets() -> None:
+    secret = "hf_head0123456789"
+    agents: list[ScriptedAgent] = []
+    with pytest.raises(AgentError, match=r"program not found \[host node1\]"):
+        run_job([Script({0: 0, 1: 0}), Script(refuse_spec=True)],
+                base_env={"PATH": "/venv/bin", "HF_TOKEN": secret}, agents=agents)
+    first = agents[0]
+    assert [f.kind for f in first.frames if f.kind is not K.HEARTBEAT] == [K.SPEC, K.BYE]
+    assert first.specs[0]["check_env"] == {"PATH": "/venv/bin"}
+    assert not any(secret.encode() in f.payload for f in first.frames)
 
 
 def test_a_host_refusing_its_spec_starts_nothing_on_any_host() -> None:

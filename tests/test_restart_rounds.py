@@ -29,6 +29,8 @@ OPTS = SuperviseOptions(heartbeat=BEAT, misses=20, grace=0.2, launch_timeout=10.
                         rounds=True)
 K = wire.Kind
 OK = Script({r: 0 for r in range(4)})  # whichever of these ranks the host runs exits 0
+SECRET = "hf_scripted0123456789"  # a forwarded HF_TOKEN: only hosts that start ranks get it
+BASE_ENV = {"PATH": "/venv/bin", "VIRTUAL_ENV": "/venv", "HF_TOKEN": SECRET}
 
 
 class Cluster:
@@ -59,7 +61,7 @@ def run_job(hostfile: str, scripts: dict[str, Sequence[Script]], restart: Restar
     active, spares = split_spares(select_hosts(parse_hostfile_text(hostfile, "hf")),
                                   restart.spares)
     setup = RoundsSetup(
-        argv=("train",), cwd="/", job_id="job", base_env={"FORWARDED": "1"}, supervise=OPTS,
+        argv=("train",), cwd="/", job_id="job", base_env=BASE_ENV, supervise=OPTS,
         restart=restart,
         master=("10.0.0.1", 29500), log_dir=None, connect=cluster.connect,  # type: ignore
         sink_for=lambda plan, folder: OutputSink({r.rank: r.host for r in plan.ranks},
@@ -99,11 +101,37 @@ def test_a_lost_host_is_replaced_by_the_spare_in_its_place():
     assert end.records[0].cause == "host lost" and end.records[0].change == "node4 replaces node2"
     spare = cluster.agents["node4"][0]
     assert spec_ranks(spare) == [[], [1]]  # a check of the job first, then rank 1's place
-    # the job's forwarded variables, for the program's lookup; no PMI, no progress records
-    assert spare.specs[0]["check_env"] == {"FORWARDED": "1"}
+    # of the job's forwarded variables only those that find its program; no PMI, no progress
+    assert spare.specs[0]["check_env"] == {"PATH": "/venv/bin", "VIRTUAL_ENV": "/venv"}
     assert spare.specs[0]["pmi"]["mode"] == "off" and "progress" not in spare.specs[0]
     assert [h for h, _ in end.last.outcome.ranks.items()] == [0, 1, 2]
     assert {r.host for r in end.last.outcome.ranks.values()} == {"node1", "node4", "node3"}
+
+
+def _carries_secret(frame: wire.Frame) -> bool:
+    return SECRET.encode() in frame.payload
+
+
+def test_secrets_reach_a_host_only_with_the_start_of_its_ranks_never_a_spare_that_runs_none():
+    end, cluster = run_job("node1\nnode2\nnode3 spare\n", {}, RestartOptions(max_restarts=1))
+    assert end.outcome.exit_code == 0
+    [spare] = cluster.agents["node3"]
+    assert spare.frames and not any(_carries_secret(f) for f in spare.frames)
+    for host in ("node1", "node2"):  # the SPEC holds none; START brings them for the ranks
+        [agent] = cluster.agents[host]
+        assert [f.kind for f in agent.frames if _carries_secret(f)] == [K.START]
+        assert agent.frames[agent.received.index(K.START)].json()["base"] == BASE_ENV
+
+
+def test_a_spare_vetted_by_restart_check_gets_secrets_only_when_it_starts_its_ranks():
+    cut = Script(silent_after_start=True)
+    end, cluster = run_job("node1\nnode2\nnode3 spare\n", {"node2": [cut]},
+                           RestartOptions(max_restarts=1, backoff=0, restart_check=True))
+    assert end.outcome.exit_code == 0 and end.records[0].change == "node3 replaces node2"
+    [spare] = cluster.agents["node3"]
+    query = next(f for f in spare.frames if f.kind is K.QUERY)
+    assert query.json()["env"] == {"PATH": "/venv/bin", "VIRTUAL_ENV": "/venv"}
+    assert [f.kind for f in spare.frames if _carries_secret(f)] == [K.START]
 
 
 def test_a_bad_flag_exit_2_is_never_restarted():

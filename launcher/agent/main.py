@@ -48,6 +48,7 @@ class Agent:
         self.ranks: dict[int, RankProcess] = {}
         self.spec: wire.AgentSpec | None = None
         self.job_env: dict[str, str] = {}  # what START adds to every rank (MASTER_ADDR/PORT)
+        self.base_env: dict[str, str] = {}  # START's forwarded variables, under the contract's
         self.interface: str | None = None  # the NIC that reaches MASTER_ADDR
         self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
         self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
@@ -111,7 +112,8 @@ class Agent:
         if kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
         elif kind is wire.Kind.START and self.spec is not None:
-            self._start_all(self.spec, frame.json().get("env", {}))
+            body = frame.json()
+            self._start_all(self.spec, body.get("env", {}), body.get("base", {}))
         elif kind is wire.Kind.KILL:
             body = frame.json()
             self._stop(int(body.get("signal", signal.SIGTERM)),
@@ -147,8 +149,7 @@ class Agent:
         self.spec, self.leave_at, self.exit_code = spec, None, 0
         self.interval = spec.watch.heartbeat
         self.silence_limit = spec.watch.heartbeat * spec.watch.misses
-        env = spec.ranks[0].env if spec.ranks else spec.check_env
-        problem = check_job(spec.cwd, spec.argv[0], rank_environment(os.environ, env))
+        problem = check_job(spec.cwd, spec.argv[0], rank_environment(os.environ, spec.check_env))
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
@@ -172,7 +173,7 @@ class Agent:
                                                "check_s": round(time.monotonic() - t0, 4)})
 
     def _rank_env(self, rank: wire.RankStart) -> dict[str, str]:
-        env = rank_environment(os.environ, {**rank.env, **self.job_env})
+        env = rank_environment(os.environ, {**self.base_env, **rank.env, **self.job_env})
         if self.interface:
             for name in SOCKET_IFNAME_VARS:
                 env.setdefault(name, self.interface)
@@ -186,9 +187,12 @@ class Agent:
         return {rank: rp.pid for rank, rp in self.ranks.items()}
 
     # -- ranks ---------------------------------------------------------------------------------
-    def _start_all(self, spec: wire.AgentSpec, job_env: dict[str, str]) -> None:
-        """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
+    def _start_all(self, spec: wire.AgentSpec, job_env: dict[str, str],
+                   base_env: dict[str, str]) -> None:
+        """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank, and
+        the forwarded ones (secrets too: only a host that starts ranks gets them)."""
         self.job_env = {str(k): str(v) for k, v in job_env.items()}
+        self.base_env = {str(k): str(v) for k, v in base_env.items()}
         master = job_env.get("MASTER_ADDR")
         self.interface = netroute.interface_for(master) if master else None
         t0 = time.monotonic()

@@ -105,7 +105,7 @@ class Supervisor:
                 self.fleet.dismiss(self.fleet.links)
             raise
         self.writer.start(self._sink)
-        startup.start(rendezvous, self.outcome, self._handle)
+        startup.start(self.plan, rendezvous, self.outcome, self._handle)
         if self.stdin is not None:
             self.stdin.start()
         else:

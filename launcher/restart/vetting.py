@@ -18,6 +18,7 @@ from launcher.errors import ConnectError
 from launcher.head.agent_link import AgentLink
 from launcher.head.startup import Signalled
 from launcher.hosts.selection import HostSlots
+from launcher.plan.environment import program_env
 from launcher.restart.blame import Blame
 from launcher.restart.pool import NextRound
 from launcher.transport.stream import AgentStream
@@ -76,7 +77,7 @@ def _probe(rounds: Rounds, link: AgentLink, slots: int) -> list[str]:
     from launcher.check import compare
 
     setup, fleet = rounds.setup, rounds.fleet
-    planned = dict(setup.base_env)
+    planned = program_env(setup.base_env)  # a spare starts no ranks: no secrets
     fleet.replies.pop(link.index, None)
     link.send_json(wire.Kind.QUERY, {"op": "facts", "cwd": setup.cwd, "env": planned})
     _hold_signal(rounds, rounds.tend(CHECK_TIMEOUT_S, lambda: link.index in fleet.replies
