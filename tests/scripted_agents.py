@@ -85,6 +85,9 @@ class Script:
     exit_codes: dict[int, int] = field(default_factory=dict)  # rank -> code (absent: run on)
     refuse_spec: bool = False        # answer the SPEC with ERROR instead of READY
     silent_after_start: bool = False  # stop sending anything (a cut cable)
+    silent_at: float | None = None   # ... that many seconds after START instead
+    silent_after_ready: bool = False  # stop sending anything once READY is sent (a spare)
+    boot_s: float = 0.0              # seconds before HELLO (a slow start on a loaded host)
     abort: tuple[int, int] | None = None  # (rank, code): that rank calls MPI_Abort
     mute: bool = False               # never answer the SPEC (an agent stuck while starting)
 
@@ -114,7 +117,12 @@ class ScriptedAgent:
                 except OSError:
                     pass
 
+    def _go_silent(self) -> None:
+        with self._lock:
+            self._silent = True
+
     def _run(self) -> None:
+        time.sleep(self.script.boot_s)
         self.send(wire.Kind.HELLO, {"protocol": wire.PROTOCOL_VERSION, "dtrain": "test"})
         threading.Thread(target=self._heartbeats, daemon=True).start()
         decoder = wire.Decoder()
@@ -147,6 +155,8 @@ class ScriptedAgent:
                 self.send(wire.Kind.ERROR, {"what": "program not found", "why": "scripted"})
             else:
                 self.send(wire.Kind.READY, {"ranks": len(self.ranks)})
+                if self.script.silent_after_ready:
+                    self._go_silent()
         elif kind is wire.Kind.START:
             self._start()
         elif kind is wire.Kind.KILL:
@@ -167,8 +177,10 @@ class ScriptedAgent:
             self._running.add(rank)
             self.send(wire.Kind.STARTED, {"rank": rank, "pid": 1000 + rank})
         if self.script.silent_after_start:
-            with self._lock:
-                self._silent = True
+            self._go_silent()
+            return
+        if self.script.silent_at is not None:
+            threading.Timer(self.script.silent_at, self._go_silent).start()
             return
         if self.script.abort is not None:
             rank, code = self.script.abort

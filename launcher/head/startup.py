@@ -91,6 +91,7 @@ class Startup:
                     link.send(specs[link.index])
             elif frame.kind is wire.Kind.READY:
                 ready[link.index] = frame.json()
+                link.watched = True  # idle after its round, it is held to the job's interval
                 note_phase(link, "check", ready[link.index])
 
         self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)

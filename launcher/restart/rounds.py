@@ -96,6 +96,7 @@ class Rounds:
                  spares: Sequence[HostSlots]) -> None:
         self.setup = setup
         self.fleet = Fleet()
+        self.fleet.on_lost = self._lost
         self.pool = HostPool(active, spares, min_nodes=setup.restart.min_nodes,
                              exclude_after=setup.restart.exclude_after)
         self.links: dict[str, AgentLink] = {}  # host name -> its agent's link
@@ -133,7 +134,8 @@ class Rounds:
             name = host.entry.name
             if isinstance(result, ConnectError):
                 self.pool.lose_spare(name)
-                _say(f"spare {name} left out: {result}")
+                self.say(f"spare {name} not reached: {result}; tried again before the job "
+                         "gives up for want of a spare")
                 continue
             self.links[name] = self.fleet.add(result)
             if host not in self.pool.active:
@@ -223,8 +225,10 @@ class Rounds:
     def _place(self, found: Blame) -> NextRound | JobEnds:
         """The next round's hosts, each with a live, checked agent (else placed again)."""
         for name, link in list(self.links.items()):
-            if not link.alive or self.fleet.checked.get(link.index):
-                self.pool.lose_spare(name)
+            if self.fleet.checked.get(link.index):
+                self.pool.refuse_spare(name)
+            elif not link.alive:
+                self.pool.lose_spare(name)  # said when it happened (`_lost`)
         nxt = self.pool.next_round(found)
         while isinstance(nxt, NextRound):
             for name in [old for old, _ in nxt.replaced] + list(nxt.dropped):
@@ -258,6 +262,20 @@ class Rounds:
                 return event.signum
             if isinstance(event, Received | Closed):
                 self.fleet.idle_event(event)
+
+    def say(self, text: str) -> None:
+        """One line on stderr: through the running round's writer (in order with the ranks'
+        output), else directly."""
+        if self.current is not None:
+            self.current.writer.notice(text)
+        else:
+            _say(text)
+
+    def _lost(self, link: AgentLink, why: str) -> None:
+        """A link of no round is gone (`Fleet.on_lost`): a spare's loss is said at once."""
+        if self.links.get(link.name) is link and self.pool.is_spare(link.name):
+            self.pool.lose_spare(link.name)
+            self.say(f"spare {link.name} lost: {why}; connected again before it takes a place")
 
     def _end(self, sup: Supervisor, started: float, why: str) -> JobEnd:
         return JobEnd(sup.outcome, sup, self.tail, self.records, why,
