@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import pytest
 
 from launcher import wire
+from launcher.errors import ConnectError
 from launcher.head.options import SuperviseOptions
 from launcher.hosts.hostfile import parse_hostfile_text
 from launcher.hosts.selection import HostSlots, select_hosts
@@ -45,6 +46,7 @@ class Cluster:
         self.scripts, self.again = scripts, again or {}
         self.agents: dict[str, list[ScriptedAgent]] = {}
         self.stderr: list[io.BytesIO] = []  # each round's sink's stderr (the head's notices)
+        self.down: set[str] = set()  # hosts that cannot be connected to again
 
     def sink_for(self, plan: JobPlan, folder: object) -> OutputSink:
         self.stderr.append(io.BytesIO())
@@ -54,10 +56,13 @@ class Cluster:
         """What the head said on stderr: between rounds directly, during one in its sink."""
         return capsys.readouterr().err + b"".join(s.getvalue() for s in self.stderr).decode()
 
-    def connect(self, hosts: Sequence[HostSlots]) -> list[MemoryAgentStream]:
-        streams = []
+    def connect(self, hosts: Sequence[HostSlots]) -> list[MemoryAgentStream | ConnectError]:
+        streams: list[MemoryAgentStream | ConnectError] = []
         for host in hosts:
             name = host.entry.name
+            if name in self.down and name in self.agents:
+                streams.append(ConnectError("cannot connect", f"host {name}", "down", ""))
+                continue
             stream = MemoryAgentStream(name)
             scripts = self.again if name in self.agents else self.scripts
             first, *later = scripts.get(name, [OK])
@@ -176,8 +181,6 @@ def test_a_spare_that_falls_silent_is_said_lost_once_and_connected_again_for_its
 
 
 def test_a_spare_not_reached_at_start_is_tried_again_before_the_job_gives_up(capsys):
-    from launcher.errors import ConnectError
-
     cluster = Cluster({"node2": [CUT_LATER]})
     active, spares = split_spares(select_hosts(parse_hostfile_text(
         "node1\nnode2\nnode3 spare\n", "hf")), 0)
@@ -193,6 +196,23 @@ def test_a_spare_not_reached_at_start_is_tried_again_before_the_job_gives_up(cap
     assert end.outcome.exit_code == 0 and end.records[0].change == "node3 replaces node2"
     err = cluster.said(capsys)
     assert err.count("spare node3 not reached") == 1 and err.count("spare node3 is back") == 1
+
+
+def test_without_exclusion_hosts_that_cannot_be_reached_again_end_the_job_not_loop_forever():
+    cluster = Cluster({"node2": [CUT_LATER], "node3": [Script(silent_after_ready=True)]})
+    cluster.down = {"node2", "node3"}  # neither the cut host nor the spare comes back
+    active, spares = split_spares(select_hosts(parse_hostfile_text(
+        "node1\nnode2\nnode3 spare\n", "hf")), 0)
+    setup = RoundsSetup(
+        argv=("train",), cwd="/", job_id="job", base_env=BASE_ENV, supervise=OPTS,
+        restart=RestartOptions(max_restarts=1, backoff=0, exclude_after=0),
+        master=("10.0.0.1", 29500), log_dir=None, connect=cluster.connect,  # type: ignore
+        sink_for=cluster.sink_for)
+    rounds = Rounds(setup, active, spares)
+    rounds.adopt([*active, *spares], cluster.connect([*active, *spares]))
+    end = rounds.run(time.monotonic())
+    assert end.outcome.exit_code == 255 and len(end.records) == 1
+    assert end.why.startswith("host node") and "cannot be reached again" in end.why
 
 
 def test_a_bad_flag_exit_2_is_never_restarted():

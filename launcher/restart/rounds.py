@@ -230,6 +230,7 @@ class Rounds:
             elif not link.alive:
                 self.pool.lose_spare(name)  # said when it happened (`_lost`)
         nxt = self.pool.next_round(found)
+        failed: set[str] = set()  # hosts that could not join this placement: tried once each
         while isinstance(nxt, NextRound):
             for name in [old for old, _ in nxt.replaced] + list(nxt.dropped):
                 if name in self.links:  # out of the job: nothing of it may stay there
@@ -237,6 +238,10 @@ class Rounds:
             problem = vet(self, nxt)
             if problem is None:
                 return nxt
+            if failed.issuperset(problem.hosts):  # without --exclude-after: no end otherwise
+                return JobEnds(f"{problem.detail}; no host left to take its place was not "
+                               "tried already. Add spare hosts or bring the hosts back")
+            failed.update(problem.hosts)
             found = problem
             nxt = self.pool.next_round(found)
         return nxt
