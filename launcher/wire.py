@@ -36,7 +36,8 @@ class Kind(enum.IntEnum):
     SPEC = 2        # head -> agent: the ranks to start (argv, env, cwd)
     STARTED = 3     # agent -> head: {"rank", "pid"}
     OUTPUT = 4      # agent -> head: rank (u32), stream (u8), raw bytes
-    EXIT = 5        # agent -> head: {"rank", "code", "signal"}
+    EXIT = 5        # agent -> head: {"rank", "code", "signal", "sent"}: "sent" is every
+    #                 signal the agent sent the rank, [[signum, seconds after the first], ...]
     KILL = 6        # head -> agent: {"signal", "grace"}: stop every rank of the job
     HEARTBEAT = 7   # both ways, empty
     PMI = 8         # both ways: PMI relay messages (see launcher.pmi)

@@ -88,6 +88,7 @@ class Script:
     silent_at: float | None = None   # ... that many seconds after START instead
     silent_after_ready: bool = False  # stop sending anything once READY is sent (a spare)
     boot_s: float = 0.0              # seconds before HELLO (a slow start on a loaded host)
+    save_s: float | None = None      # on KILL SIGTERM its ranks save this long, then exit 143
     abort: tuple[int, int] | None = None  # (rank, code): that rank calls MPI_Abort
     mute: bool = False               # never answer the SPEC (an agent stuck while starting)
 
@@ -105,6 +106,7 @@ class ScriptedAgent:
         self.kills: list[dict[str, Any]] = []
         self.ranks: list[int] = []
         self._running: set[int] = set()
+        self._sent: dict[int, list[list[float]]] = {}  # rank -> the head's signals, as EXIT says
         self._silent = False
         self._lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True, name=f"agent-{stream.host}").start()
@@ -116,6 +118,11 @@ class ScriptedAgent:
                     self.stream.to_head.write(wire.encode_json(kind, body))
                 except OSError:
                     pass
+
+    def _saved(self) -> None:
+        """The ranks' checkpoint is saved after a SIGTERM: they exit 143 as the trainer does."""
+        for rank in sorted(self._running):
+            self._exit(rank, 143, None)
 
     def _go_silent(self) -> None:
         with self._lock:
@@ -163,6 +170,11 @@ class ScriptedAgent:
             self.kills.append(frame.json())
             signum = int(frame.json()["signal"])
             for rank in sorted(self._running):
+                self._sent.setdefault(rank, []).append([signum, 0.0])
+            if self.script.save_s is not None and signum == 15:
+                threading.Timer(self.script.save_s, self._saved).start()
+                return False
+            for rank in sorted(self._running):
                 self._exit(rank, 128 + signum, signum)
         elif kind is wire.Kind.QUERY:  # `--restart-check`: this machine's real answer
             from launcher.agent.facts import answer
@@ -192,6 +204,7 @@ class ScriptedAgent:
 
     def _exit(self, rank: int, code: int, signum: int | None) -> None:
         self._running.discard(rank)
-        self.send(wire.Kind.EXIT, {"rank": rank, "code": code, "signal": signum})
+        self.send(wire.Kind.EXIT, {"rank": rank, "code": code, "signal": signum,
+                                   "sent": self._sent.get(rank, [])})
         if not self._running:
             self.send(wire.Kind.DONE)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import signal
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -132,6 +134,52 @@ def test_an_mpi_abort_ends_the_job_with_its_code_everywhere() -> None:
     assert outcome.exit_code == 42
     assert outcome.abort is not None and outcome.abort.where == "rank 1@node0"
     assert all(agent.kills for agent in agents)
+
+
+def test_a_sigterm_to_the_head_while_a_rank_failure_stops_the_job_keeps_the_grace() -> None:
+    # scancel, preemption, a pod's end: SIGTERM reaches the ranks and the head alike. Rank 0
+    # has saved and exited 143 first; the others are still saving when the head's own comes.
+    agents: list[ScriptedAgent] = []
+    streams: list[MemoryAgentStream] = []
+    plan = make_plan(select_hosts(parse_host_list("node0:2,node1:2")), argv=["train"], cwd="/",
+                     job_id="job", base_env={})
+    for name, script in (("node0", Script({0: 143}, save_s=1.0)), ("node1", Script(save_s=1.0))):
+        streams.append(MemoryAgentStream(name))
+        agents.append(ScriptedAgent(streams[-1], script, beat=BEAT))
+    sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
+    sup = Supervisor.over(streams, plan, sink, OPTS)
+
+    def sigterm_once_stopping() -> None:
+        while not all(agent.kills for agent in agents):
+            time.sleep(0.01)
+        sup.on_signal(signal.SIGTERM)
+    threading.Thread(target=sigterm_once_stopping, daemon=True).start()
+    outcome = sup.run(("10.0.0.1", 29500))
+    assert outcome.exit_code == 143 and outcome.summary == "interrupted by SIGTERM"
+    assert [k["signal"] for agent in agents for k in agent.kills] == [signal.SIGTERM] * 2
+    assert outcome.failures[0].why == "exited with code 143 (128 + SIGTERM, not sent by dtrain)"
+    assert [outcome.ranks[r].describe() for r in range(4)] == (
+        ["exit 143"] + ["exit 143 after dtrain's SIGTERM"] * 3)
+
+
+@pytest.mark.parametrize("rank, says", [
+    (RankOutcome(0, "h", "stopped", 137, signal.SIGKILL, sent=((15, 0.0), (9, 10.0))),
+     "killed by SIGKILL from dtrain, 10.0s after its SIGTERM"),
+    (RankOutcome(0, "h", "stopped", 143, signal.SIGTERM, sent=((15, 0.0),)),
+     "killed by SIGTERM from dtrain"),
+    (RankOutcome(0, "h", "stopped", 143, None, sent=((15, 0.0),)),
+     "exit 143 after dtrain's SIGTERM"),
+    (RankOutcome(0, "h", "stopped", 130, None, sent=((2, 0.0), (9, 0.5))),
+     "exit 130 after dtrain's SIGINT"),
+    (RankOutcome(0, "h", "exited", 137, signal.SIGKILL), "killed by SIGKILL (not sent by dtrain)"),
+    (RankOutcome(0, "h", "stopped", 137, signal.SIGKILL, sent=((15, 0.0),)),
+     "killed by SIGKILL (not sent by dtrain)"),
+    (RankOutcome(0, "h", "exited", 139, signal.SIGSEGV), "killed by SIGSEGV"),
+    (RankOutcome(0, "h", "exited", 143), "exit 143"),
+], ids=["grace-ran-out", "dtrain-sigterm", "saved-and-exited", "ctrl-c", "oom-killer",
+        "killed-while-stopping", "crash", "own-exit"])
+def test_a_ranks_status_says_who_signalled_it(rank: RankOutcome, says: str) -> None:
+    assert rank.describe() == says
 
 
 def ranks(*codes: int | None) -> dict[int, RankOutcome]:

@@ -243,9 +243,11 @@ class Agent:
         self.exit_code = self.exit_code or int(ev.code != 0)  # 0 only if every rank exited 0
         if self.pmi is not None:
             self.pmi.exited(ev.rank)
+        sent = rp.sent_report() if rp is not None else []
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
-        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal})
+        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal,
+                                             "sent": sent})
         if not self.ranks:
             descendants.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None

@@ -228,8 +228,9 @@ class Supervisor:
     def _on_exit(self, body: dict[str, Any]) -> None:
         rank = int(body["rank"])
         self.writer.flush_rank(rank)
+        sent = tuple((int(sig), float(after)) for sig, after in body.get("sent") or ())
         failure = self.outcome.rank_exited(rank, int(body["code"]), body.get("signal"),
-                                           self.stopping)
+                                           self.stopping, sent)
         if failure is not None:
             self._fail(failure)
 
@@ -253,14 +254,17 @@ class Supervisor:
                 self.links[host].send_json(wire.Kind.PMI, reply)
 
     def _on_signal(self, signum: int) -> None:
-        if self.outcome.interrupted_by is not None or self.stopping:
+        if self.outcome.interrupted_by is not None:
             # A second Ctrl-C: no more grace, and no more waiting for our stdout either.
-            if self.outcome.interrupted_by is None:
-                self.outcome.interrupted_by = signum
             self.writer.shed()
             self._stop(signal.SIGKILL, 0.0)
             return
         self.outcome.interrupted_by = signum
+        if self.stopping:
+            # The ranks are being stopped already (a rank failed, or --timeout) and keep their
+            # grace: a SIGTERM that reaches the ranks and the head alike (scancel, preemption,
+            # a pod's end) lets the ranks that still save their checkpoint finish it.
+            return
         forwarded = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
         self._stop(forwarded, self.opts.grace)
 
