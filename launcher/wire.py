@@ -146,6 +146,11 @@ class Watch:
     misses: int = 3          # silent intervals before the other side counts as gone
     grace: float = 10.0      # seconds from SIGTERM to SIGKILL when ranks are stopped
 
+    @property
+    def limit(self) -> float:
+        """How long the other side may stay silent before it counts as gone."""
+        return self.heartbeat * self.misses
+
 
 @dataclass(frozen=True)
 class PmiSpec:

@@ -28,7 +28,7 @@ import torch
 
 from tests.numerics import U32, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
-from tests.support import PYTHON, REPO, run_dtrain, start_dtrain
+from tests.support import PYTHON, REPO, report_table, run_dtrain, start_dtrain
 from trainer.checkpoint import step_dirs
 from trainer.checkpoint.pieces import assemble
 from trainer.config.options import make_config
@@ -323,8 +323,10 @@ def test_sigterm_to_the_head_mid_step_checkpoints_and_resume_is_bit_exact(cluste
     assert code == 143, err[-3000:]
     stopped = int(err.split("every rank stopped after step ")[1].split(",")[0])
     assert stopped > at and max(step_dirs(run_dir / "checkpoints")) == stopped
-    table = [line for line in err.splitlines() if line.startswith("│ ")]
-    assert len(table) == 3 and all("exit 143" in line for line in table)  # none was killed
+    table = report_table(err)
+    assert sorted(table) == [0, 1, 2] and all(status.startswith("exit 143 after dtrain's "
+                                                                "SIGTERM") for status in
+                                              table.values()), table  # none was killed
     res = run_dtrain([*args, "--", *_train(run_dir, resume=True)], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed at step {stopped}" in res.stdout + res.stderr

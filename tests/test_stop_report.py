@@ -13,23 +13,17 @@ import signal
 import time
 from pathlib import Path
 
-from tests.support import PYTHON, REPO, kill_recorded, start_dtrain, wait_for_lines, wait_gone
+from tests.support import (
+    PYTHON,
+    REPO,
+    kill_recorded,
+    report_table,
+    start_dtrain,
+    wait_for_lines,
+    wait_gone,
+)
 
 PROBE = str(REPO / "tests" / "workers" / "probe.py")
-
-
-def _table(stderr: str) -> dict[int, str]:
-    """The exit report's rows: rank -> its status (a cell wrapped onto more lines joined)."""
-    rows: list[list[str]] = []
-    for line in stderr.splitlines():
-        if line.startswith("│ "):
-            cells = [cell.strip() for cell in line.split("│")[1:-1]]
-            if cells[0]:
-                rows.append(cells)
-            else:  # the same row, its long cells wrapped
-                rows[-1] = [f"{old} {new}".strip() for old, new in zip(rows[-1], cells,
-                                                                        strict=True)]
-    return {int(row[0]): row[-1] for row in rows}
 
 
 def _launch(tmp_path: Path, grace: str, *program: str):
@@ -54,7 +48,7 @@ def test_a_sigterm_to_ranks_and_head_alike_lets_every_rank_save_and_says_who_sto
         assert "rank 1 saved" in out  # not killed while it saved
         assert "failure rank 0@localhost: exited with code 143 (128 + SIGTERM, not sent " \
                "by dtrain)" in err
-        assert _table(err) == {0: "exit 143", 1: "exit 143 after dtrain's SIGTERM"}
+        assert report_table(err) == {0: "exit 143", 1: "exit 143 after dtrain's SIGTERM"}
         assert not wait_gone(pids, 10)
     finally:
         head.kill()
@@ -67,7 +61,7 @@ def test_ranks_still_running_at_the_end_of_the_grace_are_reported_killed_by_dtra
         head.send_signal(signal.SIGTERM)
         _, err = head.communicate(timeout=60)
         assert head.returncode == 143, err
-        table = _table(err)
+        table = report_table(err)
         assert sorted(table) == [0, 1]
         for status in table.values():
             assert status.startswith("killed by SIGKILL from dtrain, 1.") and status.endswith(

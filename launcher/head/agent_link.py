@@ -76,8 +76,7 @@ class AgentLink:
         ranks is held to."""
         if self.watched:
             return limit
-        first = wire.Watch()
-        return max(limit, first.heartbeat * first.misses)
+        return max(limit, wire.Watch().limit)
 
     def stderr_text(self) -> str:
         return self.stream.stderr_text()
@@ -177,11 +176,10 @@ class Fleet:
 
     def _lose(self, link: AgentLink, why: str) -> None:
         """An idle link is gone: dropped, and said once (not when we closed it ourselves)."""
-        if link.alive:
-            self.drop(link)
+        said = link.alive
+        self.drop(link)
+        if said:
             self.on_lost(link, why)
-        else:
-            self.drop(link)
 
     def release(self, link: AgentLink) -> None:
         """BYE and close now, without waiting: the head keeps its heartbeats going (a host

@@ -260,11 +260,8 @@ class Supervisor:
             self._stop(signal.SIGKILL, 0.0)
             return
         self.outcome.interrupted_by = signum
-        if self.stopping:
-            # The ranks are being stopped already (a rank failed, or --timeout) and keep their
-            # grace: a SIGTERM that reaches the ranks and the head alike (scancel, preemption,
-            # a pod's end) lets the ranks that still save their checkpoint finish it.
-            return
+        if self.stopping:  # already (a failure): the ranks keep their grace, so under scancel
+            return  # (SIGTERM to ranks and head alike) those still saving a checkpoint finish
         forwarded = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
         self._stop(forwarded, self.opts.grace)
 

@@ -7,7 +7,8 @@ its hosts, which leaves the agents connected when its ranks are gone. After a fa
 policy (`policy`) decides whether to restart, blame (`blame`) names the hosts, the pool
 (`pool`) places the next round; after the back-off the agents of the hosts that stay start
 their ranks again on the same connection (a new SPEC), a spare's agent takes a place, and a
-lost host that stays is connected again. Hosts that leave are dismissed at once, so nothing of
+lost host that stays, or a spare whose agent fell silent (said when it happened), is connected
+again. Hosts that leave are dismissed at once, so nothing of
 the job stays on them. Ctrl-C (or SIGTERM, SIGHUP) during the back-off or a restart's start-up
 ends the job (128+N) and dismisses every agent; `launcher.launch` prints the report.
 """
