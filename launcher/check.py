@@ -22,12 +22,11 @@ from typing import Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
-import workerenv
 from launcher import wire
 from launcher.agent.facts import host_facts
 from launcher.errors import DtrainError
 from launcher.hosts.selection import HostSlots
-from launcher.plan.environment import compose_base_env
+from launcher.plan.environment import compose_base_env, program_env
 from launcher.transport import table
 from launcher.transport.connect import close_streams, start_agents
 from launcher.transport.options import SSHOptions
@@ -100,7 +99,7 @@ def forwarded_to_ranks(cwd: str) -> dict[str, str]:
     """The variables that decide which `python` a rank runs, as `dtrain launch` would plan
     them (forwarded from the head, then .dtrainenv files)."""
     base = compose_base_env(os.environ, cwd=cwd)
-    return {name: base[name] for name in workerenv.FORWARDED_NAMES if name in base}
+    return program_env(base)
 
 
 def check_hosts(selected: Sequence[HostSlots], *, ssh: SSHOptions, python: str,

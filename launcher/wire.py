@@ -23,8 +23,9 @@ TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy r
 if TYPE_CHECKING:
     from typing import Any
 
-PROTOCOL_VERSION = 4  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
-#                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare)
+PROTOCOL_VERSION = 5  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
+#                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare);
+#                     5: the ranks' forwarded environment comes with START, not in the SPEC
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
@@ -35,7 +36,9 @@ class Kind(enum.IntEnum):
     SPEC = 2        # head -> agent: the ranks to start (argv, env, cwd)
     STARTED = 3     # agent -> head: {"rank", "pid"}
     OUTPUT = 4      # agent -> head: rank (u32), stream (u8), raw bytes
-    EXIT = 5        # agent -> head: {"rank", "code", "signal", "error"?: errorfile.RootCause}
+    EXIT = 5        # agent -> head: {"rank", "code", "signal", "sent", "error"?}: "sent" is
+    #                 every signal the agent sent the rank, [[signum, seconds after the first],
+    #                 ...]; "error": what its error file says (errorfile.RootCause)
     KILL = 6        # head -> agent: {"signal", "grace"}: stop every rank of the job
     HEARTBEAT = 7   # both ways, empty
     PMI = 8         # both ways: PMI relay messages (see launcher.pmi)
@@ -45,7 +48,8 @@ class Kind(enum.IntEnum):
     DONE = 12       # agent -> head: every rank has exited, the agent is leaving
     BYE = 13        # head -> agent: leave now (after KILL or when the job is over)
     READY = 14      # agent -> head: the SPEC was checked (cwd, program) and can start
-    START = 15      # head -> agent: start the ranks (sent once every host is READY)
+    START = 15      # head -> agent: {"env", "base"}: start the ranks (once every host is
+    #                 READY) with MASTER_* (env) and the forwarded variables (base)
     STDIN = 16      # head -> agent: raw bytes for rank 0's stdin; empty payload = EOF
     STDIN_ACK = 17  # agent -> head: {"bytes"}: written into rank 0's stdin (flow credit)
     PROGRESS = 18   # agent -> head: {"ranks": [RankView...], "stacks"?, "probe"?, "final"?}
@@ -143,6 +147,11 @@ class Watch:
     misses: int = 3          # silent intervals before the other side counts as gone
     grace: float = 10.0      # seconds from SIGTERM to SIGKILL when ranks are stopped
 
+    @property
+    def limit(self) -> float:
+        """How long the other side may stay silent before it counts as gone."""
+        return self.heartbeat * self.misses
+
 
 @dataclass(frozen=True)
 class PmiSpec:
@@ -160,7 +169,8 @@ class RankStart:
     """One rank of the host: its global rank and the variables the head planned for it."""
 
     rank: int
-    env: dict[str, str]          # contract and forwarded variables (START adds MASTER_*)
+    env: dict[str, str]          # its contract variables (START adds the forwarded ones and
+    #                              MASTER_*: nothing else reaches a host before it starts ranks)
 
 
 @dataclass(frozen=True)
@@ -184,8 +194,8 @@ class AgentSpec:
     progress_interval: float | None = None  # seconds between progress samples; None: off
     probe: Probe | None = None   # rank 0's host only
     rounds: bool = False         # stay after the ranks exit: another round may follow
-    check_env: dict[str, str] = field(default_factory=dict)  # no ranks (a spare): check the
-    #                                                          program with these variables
+    check_env: dict[str, str] = field(default_factory=dict)  # the variables that decide
+    #  which program argv[0] runs (PATH, VIRTUAL_ENV...: `environment.program_env`): the check
 
     def to_json(self) -> dict[str, Any]:
         body: dict[str, Any] = {

@@ -85,6 +85,10 @@ class Script:
     exit_codes: dict[int, int] = field(default_factory=dict)  # rank -> code (absent: run on)
     refuse_spec: bool = False        # answer the SPEC with ERROR instead of READY
     silent_after_start: bool = False  # stop sending anything (a cut cable)
+    silent_at: float | None = None   # ... that many seconds after START instead
+    silent_after_ready: bool = False  # stop sending anything once READY is sent (a spare)
+    boot_s: float = 0.0              # seconds before HELLO (a slow start on a loaded host)
+    save_s: float | None = None      # on KILL SIGTERM its ranks save this long, then exit 143
     abort: tuple[int, int] | None = None  # (rank, code): that rank calls MPI_Abort
     mute: bool = False               # never answer the SPEC (an agent stuck while starting)
 
@@ -98,9 +102,11 @@ class ScriptedAgent:
         self.stream, self.script, self.beat = stream, script, beat
         self.scripts, self.specs = (script, *later), []  # every SPEC received, in order
         self.received: list[wire.Kind] = []  # every frame kind the head sent, in order
+        self.frames: list[wire.Frame] = []  # every frame the head sent, in order
         self.kills: list[dict[str, Any]] = []
         self.ranks: list[int] = []
         self._running: set[int] = set()
+        self._sent: dict[int, list[list[float]]] = {}  # rank -> the head's signals, as EXIT says
         self._silent = False
         self._lock = threading.Lock()
         threading.Thread(target=self._run, daemon=True, name=f"agent-{stream.host}").start()
@@ -113,7 +119,17 @@ class ScriptedAgent:
                 except OSError:
                     pass
 
+    def _saved(self) -> None:
+        """The ranks' checkpoint is saved after a SIGTERM: they exit 143 as the trainer does."""
+        for rank in sorted(self._running):
+            self._exit(rank, 143, None)
+
+    def _go_silent(self) -> None:
+        with self._lock:
+            self._silent = True
+
     def _run(self) -> None:
+        time.sleep(self.script.boot_s)
         self.send(wire.Kind.HELLO, {"protocol": wire.PROTOCOL_VERSION, "dtrain": "test"})
         threading.Thread(target=self._heartbeats, daemon=True).start()
         decoder = wire.Decoder()
@@ -121,6 +137,7 @@ class ScriptedAgent:
             while data := self.stream.to_agent.read(65536):
                 for frame in decoder.feed(data):
                     self.received.append(frame.kind)
+                    self.frames.append(frame)
                     if self._on(frame):
                         return
         finally:
@@ -145,13 +162,24 @@ class ScriptedAgent:
                 self.send(wire.Kind.ERROR, {"what": "program not found", "why": "scripted"})
             else:
                 self.send(wire.Kind.READY, {"ranks": len(self.ranks)})
+                if self.script.silent_after_ready:
+                    self._go_silent()
         elif kind is wire.Kind.START:
             self._start()
         elif kind is wire.Kind.KILL:
             self.kills.append(frame.json())
             signum = int(frame.json()["signal"])
             for rank in sorted(self._running):
+                self._sent.setdefault(rank, []).append([signum, 0.0])
+            if self.script.save_s is not None and signum == 15:
+                threading.Timer(self.script.save_s, self._saved).start()
+                return False
+            for rank in sorted(self._running):
                 self._exit(rank, 128 + signum, signum)
+        elif kind is wire.Kind.QUERY:  # `--restart-check`: this machine's real answer
+            from launcher.agent.facts import answer
+
+            self.send(wire.Kind.REPLY, answer(frame.json()))
         elif kind is wire.Kind.BYE:
             return True
         return False
@@ -161,8 +189,10 @@ class ScriptedAgent:
             self._running.add(rank)
             self.send(wire.Kind.STARTED, {"rank": rank, "pid": 1000 + rank})
         if self.script.silent_after_start:
-            with self._lock:
-                self._silent = True
+            self._go_silent()
+            return
+        if self.script.silent_at is not None:
+            threading.Timer(self.script.silent_at, self._go_silent).start()
             return
         if self.script.abort is not None:
             rank, code = self.script.abort
@@ -174,6 +204,7 @@ class ScriptedAgent:
 
     def _exit(self, rank: int, code: int, signum: int | None) -> None:
         self._running.discard(rank)
-        self.send(wire.Kind.EXIT, {"rank": rank, "code": code, "signal": signum})
+        self.send(wire.Kind.EXIT, {"rank": rank, "code": code, "signal": signum,
+                                   "sent": self._sent.get(rank, [])})
         if not self._running:
             self.send(wire.Kind.DONE)

@@ -102,3 +102,17 @@ def plant_imposters(folder: Path) -> Path:
 
 def imposters_imported(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.glob("IMPORTED-*"))
+
+
+def report_table(stderr: str) -> dict[int, str]:
+    """The exit report's rows: rank -> its status (a cell wrapped onto more lines joined)."""
+    rows: list[list[str]] = []
+    for line in stderr.splitlines():
+        if line.startswith("│ "):
+            cells = [cell.strip() for cell in line.split("│")[1:-1]]
+            if cells[0]:
+                rows.append(cells)
+            else:  # the same row, its long cells wrapped
+                rows[-1] = [f"{old} {new}".strip() for old, new in zip(rows[-1], cells,
+                                                                        strict=True)]
+    return {int(row[0]): row[-1] for row in rows}

@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import signal
+import threading
+import time
 from collections.abc import Sequence
 
 import pytest
@@ -31,16 +33,18 @@ OPTS = SuperviseOptions(heartbeat=BEAT, misses=20, grace=0.2, launch_timeout=10.
 K = wire.Kind
 
 
-def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None
-            ) -> tuple[JobOutcome, list[ScriptedAgent]]:
-    """Two ranks per host, one scripted agent per host; the supervised job's outcome."""
+def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None,
+            agents: list[ScriptedAgent] | None = None) -> tuple[JobOutcome, list[ScriptedAgent]]:
+    """Two ranks per host, one scripted agent per host (added to ``agents`` as they start);
+    the supervised job's outcome."""
     names = [f"node{i}" for i in range(len(scripts))]
     selected = select_hosts(parse_host_list(",".join(f"{n}:2" for n in names)))
 
     plan = make_plan(selected, argv=["train"], cwd="/", job_id="job", base_env=base_env or {})
     streams = [MemoryAgentStream(n) for n in names]
-    agents = [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
-                                                                         strict=True)]
+    agents = [] if agents is None else agents
+    agents += [ScriptedAgent(s, script, beat=BEAT) for s, script in zip(streams, scripts,
+                                                                          strict=True)]
 
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
     outcome = Supervisor.over(streams, plan, sink, OPTS).run(("10.0.0.1", 29500))
@@ -78,16 +82,29 @@ def test_the_spec_is_waiting_in_the_stream_before_the_agent_says_hello() -> None
 
 
 def test_a_spec_too_large_for_a_pipe_waits_for_the_agents_hello() -> None:
-    # Written at once it could block the head on a pipe nobody reads yet.
-    assert _frames_to_an_agent_that_never_starts({"BIG": "x" * 70_000}) == [K.BYE]
+    # Written at once it could block the head on a pipe nobody reads yet (a SPEC holds the
+    # PATH its agent checks the program with).
+    assert _frames_to_an_agent_that_never_starts({"PATH": "x" * 70_000}) == [K.BYE]
 
 
 def test_a_job_whose_specs_are_too_large_for_a_pipe_starts_once_its_agents_say_hello() -> None:
     outcome, agents = run_job([Script({0: 0, 1: 0}), Script({2: 0, 3: 0})],
-                              base_env={"BIG": "x" * 70_000})
+                              base_env={"PATH": "x" * 70_000})
     assert outcome.exit_code == 0
     assert all([k for k in a.received if k is not K.HEARTBEAT][:2] == [K.SPEC, K.START]
                for a in agents)
+
+
+def test_a_host_that_starts_no_ranks_because_another_refused_never_gets_the_secrets() -> None:
+    secret = "hf_head0123456789"
+    agents: list[ScriptedAgent] = []
+    with pytest.raises(AgentError, match=r"program not found \[host node1\]"):
+        run_job([Script({0: 0, 1: 0}), Script(refuse_spec=True)],
+                base_env={"PATH": "/venv/bin", "HF_TOKEN": secret}, agents=agents)
+    first = agents[0]
+    assert [f.kind for f in first.frames if f.kind is not K.HEARTBEAT] == [K.SPEC, K.BYE]
+    assert first.specs[0]["check_env"] == {"PATH": "/venv/bin"}
+    assert not any(secret.encode() in f.payload for f in first.frames)
 
 
 def test_a_host_refusing_its_spec_starts_nothing_on_any_host() -> None:
@@ -117,6 +134,52 @@ def test_an_mpi_abort_ends_the_job_with_its_code_everywhere() -> None:
     assert outcome.exit_code == 42
     assert outcome.abort is not None and outcome.abort.where == "rank 1@node0"
     assert all(agent.kills for agent in agents)
+
+
+def test_a_sigterm_to_the_head_while_a_rank_failure_stops_the_job_keeps_the_grace() -> None:
+    # scancel, preemption, a pod's end: SIGTERM reaches the ranks and the head alike. Rank 0
+    # has saved and exited 143 first; the others are still saving when the head's own comes.
+    agents: list[ScriptedAgent] = []
+    streams: list[MemoryAgentStream] = []
+    plan = make_plan(select_hosts(parse_host_list("node0:2,node1:2")), argv=["train"], cwd="/",
+                     job_id="job", base_env={})
+    for name, script in (("node0", Script({0: 143}, save_s=1.0)), ("node1", Script(save_s=1.0))):
+        streams.append(MemoryAgentStream(name))
+        agents.append(ScriptedAgent(streams[-1], script, beat=BEAT))
+    sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
+    sup = Supervisor.over(streams, plan, sink, OPTS)
+
+    def sigterm_once_stopping() -> None:
+        while not all(agent.kills for agent in agents):
+            time.sleep(0.01)
+        sup.on_signal(signal.SIGTERM)
+    threading.Thread(target=sigterm_once_stopping, daemon=True).start()
+    outcome = sup.run(("10.0.0.1", 29500))
+    assert outcome.exit_code == 143 and outcome.summary == "interrupted by SIGTERM"
+    assert [k["signal"] for agent in agents for k in agent.kills] == [signal.SIGTERM] * 2
+    assert outcome.failures[0].why == "exited with code 143 (128 + SIGTERM, not sent by dtrain)"
+    assert [outcome.ranks[r].describe() for r in range(4)] == (
+        ["exit 143"] + ["exit 143 after dtrain's SIGTERM"] * 3)
+
+
+@pytest.mark.parametrize("rank, says", [
+    (RankOutcome(0, "h", "stopped", 137, signal.SIGKILL, sent=((15, 0.0), (9, 10.0))),
+     "killed by SIGKILL from dtrain, 10.0s after its SIGTERM"),
+    (RankOutcome(0, "h", "stopped", 143, signal.SIGTERM, sent=((15, 0.0),)),
+     "killed by SIGTERM from dtrain"),
+    (RankOutcome(0, "h", "stopped", 143, None, sent=((15, 0.0),)),
+     "exit 143 after dtrain's SIGTERM"),
+    (RankOutcome(0, "h", "stopped", 130, None, sent=((2, 0.0), (9, 0.5))),
+     "exit 130 after dtrain's SIGINT"),
+    (RankOutcome(0, "h", "exited", 137, signal.SIGKILL), "killed by SIGKILL (not sent by dtrain)"),
+    (RankOutcome(0, "h", "stopped", 137, signal.SIGKILL, sent=((15, 0.0),)),
+     "killed by SIGKILL (not sent by dtrain)"),
+    (RankOutcome(0, "h", "exited", 139, signal.SIGSEGV), "killed by SIGSEGV"),
+    (RankOutcome(0, "h", "exited", 143), "exit 143"),
+], ids=["grace-ran-out", "dtrain-sigterm", "saved-and-exited", "ctrl-c", "oom-killer",
+        "killed-while-stopping", "crash", "own-exit"])
+def test_a_ranks_status_says_who_signalled_it(rank: RankOutcome, says: str) -> None:
+    assert rank.describe() == says
 
 
 def ranks(*codes: int | None) -> dict[int, RankOutcome]:

@@ -28,7 +28,7 @@ import torch
 
 from tests.numerics import U32, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
-from tests.support import PYTHON, REPO, run_dtrain, start_dtrain
+from tests.support import PYTHON, REPO, report_table, run_dtrain, start_dtrain
 from trainer.checkpoint import step_dirs
 from trainer.checkpoint.pieces import assemble
 from trainer.config.options import make_config
@@ -47,8 +47,8 @@ MODEL = {"model": "tiny", "n_layer": 1, "d_model": 32, "seq_len": 32, "warmup_st
 class Head:
     """`dtrain launch` running, its stdout and stderr collected line by line as they come."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.proc = start_dtrain(args)
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.proc = start_dtrain(args, env=env)
         self.out: list[str] = []
         self.err: list[str] = []
         self._threads = [threading.Thread(target=self._read, args=(pipe, lines), daemon=True)
@@ -172,6 +172,82 @@ def test_a_hung_rank_under_hang_action_abort_has_its_host_blamed_and_replaced(cl
     assert again == {0: "node1", 1: "node2", 2: "node4"}
 
 
+# A loaded host: its agent's interpreter starts 2.5 s after the SSH session does (longer than
+# the 1.5 s a host may stay silent under --heartbeat-interval 0.5). What the head sends each
+# agent is kept in <folder>/<host address>.in (a tee beside the agent, not its child: the
+# agent stops its descendants with its ranks), to see which hosts were sent what.
+SLOW_BOOT = """#!/bin/bash
+read -r _ _ address _ <<< "$SSH_CONNECTION"
+sleep 2.5
+tee "{folder}/$address.in" | {python} "$@"
+"""
+SECRET = "hf_cluster0123456789abcdef"  # the user's HF_TOKEN on the head, forwarded (HF_)
+
+
+def _agent_pid(cluster, host: str) -> int:
+    """The agent's interpreter on ``host`` (not the wrapper that started it)."""
+    for pid in cluster.job_pids(host):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0] == PYTHON.encode() and b"launcher.agent" in argv:
+            return pid
+    raise AssertionError(f"no agent on {host}")
+
+
+def test_spares_slow_to_boot_stay_take_a_place_and_never_receive_the_secrets(cluster,
+                                                                            tmp_path):
+    folder = tmp_path / "sent"
+    folder.mkdir()
+    wrapper = tmp_path / "slow-python"
+    wrapper.write_text(SLOW_BOOT.format(folder=folder, python=PYTHON))
+    wrapper.chmod(0o755)
+    hosts = "node1 slots=1\nnode2 slots=1\nnode3 slots=1 spare\nnode4 slots=1 spare\n"
+    head = Head(_args(cluster, _hostfile(tmp_path, hosts), "--max-restarts", "1", *FAST,
+                      "--remote-python", str(wrapper), "--", PYTHON, WORKER, "sleep-first"),
+                env={"HF_TOKEN": SECRET})
+    try:
+        head.wait_for(lambda: "".join(head.out).count("up\n") == 2)
+        time.sleep(1.0)  # the spares have said nothing for longer than 1.5 s by now
+        os.kill(_agent_pid(cluster, "node2"), signal.SIGKILL)  # node2 is lost
+        code, _, err = head.finish()
+    finally:
+        head.proc.kill()  # a failed step: its agents leave when the head is gone
+    assert code == 0, err[-3000:]
+    assert "host lost" in _row(err, 0) and "node3 replaces node2" in _row(err, 0)
+    assert "spare node" not in err  # neither spare was lost
+    sent = {host: (folder / f"{cluster.address(host)}.in").read_bytes()
+            for host in ("node1", "node3", "node4")}
+    assert b'"check_env"' in sent["node4"]  # node4 checked the job ...
+    assert SECRET.encode() not in sent["node4"]  # ... and was never sent the secret
+    assert SECRET.encode() in sent["node1"] and SECRET.encode() in sent["node3"]  # they ran
+
+
+def test_a_spare_that_stalls_is_said_lost_once_and_connected_again_to_take_a_place(cluster,
+                                                                                   tmp_path):
+    hosts = "node1 slots=1\nnode2 slots=1\nnode3 slots=1 spare\n"
+    head = Head(_args(cluster, _hostfile(tmp_path, hosts), "--max-restarts", "1", *FAST,
+                      "--", PYTHON, WORKER, "sleep-first"))
+    try:
+        head.wait_for(lambda: "".join(head.out).count("up\n") == 2)
+        stalled = _agent_pid(cluster, "node3")
+        os.kill(stalled, signal.SIGSTOP)  # a stall longer than the 1.5 s a host may be silent
+        try:
+            head.wait_for(lambda: "spare node3 lost" in "".join(head.err), timeout=30)
+        finally:
+            os.kill(stalled, signal.SIGCONT)  # it finds its stream closed and leaves
+        os.kill(_agent_pid(cluster, "node2"), signal.SIGKILL)  # node2 is lost: node3's turn
+        code, _, err = head.finish()
+    finally:
+        head.proc.kill()  # a failed step: its agents leave when the head is gone
+    assert code == 0, err[-3000:]
+    assert "node3 replaces node2" in _row(err, 0)
+    [lost] = [line for line in err.splitlines() if "spare node3 lost" in line]
+    assert lost.startswith("dtrain: spare node3 lost: no heartbeat for ")
+    assert err.count("dtrain: spare node3 is back (connected again)\n") == 1
+
+
 # -- real training ------------------------------------------------------------------------
 def _train(run_dir: Path, **options) -> list[str]:
     flags = {**MODEL, "global_batch": 6, "steps": STEPS, "run_dir": str(run_dir), **options}
@@ -247,8 +323,10 @@ def test_sigterm_to_the_head_mid_step_checkpoints_and_resume_is_bit_exact(cluste
     assert code == 143, err[-3000:]
     stopped = int(err.split("every rank stopped after step ")[1].split(",")[0])
     assert stopped > at and max(step_dirs(run_dir / "checkpoints")) == stopped
-    table = [line for line in err.splitlines() if line.startswith("│ ")]
-    assert len(table) == 3 and all("exit 143" in line for line in table)  # none was killed
+    table = report_table(err)
+    assert sorted(table) == [0, 1, 2] and all(status.startswith("exit 143 after dtrain's "
+                                                                "SIGTERM") for status in
+                                              table.values()), table  # none was killed
     res = run_dtrain([*args, "--", *_train(run_dir, resume=True)], timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"resumed at step {stopped}" in res.stdout + res.stderr

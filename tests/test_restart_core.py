@@ -192,10 +192,26 @@ def test_a_host_that_left_without_exclusion_is_the_last_spare_and_exclude_after_
     assert not pool.excluded
 
 
-def test_a_lost_spare_takes_no_place():
+def test_a_spare_whose_check_of_the_job_failed_takes_no_place():
     pool = _pool("node1\nnode2\nnode3 spare\n")
-    assert pool.lose_spare("node3") and not pool.lose_spare("node3")
+    assert pool.refuse_spare("node3") and not pool.refuse_spare("node3")
     assert _names(pool.next_round(LOST2)) == ["node1", "node2"]
+
+
+def test_a_spare_whose_agent_is_gone_still_takes_a_place_before_the_job_gives_up():
+    pool = _pool("node1\nnode2\nnode3 spare\n", exclude_after=1)
+    pool.lose_spare("node3")  # fell silent: it is connected again when it takes the place
+    nxt = pool.next_round(LOST2)
+    assert isinstance(nxt, NextRound) and nxt.replaced == (("node2", "node3"),)
+
+
+def test_a_spare_with_a_live_agent_is_taken_before_one_whose_agent_is_gone():
+    pool = _pool("node1\nnode2\nnode3 spare\nnode4 spare\n")
+    pool.lose_spare("node3")
+    assert _names(pool.next_round(LOST2)) == ["node1", "node4"]
+    pool.lose_spare("node1")  # a host of the round is no spare: nothing to mark
+    pool.spare_back("node3")
+    assert pool.gone == set()
 
 
 def test_min_nodes_above_the_hosts_is_refused():

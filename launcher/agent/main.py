@@ -1,13 +1,13 @@
 """The per-host agent: `python -m launcher.agent` (a constant command; the job comes as data).
 
-It says HELLO, checks the SPEC (usually already waiting in its stdin: READY or ERROR), starts
-its host's ranks on START, relays their output, exit statuses and PMI traffic, and stops every
-rank (SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE,
-when the stream from the head closes, or when the head falls silent for `misses` heartbeat
-intervals. It exits 0 after BYE when every rank of its host exited 0, else 1 (a pod restarts).
-Under rounds (`--max-restarts`) it stays after its ranks while the head's heartbeats last: a
-new SPEC starts the next round (a spare's has no ranks: a check). Imports are kept to what it
-uses (no `typing`, `pathlib`, `secrets`): every host pays its start-up before its ranks start.
+It says HELLO, checks the SPEC (usually already waiting in its stdin: READY or ERROR), starts its
+host's ranks on START, relays their output, exit statuses and PMI traffic, and stops every rank
+(SIGTERM, grace, SIGKILL to each rank's process group) when the head says KILL or BYE, when the
+stream from the head closes, or when the head falls silent for `misses` heartbeat intervals. It
+exits 0 after BYE when every rank of its host exited 0, else 1 (a pod restarts). Under rounds
+(`--max-restarts`) it stays after its ranks while the head's heartbeats last: a new SPEC starts the
+next round (a spare's has no ranks: a check). It imports only what it needs (no `typing`,
+`pathlib`, `secrets`): its start-up delays the ranks.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ class Agent:
         self.ranks: dict[int, RankProcess] = {}
         self.spec: wire.AgentSpec | None = None
         self.job_env: dict[str, str] = {}  # what START adds to every rank (MASTER_ADDR/PORT)
+        self.base_env: dict[str, str] = {}  # START's forwarded variables, under the contract's
         self.interface: str | None = None  # the NIC that reaches MASTER_ADDR
         self.pmi: Any = None  # launcher.agent.pmi_sockets.PmiSockets when PMI is on
         self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
@@ -111,7 +112,7 @@ class Agent:
         if kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
         elif kind is wire.Kind.START and self.spec is not None:
-            self._start_all(self.spec, frame.json().get("env", {}))
+            self._start_all(self.spec, frame.json())
         elif kind is wire.Kind.KILL:
             body = frame.json()
             self._stop(int(body.get("signal", signal.SIGTERM)),
@@ -145,10 +146,8 @@ class Agent:
                                                   "fix": "use one dtrain version everywhere"})
             return
         self.spec, self.leave_at, self.exit_code = spec, None, 0
-        self.interval = spec.watch.heartbeat
-        self.silence_limit = spec.watch.heartbeat * spec.watch.misses
-        env = spec.ranks[0].env if spec.ranks else spec.check_env
-        problem = check_job(spec.cwd, spec.argv[0], rank_environment(os.environ, env))
+        self.interval, self.silence_limit = spec.watch.heartbeat, spec.watch.limit
+        problem = check_job(spec.cwd, spec.argv[0], rank_environment(os.environ, spec.check_env))
         if problem:
             self.link.send_json(wire.Kind.ERROR, problem)
             return
@@ -172,7 +171,7 @@ class Agent:
                                                "check_s": round(time.monotonic() - t0, 4)})
 
     def _rank_env(self, rank: wire.RankStart) -> dict[str, str]:
-        env = rank_environment(os.environ, {**rank.env, **self.job_env})
+        env = rank_environment(os.environ, {**self.base_env, **rank.env, **self.job_env})
         if self.interface:
             for name in SOCKET_IFNAME_VARS:
                 env.setdefault(name, self.interface)
@@ -186,10 +185,11 @@ class Agent:
         return {rank: rp.pid for rank, rp in self.ranks.items()}
 
     # -- ranks ---------------------------------------------------------------------------------
-    def _start_all(self, spec: wire.AgentSpec, job_env: dict[str, str]) -> None:
-        """START carries the variables fixed last (MASTER_ADDR/PORT), equal on every rank."""
-        self.job_env = {str(k): str(v) for k, v in job_env.items()}
-        master = job_env.get("MASTER_ADDR")
+    def _start_all(self, spec: wire.AgentSpec, start: dict[str, Any]) -> None:
+        """START: MASTER_ADDR/PORT (env), the forwarded variables (base: secrets, so only here)."""
+        self.job_env, self.base_env = ({str(k): str(v) for k, v in (start.get(key) or {}).items()}
+                                       for key in ("env", "base"))
+        master = self.job_env.get("MASTER_ADDR")
         self.interface = netroute.interface_for(master) if master else None
         t0 = time.monotonic()
         started, failure = self._spawn_all(spec)
@@ -239,10 +239,11 @@ class Agent:
         self.exit_code = self.exit_code or int(ev.code != 0)  # 0 only if every rank exited 0
         if self.pmi is not None:
             self.pmi.exited(ev.rank)
+        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal,
+                                             "sent": rp.sent_report() if rp else [],
+                                             **(self.progress.error(ev) if self.progress else {})})
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
-        self.link.send_json(wire.Kind.EXIT, {"rank": ev.rank, "code": ev.code, "signal": ev.signal,
-                                             **(self.progress.error(ev) if self.progress else {})})
         if not self.ranks:
             descendants.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None

@@ -87,6 +87,10 @@ class RankProcess:
     rank: int
     proc: subprocess.Popen[bytes]
     pumps: list[_Pump] = field(default_factory=list)
+    #: The signals this agent sent the rank (SIGCONT aside), with when (monotonic): its EXIT
+    #: says who stopped it, so a report tells dtrain's SIGKILL after the grace from the OOM
+    #: killer's, and an exit 143 after dtrain's SIGTERM from one after somebody else's.
+    sent: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def pid(self) -> int:
@@ -108,10 +112,20 @@ class RankProcess:
 
     def signal_group(self, sig: int) -> None:
         """Signal the rank's whole process group; a group already gone is not an error."""
+        if sig != signal.SIGCONT:
+            self.sent.append((sig, time.monotonic()))
         try:
             os.killpg(self.proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             pass
+
+    def sent_report(self) -> list[list[float]]:
+        """``sent`` for the EXIT frame: each signal once, seconds after the first signal."""
+        first: dict[int, float] = {}
+        for sig, at in self.sent:
+            first.setdefault(sig, at)
+        start = min(first.values(), default=0.0)
+        return [[sig, round(at - start, 2)] for sig, at in first.items()]
 
 
 def find_program(argv0: str, env: Mapping[str, str], cwd: str) -> str | None:

@@ -43,6 +43,9 @@ class AgentLink:
         self.last_heard = time.monotonic()
         self.held = False  # the reader waits for room in our output queue
         self.alive = True
+        # Its agent answered a SPEC (READY): it beats at the job's interval from then on, so the
+        # job's silence limit applies; before, it boots and beats at the default interval.
+        self.watched = False
         self.hello: dict[str, Any] = {}
         # The agent's own start-up phases in seconds (`dtrain launch --timings`): boot (its
         # imports, from HELLO), check (the SPEC, from READY), spawn (its ranks, from STARTED).
@@ -65,6 +68,15 @@ class AgentLink:
 
     def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool:
         return self.send(wire.encode_json(kind, obj))
+
+    def silence_limit(self, limit: float) -> float:
+        """How long this agent may stay silent: the job's ``limit`` once it runs by the job's
+        heartbeats (``watched``), else at least the default's (it boots, then beats at the
+        default interval until it reads its SPEC): a spare is held to what a host starting
+        ranks is held to."""
+        if self.watched:
+            return limit
+        return max(limit, wire.Watch().limit)
 
     def stderr_text(self) -> str:
         return self.stream.stderr_text()
@@ -110,13 +122,15 @@ class Fleet:
     Links are numbered in the order they were added and keep their number for the job: a
     round runs on some of them (`launcher.head.supervisor`); the others are idle (spares, and
     between rounds every healthy host). Their events reach `idle_event`: a link that closes
-    is dead, a spare's READY says it checked the job, its ERROR what is wrong with it.
+    is dead, a spare's READY says it checked the job, its ERROR what is wrong with it. A link
+    that runs no round and is lost (silent, its stream closed) is said once, to ``on_lost``.
     """
 
     def __init__(self) -> None:
         self.events: queue.Queue[Any] = queue.Queue()
         self.links: list[AgentLink] = []
         self.output: Callable[[wire.Output], None] = lambda out: None
+        self.on_lost: Callable[[AgentLink, str], None] = lambda link, why: None
         self.checked: dict[int, str] = {}  # link index -> "" (READY) or what its agent refused
         self.replies: dict[int, dict[str, Any]] = {}  # link index -> its last REPLY
         self.dropped: set[int] = set()  # links given up (lost hosts): never waited for
@@ -130,11 +144,12 @@ class Fleet:
         """An event of a link that runs no round now."""
         link = self.links[event.host]
         if isinstance(event, Closed):
-            self.drop(link)
+            self._lose(link, event.reason)
             return
         kind = event.frame.kind
         if kind is wire.Kind.READY:
             self.checked[link.index] = ""
+            link.watched = True
         elif kind is wire.Kind.ERROR:
             body = event.frame.json()
             self.checked[link.index] = f"{body.get('what')}: {body.get('why')}"
@@ -155,9 +170,16 @@ class Fleet:
         (more than ``limit`` seconds) is dropped: a spare gone is no spare."""
         idle = [link for link in self.links if link.alive and link.index not in busy]
         for link in self.heartbeat(idle) if beat else []:
-            self.drop(link)
+            self._lose(link, "the stream to its agent broke")
         for link in self.silent(idle, limit, now):
-            self.drop(link)
+            self._lose(link, f"no heartbeat for {now - link.last_heard:.1f}s")
+
+    def _lose(self, link: AgentLink, why: str) -> None:
+        """An idle link is gone: dropped, and said once (not when we closed it ourselves)."""
+        said = link.alive
+        self.drop(link)
+        if said:
+            self.on_lost(link, why)
 
     def release(self, link: AgentLink) -> None:
         """BYE and close now, without waiting: the head keeps its heartbeats going (a host
@@ -171,9 +193,11 @@ class Fleet:
                 if link.alive and not link.send(wire.encode(wire.Kind.HEARTBEAT))]
 
     def silent(self, links: list[AgentLink], limit: float, now: float) -> list[AgentLink]:
-        """The live links of ``links`` silent for more than ``limit`` seconds (not held)."""
-        return [link for link in links
-                if link.alive and not link.held and now - link.last_heard > limit]
+        """The live links of ``links`` silent for longer than ``limit`` seconds, or the
+        default's while their agent has not answered a SPEC (`AgentLink.silence_limit`); a
+        held link is not silent."""
+        return [link for link in links if link.alive and not link.held
+                and now - link.last_heard > link.silence_limit(limit)]
 
     def dismiss(self, links: list[AgentLink], wait: float = 5.0) -> None:
         """BYE and close; agents still holding ranks SIGKILL them on BYE/EOF. Waits up to

@@ -14,6 +14,10 @@ Exit-code rule, first match wins:
 5. otherwise 0.
 
 Ranks stopped by dtrain because another rank failed are reported as "stopped", not as failures.
+Each rank's status says who signalled it: its agent reports the signals it sent the rank, so
+"killed by SIGKILL from dtrain, 10.0s after its SIGTERM" (the grace ran out) reads apart from a
+SIGKILL dtrain did not send (the OOM killer), and "exit 143 after dtrain's SIGTERM" (a clean
+stop, a checkpoint saved) from an exit on somebody else's SIGTERM.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class RankOutcome:
     pid: int | None = None
     #: What its error file says (torch's ``@record``), when it failed and wrote one.
     error: RootCause | None = None
+    #: The signals dtrain (the rank's agent) sent it, each with its seconds after the first.
+    sent: tuple[tuple[int, float], ...] = ()
 
     @property
     def failed(self) -> bool:
@@ -41,10 +47,19 @@ class RankOutcome:
 
     def describe(self) -> str:
         if self.signal:
-            return f"killed by {signal_name(self.signal)}"
+            return f"killed by {signal_name(self.signal)}{self._by_whom(self.signal)}"
         if self.code is None:
             return self.state
+        if self.sent:
+            return f"exit {self.code} after dtrain's {signal_name(self.sent[0][0])}"
         return f"exit {self.code}"
+
+    def _by_whom(self, signum: int) -> str:
+        after = dict(self.sent).get(signum)
+        if after is None:  # a fault the program raised itself needs no word
+            return "" if signum in _FAULTS else " (not sent by dtrain)"
+        first = signal_name(self.sent[0][0])
+        return f" from dtrain, {after:.1f}s after its {first}" if after else " from dtrain"
 
 
 @dataclass
@@ -72,15 +87,16 @@ class JobOutcome:
         return len(self.failures) == 1 and self.abort is None
 
     def rank_exited(self, rank: int, code: int, signum: int | None, stopping: bool,
-                    error: RootCause | None = None) -> Failure | None:
-        """Record a rank's exit status (and what its error file says); returns the failure it
-        is, if it is a new one.
+                    error: RootCause | None = None,
+                    sent: tuple[tuple[int, float], ...] = ()) -> Failure | None:
+        """Record a rank's exit status (what its error file says, and the signals dtrain
+        ``sent`` it); returns the failure it is, if it is a new one.
 
         A rank already failed by inference (its PMI connection closed) keeps its place as the
         first failure, now with its real status; a rank dtrain was stopping is "stopped".
         """
         r = self.ranks[rank]
-        r.code, r.signal, r.error = code, signum, error
+        r.code, r.signal, r.error, r.sent = code, signum, error, sent
         why = exit_status_why(code, signum) + (f" ({error.message})" if error else "")
         inferred = [i for i, f in enumerate(self.failures) if f.rank == rank and f.inferred]
         if inferred:
@@ -122,6 +138,11 @@ class JobOutcome:
         return "all ranks exited 0"
 
 
+#: Signals a program raises itself (a crash), not ones somebody sends it.
+_FAULTS = frozenset({_signal.SIGSEGV, _signal.SIGBUS, _signal.SIGFPE, _signal.SIGILL,
+                     _signal.SIGABRT, _signal.SIGTRAP, _signal.SIGSYS})
+
+
 def signal_name(signum: int) -> str:
     try:
         return _signal.Signals(signum).name
@@ -134,4 +155,8 @@ def exit_status_why(code: int, signum: int | None) -> str:
     if signum:
         hint = " (the kernel's OOM killer sends this too)" if signum == _signal.SIGKILL else ""
         return f"killed by {signal_name(signum)}{hint}"
+    if 128 < code < 128 + _signal.NSIG and code - 128 not in _FAULTS:
+        # How a program that handles a signal says it stopped for it (the trainer's SIGTERM
+        # checkpoint: 143); a failure is a rank's own, so dtrain had sent it nothing.
+        return f"exited with code {code} (128 + {signal_name(code - 128)}, not sent by dtrain)"
     return f"exited with code {code}"

@@ -9,6 +9,11 @@ still comes first on each stream, so a different protocol version is refused bef
 counts. Rank 0's host answers a probe in its READY (its address towards the next host, a
 free port), and START carries MASTER_ADDR/MASTER_PORT to every rank: no extra round trips.
 Nothing starts anywhere until every agent has answered READY.
+
+A SPEC holds the ranks' contract variables and only those planned variables that decide which
+program they run (`environment.program_env`: PATH, VIRTUAL_ENV...); the rest of the planned
+environment, forwarded secrets such as HF_TOKEN among them, goes with START, so a host that
+starts no ranks (a spare, a host of a start-up another host refused) never receives it.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
+from launcher.plan.environment import program_env
 from launcher.plan.job import HostPlan, JobPlan, Rendezvous
 
 #: A SPEC up to this size is written as soon as the streams are open: it fits the buffer of any
@@ -85,6 +91,7 @@ class Startup:
                     link.send(specs[link.index])
             elif frame.kind is wire.Kind.READY:
                 ready[link.index] = frame.json()
+                link.watched = True  # idle after its round, it is held to the job's interval
                 note_phase(link, "check", ready[link.index])
 
         self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
@@ -96,12 +103,12 @@ class Startup:
         return Rendezvous(user_addr or answer.get("address") or "127.0.0.1",
                           user_port or int(answer["port"]))
 
-    def start(self, rendezvous: Rendezvous, outcome: JobOutcome,
+    def start(self, plan: JobPlan, rendezvous: Rendezvous, outcome: JobOutcome,
               handle: Callable[[Any], None]) -> None:
-        """START (carrying the rendezvous) everywhere, then feed events to the supervisor until
-        every rank has started."""
+        """START (carrying the rendezvous and the plan's forwarded variables) everywhere, then
+        feed events to the supervisor until every rank has started."""
         for link in self.links:
-            link.send_json(wire.Kind.START, {"env": rendezvous.env()})
+            link.send_json(wire.Kind.START, {"env": rendezvous.env(), "base": dict(plan.base_env)})
         while any(r.state == "pending" for r in outcome.ranks.values()):
             if time.monotonic() > self.deadline or outcome.failures:
                 return
@@ -190,16 +197,17 @@ class Startup:
 def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: SuperviseOptions,
             probe: wire.Probe | None = None) -> wire.AgentSpec:
     """What one host runs, as its SPEC frame carries it; with no ``host_plan`` no ranks (a
-    spare's check of the job: its working directory and program, for a rank's variables)."""
+    spare's check of the job: its working directory and program). Never the forwarded
+    variables beyond those that find the program: START carries them (see the module)."""
     return wire.AgentSpec(
         job_id=plan.job_id, argv=plan.argv, cwd=plan.cwd,
-        ranks=tuple(wire.RankStart(r.rank, plan.rank_env(r)) for r in host_plan.ranks)
+        ranks=tuple(wire.RankStart(r.rank, dict(r.env)) for r in host_plan.ranks)
         if host_plan is not None else (),
         watch=opts.watch, rounds=opts.rounds,
         pmi=wire.PmiSpec(opts.pmi if host_plan is not None else "off", plan.kvsname,
                          plan.world_size, plan.process_mapping, opts.pmi_stall),
         progress_interval=sample_interval(opts) if host_plan is not None else None,
-        probe=probe, check_env={} if host_plan is not None else dict(plan.base_env))
+        probe=probe, check_env=program_env(plan.base_env))
 
 
 def _check_protocol(link: AgentLink, hello: dict[str, Any]) -> None:

@@ -106,7 +106,7 @@ class Supervisor:
                 self.fleet.dismiss(self.fleet.links)
             raise
         self.writer.start(self._sink)
-        startup.start(rendezvous, self.outcome, self._handle)
+        startup.start(self.plan, rendezvous, self.outcome, self._handle)
         if self.stdin is not None:
             self.stdin.start()
         else:
@@ -229,8 +229,10 @@ class Supervisor:
     def _on_exit(self, body: dict[str, Any]) -> None:
         rank = int(body["rank"])
         self.writer.flush_rank(rank)
+        sent = tuple((int(sig), float(after)) for sig, after in body.get("sent") or ())
         failure = self.outcome.rank_exited(rank, int(body["code"]), body.get("signal"),
-                                           self.stopping, RootCause.from_json(body.get("error")))
+                                           self.stopping, RootCause.from_json(body.get("error")),
+                                           sent)
         if failure is not None:
             self._fail(failure)
 
@@ -254,14 +256,14 @@ class Supervisor:
                 self.links[host].send_json(wire.Kind.PMI, reply)
 
     def _on_signal(self, signum: int) -> None:
-        if self.outcome.interrupted_by is not None or self.stopping:
+        if self.outcome.interrupted_by is not None:
             # A second Ctrl-C: no more grace, and no more waiting for our stdout either.
-            if self.outcome.interrupted_by is None:
-                self.outcome.interrupted_by = signum
             self.writer.shed()
             self._stop(signal.SIGKILL, 0.0)
             return
         self.outcome.interrupted_by = signum
+        if self.stopping:  # already (a failure): the ranks keep their grace, so under scancel
+            return  # (SIGTERM to ranks and head alike) those still saving a checkpoint finish
         forwarded = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM
         self._stop(forwarded, self.opts.grace)
 

@@ -62,6 +62,11 @@ LAUNCHER_OWNED = frozenset({
     we.ROLE_RANK, we.ROLE_NAME, we.ROLE_WORLD_SIZE, we.GROUP_WORLD_SIZE,
 })
 NOT_FORWARDED = frozenset({we.CUDA_VISIBLE_DEVICES})
+#: The planned variables that decide which program a rank's argv[0] runs (PATH is searched, a
+#: virtualenv or conda prefix says which interpreter): all that a host is sent before it starts
+#: ranks (its check of the job, a spare's, `dtrain check`); the rest, secrets among them
+#: (HF_TOKEN, WANDB_API_KEY), travel only with START (`program_env`).
+PROGRAM_LOOKUP = (we.PATH, "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV")
 _NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 _COMMENT_RE = re.compile(r"\s#")
 _ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t"}
@@ -75,6 +80,11 @@ def forwarded_env(head_environ: Mapping[str, str],
     return {name: value for name, value in scrub(head_environ).items()
             if (name.startswith(prefixes) or name in names) and _NAME_RE.match(name)
             and name not in NOT_FORWARDED and name not in LAUNCHER_OWNED}
+
+
+def program_env(planned: Mapping[str, str]) -> dict[str, str]:
+    """The planned variables that decide which program a rank runs (`PROGRAM_LOOKUP`)."""
+    return {name: planned[name] for name in PROGRAM_LOOKUP if name in planned}
 
 
 def merge_path(first: str, then: str) -> str:

@@ -1,7 +1,12 @@
 """The hosts of each round: active hosts in node order, spares, blame counts, exclusion (pure).
 
 Spares are the hosts marked ``spare`` in the hostfile, or the last `--spares K` of the host
-list; they are connected and checked at start but run no ranks until one takes a place.
+list; they are connected and checked at start but run no ranks until one takes a place. A
+spare whose agent is gone (not reached at start, fallen silent, its stream broken) stays a
+spare: it is taken only when no spare with a live agent fits, and connected again then (a
+stall under load passes, a cut link is mended), so the job never ends for want of a spare that
+was not tried. A spare whose check of the job failed (its working directory or program is
+missing) takes no place.
 
 After a failure (`launcher.restart.blame`), every blamed host counts one blame; a host blamed
 twice (`--exclude-after`, 0: never) is excluded from the job for good. A host that must leave
@@ -88,9 +93,22 @@ class HostPool:
         self.exclude_after = exclude_after
         self.blamed: Counter[str] = Counter()
         self.excluded: set[str] = set()
+        self.gone: set[str] = set()  # spares whose agent is gone: taken last, reconnected
 
-    def lose_spare(self, name: str) -> bool:
-        """A spare's agent is gone (silent, stream broken): it can take no place."""
+    def is_spare(self, name: str) -> bool:
+        return any(s.entry.name == name for s in self.spares)
+
+    def lose_spare(self, name: str) -> None:
+        """A spare's agent is gone (silent, stream broken): used last, connected again."""
+        if self.is_spare(name):
+            self.gone.add(name)
+
+    def spare_back(self, name: str) -> None:
+        """The spare's agent is connected again."""
+        self.gone.discard(name)
+
+    def refuse_spare(self, name: str) -> bool:
+        """A spare's check of the job failed: it can take no place."""
         before = len(self.spares)
         self.spares = [s for s in self.spares if s.entry.name != name]
         return len(self.spares) < before
@@ -132,8 +150,10 @@ class HostPool:
                 and s.entry.name not in self.excluded]
         if not fits:
             return None
-        # Spares never used first (a host that left is the last resort), the fewest slots first.
-        spare = min(fits, key=lambda s: (s.entry.name in self.blamed, len(s.slots)))
+        # Spares never used first (a host that left is the last resort), then those with a live
+        # agent (one that is gone is connected again), the fewest slots first.
+        spare = min(fits, key=lambda s: (s.entry.name in self.blamed, s.entry.name in self.gone,
+                                         len(s.slots)))
         self.spares.remove(spare)
         return replace(spare, slots=spare.slots[:slots])
 

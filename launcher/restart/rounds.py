@@ -7,7 +7,8 @@ its hosts, which leaves the agents connected when its ranks are gone. After a fa
 policy (`policy`) decides whether to restart, blame (`blame`) names the hosts, the pool
 (`pool`) places the next round; after the back-off the agents of the hosts that stay start
 their ranks again on the same connection (a new SPEC), a spare's agent takes a place, and a
-lost host that stays is connected again. Hosts that leave are dismissed at once, so nothing of
+lost host that stays, or a spare whose agent fell silent (said when it happened), is connected
+again. Hosts that leave are dismissed at once, so nothing of
 the job stays on them. Ctrl-C (or SIGTERM, SIGHUP) during the back-off or a restart's start-up
 ends the job (128+N) and dismisses every agent; `launcher.launch` prints the report.
 """
@@ -96,6 +97,7 @@ class Rounds:
                  spares: Sequence[HostSlots]) -> None:
         self.setup = setup
         self.fleet = Fleet()
+        self.fleet.on_lost = self._lost
         self.pool = HostPool(active, spares, min_nodes=setup.restart.min_nodes,
                              exclude_after=setup.restart.exclude_after)
         self.links: dict[str, AgentLink] = {}  # host name -> its agent's link
@@ -133,7 +135,8 @@ class Rounds:
             name = host.entry.name
             if isinstance(result, ConnectError):
                 self.pool.lose_spare(name)
-                _say(f"spare {name} left out: {result}")
+                self.say(f"spare {name} not reached: {result}; tried again before the job "
+                         "gives up for want of a spare")
                 continue
             self.links[name] = self.fleet.add(result)
             if host not in self.pool.active:
@@ -223,9 +226,12 @@ class Rounds:
     def _place(self, found: Blame) -> NextRound | JobEnds:
         """The next round's hosts, each with a live, checked agent (else placed again)."""
         for name, link in list(self.links.items()):
-            if not link.alive or self.fleet.checked.get(link.index):
-                self.pool.lose_spare(name)
+            if self.fleet.checked.get(link.index):
+                self.pool.refuse_spare(name)
+            elif not link.alive:
+                self.pool.lose_spare(name)  # said when it happened (`_lost`)
         nxt = self.pool.next_round(found)
+        failed: set[str] = set()  # hosts that could not join this placement: tried once each
         while isinstance(nxt, NextRound):
             for name in [old for old, _ in nxt.replaced] + list(nxt.dropped):
                 if name in self.links:  # out of the job: nothing of it may stay there
@@ -233,6 +239,10 @@ class Rounds:
             problem = vet(self, nxt)
             if problem is None:
                 return nxt
+            if failed.issuperset(problem.hosts):  # without --exclude-after: no end otherwise
+                return JobEnds(f"{problem.detail}; no host left to take its place was not "
+                               "tried already. Add spare hosts or bring the hosts back")
+            failed.update(problem.hosts)
             found = problem
             nxt = self.pool.next_round(found)
         return nxt
@@ -258,6 +268,20 @@ class Rounds:
                 return event.signum
             if isinstance(event, Received | Closed):
                 self.fleet.idle_event(event)
+
+    def say(self, text: str) -> None:
+        """One line on stderr: through the running round's writer (in order with the ranks'
+        output), else directly."""
+        if self.current is not None:
+            self.current.writer.notice(text)
+        else:
+            _say(text)
+
+    def _lost(self, link: AgentLink, why: str) -> None:
+        """A link of no round is gone (`Fleet.on_lost`): a spare's loss is said at once."""
+        if self.links.get(link.name) is link and self.pool.is_spare(link.name):
+            self.pool.lose_spare(link.name)
+            self.say(f"spare {link.name} lost: {why}; connected again before it takes a place")
 
     def _end(self, sup: Supervisor, started: float, why: str) -> JobEnd:
         return JobEnd(sup.outcome, sup, self.tail, self.records, why,

@@ -1,11 +1,12 @@
 """Before a restart: every host of the next round has a live agent that can run the job.
 
-A host whose agent is gone (a lost host used again for want of a spare, or an agent that fell
-silent during the back-off) is connected again. A spare whose check of the job failed (its
-SPEC without ranks got ERROR) cannot take a place. With `--restart-check` a spare that is
-about to take a place first answers the `dtrain check` probes (versions, the ranks' python,
-the working directory, GPUs against its slots), compared with the head's own. The first host
-that fails is returned as a `Blame`, so the pool places the round again without it.
+A host whose agent is gone (a lost host used again for want of a spare, a spare that fell
+silent or was not reached at start, an agent that fell silent during the back-off) is connected
+again; a spare's return, or its failure to return, is one line. A spare whose check of the job
+failed (its SPEC without ranks got ERROR) cannot take a place. With `--restart-check` a spare
+that is about to take a place first answers the `dtrain check` probes (versions, the ranks'
+python, the working directory, GPUs against its slots), compared with the head's own. The first
+host that fails is returned as a `Blame`, so the pool places the round again without it.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from launcher.errors import ConnectError
 from launcher.head.agent_link import AgentLink
 from launcher.head.startup import Signalled
 from launcher.hosts.selection import HostSlots
+from launcher.plan.environment import program_env
 from launcher.restart.blame import Blame
 from launcher.restart.pool import NextRound
 from launcher.transport.stream import AgentStream
@@ -37,9 +39,14 @@ def vet(rounds: Rounds, nxt: NextRound) -> Blame | None:
         if link is None or not link.alive:
             result = _connect(rounds, host)
             if isinstance(result, ConnectError):
+                if name in incoming:
+                    rounds.say(f"spare {name} is still gone: {result}")
                 return Blame("host lost", (name,), (name,),
                              f"host {name}: cannot be reached again: {result}")
             rounds.links[name] = rounds.fleet.add(result)
+            if name in incoming:
+                rounds.pool.spare_back(name)
+                rounds.say(f"spare {name} is back (connected again)")
             continue
         problem = rounds.fleet.checked.get(link.index)
         if problem:
@@ -76,7 +83,7 @@ def _probe(rounds: Rounds, link: AgentLink, slots: int) -> list[str]:
     from launcher.check import compare
 
     setup, fleet = rounds.setup, rounds.fleet
-    planned = dict(setup.base_env)
+    planned = program_env(setup.base_env)  # a spare starts no ranks: no secrets
     fleet.replies.pop(link.index, None)
     link.send_json(wire.Kind.QUERY, {"op": "facts", "cwd": setup.cwd, "env": planned})
     _hold_signal(rounds, rounds.tend(CHECK_TIMEOUT_S, lambda: link.index in fleet.replies

@@ -6,12 +6,16 @@
     probe.py signal RANK SIGNUM  rank RANK kills itself with SIGNUM; others sleep
     probe.py sleep SECONDS       every rank sleeps
     probe.py child SECONDS       every rank starts a child in its process group, then sleeps
+    probe.py save S0 S1...       on SIGTERM rank r "saves a checkpoint" for Sr seconds (further
+                                 SIGTERMs ignored), says `rank r saved` and exits 143
+    probe.py ignore-term         every rank ignores SIGTERM (an exit that hangs) and sleeps
 
 The PID (and children's PIDs) go to $PROBE_PID_DIR/<rank>.pid when that variable is set.
 """
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -37,6 +41,10 @@ def main():
     if mode == "child":
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         pids.append(child.pid)
+    if mode == "save":
+        signal.signal(signal.SIGTERM, lambda *_: save(rank, float(args[rank])))
+    elif mode == "ignore-term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     record(pids)
     if mode == "env":
         env = {k: os.environ.get(k) for k in KEYS}
@@ -60,6 +68,16 @@ def main():
     elif mode in ("sleep", "child"):
         print("sleeping", flush=True)
         time.sleep(float(args[0]))
+    elif mode in ("save", "ignore-term"):
+        print("sleeping", flush=True)
+        time.sleep(120)
+
+
+def save(rank, seconds):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already: another one changes nothing
+    time.sleep(seconds)
+    print(f"rank {rank} saved", flush=True)
+    os._exit(143)
 
 
 if __name__ == "__main__":
