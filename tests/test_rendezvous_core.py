@@ -214,7 +214,8 @@ def _changed(token: bytes, at: int) -> str:
     ("correct horse battery staple!!!!", 0o600, "not a token made by `dtrain token new`"),
     (_changed(TOKEN, 20), 0o600, "check digits do not match"),
     (TOKEN.decode()[:-1], 0o600, "not a token made"),
-])
+], ids=["readable by others", "short", "hex of 128 bits", "a passphrase", "a changed digit",
+        "cut short"])  # TOKEN is new in every process: ids from it would differ between workers
 def test_a_token_file_others_can_read_or_a_token_not_made_by_dtrain_is_refused_saying_how(
         tmp_path: Path, text: str, mode: int, why: str) -> None:
     with pytest.raises(UsageError, match=why) as refused:
