@@ -24,8 +24,6 @@ prunes it.
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -101,13 +99,9 @@ class Writer:
         def body() -> None:
             self._error = save.attempt(phase)
 
-        def background() -> None:
-            _yield_cpu()
-            body()
-
         self._error, self._thread = None, None
         if self.background:
-            self._thread = threading.Thread(target=background, name=f"checkpoint-{save.step}",
+            self._thread = threading.Thread(target=body, name=f"checkpoint-{save.step}",
                                             daemon=True)
             self._thread.start()
         else:
@@ -132,13 +126,3 @@ class Writer:
             raise
         self.save = None
         return save
-
-
-def _yield_cpu() -> None:
-    """Lower the calling thread to nice 19, so that where the writer and the step share a core
-    the step runs first and the writer takes what is left. Its CPU work is the checksum and
-    the copies into the page cache (both release the GIL, chunk by chunk), and the disk does
-    the rest. Only on Linux, where a nice value belongs to one thread (``setpriority`` on its
-    thread id); elsewhere it would lower the whole process, so nothing changes."""
-    if sys.platform == "linux":
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
