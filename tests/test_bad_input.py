@@ -4,7 +4,6 @@ the options are checked (before the model or the data are built). Real jobs of 2
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -16,6 +15,7 @@ import pytest
 
 from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env, run_dtrain
+from trainer.checkpoint import checksum
 
 TRAIN = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
          "--global-batch", "4", "--steps", "1", "--warmup-steps", "1", "--data-cap-mb", "0.1",
@@ -98,7 +98,8 @@ def newer_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (step / "meta.json").write_text(json.dumps(meta))
     record = json.loads((step / "COMMITTED").read_text())
     data = (step / "meta.json").read_bytes()
-    record["files"]["meta.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    record["files"]["meta.json"] = {"size": len(data), checksum.WRITTEN: checksum.of_file(
+        step / "meta.json", checksum.WRITTEN)}
     (step / "COMMITTED").write_text(json.dumps(record))
     return run_dir
 

@@ -4,7 +4,6 @@ bit-exact resume of ``python -m trainer.train`` (also after a save killed half-w
 
 from __future__ import annotations
 
-import hashlib
 import json
 import pickle
 import re
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env
@@ -105,12 +105,13 @@ def test_the_vocabulary_padding_of_another_tp_is_not_another_model() -> None:
                                 path=Path("x"))
 
 
-def test_the_commit_record_lists_every_file_with_its_size_and_sha256(tmp_path: Path) -> None:
+def test_the_commit_record_lists_every_file_with_its_size_and_xxh3_128(tmp_path: Path) -> None:
     path = save(tmp_path, 5)
     record = json.loads((path / "COMMITTED").read_text())
-    assert record["format"] == checkpoint.FORMAT_VERSION and record["step"] == 5
+    assert record["format"] == checkpoint.FORMAT_VERSION == 4 and record["step"] == 5
     on_disk = {p.name: p.read_bytes() for p in path.iterdir() if p.name != "COMMITTED"}
-    assert record["files"] == {name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert record["files"] == {name: {"size": len(data),
+                                      "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
                                for name, data in on_disk.items()}
 
 
@@ -130,13 +131,13 @@ def empty(path: Path) -> None:
 
 @pytest.mark.parametrize(("name", "damage", "why"), [
     ("rank-00000.safetensors", flip_bit,
-     r"sha256 mismatch \(written [0-9a-f]{12}\.\.\., read [0-9a-f]{12}\.\.\.\): its bytes "
-     "changed after the save"),
+     r"checksum mismatch \(xxh3_128: written [0-9a-f]{12}\.\.\., read [0-9a-f]{12}\.\.\.\): "
+     "its bytes changed after the save"),
     ("rank-00000.safetensors", truncate,
      r"it has 100 bytes, the commit record [\d,]+ \(truncated"),
     ("index.json", empty, r"it has 0 bytes, the commit record [\d,]+ \(truncated"),
     ("rng.safetensors", empty, r"it has 0 bytes"),
-    ("meta.json", flip_bit, "sha256 mismatch"),
+    ("meta.json", flip_bit, "checksum mismatch"),
     ("rng.safetensors", Path.unlink, "the file is missing"),
 ], ids=["flipped-tensors", "truncated-tensors", "empty-index", "empty-rng", "flipped-meta",
         "missing-rng"])
@@ -158,7 +159,7 @@ def test_a_checkpoint_without_checksums_is_refused_with_the_format_named(tmp_pat
     path = save(tmp_path, 3)
     (path / "COMMITTED").write_text(json.dumps({"step": 3}))  # what format 1 wrote
     with pytest.raises(CheckpointError, match=r"checkpoint has no checksums \[.*COMMITTED\]: it "
-                       r"is format 1, this dtrain reads format 3"):
+                       r"is format 1, this dtrain reads formats 3 and 4"):
         load(path)
 
 
@@ -195,9 +196,10 @@ def test_a_commit_record_of_a_newer_format_is_refused_not_taken_for_damage(tmp_p
                                                                           ) -> None:
     path = save(tmp_path, 3)
     record = json.loads((path / "COMMITTED").read_text())
-    (path / "COMMITTED").write_text(json.dumps({**record, "format": 4}))
+    (path / "COMMITTED").write_text(json.dumps({**record, "format": 5}))
     with pytest.raises(CheckpointError, match=r"checkpoint of another format \[.*COMMITTED\]: "
-                       r"its commit record says format 4, this dtrain reads format 3") as err:
+                       r"its commit record says format 5, this dtrain reads formats 3 "
+                       r"and 4") as err:
         load(path)
     assert not isinstance(err.value, CheckpointDamaged)
 

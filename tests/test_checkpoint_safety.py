@@ -20,6 +20,7 @@ import torch
 
 from tests.mpi_runs import forked_python
 from tests.support import REPO, dtrain_env, run_dtrain
+from trainer.checkpoint import checksum
 from trainer.config.options import parse_args
 from trainer.errors import ConfigError
 from trainer.training.metrics import read_records
@@ -211,7 +212,7 @@ def test_a_planted_pickle_is_refused_as_hostile_even_when_torch_is_told_to_unpic
     torch.save({"tok_emb.weight": Planted(canary)}, shard)
     record = json.loads((step / "COMMITTED").read_text())  # whoever plants can rewrite it too
     record["files"][shard.name] = {"size": shard.stat().st_size,
-                                   "sha256": hashlib.sha256(shard.read_bytes()).hexdigest()}
+                                   checksum.WRITTEN: checksum.of_file(shard, checksum.WRITTEN)}
     (step / "COMMITTED").write_text(json.dumps(record))
     code, out = train(run_dir, "--steps", "3", "--resume",
                       env={"TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"})

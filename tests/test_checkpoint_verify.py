@@ -70,7 +70,7 @@ def test_a_flipped_bit_in_a_tensor_file_stops_the_resume_with_one_message_naming
     assert code == 2, out[-3000:]
     [line] = rank_lines(out, "error:")  # both ranks read it (replicated weights are spread)
     assert f"error: checkpoint {tp2_run / 'checkpoints' / 'step-3'} is damaged [file " \
-           "rank-00001.safetensors]: sha256 mismatch (written " in line, line
+           "rank-00001.safetensors]: checksum mismatch (xxh3_128: written " in line, line
     assert line.endswith("add --resume-fallback to resume from the newest checkpoint that "
                          "verifies")
     # Without --resume-fallback nothing is skipped, renamed or trained.

@@ -131,7 +131,7 @@ def test_resume_fallback_skips_a_checkpoint_whose_tensor_file_or_index_is_damage
     code, out = launch(run_dir, "--zero", "1", "--resume", "--resume-fallback")
     assert code == 0, out[-3000:]
     [skip] = rank_lines(out, "--resume-fallback skips step-2")
-    assert f"is damaged [file {name}]: sha256 mismatch" in skip, skip
+    assert f"is damaged [file {name}]: checksum mismatch" in skip, skip
     assert "resumed at step 1 (--resume-fallback set aside damaged step-2 (now step-2.damaged-" \
         in out, out[-3000:]
     assert sorted(losses(run_dir)) == [1, 2, 3, 4]

@@ -236,7 +236,7 @@ def test_a_changed_byte_in_one_ranks_file_stops_every_rank_named_by_a_reader() -
     got = [r["resume"]["refused"]["damaged"] for r in ranks(2)]
     assert all(g["agreed"] for g in got) and sum(g["report"] for g in got) == 1
     reporter = next(g for g in got if g["report"])
-    assert f"[file {rank_file(1)}]: sha256 mismatch" in reporter["message"]
+    assert f"[file {rank_file(1)}]: checksum mismatch" in reporter["message"]
 
 
 def test_a_zero1_checkpoint_resumes_under_zero_0_reading_every_piece() -> None:

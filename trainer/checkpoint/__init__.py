@@ -12,8 +12,9 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step-<N>/``):
     rng.safetensors         torch (CPU and CUDA) random states of the leading rank
     meta.json               step, data position, options, model, layout, AdamW's step count
                             and hyperparameters, Python's random state
-    COMMITTED               the commit record, written last: size and sha256 of every file
-                            above; a folder without it is not a checkpoint
+    COMMITTED               the commit record, written last: size and checksum (XXH3-128;
+                            sha256 in format 3, still read) of every file above; a folder
+                            without it is not a checkpoint
 
 No file is a pickle: loading never unpickles anything, whatever the environment says
 (``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD`` included). A checkpoint of format 2 (pickled shards) is
@@ -42,7 +43,7 @@ Agreement (`verdict`): every rank judges the checkpoint it reads; the ranks agre
 verdict collectively and the lowest rank holding it reports it, once.
 
 Integrity (`load`, `files`): every file a rank reads is checked against the commit record
-(size, then sha256) before it is parsed; a mismatch raises `CheckpointDamaged` naming the file.
+(size, then checksum) before it is parsed; a mismatch raises `CheckpointDamaged` naming the file.
 Names in the record and the index are plain names in the folder, only regular files are read,
 never through a link, and every index entry is held to its tensor file's header and size before
 anything is planned or allocated from it (`bounds`).

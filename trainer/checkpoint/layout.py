@@ -9,9 +9,10 @@ from pathlib import Path
 
 from trainer.errors import TrainerError
 
-#: 3: safetensors and JSON files, one tensor file per writing rank, an index of placements.
-#: 2 pickled each (tp, pp) shard; 1 had no checksums.
-FORMAT_VERSION = 3
+#: 4: the commit record's checksums are XXH3-128 (`trainer.checkpoint.checksum`); 3 (still
+#: read): sha256, else the same safetensors and JSON files, one tensor file per writing rank,
+#: an index of placements. 2 pickled each (tp, pp) shard; 1 had no checksums.
+FORMAT_VERSION = 4
 MARKER = "COMMITTED"
 META = "meta.json"
 INDEX = "index.json"

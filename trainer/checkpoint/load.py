@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import random
-import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from trainer.checkpoint import checksum
 from trainer.checkpoint.files import FileRecord, TensorFile, verify_file
 from trainer.checkpoint.layout import (
     FALLBACK_HINT,
@@ -26,16 +26,18 @@ from trainer.checkpoint.layout import (
     CheckpointError,
 )
 
-_SHA256 = re.compile(r"[0-9a-f]{64}")
 #: Model fields a checkpoint may differ in: the vocabulary padding follows tp (its rows are
 #: masked out, never trained), so another tp pads to another multiple.
 LAYOUT_FIELDS = {"vocab_multiple"}
+#: What the refusals of other formats say this dtrain reads.
+_READS = "formats " + " and ".join(map(str, sorted(checksum.BY_FORMAT)))
 
 
 def read_record(path: Path) -> dict[str, FileRecord]:
-    """The commit record of a checkpoint folder: each file's size and sha256. A record that
-    does not describe a checkpoint of this format is damage (a resume may skip it), except one
-    of format 1 (no checksums) or of a newer format, which are refused."""
+    """The commit record of a checkpoint folder: each file's size and checksum (sha256 in
+    format 3, XXH3-128 from format 4: `trainer.checkpoint.checksum`). A record that does not
+    describe a checkpoint of a format this dtrain reads is damage (a resume may skip it),
+    except one of format 1 (no checksums), 2 (pickles) or a newer format, which are refused."""
     if not (path / MARKER).is_file():
         raise CheckpointError("not a committed checkpoint", str(path),
                               f"the folder has no {MARKER} marker (the save did not finish)",
@@ -52,28 +54,30 @@ def read_record(path: Path) -> dict[str, FileRecord]:
     if isinstance(body, dict) and body.keys() == {"step"}:
         raise CheckpointError(
             "checkpoint has no checksums", str(path / MARKER),
-            f"it is format 1, this dtrain reads format {FORMAT_VERSION} (a commit record "
-            "listing each file's sha256)",
+            f"it is format 1, this dtrain reads {_READS} (a commit record "
+            "listing each file's checksum)",
             "Resume it with the dtrain that wrote it, or start a new --run-dir")
     version = body.get("format") if isinstance(body, dict) else None
     if version == 2 and isinstance(body.get("files"), dict) and "rng.pt" in body["files"]:
         raise CheckpointError(
             "checkpoint of an earlier format", str(path / MARKER),
             "it is format 2, whose files are pickles, and this dtrain never unpickles a "
-            f"checkpoint (a pickle can run code); it reads format {FORMAT_VERSION} "
+            f"checkpoint (a pickle can run code); it reads {_READS} "
             "(safetensors and JSON)", "Finish that run with the dtrain that wrote it, or start "
             "a new --run-dir")
     if type(version) is int and version > FORMAT_VERSION:
         raise CheckpointError(
             "checkpoint of another format", str(path / MARKER),
-            f"its commit record says format {version}, this dtrain reads format "
-            f"{FORMAT_VERSION}: a newer dtrain wrote it, or a bit of the record flipped",
+            f"its commit record says format {version}, this dtrain reads {_READS}: a newer "
+            "dtrain wrote it, or a bit of the record flipped",
             f"Resume it with the dtrain that wrote it; if this one did, move {path.name} out "
             "of the checkpoints folder and --resume again")
     problem = _record_problem(body, path)
     if problem:
         raise damaged(f"the commit record does not describe a checkpoint: {problem}")
-    return {name: FileRecord(f["size"], f["sha256"]) for name, f in body["files"].items()}
+    algorithm = checksum.BY_FORMAT[body["format"]]
+    return {name: FileRecord(f["size"], f[algorithm], algorithm)
+            for name, f in body["files"].items()}
 
 
 def _record_problem(body: Any, path: Path) -> str:
@@ -83,7 +87,8 @@ def _record_problem(body: Any, path: Path) -> str:
     if body.keys() != {"format", "step", "files"}:
         return (f"its keys are {', '.join(map(repr, sorted(body)))}, not 'files', 'format', "
                 "'step'")
-    if body["format"] != FORMAT_VERSION:
+    algorithm = checksum.BY_FORMAT.get(body["format"]) if type(body["format"]) is int else None
+    if algorithm is None:
         return f"its format is {body['format']!r}"
     folder = STEP_DIR.match(path.name)
     if type(body["step"]) is not int or (folder and int(folder.group(1)) != body["step"]):
@@ -95,11 +100,16 @@ def _record_problem(body: Any, path: Path) -> str:
         if not PLAIN_NAME.match(name):
             return (f"it names the file {name!r}, not a plain file name in the checkpoint "
                     "folder")
-        if not (isinstance(entry, dict) and entry.keys() == {"size", "sha256"}
+        if not (isinstance(entry, dict) and entry.keys() == {"size", algorithm}
                 and type(entry["size"]) is int and entry["size"] >= 0
-                and isinstance(entry["sha256"], str) and _SHA256.fullmatch(entry["sha256"])):
-            return f"its entry for {name!r} is not a size and a sha256"
+                and _hex(entry[algorithm], checksum.HEX_DIGITS[algorithm])):
+            return f"its entry for {name!r} is not a size and a {algorithm}"
     return ""
+
+
+def _hex(value: Any, digits: int) -> bool:
+    return isinstance(value, str) and len(value) == digits and \
+        all(c in "0123456789abcdef" for c in value)
 
 
 def read_meta(path: Path) -> tuple[dict[str, FileRecord], dict[str, Any]]:

@@ -3,15 +3,16 @@ leader's index, meta and RNG, rename, commit record, prune.
 
 Every rank of the group (``world``) runs the phases together, in this order:
 
-    start    collective (one broadcast): the leader (rank 0 of the group) draws the temporary
-             folder's name and creates it, and takes its random state now (the step's)
+    start    collective (one all-reduce): the leader (rank 0 of the group) draws the temporary
+             folder's name and creates it (`claim`), and takes its random state now (the
+             step's); a caller may fold its own agreement into that collective (`opened`)
     write    local I/O, any thread: this rank's tensor file (``rank-RRRRR.safetensors``, the
              slices it is the writer of; none when it writes nothing), fsynced and hashed
     settle   collective: the ranks agree that every write succeeded, and the leader gathers
              each file's record and what it holds (``contents``, JSON)
     commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``,
              ``rng.safetensors``, the rename into place, the commit record (the ``COMMITTED``
-             marker, last: size and sha256 of every file), then pruning
+             marker, last: size and checksum of every file), then pruning
     finish   collective: the ranks agree that the commit succeeded
 
 `save` runs them in a row; `trainer.checkpoint.writer` runs write and commit in a background
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from trainer.checkpoint import checksum
 from trainer.checkpoint.failure import agree, save_errors
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_tensors
@@ -90,27 +92,56 @@ def start(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: 
     where the agreements' tensors live (the communicator's device)."""
     group = _Alone() if world is None else world
     device = device or torch.device("cpu")
+    token, error = claim(root, step) if group.rank == 0 else (NOT_LEADER, None)
+    agreed = torch.tensor([token], dtype=torch.int64, device=device)
+    group.all_reduce(agreed, ReduceOp.MAX)  # the folder exists, or every rank learns why not
+    return opened(root, step, int(agreed), error, tensors=tensors, contents=contents,
+                  meta=meta, keep=keep, group=group, device=device)
+
+
+NOT_LEADER = -3
+"""What the ranks but the leader put into the MAX that spreads `claim`'s token (below every
+token the leader may post)."""
+
+
+def claim(root: Path, step: int) -> tuple[int, CheckpointError | None]:
+    """The leader's local part of `start`: create the temporary folder of ``step``; the token
+    to spread to every rank by a MAX (with `NOT_LEADER` from the others; a caller may reduce
+    it with its own values in one collective) and, when it failed, the error."""
+    final = root / f"step-{step}"
+    try:
+        with save_errors(final, final, clean=False):
+            root.mkdir(parents=True, exist_ok=True)
+            if committed(final):
+                return _COMMITTED, None
+            token = secrets.randbits(31)
+            _tmp(root, step, token).mkdir()
+            return token, None
+    except CheckpointError as exc:
+        return _FAILED, exc
+
+
+def release(root: Path, step: int, token: int) -> None:
+    """On the leader: remove the (empty) folder `claim` created, when the ranks decided
+    not to save after all (a non-finite weight on some rank)."""
+    if token >= 0:
+        _tmp(root, step, token).rmdir()
+
+
+def opened(root: Path, step: int, token: int, error: CheckpointError | None, *,
+           tensors: dict[str, torch.Tensor], contents: Any, meta: dict[str, Any], keep: int,
+           group: Communicator, device: torch.device) -> Save | None:
+    """The save `claim`'s ``token`` (as every rank received it) names; ``error``: the leader's
+    (None elsewhere). Raises on every rank when the leader could not create the folder."""
     final, leader = root / f"step-{step}", group.rank == 0
-    token = torch.tensor([_COMMITTED], dtype=torch.int64, device=device)
-    error: CheckpointError | None = None
-    if leader:
-        try:
-            with save_errors(final, final, clean=False):
-                root.mkdir(parents=True, exist_ok=True)
-                if not committed(final):
-                    token[0] = secrets.randbits(31)
-                    _tmp(root, step, int(token)).mkdir()
-        except CheckpointError as exc:
-            error, token[0] = exc, _FAILED
-    group.broadcast(token, 0)  # the folder exists, or every rank learns why not
-    if int(token) == _FAILED:  # every rank raises here, the leader's message is printed
+    if token == _FAILED:  # every rank raises here, the leader's message is printed
         raise (error or CheckpointError(
             "checkpoint save failed", str(final), "the leading rank could not create the "
             "folder (its message says why)", "Check free space and permissions of --run-dir"
         )).everywhere(report=leader)
-    if int(token) == _COMMITTED:
+    if token == _COMMITTED:
         return None
-    return Save(root, step, _tmp(root, step, int(token)), final, keep, group, device, tensors,
+    return Save(root, step, _tmp(root, step, token), final, keep, group, device, tensors,
                 contents, meta, rng_state() if leader else ({}, []))
 
 
@@ -159,7 +190,8 @@ class Save:
         return None
 
     def write(self) -> None:
-        """This rank's tensor file, fsynced and hashed; then the staged copy is let go."""
+        """This rank's tensor file, hashed as written, fsynced; then the staged copy is let
+        go."""
         fault("save_after_stage", self.step)
         began = time.perf_counter()
         if self.tensors:
@@ -182,7 +214,7 @@ class Save:
     def commit(self) -> None:
         """On the leader: index, RNG, meta, rename, commit record, prune."""
         if self.leader:
-            records = {n: FileRecord(r["size"], r["sha256"]) for g in self.gathered
+            records = {n: FileRecord(r["size"], r[checksum.WRITTEN]) for g in self.gathered
                        for n, r in g["files"].items()}
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
             _commit(self.root, self.tmp, self.final, self.step, self.meta, self.rng, index,

@@ -29,6 +29,7 @@ import stat
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import ClassVar
 
@@ -76,9 +77,10 @@ class Corpus:
         line = int((self.tokens[start:offset] == ord("\n")).sum()) + 1
         return f"{path}:{line}"
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        """sha256 of the bytes (first 16 hex digits): same value on every rank or data differs."""
+        """sha256 of the bytes (first 16 hex digits): same value on every rank or data differs.
+        Computed once (start-up, every save's meta read it: the corpus's bytes never change)."""
         return hashlib.sha256(self.tokens.numpy().tobytes()).hexdigest()[:16]
 
     def __len__(self) -> int:

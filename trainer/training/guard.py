@@ -85,18 +85,31 @@ def check_parameters(params: Iterable[torch.Tensor], step: int, world: Communica
     non-finite parameter; called before saving step ``step``."""
     params = list(params)
     device = params[0].device if params else torch.device("cpu")
-    bad = torch.zeros(1, dtype=torch.int64, device=device)
-    if params:
-        # A sum is NaN or infinite when any element is, and costs a read of the tensor where
-        # isfinite writes a mask as large; only a sum that overflowed (all elements finite, a
-        # huge total) sends its tensor to the exact check.
-        sums = torch.stack([p.detach().sum() for p in params])  # on the device: one sync
-        if not bool(torch.isfinite(sums).all()):
-            bad += ~torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()
+    bad = torch.tensor([nonfinite(params)], dtype=torch.int64, device=device)
     if world is not None:
         world.all_reduce(bad, ReduceOp.MAX)
     if int(bad):
-        raise DivergedError("training diverged", f"step {step}",
-                            "a parameter is NaN or infinite after the update; the checkpoint "
-                            "of this step is not written and none is pruned", _FIX
-                            ).everywhere(report=report)
+        raise diverged(step, report=report)
+
+
+def nonfinite(params: Iterable[torch.Tensor]) -> int:
+    """1 when one of ``params`` (this rank's) holds a NaN or an infinity, else 0: the local half
+    of `check_parameters`, for a caller that reduces it with other values in one collective."""
+    params = list(params)
+    if not params:
+        return 0
+    # A sum is NaN or infinite when any element is, and costs a read of the tensor where
+    # isfinite writes a mask as large; only a sum that overflowed (all elements finite, a
+    # huge total) sends its tensor to the exact check.
+    sums = torch.stack([p.detach().sum() for p in params])  # on the device: one sync
+    if bool(torch.isfinite(sums).all()):
+        return 0
+    return int(not bool(torch.stack([torch.isfinite(p.detach()).all() for p in params]).all()))
+
+
+def diverged(step: int, *, report: bool) -> TrainerError:
+    """The error every rank raises when a rank's parameters are not finite at save ``step``."""
+    return DivergedError("training diverged", f"step {step}",
+                         "a parameter is NaN or infinite after the update; the checkpoint "
+                         "of this step is not written and none is pruned", _FIX
+                         ).everywhere(report=report)
