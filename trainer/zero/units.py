@@ -12,7 +12,8 @@ optimizer's pieces (`Zero3Optimizer`) are the same elements, and checkpoints are
 Between steps a rank holds its 1/dp *shard* of every unit. A unit's whole flat buffer exists
 (its storage resized up, then all-gathered from the shards) only while it is needed:
 
-* forward: the root when the model is called; block i before its forward, and the next
+* forward: the root when one of its modules (embedding, final norm, head) is called; block i
+  before its forward, and the next
   ``prefetch`` blocks posted then (a depth fixed by the run, the same on every rank, never
   decided from timings: DeepSpeed#8431); block i freed after its forward;
 * backward: block i gathered again before its backward (a hook on its output's gradient),
@@ -188,8 +189,14 @@ class ParamUnits:
     # -- hooks -----------------------------------------------------------------------------
 
     def _hook(self, model: nn.Module) -> None:
-        model.register_forward_pre_hook(self._before_model)
-        model.register_forward_hook(self._after_model)
+        # The root's own modules, not the model's forward: the loss runs the embedding, the
+        # blocks and the head without calling the model itself (`GPT.loss`, `GPT.head_loss`).
+        parts = [m for name, m in model.named_children() if name != "blocks"]
+        for part in parts:
+            part.register_forward_pre_hook(self._before_model)
+        last = getattr(model, "head", None) or (parts[-1] if parts else None)
+        if last is not None:
+            last.register_forward_hook(self._after_model)
         blocks = list(getattr(model, "blocks", {}).values())
         for n, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda *_, n=n: self._before(n, +1))
