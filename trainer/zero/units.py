@@ -13,9 +13,9 @@ Between steps a rank holds its 1/dp *shard* of every unit. A unit's whole flat b
 (its storage resized up, then all-gathered from the shards) only while it is needed:
 
 * forward: the root when one of its modules (embedding, final norm, head) is called; block i
-  before its forward, and the next
-  ``prefetch`` blocks posted then (a depth fixed by the run, the same on every rank, never
-  decided from timings: DeepSpeed#8431); block i freed after its forward;
+  before its forward, and the next ``prefetch`` blocks posted then (a depth fixed by the run,
+  the same on every rank, never decided from timings: DeepSpeed#8431); block i freed after its
+  forward;
 * backward: block i gathered again before its backward (a hook on its output's gradient),
   the ``prefetch`` blocks before it posted then; every unit freed as soon as its gradients are
   complete and its reduce-scatter is posted (the root at the end of backward);
