@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
 
 ENTRY_POINTS = ("trainer.train", "trainer.generate", "trainer.export", "trainer.data.prepare",
-                "trainer.recsys", "trainer.diagnose", "trainer.health.perf")
+                "trainer.recsys", "trainer.diagnose", "trainer.health.perf", "trainer.plan")
 """The trainer's ``python -m`` entry points."""
 
 WIDTH = "100"
