@@ -16,6 +16,8 @@ from tests.docs_commands import ROOT, Command, commands
 
 CLI_PAGE = ROOT / "docs" / "reference" / "cli.md"
 PROGRAM_STARTS = ("python", "python3", "bash", "sh", "env", "torchrun", "./train.py")
+PASSES_ON = {"python -m trainer.plan": "python -m trainer.train"}
+"""Commands that take another command's flags too (the planner takes the trainer's)."""
 
 
 def _generator():
@@ -32,6 +34,9 @@ def known_flags() -> dict[str, set[str]]:
     for name, body in re.findall(r"^## `([^`]+)`\n\n```text\n(.*?)\n```", CLI_PAGE.read_text(),
                                  flags=re.M | re.S):
         flags[name] = set(re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", body))
+    for name, other in PASSES_ON.items():
+        if name in flags:
+            flags[name] |= flags[other]
     return flags
 
 
