@@ -118,12 +118,19 @@ def runnable_launches() -> list[Command]:
     for command in commands():
         words = command.argv()
         lines = command.page.read_text().splitlines()
-        before = "\n".join(lines[max(0, command.line - 4):command.line - 1])
         if words[:2] == ["dtrain", "launch"] and "--" in words and len(words) > 3 \
-                and not PLACEHOLDER.search(command.text) and not NOT_RUN.search(before) \
-                and lines[command.line - 1].startswith("    "):
+                and not PLACEHOLDER.search(command.text) \
+                and lines[command.line - 1].startswith("    ") \
+                and not NOT_RUN.search(_before_block(lines, command.line - 1)):
             out.append(command)
     return out
+
+
+def _before_block(lines: list[str], index: int) -> str:
+    """The first line above the indented code block that holds line ``index``."""
+    while index > 0 and (lines[index - 1].startswith("    ") or not lines[index - 1].strip()):
+        index -= 1
+    return lines[index - 1] if index > 0 else ""
 
 
 def test_every_documented_launch_is_accepted_as_written(tmp_path: Path) -> None:
