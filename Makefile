@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DTRAIN := $(VENV)/bin/dtrain
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: install bytecode sysdeps test test-kernels run bench bench-peers lint clean
+.PHONY: install bytecode sysdeps test test-kernels run bench bench-peers lint docs clean
 
 install: $(VENV)/.installed
 
@@ -89,9 +89,16 @@ bench-peers: install
 		PIP_CONSTRAINT=$(VENV)/constraints.txt $(PY) -m pip install -q -e '.[dev,bench]' \
 		--config-settings editable_mode=compat
 
+# The documentation site (MkDocs with Material) into build/site; strict: a broken link, a page
+# missing from the navigation or a bad anchor fails the build. The reference pages are
+# regenerated from the code first (docs/generate.py).
+docs: install
+	$(PY) docs/generate.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
 # ruff everywhere; mypy on what pyproject.toml's [tool.mypy] lists (strict on launcher/).
 lint: install
-	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py
+	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py docs
 	$(VENV)/bin/mypy
 
 clean:

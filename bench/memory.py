@@ -55,6 +55,9 @@ ROWS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2+zero2 overlap off": (2, {"dp": 2, "zero": 2, "overlap": False}),
     "tp2": (2, {"dp": 1, "tp": 2}),
     "pp2": (2, {"dp": 1, "pp": 2, "microbatches": 4}),
+    "tp2+sp": (2, {"dp": 1, "tp": 2, "sequence_parallel": True}),
+    "tp2+recompute full": (2, {"dp": 1, "tp": 2, "recompute": "full"}),
+    "dp2+recompute selective": (2, {"dp": 2, "recompute": "selective"}),
 }
 COLUMNS = [("layout", "layout"), ("ranks", "ranks"), ("params", "params_mib"),
            ("params peak", "params_peak_mib"),

@@ -51,6 +51,8 @@ over 300 lines).
     stopping/    when training stops before --steps: --time-limit
     sparse/      model-parallel sparse embeddings (SOK style)
     recsys/      `python -m trainer.recsys`: a DLRM-style recommender on sparse/
+    plan/        `python -m trainer.plan`: cluster, shapes, estimate, report: which layouts
+                 of a model fit a cluster and which runs fastest, from the trainer's own model
 
 Design notes the code relies on: docs/design.md.
 """

@@ -1,4 +1,5 @@
-"""How a job ended, and the exit-code rule of `dtrain launch` (pure; documented in the README).
+"""How a job ended, and the exit-code rule of `dtrain launch` (pure; documented in
+docs/launching/output-and-exit-codes.md).
 
 Exit-code rule, first match wins:
 

@@ -10,7 +10,7 @@ step uses them:
     table      `ShardedEmbedding`: lookup + sum/mean pooling, autograd backward to owners
     optim      row-wise sparse SGD, Adagrad and lazy Adam over the touched rows
 
-Usage: README "Sparse embeddings and DLRM"; the recommender that trains on them: `trainer.recsys`.
+Usage: docs/training/recommender.md; the recommender that trains on them: `trainer.recsys`.
 """
 
 from trainer.sparse.hashing import KeyIndex, SparseError

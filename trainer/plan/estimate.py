@@ -1,0 +1,266 @@
+"""Memory per GPU, communication per step and link, step time and MFU of one layout, the layouts
+a cluster allows, and their ranking.
+
+A layout is a `TrainConfig` (the run the plan describes, checked by the trainer's own rules, so
+a combination the trainer refuses is refused here with the trainer's reason). Memory: the
+rank's parameters from `trainer.plan.shapes` priced by the trainer's bytes-per-parameter
+accounting (`trainer.zero.memory.expected_bytes`), activations measured on the trainer's model
+times the microbatches the pipeline schedule keeps in flight (`trainer.pipeline.schedule`).
+
+The cost model (`ASSUMPTIONS`, printed with every plan):
+
+* compute: model FLOPs (`trainer.model.flops`: 6N + 12·L·D·T per token; plus one forward of
+  the blocks under full recomputation, of the attention cores under selective) at
+  ``efficiency`` x peak;
+* pipeline bubble: (pp - 1) / (v · m) of the compute added;
+* tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
+  parallelism) of a block's activations per block and microbatch, exposed;
+* data parallelism: ring all-reduce (or reduce-scatter + all-gather under ZeRO-1) of the
+  gradients, hidden behind the backward pass (2/3 of the compute) except what is longer;
+* pipeline p2p: one activation and one gradient per microbatch and stage boundary, exposed;
+* experts: dispatch and combine all-to-all of the routed tokens, forward and backward, exposed;
+* a group is inside a host while its members span at most one host's GPUs (mesh order
+  tp, dp, pp: tp fastest), else it runs at the bandwidth between hosts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from trainer.config.options import TrainConfig, make_config, resolve_dp
+from trainer.errors import ConfigError
+from trainer.model.flops import flops_per_token, matmul_params
+from trainer.plan.cluster import Cluster
+from trainer.plan.shapes import activations, stage_params
+
+ASSUMPTIONS = (
+    "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
+    "reduction hidden behind backward (2/3 of compute) except the excess; PP p2p and EP "
+    "all-to-all exposed; ring algorithms; a group inside a host while it spans <= one host's GPUs "
+    "(mesh order tp, dp, pp)")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one GPU holds at its peak (the largest rank)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+@dataclass(frozen=True)
+class Comm:
+    """Bytes one rank sends per optimizer step, by group."""
+
+    dp: float
+    tp: float
+    pp: float
+    ep: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """One layout on one cluster."""
+
+    config: TrainConfig
+    memory: Memory
+    comm: Comm
+    step_s: float
+    mfu: float
+    fits: bool
+    why: str = ""
+    """Why it does not fit (empty when it does)."""
+
+    @property
+    def layout(self) -> str:
+        par = self.config.parallel
+        parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"]
+        parts += [f"ep{par.ep}"] if par.ep > 1 else []
+        parts += [f"zero{self.config.optimizer.zero}"] if self.config.optimizer.zero else []
+        parts += ["sp"] if par.sequence_parallel else []
+        parts += [f"recompute-{par.recompute}"] if par.recompute != "none" else []
+        parts += [f"m{par.microbatches}"] if par.microbatches > 1 else []
+        return " ".join(parts)
+
+
+def _bf16(cfg: TrainConfig, cluster: Cluster) -> bool:
+    precision = cfg.optimizer.precision
+    return precision == "bf16" or (precision == "auto" and cluster.name != "cpu")
+
+
+def in_flight(cfg: TrainConfig) -> list[dict[int, int]]:
+    """For each pipeline rank, the most microbatches of each chunk whose activations it holds at
+    once, from the schedule the run executes."""
+    from trainer.pipeline.actions import Kind
+    from trainer.pipeline.schedule import build, chunks_of
+
+    par = cfg.parallel
+    if par.pp == 1:
+        return [{0: 1}]
+    v = chunks_of(par.schedule, par.virtual_stages)
+    out = []
+    for actions in build(par.schedule, par.pp, par.microbatches, v):
+        live: dict[int, int] = {}
+        most: dict[int, int] = {}
+        worst, best = 0, {}
+        for a in actions:
+            if a.kind == Kind.F:
+                live[a.chunk] = live.get(a.chunk, 0) + 1
+            elif a.kind == Kind.B:
+                live[a.chunk] -= 1
+            if sum(live.values()) > worst:
+                worst, best = sum(live.values()), dict(live)
+            for chunk, n in live.items():
+                most[chunk] = max(most.get(chunk, 0), n)
+        out.append(best or most)
+    return out
+
+
+def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
+    """The largest rank's bytes: parameters, gradients, optimizer state and activations."""
+    from trainer.zero.memory import expected_bytes
+
+    par, gpt = cfg.parallel, cfg.gpt
+    bf16 = _bf16(cfg, cluster)
+    v = par.virtual_stages if par.schedule == "interleaved" else 1
+    stages = stage_params(gpt, tp=par.tp, pp=par.pp, v=v)
+    act = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                      recompute=par.recompute, micro_batch=cfg.micro_batch,
+                      dtype="bf16" if bf16 else "fp32")
+    # Backward re-runs one block (or attention core) at a time, which saves what it did not keep.
+    recomputed = 0
+    if par.recompute != "none":
+        kept = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                           recompute="none", micro_batch=cfg.micro_batch,
+                           dtype="bf16" if bf16 else "fp32")
+        recomputed = kept.per_block - act.per_block
+    counts = cfg.stage_layers
+    flights = in_flight(cfg)
+    best: Memory | None = None
+    for rank, params in enumerate(stages):
+        n = params.dense + params.expert // par.ep
+        table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
+        held, rest = 0, 0
+        for chunk, live in flights[rank].items():
+            stage = chunk * par.pp + rank
+            layers = counts[stage] if par.pp > 1 else gpt.n_layer
+            last = stage == len(counts) - 1 or par.pp == 1
+            held += live * layers * act.per_block
+            held += layers * act.weights_per_block + (act.weights_rest if last else 0)
+            rest = max(rest, act.rest if last else 0)
+        # The head's and loss's tensors are freed before the first block is re-run.
+        mem = Memory(table.params, table.grads, table.optimizer, held + max(rest, recomputed))
+        if best is None or mem.total > best.total:
+            best = mem
+    assert best is not None
+    return best
+
+
+def _ring(size: int) -> float:
+    return (size - 1) / size if size > 1 else 0.0
+
+
+def comm(cfg: TrainConfig, cluster: Cluster) -> Comm:
+    """Bytes one rank sends per step in each group (ring algorithms)."""
+    par, gpt = cfg.parallel, cfg.gpt
+    bf16 = _bf16(cfg, cluster)
+    width = 2 if bf16 else 4
+    stages = stage_params(gpt, tp=par.tp, pp=par.pp)
+    n = max(s.dense + s.expert // par.ep for s in stages)
+    grad_bytes = 4 * n if par.grad_reduce_dtype == "fp32" else 2 * n
+    dp = 2 * _ring(par.dp) * grad_bytes
+    if cfg.optimizer.zero:
+        dp = _ring(par.dp) * (grad_bytes + width * n)
+    act = cfg.micro_batch * gpt.seq_len * gpt.d_model * width
+    layers = max(cfg.stage_layers) if par.pp > 1 else gpt.n_layer
+    tp = par.microbatches * layers * 4 * 2 * _ring(par.tp) * act
+    pp = 2 * par.microbatches * act * (1 if par.pp > 1 else 0)
+    moe_layers = len(range(0, layers, gpt.moe.every)) if gpt.moe.experts else 0
+    ep = par.microbatches * moe_layers * 4 * gpt.moe.topk * _ring(par.ep) * act
+    return Comm(dp=dp, tp=tp, pp=pp, ep=ep)
+
+
+def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: float
+              ) -> tuple[float, float]:
+    """(seconds per step, MFU) under `ASSUMPTIONS`."""
+    par, gpt = cfg.parallel, cfg.gpt
+    tokens = cfg.data.global_batch * gpt.seq_len
+    model_flops = flops_per_token(gpt) * tokens
+    hardware = model_flops
+    if par.recompute == "full":  # one more forward of every block
+        hardware += 2 * (matmul_params(gpt) - gpt.vocab_rows * gpt.d_model) * tokens
+    elif par.recompute == "selective":  # one more forward of every attention core
+        hardware += 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens
+    compute = hardware / cluster.gpus / (cluster.gpu.peak_flops * efficiency)
+    v = par.virtual_stages if par.schedule == "interleaved" else 1
+    bubble = (par.pp - 1) / (v * par.microbatches) if par.pp > 1 else 0.0
+    tp_s = traffic.tp / cluster.bandwidth(par.tp)
+    dp_s = traffic.dp / cluster.bandwidth(par.tp * par.dp)
+    pp_s = traffic.pp / cluster.bandwidth(par.tp * par.dp * par.pp)
+    ep_s = traffic.ep / cluster.bandwidth(par.tp * par.ep)
+    exposed_dp = max(0.0, dp_s - compute * 2 / 3)
+    step = compute * (1 + bubble) + tp_s + pp_s + ep_s + exposed_dp
+    return step, model_flops / (step * cluster.gpus * cluster.gpu.peak_flops)
+
+
+def estimate(cfg: TrainConfig, cluster: Cluster, *, efficiency: float = 0.5) -> Estimate:
+    """Memory, traffic and time of ``cfg`` on ``cluster``."""
+    mem = memory(cfg, cluster)
+    traffic = comm(cfg, cluster)
+    step, mfu = step_time(cfg, cluster, traffic, efficiency)
+    fits = mem.total <= cluster.gpu.memory_bytes
+    why = "" if fits else (f"needs {mem.total / 2**30:.1f} GiB per GPU, "
+                           f"{cluster.gpu.memory_bytes / 2**30:.1f} GiB available")
+    return Estimate(cfg, mem, traffic, step, mfu, fits, why)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(base: Mapping[str, Any], cluster: Cluster) -> Iterator[TrainConfig | ConfigError]:
+    """Every layout of ``cluster.gpus`` ranks the trainer accepts for the run ``base`` (options
+    by flag name), or the trainer's error for one it refuses."""
+    world = cluster.gpus
+    experts = int(base.get("moe_experts", 0) or 0)
+    for tp, pp in itertools.product(_divisors(world), repeat=2):
+        if world % (tp * pp) or tp > cluster.gpus_per_host:
+            continue
+        dp = world // (tp * pp)
+        eps = [e for e in _divisors(dp) if experts and experts % e == 0] or [1]
+        for ep, zero, recompute, sp in itertools.product(
+                eps, (0, 1), ("none", "selective", "full"), (False, True)):
+            if sp and tp == 1:
+                continue
+            per_dp = int(base.get("global_batch", 32)) // dp
+            m = max((d for d in _divisors(per_dp) if d <= 4 * pp), default=1) if pp > 1 else 1
+            try:
+                cfg = make_config({**base, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": zero,
+                                   "recompute": recompute, "sequence_parallel": sp,
+                                   "microbatches": m})
+                yield resolve_dp(cfg, world)
+            except ConfigError as exc:
+                yield exc
+
+
+def plan(base: Mapping[str, Any], cluster: Cluster, *, efficiency: float = 0.5
+         ) -> tuple[list[Estimate], list[ConfigError]]:
+    """Every accepted layout estimated, fitting ones first by step time; and the refusals."""
+    done: list[Estimate] = []
+    refused: list[ConfigError] = []
+    for item in candidates(base, cluster):
+        if isinstance(item, ConfigError):
+            refused.append(item)
+        else:
+            done.append(estimate(item, cluster, efficiency=efficiency))
+    done.sort(key=lambda e: (not e.fits, e.step_s, e.memory.total))
+    return done, refused

@@ -1,0 +1,230 @@
+"""A rank's parameters and activations, taken from the trainer's own model code without
+allocating it: the rank's model is built on the meta device and sharded by the trainer's own
+`parallelize` (parameter counts), and one microbatch runs forward under torch's fake tensors
+with the same saved-tensor meter `bench.memory` uses (activation bytes). So the plan follows
+the model as it is, padding, fused weights, sequence parallelism and recomputation included.
+
+Activations grow linearly with the layers a rank runs: a model of one block and one of two give
+the bytes of a block and of what is not a block (embedding, final norm, head and loss).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
+
+import torch
+
+from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
+from trainer.model.config import GPTConfig
+
+
+class ShapeComm:
+    """A communicator of ``size`` members that moves nothing: what building and running a
+    model on meta or fake tensors needs (shapes only). Its collectives leave their outputs as
+    they are, which is right for tensors without data."""
+
+    def __init__(self, size: int, rank: int = 0, name: str = "tp") -> None:
+        self._size, self._rank, self._name = size, rank, name
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def backend(self) -> str:
+        return "shape"
+
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                   async_op: bool = False) -> Handle | None:
+        return DoneHandle() if async_op else None
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   async_op: bool = False) -> Handle | None:
+        return DoneHandle() if async_op else None
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
+                       *, async_op: bool = False) -> Handle | None:
+        return DoneHandle() if async_op else None
+
+    def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
+        return DoneHandle() if async_op else None
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        return None
+
+    def recv(self, t: torch.Tensor, src: int) -> None:
+        return None
+
+    def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
+        return [DoneHandle() for _ in ops]
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   in_splits: Sequence[int] | None = None,
+                   out_splits: Sequence[int] | None = None,
+                   async_op: bool = False) -> Handle | None:
+        return DoneHandle() if async_op else None
+
+    def barrier(self) -> None:
+        return None
+
+    def split(self, color: int, key: int, *, name: str = "") -> ShapeComm:
+        return ShapeComm(self._size, self._rank, name or self._name)
+
+
+@dataclass(frozen=True)
+class StageParams:
+    """The parameters one pipeline rank holds at tp rank 0 (the largest shard)."""
+
+    dense: int
+    """Parameters every data-parallel rank holds."""
+    expert: int
+    """Parameters of MoE experts, before they are split over ep."""
+
+
+def _counts(cfg: GPTConfig, pp: int, v: int) -> tuple[int, ...]:
+    from trainer.pipeline.partition import stage_counts
+
+    return stage_counts(cfg.n_layer, pp, v)
+
+
+@cache
+def stage_params(cfg: GPTConfig, *, tp: int, pp: int, v: int = 1) -> tuple[StageParams, ...]:
+    """Each pipeline rank's parameters: the trainer's stage model on the meta device, sharded
+    over a tp group of ``tp``."""
+    from trainer.construction.meta import meta_gpt
+    from trainer.pipeline.partition import StageLayout
+    from trainer.tensor_parallel.parallelize import parallelize
+
+    out: list[StageParams] = []
+    for rank in range(pp):
+        layout = StageLayout(pp, v, rank, _counts(cfg, pp, v)) if pp > 1 else None
+        model = meta_gpt(cfg, 0, layout)
+        model = parallelize(model, ShapeComm(tp))
+        seen: dict[int, tuple[str, int]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            seen.setdefault(id(p), (name, p.numel()))
+        expert = sum(n for name, n in seen.values() if ".experts." in name)
+        dense = sum(n for _, n in seen.values()) - expert
+        out.append(StageParams(dense, expert))
+    return tuple(out)
+
+
+class _Meter:
+    """Peak bytes of the tensors autograd saves (each storage once), as `bench.memory`'s."""
+
+    def __init__(self, weights: set[int]) -> None:
+        self.live: dict[int, int] = {}
+        self.count: dict[int, int] = {}
+        self.peak = 0
+        self.weights = weights
+        """Storages of the model's parameters: saved once however many microbatches run."""
+        self.weight_bytes = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        key = t.untyped_storage()._cdata
+        self.count[key] = self.count.get(key, 0) + 1
+        self.live[key] = max(self.live.get(key, 0), t.untyped_storage().nbytes())
+        self.peak = max(self.peak, sum(self.live.values()))
+        self.weight_bytes = sum(n for k, n in self.live.items() if k in self.weights)
+        return _Saved(t, key, self)
+
+    @staticmethod
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.t
+
+    def release(self, key: int) -> None:
+        self.count[key] -= 1
+        if not self.count[key]:
+            del self.count[key], self.live[key]
+
+
+class _Saved:
+    def __init__(self, t: torch.Tensor, key: int, meter: _Meter) -> None:
+        self.t, self.key, self.meter = t, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes saved for backward by one microbatch on one rank. Autograd saves some parameters
+    too (a matrix product keeps its weight); the meter counts their storage once, however many
+    microbatches are in flight, so they are apart."""
+
+    per_block: int
+    """One transformer block's activations."""
+    rest: int
+    """The activations of everything else: embedding, final norm, head, loss."""
+    weights_per_block: int
+    """The parameter bytes one block saves (once per rank)."""
+    weights_rest: int
+    """The parameter bytes the rest saves (once per rank)."""
+
+
+def _to_bf16(model: torch.nn.Module) -> None:
+    """``model.to(torch.bfloat16)`` for fake parameters, which `Module.to` cannot swap in
+    place: new parameters, shared ones (a tied head) still shared."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in done:
+                done[id(p)] = torch.nn.Parameter(p.detach().to(torch.bfloat16), p.requires_grad)
+            setattr(module, name, done[id(p)])
+
+
+@cache
+def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: str,
+                micro_batch: int, dtype: str = "fp32") -> Activations:
+    """One microbatch's saved bytes: the trainer's model of one and of two blocks, sharded and
+    set up as the run would, forward and loss on fake tensors under the meter."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trainer.errors import ConfigError
+
+    if cfg.moe.experts:  # routing sizes depend on the data, which fake tensors do not have
+        raise ConfigError("cannot plan a mixture of experts yet",
+                          f"--moe-experts {cfg.moe.experts}",
+                          "the planner measures activations on data-free tensors, and an MoE "
+                          "layer's dispatch depends on the data",
+                          "Plan the dense model of the same shape for now")
+
+    from trainer.activations import apply_recompute, apply_sequence_parallel
+    from trainer.model.family import build_model
+    from trainer.tensor_parallel.parallelize import parallelize
+    from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
+
+    peaks, weights = [], []
+    for layers in (1, 2):
+        small = replace(cfg, n_layer=layers)
+        tracker = RNGStatesTracker("cpu")
+        tracker.seed(TP_RNG, 0)  # the stream a step seeds; outside the fake mode: real state
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = build_model(small, seed=0)
+            if dtype == "bf16":
+                _to_bf16(model)
+            comm = ShapeComm(tp)
+            model = parallelize(model, comm, tracker=tracker)
+            if sequence_parallel:
+                model = apply_sequence_parallel(model, comm, tracker)
+            model = apply_recompute(model, recompute, tracker)
+            idx = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
+            meter = _Meter({p.untyped_storage()._cdata for p in model.parameters()})
+            with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+                model.loss(idx, idx)
+            peaks.append(meter.peak - meter.weight_bytes)
+            weights.append(meter.weight_bytes)
+    block, weight = peaks[1] - peaks[0], weights[1] - weights[0]
+    return Activations(per_block=block, rest=peaks[0] - block, weights_per_block=weight,
+                       weights_rest=weights[0] - weight)
