@@ -1,7 +1,7 @@
 """The code layout (docs/design.md §7), read from the source with `ast` (nothing is imported):
 `launcher` and `trainer` never import each other (their contract is workerenv.py), the parts of
 each (subpackages and top-level modules) depend on each other without a cycle, and no module is
-over 300 lines. Imports inside functions and under TYPE_CHECKING count: a lazy import is still a
+over 400 lines. Imports inside functions and under TYPE_CHECKING count: a lazy import is still a
 dependency (`LAZY_BACK_EDGES` names the one the trainer allows, and why)."""
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def test_the_allowed_back_edge_is_an_import_inside_functions_only():
         assert eager == [], "a module-level import makes the back edge a real cycle"
 
 
-def test_no_module_of_the_launcher_or_the_trainer_is_over_300_lines():
+def test_no_module_of_the_launcher_or_the_trainer_is_over_400_lines():
     long = {str(path.relative_to(REPO)): lines for package in ("launcher", "trainer")
             for _, path in _modules(package)
-            if (lines := len(path.read_text().splitlines())) > 300}
+            if (lines := len(path.read_text().splitlines())) > 400}
     assert long == {}, "split each along a seam of what it does"
 
 

@@ -5,7 +5,7 @@ Module map. Entry points stay at the top, where users call them; everything else
 subpackage named for its concept. Subpackages import each other without a cycle, roughly
 bottom-up: comm, gpu, model < tensor_parallel, pipeline, moe, data_parallel, optim, zero, data
 < config < training < the entry points (`tests/test_layers.py` checks it, and that no module is
-over 300 lines).
+over 400 lines).
 
     train        `python -m trainer.train`: the training loop, checkpoints, the entry point
     diagnose     `python -m trainer.diagnose`: communication soundness and bandwidth

@@ -15,8 +15,9 @@ The cost model (`ASSUMPTIONS`, printed with every plan):
 * pipeline bubble: (pp - 1) / (v · m) of the compute added;
 * tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
   parallelism) of a block's activations per block and microbatch, exposed;
-* data parallelism: ring all-reduce (or reduce-scatter + all-gather under ZeRO-1) of the
-  gradients, hidden behind the backward pass (2/3 of the compute) except what is longer;
+* data parallelism: ring all-reduce (or reduce-scatter + all-gather under ZeRO-1/2) of the
+  gradients, hidden behind the backward pass (2/3 of the compute) except what is longer; ZeRO-3
+  gathers the parameters once more for the backward pass (3x the parameter bytes, ZeRO paper);
 * pipeline p2p: one activation and one gradient per microbatch and stage boundary, exposed;
 * experts: dispatch and combine all-to-all of the routed tokens, forward and backward, exposed;
 * a group is inside a host while its members span at most one host's GPUs (mesh order
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.config.options import TrainConfig, make_config, resolve_dp
@@ -35,6 +36,7 @@ from trainer.errors import ConfigError
 from trainer.model.flops import flops_per_token, matmul_params
 from trainer.plan.cluster import Cluster
 from trainer.plan.shapes import activations, stage_params
+from trainer.zero.memory import MemoryTable, expected_bytes
 
 ASSUMPTIONS = (
     "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
@@ -127,7 +129,6 @@ def in_flight(cfg: TrainConfig) -> list[dict[int, int]]:
 
 def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     """The largest rank's bytes: parameters, gradients, optimizer state and activations."""
-    from trainer.zero.memory import expected_bytes
 
     par, gpt = cfg.parallel, cfg.gpt
     bf16 = _bf16(cfg, cluster)
@@ -149,6 +150,7 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     for rank, params in enumerate(stages):
         n = params.dense + params.expert // par.ep
         table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
+        table = _in_flight_shards(cfg, table, bf16)
         held, rest = 0, 0
         for chunk, live in flights[rank].items():
             stage = chunk * par.pp + rank
@@ -165,6 +167,25 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     return best
 
 
+def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:
+    """ZeRO-2/3's peak in a step on top of the shards: at most two gradient buckets staged while
+    they reduce (`trainer.zero.grad_shards`), and under ZeRO-3 the root and prefetch + 2 blocks
+    gathered with their gradients (`trainer.zero.units`). Not yet held to a measurement."""
+    zero, par = cfg.optimizer.zero, cfg.parallel
+    if zero < 2:
+        return table
+    one, two = (stage_params(replace(cfg.gpt, n_layer=k), tp=par.tp, pp=1)[0].dense
+                for k in (1, 2))
+    block, root = two - one, 2 * one - two
+    grads = table.grads + 4 * min(2 * par.bucket_size, block * cfg.gpt.n_layer + root)
+    params = table.params
+    if zero == 3:
+        gathered = root + (cfg.optimizer.zero_prefetch + 2) * block
+        params += (2 if bf16 else 4) * gathered
+        grads += 4 * gathered
+    return MemoryTable(params=params, grads=grads, optimizer=table.optimizer)
+
+
 def _ring(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
@@ -179,7 +200,7 @@ def comm(cfg: TrainConfig, cluster: Cluster) -> Comm:
     grad_bytes = 4 * n if par.grad_reduce_dtype == "fp32" else 2 * n
     dp = 2 * _ring(par.dp) * grad_bytes
     if cfg.optimizer.zero:
-        dp = _ring(par.dp) * (grad_bytes + width * n)
+        dp = _ring(par.dp) * (grad_bytes + width * n * (2 if cfg.optimizer.zero == 3 else 1))
     act = cfg.micro_batch * gpt.seq_len * gpt.d_model * width
     layers = max(cfg.stage_layers) if par.pp > 1 else gpt.n_layer
     tp = par.microbatches * layers * 4 * 2 * _ring(par.tp) * act
@@ -238,7 +259,7 @@ def candidates(base: Mapping[str, Any], cluster: Cluster) -> Iterator[TrainConfi
         dp = world // (tp * pp)
         eps = [e for e in _divisors(dp) if experts and experts % e == 0] or [1]
         for ep, zero, recompute, sp in itertools.product(
-                eps, (0, 1), ("none", "selective", "full"), (False, True)):
+                eps, (0, 1, 2, 3), ("none", "selective", "full"), (False, True)):
             if sp and tp == 1:
                 continue
             per_dp = int(base.get("global_batch", 32)) // dp
