@@ -6,7 +6,6 @@ read from a number the tensor files do not back."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import resource
 import shutil
@@ -17,6 +16,7 @@ import pytest
 
 from tests.mpi_runs import forked_python
 from tests.support import PYTHON, REPO, dtrain_env
+from trainer.checkpoint import checksum
 
 FLAGS = ["--model", "llama-tiny", "--seq-len", "32", "--global-batch", "4", "--eval-every",
          "0", "--data-cap-mb", "0.25", "--log-every", "1", "--warmup-steps", "1"]
@@ -51,6 +51,13 @@ def copy(archive: Path, tmp_path: Path) -> tuple[Path, Path]:
     return run_dir, run_dir / "checkpoints" / "step-2"
 
 
+def _digest(data: bytes) -> str:
+    """The checksum a commit record of this dtrain holds for ``data``."""
+    digest = checksum.new(checksum.WRITTEN)
+    digest.update(data)
+    return digest.hexdigest()
+
+
 def rewrite(step: Path, name: str, data: bytes | None = None, *, size: int | None = None,
             digest: str | None = None) -> None:
     """Write ``data`` into ``step/name`` (when given) and make the commit record agree."""
@@ -59,7 +66,7 @@ def rewrite(step: Path, name: str, data: bytes | None = None, *, size: int | Non
     record = json.loads((step / "COMMITTED").read_text())
     record["files"][name] = {
         "size": len(data) if size is None and data is not None else size,
-        "sha256": digest or hashlib.sha256(data or b"").hexdigest()}
+        checksum.WRITTEN: digest or _digest(data or b"")}
     (step / "COMMITTED").write_text(json.dumps(record))
 
 
@@ -123,7 +130,7 @@ def test_a_file_name_leaving_the_checkpoint_folder_is_refused_unread(
 def test_a_device_named_or_linked_in_the_commit_record_is_refused_without_reading_it(
         archive: Path, tmp_path: Path, name: str) -> None:
     run_dir, step = copy(archive, tmp_path)
-    empty = hashlib.sha256(b"").hexdigest()
+    empty = _digest(b"")
     if name.startswith("/"):  # an absolute name
         rewrite(step, name, size=0, digest=empty)
         want = (f"error: checkpoint {step} is damaged [file COMMITTED]: the commit record "
