@@ -152,7 +152,8 @@ whose name starts with a dash; it is always safe."""
               help="Rendezvous port (default: a free port on rank 0's host).")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory of the ranks (default: the current one, on every host).")
-@click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
+@click.option("--remote-python", default=LAUNCH.remote_python,
+              show_default="the head's own interpreter, sys.executable",
               help="Interpreter that runs the agent on every host.")
 @click.option("--ssh-client", type=click.Choice(table.SSH_CLIENTS), default=SSH.client,
               show_default=True, help=table.helps(table.SSH_CLIENTS) + ".")
@@ -266,7 +267,8 @@ main.add_command(rendezvous.token_group)
 
 @main.command(cls=SectionedCommand)
 @host_options
-@click.option("--remote-python", default=LAUNCH.remote_python, show_default=True,
+@click.option("--remote-python", default=LAUNCH.remote_python,
+              show_default="the head's own interpreter, sys.executable",
               help="Interpreter that runs the agent on every host.")
 @click.option("--chdir", type=click.Path(file_okay=False),
               help="Working directory to look for (default: the current one).")
