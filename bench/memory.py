@@ -75,39 +75,6 @@ SUMMARY_NOTE = ("MiB per rank (largest rank) of fp32 training: held tensors meas
                 "<= 1.05).")
 
 
-class ActivationMeter:
-    """Peak bytes of the tensors autograd saves for backward (each storage once)."""
-
-    def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.count: dict[int, int] = {}
-        self.peak = 0
-
-    def pack(self, t: Any) -> Any:
-        key = t.untyped_storage().data_ptr()
-        self.count[key] = self.count.get(key, 0) + 1
-        self.live[key] = max(self.live.get(key, 0), t.untyped_storage().nbytes())
-        self.peak = max(self.peak, sum(self.live.values()))
-        return _Saved(t, key, self)
-
-    @staticmethod
-    def unpack(saved: Any) -> Any:
-        return saved.t
-
-    def release(self, key: int) -> None:
-        self.count[key] -= 1
-        if not self.count[key]:
-            del self.count[key], self.live[key]
-
-
-class _Saved:
-    def __init__(self, t: Any, key: int, meter: ActivationMeter) -> None:
-        self.t, self.key, self.meter = t, key, meter
-
-    def __del__(self) -> None:
-        self.meter.release(self.key)
-
-
 class Side:
     """One row's layout built by the trainer in this world."""
 
@@ -128,8 +95,9 @@ class Side:
         import torch
 
         from trainer.training.step import train_step
+        from trainer.zero.memory import SavedTensorMeter
 
-        meter = ActivationMeter()
+        meter = SavedTensorMeter()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
             rec = train_step(self.run, i)

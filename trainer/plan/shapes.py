@@ -1,8 +1,9 @@
 """A rank's parameters and activations, taken from the trainer's own model code without
 allocating it: the rank's model is built on the meta device and sharded by the trainer's own
 `parallelize` (parameter counts), and one microbatch runs forward under torch's fake tensors
-with the same saved-tensor meter `bench.memory` uses (activation bytes). So the plan follows
-the model as it is, padding, fused weights, sequence parallelism and recomputation included.
+with the saved-tensor meter `bench.memory` uses (`trainer.zero.memory.SavedTensorMeter`:
+activation bytes). So the plan follows the model as it is, padding, fused weights, sequence
+parallelism and recomputation included.
 
 Activations grow linearly with the layers a rank runs: a model of one block and one of two give
 the bytes of a block and of what is not a block (embedding, final norm, head and loss).
@@ -13,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
-from typing import Any
 
 import torch
 
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.model.config import GPTConfig
+from trainer.zero.memory import SavedTensorMeter
 
 
 class ShapeComm:
@@ -120,43 +121,6 @@ def stage_params(cfg: GPTConfig, *, tp: int, pp: int, v: int = 1) -> tuple[Stage
     return tuple(out)
 
 
-class _Meter:
-    """Peak bytes of the tensors autograd saves (each storage once), as `bench.memory`'s."""
-
-    def __init__(self, weights: set[int]) -> None:
-        self.live: dict[int, int] = {}
-        self.count: dict[int, int] = {}
-        self.peak = 0
-        self.weights = weights
-        """Storages of the model's parameters: saved once however many microbatches run."""
-        self.weight_bytes = 0
-
-    def pack(self, t: torch.Tensor) -> Any:
-        key = t.untyped_storage()._cdata
-        self.count[key] = self.count.get(key, 0) + 1
-        self.live[key] = max(self.live.get(key, 0), t.untyped_storage().nbytes())
-        self.peak = max(self.peak, sum(self.live.values()))
-        self.weight_bytes = sum(n for k, n in self.live.items() if k in self.weights)
-        return _Saved(t, key, self)
-
-    @staticmethod
-    def unpack(saved: _Saved) -> torch.Tensor:
-        return saved.t
-
-    def release(self, key: int) -> None:
-        self.count[key] -= 1
-        if not self.count[key]:
-            del self.count[key], self.live[key]
-
-
-class _Saved:
-    def __init__(self, t: torch.Tensor, key: int, meter: _Meter) -> None:
-        self.t, self.key, self.meter = t, key, meter
-
-    def __del__(self) -> None:
-        self.meter.release(self.key)
-
-
 @dataclass(frozen=True)
 class Activations:
     """Bytes saved for backward by one microbatch on one rank. Autograd saves some parameters
@@ -220,7 +184,8 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
                 model = apply_sequence_parallel(model, comm, tracker)
             model = apply_recompute(model, recompute, tracker)
             idx = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
-            meter = _Meter({p.untyped_storage()._cdata for p in model.parameters()})
+            meter = SavedTensorMeter(frozenset(p.untyped_storage()._cdata
+                                               for p in model.parameters()))
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
                 model.loss(idx, idx)
             peaks.append(meter.peak - meter.weight_bytes)

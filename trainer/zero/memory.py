@@ -116,3 +116,46 @@ def _vm_hwm() -> int:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class SavedTensorMeter:
+    """Peak bytes of the tensors autograd saves for backward, each storage once (install with
+    ``torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack)``). Storages are told
+    apart by their implementation, so it counts fake and meta tensors too (`trainer.plan`).
+    ``weights``: storages of the model's parameters, which a matrix product saves; their bytes
+    are also kept apart (``weight_bytes``: live at the peak), as they do not grow with the
+    microbatches in flight."""
+
+    def __init__(self, weights: frozenset[int] = frozenset()) -> None:
+        self.live: dict[int, int] = {}
+        self.count: dict[int, int] = {}
+        self.peak = 0
+        self.weights = weights
+        self.weight_bytes = 0
+
+    def pack(self, t: torch.Tensor) -> _Saved:
+        key = t.untyped_storage()._cdata
+        self.count[key] = self.count.get(key, 0) + 1
+        self.live[key] = max(self.live.get(key, 0), t.untyped_storage().nbytes())
+        self.peak = max(self.peak, sum(self.live.values()))
+        self.weight_bytes = sum(n for k, n in self.live.items() if k in self.weights)
+        return _Saved(t, key, self)
+
+    @staticmethod
+    def unpack(saved: _Saved) -> torch.Tensor:
+        return saved.t
+
+    def release(self, key: int) -> None:
+        self.count[key] -= 1
+        if not self.count[key]:
+            del self.count[key], self.live[key]
+
+
+class _Saved:
+    """A saved tensor whose release the meter hears of."""
+
+    def __init__(self, t: torch.Tensor, key: int, meter: SavedTensorMeter) -> None:
+        self.t, self.key, self.meter = t, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
