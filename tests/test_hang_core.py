@@ -129,6 +129,18 @@ def test_a_rank_whose_posted_send_never_arrives_is_blamed_first_and_its_receiver
     assert "        send (worker.py:30)" in found.lines
 
 
+def test_a_send_posted_to_a_stopped_receiver_is_no_stall_of_its_own_the_stop_is_the_cause():
+    """Rank 1 is stopped inside its receive of the pipeline's p2p; rank 0 posted the matching
+    send, which cannot complete while its receiver is stopped: rank 0 waits for rank 1."""
+    send = op("pp[0]", 0, 59, 58, "batch_p2p", size=2, p2p=1, peer=1, nbytes=256 << 10, age=3.5)
+    recv = op("pp[0]", 1, 59, 58, "batch_p2p", size=2, p2p=2, peer=0, nbytes=256 << 10, age=3.5)
+    views = [rank(0, "node1", send), rank(1, "node2", recv, state="stopped")]
+    found = diagnose(views, {})
+    assert found.culprit_ranks == (1,) and found.kind == "stopped", found.text
+    assert "rank 0 (node1) waits for it in batch_p2p #59 on pp[0]" in found.headline, found.text
+    assert "never arrives" not in found.text
+
+
 def test_a_rank_stopped_inside_an_operation_every_member_entered_is_what_the_others_wait_for():
     views = [rank(0, "node0", ar("dp[0]", 0, 9, 8)),
              rank(1, "node1", ar("dp[0]", 1, 9, 8), state="stopped")]

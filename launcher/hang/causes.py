@@ -115,9 +115,11 @@ def _needed(groups: Groups, v: RankView, g: GroupView, unseen: list[int],
             return []
         peer, pg = mem[g.peer]
         posted = pg.in_flight and pg.op in P2P and peer.state != "stopped"
-        if posted and g.p2p == RECV and pg.p2p == SEND and pg.peer == g.group_rank:
-            # Both halves are posted and the sender runs, yet nothing arrives: the transfer
-            # is stuck on the sender's side (its link, or the transport under it).
+        if posted and v.state == "running" and g.p2p == RECV and pg.p2p == SEND \
+                and pg.peer == g.group_rank:
+            # Both halves are posted and both ranks run, yet nothing arrives: the transfer is
+            # stuck on the sender's side (its link, or the transport under it). A stopped
+            # receiver is the reason by itself: its sender only waits for it.
             return [(peer.rank, Cause(peer.rank, "unsent", g.label, pg.op, pg.seq, ()))]
         mutual = g.op == pg.op == "recv" and pg.peer == g.group_rank
         return [] if posted and not mutual else [(peer.rank, None)]
