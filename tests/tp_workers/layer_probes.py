@@ -124,12 +124,12 @@ def grads_of(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_failure_probe(tp: Communicator, out: Path) -> dict[str, Any]:
-    """The TP writers save together and rank 1's tensor file cannot be written (a tensor
-    that is not contiguous): every writer must fail with the cause, none may hang, nothing may
-    be committed."""
+    """The TP writers save together and rank 1's tensor file cannot be written (a dtype no
+    checkpoint holds): every writer must fail with the cause, none may hang, nothing may be
+    committed."""
     state = {"w": torch.zeros(2)}
     if tp.rank == 1:
-        state["bad"] = torch.zeros(4, 4).t()
+        state["bad"] = torch.zeros(4, 4, dtype=torch.complex64)
     root = out / "ckpt-failure"
     try:
         checkpoint.save(root, 1, tensors=state, contents=[], meta={}, world=tp)
