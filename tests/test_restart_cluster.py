@@ -184,16 +184,21 @@ tee "{folder}/$address.in" | {python} "$@"
 SECRET = "hf_cluster0123456789abcdef"  # the user's HF_TOKEN on the head, forwarded (HF_)
 
 
-def _agent_pid(cluster, host: str) -> int:
-    """The agent's interpreter on ``host`` (not the wrapper that started it)."""
-    for pid in cluster.job_pids(host):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argv[0] == PYTHON.encode() and b"launcher.agent" in argv:
-            return pid
-    raise AssertionError(f"no agent on {host}")
+def _agent_pid(cluster, host: str, timeout: float = 30.0) -> int:
+    """The agent's interpreter on ``host`` (not the wrapper that started it), once it runs: a
+    spare's agent may still be starting when the other hosts' ranks are up."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for pid in cluster.job_pids(host):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[0] == PYTHON.encode() and b"launcher.agent" in argv:
+                return pid
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no agent on {host} within {timeout:.0f} s")
+        time.sleep(0.1)
 
 
 def test_spares_slow_to_boot_stay_take_a_place_and_never_receive_the_secrets(cluster,
