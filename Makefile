@@ -55,7 +55,7 @@ NUMERICS_TESTS := $(addprefix tests/,test_kernel_variants.py test_moe_layer.py t
 # "B=2 C=3"' (with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 they pass too).
 KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
 # Known to fail under another kernel, for a defect outside the tests (remove when fixed):
-# trainer/moe/router.py ranks capacity drops by fp64 scores, and tokens equal in exact
+# trainer/parallel/expert/router.py ranks capacity drops by fp64 scores, and tokens equal in exact
 # arithmetic (runs of one character) get scores one ulp apart that depend on the BLAS kernel, so
 # with MKL_CBWR=COMPATIBLE the layer drops another of them than the plain-loop reference.
 KERNEL_KNOWN_FAILURES := not (test_moe_training and dropping and (losses or parameter_shard))

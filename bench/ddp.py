@@ -8,7 +8,7 @@ Three sides run one after the other in one invocation, each as N ranks under the
 ``mpiexec``, on the same model (GPT preset, seed 0), the same global batch split the same way,
 the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket size x 4 bytes):
 
-* ``ours``       `trainer.data_parallel.grad_sync.DataParallel` over MPI, overlap on (async bucket
+* ``ours``       `trainer.parallel.data.grad_sync.DataParallel` over MPI, overlap on (async bucket
                  all-reduce launched from the grad hooks; driven by a comm thread when the host
                  has a core per rank, else by MPI's own nonblocking calls: the table says which);
 * ``ours-sync``  the same with overlap off (every bucket reduced after backward);
@@ -78,7 +78,7 @@ class OursSide:
     """dtrain's DataParallel over the MPI world communicator."""
 
     def __init__(self, args: argparse.Namespace, world: Any, *, overlap: bool) -> None:
-        from trainer.data_parallel.grad_sync import DataParallel
+        from trainer.parallel.data.grad_sync import DataParallel
 
         self.model, self.optimizer, self.batches = _build(args, world.rank, world.size)
         self.dp = DataParallel(self.model, world.comm, bucket_size=args.bucket_size,

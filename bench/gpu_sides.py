@@ -3,7 +3,7 @@ PyTorch loop of the same model.
 
 * ``dtrain``: `trainer.training.run.build_run` on a world of one rank with its mesh (every
   group of one rank), as ``python -m trainer.train`` builds it: the DP gradient buffer (fp32
-  main gradients), `trainer.tensor_parallel.parallelize` at TP = 1, PP = 1, bf16 parameters
+  main gradients), `trainer.parallel.tensor.parallelize` at TP = 1, PP = 1, bf16 parameters
   with fp32 main weights (`trainer.optim.mixed_precision`), fused AdamW on CUDA, the guard and
   gradient clipping,
   ``--compile`` when asked; batches from the corpus.

@@ -9,13 +9,13 @@ in the same processes with their steps interleaved (order rotating every round),
 the same machine load. Measured per rank (the largest rank), in MiB:
 
 * ``params``, ``grads``, ``optim``: the bytes of the tensors the rank holds
-  (`trainer.zero.memory.held_bytes`: parameters, the gradient buffer, main copies and AdamW
+  (`trainer.parallel.zero.memory.held_bytes`: parameters, the gradient buffer, main copies and AdamW
   state), with ``grads calc`` and ``optim calc`` from Megatron's bytes-per-parameter table for
-  the same rank (`trainer.zero.memory.expected_bytes`); ``grads peak``: the most gradient
+  the same rank (`trainer.parallel.zero.memory.expected_bytes`); ``grads peak``: the most gradient
   memory during a step, the buffer plus, under ZeRO-2/3, the buckets staged while backward
-  fills and reduces them (`trainer.zero.grad_shards`); ``params peak``: likewise the
+  fills and reduces them (`trainer.parallel.zero.grad_shards`); ``params peak``: likewise the
   parameters plus, under ZeRO-3 (whose ``params`` are the shards), the units gathered at once
-  (`trainer.zero.units`);
+  (`trainer.parallel.zero.units`);
 * ``activations``: the peak of the bytes autograd holds for backward during a step (every
   saved tensor counted once, from a ``saved_tensors_hooks`` meter), pipelines included;
 * ``total``: params + grads + optim + activations, the rank's training memory (peak RSS is not
@@ -94,8 +94,8 @@ class Side:
     def step(self, i: int, timed: bool) -> None:
         import torch
 
+        from trainer.parallel.zero.memory import SavedTensorMeter
         from trainer.training.step import train_step
-        from trainer.zero.memory import SavedTensorMeter
 
         meter = SavedTensorMeter()
         start = time.perf_counter()
@@ -112,7 +112,7 @@ class Side:
                 units.peak_gathered_bytes = units.gathered_bytes
 
     def summary(self) -> dict[str, Any]:
-        from trainer.zero.memory import expected_bytes, held_bytes
+        from trainer.parallel.zero.memory import expected_bytes, held_bytes
 
         run = self.run
         units = getattr(run.weights, "units", None)  # ZeRO-3: the shards are the parameters

@@ -109,7 +109,7 @@ def train_worker(ep_sizes: Sequence[int], steps: int, out: Path) -> None:
 
     from trainer.comm.bootstrap import init
     from trainer.config.options import make_config, resolve_dp
-    from trainer.moe.layer import moe_layers
+    from trainer.parallel.expert.layer import moe_layers
     from trainer.training.run import build_run, mesh_for
     from trainer.training.step import train_step
 

@@ -4,7 +4,8 @@
                              [--act-mb 4] [--polite 1] [--results DIR]
 
 Each pipeline size p runs as p ranks under the MPICH wheel's ``mpiexec``; every rank executes
-its action list with `trainer.pipeline.runtime.run_schedule` over MPI. The stages are synthetic
+its action list with `trainer.parallel.pipeline.runtime.run_schedule` over MPI. The stages are
+synthetic
 and equal-cost: a forward *sleeps* ``forward_ms / v`` per chunk and a backward twice that
 (sleeping keeps the cost fixed on a machine with fewer cores than ranks, where a matmul would
 measure CPU contention instead of the schedule). Each stage boundary is a real (64, 1024) fp32
@@ -107,9 +108,9 @@ def _step(comm: Any, name: str, m: int, v: int, args: argparse.Namespace) -> dic
     from dataclasses import asdict
 
     from trainer.comm.protocol import wait_all
-    from trainer.pipeline.runtime import P2PSpec, run_schedule
-    from trainer.pipeline.schedule import build, chunks_of
-    from trainer.pipeline.timeline import gather
+    from trainer.parallel.pipeline.runtime import P2PSpec, run_schedule
+    from trainer.parallel.pipeline.schedule import build, chunks_of
+    from trainer.parallel.pipeline.timeline import gather
 
     v = chunks_of(name, v)
     actions = build(name, comm.size, m, v)[comm.rank]
@@ -156,9 +157,9 @@ def _ranks(p: int, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _row(p: int, m: int, name: str, v: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
-    from trainer.pipeline.check import check_schedule
-    from trainer.pipeline.schedule import build, chunks_of
-    from trainer.pipeline.timeline import Event, bubble, theory
+    from trainer.parallel.pipeline.check import check_schedule
+    from trainer.parallel.pipeline.schedule import build, chunks_of
+    from trainer.parallel.pipeline.timeline import Event, bubble, theory
 
     v = chunks_of(name, v)
     steps = per_rank[0]["runs"][f"{name}/{m}"]
@@ -185,7 +186,7 @@ def _add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def _pictures(rows: list[dict[str, Any]], results: Path) -> None:
-    from trainer.pipeline.timeline import Event, write_chrome_trace, write_gantt
+    from trainer.parallel.pipeline.timeline import Event, write_chrome_trace, write_gantt
 
     p = max(r["p"] for r in rows)
     m = 8 if any(r["m"] == 8 for r in rows) else max(r["m"] for r in rows)

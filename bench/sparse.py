@@ -54,11 +54,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from trainer.comm.bootstrap import init
-    from trainer.data_parallel.grad_sync import DataParallel
+    from trainer.parallel.data.grad_sync import DataParallel
+    from trainer.parallel.tensor.counting import CountingCommunicator
     from trainer.recsys.data import DENSE, Batches, ClickLog
     from trainer.recsys.model import DLRM, DLRMConfig
     from trainer.sparse import SparseOptimizer
-    from trainer.tensor_parallel.counting import CountingCommunicator
 
     world = init(backend="mpi")
     counted = CountingCommunicator(world.comm)

@@ -72,7 +72,7 @@ class Side:
         from trainer.comm.mesh import Mesh
         from trainer.comm.topology import MeshShape
         from trainer.config.options import make_config, resolve_dp
-        from trainer.tensor_parallel.counting import CountingCommunicator
+        from trainer.parallel.tensor.counting import CountingCommunicator
         from trainer.training.run import build_run
 
         mesh = Mesh.build(world.comm, MeshShape(dp=dp, tp=tp), world.device)

@@ -1,6 +1,7 @@
 """The serial reference of a mixture-of-experts layer: every expert on one rank, plain loops.
 
-Written from the definitions (Switch / Megatron), sharing no code with `trainer.moe` beyond the
+Written from the definitions (Switch / Megatron), sharing no code with `trainer.parallel.expert`
+beyond the
 parameters: token by token it scores the experts, picks the top k, and adds each chosen expert's
 output times its score; capacity is applied expert by expert from a sorted list of that expert's
 assignments; the auxiliary losses are summed term by term. `use_reference` points every MoE
@@ -15,7 +16,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-from trainer.moe.layer import MoE, moe_layers
+from trainer.parallel.expert.layer import MoE, moe_layers
 
 
 def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

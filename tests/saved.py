@@ -1,6 +1,6 @@
 """What a checkpoint holds, for tests: every saved tensor put together (through the trainer's
 reader, so every file is verified), and a rank's slice of a whole tensor cut the way the
-trainer's own TP code cuts it (`trainer.tensor_parallel.sharding.shard_tensor`), independently
+trainer's own TP code cuts it (`trainer.parallel.tensor.sharding.shard_tensor`), independently
 of the placement arithmetic under test."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint.pieces import MOMENTS, PARAM, assemble
+from trainer.parallel.tensor.sharding import ShardSpec, shard_tensor
 from trainer.placement import Placement
-from trainer.tensor_parallel.sharding import ShardSpec, shard_tensor
 
 KINDS = (PARAM, *MOMENTS)
 

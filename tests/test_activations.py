@@ -37,7 +37,7 @@ from trainer.construction.init_stream import PIECE
 from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT as SerialGPT
-from trainer.tensor_parallel import shard_tensor
+from trainer.parallel.tensor import shard_tensor
 
 TOKENS = GLOBAL_BATCH * GPT["seq_len"] + 4 * GPT["d_model"]  # the longest sum in any element
 RTOL = reduction_rtol(TOKENS)

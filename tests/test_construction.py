@@ -16,8 +16,8 @@ from trainer.construction import build_rank_model
 from trainer.construction.init_stream import normal_pieces, shard_of_stream
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.pipeline.partition import StageLayout
-from trainer.tensor_parallel import ShardSpec, shard_tensor
+from trainer.parallel.pipeline.partition import StageLayout
+from trainer.parallel.tensor import ShardSpec, shard_tensor
 
 CPU = torch.device("cpu")
 #: Below one block of 16, whole blocks, a tail of 1 and 15, more than one piece.

@@ -14,7 +14,10 @@ import torch
 
 from tests.cp_workers.cases import HEADS, SCALE, T, attention_tensors, serial
 from tests.numerics import attention_atol
-from trainer.context_parallel import (
+from trainer.model.config import GPTConfig
+from trainer.model.layers import apply_rope, rope_tables
+from trainer.model.llama import apply_rope_half, llama_rope_tables
+from trainer.parallel.context import (
     EXCHANGES,
     ContextParallelAttention,
     ContextParallelError,
@@ -25,10 +28,7 @@ from trainer.context_parallel import (
     block_plan,
     split_batch,
 )
-from trainer.context_parallel.plan import visibility
-from trainer.model.config import GPTConfig
-from trainer.model.layers import apply_rope, rope_tables
-from trainer.model.llama import apply_rope_half, llama_rope_tables
+from trainer.parallel.context.plan import visibility
 
 MESSAGE = re.compile(r"^.+ \[.+\]: .+\. .+$", re.DOTALL)
 """``<what failed> [<where>]: <why>. <how to fix>``"""

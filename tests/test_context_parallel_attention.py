@@ -22,7 +22,7 @@ import torch
 from tests.cp_workers.cases import HEADS, SCALE, WORKER, T, attention_tensors, serial
 from tests.mpi_runs import world_run
 from tests.numerics import attention_atol
-from trainer.context_parallel import EXCHANGES, SequenceLayout
+from trainer.parallel.context import EXCHANGES, SequenceLayout
 
 CP_SIZES = [2, 4]
 

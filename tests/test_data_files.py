@@ -18,7 +18,7 @@ FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "3
 
 # The trainer's start-up (options, MPI world, data) in one process, then the bytes it read
 # (rchar: every read() call) and its peak RSS. Not a whole `trainer.train` run: its per-step
-# peak-memory readout resets the process's peak RSS (trainer.zero.memory).
+# peak-memory readout resets the process's peak RSS (trainer.parallel.zero.memory).
 MEASURE = """
 import resource, sys
 from trainer.training import startup

@@ -25,7 +25,7 @@ from tests.dp_workers.cases import CASES, STEPS, case_config
 from tests.mpi_runs import run_ranks, world_run
 from tests.numerics import U32, adam_atol, f64, loss_atol, reduction_rtol
 from tests.serial_reference import train_serially
-from trainer.data_parallel.buckets import plan_buckets
+from trainer.parallel.data.buckets import plan_buckets
 from trainer.training.metrics import read_records
 
 TOKENS = 8 * 32  # global batch x seq_len of every case: the longest sum in a gradient element

@@ -40,7 +40,7 @@ from trainer.inference.merge import load_serial
 from trainer.inference.sampling import sample
 from trainer.model.config import PRESETS
 from trainer.model.gpt import GPT
-from trainer.tensor_parallel import (
+from trainer.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,

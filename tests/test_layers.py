@@ -52,9 +52,16 @@ def _imports(module: str, path: Path, *, eager_only: bool = False) -> Iterator[s
             yield from (f"{base}.{alias.name}" for alias in node.names)
 
 
+#: Folders whose subpackages are parts of their own: ``trainer.parallel.zero``, not
+#: ``trainer.parallel``, depends on ``trainer.parallel.data``.
+GROUPS = {"trainer.parallel"}
+
+
 def _part(module: str) -> str:
-    """The part of `launcher` a module belongs to: ``launcher.head``, ``launcher.cli``, ..."""
-    return ".".join(module.split(".")[:2])
+    """The part of a package a module belongs to: ``launcher.head``, ``launcher.cli``,
+    ``trainer.parallel.zero``, ..."""
+    names = module.split(".")
+    return ".".join(names[:3] if ".".join(names[:2]) in GROUPS else names[:2])
 
 
 def test_launcher_and_trainer_never_import_each_other():
@@ -87,8 +94,8 @@ def _topological(graph: dict[str, set[str]], package: str) -> list[str]:
 
 #: Trainer edges that close a cycle and are allowed, each only through imports inside functions
 #: (checked below): GPTConfig checks its MoE fields and GPT installs MoE layers when
-#: ``moe_experts > 0``, while trainer.moe builds its experts on the model's layers.
-LAZY_BACK_EDGES = {("trainer.model", "trainer.moe")}
+#: ``moe_experts > 0``, while trainer.parallel.expert builds its experts on the model's layers.
+LAZY_BACK_EDGES = {("trainer.model", "trainer.parallel.expert")}
 
 
 def test_the_parts_of_the_launcher_import_each_other_without_a_cycle():
@@ -126,8 +133,8 @@ EP_NAME = re.compile(r"(^|_)(ep|edp)($|_)|expert_?parallel", re.IGNORECASE)
 EP_TEXT = re.compile(r"\b(ep|edp)\b|expert.parallel", re.IGNORECASE)
 EP_KNOWERS = ["trainer/comm/topology.py", "trainer/config/sections.py",
               "trainer/plan/__main__.py", "trainer/plan/estimate.py", "trainer/plan/report.py"]
-"""The files outside trainer/moe whose code names expert parallelism: the mesh's axes, the
-``--ep`` option (docs/design.md §4, "A feature stays in its folder"), and the layout planner,
+"""The files outside trainer/parallel/expert whose code names expert parallelism: the mesh's axes,
+the ``--ep`` option (docs/design.md §4, "A feature stays in its folder"), and the layout planner,
 whose subject is every axis of a layout."""
 
 
@@ -157,7 +164,8 @@ def _names_ep(path: Path) -> bool:
     return False
 
 
-def test_expert_parallelism_is_named_outside_trainer_moe_only_by_the_mesh_axes_and_its_option():
+def test_expert_parallelism_is_named_outside_its_folder_only_by_the_mesh_axes_and_its_option():
+    expert = REPO / "trainer" / "parallel" / "expert"
     knowers = [str(path.relative_to(REPO)) for _, path in _modules("trainer")
-               if path.parts[len(REPO.parts) + 1] != "moe" and _names_ep(path)]
+               if not path.is_relative_to(expert) and _names_ep(path)]
     assert knowers == EP_KNOWERS, "let the feature place itself (trainer.placement.PlacesItself)"

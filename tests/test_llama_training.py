@@ -31,7 +31,7 @@ from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, f64, loss_atol, reduction_rtol
 from trainer.config.options import make_config
 from trainer.model.family import build_model
-from trainer.tensor_parallel import shard_tensor
+from trainer.parallel.tensor import shard_tensor
 
 CFG = make_config(TRAIN, MODEL).gpt
 TOKENS = GLOBAL_BATCH * CFG.seq_len + CFG.hidden  # the longest sum in any element

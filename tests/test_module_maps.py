@@ -1,7 +1,7 @@
 """The module maps (the docstrings of ``launcher/__init__.py``, ``trainer/__init__.py`` and of
 every package's ``__init__.py``) stay true, read from the source with `ast`: every module and
 subpackage is named in its package's map or in the root map, every entry of a map is a module
-or subpackage that exists, and every dotted name a map cites (``trainer.zero.layout``,
+or subpackage that exists, and every dotted name a map cites (``trainer.parallel.zero.layout``,
 ``trainer.model.config.MoEConfig``) resolves to a module or to a name defined in one."""
 
 from __future__ import annotations

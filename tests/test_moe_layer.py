@@ -19,9 +19,9 @@ from tests.numerics import assert_within_order, float64
 from trainer.config.options import make_config, resolve_dp
 from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig, MoEConfig
-from trainer.moe.dispatch import combine, dispatch
-from trainer.moe.layer import MoE
-from trainer.moe.router import Routing, capacity_mask, route
+from trainer.parallel.expert.dispatch import combine, dispatch
+from trainer.parallel.expert.layer import MoE
+from trainer.parallel.expert.router import Routing, capacity_mask, route
 
 D = 16
 

@@ -25,7 +25,7 @@ from tests.moe_workers.cases import (
 )
 from tests.mpi_runs import world_run
 from tests.numerics import adam_atol, assert_within_order, f64, loss_atol, reduction_rtol
-from trainer.tensor_parallel.sharding import shard_tensor
+from trainer.parallel.tensor.sharding import shard_tensor
 
 TOKENS = 8 * 16 + 4 * 16  # tokens of a step + the widest matmul (mlp hidden): longest sum
 RTOL = reduction_rtol(TOKENS)

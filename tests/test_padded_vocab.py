@@ -21,9 +21,9 @@ from trainer.construction import build_rank_model
 from trainer.gpu.vocab import multiple_for_tp
 from trainer.model.config import PRESETS, GPTConfig, MoEConfig
 from trainer.model.family import build_model
-from trainer.pipeline.partition import StageLayout
-from trainer.pipeline.stages import GPTStage
-from trainer.tensor_parallel import shard_spec, shard_tensor
+from trainer.parallel.pipeline.partition import StageLayout
+from trainer.parallel.pipeline.stages import GPTStage
+from trainer.parallel.tensor import shard_spec, shard_tensor
 
 CPU = torch.device("cpu")
 VOCAB = 1003  # an imported vocabulary that is no multiple of anything useful

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from trainer.comm.topology import MeshShape
+from trainer.parallel.tensor.sharding import ShardSpec, shard_tensor
 from trainer.placement import Placement, TPSplit, copies, leads, runs, writers
-from trainer.tensor_parallel.sharding import ShardSpec, shard_tensor
 
 
 class At:

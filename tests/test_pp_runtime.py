@@ -26,9 +26,9 @@ from tests.mpi_runs import world_run
 from tests.numerics import f64, reduction_rtol
 from tests.pp_workers.equivalence import CASES, case_name
 from tests.pp_workers.stages import ROWS, WIDTH, serial
-from trainer.pipeline.runtime import P2PSpec, check_boundary
-from trainer.pipeline.schedule import ScheduleError, chunks_of
-from trainer.pipeline.timeline import Event, bubble, chrome_trace, theory, write_gantt
+from trainer.parallel.pipeline.runtime import P2PSpec, check_boundary
+from trainer.parallel.pipeline.schedule import ScheduleError, chunks_of
+from trainer.parallel.pipeline.timeline import Event, bubble, chrome_trace, theory, write_gantt
 
 TERMS = max(c[1] for cases in CASES.values() for c in cases) * ROWS * WIDTH  # the most m
 RTOL = reduction_rtol(TERMS)

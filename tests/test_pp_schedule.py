@@ -1,4 +1,4 @@
-"""Pipeline schedules checked without running anything (trainer.pipeline.schedule / check).
+"""Pipeline schedules checked without running anything (trainer.parallel.pipeline.schedule / check).
 
 For p in {2, 4} and m in 1..16 every schedule the builders accept passes the static checker
 (messages pair up in order, no deadlock under rendezvous p2p, every dependency met, every
@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from trainer.pipeline.check import check_schedule
-from trainer.pipeline.schedule import (
+from trainer.parallel.pipeline.check import check_schedule
+from trainer.parallel.pipeline.schedule import (
     Action,
     Kind,
     ScheduleError,

@@ -39,8 +39,8 @@ from trainer.config.options import parse_args
 from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.pipeline.partition import StageLayout, balanced_counts, describe, stage_counts
-from trainer.pipeline.stages import GPTStage, build_stage_model
+from trainer.parallel.pipeline.partition import StageLayout, balanced_counts, describe, stage_counts
+from trainer.parallel.pipeline.stages import GPTStage, build_stage_model
 
 TOKENS = 8 * 16 + 32  # the largest global batch x seq_len, + d_model: the longest sum
 RTOL = reduction_rtol(TOKENS)

@@ -130,7 +130,7 @@ def random_dataset(folder: Path, tokens: int, tokenizer: Path) -> Path:
 
 
 # The trainer's start-up and three steps in one process: the peak RSS once the data is open,
-# then the largest per-step peak (`trainer.zero.memory` resets the peak at every step).
+# then the largest per-step peak (`trainer.parallel.zero.memory` resets the peak at every step).
 MEASURE = """
 import resource, sys
 from pathlib import Path

@@ -2,7 +2,7 @@
 
 Every rank of ``mpiexec -n N python -m tests.tp_workers.worker`` runs each layer on its shard
 of the same full weights and inputs (`tests.tp_workers.cases.layer_tensors`); here the pieces
-are re-assembled (`trainer.tensor_parallel.unshard`) and compared with plain torch on the full
+are re-assembled (`trainer.parallel.tensor.unshard`) and compared with plain torch on the full
 tensors: forward output, input gradient, weight and bias gradients. The tensors are fp64 and TP
 changes only the order of the sums (row-parallel partial products, the all-reduced input
 gradient), so both sides differ by at most 2(n-1)·u·Σ|terms| (tests/numerics.py): with n <= 32
@@ -24,7 +24,7 @@ from tests.mpi_runs import world_run
 from tests.tp_workers.cases import LINEAR_VARIANTS, WORKER, layer_tensors
 from tests.tp_workers.layer_probes import COUNT_BATCH, COUNT_CFG
 from trainer.model.config import GPTConfig
-from trainer.tensor_parallel import (
+from trainer.parallel.tensor import (
     TP_RNG,
     RNGStatesTracker,
     ShardSpec,
@@ -32,7 +32,7 @@ from trainer.tensor_parallel import (
     shard_tensor,
     unshard,
 )
-from trainer.tensor_parallel.parallelize import check_divisible
+from trainer.parallel.tensor.parallelize import check_divisible
 
 LAYERS = [*LINEAR_VARIANTS, "embedding", "cross_entropy"]
 

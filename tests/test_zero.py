@@ -28,10 +28,10 @@ from tests.zero_workers.worker import BIG, BIG_WORLD, BUDGET_BYTES
 from trainer.checkpoint import rank_file
 from trainer.config.options import make_config
 from trainer.errors import TrainerError
+from trainer.parallel.zero.layout import shard_layout
+from trainer.parallel.zero.memory import PeakMemory, describe, expected_bytes
 from trainer.placement import Placement, copies
 from trainer.training.metrics import read_records
-from trainer.zero.layout import shard_layout
-from trainer.zero.memory import PeakMemory, describe, expected_bytes
 
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)

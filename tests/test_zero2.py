@@ -32,10 +32,10 @@ from tests.test_guard import DIVERGING
 from tests.zero_workers.stage2 import PAIRS, STAGE2_CASES, STEPS, stage2_config
 from trainer.comm.protocol import DoneHandle, Handle, ReduceOp
 from trainer.config.options import make_config
-from trainer.data_parallel.grad_sync import GradSyncError
 from trainer.errors import ConfigError
-from trainer.zero.grad_shards import IN_FLIGHT, ShardedGradients
-from trainer.zero.memory import describe, expected_bytes
+from trainer.parallel.data.grad_sync import GradSyncError
+from trainer.parallel.zero.grad_shards import IN_FLIGHT, ShardedGradients
+from trainer.parallel.zero.memory import describe, expected_bytes
 
 WORKER = "tests.zero_workers.stage2:run"
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element

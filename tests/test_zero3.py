@@ -21,9 +21,9 @@ from tests.serial_reference import train_serially
 from tests.zero_workers.stage3 import RESUME_STEPS, STAGE3_CASES, STEPS, stage3_config
 from trainer.config.options import make_config
 from trainer.errors import ConfigError
-from trainer.zero.layout import unit_layout
-from trainer.zero.memory import describe, expected_bytes
-from trainer.zero.units import unit_runs
+from trainer.parallel.zero.layout import unit_layout
+from trainer.parallel.zero.memory import describe, expected_bytes
+from trainer.parallel.zero.units import unit_runs
 
 WORKER = "tests.zero_workers.stage3:run"
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
@@ -113,7 +113,7 @@ def test_between_steps_a_rank_holds_one_dp_th_of_the_parameters_and_gradients(
 def test_during_a_step_at_most_the_root_and_prefetch_plus_2_blocks_are_gathered(
         name: str) -> None:
     """The block computing, the ``prefetch`` posted after it, and one more while a gather
-    lands (MPI's landing tensor, `trainer.zero.units`); never the whole model."""
+    lands (MPI's landing tensor, `trainer.parallel.zero.units`); never the whole model."""
     prefetch = stage3_config(name).optimizer.zero_prefetch
     for rank in ranks():
         got = rank[name]

@@ -3,8 +3,8 @@ launcher/).
 
 Module map. Entry points stay at the top, where users call them; everything else lives in a
 subpackage named for its concept. Subpackages import each other without a cycle, roughly
-bottom-up: comm, gpu, model < tensor_parallel, pipeline, moe, data_parallel, optim, zero, data
-< config < training < the entry points (`tests/test_layers.py` checks it, and that no module is
+bottom-up: comm, gpu, model < parallel/* (tensor, pipeline, expert, data, zero, context), optim,
+data < config < training < the entry points (`tests/test_layers.py` checks it, and that no module is
 over 400 lines).
 
     train        `python -m trainer.train`: the training loop, checkpoints, the entry point
@@ -31,16 +31,17 @@ over 400 lines).
                  prepare, shard_writer, token_files, token_batches, sources: tokenized datasets
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
                  axes and their groups), timing, progress records
-    data_parallel/  grad_sync (DataParallel), split (one per kind of replica), buckets
-    tensor_parallel/  Megatron layers, mappings, RNG tracker, sharding, parallelize, gqa
-    pipeline/    schedules, their checker, the runtime, stages, timeline
-    zero/        ZeRO-1, 2, 3: sharded optimizer state, gradients, parameters (units)
+    parallel/    the ways a model is split over ranks, one subpackage each:
+      data/      grad_sync (DataParallel), split (one per kind of replica), buckets
+      tensor/    Megatron layers, mappings, RNG tracker, sharding, parallelize, gqa
+      pipeline/  schedules, their checker, the runtime, stages, timeline
+      expert/    mixture of experts: router, dispatch, layer, expert parallelism
+      zero/      ZeRO-1, 2, 3: sharded optimizer state, gradients, parameters (units)
+      context/   layout (zig-zag split), plan (visible, diagonal and masked blocks), blocks,
+                 ring, allgather, attention: attention over a sequence split across a
+                 context-parallel group
     activations/ sequence parallelism and activation recomputation
-    context_parallel/  layout (zig-zag split), plan (visible, diagonal and masked blocks),
-                 blocks, ring, allgather, attention: attention over a sequence split across a
-                 context-parallel group (not yet an axis of the run's mesh)
     construction/  per-rank model construction on the meta device
-    moe/         mixture of experts with expert parallelism
     placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,
                  replicas; who counts and who writes each slice
     checkpoint/  atomic, verified checkpoints of safetensors and JSON, resumed at any layout;

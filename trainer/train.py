@@ -9,7 +9,7 @@
 Start-up (`trainer.training.startup`) checks options, world and data on every rank and reports bad
 input once. Each step: the step's global batch (from seed and step alone, training split) is
 split over the DP ranks and into microbatches; backward runs with bucketed, overlapped gradient
-all-reduce (`trainer.data_parallel.grad_sync`); gradients are clipped and AdamW steps; communication
+all-reduce (`trainer.parallel.data.grad_sync`); gradients are clipped and AdamW steps; communication
 is timed (`trainer.comm.timing`). Every ``--eval-every`` steps the held-out split is evaluated
 (`trainer.inference.validation`). A step leaves its loss and gradient norm on the device; each
 ``--log-every`` interval (and each evaluation or checkpoint step) reads them in one copy
@@ -33,13 +33,13 @@ With ``--precision bf16`` (the default on CUDA) the model runs in bf16 and AdamW
 main weights on the fp32 main gradients of the DP buffer (`trainer.optim.mixed_precision`); the
 checkpoints hold the fp32 main weights.
 
-With ``--zero 1`` (`trainer.zero`) each bucket's gradients are reduce-scattered instead of
+With ``--zero 1`` (`trainer.parallel.zero`) each bucket's gradients are reduce-scattered instead of
 all-reduced, AdamW (and under bf16 the fp32 main weights) holds only this DP rank's shard, and
 the stepped shards are all-gathered into the parameters; every rank checkpoints its own pieces.
 Rank 0 prints the expected bytes per rank at start-up, and ``metrics.jsonl`` records each
-step's peak memory (`trainer.zero.memory`).
+step's peak memory (`trainer.parallel.zero.memory`).
 
-With ``--tp N`` the model is split over N adjacent ranks by `trainer.tensor_parallel.parallelize`
+With ``--tp N`` the model is split over N adjacent ranks by `trainer.parallel.tensor.parallelize`
 (each DP replica is a TP group); DP reduces over the DP group only, the gradient norm is summed over
 TP (`trainer.optim.grad_clip`), attention dropout draws from a TP stream seeded per (step, dp
 rank, tp rank).
@@ -58,7 +58,8 @@ Dropout seeds also mix in the pp rank (each stage draws its own masks).
         --schedule interleaved --virtual-stages 2 --n-layer 4 --run-dir runs/3d
 
 With ``--moe-experts E`` the MLPs of every ``--moe-every``-th layer are mixtures of experts,
-and ``--ep N`` splits their experts over N DP ranks (`trainer.moe`): each step's record holds
+and ``--ep N`` splits their experts over N DP ranks (`trainer.parallel.expert`): each step's
+record holds
 the expert load and ``expert_load.png`` is drawn at the end.
 
     mpiexec -n 4 python -m trainer.train --model tiny --moe-experts 8 --ep 4 --run-dir runs/moe
@@ -86,6 +87,8 @@ from trainer.gpu.settings import keep_freed_memory
 from trainer.inference.validation import Validation
 from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
+from trainer.parallel.zero import memory
+from trainer.parallel.zero.memory import PeakMemory
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
@@ -98,8 +101,6 @@ from trainer.training.pipeline_step import (
 from trainer.training.readout import PendingStep
 from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step
-from trainer.zero import memory
-from trainer.zero.memory import PeakMemory
 
 __all__ = ["TrainResult", "main", "train"]
 
@@ -212,7 +213,8 @@ def _log_steps(log: MetricsLog, dash: Dashboards, result: TrainResult,
 
 
 def _memory_line(run: Run) -> str:
-    """Rank 0's expected parameter, gradient and optimizer bytes (`trainer.zero.memory`)."""
+    """Rank 0's expected parameter, gradient and optimizer bytes
+    (`trainer.parallel.zero.memory`)."""
     par = run.cfg.parallel
     where = "rank 0" + (", its TP x PP shard" if par.tp * par.pp > 1 else "")
     return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.optimizer.zero,

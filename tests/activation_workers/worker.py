@@ -24,8 +24,8 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.topology import MeshShape
 from trainer.construction import build_rank_model
 from trainer.data.corpus import load_corpus
-from trainer.pipeline.partition import StageLayout, stage_counts
-from trainer.tensor_parallel import shard_spec
+from trainer.parallel.pipeline.partition import StageLayout, stage_counts
+from trainer.parallel.tensor import shard_spec
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 

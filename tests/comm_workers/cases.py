@@ -137,7 +137,8 @@ def reduce_scatter(ctx: Ctx, op: ReduceOp) -> list[Check]:
 
 
 def reduce_scatter_in_place(ctx: Ctx) -> list[Check]:
-    """ZeRO's layout (`trainer.zero`): the output is this rank's block of the input, the form
+    """ZeRO's layout (`trainer.parallel.zero`): the output is this rank's block of the input, the
+    form
     NCCL calls in place; the other blocks of the input may change, the output must not mix."""
     r, shape = ctx.comm.rank, (2 * ctx.n, 3)
     buf = ctx.mine(shape).clone()

@@ -16,13 +16,13 @@ from typing import Any
 
 from tests.cp_workers.cases import HEADS, SCALE, T, attention_tensors
 from trainer.comm.bootstrap import init
-from trainer.context_parallel import (
+from trainer.parallel.context import (
     EXCHANGES,
     ContextParallelAttention,
     SequenceLayout,
     gather_sequence,
 )
-from trainer.tensor_parallel.counting import CountingCommunicator
+from trainer.parallel.tensor.counting import CountingCommunicator
 
 
 def run(out: Path) -> dict[str, Any]:

@@ -25,9 +25,9 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import MeshShape
 from trainer.config.options import resolve_dp
-from trainer.data_parallel.grad_sync import DataParallel, GradSyncError
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
+from trainer.parallel.data.grad_sync import DataParallel, GradSyncError
 from trainer.training.run import build_run
 from trainer.training.step import train_step
 

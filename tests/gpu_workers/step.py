@@ -24,7 +24,7 @@ from trainer.comm.topology import MeshShape
 from trainer.config.options import make_config
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.tensor_parallel.parallelize import parallelize
+from trainer.parallel.tensor.parallelize import parallelize
 from trainer.training import readout
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import run_step

@@ -3,7 +3,7 @@
     mpiexec -n N python -m tests.mpi_worker tests.llama_workers.tp_layers:run OUT
 
 Every rank builds the serial fp64 Llama of each case, runs one forward and backward of a fixed
-batch on it, then splits its blocks over the whole world (`trainer.tensor_parallel.gqa`) and
+batch on it, then splits its blocks over the whole world (`trainer.parallel.tensor.gqa`) and
 runs the same batch again. It returns both losses and both sets of gradients, the sharded
 ones re-assembled to their serial shape (`gather_full`).
 """
@@ -21,8 +21,8 @@ from trainer.comm.bootstrap import init
 from trainer.model.config import PRESETS
 from trainer.model.llama import Llama
 from trainer.model.llama_config import LlamaShape
-from trainer.tensor_parallel.gqa import shard_llama_block
-from trainer.tensor_parallel.sharding import gather_full, shard_spec
+from trainer.parallel.tensor.gqa import shard_llama_block
+from trainer.parallel.tensor.sharding import gather_full, shard_spec
 
 TINY = PRESETS["llama-tiny"]
 CASES = {"gqa": replace(TINY, vocab_size=96),   # 8 heads, 2 kv heads

@@ -18,7 +18,7 @@ from trainer.comm.bootstrap import init
 from trainer.config.options import TrainConfig, make_config
 from trainer.construction import build_rank_model
 from trainer.data.corpus import load_corpus
-from trainer.tensor_parallel import shard_spec
+from trainer.parallel.tensor import shard_spec
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 

@@ -16,7 +16,7 @@ from tests.moe_reference import use_reference
 from tests.serial_reference import train_serially
 from trainer.config.options import TrainConfig, make_config
 from trainer.model.gpt import GPT
-from trainer.moe.layer import set_aux_scale
+from trainer.parallel.expert.layer import set_aux_scale
 
 WORKER = "tests.moe_workers.worker:run"
 WORLD = 4

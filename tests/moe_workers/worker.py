@@ -23,10 +23,10 @@ from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.config.options import resolve_dp
 from trainer.model.config import GPTConfig, MoEConfig
-from trainer.moe.dispatch import combine, dispatch
-from trainer.moe.layer import MoE
-from trainer.moe.router import Routing
-from trainer.tensor_parallel.sharding import shard_spec
+from trainer.parallel.expert.dispatch import combine, dispatch
+from trainer.parallel.expert.layer import MoE
+from trainer.parallel.expert.router import Routing
+from trainer.parallel.tensor.sharding import shard_spec
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 

@@ -19,7 +19,7 @@ from tests.numerics import float64
 from tests.pp_training_workers.cases import CASES, CHECKPOINT_CASE, STEPS, Case, case
 from trainer.comm.bootstrap import World, init
 from trainer.config.options import resolve_dp
-from trainer.tensor_parallel import full_state
+from trainer.parallel.tensor import full_state
 from trainer.train import train
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step

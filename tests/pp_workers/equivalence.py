@@ -3,7 +3,8 @@
     mpiexec -n P python -m tests.mpi_worker tests.pp_workers.equivalence:run OUT
 
 For every case of `CASES` (schedule, m, v, group) it builds the schedule, runs this rank's list
-with `trainer.pipeline.runtime.run_schedule` on `LinearStages` over the MPI world communicator,
+with `trainer.parallel.pipeline.runtime.run_schedule` on `LinearStages` over the MPI world
+communicator,
 and records the losses (last rank), the gradients of its stages, the peak in-flight count and
 bytes, the static checker's prediction, and every rank's gathered timeline. Then it probes
 `agree_on_spec` with shapes that differ between ranks. Rank 0 also writes a Chrome trace and a
@@ -23,10 +24,10 @@ import torch
 from tests.pp_workers.stages import DTYPE, ROWS, WIDTH, LinearStages
 from trainer.comm.bootstrap import init
 from trainer.comm.protocol import Communicator
-from trainer.pipeline.check import check_schedule
-from trainer.pipeline.runtime import P2PSpec, agree_on_spec, run_schedule
-from trainer.pipeline.schedule import ScheduleError, build, chunks_of
-from trainer.pipeline.timeline import Event, gather, write_chrome_trace, write_gantt
+from trainer.parallel.pipeline.check import check_schedule
+from trainer.parallel.pipeline.runtime import P2PSpec, agree_on_spec, run_schedule
+from trainer.parallel.pipeline.schedule import ScheduleError, build, chunks_of
+from trainer.parallel.pipeline.timeline import Event, gather, write_chrome_trace, write_gantt
 
 # (schedule, m, v, group) per pipeline size; group=None is Megatron's default (p)
 CASES: dict[int, list[tuple[str, int, int, int | None]]] = {

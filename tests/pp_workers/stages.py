@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainer.pipeline.schedule import stage_of
+from trainer.parallel.pipeline.schedule import stage_of
 
 WIDTH, ROWS = 8, 4  # each boundary tensor is (ROWS, WIDTH)
 DTYPE = torch.float64  # so both runs agree to the fp64 reduction bound (tests/numerics.py)

@@ -18,7 +18,7 @@ from trainer import checkpoint
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.tensor_parallel import (
+from trainer.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
     ShardSpec,
@@ -26,8 +26,8 @@ from trainer.tensor_parallel import (
     shard_tensor,
     vocab_parallel_cross_entropy,
 )
-from trainer.tensor_parallel.counting import CountingCommunicator
-from trainer.tensor_parallel.parallelize import parallelize
+from trainer.parallel.tensor.counting import CountingCommunicator
+from trainer.parallel.tensor.parallelize import parallelize
 
 Piece = tuple[torch.Tensor, ShardSpec | None]
 SEQ = ShardSpec(1)     # sequence dim of (B, T, D)

@@ -17,7 +17,7 @@ from trainer.comm.protocol import Communicator
 from trainer.config.options import resolve_dp
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.tensor_parallel import (
+from trainer.parallel.tensor import (
     TP_RNG,
     RNGStatesTracker,
     ShardSpec,
@@ -25,7 +25,7 @@ from trainer.tensor_parallel import (
     full_state,
     shard_tensor,
 )
-from trainer.tensor_parallel.parallelize import parallelize
+from trainer.parallel.tensor.parallelize import parallelize
 from trainer.training.run import build_run
 from trainer.training.step import train_step
 

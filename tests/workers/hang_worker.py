@@ -44,7 +44,7 @@ def skip() -> None:
 
 
 def pipe() -> None:
-    """Two pipeline stages exchanging activations and gradients as `trainer.pipeline` does
+    """Two pipeline stages exchanging activations and gradients as `trainer.parallel.pipeline` does
     (one batch_p2p per transfer); stage 1 gets stuck in its compute at step 3."""
     world = init(backend="mpi")
     pp = Mesh.build(world.comm, MeshShape(pp=2), world.device).group("pp")

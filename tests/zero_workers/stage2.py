@@ -20,11 +20,11 @@ from typing import Any
 from tests.numerics import float64
 from tests.zero_workers.cases import config
 from trainer.comm.bootstrap import World, init
+from trainer.parallel.zero import ShardedGradients
+from trainer.parallel.zero.memory import held_bytes
 from trainer.train import train
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
-from trainer.zero import ShardedGradients
-from trainer.zero.memory import held_bytes
 
 STEPS = 5
 RESUME_STEPS = 4

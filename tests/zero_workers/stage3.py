@@ -19,10 +19,10 @@ from typing import Any
 from tests.numerics import float64
 from tests.zero_workers.cases import config
 from trainer.comm.bootstrap import World, init
+from trainer.parallel.zero import Zero3Optimizer
 from trainer.train import train
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
-from trainer.zero import Zero3Optimizer
 
 STEPS = 5
 #: (name, overrides): each trained at dp 4, zero 3, fp64.

@@ -28,12 +28,12 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.comm.topology import MeshShape
 from trainer.errors import TrainerError
+from trainer.parallel.zero import ZeroOptimizer
+from trainer.parallel.zero.memory import held_bytes
 from trainer.train import train
 from trainer.training.checkpointing import save_checkpoint
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
-from trainer.zero import ZeroOptimizer
-from trainer.zero.memory import held_bytes
 
 
 def train_case(world: World, cfg: Any, steps: int = STEPS, *, save: bool = False

@@ -4,8 +4,8 @@
     sequence_parallel  Megatron's sequence parallelism wired into the tensor-parallel GPT
     recompute          --recompute none | selective | full, RNG-safe, inside every schedule
 
-`trainer.training.run` applies both after `trainer.tensor_parallel.parallelize`; the layers and the
-RNG-safe `checkpoint` they build on live in `trainer.tensor_parallel`.
+`trainer.training.run` applies both after `trainer.parallel.tensor.parallelize`; the layers and the
+RNG-safe `checkpoint` they build on live in `trainer.parallel.tensor`.
 """
 
 from trainer.activations.options import RECOMPUTE_MODES, check_sequence_split

@@ -5,7 +5,7 @@
 * ``selective`` (Korthikanti et al. 2022): only the attention core, softmax(QKᵀ), its dropout
   and the product with V, is recomputed: it holds the O(B·H·T²) tensors yet costs few FLOPs.
 
-Both run through `trainer.tensor_parallel.random.checkpoint`, which puts the default generator
+Both run through `trainer.parallel.tensor.random.checkpoint`, which puts the default generator
 *and* every tracked stream (the TP stream of attention and sequence-parallel dropout) back as
 they were in forward, so recomputed dropout masks equal the original ones. The hooks are the
 model's own (``Block.runner``, ``Attention.core_runner``), so recomputation happens wherever
@@ -19,7 +19,7 @@ from functools import partial
 import torch
 
 from trainer.model.gpt import GPT
-from trainer.tensor_parallel.random import RNGStatesTracker, checkpoint
+from trainer.parallel.tensor.random import RNGStatesTracker, checkpoint
 
 
 def _recomputed(tracker: RNGStatesTracker, fn: object, *args: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Megatron's sequence parallelism (Korthikanti et al. 2022) on the tensor-parallel GPT.
 
-`trainer.tensor_parallel.parallelize` makes every tensor-parallel region (attention, MLP, embedding,
+`trainer.parallel.tensor.parallelize` makes every tensor-parallel region (attention, MLP, embedding,
 head) hold its slice of the weights, but the activations *between* the regions, the norms, the
 dropouts and the residual sums, stay whole and identical on every TP rank. `apply_sequence_parallel`
 splits them along the sequence instead, so each TP rank holds and computes ``1/tp`` of them:
@@ -32,8 +32,8 @@ from torch import nn
 from trainer.comm.protocol import Communicator
 from trainer.model.gpt import GPT
 from trainer.model.layers import RMSNorm
-from trainer.tensor_parallel.mappings import copy_to_region
-from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
+from trainer.parallel.tensor.mappings import copy_to_region
+from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 
 
 class SequenceParallelNorm(nn.Module):
@@ -74,7 +74,7 @@ class TrackedDropout(nn.Dropout):
 
 
 def apply_sequence_parallel(model: GPT, tp: Communicator, tracker: RNGStatesTracker) -> GPT:
-    """Switch a model already sharded by `trainer.tensor_parallel.parallelize` over ``tp`` to
+    """Switch a model already sharded by `trainer.parallel.tensor.parallelize` over ``tp`` to
     sequence parallelism, in place (a stage model: only the parts it holds)."""
     p = model.cfg.dropout
     for _, block in model.layers():

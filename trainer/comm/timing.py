@@ -210,7 +210,7 @@ class TimedCommunicator:
 
 def timed_mesh(mesh: Mesh, clock: CommClock) -> Mesh:
     """Every group of ``mesh`` timed on ``clock``. The handles of the groups inside dp (those a
-    `DataParallel` reduces over, `trainer.data_parallel.split`) are polled during backward, so
+    `DataParallel` reduces over, `trainer.parallel.data.split`) are polled during backward, so
     they do not count as blocking."""
     inside_dp = set(SPANS["dp"])
     return mesh.wrapped(lambda axes, comm: TimedCommunicator(

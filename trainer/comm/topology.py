@@ -2,7 +2,8 @@
 
 Four axes, fastest-varying first: ``tp``, ``ep``, ``edp``, ``pp``. Data parallelism is the
 pair ``dp = (ep, edp)``: its ranks are cut into blocks of ``ep`` adjacent ranks (the expert-
-parallel groups of `trainer.moe`), and the ranks at the same place in every block form the
+parallel groups of `trainer.parallel.expert`), and the ranks at the same place in every block form
+the
 expert-data-parallel group ``edp``. A dense model has ep = 1, so edp is all of dp. Megatron's
 order ``tp-dp-pp`` follows, with TP varying fastest so the ranks of one TP group are adjacent
 and land on one host (TP traffic is the heaviest and wants NVLink)::

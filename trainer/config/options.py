@@ -33,7 +33,9 @@ from trainer.config.sections import (
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
 from trainer.model.config import GPTConfig
-from trainer.moe.checks import check_moe
+from trainer.parallel.expert.checks import check_moe
+from trainer.parallel.tensor.parallelize import check_divisible
+from trainer.parallel.zero.checks import check_zero
 from trainer.schema import (
     Section,
     build,
@@ -44,8 +46,6 @@ from trainer.schema import (
     replaced,
     section,
 )
-from trainer.tensor_parallel.parallelize import check_divisible
-from trainer.zero.checks import check_zero
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,8 +20,8 @@ from trainer.config.common import CheckpointSection, LoggingSection
 from trainer.data.corpus import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError
 from trainer.model.config import PRESETS, GPTConfig
-from trainer.pipeline.partition import parse_counts, stage_counts
-from trainer.pipeline.schedule import ScheduleError, check_interleaving, chunks_of
+from trainer.parallel.pipeline.partition import parse_counts, stage_counts
+from trainer.parallel.pipeline.schedule import ScheduleError, check_interleaving, chunks_of
 from trainer.schema import Section, option, section
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -64,7 +64,8 @@ class ParallelSection(Section):
     pp: int = option(1, "pipeline-parallel size: the layers split into pp stages on pp ranks",
                      at_least=1)
     ep: int = option(1, "expert-parallel size: the experts of each MoE layer split over ep DP "
-                     "ranks (trainer.moe); must divide dp and --moe-experts", at_least=1)
+                     "ranks (trainer.parallel.expert); must divide dp and --moe-experts",
+                     at_least=1)
     microbatches: int = option(1, "microbatches per step on each DP rank (gradient "
                                "accumulation; with --pp the microbatches the pipeline schedule "
                                "runs)", at_least=1)
@@ -157,7 +158,7 @@ class OptimizerSection(Section):
                        "gradients sharded too: each bucket reduce-scattered into the rank's "
                        "shard during backward, every microbatch) or 3 (the parameters sharded "
                        "too, each block gathered only while used: data parallelism, fp32 only "
-                       "so far; trainer.zero)",
+                       "so far; trainer.parallel.zero)",
                        choices=(0, 1, 2, 3))
     zero_prefetch: int = option(1, "with --zero 3: blocks gathered ahead of the one computing, "
                                 "the same on every rank (each costs one block of memory)",

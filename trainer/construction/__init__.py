@@ -5,7 +5,7 @@
     materialise   real parameters for a model built on the meta device
 
 `build_rank_model` builds the plain GPT on the meta device (shapes, no memory), cuts it to this
-rank's pipeline stage, shards it over tensor parallelism (`trainer.tensor_parallel.parallelize`),
+rank's pipeline stage, shards it over tensor parallelism (`trainer.parallel.tensor.parallelize`),
 applies sequence parallelism and recomputation (`trainer.activations`), and only then allocates the
 parameters this rank keeps, each equal to its slice of the serial model's initialisation:
 same seed, same weights as a model built whole and cut (Megatron's
@@ -24,9 +24,9 @@ from trainer.construction.materialise import materialise
 from trainer.construction.meta import meta_gpt
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.pipeline.partition import StageLayout
-from trainer.tensor_parallel.parallelize import parallelize
-from trainer.tensor_parallel.random import RNGStatesTracker
+from trainer.parallel.pipeline.partition import StageLayout
+from trainer.parallel.tensor.parallelize import parallelize
+from trainer.parallel.tensor.random import RNGStatesTracker
 
 
 def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,

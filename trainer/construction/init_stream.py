@@ -24,7 +24,7 @@ from collections.abc import Iterator
 
 import torch
 
-from trainer.tensor_parallel.sharding import ShardSpec, shard_tensor
+from trainer.parallel.tensor.sharding import ShardSpec, shard_tensor
 
 BLOCK = 16
 PIECE = 1 << 16

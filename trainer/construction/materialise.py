@@ -10,12 +10,12 @@ from trainer.construction.init_stream import followed_by_zeros, normal_pieces, s
 from trainer.construction.meta import meta_gpt
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT, drawn_rows, init_rule
-from trainer.tensor_parallel.sharding import ShardSpec, shard_shape, shard_spec
+from trainer.parallel.tensor.sharding import ShardSpec, shard_shape, shard_spec
 
 
 def serial_name(name: str, cfg: GPTConfig) -> str:
     """The serial parameter a local one is initialised from: the last pipeline stage's copy of
-    a tied head starts as the embedding (`trainer.pipeline.stages`)."""
+    a tied head starts as the embedding (`trainer.parallel.pipeline.stages`)."""
     return "tok_emb.weight" if cfg.tied and name == "head.weight" else name
 
 

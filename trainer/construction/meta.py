@@ -10,8 +10,8 @@ from torch.overrides import TorchFunctionMode
 from trainer.model.config import GPTConfig
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT
-from trainer.pipeline.partition import StageLayout
-from trainer.pipeline.stages import build_stage_model
+from trainer.parallel.pipeline.partition import StageLayout
+from trainer.parallel.pipeline.stages import build_stage_model
 
 
 class _SkipInitOnMeta(TorchFunctionMode):

@@ -6,6 +6,6 @@
 
 A step's loss and gradient norm stay on the device and are read once per logging interval
 (`trainer.training.readout`). The DP gradient all-reduce's overlap with backward on CUDA lives
-where the buckets do (`trainer.data_parallel.grad_sync`, on the NCCL communicator's side
+where the buckets do (`trainer.parallel.data.grad_sync`, on the NCCL communicator's side
 stream, `trainer.comm.nccl`).
 """

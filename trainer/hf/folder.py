@@ -28,7 +28,7 @@ from trainer.hf.config import HFError, from_hf_config, generation_config, to_hf_
 from trainer.hf.names import hf_tensors, split_to_hf
 from trainer.hf.weights import DEFAULT_SHARD_BYTES, HFWeights, write_weights
 from trainer.model.config import GPTConfig
-from trainer.tensor_parallel.sharding import shard_spec
+from trainer.parallel.tensor.sharding import shard_spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

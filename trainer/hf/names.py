@@ -8,7 +8,7 @@ padded vocabulary rows (`trainer.gpu.vocab`): exported without them, zeros on im
 
 `pieces` answers for one parameter: the Hugging Face tensors, in the order their rows are
 stacked, with their shapes. A tensor-parallel shard with stride s of a parameter made of s
-equal pieces is then block r of every piece (`trainer.tensor_parallel.sharding`), so a rank can
+equal pieces is then block r of every piece (`trainer.parallel.tensor.sharding`), so a rank can
 read exactly its rows from the files (`trainer.hf.weights`).
 """
 

@@ -22,12 +22,13 @@ ARCHS = ("gpt", "llama")
 FAMILY_NAMES = {"gpt": "GPT", "llama": "Llama"}
 """How a family is named in banners and plots."""
 ROUTERS = ("softmax", "sigmoid")
-"""The router's score functions (`trainer.moe.router`)."""
+"""The router's score functions (`trainer.parallel.expert.router`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class MoEConfig(Section):
-    """Mixture of experts (`trainer.moe`): which MLPs become experts, and how tokens are routed."""
+    """Mixture of experts (`trainer.parallel.expert`): which MLPs become experts, and how tokens
+    are routed."""
 
     flag_prefix: ClassVar[str] = "moe_"
 

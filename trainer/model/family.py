@@ -1,7 +1,8 @@
 """Which classes build a model of ``cfg.arch``: the model itself and its dense MLP.
 
 Chosen once where a model is built (`build_model`), never by branches inside a forward pass.
-The MLP is asked for separately because mixture-of-experts layers (`trainer.moe.layer`) make
+The MLP is asked for separately because mixture-of-experts layers
+(`trainer.parallel.expert.layer`) make
 their experts from it: a Llama's experts are SwiGLU MLPs.
 """
 

@@ -14,14 +14,15 @@ deletes the layers it does not own keeps the global parameter names (``blocks.5.
 and checkpoints cannot silently load layer 0 of one layout into layer 5 of another. ``forward``
 skips ``tok_emb``/``ln_f``/``head`` when they are ``None`` for the same reason.
 
-The model's own hooks, plain attributes that `trainer.tensor_parallel.parallelize` sets:
+The model's own hooks, plain attributes that `trainer.parallel.tensor.parallelize` sets:
 ``GPT.criterion`` (the loss on the head's logits) and ``GPT.vocab_start``, the vocabulary row of
 the first logit, which masks padded rows on a shard; the layers' hooks are in
 `trainer.model.layers`. All default to the serial behaviour.
 
 One place computes the logits and the loss for every layout: `GPT.logits` (final norm, head,
 the padded vocabulary rows masked to -inf) and `GPT.head_loss` (the criterion on them). The
-serial model, a TP shard, the last pipeline stage (`trainer.pipeline.stages`) and validation
+serial model, a TP shard, the last pipeline stage (`trainer.parallel.pipeline.stages`) and
+validation
 all call them, so a padded vocabulary is the same model on each (`trainer.gpu.vocab`).
 
 A padded vocabulary also starts as the same model: `GPT.init_weights` draws only the real rows
@@ -87,7 +88,9 @@ class GPT(nn.Module):
             self.blocks = nn.ModuleDict({str(i): self.make_block(cfg)
                                          for i in range(cfg.n_layer)})
             if cfg.moe.experts:
-                from trainer.moe.layer import install_moe  # trainer.moe builds on this module
+                from trainer.parallel.expert.layer import (
+                    install_moe,  # trainer.parallel.expert builds on this module
+                )
 
                 install_moe(self.blocks, cfg)
             self.ln_f: nn.Module | None = self.make_norm(cfg)

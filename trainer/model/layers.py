@@ -1,6 +1,6 @@
 """The GPT's layers: norms, rotary embeddings, attention, MLP and the pre-norm block.
 
-Plain-attribute hooks let `trainer.tensor_parallel.parallelize` change what it cannot reach by
+Plain-attribute hooks let `trainer.parallel.tensor.parallelize` change what it cannot reach by
 swapping modules: ``Attention.probs_rng`` (the random stream of attention-probability dropout);
 and ``trainer.activations`` recompute a block (``Block.runner``) or the attention core
 (``Attention.core_runner``) in backward. All default to the serial behaviour.

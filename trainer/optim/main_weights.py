@@ -3,7 +3,7 @@
 * `PlainWeights`: the model's own fp32 (or fp64) parameters; DP's buffer is their ``.grad``;
 * `trainer.optim.mixed_precision.MainParams`: fp32 main copies of a bf16 model (``--precision
   bf16``), rounded into the model after each step;
-* `trainer.zero.ZeroOptimizer`: ZeRO-1's pieces, this DP rank's share of every parameter
+* `trainer.parallel.zero.ZeroOptimizer`: ZeRO-1's pieces, this DP rank's share of every parameter
   (``--zero 1``), all-gathered into the model after each step.
 
 All three have the `MainWeights` interface, so a training step is written once

@@ -5,7 +5,7 @@
 What is bf16: the model's parameters, so every matmul, its activations, the tensors that cross
 pipeline stages and the per-microbatch gradients autograd produces. What is fp32: the *main*
 parameters (one fp32 copy of every parameter, which AdamW steps), the *main* gradients (the DP
-buffer of `trainer.data_parallel.grad_sync`, where each bf16 microbatch gradient is accumulated in
+buffer of `trainer.parallel.data.grad_sync`, where each bf16 microbatch gradient is accumulated in
 fp32), AdamW's moments, the gradient norm and clipping, the loss and the cross-entropy softmax
 (`trainer.model.precision.at_least_fp32`). The DP all-reduce runs on the fp32 main gradients, or in
 bf16 with ``--grad-reduce-dtype bf16`` (half the bytes; each bucket is rounded to bf16 first).

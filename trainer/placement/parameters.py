@@ -1,7 +1,8 @@
 """Every parameter of a rank's model gets its `Placement` (``param.placement``), in one place,
-from what each feature left on it: the TP cut (`trainer.tensor_parallel.sharding.shard_spec`),
+from what each feature left on it: the TP cut (`trainer.parallel.tensor.sharding.shard_spec`),
 the DP axes its copies span when they are not all of dp (``param.dp_replicas``: the experts
-of `trainer.moe`, which split themselves when placed, `PlacesItself`), the pipeline's copy of a
+of `trainer.parallel.expert`, which split themselves when placed, `PlacesItself`), the pipeline's
+copy of a
 tied embedding. The optimizer's main weights take their parameter's placement (ZeRO-1's
 pieces a part of it), so every tensor a checkpoint holds knows where it lies.
 
@@ -24,8 +25,8 @@ from torch import nn
 
 from trainer.comm.mesh import Mesh
 from trainer.comm.topology import SPANS
+from trainer.parallel.tensor.sharding import shard_spec
 from trainer.placement.slices import Placement, TPSplit
-from trainer.tensor_parallel.sharding import shard_spec
 
 DP_AXES = SPANS["dp"]
 """The axes of data parallelism; a parameter is the same on all of them unless it says
@@ -35,7 +36,8 @@ otherwise (``param.dp_replicas``)."""
 @runtime_checkable
 class PlacesItself(Protocol):
     """A module that splits its own parameters over the mesh when the run places the model
-    (the experts of a MoE layer, `trainer.moe`), marking those that differ between DP ranks
+    (the experts of a MoE layer, `trainer.parallel.expert`), marking those that differ between DP
+    ranks
     with the DP axes their copies span (``param.dp_replicas``)."""
 
     def place_on(self, name: str, mesh: Mesh) -> None: ...

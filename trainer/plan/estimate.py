@@ -4,8 +4,9 @@ a cluster allows, and their ranking.
 A layout is a `TrainConfig` (the run the plan describes, checked by the trainer's own rules, so
 a combination the trainer refuses is refused here with the trainer's reason). Memory: the
 rank's parameters from `trainer.plan.shapes` priced by the trainer's bytes-per-parameter
-accounting (`trainer.zero.memory.expected_bytes`), activations measured on the trainer's model
-times the microbatches the pipeline schedule keeps in flight (`trainer.pipeline.schedule`).
+accounting (`trainer.parallel.zero.memory.expected_bytes`), activations measured on the trainer's
+model
+times the microbatches the pipeline schedule keeps in flight (`trainer.parallel.pipeline.schedule`).
 
 The cost model (`ASSUMPTIONS`, printed with every plan):
 
@@ -34,9 +35,9 @@ from typing import Any
 from trainer.config.options import TrainConfig, make_config, resolve_dp
 from trainer.errors import ConfigError
 from trainer.model.flops import flops_per_token, matmul_params
+from trainer.parallel.zero.memory import MemoryTable, expected_bytes
 from trainer.plan.cluster import Cluster
 from trainer.plan.shapes import activations, stage_params
-from trainer.zero.memory import MemoryTable, expected_bytes
 
 ASSUMPTIONS = (
     "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
@@ -102,8 +103,8 @@ def _bf16(cfg: TrainConfig, cluster: Cluster) -> bool:
 def in_flight(cfg: TrainConfig) -> list[dict[int, int]]:
     """For each pipeline rank, the most microbatches of each chunk whose activations it holds at
     once, from the schedule the run executes."""
-    from trainer.pipeline.actions import Kind
-    from trainer.pipeline.schedule import build, chunks_of
+    from trainer.parallel.pipeline.actions import Kind
+    from trainer.parallel.pipeline.schedule import build, chunks_of
 
     par = cfg.parallel
     if par.pp == 1:
@@ -169,8 +170,9 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
 
 def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:
     """ZeRO-2/3's peak in a step on top of the shards: at most two gradient buckets staged while
-    they reduce (`trainer.zero.grad_shards`), and under ZeRO-3 the root and prefetch + 2 blocks
-    gathered with their gradients (`trainer.zero.units`). Not yet held to a measurement."""
+    they reduce (`trainer.parallel.zero.grad_shards`), and under ZeRO-3 the root and prefetch + 2
+    blocks
+    gathered with their gradients (`trainer.parallel.zero.units`). Not yet held to a measurement."""
     zero, par = cfg.optimizer.zero, cfg.parallel
     if zero < 2:
         return table

@@ -1,7 +1,7 @@
 """A rank's parameters and activations, taken from the trainer's own model code without
 allocating it: the rank's model is built on the meta device and sharded by the trainer's own
 `parallelize` (parameter counts), and one microbatch runs forward under torch's fake tensors
-with the saved-tensor meter `bench.memory` uses (`trainer.zero.memory.SavedTensorMeter`:
+with the saved-tensor meter `bench.memory` uses (`trainer.parallel.zero.memory.SavedTensorMeter`:
 activation bytes). So the plan follows the model as it is, padding, fused weights, sequence
 parallelism and recomputation included.
 
@@ -19,7 +19,7 @@ import torch
 
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.model.config import GPTConfig
-from trainer.zero.memory import SavedTensorMeter
+from trainer.parallel.zero.memory import SavedTensorMeter
 
 
 class ShapeComm:
@@ -94,7 +94,7 @@ class StageParams:
 
 
 def _counts(cfg: GPTConfig, pp: int, v: int) -> tuple[int, ...]:
-    from trainer.pipeline.partition import stage_counts
+    from trainer.parallel.pipeline.partition import stage_counts
 
     return stage_counts(cfg.n_layer, pp, v)
 
@@ -104,8 +104,8 @@ def stage_params(cfg: GPTConfig, *, tp: int, pp: int, v: int = 1) -> tuple[Stage
     """Each pipeline rank's parameters: the trainer's stage model on the meta device, sharded
     over a tp group of ``tp``."""
     from trainer.construction.meta import meta_gpt
-    from trainer.pipeline.partition import StageLayout
-    from trainer.tensor_parallel.parallelize import parallelize
+    from trainer.parallel.pipeline.partition import StageLayout
+    from trainer.parallel.tensor.parallelize import parallelize
 
     out: list[StageParams] = []
     for rank in range(pp):
@@ -166,8 +166,8 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
 
     from trainer.activations import apply_recompute, apply_sequence_parallel
     from trainer.model.family import build_model
-    from trainer.tensor_parallel.parallelize import parallelize
-    from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
+    from trainer.parallel.tensor.parallelize import parallelize
+    from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 
     peaks, weights = [], []
     for layers in (1, 2):

@@ -6,7 +6,7 @@
     python -m trainer.recsys --data day_0.tsv --vocab 100000 --rows 1000000  # Criteo TSV
     python -m trainer.recsys --run-dir runs/rec --resume     # continue the newest checkpoint
 
-Every rank holds the MLPs (data parallel, `trainer.data_parallel.grad_sync`: gradients averaged in
+Every rank holds the MLPs (data parallel, `trainer.parallel.data.grad_sync`: gradients averaged in
 buckets) and 1/G of the embedding table (`trainer.sparse`). A step: each rank takes its 1/G of
 the step's global batch (a pure function of seed and step, `trainer.recsys.data.Batches`),
 looks its keys up through the all-to-all, runs the MLPs and the interaction, and backward sends
@@ -33,8 +33,8 @@ from torch.nn import functional
 from trainer.checkpoint.run_dir import set_aside
 from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import ReduceOp
-from trainer.data_parallel.grad_sync import DataParallel
 from trainer.errors import ConfigError, TrainerError
+from trainer.parallel.data.grad_sync import DataParallel
 from trainer.recsys import evaluate, state
 from trainer.recsys.config import RecsysConfig, check_rows, check_world, parse_args
 from trainer.recsys.data import Batches, ClickLog, read_criteo, synthetic

@@ -13,9 +13,9 @@ from typing import Protocol
 import torch
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.data_parallel.split import GradSync
 from trainer.model.gpt import GPT
 from trainer.optim.main_weights import MainWeights
+from trainer.parallel.data.split import GradSync
 
 Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 

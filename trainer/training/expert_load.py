@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator, ReduceOp
-from trainer.moe.layer import moe_layers
+from trainer.parallel.expert.layer import moe_layers
 from trainer.training.metrics import METRICS_FILE, draw, read_records
 
 PLOT_FILE = "expert_load.png"

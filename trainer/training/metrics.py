@@ -55,7 +55,7 @@ class StepRecord:
     """Validation loss after this step (steps that evaluated; None on the others)."""
     peak_mem_bytes: int = 0
     """Rank 0's peak memory during this step: CUDA max allocated, else peak RSS
-    (`trainer.zero.memory.PeakMemory`)."""
+    (`trainer.parallel.zero.memory.PeakMemory`)."""
     moe: dict[str, Any] | None = None
     """Expert load per MoE layer (`trainer.training.expert_load`); None for a dense model."""
     checkpoint: list[dict[str, Any]] | None = None

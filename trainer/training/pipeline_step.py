@@ -5,7 +5,8 @@ schedule and the optimizer.
 ``--pp > 1`` the run's body is a `Pipeline`:
 
 1. `Pipeline.forward_backward`: this rank's action list of the chosen schedule runs on its
-   `GPTStage` over the PP communicator (`trainer.pipeline.runtime.run_schedule`). DP gradient
+   `GPTStage` over the PP communicator (`trainer.parallel.pipeline.runtime.run_schedule`). DP
+   gradient
    buckets are all-reduced once per step, each launched right after the last backward of its
    parameters (the stage's ``grad_sync`` hook) and finished by ``DataParallel.finish_grad_sync``
    after the schedule, Megatron's ``finalize_model_grads`` order.
@@ -43,17 +44,23 @@ from torch import nn
 
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
 from trainer.config.options import TrainConfig
-from trainer.data_parallel.split import GradSync
 from trainer.model.gpt import GPT
 from trainer.model.precision import at_least_fp32
 from trainer.optim.main_weights import MainWeights
-from trainer.pipeline.actions import Action
-from trainer.pipeline.check import check_schedule
-from trainer.pipeline.partition import StageLayout, describe
-from trainer.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_schedule
-from trainer.pipeline.schedule import build
-from trainer.pipeline.stages import Batch, GPTStage, tied_weight
-from trainer.pipeline.timeline import bubble, gather, theory, write_chrome_trace, write_gantt
+from trainer.parallel.data.split import GradSync
+from trainer.parallel.pipeline.actions import Action
+from trainer.parallel.pipeline.check import check_schedule
+from trainer.parallel.pipeline.partition import StageLayout, describe
+from trainer.parallel.pipeline.runtime import P2PSpec, StepResult, agree_on_spec, run_schedule
+from trainer.parallel.pipeline.schedule import build
+from trainer.parallel.pipeline.stages import Batch, GPTStage, tied_weight
+from trainer.parallel.pipeline.timeline import (
+    bubble,
+    gather,
+    theory,
+    write_chrome_trace,
+    write_gantt,
+)
 from trainer.training.metrics import draw
 
 TIMELINE_JSON, TIMELINE_PNG = "timeline.json", "timeline.png"

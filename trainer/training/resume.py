@@ -232,7 +232,7 @@ def _apply(cfg: TrainConfig, path: Path, chosen: _Chosen, weights: MainWeights,
 def moe_objective(cfg: TrainConfig, meta: dict[str, Any], path: Path) -> str:
     """The warning for a MoE run resumed with another number of sequences per microbatch ("":
     none). The load-balancing (and z-) loss is computed per microbatch over its own tokens
-    (`trainer.moe.router`), so its value and gradient depend on how many sequences one
+    (`trainer.parallel.expert.router`), so its value and gradient depend on how many sequences one
     microbatch holds: global batch / (dp x microbatches). The language-model loss does not."""
     saved, layout = meta.get("config", {}), meta.get("layout", {})
     try:

@@ -25,30 +25,30 @@ from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
 from trainer.data.sources import TokenData, make_batches
 from trainer.data.token_batches import TokenBatches
-from trainer.data_parallel.split import GradSync, data_parallel
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
 from trainer.hf.folder import load_rank_slices, read_folder
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT
-from trainer.moe.layer import set_aux_scale
 from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
-from trainer.pipeline.partition import StageLayout
-from trainer.pipeline.stages import build_stage_model, tied_weight
+from trainer.parallel.data.split import GradSync, data_parallel
+from trainer.parallel.expert.layer import set_aux_scale
+from trainer.parallel.pipeline.partition import StageLayout
+from trainer.parallel.pipeline.stages import build_stage_model, tied_weight
+from trainer.parallel.tensor.parallelize import parallelize
+from trainer.parallel.tensor.random import RNGStatesTracker
+from trainer.parallel.zero import build_zero
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
-from trainer.tensor_parallel.parallelize import parallelize
-from trainer.tensor_parallel.random import RNGStatesTracker
 from trainer.training import startup
 from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
 from trainer.training.pipeline_step import build_pipeline, stage_layout
 from trainer.training.resume import Restored, restore, start_anew
 from trainer.training.step import DropoutSeeds
-from trainer.zero import build_zero
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 from trainer.comm.mesh import Mesh
 from trainer.data.batches import step_seed
 from trainer.optim.grad_clip import clip_grad_norm
-from trainer.tensor_parallel.random import TP_RNG, RNGStatesTracker
+from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 from trainer.training import readout
 from trainer.training.expert_load import step_load
 from trainer.training.metrics import StepRecord

@@ -1,0 +1,62 @@
+"""What each ZeRO stage runs with, refused when the options are read, before any rank builds
+anything (pure: no torch, no communicator)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from trainer.errors import ConfigError
+
+
+class Layout(Protocol):
+    """The parallel section's fields the checks read (`trainer.config.sections`)."""
+
+    @property
+    def pp(self) -> int: ...
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def schedule(self) -> str: ...
+    @property
+    def tp(self) -> int: ...
+    @property
+    def sequence_parallel(self) -> bool: ...
+    @property
+    def recompute(self) -> str: ...
+
+
+def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
+               compiled: bool = False) -> None:
+    """Refuse what ``--zero`` does not run with yet.
+
+    ZeRO-3 (`trainer.parallel.zero.units`) is data parallelism over fp32 (or fp64) parameters so
+    far:
+    its units are whole blocks of a whole model, gathered by module hooks that recomputation
+    and compiled blocks would bypass. ZeRO-2 reduces its buckets in rounds that need every
+    backward to cover the whole model (`trainer.parallel.zero.grad_shards`); under the interleaved
+    schedule a backward covers one model chunk, so a bucket that spans two chunks would be
+    reduced from part of its gradients."""
+    if zero == 2 and layout.pp > 1 and layout.chunks > 1:
+        raise ConfigError(
+            "unsupported combination",
+            f"--zero 2 with --schedule {layout.schedule} (v {layout.chunks})",
+            "ZeRO-2 reduce-scatters each bucket once per backward, and a backward of the "
+            "interleaved schedule covers only one of a rank's model chunks",
+            "Use --schedule 1f1b or gpipe with --zero 2, or --zero 1 with the interleaved "
+            "schedule")
+    if zero != 3:
+        return
+    refused = [flag for flag, on in ((f"--tp {layout.tp}", layout.tp > 1),
+                                     (f"--pp {layout.pp}", layout.pp > 1),
+                                     ("--sequence-parallel", layout.sequence_parallel),
+                                     (f"--recompute {layout.recompute}",
+                                      layout.recompute != "none"),
+                                     ("--compile", compiled),
+                                     (f"--precision {precision}", precision != "fp32")) if on]
+    if refused:
+        raise ConfigError(
+            "unsupported combination", f"--zero 3 with {', '.join(refused)}",
+            "ZeRO-3 runs data parallelism over fp32 parameters only so far (no tensor or "
+            "pipeline parallelism, sequence parallelism, recomputation, compiled blocks or "
+            "bf16; --precision auto would pick bf16 on a GPU)",
+            f"Drop {', '.join(refused)} (pass --precision fp32), or use --zero 2")
