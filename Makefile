@@ -34,11 +34,11 @@ bytecode: install
 sysdeps:
 	@bash testbed/install_sysdeps.sh
 
-# The tests whose tolerances are derived from summation orders (tests/numerics.py): layouts
-# against the single-process model, MoE, sparse embeddings, TP/PP/DP/ZeRO, resume. `make test`
+# The tests whose tolerances are derived from summation orders (tests/support/numerics.py):
+# layouts against the single-process model, MoE, sparse embeddings, TP/PP/DP/ZeRO, resume. `make test`
 # runs them again under each of KERNEL_VARIANTS, other BLAS and ATen kernels than this CPU's
 # defaults, so a tolerance that holds for one instruction set only fails on any machine.
-NUMERICS_TESTS := $(addprefix tests/,test_kernel_variants.py test_moe_layer.py test_model.py \
+NUMERICS_TESTS := $(addprefix tests/trainer/,test_kernel_variants.py test_moe_layer.py test_model.py \
 	test_llama_hf.py test_pp_runtime.py test_tp_layers.py test_sparse_embedding.py test_moe_training.py \
 	test_tp_training.py test_pp_training.py test_data_parallel.py test_zero.py \
 	test_resume_matrix.py test_llama_tp.py test_llama_training.py test_activations.py \
@@ -59,7 +59,8 @@ KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
 # arithmetic (runs of one character) get scores one ulp apart that depend on the BLAS kernel, so
 # with MKL_CBWR=COMPATIBLE the layer drops another of them than the plain-loop reference.
 KERNEL_KNOWN_FAILURES := not (test_moe_training and dropping and (losses or parameter_shard))
-# Two workers, a file per worker: a file's MPI run is shared by its tests (tests/mpi_runs.py).
+# Two workers, a file per worker: a file's MPI run is shared by its tests
+# (tests/support/mpi_runs.py).
 NUMERICS_WORKERS ?= 2
 
 test: install sysdeps bytecode

@@ -98,7 +98,8 @@ def nccl_contract(gpus: int) -> Row:
 
     row: Row = {"part": "nccl-contract", "ranks": gpus}
     with tempfile.TemporaryDirectory(prefix="dtrain-nccl-") as out:
-        proc = run_mpiexec(gpus, [PYTHON, str(REPO / "tests" / "comm_workers" / "contract.py"),
+        contract = REPO / "tests" / "support" / "comm_workers" / "contract.py"
+        proc = run_mpiexec(gpus, [PYTHON, str(contract),
                                   "--out", out, "--backend", "nccl"], timeout=600)
         records = [r for p in Path(out).glob("rank*.json")
                    for r in json.loads(p.read_text())["records"]]

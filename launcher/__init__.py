@@ -1,7 +1,7 @@
 """dtrain's head-node launcher: start every rank on every host, leave nothing behind.
 
 Module map: the launch in the order it happens. Dependencies flow downwards only; sockets,
-paramiko and subprocess live in the modules marked (adapter). `tests/test_layers.py` checks
+paramiko and subprocess live in the modules marked (adapter). `tests/project/test_layers.py` checks
 that subpackages import each other without a cycle, that no module is over 400 lines, and that
 launcher/ and trainer/ never import each other.
 

@@ -4,7 +4,8 @@
 
 ``import torch`` costs ~2.7 s of CPU per process on a 2-core machine: an 8-rank run paid ~20 s
 of CPU before its first line of test code. Here `mpiexec` (or `dtrain launch`'s agent, see
-`tests.mpi_runs.forked_python`) still starts every rank (its PMI socket, stdio pipes, signals
+`tests.support.mpi_runs.forked_python`) still starts every rank (its PMI socket, stdio pipes,
+signals
 and exit codes are its own), but what it starts is
 `testbed.forkstub`, which hands its file descriptors and environment to this server; the
 server forks, and the fork becomes the rank: it takes the stub's stdio, ``PMI_FD``, environment,

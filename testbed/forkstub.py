@@ -1,7 +1,7 @@
 """What `mpiexec` (or `dtrain launch`'s agent) starts as each rank of a test's trainer run when a
 fork server serves the session.
 
-    mpiexec -n 4 python -S testbed/forkstub.py SOCKET -m tests.mpi_worker TARGET OUT
+    mpiexec -n 4 python -S testbed/forkstub.py SOCKET -m tests.support.mpi_worker TARGET OUT
 
 Standard library only (``-S``: no site-packages), so it starts in milliseconds. It hands its
 stdin, stdout, stderr, its PMI socket (``PMI_FD``), environment, working folder and command

@@ -11,7 +11,7 @@ command -v pdsh >/dev/null 2>&1 || need+=(pdsh)
 [ -x /usr/sbin/slurmd ] || need+=(slurmd)
 command -v srun >/dev/null 2>&1 || need+=(slurm-client)
 [ -x /usr/sbin/munged ] || need+=(munge)
-# A C compiler builds the shared library whose loading tests/test_ssh_config_refusal.py detects.
+# A C compiler builds the shared library whose loading tests/cluster/test_ssh_config_refusal.py detects.
 command -v cc >/dev/null 2>&1 || need+=(gcc)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then

@@ -4,7 +4,8 @@ launcher/).
 Module map. Entry points stay at the top, where users call them; everything else lives in a
 subpackage named for its concept. Subpackages import each other without a cycle, roughly
 bottom-up: comm, gpu, model < parallel/* (tensor, pipeline, expert, data, zero, context), optim,
-data < config < training < the entry points (`tests/test_layers.py` checks it, and that no module is
+data < config < training < the entry points (`tests/project/test_layers.py` checks it, and that no
+module is
 over 400 lines).
 
     train        `python -m trainer.train`: the training loop, checkpoints, the entry point
@@ -31,15 +32,8 @@ over 400 lines).
                  prepare, shard_writer, token_files, token_batches, sources: tokenized datasets
     comm/        the Communicator protocol, its mpi/ and nccl/ backends, the mesh (named
                  axes and their groups), timing, progress records
-    parallel/    the ways a model is split over ranks, one subpackage each:
-      data/      grad_sync (DataParallel), split (one per kind of replica), buckets
-      tensor/    Megatron layers, mappings, RNG tracker, sharding, parallelize, gqa
-      pipeline/  schedules, their checker, the runtime, stages, timeline
-      expert/    mixture of experts: router, dispatch, layer, expert parallelism
-      zero/      ZeRO-1, 2, 3: sharded optimizer state, gradients, parameters (units)
-      context/   layout (zig-zag split), plan (visible, diagonal and masked blocks), blocks,
-                 ring, allgather, attention: attention over a sequence split across a
-                 context-parallel group
+    parallel/    data, tensor, pipeline, expert, zero, context: the ways a model is split
+                 over ranks, one subpackage each
     activations/ sequence parallelism and activation recomputation
     construction/  per-rank model construction on the meta device
     placement/   where every tensor lies: its global name and shape, TP cut, ZeRO-1 range,

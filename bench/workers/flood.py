@@ -4,7 +4,7 @@ Prints LINES short lines `<rank> <i> <filler>` (i = 0..LINES-1, in blocks of 100
 write, as a chatty trainer would through a block-buffered stdout), with one line of LONG bytes
 of `z` after the block holding the middle line, then `<rank> end`. The rank is $RANK (dtrain)
 or $PMI_RANK (mpiexec). With STAMPS, a directory, the rank writes ``time.time()`` into
-``STAMPS/<rank>`` just before its first write. Used by tests/test_output_flood.py and
+``STAMPS/<rank>`` just before its first write. Used by tests/launcher/test_output_flood.py and
 bench/output.py.
 """
 

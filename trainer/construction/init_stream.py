@@ -14,7 +14,8 @@ n % 16 = r != 0 it then draws 16 *fresh* uniforms and overwrites the last 16 val
 normals. So drawing the first 16·⌊n/16⌋ values in pieces that are multiples of 16 gives the same
 values, then r uniforms must be drawn and dropped, then 16 normals replace the last 16 values.
 Below 16 elements torch uses another path; those weights are drawn whole, like the serial init.
-This rests on torch's kernel: ``tests/test_construction.py`` compares with ``torch.randn`` for
+This rests on torch's kernel: ``tests/trainer/test_construction.py`` compares with ``torch.randn``
+for
 every size class, so a torch that draws differently fails there, not silently.
 """
 

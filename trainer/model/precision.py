@@ -3,7 +3,7 @@
 Losses, softmax statistics, gradient norms and the data-parallel main gradients are kept in at
 least fp32: half-precision tensors are upcast, fp32 stays fp32, and fp64 stays fp64. The last
 rule lets a model built in fp64 run in fp64 end to end, which is how the equivalence tests get a
-reference whose rounding error is far below any real bug (tests/numerics.py).
+reference whose rounding error is far below any real bug (tests/support/numerics.py).
 """
 
 from __future__ import annotations

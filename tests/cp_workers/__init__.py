@@ -1,1 +1,0 @@
-"""Rank functions of the context-parallel tests (`tests.mpi_runs`)."""

@@ -1,2 +1,0 @@
-"""Padded-vocabulary training workers run under ``mpiexec -n 4`` by
-tests/test_padded_vocab_training.py."""

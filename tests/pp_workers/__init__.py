@@ -1,1 +1,0 @@
-"""Pipeline-parallel workers run under ``mpiexec -n N`` by tests/test_pp_runtime.py."""

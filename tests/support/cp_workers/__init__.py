@@ -1,0 +1,1 @@
+"""Rank functions of the context-parallel tests (`tests.support.mpi_runs`)."""

@@ -1,0 +1,66 @@
+"""A plain torch.distributed (gloo) program, as users write them for torchrun, with one fault
+in its last step; it knows nothing of dtrain.
+
+    python tests/support/workers/gloo_faults.py FAULT     # FAULT: skip, mismatch, stop, none
+    python tests/support/workers/gloo_faults.py long SECONDS   # one healthy all-reduce that long
+
+4 ranks in two pairs ({0, 1}, {2, 3}: `new_group`); each step all-reduces within the pair, then
+on the world. In step 3: ``skip``: rank 1 leaves out its pair's all-reduce; ``mismatch``: rank 2
+calls all_gather where the others all-reduce on the world; ``stop``: rank 3 stops itself
+(SIGSTOP) before the world's all-reduce.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def main() -> None:
+    fault = sys.argv[1]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pair = pairs[rank // 2]
+    if fault == "long":
+        return long_all_reduce(float(sys.argv[2]))
+    t = torch.ones(256)
+    for step in range(1, 4):
+        last = step == 3
+        if not (fault == "skip" and last and rank == 1):
+            dist.all_reduce(t, group=pair)
+        if fault == "stop" and last and rank == 3:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        if fault == "mismatch" and last and rank == 2:
+            dist.all_gather([torch.empty(256) for _ in range(4)], t)
+        else:
+            dist.all_reduce(t)
+        print(f"rank {rank} step {step}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def long_all_reduce(seconds: float) -> None:
+    """One healthy all-reduce sized to last about ``seconds`` on this machine (rank 0 times a
+    64 MiB one and scales, capped at 1 GiB); prints how long it took."""
+    probe = torch.ones(16 << 20)
+    started = time.monotonic()
+    dist.all_reduce(probe)
+    numel = torch.tensor([min(1 << 28, int((16 << 20) * seconds / (time.monotonic() - started)))])
+    dist.broadcast(numel, 0)
+    del probe
+    t = torch.ones(int(numel.item()))
+    dist.barrier()
+    started = time.monotonic()
+    dist.all_reduce(t)
+    print(f"rank {dist.get_rank()} all_reduce {time.monotonic() - started:.2f} s", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""The layout planner (`python -m trainer.plan`): its memory per rank equals what the trainer
+holds when it runs the layout, its model shapes are the published ones, and bad input gets one
+clear error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer.config.options import make_config, resolve_dp
+from trainer.errors import ConfigError
+from trainer.plan.cluster import make_cluster
+from trainer.plan.estimate import comm, memory
+from trainer.plan.shapes import stage_params
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU = make_cluster(hosts=1, gpus_per_host=2, memory_gib=16, tflops=0.1, intra_gbps=5,
+                   inter_gbps=1)
+
+
+def test_llama_3_8b_and_70b_have_their_published_parameter_counts() -> None:
+    from trainer.model.config import PRESETS
+
+    assert sum(s.dense for s in stage_params(PRESETS["llama3-8b"], tp=1, pp=1)) == 8_030_261_248
+    seventy = make_config({"model": "llama3-8b", "n_layer": 80, "d_model": 8192, "n_head": 64,
+                           "n_kv_head": 8, "ffn_hidden": 28672}).gpt
+    assert sum(s.dense for s in stage_params(seventy, tp=1, pp=1)) == 70_553_706_496
+
+
+def test_the_8b_memory_at_tp_2_zero_1_equals_a_calculation_by_hand() -> None:
+    """Llama 3 8B on 8 H100s at dp4 x tp2, ZeRO-1, bf16: each rank holds half of every matrix
+    and of the (untied) embedding and head, and the whole norms; bf16 parameters (2 bytes),
+    fp32 gradients (4) and 12/dp bytes of fp32 main weights and Adam moments per parameter."""
+    d, kv, ffn, vocab, layers = 4096, 1024, 14336, 128256, 32
+    block = (d * d + 2 * d * kv + d * d + 3 * d * ffn) // 2 + 2 * d
+    n = layers * block + 2 * vocab * d // 2 + d
+    cfg = resolve_dp(make_config({"model": "llama3-8b", "tp": 2, "zero": 1, "global_batch": 8,
+                                  "seq_len": 1024, "precision": "bf16"}), 8)
+    mem = memory(cfg, make_cluster(hosts=1, gpus_per_host=8, gpu="h100"))
+    assert (mem.params, mem.grads, mem.optimizer) == (2 * n, 4 * n, 12 * n // 4)
+
+
+def test_a_layout_the_trainer_refuses_is_refused_with_the_trainers_reason() -> None:
+    from trainer.plan.estimate import plan
+
+    done, refused = plan({"model": "tiny", "global_batch": 4, "seq_len": 64,
+                          "precision": "fp32"}, make_cluster(hosts=1, gpus_per_host=8,
+                                                             gpu="h100"))
+    assert done and all(e.config.parallel.dp * e.config.parallel.tp * e.config.parallel.pp == 8
+                        for e in done)
+    assert refused  # tp 8 does not divide tiny's 4 heads, nor dp 8 a batch of 4
+    assert all(isinstance(r, ConfigError) and str(r) for r in refused)
+
+
+def test_an_unknown_gpu_is_one_clear_error() -> None:
+    with pytest.raises(ConfigError, match=r"unknown GPU \[--gpu b200x\]: known GPUs: h100"):
+        make_cluster(hosts=1, gpus_per_host=8, gpu="b200x")
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "trainer.plan", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_the_command_refuses_a_config_it_cannot_read_and_a_layout_that_does_not_divide(
+        tmp_path: Path) -> None:
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    done = _plan("--gpu", "h100", "--hf-config", str(broken))
+    assert done.returncode == 2
+    assert done.stderr.count("cannot read the model's config") == 1
+    assert f"[--hf-config {broken}]" in done.stderr
+    done = _plan("--gpu", "h100", "--hosts", "1", "--gpus-per-host", "3", "--model", "tiny",
+                 "--global-batch", "4", "--seq-len", "64")
+    assert done.returncode == 1
+    assert "no layout of the trainer's fits these GPUs" in done.stderr
+
+
+def test_the_command_ranks_layouts_and_prints_json_for_scripts() -> None:
+    done = _plan("--gpu", "h100", "--hosts", "1", "--gpus-per-host", "2", "--model", "tiny",
+                 "--global-batch", "4", "--seq-len", "64", "--json")
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    layouts = out["layouts"]
+    assert {(r["dp"], r["tp"], r["pp"]) for r in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    steps = [r["step_s"] for r in layouts if r["fits"]]
+    assert steps == sorted(steps)
+    assert "ring algorithms" in out["assumptions"]
+
+
+# The trainer's own accounting (bench.memory: held tensors and the saved-tensor peak of a real
+# step) for layouts of 1 and 2 ranks, against the planner's prediction for the same run.
+MEASURED = {"serial": (1, {}), "dp2": (2, {"dp": 2}), "dp2+zero1": (2, {"dp": 2, "zero": 1}),
+            "tp2": (2, {"dp": 1, "tp": 2}), "pp2": (2, {"dp": 1, "pp": 2, "microbatches": 4}),
+            "tp2+sp": (2, {"dp": 1, "tp": 2, "sequence_parallel": True}),
+            "tp2+recompute full": (2, {"dp": 1, "tp": 2, "recompute": "full"}),
+            "dp2+recompute selective": (2, {"dp": 2, "recompute": "selective"})}
+
+
+@pytest.fixture(scope="module")
+def measured() -> dict[str, dict]:
+    from bench import memory as bench_memory
+
+    rows = bench_memory.run(model="tiny", seq_len=64, global_batch=8, steps=1,
+                            bucket_size=250_000)
+    return {r["layout"]: r for r in rows}
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", sorted(MEASURED))
+def test_the_planned_memory_per_rank_equals_what_the_trainer_holds(layout: str,
+                                                                   measured: dict) -> None:
+    world, over = MEASURED[layout]
+    cfg = resolve_dp(make_config({"model": "tiny", "global_batch": 8, "precision": "fp32",
+                                  **over}, {"seq_len": 64}), world)
+    mem = memory(cfg, CPU)
+    row = measured[layout]
+    mib = 2**20
+    for planned, held in ((mem.params, row["params_mib"]), (mem.grads, row["grads_mib"]),
+                          (mem.optimizer, row["optim_mib"]), (mem.activations, row["act_mib"]),
+                          (mem.total, row["total_mib"])):
+        assert planned / mib == pytest.approx(held, rel=0.05), (layout, planned / mib, held)
+
+
+def test_the_planned_traffic_is_the_gradient_reduction_of_the_rank() -> None:
+    cfg = resolve_dp(make_config({"model": "tiny", "global_batch": 8, "precision": "fp32",
+                                  "dp": 2}, {"seq_len": 64}), 2)
+    n = sum(s.dense for s in stage_params(cfg.gpt, tp=1, pp=1))
+    assert comm(cfg, CPU).dp == pytest.approx(2 * 0.5 * 4 * n)

@@ -1,0 +1,21 @@
+"""A save's first phase agrees on everything in one collective (the weights' check, AdamW's
+step count, the leader's folder): a non-finite weight on any rank still stops every rank
+before anything is written, and leaves no folder behind (`tests.support.save_start_worker`)."""
+
+from __future__ import annotations
+
+from tests.support.mpi_runs import world_run
+
+
+def test_a_nonfinite_weight_on_one_rank_stops_every_rank_and_leaves_no_folder() -> None:
+    ranks = world_run("tests.support.save_start_worker:run", 2).ranks
+    for got in ranks:
+        assert got["refused"].startswith("training diverged [step 1]: a parameter is NaN or "
+                                         "infinite after the update"), got["refused"]
+    assert ranks[0]["left"] == [], ranks[0]["left"]
+
+
+def test_the_save_begun_after_it_commits_with_the_step_count_agreed() -> None:
+    ranks = world_run("tests.support.save_start_worker:run", 2).ranks
+    assert [got["saved"] for got in ranks] == ["step-1", "step-1"]
+    assert ranks[0]["adam_step"] == 1

@@ -1,0 +1,145 @@
+"""ZeRO-3 foundations (``--zero 3``): parameters sharded in units (each block, the root),
+gathered before forward and backward and freed after, trained with real MPI ranks at dp 4
+(`tests/support/zero_workers/stage3.py`) and equal to the single-process model.
+
+Tolerances (tests/support/numerics.py), as for ZeRO-1 and 2: in fp64 the run differs from the
+single-
+process model only by summation order (gradients reduce-scattered per microbatch, the norm
+summed over shards); gathering moves values without arithmetic. So losses agree to the fp64
+reduction bound over the longest sum and parameters to that bound carried through Adam.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from tests.support.mpi_runs import world_run
+from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.support.serial_reference import train_serially
+from tests.support.zero_workers.stage3 import RESUME_STEPS, STAGE3_CASES, STEPS, stage3_config
+from trainer.config.options import make_config
+from trainer.errors import ConfigError
+from trainer.parallel.zero.layout import unit_layout
+from trainer.parallel.zero.memory import describe, expected_bytes
+from trainer.parallel.zero.units import unit_runs
+
+WORKER = "tests.support.zero_workers.stage3:run"
+TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
+RTOL = reduction_rtol(TOKENS)
+LR = 3e-3
+PARAM_ATOL = adam_atol(steps=STEPS, lr=LR, n_terms=TOKENS)
+NAMES = [name for name, _ in STAGE3_CASES]
+
+
+@functools.cache
+def ranks() -> list[dict]:
+    return world_run(WORKER, 4).ranks
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    return train_serially(stage3_config(name), STEPS)
+
+
+# -- units (pure) --------------------------------------------------------------------------
+
+def test_each_block_is_one_unit_and_the_rest_forms_the_root_at_both_ends() -> None:
+    names = ["ln_f.bias", "ln_f.weight", "blocks.1.mlp.fc.weight", "blocks.1.ln1.weight",
+             "blocks.0.mlp.fc.weight", "blocks.0.ln1.weight", "tok_emb.weight"]
+    assert unit_runs(names) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+
+
+def test_a_unit_is_one_bucket_padded_to_dp_and_each_rank_owns_a_block_of_it() -> None:
+    layout = unit_layout([3, 4, 5, 6], [range(0, 2), range(2, 4)], dp=4, rank=1)
+    assert [(b.start, b.end) for b in layout.buckets] == [(0, 8), (8, 20)]
+    assert layout.offsets == (0, 3, 8, 13)
+    assert [layout.shard(k) for k in (0, 1)] == [(2, 4), (11, 14)]
+
+
+# -- bad input (pure) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"tp": 2, "dp": 1}, "--tp 2"), ({"pp": 2, "dp": 1}, "--pp 2"),
+    ({"recompute": "full"}, "--recompute full"), ({"precision": "auto"}, "--precision auto"),
+    ({"precision": "bf16"}, "--precision bf16")])
+def test_zero3_with_what_it_does_not_run_with_yet_is_refused_before_anything_is_built(
+        options: dict, named: str) -> None:
+    opts = {"zero": 3, "dp": 2, "precision": "fp32", **options}
+    with pytest.raises(ConfigError, match=rf"unsupported combination \[--zero 3 with "
+                                          rf"{named}\]: .*Drop {named}"):
+        make_config(opts, {})
+
+
+def test_a_negative_prefetch_depth_is_refused_naming_the_flag() -> None:
+    with pytest.raises(ConfigError, match=r"\[--zero-prefetch -1\]: must be >= 0"):
+        make_config({"zero": 3, "precision": "fp32", "zero_prefetch": -1}, {})
+
+
+# -- equivalence and memory (MPI, 4 ranks, fp64) --------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero3_losses_match_the_single_process_model_for_5_steps(name: str) -> None:
+    ref = reference(name)
+    n_params = sum(p.numel() for p in ref["params"].values())
+    atol = loss_atol(steps=STEPS, lr=LR, n_params=n_params, n_terms=TOKENS)
+    for rank in ranks():
+        torch.testing.assert_close(f64(rank[name]["losses"]), f64(ref["losses"]), rtol=RTOL,
+                                   atol=atol)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_zero3_parameters_gathered_at_the_end_match_the_single_process_model(name: str) -> None:
+    ref = reference(name)
+    for rank in ranks():
+        for key, want in ref["params"].items():
+            torch.testing.assert_close(rank[name]["local"][key], want, rtol=0,
+                                       atol=PARAM_ATOL, msg=f"rank {rank['rank']}: {key}")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_between_steps_a_rank_holds_one_dp_th_of_the_parameters_and_gradients(
+        name: str) -> None:
+    for rank in ranks():
+        got = rank[name]
+        whole = got["n_params"] * 8  # fp64
+        assert [now for now, _ in got["gathered"]] == [0] * STEPS  # no unit left gathered
+        assert got["shard_bytes"] == pytest.approx(whole / 4, rel=0.02)
+        assert got["grad_shard_bytes"] == got["shard_bytes"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_during_a_step_at_most_the_root_and_prefetch_plus_2_blocks_are_gathered(
+        name: str) -> None:
+    """The block computing, the ``prefetch`` posted after it, and one more while a gather
+    lands (MPI's landing tensor, `trainer.parallel.zero.units`); never the whole model."""
+    prefetch = stage3_config(name).optimizer.zero_prefetch
+    for rank in ranks():
+        got = rank[name]
+        root = sum(got["unit_bytes"]) - sum(got["blocks"])
+        bound = root + (prefetch + 2) * max(got["blocks"])
+        assert all(0 < peak <= bound for _, peak in got["gathered"]), (got["gathered"], bound)
+        assert bound < sum(got["unit_bytes"])
+
+
+# -- checkpoints (MPI, 4 ranks, fp64, through trainer.train) -----------------------------------
+
+@pytest.mark.parametrize("change", ["3to1", "3to0", "1to3"])
+def test_a_run_resumed_across_zero_3_continues_with_the_same_losses(change: str) -> None:
+    """Each piece is saved once, at its placement (ZeRO-1's pieces): another stage reads the
+    same tensors, so the steps after the resume differ only in summation order."""
+    n_params = sum(p.numel() for p in reference("dp4")["params"].values())
+    atol = loss_atol(steps=RESUME_STEPS, lr=LR, n_params=n_params, n_terms=TOKENS)
+    for rank in ranks():
+        got = rank["resume"]
+        assert got[change]["start"] == 2 and len(got["whole"]) == RESUME_STEPS
+        torch.testing.assert_close(f64(got[change]["losses"]), f64(got["whole"]), rtol=RTOL,
+                                   atol=atol)
+
+
+def test_zero3_expected_bytes_shard_everything() -> None:
+    table = expected_bytes(1000, bf16=False, zero=3, dp=4)
+    assert (table.params, table.grads, table.optimizer) == (1000, 1000, 2000)
+    assert "16/4 bytes per parameter" in describe(1000, bf16=False, zero=3, dp=4, where="")
