@@ -54,11 +54,6 @@ NUMERICS_TESTS := $(addprefix tests/trainer/,test_kernel_variants.py test_moe_la
 # the cost of one more pass over NUMERICS_TESTS. More: make test-kernels KERNEL_VARIANTS='"A=1"
 # "B=2 C=3"' (with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 they pass too).
 KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
-# Known to fail under another kernel, for a defect outside the tests (remove when fixed):
-# trainer/parallel/expert/router.py ranks capacity drops by fp64 scores, and tokens equal in exact
-# arithmetic (runs of one character) get scores one ulp apart that depend on the BLAS kernel, so
-# with MKL_CBWR=COMPATIBLE the layer drops another of them than the plain-loop reference.
-KERNEL_KNOWN_FAILURES := not (test_moe_training and dropping and (losses or parameter_shard))
 # Two workers, a file per worker: a file's MPI run is shared by its tests
 # (tests/support/mpi_runs.py).
 NUMERICS_WORKERS ?= 2
@@ -71,7 +66,7 @@ test-kernels: install
 	@for variant in $(KERNEL_VARIANTS); do \
 		echo "numerics tests again with $$variant"; \
 		env $$variant $(PY) -m pytest -q -ra -p no:cacheprovider -n $(NUMERICS_WORKERS) \
-			--dist loadfile -k "$(KERNEL_KNOWN_FAILURES)" $(NUMERICS_TESTS) || exit 1; \
+			--dist loadfile $(NUMERICS_TESTS) || exit 1; \
 	done
 
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)

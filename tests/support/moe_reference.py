@@ -1,8 +1,7 @@
 """The serial reference of a mixture-of-experts layer: every expert on one rank, plain loops.
 
-Written from the definitions (Switch / Megatron), sharing no code with `trainer.parallel.expert`
-beyond the
-parameters: token by token it scores the experts, picks the top k, and adds each chosen expert's
+Written from the definitions (Switch / Megatron), sharing no code with
+`trainer.parallel.expert` beyond the parameters: token by token it scores the experts, picks the top k, and adds each chosen expert's
 output times its score; capacity is applied expert by expert from a sorted list of that expert's
 assignments; the auxiliary losses are summed term by term. `use_reference` points every MoE
 layer of a model at it, so a whole training run can be compared with the parallel layouts.
@@ -34,9 +33,15 @@ def reference_moe(layer: MoE, x_BTD: torch.Tensor) -> tuple[torch.Tensor, torch.
     kept = {(t, j) for t in range(n) for j in range(k)}
     if layer.capacity_factor > 0:
         cap = math.ceil(n * k * layer.capacity_factor / e)
+        # Scores within one cell of the grid are ties (the router's stated rule: equal in exact
+        # arithmetic, a few ulps apart in any order of sums); the grid is a power of two.
+        grid = 2.0 ** (math.log2(torch.finfo(logits[0].dtype).eps) // 2)
+
+        def cell(tj: tuple[int, int]) -> int:
+            return math.floor(float(chosen[tj[0]].values[tj[1]].detach()) / grid)
+
         for items in assignments.values():
-            ranked = sorted(items, key=lambda tj: (-float(chosen[tj[0]].values[tj[1]].detach()),
-                                                   tj[0] * k + tj[1]))
+            ranked = sorted(items, key=lambda tj: (-cell(tj), tj[0] * k + tj[1]))
             kept -= set(ranked[cap:])
     out = [x.new_zeros(x.shape[1], dtype=logits[0].dtype) for _ in range(n)]
     for t, j in sorted(kept):

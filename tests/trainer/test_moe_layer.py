@@ -22,7 +22,7 @@ from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig, MoEConfig
 from trainer.parallel.expert.dispatch import combine, dispatch
 from trainer.parallel.expert.layer import MoE
-from trainer.parallel.expert.router import Routing, capacity_mask, route
+from trainer.parallel.expert.router import Routing, capacity_mask, rank_resolution, route
 
 D = 16
 
@@ -111,6 +111,23 @@ def test_capacity_keeps_the_highest_scores_and_on_ties_the_earlier_token() -> No
     assert kept.flatten().tolist() == [False, True, False, True, True]
     kept = capacity_mask(experts, torch.full((5, 1), 0.3), n_experts=2, cap=2)
     assert kept.flatten().tolist() == [True, True, False, True, False]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_capacity_ranks_scores_a_few_ulps_apart_as_ties_whatever_their_rounding(
+        dtype: torch.dtype) -> None:
+    # Identical tokens in identical contexts score equal in exact arithmetic; another BLAS
+    # kernel or batch shape rounds them apart by a few ulps, in either order.
+    score = torch.tensor(0.3, dtype=dtype)
+    ulp = torch.finfo(dtype).eps * 0.3
+    experts = torch.zeros(3, 1, dtype=torch.long)
+    for later_is_higher in (True, False):
+        nudge = 4 * ulp if later_is_higher else -4 * ulp
+        weights = torch.stack([score, score, score + nudge]).view(3, 1)
+        kept = capacity_mask(experts, weights, n_experts=1, cap=2)
+        assert kept.flatten().tolist() == [True, True, False]
+    assert rank_resolution(torch.float64) == 2.0 ** -26
+    assert rank_resolution(torch.float32) == 2.0 ** -12
 
 
 def test_a_router_biased_to_one_expert_sends_it_every_token_and_still_trains() -> None:

@@ -17,8 +17,13 @@ computing the same microbatch does.
   the N tokens (sigmoid scores are normalised per token first). A uniform router gives coeff.
 * z-loss (ST-MoE): ``coeff * mean_tokens(logsumexp(logits)^2)``.
 * Capacity (``capacity_factor > 0``): each expert keeps at most ``ceil(N*k*cf/E)`` assignments,
-  the highest scores first; ties keep the lower token index. Dropped assignments contribute
-  nothing (the block's residual carries the token). 0 means dropless, the default.
+  the highest scores first; ties keep the lower token index. Scores are ranked on a grid of
+  `rank_resolution` (2^-26 in fp64, 2^-12 in fp32), scores in one cell being ties: identical
+  tokens in identical contexts (a run of one character under rotary attention) have scores equal
+  in exact arithmetic that come out a few ulps apart, in an order set by the BLAS kernel and the
+  batch shape, so ranking the raw scores would drop other tokens on another CPU or layout.
+  Dropped assignments contribute nothing (the block's residual carries the token). 0 means
+  dropless, the default.
 """
 
 from __future__ import annotations
@@ -91,12 +96,21 @@ def capacity(n_tokens: int, topk: int, n_experts: int, factor: float) -> int:
     return math.ceil(n_tokens * topk * factor / n_experts)
 
 
+def rank_resolution(dtype: torch.dtype) -> float:
+    """The grid capacity ranks scores on: 2^-(mantissa bits // 2), a power of two so that
+    ``floor(score / resolution)`` is exact, and wide enough that rounding noise (a few ulps)
+    moves a score across a cell boundary with a probability of about 1e-7 in fp64."""
+    return 2.0 ** (math.log2(torch.finfo(dtype).eps) // 2)
+
+
 def capacity_mask(experts_NK: torch.Tensor, weights_NK: torch.Tensor, n_experts: int,
                   cap: int) -> torch.Tensor:
-    """True for the ``cap`` highest-weight assignments of each expert (ties: lower token)."""
-    flat_e, flat_w = experts_NK.flatten(), weights_NK.flatten()
-    # Three stable sorts give the order (expert, weight descending, flat position): the last
-    # key sorted is the most significant one.
+    """True for the ``cap`` highest-weight assignments of each expert (ties, weights in one
+    cell of `rank_resolution`: lower token)."""
+    flat_e = experts_NK.flatten()
+    flat_w = torch.floor(weights_NK.flatten() / rank_resolution(weights_NK.dtype))
+    # Three stable sorts give the order (expert, weight cell descending, flat position): the
+    # last key sorted is the most significant one.
     order = torch.arange(flat_e.numel(), device=flat_e.device)
     order = order[torch.sort(-flat_w[order], stable=True).indices]
     order = order[torch.sort(flat_e[order], stable=True).indices]
