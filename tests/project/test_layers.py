@@ -122,6 +122,16 @@ def test_the_allowed_back_edge_is_an_import_inside_functions_only():
         assert eager == [], "a module-level import makes the back edge a real cycle"
 
 
+def test_no_module_of_the_trainer_imports_itself_through_other_modules() -> None:
+    # Edges to a module's own ancestor packages are left out: ``from trainer.checkpoint import
+    # checksum`` inside trainer/checkpoint names the package only to reach its submodule.
+    modules = dict(_modules("trainer"))
+    graph = {module: {name for name in _imports(module, path) if name in modules
+                      and name != module and not module.startswith(name + ".")}
+             for module, path in modules.items()}
+    _topological(graph, "trainer")
+
+
 def test_no_module_of_the_launcher_or_the_trainer_is_over_400_lines():
     long = {str(path.relative_to(REPO)): lines for package in ("launcher", "trainer")
             for _, path in _modules(package)

@@ -1,9 +1,10 @@
 """The serial reference of a mixture-of-experts layer: every expert on one rank, plain loops.
 
 Written from the definitions (Switch / Megatron), sharing no code with
-`trainer.parallel.expert` beyond the parameters: token by token it scores the experts, picks the top k, and adds each chosen expert's
-output times its score; capacity is applied expert by expert from a sorted list of that expert's
-assignments; the auxiliary losses are summed term by term. `use_reference` points every MoE
+`trainer.parallel.expert` beyond the parameters: token by token it scores the experts, picks
+the top k, and adds each chosen expert's output times its score; capacity is applied expert
+by expert from a sorted list of that expert's assignments; the auxiliary losses are summed term
+by term. `use_reference` points every MoE
 layer of a model at it, so a whole training run can be compared with the parallel layouts.
 """
 

@@ -20,6 +20,7 @@ from tests.support.numerics import assert_within_order, float64
 from trainer.config.options import make_config, resolve_dp
 from trainer.errors import ConfigError
 from trainer.model.config import GPTConfig, MoEConfig
+from trainer.model.gpt import GPT
 from trainer.parallel.expert.dispatch import combine, dispatch
 from trainer.parallel.expert.layer import MoE
 from trainer.parallel.expert.router import Routing, capacity_mask, rank_resolution, route
@@ -31,7 +32,7 @@ def make_layer(**moe: object) -> MoE:
     fields = {"experts": 4, "topk": 2, "z_loss_coeff": 1e-3, **moe}
     cfg = GPTConfig(n_layer=1, n_head=2, d_model=D, seq_len=8, moe=MoEConfig(**fields))
     torch.manual_seed(0)
-    layer = MoE(cfg)
+    layer = MoE(cfg, GPT.make_mlp)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.5)

@@ -9,6 +9,6 @@
   size rule, rope scaling)
 * `trainer.model.llama`     `Llama`: the GPT's decoder with RMSNorm, SwiGLU, grouped-query
   attention and half-split rotary embeddings
-* `trainer.model.family`    which classes build ``cfg.arch``: `build_model`, `make_mlp`
+* `trainer.model.family`    which class builds ``cfg.arch``: `build_model`
 * `trainer.model.flops`      model FLOPs per token and MFU
 """

@@ -1,14 +1,9 @@
-"""Which classes build a model of ``cfg.arch``: the model itself and its dense MLP.
-
-Chosen once where a model is built (`build_model`), never by branches inside a forward pass.
-The MLP is asked for separately because mixture-of-experts layers
-(`trainer.parallel.expert.layer`) make
-their experts from it: a Llama's experts are SwiGLU MLPs.
+"""Which class builds a model of ``cfg.arch``, chosen once where a model is built
+(`build_model`), never by branches inside a forward pass. The class also names its family's
+parts (block, norm, dense MLP: a Llama's experts are SwiGLU MLPs, `trainer.model.gpt.GPT`).
 """
 
 from __future__ import annotations
-
-from torch import nn
 
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
@@ -25,7 +20,3 @@ def build_model(cfg: GPTConfig, *, seed: int = 0) -> GPT:
     meta device inside a ``torch.device("meta")`` block: shapes only)."""
     return MODELS[cfg.arch](cfg, seed=seed)
 
-
-def make_mlp(cfg: GPTConfig) -> nn.Module:
-    """The dense MLP of ``cfg``'s family (an expert of an MoE layer is one)."""
-    return SwiGLU(cfg) if cfg.arch == "llama" else MLP(cfg)

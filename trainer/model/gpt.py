@@ -44,7 +44,7 @@ from torch import nn
 
 from trainer.gpu.vocab import mask_padded_vocab
 from trainer.model.config import GPTConfig
-from trainer.model.layers import Block, make_norm, rope_tables
+from trainer.model.layers import MLP, Block, make_norm, rope_tables
 from trainer.model.precision import at_least_fp32
 
 
@@ -92,7 +92,7 @@ class GPT(nn.Module):
                     install_moe,  # trainer.parallel.expert builds on this module
                 )
 
-                install_moe(self.blocks, cfg)
+                install_moe(self.blocks, cfg, self.make_mlp)
             self.ln_f: nn.Module | None = self.make_norm(cfg)
             self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)
@@ -111,9 +111,11 @@ class GPT(nn.Module):
         if not self.ln_f.weight.is_meta:  # a meta-device model: trainer.construction fills it
             self.init_weights(seed)
 
-    # The family's parts: `trainer.model.llama.Llama` overrides these three.
+    # The family's parts: `trainer.model.llama.Llama` overrides these four.
     make_block = staticmethod(Block)
     """The block of one layer."""
+    make_mlp = staticmethod(MLP)
+    """The dense MLP (each expert of a mixture-of-experts layer is one)."""
     make_norm = staticmethod(make_norm)
     """The final norm."""
 

@@ -159,6 +159,7 @@ class Llama(GPT):
     for ``norm = "rmsnorm"``, which a Llama config requires."""
 
     make_block = staticmethod(LlamaBlock)
+    make_mlp = staticmethod(SwiGLU)
 
     @staticmethod
     def rope_tables(cfg: GPTConfig) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,7 +40,7 @@ from trainer.parallel.expert.layer import set_aux_scale
 from trainer.parallel.pipeline.partition import StageLayout
 from trainer.parallel.pipeline.stages import build_stage_model, tied_weight
 from trainer.parallel.tensor.parallelize import parallelize
-from trainer.parallel.tensor.random import RNGStatesTracker
+from trainer.parallel.tensor.random import DropoutSeeds, RNGStatesTracker
 from trainer.parallel.zero import build_zero
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
 from trainer.training import startup
@@ -48,7 +48,6 @@ from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
 from trainer.training.pipeline_step import build_pipeline, stage_layout
 from trainer.training.resume import Restored, restore, start_anew
-from trainer.training.step import DropoutSeeds
 
 
 @dataclass

@@ -11,47 +11,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
-
-from trainer.comm.mesh import Mesh
-from trainer.data.batches import step_seed
 from trainer.optim.grad_clip import clip_grad_norm
-from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 from trainer.training import readout
 from trainer.training.expert_load import step_load
 from trainer.training.metrics import StepRecord
 from trainer.training.readout import PendingStep
-
-if TYPE_CHECKING:
-    from trainer.training.run import Run
-
-_DROPOUT_STREAM = 1
-_TP_DROPOUT_STREAM = 2
-
-
-@dataclass(frozen=True)
-class DropoutSeeds:
-    """Where a step's dropout streams start: (seed, step, dp rank[, pp rank]), the TP stream
-    with the tp rank too."""
-
-    seed: int
-    dp_rank: int
-    tp_rank: int
-    stage: tuple[int, ...]
-    """(pp rank,) under PP, else () so that runs without it keep their random streams."""
-
-    @classmethod
-    def of(cls, seed: int, mesh: Mesh, *, pipelined: bool) -> DropoutSeeds:
-        return cls(seed, mesh.rank("dp"), mesh.rank("tp"), (mesh.rank("pp"),) if pipelined
-                   else ())
-
-    def reseed(self, step: int, tracker: RNGStatesTracker) -> None:
-        torch.manual_seed(step_seed(self.seed, step, _DROPOUT_STREAM, self.dp_rank, *self.stage))
-        tracker.seed(TP_RNG, step_seed(self.seed, step, _TP_DROPOUT_STREAM, self.dp_rank,
-                                       self.tp_rank, *self.stage))
+from trainer.training.run import Run
 
 
 def train_step(run: Run, step: int) -> StepRecord:

@@ -23,6 +23,7 @@ from trainer.comm.bootstrap import World, init
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.config.options import resolve_dp
 from trainer.model.config import GPTConfig, MoEConfig
+from trainer.model.gpt import GPT
 from trainer.parallel.expert.dispatch import combine, dispatch
 from trainer.parallel.expert.layer import MoE
 from trainer.parallel.expert.router import Routing
@@ -49,7 +50,7 @@ def imbalance_probe(ep: Communicator) -> dict[str, Any]:
     cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8,
                     moe=MoEConfig(experts=2 * ep.size, topk=1, z_loss_coeff=1e-3))
     torch.manual_seed(0)
-    layer = MoE(cfg)
+    layer = MoE(cfg, GPT.make_mlp)
     with torch.no_grad():
         layer.router.weight.zero_()
         layer.router.weight[0, 0] = 50.0

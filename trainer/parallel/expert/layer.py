@@ -1,7 +1,7 @@
 """The mixture-of-experts layer that replaces the MLP of every ``moe_every``-th block.
 
     router    nn.Linear(D, E, bias=False), run in at least fp32 (`trainer.parallel.expert.router`)
-    experts   nn.ModuleDict of the family's dense MLPs (`trainer.model.family.make_mlp`) keyed by
+    experts   nn.ModuleDict of the family's dense MLPs (`trainer.model.gpt.GPT.make_mlp`) keyed by
               the *global* expert index
 
 Keying the experts by global index is the pipeline's trick for layers: expert parallelism
@@ -19,6 +19,8 @@ the language-model loss is divided by), so it needs no path of its own through a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.autograd import Function
@@ -26,7 +28,6 @@ from torch.autograd import Function
 from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
-from trainer.model.family import make_mlp
 from trainer.parallel.expert.dispatch import combine, dispatch
 from trainer.parallel.expert.parallel import shard_layer
 from trainer.parallel.expert.router import Routing, route
@@ -35,7 +36,7 @@ from trainer.parallel.expert.router import Routing, route
 class MoE(nn.Module):
     """Router, top-k dispatch to the experts and the weighted combine of their outputs."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, make_mlp: Callable[[GPTConfig], nn.Module]) -> None:
         super().__init__()
         self.n_experts, self.topk = cfg.moe.experts, cfg.moe.topk
         self.score, self.capacity_factor = cfg.moe.router, cfg.moe.capacity_factor
@@ -107,11 +108,13 @@ def is_moe_layer(index: int, cfg: GPTConfig) -> bool:
     return cfg.moe.experts > 0 and index % cfg.moe.every == 0
 
 
-def install_moe(blocks: nn.ModuleDict, cfg: GPTConfig) -> None:
-    """Replace the MLP of every MoE layer of ``blocks`` (keyed by global layer index)."""
+def install_moe(blocks: nn.ModuleDict, cfg: GPTConfig,
+                make_mlp: Callable[[GPTConfig], nn.Module]) -> None:
+    """Replace the MLP of every MoE layer of ``blocks`` (keyed by global layer index) by a
+    mixture of ``make_mlp``'s dense MLPs (the model family's: `GPT.make_mlp`)."""
     for key, block in blocks.items():
         if is_moe_layer(int(key), cfg):
-            block.mlp = MoE(cfg)
+            block.mlp = MoE(cfg, make_mlp)
 
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:

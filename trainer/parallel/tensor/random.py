@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch.autograd import Function
 
+from trainer.comm.mesh import Mesh
+from trainer.data.batches import step_seed
 from trainer.errors import TrainerError
 
 TP_RNG = "tensor-parallel"
@@ -125,3 +128,29 @@ def checkpoint(fn: Callable[..., torch.Tensor], tracker: RNGStatesTracker,
     """``fn(*inputs)`` without keeping its activations: recomputed in backward under the same
     default and tracked random states, so dropout masks (and results) are unchanged."""
     return _Checkpoint.apply(fn, tracker, *inputs)
+
+
+_DROPOUT_STREAM = 1
+_TP_DROPOUT_STREAM = 2
+
+
+@dataclass(frozen=True)
+class DropoutSeeds:
+    """Where a step's dropout streams start: (seed, step, dp rank[, pp rank]), the TP stream
+    with the tp rank too."""
+
+    seed: int
+    dp_rank: int
+    tp_rank: int
+    stage: tuple[int, ...]
+    """(pp rank,) under PP, else () so that runs without it keep their random streams."""
+
+    @classmethod
+    def of(cls, seed: int, mesh: Mesh, *, pipelined: bool) -> DropoutSeeds:
+        return cls(seed, mesh.rank("dp"), mesh.rank("tp"), (mesh.rank("pp"),) if pipelined
+                   else ())
+
+    def reseed(self, step: int, tracker: RNGStatesTracker) -> None:
+        torch.manual_seed(step_seed(self.seed, step, _DROPOUT_STREAM, self.dp_rank, *self.stage))
+        tracker.seed(TP_RNG, step_seed(self.seed, step, _TP_DROPOUT_STREAM, self.dp_rank,
+                                       self.tp_rank, *self.stage))
