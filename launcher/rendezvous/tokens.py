@@ -16,10 +16,8 @@ shell created it with the umask's mode.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import secrets
 import stat
 
 from launcher.errors import UsageError
@@ -32,6 +30,8 @@ MAKE_ONE = "make one with `dtrain token new > token` (it is written owner-only)"
 
 def new() -> str:
     """A fresh token in the accepted form."""
+    import secrets  # only `dtrain token new` draws one; every launch imports this module
+
     body = secrets.token_hex(RANDOM_BYTES)
     return f"{PREFIX}{body}-{_check(body)}"
 
@@ -48,6 +48,8 @@ def why_not(text: str) -> str:
 
 
 def _check(body: str) -> str:
+    import hashlib  # only rendezvous jobs check a token; every launch imports this module
+
     return hashlib.sha256(f"{PREFIX}{body}".encode()).hexdigest()[:8]
 
 
