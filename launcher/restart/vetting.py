@@ -12,20 +12,46 @@ host that fails is returned as a `Blame`, so the pool places the round again wit
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 from launcher import wire
 from launcher.errors import ConnectError
-from launcher.head.agent_link import AgentLink
+from launcher.head.agent_link import AgentLink, Fleet
 from launcher.head.startup import Signalled
 from launcher.hosts.selection import HostSlots
 from launcher.plan.environment import program_env
 from launcher.restart.blame import Blame
-from launcher.restart.pool import NextRound
+from launcher.restart.policy import RestartOptions
+from launcher.restart.pool import HostPool, NextRound
 from launcher.transport.stream import AgentStream
 
-if TYPE_CHECKING:
-    from launcher.restart.rounds import Rounds
+
+class SetupView(Protocol):
+    """What vetting reads of the job's shared setup (`launcher.restart.rounds.RoundsSetup`)."""
+
+    @property
+    def cwd(self) -> str: ...
+    @property
+    def base_env(self) -> Mapping[str, str]: ...
+    @property
+    def restart(self) -> RestartOptions: ...
+    @property
+    def connect(self) -> Callable[[Sequence[HostSlots]], list[AgentStream | ConnectError]]: ...
+
+
+class Rounds(Protocol):
+    """What vetting uses of the rounds between two of them (`launcher.restart.rounds.Rounds`,
+    which calls it: a protocol, so that the two modules do not import each other)."""
+
+    links: dict[str, AgentLink]
+    fleet: Fleet
+    pool: HostPool
+
+    @property
+    def setup(self) -> SetupView: ...
+    def say(self, text: str) -> None: ...
+    def tend(self, seconds: float, done: Callable[[], bool] = ...) -> int | None: ...
 
 CHECK_TIMEOUT_S = 30.0  # how long a replacement may take to answer the check probes
 

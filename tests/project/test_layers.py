@@ -13,6 +13,8 @@ from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 
+import pytest
+
 from tests.support import REPO
 
 
@@ -122,14 +124,15 @@ def test_the_allowed_back_edge_is_an_import_inside_functions_only():
         assert eager == [], "a module-level import makes the back edge a real cycle"
 
 
-def test_no_module_of_the_trainer_imports_itself_through_other_modules() -> None:
+@pytest.mark.parametrize("package", ["launcher", "trainer"])
+def test_no_module_imports_itself_through_other_modules(package: str) -> None:
     # Edges to a module's own ancestor packages are left out: ``from trainer.checkpoint import
     # checksum`` inside trainer/checkpoint names the package only to reach its submodule.
-    modules = dict(_modules("trainer"))
+    modules = dict(_modules(package))
     graph = {module: {name for name in _imports(module, path) if name in modules
                       and name != module and not module.startswith(name + ".")}
              for module, path in modules.items()}
-    _topological(graph, "trainer")
+    _topological(graph, package)
 
 
 def test_no_module_of_the_launcher_or_the_trainer_is_over_400_lines():
