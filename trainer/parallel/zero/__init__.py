@@ -52,13 +52,13 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     after DP's broadcast from rank 0). ``optimizer``: AdamW over the whole model, whose groups,
     hyperparameters and (restored) state the shards take. ``blocked``: marks the step's wait
     for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
-    ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; fp32 only, checked with the
-    options)."""
+    ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; under bf16 the units are
+    held in bf16 over fp32 main pieces)."""
     if stage == 3:
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
                               reduce_dtype=reduce_dtype)
         return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
-                                     blocked)
+                                     dtype, blocked)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,
                 alone=alone)

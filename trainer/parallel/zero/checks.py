@@ -29,13 +29,13 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
                compiled: bool = False) -> None:
     """Refuse what ``--zero`` does not run with yet.
 
-    ZeRO-3 (`trainer.parallel.zero.units`) is data parallelism over fp32 (or fp64) parameters so
-    far:
-    its units are whole blocks of a whole model, gathered by module hooks that recomputation
-    and compiled blocks would bypass. ZeRO-2 reduces its buckets in rounds that need every
-    backward to cover the whole model (`trainer.parallel.zero.grad_shards`); under the interleaved
-    schedule a backward covers one model chunk, so a bucket that spans two chunks would be
-    reduced from part of its gradients."""
+    ZeRO-3 (`trainer.parallel.zero.units`) runs with tensor and sequence parallelism,
+    recomputation, bf16 and accumulation; not yet with pipeline parallelism, and not with
+    compiled blocks, whose compiled graphs would bypass the module hooks that gather the
+    units. ZeRO-2 reduces its buckets in rounds that need every backward to cover the whole
+    model (`trainer.parallel.zero.grad_shards`); under the interleaved schedule a backward
+    covers one model chunk, so a bucket that spans two chunks would be reduced from part of
+    its gradients."""
     if zero == 2 and layout.pp > 1 and layout.chunks > 1:
         raise ConfigError(
             "unsupported combination",
@@ -46,17 +46,11 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
             "schedule")
     if zero != 3:
         return
-    refused = [flag for flag, on in ((f"--tp {layout.tp}", layout.tp > 1),
-                                     (f"--pp {layout.pp}", layout.pp > 1),
-                                     ("--sequence-parallel", layout.sequence_parallel),
-                                     (f"--recompute {layout.recompute}",
-                                      layout.recompute != "none"),
-                                     ("--compile", compiled),
-                                     (f"--precision {precision}", precision != "fp32")) if on]
+    refused = [flag for flag, on in ((f"--pp {layout.pp}", layout.pp > 1),
+                                     ("--compile", compiled)) if on]
     if refused:
         raise ConfigError(
             "unsupported combination", f"--zero 3 with {', '.join(refused)}",
-            "ZeRO-3 runs data parallelism over fp32 parameters only so far (no tensor or "
-            "pipeline parallelism, sequence parallelism, recomputation, compiled blocks or "
-            "bf16; --precision auto would pick bf16 on a GPU)",
-            f"Drop {', '.join(refused)} (pass --precision fp32), or use --zero 2")
+            "ZeRO-3 does not run with pipeline parallelism yet, nor with compiled blocks "
+            "(their graphs bypass the hooks that gather each block's parameters)",
+            f"Drop {', '.join(refused)}, or use --zero 2")

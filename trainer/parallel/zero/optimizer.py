@@ -86,7 +86,12 @@ class ZeroOptimizer:
         if dtype is not None:
             for p in self.params:
                 p.grad = None
-            self.model.to(dtype)
+            self._cast(dtype)
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """The model in ``dtype`` once the fp32 main pieces are taken (ZeRO-3 casts its
+        units instead, `trainer.parallel.zero.units`)."""
+        self.model.to(dtype)
 
     def _part(self, piece: Piece) -> torch.Tensor:
         """Where a piece's values live: its part of the model parameter (ZeRO-3: of the

@@ -28,8 +28,30 @@ posted from the main thread in the order the hooks fire, which is the same on ev
 the same graph: blocks run in order, and autograd finishes a block's gradients (its
 accumulate-grad nodes go first) before it computes the previous block's.
 
-What this stage runs with is checked before anything is built (`trainer.parallel.zero.checks`): data
-parallelism only, fp32 (or fp64), no recomputation; accumulation and clipping compose.
+How it composes (each shown equal to the single-process model, tests/trainer/test_zero3.py):
+
+* tensor and sequence parallelism: a rank's units are blocks of its TP slice, sharded over
+  its DP group; TP's own collectives (and SP's sum of the norms' gradients over TP) run
+  inside autograd, before the post-accumulate hooks hand a gradient to the unit's bucket;
+* recomputation: the gather is the *hook on the block's output gradient*, not an explicit
+  gather inside the recomputed function. That hook fires before autograd runs the block's
+  backward node, which is where `trainer.parallel.tensor.random.checkpoint` re-runs the
+  block's body (``Block.body``, not the module call, so the forward hooks do not fire a
+  second time and nothing is freed in between); the unit is then freed by its
+  reduce-scatter, after the recomputed forward's backward has used it;
+* gradient accumulation: every microbatch gathers each unit again and reduce-scatters its
+  gradients into the shards, which accumulate (ZeRO-2's choice, `grad_shards`): no
+  unsharded gradient or parameter is kept across microbatches, at one reduce-scatter and
+  two all-gathers per unit per microbatch;
+* bf16: the units are held in bf16 (`cast`), the optimizer steps fp32 main pieces and
+  rounds them into the bf16 shards after the step (`Zero3Optimizer.publish`), the rounding
+  ZeRO-1's all-gather makes, so both run the same arithmetic;
+* clipping and the NaN guard: the pieces carry their placements, so the gradient norm sums
+  each element once over DP, TP (and the world); a skipped step leaves the shards as they
+  were.
+
+What this stage does not run with yet is refused before anything is built
+(`trainer.parallel.zero.checks`): pipeline parallelism and compiled blocks.
 """
 
 from __future__ import annotations
@@ -88,6 +110,7 @@ class ParamUnits:
 
     def __init__(self, model: nn.Module, sync: UnitGradients, prefetch: int) -> None:
         self.comm, self.layout, self.prefetch = sync.comm, sync.layout, prefetch
+        self.params = sync.params
         names = [sync._names[id(p)] for p in sync.params]
         self.full: list[torch.Tensor] = []
         self.shards: list[torch.Tensor] = []
@@ -122,8 +145,29 @@ class ParamUnits:
             self._count(self.full[k], +1)
             self._free(k)
         self.peak_gathered_bytes = 0
+        self.model = model
         sync.release = self.release
         self._hook(model)
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Hold every unit in ``dtype`` (bf16 under ``--precision bf16``, once the optimizer
+        has taken its fp32 main pieces): the shards are rounded, the freed whole buffers
+        reallocated in ``dtype`` and the parameters made views of them again; the model's
+        floating buffers (the rotary tables) are cast too, as ``Module.to`` would."""
+        for k, b in enumerate(self.layout.buckets):
+            self._free(k)
+            self.shards[k] = self.shards[k].to(dtype)
+            full = torch.empty(b.end - b.start, dtype=dtype, device=self.shards[k].device)
+            for i in b.params:
+                p = self.params[i]
+                at = self.layout.offsets[i] - b.start
+                p.data = full[at:at + p.numel()].view(p.shape)
+            full.untyped_storage().resize_(0)
+            self.full[k] = full
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    module._buffers[name] = buf.to(dtype)
 
     # -- gather and free -------------------------------------------------------------------
 
@@ -230,12 +274,23 @@ class Zero3Optimizer(ZeroOptimizer):
     shards in place and the next gather reads them, so there is nothing to publish."""
 
     def __init__(self, sync: UnitGradients, full: torch.optim.Optimizer, units: ParamUnits,
+                 dtype: torch.dtype | None = None,
                  blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         self.units = units
-        super().__init__(sync, full, None, blocked)
+        super().__init__(sync, full, dtype, blocked)
 
     def _part(self, piece: Piece) -> torch.Tensor:
         return self.units.shards[piece.bucket][piece.at:piece.at + piece.hi - piece.lo]
 
+    def _cast(self, dtype: torch.dtype) -> None:
+        self.units.cast(dtype)
+
+    @torch.no_grad()
     def publish(self) -> None:
-        """Nothing: the pieces are the shards the units gather from."""
+        """fp32: nothing, the pieces are the shards the units gather from. bf16: the stepped
+        fp32 main pieces rounded into the bf16 shards (the rounding ZeRO-1's all-gather makes),
+        which the next gather reads."""
+        if self.dtype is None:
+            return
+        for main, piece in zip(self.main, self.pieces, strict=True):
+            self._part(piece).copy_(main.view(-1))
