@@ -29,7 +29,7 @@ from trainer.config.options import make_config
 from trainer.errors import ConfigError
 from trainer.parallel.zero.layout import unit_layout
 from trainer.parallel.zero.memory import describe, expected_bytes
-from trainer.parallel.zero.units import unit_runs
+from trainer.parallel.zero.unit_grads import unit_runs
 
 WORKER = "tests.support.zero_workers.stage3:run"
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
@@ -57,6 +57,11 @@ def test_each_block_is_one_unit_and_the_rest_forms_the_root_at_both_ends() -> No
     assert unit_runs(names) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
 
 
+def test_a_parameter_named_alone_is_a_unit_of_its_own() -> None:
+    names = ["head.weight", "ln_f.weight", "blocks.3.ln1.weight"]
+    assert unit_runs(names, alone=[0]) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
 def test_a_unit_is_one_bucket_padded_to_dp_and_each_rank_owns_a_block_of_it() -> None:
     layout = unit_layout([3, 4, 5, 6], [range(0, 2), range(2, 4)], dp=4, rank=1)
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 8), (8, 20)]
@@ -66,20 +71,17 @@ def test_a_unit_is_one_bucket_padded_to_dp_and_each_rank_owns_a_block_of_it() ->
 
 # -- bad input (pure) ----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("options", "named"), [
-    ({"pp": 2, "dp": 1}, "--pp 2"), ({"compile": True}, "--compile")])
-def test_zero3_with_what_it_does_not_run_with_yet_is_refused_before_anything_is_built(
-        options: dict, named: str) -> None:
-    opts = {"zero": 3, "dp": 2, "precision": "fp32", **options}
-    with pytest.raises(ConfigError, match=rf"unsupported combination \[--zero 3 with "
-                                          rf"{named}\]: .*Drop {named}"):
-        make_config(opts, {})
+def test_zero3_with_compiled_blocks_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"unsupported combination \[--zero 3 with "
+                                          r"--compile\]: .*hooks.*Drop --compile"):
+        make_config({"zero": 3, "dp": 2, "compile": True}, {})
 
 
 @pytest.mark.parametrize("options", [
     {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"},
-    {"recompute": "selective"}, {"precision": "bf16"}, {"precision": "auto"}])
-def test_zero3_composes_with_tp_sp_recomputation_and_bf16(options: dict) -> None:
+    {"recompute": "selective"}, {"precision": "bf16"}, {"precision": "auto"},
+    {"pp": 2, "dp": 1, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}])
+def test_zero3_composes_with_tp_sp_pp_recomputation_and_bf16(options: dict) -> None:
     assert make_config({"zero": 3, "dp": 2, **options}, {}).optimizer.zero == 3
 
 
@@ -102,16 +104,20 @@ def test_zero3_losses_match_the_single_process_model_for_5_steps(name: str) -> N
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero3_parameters_gathered_at_the_end_match_the_single_process_model(name: str) -> None:
-    """Each rank's parameters (its TP slice under tp) against the same slice of the
-    single-process model's."""
+    """Each rank's parameters (its TP slice and pipeline stage) against the same slice of the
+    single-process model's; the last stage's copy of a tied embedding against the embedding.
+    Together the ranks hold every parameter."""
     ref = reference(name)
+    seen = set()
     for rank in ranks():
         got = rank[name]
-        assert got["placements"].keys() == ref["params"].keys()
-        for key, want in ref["params"].items():
+        for key, placement in got["placements"].items():
+            whole = key if key in ref["params"] else "tok_emb.weight"  # the tied head's copy
+            seen.add(whole)
             torch.testing.assert_close(got["local"][key].reshape(-1),
-                                       slice_of(want, got["placements"][key]), rtol=0,
+                                       slice_of(ref["params"][whole], placement), rtol=0,
                                        atol=PARAM_ATOL, msg=f"rank {rank['rank']}: {key}")
+    assert seen == set(ref["params"])
 
 
 @pytest.mark.parametrize("name", NAMES)

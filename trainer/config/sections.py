@@ -157,8 +157,7 @@ class OptimizerSection(Section):
                        "reduce-scattered, parameters all-gathered after the step) or 2 (the "
                        "gradients sharded too: each bucket reduce-scattered into the rank's "
                        "shard during backward, every microbatch) or 3 (the parameters sharded "
-                       "too, each block gathered only while used; with tp, sp, recompute and "
-                       "bf16, not yet with pp; trainer.parallel.zero)",
+                       "too, each block gathered only while used; trainer.parallel.zero)",
                        choices=(0, 1, 2, 3))
     zero_prefetch: int = option(1, "with --zero 3: blocks gathered ahead of the one computing, "
                                 "the same on every rank (each costs one block of memory)",

@@ -10,8 +10,9 @@ sharded over data parallelism.
                              into a whole gradient buffer
 * `trainer.parallel.zero.grad_shards` ZeRO-2: the same reduce-scatters into this rank's shards only,
                              each bucket staged while backward fills it and freed once reduced
-* `trainer.parallel.zero.units`       ZeRO-3 foundations: parameter units (a block, the root)
-  sharded,
+* `trainer.parallel.zero.unit_grads`  ZeRO-3's gradient shards: one bucket per unit, reduced
+                             when complete, in hook order
+* `trainer.parallel.zero.units`       ZeRO-3: parameter units (a block, the root) sharded,
                              gathered before forward and backward, freed after, prefetched
 * `trainer.parallel.zero.optimizer`   AdamW over this rank's shard, then the all-gather of
   parameters
@@ -35,7 +36,8 @@ from trainer.comm.protocol import Communicator
 from trainer.parallel.zero.grad_shards import ShardedGradients
 from trainer.parallel.zero.grad_sync import ShardedGradSync
 from trainer.parallel.zero.optimizer import ZeroOptimizer
-from trainer.parallel.zero.units import ParamUnits, UnitGradients, Zero3Optimizer
+from trainer.parallel.zero.unit_grads import UnitGradients
+from trainer.parallel.zero.units import ParamUnits, Zero3Optimizer
 
 __all__ = ["ParamUnits", "ShardedGradSync", "ShardedGradients", "UnitGradients",
            "Zero3Optimizer", "ZeroOptimizer", "build_zero"]
@@ -56,7 +58,7 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     held in bf16 over fp32 main pieces)."""
     if stage == 3:
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
-                              reduce_dtype=reduce_dtype)
+                              reduce_dtype=reduce_dtype, alone=alone)
         return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
                                      dtype, blocked)
     kind = ShardedGradients if stage == 2 else ShardedGradSync

@@ -29,13 +29,13 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
                compiled: bool = False) -> None:
     """Refuse what ``--zero`` does not run with yet.
 
-    ZeRO-3 (`trainer.parallel.zero.units`) runs with tensor and sequence parallelism,
-    recomputation, bf16 and accumulation; not yet with pipeline parallelism, and not with
-    compiled blocks, whose compiled graphs would bypass the module hooks that gather the
-    units. ZeRO-2 reduces its buckets in rounds that need every backward to cover the whole
-    model (`trainer.parallel.zero.grad_shards`); under the interleaved schedule a backward
-    covers one model chunk, so a bucket that spans two chunks would be reduced from part of
-    its gradients."""
+    ZeRO-3 (`trainer.parallel.zero.units`) runs with tensor, sequence and pipeline
+    parallelism (every schedule: its units reduce when complete, not in rounds), recomputation,
+    bf16 and accumulation; not with compiled blocks, whose compiled graphs would bypass the
+    module hooks that gather the units. ZeRO-2 reduces its buckets in rounds that need every
+    backward to cover the whole model (`trainer.parallel.zero.grad_shards`); under the
+    interleaved schedule a backward covers one model chunk, so a bucket that spans two chunks
+    would be reduced from part of its gradients."""
     if zero == 2 and layout.pp > 1 and layout.chunks > 1:
         raise ConfigError(
             "unsupported combination",
@@ -46,11 +46,8 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
             "schedule")
     if zero != 3:
         return
-    refused = [flag for flag, on in ((f"--pp {layout.pp}", layout.pp > 1),
-                                     ("--compile", compiled)) if on]
-    if refused:
+    if compiled:
         raise ConfigError(
-            "unsupported combination", f"--zero 3 with {', '.join(refused)}",
-            "ZeRO-3 does not run with pipeline parallelism yet, nor with compiled blocks "
-            "(their graphs bypass the hooks that gather each block's parameters)",
-            f"Drop {', '.join(refused)}, or use --zero 2")
+            "unsupported combination", "--zero 3 with --compile",
+            "compiled blocks bypass the module hooks that gather each block's parameters "
+            "before it runs", "Drop --compile, or use --zero 2")

@@ -1,13 +1,12 @@
-"""ZeRO-3 foundations: the parameters sharded too, in units gathered only while they are used.
+"""ZeRO-3: the parameters sharded too, in units gathered only while they are used.
 
-    python -m trainer.train --model small --dp 4 --zero 3 --precision fp32 --run-dir runs/z3
+    python -m trainer.train --model small --dp 4 --zero 3 --run-dir runs/z3
 
 A *unit* is a run of parameters gathered and reduced together, one flat buffer, one collective
 (never one per tensor, DeepSpeed#1069): each transformer block, and the parameters outside
 the blocks (the embedding, the final norm, the head), which form the *root*. The units are the
 buckets of the ZeRO layout (`trainer.parallel.zero.layout.unit_layout`), so a unit's parameter
-shard,
-its gradient shard (`UnitGradients`, ZeRO-2's reduce-scatter cut at the units) and the
+shard, its gradient shard (`trainer.parallel.zero.unit_grads.UnitGradients`) and the
 optimizer's pieces (`Zero3Optimizer`) are the same elements, and checkpoints are ZeRO-1/2's.
 
 Between steps a rank holds its 1/dp *shard* of every unit. A unit's whole flat buffer exists
@@ -19,8 +18,12 @@ Between steps a rank holds its 1/dp *shard* of every unit. A unit's whole flat b
   forward;
 * backward: block i gathered again before its backward (a hook on its output's gradient),
   the ``prefetch`` blocks before it posted then; every unit freed as soon as its gradients are
-  complete and its reduce-scatter is posted (the root at the end of backward);
-* outside autograd (evaluation), everything gathered is freed after the forward.
+  complete and its reduce-scatter is posted (the root at the end of backward); a root
+  module's units are gathered again before its backward if they were released since its
+  forward (a later microbatch's forward ran first, under a pipeline schedule);
+* outside autograd (evaluation), everything gathered is freed after the forward;
+* before the optimizer updates the shards, any unit still gathered is freed (`settle`), so
+  no whole buffer outlives the values it was gathered from.
 
 The model's parameters stay the same objects (views of their unit's buffer): freeing resizes
 the buffer's storage to 0 bytes, gathering resizes it back, as FSDP1 does. Every collective is
@@ -48,61 +51,35 @@ How it composes (each shown equal to the single-process model, tests/trainer/tes
   ZeRO-1's all-gather makes, so both run the same arithmetic;
 * clipping and the NaN guard: the pieces carry their placements, so the gradient norm sums
   each element once over DP, TP (and the world); a skipped step leaves the shards as they
-  were.
+  were;
+* pipeline parallelism, every schedule (gpipe, 1f1b, interleaved): the gather is *per
+  microbatch*, never kept across the pipeline step: each forward and each backward of a
+  microbatch gathers the stage's blocks and frees them after, so a stage holds at most the
+  blocks computing and prefetched whatever the number of microbatches in flight (keeping
+  them across the step would hold the whole stage, ZeRO-2's memory), at 2 all-gathers and 1
+  reduce-scatter per unit per microbatch. Prefetch stays inside a run of consecutive layers
+  (an interleaved stage's next chunk runs after other stages'). A unit is reduced as soon
+  as one backward completes it (`unit_grads`), so a backward covering one chunk is fine;
+  the tied embedding is a unit of its own on the first and last stage, summed over the
+  embedding group like ZeRO-1's.
 
-What this stage does not run with yet is refused before anything is built
-(`trainer.parallel.zero.checks`): pipeline parallelism and compiled blocks.
+Compiled blocks (their graphs would bypass the hooks) and MoE are refused before anything
+is built (`trainer.parallel.zero.checks`, `trainer.parallel.expert.checks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, Handle
-from trainer.parallel.zero.grad_shards import ShardedGradients, StagedBucket
-from trainer.parallel.zero.layout import Piece, ShardLayout, unit_layout
+from trainer.comm.protocol import Handle
+from trainer.parallel.zero.layout import Piece
 from trainer.parallel.zero.optimizer import ZeroOptimizer
-
-
-def unit_of(name: str) -> str:
-    """The unit a parameter belongs to: ``blocks.<i>`` for a block's, else the root."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else ""
-
-
-def unit_runs(names: Sequence[str]) -> list[range]:
-    """Consecutive runs of parameters (given in buffer order) of the same unit."""
-    runs, first = [], 0
-    for i in range(1, len(names) + 1):
-        if i == len(names) or unit_of(names[i]) != unit_of(names[first]):
-            runs.append(range(first, i))
-            first = i
-    return runs
-
-
-class UnitGradients(ShardedGradients):
-    """ZeRO-2's gradient shards with one bucket per unit; a unit's parameters are freed as
-    soon as its reduce-scatter is posted (`ParamUnits.release`)."""
-
-    def __init__(self, model: nn.Module, comm: Communicator, **kwargs: Any) -> None:
-        self.release: Callable[[int], None] = lambda k: None
-        """Called with a unit's index once its reduce-scatter is posted (`ParamUnits`)."""
-        # Every collective from the main thread, in hook order (module docstring).
-        super().__init__(model, comm, comm_thread=False, **kwargs)
-
-    def _make_layout(self) -> ShardLayout:
-        names = [self._names[id(p)] for p in self.params]
-        return unit_layout([p.numel() for p in self.params], unit_runs(names),
-                           self.comm.size, self.comm.rank)
-
-    def _launch(self, bucket: StagedBucket) -> None:
-        super()._launch(bucket)
-        self.release(bucket.index)
+from trainer.parallel.zero.unit_grads import UnitGradients, unit_of
 
 
 class ParamUnits:
@@ -133,8 +110,12 @@ class ParamUnits:
                 block_of[unit] = k
             else:
                 self.root.append(k)
-        self.order = [block_of[f"blocks.{key}"] for key in getattr(model, "blocks", {})]
+        keys = list(getattr(model, "blocks", {}))
+        self.order = [block_of[f"blocks.{key}"] for key in keys]
         """The blocks' units in forward order."""
+        self.layers = [int(key) if key.isdigit() else n for n, key in enumerate(keys)]
+        """The layer each block is: prefetch stays within a run of consecutive layers (a
+        pipeline chunk; the next chunk of an interleaved stage runs after other stages')."""
         self.pending: dict[int, tuple[torch.Tensor, Handle | None]] = {}
         """Units whose all-gather is in flight, and the tensor it lands in."""
         self.held = set(range(len(self.full)))
@@ -237,8 +218,12 @@ class ParamUnits:
         # The root's own modules, not the model's forward: the loss runs the embedding, the
         # blocks and the head without calling the model itself (`GPT.loss`, `GPT.head_loss`).
         parts = [m for name, m in model.named_children() if name != "blocks"]
+        unit_of_param = {id(self.params[i]): k for k, b in enumerate(self.layout.buckets)
+                         for i in b.params}
         for part in parts:
             part.register_forward_pre_hook(self._before_model)
+            mine = sorted({unit_of_param[id(p)] for p in part.parameters()})
+            part.register_forward_hook(lambda _m, _i, out, mine=mine: self._after_root(mine, out))
         last = getattr(model, "head", None) or (parts[-1] if parts else None)
         if last is not None:
             last.register_forward_hook(self._after_model)
@@ -251,8 +236,9 @@ class ParamUnits:
         """Block ``n`` gathered; the next ``prefetch`` blocks (in this pass's order) posted."""
         self._ensure(self.order[n])
         for m in range(n + direction, n + direction * (self.prefetch + 1), direction):
-            if 0 <= m < len(self.order):
-                self._post(self.order[m])
+            if not (0 <= m < len(self.order) and self.layers[m] - self.layers[n] == m - n):
+                break
+            self._post(self.order[m])
 
     def _after(self, n: int, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -262,6 +248,24 @@ class ParamUnits:
     def _before_model(self, *_: Any) -> None:
         for k in self.root:
             self._ensure(k)
+
+    def _after_root(self, units: list[int], out: Any) -> None:
+        """Under a pipeline schedule a later microbatch's forward may run before an earlier
+        one's backward releases the root: a root module's own ``units`` are gathered again,
+        if they have to be, before its backward (the hook on its output's gradient); its
+        backward then completes their gradients, which releases them again."""
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _grad: self._ensure_all(units))
+
+    def _ensure_all(self, units: list[int]) -> None:
+        for k in units:
+            self._ensure(k)
+
+    def settle(self) -> None:
+        """Free every unit still gathered (before the optimizer updates the shards, so that
+        no whole buffer outlives the values it was gathered from)."""
+        for k in range(len(self.full)):
+            self._free(k)
 
     def _after_model(self, *_: Any) -> None:
         if not torch.is_grad_enabled():  # evaluation: no backward will need the root
@@ -284,6 +288,10 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def _cast(self, dtype: torch.dtype) -> None:
         self.units.cast(dtype)
+
+    def step(self, lr: float) -> None:
+        self.units.settle()
+        super().step(lr)
 
     @torch.no_grad()
     def publish(self) -> None:
