@@ -85,6 +85,19 @@ def test_zero3_composes_with_tp_sp_pp_recomputation_and_bf16(options: dict) -> N
     assert make_config({"zero": 3, "dp": 2, **options}, {}).optimizer.zero == 3
 
 
+def test_a_shard_size_that_does_not_divide_dp_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"the ZeRO shard size does not divide the data-"
+                                          r"parallel ranks \[--zero-shard-size 3, dp = 4\]: "
+                                          r".*Choose a shard size that divides 4"):
+        make_config({"zero": 3, "dp": 4, "zero_shard_size": 3}, {})
+
+
+def test_hybrid_sharding_below_zero_3_is_refused_naming_both_flags() -> None:
+    with pytest.raises(ConfigError, match=r"hybrid sharding needs ZeRO-3 \[--zero-shard-size 2 "
+                                          r"with --zero 1\]: .*Add --zero 3"):
+        make_config({"zero": 1, "dp": 4, "zero_shard_size": 2}, {})
+
+
 def test_a_negative_prefetch_depth_is_refused_naming_the_flag() -> None:
     with pytest.raises(ConfigError, match=r"\[--zero-prefetch -1\]: must be >= 0"):
         make_config({"zero": 3, "precision": "fp32", "zero_prefetch": -1}, {})
@@ -123,12 +136,13 @@ def test_zero3_parameters_gathered_at_the_end_match_the_single_process_model(nam
 @pytest.mark.parametrize("name", NAMES)
 def test_between_steps_a_rank_holds_one_dp_th_of_the_parameters_and_gradients(
         name: str) -> None:
-    dp = next(c[1] for c in STAGE3_CASES if c[0] == name)
+    _, dp, _, over = next(c for c in STAGE3_CASES if c[0] == name)
+    shard = over.get("zero_shard_size") or dp  # hybrid sharding: 1/shard, replicated beyond
     for rank in ranks():
         got = rank[name]
         whole = got["n_params"] * 8  # fp64, this rank's TP slice
         assert [now for now, _ in got["gathered"]] == [0] * STEPS  # no unit left gathered
-        assert got["shard_bytes"] == pytest.approx(whole / dp, rel=0.02)
+        assert got["shard_bytes"] == pytest.approx(whole / shard, rel=0.02)
         assert got["grad_shard_bytes"] == got["shard_bytes"]
 
 

@@ -192,10 +192,15 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
     dp_comm = mesh.group("dp")
     if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
+        hybrid: dict[str, Any] = {}
+        if par.zero_shard_size:  # shard over the mesh's zs axis, replicate over zr
+            dp_comm = mesh.group("zs")
+            hybrid = {"replicas": mesh.group("zr"), "over": ("ep", "zs")}
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
                                 bucket_size=par.bucket_size, overlap=par.overlap,
                                 reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],
-                                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked)
+                                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked,
+                                **hybrid)
         return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)

@@ -37,6 +37,7 @@ STAGE3_CASES = [
                                          "recompute": "full"}),
     ("dp4-recompute-selective", 4, 1, {"n_layer": 4, "recompute": "selective"}),
     ("dp2-tp2-accumulate-4", 2, 2, {"n_layer": 6, "microbatches": 4, "zero_prefetch": 2}),
+    ("dp4-shard-2", 4, 1, {"n_layer": 6, "zero_shard_size": 2}),
     ("dp2-pp2-1f1b", 2, 1, {"n_layer": 8, "pp": 2, "schedule": "1f1b", "microbatches": 4}),
     ("dp2-pp2-interleaved", 2, 1, {"n_layer": 8, "pp": 2, "schedule": "interleaved",
                                    "virtual_stages": 2, "microbatches": 4}),

@@ -38,6 +38,7 @@ from trainer.parallel.zero.grad_sync import ShardedGradSync
 from trainer.parallel.zero.optimizer import ZeroOptimizer
 from trainer.parallel.zero.unit_grads import UnitGradients
 from trainer.parallel.zero.units import ParamUnits, Zero3Optimizer
+from trainer.placement.parameters import DP_AXES
 
 __all__ = ["ParamUnits", "ShardedGradSync", "ShardedGradients", "UnitGradients",
            "Zero3Optimizer", "ZeroOptimizer", "build_zero"]
@@ -47,7 +48,8 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
                dtype: torch.dtype | None, *, stage: int, bucket_size: int, overlap: bool,
                reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = (),
                prefetch: int = 1,
-               blocked: Callable[[], AbstractContextManager[None]] = nullcontext
+               blocked: Callable[[], AbstractContextManager[None]] = nullcontext,
+               replicas: Communicator | None = None, over: tuple[str, ...] = DP_AXES
                ) -> tuple[ShardedGradSync | ShardedGradients, ZeroOptimizer]:
     """The gradient sync of ZeRO ``stage`` (1: a whole buffer, 2: the shards alone) and the
     sharded optimizer of ``model`` (fp32, restored if resuming; cast to ``dtype`` at the end,
@@ -55,12 +57,13 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     hyperparameters and (restored) state the shards take. ``blocked``: marks the step's wait
     for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
     ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; under bf16 the units are
-    held in bf16 over fp32 main pieces)."""
+    held in bf16 over fp32 main pieces); under hybrid sharding ``dp`` is the shard group,
+    ``replicas`` the groups' same places and ``over`` the axes the pieces are sharded over."""
     if stage == 3:
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
-                              reduce_dtype=reduce_dtype, alone=alone)
+                              reduce_dtype=reduce_dtype, alone=alone, replicas=replicas)
         return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
-                                     dtype, blocked)
+                                     dtype, blocked, over=over)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,
                 alone=alone)

@@ -23,6 +23,8 @@ class Layout(Protocol):
     def sequence_parallel(self) -> bool: ...
     @property
     def recompute(self) -> str: ...
+    @property
+    def zero_shard_size(self) -> int: ...
 
 
 def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
@@ -45,6 +47,11 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
             "Use --schedule 1f1b or gpipe with --zero 2, or --zero 1 with the interleaved "
             "schedule")
     if zero != 3:
+        if layout.zero_shard_size:
+            raise ConfigError(
+                "hybrid sharding needs ZeRO-3", f"--zero-shard-size {layout.zero_shard_size} "
+                f"with --zero {zero}", "the shard groups shard the parameters, which only "
+                "ZeRO-3 does", "Add --zero 3, or drop --zero-shard-size")
         return
     if compiled:
         raise ConfigError(

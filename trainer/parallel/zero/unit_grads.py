@@ -15,6 +15,12 @@ backward may cover any part of the model, one chunk of the interleaved schedule 
 unit reduces whenever one backward has produced all of its gradients, and again for the next
 microbatch. A gradient that arrives twice before its unit is complete is an error, never a
 silent mix; a unit that got no gradient in a step is reported by ``finish_grad_sync``.
+
+Hybrid sharding (``--zero-shard-size N``, FSDP2's HSDP, ZeRO++'s hierarchical partitioning):
+the units are sharded over N adjacent DP ranks (the mesh's ``zs`` axis) and replicated over
+the ``zr`` axis; each unit is reduce-scattered inside the shard group during backward, and
+``finish_grad_sync`` then all-reduces the shards across the groups, once per step (one
+all-reduce of 1/N of the gradients, not one per unit and microbatch).
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer.comm.protocol import Communicator
+from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.parallel.data.grad_sync import GradSyncError
 from trainer.parallel.zero.grad_shards import ShardedGradients, StagedBucket
 from trainer.parallel.zero.layout import ShardLayout, unit_layout
@@ -53,7 +59,12 @@ class UnitGradients(ShardedGradients):
     unit's parameters are freed as soon as its reduce-scatter is posted
     (`trainer.parallel.zero.units.ParamUnits.release`)."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, **kwargs: Any) -> None:
+    def __init__(self, model: nn.Module, comm: Communicator, *,
+                 replicas: Communicator | None = None, **kwargs: Any) -> None:
+        """``comm``: the ranks a unit is sharded over; ``replicas``: under hybrid sharding,
+        the same shard's holders in the other shard groups, over which the reduced shards are
+        then averaged."""
+        self.replicas = replicas
         self.release: Callable[[int], None] = lambda k: None
         """Called with a unit's index once its reduce-scatter is posted (`ParamUnits`)."""
         self.launches: list[int] = []
@@ -120,3 +131,7 @@ class UnitGradients(ShardedGradients):
             self._launch(bucket)
         self._retire(until=len(self._in_flight))
         self._hurry.clear()
+        if self.replicas is not None and self.replicas.size > 1:
+            # Hybrid sharding: the reduce-scatters averaged over the shard group; averaging
+            # the shards over the groups makes it the mean over all of dp (HSDP's order).
+            self.replicas.all_reduce(self.buffer, ReduceOp.AVG)

@@ -80,6 +80,7 @@ from trainer.comm.protocol import Handle
 from trainer.parallel.zero.layout import Piece
 from trainer.parallel.zero.optimizer import ZeroOptimizer
 from trainer.parallel.zero.unit_grads import UnitGradients, unit_of
+from trainer.placement.parameters import DP_AXES
 
 
 class ParamUnits:
@@ -279,9 +280,10 @@ class Zero3Optimizer(ZeroOptimizer):
 
     def __init__(self, sync: UnitGradients, full: torch.optim.Optimizer, units: ParamUnits,
                  dtype: torch.dtype | None = None,
-                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext, *,
+                 over: tuple[str, ...] = DP_AXES) -> None:
         self.units = units
-        super().__init__(sync, full, dtype, blocked)
+        super().__init__(sync, full, dtype, blocked, over=over)
 
     def _part(self, piece: Piece) -> torch.Tensor:
         return self.units.shards[piece.bucket][piece.at:piece.at + piece.hi - piece.lo]
