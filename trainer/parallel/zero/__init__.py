@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
+from trainer.construction.shards import UnitShards
 from trainer.parallel.zero.grad_shards import ShardedGradients
 from trainer.parallel.zero.grad_sync import ShardedGradSync
 from trainer.parallel.zero.optimizer import ZeroOptimizer
@@ -49,7 +50,8 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
                reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = (),
                prefetch: int = 1,
                blocked: Callable[[], AbstractContextManager[None]] = nullcontext,
-               replicas: Communicator | None = None, over: tuple[str, ...] = DP_AXES
+               replicas: Communicator | None = None, over: tuple[str, ...] = DP_AXES,
+               built: UnitShards | None = None
                ) -> tuple[ShardedGradSync | ShardedGradients, ZeroOptimizer]:
     """The gradient sync of ZeRO ``stage`` (1: a whole buffer, 2: the shards alone) and the
     sharded optimizer of ``model`` (fp32, restored if resuming; cast to ``dtype`` at the end,
@@ -58,11 +60,14 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
     ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; under bf16 the units are
     held in bf16 over fp32 main pieces); under hybrid sharding ``dp`` is the shard group,
-    ``replicas`` the groups' same places and ``over`` the axes the pieces are sharded over."""
+    ``replicas`` the groups' same places and ``over`` the axes the pieces are sharded over.
+    ``built``: the units as `trainer.construction.build_sharded_model` made them."""
     if stage == 3:
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
-                              reduce_dtype=reduce_dtype, alone=alone, replicas=replicas)
-        return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
+                              reduce_dtype=reduce_dtype, alone=alone, replicas=replicas,
+                              built=built is not None)
+        return units, Zero3Optimizer(units, optimizer,
+                                     ParamUnits(model, units, prefetch, built),
                                      dtype, blocked, over=over)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,

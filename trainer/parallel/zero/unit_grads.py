@@ -60,11 +60,14 @@ class UnitGradients(ShardedGradients):
     (`trainer.parallel.zero.units.ParamUnits.release`)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, *,
-                 replicas: Communicator | None = None, **kwargs: Any) -> None:
+                 replicas: Communicator | None = None, built: bool = False,
+                 **kwargs: Any) -> None:
         """``comm``: the ranks a unit is sharded over; ``replicas``: under hybrid sharding,
         the same shard's holders in the other shard groups, over which the reduced shards are
-        then averaged."""
-        self.replicas = replicas
+        then averaged. ``built``: the model was built straight into shards
+        (`trainer.construction.shards`): its parameters hold no values to broadcast, and
+        every rank drew the same serial initialisation from the same seed."""
+        self.replicas, self._built = replicas, built
         self.release: Callable[[int], None] = lambda k: None
         """Called with a unit's index once its reduce-scatter is posted (`ParamUnits`)."""
         self.launches: list[int] = []
@@ -78,6 +81,10 @@ class UnitGradients(ShardedGradients):
         alone = [i for i, p in enumerate(self.params) if id(p) in self._alone]
         return unit_layout([p.numel() for p in self.params], unit_runs(names, alone),
                            self.comm.size, self.comm.rank)
+
+    def _broadcast_from_rank0(self) -> None:
+        if not self._built:
+            super()._broadcast_from_rank0()
 
     def zero_grad(self) -> None:
         super().zero_grad()

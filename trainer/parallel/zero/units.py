@@ -77,6 +77,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Handle
+from trainer.construction.shards import UnitShards
 from trainer.parallel.zero.layout import Piece
 from trainer.parallel.zero.optimizer import ZeroOptimizer
 from trainer.parallel.zero.unit_grads import UnitGradients, unit_of
@@ -86,26 +87,25 @@ from trainer.placement.parameters import DP_AXES
 class ParamUnits:
     """The parameter shards of every unit, and the hooks that gather and free them."""
 
-    def __init__(self, model: nn.Module, sync: UnitGradients, prefetch: int) -> None:
+    def __init__(self, model: nn.Module, sync: UnitGradients, prefetch: int,
+                 built: UnitShards | None = None) -> None:
+        """``built``: the units as `trainer.construction.shards` made them (the parameters
+        already views of freed buffers, the shards filled), adopted as they are; without it
+        the model's materialised parameters are copied into units and sharded here."""
         self.comm, self.layout, self.prefetch = sync.comm, sync.layout, prefetch
         self.params = sync.params
         names = [sync._names[id(p)] for p in sync.params]
-        self.full: list[torch.Tensor] = []
-        self.shards: list[torch.Tensor] = []
+        if built is not None and built.layout != self.layout:
+            raise RuntimeError("the units built into shards do not match the gradient "
+                               "layout")  # a wiring bug: the same parameters, two orders
+        self.full: list[torch.Tensor] = [] if built is None else built.full
+        self.shards: list[torch.Tensor] = [] if built is None else built.shards
         """This rank's block of each unit: the parameters' values between uses."""
         self.root: list[int] = []
         block_of: dict[str, int] = {}
         for k, b in enumerate(self.layout.buckets):
-            params = [sync.params[i] for i in b.params]
-            full = params[0].new_zeros(b.end - b.start)
-            with torch.no_grad():
-                for i, p in zip(b.params, params, strict=True):
-                    at = self.layout.offsets[i] - b.start
-                    full[at:at + p.numel()].copy_(p.view(-1))
-                    p.data = full[at:at + p.numel()].view_as(p)
-            self.full.append(full)
-            lo, hi = self.layout.shard(k)
-            self.shards.append(full[lo - b.start:hi - b.start].clone())
+            if built is None:
+                self._adopt(k, [sync.params[i] for i in b.params])
             unit = unit_of(names[b.params.start])
             if unit:
                 block_of[unit] = k
@@ -119,17 +119,31 @@ class ParamUnits:
         pipeline chunk; the next chunk of an interleaved stage runs after other stages')."""
         self.pending: dict[int, tuple[torch.Tensor, Handle | None]] = {}
         """Units whose all-gather is in flight, and the tensor it lands in."""
-        self.held = set(range(len(self.full)))
+        self.held = set(range(len(self.full))) if built is None else set()
         """Units whose whole buffer is allocated and gathered."""
         self.gathered_bytes = self.peak_gathered_bytes = 0
         """Bytes of whole units (and landing tensors) alive now; their most since reset."""
-        for k in range(len(self.full)):
+        for k in sorted(self.held):
             self._count(self.full[k], +1)
             self._free(k)
         self.peak_gathered_bytes = 0
         self.model = model
         sync.release = self.release
         self._hook(model)
+
+    @torch.no_grad()
+    def _adopt(self, k: int, params: list[nn.Parameter]) -> None:
+        """Unit ``k`` from materialised ``params``: copied into one buffer they then view,
+        and this rank's block of it kept as the shard."""
+        b = self.layout.buckets[k]
+        full = params[0].new_zeros(b.end - b.start)
+        for i, p in zip(b.params, params, strict=True):
+            at = self.layout.offsets[i] - b.start
+            full[at:at + p.numel()].copy_(p.view(-1))
+            p.data = full[at:at + p.numel()].view_as(p)
+        self.full.append(full)
+        lo, hi = self.layout.shard(k)
+        self.shards.append(full[lo - b.start:hi - b.start].clone())
 
     def cast(self, dtype: torch.dtype) -> None:
         """Hold every unit in ``dtype`` (bf16 under ``--precision bf16``, once the optimizer
