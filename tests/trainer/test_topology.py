@@ -30,20 +30,23 @@ def test_megatron_16_gpu_example_pipeline_groups_stride_by_tp_times_dp():
 
 
 @pytest.mark.parametrize("shape", [MeshShape(2, 2, 4), MeshShape(3, 2, 2), MeshShape(1, 4, 1),
-                                   MeshShape(4, 1, 2, ep=2), MeshShape(1, 1, 1)])
+                                   MeshShape(4, 1, 2, ep=2), MeshShape(1, 1, 1),
+                                   MeshShape(8, 2, 1, ep=2, shard=2)])
 def test_the_rank_formula_and_the_coordinates_are_inverse_for_every_rank(shape):
     for rank in range(shape.world_size):
         c = shape.coords(rank)
-        dp_rank = c["ep"] + shape.ep * c["edp"]
+        edp_rank = c["zs"] + shape.sizes["zs"] * c["zr"]
+        assert shape.coord(rank, "edp") == edp_rank
+        dp_rank = c["ep"] + shape.ep * edp_rank
         assert rank == c["tp"] + shape.tp * (dp_rank + shape.dp * c["pp"])
         assert shape.coord(rank, "dp") == dp_rank
         assert shape.rank_of(c) == rank
 
 
 @pytest.mark.parametrize("shape", [MeshShape(2, 2, 4), MeshShape(4, 2, 2, ep=2),
-                                   MeshShape(2, 1, 3)])
+                                   MeshShape(2, 1, 3), MeshShape(4, 2, 1, shard=2)])
 @pytest.mark.parametrize("axes", [("tp",), ("ep",), ("edp",), ("dp",), ("pp",), ("tp", "pp"),
-                                  ("tp", "ep", "pp")])
+                                  ("tp", "ep", "pp"), ("zs",), ("zr",)])
 def test_the_groups_along_any_axes_partition_the_world_and_vary_only_those_axes(shape, axes):
     spanned = shape.axes(*axes)
     groups = shape.groups(*axes)
@@ -60,6 +63,20 @@ def test_expert_groups_are_blocks_of_adjacent_dp_ranks_and_expert_dp_their_colum
     assert shape.groups("ep") == ((0, 1), (2, 3))
     assert shape.groups("edp") == ((0, 2), (1, 3))
     assert shape.groups("dp") == ((0, 1, 2, 3),)
+
+
+def test_hybrid_shard_groups_are_adjacent_dp_ranks_and_replica_groups_their_columns():
+    shape = MeshShape(dp=4, tp=2, shard=2)
+    assert shape.groups("zs") == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert shape.groups("zr") == ((0, 4), (1, 5), (2, 6), (3, 7))
+    assert shape.groups("edp") == shape.groups("dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+    assert MeshShape(dp=4).sizes["zs"] == 4 and MeshShape(dp=4).sizes["zr"] == 1
+
+
+def test_a_shard_size_that_does_not_divide_dp_is_refused_naming_the_flag():
+    with pytest.raises(TopologyError, match=r"\[--zero-shard-size 3\]: it does not divide the "
+                                            r"4 data-parallel ranks"):
+        MeshShape(dp=4, shard=3)
 
 
 def test_infer_gives_dp_as_what_remains_of_the_world():
@@ -125,7 +142,8 @@ def test_a_mesh_has_every_group_even_of_one_rank_and_answers_ranks_sizes_and_end
     shape = MeshShape(dp=4, tp=2, pp=1, ep=2)
     world = SplitRecorder(shape, rank)
     mesh = Mesh.build(world, shape, torch.device("cpu"))
-    assert world.splits == ["tp", "ep", "edp", "pp", "dp"] == ["+".join(g) for g in GROUPS]
+    assert world.splits == ["tp", "ep", "zs", "zr", "pp", "edp", "dp"] == \
+        ["+".join(g) for g in GROUPS]
     assert mesh.group() is world and mesh.group("tp", "dp", "pp") is world
     for axis in ("tp", "ep", "edp", "dp", "pp"):
         assert mesh.group(axis).rank == mesh.rank(axis) == shape.coord(rank, axis)
@@ -140,5 +158,5 @@ def test_asking_a_mesh_for_a_group_it_does_not_split_names_the_ones_it_has():
     shape = MeshShape(dp=2, tp=2, pp=2)
     mesh = Mesh.build(SplitRecorder(shape, 0), shape, torch.device("cpu"))
     with pytest.raises(TopologyError, match=r"no such group in the mesh \[tp\+pp\]: the mesh "
-                                            r"splits tp, ep, edp, pp, dp and the world"):
+                                            r"splits tp, ep, zs, zr, pp, edp, dp and the world"):
         mesh.group("tp", "pp")

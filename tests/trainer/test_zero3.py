@@ -12,26 +12,31 @@ reduction bound over the longest sum and parameters to that bound carried throug
 from __future__ import annotations
 
 import functools
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.mpi_runs import world_run
+from tests.support import run_dtrain
+from tests.support.mpi_runs import forked_python, world_run
 from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.support.saved import same_states, saved_state, slice_of
 from tests.support.serial_reference import train_serially
 from tests.support.zero_workers.stage3 import RESUME_STEPS, STAGE3_CASES, STEPS, stage3_config
+from tests.trainer.test_guard import DIVERGING
 from trainer.config.options import make_config
 from trainer.errors import ConfigError
 from trainer.parallel.zero.layout import unit_layout
 from trainer.parallel.zero.memory import describe, expected_bytes
-from trainer.parallel.zero.units import unit_runs
+from trainer.parallel.zero.unit_grads import unit_runs
 
 WORKER = "tests.support.zero_workers.stage3:run"
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
 LR = 3e-3
 PARAM_ATOL = adam_atol(steps=STEPS, lr=LR, n_terms=TOKENS)
-NAMES = [name for name, _ in STAGE3_CASES]
+NAMES = [name for name, *_ in STAGE3_CASES]
 
 
 @functools.cache
@@ -52,6 +57,11 @@ def test_each_block_is_one_unit_and_the_rest_forms_the_root_at_both_ends() -> No
     assert unit_runs(names) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
 
 
+def test_a_parameter_named_alone_is_a_unit_of_its_own() -> None:
+    names = ["head.weight", "ln_f.weight", "blocks.3.ln1.weight"]
+    assert unit_runs(names, alone=[0]) == [range(0, 1), range(1, 2), range(2, 3)]
+
+
 def test_a_unit_is_one_bucket_padded_to_dp_and_each_rank_owns_a_block_of_it() -> None:
     layout = unit_layout([3, 4, 5, 6], [range(0, 2), range(2, 4)], dp=4, rank=1)
     assert [(b.start, b.end) for b in layout.buckets] == [(0, 8), (8, 20)]
@@ -61,16 +71,31 @@ def test_a_unit_is_one_bucket_padded_to_dp_and_each_rank_owns_a_block_of_it() ->
 
 # -- bad input (pure) ----------------------------------------------------------------------
 
-@pytest.mark.parametrize(("options", "named"), [
-    ({"tp": 2, "dp": 1}, "--tp 2"), ({"pp": 2, "dp": 1}, "--pp 2"),
-    ({"recompute": "full"}, "--recompute full"), ({"precision": "auto"}, "--precision auto"),
-    ({"precision": "bf16"}, "--precision bf16")])
-def test_zero3_with_what_it_does_not_run_with_yet_is_refused_before_anything_is_built(
-        options: dict, named: str) -> None:
-    opts = {"zero": 3, "dp": 2, "precision": "fp32", **options}
-    with pytest.raises(ConfigError, match=rf"unsupported combination \[--zero 3 with "
-                                          rf"{named}\]: .*Drop {named}"):
-        make_config(opts, {})
+def test_zero3_with_compiled_blocks_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"unsupported combination \[--zero 3 with "
+                                          r"--compile\]: .*hooks.*Drop --compile"):
+        make_config({"zero": 3, "dp": 2, "compile": True}, {})
+
+
+@pytest.mark.parametrize("options", [
+    {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"},
+    {"recompute": "selective"}, {"precision": "bf16"}, {"precision": "auto"},
+    {"pp": 2, "dp": 1, "schedule": "interleaved", "virtual_stages": 2, "microbatches": 4}])
+def test_zero3_composes_with_tp_sp_pp_recomputation_and_bf16(options: dict) -> None:
+    assert make_config({"zero": 3, "dp": 2, **options}, {}).optimizer.zero == 3
+
+
+def test_a_shard_size_that_does_not_divide_dp_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"the ZeRO shard size does not divide the data-"
+                                          r"parallel ranks \[--zero-shard-size 3, dp = 4\]: "
+                                          r".*Choose a shard size that divides 4"):
+        make_config({"zero": 3, "dp": 4, "zero_shard_size": 3}, {})
+
+
+def test_hybrid_sharding_below_zero_3_is_refused_naming_both_flags() -> None:
+    with pytest.raises(ConfigError, match=r"hybrid sharding needs ZeRO-3 \[--zero-shard-size 2 "
+                                          r"with --zero 1\]: .*Add --zero 3"):
+        make_config({"zero": 1, "dp": 4, "zero_shard_size": 2}, {})
 
 
 def test_a_negative_prefetch_depth_is_refused_naming_the_flag() -> None:
@@ -92,21 +117,32 @@ def test_zero3_losses_match_the_single_process_model_for_5_steps(name: str) -> N
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero3_parameters_gathered_at_the_end_match_the_single_process_model(name: str) -> None:
+    """Each rank's parameters (its TP slice and pipeline stage) against the same slice of the
+    single-process model's; the last stage's copy of a tied embedding against the embedding.
+    Together the ranks hold every parameter."""
     ref = reference(name)
+    seen = set()
     for rank in ranks():
-        for key, want in ref["params"].items():
-            torch.testing.assert_close(rank[name]["local"][key], want, rtol=0,
+        got = rank[name]
+        for key, placement in got["placements"].items():
+            whole = key if key in ref["params"] else "tok_emb.weight"  # the tied head's copy
+            seen.add(whole)
+            torch.testing.assert_close(got["local"][key].reshape(-1),
+                                       slice_of(ref["params"][whole], placement), rtol=0,
                                        atol=PARAM_ATOL, msg=f"rank {rank['rank']}: {key}")
+    assert seen == set(ref["params"])
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_between_steps_a_rank_holds_one_dp_th_of_the_parameters_and_gradients(
         name: str) -> None:
+    _, dp, _, over = next(c for c in STAGE3_CASES if c[0] == name)
+    shard = over.get("zero_shard_size") or dp  # hybrid sharding: 1/shard, replicated beyond
     for rank in ranks():
         got = rank[name]
-        whole = got["n_params"] * 8  # fp64
+        whole = got["n_params"] * 8  # fp64, this rank's TP slice
         assert [now for now, _ in got["gathered"]] == [0] * STEPS  # no unit left gathered
-        assert got["shard_bytes"] == pytest.approx(whole / 4, rel=0.02)
+        assert got["shard_bytes"] == pytest.approx(whole / shard, rel=0.02)
         assert got["grad_shard_bytes"] == got["shard_bytes"]
 
 
@@ -122,6 +158,42 @@ def test_during_a_step_at_most_the_root_and_prefetch_plus_2_blocks_are_gathered(
         bound = root + (prefetch + 2) * max(got["blocks"])
         assert all(0 < peak <= bound for _, peak in got["gathered"]), (got["gathered"], bound)
         assert bound < sum(got["unit_bytes"])
+
+
+def test_zero3_in_bf16_is_bit_identical_to_zero1_on_fp32_main_weights() -> None:
+    """dp 4, one microbatch, no clipping: the same arithmetic on the same numbers (the
+    worker's `bf16_case`), so losses and the bf16 parameters agree bit for bit; ZeRO-1's bf16
+    run is itself bit-identical to ZeRO-0's (tests/trainer/test_zero.py)."""
+    for rank in ranks():
+        one, three = rank["bf16"][1], rank["bf16"][3]
+        assert three["main_dtypes"] == one["main_dtypes"] == ["torch.float32"]
+        assert three["losses"] == one["losses"]
+        assert three["local"].keys() == one["local"].keys()
+        for key, want in one["local"].items():
+            assert want.dtype == torch.bfloat16 or not want.is_floating_point(), key
+            assert torch.equal(three["local"][key], want), key
+
+
+# -- the NaN guard (the real launcher, 2 ranks) ----------------------------------------------
+
+def test_zero3_skips_diverged_steps_leaving_the_sharded_parameters_untouched(
+        tmp_path: Path) -> None:
+    """dp 2 under --skip-nonfinite: a skipped step applies nothing to the parameter shards
+    (no unit is left gathered half-way), so its checkpoint holds exactly the last applied
+    step's pieces, and the run then stops."""
+    done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
+                       "trainer.train", *DIVERGING, "--dp", "2", "--zero", "3",
+                       "--precision", "fp32", "--skip-nonfinite", "2",
+                       "--run-dir", str(tmp_path)], timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 2, out[-3000:]
+    first, second = map(int, re.findall(r"\[0@localhost\] dtrain: step (\d+) skipped: the "
+                                        r"loss is ", out))
+    assert second == first + 1
+    ckpts = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == [f"step-{first}", f"step-{second}"]
+    before, after = (saved_state(ckpts / f"step-{s}") for s in (first, second))
+    assert same_states(before, after) == []
 
 
 # -- checkpoints (MPI, 4 ranks, fp64, through trainer.train) -----------------------------------

@@ -1,6 +1,7 @@
 """The shape of a parallel job: named axes and their rank arithmetic (pure; no MPI, no torch).
 
-Four axes, fastest-varying first: ``tp``, ``ep``, ``edp``, ``pp``. Data parallelism is the
+Four axes, fastest-varying first: ``tp``, ``ep``, ``edp``, ``pp`` (edp itself split in two,
+``zs`` and ``zr``, for ZeRO-3's hybrid sharding, `AXES`). Data parallelism is the
 pair ``dp = (ep, edp)``: its ranks are cut into blocks of ``ep`` adjacent ranks (the expert-
 parallel groups of `trainer.parallel.expert`), and the ranks at the same place in every block form
 the
@@ -28,9 +29,13 @@ from dataclasses import dataclass
 
 from trainer.errors import TopologyError
 
-AXES: tuple[str, ...] = ("tp", "ep", "edp", "pp")
-"""The primitive axes, fastest-varying first."""
-SPANS: dict[str, tuple[str, ...]] = {"dp": ("ep", "edp"), "world": AXES}
+AXES: tuple[str, ...] = ("tp", "ep", "zs", "zr", "pp")
+"""The primitive axes, fastest-varying first. ``edp`` is itself the pair ``(zs, zr)``:
+ZeRO-3's hybrid sharding (``--zero-shard-size N``) shards a unit over ``zs``, N adjacent edp
+ranks (one host, say), and replicates it over ``zr``, the ranks at the same place in every
+such group; without it zs is all of edp and zr has size 1."""
+SPANS: dict[str, tuple[str, ...]] = {"edp": ("zs", "zr"), "dp": ("ep", "zs", "zr"),
+                                     "world": AXES}
 """Names for several primitive axes at once."""
 
 
@@ -43,6 +48,8 @@ class MeshShape:
     pp: int = 1
     ep: int = 1
     """The expert-parallel sub-axis of dp (divides it)."""
+    shard: int = 0
+    """ZeRO-3's shard group: this many adjacent edp ranks (divides dp / ep); 0: all of edp."""
 
     def __post_init__(self) -> None:
         for axis in ("dp", "tp", "pp", "ep"):
@@ -55,6 +62,11 @@ class MeshShape:
             raise TopologyError("invalid parallel layout", f"--ep {self.ep}",
                                 f"ep={self.ep} does not divide dp={self.dp}",
                                 "Choose an ep that divides the number of DP ranks")
+        if self.shard < 0 or (self.shard and (self.dp // self.ep) % self.shard):
+            raise TopologyError("invalid parallel layout", f"--zero-shard-size {self.shard}",
+                                f"it does not divide the {self.dp // self.ep} data-parallel "
+                                "ranks that shard each parameter",
+                                f"Choose a shard size that divides {self.dp // self.ep}")
 
     @classmethod
     def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MeshShape:
@@ -74,7 +86,9 @@ class MeshShape:
     @property
     def sizes(self) -> dict[str, int]:
         """The size of every primitive axis."""
-        return {"tp": self.tp, "ep": self.ep, "edp": self.dp // self.ep, "pp": self.pp}
+        edp = self.dp // self.ep
+        zs = self.shard or edp
+        return {"tp": self.tp, "ep": self.ep, "zs": zs, "zr": edp // zs, "pp": self.pp}
 
     def axes(self, *names: str) -> tuple[str, ...]:
         """The primitive axes the names cover, in `AXES` order (no name: the world)."""

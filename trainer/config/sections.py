@@ -81,6 +81,11 @@ class ParallelSection(Section):
     recompute: str = option("none", "activation recomputation in backward: none, selective (the "
                             "attention core) or full (every transformer block)",
                             choices=RECOMPUTE_MODES)
+    zero_shard_size: int = option(0, "with --zero 3, hybrid sharding: shard the parameters "
+                                  "inside groups of this many adjacent data-parallel ranks (one "
+                                  "host, say) and replicate them across the groups; gradients "
+                                  "reduce-scattered inside a group, then all-reduced across "
+                                  "groups (0 = shard over all of dp)", at_least=0)
     bucket_size: int = option(1_000_000, "DP gradient bucket size in elements", at_least=1)
     overlap: bool = option(True, "overlap DP gradient all-reduce with backward")
     grad_reduce_dtype: str = option("fp32", "dtype of the DP gradient all-reduce: fp32 (the main "
@@ -115,10 +120,17 @@ class ParallelSection(Section):
                               f"= {self.ep} does not divide them",
                               f"Start a multiple of {self.ep} DP ranks, or choose an ep that "
                               f"divides {self.dp}")
+        if self.zero_shard_size and self.dp and self.dp % self.zero_shard_size:
+            raise ConfigError("the ZeRO shard size does not divide the data-parallel ranks",
+                              f"--zero-shard-size {self.zero_shard_size}, dp = {self.dp}",
+                              f"the shard groups are carved from the {self.dp} DP ranks",
+                              f"Choose a shard size that divides {self.dp}, or start a "
+                              f"multiple of {self.zero_shard_size} DP ranks")
 
     def mesh(self) -> MeshShape:
         """The mesh of these degrees (dp resolved first: `trainer.config.options.resolve_dp`)."""
-        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep)
+        return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
+                         shard=self.zero_shard_size)
 
     def describe(self, sep: str = ", ") -> str:
         """``dp 2 x tp 2 x pp 1`` (with ``sep`` " x "), or ``dp=2, tp=2, pp=1``; the expert-
@@ -157,8 +169,7 @@ class OptimizerSection(Section):
                        "reduce-scattered, parameters all-gathered after the step) or 2 (the "
                        "gradients sharded too: each bucket reduce-scattered into the rank's "
                        "shard during backward, every microbatch) or 3 (the parameters sharded "
-                       "too, each block gathered only while used: data parallelism, fp32 only "
-                       "so far; trainer.parallel.zero)",
+                       "too, each block gathered only while used; trainer.parallel.zero)",
                        choices=(0, 1, 2, 3))
     zero_prefetch: int = option(1, "with --zero 3: blocks gathered ahead of the one computing, "
                                 "the same on every rank (each costs one block of memory)",

@@ -3,6 +3,7 @@
     meta          the GPT (or a pipeline stage of it) on the meta device
     init_stream   the serial init's random numbers in bounded pieces, cut to one shard
     materialise   real parameters for a model built on the meta device
+    shards        ZeRO-3: the units built straight into this rank's shards
 
 `build_rank_model` builds the plain GPT on the meta device (shapes, no memory), cuts it to this
 rank's pipeline stage, shards it over tensor parallelism (`trainer.parallel.tensor.parallelize`),
@@ -16,12 +17,15 @@ time, O(shard) memory.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 
 from trainer.activations import apply_recompute, apply_sequence_parallel
 from trainer.comm.protocol import Communicator
 from trainer.construction.materialise import materialise
 from trainer.construction.meta import meta_gpt
+from trainer.construction.shards import UnitShards, materialise_shards
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.parallel.pipeline.partition import StageLayout
@@ -35,11 +39,35 @@ def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
                      recompute: str = "none") -> GPT:
     """This rank's model (``layout``: its pipeline stage; ``tp``: the group it is sharded
     over) with its initial weights on ``device``."""
+    model = meta_rank_model(gpt, seed, device=device, layout=layout, tp=tp, tracker=tracker,
+                            sequence_parallel=sequence_parallel, recompute=recompute)
+    return materialise(model, seed, tp.rank if tp else 0, tp.size if tp else 1, device)
+
+
+def build_sharded_model(gpt: GPTConfig, seed: int, *, device: torch.device, dp: Communicator,
+                        alone: Collection[str] = (), layout: StageLayout | None = None,
+                        tp: Communicator | None = None, tracker: RNGStatesTracker | None = None,
+                        sequence_parallel: bool = False, recompute: str = "none"
+                        ) -> tuple[GPT, UnitShards]:
+    """`build_rank_model` for ZeRO-3: the parameters are views of freed unit buffers and only
+    this rank's shards over ``dp`` hold values (`trainer.construction.shards`)."""
+    model = meta_rank_model(gpt, seed, device=device, layout=layout, tp=tp, tracker=tracker,
+                            sequence_parallel=sequence_parallel, recompute=recompute)
+    built = materialise_shards(model, seed, tp_rank=tp.rank if tp else 0,
+                               tp_size=tp.size if tp else 1, device=device, dp_size=dp.size,
+                               dp_rank=dp.rank, alone=alone)
+    return model, built
+
+
+def meta_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
+                    layout: StageLayout | None = None, tp: Communicator | None = None,
+                    tracker: RNGStatesTracker | None = None, sequence_parallel: bool = False,
+                    recompute: str = "none") -> GPT:
+    """This rank's model on the meta device: its stage, TP slice, SP and recomputation."""
     tracker = tracker if tracker is not None else RNGStatesTracker(device)
     model = meta_gpt(gpt, seed, layout)
     if tp is not None:
         model = parallelize(model, tp, tracker=tracker)
     if sequence_parallel:
         model = apply_sequence_parallel(model, tp, tracker)
-    model = apply_recompute(model, recompute, tracker)
-    return materialise(model, seed, tp.rank if tp else 0, tp.size if tp else 1, device)
+    return apply_recompute(model, recompute, tracker)

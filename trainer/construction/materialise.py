@@ -3,6 +3,8 @@ initialisation, drawn in pieces (`trainer.construction.init_stream`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
@@ -21,7 +23,14 @@ def serial_name(name: str, cfg: GPTConfig) -> str:
 
 def local_values(model: GPT, seed: int, tp_rank: int, tp_size: int
                  ) -> dict[str, torch.Tensor]:
-    """Every local parameter's initial value (CPU, default dtype), by local name. The serial
+    """Every local parameter's initial value (CPU, default dtype), by local name."""
+    return dict(local_stream(model, seed, tp_rank, tp_size))
+
+
+def local_stream(model: GPT, seed: int, tp_rank: int, tp_size: int
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(local name, initial value) of every local parameter, one at a time (so a caller that
+    keeps only part of each, ZeRO-3's shards, never holds more than one). The serial
     model's weights are walked in `GPT.init_weights` order and every draw is made (a weight
     this rank does not hold is drawn and dropped), so the generator stays in step; padded
     vocabulary rows are zeros, never drawn, as there."""
@@ -32,14 +41,13 @@ def local_values(model: GPT, seed: int, tp_rank: int, tp_size: int
     serial = meta_gpt(cfg)  # names, shapes and order only: no memory
     gen = torch.Generator(device="cpu").manual_seed(seed)
     dtype = torch.get_default_dtype()  # what the serial init's randn draws in
-    out: dict[str, torch.Tensor] = {}
     for name, p in serial.named_parameters():
         fill, std = init_rule(name, cfg.n_layer)
         targets = wanted.get(name, [])
         if not std:
             for local, spec in targets:
                 shape = shard_shape(p.shape, spec, tp_size)
-                out[local] = torch.full(shape, fill, dtype=dtype)
+                yield local, torch.full(shape, fill, dtype=dtype)
             continue
         row = p.shape[1:].numel()
         rows = drawn_rows(name, p.shape[0], cfg)
@@ -53,8 +61,7 @@ def local_values(model: GPT, seed: int, tp_rank: int, tp_size: int
         pieces = followed_by_zeros(pieces, (p.shape[0] - rows) * row, dtype)
         shard = shard_of_stream(pieces, p.shape, targets[0][1], tp_rank, tp_size)
         for local, _ in targets:
-            out[local] = shard * std
-    return out
+            yield local, shard * std
 
 
 def materialise(model: GPT, seed: int, tp_rank: int, tp_size: int,

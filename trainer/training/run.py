@@ -20,7 +20,8 @@ from trainer.comm.mesh import Mesh
 from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_mesh
 from trainer.config.options import TrainConfig, resolve_dp
-from trainer.construction import build_rank_model
+from trainer.construction import build_rank_model, build_sharded_model
+from trainer.construction.shards import UnitShards
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
 from trainer.data.sources import TokenData, make_batches
@@ -103,7 +104,15 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
-    model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
+    built = None
+    if cfg.optimizer.zero == 3 and not cfg.gpt.moe.experts and not cfg.checkpoint.init_from_hf:
+        model, built = build_sharded_model(  # straight into shards: no unit ever whole
+            cfg.gpt, cfg.seed, device=device, dp=_shard_group(cfg, mesh),
+            alone=_tied_names(cfg, layout), layout=layout, tp=mesh.group("tp"),
+            tracker=tracker, sequence_parallel=cfg.parallel.sequence_parallel,
+            recompute=cfg.parallel.recompute)
+    else:
+        model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
     if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
         load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
                          mesh.rank("tp"), mesh.size("tp"))
@@ -111,7 +120,8 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     place_parameters(model, mesh, copies=_copies(cfg, layout))
     optimizer = _optimizer(cfg, model)
     dtype = model_dtype(cfg.optimizer.precision, device)
-    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, clock, layout=layout)
+    dp, weights = _weights(cfg, model, optimizer, dtype, mesh, clock, layout=layout,
+                           built=built)
     restored = restore(cfg, mesh, weights) if cfg.checkpoint.resume else \
         start_anew(cfg, leader=mesh.rank() == 0)
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
@@ -181,9 +191,25 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
     return parallelize(model, tp, tracker=tracker)
 
 
+def _shard_group(cfg: TrainConfig, mesh: Mesh) -> Communicator:
+    """The ranks ZeRO-3 shards a unit over: dp, or the hybrid shard group (the mesh's zs)."""
+    return mesh.group("zs") if cfg.parallel.zero_shard_size else mesh.group("dp")
+
+
+def _tied_names(cfg: TrainConfig, layout: StageLayout | None) -> set[str]:
+    """The tied embedding this stage holds, a unit of its own under pipelining
+    (`trainer.parallel.pipeline.stages.tied_weight`, asked of the names before the model
+    has values)."""
+    if not cfg.gpt.tied or layout is None:
+        return set()
+    return {"tok_emb.weight"} if layout.holds_first else \
+        {"head.weight"} if layout.holds_last else set()
+
+
 def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
              dtype: torch.dtype | None, mesh: Mesh, clock: CommClock, *,
-             layout: StageLayout | None) -> tuple[GradSync, MainWeights]:
+             layout: StageLayout | None, built: UnitShards | None = None
+             ) -> tuple[GradSync, MainWeights]:
     """The gradient sync over the mesh's DP groups (each parameter over the axes its copies
     span, `trainer.placement.dp_axes`), and what holds the main weights."""
     par = cfg.parallel
@@ -191,10 +217,15 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
     dp_comm = mesh.group("dp")
     if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
+        hybrid: dict[str, Any] = {"built": built}
+        if par.zero_shard_size:  # shard over the mesh's zs axis, replicate over zr
+            dp_comm = _shard_group(cfg, mesh)
+            hybrid.update(replicas=mesh.group("zr"), over=("ep", "zs"))
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
                                 bucket_size=par.bucket_size, overlap=par.overlap,
                                 reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],
-                                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked)
+                                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked,
+                                **hybrid)
         return sync, zero
     dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)

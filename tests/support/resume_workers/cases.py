@@ -61,6 +61,7 @@ DP2, DP4 = Layout("dp2", {"dp": 2}), Layout("dp4-zero1", {"dp": 4, "zero": 1})
 MOE = Layout("dp4-ep2", {"dp": 4, "ep": 2})
 FP32, BF16 = Layout("dp2-fp32", {"dp": 2}), Layout("dp2-bf16", {"dp": 2, "precision": "bf16"})
 THREE_D = Layout("2x2x2", {"dp": 2, "tp": 2, "pp": 2, **PP})
+DP4_ZERO3 = Layout("dp4-zero3", {"dp": 4, "zero": 3})
 PAIRS = [
     Pair("dp2-to-dp4-zero1", "dense", DP2, DP4),
     Pair("dp4-zero1-to-dp1", "dense", DP4, Layout("dp1", {"dp": 1})),
@@ -79,4 +80,13 @@ PAIRS = [
     Pair("2x2x2-zero2-to-dp4-zero2", "dense",
          Layout("2x2x2-zero2", {**THREE_D.options, "zero": 2}),
          Layout("dp4-zero2", {"dp": 4, "zero": 2})),
+    # ZeRO-3 (parameters sharded in units) to and from other stages, layouts and shard sizes
+    Pair("dp2-zero3-to-dp2-zero1", "dense", Layout("dp2-zero3", {"dp": 2, "zero": 3}),
+         Layout("dp2-zero1", {"dp": 2, "zero": 1})),
+    Pair("dp4-zero1-to-dp4-zero3", "dense", DP4, DP4_ZERO3),
+    Pair("dp2xtp2-zero3-to-dp4-zero3", "dense",
+         Layout("dp2-tp2-zero3", {"dp": 2, "tp": 2, "zero": 3}), DP4_ZERO3),
+    Pair("zero3-shard2-to-shard4", "dense",
+         Layout("dp4-zero3-shard2", {"dp": 4, "zero": 3, "zero_shard_size": 2}),
+         Layout("dp4-zero3-shard4", {"dp": 4, "zero": 3, "zero_shard_size": 4})),
 ]

@@ -81,7 +81,9 @@ def resume(pair: Pair, layout: Layout, ranks: Ranks, corpus: Corpus, saved: Path
         loaded = [(t.detach().clone(), t.placement,
                    {k: v.clone() for k, v in optimizer.state[t].items()})
                   for t in run.weights.values()]
-        params = [(p.detach().clone(), p.placement) for p in run.model.parameters()]
+        units = getattr(run.weights, "units", None)  # ZeRO-3: the parameters gathered
+        with units.whole() if units is not None else nullcontext():
+            params = [(p.detach().clone(), p.placement) for p in run.model.parameters()]
         records = [train_step(run, step) for step in range(SAVED_AT + 1, SAVED_AT + MORE + 1)]
         out = {"start": run.restored.step, "loaded": loaded, "params": params,
                "losses": [r.loss for r in records], "norms": [r.grad_norm for r in records],

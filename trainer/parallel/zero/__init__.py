@@ -10,8 +10,9 @@ sharded over data parallelism.
                              into a whole gradient buffer
 * `trainer.parallel.zero.grad_shards` ZeRO-2: the same reduce-scatters into this rank's shards only,
                              each bucket staged while backward fills it and freed once reduced
-* `trainer.parallel.zero.units`       ZeRO-3 foundations: parameter units (a block, the root)
-  sharded,
+* `trainer.parallel.zero.unit_grads`  ZeRO-3's gradient shards: one bucket per unit, reduced
+                             when complete, in hook order
+* `trainer.parallel.zero.units`       ZeRO-3: parameter units (a block, the root) sharded,
                              gathered before forward and backward, freed after, prefetched
 * `trainer.parallel.zero.optimizer`   AdamW over this rank's shard, then the all-gather of
   parameters
@@ -32,10 +33,13 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
+from trainer.construction.shards import UnitShards
 from trainer.parallel.zero.grad_shards import ShardedGradients
 from trainer.parallel.zero.grad_sync import ShardedGradSync
 from trainer.parallel.zero.optimizer import ZeroOptimizer
-from trainer.parallel.zero.units import ParamUnits, UnitGradients, Zero3Optimizer
+from trainer.parallel.zero.unit_grads import UnitGradients
+from trainer.parallel.zero.units import ParamUnits, Zero3Optimizer
+from trainer.placement.parameters import DP_AXES
 
 __all__ = ["ParamUnits", "ShardedGradSync", "ShardedGradients", "UnitGradients",
            "Zero3Optimizer", "ZeroOptimizer", "build_zero"]
@@ -45,20 +49,26 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
                dtype: torch.dtype | None, *, stage: int, bucket_size: int, overlap: bool,
                reduce_dtype: torch.dtype | None, alone: Sequence[nn.Parameter] = (),
                prefetch: int = 1,
-               blocked: Callable[[], AbstractContextManager[None]] = nullcontext
+               blocked: Callable[[], AbstractContextManager[None]] = nullcontext,
+               replicas: Communicator | None = None, over: tuple[str, ...] = DP_AXES,
+               built: UnitShards | None = None
                ) -> tuple[ShardedGradSync | ShardedGradients, ZeroOptimizer]:
     """The gradient sync of ZeRO ``stage`` (1: a whole buffer, 2: the shards alone) and the
     sharded optimizer of ``model`` (fp32, restored if resuming; cast to ``dtype`` at the end,
     after DP's broadcast from rank 0). ``optimizer``: AdamW over the whole model, whose groups,
     hyperparameters and (restored) state the shards take. ``blocked``: marks the step's wait
     for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
-    ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; fp32 only, checked with the
-    options)."""
+    ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; under bf16 the units are
+    held in bf16 over fp32 main pieces); under hybrid sharding ``dp`` is the shard group,
+    ``replicas`` the groups' same places and ``over`` the axes the pieces are sharded over.
+    ``built``: the units as `trainer.construction.build_sharded_model` made them."""
     if stage == 3:
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
-                              reduce_dtype=reduce_dtype)
-        return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
-                                     blocked)
+                              reduce_dtype=reduce_dtype, alone=alone, replicas=replicas,
+                              built=built is not None)
+        return units, Zero3Optimizer(units, optimizer,
+                                     ParamUnits(model, units, prefetch, built),
+                                     dtype, blocked, over=over)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,
                 alone=alone)

@@ -23,19 +23,21 @@ class Layout(Protocol):
     def sequence_parallel(self) -> bool: ...
     @property
     def recompute(self) -> str: ...
+    @property
+    def zero_shard_size(self) -> int: ...
 
 
 def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
                compiled: bool = False) -> None:
     """Refuse what ``--zero`` does not run with yet.
 
-    ZeRO-3 (`trainer.parallel.zero.units`) is data parallelism over fp32 (or fp64) parameters so
-    far:
-    its units are whole blocks of a whole model, gathered by module hooks that recomputation
-    and compiled blocks would bypass. ZeRO-2 reduces its buckets in rounds that need every
-    backward to cover the whole model (`trainer.parallel.zero.grad_shards`); under the interleaved
-    schedule a backward covers one model chunk, so a bucket that spans two chunks would be
-    reduced from part of its gradients."""
+    ZeRO-3 (`trainer.parallel.zero.units`) runs with tensor, sequence and pipeline
+    parallelism (every schedule: its units reduce when complete, not in rounds), recomputation,
+    bf16 and accumulation; not with compiled blocks, whose compiled graphs would bypass the
+    module hooks that gather the units. ZeRO-2 reduces its buckets in rounds that need every
+    backward to cover the whole model (`trainer.parallel.zero.grad_shards`); under the
+    interleaved schedule a backward covers one model chunk, so a bucket that spans two chunks
+    would be reduced from part of its gradients."""
     if zero == 2 and layout.pp > 1 and layout.chunks > 1:
         raise ConfigError(
             "unsupported combination",
@@ -45,18 +47,14 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
             "Use --schedule 1f1b or gpipe with --zero 2, or --zero 1 with the interleaved "
             "schedule")
     if zero != 3:
+        if layout.zero_shard_size:
+            raise ConfigError(
+                "hybrid sharding needs ZeRO-3", f"--zero-shard-size {layout.zero_shard_size} "
+                f"with --zero {zero}", "the shard groups shard the parameters, which only "
+                "ZeRO-3 does", "Add --zero 3, or drop --zero-shard-size")
         return
-    refused = [flag for flag, on in ((f"--tp {layout.tp}", layout.tp > 1),
-                                     (f"--pp {layout.pp}", layout.pp > 1),
-                                     ("--sequence-parallel", layout.sequence_parallel),
-                                     (f"--recompute {layout.recompute}",
-                                      layout.recompute != "none"),
-                                     ("--compile", compiled),
-                                     (f"--precision {precision}", precision != "fp32")) if on]
-    if refused:
+    if compiled:
         raise ConfigError(
-            "unsupported combination", f"--zero 3 with {', '.join(refused)}",
-            "ZeRO-3 runs data parallelism over fp32 parameters only so far (no tensor or "
-            "pipeline parallelism, sequence parallelism, recomputation, compiled blocks or "
-            "bf16; --precision auto would pick bf16 on a GPU)",
-            f"Drop {', '.join(refused)} (pass --precision fp32), or use --zero 2")
+            "unsupported combination", "--zero 3 with --compile",
+            "compiled blocks bypass the module hooks that gather each block's parameters "
+            "before it runs", "Drop --compile, or use --zero 2")

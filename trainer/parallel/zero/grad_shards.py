@@ -209,6 +209,16 @@ class ShardedGradients(DataParallel):
 
     def _launch(self, bucket: StagedBucket) -> None:
         """Start bucket ``bucket``'s reduce-scatter (the next in index order)."""
+        self._reduce(bucket)
+        self._next = (self._next + 1) % len(self.buckets)
+        if self._next == 0:  # every bucket launched once: the next backward starts a round
+            self._new_round()
+            self._rounds += 1
+        if not self.overlap or self.comm.size == 1:
+            self._retire(until=len(self._in_flight))
+
+    def _reduce(self, bucket: StagedBucket) -> None:
+        """Post ``bucket``'s reduce-scatter from its staging, which it then owns."""
         if len(self._in_flight) >= IN_FLIGHT:  # bounded memory: wait for the oldest
             self._retire(until=len(self._in_flight) - IN_FLIGHT + 1)
         staging = self._staging(bucket)
@@ -224,12 +234,6 @@ class ShardedGradients(DataParallel):
         own = wire[self.comm.rank * width:(self.comm.rank + 1) * width]
         self._in_flight.append(InFlight(wire, own, bucket.shard,
                                         self._post_scatter(own, wire)))
-        self._next = (self._next + 1) % len(self.buckets)
-        if self._next == 0:  # every bucket launched once: the next backward starts a round
-            self._new_round()
-            self._rounds += 1
-        if not self.overlap or self.comm.size == 1:
-            self._retire(until=len(self._in_flight))
 
     def _post_scatter(self, own: torch.Tensor, wire: torch.Tensor) -> Handle | None:
         if self.comm.size == 1:

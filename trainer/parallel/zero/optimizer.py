@@ -59,10 +59,12 @@ class ZeroOptimizer:
 
     def __init__(self, sync: ShardedSync, full: torch.optim.Optimizer,
                  dtype: torch.dtype | None,
-                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext, *,
+                 over: tuple[str, ...] = DP_AXES) -> None:
         """``full``: the AdamW the run built over the whole model, whose groups and
         hyperparameters the pieces take. ``dtype``: what the model is then cast to (bf16), or
-        None (keep)."""
+        None (keep). ``over``: the mesh axes the pieces are sharded over (all of dp; under
+        hybrid sharding the shard group's, the pieces staying replicas over the rest)."""
         self.sync, self.model, self.dtype, self.blocked = sync, sync.model, dtype, blocked
         self.layout, self.params = sync.layout, sync.params
         self.pieces = self.layout.pieces()
@@ -74,7 +76,7 @@ class ZeroOptimizer:
             part = self._part(piece)
             main = nn.Parameter(part.clone().float() if dtype is not None else part)
             main.placement = self.params[piece.param].placement.piece(piece.lo, piece.hi,
-                                                                     over=DP_AXES)
+                                                                     over=over)
             self.main.append(main)
             groups[group_of[id(self.params[piece.param])]].append(main)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in full.param_groups]
@@ -86,7 +88,12 @@ class ZeroOptimizer:
         if dtype is not None:
             for p in self.params:
                 p.grad = None
-            self.model.to(dtype)
+            self._cast(dtype)
+
+    def _cast(self, dtype: torch.dtype) -> None:
+        """The model in ``dtype`` once the fp32 main pieces are taken (ZeRO-3 casts its
+        units instead, `trainer.parallel.zero.units`)."""
+        self.model.to(dtype)
 
     def _part(self, piece: Piece) -> torch.Tensor:
         """Where a piece's values live: its part of the model parameter (ZeRO-3: of the

@@ -1,13 +1,12 @@
-"""ZeRO-3 foundations: the parameters sharded too, in units gathered only while they are used.
+"""ZeRO-3: the parameters sharded too, in units gathered only while they are used.
 
-    python -m trainer.train --model small --dp 4 --zero 3 --precision fp32 --run-dir runs/z3
+    python -m trainer.train --model small --dp 4 --zero 3 --run-dir runs/z3
 
 A *unit* is a run of parameters gathered and reduced together, one flat buffer, one collective
 (never one per tensor, DeepSpeed#1069): each transformer block, and the parameters outside
 the blocks (the embedding, the final norm, the head), which form the *root*. The units are the
 buckets of the ZeRO layout (`trainer.parallel.zero.layout.unit_layout`), so a unit's parameter
-shard,
-its gradient shard (`UnitGradients`, ZeRO-2's reduce-scatter cut at the units) and the
+shard, its gradient shard (`trainer.parallel.zero.unit_grads.UnitGradients`) and the
 optimizer's pieces (`Zero3Optimizer`) are the same elements, and checkpoints are ZeRO-1/2's.
 
 Between steps a rank holds its 1/dp *shard* of every unit. A unit's whole flat buffer exists
@@ -19,8 +18,12 @@ Between steps a rank holds its 1/dp *shard* of every unit. A unit's whole flat b
   forward;
 * backward: block i gathered again before its backward (a hook on its output's gradient),
   the ``prefetch`` blocks before it posted then; every unit freed as soon as its gradients are
-  complete and its reduce-scatter is posted (the root at the end of backward);
-* outside autograd (evaluation), everything gathered is freed after the forward.
+  complete and its reduce-scatter is posted (the root at the end of backward); a root
+  module's units are gathered again before its backward if they were released since its
+  forward (a later microbatch's forward ran first, under a pipeline schedule);
+* outside autograd (evaluation), everything gathered is freed after the forward;
+* before the optimizer updates the shards, any unit still gathered is freed (`settle`), so
+  no whole buffer outlives the values it was gathered from.
 
 The model's parameters stay the same objects (views of their unit's buffer): freeing resizes
 the buffer's storage to 0 bytes, gathering resizes it back, as FSDP1 does. Every collective is
@@ -28,102 +31,139 @@ posted from the main thread in the order the hooks fire, which is the same on ev
 the same graph: blocks run in order, and autograd finishes a block's gradients (its
 accumulate-grad nodes go first) before it computes the previous block's.
 
-What this stage runs with is checked before anything is built (`trainer.parallel.zero.checks`): data
-parallelism only, fp32 (or fp64), no recomputation; accumulation and clipping compose.
+How it composes (each shown equal to the single-process model, tests/trainer/test_zero3.py):
+
+* tensor and sequence parallelism: a rank's units are blocks of its TP slice, sharded over
+  its DP group; TP's own collectives (and SP's sum of the norms' gradients over TP) run
+  inside autograd, before the post-accumulate hooks hand a gradient to the unit's bucket;
+* recomputation: the gather is the *hook on the block's output gradient*, not an explicit
+  gather inside the recomputed function. That hook fires before autograd runs the block's
+  backward node, which is where `trainer.parallel.tensor.random.checkpoint` re-runs the
+  block's body (``Block.body``, not the module call, so the forward hooks do not fire a
+  second time and nothing is freed in between); the unit is then freed by its
+  reduce-scatter, after the recomputed forward's backward has used it;
+* gradient accumulation: every microbatch gathers each unit again and reduce-scatters its
+  gradients into the shards, which accumulate (ZeRO-2's choice, `grad_shards`): no
+  unsharded gradient or parameter is kept across microbatches, at one reduce-scatter and
+  two all-gathers per unit per microbatch;
+* bf16: the units are held in bf16 (`cast`), the optimizer steps fp32 main pieces and
+  rounds them into the bf16 shards after the step (`Zero3Optimizer.publish`), the rounding
+  ZeRO-1's all-gather makes, so both run the same arithmetic;
+* clipping and the NaN guard: the pieces carry their placements, so the gradient norm sums
+  each element once over DP, TP (and the world); a skipped step leaves the shards as they
+  were;
+* pipeline parallelism, every schedule (gpipe, 1f1b, interleaved): the gather is *per
+  microbatch*, never kept across the pipeline step: each forward and each backward of a
+  microbatch gathers the stage's blocks and frees them after, so a stage holds at most the
+  blocks computing and prefetched whatever the number of microbatches in flight (keeping
+  them across the step would hold the whole stage, ZeRO-2's memory), at 2 all-gathers and 1
+  reduce-scatter per unit per microbatch. Prefetch stays inside a run of consecutive layers
+  (an interleaved stage's next chunk runs after other stages'). A unit is reduced as soon
+  as one backward completes it (`unit_grads`), so a backward covering one chunk is fine;
+  the tied embedding is a unit of its own on the first and last stage, summed over the
+  embedding group like ZeRO-1's.
+
+Compiled blocks (their graphs would bypass the hooks) and MoE are refused before anything
+is built (`trainer.parallel.zero.checks`, `trainer.parallel.expert.checks`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, Handle
-from trainer.parallel.zero.grad_shards import ShardedGradients, StagedBucket
-from trainer.parallel.zero.layout import Piece, ShardLayout, unit_layout
+from trainer.comm.protocol import Handle
+from trainer.construction.shards import UnitShards
+from trainer.parallel.zero.layout import Piece
 from trainer.parallel.zero.optimizer import ZeroOptimizer
-
-
-def unit_of(name: str) -> str:
-    """The unit a parameter belongs to: ``blocks.<i>`` for a block's, else the root."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "blocks" else ""
-
-
-def unit_runs(names: Sequence[str]) -> list[range]:
-    """Consecutive runs of parameters (given in buffer order) of the same unit."""
-    runs, first = [], 0
-    for i in range(1, len(names) + 1):
-        if i == len(names) or unit_of(names[i]) != unit_of(names[first]):
-            runs.append(range(first, i))
-            first = i
-    return runs
-
-
-class UnitGradients(ShardedGradients):
-    """ZeRO-2's gradient shards with one bucket per unit; a unit's parameters are freed as
-    soon as its reduce-scatter is posted (`ParamUnits.release`)."""
-
-    def __init__(self, model: nn.Module, comm: Communicator, **kwargs: Any) -> None:
-        self.release: Callable[[int], None] = lambda k: None
-        """Called with a unit's index once its reduce-scatter is posted (`ParamUnits`)."""
-        # Every collective from the main thread, in hook order (module docstring).
-        super().__init__(model, comm, comm_thread=False, **kwargs)
-
-    def _make_layout(self) -> ShardLayout:
-        names = [self._names[id(p)] for p in self.params]
-        return unit_layout([p.numel() for p in self.params], unit_runs(names),
-                           self.comm.size, self.comm.rank)
-
-    def _launch(self, bucket: StagedBucket) -> None:
-        super()._launch(bucket)
-        self.release(bucket.index)
+from trainer.parallel.zero.unit_grads import UnitGradients, unit_of
+from trainer.placement.parameters import DP_AXES
 
 
 class ParamUnits:
     """The parameter shards of every unit, and the hooks that gather and free them."""
 
-    def __init__(self, model: nn.Module, sync: UnitGradients, prefetch: int) -> None:
+    def __init__(self, model: nn.Module, sync: UnitGradients, prefetch: int,
+                 built: UnitShards | None = None) -> None:
+        """``built``: the units as `trainer.construction.shards` made them (the parameters
+        already views of freed buffers, the shards filled), adopted as they are; without it
+        the model's materialised parameters are copied into units and sharded here."""
         self.comm, self.layout, self.prefetch = sync.comm, sync.layout, prefetch
+        self.params = sync.params
         names = [sync._names[id(p)] for p in sync.params]
-        self.full: list[torch.Tensor] = []
-        self.shards: list[torch.Tensor] = []
+        if built is not None and built.layout != self.layout:
+            raise RuntimeError("the units built into shards do not match the gradient "
+                               "layout")  # a wiring bug: the same parameters, two orders
+        self.full: list[torch.Tensor] = [] if built is None else built.full
+        self.shards: list[torch.Tensor] = [] if built is None else built.shards
         """This rank's block of each unit: the parameters' values between uses."""
         self.root: list[int] = []
         block_of: dict[str, int] = {}
         for k, b in enumerate(self.layout.buckets):
-            params = [sync.params[i] for i in b.params]
-            full = params[0].new_zeros(b.end - b.start)
-            with torch.no_grad():
-                for i, p in zip(b.params, params, strict=True):
-                    at = self.layout.offsets[i] - b.start
-                    full[at:at + p.numel()].copy_(p.view(-1))
-                    p.data = full[at:at + p.numel()].view_as(p)
-            self.full.append(full)
-            lo, hi = self.layout.shard(k)
-            self.shards.append(full[lo - b.start:hi - b.start].clone())
+            if built is None:
+                self._adopt(k, [sync.params[i] for i in b.params])
             unit = unit_of(names[b.params.start])
             if unit:
                 block_of[unit] = k
             else:
                 self.root.append(k)
-        self.order = [block_of[f"blocks.{key}"] for key in getattr(model, "blocks", {})]
+        keys = list(getattr(model, "blocks", {}))
+        self.order = [block_of[f"blocks.{key}"] for key in keys]
         """The blocks' units in forward order."""
+        self.layers = [int(key) if key.isdigit() else n for n, key in enumerate(keys)]
+        """The layer each block is: prefetch stays within a run of consecutive layers (a
+        pipeline chunk; the next chunk of an interleaved stage runs after other stages')."""
         self.pending: dict[int, tuple[torch.Tensor, Handle | None]] = {}
         """Units whose all-gather is in flight, and the tensor it lands in."""
-        self.held = set(range(len(self.full)))
+        self.held = set(range(len(self.full))) if built is None else set()
         """Units whose whole buffer is allocated and gathered."""
         self.gathered_bytes = self.peak_gathered_bytes = 0
         """Bytes of whole units (and landing tensors) alive now; their most since reset."""
-        for k in range(len(self.full)):
+        for k in sorted(self.held):
             self._count(self.full[k], +1)
             self._free(k)
         self.peak_gathered_bytes = 0
+        self.model = model
         sync.release = self.release
         self._hook(model)
+
+    @torch.no_grad()
+    def _adopt(self, k: int, params: list[nn.Parameter]) -> None:
+        """Unit ``k`` from materialised ``params``: copied into one buffer they then view,
+        and this rank's block of it kept as the shard."""
+        b = self.layout.buckets[k]
+        full = params[0].new_zeros(b.end - b.start)
+        for i, p in zip(b.params, params, strict=True):
+            at = self.layout.offsets[i] - b.start
+            full[at:at + p.numel()].copy_(p.view(-1))
+            p.data = full[at:at + p.numel()].view_as(p)
+        self.full.append(full)
+        lo, hi = self.layout.shard(k)
+        self.shards.append(full[lo - b.start:hi - b.start].clone())
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """Hold every unit in ``dtype`` (bf16 under ``--precision bf16``, once the optimizer
+        has taken its fp32 main pieces): the shards are rounded, the freed whole buffers
+        reallocated in ``dtype`` and the parameters made views of them again; the model's
+        floating buffers (the rotary tables) are cast too, as ``Module.to`` would."""
+        for k, b in enumerate(self.layout.buckets):
+            self._free(k)
+            self.shards[k] = self.shards[k].to(dtype)
+            full = torch.empty(b.end - b.start, dtype=dtype, device=self.shards[k].device)
+            for i in b.params:
+                p = self.params[i]
+                at = self.layout.offsets[i] - b.start
+                p.data = full[at:at + p.numel()].view(p.shape)
+            full.untyped_storage().resize_(0)
+            self.full[k] = full
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.is_floating_point():
+                    module._buffers[name] = buf.to(dtype)
 
     # -- gather and free -------------------------------------------------------------------
 
@@ -193,8 +233,12 @@ class ParamUnits:
         # The root's own modules, not the model's forward: the loss runs the embedding, the
         # blocks and the head without calling the model itself (`GPT.loss`, `GPT.head_loss`).
         parts = [m for name, m in model.named_children() if name != "blocks"]
+        unit_of_param = {id(self.params[i]): k for k, b in enumerate(self.layout.buckets)
+                         for i in b.params}
         for part in parts:
             part.register_forward_pre_hook(self._before_model)
+            mine = sorted({unit_of_param[id(p)] for p in part.parameters()})
+            part.register_forward_hook(lambda _m, _i, out, mine=mine: self._after_root(mine, out))
         last = getattr(model, "head", None) or (parts[-1] if parts else None)
         if last is not None:
             last.register_forward_hook(self._after_model)
@@ -207,8 +251,9 @@ class ParamUnits:
         """Block ``n`` gathered; the next ``prefetch`` blocks (in this pass's order) posted."""
         self._ensure(self.order[n])
         for m in range(n + direction, n + direction * (self.prefetch + 1), direction):
-            if 0 <= m < len(self.order):
-                self._post(self.order[m])
+            if not (0 <= m < len(self.order) and self.layers[m] - self.layers[n] == m - n):
+                break
+            self._post(self.order[m])
 
     def _after(self, n: int, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
@@ -218,6 +263,24 @@ class ParamUnits:
     def _before_model(self, *_: Any) -> None:
         for k in self.root:
             self._ensure(k)
+
+    def _after_root(self, units: list[int], out: Any) -> None:
+        """Under a pipeline schedule a later microbatch's forward may run before an earlier
+        one's backward releases the root: a root module's own ``units`` are gathered again,
+        if they have to be, before its backward (the hook on its output's gradient); its
+        backward then completes their gradients, which releases them again."""
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda _grad: self._ensure_all(units))
+
+    def _ensure_all(self, units: list[int]) -> None:
+        for k in units:
+            self._ensure(k)
+
+    def settle(self) -> None:
+        """Free every unit still gathered (before the optimizer updates the shards, so that
+        no whole buffer outlives the values it was gathered from)."""
+        for k in range(len(self.full)):
+            self._free(k)
 
     def _after_model(self, *_: Any) -> None:
         if not torch.is_grad_enabled():  # evaluation: no backward will need the root
@@ -230,12 +293,28 @@ class Zero3Optimizer(ZeroOptimizer):
     shards in place and the next gather reads them, so there is nothing to publish."""
 
     def __init__(self, sync: UnitGradients, full: torch.optim.Optimizer, units: ParamUnits,
-                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
+                 dtype: torch.dtype | None = None,
+                 blocked: Callable[[], AbstractContextManager[None]] = nullcontext, *,
+                 over: tuple[str, ...] = DP_AXES) -> None:
         self.units = units
-        super().__init__(sync, full, None, blocked)
+        super().__init__(sync, full, dtype, blocked, over=over)
 
     def _part(self, piece: Piece) -> torch.Tensor:
         return self.units.shards[piece.bucket][piece.at:piece.at + piece.hi - piece.lo]
 
+    def _cast(self, dtype: torch.dtype) -> None:
+        self.units.cast(dtype)
+
+    def step(self, lr: float) -> None:
+        self.units.settle()
+        super().step(lr)
+
+    @torch.no_grad()
     def publish(self) -> None:
-        """Nothing: the pieces are the shards the units gather from."""
+        """fp32: nothing, the pieces are the shards the units gather from. bf16: the stepped
+        fp32 main pieces rounded into the bf16 shards (the rounding ZeRO-1's all-gather makes),
+        which the next gather reads."""
+        if self.dtype is None:
+            return
+        for main, piece in zip(self.main, self.pieces, strict=True):
+            self._part(piece).copy_(main.view(-1))
