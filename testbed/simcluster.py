@@ -12,6 +12,10 @@ and `PmiProxy`), unchanged. What is simulated is below the agent:
   conversation (`testbed.simrank`) for every rank of every host here, then "exits" (the
   agent's queue gets `RankExited`, as from its reaper thread). A KILL or BYE ends a fake rank
   like a signal (exit 128+sig).
+* the ranks' /proc readings: the agent's progress records read each rank's CPU time from
+  /proc/<pid>/stat every second. A fake rank has no process of its own (its pid is this
+  process's, shared by thousands), so the reading says "running, CPU unknown", as for a pid
+  that cannot be read; the records themselves and their PROGRESS frames are unchanged.
 * the host's process tree: `descendants` walks /proc for processes the job left behind. Here
   every simulated host shares one process, which has no children, so the walk finds nothing;
   it is skipped (it would cost a /proc scan per host, serialised on this machine's two
@@ -209,7 +213,10 @@ def install(driver: FakeRanks) -> Callable[..., Any]:
         return FakeRank(rank, _FakeProc(stdin), host=getattr(hosts, "name", ""), sock=sock,
                         talk=Conversation(rank, world, driver.gets), driver=driver)
 
+    from launcher.agent import progress
+
     agent_main.start_rank = start_rank  # type: ignore[assignment]
+    progress._stat = lambda pid: ("running", None)  # type: ignore[assignment]
     agent_main.descendants = types.SimpleNamespace(  # type: ignore[assignment]
         kill_strays=lambda keep=frozenset(), rounds=5: None,
         signal_descendants=lambda sig, keep=frozenset(): [])

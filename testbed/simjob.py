@@ -39,10 +39,20 @@ def workers_for(hosts: int) -> int:
 
 
 def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = PEER_GETS,
-            real: bool = False, timeout: float = 600.0,
-            extra: Sequence[str] = ()) -> dict[str, Any]:
+            real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
+            profile: Path | None = None) -> dict[str, Any]:
     """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
-    ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``)."""
+    ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``). With
+    ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
+    their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format)."""
+
+    def spied(name: str) -> list[str]:
+        if profile is None:
+            return []
+        spy = Path(sys.executable).parent / "py-spy"
+        return [str(spy), "record", "--format", "raw", "--rate", "100", "--gil",
+                "--nonblocking", "-o", str(profile / f"{name}.txt"), "--"]
+
     with tempfile.TemporaryDirectory(prefix="dtrain-sim-") as tmp:
         folder = Path(tmp)
         (folder / "stamps").mkdir()
@@ -55,14 +65,19 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         try:
             for w in range(0 if real else (workers or workers_for(hosts))):
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "testbed.simcluster", "--stats",
+                    [*spied(f"worker{w}"), sys.executable, "-m", "testbed.simcluster", "--stats",
                      str(folder / f"worker{w}.json"), "--gets", str(gets)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env)
                 procs.append(proc)
                 assert proc.stdout is not None
-                ports.append(proc.stdout.readline().decode().strip())
+                line = b""
+                while not line.strip().isdigit():  # py-spy, when profiling, speaks first
+                    line = proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError("a simcluster process ended before it listened")
+                ports.append(line.decode().strip())
             program = [sys.executable, str(RANK_SCRIPT)] if real else ["/bin/true"]
-            command = [sys.executable, "-m", "testbed.simhead", "--stats",
+            command = [*spied("head"), sys.executable, "-m", "testbed.simhead", "--stats",
                        str(folder / "head.json"), "--ports", ",".join(ports),
                        "--launcher", "counted-local" if real else "sim", "--",
                        "--hostfile", str(hostfile), "--nproc-per-node", str(ranks),
@@ -107,7 +122,9 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
     last_exit = last("exit")
     return {
         "hosts": hosts, "ranks_per_host": ranks, "mode": "real" if real else "sim",
-        "code": head.returncode, "rank_codes": sorted({s["code"] for s in stamps}, key=str),
+        # The head's own exit code (under py-spy the process's code is py-spy's).
+        "code": head.returncode if head_stats["code"] is None else head_stats["code"],
+        "rank_codes": sorted({s["code"] for s in stamps}, key=str),
         "ranks_seen": len(stamps), "agent_codes": sorted(set(agents.values())),
         "agents_seen": len(agents),
         "running": last("running"), "fenced": last(FENCED), "wired": last(WIRED),
