@@ -16,6 +16,11 @@ and `PmiProxy`), unchanged. What is simulated is below the agent:
   /proc/<pid>/stat every second. A fake rank has no process of its own (its pid is this
   process's, shared by thousands), so the reading says "running, CPU unknown", as for a pid
   that cannot be read; the records themselves and their PROGRESS frames are unchanged.
+* the host's /dev/shm: each agent keeps its ranks' progress records in a folder there and
+  first sweeps away what dead agents of the host left. Simulated hosts would all share one
+  /dev/shm, so each sweep would read every other host's folder: O(hosts) per host, O(hosts^2)
+  here, for a handful of entries on a real host. Here the folders go to a private temporary
+  folder of this process (removed at its end) and the sweep finds nothing to judge.
 * the host's process tree: `descendants` walks /proc for processes the job left behind. Here
   every simulated host shares one process, which has no children, so the walk finds nothing;
   it is skipped (it would cost a /proc scan per host, serialised on this machine's two
@@ -35,6 +40,7 @@ import os
 import queue
 import resource
 import selectors
+import shutil
 import signal
 import socket
 import sys
@@ -213,9 +219,13 @@ def install(driver: FakeRanks) -> Callable[..., Any]:
         return FakeRank(rank, _FakeProc(stdin), host=getattr(hosts, "name", ""), sock=sock,
                         talk=Conversation(rank, world, driver.gets), driver=driver)
 
-    from launcher.agent import progress
+    import tempfile
+
+    from launcher.agent import leftovers, progress
 
     agent_main.start_rank = start_rank  # type: ignore[assignment]
+    progress._SHM = tempfile.mkdtemp(prefix="dtrain-simshm-")
+    leftovers.sweep = lambda base, ours: []  # type: ignore[assignment]
     progress._stat = lambda pid: ("running", None)  # type: ignore[assignment]
     agent_main.descendants = types.SimpleNamespace(  # type: ignore[assignment]
         kill_strays=lambda keep=frozenset(), rounds=5: None,
@@ -270,6 +280,13 @@ def serve_host(sock: socket.socket, start_rank: Any, codes: dict[str, int]) -> N
     sock.close()
 
 
+def progress_folder() -> str:
+    """Where this process's agents keep their ranks' progress records (see `install`)."""
+    from launcher.agent import progress
+
+    return progress._SHM
+
+
 def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
@@ -304,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stdin.buffer.read()  # until whoever started us closes our stdin (or dies)
     stamps = [{"host": s.host, "rank": s.rank, "running": s.running, **s.marks, "exit": s.exit,
                "code": s.code} for s in list(driver.stamps)]
+    shutil.rmtree(progress_folder(), ignore_errors=True)
     with open(args.stats, "w") as out:
         json.dump({"ranks": stamps, "agents": codes, "pid": os.getpid(),
                    "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),

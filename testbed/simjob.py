@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).resolve().parent / "simrank.py"
 #: Hosts per simcluster process: each host costs the process ~20 files (its PMI socket pairs,
 #: the connection, the selector) and 4 threads.
-HOSTS_PER_WORKER = 512
+HOSTS_PER_WORKER = 256
 
 
 def workers_for(hosts: int) -> int:
@@ -40,9 +40,12 @@ def workers_for(hosts: int) -> int:
 
 def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = PEER_GETS,
             real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
-            profile: Path | None = None) -> dict[str, Any]:
+            heartbeat: float | None = None, profile: Path | None = None) -> dict[str, Any]:
     """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
-    ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``). With
+    ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``).
+    ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
+    cores with everything else on it, and a starved process's agents may miss the default's
+    15 s silence limit, which real hosts with cores of their own would not. With
     ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
     their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format)."""
 
@@ -81,6 +84,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
                        str(folder / "head.json"), "--ports", ",".join(ports),
                        "--launcher", "counted-local" if real else "sim", "--",
                        "--hostfile", str(hostfile), "--nproc-per-node", str(ranks),
+                       *(("--heartbeat-interval", str(heartbeat)) if heartbeat else ()),
                        *extra, "--", *program]
             t0 = time.monotonic()
             head = subprocess.run(command, cwd=REPO, env=env, timeout=timeout,
