@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import socket
+import struct
 import sys
 import threading
 import time
@@ -43,20 +45,64 @@ COUNTERS: list[FrameCounter] = []
 
 
 class FrameCounter:
-    """Frames and bytes per (direction, kind) on one stream; PMI frames by their ``op``."""
+    """Frames and bytes per (direction, kind) on one stream; PMI frames by their ``op``.
+
+    It reads only the frame headers (and a PMI frame's first bytes, where its ``op`` is),
+    never copies or decodes a payload: it runs inside the head's process, whose CPU is
+    measured (a barrier_out carries every card of the job to every host)."""
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
-        self._decoders = {"out": wire.Decoder(), "in": wire.Decoder()}
+        self._scan = {"out": _Scanner(), "in": _Scanner()}
 
     def feed(self, direction: str, data: bytes) -> None:
-        for frame in self._decoders[direction].feed(data):
-            kind = frame.kind.name
-            if frame.kind is wire.Kind.PMI:
-                kind = f"PMI:{frame.json().get('op')}"
-            self.counts[direction, kind] += 1
-            self.bytes[direction, kind] += len(frame.payload) + 5
+        for kind, size, peek in self._scan[direction].feed(data):
+            name = wire.Kind(kind).name
+            if kind == wire.Kind.PMI:
+                found = _OP.search(peek)
+                name = f"PMI:{found.group(1).decode() if found else '?'}"
+            self.counts[direction, name] += 1
+            self.bytes[direction, name] += size
+
+
+_OP = re.compile(rb'"op":\s*"([A-Za-z_]+)"')
+_HEADER = struct.Struct("!IB")  # launcher.wire's: length (kind + payload), kind
+_PEEK = 64
+
+
+class _Scanner:
+    """Whole frames' (kind, size, first payload bytes) from a stream fed in any pieces."""
+
+    def __init__(self) -> None:
+        self._header = b""
+        self._left = 0      # payload bytes of the current frame still to come
+        self._kind = self._size = 0
+        self._peek = b""
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        done: list[tuple[int, int, bytes]] = []
+        at, end = 0, len(data)
+        while at < end:
+            if not self._left:
+                take = min(_HEADER.size - len(self._header), end - at)
+                self._header += data[at:at + take]
+                at += take
+                if len(self._header) < _HEADER.size:
+                    break
+                length, self._kind = _HEADER.unpack(self._header)
+                self._header, self._size, self._left, self._peek = b"", 4 + length, length - 1, b""
+                if not self._left:
+                    done.append((self._kind, self._size, b""))
+                    continue
+            take = min(self._left, end - at)
+            if len(self._peek) < _PEEK:
+                self._peek += data[at:at + min(take, _PEEK - len(self._peek))]
+            at += take
+            self._left -= take
+            if not self._left:
+                done.append((self._kind, self._size, self._peek))
+        return done
 
 
 def totals() -> dict[str, dict[str, list[int]]]:

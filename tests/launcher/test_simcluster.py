@@ -100,3 +100,18 @@ def test_the_conversation_is_what_the_pmi_cores_answer_for_a_whole_world(gets: i
         chosen = peers(rank, world, gets)
         assert rank not in chosen and len(set(chosen)) == len(chosen) == gets
     assert card(3) != card(4)
+
+
+def test_the_head_counts_frames_by_kind_and_pmi_op_however_the_stream_splits_them() -> None:
+    from launcher import wire
+    from testbed.simhead import FrameCounter
+
+    data = (wire.encode_json(wire.Kind.PMI, {"op": "barrier_out", "kv": {"bc-0": "x" * 300}})
+            + wire.encode(wire.Kind.HEARTBEAT) + wire.encode_json(wire.Kind.EXIT, {"rank": 1}))
+    whole, bytewise = FrameCounter(), FrameCounter()
+    whole.feed("in", data)
+    for i in range(len(data)):
+        bytewise.feed("in", data[i:i + 1])
+    assert whole.counts == bytewise.counts == {
+        ("in", "PMI:barrier_out"): 1, ("in", "HEARTBEAT"): 1, ("in", "EXIT"): 1}
+    assert sum(whole.bytes.values()) == sum(bytewise.bytes.values()) == len(data)
