@@ -60,7 +60,8 @@ BENCHES = (
     Bench("hosts_scale", "Launch on 8-64 namespace hosts x 1 rank: dtrain flat and tree vs "
           "mpiexec.hydra vs pdsh", True, quick={"hosts": (8,), "reps": 1}),
     Bench("sim_scale", "The head at 256-4,096 simulated hosts x 8 ranks: launch, fence, exit "
-          "tail, CPU, memory, fitted growth", quick={"sizes": (64, 256), "fidelity_hosts": 4}),
+          "tail, CPU, memory, fitted growth",
+          quick={"sizes": (64, 256), "fidelity_hosts": 4, "rendezvous": (64,)}),
     Bench("pmi_scaling", "PMI-1 server scaling (simulated MPICH clients)",
           quick={"sizes": (64, 256)}),
     Bench("allreduce", "CPU all-reduce: dtrain MPI vs torch gloo",

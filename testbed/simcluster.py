@@ -114,6 +114,8 @@ class FakeRanks:
                 rank.killed = sig  # killed before its watch: it ends as soon as it is added
 
     def _readable(self, rank: FakeRank) -> None:
+        if rank.stamps is None or rank.stamps.code is not None:
+            return  # ended earlier in this round of the loop (a kill)
         try:
             data = rank.sock.recv(65536)
         except OSError:
@@ -150,6 +152,8 @@ class FakeRanks:
         from launcher.agent.ranks import RankExited
 
         assert rank.stamps is not None
+        if rank.stamps.code is not None:
+            return  # once only
         self._sel.unregister(rank.sock)
         rank.sock.close()  # as a process's exit closes its PMI socket, before the reaper
         rank.stamps.exit, rank.stamps.code = time.monotonic(), code
@@ -280,6 +284,46 @@ def serve_host(sock: socket.socket, start_rank: Any, codes: dict[str, int]) -> N
     sock.close()
 
 
+def join_host(name: str, where: tuple[str, int], token_file: str, start_rank: Any,
+              codes: dict[str, int], timeout: float) -> None:
+    """One simulated host in rendezvous mode: the real join (`launcher.rendezvous.join`:
+    connect, token handshake, JOIN, ADMIT), then the real agent over the sealed channel, as
+    `dtrain agent --rendezvous` runs it. The host's name is the thread's (`_named_socket`)."""
+    from launcher.agent.head_link import HeadLink
+    from launcher.agent.main import Agent
+    from launcher.rendezvous import join
+    from launcher.rendezvous.options import JoinOptions, read_token
+
+    _NAMES.name = start_rank.hosts.name = name
+    try:
+        sealed = join.join(JoinOptions(where[0], where[1], token_file, timeout=timeout),
+                           read_token(token_file))
+    except Exception as exc:  # noqa: BLE001 - one host that could not join is a result
+        sys.stderr.write(f"simcluster: {name} did not join: {exc}\n")
+        codes[name] = -1
+        return
+    agent = Agent(lambda events: HeadLink(events, sealed.read, sealed))
+    codes[name] = agent.run()
+    agent.link.flush(FLUSH_S)
+    try:  # as the agent process's exit closes its connection
+        sealed.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sealed.sock.close()
+
+
+_NAMES = threading.local()
+
+
+def _named_socket() -> Any:
+    """`socket` as `launcher.rendezvous.join` sees it here: gethostname answers the simulated
+    host's name (every simulated host shares this machine's real one)."""
+    named = types.ModuleType("socket")
+    named.__dict__.update(socket.__dict__)
+    named.gethostname = lambda: getattr(_NAMES, "name", socket.gethostname())  # type: ignore[attr-defined]
+    return named
+
+
 def progress_folder() -> str:
     """Where this process's agents keep their ranks' progress records (see `install`)."""
     from launcher.agent import progress
@@ -297,6 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m testbed.simcluster")
     ap.add_argument("--stats", required=True, help="where to write the stamps at the end")
     ap.add_argument("--gets", type=int, default=PEER_GETS, help="peer cards each rank reads")
+    ap.add_argument("--join", help="HOST:PORT of a rendezvous head: join it instead of waiting")
+    ap.add_argument("--token-file", help="the rendezvous token (with --join)")
+    ap.add_argument("--names", default="", help="with --join: the hosts' names, comma-separated")
+    ap.add_argument("--join-timeout", type=float, default=120.0)
     args = ap.parse_args(argv)
     raise_fd_limit()
     threading.stack_size(STACK_BYTES)
@@ -316,6 +364,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              daemon=True).start()
 
     threading.Thread(target=accept, name="accept", daemon=True).start()
+    if args.join:
+        from launcher.rendezvous import join
+
+        join.socket = _named_socket()  # type: ignore[attr-defined]
+        host, _, port = args.join.rpartition(":")
+        for name in args.names.split(","):
+            threading.Thread(target=join_host, args=(name, (host, int(port)), args.token_file,
+                                                     start_rank, codes, args.join_timeout),
+                             daemon=True).start()
     sys.stdout.write(f"{listener.getsockname()[1]}\n")
     sys.stdout.flush()
     sys.stdin.buffer.read()  # until whoever started us closes our stdin (or dies)

@@ -15,6 +15,7 @@ asks; this process adds rows to it, nothing else of the launcher changes):
                  stream counted the same way (real agents, for the fidelity comparison)
     counted-local  every host a local agent subprocess whatever its name (real agents on
                  this machine under distinct host names)
+    rendezvous   (replaced) the real join flow, its agents' streams counted
 
 At the end ``--stats`` gets JSON: frames and bytes per direction and kind (PMI frames per
 ``op``), the head's CPU seconds and peak RSS, and when the launch began and returned
@@ -235,8 +236,26 @@ def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any) -> li
     return [CountingStream(LocalAgentStream(h.entry.name, python=python)) for h in selected]
 
 
+#: When the rendezvous head had every agent joined (CLOCK_MONOTONIC), for `--stats`.
+JOINED_AT: list[float] = []
+
+
+def join_counted(opts: Any, **kw: Any) -> Any:
+    """The `rendezvous` row, its joined agents' streams counted: the head's real listener,
+    handshakes and roster (`launcher.rendezvous.head.join_agents`)."""
+    import dataclasses
+
+    from launcher.rendezvous.head import join_agents
+
+    joined = join_agents(opts, **kw)
+    JOINED_AT.append(time.monotonic())
+    return dataclasses.replace(joined, streams=[CountingStream(s) for s in joined.streams])
+
+
 def install() -> None:
     """Add the rows to the transport table (before the CLI builds its --launcher choices)."""
+    import dataclasses
+
     from launcher.transport import table
 
     rows = [table.Transport(name, table.Flow.DISPATCH, summary, f"testbed.simhead:{entry}")
@@ -246,7 +265,9 @@ def install() -> None:
                 ("counted-local", "local agents under any name, frames counted",
                  "start_counted_local"))]
     known = {t.name for t in table.TRANSPORTS}
-    table.TRANSPORTS = (*table.TRANSPORTS, *(r for r in rows if r.name not in known))
+    table.TRANSPORTS = (*(dataclasses.replace(t, entry="testbed.simhead:join_counted")
+                          if t.flow is table.Flow.JOIN else t for t in table.TRANSPORTS),
+                        *(r for r in rows if r.name not in known))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,6 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(args.stats, "w") as out:
         json.dump({"frames": totals(), "began": began, "returned": returned,
+                   "joined": JOINED_AT[0] if JOINED_AT else None,
                    "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss,
                    "code": code}, out)
     return code if isinstance(code, int) else 1

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,14 +41,17 @@ def workers_for(hosts: int) -> int:
 
 def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = PEER_GETS,
             real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
-            heartbeat: float | None = None, profile: Path | None = None) -> dict[str, Any]:
+            heartbeat: float | None = None, rendezvous: bool = False,
+            profile: Path | None = None) -> dict[str, Any]:
     """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
     ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``).
     ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
     cores with everything else on it, and a starved process's agents may miss the default's
     15 s silence limit, which real hosts with cores of their own would not. With
     ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
-    their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format)."""
+    their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format). With
+    ``rendezvous``, the head listens (`--launcher rendezvous`) and the simulated hosts join it
+    (token handshake, roster) instead of being dialled."""
 
     def spied(name: str) -> list[str]:
         if profile is None:
@@ -65,11 +69,28 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         hostfile.write_text("".join(f"sim{i + 1} slots={ranks}\n" for i in range(hosts)))
         procs: list[subprocess.Popen[bytes]] = []
         ports: list[str] = []
+        count = 0 if real else (workers or workers_for(hosts))
+        names = [f"sim{i + 1}" for i in range(hosts)]
+        head_args = ["--hostfile", str(hostfile)]
+        join_args: list[list[str]] = [[] for _ in range(count)]
+        if rendezvous:
+            token, port = folder / "token", _free_port()
+            token.write_text(_token() + "\n")
+            token.chmod(0o600)
+            head_args = ["--rendezvous-port", str(port), "--nnodes", str(hosts),
+                         "--token-file", str(token), "--rendezvous-timeout", str(timeout)]
+            join_args = [["--join", f"127.0.0.1:{port}", "--token-file", str(token),
+                          "--names", ",".join(names[w::count])] for w in range(count)]
+        head: Any = None
         try:
-            for w in range(0 if real else (workers or workers_for(hosts))):
+            if rendezvous:  # the head listens first; the agents keep trying until it does
+                head = _start_head(spied("head"), folder, ports, "rendezvous", head_args,
+                                   ranks, extra, heartbeat, env, real=False)
+                t0 = time.monotonic()
+            for w in range(count):
                 proc = subprocess.Popen(
                     [*spied(f"worker{w}"), sys.executable, "-m", "testbed.simcluster", "--stats",
-                     str(folder / f"worker{w}.json"), "--gets", str(gets)],
+                     str(folder / f"worker{w}.json"), "--gets", str(gets), *join_args[w]],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env)
                 procs.append(proc)
                 assert proc.stdout is not None
@@ -79,18 +100,22 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
                     if not line:
                         raise RuntimeError("a simcluster process ended before it listened")
                 ports.append(line.decode().strip())
-            program = [sys.executable, str(RANK_SCRIPT)] if real else ["/bin/true"]
-            command = [*spied("head"), sys.executable, "-m", "testbed.simhead", "--stats",
-                       str(folder / "head.json"), "--ports", ",".join(ports),
-                       "--launcher", "counted-local" if real else "sim", "--",
-                       "--hostfile", str(hostfile), "--nproc-per-node", str(ranks),
-                       *(("--heartbeat-interval", str(heartbeat)) if heartbeat else ()),
-                       *extra, "--", *program]
-            t0 = time.monotonic()
-            head = subprocess.run(command, cwd=REPO, env=env, timeout=timeout,
-                                  capture_output=True)
+            if head is None:
+                t0 = time.monotonic()
+                head = _start_head(spied("head"), folder, ports,
+                                   "counted-local" if real else "sim", head_args, ranks, extra,
+                                   heartbeat, env, real=real)
+            try:
+                out, err = head.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                out, err = head.communicate()
             head_exit = time.monotonic()
+            head = subprocess.CompletedProcess(head.args, head.returncode, out, err)
         finally:
+            if isinstance(head, subprocess.Popen) and head.poll() is None:
+                head.kill()  # an error above: the head we started goes too
+                head.wait()
             for proc in procs:
                 assert proc.stdin is not None
                 proc.stdin.close()
@@ -114,6 +139,32 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
                     real=real)
 
 
+def _start_head(spy: list[str], folder: Path, ports: list[str], launcher: str,
+                hosts: list[str], ranks: int, extra: Sequence[str], heartbeat: float | None,
+                env: dict[str, str], *, real: bool) -> subprocess.Popen[bytes]:
+    program = [sys.executable, str(RANK_SCRIPT)] if real else ["/bin/true"]
+    command = [*spy, sys.executable, "-m", "testbed.simhead", "--stats",
+               str(folder / "head.json"), "--ports", ",".join(ports), "--launcher", launcher,
+               "--", *hosts, "--nproc-per-node", str(ranks),
+               *(("--heartbeat-interval", str(heartbeat)) if heartbeat else ()),
+               *extra, "--", *program]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _token() -> str:
+    from launcher.rendezvous.tokens import new
+
+    return new()
+
+
 def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
              head: subprocess.CompletedProcess[bytes], head_stats: dict[str, Any],
              stamps: list[dict[str, Any]], agents: dict[str, int], worker_cpu: float, *,
@@ -123,6 +174,7 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         return round(max(values) - t0, 4) if values and len(values) == len(stamps) else None
 
     returned = head_stats["returned"] - t0
+    joined = head_stats.get("joined")
     last_exit = last("exit")
     return {
         "hosts": hosts, "ranks_per_host": ranks, "mode": "real" if real else "sim",
@@ -131,6 +183,7 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         "rank_codes": sorted({s["code"] for s in stamps}, key=str),
         "ranks_seen": len(stamps), "agent_codes": sorted(set(agents.values())),
         "agents_seen": len(agents),
+        "joined": None if joined is None else round(joined - t0, 4),
         "running": last("running"), "fenced": last(FENCED), "wired": last(WIRED),
         "finalized": last(FINALIZED), "last_exit": last_exit, "returned": round(returned, 4),
         "head_exit": round(head_exit - t0, 4),
