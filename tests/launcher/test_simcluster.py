@@ -63,6 +63,16 @@ def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -
         assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 8
 
 
+def test_simulated_hosts_join_a_rendezvous_head_with_the_token_and_run_the_same_job() -> None:
+    """Rendezvous mode at scale: every simulated host joins the real listener (token
+    handshake, roster); then the job's frames are those of a dispatched launch."""
+    result = simjob.run_job(32, 2, rendezvous=True, timeout=300, heartbeat=30.0)
+    _ended_well(result, 32, 2)
+    assert result["agents_seen"] == 32 and result["agent_codes"] == [0]
+    assert result["joined"] is not None and result["joined"] < result["running"]
+    assert _counted(result) == _expected(32, 2)
+
+
 @pytest.mark.parametrize("gets", [0, 4])
 def test_the_conversation_is_what_the_pmi_cores_answer_for_a_whole_world(gets: int) -> None:
     """Every rank of 3 hosts x 2 plays its conversation against the agents' proxies and the
