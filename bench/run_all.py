@@ -61,6 +61,7 @@ BENCHES = (
           "mpiexec.hydra vs pdsh", True, quick={"hosts": (8,), "reps": 1}),
     Bench("sim_scale", "The head at 256-4,096 simulated hosts x 8 ranks: launch, fence, exit "
           "tail, CPU, memory, fitted growth",
+          full={"budget_s": 600.0},
           quick={"sizes": (64, 256), "fidelity_hosts": 4, "rendezvous": (64,)}),
     Bench("pmi_scaling", "PMI-1 server scaling (simulated MPICH clients)",
           quick={"sizes": (64, 256)}),

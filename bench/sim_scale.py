@@ -42,7 +42,7 @@ from typing import Any
 
 from bench import common
 
-SIZES = (256, 1024, 4096)
+SIZES = (256, 512, 1024, 4096)
 PER_HOST = 8
 FIDELITY_HOSTS = 8
 CLOCKED = {"HEARTBEAT", "PROGRESS"}
@@ -81,7 +81,8 @@ def _row(result: dict[str, Any], mode: str, wall: float) -> dict[str, Any]:
     running = result["running"]
     fenced = result["fenced"]
     return {
-        "mode": mode, "hosts": hosts, "ranks": ranks, "ok": "yes" if ok else "no",
+        "mode": mode, "tool": f"dtrain {mode}", "hosts": hosts, "ranks": ranks, "reps": 1,
+        "ok": "yes" if ok else "no",
         "joined_s": result.get("joined"), "running_s": running, "wired_s": result["wired"],
         "fence_s": round(fenced - running, 3) if fenced is not None and running else None,
         "exit_tail_s": result["exit_tail"], "head_cpu_s": result["head_cpu_s"],
@@ -146,7 +147,8 @@ def fidelity(hosts: int = FIDELITY_HOSTS, per_host: int = PER_HOST,
         rows.append(_row(results[mode], f"fidelity {mode}", time.monotonic() - t0))
     real_c, sim_c = (_counted(results[m]) for m in ("real", "sim"))
     ratio = rows[1]["head_cpu_s"] / rows[0]["head_cpu_s"] if rows[0]["head_cpu_s"] else None
-    rows.append({"mode": "fidelity sim/real", "hosts": hosts, "ranks": hosts * per_host,
+    rows.append({"mode": "fidelity sim/real", "tool": "sim/real", "reps": 1, "hosts": hosts,
+                 "ranks": hosts * per_host,
                  "ok": "yes" if real_c == sim_c else "no",
                  "head_cpu_ratio": None if ratio is None else round(ratio, 3),
                  "frames_equal": real_c == sim_c,
@@ -188,7 +190,8 @@ def _sizes(sizes: Sequence[int], per_host: int, mode: str, extra: Sequence[str],
     for hosts in sizes:
         guess = per_host_wall * hosts
         if guess > budget_s:
-            rows.append({"mode": mode, "hosts": hosts, "ranks": hosts * per_host, "ok": "skipped",
+            rows.append({"mode": mode, "tool": f"dtrain {mode}", "hosts": hosts, "reps": 0,
+                         "ranks": hosts * per_host, "ok": "skipped",
                          "error": f"expected ~{guess:.0f}s of wall time (> {budget_s:.0f}s) "
                          f"from {per_host_wall * 1000:.0f}s per 1,000 hosts measured"})
             continue
@@ -197,7 +200,8 @@ def _sizes(sizes: Sequence[int], per_host: int, mode: str, extra: Sequence[str],
             result = simjob.run_job(hosts, per_host, timeout=budget_s, extra=extra,
                                     heartbeat=HEARTBEAT_S, rendezvous=rendezvous)
         except Exception as exc:  # noqa: BLE001 - a size that fails is a row, not the end
-            rows.append({"mode": mode, "hosts": hosts, "ranks": hosts * per_host, "ok": "no",
+            rows.append({"mode": mode, "tool": f"dtrain {mode}", "hosts": hosts, "reps": 1,
+                         "ranks": hosts * per_host, "ok": "no",
                          "error": f"{type(exc).__name__}: {str(exc)[-400:]}",
                          "wall_s": round(time.monotonic() - t0, 1)})
             continue
