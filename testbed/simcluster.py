@@ -284,46 +284,6 @@ def serve_host(sock: socket.socket, start_rank: Any, codes: dict[str, int]) -> N
     sock.close()
 
 
-def join_host(name: str, where: tuple[str, int], token_file: str, start_rank: Any,
-              codes: dict[str, int], timeout: float) -> None:
-    """One simulated host in rendezvous mode: the real join (`launcher.rendezvous.join`:
-    connect, token handshake, JOIN, ADMIT), then the real agent over the sealed channel, as
-    `dtrain agent --rendezvous` runs it. The host's name is the thread's (`_named_socket`)."""
-    from launcher.agent.head_link import HeadLink
-    from launcher.agent.main import Agent
-    from launcher.rendezvous import join
-    from launcher.rendezvous.options import JoinOptions, read_token
-
-    _NAMES.name = start_rank.hosts.name = name
-    try:
-        sealed = join.join(JoinOptions(where[0], where[1], token_file, timeout=timeout),
-                           read_token(token_file))
-    except Exception as exc:  # noqa: BLE001 - one host that could not join is a result
-        sys.stderr.write(f"simcluster: {name} did not join: {exc}\n")
-        codes[name] = -1
-        return
-    agent = Agent(lambda events: HeadLink(events, sealed.read, sealed))
-    codes[name] = agent.run()
-    agent.link.flush(FLUSH_S)
-    try:  # as the agent process's exit closes its connection
-        sealed.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    sealed.sock.close()
-
-
-_NAMES = threading.local()
-
-
-def _named_socket() -> Any:
-    """`socket` as `launcher.rendezvous.join` sees it here: gethostname answers the simulated
-    host's name (every simulated host shares this machine's real one)."""
-    named = types.ModuleType("socket")
-    named.__dict__.update(socket.__dict__)
-    named.gethostname = lambda: getattr(_NAMES, "name", socket.gethostname())  # type: ignore[attr-defined]
-    return named
-
-
 def progress_folder() -> str:
     """Where this process's agents keep their ranks' progress records (see `install`)."""
     from launcher.agent import progress
@@ -365,9 +325,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     threading.Thread(target=accept, name="accept", daemon=True).start()
     if args.join:
-        from launcher.rendezvous import join
+        from testbed.simjoin import join_host, use_named_sockets
 
-        join.socket = _named_socket()  # type: ignore[attr-defined]
+        use_named_sockets()
         host, _, port = args.join.rpartition(":")
         for name in args.names.split(","):
             threading.Thread(target=join_host, args=(name, (host, int(port)), args.token_file,
