@@ -123,7 +123,7 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 3, *, tools: Sequence[str] = T
         if row["world_s"] is not None and row["world_s"] != row["world_s"]:
             row["world_s"] = row["world_min_s"] = None
     if "dtrain-tree" not in chosen and "dtrain-tree" in tools:
-        rows += [{"bench": "hosts_scale", "tool": "dtrain-tree", "hosts": n, "ok": 0,
+        rows += [{"bench": "hosts_scale", "tool": "dtrain-tree", "hosts": n, "ok": 0, "reps": 0,
                   "error": "this dtrain has no --fanout (the tree launch is not merged)"}
                  for n in hosts]
     rows.sort(key=lambda r: (list(tools).index(r["tool"]), r["hosts"]))
