@@ -57,6 +57,12 @@ BENCHES = (
           quick={"hosts": (1, 2), "reps": 2}),
     Bench("output", "Output throughput: dtrain vs mpiexec.hydra over SSH", True,
           quick={"lines": 20000, "long": 20000, "reps": 1}),
+    Bench("hosts_scale", "Launch on 8-64 namespace hosts x 1 rank: dtrain flat and tree vs "
+          "mpiexec.hydra vs pdsh", True, quick={"hosts": (8,), "reps": 1}),
+    Bench("sim_scale", "The head at 256-4,096 simulated hosts x 8 ranks: launch, fence, exit "
+          "tail, CPU, memory, fitted growth",
+          full={"budget_s": 600.0},
+          quick={"sizes": (64, 256), "fidelity_hosts": 4, "rendezvous": (64,)}),
     Bench("pmi_scaling", "PMI-1 server scaling (simulated MPICH clients)",
           quick={"sizes": (64, 256)}),
     Bench("allreduce", "CPU all-reduce: dtrain MPI vs torch gloo",

@@ -45,9 +45,14 @@ def suspects(views: Iterable[RankView], timeout: float) -> tuple[list[int], list
     """(fenced, others): the ranks in a PMI barrier for ``timeout`` or longer, and
     the live ranks outside it whose stacks would tell whether they wait; ([], []) when there
     is nothing to look at."""
-    live = [v for v in views if v.state in ("running", "no-record")]
-    fenced = [v.rank for v in live if v.fence_age is not None and v.fence_age >= timeout]
-    others = [v.rank for v in live if v.fence_age is None]
+    # The head asks once per event it handles: the common answer (nobody fenced that long)
+    # in one pass over the views, without building the other lists.
+    live_states = ("running", "no-record")
+    fenced = [v.rank for v in views if v.fence_age is not None and v.fence_age >= timeout
+              and v.state in live_states]
+    if not fenced:
+        return [], []
+    others = [v.rank for v in views if v.fence_age is None and v.state in live_states]
     return (sorted(fenced), sorted(others)) if fenced and others else ([], [])
 
 

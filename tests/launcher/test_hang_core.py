@@ -202,6 +202,24 @@ def test_the_hang_clock_fires_once_after_the_timeout_only_while_a_rank_waits():
     assert not clock.fired and clock.stalled_for(105.0) == 4.0
 
 
+def test_the_hang_clock_looks_at_most_every_scan_interval_but_never_fires_on_a_stale_look():
+    """The head calls `update` once per frame: a look at every view each time cost O(ranks)
+    per frame. Views within `SCAN_S` of the last look wait for the next; `due` looks again
+    before it fires, so progress seen by no look yet still holds the clock."""
+    from launcher.hang.watch import SCAN_S
+
+    before = {0: rank(0, "a", ar("dp[0]", 0, 3, 2))}
+    after = {0: rank(0, "a", ar("dp[0]", 0, 4, 3))}  # one more all-reduce done
+    clock = HangClock(10.0, now=0.0)
+    clock.update(before, 0.0)
+    clock.update(after, SCAN_S / 2)         # too soon after the last look: not looked at
+    assert clock.last_change == 0.0
+    assert not clock.due(after, 10.5)       # looked at now: it advanced, so no hang
+    assert clock.stalled_for(10.5) == 0.0
+    clock.update(after, 20.0)
+    assert clock.due(after, 20.6)           # 10.1 s without progress while it waits
+
+
 def test_a_rank_working_outside_communication_holds_the_clock_until_it_stops_working():
     """Rank 1 writes a checkpoint (or compiles) while rank 0 waits for it: no hang while it
     uses its core, however long; the timeout runs from when it stops."""

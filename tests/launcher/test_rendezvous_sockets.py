@@ -69,3 +69,34 @@ def test_an_agent_gives_up_when_no_head_answers_before_its_deadline() -> None:
     with pytest.raises(RendezvousError, match=r"no head answered .*tried for 0.5s.*refused"):
         join(JoinOptions("127.0.0.1", port, "unused", None, 0.5), TOKEN)
     assert time.monotonic() - t0 < 5
+
+
+def test_a_sealed_socket_numbered_past_1024_tells_whether_its_peer_is_alive():
+    """A head with 1,000+ joined agents holds sockets numbered past select's FD_SETSIZE."""
+    import os
+    import resource
+    import socket
+
+    from launcher.rendezvous.channel import Channel
+    from launcher.rendezvous.stream import SealedSocket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) <= 1100:
+        pytest.skip("this process may not open a descriptor numbered past 1024")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    ours, theirs = socket.socketpair()
+    high = os.dup2(ours.fileno(), 1100)
+    ours.close()
+    sock = socket.socket(fileno=high)
+    key_a, key_b = b"a" * 32, b"b" * 32
+    sealed = SealedSocket(sock, Channel(send_key=key_a, receive_key=key_b))
+    try:
+        assert sealed.alive()
+        peer = Channel(send_key=key_b, receive_key=key_a)
+        theirs.sendall(peer.seal(b"hello"))
+        assert sealed.alive()  # it read what arrived, and the peer is still there
+        theirs.close()
+        assert not sealed.alive()
+    finally:
+        sock.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -1,0 +1,352 @@
+"""A simulated cluster: hundreds of hosts' agents in one process, fake ranks that speak PMI-1.
+
+``python -m testbed.simcluster --stats FILE`` listens on a loopback port (printed as its first
+line of stdout) and serves every TCP connection to it as one host: the connection's first line
+names the host, then it carries the head's frames exactly as an SSH channel would. Each host is
+the real agent (`launcher.agent.main.Agent` with its `HeadLink`, `FrameWriter`, `PmiSockets`
+and `PmiProxy`), unchanged. What is simulated is below the agent:
+
+* ranks: the agent's subprocess adapter (`launcher.agent.main.start_rank`) is replaced in this
+  process by one that takes the rank's end of its PMI_FD socket pair, as a forked rank would
+  inherit it, and hands it to one `FakeRanks` thread per process, which plays MPICH's PMI-1
+  conversation (`testbed.simrank`) for every rank of every host here, then "exits" (the
+  agent's queue gets `RankExited`, as from its reaper thread). A KILL or BYE ends a fake rank
+  like a signal (exit 128+sig).
+* the ranks' /proc readings: the agent's progress records read each rank's CPU time from
+  /proc/<pid>/stat every second. A fake rank has no process of its own (its pid is this
+  process's, shared by thousands), so the reading says "running, CPU unknown", as for a pid
+  that cannot be read; the records themselves and their PROGRESS frames are unchanged.
+* the host's /dev/shm: each agent keeps its ranks' progress records in a folder there and
+  first sweeps away what dead agents of the host left. Simulated hosts would all share one
+  /dev/shm, so each sweep would read every other host's folder: O(hosts) per host, O(hosts^2)
+  here, for a handful of entries on a real host. Here the folders go to a private temporary
+  folder of this process (removed at its end) and the sweep finds nothing to judge.
+* the host's process tree: `descendants` walks /proc for processes the job left behind. Here
+  every simulated host shares one process, which has no children, so the walk finds nothing;
+  it is skipped (it would cost a /proc scan per host, serialised on this machine's two
+  cores, where real hosts scan in parallel).
+
+The process exits when its stdin closes (the bench or test that started it is done or dead)
+and then writes, as JSON to ``--stats``, every fake rank's timestamps (CLOCK_MONOTONIC, which
+every process of the machine shares): running, fenced (past MPI_Init's fence), wired (past its
+gets), finalized, exit, and its exit code, and every agent's exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import resource
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from testbed.simrank import PEER_GETS, Conversation
+
+#: A thread's stack here: 4 threads per simulated host (agent loop, head reader, frame
+#: writer, PMI selector) x 1,000 hosts would reserve 8 GiB of address space at the default.
+STACK_BYTES = 512 * 1024
+FLUSH_S = 2.0  # as `launcher.agent.serve`: the last frames' time to reach the head
+
+
+@dataclass
+class RankStamps:
+    host: str
+    rank: int
+    running: float
+    marks: dict[str, float] = field(default_factory=dict)
+    exit: float = 0.0
+    code: int | None = None
+
+
+class FakeRanks:
+    """One thread plays every fake rank of this process over its PMI socket."""
+
+    def __init__(self, gets: int = PEER_GETS) -> None:
+        self.gets = gets
+        self.stamps: list[RankStamps] = []
+        self._sel = selectors.DefaultSelector()
+        self._todo: queue.Queue[tuple[str, Any, int]] = queue.Queue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._sel.register(self._wake_r, selectors.EVENT_READ, None)
+        threading.Thread(target=self._loop, name="fake-ranks", daemon=True).start()
+
+    def add(self, rank: FakeRank) -> None:
+        self._post("add", rank, 0)
+
+    def kill(self, rank: FakeRank, sig: int) -> None:
+        self._post("kill", rank, sig)
+
+    def _post(self, what: str, rank: FakeRank, sig: int) -> None:
+        self._todo.put((what, rank, sig))
+        self._wake_w.send(b"x")
+
+    def _loop(self) -> None:
+        while True:
+            for key, _ in self._sel.select():
+                if key.data is None:
+                    self._wake_r.recv(4096)
+                    self._drain()
+                else:
+                    self._readable(key.data)
+
+    def _drain(self) -> None:
+        while not self._todo.empty():
+            what, rank, sig = self._todo.get()
+            if what == "add":
+                rank.stamps = RankStamps(rank.host, rank.rank, time.monotonic())
+                self.stamps.append(rank.stamps)
+                self._sel.register(rank.sock, selectors.EVENT_READ, rank)
+                self._send(rank)
+            elif rank.stamps is not None and rank.stamps.code is None:
+                self._end(rank, 128 + sig, sig)  # the signal ends it wherever it was
+            elif rank.stamps is None:
+                rank.killed = sig  # killed before its watch: it ends as soon as it is added
+
+    def _readable(self, rank: FakeRank) -> None:
+        if rank.stamps is None or rank.stamps.code is not None:
+            return  # ended earlier in this round of the loop (a kill)
+        try:
+            data = rank.sock.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            self._end(rank, 1, None)  # the agent closed PMI under the rank: MPICH aborts
+            return
+        try:
+            mark = rank.talk.feed(data)
+        except RuntimeError as exc:
+            sys.stderr.write(f"simcluster: {exc}\n")
+            self._end(rank, 1, None)
+            return
+        if mark is None:
+            return
+        if mark:
+            assert rank.stamps is not None
+            rank.stamps.marks[mark] = time.monotonic()
+        if rank.talk.done:
+            self._end(rank, 0, None)
+        else:
+            self._send(rank)
+
+    def _send(self, rank: FakeRank) -> None:
+        if rank.killed:
+            self._end(rank, 128 + rank.killed, rank.killed)
+            return
+        try:
+            rank.sock.sendall(rank.talk.request())
+        except OSError:
+            self._end(rank, 1, None)
+
+    def _end(self, rank: FakeRank, code: int, sig: int | None) -> None:
+        from launcher.agent.ranks import RankExited
+
+        assert rank.stamps is not None
+        if rank.stamps.code is not None:
+            return  # once only
+        self._sel.unregister(rank.sock)
+        rank.sock.close()  # as a process's exit closes its PMI socket, before the reaper
+        rank.stamps.exit, rank.stamps.code = time.monotonic(), code
+        assert rank.events is not None
+        rank.events.put(RankExited(rank.rank, code, sig))
+
+
+def _fake_rank_class() -> type:
+    """`FakeRank`: a `RankProcess` whose process is a conversation (imported lazily, so this
+    module's import does not pull the agent into the head's process)."""
+    from launcher.agent.ranks import RankProcess
+
+    @dataclass
+    class Fake(RankProcess):
+        host: str = ""
+        sock: socket.socket = field(default_factory=socket.socket)
+        talk: Conversation = field(default_factory=lambda: Conversation(0, 1))
+        driver: FakeRanks | None = None
+        events: queue.Queue[Any] | None = None
+        stamps: RankStamps | None = None
+        killed: int = 0
+
+        def watch(self, on_output: Callable[[int, int, bytes], object],
+                  events: queue.Queue[Any]) -> None:
+            self.events = events
+            assert self.driver is not None
+            self.driver.add(self)
+
+        def signal_group(self, sig: int) -> None:
+            if sig == signal.SIGCONT:
+                return
+            self.sent.append((sig, time.monotonic()))
+            if self.driver is not None and self.events is not None:
+                self.driver.kill(self, sig)
+
+    return Fake
+
+
+FakeRank: Any = None  # set by `install` (the class needs the agent's modules)
+
+
+class _FakeProc:
+    """What the agent reads of a rank's Popen: its pid (this process's: it exists, so the
+    agent's progress readings find a live process) and rank 0's stdin."""
+
+    def __init__(self, stdin: Any) -> None:
+        self.pid = os.getpid()
+        self.stdin = stdin
+
+
+def install(driver: FakeRanks) -> Callable[..., Any]:
+    """Fake ranks for every agent of this process; returns the fake `start_rank`."""
+    global FakeRank
+    from launcher.agent import main as agent_main
+
+    FakeRank = _fake_rank_class()
+    hosts = threading.local()  # the agent thread's host name, for the stamps
+
+    def start_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
+                   pass_fds: Sequence[int], stdin_pipe: bool = False) -> Any:
+        world = int(env.get("PMI_SIZE") or env.get("WORLD_SIZE") or 1)
+        # The rank's own copy of its socket end, as fork would give it: the agent closes its
+        # copy of the child end right after this returns (PmiSockets.started).
+        sock = socket.socket(fileno=os.dup(pass_fds[0]))
+        sock.setblocking(True)
+        stdin = open(os.devnull, "wb") if stdin_pipe else None  # noqa: SIM115 (rank 0's)
+        return FakeRank(rank, _FakeProc(stdin), host=getattr(hosts, "name", ""), sock=sock,
+                        talk=Conversation(rank, world, driver.gets), driver=driver)
+
+    import tempfile
+
+    from launcher.agent import leftovers, progress
+
+    agent_main.start_rank = start_rank  # type: ignore[assignment]
+    progress._SHM = tempfile.mkdtemp(prefix="dtrain-simshm-")
+    leftovers.sweep = lambda base, ours: []  # type: ignore[assignment]
+    progress._stat = lambda pid: ("running", None)  # type: ignore[assignment]
+    agent_main.descendants = types.SimpleNamespace(  # type: ignore[assignment]
+        kill_strays=lambda keep=frozenset(), rounds=5: None,
+        signal_descendants=lambda sig, keep=frozenset(): [])
+    start_rank.hosts = hosts  # type: ignore[attr-defined]
+    return start_rank
+
+
+class _Conn:
+    """The agent's stream: the connection's bytes after the host's name line."""
+
+    def __init__(self, sock: socket.socket, rest: bytes) -> None:
+        self.sock, self.rest = sock, rest
+
+    def read(self, size: int) -> bytes:
+        if self.rest:
+            data, self.rest = self.rest, b""
+            return data
+        try:
+            return self.sock.recv(size)
+        except OSError:
+            return b""
+
+    def write(self, data: memoryview) -> int:
+        return self.sock.send(data)
+
+
+def serve_host(sock: socket.socket, start_rank: Any, codes: dict[str, int]) -> None:
+    """One simulated host: its name, then the real agent over the connection."""
+    from launcher.agent.head_link import HeadLink
+    from launcher.agent.main import Agent
+
+    header = b""
+    while b"\n" not in header:
+        chunk = sock.recv(4096)
+        if not chunk:
+            sock.close()
+            return
+        header += chunk
+    name, _, rest = header.partition(b"\n")
+    host = name.decode()
+    start_rank.hosts.name = host
+    conn = _Conn(sock, rest)
+    agent = Agent(lambda events: HeadLink(events, conn.read, conn))
+    code = agent.run()
+    agent.link.flush(FLUSH_S)
+    codes[host] = code
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def progress_folder() -> str:
+    """Where this process's agents keep their ranks' progress records (see `install`)."""
+    from launcher.agent import progress
+
+    return progress._SHM
+
+
+def raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.simcluster")
+    ap.add_argument("--stats", required=True, help="where to write the stamps at the end")
+    ap.add_argument("--gets", type=int, default=PEER_GETS, help="peer cards each rank reads")
+    ap.add_argument("--join", help="HOST:PORT of a rendezvous head: join it instead of waiting")
+    ap.add_argument("--token-file", help="the rendezvous token (with --join)")
+    ap.add_argument("--names", default="", help="with --join: the hosts' names, comma-separated")
+    ap.add_argument("--join-timeout", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    raise_fd_limit()
+    threading.stack_size(STACK_BYTES)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides, as for a real agent
+    driver = FakeRanks(args.gets)
+    start_rank = install(driver)
+    codes: dict[str, int] = {}
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4096)
+
+    def accept() -> None:
+        while True:
+            sock, _ = listener.accept()
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=serve_host, args=(sock, start_rank, codes),
+                             daemon=True).start()
+
+    threading.Thread(target=accept, name="accept", daemon=True).start()
+    if args.join:
+        from testbed.simjoin import join_host, use_named_sockets
+
+        use_named_sockets()
+        host, _, port = args.join.rpartition(":")
+        for name in args.names.split(","):
+            threading.Thread(target=join_host, args=(name, (host, int(port)), args.token_file,
+                                                     start_rank, codes, args.join_timeout),
+                             daemon=True).start()
+    sys.stdout.write(f"{listener.getsockname()[1]}\n")
+    sys.stdout.flush()
+    sys.stdin.buffer.read()  # until whoever started us closes our stdin (or dies)
+    stamps = [{"host": s.host, "rank": s.rank, "running": s.running, **s.marks, "exit": s.exit,
+               "code": s.code} for s in list(driver.stamps)]
+    shutil.rmtree(progress_folder(), ignore_errors=True)
+    with open(args.stats, "w") as out:
+        json.dump({"ranks": stamps, "agents": codes, "pid": os.getpid(),
+                   "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
+                   "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, out)
+    os._exit(0)
+
+
+if __name__ == "__main__":  # the module's state lives in testbed.simcluster, not in __main__
+    from testbed import simcluster
+
+    sys.exit(simcluster.main())

@@ -1,0 +1,304 @@
+"""The head's side of the simulated cluster: `dtrain launch` itself, over a transport whose
+hosts are agents in `testbed.simcluster` processes, with every frame counted at the head.
+
+    python -m testbed.simhead --ports 40001,40002 --stats head.json -- \\
+        -H sim1:8,sim2:8,... -- /bin/true
+
+runs the real CLI (`launcher.cli.main`, ``launch`` with ``--launcher sim``): the same hosts,
+plan, supervisor, PMI relay, output and report as any launch. The only difference is the
+table row the launch finds its agents through (`transport.table` is the one place a launch
+asks; this process adds rows to it, nothing else of the launcher changes):
+
+    sim          host i is a TCP connection on loopback to the i-th simcluster port (round
+                 robin), its first line the host's name; the agent there is the real one
+    counted      the ssh launcher's own rows (local subprocess, paramiko, openssh), each
+                 stream counted the same way (real agents, for the fidelity comparison)
+    counted-local  every host a local agent subprocess whatever its name (real agents on
+                 this machine under distinct host names)
+    rendezvous   (replaced) the real join flow, its agents' streams counted
+
+At the end ``--stats`` gets JSON: frames and bytes per direction and kind (PMI frames per
+``op``), the head's CPU seconds and peak RSS, and when the launch began and returned
+(CLOCK_MONOTONIC, shared with the simcluster processes' stamps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import resource
+import socket
+import struct
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from launcher import wire
+
+#: The simcluster ports, set by `main` (module state: the table's entry takes no extra args).
+PORTS: list[int] = []
+#: Every counted stream's counter, merged at the end.
+COUNTERS: list[FrameCounter] = []
+
+
+class FrameCounter:
+    """Frames and bytes per (direction, kind) on one stream; PMI frames by their ``op``.
+
+    It reads only the frame headers (and a PMI frame's first bytes, where its ``op`` is),
+    never copies or decodes a payload: it runs inside the head's process, whose CPU is
+    measured (a barrier_out carries every card of the job to every host)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.bytes: Counter[tuple[str, str]] = Counter()
+        self._scan = {"out": _Scanner(), "in": _Scanner()}
+
+    def feed(self, direction: str, data: bytes) -> None:
+        for kind, size, peek in self._scan[direction].feed(data):
+            name = wire.Kind(kind).name
+            if kind == wire.Kind.PMI:
+                found = _OP.search(peek)
+                name = f"PMI:{found.group(1).decode() if found else '?'}"
+            self.counts[direction, name] += 1
+            self.bytes[direction, name] += size
+
+
+_OP = re.compile(rb'"op":\s*"([A-Za-z_]+)"')
+_HEADER = struct.Struct("!IB")  # launcher.wire's: length (kind + payload), kind
+_PEEK = 64
+
+
+class _Scanner:
+    """Whole frames' (kind, size, first payload bytes) from a stream fed in any pieces."""
+
+    def __init__(self) -> None:
+        self._header = b""
+        self._left = 0      # payload bytes of the current frame still to come
+        self._kind = self._size = 0
+        self._peek = b""
+
+    def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
+        done: list[tuple[int, int, bytes]] = []
+        at, end = 0, len(data)
+        while at < end:
+            if not self._left:
+                take = min(_HEADER.size - len(self._header), end - at)
+                self._header += data[at:at + take]
+                at += take
+                if len(self._header) < _HEADER.size:
+                    break
+                length, self._kind = _HEADER.unpack(self._header)
+                self._header, self._size, self._left, self._peek = b"", 4 + length, length - 1, b""
+                if not self._left:
+                    done.append((self._kind, self._size, b""))
+                    continue
+            take = min(self._left, end - at)
+            if len(self._peek) < _PEEK:
+                self._peek += data[at:at + min(take, _PEEK - len(self._peek))]
+            at += take
+            self._left -= take
+            if not self._left:
+                done.append((self._kind, self._size, self._peek))
+        return done
+
+
+def totals() -> dict[str, dict[str, list[int]]]:
+    """{"out"|"in": {kind: [frames, bytes]}} over every counted stream."""
+    counts: Counter[tuple[str, str]] = Counter()
+    sizes: Counter[tuple[str, str]] = Counter()
+    for counter in COUNTERS:
+        counts.update(counter.counts)
+        sizes.update(counter.bytes)
+    out: dict[str, dict[str, list[int]]] = {"out": {}, "in": {}}
+    for (direction, kind), n in sorted(counts.items()):
+        out[direction][kind] = [n, sizes[direction, kind]]
+    return out
+
+
+class CountingStream:
+    """An AgentStream that counts what passes through it, in both directions."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.counter = FrameCounter()
+        COUNTERS.append(self.counter)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def write(self, data: bytes) -> None:
+        self.counter.feed("out", data)
+        self._inner.write(data)
+
+    def read(self, max_bytes: int = 65536) -> bytes:
+        data: bytes = self._inner.read(max_bytes)
+        self.counter.feed("in", data)
+        return data
+
+
+class _Loopback:
+    """The AgentConnection of a simulated host: reached at 127.0.0.1."""
+
+    latency_ms = 0.0
+
+    def peer_address(self) -> str:
+        return "127.0.0.1"
+
+    def close(self) -> None:
+        pass
+
+
+class SimAgentStream:
+    """A TCP connection to a simcluster process, which runs this host's agent."""
+
+    is_local = False
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host = host
+        self.connection = _Loopback()
+        self._sock = socket.create_connection(("127.0.0.1", port))
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock.sendall(f"{host}\n".encode())
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+        self._closed = self._aborted = False
+
+    def write(self, data: bytes) -> None:
+        self._sock.sendall(data)
+
+    def read(self, max_bytes: int = 65536) -> bytes:
+        if self._aborted:
+            return b""
+        try:
+            data = self._sock.recv(max_bytes)
+        except OSError:
+            data = b""
+        if not data:
+            self._ended.set()
+        return data
+
+    def close(self) -> None:
+        """EOF to the agent, as closing an SSH channel's stdin: it stops its ranks."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                try:
+                    self._sock.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+
+    def abort(self) -> None:
+        self._aborted = True
+        self.close()
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """0 once the agent closed its end (its process, here a thread, has left)."""
+        return 0 if self._ended.wait(timeout) else None
+
+    def kill(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._ended.set()
+
+    def stderr_text(self) -> str:
+        return ""
+
+    def transport_error(self) -> None:
+        return None
+
+
+def start_sim(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
+    """The `sim` row: host i on simcluster port i mod len(PORTS), every stream counted."""
+    if not PORTS:
+        raise RuntimeError("no simcluster ports: run through testbed.simhead.main")
+    return [CountingStream(SimAgentStream(h.entry.name, PORTS[i % len(PORTS)]))
+            for i, h in enumerate(selected)]
+
+
+def start_counted(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
+    """The `counted` row: the ssh launcher's own streams (real agents), counted."""
+    from launcher.transport.connect import start_by_host
+
+    return [r if isinstance(r, Exception) else CountingStream(r)
+            for r in start_by_host(selected, python=python, ssh=ssh)]
+
+
+def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
+    """The `counted-local` row: a real local agent subprocess per host, whatever its name."""
+    from launcher.transport.local import LocalAgentStream
+
+    return [CountingStream(LocalAgentStream(h.entry.name, python=python)) for h in selected]
+
+
+#: When the rendezvous head had every agent joined (CLOCK_MONOTONIC), for `--stats`.
+JOINED_AT: list[float] = []
+
+
+def join_counted(opts: Any, **kw: Any) -> Any:
+    """The `rendezvous` row, its joined agents' streams counted: the head's real listener,
+    handshakes and roster (`launcher.rendezvous.head.join_agents`)."""
+    import dataclasses
+
+    from launcher.rendezvous.head import join_agents
+
+    joined = join_agents(opts, **kw)
+    JOINED_AT.append(time.monotonic())
+    return dataclasses.replace(joined, streams=[CountingStream(s) for s in joined.streams])
+
+
+def install() -> None:
+    """Add the rows to the transport table (before the CLI builds its --launcher choices)."""
+    import dataclasses
+
+    from launcher.transport import table
+
+    rows = [table.Transport(name, table.Flow.DISPATCH, summary, f"testbed.simhead:{entry}")
+            for name, summary, entry in (
+                ("sim", "agents of simulated hosts (testbed.simcluster)", "start_sim"),
+                ("counted", "the ssh launcher, frames counted", "start_counted"),
+                ("counted-local", "local agents under any name, frames counted",
+                 "start_counted_local"))]
+    known = {t.name for t in table.TRANSPORTS}
+    table.TRANSPORTS = (*(dataclasses.replace(t, entry="testbed.simhead:join_counted")
+                          if t.flow is table.Flow.JOIN else t for t in table.TRANSPORTS),
+                        *(r for r in rows if r.name not in known))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.simhead")
+    ap.add_argument("--ports", default="", help="simcluster ports, comma-separated")
+    ap.add_argument("--stats", required=True, help="where to write the head's counts")
+    ap.add_argument("--launcher", default="sim", help="sim, counted or counted-local")
+    ap.add_argument("launch", nargs=argparse.REMAINDER, help="`dtrain launch` arguments")
+    args = ap.parse_args(argv)
+    PORTS[:] = [int(p) for p in args.ports.split(",") if p]
+    launch_args = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
+    began = time.monotonic()
+    install()
+    from launcher.cli import main as cli
+
+    code: int | str | None = 0
+    try:
+        cli.main(["launch", "--launcher", args.launcher, *launch_args], prog_name="dtrain")
+    except SystemExit as exc:
+        code = exc.code
+    returned = time.monotonic()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    with open(args.stats, "w") as out:
+        json.dump({"frames": totals(), "began": began, "returned": returned,
+                   "joined": JOINED_AT[0] if JOINED_AT else None,
+                   "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss,
+                   "code": code}, out)
+    return code if isinstance(code, int) else 1
+
+
+if __name__ == "__main__":  # the module's state lives in testbed.simhead, not in __main__
+    from testbed import simhead
+
+    sys.exit(simhead.main())

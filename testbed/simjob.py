@@ -1,0 +1,201 @@
+"""One job on a simulated cluster (or on real local agents), measured: the API tests and
+`bench.sim_scale` call.
+
+`run_job` starts ``workers`` `testbed.simcluster` processes, then the head as its own process
+(`testbed.simhead`: `dtrain launch` over the `sim` row), waits for it, stops the workers and
+reads everyone's stamps. With ``real=True`` there are no simcluster processes: every host is a
+real agent subprocess (`counted-local`) and every rank a real process playing the same PMI-1
+conversation (`testbed/simrank.py`), which is the fidelity reference.
+
+Times are seconds from ``t0``, taken just before the head's process starts (as
+`bench.launch_time` does): ``running`` every rank running, ``fenced`` every rank past MPI_Init's
+fence, ``wired`` every rank past its gets, ``last_exit`` the last rank's exit, ``returned`` the
+head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from testbed.simrank import FENCED, FINALIZED, PEER_GETS, WIRED
+
+REPO = Path(__file__).resolve().parent.parent
+RANK_SCRIPT = Path(__file__).resolve().parent / "simrank.py"
+#: Hosts per simcluster process: each host costs the process ~20 files (its PMI socket pairs,
+#: the connection, the selector) and 4 threads.
+HOSTS_PER_WORKER = 256
+
+
+def workers_for(hosts: int) -> int:
+    return max(1, -(-hosts // HOSTS_PER_WORKER))
+
+
+def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = PEER_GETS,
+            real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
+            heartbeat: float | None = None, rendezvous: bool = False,
+            profile: Path | None = None) -> dict[str, Any]:
+    """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
+    ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``).
+    ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
+    cores with everything else on it, and a starved process's agents may miss the default's
+    15 s silence limit, which real hosts with cores of their own would not. With
+    ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
+    their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format). With
+    ``rendezvous``, the head listens (`--launcher rendezvous`) and the simulated hosts join it
+    (token handshake, roster) instead of being dialled."""
+
+    def spied(name: str) -> list[str]:
+        if profile is None:
+            return []
+        spy = Path(sys.executable).parent / "py-spy"
+        return [str(spy), "record", "--format", "raw", "--rate", "100", "--gil",
+                "--nonblocking", "-o", str(profile / f"{name}.txt"), "--"]
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-sim-") as tmp:
+        folder = Path(tmp)
+        (folder / "stamps").mkdir()
+        env = {**os.environ, "DTRAIN_SIM_GETS": str(gets), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO), "DTRAIN_SIM_STAMPS": str(folder / "stamps")}
+        hostfile = folder / "hosts"
+        hostfile.write_text("".join(f"sim{i + 1} slots={ranks}\n" for i in range(hosts)))
+        procs: list[subprocess.Popen[bytes]] = []
+        ports: list[str] = []
+        count = 0 if real else (workers or workers_for(hosts))
+        names = [f"sim{i + 1}" for i in range(hosts)]
+        head_args = ["--hostfile", str(hostfile)]
+        join_args: list[list[str]] = [[] for _ in range(count)]
+        if rendezvous:
+            token, port = folder / "token", _free_port()
+            token.write_text(_token() + "\n")
+            token.chmod(0o600)
+            head_args = ["--rendezvous-port", str(port), "--nnodes", str(hosts),
+                         "--token-file", str(token), "--rendezvous-timeout", str(timeout)]
+            join_args = [["--join", f"127.0.0.1:{port}", "--token-file", str(token),
+                          "--names", ",".join(names[w::count])] for w in range(count)]
+        head: Any = None
+        try:
+            if rendezvous:  # the head listens first; the agents keep trying until it does
+                head = _start_head(spied("head"), folder, ports, "rendezvous", head_args,
+                                   ranks, extra, heartbeat, env, real=False)
+                t0 = time.monotonic()
+            for w in range(count):
+                proc = subprocess.Popen(
+                    [*spied(f"worker{w}"), sys.executable, "-m", "testbed.simcluster", "--stats",
+                     str(folder / f"worker{w}.json"), "--gets", str(gets), *join_args[w]],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env)
+                procs.append(proc)
+                assert proc.stdout is not None
+                line = b""
+                while not line.strip().isdigit():  # py-spy, when profiling, speaks first
+                    line = proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError("a simcluster process ended before it listened")
+                ports.append(line.decode().strip())
+            if head is None:
+                t0 = time.monotonic()
+                head = _start_head(spied("head"), folder, ports,
+                                   "counted-local" if real else "sim", head_args, ranks, extra,
+                                   heartbeat, env, real=real)
+            try:
+                out, err = head.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                out, err = head.communicate()
+            head_exit = time.monotonic()
+            head = subprocess.CompletedProcess(head.args, head.returncode, out, err)
+        finally:
+            if isinstance(head, subprocess.Popen) and head.poll() is None:
+                head.kill()  # an error above: the head we started goes too
+                head.wait()
+            for proc in procs:
+                assert proc.stdin is not None
+                proc.stdin.close()
+            for proc in procs:
+                proc.wait(timeout=60)
+        if not (folder / "head.json").exists():
+            raise RuntimeError(f"the head left no stats (exit {head.returncode}): "
+                               f"{head.stderr.decode(errors='replace')[-2000:]}")
+        head_stats = json.loads((folder / "head.json").read_text())
+        stamps: list[dict[str, Any]] = []
+        agents: dict[str, int] = {}
+        worker_cpu = 0.0
+        for w in range(len(procs)):
+            stats = json.loads((folder / f"worker{w}.json").read_text())
+            stamps += stats["ranks"]
+            agents.update(stats["agents"])
+            worker_cpu += stats["cpu_s"]
+        for path in sorted((folder / "stamps").iterdir()):  # real ranks' own
+            stamps.append(json.loads(path.read_text()))
+    return _summary(hosts, ranks, t0, head_exit, head, head_stats, stamps, agents, worker_cpu,
+                    real=real)
+
+
+def _start_head(spy: list[str], folder: Path, ports: list[str], launcher: str,
+                hosts: list[str], ranks: int, extra: Sequence[str], heartbeat: float | None,
+                env: dict[str, str], *, real: bool) -> subprocess.Popen[bytes]:
+    program = [sys.executable, str(RANK_SCRIPT)] if real else ["/bin/true"]
+    command = [*spy, sys.executable, "-m", "testbed.simhead", "--stats",
+               str(folder / "head.json"), "--ports", ",".join(ports), "--launcher", launcher,
+               "--", *hosts, "--nproc-per-node", str(ranks),
+               *(("--heartbeat-interval", str(heartbeat)) if heartbeat else ()),
+               *extra, "--", *program]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _token() -> str:
+    from launcher.rendezvous.tokens import new
+
+    return new()
+
+
+def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
+             head: subprocess.CompletedProcess[bytes], head_stats: dict[str, Any],
+             stamps: list[dict[str, Any]], agents: dict[str, int], worker_cpu: float, *,
+             real: bool) -> dict[str, Any]:
+    def last(key: str) -> float | None:
+        values = [s[key] for s in stamps if key in s]
+        return round(max(values) - t0, 4) if values and len(values) == len(stamps) else None
+
+    returned = head_stats["returned"] - t0
+    joined = head_stats.get("joined")
+    last_exit = last("exit")
+    return {
+        "hosts": hosts, "ranks_per_host": ranks, "mode": "real" if real else "sim",
+        # The head's own exit code (under py-spy the process's code is py-spy's).
+        "code": head.returncode if head_stats["code"] is None else head_stats["code"],
+        "rank_codes": sorted({s["code"] for s in stamps}, key=str),
+        "ranks_seen": len(stamps), "agent_codes": sorted(set(agents.values())),
+        "agents_seen": len(agents),
+        "joined": None if joined is None else round(joined - t0, 4),
+        "running": last("running"), "fenced": last(FENCED), "wired": last(WIRED),
+        "finalized": last(FINALIZED), "last_exit": last_exit, "returned": round(returned, 4),
+        "head_exit": round(head_exit - t0, 4),
+        "exit_tail": round(returned - last_exit, 4) if last_exit is not None else None,
+        "head_cpu_s": round(head_stats["cpu_s"], 3),
+        "head_maxrss_mib": round(head_stats["maxrss_kib"] / 1024, 1),
+        "workers_cpu_s": round(worker_cpu, 3),
+        "frames": head_stats["frames"],
+        "stderr_tail": head.stderr.decode(errors="replace")[-2000:],
+    }
+
+
+def frame_counts(result: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """{"out"|"in": {kind: frames}}: what fidelity compares (bytes differ with timings)."""
+    return {d: {k: v[0] for k, v in kinds.items()} for d, kinds in result["frames"].items()}

@@ -1,0 +1,127 @@
+"""The simulated cluster (`testbed.simcluster`): the real head and real agents, fake PMI-1 ranks.
+
+A job of 256 hosts x 8 ranks launches, fences twice, ends, and the head counts exactly the
+frames the protocol implies; at 8 hosts the simulator sends the head the same frames, kind by
+kind, as real agent processes with real rank processes playing the same PMI-1 conversation.
+Frames that follow the clock (heartbeats, periodic progress records) are compared as present,
+not counted: their number depends on how long each phase took.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from launcher.pmi import KeyValueSpace, PmiProxy, Reply, Send
+from testbed import simjob
+from testbed.simrank import FENCED, WIRED, Conversation, card, peers
+
+CLOCKED = {"HEARTBEAT", "PROGRESS"}
+
+
+def _counted(result: dict[str, Any]) -> dict[str, dict[str, int]]:
+    return {d: {k: n for k, n in kinds.items() if k not in CLOCKED}
+            for d, kinds in simjob.frame_counts(result).items()}
+
+
+def _expected(hosts: int, ranks: int) -> dict[str, dict[str, int]]:
+    """Per host: SPEC, START and BYE out, HELLO, READY and DONE in; per rank STARTED and EXIT;
+    two fences (MPI_Init's and MPI_Finalize's), each one barrier_in per host up and one
+    barrier_out per host down; STDIN: rank 0's EOF (the head's stdin is not a terminal)."""
+    return {"out": {"BYE": hosts, "PMI:barrier_out": 2 * hosts, "SPEC": hosts, "START": hosts,
+                    "STDIN": 1},
+            "in": {"DONE": hosts, "EXIT": hosts * ranks, "HELLO": hosts,
+                   "PMI:barrier_in": 2 * hosts, "READY": hosts, "STARTED": hosts * ranks}}
+
+
+def _ended_well(result: dict[str, Any], hosts: int, ranks: int) -> None:
+    assert result["code"] == 0, result["stderr_tail"]
+    assert result["ranks_seen"] == hosts * ranks
+    assert result["rank_codes"] == [0]
+    assert result["fenced"] is not None and result["wired"] is not None  # every rank got there
+
+
+def test_a_simulated_job_of_256_hosts_of_8_ranks_launches_fences_and_ends() -> None:
+    # A long heartbeat interval: 256 hosts share this machine's cores with everything else,
+    # and a starved simulator must not count as hosts lost (simjob.run_job).
+    result = simjob.run_job(256, 8, timeout=300, heartbeat=30.0)
+    _ended_well(result, 256, 8)
+    assert result["agents_seen"] == 256 and result["agent_codes"] == [0]
+    assert _counted(result) == _expected(256, 8)
+    # Every agent sends its ranks' last progress records when they have all exited.
+    assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 256
+
+
+def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:
+    real = simjob.run_job(8, 2, real=True, timeout=120)
+    simulated = simjob.run_job(8, 2, timeout=120)
+    _ended_well(real, 8, 2)
+    _ended_well(simulated, 8, 2)
+    assert _counted(simulated) == _counted(real) == _expected(8, 2)
+    for result in (real, simulated):
+        assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 8
+
+
+def test_simulated_hosts_join_a_rendezvous_head_with_the_token_and_run_the_same_job() -> None:
+    """Rendezvous mode at scale: every simulated host joins the real listener (token
+    handshake, roster); then the job's frames are those of a dispatched launch."""
+    result = simjob.run_job(32, 2, rendezvous=True, timeout=300, heartbeat=30.0)
+    _ended_well(result, 32, 2)
+    assert result["agents_seen"] == 32 and result["agent_codes"] == [0]
+    assert result["joined"] is not None and result["joined"] < result["running"]
+    assert _counted(result) == _expected(32, 2)
+
+
+@pytest.mark.parametrize("gets", [0, 4])
+def test_the_conversation_is_what_the_pmi_cores_answer_for_a_whole_world(gets: int) -> None:
+    """Every rank of 3 hosts x 2 plays its conversation against the agents' proxies and the
+    head's key-value space (the pure cores), to the end, reading the right cards."""
+    hosts, per_host, world = 3, 2, 6
+    mapping = f"(vector,(0,{hosts},{per_host}))"
+    proxies = [PmiProxy(ranks=[h * per_host + i for i in range(per_host)], world_size=world,
+                        kvsname="kvs_t", process_mapping=mapping) for h in range(hosts)]
+    kvs = KeyValueSpace(hosts=hosts, kvsname="kvs_t")
+    talks = {r: Conversation(r, world, gets) for r in range(world)}
+    for r in range(world):
+        proxies[r // per_host].open(r, r)
+    marks: dict[int, list[str]] = {r: [] for r in range(world)}
+    waiting = list(range(world))
+
+    def apply(host: int, actions: list[Any]) -> None:
+        for action in actions:
+            if isinstance(action, Reply):
+                mark = talks[action.conn].feed(action.data)
+                assert mark is not None
+                marks[action.conn].append(mark)
+                if not talks[action.conn].done:
+                    waiting.append(action.conn)
+            else:
+                assert isinstance(action, Send), action
+                for dest, msg in kvs.handle(host, action.msg):
+                    apply(dest, proxies[dest].upstream(msg))
+
+    while waiting:
+        rank = waiting.pop(0)
+        apply(rank // per_host, proxies[rank // per_host].feed(rank, talks[rank].request()))
+    assert all(t.done for t in talks.values())
+    for rank, seen in marks.items():
+        assert FENCED in seen and (WIRED in seen) == (gets > 0)
+        chosen = peers(rank, world, gets)
+        assert rank not in chosen and len(set(chosen)) == len(chosen) == gets
+    assert card(3) != card(4)
+
+
+def test_the_head_counts_frames_by_kind_and_pmi_op_however_the_stream_splits_them() -> None:
+    from launcher import wire
+    from testbed.simhead import FrameCounter
+
+    data = (wire.encode_json(wire.Kind.PMI, {"op": "barrier_out", "kv": {"bc-0": "x" * 300}})
+            + wire.encode(wire.Kind.HEARTBEAT) + wire.encode_json(wire.Kind.EXIT, {"rank": 1}))
+    whole, bytewise = FrameCounter(), FrameCounter()
+    whole.feed("in", data)
+    for i in range(len(data)):
+        bytewise.feed("in", data[i:i + 1])
+    assert whole.counts == bytewise.counts == {
+        ("in", "PMI:barrier_out"): 1, ("in", "HEARTBEAT"): 1, ("in", "EXIT"): 1}
+    assert sum(whole.bytes.values()) == sum(bytewise.bytes.values()) == len(data)
