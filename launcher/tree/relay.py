@@ -24,6 +24,7 @@ import contextlib
 import queue
 import shlex
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from launcher import wire
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
         def send_output_frame(self, frame: bytes) -> bool: ...
 
 LINGER_POLL_S = 1.0
+PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
 
 
 class Relay:
@@ -71,6 +73,22 @@ class Relay:
 
     def start(self) -> None:
         threading.Thread(target=self._connect_all, name="relay-connect", daemon=True).start()
+        threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
+
+    def _beat_pending(self) -> None:
+        """While a child is being connected, a heartbeat for it and every host below it: the
+        head hears them from the moment it hands them over, and a deep host's start-up is
+        not its silence."""
+        beat = wire.encode(wire.Kind.HEARTBEAT)
+        while True:
+            time.sleep(PENDING_BEAT_S)
+            with self._lock:
+                pending = [c for c in self._alive if self._streams.get(c) is None]
+            if not pending:
+                return
+            for child in pending:
+                for host in [child, *(int(n["index"]) for n in self._below[child])]:
+                    self.up.send(wire.encode_routed(host, beat))
 
     @property
     def children_alive(self) -> bool:
@@ -125,6 +143,7 @@ class Relay:
         """Close every child's stream: their agents stop their ranks and leave."""
         with self._lock:
             streams, self._streams = dict(self._streams), {}
+            self._alive.clear()
         for stream in streams.values():
             if stream is not None:
                 with contextlib.suppress(OSError):
