@@ -50,10 +50,14 @@ PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default'
 
 class Relay:
     def __init__(self, body: dict[str, Any], up: Upward,
-                 own_pmi: Callable[[dict[str, Any]], None]) -> None:
+                 own_pmi: Callable[[dict[str, Any]], None],
+                 connect: Callable[[int], AgentStream] | None = None) -> None:
         """``up``: the agent's link to its parent; ``own_pmi``: a PMI message for this host's
-        own ranks (`PmiSockets.from_head`)."""
+        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream by its index, or a
+        ConnectError (default: its agent over SSH, as the SUBTREE says; tests and the
+        simulator give their own)."""
         self.own = int(body["index"])
+        self._connect = connect
         self.up, self._own_pmi = up, own_pmi
         self._python = str(body["python"])
         self._ssh = dict(body.get("ssh") or {})
@@ -155,6 +159,9 @@ class Relay:
 
     # -- connecting ----------------------------------------------------------------------------
     def _connect_all(self) -> None:
+        if self._connect is not None:
+            self._start_children(self._connect)
+            return
         try:
             from launcher.transport.connect import import_paramiko
             from launcher.transport.local import agent_command
@@ -171,17 +178,24 @@ class Relay:
                 self._lost(index, f"the relay could not start it: {exc}", connect=True)
             return
 
-        def one(index: int) -> None:
-            from launcher.errors import ConnectError
+        def over_ssh(index: int) -> AgentStream:
             from launcher.transport.ssh import SSHConnection
 
+            conn = SSHConnection.open(hosts[index], opts)
             try:
-                conn = SSHConnection.open(hosts[index], opts)
-                try:
-                    stream = conn.exec_stream(command)
-                except ConnectError:
-                    conn.close()
-                    raise
+                return conn.exec_stream(command)
+            except BaseException:
+                conn.close()
+                raise
+
+        self._start_children(over_ssh)
+
+    def _start_children(self, connect: Callable[[int], AgentStream]) -> None:
+        from launcher.errors import ConnectError
+
+        def one(index: int) -> None:
+            try:
+                stream = connect(index)
             except ConnectError as exc:
                 self._lost(index, str(exc), connect=True, error=exc)
                 return
@@ -203,7 +217,8 @@ class Relay:
             pending, self._waiting[index] = self._waiting[index], []
             self._streams[index] = stream
             try:
-                stream.write(b"".join([*first, *pending]))
+                if first or pending:
+                    stream.write(b"".join([*first, *pending]))
             except OSError:
                 pass  # the reader sees the end and reports it
         threading.Thread(target=self._read, args=(index, stream), name=f"relay-{index}",

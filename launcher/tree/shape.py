@@ -89,6 +89,6 @@ class Tree:
                  f"{max(self.depth(h) for h in range(self.hosts))}",
                  "  head -> " + ", ".join(names[c] for c in self.children(HEAD))]
         for relay in self.relays():
-            lines.append(f"  {'  ' * (self.depth(relay) - 1)}{names[relay]} -> "
+            lines.append(f"  {'  ' * self.depth(relay)}{names[relay]} -> "
                          + ", ".join(names[c] for c in self.children(relay)))
         return lines
