@@ -40,9 +40,12 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class Agent:
-    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink]) -> None:
+    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink],
+                 relay_connect: Callable[[int], Any] | None = None) -> None:
         """``connect`` makes the link to the head from the agent's event queue (stdin/stdout,
-        a rendezvous socket; a pair of pipes in the core tests)."""
+        a rendezvous socket; a pair of pipes in the core tests); ``relay_connect``, as a
+        relay, a child's stream by its index (default: over SSH; `launcher.tree.relay`)."""
+        self.relay_connect = relay_connect
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
@@ -118,7 +121,7 @@ class Agent:
         elif kind is wire.Kind.SUBTREE and self.relay is None:
             from launcher.tree.relay import Relay
 
-            self.relay = Relay(frame.json(), self.link, self._pmi_down)
+            self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect)
             self.relay.start()
         elif kind is wire.Kind.SPEC:
             self._on_spec(frame.json())

@@ -51,10 +51,9 @@ def start_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str,
         line = RelayLine(stream, root, {i: entries[i].name for i in subtree},
                          {i: str(described[i]["hostname"]) for i in subtree if i != root})
         out.update(line.streams)
-        subtree_frame = {"index": root, "python": python, "ssh": hops.forwarded_options(ssh),
-                         "children": [_node(tree, c, entries, described)
-                                      for c in tree.children(root)]}
-        line.write(root, wire.encode_json(wire.Kind.SUBTREE, subtree_frame))
+        body = subtree_body(tree, root, [e.name for e in entries], described, python=python,
+                            ssh=hops.forwarded_options(ssh))
+        line.write(root, wire.encode_json(wire.Kind.SUBTREE, body))
         line.start()
     return [out[i] for i in range(tree.hosts)]
 
@@ -73,10 +72,17 @@ def open_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str,
     return streams
 
 
-def _node(tree: Tree, host: int, entries: Sequence[Any], described: dict[int, Any]
-          ) -> dict[str, Any]:
-    return {"index": host, "name": entries[host].name, "hop": described[host],
-            "children": [_node(tree, c, entries, described) for c in tree.children(host)]}
+def subtree_body(tree: Tree, root: int, names: Sequence[str], described: dict[int, Any], *,
+                 python: str, ssh: dict[str, Any]) -> dict[str, Any]:
+    """The SUBTREE frame's body for the relay ``root`` (the simulator builds its own with
+    empty hops and gives the relays a connector: `launcher.tree.relay.Relay`)."""
+
+    def node(host: int) -> dict[str, Any]:
+        return {"index": host, "name": names[host], "hop": described.get(host, {}),
+                "children": [node(c) for c in tree.children(host)]}
+
+    return {"index": root, "python": python, "ssh": ssh,
+            "children": [node(c) for c in tree.children(root)]}
 
 
 class RelayLine:
