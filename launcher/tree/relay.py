@@ -94,10 +94,6 @@ class Relay:
                 for host in [child, *(int(n["index"]) for n in self._below[child])]:
                     self.up.send(wire.encode_routed(host, beat))
 
-    @property
-    def children_alive(self) -> bool:
-        return bool(self._alive)
-
     # -- down ----------------------------------------------------------------------------------
     def down(self, frame: wire.Frame) -> None:
         """A ROUTED frame from the parent, for a host below."""
@@ -108,8 +104,9 @@ class Relay:
         if len(inner) > 4 and inner[4] == wire.Kind.SPEC:
             with contextlib.suppress(wire.WireError):
                 for spec in wire.Decoder().feed(inner):
-                    with self._lock:
-                        self.fence.spec(target, spec.json())
+                    if spec.kind is wire.Kind.SPEC:
+                        with self._lock:
+                            self.fence.spec(target, spec.json())
         self._send(hop, inner if hop == target else wire.encode(frame.kind, frame.payload))
 
     def own_spec(self, body: dict[str, Any]) -> None:
