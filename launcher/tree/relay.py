@@ -76,6 +76,16 @@ class Relay:
         self._keys: Any = None
 
     def start(self) -> None:
+        """Connect the children from a thread. What that needs is imported here first, on the
+        agent's own thread: modules imported by two threads at once can be seen half-made
+        (dataclasses reads `typing` from sys.modules while paramiko's import makes it)."""
+        if self._connect is None:
+            from launcher.transport.connect import import_paramiko
+
+            import_paramiko(allow_config_exec=False)
+            import launcher.transport.local
+            import launcher.transport.ssh
+            import launcher.tree.hops  # noqa: F401
         threading.Thread(target=self._connect_all, name="relay-connect", daemon=True).start()
         threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
 
@@ -160,11 +170,9 @@ class Relay:
             self._start_children(self._connect)
             return
         try:
-            from launcher.transport.connect import import_paramiko
             from launcher.transport.local import agent_command
             from launcher.tree.hops import RelayKeys
 
-            import_paramiko(allow_config_exec=False)
             self._keys = RelayKeys()
             opts = self._keys.options(self._ssh)
             hosts = {i: self._keys.resolved(str(c["name"]), c["hop"])

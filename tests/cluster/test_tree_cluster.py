@@ -116,3 +116,17 @@ def test_a_rank_failure_under_a_relay_restarts_like_any_failure(tree, tmp_path):
     assert code == 0, err[-3000:]
     again = {r["rank"]: r["host"] for r in _rounds(out) if r["round"] == 1}
     assert again == {r: f"node{r + 1}" for r in range(HOSTS)}
+
+
+def test_a_job_refused_at_start_up_leaves_nothing_on_any_host(tree, tmp_path):
+    res = run_dtrain(_launch(tree, tmp_path, "--chdir", "/nonexistent/dtrain", "--", PYTHON,
+                             "-c", "pass"), timeout=120)
+    assert res.returncode == 255, res.stderr[-3000:]
+    assert "/nonexistent/dtrain" in res.stderr
+
+
+def test_the_head_killed_mid_job_leaves_nothing_on_any_host(tree, tmp_path):
+    head = Head(_launch(tree, tmp_path, *FAST, "--", PYTHON, WORKER, "sleep-first"))
+    head.wait_for(lambda: "".join(head.out).count("up\n") == HOSTS)
+    head.proc.send_signal(signal.SIGKILL)
+    head.finish()
