@@ -46,6 +46,7 @@ if TYPE_CHECKING:
 
 LINGER_POLL_S = 1.0
 PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
+VOUCH_S = 60.0  # how long, as the agent waits for its head's SPEC (agent.main.HELLO_SILENCE_S)
 
 
 class Relay:
@@ -72,6 +73,7 @@ class Relay:
         self._streams: dict[int, AgentStream | None] = dict.fromkeys(self._children)
         self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
         self._alive = set(self._children)
+        self._spoke: set[int] = set()  # children whose agent sent its first frame
         self._lock = threading.Lock()
         self._keys: Any = None
 
@@ -90,14 +92,16 @@ class Relay:
         threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
 
     def _beat_pending(self) -> None:
-        """While a child is being connected, a heartbeat for it and every host below it: the
-        head hears them from the moment it hands them over, and a deep host's start-up is
-        not its silence."""
+        """Until a child's agent first speaks, a heartbeat for it and every host below it:
+        the head hears them from the moment it hands them over, and a deep host's start-up
+        (the hops above it, its login) is not its silence. For VOUCH_S at most: an agent that
+        never speaks is then silent to the head as a flat launch's would be."""
         beat = wire.encode(wire.Kind.HEARTBEAT)
-        while True:
+        until = time.monotonic() + VOUCH_S
+        while time.monotonic() < until:
             time.sleep(PENDING_BEAT_S)
             with self._lock:
-                pending = [c for c in self._alive if self._streams.get(c) is None]
+                pending = [c for c in self._alive if c not in self._spoke]
             if not pending:
                 return
             for child in pending:
@@ -235,6 +239,7 @@ class Relay:
         reason = "its agent's stream closed"
         try:
             while data := stream.read(65536):
+                self._spoke.add(index)
                 batch: list[bytes] = []
                 for frame in decoder.feed(data):
                     if frame.kind in (wire.Kind.ROUTED, wire.Kind.GONE):
