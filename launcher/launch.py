@@ -158,7 +158,9 @@ def _tree(req: LaunchRequest, active: Sequence[selection.HostSlots],
         raise UsageError(f"--fanout is for --launcher {table.DEFAULT_LAUNCHER}", "--fanout",
                          f"--launcher {transport.name} starts its agents itself",
                          "drop --fanout")
-    if req.fanout is None and (req.ssh.client != "paramiko"
+    from launcher.tree.hops import RELAY_CLIENT
+
+    if req.fanout is None and (req.ssh.client != RELAY_CLIENT
                                or any(h.entry.is_local for h in active)):
         return None
     return tree

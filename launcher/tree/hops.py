@@ -26,6 +26,8 @@ from launcher.errors import HostKeyError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.transport.options import SSHOptions
 
+#: The --ssh-client a relay connects with (dtrain's own: its config reading is forwarded).
+RELAY_CLIENT = "paramiko"
 #: The SSHOptions fields a relay uses as the head does (timeouts, parallel handshakes).
 FORWARDED_OPTIONS = ("connect_timeout", "banner_timeout", "auth_timeout", "keepalive",
                      "max_parallel", "handshake_timeout", "channel_timeout")
@@ -34,7 +36,7 @@ FORWARDED_OPTIONS = ("connect_timeout", "banner_timeout", "auth_timeout", "keepa
 def describe(entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, Any]]:
     """Each host's hop, as the head resolved and verified it; raises before anything
     connects when a host cannot be relayed."""
-    if opts.client != "paramiko":
+    if opts.client != RELAY_CLIENT:
         raise UsageError("fan-out needs --ssh-client paramiko", "--fanout",
                          "relays start their subtree with dtrain's own SSH client, and the "
                          "system ssh client's configuration is not forwarded to them yet",
