@@ -78,6 +78,10 @@ launcher/ and trainer/ never import each other.
                  flight        torch.distributed programs: the Flight Recorder turned on and
                                read by flight_shim/sitecustomize in each rank (no record of
                                their own needed)
+    tree/        --fanout K: shape (who starts whom, pure), fence (a relay's merged PMI fence,
+                 pure), hops (what the head hands a relay per host), relay (the agent's relay,
+                 adapter), head (one real stream per host the head starts, a RelayedStream
+                 per host below it, adapter)
     hang/        views, model, causes, cycles, graph, diagnose: who caused a hang (the
                  Diagnosis the restart logic reads); watch, status: stragglers, live table (pure)
     pmi/         PMI-1 codec, per-host proxy core and the actions it asks for, the head's

@@ -32,7 +32,7 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
     "Hosts and slots": ("hostfile", "hosts", "include", "exclude", "num_nodes",
                         "nproc_per_node"),
     "SSH": ("ssh_config", "known_hosts", "ssh_accept_new", "ssh_connect_timeout",
-            "ssh_allow_config_exec", "ssh_client", "remote_python"),
+            "ssh_allow_config_exec", "ssh_client", "remote_python", "fanout"),
     "Environment": ("env", "master_addr", "master_port", "chdir"),
     "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run", "status_interval"),
     "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
@@ -157,6 +157,10 @@ whose name starts with a dash; it is always safe."""
               help="Interpreter that runs the agent on every host.")
 @click.option("--ssh-client", type=click.Choice(table.SSH_CLIENTS), default=SSH.client,
               show_default=True, help=table.helps(table.SSH_CLIENTS) + ".")
+@click.option("--fanout", type=click.IntRange(min=0), metavar="K",
+              help="Start agents through a tree of hosts: the head starts K, each of those "
+              "up to K more, and so on; 0: the head starts every host (flat). Default: flat "
+              "up to 64 hosts, else 32 (--ssh-client paramiko; docs: Launching).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",
@@ -220,7 +224,8 @@ def _launch_request(program: tuple[str, ...], kw: dict[str, Any]) -> LaunchReque
     return LaunchRequest(
         argv=program, hosts=hosts, cwd=os.path.abspath(kw["chdir"] or os.getcwd()),
         env=kw["env"], master_addr=kw["master_addr"], master_port=kw["master_port"], ssh=ssh,
-        remote_python=kw["remote_python"], prefix=not kw["no_prefix"], raw=kw["raw"],
+        remote_python=kw["remote_python"], fanout=kw["fanout"], prefix=not kw["no_prefix"],
+        raw=kw["raw"],
         log_dir=Path(kw["log_dir"]) if kw["log_dir"] else None, dry_run=kw["dry_run"],
         timings=kw["timings"],
         supervise=SuperviseOptions(heartbeat=kw["heartbeat_interval"], grace=kw["grace"],

@@ -31,6 +31,7 @@ from launcher.transport import table
 from launcher.transport.connect import close_streams, open_streams, start_agents
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
+from launcher.tree.shape import Tree, choose_fanout
 
 if TYPE_CHECKING:  # imported for real while the agents boot (see run_launch)
     from launcher.restart.rounds import JobEnd
@@ -58,6 +59,7 @@ class LaunchRequest:
     master_port: int | None = None
     ssh: SSHOptions = SSHOptions()
     remote_python: str = sys.executable
+    fanout: int | None = None            # --fanout: hosts each host starts; 0 flat; None auto
     prefix: bool = True
     raw: bool = False
     log_dir: Path | None = None
@@ -118,22 +120,50 @@ def run_launch(req: LaunchRequest) -> int:
     if transport.flow is table.Flow.COMMAND:
         code: int = transport.load()(req, plan, active)
         return code
+    tree = _tree(req, active, transport)
     if req.dry_run:
         from launcher.dryrun import print_plan
 
         print_plan(plan, master=(req.master_addr, req.master_port), out=sys.stdout)
         if spares:
             print(f"spares: {', '.join(s.entry.name for s in spares)}")
+        if tree is not None:
+            print("\n".join(tree.describe([h.entry.name for h in active])))
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
-    streams = open_streams(active, python=req.remote_python, ssh=req.ssh, transport=transport,
-                           retry_for=req.supervise.launch_timeout)
+    if tree is not None:
+        from launcher.tree.head import open_tree
+
+        streams = open_tree(active, tree, python=req.remote_python, ssh=req.ssh)
+    else:
+        streams = open_streams(active, python=req.remote_python, ssh=req.ssh,
+                               transport=transport, retry_for=req.supervise.launch_timeout)
     # Spares boot while the first round starts; one that cannot be reached is left out.
     extra = start_agents(spares, python=req.remote_python, ssh=req.ssh,
                          transport=transport) if spares else []
     return _supervise(req, transport, plan, [*active, *spares], [*streams, *extra], log_dir,
                       started=t0)
+
+
+def _tree(req: LaunchRequest, active: Sequence[selection.HostSlots],
+          transport: table.Transport) -> Tree | None:
+    """The fan-out of an ssh launch (`launcher.tree`), None for a flat one. Left to its
+    default, a launch the tree cannot carry (a local host, the openssh client) is flat."""
+    fanout = choose_fanout(req.fanout, len(active))
+    tree = Tree(len(active), fanout)
+    if tree.flat:
+        return None
+    if transport.name != table.DEFAULT_LAUNCHER:
+        raise UsageError(f"--fanout is for --launcher {table.DEFAULT_LAUNCHER}", "--fanout",
+                         f"--launcher {transport.name} starts its agents itself",
+                         "drop --fanout")
+    from launcher.tree.hops import RELAY_CLIENT
+
+    if req.fanout is None and (req.ssh.client != RELAY_CLIENT
+                               or any(h.entry.is_local for h in active)):
+        return None
+    return tree
 
 
 def _run_joined(req: LaunchRequest, transport: table.Transport) -> int:

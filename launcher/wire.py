@@ -23,12 +23,14 @@ TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy r
 if TYPE_CHECKING:
     from typing import Any
 
-PROTOCOL_VERSION = 5  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
+PROTOCOL_VERSION = 6  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
 #                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare);
-#                     5: the ranks' forwarded environment comes with START, not in the SPEC
+#                     5: the ranks' forwarded environment comes with START, not in the SPEC;
+#                     6: fan-out (SUBTREE, ROUTED, GONE; a fence of many hosts in one message)
 MAX_FRAME = 16 * 1024 * 1024
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
+_INDEX = struct.Struct("!I")
 
 
 class Kind(enum.IntEnum):
@@ -59,6 +61,10 @@ class Kind(enum.IntEnum):
     JOIN = 21       # agent -> head: who joins (host name, node rank, GPUs, versions)
     ADMIT = 22      # head -> agent: accepted; the SPEC follows once every agent is here
     REFUSE = 23     # both ways: {"why", "fix"}: refused; this agent starts nothing
+    # Fan-out through the hosts (launcher.tree): a relay agent starts its subtree's agents.
+    SUBTREE = 24    # head -> relay, first frame: the hosts it starts and how (launcher.tree.hops)
+    ROUTED = 25     # both ways: host index (u32) + whole frames of that host's stream
+    GONE = 26       # relay -> head: {"host", "why", "connect"?}: that host's stream ended
 
 
 class WireError(ValueError):
@@ -100,6 +106,18 @@ def encode_json(kind: Kind, obj: dict[str, Any] | None = None) -> bytes:
 
 def encode_output(rank: int, stream: int, data: bytes) -> bytes:
     return encode(Kind.OUTPUT, _OUTPUT_HEADER.pack(rank, stream) + data)
+
+
+def encode_routed(host: int, frames: bytes) -> bytes:
+    """Whole frames of host ``host``'s stream, carried by the relays between it and the head."""
+    return encode(Kind.ROUTED, _INDEX.pack(host) + frames)
+
+
+def decode_routed(frame: Frame) -> tuple[int, bytes]:
+    """(host index, the whole frames of its stream) of a ROUTED frame."""
+    if len(frame.payload) < _INDEX.size:
+        raise WireError("ROUTED frame shorter than its header")
+    return _INDEX.unpack_from(frame.payload)[0], frame.payload[_INDEX.size:]
 
 
 def decode_output(frame: Frame) -> Output:

@@ -63,6 +63,10 @@ class HeadLink:
         """Queue a rank's output; blocks while the output queue is full (back-pressure)."""
         return self._writer.send_output(wire.encode_output(rank, stream, data))
 
+    def send_output_frame(self, frame: bytes) -> bool:
+        """An encoded frame carrying rank output (a relayed host's), back-pressured likewise."""
+        return self._writer.send_output(frame)
+
     def flush(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for everything queued to reach the stream."""
         return self._writer.flush(timeout)

@@ -40,9 +40,12 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class Agent:
-    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink]) -> None:
+    def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink],
+                 relay_connect: Callable[[int], Any] | None = None) -> None:
         """``connect`` makes the link to the head from the agent's event queue (stdin/stdout,
-        a rendezvous socket; a pair of pipes in the core tests)."""
+        a rendezvous socket; a pair of pipes in the core tests); ``relay_connect``, as a
+        relay, a child's stream by its index (default: over SSH; `launcher.tree.relay`)."""
+        self.relay_connect = relay_connect
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
@@ -60,6 +63,8 @@ class Agent:
         self.exit_code = 0
         self.started = False  # a rank started: descendants from now on belong to the job
         self.progress: ProgressReporter | None = None  # the ranks' progress records
+        self.relay: Any = None  # launcher.tree.relay.Relay: this host starts a subtree
+        self.head_gone = False  # its stream ended or fell silent (not BYE)
 
     # -- main loop --------------------------------------------------------------------------
     def run(self) -> int:
@@ -79,6 +84,7 @@ class Agent:
             elif isinstance(event, RankExited):
                 self._on_exit(event)
             elif isinstance(event, Eof):
+                self.head_gone = True
                 self._stop(signal.SIGTERM, EOF_GRACE_S)
                 return self._leave(1)  # the head went away without BYE: nobody said done
 
@@ -96,6 +102,7 @@ class Agent:
             self.kill_at = None
         if now - self.last_heard > self.silence_limit:
             # The head is gone or cut off: nobody will ever collect these ranks.
+            self.head_gone = True
             self._stop(signal.SIGTERM, EOF_GRACE_S)
             self._leave(1)
             return True
@@ -109,7 +116,14 @@ class Agent:
     # -- frames from the head -----------------------------------------------------------------
     def _on_frame(self, frame: wire.Frame) -> bool:
         kind = frame.kind
-        if kind is wire.Kind.SPEC:
+        if kind is wire.Kind.ROUTED and self.relay is not None:
+            self.relay.down(frame)
+        elif kind is wire.Kind.SUBTREE and self.relay is None:
+            from launcher.tree.relay import Relay
+
+            self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect)
+            self.relay.start()
+        elif kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
         elif kind is wire.Kind.START and self.spec is not None:
             self._start_all(self.spec, frame.json())
@@ -119,6 +133,8 @@ class Agent:
                        float(body.get("grace", wire.Watch.grace)))
         elif kind is wire.Kind.STDIN:
             self._on_stdin(frame.payload)
+        elif kind is wire.Kind.PMI and self.relay is not None and "hosts" in frame.json():
+            self.relay.fence_out(frame.json())  # a fence this relay answered for its subtree
         elif kind is wire.Kind.PMI and self.pmi is not None:
             self.pmi.from_head(frame.json())
         elif kind is wire.Kind.PROBE and self.progress is not None:
@@ -146,6 +162,8 @@ class Agent:
                                                   "fix": "use one dtrain version everywhere"})
             return
         self.spec, self.leave_at, self.exit_code = spec, None, 0
+        if self.relay is not None:
+            self.relay.own_spec(body)
         self.interval, self.silence_limit = spec.watch.heartbeat, spec.watch.limit
         problem = check_job(spec.cwd, spec.argv[0], rank_environment(os.environ, spec.check_env))
         if problem:
@@ -165,10 +183,21 @@ class Agent:
                 mode=spec.pmi.mode, ranks=ranks, world_size=spec.pmi.world_size,
                 kvsname=spec.pmi.kvsname, process_mapping=spec.pmi.process_mapping,
                 stall_after=spec.pmi.stall,
-                send_head=lambda msg: self.link.send_json(wire.Kind.PMI, msg))
+                send_head=self._pmi_up)
         self.link.send_json(wire.Kind.READY, {"ranks": len(spec.ranks),
                                                **facts.rendezvous(spec.probe),
                                                "check_s": round(time.monotonic() - t0, 4)})
+
+    def _pmi_up(self, msg: dict[str, Any]) -> None:
+        """The PMI proxy's message to the head; a relay's own barrier joins its subtree's."""
+        if self.relay is not None and msg.get("op") == "barrier_in":
+            self.relay.own_barrier(msg)
+        else:
+            self.link.send_json(wire.Kind.PMI, msg)
+
+    def _pmi_down(self, msg: dict[str, Any]) -> None:
+        if self.pmi is not None:
+            self.pmi.from_head(msg)
 
     def _rank_env(self, rank: wire.RankStart) -> dict[str, str]:
         env = rank_environment(os.environ, {**self.base_env, **rank.env, **self.job_env})

@@ -31,6 +31,10 @@ def serve(connect: Callable[[queue.Queue[Any]], HeadLink]) -> NoReturn:
     agent = Agent(connect)
     signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
     code = agent.run()
+    if agent.relay is not None:  # a relay carries its subtree's streams to their end
+        if not agent.head_gone:
+            agent.relay.linger(agent.events, lambda event: isinstance(event, Eof))
+        agent.relay.close()
     agent.link.flush(FLUSH_S)  # EXIT/DONE frames still queued; the head may still be reading
     sys.stderr.flush()
     os._exit(code)

@@ -252,7 +252,15 @@ class Supervisor:
                 self._fail(Failure(1, f"rank {rank}@{link.name}", str(msg.get("reason")), rank,
                                    inferred=True))
         elif self.pmi is not None:
+            # A relay's fence stands for its subtree's hosts, named by their tree index.
+            if "hosts" in msg:
+                tree = {getattr(x.stream, "tree_index", x.index): p
+                        for p, x in enumerate(self.links)}
+                msg = {**msg, "hosts": [tree[h] for h in msg["hosts"] if h in tree]}
             for host, reply in self.pmi.handle(self._at[link.index], link.name, msg):
+                if "hosts" in reply:
+                    reply["hosts"] = [getattr(self.links[p].stream, "tree_index", p)
+                                      for p in reply["hosts"]]
                 self.links[host].send_json(wire.Kind.PMI, reply)
 
     def _on_signal(self, signum: int) -> None:

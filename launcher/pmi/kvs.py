@@ -8,6 +8,10 @@ of its ranks entered); the head then sends every host one ``barrier_out`` carryi
 in that epoch, so a barrier costs 2 x hosts messages whatever the number of ranks, and each
 proxy can answer the gets that follow from its own cache.
 
+Under fan-out (`launcher.tree.fence`) one ``barrier_in`` may cover many hosts (``hosts``, the
+host indices it stands for): it is answered with one ``barrier_out`` naming the same hosts, so
+the head sends one message per message it got, K per fence for K relays.
+
 Conflicting puts: MPICH never puts the same key twice with different values, so the last
 writer wins (hosts are merged in arrival order) and the key is recorded in ``conflicts`` for a
 diagnosis rather than failing the job.
@@ -38,6 +42,7 @@ class KeyValueSpace:
         self._store: dict[str, str] = {}        # committed by completed barriers
         self._epoch_puts: dict[str, str] = {}
         self._entered: set[int] = set()
+        self._reporters: dict[int, list[int]] = {}  # who sent a barrier_in -> hosts it covers
         self._aborted: tuple[int, int, str] | None = None
 
     @property
@@ -51,7 +56,7 @@ class KeyValueSpace:
             raise _error(f"host index {host} outside 0..{self.hosts - 1}")
         op = msg.get("op")
         if op == "barrier_in":
-            return self._barrier_in(host, msg.get("puts"))
+            return self._barrier_in(host, msg.get("puts"), msg.get("hosts", [host]))
         if op == "get":
             return [(host, self._get(msg))]
         if op == "abort":
@@ -69,21 +74,28 @@ class KeyValueSpace:
         """A committed value (for tests and diagnosis)."""
         return self._store.get(key)
 
-    def _barrier_in(self, host: int, puts: object) -> list[tuple[int, Message]]:
+    def _barrier_in(self, host: int, puts: object, hosts: object) -> list[tuple[int, Message]]:
         if not isinstance(puts, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in puts.items()):
             raise _error(f"barrier_in from host {host} without a string-to-string puts object")
-        if host in self._entered:
-            raise _error(f"host {host} entered barrier {self.epoch} twice")
+        if not isinstance(hosts, list) or not all(
+                isinstance(h, int) and 0 <= h < self.hosts for h in hosts):
+            raise _error(f"barrier_in from host {host} covers hosts outside the job: {hosts}")
+        if twice := self._entered.intersection(hosts):
+            raise _error(f"host {min(twice)} entered barrier {self.epoch} twice")
         self._merge(puts)
-        self._entered.add(host)
+        self._entered.update(hosts)
+        self._reporters[host] = list(hosts)
         if len(self._entered) < self.hosts:
             return []
         kv, self._epoch_puts = self._epoch_puts, {}
         self._store.update(kv)
         self._entered.clear()
         self.epoch += 1
-        return [(h, {"op": "barrier_out", "kv": kv}) for h in range(self.hosts)]
+        reporters, self._reporters = self._reporters, {}
+        return [(h, {"op": "barrier_out", "kv": kv} if covered == [h] else
+                 {"op": "barrier_out", "kv": kv, "hosts": covered})
+                for h, covered in sorted(reporters.items())]
 
     def _merge(self, puts: Mapping[str, str]) -> None:
         for key, value in puts.items():

@@ -1,0 +1,331 @@
+"""The relay: an agent that also starts the agents of its subtree and carries their streams.
+
+The head's first frame to a relay is SUBTREE: the relay's own index, the hosts it starts (each
+with its hop, `launcher.tree.hops`, and its own subtree), the agent's Python. The relay
+connects to its children in parallel, from a thread (its own agent answers the head meanwhile),
+sends each child relay its SUBTREE, then what the head already sent for it. From then on:
+
+* down: a ROUTED frame for a host below goes to the child on the way, unwrapped for the child
+  itself; a SPEC passing by tells the fence (`launcher.tree.fence`) which hosts take part;
+* up: what a child sends goes up wrapped (ROUTED with the child's index; a child relay's
+  ROUTED and GONE frames as they are), one frame per read, its rank output under the writer's
+  back-pressure; a child's PMI ``barrier_in`` goes into the fence instead, and a ``get`` for a
+  card the relay passed down is answered here;
+* a child whose stream ends is reported GONE, with every host below it.
+
+The relay outlives its own agent's job while any child is connected (a host whose ranks
+finished still carries the others' streams) and ends with the stream from its parent: closing
+the children's streams, whose agents then stop their ranks as when the head is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shlex
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from launcher import wire
+from launcher.tree.fence import SubtreeFence
+
+TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, Protocol
+
+    from launcher.transport.stream import AgentStream
+
+    class Upward(Protocol):
+        """The link to the relay's parent (the agent's `HeadLink`)."""
+
+        def send(self, data: bytes) -> bool: ...
+        def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool: ...
+        def send_output_frame(self, frame: bytes) -> bool: ...
+
+LINGER_POLL_S = 1.0
+PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
+VOUCH_S = 60.0  # how long, as the agent waits for its head's SPEC (agent.main.HELLO_SILENCE_S)
+
+
+class Relay:
+    def __init__(self, body: dict[str, Any], up: Upward,
+                 own_pmi: Callable[[dict[str, Any]], None],
+                 connect: Callable[[int], AgentStream] | None = None) -> None:
+        """``up``: the agent's link to its parent; ``own_pmi``: a PMI message for this host's
+        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream by its index, or a
+        ConnectError (default: its agent over SSH, as the SUBTREE says; tests and the
+        simulator give their own)."""
+        self.own = int(body["index"])
+        self._connect = connect
+        self.up, self._own_pmi = up, own_pmi
+        self._python = str(body["python"])
+        self._ssh = dict(body.get("ssh") or {})
+        self._children = {int(c["index"]): c for c in body["children"]}
+        route = {self.own: self.own}
+        self._below: dict[int, list[dict[str, Any]]] = {}  # child -> every node below it
+        for index, child in self._children.items():
+            nodes = _flatten(child)
+            self._below[index] = nodes[1:]
+            route.update((int(n["index"]), index) for n in nodes)
+        self.fence = SubtreeFence(self.own, route)
+        self._streams: dict[int, AgentStream | None] = dict.fromkeys(self._children)
+        self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
+        self._alive = set(self._children)
+        self._spoke: set[int] = set()  # children whose agent sent its first frame
+        self._lock = threading.Lock()
+        self._keys: Any = None
+
+    def start(self) -> None:
+        """Connect the children from a thread. What that needs is imported here first, on the
+        agent's own thread: modules imported by two threads at once can be seen half-made
+        (dataclasses reads `typing` from sys.modules while paramiko's import makes it)."""
+        if self._connect is None:
+            from launcher.transport.connect import import_paramiko
+
+            import_paramiko(allow_config_exec=False)
+            import launcher.transport.local
+            import launcher.transport.ssh
+            import launcher.tree.hops  # noqa: F401
+        threading.Thread(target=self._connect_all, name="relay-connect", daemon=True).start()
+        threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
+
+    def _beat_pending(self) -> None:
+        """Until a child's agent first speaks, a heartbeat for it and every host below it:
+        the head hears them from the moment it hands them over, and a deep host's start-up
+        (the hops above it, its login) is not its silence. For VOUCH_S at most: an agent that
+        never speaks is then silent to the head as a flat launch's would be."""
+        beat = wire.encode(wire.Kind.HEARTBEAT)
+        until = time.monotonic() + VOUCH_S
+        while time.monotonic() < until:
+            time.sleep(PENDING_BEAT_S)
+            with self._lock:
+                pending = [c for c in self._alive if c not in self._spoke]
+            if not pending:
+                return
+            for child in pending:
+                for host in [child, *(int(n["index"]) for n in self._below[child])]:
+                    self.up.send(wire.encode_routed(host, beat))
+
+    # -- down ----------------------------------------------------------------------------------
+    def down(self, frame: wire.Frame) -> None:
+        """A ROUTED frame from the parent, for a host below."""
+        target, inner = wire.decode_routed(frame)
+        hop = self.fence.route.get(target)
+        if hop is None or hop == self.own:
+            return
+        if len(inner) > 4 and inner[4] == wire.Kind.SPEC:
+            with contextlib.suppress(wire.WireError):
+                for spec in wire.Decoder().feed(inner):
+                    if spec.kind is wire.Kind.SPEC:
+                        with self._lock:
+                            self.fence.spec(target, spec.json())
+        self._send(hop, inner if hop == target else wire.encode(frame.kind, frame.payload))
+
+    def own_spec(self, body: dict[str, Any]) -> None:
+        with self._lock:
+            self.fence.spec(self.own, body)
+
+    def own_barrier(self, msg: dict[str, Any]) -> None:
+        """The own agent's ``barrier_in``: into the fence, not to the parent."""
+        self._enter(self.own, msg)
+
+    def fence_out(self, msg: dict[str, Any]) -> None:
+        """The parent's ``barrier_out`` for the hosts this relay covered."""
+        with self._lock:
+            pairs = self.fence.out(msg)
+        for hop, body in pairs:
+            if hop == self.own:
+                self._own_pmi(body)
+            else:
+                self._send(hop, wire.encode_json(wire.Kind.PMI, body))
+
+    def linger(self, events: queue.Queue[Any], ended: Callable[[Any], bool]) -> None:
+        """After the own agent is done: carry the children's streams until they end, or the
+        parent's does (an event that is ``ended``)."""
+        while self._alive:
+            try:
+                event = events.get(timeout=LINGER_POLL_S)
+            except queue.Empty:
+                continue
+            if ended(event):
+                return
+            if isinstance(event, wire.Frame) and event.kind is wire.Kind.ROUTED:
+                self.down(event)
+
+    def close(self) -> None:
+        """Close every child's stream: their agents stop their ranks and leave."""
+        with self._lock:
+            streams, self._streams = dict(self._streams), {}
+            self._alive.clear()
+        for stream in streams.values():
+            if stream is not None:
+                with contextlib.suppress(OSError):
+                    stream.close()
+                if stream.connection is not None:
+                    stream.connection.close()
+        if self._keys is not None:
+            self._keys.remove()
+
+    # -- connecting ----------------------------------------------------------------------------
+    def _connect_all(self) -> None:
+        if self._connect is not None:
+            self._start_children(self._connect)
+            return
+        try:
+            from launcher.transport.local import agent_command
+            from launcher.tree.hops import RelayKeys
+
+            self._keys = RelayKeys()
+            opts = self._keys.options(self._ssh)
+            hosts = {i: self._keys.resolved(str(c["name"]), c["hop"])
+                     for i, c in self._children.items()}
+            command = shlex.join(agent_command(self._python))
+        except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
+            for index in self._children:
+                self._lost(index, f"the relay could not start it: {exc}", connect=True)
+            return
+
+        def over_ssh(index: int) -> AgentStream:
+            from launcher.transport.ssh import SSHConnection
+
+            conn = SSHConnection.open(hosts[index], opts)
+            try:
+                return conn.exec_stream(command)
+            except BaseException:
+                conn.close()
+                raise
+
+        self._start_children(over_ssh)
+
+    def _start_children(self, connect: Callable[[int], AgentStream]) -> None:
+        from launcher.errors import ConnectError
+
+        def one(index: int) -> None:
+            try:
+                stream = connect(index)
+            except ConnectError as exc:
+                self._lost(index, str(exc), connect=True, error=exc)
+                return
+            self._attach(index, stream)
+
+        workers = max(1, min(int(self._ssh.get("max_parallel", 32)), len(self._children)))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="relay") as pool:
+            list(pool.map(one, self._children))
+
+    def _attach(self, index: int, stream: AgentStream) -> None:
+        child = self._children[index]
+        first = [wire.encode_json(wire.Kind.SUBTREE, {
+            "index": index, "python": self._python, "ssh": self._ssh,
+            "children": child["children"]})] if child["children"] else []
+        with self._lock:
+            if index not in self._alive:
+                stream.close()
+                return
+            pending, self._waiting[index] = self._waiting[index], []
+            self._streams[index] = stream
+            try:
+                if first or pending:
+                    stream.write(b"".join([*first, *pending]))
+            except OSError:
+                pass  # the reader sees the end and reports it
+        threading.Thread(target=self._read, args=(index, stream), name=f"relay-{index}",
+                         daemon=True).start()
+
+    # -- up ------------------------------------------------------------------------------------
+    def _read(self, index: int, stream: AgentStream) -> None:
+        decoder = wire.Decoder()
+        reason = "its agent's stream closed"
+        try:
+            while data := stream.read(65536):
+                self._spoke.add(index)
+                batch: list[bytes] = []
+                for frame in decoder.feed(data):
+                    if frame.kind in (wire.Kind.ROUTED, wire.Kind.GONE):
+                        self._flush(index, batch)
+                        self.up.send(wire.encode(frame.kind, frame.payload))
+                    elif frame.kind is wire.Kind.OUTPUT:
+                        self._flush(index, batch)
+                        self.up.send_output_frame(wire.encode_routed(
+                            index, wire.encode(frame.kind, frame.payload)))
+                    elif frame.kind is wire.Kind.PMI and self._pmi_up(index, frame):
+                        self._flush(index, batch)
+                    else:
+                        batch.append(wire.encode(frame.kind, frame.payload))
+                self._flush(index, batch)
+        except (OSError, EOFError, ValueError) as exc:
+            reason = f"its agent's stream broke: {exc}"
+        stderr = stream.stderr_text().strip().splitlines()[-3:]
+        self._lost(index, reason + (f" (agent stderr: {' | '.join(stderr)})" if stderr else ""))
+
+    def _flush(self, index: int, batch: list[bytes]) -> None:
+        if batch:
+            self.up.send(wire.encode_routed(index, b"".join(batch)))
+            batch.clear()
+
+    def _pmi_up(self, index: int, frame: wire.Frame) -> bool:
+        """A child's PMI message handled here (True), or to go up as it is (False)."""
+        msg = frame.json()
+        if msg.get("op") == "barrier_in":
+            self._enter(index, msg)
+            return True
+        if msg.get("op") == "get":
+            with self._lock:
+                value = self.fence.get(index, msg.get("key"))
+            if value:
+                self._send(index, wire.encode_json(wire.Kind.PMI, {
+                    "op": "get_result", "req": msg.get("req"), "found": True, "value": value}))
+                return True
+        return False
+
+    def _enter(self, host: int, msg: dict[str, Any]) -> None:
+        with self._lock:
+            aggregate = self.fence.enter(host, msg)
+        if aggregate is not None:
+            self.up.send_json(wire.Kind.PMI, aggregate)
+
+    def _send(self, hop: int, data: bytes) -> None:
+        with self._lock:
+            stream = self._streams.get(hop)
+            if stream is None:
+                if hop in self._alive:
+                    self._waiting[hop].append(data)
+                return
+            try:
+                stream.write(data)
+            except OSError:
+                pass  # its reader reports the end
+
+    def _lost(self, index: int, why: str, *, connect: bool = False,
+              error: Any = None) -> None:
+        """Child ``index`` is gone: GONE for it and for every host below it."""
+        with self._lock:
+            if index not in self._alive:
+                return
+            self._alive.discard(index)
+            self._waiting.pop(index, None)
+            stream = self._streams.pop(index, None)
+        if stream is not None:
+            stream.abort()
+        name = str(self._children[index]["name"])
+        below = [str(n["name"]) for n in self._below[index]]
+        body: dict[str, Any] = {"host": index, "why": why}
+        if connect:
+            body["connect"] = {key: getattr(error, key, "")
+                               for key in ("what", "where", "why", "fix")}
+        self.up.send_json(wire.Kind.GONE, body)
+        for node in self._below[index]:
+            self.up.send_json(wire.Kind.GONE, {
+                "host": int(node["index"]),
+                "why": f"lost with its relay {name} (its subtree: {', '.join(below)}): {why}"})
+
+
+def _flatten(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """``node`` and every node below it."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(reversed(n["children"]))
+    return out

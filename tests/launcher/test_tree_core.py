@@ -1,0 +1,316 @@
+"""Fan-out's pure cores and its two adapters over in-memory streams: the tree's shape, the
+fence merged per relay against the head's key-value space, the head's relay line and a relay
+with fake children (`launcher.tree`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from launcher import wire
+from launcher.errors import ConnectError, PmiError
+from launcher.pmi.kvs import KeyValueSpace
+from launcher.tree.fence import SubtreeFence
+from launcher.tree.head import RelayLine
+from launcher.tree.relay import Relay
+from launcher.tree.shape import AUTO_FANOUT, AUTO_FLAT_MAX, HEAD, Tree, choose_fanout
+
+K = wire.Kind
+
+
+# -- shape ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("hosts, fanout", [(1, 2), (16, 2), (17, 3), (100, 4), (1000, 32)])
+def test_every_host_has_one_parent_and_is_in_its_subtree(hosts, fanout):
+    tree = Tree(hosts, fanout)
+    seen = [h for parent in [HEAD, *range(hosts)] for h in tree.children(parent)]
+    assert sorted(seen) == list(range(hosts))  # started once each
+    for host in range(hosts):
+        assert host in tree.children(tree.parent(host))
+        assert len(tree.children(host)) <= fanout
+        for below in tree.subtree(host)[1:]:
+            assert tree.next_hop(host, below) in tree.children(host)
+    assert len(tree.children(HEAD)) == min(fanout, hosts)
+
+
+def test_sixteen_hosts_at_fanout_two_make_four_levels_and_seven_relays():
+    tree = Tree(16, 2)
+    assert list(tree.children(HEAD)) == [0, 1] and list(tree.children(1)) == [4, 5]
+    assert tree.subtree(1) == [1, 4, 5, 10, 11, 12, 13]
+    assert tree.relays() == [0, 1, 2, 3, 4, 5, 6]
+    assert max(tree.depth(h) for h in range(16)) == 4
+    assert tree.next_hop(1, 12) == 5 and tree.next_hop(HEAD, 12) == 1
+    lines = tree.describe([f"node{i}" for i in range(1, 17)])
+    assert lines[0] == "fan-out 2: 7 relays, depth 4"
+    assert "  head -> node1, node2" in lines and "    node2 -> node5, node6" in lines
+
+
+def test_the_default_is_flat_for_small_launches_and_zero_is_always_flat():
+    assert choose_fanout(None, AUTO_FLAT_MAX) == 0
+    assert choose_fanout(None, AUTO_FLAT_MAX + 1) == AUTO_FANOUT
+    assert choose_fanout(0, 5000) == 0 and choose_fanout(4, 3) == 4
+    assert Tree(3, 4).flat and Tree(1000, 0).flat and list(Tree(5, 0).children(HEAD)) == [
+        0, 1, 2, 3, 4]
+    with pytest.raises(ValueError):
+        Tree(4, 2).next_hop(0, 1)
+
+
+# -- the fence through the tree ---------------------------------------------------------------
+def _fences(tree: Tree) -> dict[int, SubtreeFence]:
+    fences = {}
+    for relay in tree.relays():
+        fences[relay] = SubtreeFence(relay, {h: (relay if h == relay else tree.next_hop(
+            relay, h)) for h in tree.subtree(relay)})
+        for h in tree.subtree(relay):
+            fences[relay].spec(h, {"ranks": [{"rank": h}], "pmi": {"mode": "fd",
+                                                                   "kvsname": "job-0"}})
+    return fences
+
+
+def _up(tree: Tree, fences: dict[int, SubtreeFence], host: int, msg: dict) -> list[tuple]:
+    """``host``'s barrier_in climbs through the relays: what reaches the head, from whom. A
+    relay's own agent enters its own fence, any other host its parent's."""
+    sender, relay = host, host if host in fences else tree.parent(host)
+    while relay != HEAD:
+        merged = fences[relay].enter(sender, msg)
+        if merged is None:
+            return []
+        sender, msg, relay = relay, merged, tree.parent(relay)
+    return [(sender, msg)]
+
+
+def _down(tree: Tree, fences: dict[int, SubtreeFence], hop: int, msg: dict,
+          got: dict[int, list]) -> None:
+    if "hosts" not in msg:
+        got.setdefault(hop, []).append(msg)
+        return
+    for target, body in fences[hop].out(msg):
+        if target == hop:
+            got.setdefault(hop, []).append(body)
+        else:
+            _down(tree, fences, target, body, got)
+
+
+@pytest.mark.parametrize("hosts, fanout", [(16, 2), (40, 3), (7, 2)])
+def test_a_fence_through_the_tree_costs_the_head_one_message_per_host_it_started(
+        hosts, fanout):
+    tree, kvs = Tree(hosts, fanout), KeyValueSpace(hosts=hosts, kvsname="job-0")
+    fences = _fences(tree)
+    at_head: list[tuple] = []
+    for host in range(hosts):  # relays enter before their subtrees: they wait for them
+        at_head += _up(tree, fences, host, {"op": "barrier_in", "puts": {f"card{host}": "x"}})
+    assert len(at_head) == len(tree.children(HEAD))  # one aggregate per top relay
+    replies = [r for sender, msg in at_head for r in kvs.handle(sender, msg)]
+    assert len(replies) == len(tree.children(HEAD))
+    got: dict[int, list] = {}
+    for hop, msg in replies:
+        _down(tree, fences, hop, msg, got)
+    cards = {f"card{h}": "x" for h in range(hosts)}
+    assert got == {h: [{"op": "barrier_out", "kv": cards}] for h in range(hosts)}
+    # A get from below is answered by the relay that passed the cards down.
+    relay = tree.relays()[-1]
+    child = tree.children(relay)[0]
+    assert fences[relay].get(child, "card0") == "x" and fences[relay].get(child, "nope") is None
+
+
+def test_a_relay_waits_for_every_host_of_its_subtree_that_takes_part():
+    fence = SubtreeFence(0, {0: 0, 1: 1, 2: 2})
+    for host, ranks in ((0, [0]), (1, [1]), (2, [])):  # host 2: a spare's check, no ranks
+        fence.spec(host, {"ranks": ranks, "pmi": {"mode": "fd", "kvsname": "k"}})
+    assert fence.enter(1, {"op": "barrier_in", "puts": {"b": "2"}}) is None
+    assert fence.enter(0, {"op": "barrier_in", "puts": {"a": "1"}}) == {
+        "op": "barrier_in", "puts": {"b": "2", "a": "1"}, "hosts": [0, 1]}
+
+
+def test_the_head_answers_an_aggregate_once_and_refuses_a_host_entering_twice():
+    kvs = KeyValueSpace(hosts=4, kvsname="k")
+    assert kvs.handle(0, {"op": "barrier_in", "puts": {"a": "1"}, "hosts": [0, 2, 3]}) == []
+    out = kvs.handle(1, {"op": "barrier_in", "puts": {"b": "2"}})
+    assert out == [(0, {"op": "barrier_out", "kv": {"a": "1", "b": "2"}, "hosts": [0, 2, 3]}),
+                   (1, {"op": "barrier_out", "kv": {"a": "1", "b": "2"}})]
+    kvs.handle(0, {"op": "barrier_in", "puts": {}, "hosts": [0, 1]})
+    with pytest.raises(PmiError, match="host 1 entered barrier 1 twice"):
+        kvs.handle(1, {"op": "barrier_in", "puts": {}})
+    with pytest.raises(PmiError, match="outside the job"):
+        KeyValueSpace(hosts=2, kvsname="k").handle(0, {"op": "barrier_in", "puts": {},
+                                                       "hosts": [0, 7]})
+
+
+# -- in-memory streams ------------------------------------------------------------------------
+class Pipe:
+    """One end of an in-memory AgentStream pair: writes land in ``peer``'s reads."""
+
+    is_local = False
+    connection = None
+
+    def __init__(self, host: str = "fake") -> None:
+        self.host = host
+        self.inbox: queue.Queue[bytes] = queue.Queue()
+        self.peer: Pipe | None = None
+        self.closed = False
+
+    @classmethod
+    def pair(cls, host: str) -> tuple[Pipe, Pipe]:
+        a, b = cls(host), cls(host)
+        a.peer, b.peer = b, a
+        return a, b
+
+    def write(self, data: bytes) -> None:
+        if self.closed:
+            raise OSError("closed")
+        assert self.peer is not None
+        self.peer.inbox.put(data)
+
+    def read(self, max_bytes: int = 65536) -> bytes:
+        return self.inbox.get()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.peer is not None:
+                self.peer.inbox.put(b"")
+
+    abort = close
+
+    def wait(self, timeout=None):
+        return 0
+
+    def kill(self) -> None:
+        self.close()
+
+    def stderr_text(self) -> str:
+        return ""
+
+    def transport_error(self):
+        return None
+
+
+def _frames(pipe: Pipe, count: int, timeout: float = 5.0) -> list[wire.Frame]:
+    decoder, out = wire.Decoder(), []
+    while len(out) < count:
+        data = pipe.inbox.get(timeout=timeout)
+        if not data:
+            break
+        out += decoder.feed(data)
+    return out
+
+
+def test_the_head_sorts_a_relay_line_into_one_stream_per_host_and_names_a_lost_subtree():
+    head_end, relay_end = Pipe.pair("node1")
+    line = RelayLine(head_end, 0, {0: "node1", 2: "node3", 5: "node6"},
+                     {2: "10.0.0.3", 5: "10.0.0.6"})
+    line.start()
+    s = line.streams
+    relay_end.write(wire.encode(K.HELLO, b"{}") + wire.encode_routed(
+        5, wire.encode(K.READY, b"{}")))
+    assert s[0].read() == wire.encode(K.HELLO, b"{}")
+    assert s[5].read() == wire.encode(K.READY, b"{}")
+    s[2].write(wire.encode(K.KILL))  # to a host below: ROUTED; to the relay: as it is
+    s[0].write(wire.encode(K.BYE))
+    got = _frames(relay_end, 2)
+    assert wire.decode_routed(got[0]) == (2, wire.encode(K.KILL)) and got[1].kind is K.BYE
+    assert s[2].connection is not None and s[2].connection.peer_address() == "10.0.0.3"
+    relay_end.write(wire.encode_json(K.GONE, {"host": 2, "why": "no route", "connect": {
+        "what": "cannot connect to node3", "where": "root@10.0.0.3:22", "why": "refused",
+        "fix": "check sshd"}}))
+    assert s[2].read() == b""
+    error = s[2].transport_error()
+    assert isinstance(error, ConnectError) and "cannot connect to node3" in str(error)
+    relay_end.close()  # the relay dies: its own stream and the rest of its subtree end
+    assert s[5].read() == b"" and s[0].read() == b""
+    assert "lost with its relay node1 (its subtree: node3, node6)" in s[5].stderr_text()
+    assert "its subtree is lost with it: node3, node6" in s[0].stderr_text()
+
+
+def test_the_head_closes_a_relay_line_when_its_last_host_is_closed():
+    head_end, relay_end = Pipe.pair("node1")
+    line = RelayLine(head_end, 0, {0: "node1", 1: "node2"}, {1: "10.0.0.2"})
+    line.streams[0].close()
+    assert not head_end.closed
+    line.streams[1].close()
+    assert head_end.closed
+
+
+class Upward:
+    """The relay's link to its parent, recorded."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+        self.event = threading.Event()
+
+    def send(self, data: bytes) -> bool:
+        self.sent.append(data)
+        self.event.set()
+        return True
+
+    def send_json(self, kind, obj=None) -> bool:
+        return self.send(wire.encode_json(kind, obj))
+
+    send_output_frame = send
+
+    def frames(self) -> list[wire.Frame]:
+        return wire.Decoder().feed(b"".join(self.sent))
+
+
+def _wait(predicate, timeout: float = 5.0) -> None:
+    deadline = threading.Event()
+    timer = threading.Timer(timeout, deadline.set)
+    timer.start()
+    try:
+        while not predicate():
+            assert not deadline.wait(0.01), "condition never held"
+    finally:
+        timer.cancel()
+
+
+def test_a_relay_routes_both_ways_merges_its_fence_and_reports_a_lost_child():
+    # Relay 0 starts hosts 1 (a relay of host 3) and 2; the fakes are their agents' ends.
+    body = {"index": 0, "python": "/usr/bin/python3", "children": [
+        {"index": 1, "name": "node2", "hop": {}, "children": [
+            {"index": 3, "name": "node4", "hop": {}, "children": []}]},
+        {"index": 2, "name": "node3", "hop": {}, "children": []}]}
+    ends = {i: Pipe.pair(f"node{i + 1}") for i in (1, 2)}
+    up, own = Upward(), []
+    relay = Relay(body, up, own.append, connect=lambda i: ends[i][0])
+    relay.start()
+    spec = {"ranks": [{"rank": 0}], "pmi": {"mode": "fd", "kvsname": "k"}}
+    relay.own_spec(spec)
+    for host in (1, 2, 3):
+        relay.down(wire.Frame(K.ROUTED, wire.encode_routed(host, wire.encode_json(
+            K.SPEC, spec))[5:]))
+    child1, child2 = ends[1][1], ends[2][1]
+    first = _frames(child1, 3)  # SUBTREE first, its own SPEC, then the one for host 3
+    assert [f.kind for f in first] == [K.SUBTREE, K.SPEC, K.ROUTED]
+    assert first[0].json()["children"][0]["name"] == "node4"
+    assert wire.decode_routed(first[2])[0] == 3
+    assert _frames(child2, 1)[0].kind is K.SPEC  # a leaf gets its frames unwrapped
+    # Up: a leaf's frames go up ROUTED; a child relay's ROUTED as it is.
+    child2.write(wire.encode_json(K.STARTED, {"rank": 2, "pid": 9}))
+    child1.write(wire.encode_routed(3, wire.encode(K.HEARTBEAT)))
+    _wait(lambda: len([f for f in up.frames() if f.kind is K.ROUTED
+                       and wire.decode_routed(f)[0] in (2, 3)]) >= 2)
+    # The fence: host 1's aggregate covers host 3; the relay answers once everyone entered.
+    child1.write(wire.encode_json(K.PMI, {"op": "barrier_in", "puts": {"c1": "1", "c3": "3"},
+                                          "hosts": [1, 3]}))
+    child2.write(wire.encode_json(K.PMI, {"op": "barrier_in", "puts": {"c2": "2"}}))
+    relay.own_barrier({"op": "barrier_in", "puts": {"c0": "0"}})
+    _wait(lambda: any(f.kind is K.PMI for f in up.frames()))
+    [aggregate] = [f.json() for f in up.frames() if f.kind is K.PMI]
+    assert aggregate["hosts"] == [0, 1, 2, 3] and len(aggregate["puts"]) == 4
+    kv = {"c0": "0", "c1": "1", "c2": "2", "c3": "3"}
+    relay.fence_out({"op": "barrier_out", "kv": kv, "hosts": [0, 1, 2, 3]})
+    assert own == [{"op": "barrier_out", "kv": kv}]
+    assert _frames(child1, 1)[0].json() == {"op": "barrier_out", "kv": kv, "hosts": [1, 3]}
+    assert _frames(child2, 1)[0].json() == {"op": "barrier_out", "kv": kv}
+    # A get for a card the relay passed down is answered here.
+    child2.write(wire.encode_json(K.PMI, {"op": "get", "key": "c3", "req": 4}))
+    assert _frames(child2, 1)[0].json() == {"op": "get_result", "req": 4, "found": True,
+                                            "value": "3"}
+    # Host 1 (the relay of host 3) dies: both reported GONE, host 3 naming its relay.
+    child1.close()
+    _wait(lambda: sum(f.kind is K.GONE for f in up.frames()) == 2)
+    gone = {f.json()["host"]: f.json()["why"] for f in up.frames() if f.kind is K.GONE}
+    assert "stream closed" in gone[1] and "lost with its relay node2" in gone[3]
+    relay.close()
+    assert child2.inbox.get(timeout=5) == b""  # the remaining child sees its stream end
