@@ -39,6 +39,7 @@ from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
 KILLED_DRAIN_S = 2.0  # after a second Ctrl-C, how long output still queued may take
+CHECK_EVERY_S = 0.1  # how often the loop looks at every link (heartbeats, silence, progress)
 
 
 class Supervisor:
@@ -124,27 +125,32 @@ class Supervisor:
     def _loop(self, t0: float) -> None:
         deadline = t0 + self.opts.timeout if self.opts.timeout else None
         last_beat = time.monotonic()
+        next_checks = 0.0
         while len(self.done_hosts) < len(self.links):
             now = time.monotonic()
-            beat = now - last_beat >= self.opts.heartbeat
-            if beat:
-                for link in self.fleet.heartbeat(self._running()):
-                    self._host_lost(link, "the stream to its agent broke")
-                last_beat = now
-            self.fleet.tend_idle(self._at, now, beat=beat,
-                                 limit=self.opts.heartbeat * self.opts.misses)
-            self._check_silence(now)
-            self._check_pmi_stall(now)
-            self._check_progress(now)
-            if deadline is not None and now >= deadline and not self.stopping:
-                self.outcome.timed_out = True
-                self._stop(signal.SIGTERM, self.opts.grace)
-            if self.stopping and now >= self._give_up_at and not self._output_holds():
-                for link in self.links:  # its ranks' fate is unknown: the host is lost
-                    self._host_lost(link, "did not report its ranks stopped in time")
-                break
+            # The periodic checks walk every link: at most every CHECK_EVERY_S, not once per
+            # event (a fence of 1,000 hosts is 1,000 events in a burst).
+            if now >= next_checks:
+                next_checks = now + CHECK_EVERY_S
+                beat = now - last_beat >= self.opts.heartbeat
+                if beat:
+                    for link in self.fleet.heartbeat(self._running()):
+                        self._host_lost(link, "the stream to its agent broke")
+                    last_beat = now
+                self.fleet.tend_idle(self._at, now, beat=beat,
+                                     limit=self.opts.heartbeat * self.opts.misses)
+                self._check_silence(now)
+                self._check_pmi_stall(now)
+                self._check_progress(now)
+                if deadline is not None and now >= deadline and not self.stopping:
+                    self.outcome.timed_out = True
+                    self._stop(signal.SIGTERM, self.opts.grace)
+                if self.stopping and now >= self._give_up_at and not self._output_holds():
+                    for link in self.links:  # its ranks' fate is unknown: the host is lost
+                        self._host_lost(link, "did not report its ranks stopped in time")
+                    break
             try:
-                event = self.events.get(timeout=0.2)
+                event = self.events.get(timeout=CHECK_EVERY_S)
             except queue.Empty:
                 continue
             self._handle(event)
@@ -257,11 +263,19 @@ class Supervisor:
                 tree = {getattr(x.stream, "tree_index", x.index): p
                         for p, x in enumerate(self.links)}
                 msg = {**msg, "hosts": [tree[h] for h in msg["hosts"] if h in tree]}
+            fence: dict[int, bytes] = {}  # a fence's answer, the same keys for every host
             for host, reply in self.pmi.handle(self._at[link.index], link.name, msg):
                 if "hosts" in reply:
                     reply["hosts"] = [getattr(self.links[p].stream, "tree_index", p)
                                       for p in reply["hosts"]]
-                self.links[host].send_json(wire.Kind.PMI, reply)
+                    data = wire.encode_json(wire.Kind.PMI, reply)
+                elif "kv" in reply:  # encoded once (it grows as hosts x ranks), sent N times
+                    if id(reply["kv"]) not in fence:
+                        fence[id(reply["kv"])] = wire.encode_json(wire.Kind.PMI, reply)
+                    data = fence[id(reply["kv"])]
+                else:
+                    data = wire.encode_json(wire.Kind.PMI, reply)
+                self.links[host].send(data)
 
     def _on_signal(self, signum: int) -> None:
         if self.outcome.interrupted_by is not None:
