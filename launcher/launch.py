@@ -150,19 +150,19 @@ def _tree(req: LaunchRequest, active: Sequence[selection.HostSlots],
           transport: table.Transport) -> Tree | None:
     """The fan-out of an ssh launch (`launcher.tree`), None for a flat one. Left to its
     default, a launch the tree cannot carry (a local host, the openssh client) is flat."""
-    fanout = choose_fanout(req.fanout, len(active))
-    tree = Tree(len(active), fanout)
+    tree = Tree(len(active), choose_fanout(req.fanout, len(active)))
     if tree.flat:
+        return None
+    from launcher.tree.hops import RELAY_CLIENT
+
+    carried = (transport.name == table.DEFAULT_LAUNCHER and req.ssh.client == RELAY_CLIENT
+               and not any(h.entry.is_local for h in active))
+    if req.fanout is None and not carried:
         return None
     if transport.name != table.DEFAULT_LAUNCHER:
         raise UsageError(f"--fanout is for --launcher {table.DEFAULT_LAUNCHER}", "--fanout",
                          f"--launcher {transport.name} starts its agents itself",
                          "drop --fanout")
-    from launcher.tree.hops import RELAY_CLIENT
-
-    if req.fanout is None and (req.ssh.client != RELAY_CLIENT
-                               or any(h.entry.is_local for h in active)):
-        return None
     return tree
 
 
