@@ -29,7 +29,12 @@ SEQ_LEN = 32
 """Divides 2 x cp x tp for cp 4 (chunks of 4 tokens) and for cp 2 x tp 2 with sequence
 parallelism (8 tokens per cp rank, 4 per tp rank)."""
 FAMILIES = {"gpt": {"model": "tiny", "seq_len": SEQ_LEN},  # 2 heads of 32, 2 layers
-            "llama": {"model": "llama-tiny", "seq_len": SEQ_LEN}}  # 8 heads, 2 kv heads
+            "llama": {"model": "llama-tiny", "seq_len": SEQ_LEN},  # 8 heads, 2 kv heads
+            # SwiGLU experts, dropless; no load-balancing loss: it is taken over each rank's
+            # tokens (as under dp), so with it a split run is another objective
+            "moe": {"model": "llama-tiny", "seq_len": SEQ_LEN, "moe_experts": 4, "moe_topk": 2,
+                    "moe_aux_loss_coeff": 0.0}}
+DENSE = ("gpt", "llama")
 TRAIN = {"steps": STEPS, "global_batch": GLOBAL_BATCH, "microbatches": 2, "lr": 3e-3,
          "warmup_steps": 1, "seed": 11, "data_cap_mb": 0.25, "grad_clip": 0.5, "eval_every": 0}
 
@@ -53,11 +58,12 @@ class Run:
 
 RING, GATHER = {"cp_comm": "ring"}, {"cp_comm": "allgather"}
 RUNS: dict[int, list[Run]] = {
-    1: [Run("serial-gpt", "gpt"), Run("serial-llama", "llama")],
+    1: [Run(f"serial-{family}", family) for family in FAMILIES],
     2: [Run(f"cp2-{family}-{comm['cp_comm']}", family, {"cp": 2, **comm})
-        for family in FAMILIES for comm in (RING, GATHER)],
+        for family in DENSE for comm in (RING, GATHER)],
     4: [*(Run(f"cp4-{family}-{comm['cp_comm']}", family, {"cp": 4, **comm})
-          for family in FAMILIES for comm in (RING, GATHER)),
+          for family in DENSE for comm in (RING, GATHER)),
+        Run("cp2-dp2-ep2-moe", "moe", {"cp": 2, "ep": 2}),
         Run("cp2-tp2-sp-llama", "llama", {"cp": 2, "tp": 2, "sequence_parallel": True}),
         Run("cp2-pp2-gpt", "gpt", {"cp": 2, "pp": 2, "schedule": "1f1b"}),
         Run("cp2-dp2-zero1-llama", "llama", {"cp": 2, "zero": 1}),
