@@ -20,7 +20,9 @@ ranks 0-1 and cp 4 on all four, each cp > 1 with the ring and with the all-gathe
 * ``step ms``: median over timed steps of the slowest rank (CPU, shared machine: read with
   the load average in the JSON).
 * ``longest seq``: the sequence whose activations would fill ``--budget-mb`` per rank at the
-  measured bytes per token (linear in T: see ``act MB``), not a trained run.
+  measured bytes per token (linear in T: see ``act MB``) plus the attention's largest transient
+  (`longest`: the plain-torch block kernel materialises one block's c x c scores, where cp 1's
+  fused kernel does not), an estimate, not a trained run.
 """
 
 from __future__ import annotations
@@ -170,6 +172,23 @@ def analytic_bytes(cp: int, comm: str, k_bytes: int) -> tuple[float, float]:
     return forward, forward + grads
 
 
+def _heads(model: str) -> int:
+    from trainer.config.options import make_config
+
+    return make_config({"model": model}).gpt.n_head
+
+
+def longest(saved_per_token: float, cp: int, heads: int, budget: float) -> int:
+    """The longest sequence (a multiple of 64) whose saved activations per rank plus the
+    largest transient of its attention fit ``budget`` bytes: cp 1's fused kernel works in
+    tiles (no T x T), a cp block materialises its scores, probabilities and their exponent,
+    3 x heads x c² fp32 with c = T / (2 cp) (`trainer.parallel.context.blocks`)."""
+    a = 0.0 if cp == 1 else 3 * heads * 4 / (2 * cp) ** 2  # bytes per T²
+    t = budget / saved_per_token if a == 0 else \
+        (-saved_per_token + (saved_per_token ** 2 + 4 * a * budget) ** 0.5) / (2 * a)
+    return int(t) // 64 * 64
+
+
 def summarize(per_rank: list[dict[str, Any]], name: str) -> dict[str, Any]:
     cp = VARIANTS[name]["cp"]
     ranks = per_rank[:cp]
@@ -190,14 +209,15 @@ def run(**options: Any) -> list[dict[str, Any]]:
     rows = [summarize(per_rank, name) for name in VARIANTS]
     base = rows[0]
     k_bytes, _ = kv_bytes(args.model, args.seq_len)
+    heads = _heads(args.model)
     for row in rows:
         fwd, bwd = analytic_bytes(row["cp"], row["exchange"], k_bytes)
         row["act_analytic_mb"] = base["act_mb"] / row["cp"]
         row["act_vs_analytic"] = row["act_mb"] / row["act_analytic_mb"]
         row["fwd_analytic_mb"], row["bwd_analytic_mb"] = fwd / 2**20, bwd / 2**20
         row["step_ratio"] = row["step_ms"] / base["step_ms"]
-        per_token = row["act_mb"] * 2**20 / args.seq_len
-        row["longest_seq"] = int(args.budget_mb * 2**20 / per_token) // 64 * 64
+        row["longest_seq"] = longest(row["act_mb"] * 2**20 / args.seq_len, row["cp"],
+                                     heads, args.budget_mb * 2**20)
         row.update(model=args.model, seq_len=args.seq_len, budget_mb=args.budget_mb)
     return rows
 

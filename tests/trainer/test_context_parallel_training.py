@@ -1,8 +1,8 @@
 """Context parallelism trains to the single-process model (`tests.support.cp_workers.training`):
 cp 2 and cp 4, the GPT and the Llama (grouped-query attention, 8 query and 2 key/value heads),
-the ring and the all-gather exchange; and composed with tp 2 and sequence parallelism, pp 2,
-dp 2 with ZeRO-1, dp 2 with ep 2 and mixture-of-experts layers, selective and full
-recomputation. Five steps of the trainer's own
+the ring and the all-gather exchange; and composed with tp 2 and sequence parallelism, pp 2
+(1F1B, and interleaved with 2 chunks), dp 2 with ZeRO-1, dp 2 with ep 2 and mixture-of-experts
+layers, selective and full recomputation. Five steps of the trainer's own
 ``build_run``/``train_step`` in fp64 (the mesh, the loader's zig-zag chunks, the models'
 attention, the loss over dp x cp, the gradient norm and clipping) on the same global batches.
 

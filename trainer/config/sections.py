@@ -69,9 +69,11 @@ class ParallelSection(Section):
     cp: int = option(1, "context-parallel size: every sequence split over cp adjacent ranks "
                      "(2 x cp chunks, zig-zag), attention by K/V exchange "
                      "(trainer.parallel.context); seq_len must divide by 2 x cp", at_least=1)
-    cp_comm: str = option("ring", "how context-parallel attention gets the other ranks' K/V: "
-                          "ring (one hop per block, overlapped) or allgather (all at once per "
-                          "layer, as Llama 3)", choices=("ring", "allgather"))
+    cp_comm: str = option("allgather", "how context-parallel attention gets the other ranks' "
+                          "K/V: allgather (all at once per layer, as Llama 3; fewer bytes in "
+                          "backward, the faster on bench.context) or ring (one hop per block, "
+                          "overlapped; holds two ranks' K/V at a time)",
+                          choices=("ring", "allgather"))
     microbatches: int = option(1, "microbatches per step on each DP rank (gradient "
                                "accumulation; with --pp the microbatches the pipeline schedule "
                                "runs)", at_least=1)

@@ -30,6 +30,7 @@ SEQ_LEN = 32
 parallelism (8 tokens per cp rank, 4 per tp rank)."""
 FAMILIES = {"gpt": {"model": "tiny", "seq_len": SEQ_LEN},  # 2 heads of 32, 2 layers
             "llama": {"model": "llama-tiny", "seq_len": SEQ_LEN},  # 8 heads, 2 kv heads
+            "gpt4": {"model": "tiny", "seq_len": SEQ_LEN, "n_layer": 4},  # pp 2 x 2 chunks
             # SwiGLU experts, dropless; no load-balancing loss: it is taken over each rank's
             # tokens (as under dp), so with it a split run is another objective
             "moe": {"model": "llama-tiny", "seq_len": SEQ_LEN, "moe_experts": 4, "moe_topk": 2,
@@ -66,6 +67,8 @@ RUNS: dict[int, list[Run]] = {
         Run("cp2-dp2-ep2-moe", "moe", {"cp": 2, "ep": 2}),
         Run("cp2-tp2-sp-llama", "llama", {"cp": 2, "tp": 2, "sequence_parallel": True}),
         Run("cp2-pp2-gpt", "gpt", {"cp": 2, "pp": 2, "schedule": "1f1b"}),
+        Run("cp2-pp2-interleaved-gpt4", "gpt4", {"cp": 2, "pp": 2, "schedule": "interleaved",
+                                                 "virtual_stages": 2, **GATHER}),
         Run("cp2-dp2-zero1-llama", "llama", {"cp": 2, "zero": 1}),
         Run("cp2-dp2-selective-gpt", "gpt", {"cp": 2, "recompute": "selective"}),
         Run("cp2-dp2-full-llama", "llama", {"cp": 2, "recompute": "full", **GATHER})],
