@@ -21,8 +21,8 @@ ranks 0-1 and cp 4 on all four, each cp > 1 with the ring and with the all-gathe
   the load average in the JSON).
 * ``longest seq``: the sequence whose activations would fill ``--budget-mb`` per rank at the
   measured bytes per token (linear in T: see ``act MB``) plus the attention's largest transient
-  (`longest`: the plain-torch block kernel materialises one block's c x c scores, where cp 1's
-  fused kernel does not), an estimate, not a trained run.
+  (`longest`: none on the CPU, where every kernel is fused and tiled), an estimate, not a
+  trained run.
 """
 
 from __future__ import annotations
@@ -178,12 +178,14 @@ def _heads(model: str) -> int:
     return make_config({"model": model}).gpt.n_head
 
 
-def longest(saved_per_token: float, cp: int, heads: int, budget: float) -> int:
+def longest(saved_per_token: float, cp: int, heads: int, budget: float, *,
+            fused: bool = True) -> int:
     """The longest sequence (a multiple of 64) whose saved activations per rank plus the
-    largest transient of its attention fit ``budget`` bytes: cp 1's fused kernel works in
-    tiles (no T x T), a cp block materialises its scores, probabilities and their exponent,
-    3 x heads x c² fp32 with c = T / (2 cp) (`trainer.parallel.context.blocks`)."""
-    a = 0.0 if cp == 1 else 3 * heads * 4 / (2 * cp) ** 2  # bytes per T²
+    largest transient of its attention fit ``budget`` bytes: the fused kernels (cp 1's, and
+    the blocks' on the CPU) work in tiles, no T x T; the plain block path (``fused`` False:
+    other devices) materialises a block's scores, probabilities and their exponent, 3 x heads
+    x c² fp32 with c = T / (2 cp) (`trainer.parallel.context.blocks`)."""
+    a = 0.0 if cp == 1 or fused else 3 * heads * 4 / (2 * cp) ** 2  # bytes per T²
     t = budget / saved_per_token if a == 0 else \
         (-saved_per_token + (saved_per_token ** 2 + 4 * a * budget) ** 0.5) / (2 * a)
     return int(t) // 64 * 64
