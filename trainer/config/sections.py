@@ -71,7 +71,7 @@ class ParallelSection(Section):
                      "(trainer.parallel.context); seq_len must divide by 2 x cp", at_least=1)
     cp_comm: str = option("allgather", "how context-parallel attention gets the other ranks' "
                           "K/V: allgather (all at once per layer, as Llama 3; fewer bytes in "
-                          "backward, the faster on bench.context) or ring (one hop per block, "
+                          "backward, as fast on bench.context) or ring (one hop per block, "
                           "overlapped; holds two ranks' K/V at a time)",
                           choices=("ring", "allgather"))
     microbatches: int = option(1, "microbatches per step on each DP rank (gradient "
