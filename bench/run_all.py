@@ -81,6 +81,8 @@ BENCHES = (
           quick={"model": "tiny", "steps": 2}),
     Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
+    Bench("context", "Context parallelism: activation memory vs 1/cp, K/V bytes vs analytic, "
+          "step time ring vs all-gather vs cp 1", quick={"seq_len": 256, "steps": 1}),
     Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
           quick={"ranks": (2,), "sizes": "1M", "steps": 2}),
     Bench("llama_step", "Llama training tokens/s, one CPU process: dtrain vs transformers and "

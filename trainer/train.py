@@ -145,7 +145,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
         flops_per_token=flops_per_token(cfg.gpt), devices=world.size, peak_tflops=peak,
         skipped=lambda: len(run.guard.skipped))
     validation = Validation.of(run.corpus, run.batches, run.model, run.body,
-                               run.mesh.group("dp"), run.mesh.group("pp")) \
+                               run.mesh.group("dp_cp"), run.mesh.group("pp")) \
         if cfg.logging.eval_every else None
     result = TrainResult(run.restored.step, run.restored.step)
     progress = record_of(world.comm)  # read by the launcher: hangs, live view, stragglers
@@ -178,7 +178,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
                 saves.save(step)
         result.checkpoint = saves.last(result.final_step)
         _log_steps(log, dash, result, pending, val, saves.take_reports())
-        if run.mesh.is_first("tp", "dp"):  # one pipeline's ranks gather its timeline
+        if run.mesh.is_first("tp", "dp_cp"):  # one pipeline's ranks gather its timeline
             log.info(run.body.report(Path(cfg.run_dir), write=run.is_writer))
     finally:
         error = sys.exc_info()[1]

@@ -103,3 +103,9 @@ def test_a_layout_that_fits_no_smaller_world_is_refused_once_with_the_fix():
     with pytest.raises(ConfigError, match=r"the layout does not fit the smaller world "
                        r"\[restart 1: 1 of 4 ranks\]: one model copy takes tp\*pp = 2"):
         _fit(1, tp=2, global_batch=8)
+
+
+def test_a_smaller_world_keeps_whole_context_parallel_groups():
+    """cp 2 over 8 ranks (dp 4) restarted on 5: dp 2 of cp 2 train, the fifth rank stands by."""
+    cfg, active = _fit(5, initial=8, global_batch=8, cp=2)
+    assert (cfg.parallel.dp, cfg.parallel.cp, active) == (2, 2, 4)

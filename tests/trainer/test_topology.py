@@ -117,7 +117,7 @@ def test_coordinates_outside_the_layout_are_rejected():
 
 def test_unknown_axis_is_rejected():
     with pytest.raises(TopologyError, match="unknown parallel axis"):
-        MEGATRON.groups("cp")
+        MEGATRON.groups("sp")
 
 
 class SplitRecorder:
@@ -142,9 +142,11 @@ def test_a_mesh_has_every_group_even_of_one_rank_and_answers_ranks_sizes_and_end
     shape = MeshShape(dp=4, tp=2, pp=1, ep=2)
     world = SplitRecorder(shape, rank)
     mesh = Mesh.build(world, shape, torch.device("cpu"))
-    assert world.splits == ["tp", "ep", "zs", "zr", "pp", "edp", "dp"] == \
-        ["+".join(g) for g in GROUPS]
-    assert mesh.group() is world and mesh.group("tp", "dp", "pp") is world
+    # cp 1: the gradients' groups over dp and cp are dp's and edp's, not split again
+    assert world.splits == ["tp", "cp", "ep", "zs", "zr", "pp", "edp", "dp"]
+    assert ["+".join(g) for g in GROUPS] == [*world.splits, "dp_cp", "edp_cp"]
+    assert mesh.group("dp_cp") is mesh.group("dp") and mesh.group("edp_cp") is mesh.group("edp")
+    assert mesh.group() is world and mesh.group("tp", "cp", "dp", "pp") is world
     for axis in ("tp", "ep", "edp", "dp", "pp"):
         assert mesh.group(axis).rank == mesh.rank(axis) == shape.coord(rank, axis)
         assert mesh.group(axis).size == mesh.size(axis) == shape.size(axis)
@@ -158,5 +160,6 @@ def test_asking_a_mesh_for_a_group_it_does_not_split_names_the_ones_it_has():
     shape = MeshShape(dp=2, tp=2, pp=2)
     mesh = Mesh.build(SplitRecorder(shape, 0), shape, torch.device("cpu"))
     with pytest.raises(TopologyError, match=r"no such group in the mesh \[tp\+pp\]: the mesh "
-                                            r"splits tp, ep, zs, zr, pp, edp, dp and the world"):
+                                            r"splits tp, cp, ep, zs, zr, pp, edp, dp, dp_cp, "
+                                            r"edp_cp and the world"):
         mesh.group("tp", "pp")

@@ -1,7 +1,8 @@
 """The mesh of a run: one object that knows every axis, every group and this rank's place.
 
 `Mesh.build` splits the world communicator into one group per axis of `trainer.comm.topology`
-(tp, ep, edp, pp, and dp = ep x edp), always, size-1 groups included, so code never asks
+(tp, cp, ep, edp, pp, dp = ep x edp, and dp_cp, edp_cp: the gradients' groups, which
+take cp in), always, size-1 groups included, so code never asks
 whether a group exists::
 
     mesh = Mesh.build(world.comm, MeshShape(dp=2, tp=2, pp=2), world.device)
@@ -46,6 +47,12 @@ class Mesh:
         groups = {AXES: world}
         for names in GROUPS:
             axes = shape.axes(*names)
+            same = tuple(a for a in axes if a != "cp")
+            if shape.cp == 1 and "cp" in axes and same in groups:
+                # cp 1 adds nobody: dp_cp is dp, edp_cp is edp (same communicator and name,
+                # so a run without context parallelism splits and times what it did before)
+                groups[axes] = groups[same]
+                continue
             groups[axes] = world.split(shape.color(rank, *names), shape.coord(rank, *names),
                                        name=_NAMES.get(axes, "+".join(axes)))
         return cls(shape, rank, device, groups)

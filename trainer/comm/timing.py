@@ -211,7 +211,8 @@ class TimedCommunicator:
 def timed_mesh(mesh: Mesh, clock: CommClock) -> Mesh:
     """Every group of ``mesh`` timed on ``clock``. The handles of the groups inside dp (those a
     `DataParallel` reduces over, `trainer.parallel.data.split`) are polled during backward, so
-    they do not count as blocking."""
-    inside_dp = set(SPANS["dp"])
+    they do not count as blocking. The gradients' groups take cp in (``dp_cp``), the cp group
+    alone is the ring attention's, whose waits block."""
+    inside_dp, dp = set(SPANS["dp_cp"]), set(SPANS["dp"])
     return mesh.wrapped(lambda axes, comm: TimedCommunicator(
-        comm, clock, handles_block=not set(axes) <= inside_dp))
+        comm, clock, handles_block=not (set(axes) <= inside_dp and set(axes) & dp)))

@@ -1,15 +1,21 @@
 """The shape of a parallel job: named axes and their rank arithmetic (pure; no MPI, no torch).
 
-Four axes, fastest-varying first: ``tp``, ``ep``, ``edp``, ``pp`` (edp itself split in two,
-``zs`` and ``zr``, for ZeRO-3's hybrid sharding, `AXES`). Data parallelism is the
-pair ``dp = (ep, edp)``: its ranks are cut into blocks of ``ep`` adjacent ranks (the expert-
-parallel groups of `trainer.parallel.expert`), and the ranks at the same place in every block form
-the
-expert-data-parallel group ``edp``. A dense model has ep = 1, so edp is all of dp. Megatron's
-order ``tp-dp-pp`` follows, with TP varying fastest so the ranks of one TP group are adjacent
-and land on one host (TP traffic is the heaviest and wants NVLink)::
+Five axes, fastest-varying first: ``tp``, ``cp``, ``ep``, ``edp``, ``pp`` (edp itself split in
+two, ``zs`` and ``zr``, for ZeRO-3's hybrid sharding, `AXES`). Data parallelism is the pair
+``dp = (ep, edp)``: its ranks are cut into blocks of ``ep`` adjacent ranks (the expert-parallel
+groups of `trainer.parallel.expert`), and the ranks at the same place in every block form the
+expert-data-parallel group ``edp``. A dense model has ep = 1, so edp is all of dp.
+Megatron-core's order ``tp-cp-ep-dp-pp`` follows, with TP varying fastest so the ranks of one TP
+group are adjacent and land on one host (TP traffic is the heaviest and wants NVLink), and the
+context-parallel group (`trainer.parallel.context`: one sequence split over cp ranks, K/V passed
+around a ring every layer) next to it, the second-heaviest traffic. Llama 3's [tp, cp, pp, dp]
+differs only in where pp sits; cp = 1 leaves every rank where it was before the axis existed::
 
-    rank = tp_rank + tp * (dp_rank + dp * pp_rank),   dp_rank = ep_rank + ep * edp_rank
+    rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)),
+    dp_rank = ep_rank + ep * edp_rank
+
+The parameters are the same on every cp rank (cp splits tokens, not weights), so a gradient is
+reduced over dp and cp together: the spans ``dp_cp`` (dense weights) and ``edp_cp`` (experts).
 
 A group along some axes is every rank that shares its coordinates on the other axes; its
 members are ordered by their index along those axes (mixed radix, fastest axis first), so a
@@ -18,7 +24,7 @@ same way by the coordinates they do not span: that number is the ``color`` a com
 split by. Megatron's docstring example (16 GPUs, tp=2, pp=4, dp=2): TP groups [0,1],[2,3],...,
 DP groups [0,2],[1,3],[4,6],..., PP groups [0,4,8,12],[1,5,9,13],...
 
-A new axis (context parallelism, say) is a new entry of `AXES` and of `MeshShape`.
+A new axis is a new entry of `AXES` and of `MeshShape`.
 """
 
 from __future__ import annotations
@@ -29,19 +35,21 @@ from dataclasses import dataclass
 
 from trainer.errors import TopologyError
 
-AXES: tuple[str, ...] = ("tp", "ep", "zs", "zr", "pp")
+AXES: tuple[str, ...] = ("tp", "cp", "ep", "zs", "zr", "pp")
 """The primitive axes, fastest-varying first. ``edp`` is itself the pair ``(zs, zr)``:
 ZeRO-3's hybrid sharding (``--zero-shard-size N``) shards a unit over ``zs``, N adjacent edp
 ranks (one host, say), and replicates it over ``zr``, the ranks at the same place in every
 such group; without it zs is all of edp and zr has size 1."""
 SPANS: dict[str, tuple[str, ...]] = {"edp": ("zs", "zr"), "dp": ("ep", "zs", "zr"),
-                                     "world": AXES}
+                                     "dp_cp": ("cp", "ep", "zs", "zr"),
+                                     "edp_cp": ("cp", "zs", "zr"), "world": AXES}
 """Names for several primitive axes at once."""
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Degrees of data, tensor, pipeline and expert parallelism; dp * tp * pp ranks in all."""
+    """Degrees of data, tensor, pipeline, expert and context parallelism; dp * tp * pp * cp
+    ranks in all."""
 
     dp: int = 1
     tp: int = 1
@@ -50,9 +58,11 @@ class MeshShape:
     """The expert-parallel sub-axis of dp (divides it)."""
     shard: int = 0
     """ZeRO-3's shard group: this many adjacent edp ranks (divides dp / ep); 0: all of edp."""
+    cp: int = 1
+    """Context parallelism: the ranks one sequence is split over."""
 
     def __post_init__(self) -> None:
-        for axis in ("dp", "tp", "pp", "ep"):
+        for axis in ("dp", "tp", "pp", "ep", "cp"):
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TopologyError("invalid parallel layout", f"--{axis}",
@@ -69,26 +79,29 @@ class MeshShape:
                                 f"Choose a shard size that divides {self.dp // self.ep}")
 
     @classmethod
-    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1) -> MeshShape:
-        """Megatron's rule: dp is what remains of the world after tp and pp."""
-        if world_size % (tp * pp):
+    def infer(cls, world_size: int, *, tp: int = 1, pp: int = 1, ep: int = 1,
+              cp: int = 1) -> MeshShape:
+        """Megatron's rule: dp is what remains of the world after tp, cp and pp."""
+        if world_size % (tp * pp * cp):
             raise TopologyError(
                 "invalid parallel layout", f"world size {world_size}",
-                f"tp={tp} x pp={pp} = {tp * pp} does not divide the world",
-                "Choose tp and pp whose product divides the number of ranks",
+                f"tp={tp} x pp={pp}{f' x cp={cp}' if cp > 1 else ''} = {tp * cp * pp} does not "
+                "divide the world",
+                "Choose tp, cp and pp whose product divides the number of ranks",
             )
-        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp, ep=ep)
+        return cls(dp=world_size // (tp * pp * cp), tp=tp, pp=pp, ep=ep, cp=cp)
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.tp * self.pp * self.cp
 
     @property
     def sizes(self) -> dict[str, int]:
         """The size of every primitive axis."""
         edp = self.dp // self.ep
         zs = self.shard or edp
-        return {"tp": self.tp, "ep": self.ep, "zs": zs, "zr": edp // zs, "pp": self.pp}
+        return {"tp": self.tp, "cp": self.cp, "ep": self.ep, "zs": zs, "zr": edp // zs,
+                "pp": self.pp}
 
     def axes(self, *names: str) -> tuple[str, ...]:
         """The primitive axes the names cover, in `AXES` order (no name: the world)."""
@@ -155,10 +168,14 @@ class MeshShape:
         if self.world_size != world_size:
             raise TopologyError(
                 "parallel layout does not fit the job", f"world size {world_size}",
-                f"dp={self.dp} x tp={self.tp} x pp={self.pp} = {self.world_size} ranks",
-                f"Launch {self.world_size} ranks, or choose dp*tp*pp = {world_size}",
+                f"{self._product()} = {self.world_size} ranks",
+                f"Launch {self.world_size} ranks, or choose dp*tp*pp*cp = {world_size}",
             )
         return self
+
+    def _product(self) -> str:
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return f"dp={self.dp} x tp={self.tp} x pp={self.pp}{cp}"
 
     def _index(self, coords: Mapping[str, int], axes: tuple[str, ...]) -> int:
         index, stride = 0, 1
@@ -171,6 +188,6 @@ class MeshShape:
                 not 0 <= rank < self.world_size:
             raise TopologyError(
                 "rank outside the layout", f"rank {rank!r}",
-                f"dp={self.dp} x tp={self.tp} x pp={self.pp} has ranks 0..{self.world_size - 1}",
+                f"{self._product()} has ranks 0..{self.world_size - 1}",
                 "Check the layout against the world size",
             )

@@ -33,6 +33,7 @@ from trainer.config.sections import (
 from trainer.errors import ConfigError, TrainerError
 from trainer.gpu.vocab import multiple_for_tp
 from trainer.model.config import GPTConfig
+from trainer.parallel.context.checks import check_context
 from trainer.parallel.expert.checks import check_moe
 from trainer.parallel.tensor.parallelize import check_divisible
 from trainer.parallel.zero.checks import check_zero
@@ -114,6 +115,9 @@ class TrainConfig(Section):
         check_moe(gpt.moe, par, zero=self.optimizer.zero)
         check_zero(self.optimizer.zero, par, precision=self.optimizer.precision,
                    compiled=self.compile)
+        check_context(cp=par.cp, seq_len=gpt.seq_len, tp=par.tp,
+                      sequence_parallel=par.sequence_parallel, dropout=gpt.dropout,
+                      compiled=self.compile, zero=self.optimizer.zero)
         if self.logging.eval_every and not self.data.val_fraction:
             raise ConfigError("evaluation without a validation split",
                               f"--eval-every {self.logging.eval_every} --val-fraction 0",
@@ -201,23 +205,28 @@ def _with_tp_padding(cfg: TrainConfig) -> TrainConfig:
 
 
 def resolve_dp(cfg: TrainConfig, world_size: int) -> TrainConfig:
-    """Fill in dp from the world size and check dp*tp*pp == world size."""
+    """Fill in dp from the world size and check dp*tp*pp*cp == world size."""
     par = cfg.parallel
-    model = par.tp * par.pp
+    model = par.tp * par.pp * par.cp
+    with_cp = par.cp > 1
+    tp_pp = "tp*pp" + ("*cp" if with_cp else "")
     if not par.dp and world_size % model:
         few = world_size < model
         raise ConfigError("parallel layout does not fit the world",
-                          f"tp={par.tp} pp={par.pp}, {world_size} rank(s)",
-                          f"one model copy takes tp*pp = {model} ranks, "
+                          f"tp={par.tp} pp={par.pp}" + (f" cp={par.cp}" if with_cp else "")
+                          + f", {world_size} rank(s)",
+                          f"one model copy takes {tp_pp} = {model} ranks, "
                           + (f"more than the {world_size} started" if few else
                              f"which does not divide the {world_size} started"),
                           f"Start a multiple of {model} ranks (e.g. --nproc-per-node {model}), "
-                          f"or choose --tp and --pp whose product divides {world_size}")
+                          f"or choose --tp and --pp{', --cp' if with_cp else ''} whose product "
+                          f"divides {world_size}")
     dp = par.dp or world_size // model
     if dp * model != world_size:
         raise ConfigError("parallel layout does not fit the world",
-                          f"--dp {dp} --tp {par.tp} --pp {par.pp}",
-                          f"dp*tp*pp = {dp * model} but {world_size} ranks were started",
+                          f"--dp {dp} --tp {par.tp} --pp {par.pp}"
+                          + (f" --cp {par.cp}" if with_cp else ""),
+                          f"dp*{tp_pp} = {dp * model} but {world_size} ranks were started",
                           f"Start {dp * model} ranks, or leave --dp out to derive it from the "
                           "number of ranks")
     if cfg.data.global_batch % (dp * par.microbatches):

@@ -66,6 +66,14 @@ class ParallelSection(Section):
     ep: int = option(1, "expert-parallel size: the experts of each MoE layer split over ep DP "
                      "ranks (trainer.parallel.expert); must divide dp and --moe-experts",
                      at_least=1)
+    cp: int = option(1, "context-parallel size: every sequence split over cp adjacent ranks "
+                     "(2 x cp chunks, zig-zag), attention by K/V exchange "
+                     "(trainer.parallel.context); seq_len must divide by 2 x cp", at_least=1)
+    cp_comm: str = option("allgather", "how context-parallel attention gets the other ranks' "
+                          "K/V: allgather (all at once per layer, as Llama 3; fewer bytes in "
+                          "backward, as fast on bench.context) or ring (one hop per block, "
+                          "overlapped; holds two ranks' K/V at a time)",
+                          choices=("ring", "allgather"))
     microbatches: int = option(1, "microbatches per step on each DP rank (gradient "
                                "accumulation; with --pp the microbatches the pipeline schedule "
                                "runs)", at_least=1)
@@ -130,14 +138,16 @@ class ParallelSection(Section):
     def mesh(self) -> MeshShape:
         """The mesh of these degrees (dp resolved first: `trainer.config.options.resolve_dp`)."""
         return MeshShape(dp=self.dp, tp=self.tp, pp=self.pp, ep=self.ep,
-                         shard=self.zero_shard_size)
+                         shard=self.zero_shard_size, cp=self.cp)
 
     def describe(self, sep: str = ", ") -> str:
         """``dp 2 x tp 2 x pp 1`` (with ``sep`` " x "), or ``dp=2, tp=2, pp=1``; the expert-
-        parallel sub-axis follows dp when it splits it: ``dp=4 (ep=2)``."""
+        parallel sub-axis follows dp when it splits it: ``dp=4 (ep=2)``; cp is named when it
+        is above 1."""
         eq = " " if sep == " x " else "="
         dp = f"dp{eq}{self.dp}" + (f" (ep{eq}{self.ep})" if self.ep > 1 else "")
-        return sep.join((dp, f"tp{eq}{self.tp}", f"pp{eq}{self.pp}"))
+        cp = (f"cp{eq}{self.cp}",) if self.cp > 1 else ()
+        return sep.join((dp, f"tp{eq}{self.tp}", f"pp{eq}{self.pp}", *cp))
 
     @property
     def chunks(self) -> int:

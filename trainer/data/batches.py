@@ -10,6 +10,7 @@ sees the same global batch, so a run can be resumed with a different dp.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,17 @@ from trainer.data.corpus import Corpus, DataError
 
 #: The random stream of validation windows (0 is the training data's).
 VAL_STREAM = 3
+
+Keep = Callable[[torch.Tensor], torch.Tensor]
+"""The tokens of a batch of whole windows (B, seq_len) this rank trains on: under context
+parallelism its zig-zag chunks (`trainer.parallel.context.SequenceLayout.split_tensor`), tokens
+and targets cut at the same places; None: all of them."""
+
+
+def kept(pair: tuple[torch.Tensor, torch.Tensor], keep: Keep | None
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, targets)`` cut to what ``keep`` keeps."""
+    return pair if keep is None else (keep(pair[0]), keep(pair[1]))
 
 
 def check_splits(corpus: Corpus, seq_len: int, *, validation: bool) -> None:
@@ -83,11 +95,13 @@ class BatchPlan:
 
 class ShardedBatches:
     """Microbatches of one DP rank for any step, computed on demand (no iterator state).
-    ``validation`` draws from the held-out split (batch k in place of step k)."""
+    ``validation`` draws from the held-out split (batch k in place of step k); ``keep``: the
+    part of each window this rank trains on (`Keep`)."""
 
     def __init__(self, corpus: Corpus, *, seq_len: int, plan: BatchPlan, seed: int,
                  dp_rank: int, device: torch.device | str = "cpu",
-                 validation: bool = False) -> None:
+                 validation: bool = False, keep: Keep | None = None) -> None:
+        self.keep = keep
         self.tokens = corpus.val if validation else corpus.train
         self.seq_len, self.plan = seq_len, plan
         self.seed, self.dp_rank, self.device = seed, dp_rank, torch.device(device)
@@ -105,9 +119,11 @@ class ShardedBatches:
         return self._windows(self._starts(step, self.plan.global_batch))
 
     def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's microbatches of ``step``, in order, each (micro_batch_size, seq_len)."""
+        """This rank's microbatches of ``step``, in order, each (micro_batch_size, seq_len),
+        or the tokens of them it keeps."""
         local = self._starts(step, self.plan.global_batch)[self.plan.local_slice(self.dp_rank)]
-        return [self._windows(part) for part in local.split(self.plan.micro_batch_size)]
+        return [kept(self._windows(part), self.keep)
+                for part in local.split(self.plan.micro_batch_size)]
 
     def _windows(self, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.tokens[starts[:, None] + self._offsets].long()

@@ -21,7 +21,7 @@ from typing import ClassVar
 
 import torch
 
-from trainer.data.batches import BatchPlan, ShardedBatches
+from trainer.data.batches import BatchPlan, Keep, ShardedBatches
 from trainer.data.corpus import Corpus, DataError
 from trainer.data.token_batches import Source, TokenBatches, check_same_tokenizer
 from trainer.data.token_files import MANIFEST, TOKENIZER, Manifest, TokenFiles
@@ -116,17 +116,19 @@ def load_token_data(sources: DataSources, *, model_vocab: int, seq_len: int,
 
 def make_batches(data: Corpus | TokenData, *, seq_len: int, plan: BatchPlan, seed: int,
                  dp_rank: int, device: torch.device, validation: bool = False,
-                 reporter: bool = True) -> ShardedBatches | TokenBatches:
+                 reporter: bool = True, keep: Keep | None = None
+                 ) -> ShardedBatches | TokenBatches:
     """The batches of one DP rank from either kind of data (both answer ``microbatches(step)``
     with the same plan, seed and device); ``reporter``: this rank prints an error every rank
-    meets together (a damaged block of a tokenized dataset)."""
+    meets together (a damaged block of a tokenized dataset); ``keep``: the part of every
+    window this rank trains on (`trainer.data.batches.Keep`: a cp rank's chunks)."""
     if isinstance(data, TokenData):
         return TokenBatches(list(data.blend), seq_len=seq_len, plan=plan, seed=seed,
                             dp_rank=dp_rank, model_vocab=data.model_vocab,
                             val_fraction=data.val_fraction, device=device,
-                            validation=validation, reporter=reporter)
+                            validation=validation, reporter=reporter, keep=keep)
     return ShardedBatches(data, seq_len=seq_len, plan=plan, seed=seed, dp_rank=dp_rank,
-                          device=device, validation=validation)
+                          device=device, validation=validation, keep=keep)
 
 
 def data_vocab(sources: DataSources) -> int | None:

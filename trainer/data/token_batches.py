@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.data.batches import BatchPlan, step_seed
+from trainer.data.batches import BatchPlan, Keep, kept, step_seed
 from trainer.data.corpus import DataError
 from trainer.data.token_files import TOKENIZER, TokenFiles
 
@@ -168,7 +168,9 @@ class TokenBatches:
     def __init__(self, blend: list[tuple[Path, float]], *, seq_len: int, plan: BatchPlan,
                  seed: int, dp_rank: int, model_vocab: int, val_fraction: float = 0.0,
                  device: torch.device | str = "cpu", validation: bool = False,
-                 reporter: bool = True) -> None:
+                 reporter: bool = True, keep: Keep | None = None) -> None:
+        self.keep = keep
+        """The part of each window this rank trains on (`trainer.data.batches.Keep`)."""
         total = sum(w for _, w in blend)
         self.weights = [w / total for _, w in blend]
         self.sources = [Source(TokenFiles(path, model_vocab=model_vocab), seq_len, val_fraction)
@@ -262,7 +264,8 @@ class TokenBatches:
         batch = torch.from_numpy(self._rows(position, self.plan.global_batch))
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True)
-        micro = [(rows[:, :-1], rows[:, 1:]) for rows in batch.split(self.plan.micro_batch_size)]
+        micro = [kept((rows[:, :-1], rows[:, 1:]), self.keep)
+                 for rows in batch.split(self.plan.micro_batch_size)]
         if not self.validation:
             self._step, self._cached = step, micro
         return micro

@@ -39,6 +39,7 @@ class Validation:
     body: EvalForward
     """Runs a microbatch's forward (the run's step body: `trainer.training.body`)."""
     dp: Communicator
+    """The ranks the loss is averaged over: data- and context-parallel (``dp_cp``)."""
     pp: Communicator
     """The pipeline's group (of one rank without a pipeline): the last stage's loss goes to
     every stage."""
@@ -51,7 +52,8 @@ class Validation:
         DP rank and device)."""
         batches = make_batches(corpus, seq_len=train.seq_len, plan=train.plan, seed=train.seed,
                                dp_rank=train.dp_rank, device=train.device, validation=True,
-                               reporter=not isinstance(train, TokenBatches) or train.reporter)
+                               reporter=not isinstance(train, TokenBatches) or train.reporter,
+                               keep=train.keep)
         return cls(batches, model, body, dp, pp)
 
     @torch.no_grad()

@@ -28,9 +28,10 @@ from trainer.comm.topology import SPANS
 from trainer.parallel.tensor.sharding import shard_spec
 from trainer.placement.slices import Placement, TPSplit
 
-DP_AXES = SPANS["dp"]
-"""The axes of data parallelism; a parameter is the same on all of them unless it says
-otherwise (``param.dp_replicas``)."""
+DP_AXES = SPANS["dp_cp"]
+"""The axes a gradient is reduced over: data parallelism and context parallelism (whose ranks
+hold the same weights and different tokens of the same sequences); a parameter is the same on
+all of them unless it says otherwise (``param.dp_replicas``)."""
 
 
 @runtime_checkable

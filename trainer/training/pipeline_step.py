@@ -164,8 +164,10 @@ def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Commun
     check_schedule(schedule, cfg.parallel.pp, layout.v, m=cfg.parallel.microbatches)
     micro_batch = cfg.micro_batch
     dtype = next(model.parameters()).dtype
-    # Under sequence parallelism a stage sends its sequence block (trainer.activations).
-    seq = cfg.gpt.seq_len // (cfg.parallel.tp if cfg.parallel.sequence_parallel else 1)
+    # A stage sends its rank's tokens (1/cp of the sequence under context parallelism), and
+    # under sequence parallelism its block of them (trainer.activations).
+    seq = cfg.gpt.seq_len // cfg.parallel.cp // (cfg.parallel.tp if
+                                                 cfg.parallel.sequence_parallel else 1)
     spec = P2PSpec((micro_batch, seq, cfg.gpt.d_model), dtype, str(device))
     agree_on_spec(pp, spec)
 

@@ -65,7 +65,7 @@ def fit_world(cfg: TrainConfig, world_size: int, restart: Restart | None
     if restart is None or world_size >= restart.initial_world:
         return cfg, world_size
     par, batch = cfg.parallel, cfg.data.global_batch
-    model = par.tp * par.pp
+    model = par.tp * par.pp * par.cp  # the ranks of one model copy: a sequence's too
     first_dp = par.dp or restart.initial_world // model
     largest = max(1, batch // (first_dp * par.microbatches))  # samples/microbatch
     problems = []
@@ -83,7 +83,8 @@ def fit_world(cfg: TrainConfig, world_size: int, restart: Restart | None
     raise ConfigError(
         "the layout does not fit the smaller world",
         f"restart {restart.count}: {world_size} of {restart.initial_world} ranks",
-        f"one model copy takes tp*pp = {model} ranks and dp must divide the global batch "
+        f"one model copy takes tp*pp{'*cp' if par.cp > 1 else ''} = {model} ranks and dp must "
+        f"divide the global batch "
         f"{batch}" + (f" ({'; '.join(problems)})" if problems else ""),
         "Give the job a spare host (`spare` in the hostfile or --spares K), or a --min-nodes "
         "that keeps enough hosts for the layout")
@@ -93,7 +94,7 @@ def active_world(world: World, cfg: TrainConfig) -> World | None:
     """The world of the ranks that train (collective: every rank calls it); None on a rank
     that stands by (it says so and leaves)."""
     par = cfg.parallel
-    active = par.dp * par.tp * par.pp
+    active = par.dp * par.tp * par.pp * par.cp
     if active == world.size:
         return world
     training = world.rank < active

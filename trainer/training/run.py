@@ -36,6 +36,7 @@ from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
+from trainer.parallel.context.model import context_parallel, keep_chunks
 from trainer.parallel.data.split import GradSync, data_parallel
 from trainer.parallel.expert.layer import set_aux_scale
 from trainer.parallel.pipeline.partition import StageLayout
@@ -122,6 +123,9 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     dtype = model_dtype(cfg.optimizer.precision, device)
     dp, weights = _weights(cfg, model, optimizer, dtype, mesh, clock, layout=layout,
                            built=built)
+    if cfg.parallel.cp > 1:  # its share of every sequence (trainer.parallel.context); after
+        # DP's broadcast of rank 0's buffers, as the rotary rows differ between cp ranks
+        model = context_parallel(model, mesh.group("cp"), cfg.parallel.cp_comm)
     restored = restore(cfg, mesh, weights) if cfg.checkpoint.resume else \
         start_anew(cfg, leader=mesh.rank() == 0)
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]
@@ -130,15 +134,18 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     batches = make_batches(corpus, seq_len=cfg.gpt.seq_len, seed=cfg.seed, device=device,
                            plan=BatchPlan(cfg.data.global_batch, cfg.parallel.dp,
                                           cfg.parallel.microbatches),
-                           dp_rank=mesh.rank("dp"), reporter=mesh.rank() == 0)
+                           dp_rank=mesh.rank("dp"), reporter=mesh.rank() == 0,
+                           keep=keep_chunks(cfg.gpt.seq_len, mesh.group("cp"))
+                           if cfg.parallel.cp > 1 else None)
     if isinstance(batches, TokenBatches) and restored.samples is not None:
         batches.restore(restored.samples, restored.step + 1)  # continue the sample order
     opt = cfg.optimizer
     lr_schedule = LRSchedule(lr=opt.lr, min_lr=opt.min_lr, warmup_steps=opt.warmup_steps,
                              decay_steps=cfg.decay_end)
+    # The loss is averaged over the ranks of the global batch's tokens: dp and cp.
     body: StepBody = build_pipeline(cfg, model, layout, mesh.group("pp"), dp,
-                                    mesh.group("dp"), device) if layout is not None else \
-        Accumulation(model, dp, mesh.group("dp"))
+                                    mesh.group("dp_cp"), device) if layout is not None else \
+        Accumulation(model, dp, mesh.group("dp_cp"))
     return Run(cfg, mesh, model, dp, weights, body, batches, corpus, lr_schedule,
                DropoutSeeds.of(cfg.seed, mesh, pipelined=layout is not None), tracker,
                _norm_scope(weights, mesh), StepGuard(cfg.skip_nonfinite), clock, restored,
@@ -214,7 +221,7 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
     span, `trainer.placement.dp_axes`), and what holds the main weights."""
     par = cfg.parallel
     reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
-    dp_comm = mesh.group("dp")
+    dp_comm = mesh.group("dp_cp")  # cp ranks hold the same weights: ZeRO shards over both
     if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
         hybrid: dict[str, Any] = {"built": built}

@@ -43,7 +43,7 @@ def run_step(run: Run, step: int) -> PendingStep:
     lr = run.lr_schedule.lr_at(step)
     if run.guard.admit(step, loss, grad_norm, report=run.is_writer):  # every rank alike
         run.weights.step(lr)
-    load = step_load(run.model, run.mesh.group("dp"))
+    load = step_load(run.model, run.mesh.group("dp_cp"))  # every token of the step
     step_s = time.perf_counter() - start
     exposed, total = run.clock.take()
     record = StepRecord(step=step, loss=math.nan, lr=lr, grad_norm=math.nan,

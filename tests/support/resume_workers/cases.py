@@ -38,7 +38,7 @@ class Layout:
     @property
     def ranks(self) -> int:
         o = self.options
-        return o.get("dp", 1) * o.get("tp", 1) * o.get("pp", 1)
+        return o.get("dp", 1) * o.get("tp", 1) * o.get("pp", 1) * o.get("cp", 1)
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,9 @@ PAIRS = [
     Pair("dp4-zero1-to-dp1", "dense", DP4, Layout("dp1", {"dp": 1})),
     Pair("tp2-to-tp1", "dense", Layout("tp2", {"dp": 1, "tp": 2}), Layout("tp1", {"dp": 1})),
     Pair("tp1-to-tp4", "dense", Layout("serial", {"dp": 1}), Layout("tp4", {"dp": 1, "tp": 4})),
+    # cp is a layout: the parameters are replicated over it, so only who writes what changes
+    Pair("cp2-to-cp1", "dense", Layout("cp2", {"dp": 1, "cp": 2}), Layout("serial", {"dp": 1})),
+    Pair("cp1-to-cp4", "dense", Layout("serial", {"dp": 1}), Layout("cp4", {"dp": 1, "cp": 4})),
     Pair("pp2-to-pp4-interleaved", "deep", Layout("pp2", {"dp": 1, "pp": 2, **PP}),
          Layout("pp4-v2", {"dp": 1, "pp": 4, **PP, "schedule": "interleaved",
                            "virtual_stages": 2})),

@@ -53,10 +53,11 @@ class AllGatherAttention(Function):
         comm, layout, scale = ctx.comm, ctx.layout, ctx.scale
         groups = k.shape[1]
         q5, dout5 = q.unflatten(1, (groups, -1)), dout.unflatten(1, (groups, -1))
-        delta = delta_rows(dout5, out.unflatten(1, (groups, -1)))
+        out5 = out.unflatten(1, (groups, -1))
+        delta = delta_rows(dout5, out5)
         dq = torch.zeros(q5.shape, dtype=lse.dtype, device=q.device)
         dkv_all = torch.stack([
-            backward_blocks(q5, kv[0], kv[1], dout5, lse, delta,
+            backward_blocks(q5, kv[0], kv[1], dout5, out5, lse, delta,
                             block_plan(layout, comm.rank, owner), scale, dq)
             for owner, kv in enumerate(_gather_kv(comm, k, v))])
         dkv = dkv_all.new_empty((2, *k.shape))

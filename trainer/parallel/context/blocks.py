@@ -19,8 +19,12 @@ block is used by its R query heads without being repeated, and dK/dV sum over th
 
 Scores, probabilities and every accumulator are at least fp32 (fp64 stays fp64): bf16 inputs
 go into the matmuls as they are, what comes out is widened before it is exponentiated or added.
-The kernel is plain torch (a block materializes its c x c scores, c = seq_len / (2 cp)); a fused
-kernel that returns the log-sum-exp can replace `block_forward`/`block_backward` one for one.
+On the CPU a block runs torch's fused attention kernel (``_scaled_dot_product_flash_attention_
+for_cpu`` and its backward: tiled, it returns the log-sum-exp and never holds a block's c x c
+scores, c = seq_len / (2 cp); its backward forms Δ from the final output it is given); on other
+devices the plain torch path below, which materialises them. Both give the same (o_b, l_b) and
+gradients; a block's K/V head is expanded to its R query heads for the kernel (a copy of one
+block's K/V, not of the sequence's).
 """
 
 from __future__ import annotations
@@ -48,9 +52,48 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
     return s
 
 
+def _heads(q: torch.Tensor, *kv: torch.Tensor) -> list[torch.Tensor]:
+    """(B, G, R, c, K) queries and (B, G, c, K) keys or values as the fused kernel's (B, G·R,
+    c, K): each key/value head expanded to its R query heads (a copy of one block's K/V)."""
+    b, g, r, c, k = q.shape
+    return [q.flatten(1, 2), *(t[:, :, None].expand(b, g, r, c, k).flatten(1, 2) for t in kv)]
+
+
+def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_forward` by torch's fused CPU attention, which returns the log-sum-exp and never
+    holds the c x c scores."""
+    q4, k4, v4 = _heads(q, k, v)
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, k4, v4, 0.0, causal, scale=scale)
+    w = wide(q.dtype)
+    return o.unflatten(1, q.shape[1:3]).to(w), lse.unflatten(1, q.shape[1:3]).to(w)
+
+
+def _fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`block_backward` by the fused CPU kernel's backward, given the final output of the
+    block's query rows (it forms Δ = rowsum(dO ⊙ O) itself) and their final log-sum-exp."""
+    q4, k4, v4 = _heads(q, k, v)
+    heads = q.shape[1:3]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.flatten(1, 2).contiguous(), q4, k4, v4, out.flatten(1, 2).contiguous(),
+        lse.flatten(1, 2).to(_lse_dtype(q.dtype)).contiguous(), 0.0, causal, scale=scale)
+    w = wide(q.dtype)
+    return (dq.unflatten(1, heads).to(w), dk.unflatten(1, heads).sum(2, dtype=w),
+            dv.unflatten(1, heads).sum(2, dtype=w))
+
+
+def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_b (B, G, R, c, K), l_b (B, G, R, c)) of queries ``q`` against one key block."""
+    if q.device.type == "cpu":
+        return _fused_forward(q, k, v, scale, causal)
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, -1)
     p = torch.exp(s - lse[..., None])
@@ -99,16 +142,24 @@ class Accumulator:
 
 
 def backward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, plan: Sequence[Block], scale: float,
-                    dq: torch.Tensor) -> torch.Tensor:
-    """Add the blocks' dQ into ``dq`` and return their [dK, dV] (2, B, G, T_local, K), wide."""
+                    out: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+                    plan: Sequence[Block], scale: float, dq: torch.Tensor) -> torch.Tensor:
+    """Add the blocks' dQ into ``dq`` and return their [dK, dV] (2, B, G, T_local, K), wide.
+    ``out``: the final output of this rank's queries (the fused kernel forms Δ from it)."""
     c = q.shape[-2] // 2
     dkv = torch.zeros((2, *k.shape), dtype=dq.dtype, device=k.device)
+    fused = q.device.type == "cpu"
     for qi, ki, seen in plan:
         rows, cols = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
-        dq_b, dk_b, dv_b = block_backward(
-            _half(q, qi), _half(k, ki), _half(v, ki), _half(dout, qi), lse[..., rows],
-            delta[..., rows], scale, seen is Visibility.DIAGONAL)
+        causal = seen is Visibility.DIAGONAL
+        if fused:
+            dq_b, dk_b, dv_b = _fused_backward(
+                _half(q, qi), _half(k, ki), _half(v, ki), _half(dout, qi), _half(out, qi),
+                lse[..., rows], scale, causal)
+        else:
+            dq_b, dk_b, dv_b = block_backward(
+                _half(q, qi), _half(k, ki), _half(v, ki), _half(dout, qi), lse[..., rows],
+                delta[..., rows], scale, causal)
         dq[..., rows, :] += dq_b
         dkv[0, ..., cols, :] += dk_b
         dkv[1, ..., cols, :] += dv_b

@@ -67,14 +67,15 @@ class RingAttention(Function):
         rank, cp = comm.rank, comm.size
         groups = k.shape[1]
         q5, dout5 = q.unflatten(1, (groups, -1)), dout.unflatten(1, (groups, -1))
-        delta = delta_rows(dout5, out.unflatten(1, (groups, -1)))
+        out5 = out.unflatten(1, (groups, -1))
+        delta = delta_rows(dout5, out5)
         dq = torch.zeros(q5.shape, dtype=lse.dtype, device=q.device)
         kv = torch.stack([k, v])
         dkv_in = torch.zeros((2, *k.shape), dtype=lse.dtype, device=k.device)  # block held
         dkv_handles: list[Handle] = []
         for step in range(cp):
             incoming, kv_handles = _hop(comm, kv) if step < cp - 1 else (kv, [])
-            part = backward_blocks(q5, kv[0], kv[1], dout5, lse, delta,
+            part = backward_blocks(q5, kv[0], kv[1], dout5, out5, lse, delta,
                                    block_plan(layout, rank, (rank - step) % cp), scale, dq)
             wait_all(dkv_handles)  # the sum of the ranks that held this block before
             dkv_in, dkv_handles = _hop(comm, dkv_in + part) if cp > 1 else (dkv_in + part, [])

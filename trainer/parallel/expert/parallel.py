@@ -14,7 +14,7 @@ parameters carry a hook that multiplies their gradient by 1/ep before it is accu
 their own `DataParallel` on the EDP group averages (1/(dp/ep)): 1/dp in all.
 
 Nothing outside this package names the EP axes for that: each expert parameter says on itself
-which DP axes its copies span (``param.dp_replicas = ("edp",)``), and the run groups its
+which DP axes its copies span (``param.dp_replicas = ("cp", "edp")``), and the run groups its
 gradient reductions (`trainer.parallel.data.split`), its checkpoint replicas and its norm by
 the parameters' placements (`trainer.placement.parameters`). The MoE layer splits itself when
 the run places the model on the mesh (`MoE.place_on`).
@@ -32,8 +32,9 @@ from torch import nn
 from trainer.comm.protocol import Communicator
 from trainer.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 
-EXPERT_REPLICAS = ("edp",)
-"""The DP axes an expert's copies span: the ranks at its place in every EP block."""
+EXPERT_REPLICAS = ("cp", "edp")
+"""The axes an expert's copies span: the ranks at its place in every EP block, on every cp
+rank (context parallelism splits tokens, not weights)."""
 
 
 def shard_layer(name: str, experts: nn.ModuleDict, ep: Communicator,

@@ -1,0 +1,87 @@
+"""Context parallelism trains to the single-process model (`tests.support.cp_workers.training`):
+cp 2 and cp 4, the GPT and the Llama (grouped-query attention, 8 query and 2 key/value heads),
+the ring and the all-gather exchange; and composed with tp 2 and sequence parallelism, pp 2
+(1F1B, and interleaved with 2 chunks), dp 2 with ZeRO-1, dp 2 with ep 2 and mixture-of-experts
+layers, selective and full recomputation. Five steps of the trainer's own
+``build_run``/``train_step`` in fp64 (the mesh, the loader's zig-zag chunks, the models'
+attention, the loss over dp x cp, the gradient norm and clipping) on the same global batches.
+
+A layout differs from the serial run in the order of its sums (the gradients over dp x cp, the
+split matmuls) and in attention split into blocks merged with the log-sum-exp rule. The
+tolerances are tests/support/numerics.py's fp64 bounds: the longest gradient sum has every
+token of the step and the hidden width in it, and a query row's softmax is merged from at most
+2 cp + 1 blocks, each merge rounding an exp/log of the log-sum-exp's size (Λ = max score + log
+T, at most 8 here: scores are O(1) at 0.02 init) on both sides: 2(2cp + 4)(1 + Λ) more terms.
+A missing reduction over cp, a rotary table at local positions or a wrong mask moves the loss
+by 1e-4 or more (the first of those bugs did, by 2e-5 on step 1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.support.cp_workers.training import (
+    DENSE,
+    FAMILIES,
+    GLOBAL_BATCH,
+    RUNS,
+    SEQ_LEN,
+    STEPS,
+    TRAIN,
+    WORKER,
+    Run,
+)
+from tests.support.mpi_runs import world_run
+from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from trainer.config.options import make_config
+from trainer.model.family import build_model
+from trainer.parallel.tensor import shard_tensor
+
+TIED = {"head.weight": "tok_emb.weight"}
+"""The GPT's head is its embedding; the last pipeline stage holds a copy under its own name."""
+MAX_CP = 4
+LAMBDA = 8
+HIDDEN = max(make_config(TRAIN, model).gpt.hidden for model in FAMILIES.values())
+TOKENS = GLOBAL_BATCH * SEQ_LEN + HIDDEN + 2 * (2 * MAX_CP + 4) * (1 + LAMBDA)
+RTOL = reduction_rtol(TOKENS)
+PARAM_ATOL = adam_atol(steps=STEPS, lr=TRAIN["lr"], n_terms=TOKENS)
+LAYOUTS = [(world, run) for world, runs in RUNS.items() if world > 1 for run in runs]
+
+
+def loss_tolerance(family: str) -> float:
+    n_params = build_model(make_config(TRAIN, FAMILIES[family]).gpt).num_params()
+    return loss_atol(steps=STEPS, lr=TRAIN["lr"], n_params=n_params, n_terms=TOKENS)
+
+
+def assert_same_run(got: dict, want: dict, name: str, loss_tol: float) -> None:
+    """Losses, gradient norms (before clipping) and this rank's slice of every parameter."""
+    torch.testing.assert_close(f64(got["losses"]), f64(want["losses"]), rtol=RTOL,
+                               atol=loss_tol, msg=f"{name}: losses")
+    torch.testing.assert_close(f64(got["norms"]), f64(want["norms"]), rtol=RTOL,
+                               atol=loss_tol, msg=f"{name}: gradient norms")
+    for param, value in got["params"].items():
+        expected = want["params"][TIED.get(param, param) if param not in want["params"]
+                                   else param]
+        spec = got["specs"][param]
+        if spec is not None:
+            expected = shard_tensor(expected, got["tp_rank"], got["tp"], spec)
+        torch.testing.assert_close(value, expected, rtol=0, atol=PARAM_ATOL,
+                                   msg=f"{name}: {param}")
+
+
+@pytest.mark.parametrize(("world", "run"), LAYOUTS, ids=[run.name for _, run in LAYOUTS])
+def test_the_context_parallel_layout_trains_to_the_single_process_model(world: int,
+                                                                        run: Run) -> None:
+    serial = world_run(WORKER, 1).ranks[0][run.serial]
+    tol = loss_tolerance(run.family)
+    for rank in world_run(WORKER, world).ranks:
+        assert_same_run(rank[run.name], serial, run.name, tol)
+
+
+@pytest.mark.parametrize(("cp", "family"), [(cp, f) for cp in (2, 4) for f in DENSE])
+def test_the_ring_and_the_all_gather_train_the_same_model(cp: int, family: str) -> None:
+    tol = loss_tolerance(family)
+    for rank in world_run(WORKER, cp).ranks:
+        assert_same_run(rank[f"cp{cp}-{family}-allgather"], rank[f"cp{cp}-{family}-ring"],
+                        f"cp {cp} {family}: all-gather vs ring", tol)
