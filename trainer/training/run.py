@@ -29,7 +29,7 @@ from trainer.data.token_batches import TokenBatches
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
-from trainer.hf.folder import load_rank_slices, read_folder
+from trainer.hf.folder import load_rank_slices, rank_slices, read_folder
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.optim.grad_clip import NormScope
@@ -105,18 +105,19 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
-    built = None
-    if cfg.optimizer.zero == 3 and not cfg.gpt.moe.experts and not cfg.checkpoint.init_from_hf:
+    built, hf = None, cfg.checkpoint.init_from_hf  # a checkpoint, if --resume finds one, wins
+    if cfg.optimizer.zero == 3 and not cfg.gpt.moe.experts:
         model, built = build_sharded_model(  # straight into shards: no unit ever whole
             cfg.gpt, cfg.seed, device=device, dp=_shard_group(cfg, mesh),
             alone=_tied_names(cfg, layout), layout=layout, tp=mesh.group("tp"),
             tracker=tracker, sequence_parallel=cfg.parallel.sequence_parallel,
-            recompute=cfg.parallel.recompute)
+            recompute=cfg.parallel.recompute,
+            values=(lambda m: rank_slices(m, read_folder(Path(hf)), mesh.rank("tp"),
+                                          mesh.size("tp"))) if hf else None)
     else:
         model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
-    if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
-        load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
-                         mesh.rank("tp"), mesh.size("tp"))
+        if hf:
+            load_rank_slices(model, read_folder(Path(hf)), mesh.rank("tp"), mesh.size("tp"))
     set_aux_scale(model, cfg.parallel.microbatches)
     place_parameters(model, mesh, copies=_copies(cfg, layout))
     optimizer = _optimizer(cfg, model)
