@@ -25,12 +25,13 @@ from trainer.activations import apply_recompute, apply_sequence_parallel
 from trainer.comm.protocol import Communicator
 from trainer.construction.materialise import materialise
 from trainer.construction.meta import meta_gpt
-from trainer.construction.shards import UnitShards, materialise_shards
+from trainer.construction.shards import materialise_shards
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.parallel.pipeline.partition import StageLayout
 from trainer.parallel.tensor.parallelize import parallelize
 from trainer.parallel.tensor.random import RNGStatesTracker
+from trainer.parallel.zero.units import UnitShards
 
 
 def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,

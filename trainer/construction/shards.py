@@ -22,27 +22,15 @@ views of them, `trainer.checkpoint.pieces` reads only the ranges a piece needs).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from trainer.construction.materialise import local_stream
 from trainer.model.gpt import GPT
-from trainer.parallel.zero.layout import ShardLayout, unit_layout
+from trainer.parallel.zero.layout import unit_layout
 from trainer.parallel.zero.unit_grads import unit_runs
-
-
-@dataclass(repr=False)  # the whole buffers have no bytes to print
-class UnitShards:
-    """What `materialise_shards` built: the units' layout, their (freed) whole buffers and
-    this rank's shards, and the most bytes construction held."""
-
-    layout: ShardLayout
-    full: list[torch.Tensor]
-    shards: list[torch.Tensor]
-    peak_bytes: int
-    """The shards plus the largest parameter value in hand while the init streamed."""
+from trainer.parallel.zero.units import UnitShards
 
 
 def materialise_shards(model: GPT, seed: int, *, tp_rank: int, tp_size: int,

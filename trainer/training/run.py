@@ -21,7 +21,6 @@ from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_mesh
 from trainer.config.options import TrainConfig, resolve_dp
 from trainer.construction import build_rank_model, build_sharded_model
-from trainer.construction.shards import UnitShards
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
 from trainer.data.sources import TokenData, make_batches
@@ -43,7 +42,9 @@ from trainer.parallel.pipeline.stages import build_stage_model, tied_weight
 from trainer.parallel.tensor.parallelize import parallelize
 from trainer.parallel.tensor.random import RNGStatesTracker
 from trainer.parallel.zero import build_zero
+from trainer.parallel.zero.units import UnitShards
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
+from trainer.placement.parameters import DP_AXES
 from trainer.training import startup
 from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
@@ -222,7 +223,8 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
         hybrid: dict[str, Any] = {"built": built}
         if par.zero_shard_size:  # shard over the mesh's zs axis, replicate over zr
             dp_comm = _shard_group(cfg, mesh)
-            hybrid.update(replicas=mesh.group("zr"), over=("ep", "zs"))
+            hybrid.update(replicas=mesh.group("zr"),
+                          over=tuple(axis for axis in DP_AXES if axis != "zr"))
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
                                 bucket_size=par.bucket_size, overlap=par.overlap,
                                 reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],

@@ -33,12 +33,11 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.construction.shards import UnitShards
 from trainer.parallel.zero.grad_shards import ShardedGradients
 from trainer.parallel.zero.grad_sync import ShardedGradSync
 from trainer.parallel.zero.optimizer import ZeroOptimizer
 from trainer.parallel.zero.unit_grads import UnitGradients
-from trainer.parallel.zero.units import ParamUnits, Zero3Optimizer
+from trainer.parallel.zero.units import ParamUnits, UnitShards, Zero3Optimizer
 from trainer.placement.parameters import DP_AXES
 
 __all__ = ["ParamUnits", "ShardedGradSync", "ShardedGradients", "UnitGradients",
