@@ -77,6 +77,12 @@ def test_zero3_with_compiled_blocks_is_refused_before_anything_is_built() -> Non
         make_config({"zero": 3, "dp": 2, "compile": True}, {})
 
 
+def test_zero3_with_a_mixture_of_experts_is_refused_before_anything_is_built() -> None:
+    with pytest.raises(ConfigError, match=r"unsupported combination \[--moe-experts 4 with "
+                                          r"--zero 3\]: .*Drop --zero 3"):
+        make_config({"zero": 3, "dp": 2}, {"moe_experts": 4, "moe_topk": 2})
+
+
 @pytest.mark.parametrize("options", [
     {"tp": 2, "dp": 2}, {"tp": 2, "dp": 2, "sequence_parallel": True, "recompute": "full"},
     {"recompute": "selective"}, {"precision": "bf16"}, {"precision": "auto"},

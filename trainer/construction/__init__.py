@@ -17,7 +17,7 @@ time, O(shard) memory.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
@@ -25,12 +25,13 @@ from trainer.activations import apply_recompute, apply_sequence_parallel
 from trainer.comm.protocol import Communicator
 from trainer.construction.materialise import materialise
 from trainer.construction.meta import meta_gpt
-from trainer.construction.shards import UnitShards, materialise_shards
+from trainer.construction.shards import materialise_shards
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
 from trainer.parallel.pipeline.partition import StageLayout
 from trainer.parallel.tensor.parallelize import parallelize
 from trainer.parallel.tensor.random import RNGStatesTracker
+from trainer.parallel.zero.units import UnitShards
 
 
 def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
@@ -47,15 +48,19 @@ def build_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
 def build_sharded_model(gpt: GPTConfig, seed: int, *, device: torch.device, dp: Communicator,
                         alone: Collection[str] = (), layout: StageLayout | None = None,
                         tp: Communicator | None = None, tracker: RNGStatesTracker | None = None,
-                        sequence_parallel: bool = False, recompute: str = "none"
+                        sequence_parallel: bool = False, recompute: str = "none",
+                        values: Callable[[GPT], Iterable[tuple[str, torch.Tensor]]] | None = None
                         ) -> tuple[GPT, UnitShards]:
     """`build_rank_model` for ZeRO-3: the parameters are views of freed unit buffers and only
-    this rank's shards over ``dp`` hold values (`trainer.construction.shards`)."""
+    this rank's shards over ``dp`` hold values (`trainer.construction.shards`): the serial
+    initialisation's, or those ``values`` streams for the meta model (a Hugging Face
+    folder's)."""
     model = meta_rank_model(gpt, seed, device=device, layout=layout, tp=tp, tracker=tracker,
                             sequence_parallel=sequence_parallel, recompute=recompute)
     built = materialise_shards(model, seed, tp_rank=tp.rank if tp else 0,
                                tp_size=tp.size if tp else 1, device=device, dp_size=dp.size,
-                               dp_rank=dp.rank, alone=alone)
+                               dp_rank=dp.rank, alone=alone,
+                               values=None if values is None else values(model))
     return model, built
 
 

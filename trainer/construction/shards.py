@@ -10,6 +10,8 @@ same values, drawn in the same order, as a model built whole) and each value's o
 this rank's shards is copied in before the next is drawn. So construction holds the shards
 plus one parameter's value, never a unit: ``peak_bytes`` counts exactly that, and
 `trainer.parallel.zero.units.ParamUnits` adopts the buffers without gathering anything.
+``--init-from-hf`` streams the folder's weights the same way, each parameter's TP slice read
+on its own (`trainer.hf.folder.rank_slices`).
 
 The layout is the one `trainer.parallel.zero.unit_grads.UnitGradients` computes from the same
 parameters (reverse order, the same unit runs, the same shard group); `ParamUnits` checks
@@ -19,37 +21,28 @@ views of them, `trainer.checkpoint.pieces` reads only the ranges a piece needs).
 
 from __future__ import annotations
 
-from collections.abc import Collection
-from dataclasses import dataclass
+from collections.abc import Collection, Iterable
 
 import torch
 from torch import nn
 
 from trainer.construction.materialise import local_stream
 from trainer.model.gpt import GPT
-from trainer.parallel.zero.layout import ShardLayout, unit_layout
+from trainer.parallel.zero.layout import unit_layout
 from trainer.parallel.zero.unit_grads import unit_runs
-
-
-@dataclass(repr=False)  # the whole buffers have no bytes to print
-class UnitShards:
-    """What `materialise_shards` built: the units' layout, their (freed) whole buffers and
-    this rank's shards, and the most bytes construction held."""
-
-    layout: ShardLayout
-    full: list[torch.Tensor]
-    shards: list[torch.Tensor]
-    peak_bytes: int
-    """The shards plus the largest parameter value in hand while the init streamed."""
+from trainer.parallel.zero.units import UnitShards
 
 
 def materialise_shards(model: GPT, seed: int, *, tp_rank: int, tp_size: int,
                        device: torch.device, dp_size: int, dp_rank: int,
-                       alone: Collection[str] = ()) -> UnitShards:
+                       alone: Collection[str] = (),
+                       values: Iterable[tuple[str, torch.Tensor]] | None = None) -> UnitShards:
     """Give the meta ``model`` real parameters as views of freed unit buffers, and fill this
     rank's shards (DP rank ``dp_rank`` of the ``dp_size`` ranks sharding a unit) with its
-    part of the serial initialisation. ``alone``: parameter names that are units of their
-    own (the tied embedding under pipelining)."""
+    part of the serial initialisation, or of ``values``: (name, this rank's TP slice) of
+    every parameter, one at a time (a Hugging Face folder's, `trainer.hf.folder.rank_slices`).
+    ``alone``: parameter names that are units of their own (the tied embedding under
+    pipelining)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
     names = [n for n, _ in named]
     where = {n: i for i, n in enumerate(names)}
@@ -80,14 +73,16 @@ def materialise_shards(model: GPT, seed: int, *, tp_rank: int, tp_size: int,
     held = sum(s.numel() * s.element_size() for s in shards)
     peak = held
     with torch.no_grad():
-        for name, value in local_stream(model, seed, tp_rank, tp_size):
+        stream = local_stream(model, seed, tp_rank, tp_size) if values is None else values
+        for name, value in stream:
             peak = max(peak, held + value.numel() * value.element_size())
             i = where[name]
             k, start = unit_of[i], layout.offsets[i]
             lo, hi = layout.shard(k)
             a, z = max(lo, start), min(hi, start + value.numel())
             if a < z:
-                shards[k][a - lo:z - lo].copy_(value.reshape(-1)[a - start:z - start])
+                shards[k][a - lo:z - lo].copy_(value.reshape(-1)[a - start:z - start]
+                                               .to(dtype))
             del value
     for module in model.modules():
         for key, old in list(module._parameters.items()):

@@ -18,7 +18,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,6 +125,16 @@ def load_serial(model: torch.nn.Module, folder: Folder) -> None:
 def load_rank_slices(model: torch.nn.Module, folder: Folder, tp_rank: int, tp_size: int) -> None:
     """Fill every parameter of this rank's model (its pipeline stage, its tensor-parallel
     shards) with its slice of the folder's weights, reading only that slice from the files."""
+    params = dict(model.named_parameters())
+    for name, value in rank_slices(model, folder, tp_rank, tp_size):
+        params[name].copy_(value.to(params[name].dtype))
+
+
+def rank_slices(model: torch.nn.Module, folder: Folder, tp_rank: int, tp_size: int
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's slice of the folder's weight) for every parameter of ``model``, one
+    at a time, each read on its own (ZeRO-3 keeps only its shards of each,
+    `trainer.construction.shards`)."""
     for name, p in model.named_parameters():
         spec = shard_spec(p)
         if spec is None or tp_size == 1:
@@ -136,4 +146,4 @@ def load_rank_slices(model: torch.nn.Module, folder: Folder, tp_rank: int, tp_si
             ranges = [(k * part + tp_rank * block, k * part + (tp_rank + 1) * block)
                       for k in range(spec.stride)]
             value = folder.weights.rows(name, folder.cfg, spec.dim, ranges)
-        p.copy_(value.to(p.dtype))
+        yield name, value

@@ -21,7 +21,6 @@ from trainer.comm.protocol import Communicator
 from trainer.comm.timing import CommClock, timed_mesh
 from trainer.config.options import TrainConfig, resolve_dp
 from trainer.construction import build_rank_model, build_sharded_model
-from trainer.construction.shards import UnitShards
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import Corpus
 from trainer.data.sources import TokenData, make_batches
@@ -29,7 +28,7 @@ from trainer.data.token_batches import TokenBatches
 from trainer.errors import TrainerError
 from trainer.gpu.compile import compile_blocks
 from trainer.gpu.settings import configure_matmul
-from trainer.hf.folder import load_rank_slices, read_folder
+from trainer.hf.folder import load_rank_slices, rank_slices, read_folder
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.optim.grad_clip import NormScope
@@ -44,7 +43,9 @@ from trainer.parallel.pipeline.stages import build_stage_model, tied_weight
 from trainer.parallel.tensor.parallelize import parallelize
 from trainer.parallel.tensor.random import DropoutSeeds, RNGStatesTracker
 from trainer.parallel.zero import build_zero
+from trainer.parallel.zero.units import UnitShards
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
+from trainer.placement.parameters import DP_AXES
 from trainer.training import startup
 from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
@@ -105,18 +106,19 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
-    built = None
-    if cfg.optimizer.zero == 3 and not cfg.gpt.moe.experts and not cfg.checkpoint.init_from_hf:
+    built, hf = None, cfg.checkpoint.init_from_hf  # a checkpoint, if --resume finds one, wins
+    if cfg.optimizer.zero == 3 and not cfg.gpt.moe.experts:
         model, built = build_sharded_model(  # straight into shards: no unit ever whole
             cfg.gpt, cfg.seed, device=device, dp=_shard_group(cfg, mesh),
             alone=_tied_names(cfg, layout), layout=layout, tp=mesh.group("tp"),
             tracker=tracker, sequence_parallel=cfg.parallel.sequence_parallel,
-            recompute=cfg.parallel.recompute)
+            recompute=cfg.parallel.recompute,
+            values=(lambda m: rank_slices(m, read_folder(Path(hf)), mesh.rank("tp"),
+                                          mesh.size("tp"))) if hf else None)
     else:
         model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
-    if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
-        load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
-                         mesh.rank("tp"), mesh.size("tp"))
+        if hf:
+            load_rank_slices(model, read_folder(Path(hf)), mesh.rank("tp"), mesh.size("tp"))
     set_aux_scale(model, cfg.parallel.microbatches)
     place_parameters(model, mesh, copies=_copies(cfg, layout))
     optimizer = _optimizer(cfg, model)
@@ -227,7 +229,8 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
         hybrid: dict[str, Any] = {"built": built}
         if par.zero_shard_size:  # shard over the mesh's zs axis, replicate over zr
             dp_comm = _shard_group(cfg, mesh)
-            hybrid.update(replicas=mesh.group("zr"), over=("ep", "zs"))
+            hybrid.update(replicas=mesh.group("zr"),
+                          over=tuple(axis for axis in DP_AXES if axis != "zr"))
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
                                 bucket_size=par.bucket_size, overlap=par.overlap,
                                 reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],

@@ -1,8 +1,10 @@
-"""ZeRO-1 and ZeRO-2: the optimizer state and fp32 main weights (1), and the gradients (2),
-sharded over data parallelism.
+"""ZeRO-1, 2 and 3: the optimizer state and fp32 main weights (1), the gradients (2), and the
+parameters (3) sharded over data parallelism (at 3, optionally inside groups of
+``--zero-shard-size`` ranks and replicated across them: hybrid sharding).
 
     python -m trainer.train --model small --dp 2 --zero 1 --run-dir runs/zero
     python -m trainer.train --model small --dp 4 --zero 2 --run-dir runs/zero2
+    python -m trainer.train --model small --dp 4 --zero 3 --zero-shard-size 2 --run-dir runs/z3
 
 * `trainer.parallel.zero.layout`      which gradient elements a DP rank owns (buckets padded to dp)
 * `trainer.parallel.zero.grad_sync`   ZeRO-1: `DataParallel` with a bucketed, overlapped
@@ -33,12 +35,11 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.construction.shards import UnitShards
 from trainer.parallel.zero.grad_shards import ShardedGradients
 from trainer.parallel.zero.grad_sync import ShardedGradSync
 from trainer.parallel.zero.optimizer import ZeroOptimizer
 from trainer.parallel.zero.unit_grads import UnitGradients
-from trainer.parallel.zero.units import ParamUnits, Zero3Optimizer
+from trainer.parallel.zero.units import ParamUnits, UnitShards, Zero3Optimizer
 from trainer.placement.parameters import DP_AXES
 
 __all__ = ["ParamUnits", "ShardedGradSync", "ShardedGradients", "UnitGradients",

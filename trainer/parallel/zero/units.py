@@ -71,17 +71,29 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from trainer.comm.protocol import Handle
-from trainer.construction.shards import UnitShards
-from trainer.parallel.zero.layout import Piece
+from trainer.parallel.zero.layout import Piece, ShardLayout
 from trainer.parallel.zero.optimizer import ZeroOptimizer
 from trainer.parallel.zero.unit_grads import UnitGradients, unit_of
 from trainer.placement.parameters import DP_AXES
+
+
+@dataclass(repr=False)  # the whole buffers have no bytes to print
+class UnitShards:
+    """What `trainer.construction.shards.materialise_shards` built: the units' layout, their
+    (freed) whole buffers and this rank's shards, and the most bytes construction held."""
+
+    layout: ShardLayout
+    full: list[torch.Tensor]
+    shards: list[torch.Tensor]
+    peak_bytes: int
+    """The shards plus the largest parameter value in hand while the init streamed."""
 
 
 class ParamUnits:
