@@ -57,6 +57,7 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     if stage == 3:
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
                               reduce_dtype=reduce_dtype)
+        units.in_flight = prefetch  # as many units' gradients reducing as gathered ahead
         return units, Zero3Optimizer(units, optimizer, ParamUnits(model, units, prefetch),
                                      blocked)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
