@@ -43,6 +43,7 @@ from trainer.parallel.tensor.parallelize import parallelize
 from trainer.parallel.tensor.random import RNGStatesTracker
 from trainer.parallel.zero import build_zero
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
+from trainer.plan.budget import check_budget
 from trainer.training import startup
 from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
@@ -104,6 +105,8 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
+    check_budget(cfg, bf16=model_dtype(cfg.optimizer.precision, device) is not None,
+                 report=mesh.rank() == 0)  # before the model is built (--memory-budget)
     model = _rank_model(cfg, layout, mesh.group("tp"), tracker, device)
     if cfg.checkpoint.init_from_hf:  # a checkpoint of this run, if --resume finds one, wins
         load_rank_slices(model, read_folder(Path(cfg.checkpoint.init_from_hf)),
