@@ -35,7 +35,7 @@ from trainer.errors import ConfigError
 from trainer.inference.sampling import sample_ids
 from trainer.model.gpt import GPT
 from trainer.parallel.tensor.parallelize import check_divisible, parallelize
-from trainer.parallel.tensor.random import RNGStatesTracker
+from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 from trainer.parallel.tensor.sharding import shard_spec, shard_tensor
 from trainer.parallel.zero.units import ParamUnits
 
@@ -81,7 +81,10 @@ def tp_generation(model: GPT, units: ParamUnits, tp: int) -> Iterator[GPT]:
 def _regather(model: GPT, units: ParamUnits, group: Communicator) -> GPT:
     """Build this rank's TP shard of ``model`` and fill it unit by unit."""
     first = next(model.parameters())
-    tracker = RNGStatesTracker(first.device) if model.cfg.dropout > 0 else None  # eval: unused
+    tracker = None
+    if model.cfg.dropout > 0:  # parallelize wants the stream; in eval no mask is drawn from it
+        tracker = RNGStatesTracker(first.device)
+        tracker.seed(TP_RNG, 0)
     gen = parallelize(meta_gpt(model.cfg).to(first.dtype), group, tracker=tracker)
     specs = {name: shard_spec(p) for name, p in gen.named_parameters()}  # to_empty drops them
     gen = gen.to_empty(device=first.device).eval()
