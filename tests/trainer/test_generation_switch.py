@@ -14,14 +14,19 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.support.mpi_runs import world_run
+from tests.support import REPO, dtrain_env
+from tests.support.mpi_runs import forked_python, run_ranks, world_run
 from tests.support.numerics import float64
 from tests.support.zero_workers.switch import PROMPTS, TOKENS, switch_config
+from trainer.errors import ConfigError
 from trainer.inference.sampling import sample_ids
+from trainer.inference.switch import check_layout
 from trainer.model.family import build_model
 
 WORKER = "tests.support.zero_workers.switch:run"
@@ -84,3 +89,32 @@ def test_training_continues_exactly_as_without_the_switch(rank: int) -> None:
     got = ranks()[rank]
     assert got["losses"] == got["plain_losses"]
     assert _bit_equal(got["final"], got["plain_final"])
+
+
+def test_generate_from_run_samples_the_merged_models_greedy_text_from_zero3_shards(
+        tmp_path: Path) -> None:
+    """``python -m trainer.generate --from-run --tp 2`` on 4 ranks rebuilds a dp 2 zero 1 run's
+    checkpoint as ZeRO-3 shards over 4 ranks, switches to tp 2 and prints (once) what the
+    single-process merge of the same checkpoint prints. fp32 as users run it: greedy steps
+    agree unless two bytes' logits tie within fp32 rounding."""
+    train = run_ranks(2, ["-m", "trainer.train", "--model", "tiny", "--n-layer", "2",
+                          "--n-head", "4", "--d-model", "32", "--seq-len", "32",
+                          "--global-batch", "8", "--dp", "2", "--zero", "1", "--steps", "3",
+                          "--data-cap-mb", "0.25", "--eval-every", "0",
+                          "--run-dir", str(tmp_path)])
+    assert train.returncode == 0, train.stdout[-3000:]
+    sample = ["-m", "trainer.generate", "--run-dir", str(tmp_path), "--prompt", "def ",
+              "--tokens", "12", "--temperature", "0"]
+    switched = run_ranks(4, [*sample, "--from-run", "--tp", "2"])
+    assert switched.returncode == 0, switched.stdout[-3000:]
+    merged = subprocess.run([*forked_python(), *sample], cwd=REPO, env=dtrain_env(),
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    text = merged.stdout  # the prompt, its continuation (whitespace, maybe) and a newline
+    assert text.startswith("def ") and len(text) > len("def \n")
+    assert switched.stdout.count(text) == 1, (text, switched.stdout[-3000:])
+
+
+def test_generate_from_run_refuses_a_tp_that_does_not_divide_the_ranks() -> None:
+    with pytest.raises(ConfigError, match=r"invalid generation layout \[tp 3 over dp 4\]"):
+        check_layout(3, 4)

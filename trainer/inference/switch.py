@@ -40,14 +40,18 @@ from trainer.parallel.tensor.sharding import shard_spec, shard_tensor
 from trainer.parallel.zero.units import ParamUnits
 
 
-def check_switch(model: GPT, units: ParamUnits, tp: int) -> None:
-    """Refuse a generation layout the ranks or the model cannot form, before anything is
-    built."""
-    dp = units.comm.size
+def check_layout(tp: int, dp: int) -> None:
+    """``tp``-way groups must tile the ``dp`` ranks."""
     if tp < 1 or dp % tp:
         raise ConfigError("invalid generation layout", f"tp {tp} over dp {dp}",
                           "the tensor-parallel groups are formed from the data-parallel "
                           "ranks, so tp must divide dp", f"Pass a tp that divides {dp}")
+
+
+def check_switch(model: GPT, units: ParamUnits, tp: int) -> None:
+    """Refuse a generation layout the ranks or the model cannot form, before anything is
+    built."""
+    check_layout(tp, units.comm.size)
     if units.held or units.pending:
         raise ConfigError("generation switch inside a step", f"{len(units.held)} unit(s) "
                           "gathered", "the switch regathers the model between training "
