@@ -79,6 +79,9 @@ BENCHES = (
           quick={"cpu_tiny": True}),
     Bench("memory", "Memory per rank (ZeRO-1 and 2, TP, PP) vs the analytic table; ZeRO cost",
           quick={"model": "tiny", "steps": 2}),
+    Bench("zero3", "ZeRO-2/3 vs ZeRO-1, DDP and FSDP2: step time, bytes moved, peak memory; "
+          "generation switch vs checkpoint", quick={"ranks": (2,), "n_layer": 2, "d_model": 64,
+                                                    "seq_len": 32, "steps": 2}),
     Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
     Bench("context", "Context parallelism: activation memory vs 1/cp, K/V bytes vs analytic, "

@@ -41,3 +41,7 @@ class CommError(TrainerError):
 
 class ConfigError(TrainerError):
     """A trainer option or combination of options is wrong."""
+
+
+class MemoryBudgetError(TrainerError):
+    """A rank would hold, or held, more than ``--memory-budget`` allows."""

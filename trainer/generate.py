@@ -9,10 +9,13 @@ The checkpoint's slices are put together into the single-device GPT on this one 
 its index alone (`trainer.inference.merge`: no parallel model is built), so a model trained at
 any layout (every axis of the mesh) or ZeRO stage samples the same.
 The prompt's UTF-8 bytes are continued by ``--tokens`` bytes (`trainer.inference.sampling`),
-printed after the prompt; bytes that are not valid UTF-8 are shown as U+FFFD, and ids above 255
-(a byte-level run with a larger ``--vocab-size`` has them, with no tokenizer to name them) as
-``<id:N>``. A run trained on tokenized data, or started from a Hugging Face folder
-(``--init-from-hf``), kept its tokenizer (``<run-dir>/tokenizer.json``): the prompt is encoded
+printed after the prompt. With ``--from-run --tp N`` on the ranks of an MPI job the run is
+rebuilt as ZeRO-3 shards instead and sampled switched to N-way tensor parallelism, no rank
+holding the whole model (`trainer.inference.from_run`). Bytes that are not valid UTF-8 are
+shown as U+FFFD, and ids above 255 (a byte-level run with a larger ``--vocab-size`` has them,
+with no tokenizer to name them) as ``<id:N>``. A run trained on tokenized data, or started
+from a Hugging Face folder (``--init-from-hf``), kept its tokenizer
+(``<run-dir>/tokenizer.json``): the prompt is encoded
 and the ``--tokens`` new tokens decoded with it.
 """
 
@@ -45,12 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, default=0,
                         help="sample among the k likeliest bytes only (0 = all)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sampling stream")
+    parser.add_argument("--from-run", action="store_true",
+                        help="on the ranks of an MPI job: rebuild the run as ZeRO-3 shards "
+                             "and sample from it switched to --tp tensor parallelism, no rank "
+                             "holding the whole model (trainer.inference.from_run)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="with --from-run: tensor-parallel size of the generation groups "
+                             "(divides the number of ranks)")
     return parser
 
 
-def generate(args: argparse.Namespace) -> str:
-    """The prompt and its continuation, as text."""
-    for name, low in (("tokens", 1), ("top_k", 0)):
+def generate(args: argparse.Namespace) -> str | None:
+    """The prompt and its continuation, as text (None on the ranks of a ``--from-run`` job
+    but rank 0)."""
+    for name, low in (("tokens", 1), ("top_k", 0), ("tp", 1)):
         if getattr(args, name) < low:
             raise ConfigError("invalid option", f"--{name.replace('_', '-')} "
                               f"{getattr(args, name)}", f"must be >= {low}",
@@ -70,18 +81,22 @@ def generate(args: argparse.Namespace) -> str:
             "no checkpoint to sample from", str(root), "there is no committed step-<N> folder",
             "Train with --run-dir pointing here first (a checkpoint is saved at the end)")
     check_model_fields(path)
-    model, _ = load_serial(path)
     tokenizer = Path(args.run_dir) / "tokenizer.json"  # kept by a run on tokenized data
-    if tokenizer.is_file():
-        tok = Tokenizer.from_file(str(tokenizer))
-        ids = tok.encode(args.prompt, add_special_tokens=False).ids
-        out = sample_ids(model, ids, tokens=args.tokens, temperature=args.temperature,
-                         top_k=args.top_k, seed=args.seed)
-        return tok.decode(ids + out)
-    prompt = list(args.prompt.encode())
-    out = sample_ids(model, prompt, tokens=args.tokens, temperature=args.temperature,
-                     top_k=args.top_k, seed=args.seed, unit="byte")
-    return byte_text(prompt + out)
+    tok = Tokenizer.from_file(str(tokenizer)) if tokenizer.is_file() else None
+    prompt = tok.encode(args.prompt, add_special_tokens=False).ids if tok else \
+        list(args.prompt.encode())
+    if args.from_run:
+        from trainer.inference.from_run import sample_from_run  # builds a run: MPI, torch
+
+        got = sample_from_run(args, prompt)
+        if got is None:  # not rank 0: the sample is printed once
+            return None
+        out = got
+    else:
+        model, _ = load_serial(path)
+        out = sample_ids(model, prompt, tokens=args.tokens, temperature=args.temperature,
+                         top_k=args.top_k, seed=args.seed, unit="token" if tok else "byte")
+    return tok.decode(prompt + out) if tok else byte_text(prompt + out)
 
 
 def byte_text(ids: list[int]) -> str:
@@ -115,7 +130,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     input."""
     args = build_parser().parse_args(argv)
     try:
-        print(generate(args), flush=True)
+        text = generate(args)
+        if text is not None:
+            print(text, flush=True)
     except TrainerError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -92,6 +92,7 @@ from trainer.parallel.zero.memory import PeakMemory
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
+from trainer.training.budget import BudgetMeter
 from trainer.training.checkpointing import Checkpoints
 from trainer.training.expert_load import write_load_plot
 from trainer.training.metrics import MetricsLog
@@ -154,10 +155,13 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     stop = sigterm.install(world.mpi_comm, world.size, world.rank)
     saves = Checkpoints(run, world)
     log.info(saves.describe())
+    budget = BudgetMeter.of(run)  # --memory-budget held to the accounting after each step
     val = None
     try:
         for step in range(run.restored.step + 1, cfg.last_step + 1):
             pending.append(run_step(run, step))
+            if budget is not None:
+                budget.after_step(step)
             done = pending[-1]
             pending[-1] = replace(done, record=replace(done.record,
                                                        peak_mem_bytes=peak_mem.take()))

@@ -184,6 +184,12 @@ class OptimizerSection(Section):
     zero_prefetch: int = option(1, "with --zero 3: blocks gathered ahead of the one computing, "
                                 "the same on every rank (each costs one block of memory)",
                                 at_least=0)
+    memory_budget: float = option(0.0, "GiB a rank may hold for its parameters, gradients and "
+                                  "optimizer state (and, during a step, ZeRO-2/3's gathered "
+                                  "units and staged gradients; activations not included): a "
+                                  "layout over it is refused before the model is built, and a "
+                                  "step measured over it stops the run (0 = no cap; "
+                                  "trainer.plan.budget)", at_least=0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -35,7 +35,7 @@ from typing import Any
 from trainer.config.options import TrainConfig, make_config, resolve_dp
 from trainer.errors import ConfigError
 from trainer.model.flops import flops_per_token, matmul_params
-from trainer.parallel.zero.memory import MemoryTable, expected_bytes
+from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_top
 from trainer.plan.cluster import Cluster
 from trainer.plan.shapes import activations, stage_params
 
@@ -168,24 +168,35 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     return best
 
 
+def model_state(cfg: TrainConfig, *, bf16: bool) -> tuple[MemoryTable, MemoryTable]:
+    """The largest rank's parameters, gradients and optimizer state: between steps (the
+    bytes-per-parameter table) and at the peak of a step (`_in_flight_shards` added)."""
+    par = cfg.parallel
+    v = par.virtual_stages if par.schedule == "interleaved" else 1
+    n = max(p.dense + p.expert // par.ep
+            for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v))
+    table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
+    return table, _in_flight_shards(cfg, table, bf16)
+
+
 def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:
-    """ZeRO-2/3's peak in a step on top of the shards: at most two gradient buckets staged while
-    they reduce (`trainer.parallel.zero.grad_shards`), and under ZeRO-3 the root and prefetch + 2
-    blocks
-    gathered with their gradients (`trainer.parallel.zero.units`). Not yet held to a measurement."""
+    """ZeRO-2/3's peak in a step on top of the shards: ZeRO-2 stages at most two gradient
+    buckets while they reduce (`trainer.parallel.zero.grad_shards`); ZeRO-3 gathers the root and
+    prefetch + 1 blocks and stages as many blocks' gradients (`zero3_on_top`, measured by
+    tests/trainer/test_zero3_memory.py)."""
     zero, par = cfg.optimizer.zero, cfg.parallel
     if zero < 2:
         return table
     one, two = (stage_params(replace(cfg.gpt, n_layer=k), tp=par.tp, pp=1)[0].dense
                 for k in (1, 2))
     block, root = two - one, 2 * one - two
-    grads = table.grads + 4 * min(2 * par.bucket_size, block * cfg.gpt.n_layer + root)
-    params = table.params
     if zero == 3:
-        gathered = root + (cfg.optimizer.zero_prefetch + 2) * block
-        params += (2 if bf16 else 4) * gathered
-        grads += 4 * gathered
-    return MemoryTable(params=params, grads=grads, optimizer=table.optimizer)
+        top = zero3_on_top(root=root, block=block, prefetch=cfg.optimizer.zero_prefetch,
+                           bf16=bf16)
+        return MemoryTable(params=table.params + top.params, grads=table.grads + top.grads,
+                           optimizer=table.optimizer)
+    grads = table.grads + 4 * min(2 * par.bucket_size, block * cfg.gpt.n_layer + root)
+    return MemoryTable(params=table.params, grads=grads, optimizer=table.optimizer)
 
 
 def _ring(size: int) -> float:

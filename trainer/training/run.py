@@ -46,6 +46,7 @@ from trainer.parallel.zero import build_zero
 from trainer.parallel.zero.units import UnitShards
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
 from trainer.placement.parameters import DP_AXES
+from trainer.plan.budget import check_budget
 from trainer.training import startup
 from trainer.training.body import Accumulation, StepBody
 from trainer.training.guard import StepGuard
@@ -106,6 +107,8 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     corpus = _checked_inputs(cfg, corpus, mesh)
     tracker = RNGStatesTracker(device)
     layout = stage_layout(cfg, mesh.rank("pp")) if cfg.parallel.pp > 1 else None
+    check_budget(cfg, bf16=model_dtype(cfg.optimizer.precision, device) is not None,
+                 report=mesh.rank() == 0)  # before the model is built (--memory-budget)
     built, hf = None, cfg.checkpoint.init_from_hf  # a checkpoint, if --resume finds one, wins
     if cfg.optimizer.zero == 3 and not cfg.gpt.moe.experts:
         model, built = build_sharded_model(  # straight into shards: no unit ever whole

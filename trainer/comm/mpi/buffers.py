@@ -8,10 +8,12 @@ buffer alive until ``wait()``.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -20,6 +22,28 @@ if TYPE_CHECKING:
 
 UPCAST = (torch.float16, torch.bfloat16)
 _AS_INT16 = (torch.float16, torch.bfloat16)  # moved bit for bit, never reduced as-is
+
+
+class _Holding(np.ndarray):
+    """A numpy view that keeps the tensor whose memory it shows alive (``tensor``)."""
+
+    tensor: torch.Tensor
+
+
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy array over contiguous CPU tensor ``t``'s memory that leaves its storage
+    resizable: ``t.numpy()`` marks the storage not resizable for good, and ZeRO-3 gathers a
+    unit straight into a buffer whose storage it frees (resizes to 0) after use
+    (`trainer.parallel.zero.units`). The array holds ``t``, as ``t.numpy()`` does, so a
+    staging copy lives as long as MPI may use it."""
+    if t.numel() == 0:
+        return t.numpy()
+    dtype = torch.empty(0, dtype=t.dtype).numpy().dtype
+    raw = (ctypes.c_byte * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    flat: np.ndarray = np.frombuffer(memoryview(raw).cast("B"), dtype=dtype)
+    held = flat.reshape(t.shape).view(_Holding)
+    held.tensor = t
+    return held
 
 
 class Staged:
@@ -35,7 +59,7 @@ class Staged:
             self.work = self.user
         self.copied = self.work is not self.user
         moved = self.work.view(torch.int16) if self.work.dtype in _AS_INT16 else self.work
-        self.buf = moved.numpy()
+        self.buf = numpy_view(moved)
 
     def copy_back(self) -> None:
         if self.copied:

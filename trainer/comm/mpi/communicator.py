@@ -1,9 +1,10 @@
 """`Communicator` over mpi4py for torch CPU tensors: the backend of CPU runs and of every test.
 
-Zero copy. A CPU tensor is handed to MPI as ``tensor.detach().numpy()``: a numpy array sharing
-the tensor's memory, which mpi4py takes through the buffer protocol, so MPI reads and writes the
-tensor's own storage. ``.detach()`` comes first because torch refuses to export a tensor that
-requires grad (reduce a parameter's ``.grad`` or the parameter itself; autograd is not involved).
+Zero copy. A CPU tensor is handed to MPI as a numpy array sharing the tensor's memory
+(`buffers.numpy_view`; unlike ``tensor.numpy()`` it leaves the storage resizable, which ZeRO-3
+needs), which mpi4py takes through the buffer protocol, so MPI reads and writes the tensor's
+own storage. Tensors are detached first (reduce a parameter's ``.grad`` or the parameter
+itself; autograd is not involved).
 
 Copies happen only where MPI cannot work on the tensor directly, and the result is copied back:
 

@@ -67,6 +67,7 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
         units = UnitGradients(model, dp, bucket_size=bucket_size, overlap=overlap,
                               reduce_dtype=reduce_dtype, alone=alone, replicas=replicas,
                               built=built is not None)
+        units.in_flight = prefetch  # as many units' gradients reducing as gathered ahead
         return units, Zero3Optimizer(units, optimizer,
                                      ParamUnits(model, units, prefetch, built),
                                      dtype, blocked, over=over)

@@ -107,6 +107,9 @@ class ShardedGradients(DataParallel):
         """Bytes of staging and reduce buffers alive now."""
         self.peak_staged_bytes = 0
         """Their most since the last `zero_grad`."""
+        self.in_flight = IN_FLIGHT
+        """Reduce-scatters in flight at most (0: each waited for at once). ZeRO-3 sets its
+        prefetch depth, so a step holds the gradients of as many units as their parameters."""
         super().__init__(model, comm, bucket_size=bucket_size, grads_to_params=False, **kwargs)
 
     # -- set-up ------------------------------------------------------------------------------
@@ -214,13 +217,13 @@ class ShardedGradients(DataParallel):
         if self._next == 0:  # every bucket launched once: the next backward starts a round
             self._new_round()
             self._rounds += 1
-        if not self.overlap or self.comm.size == 1:
+        if not self.overlap or self.comm.size == 1 or not self.in_flight:
             self._retire(until=len(self._in_flight))
 
     def _reduce(self, bucket: StagedBucket) -> None:
         """Post ``bucket``'s reduce-scatter from its staging, which it then owns."""
-        if len(self._in_flight) >= IN_FLIGHT:  # bounded memory: wait for the oldest
-            self._retire(until=len(self._in_flight) - IN_FLIGHT + 1)
+        if len(self._in_flight) >= self.in_flight:  # bounded memory: wait for the oldest
+            self._retire(until=len(self._in_flight) - self.in_flight + 1)
         staging = self._staging(bucket)
         bucket.staging, bucket.launched = None, True
         self.launch_order.append(bucket.index)

@@ -9,7 +9,9 @@ ZeRO paper §3) for the parameters a rank holds (its TP x PP shard), d = dp:
     bf16       2           4          12 (fp32 main weights + m, v)  18      6 + 12/d  2 + 16/d
 
 and ``--zero 3`` (fp32 only so far) 16/d: everything sharded; during a step the gathered
-units come on top (`trainer.parallel.zero.units`: ``peak_gathered_bytes``).
+units and their staged gradients come on top (`zero3_on_top`: the root and prefetch + 1
+blocks; `trainer.parallel.zero.units` ``peak_gathered_bytes``, held to it by
+tests/trainer/test_zero3_memory.py).
 
 Under fp32 the AdamW of ``--zero 1`` steps views of the parameters, so it holds no main copy;
 the gradient buffer stays whole (ZeRO-1 shards the optimizer only), padded by < dp elements per
@@ -54,6 +56,16 @@ def expected_bytes(n_params: int, *, bf16: bool, zero: int, dp: int) -> MemoryTa
     params = (2 if bf16 else 4) * n_params / (dp if zero >= 3 else 1)
     return MemoryTable(params=round(params), grads=round(grads),
                        optimizer=round(optimizer))
+
+
+def zero3_on_top(*, root: int, block: int, prefetch: int, bf16: bool) -> MemoryTable:
+    """What a ZeRO-3 rank holds at most during a step on top of its shards, for units of
+    ``root`` and ``block`` parameters: the root (gathered through forward and backward) and
+    ``prefetch`` + 1 blocks gathered (the one computing and those fetched ahead), and the
+    gradients of ``prefetch`` + 1 blocks staged (the one filling and the reduce-scatters in
+    flight, capped at the prefetch depth: `trainer.parallel.zero.units`)."""
+    return MemoryTable(params=(2 if bf16 else 4) * (root + (prefetch + 1) * block),
+                       grads=4 * (prefetch + 1) * block, optimizer=0)
 
 
 def held_bytes(params: Iterable[torch.Tensor], grads: torch.Tensor,

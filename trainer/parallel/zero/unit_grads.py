@@ -110,7 +110,7 @@ class UnitGradients(ShardedGradients):
         self._reduce(bucket)
         bucket.ready.clear()
         self.launches[bucket.index] += 1
-        if not self.overlap or self.comm.size == 1:
+        if not self.overlap or self.comm.size == 1 or not self.in_flight:
             self._retire(until=len(self._in_flight))
         self.release(bucket.index)
 

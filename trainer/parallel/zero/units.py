@@ -130,11 +130,12 @@ class ParamUnits:
         """The layer each block is: prefetch stays within a run of consecutive layers (a
         pipeline chunk; the next chunk of an interleaved stage runs after other stages')."""
         self.pending: dict[int, tuple[torch.Tensor, Handle | None]] = {}
-        """Units whose all-gather is in flight, and the tensor it lands in."""
+        """Units whose all-gather is in flight (into their buffer), and its handle."""
         self.held = set(range(len(self.full))) if built is None else set()
         """Units whose whole buffer is allocated and gathered."""
         self.gathered_bytes = self.peak_gathered_bytes = 0
-        """Bytes of whole units (and landing tensors) alive now; their most since reset."""
+        """Bytes of whole units alive now (gathered or being gathered); their most since
+        reset."""
         for k in sorted(self.held):
             self._count(self.full[k], +1)
             self._free(k)
@@ -180,37 +181,28 @@ class ParamUnits:
     # -- gather and free -------------------------------------------------------------------
 
     def _post(self, k: int) -> None:
-        """Start gathering unit ``k`` unless it is gathered or on its way. The all-gather
-        lands in a fresh tensor, copied into the unit's buffer when waited for: MPI reads and
-        writes a tensor through a numpy view, which pins its storage's size for good, and the
-        unit's buffer must stay resizable."""
+        """Start gathering unit ``k`` into its buffer unless it is gathered or on its way
+        (MPI writes the buffer in place: `trainer.comm.mpi.buffers.numpy_view`)."""
         if k in self.held or k in self.pending:
             return
+        full = self.full[k]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        self._count(full, +1)
         if self.comm.size == 1:
-            self._land(k, self.shards[k])
+            with torch.no_grad():
+                full.copy_(self.shards[k])
+            self.held.add(k)
             return
-        landing = torch.empty_like(self.full[k])
-        self._count(landing, +1)
-        self.pending[k] = (landing, self.comm.all_gather(landing, self.shards[k],
-                                                         async_op=True))
+        self.pending[k] = (full, self.comm.all_gather(full, self.shards[k], async_op=True))
 
     def _ensure(self, k: int) -> None:
         """Unit ``k`` gathered (waiting for it if it was prefetched)."""
         self._post(k)
         if k in self.pending:
-            landing, handle = self.pending.pop(k)
+            _, handle = self.pending.pop(k)
             if handle is not None:
                 handle.wait()
-            self._land(k, landing)
-            self._count(landing, -1)
-
-    def _land(self, k: int, values: torch.Tensor) -> None:
-        full = self.full[k]
-        full.untyped_storage().resize_(full.numel() * full.element_size())
-        self._count(full, +1)
-        with torch.no_grad():
-            full.copy_(values)
-        self.held.add(k)
+            self.held.add(k)
 
     def _count(self, t: torch.Tensor, sign: int) -> None:
         self.gathered_bytes += sign * t.numel() * t.element_size()
