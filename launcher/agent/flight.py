@@ -9,9 +9,11 @@ a thread of the rank's own and writes each group's state beside the rank's progr
 (``DTRAIN_FLIGHT_FILE``), in the record's own fields. The agent reads that file where the rank
 has no record (`read`), so the same views, hang clock, causes engine and stacks serve both.
 
-What it cannot see: point-to-point operations (gloo's Flight Recorder does not record them),
-processes started with ``python -E``/``-I`` (they ignore PYTHONPATH), and programs that never
-initialise torch.distributed (these get the stack-only diagnosis).
+Point-to-point operations are not in gloo's recorder (NCCL's has them, but only NCCL's): the
+shim wraps the process group's ``send`` and ``recv`` on every backend and merges what they note
+with the recorder's collectives (its docstring). What it cannot see: processes started with
+``python -E``/``-I`` (they ignore PYTHONPATH), and programs that never initialise
+torch.distributed (these get the stack-only diagnosis).
 """
 
 from __future__ import annotations

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import time
 
 import pytest
 
 from launcher.agent import flight
-from tests.support import PYTHON, REPO, run_dtrain
+from tests.support import PYTHON, REPO, kill_recorded, run_dtrain, start_dtrain
 
 WORKER = str(REPO / "tests" / "support" / "workers" / "gloo_faults.py")
 HANG_TIMEOUT = 3.0
@@ -41,6 +43,49 @@ def test_an_unmodified_gloo_program_gets_the_culprit_first_within_the_hang_timeo
     stalled = float(re.search(r"no rank made progress for ([\d.]+)s", first)[1])
     assert stalled < HANG_TIMEOUT + 3, first
     assert "stack of rank" in path.read_text()
+    assert not cluster.wait_no_job_pids(timeout=30)
+
+
+def _args(cluster, log_dir) -> list[str]:
+    return ["launch", "-H", "node1:2,node2:2", "--ssh-config", str(cluster.ssh_config),
+            "--hang-timeout", str(HANG_TIMEOUT), "--hang-action", "abort", "--grace", "1",
+            "--log-dir", str(log_dir)]
+
+
+def test_a_gloo_rank_stalled_inside_a_send_is_named_first_with_its_peer(cluster, tmp_path):
+    """Rank 2 (node2) sends 4 MiB to rank 0 (node1) each step, the last one after the test
+    made node2's packets to node1 vanish (node1's address resolves to a hardware address
+    nobody has): both halves are posted, nothing arrives, ranks 1 and 3 wait in the world's
+    all-reduce. gloo's Flight Recorder holds no send; the shim's wrapper of the process
+    group's send and recv does."""
+    ready, go, logs = tmp_path / "ready", tmp_path / "go", tmp_path / "logs"
+    ns, node1 = cluster.namespace("node2"), cluster.address("node1")
+    proc = start_dtrain([*_args(cluster, logs), "--", PYTHON, WORKER, "send", str(ready),
+                         str(go)])
+    try:
+        deadline = time.monotonic() + 180
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run(["ip", "-n", ns, "neigh", "replace", node1, "lladdr",
+                        "02:00:00:00:00:01", "dev", "eth0", "nud", "permanent"], check=True)
+        go.touch()
+        _, err = proc.communicate(timeout=180)
+    finally:
+        subprocess.run(["ip", "-n", ns, "neigh", "del", node1, "dev", "eth0"], check=False)
+        kill_recorded([proc.pid])
+    assert proc.returncode == 123, err[-3000:]
+    (path,) = logs.glob("*/hang-1.txt")
+    text = path.read_text()
+    first = text.splitlines()[0]
+    # World operations: a send or receive and an all-reduce per step for ranks 0 and 2, so the
+    # third step's send is #5; ranks 1 and 3 wait in their third all-reduce.
+    assert ("cause: rank 2 (node2) is stalled inside send #5 on world (float32, 4.0 MiB) to "
+            "rank 0 (node1), which waits in recv #5 on world for it: the posted send never "
+            "arrives (its host's network, or the transport under it, does not deliver); ranks "
+            "1 (node1), 3 (node2) wait for it too") in first, text
+    stalled = float(re.search(r"no rank made progress for ([\d.]+)s", first)[1])
+    assert stalled < HANG_TIMEOUT + 3, first
+    assert "stack of rank 2" in text and "send_stall (gloo_faults.py" in text, text
     assert not cluster.wait_no_job_pids(timeout=30)
 
 
