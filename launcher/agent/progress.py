@@ -57,6 +57,7 @@ class ProgressReporter:
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
         self._fenced = fenced
         self._fenced_at: dict[int, float] = {}  # rank -> when it was first seen fenced
+        self._codes: dict[int, int] = {}  # rank -> exit status of those that exited
 
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.progress")
@@ -71,6 +72,7 @@ class ProgressReporter:
 
     def error(self, ev: RankExited) -> dict[str, Any]:
         """For a failed rank's EXIT frame: what its error file says (the head's summary)."""
+        self._codes[ev.rank] = ev.code  # how it ended, for the hang diagnosis's views
         cause = errorfile.read(errorfile.path(self.folder, ev.rank)) if ev.code else None
         return {"error": cause.to_json()} if cause is not None else {}
 
@@ -83,12 +85,14 @@ class ProgressReporter:
         for rank in self.ranks:
             record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
-            gone = rank not in pids or flight.left(flight.path(self.path(rank)))
+            returned = flight.left(flight.path(self.path(rank)))
+            gone = rank not in pids or returned
             state, cpu = ("exited", None) if gone else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             since = self._fenced_at.get(rank)
             out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
                                fence_age=None if since is None else now - since,
+                               code=self._codes.get(rank), returned=returned,
                                recorder="flight" if record and not os.path.exists(
                                    self.path(rank)) else ""))
         return out

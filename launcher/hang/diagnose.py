@@ -190,7 +190,7 @@ def describe(v: RankView) -> str:
     if v.state == "stopped":
         return f"is stopped (SIGSTOP/SIGTSTP); `kill -CONT {v.pid}` on its host resumes it"
     if v.state == "exited":
-        return "has exited"
+        return _exited(v)
     if v.state == "finalizing":
         return (f"is in MPI_Finalize for {v.fence_age or 0.0:.1f}s: it has left its program "
                 "(returned from its main or called exit) while others still communicate")
@@ -204,6 +204,17 @@ def describe(v: RankView) -> str:
     since = f"; its last operation, {last.op} #{last.seq} on {last.label}, began " \
         f"{last.age:.1f}s ago" if last else ""
     return f"is in no communication operation{step} (computing or blocked elsewhere){since}"
+
+
+def _exited(v: RankView) -> str:
+    how = "" if v.code is None else f" with code {v.code}" if v.code < 128 else \
+        f" with code {v.code} (killed by signal {v.code - 128})"
+    if v.returned and v.code is None:
+        return ("has returned from its main while the others still communicate (its process "
+                "has not ended: torch.distributed's teardown waits)")
+    if v.returned:
+        return f"has returned from its main and exited{how} while the others still communicate"
+    return f"has exited{how}"
 
 
 def _payload(g: GroupView | None) -> str:

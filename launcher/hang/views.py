@@ -70,6 +70,11 @@ class RankView:
     # Where its groups come from: "" its own record (trainer.comm), "flight" torch's Flight
     # Recorder (`launcher.agent.flight`): a gloo rank blocks while it waits, it never spins.
     recorder: str = ""
+    # How an exited rank ended: its exit status (128+N when killed by signal N), None while
+    # unknown; ``returned``: it left its main with torch.distributed up (the flight shim's
+    # marker), whether or not its process has ended (torch's teardown can hold it).
+    code: int | None = None
+    returned: bool = False
 
     def group(self, label: str) -> GroupView | None:
         return next((g for g in self.groups if g.label == label), None)

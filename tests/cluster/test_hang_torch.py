@@ -27,6 +27,11 @@ HEADLINES = {
                 "all_reduce #3 on world (float32, 1.0 KiB), which ranks 0, 1 (node1), 3 (node2) "
                 "wait in (a mismatch",
     "stop": "rank 3 (node2) is stopped (SIGSTOP/SIGTSTP)",
+    # Its process stays in torch's teardown (gloo's pairs wait for the peers that still run),
+    # so the others never see a closed connection: they wait, and the shim's marker tells.
+    "early": "rank 3 (node2) has returned from its main while the others still communicate "
+             "(its process has not ended: torch.distributed's teardown waits); ranks 0, 1 "
+             "(node1), 2 (node2) wait for it in all_reduce #3 on world (float32, 1.0 KiB)",
 }
 
 
@@ -121,3 +126,4 @@ def test_the_shims_file_becomes_the_ranks_record_and_anything_else_is_none(tmp_p
     bad = tmp_path / "b.flight.json"
     bad.write_text(json.dumps({**body, "groups": [{"label": "world"}]}))
     assert flight.read(str(bad)) is None and flight.read(str(tmp_path / "none")) is None
+

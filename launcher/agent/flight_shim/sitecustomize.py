@@ -47,8 +47,7 @@ def _main() -> None:
         threading.Thread(target=_run, args=(path, interval), name="dtrain-flight",
                          daemon=True).start()
         # When the main thread is done (before the interpreter's atexit handlers): the program
-        # left its main while torch.distributed is up; its teardown may hang on torch's
-        # threads. Only a marker file: nothing of torch is touched there.
+        # left its main while torch.distributed is up. A marker file, then `_linger`.
         hook = getattr(threading, "_register_atexit", None)
         if hook is not None:
             hook(_left, path)
@@ -82,8 +81,27 @@ def _left(path: str) -> None:
         if dist is not None and dist.is_available() and dist.is_initialized():
             with open(path + ".left", "w") as f:
                 f.write(str(os.getpid()))
+            _linger(dist)
     except Exception:
         pass
+
+
+def _linger(dist: Any) -> None:
+    """Stay until every rank of the job has left its main (counted in the program's own
+    store), at most ``DTRAIN_FLIGHT_LINGER`` seconds. A rank that returns while the others
+    still communicate would otherwise tear its process group down under them: gloo's
+    teardown then hangs, aborts or exits at random, and the others fail with a closed
+    connection or wait; lingering, it stays the rank that returned (the marker above) and the
+    hang diagnosis names it. Ranks that all return together pass at once."""
+    import time
+
+    linger = float(os.environ.get("DTRAIN_FLIGHT_LINGER", "1800"))
+    store = dist.distributed_c10d._get_default_store()
+    world, key = dist.get_world_size(), "dtrain_flight_left"
+    left, until = store.add(key, 1), time.monotonic() + linger
+    while left < world and time.monotonic() < until:
+        time.sleep(0.05)
+        left = store.add(key, 0)
 
 
 _DTYPES = {"Float": ("float32", 4), "Double": ("float64", 8), "Half": ("float16", 2),

@@ -1,7 +1,7 @@
 """A plain torch.distributed (gloo) program, as users write them for torchrun, with one fault
 in its last step; it knows nothing of dtrain.
 
-    python tests/support/workers/gloo_faults.py FAULT     # FAULT: skip, mismatch, stop, none
+    python tests/support/workers/gloo_faults.py FAULT     # FAULT: skip, mismatch, stop, early, none
     python tests/support/workers/gloo_faults.py long SECONDS   # one healthy all-reduce that long
     python tests/support/workers/gloo_faults.py send READY GO
         # each step rank 2 sends 4 MiB to rank 0, then all all-reduce on the world; before the
@@ -11,7 +11,8 @@ in its last step; it knows nothing of dtrain.
 4 ranks in two pairs ({0, 1}, {2, 3}: `new_group`); each step all-reduces within the pair, then
 on the world. In step 3: ``skip``: rank 1 leaves out its pair's all-reduce; ``mismatch``: rank 2
 calls all_gather where the others all-reduce on the world; ``stop``: rank 3 stops itself
-(SIGSTOP) before the world's all-reduce.
+(SIGSTOP) before the world's all-reduce; ``early``: rank 3 returns from its main there
+instead (without destroying its process group).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main() -> None:
         last = step == 3
         if not (fault == "skip" and last and rank == 1):
             dist.all_reduce(t, group=pair)
+        if fault == "early" and last and rank == 3:
+            return  # leaves its main with the process group up, the others in all_reduce
         if fault == "stop" and last and rank == 3:
             os.kill(os.getpid(), signal.SIGSTOP)
         if fault == "mismatch" and last and rank == 2:
