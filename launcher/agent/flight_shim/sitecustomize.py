@@ -81,7 +81,10 @@ def _left(path: str) -> None:
         if dist is not None and dist.is_available() and dist.is_initialized():
             with open(path + ".left", "w") as f:
                 f.write(str(os.getpid()))
-            _linger(dist)
+            # An uncaught exception ended it (printed, left in sys.last_value): it failed, and
+            # its exit status is what the job needs, at once.
+            if getattr(sys, "last_value", None) is None:
+                _linger(dist)
     except Exception:
         pass
 
