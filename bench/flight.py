@@ -1,0 +1,178 @@
+"""Hang diagnosis of unmodified torch.distributed (gloo) programs, through the Flight Recorder
+shim (`launcher.agent.flight`): time from a hang to its diagnosis, the recorder's cost per
+collective, and how often the culprit is named first.
+
+    python -m bench.flight [--ranks 4,16] [--faults 20] [--kinds skip,mismatch,stop,early]
+                           [--timeout 3] [--json PATH]
+
+Hang to diagnosis: `dtrain launch --nproc-per-node N --hang-timeout T --hang-action abort`
+(localhost) runs `bench/workers/gloo_fault.py sleep`: at a seeded step one rank writes the wall
+time and sleeps while the others wait in a collective; the row gives the time from that moment
+to the head printing its diagnosis (target: T + 1 s), and whether the sleeper is named first.
+
+Recorder cost: the same script (`--cost-worker`: 2 gloo ranks, 1 MiB all-reduces) run with the
+agent's environment for the recorder and the shim (``TORCH_FR_BUFFER_SIZE``, the shim first on
+``PYTHONPATH``, its reader writing every second) and without it, alternately, in ``rounds``
+pairs of runs so that drifting load hits both; the row gives the median time per all-reduce of
+each side and the overhead in percent (target: 2 %).
+
+Culprit first: ``faults`` seeded random faults per kind (the culprit rank and the step differ
+per seed) at 4 ranks; the rate at which the diagnosis's headline names the culprit rank first
+(target: 100 %). ``--faults 2`` is a quick pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WORKER = REPO / "bench" / "workers" / "gloo_fault.py"
+KINDS = ("skip", "mismatch", "stop", "early")
+NUMEL, PER_RUN = 1 << 18, 300   # 1 MiB of float32 per all-reduce
+
+
+def diagnose_run(kind: str, seed: int, ranks: int, timeout: float) -> dict[str, Any]:
+    """One launch of the fault worker; the culprit, the headline's first rank, the latency."""
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-flight-") as tmp:
+        stamp, logs = Path(tmp, "stamp"), Path(tmp, "logs")
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "launcher", "launch", "--nproc-per-node", str(ranks),
+             "--hang-timeout", str(timeout), "--hang-action", "abort", "--grace", "1",
+             "--log-dir", str(logs), "--", sys.executable, str(WORKER), kind, str(seed),
+             str(stamp)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env)
+        seen, headline = None, ""
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if line.startswith("dtrain: hang:") and seen is None:
+                seen, headline = time.time(), line
+        out = proc.stdout.read() if proc.stdout else ""
+        proc.wait(timeout=120)
+        culprit = re.search(r"culprit (\d+)", out)
+        named = re.search(r"cause: rank (\d+) ", headline)
+        latency = seen - float(stamp.read_text()) if seen and stamp.exists() else None
+        return {"kind": kind, "seed": seed, "ranks": ranks, "hang_timeout_s": timeout,
+                "culprit": int(culprit[1]) if culprit else None,
+                "named_first": int(named[1]) if named else None,
+                "diagnosis_after_s": latency, "exit_code": proc.returncode,
+                "headline": headline.strip()[:300]}
+
+
+def cost_worker(out: Path) -> None:
+    """One rank (under ``torch.distributed``'s env rendezvous): timed 1 MiB all-reduces."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.ones(NUMEL)
+    for _ in range(20):  # warm-up: connections, allocations
+        dist.all_reduce(t)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(PER_RUN):
+        dist.all_reduce(t)
+    took = (time.perf_counter() - start) / PER_RUN
+    if dist.get_rank() == 0:
+        out.write_text(repr(took))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def cost_run(recorded: bool, port: int) -> float:
+    from launcher.agent import flight
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-fr-") as tmp:
+        out = Path(tmp, "took")
+        procs = []
+        for rank in range(2):
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+            for name in (*flight.BUFFER_NAMES, flight.FILE):
+                env.pop(name, None)
+            if recorded:
+                env.update(flight.rank_env(env, str(Path(tmp, f"rank-{rank}.progress")), 1.0))
+            procs.append(subprocess.Popen([sys.executable, "-m", "bench.flight",
+                                           "--cost-worker", str(out)], cwd=REPO, env=env))
+        for p in procs:
+            p.wait(timeout=600)
+        if any(p.returncode for p in procs) or not out.exists():
+            raise RuntimeError(f"cost run failed (recorded={recorded})")
+        return float(out.read_text())
+
+
+def recorder_cost(rounds: int) -> dict[str, Any]:
+    sides: dict[bool, list[float]] = {True: [], False: []}
+    for r in range(rounds):
+        for recorded in ((True, False) if r % 2 == 0 else (False, True)):
+            sides[recorded].append(cost_run(recorded, 29600 + 2 * r + int(recorded)))
+    bare, rec = statistics.median(sides[False]), statistics.median(sides[True])
+    return {"measure": "recorder cost per 1 MiB all_reduce (2 gloo ranks)", "rounds": rounds,
+            "bare_ms": bare * 1e3, "recorded_ms": rec * 1e3,
+            "overhead_pct": (rec - bare) / bare * 100, "fastest_bare_ms": min(sides[False]) * 1e3,
+            "fastest_recorded_ms": min(sides[True]) * 1e3}
+
+
+def run(ranks: Sequence[int] = (4, 16), faults: int = 20, kinds: Sequence[str] = KINDS,
+        timeout: float = 3.0, rounds: int = 5,
+        progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO))
+    say = progress or (lambda line: None)
+    rows: list[dict[str, Any]] = []
+    for n in ranks:
+        one = diagnose_run("sleep", 1, n, timeout)
+        rows.append({"measure": "hang to diagnosis", **one,
+                     "beyond_timeout_s": one["diagnosis_after_s"] - timeout
+                     if one["diagnosis_after_s"] is not None else None})
+        say(json.dumps(rows[-1]))
+    rows.append(recorder_cost(rounds))
+    say(json.dumps(rows[-1]))
+    for kind in kinds:
+        runs = [diagnose_run(kind, seed, 4, timeout) for seed in range(faults)]
+        hits = [r["culprit"] is not None and r["named_first"] == r["culprit"] for r in runs]
+        misses = [{k: r[k] for k in ("seed", "culprit", "named_first", "exit_code", "headline")}
+                  for r, hit in zip(runs, hits, strict=True) if not hit]
+        first = sum(hits)
+        lat = [r["diagnosis_after_s"] for r in runs if r["diagnosis_after_s"] is not None]
+        rows.append({"measure": "culprit first", "kind": kind, "faults": faults,
+                     "named_first": first, "rate_pct": 100 * first / max(1, faults),
+                     "median_diagnosis_after_s": statistics.median(lat) if lat else None,
+                     "misses": misses})
+        say(json.dumps(rows[-1]))
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.flight", description=__doc__)
+    ap.add_argument("--ranks", default="4,16")
+    ap.add_argument("--faults", type=int, default=20)
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--timeout", type=float, default=3.0)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--cost-worker", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.cost_worker:
+        cost_worker(args.cost_worker)
+        return 0
+    rows = run([int(n) for n in args.ranks.split(",") if n], args.faults,
+               [k for k in args.kinds.split(",") if k], args.timeout, args.rounds,
+               progress=print)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
