@@ -19,6 +19,7 @@ torch.distributed (these get the stack-only diagnosis).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import workerenv
 
@@ -54,7 +55,15 @@ def left(file: str) -> bool:
     return os.path.exists(file + ".left")
 
 
-def read(file: str) -> workerenv.RankProgress | None:
+@dataclass(frozen=True)
+class FlightProgress(workerenv.RankProgress):
+    """A rank's record read from the shim's file; ``spins``: a group's backend waits by
+    spinning (NCCL's host side in CUDA's synchronisation), so CPU use is no sign of progress."""
+
+    spins: bool = False
+
+
+def read(file: str) -> FlightProgress | None:
     """The rank's groups as the shim last wrote them; None without a readable file (the file
     is the rank's: anything unexpected in it is no record)."""
     import json
@@ -66,10 +75,19 @@ def read(file: str) -> workerenv.RankProgress | None:
     try:
         with os.fdopen(fd, "rb") as f:
             body = json.loads(f.read(MAX_BYTES + 1)[:MAX_BYTES])
-        return workerenv.RankProgress(int(body["pid"]), int(body["rank"]), 0, 0.0, 0.0, 0.0,
-                                      tuple(_group(g) for g in body["groups"]))
+        return FlightProgress(int(body["pid"]), int(body["rank"]), 0, 0.0, 0.0, 0.0,
+                              tuple(_group(g) for g in body["groups"]),
+                              spins=bool(body.get("spins", False)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def recorder(record: workerenv.RankProgress | None) -> str:
+    """`RankView.recorder`: "flight" for a record of the shim's whose ranks block while they
+    wait (gloo), "flight-spin" for one whose ranks spin (NCCL), "" for trainer.comm's own."""
+    if not isinstance(record, FlightProgress):
+        return ""
+    return "flight-spin" if record.spins else "flight"
 
 
 def _group(g: dict[str, Any]) -> workerenv.GroupProgress:

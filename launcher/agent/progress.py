@@ -93,8 +93,7 @@ class ProgressReporter:
             out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
                                fence_age=None if since is None else now - since,
                                code=self._codes.get(rank), returned=returned,
-                               recorder="flight" if record and not os.path.exists(
-                                   self.path(rank)) else ""))
+                               recorder=flight.recorder(record)))
         return out
 
     @staticmethod

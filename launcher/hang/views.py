@@ -68,7 +68,8 @@ class RankView:
     # `launcher.hang.mpi`); None when it is in none.
     fence_age: float | None = None
     # Where its groups come from: "" its own record (trainer.comm), "flight" torch's Flight
-    # Recorder (`launcher.agent.flight`): a gloo rank blocks while it waits, it never spins.
+    # Recorder (`launcher.agent.flight`): a gloo rank blocks while it waits, it never spins;
+    # "flight-spin" the same for NCCL, whose host side spins while it waits.
     recorder: str = ""
     # How an exited rank ended: its exit status (128+N when killed by signal N), None while
     # unknown; ``returned``: it left its main with torch.distributed up (the flight shim's

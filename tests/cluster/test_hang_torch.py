@@ -123,6 +123,9 @@ def test_the_shims_file_becomes_the_ranks_record_and_anything_else_is_none(tmp_p
     record = flight.read(str(good))
     assert record is not None and record.pid == 7 and record.groups[0].done == 2
     assert record.groups[0].history[-1] == (3, "all_reduce", -1, 3)
+    assert flight.recorder(record) == "flight" and flight.recorder(None) == ""
+    good.write_text(json.dumps({**body, "spins": True}))  # NCCL: its waiting ranks spin
+    assert flight.recorder(flight.read(str(good))) == "flight-spin"
     bad = tmp_path / "b.flight.json"
     bad.write_text(json.dumps({**body, "groups": [{"label": "world"}]}))
     assert flight.read(str(bad)) is None and flight.read(str(tmp_path / "none")) is None

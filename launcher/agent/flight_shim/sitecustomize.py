@@ -231,7 +231,10 @@ def _summary(dist: Any) -> dict[str, Any]:
             "label": _label(pg, name, len(members), c10d), "group_rank": members[me],
             "group_size": len(members), **group,
             "entered_at": mono - max(0, now_ns - at_ns) / 1e9})
-    return {"pid": os.getpid(), "rank": me, "groups": groups}
+    # gloo blocks while it waits; NCCL's host side spins in CUDA's synchronisation instead,
+    # so its CPU use tells nothing of progress (`launcher.hang.watch`).
+    spins = any(str(dist.get_backend(pg)) != "gloo" for pg in list(c10d._world.pg_names))
+    return {"pid": os.getpid(), "rank": me, "groups": groups, "spins": spins}
 
 
 def _merged(colls: list[dict[str, Any]], completed: int, unit: str, p2p: list[list[Any]],
