@@ -76,6 +76,9 @@ class RankView:
     # marker), whether or not its process has ended (torch's teardown can hold it).
     code: int | None = None
     returned: bool = False
+    # Its main thread was runnable or in disk I/O when read (state R or D): busy even where
+    # its share of a core is small (a host loaded many times over, ranks importing).
+    runnable: bool = False
 
     def group(self, label: str) -> GroupView | None:
         return next((g for g in self.groups if g.label == label), None)

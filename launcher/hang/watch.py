@@ -49,7 +49,8 @@ class HangClock:
         for rank, v in views.items():
             # MPI spins while it waits: a waiting rank's CPU is work only where waiting
             # blocks (torch.distributed's ranks: a long collective moving data is progress).
-            working = v.state in ("running", "no-record") and v.cpu_share >= BUSY_SHARE and (
+            working = v.state in ("running", "no-record") and (
+                v.cpu_share >= BUSY_SHARE or v.runnable) and (
                 not v.waiting or v.recorder == "flight")
             if self._seen.get(rank) != v.position or working:
                 self._seen[rank] = v.position
