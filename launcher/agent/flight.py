@@ -3,7 +3,7 @@
 A rank that does not use dtrain's trainer writes no progress record; one that uses
 torch.distributed has torch's Flight Recorder, which records every collective of every process
 group (op, group, sequence number, sizes, state) once ``TORCH_FR_BUFFER_SIZE`` is set. The
-agent sets it (2000 entries) unless the user set it or its NCCL name, and puts
+agent sets it (`ENTRIES`) unless the user set it or its NCCL name, and puts
 `flight_shim` first on the ranks' PYTHONPATH: its ``sitecustomize`` reads the recorder from
 a thread of the rank's own and writes each group's state beside the rank's progress record
 (``DTRAIN_FLIGHT_FILE``), in the record's own fields. The agent reads that file where the rank
@@ -31,7 +31,11 @@ FILE = "DTRAIN_FLIGHT_FILE"
 INTERVAL = "DTRAIN_FLIGHT_INTERVAL"
 BUFFER = "TORCH_FR_BUFFER_SIZE"
 BUFFER_NAMES = (BUFFER, "TORCH_NCCL_TRACE_BUFFER_SIZE")  # either turns the recorder on
-ENTRIES = 2000      # the recorder's ring: far more than a hang needs, a few hundred KiB
+# The recorder's ring, shared by every group of the rank. The reader dumps and parses all of
+# it each interval (about 0.5 KiB of JSON per entry): 2000 entries cost ~0.1 s of the rank's
+# GIL per read on a loaded host, 256 a few ms, and still hold the last 16 of each of a
+# mesh's groups (the reader keeps 16 per group).
+ENTRIES = 256
 MAX_BYTES = 1 << 20
 SHIM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "flight_shim")
 
