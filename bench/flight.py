@@ -146,8 +146,9 @@ def run(ranks: Sequence[int] = (4, 16), faults: int = 20, kinds: Sequence[str] =
                      "beyond_timeout_s": one["diagnosis_after_s"] - timeout
                      if one["diagnosis_after_s"] is not None else None})
         say(json.dumps(rows[-1]))
-    rows.append(recorder_cost(rounds))
-    say(json.dumps(rows[-1]))
+    if rounds:  # 0: no cost runs (a culprit-only pass)
+        rows.append(recorder_cost(rounds))
+        say(json.dumps(rows[-1]))
     for kind in kinds:
         runs = [diagnose_run(kind, seed, 4, timeout) for seed in range(faults)]
         hits = [r["culprit"] is not None and r["named_first"] == r["culprit"] for r in runs]
