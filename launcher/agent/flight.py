@@ -45,8 +45,10 @@ def path(record: str) -> str:
 
 
 def rank_env(env: dict[str, str], record: str, interval: float) -> dict[str, str]:
-    """What a rank's environment gets so that its Flight Recorder is read."""
-    extra = {FILE: path(record), INTERVAL: f"{interval:g}",
+    """What a rank's environment gets so that its Flight Recorder is read: by the shim twice
+    per agent's ``interval``, so the agent's reading lags the rank by half an interval at most
+    (a hang's diagnosis comes that much sooner)."""
+    extra = {FILE: path(record), INTERVAL: f"{interval / 2:g}",
              "PYTHONPATH": os.pathsep.join(p for p in (SHIM, env.get("PYTHONPATH")) if p)}
     if not any(env.get(name) for name in BUFFER_NAMES):
         extra[BUFFER] = str(ENTRIES)

@@ -108,7 +108,7 @@ def test_a_healthy_all_reduce_longer_than_the_hang_timeout_is_no_hang(tmp_path):
 
 def test_the_recorder_is_turned_on_unless_the_user_set_it_and_the_shim_leads_the_path():
     env = flight.rank_env({"PYTHONPATH": "/mine"}, "/f/rank-0.progress", 0.6)
-    assert env == {flight.FILE: "/f/rank-0.progress.flight.json", flight.INTERVAL: "0.6",
+    assert env == {flight.FILE: "/f/rank-0.progress.flight.json", flight.INTERVAL: "0.3",
                    "PYTHONPATH": f"{flight.SHIM}:/mine", flight.BUFFER: "256"}
     assert flight.BUFFER not in flight.rank_env({"TORCH_NCCL_TRACE_BUFFER_SIZE": "50"}, "/f", 1)
 
