@@ -75,6 +75,9 @@ BENCHES = (
           quick={"ps": (2,), "ms": (4,)}),
     Bench("progress", "Progress records: all-reduce overhead with vs without; hang to diagnosis",
           quick={"timeouts": (2.0,)}),
+    Bench("flight", "torch.distributed (gloo) hangs: diagnosis time at 4/16 ranks, Flight "
+          "Recorder cost per 1 MiB all-reduce, culprit-first rate per fault kind",
+          quick={"ranks": (4,), "faults": 2, "rounds": 1}),
     Bench("gpu", "GPU path: gpt-124m dtrain vs plain PyTorch (on a GPU), CPU bf16/fp32 step",
           quick={"cpu_tiny": True}),
     Bench("memory", "Memory per rank (ZeRO-1 and 2, TP, PP) vs the analytic table; ZeRO cost",

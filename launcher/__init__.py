@@ -76,7 +76,8 @@ launcher/ and trainer/ never import each other.
                  progress      the ranks' progress records: folder, reading, py-spy stacks
                                (the folder holds each rank's error file too)
                  flight        torch.distributed programs: the Flight Recorder turned on and
-                               read by flight_shim/sitecustomize in each rank (no record of
+                               read by flight_shim/sitecustomize in each rank, which also
+                               notes send/recv and a rank leaving its main (no record of
                                their own needed)
     tree/        --fanout K: shape (who starts whom, pure), fence (a relay's merged PMI fence,
                  pure), hops (what the head hands a relay per host), relay (the agent's relay,

@@ -176,10 +176,12 @@ whose name starts with a dash; it is always safe."""
 @click.option("--hang-timeout", type=click.FloatRange(min=0), default=SUPERVISE.hang_timeout,
               show_default=True,
               help="Diagnose a hang when no rank advanced for this many seconds while ranks "
-              "wait in a communication operation (0: never). Seen for dtrain's trainer "
-              "(trainer.comm), any torch.distributed program (torch's Flight Recorder: "
-              "collectives of every group) and MPI programs (a rank in MPI_Finalize while the "
-              "others wait in an MPI call); other programs get no diagnosis (README).")
+              "wait in a communication operation (0: never); the culprit rank is named first. "
+              "Seen for dtrain's trainer (trainer.comm), any torch.distributed program, gloo "
+              "or NCCL (torch's Flight Recorder for the collectives of every group, and "
+              "dtrain's shim for send/recv), and MPI programs (a rank in MPI_Finalize while "
+              "the others wait in an MPI call); a program using none of these gets the ranks' "
+              "stacks once every rank sat idle this long (docs: Hangs).")
 @click.option("--hang-action", type=click.Choice(["report", "abort"]),
               default=SUPERVISE.hang_action,
               show_default=True, help="After a hang diagnosis: keep waiting, or stop the job "

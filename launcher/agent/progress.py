@@ -57,6 +57,7 @@ class ProgressReporter:
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
         self._fenced = fenced
         self._fenced_at: dict[int, float] = {}  # rank -> when it was first seen fenced
+        self._codes: dict[int, int] = {}  # rank -> exit status of those that exited
 
     def path(self, rank: int) -> str:
         return os.path.join(self.folder, f"rank-{rank}.progress")
@@ -71,6 +72,7 @@ class ProgressReporter:
 
     def error(self, ev: RankExited) -> dict[str, Any]:
         """For a failed rank's EXIT frame: what its error file says (the head's summary)."""
+        self._codes[ev.rank] = ev.code  # how it ended, for the hang diagnosis's views
         cause = errorfile.read(errorfile.path(self.folder, ev.rank)) if ev.code else None
         return {"error": cause.to_json()} if cause is not None else {}
 
@@ -83,14 +85,16 @@ class ProgressReporter:
         for rank in self.ranks:
             record = self._record(self.path(rank))
             pid = record.pid if record else pids.get(rank)
-            gone = rank not in pids or flight.left(flight.path(self.path(rank)))
-            state, cpu = ("exited", None) if gone else _stat(pid)
+            returned = flight.left(flight.path(self.path(rank)))
+            gone = rank not in pids or returned
+            state, cpu, runnable = ("exited", None, False) if gone else _stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             since = self._fenced_at.get(rank)
             out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
                                fence_age=None if since is None else now - since,
-                               recorder="flight" if record and not os.path.exists(
-                                   self.path(rank)) else ""))
+                               code=self._codes.get(rank), returned=returned,
+                               runnable=runnable,
+                               recorder=flight.recorder(record)))
         return out
 
     @staticmethod
@@ -151,19 +155,21 @@ def _reader(path: str) -> Callable[[], bytes]:
     return read
 
 
-def _stat(pid: int | None) -> tuple[str, float | None]:
-    """``stopped`` for a process in state T (SIGSTOP) or t (traced), else running; and the CPU
-    seconds it has used (user + system, all threads), None when unknown."""
+def _stat(pid: int | None) -> tuple[str, float | None, bool]:
+    """``stopped`` for a process in state T (SIGSTOP) or t (traced), else running; the CPU
+    seconds it has used (user + system, all threads), None when unknown; and whether it is
+    runnable or in uninterruptible I/O now (R, D: on a CPU, waiting for one, or for the disk,
+    as ranks importing on a loaded host are, using little CPU)."""
     if not pid:
-        return "running", None
+        return "running", None, False
     try:
         with open(f"/proc/{pid}/stat") as f:
             stat = f.read()
     except OSError:
-        return "running", None
+        return "running", None, False
     fields = stat.rpartition(")")[2].split()  # fields from the 3rd on: state, ppid, ...
     cpu = (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (14th and 15th)
-    return ("stopped" if fields[0] in ("T", "t") else "running"), cpu
+    return ("stopped" if fields[0] in ("T", "t") else "running"), cpu, fields[0] in ("R", "D")
 
 
 def py_spy() -> str | None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from launcher.hang.causes import analyse
 from launcher.hang.model import P2P, Cause
 from launcher.hang.views import GroupView, RankView
+from launcher.hang.watch import blind
 
 MAX_CONSEQUENCE_LINES = 12   # one per operation waited in; a big job's others are counted
 MAX_NAMED = 8                # ranks named one by one with their hosts; more are given as ranges
@@ -71,7 +72,8 @@ def diagnose(views: Sequence[RankView], stacks: Mapping[int, str] | None = None)
     lines += _consequences(found.explained, found.needs, by_rank)
     stalled = [v for v in views if v.waiting and v.rank not in found.explained
                and v.rank not in {c.rank for c in found.causes}]
-    headline = told[0] if told else _stalled(stalled or list(views), by_rank)
+    headline = told[0] if told else _blind(views, stacks or {}) if blind(views) else \
+        _stalled(stalled or list(views), by_rank)
     if told and stalled:
         lines.append(_stalled(stalled, by_rank))
     culprits = tuple(c.rank for c in found.causes)
@@ -165,6 +167,37 @@ def _consequences(explained: Iterable[int], needs: Mapping[int, Sequence[int]],
     return out
 
 
+def _blind(views: Sequence[RankView], stacks: Mapping[int, str]) -> str:
+    """The headline of a program without records (`watch.blind`): where each rank's main
+    thread is, by its stack (py-spy's innermost frame), since no operation can be named."""
+    by_rank = {v.rank: v for v in views}
+    where: dict[str, list[int]] = {}
+    for v in sorted(views, key=lambda v: v.rank):
+        frame = innermost(stacks.get(v.rank, ""))
+        state = "{is} stopped (SIGSTOP/SIGTSTP)" if v.state == "stopped" else \
+            f"{{is}} in {frame}" if frame else "{has} no stack (py-spy missing or not allowed)"
+        where.setdefault(state, []).append(v.rank)
+    return ("no rank keeps a record of its communication (it uses neither torch.distributed, "
+            "MPI nor dtrain's trainer), so no operation can be blamed; every rank sleeps or "
+            "blocks: " + "; ".join(
+                f"{who(rs, by_rank)} " + state.format(**{"is": "is" if len(rs) == 1 else "are",
+                                                         "has": "has" if len(rs) == 1 else "have"})
+                for state, rs in where.items()))
+
+
+def innermost(stack: str) -> str:
+    """``wait_for (worker.py:12)``: the innermost frame of the main thread (the first
+    thread) of a ``py-spy dump``; "" when there is none."""
+    lines = stack.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("Thread ") and
+                  "MainThread" in line), next((i for i, line in enumerate(lines)
+                                               if line.startswith("Thread ")), None))
+    if start is None or start + 1 >= len(lines):
+        return ""
+    frame = lines[start + 1].strip()
+    return frame if frame and not frame.startswith("Thread ") else ""
+
+
 def _stalled(views: Sequence[RankView], by_rank: Mapping[int, RankView]) -> str:
     waits: dict[str, list[int]] = {}
     for v in views:
@@ -190,7 +223,7 @@ def describe(v: RankView) -> str:
     if v.state == "stopped":
         return f"is stopped (SIGSTOP/SIGTSTP); `kill -CONT {v.pid}` on its host resumes it"
     if v.state == "exited":
-        return "has exited"
+        return _exited(v)
     if v.state == "finalizing":
         return (f"is in MPI_Finalize for {v.fence_age or 0.0:.1f}s: it has left its program "
                 "(returned from its main or called exit) while others still communicate")
@@ -204,6 +237,17 @@ def describe(v: RankView) -> str:
     since = f"; its last operation, {last.op} #{last.seq} on {last.label}, began " \
         f"{last.age:.1f}s ago" if last else ""
     return f"is in no communication operation{step} (computing or blocked elsewhere){since}"
+
+
+def _exited(v: RankView) -> str:
+    how = "" if v.code is None else f" with code {v.code}" if v.code < 128 else \
+        f" with code {v.code} (killed by signal {v.code - 128})"
+    if v.returned and v.code is None:
+        return ("has returned from its main while the others still communicate (its process "
+                "has not ended: torch.distributed's teardown waits)")
+    if v.returned:
+        return f"has returned from its main and exited{how} while the others still communicate"
+    return f"has exited{how}"
 
 
 def _payload(g: GroupView | None) -> str:

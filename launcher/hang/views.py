@@ -68,8 +68,17 @@ class RankView:
     # `launcher.hang.mpi`); None when it is in none.
     fence_age: float | None = None
     # Where its groups come from: "" its own record (trainer.comm), "flight" torch's Flight
-    # Recorder (`launcher.agent.flight`): a gloo rank blocks while it waits, it never spins.
+    # Recorder (`launcher.agent.flight`): a gloo rank blocks while it waits, it never spins;
+    # "flight-spin" the same for NCCL, whose host side spins while it waits.
     recorder: str = ""
+    # How an exited rank ended: its exit status (128+N when killed by signal N), None while
+    # unknown; ``returned``: it left its main with torch.distributed up (the flight shim's
+    # marker), whether or not its process has ended (torch's teardown can hold it).
+    code: int | None = None
+    returned: bool = False
+    # Its main thread was runnable or in disk I/O when read (state R or D): busy even where
+    # its share of a core is small (a host loaded many times over, ranks importing).
+    runnable: bool = False
 
     def group(self, label: str) -> GroupView | None:
         return next((g for g in self.groups if g.label == label), None)

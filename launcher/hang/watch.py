@@ -12,7 +12,10 @@ outside communication while the others wait for it is a hang; so is every rank w
 ranks, seen through the Flight Recorder, do: gloo blocks while it waits, so a rank inside a long
 collective that uses its CPU moves data). Reported once
 per stall: any progress re-arms it. A rank that computes forever outside communication is
-not reported (its step stands still in the live view).
+not reported (its step stands still in the live view). A program that keeps no record at all
+(`blind`: neither dtrain's trainer, torch.distributed nor an MPI rank in a PMI barrier) counts
+as hung when none of its ranks advanced or worked for ``timeout``: every rank sleeps or blocks
+(on a file, a socket, a lock); its diagnosis is the ranks' stacks.
 
 Straggler: a rank whose average compute time per step (the trainer's moving average, so one
 slow step is not enough: `trainer.comm.progress`) exceeds the median of all ranks by
@@ -24,7 +27,7 @@ one do not look slow themselves.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from launcher.hang.views import RankView
@@ -60,7 +63,8 @@ class HangClock:
         for rank, v in views.items():
             # MPI spins while it waits: a waiting rank's CPU is work only where waiting
             # blocks (torch.distributed's ranks: a long collective moving data is progress).
-            working = v.state == "running" and v.cpu_share >= BUSY_SHARE and (
+            working = v.state in ("running", "no-record") and (
+                v.cpu_share >= BUSY_SHARE or v.runnable) and (
                 not v.waiting or v.recorder == "flight")
             if self._seen.get(rank) != v.position or working:
                 self._seen[rank] = v.position
@@ -77,7 +81,16 @@ class HangClock:
         self._scan(views, now)  # the last look may be up to SCAN_S old: look again first
         if now - self.last_change < self.timeout:
             return False
-        return any(v.waiting for v in views.values() if v.state in ("running", "stopped"))
+        live = [v for v in views.values() if v.state in ("running", "stopped", "no-record")]
+        return any(v.waiting for v in live) or blind(views.values())
+
+
+def blind(views: Iterable[RankView]) -> bool:
+    """No live rank keeps a record of its communication (neither dtrain's trainer nor
+    torch.distributed's Flight Recorder) and none is in a PMI barrier: a program dtrain cannot
+    see into, whose hang only the ranks' stacks can tell (stack-only diagnosis)."""
+    live = [v for v in views if v.state in ("running", "stopped", "no-record")]
+    return bool(live) and all(not v.groups and v.fence_age is None for v in live)
 
 
 @dataclass(frozen=True)

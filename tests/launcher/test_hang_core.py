@@ -346,3 +346,15 @@ def test_many_ranks_are_named_as_ranges_with_their_host_count():
     views = {r: rank(r, f"n{r % 3}") for r in range(30)}
     assert who([*range(0, 5), *range(6, 20)], views) == "19 ranks 0-4, 6-19 (3 hosts)"
     assert who(range(0, 30, 3), views) == "10 ranks 0, 3, 6, 9, 12, 15, ... (1 host)"
+
+
+def test_a_program_without_any_record_is_told_by_each_ranks_innermost_frame():
+    views = [RankView(0, "a", pid=10, state="no-record"), RankView(1, "b", pid=11,
+                                                                    state="no-record")]
+    stacks = {0: 'Thread 10 (idle): "MainThread"\n    wait_for (w.py:9)\n    main (w.py:3)\n',
+              1: 'Thread 11 (idle): "MainThread"\n    accept (socket.py:294)\n'}
+    found = diagnose(views, stacks)
+    assert found.culprit_ranks == () and found.kind == "stalled"
+    assert found.headline.endswith("every rank sleeps or blocks: rank 0 (a) is in wait_for "
+                                   "(w.py:9); rank 1 (b) is in accept (socket.py:294)")
+    assert "        wait_for (w.py:9)" in found.lines and "stack of rank 1 (pid 11):" in found.text
