@@ -188,3 +188,50 @@ def test_layouts_the_planner_does_not_model_yet_are_said_so_without_a_check() ->
         "dtrain: plan: ZeRO-3 is not modelled yet; no memory check"
     assert warning(100 * 2**20, 109 * 2**20) == ""
     assert "-20%" in warning(100 * 2**20, 80 * 2**20)
+
+
+# The planner against the trainer on 2 ranks (bench.plan_check: the trainer's own step, its
+# communicators counting what they send as the planner prices it, the same memory accounting).
+@pytest.fixture(scope="module")
+def against_the_trainer() -> dict[str, dict]:
+    from bench import plan_check
+
+    rows = plan_check.run(model="tiny", seq_len=64, global_batch=8, steps=1)
+    return {r["layout"]: r for r in rows}
+
+
+DENSE = ("dp2", "tp2", "pp2 1f1b", "dp2+zero1", "tp2+sp", "tp2+recompute full",
+         "dp2+recompute selective")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", DENSE)
+def test_the_planned_bytes_per_step_equal_what_each_group_sends(layout: str,
+                                                                against_the_trainer: dict) -> None:
+    row = against_the_trainer[layout]
+    assert row[f"{layout[:2]}_mb"] > 0  # the layout's own group sent something
+    for kind in ("dp", "tp", "pp", "ep"):
+        assert row[f"{kind}_plan_mb"] == pytest.approx(row[f"{kind}_mb"], rel=0.05, abs=1e-6), \
+            (layout, kind, row)
+    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
+
+
+@pytest.mark.timeout(900)
+def test_the_planned_gradient_reduction_of_ep2_keeps_the_experts_out_of_the_dp_group(
+        against_the_trainer: dict) -> None:
+    """Under ep2 over 2 ranks the experts are not replicated (edp 1): only the dense
+    parameters' gradients are all-reduced, as the planner counts them."""
+    row = against_the_trainer["ep2 moe"]
+    assert row["dp_mb"] > 0 and row["ep_mb"] > 0
+    assert row["dp_plan_mb"] == pytest.approx(row["dp_mb"], rel=0.05), row
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.xfail(reason="MoE routing depends on the data: at initialisation on text a "
+                          "capacity of 1.0 drops ~20% of the assignments the planner's "
+                          "balanced routing keeps (activations +8%, all-to-all +23%)")
+def test_the_planned_memory_and_all_to_all_bytes_of_ep2_with_capacity_match_the_run(
+        against_the_trainer: dict) -> None:
+    row = against_the_trainer["ep2 moe"]
+    assert row["ep_plan_mb"] == pytest.approx(row["ep_mb"], rel=0.05), row
+    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
