@@ -14,10 +14,11 @@ prices it). Measured per step and rank, the largest rank kept:
 * bytes sent per step by kind (dp, tp, pp, ep), mean over the timed steps;
 * step time: the median over timed steps of the slowest rank's step.
 
-The planner (`trainer.plan.estimate`) is given this machine as its cluster: the measured fp32
-matmul FLOP/s of one core (`trainer.health.perf.matmul_gflops` at the model's width) with
-efficiency 1, and the measured bus bandwidth of a 2-rank all-reduce of the model's gradient
-size (`trainer.comm.bandwidth`), inside and between "hosts" alike.
+The planner (`trainer.plan.estimate`) is given this machine as its cluster: the model FLOP/s
+of the serial step measured here (each rank alone, both at once, so as loaded as the layouts)
+with efficiency 1, and the measured bus bandwidth of a 2-rank all-reduce of 4 MiB
+(`trainer.comm.bandwidth`), inside and between "hosts" alike; ``plan ms at matmul peak`` is the
+same with the peak fp32 matmul FLOP/s of one core (`trainer.health.perf.matmul_gflops`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ ROWS: dict[str, dict[str, Any]] = {
 }
 
 
-def config(args: argparse.Namespace, over: dict[str, Any], run_dir: str = "") -> Any:
+def config(args: argparse.Namespace, over: dict[str, Any], run_dir: str = "",
+           world: int = 2) -> Any:
     from trainer.config.options import make_config, resolve_dp
 
     cfg = make_config({"model": args.model, "global_batch": args.global_batch,
@@ -58,11 +60,12 @@ def config(args: argparse.Namespace, over: dict[str, Any], run_dir: str = "") ->
                        "data_cap_mb": 1.0, "run_dir": run_dir or "unused", "seed": 0,
                        "precision": "fp32", "eval_every": 0, **over},
                       {"seq_len": args.seq_len})
-    return resolve_dp(cfg, 2)
+    return resolve_dp(cfg, world)
 
 
 def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
           run_dir: str) -> dict[str, Any]:
+    """One layout trained on ``world``: its steps' times, memory and bytes sent."""
     import torch
 
     from trainer.parallel.zero.memory import SavedTensorMeter
@@ -70,7 +73,7 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
     from trainer.training.run import build_run, mesh_for
     from trainer.training.step import train_step
 
-    cfg = config(args, over, run_dir)
+    cfg = config(args, over, run_dir, world.size)
     run = build_run(cfg, mesh_for(cfg, world))
     steps, memory, traffic = [], 0, []
     for i in range(1, WARMUP + args.steps + 1):
@@ -103,7 +106,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                "busbw_gbps": measure_allreduce(world.comm, 4 * 2**20, device=world.device,
                                                iters=10).busbw_gbps}
     rows = {}
+    # Each rank alone (both at once, as loaded as in the layouts): the serial step, whose
+    # model FLOPs per second describe this CPU to the planner.
+    alone = replace(world, comm=world.comm.split(world.rank, 0, name="alone"), rank=0, size=1,
+                    local_size=1)
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-") as tmp:
+        serial = _side(args, alone, SentBytes(), {"dp": 1}, f"{tmp}/serial")
+        machine["serial_step_s"] = statistics.median(serial["steps"])
         for k, (name, over) in enumerate(ROWS.items()):
             rows[name] = _side(args, counted, sent, over, f"{tmp}/{k}")
     return {"rank": world.rank, "machine": machine, "rows": rows}
@@ -137,17 +146,25 @@ def planned(args: argparse.Namespace, over: dict[str, Any], gflops: float,
 def run(**options: Any) -> list[dict[str, Any]]:
     """One row per `ROWS` entry: planned and measured memory, bytes and step time."""
     args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
+    from trainer.model.flops import flops_per_token
+
     ranks = _ranks(args)
     gflops = min(r["machine"]["gflops"] for r in ranks)
     busbw = min(r["machine"]["busbw_gbps"] for r in ranks)
+    serial = config(args, {"dp": 1}, world=1)
+    tokens = serial.data.global_batch * serial.gpt.seq_len
+    achieved = flops_per_token(serial.gpt) * tokens / max(
+        r["machine"]["serial_step_s"] for r in ranks) / 1e9
     rows = []
     for name, over in ROWS.items():
         sides = [r["rows"][name] for r in ranks]
-        plan = planned(args, over, gflops, busbw)
+        plan = planned(args, over, achieved, busbw)
+        raw = planned(args, over, gflops, busbw)
         step = statistics.median(max(s) for s in zip(*(x["steps"] for x in sides), strict=True))
         row: dict[str, Any] = {
             "layout": name, "model": args.model, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "gflops": gflops, "busbw_gbps": busbw,
+            "step_gflops": achieved, "step_peak_plan_ms": 1e3 * raw.step_s,
             "mem_mib": max(x["memory"] for x in sides) / MIB,
             "mem_plan_mib": plan.memory.total / MIB,
             "step_ms": 1e3 * step, "step_plan_ms": 1e3 * plan.step_s}
@@ -163,7 +180,17 @@ def run(**options: Any) -> list[dict[str, Any]]:
 COLUMNS = [("layout", "layout"), ("MiB", "mem_mib"), ("plan MiB", "mem_plan_mib"),
            *((f"{k} MB", f"{k}_mb") for k in KINDS),
            *((f"{k} plan", f"{k}_plan_mb") for k in KINDS),
-           ("step ms", "step_ms"), ("plan ms", "step_plan_ms"), ("step err", "step_err")]
+           ("step ms", "step_ms"), ("plan ms", "step_plan_ms"), ("step err", "step_err"),
+           ("plan ms at matmul peak", "step_peak_plan_ms")]
+
+
+SUMMARY_COLUMNS = COLUMNS
+SUMMARY_NOTE = ("2 ranks, fp32, CPU over MPI. MiB: the largest rank's held tensors after a step "
+                "plus the peak saved for backward (as bench.memory), against the planner's. MB: "
+                "bytes the busiest rank sends per step in each kind of group, counted on the "
+                "trainer's communicators as the planner prices them (ring algorithms). plan ms: "
+                "the planner's step time with this CPU's serial-step FLOP/s and its measured "
+                "2-rank all-reduce bandwidth as the cluster; step err = plan / measured - 1.")
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -172,8 +199,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
     r0 = rows[0]
     table = Table(title=f"Planner vs trainer, 2 ranks, fp32 ({r0['model']} GPT, seq "
-                        f"{r0['seq_len']}, global batch {r0['global_batch']}; CPU "
-                        f"{r0['gflops']:.1f} GFLOP/s, all-reduce {r0['busbw_gbps']:.2f} GB/s)")
+                        f"{r0['seq_len']}, global batch {r0['global_batch']}; CPU: matmul "
+                        f"{r0['gflops']:.1f} GFLOP/s, serial step {r0['step_gflops']:.1f} "
+                        f"GFLOP/s, all-reduce {r0['busbw_gbps']:.2f} GB/s)")
     for head, _ in COLUMNS:
         table.add_column(head, justify="right")
     for row in rows:

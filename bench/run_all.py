@@ -75,6 +75,8 @@ BENCHES = (
           quick={"cpu_tiny": True}),
     Bench("memory", "Memory per rank (ZeRO-1 and 2, TP, PP) vs the analytic table; ZeRO cost",
           quick={"model": "tiny", "steps": 2}),
+    Bench("plan_check", "Layout planner vs the trainer: memory, bytes per step and step time "
+          "per layout", quick={"model": "tiny", "seq_len": 64, "steps": 1}),
     Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
     Bench("moe", "MoE: all-to-all bytes vs analytic, step time at ep 1/2/4, all-to-all vs gloo",
