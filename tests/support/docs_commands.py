@@ -108,8 +108,10 @@ def marker(command: Command) -> str:
     fences = [i for i in range(index) if lines[i].lstrip().startswith("```")]
     if len(fences) % 2:  # inside a fenced block: it starts at the last fence above
         index = fences[-1]
-    else:  # an indented block: up through its lines and the blank lines between them
-        while index > 0 and (lines[index - 1].startswith("    ") or not lines[index - 1].strip()):
+    else:  # an indented block: up through its lines and the blank lines between them (a
+        # marker inside a list item is indented like the item's text)
+        while index > 0 and (lines[index - 1].startswith("    ") or not lines[index - 1].strip()) \
+                and not lines[index - 1].lstrip().startswith("<!--"):
             index -= 1
     while index > 0 and not lines[index - 1].strip():
         index -= 1

@@ -114,6 +114,8 @@ class PlanCheck:
         self.plan = plan_of(run.cfg, run_cluster(world.size, world.local_size, world.device))
         self.line = line(self.plan)
         self.pending = not isinstance(self.plan, str)
+        self.saved_peak = 0
+        self.measured = 0
 
     @contextmanager
     def metered(self) -> Iterator[None]:
