@@ -138,19 +138,25 @@ def test_every_documented_command_that_can_run_on_one_machine_runs(tmp_path: Pat
     the repository's configs/ and hostfiles; a launch onto other hosts is planned with
     ``--dry-run``; the rest are marked ``<!-- docs: not run: why -->`` in the page (or hold a
     placeholder, or check other hosts) and are counted."""
-    (tmp_path / "hostfiles").mkdir()
-    (tmp_path / "hostfiles" / "cluster").write_text(
+    fixtures = tmp_path / "fixtures"
+    (fixtures / "hostfiles").mkdir(parents=True)
+    (fixtures / "hostfiles" / "cluster").write_text(
         (ROOT / "hostfiles" / "cluster.example").read_text())
-    (tmp_path / "hosts").write_text("node1 slots=2\nnode2 slots=2\n")
-    shutil.copytree(ROOT / "configs", tmp_path / "configs")
+    (fixtures / "hosts").write_text("node1 slots=2\nnode2 slots=2\n")
+    shutil.copytree(ROOT / "configs", fixtures / "configs")
     bin_dir = str(Path(sys.executable).parent)
     env = {**{k: v for k, v in os.environ.items() if not k.startswith(("PMI_", "PMIX_"))},
            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""), "OMP_NUM_THREADS": "1"}
     shown = plans()
     counted = Counter(p.mode for p in shown)
     assert counted["run"] >= 8 and counted["dry-run"] >= 5, counted
+    # Each page in a folder of its own, its commands in their order (a page is read alone).
+    folders: dict[Path, Path] = {}
+    for page in sorted({p.command.page for p in shown}):
+        folders[page] = tmp_path / page.relative_to(ROOT).as_posix().replace("/", "-")
+        shutil.copytree(tmp_path / "fixtures", folders[page])
     failed = [problem for p in shown if p.mode != "not run"
-              for problem in [_run(p, tmp_path, env)] if problem]
+              for problem in [_run(p, folders[p.command.page], env)] if problem]
     assert not failed, "\n\n".join(failed)
     not_run = Counter(p.why for p in shown if p.mode == "not run")
     print(f"documented commands: {counted['run']} run, {counted['dry-run']} planned "
