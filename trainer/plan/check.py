@@ -1,6 +1,6 @@
 """The plan of the run being started, against what the run measures (`python -m trainer.train`).
 
-Rank 0 prints the planner's line for the run's own layout before the first step (memory per
+Rank 0 plans the run's own layout and prints the planner's line before the first step (memory per
 rank by kind, communication per step by group). The first step of the process is metered as
 `bench.memory` meters one: the tensors the rank holds afterwards (parameters, gradient buffer,
 optimizer state: `trainer.parallel.zero.memory.held_bytes`) plus the peak of the bytes autograd
@@ -111,9 +111,14 @@ class PlanCheck:
 
     def __init__(self, run: Run, world: World) -> None:
         self.run, self.world = run, world
-        self.plan = plan_of(run.cfg, run_cluster(world.size, world.local_size, world.device))
+        # Only rank 0 plans (its fake tensors import torch._dynamo: ~1.5 s of CPU once); every
+        # rank of a modelled layout takes part in the one MAX after the first step.
+        why = not_modelled(run.cfg)
+        self.plan: Estimate | str = why or (
+            plan_of(run.cfg, run_cluster(world.size, world.local_size, world.device))
+            if run.is_writer else "planned on rank 0")
         self.line = line(self.plan)
-        self.pending = not isinstance(self.plan, str)
+        self.pending = not why
         self.saved_peak = 0
         self.measured = 0
 
@@ -133,11 +138,11 @@ class PlanCheck:
     def after_first_step(self) -> str:
         """The warning (rank 0 logs it) once, after the metered step; "" otherwise. Every rank
         calls it: the largest rank's bytes are one MAX over the world."""
-        if not self.pending or isinstance(self.plan, str):
+        if not self.pending:
             return ""
         self.pending = False
         mine = measured_bytes(self.run, self.saved_peak)
         t = torch.tensor([mine], dtype=torch.float64, device=self.world.device)
         self.world.comm.all_reduce(t, ReduceOp.MAX)
         self.measured = int(t.item())
-        return warning(self.plan.memory.total, self.measured)
+        return "" if isinstance(self.plan, str) else warning(self.plan.memory.total, self.measured)
