@@ -12,6 +12,7 @@ step's time is printed (``-s``) for the report.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -73,10 +74,9 @@ def test_a_newcomer_gets_from_the_installed_venv_to_a_two_host_run_with_the_page
     done = step("a first multi-host run", argv)
 
     out = done.stdout + done.stderr
-    hosts = {line.partition("@")[2].partition("]")[0] for line in out.splitlines()
-             if line.startswith("[")}
-    assert hosts == {"node1", "node2"}, out[-2000:]
-    assert "step      2" in out, out[-2000:]
+    # The launcher's summary counts the ranks and hosts; rank 0 (node1) logs the steps.
+    assert "dtrain: 8 ranks on 2 hosts exited 0" in out, out[-2000:]
+    assert re.search(r"\[0@node1\] step +2 \|", out), out[-2000:]
     total = sum(seconds for _, seconds in steps)
     print("\nnewcomer's path (docs/getting-started.md): " + "; ".join(
         f"{name} {seconds:.1f} s" for name, seconds in steps) + f"; total {total:.1f} s")
