@@ -11,7 +11,8 @@ times the microbatches the pipeline schedule keeps in flight (`trainer.parallel.
 The cost model (`ASSUMPTIONS`, printed with every plan):
 
 * compute: model FLOPs (`trainer.model.flops`: 6N + 12·L·D·T per token; plus one forward of
-  the blocks under full recomputation, of the attention cores under selective) at
+  the blocks, attention cores included, under full recomputation, of the attention cores
+  under selective) at
   ``efficiency`` x peak;
 * pipeline bubble: (pp - 1) / (v · m) of the compute added;
 * tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
@@ -266,10 +267,12 @@ def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: flo
     tokens = cfg.data.global_batch * gpt.seq_len
     model_flops = flops_per_token(gpt) * tokens
     hardware = model_flops
-    if par.recompute == "full":  # one more forward of every block
+    attention_core = 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens  # its forward
+    if par.recompute == "full":  # one more forward of every block, attention core included
         hardware += 2 * (matmul_params(gpt) - gpt.vocab_rows * gpt.d_model) * tokens
+        hardware += attention_core
     elif par.recompute == "selective":  # one more forward of every attention core
-        hardware += 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens
+        hardware += attention_core
     compute = hardware / cluster.gpus / (cluster.gpu.peak_flops * efficiency)
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     bubble = (par.pp - 1) / (v * par.microbatches) if par.pp > 1 else 0.0
