@@ -5,10 +5,12 @@
 Benches are imported lazily, so one that is missing (still being written) or broken is
 reported and the others still run. The network-namespace benches (launch_time, rendezvous,
 slurm, wireup, output) need root and are skipped with the reason otherwise. Each finished
-bench writes ``<results>/<name>.json`` ({bench, options, machine, seconds, rows}); then
-``<results>/summary.md`` is rebuilt from every JSON file there, so ``--only`` refreshes one
-bench without dropping the others from the summary. ``--quick`` runs small configurations
-(a sanity pass, not numbers to quote). Exit code 1 when a bench failed, 0 otherwise.
+bench writes ``<results>/<name>-<UTC time>.json`` ({bench, title, options, machine, commit,
+seconds, rows}: committed, one file per run, rendered into docs/performance.md by
+``docs/generate.py``); then ``<results>/summary.md`` is rebuilt from the newest file of every
+bench there, so ``--only`` refreshes one bench without dropping the others from the summary.
+``--quick`` runs small configurations (a sanity pass, not numbers to quote). Exit code 1 when a
+bench failed, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ BENCHES = (
     Bench("zero3", "ZeRO-2/3 vs ZeRO-1, DDP and FSDP2: step time, bytes moved, peak memory; "
           "generation switch vs checkpoint", quick={"ranks": (2,), "n_layer": 2, "d_model": 64,
                                                     "seq_len": 32, "steps": 2}),
+    Bench("plan_check", "Layout planner vs the trainer: memory, bytes per step and step time "
+          "per layout", quick={"model": "tiny", "seq_len": 64, "steps": 1}),
     Bench("activations", "Activation memory: tp2 vs tp2+sp and each recompute mode",
           quick={"model": "tiny", "seq_len": 64, "steps": 2}),
     Bench("context", "Context parallelism: activation memory vs 1/cp, K/V bytes vs analytic, "
@@ -125,6 +129,26 @@ def machine() -> dict[str, Any]:
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
 
 
+def commit() -> str:
+    """The commit measured (``-dirty`` with uncommitted changes), or "unknown"."""
+    import subprocess
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=common.REPO, capture_output=True, text=True,
+                              timeout=30, check=False)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    return (head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+            if head else "unknown")
+
+
+def newest(results: Path, name: str) -> Path | None:
+    """The newest result file of bench ``name``."""
+    files = sorted(results.glob(f"{name}-2*.json"))
+    return files[-1] if files else None
+
+
 def run_bench(bench: Bench, quick: bool, results: Path) -> Outcome:
     """Import, run, print and save one bench; never raises for the bench's own failures."""
     if bench.needs_root and os.geteuid() != 0:
@@ -151,9 +175,12 @@ def run_bench(bench: Bench, quick: bool, results: Path) -> Outcome:
     show(module, bench, rows)
     saved = {"bench": bench.name, "title": bench.title, "quick": quick,
              "options": {k: v for k, v in options.items() if k != "progress"},
-             "machine": started, "seconds": round(seconds, 1), "rows": rows}
+             "machine": started, "commit": commit(), "seconds": round(seconds, 1),
+             "rows": rows}
     results.mkdir(parents=True, exist_ok=True)
-    (results / f"{bench.name}.json").write_text(json.dumps(saved, indent=1, default=str))
+    stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%SZ")
+    (results / f"{bench.name}-{stamp}.json").write_text(
+        json.dumps(saved, indent=1, default=str) + "\n")
     return Outcome(bench.name, "ok", f"{seconds:.0f}s")
 
 
@@ -191,8 +218,8 @@ def summary(results: Path, outcomes: Sequence[Outcome]) -> str:
              ("Written by `make bench` (`python -m bench.run_all`); one section per bench, "
               "from `bench/results/<name>.json`."), ""]
     for bench in BENCHES:
-        path = results / f"{bench.name}.json"
-        if not path.exists():
+        path = newest(results, bench.name)
+        if path is None:
             continue
         saved = json.loads(path.read_text())
         m = saved["machine"]

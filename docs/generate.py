@@ -1,7 +1,9 @@
 """Writes the reference pages of the documentation from the code, so they cannot drift:
 ``docs/reference/cli.md`` (the ``--help`` of `dtrain` and of every ``python -m`` entry point)
-and ``docs/reference/config.md`` (every option of the config sections: flag, TOML key, default,
-help). `tests/project/test_docs.py` regenerates both and compares them with the committed pages.
+``docs/reference/config.md`` (every option of the config sections: flag, TOML key, default,
+help), and ``docs/performance.md`` from the committed benchmark results (``bench/results/*.json``:
+one file per bench run, with its date, commit, machine and load). `tests/project/test_docs.py`
+regenerates them and compares them with the committed pages.
 
     python docs/generate.py          # rewrite the pages
     python docs/generate.py --check  # exit 1 when a committed page differs from the code
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -108,10 +111,67 @@ def config_page() -> str:
     return "\n".join(parts)
 
 
+RESULTS = ROOT / "bench" / "results"
+PERFORMANCE_INTRO = (
+    "Every table here is rendered by `python docs/generate.py` from a committed result file in "
+    "`bench/results/` (one JSON file per bench run: its rows or tables, date, commit, machine "
+    "and load average), so a number cannot be edited by hand without its source; "
+    "`tests/project/test_docs.py` fails when this page differs from them. `make bench` "
+    "(`python -m bench.run_all`) writes a new file per bench it runs; the newest run of each "
+    "bench is shown. The numbers come from shared machines: compare the ratios measured in "
+    "the same run, not numbers across sections.")
+
+
+def _result_table(table: dict) -> list[str]:
+    """A converted table: its header, alignment row and cells as they were written."""
+    align = table.get("align") or ["---"] * len(table["columns"])
+    return ["| " + " | ".join(table["columns"]) + " |", "|" + "|".join(align) + "|",
+            *("| " + " | ".join(row) + " |" for row in table["rows"])]
+
+
+def _result_section(saved: dict) -> list[str]:
+    """One result file as a section: title, where and when it was measured, its tables."""
+    if "blocks" in saved:  # a table converted from the pasted page, with its notes
+        meta = (f"*Measured {saved['date']} on commit {saved['commit']}, {saved['machine']}, "
+                f"load: {saved['load']} (`bench/results/{saved['file']}`).*")
+        parts = [f"## {saved['title']}", "", meta, ""]
+        for block in saved["blocks"]:
+            parts += _result_table(block["table"]) if "table" in block else [block["text"]]
+        return [*parts, ""]
+    from bench.run_all import columns_for, markdown_table
+
+    m = saved["machine"]
+    module = __import__(f"bench.{saved['bench']}", fromlist=["_"])
+    parts = [f"## {saved['title']}", "",
+             (f"*Measured {m['date']} on commit {saved.get('commit', 'unknown')}, {m['cpus']} "
+              f"CPUs, {m['platform']}, load average {m['loadavg'][0]:.1f} at start, "
+              f"{saved['seconds']} s{', quick configuration' if saved['quick'] else ''} "
+              f"(`bench/results/{saved['file']}`).*"), "",
+             markdown_table(saved["rows"], columns_for(module, saved["rows"])), ""]
+    note = getattr(module, "SUMMARY_NOTE", "")
+    return parts + ([note, ""] if note else [])
+
+
+def performance_page() -> str:
+    """docs/performance.md: the newest result of every bench, in the page's order."""
+    newest: dict[str, dict] = {}
+    for path in sorted(RESULTS.glob("*.json")):
+        saved = {**json.loads(path.read_text()), "file": path.name}
+        key = saved["bench"]
+        if key not in newest or path.name > newest[key]["file"]:
+            newest[key] = saved
+    shown = sorted(newest.values(), key=lambda r: (r.get("order", 1000), r["file"]))
+    parts = ["# Performance", "", PERFORMANCE_INTRO, ""]
+    for saved in shown:
+        parts += _result_section(saved)
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
 def pages() -> dict[Path, str]:
     """Each generated page's path and text."""
     sys.path.insert(0, str(ROOT))
-    return {REFERENCE / "cli.md": cli_page(), REFERENCE / "config.md": config_page()}
+    return {REFERENCE / "cli.md": cli_page(), REFERENCE / "config.md": config_page(),
+            ROOT / "docs" / "performance.md": performance_page()}
 
 
 def main() -> int:

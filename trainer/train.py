@@ -89,6 +89,7 @@ from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.parallel.zero import memory
 from trainer.parallel.zero.memory import PeakMemory
+from trainer.plan.check import PlanCheck
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
@@ -133,6 +134,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
     log.info(_memory_line(run))
+    plan = PlanCheck(run, world)  # the planner's line; its memory checked after the first step
+    log.info(plan.line)
     if cfg.checkpoint.init_from_hf and run.is_writer:  # its tokenizer: the run's ids
         from trainer.hf import source
 
@@ -159,7 +162,9 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     val = None
     try:
         for step in range(run.restored.step + 1, cfg.last_step + 1):
-            pending.append(run_step(run, step))
+            with plan.metered():
+                pending.append(run_step(run, step))
+            log.info(plan.after_first_step())
             if budget is not None:
                 budget.after_step(step)
             done = pending[-1]

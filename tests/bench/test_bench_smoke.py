@@ -77,8 +77,10 @@ def test_a_world_of_singletons_is_rejected_by_the_wireup_check():
 
 def test_run_all_saves_json_and_a_markdown_summary_and_rejects_unknown_names(tmp_path, capsys):
     assert run_all.main(["--only", "pmi_scaling", "--quick", "--results", str(tmp_path)]) == 0
-    saved = json.loads((tmp_path / "pmi_scaling.json").read_text())
+    (path,) = tmp_path.glob("pmi_scaling-*.json")  # one file per run, named by its time
+    saved = json.loads(path.read_text())
     assert saved["bench"] == "pmi_scaling" and saved["quick"] and saved["rows"]
+    assert saved["commit"] and saved["machine"]["loadavg"]
     summary = (tmp_path / "summary.md").read_text()
     assert "## pmi_scaling" in summary and "| ranks |" in summary
     with pytest.raises(SystemExit) as exit_info:

@@ -79,3 +79,89 @@ def commands(pages: list[Path] | None = None) -> list[Command]:
             found += [Command(page, number, m.group(1)) for m in _INLINE.finditer(raw)
                       if " " in m.group(1)]
     return found
+
+
+# Which documented commands run here, and how (`tests/project/test_docs.py` runs them). A page
+# marks the code block below a comment line:
+#   <!-- docs: not run: WHY -->        the block's commands cannot run on one machine (counted)
+#   <!-- docs: run with: ARGS -->      ARGS are appended to each trainer command of the block
+#                                      (tiny sizes, --steps 1), later flags winning
+NOT_RUN = re.compile(r"<!-- docs: not run: (.+?) -->")
+RUN_WITH = re.compile(r"<!-- docs: run with: (.+?) -->")
+PLACEHOLDER = re.compile(r"\.\.\.|<[a-z-]+>|^[A-Z][A-Z_]{2,}(?::[A-Z]+)?$")
+"""A word that stands for the user's value: FILE, HOST:PORT, <gpus>, ..."""
+HOST_OPTIONS = ("--hostfile", "-f", "-H", "--hosts", "--rendezvous-port", "--launcher",
+                "--nnodes")
+"""`dtrain launch` options that name other hosts: such a launch is planned (``--dry-run``)."""
+
+
+def in_block(command: Command) -> bool:
+    """Whether the command is a line of a code block (not an inline span)."""
+    lines = command.page.read_text().splitlines()
+    return any(line == command.line for line, _ in _code_lines("\n".join(lines)))
+
+
+def marker(command: Command) -> str:
+    """The first line with text above the code block that holds the command ("" if none)."""
+    lines = command.page.read_text().splitlines()
+    index = command.line - 1
+    fences = [i for i in range(index) if lines[i].lstrip().startswith("```")]
+    if len(fences) % 2:  # inside a fenced block: it starts at the last fence above
+        index = fences[-1]
+    else:  # an indented block: up through its lines and the blank lines between them (a
+        # marker inside a list item is indented like the item's text)
+        while index > 0 and (lines[index - 1].startswith("    ") or not lines[index - 1].strip()) \
+                and not lines[index - 1].lstrip().startswith("<!--"):
+            index -= 1
+    while index > 0 and not lines[index - 1].strip():
+        index -= 1
+    return lines[index - 1].strip() if index > 0 else ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a documented command is checked: ``mode`` is "run" (as shown, plus the block's
+    ``run with`` arguments), "dry-run" (a launch onto other hosts, planned only), or "not run"
+    (``why``: the page's marker, or a placeholder in the command)."""
+
+    command: Command
+    mode: str
+    argv: tuple[str, ...] = ()
+    why: str = ""
+
+
+def _with_extras(words: list[str], extras: list[str]) -> list[str]:
+    """``extras`` appended to the trainer command inside ``words`` (a launch's program, or the
+    command itself)."""
+    if not extras:
+        return words
+    for at in range(len(words) - 2):
+        if words[at] in ("python", "python3") and words[at + 1] == "-m" \
+                and words[at + 2].startswith("trainer."):
+            end = next((i for i in range(at + 3, len(words)) if words[i] in ("&", ">", "|")),
+                       len(words))
+            return [*words[:end], *extras, *words[end:]]
+    return words
+
+
+def plan(command: Command) -> Plan:
+    """How ``command`` (a code block line) is checked here."""
+    mark = marker(command)
+    not_run = NOT_RUN.search(mark)
+    if not_run:
+        return Plan(command, "not run", why=not_run.group(1))
+    if any(PLACEHOLDER.search(word) for word in command.argv()):
+        return Plan(command, "not run", why="a placeholder stands for the user's value")
+    extra = RUN_WITH.search(mark)
+    words = _with_extras(command.argv(), shlex.split(extra.group(1)) if extra else [])
+    if words[:2] == ["dtrain", "check"] and any(w in HOST_OPTIONS for w in words):
+        return Plan(command, "not run", why="it checks the hosts of a hostfile or allocation")
+    if words[:2] == ["dtrain", "launch"] and any(w in HOST_OPTIONS for w in words) \
+            and "--" in words:
+        return Plan(command, "dry-run", ("dtrain", "launch", "--dry-run", *words[2:]))
+    return Plan(command, "run", tuple(words))
+
+
+def plans(pages: list[Path] | None = None) -> list[Plan]:
+    """Every code block command of the pages (generated pages excepted) and how it is checked."""
+    return [plan(c) for c in commands(pages) if in_block(c)]

@@ -5,11 +5,13 @@ clear error."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from trainer.config.options import make_config, resolve_dp
 from trainer.errors import ConfigError
@@ -131,3 +133,105 @@ def test_the_planned_traffic_is_the_gradient_reduction_of_the_rank() -> None:
                                   "dp": 2}, {"seq_len": 64}), 2)
     n = sum(s.dense for s in stage_params(cfg.gpt, tp=1, pp=1))
     assert comm(cfg, CPU).dp == pytest.approx(2 * 0.5 * 4 * n)
+
+
+# `python -m trainer.train` prints the plan of its own run and checks it after the first step.
+TRAIN = ["-m", "trainer.train", "--model", "tiny", "--seq-len", "64", "--global-batch", "8",
+         "--steps", "1", "--eval-every", "0", "--precision", "fp32", "--data-cap-mb", "1"]
+HALVED = """
+import sys
+from dataclasses import replace
+import trainer.plan.estimate as estimate
+real = estimate.memory
+estimate.memory = lambda cfg, cluster: replace(real(cfg, cluster), activations=0, params=0)
+from trainer.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_training_run_prints_the_plan_of_its_layout_and_holds_what_it_said(
+        tmp_path: Path) -> None:
+    from tests.support.mpi_runs import run_ranks
+
+    done = run_ranks(2, [*TRAIN, "--tp", "2", "--run-dir", str(tmp_path / "run")])
+    assert done.returncode == 0, done.stdout[-3000:]
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("dtrain: plan (")]
+    assert len(lines) == 1, done.stdout  # rank 0 only
+    assert lines[0].startswith("dtrain: plan (dp1 tp2 pp1, largest rank): parameters ")
+    assert "warning: memory per rank" not in done.stdout
+
+
+def test_a_run_whose_memory_differs_from_the_plan_is_warned_about_once(tmp_path: Path) -> None:
+    """The plan made wrong on purpose (no activations, no parameters): the measured bytes are
+    then far above it, and rank 0 says so once, naming both numbers."""
+    from tests.support import PYTHON, REPO, dtrain_env
+
+    done = subprocess.run([PYTHON, "-c", HALVED, *TRAIN[2:], "--steps", "2",
+                           "--run-dir", str(tmp_path / "run")], cwd=REPO, env=dtrain_env(),
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    warned = [ln for ln in (done.stdout + done.stderr).splitlines()
+              if "warning: memory per rank" in ln]
+    assert len(warned) == 1, done.stdout + done.stderr
+    assert re.search(r"measured [\d.]+ MiB, the plan says [\d.]+ MiB \(\+\d+%, more than 10% "
+                     r"apart\)", warned[0]), warned[0]
+
+
+def test_layouts_the_planner_does_not_model_yet_are_said_so_without_a_check() -> None:
+    from trainer.plan.check import line, not_modelled, plan_of, run_cluster, warning
+
+    cluster = run_cluster(2, 2, torch.device("cpu"))
+    zero3 = resolve_dp(make_config({"model": "tiny", "dp": 2, "zero": 3, "global_batch": 8,
+                                    "precision": "fp32"}), 2)
+    assert not_modelled(zero3) == "ZeRO-3 is not modelled yet"
+    assert line(plan_of(zero3, cluster)) == \
+        "dtrain: plan: ZeRO-3 is not modelled yet; no memory check"
+    assert warning(100 * 2**20, 109 * 2**20) == ""
+    assert "-20%" in warning(100 * 2**20, 80 * 2**20)
+
+
+# The planner against the trainer on 2 ranks (bench.plan_check: the trainer's own step, its
+# communicators counting what they send as the planner prices it, the same memory accounting).
+@pytest.fixture(scope="module")
+def against_the_trainer() -> dict[str, dict]:
+    from bench import plan_check
+
+    rows = plan_check.run(model="tiny", seq_len=64, global_batch=8, steps=1)
+    return {r["layout"]: r for r in rows}
+
+
+DENSE = ("dp2", "tp2", "pp2 1f1b", "dp2+zero1", "tp2+sp", "tp2+recompute full",
+         "dp2+recompute selective")
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", DENSE)
+def test_the_planned_bytes_per_step_equal_what_each_group_sends(layout: str,
+                                                                against_the_trainer: dict) -> None:
+    row = against_the_trainer[layout]
+    assert row[f"{layout[:2]}_mb"] > 0  # the layout's own group sent something
+    for kind in ("dp", "tp", "pp", "ep"):
+        assert row[f"{kind}_plan_mb"] == pytest.approx(row[f"{kind}_mb"], rel=0.05, abs=1e-6), \
+            (layout, kind, row)
+    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
+
+
+@pytest.mark.timeout(900)
+def test_the_planned_gradient_reduction_of_ep2_keeps_the_experts_out_of_the_dp_group(
+        against_the_trainer: dict) -> None:
+    """Under ep2 over 2 ranks the experts are not replicated (edp 1): only the dense
+    parameters' gradients are all-reduced, as the planner counts them."""
+    row = against_the_trainer["ep2 moe"]
+    assert row["dp_mb"] > 0 and row["ep_mb"] > 0
+    assert row["dp_plan_mb"] == pytest.approx(row["dp_mb"], rel=0.05), row
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.xfail(reason="MoE routing depends on the data: at initialisation on text a "
+                          "capacity of 1.0 drops ~20% of the assignments the planner's "
+                          "balanced routing keeps (activations +8%, all-to-all +23%)")
+def test_the_planned_memory_and_all_to_all_bytes_of_ep2_with_capacity_match_the_run(
+        against_the_trainer: dict) -> None:
+    row = against_the_trainer["ep2 moe"]
+    assert row["ep_plan_mb"] == pytest.approx(row["ep_mb"], rel=0.05), row
+    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row

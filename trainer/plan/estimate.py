@@ -11,7 +11,8 @@ times the microbatches the pipeline schedule keeps in flight (`trainer.parallel.
 The cost model (`ASSUMPTIONS`, printed with every plan):
 
 * compute: model FLOPs (`trainer.model.flops`: 6N + 12·L·D·T per token; plus one forward of
-  the blocks under full recomputation, of the attention cores under selective) at
+  the blocks, attention cores included, under full recomputation, of the attention cores
+  under selective) at
   ``efficiency`` x peak;
 * pipeline bubble: (pp - 1) / (v · m) of the compute added;
 * tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
@@ -147,6 +148,12 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
         recomputed = kept.per_block - act.per_block
     counts = cfg.stage_layers
     flights = in_flight(cfg)
+    # The experts' matrix products save their weights; the activations were measured with
+    # every expert of a block local, a rank holds 1/ep of them (MoE on every layer assumed).
+    moe_layers = len(range(0, gpt.n_layer, gpt.moe.every)) if gpt.moe.experts else 0
+    width = 2 if bf16 else 4
+    remote = (width * stages[0].expert * par.pp // moe_layers * (par.ep - 1) // par.ep
+              if moe_layers else 0)
     best: Memory | None = None
     for rank, params in enumerate(stages):
         n = params.dense + params.expert // par.ep
@@ -158,7 +165,7 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
             layers = counts[stage] if par.pp > 1 else gpt.n_layer
             last = stage == len(counts) - 1 or par.pp == 1
             held += live * layers * act.per_block
-            held += layers * act.weights_per_block + (act.weights_rest if last else 0)
+            held += layers * (act.weights_per_block - remote) + (act.weights_rest if last else 0)
             rest = max(rest, act.rest if last else 0)
         # The head's and loss's tensors are freed before the first block is re-run.
         mem = Memory(table.params, table.grads, table.optimizer, held + max(rest, recomputed))
@@ -203,23 +210,64 @@ def _ring(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
 
+def _reduction(n: int, size: int, *, zero: int, grad_width: int, width: int) -> float:
+    """Bytes one rank sends to reduce the gradients of ``n`` parameters over ``size`` ranks:
+    a ring all-reduce, or under ZeRO a reduce-scatter plus the all-gather of the stepped
+    parameters (twice under ZeRO-3: forward and backward)."""
+    if zero:
+        return _ring(size) * (grad_width * n + width * n * (2 if zero == 3 else 1))
+    return 2 * _ring(size) * grad_width * n
+
+
+def _pp_sends(cfg: TrainConfig) -> int:
+    """The most stage boundaries one pipeline rank sends across per microbatch: an activation
+    forward from every chunk but the last stage, a gradient back from every chunk but the
+    first."""
+    par = cfg.parallel
+    if par.pp == 1:
+        return 0
+    stages = len(cfg.stage_layers)
+    v = stages // par.pp
+    return max(sum((c * par.pp + r < stages - 1) + (c * par.pp + r > 0) for c in range(v))
+               for r in range(par.pp))
+
+
 def comm(cfg: TrainConfig, cluster: Cluster) -> Comm:
-    """Bytes one rank sends per step in each group (ring algorithms)."""
+    """Bytes the busiest rank sends per step in each kind of group (ring algorithms, counted
+    as `trainer.plan.traffic` counts a run's)."""
     par, gpt = cfg.parallel, cfg.gpt
-    bf16 = _bf16(cfg, cluster)
-    width = 2 if bf16 else 4
-    stages = stage_params(gpt, tp=par.tp, pp=par.pp)
-    n = max(s.dense + s.expert // par.ep for s in stages)
-    grad_bytes = 4 * n if par.grad_reduce_dtype == "fp32" else 2 * n
-    dp = 2 * _ring(par.dp) * grad_bytes
-    if cfg.optimizer.zero:
-        dp = _ring(par.dp) * (grad_bytes + width * n * (2 if cfg.optimizer.zero == 3 else 1))
-    act = cfg.micro_batch * gpt.seq_len * gpt.d_model * width
+    width = 2 if _bf16(cfg, cluster) else 4
+    v = par.virtual_stages if par.schedule == "interleaved" else 1
+    stages = stage_params(gpt, tp=par.tp, pp=par.pp, v=v)
+    grad_width = 4 if par.grad_reduce_dtype == "fp32" else 2
+    zero = cfg.optimizer.zero
+    # Experts are replicated over dp / ep ranks only (`trainer.parallel.data.split`).
+    dp = max(_reduction(s.dense, par.dp, zero=zero, grad_width=grad_width, width=width)
+             + _reduction(s.expert // par.ep, par.dp // par.ep, zero=zero,
+                          grad_width=grad_width, width=width) for s in stages)
+    tokens = cfg.micro_batch * gpt.seq_len
+    act = tokens * gpt.d_model * width
     layers = max(cfg.stage_layers) if par.pp > 1 else gpt.n_layer
-    tp = par.microbatches * layers * 4 * 2 * _ring(par.tp) * act
-    pp = 2 * par.microbatches * act * (1 if par.pp > 1 else 0)
+    # Per block and microbatch, two all-reduces of the activations forward (attention and MLP
+    # outputs) and two backward (their inputs' gradients), two more under full recomputation;
+    # the embedding's forward and the head's input gradient add one each.
+    per_block = 4 + (2 if par.recompute == "full" else 0)
+    # Under sequence parallelism the all-reduces are all-gathers and reduce-scatters (half the
+    # bytes each, as many again) and each column-parallel linear (two per block, the head)
+    # gathers its input once more in backward instead of keeping it (`parallel.tensor.mappings`).
+    regather = (2 * layers + 1) if par.sequence_parallel else 0
+    # The vocabulary-parallel loss: three all-reduces of one fp32 number per token.
+    loss = 3 * tokens * 4 * 2 if par.tp > 1 else 0
+    tp = par.microbatches * _ring(par.tp) * ((layers * per_block + 2) * 2 * act
+                                             + regather * act + loss)
+    pp = par.microbatches * _pp_sends(cfg) * act
+    if par.pp > 1 and gpt.tied:  # the tied embedding's gradient, summed over the end stages
+        pp += 2 * _ring(2) * grad_width * gpt.vocab_rows * gpt.d_model / par.tp
     moe_layers = len(range(0, layers, gpt.moe.every)) if gpt.moe.experts else 0
-    ep = par.microbatches * moe_layers * 4 * gpt.moe.topk * _ring(par.ep) * act
+    # Dispatch and combine, forward and backward: the kept rows (at most the capacity)
+    # that go to the other members of ep, routing balanced.
+    kept = min(1.0, gpt.moe.capacity_factor) if gpt.moe.capacity_factor > 0 else 1.0
+    ep = par.microbatches * moe_layers * 4 * gpt.moe.topk * kept * _ring(par.ep) * act
     return Comm(dp=dp, tp=tp, pp=pp, ep=ep)
 
 
@@ -230,10 +278,12 @@ def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: flo
     tokens = cfg.data.global_batch * gpt.seq_len
     model_flops = flops_per_token(gpt) * tokens
     hardware = model_flops
-    if par.recompute == "full":  # one more forward of every block
+    attention_core = 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens  # its forward
+    if par.recompute == "full":  # one more forward of every block, attention core included
         hardware += 2 * (matmul_params(gpt) - gpt.vocab_rows * gpt.d_model) * tokens
+        hardware += attention_core
     elif par.recompute == "selective":  # one more forward of every attention core
-        hardware += 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens
+        hardware += attention_core
     compute = hardware / cluster.gpus / (cluster.gpu.peak_flops * efficiency)
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     bubble = (par.pp - 1) / (v * par.microbatches) if par.pp > 1 else 0.0

@@ -12,6 +12,7 @@ the bytes of a block and of what is not a block (embedding, final norm, head and
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -155,15 +156,9 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
     set up as the run would, forward and loss on fake tensors under the meter."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainer.errors import ConfigError
 
-    if cfg.moe.experts:  # routing sizes depend on the data, which fake tensors do not have
-        raise ConfigError("cannot plan a mixture of experts yet",
-                          f"--moe-experts {cfg.moe.experts}",
-                          "the planner measures activations on data-free tensors, and an MoE "
-                          "layer's dispatch depends on the data",
-                          "Plan the dense model of the same shape for now")
-
+    if cfg.moe.experts:
+        _check_moe_measurable(cfg)
     from trainer.activations import apply_recompute, apply_sequence_parallel
     from trainer.model.family import build_model
     from trainer.parallel.tensor.parallelize import parallelize
@@ -174,7 +169,11 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
         small = replace(cfg, n_layer=layers)
         tracker = RNGStatesTracker("cpu")
         tracker.seed(TP_RNG, 0)  # the stream a step seeds; outside the fake mode: real state
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # A mixture of experts routes by the data, which fake tensors do not have: its small
+        # blocks run on real tensors (random weights and tokens: routing as at initialisation).
+        mode: AbstractContextManager[object] = (
+            nullcontext() if cfg.moe.experts else FakeTensorMode(allow_non_fake_inputs=True))
+        with mode:
             model = build_model(small, seed=0)
             if dtype == "bf16":
                 _to_bf16(model)
@@ -183,7 +182,10 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
             if sequence_parallel:
                 model = apply_sequence_parallel(model, comm, tracker)
             model = apply_recompute(model, recompute, tracker)
-            idx = torch.zeros(micro_batch, cfg.seq_len, dtype=torch.long)
+            idx = (torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len),
+                                 generator=torch.Generator().manual_seed(0))
+                   if cfg.moe.experts else torch.zeros(micro_batch, cfg.seq_len,
+                                                       dtype=torch.long))
             meter = SavedTensorMeter(frozenset(p.untyped_storage()._cdata
                                                for p in model.parameters()))
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -193,3 +195,25 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
     block, weight = peaks[1] - peaks[0], weights[1] - weights[0]
     return Activations(per_block=block, rest=peaks[0] - block, weights_per_block=weight,
                        weights_rest=weights[0] - weight)
+
+
+MOE_REAL_BYTES = 4 * 2**30
+"""The most parameter bytes the real 2-block model of an MoE plan may take on this machine."""
+
+
+def _check_moe_measurable(cfg: GPTConfig) -> None:
+    """Refuse an MoE model whose 2-block model (run for real to measure) is too large, and one
+    without a capacity, whose rows per expert have no bound."""
+    from trainer.errors import ConfigError
+
+    if cfg.moe.capacity_factor <= 0:
+        raise ConfigError("cannot plan a mixture of experts without a capacity",
+                          f"--moe-experts {cfg.moe.experts}", "without --moe-capacity-factor "
+                          "the rows an expert gets have no bound", "Give a capacity factor "
+                          "(e.g. --moe-capacity-factor 1.25), as the run should")
+    params = sum(s.dense + s.expert for s in stage_params(replace(cfg, n_layer=2), tp=1, pp=1))
+    if 4 * params > MOE_REAL_BYTES:
+        raise ConfigError("cannot plan this mixture of experts here",
+                          f"--moe-experts {cfg.moe.experts}", f"measuring its activations runs "
+                          f"2 blocks for real ({4 * params / 2**30:.1f} GiB of weights)",
+                          "Plan a narrower model of the same depth, or the dense model")

@@ -1,0 +1,239 @@
+"""The layout planner against the trainer on this machine: memory per rank, bytes sent per step
+and step time, planned and measured, for each layout of `ROWS`.
+
+    python -m bench.plan_check [--model small] [--seq-len 128] [--global-batch 8] [--steps 3]
+                               [--json PATH]
+
+Every row is trained with the trainer's own ``build_run``/``train_step`` (fp32) on 2 ranks
+under the MPICH wheel's ``mpiexec``, the world communicator wrapped in
+`trainer.plan.traffic.CountedCommunicator` (so every group counts what it sends, as the planner
+prices it). Measured per step and rank, the largest rank kept:
+
+* memory: the tensors held after the step (`held_bytes`, as `bench.memory`) plus the peak bytes
+  saved for backward during it (`SavedTensorMeter`);
+* bytes sent per step by kind (dp, tp, pp, ep), mean over the timed steps;
+* step time: the median over timed steps of the slowest rank's step.
+
+The planner (`trainer.plan.estimate`) is given this machine as its cluster: the model FLOP/s
+of the serial step measured here (each rank alone, both at once, so as loaded as the layouts)
+with efficiency 1, and the measured bus bandwidth of a 2-rank all-reduce of 4 MiB
+(`trainer.comm.bandwidth`), inside and between "hosts" alike; ``plan ms at matmul peak`` is the
+same with the peak fp32 matmul FLOP/s of one core (`trainer.health.perf.matmul_gflops`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+WARMUP = 1
+MIB = 2**20
+KINDS = ("dp", "tp", "pp", "ep")
+#: Row name -> TrainConfig overrides (2 ranks each).
+ROWS: dict[str, dict[str, Any]] = {
+    "dp2": {"dp": 2},
+    "tp2": {"dp": 1, "tp": 2},
+    "pp2 1f1b": {"dp": 1, "pp": 2, "microbatches": 4, "schedule": "1f1b"},
+    "dp2+zero1": {"dp": 2, "zero": 1},
+    "tp2+sp": {"dp": 1, "tp": 2, "sequence_parallel": True},
+    "tp2+recompute full": {"dp": 1, "tp": 2, "recompute": "full"},
+    "dp2+recompute selective": {"dp": 2, "recompute": "selective"},
+    "ep2 moe": {"dp": 2, "ep": 2, "moe_experts": 4, "moe_topk": 2,
+                "moe_capacity_factor": 1.0},
+}
+
+
+def config(args: argparse.Namespace, over: dict[str, Any], run_dir: str = "",
+           world: int = 2) -> Any:
+    from trainer.config.options import make_config, resolve_dp
+
+    cfg = make_config({"model": args.model, "global_batch": args.global_batch,
+                       "steps": WARMUP + args.steps, "lr": 1e-4, "warmup_steps": 1,
+                       "data_cap_mb": 1.0, "run_dir": run_dir or "unused", "seed": 0,
+                       "precision": "fp32", "eval_every": 0, **over},
+                      {"seq_len": args.seq_len})
+    return resolve_dp(cfg, world)
+
+
+def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
+          run_dir: str) -> dict[str, Any]:
+    """One layout trained on ``world``: its steps' times, memory and bytes sent."""
+    import torch
+
+    from trainer.parallel.zero.memory import SavedTensorMeter
+    from trainer.plan.check import measured_bytes
+    from trainer.training.run import build_run, mesh_for
+    from trainer.training.step import train_step
+
+    cfg = config(args, over, run_dir, world.size)
+    run = build_run(cfg, mesh_for(cfg, world))
+    steps, memory, traffic = [], 0, []
+    for i in range(1, WARMUP + args.steps + 1):
+        world.comm.barrier()  # every rank starts the step together
+        sent.take()
+        meter = SavedTensorMeter()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            train_step(run, i)
+        elapsed = time.perf_counter() - start
+        if i > WARMUP:
+            steps.append(elapsed)
+            traffic.append(sent.take())
+            memory = max(memory, measured_bytes(run, meter.peak))
+    return {"steps": steps, "memory": memory,
+            "sent": {k: statistics.mean(t.get(k, 0.0) for t in traffic) for k in KINDS}}
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    from trainer.comm.bandwidth import measure_allreduce
+    from trainer.comm.bootstrap import init
+    from trainer.health.perf import matmul_gflops
+    from trainer.plan.traffic import CountedCommunicator, SentBytes
+
+    world = init(backend="mpi")
+    sent = SentBytes()
+    counted = replace(world, comm=CountedCommunicator(world.comm, sent))
+    width = config(args, {}).gpt.d_model
+    machine = {"gflops": matmul_gflops(world.device, n=max(64, width), seconds=0.5),
+               "busbw_gbps": measure_allreduce(world.comm, 4 * 2**20, device=world.device,
+                                               iters=10).busbw_gbps}
+    rows = {}
+    # Each rank alone (both at once, as loaded as in the layouts): the serial step, whose
+    # model FLOPs per second describe this CPU to the planner.
+    alone = replace(world, comm=world.comm.split(world.rank, 0, name="alone"), rank=0, size=1,
+                    local_size=1)
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-") as tmp:
+        serial = _side(args, alone, SentBytes(), {"dp": 1}, f"{tmp}/serial")
+        machine["serial_step_s"] = statistics.median(serial["steps"])
+        for k, (name, over) in enumerate(ROWS.items()):
+            rows[name] = _side(args, counted, sent, over, f"{tmp}/{k}")
+    return {"rank": world.rank, "machine": machine, "rows": rows}
+
+
+def _ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
+    sys.path.insert(0, str(REPO))
+    from testbed.mpiexec import clean_env, run_mpiexec
+
+    with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-out-") as out:
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+                 if k in ("model", "seq_len", "global_batch", "steps")]
+        proc = run_mpiexec(2, [sys.executable, "-m", "bench.plan_check", "--worker", "--out",
+                               out, *flags], timeout=args.timeout, env=clean_env())
+        files = sorted(Path(out).glob("rank*.json"))
+        if proc.returncode != 0 or len(files) != 2:
+            raise RuntimeError(f"bench.plan_check failed:\n{proc.stdout[-3000:]}")
+        return [json.loads(f.read_text()) for f in files]
+
+
+def planned(args: argparse.Namespace, over: dict[str, Any], gflops: float,
+            busbw_gbps: float) -> Any:
+    from trainer.plan.cluster import make_cluster
+    from trainer.plan.estimate import estimate
+
+    cluster = make_cluster(hosts=1, gpus_per_host=2, memory_gib=1024, tflops=gflops / 1e3,
+                           intra_gbps=busbw_gbps, inter_gbps=busbw_gbps)
+    return estimate(config(args, over), replace(cluster, name="cpu"), efficiency=1.0)
+
+
+def run(**options: Any) -> list[dict[str, Any]]:
+    """One row per `ROWS` entry: planned and measured memory, bytes and step time."""
+    args = parse_args([f"--{k.replace('_', '-')}={v}" for k, v in options.items()])
+    from trainer.model.flops import flops_per_token
+
+    ranks = _ranks(args)
+    gflops = min(r["machine"]["gflops"] for r in ranks)
+    busbw = min(r["machine"]["busbw_gbps"] for r in ranks)
+    serial = config(args, {"dp": 1}, world=1)
+    tokens = serial.data.global_batch * serial.gpt.seq_len
+    achieved = flops_per_token(serial.gpt) * tokens / max(
+        r["machine"]["serial_step_s"] for r in ranks) / 1e9
+    rows = []
+    for name, over in ROWS.items():
+        sides = [r["rows"][name] for r in ranks]
+        plan = planned(args, over, achieved, busbw)
+        raw = planned(args, over, gflops, busbw)
+        step = statistics.median(max(s) for s in zip(*(x["steps"] for x in sides), strict=True))
+        row: dict[str, Any] = {
+            "layout": name, "model": args.model, "seq_len": args.seq_len,
+            "global_batch": args.global_batch, "gflops": gflops, "busbw_gbps": busbw,
+            "step_gflops": achieved, "step_peak_plan_ms": 1e3 * raw.step_s,
+            "mem_mib": max(x["memory"] for x in sides) / MIB,
+            "mem_plan_mib": plan.memory.total / MIB,
+            "step_ms": 1e3 * step, "step_plan_ms": 1e3 * plan.step_s}
+        for kind in KINDS:
+            row[f"{kind}_mb"] = max(x["sent"][kind] for x in sides) / 1e6
+            row[f"{kind}_plan_mb"] = getattr(plan.comm, kind) / 1e6
+        row["mem_err"] = row["mem_plan_mib"] / row["mem_mib"] - 1
+        row["step_err"] = row["step_plan_ms"] / row["step_ms"] - 1
+        rows.append(row)
+    return rows
+
+
+COLUMNS = [("layout", "layout"), ("MiB", "mem_mib"), ("plan MiB", "mem_plan_mib"),
+           *((f"{k} MB", f"{k}_mb") for k in KINDS),
+           *((f"{k} plan", f"{k}_plan_mb") for k in KINDS),
+           ("step ms", "step_ms"), ("plan ms", "step_plan_ms"), ("step err", "step_err"),
+           ("plan ms at matmul peak", "step_peak_plan_ms")]
+
+
+SUMMARY_COLUMNS = COLUMNS
+SUMMARY_NOTE = ("2 ranks, fp32, CPU over MPI. MiB: the largest rank's held tensors after a step "
+                "plus the peak saved for backward (as bench.memory), against the planner's. MB: "
+                "bytes the busiest rank sends per step in each kind of group, counted on the "
+                "trainer's communicators as the planner prices them (ring algorithms). plan ms: "
+                "the planner's step time with this CPU's serial-step FLOP/s and its measured "
+                "2-rank all-reduce bandwidth as the cluster; step err = plan / measured - 1.")
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    r0 = rows[0]
+    table = Table(title=f"Planner vs trainer, 2 ranks, fp32 ({r0['model']} GPT, seq "
+                        f"{r0['seq_len']}, global batch {r0['global_batch']}; CPU: matmul "
+                        f"{r0['gflops']:.1f} GFLOP/s, serial step {r0['step_gflops']:.1f} "
+                        f"GFLOP/s, all-reduce {r0['busbw_gbps']:.2f} GB/s)")
+    for head, _ in COLUMNS:
+        table.add_column(head, justify="right")
+    for row in rows:
+        table.add_row(*(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k])
+                        for _, k in COLUMNS))
+    Console(width=None if sys.stdout.isatty() else 220).print(table)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.plan_check", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="small", help="GPT preset")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (after 1 warmup step)")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from bench import common
+
+    if args.worker:
+        return common.save_rank_result(args.out, worker(args))
+    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
+    return common.report(run(**options), print_table, args.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
