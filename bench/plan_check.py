@@ -69,7 +69,7 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
     import torch
 
     from trainer.parallel.zero.memory import SavedTensorMeter
-    from trainer.plan.check import measured_bytes
+    from trainer.training.plan_check import measured_bytes
     from trainer.training.run import build_run, mesh_for
     from trainer.training.step import train_step
 

@@ -89,7 +89,6 @@ from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.parallel.zero import memory
 from trainer.parallel.zero.memory import PeakMemory
-from trainer.plan.check import PlanCheck
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
@@ -100,6 +99,7 @@ from trainer.training.metrics import MetricsLog
 from trainer.training.pipeline_step import (
     describe_pipeline,
 )
+from trainer.training.plan_check import PlanCheck
 from trainer.training.readout import PendingStep
 from trainer.training.run import Run, build_run, mesh_for
 from trainer.training.step import run_step

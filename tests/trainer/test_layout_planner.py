@@ -178,7 +178,7 @@ def test_a_run_whose_memory_differs_from_the_plan_is_warned_about_once(tmp_path:
 
 
 def test_layouts_the_planner_does_not_model_yet_are_said_so_without_a_check() -> None:
-    from trainer.plan.check import line, not_modelled, plan_of, run_cluster, warning
+    from trainer.training.plan_check import line, not_modelled, plan_of, run_cluster, warning
 
     cluster = run_cluster(2, 2, torch.device("cpu"))
     zero3 = resolve_dp(make_config({"model": "tiny", "dp": 2, "zero": 3, "global_batch": 8,

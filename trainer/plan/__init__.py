@@ -8,5 +8,5 @@ any GPU is booked (`python -m trainer.plan`).
                (the cost model), the layouts of a cluster and their ranking
     report     the table and the JSON the command prints
     traffic    the bytes a run's communicators send, counted as the planner prices them
-    check      a training run's own plan: rank 0's line, and the memory check after step 1
+    budget     --memory-budget: a layout whose model state does not fit refused before building
 """

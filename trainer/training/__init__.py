@@ -11,4 +11,7 @@
 * `trainer.training.metrics`        ``metrics.jsonl``, console lines, ``loss.png``
 * `trainer.training.expert_load`    MoE expert load per step and ``expert_load.png``
 * `trainer.training.resume`         what a checkpoint records and how ``--resume`` loads it
+* `trainer.training.budget`         ``--memory-budget`` held to each step's measured bytes
+* `trainer.training.plan_check`     the run's own plan (`trainer.plan`): rank 0's line, and the
+                                    memory check after step 1
 """
