@@ -26,7 +26,8 @@ the fastest of the timed steps (on a loaded machine the fastest is the steadier 
   check, the batch drawn from the corpus, the step record.
 
 Breakdown rows (ms per step, each part timed alone on the built sides, median of repeats):
-``rotary`` (apply the rotary tables to q and k of every layer, forward and backward),
+``rotary`` (q, k and v out of the qkv projection with q and k rotated, every layer, forward
+and backward; nanoGPT's counterpart splits the heads without rotating),
 ``zero_grad`` (the DP buffer zeroed, against nanoGPT's set_to_none), ``clip`` (dtrain's norm
 and clip against torch's ``clip_grad_norm_``), ``guard`` (the finite check), ``batch`` (drawing
 the step's batch). Target from issue 27: dtrain <= 1.0x nanoGPT.
@@ -116,7 +117,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from trainer.comm.bootstrap import init
     from trainer.config.options import make_config
     from trainer.model.gpt import GPT
-    from trainer.model.layers import apply_rope
+    from trainer.model.layers import RotaryQKV
     from trainer.optim.grad_clip import clip_grad_norm
     from trainer.optim.optimizer import build_optimizer
     from trainer.training.run import build_run
@@ -156,14 +157,20 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     rankjobs.interleave(world, sides, warmup=WARMUP, steps=args.steps)
 
     repeats = max(5, args.steps)
-    shape = (args.batch, g.n_head, g.seq_len, g.head_dim)
-    q, k = (torch.randn(shape, requires_grad=True) for _ in range(2))
+    qkv = torch.randn((args.batch, g.seq_len, 3 * g.d_model), requires_grad=True)
+    grads = [torch.randn(args.batch, g.seq_len, g.n_head, g.head_dim).transpose(1, 2)
+             for _ in range(3)]  # laid out as the attention kernel's gradients are
     cos, sin = run.model.rope_cos, run.model.rope_sin
 
     def rotary() -> None:
         for _ in range(g.n_layer):
-            outs = [apply_rope(q, cos, sin), apply_rope(k, cos, sin)]
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            torch.autograd.backward(RotaryQKV.apply(qkv, cos, sin, g.head_dim), grads)
+
+    def split_heads() -> None:  # nanoGPT's counterpart: split, view and transpose, no rotary
+        for _ in range(g.n_layer):
+            heads = [t.view(args.batch, g.seq_len, g.n_head, g.head_dim).transpose(1, 2)
+                     for t in qkv.split(g.d_model, dim=2)]
+            torch.autograd.backward(heads, grads)
 
     loss, norm = torch.tensor(3.0), torch.tensor(1.0)
     parts = {"rotary": _median_ms(rotary, repeats),
@@ -175,7 +182,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
              "batch": _median_ms(lambda: run.batches.microbatches(1), repeats)}
     for p in theirs.parameters():
         p.grad = torch.zeros_like(p)
-    theirs_parts = {"zero_grad": _median_ms(lambda: their_opt.zero_grad(set_to_none=True),
+    theirs_parts = {"rotary": _median_ms(split_heads, repeats),
+                    "zero_grad": _median_ms(lambda: their_opt.zero_grad(set_to_none=True),
                                             repeats),
                     "clip": _median_ms(lambda: torch.nn.utils.clip_grad_norm_(
                         theirs.parameters(), opt.grad_clip), repeats)}
