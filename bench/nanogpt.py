@@ -12,7 +12,8 @@ network the bench is skipped with that reason.
 
 Sides, one worker process (``mpiexec -n 1``) with ``--threads`` torch threads, their steps
 interleaved with the order rotating every round (drifting load hits all alike); the median and
-the fastest of the timed steps (on a loaded machine the fastest is the steadier estimate):
+the fastest of the timed steps, and the median CPU time of the step's thread (``--threads 1``:
+on a loaded machine far steadier than wall time, which waits for a core):
 
 * ``nanogpt``: nanoGPT's ``GPT`` at the preset's layers, width, heads and sequence length
   (vocabulary 256, dropout 0, ``bias=False`` as dtrain's linears), its ``configure_optimizers``
@@ -101,13 +102,15 @@ class Timed:
     """A side: ``step(i)`` runs one step and keeps its time when timed."""
 
     def __init__(self, name: str, step: Callable[[int], None]) -> None:
-        self.name, self._step, self.times = name, step, list[float]()
+        self.name, self._step = name, step
+        self.times, self.cpu_times = list[float](), list[float]()
 
     def step(self, i: int, timed: bool) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self._step(i)
         if timed:
             self.times.append(time.perf_counter() - start)
+            self.cpu_times.append(time.thread_time() - cpu)
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,7 +190,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                                             repeats),
                     "clip": _median_ms(lambda: torch.nn.utils.clip_grad_norm_(
                         theirs.parameters(), opt.grad_clip), repeats)}
-    return {"rank": world.rank, "steps": {s.name: s.times for s in sides}, "parts": parts,
+    return {"rank": world.rank, "steps": {s.name: s.times for s in sides},
+            "cpu": {s.name: s.cpu_times for s in sides}, "parts": parts,
             "theirs_parts": theirs_parts}
 
 
@@ -210,9 +214,13 @@ def run(model: str = "small", batch: int = 8, threads: int = 1, steps: int = 10,
     steps_ms = {side: [1e3 * t for t in times] for side, times in result["steps"].items()}
     base = statistics.median(steps_ms["nanogpt"])
     fastest = min(steps_ms["nanogpt"])
+    cpu_ms = {side: statistics.median(times) for side, times in result["cpu"].items()}
     rows: list[dict[str, Any]] = [{"side": side, "step_ms": statistics.median(ms),
                                    "ratio": statistics.median(ms) / base, "min_ms": min(ms),
-                                   "min_ratio": min(ms) / fastest, "threads": threads,
+                                   "min_ratio": min(ms) / fastest,
+                                   "cpu_ms": 1e3 * cpu_ms[side],
+                                   "cpu_ratio": cpu_ms[side] / cpu_ms["nanogpt"],
+                                   "threads": threads,
                                    "batch": batch, "seq_len": seq, "samples_ms": ms}
                                   for side, ms in steps_ms.items()]
     for part, ms in result["parts"].items():
@@ -226,7 +234,8 @@ def run(model: str = "small", batch: int = 8, threads: int = 1, steps: int = 10,
 def print_table(rows: list[dict[str, Any]]) -> None:
     common.print_rows("One-process step: dtrain vs karpathy/nanoGPT model.py (fp32, CPU); "
                       "parts: ms per step, nanoGPT's counterpart where it has one", rows,
-                      [*SUMMARY_COLUMNS[:5], ("nanoGPT part ms", "nanogpt_ms"),
+                      [*SUMMARY_COLUMNS[:5], ("CPU ms", "cpu_ms"), ("CPU vs nanoGPT", "cpu_ratio"),
+                       ("nanoGPT part ms", "nanogpt_ms"),
                        *SUMMARY_COLUMNS[5:]])
 
 
