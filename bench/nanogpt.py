@@ -12,7 +12,8 @@ network the bench is skipped with that reason.
 
 Sides, one worker process (``mpiexec -n 1``) with ``--threads`` torch threads, their steps
 interleaved with the order rotating every round (drifting load hits all alike); the median and
-the fastest of the timed steps (on a loaded machine the fastest is the steadier estimate):
+the fastest of the timed steps, and the median CPU time of the step's thread (``--threads 1``:
+on a loaded machine far steadier than wall time, which waits for a core):
 
 * ``nanogpt``: nanoGPT's ``GPT`` at the preset's layers, width, heads and sequence length
   (vocabulary 256, dropout 0, ``bias=False`` as dtrain's linears), its ``configure_optimizers``
@@ -26,7 +27,8 @@ the fastest of the timed steps (on a loaded machine the fastest is the steadier 
   check, the batch drawn from the corpus, the step record.
 
 Breakdown rows (ms per step, each part timed alone on the built sides, median of repeats):
-``rotary`` (apply the rotary tables to q and k of every layer, forward and backward),
+``rotary`` (q, k and v out of the qkv projection with q and k rotated, every layer, forward
+and backward; nanoGPT's counterpart splits the heads without rotating),
 ``zero_grad`` (the DP buffer zeroed, against nanoGPT's set_to_none), ``clip`` (dtrain's norm
 and clip against torch's ``clip_grad_norm_``), ``guard`` (the finite check), ``batch`` (drawing
 the step's batch). Target from issue 27: dtrain <= 1.0x nanoGPT.
@@ -100,13 +102,15 @@ class Timed:
     """A side: ``step(i)`` runs one step and keeps its time when timed."""
 
     def __init__(self, name: str, step: Callable[[int], None]) -> None:
-        self.name, self._step, self.times = name, step, list[float]()
+        self.name, self._step = name, step
+        self.times, self.cpu_times = list[float](), list[float]()
 
     def step(self, i: int, timed: bool) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         self._step(i)
         if timed:
             self.times.append(time.perf_counter() - start)
+            self.cpu_times.append(time.thread_time() - cpu)
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,7 +120,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     from trainer.comm.bootstrap import init
     from trainer.config.options import make_config
     from trainer.model.gpt import GPT
-    from trainer.model.layers import apply_rope
+    from trainer.model.layers import RotaryQKV
     from trainer.optim.grad_clip import clip_grad_norm
     from trainer.optim.optimizer import build_optimizer
     from trainer.training.run import build_run
@@ -156,14 +160,20 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     rankjobs.interleave(world, sides, warmup=WARMUP, steps=args.steps)
 
     repeats = max(5, args.steps)
-    shape = (args.batch, g.n_head, g.seq_len, g.head_dim)
-    q, k = (torch.randn(shape, requires_grad=True) for _ in range(2))
+    qkv = torch.randn((args.batch, g.seq_len, 3 * g.d_model), requires_grad=True)
+    grads = [torch.randn(args.batch, g.seq_len, g.n_head, g.head_dim).transpose(1, 2)
+             for _ in range(3)]  # laid out as the attention kernel's gradients are
     cos, sin = run.model.rope_cos, run.model.rope_sin
 
     def rotary() -> None:
         for _ in range(g.n_layer):
-            outs = [apply_rope(q, cos, sin), apply_rope(k, cos, sin)]
-            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+            torch.autograd.backward(RotaryQKV.apply(qkv, cos, sin, g.head_dim), grads)
+
+    def split_heads() -> None:  # nanoGPT's counterpart: split, view and transpose, no rotary
+        for _ in range(g.n_layer):
+            heads = [t.view(args.batch, g.seq_len, g.n_head, g.head_dim).transpose(1, 2)
+                     for t in qkv.split(g.d_model, dim=2)]
+            torch.autograd.backward(heads, grads)
 
     loss, norm = torch.tensor(3.0), torch.tensor(1.0)
     parts = {"rotary": _median_ms(rotary, repeats),
@@ -175,11 +185,13 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
              "batch": _median_ms(lambda: run.batches.microbatches(1), repeats)}
     for p in theirs.parameters():
         p.grad = torch.zeros_like(p)
-    theirs_parts = {"zero_grad": _median_ms(lambda: their_opt.zero_grad(set_to_none=True),
+    theirs_parts = {"rotary": _median_ms(split_heads, repeats),
+                    "zero_grad": _median_ms(lambda: their_opt.zero_grad(set_to_none=True),
                                             repeats),
                     "clip": _median_ms(lambda: torch.nn.utils.clip_grad_norm_(
                         theirs.parameters(), opt.grad_clip), repeats)}
-    return {"rank": world.rank, "steps": {s.name: s.times for s in sides}, "parts": parts,
+    return {"rank": world.rank, "steps": {s.name: s.times for s in sides},
+            "cpu": {s.name: s.cpu_times for s in sides}, "parts": parts,
             "theirs_parts": theirs_parts}
 
 
@@ -202,9 +214,13 @@ def run(model: str = "small", batch: int = 8, threads: int = 1, steps: int = 10,
     steps_ms = {side: [1e3 * t for t in times] for side, times in result["steps"].items()}
     base = statistics.median(steps_ms["nanogpt"])
     fastest = min(steps_ms["nanogpt"])
+    cpu_ms = {side: statistics.median(times) for side, times in result["cpu"].items()}
     rows: list[dict[str, Any]] = [{"side": side, "step_ms": statistics.median(ms),
                                    "ratio": statistics.median(ms) / base, "min_ms": min(ms),
-                                   "min_ratio": min(ms) / fastest, "threads": threads,
+                                   "min_ratio": min(ms) / fastest,
+                                   "cpu_ms": 1e3 * cpu_ms[side],
+                                   "cpu_ratio": cpu_ms[side] / cpu_ms["nanogpt"],
+                                   "threads": threads,
                                    "batch": batch, "seq_len": seq, "samples_ms": ms}
                                   for side, ms in steps_ms.items()]
     for part, ms in result["parts"].items():
@@ -218,7 +234,8 @@ def run(model: str = "small", batch: int = 8, threads: int = 1, steps: int = 10,
 def print_table(rows: list[dict[str, Any]]) -> None:
     common.print_rows("One-process step: dtrain vs karpathy/nanoGPT model.py (fp32, CPU); "
                       "parts: ms per step, nanoGPT's counterpart where it has one", rows,
-                      [*SUMMARY_COLUMNS[:5], ("nanoGPT part ms", "nanogpt_ms"),
+                      [*SUMMARY_COLUMNS[:5], ("CPU ms", "cpu_ms"), ("CPU vs nanoGPT", "cpu_ratio"),
+                       ("nanoGPT part ms", "nanogpt_ms"),
                        *SUMMARY_COLUMNS[5:]])
 
 
