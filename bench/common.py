@@ -321,6 +321,32 @@ def report(rows: list[Row], print_table: Callable[[list[Row]], None],
     return 0
 
 
+def rank_bench_main(args: Any, run: Callable[..., list[Row]],
+                    worker: Callable[[Any], dict[str, Any]],
+                    print_table: Callable[[list[Row]], None]) -> int:
+    """The ending of a bench whose ranks rerun its own module with ``--worker --out DIR``:
+    a worker saves its result; the parent runs the bench with the other options and reports."""
+    if args.worker:
+        return save_rank_result(args.out, worker(args))
+    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
+    return report(run(**options), print_table, args.json)
+
+
+def rich_table(title: str, columns: Sequence[tuple[str, str]], rows: list[Row], *,
+               digits: int, width: int) -> None:
+    """Rows as a rich table on stdout, floats to ``digits`` places (``width`` when piped)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for head, _ in columns:
+        table.add_column(head, justify="right")
+    for row in rows:
+        table.add_row(*(f"{row[k]:.{digits}f}" if isinstance(row[k], float) else str(row[k])
+                        for _, k in columns))
+    Console(width=None if sys.stdout.isatty() else width).print(table)
+
+
 def save_rank_result(out: str, result: dict[str, Any]) -> int:
     """A bench worker rank's ending: its result as ``<out>/rank<r>.json``; exit code 0."""
     Path(out, f"rank{result['rank']}.json").write_text(json.dumps(result))

@@ -188,18 +188,12 @@ def run(**options: Any) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from bench.common import rich_table
 
     r0 = rows[0]
-    table = Table(title=f"Memory per rank, MiB, fp32 ({r0['model']} GPT, seq {r0['seq_len']}, "
-                        f"global batch {r0['global_batch']})")
-    for head, _ in COLUMNS:
-        table.add_column(head, justify="right")
-    for row in rows:
-        table.add_row(*(f"{row[k]:.2f}" if isinstance(row[k], float) else str(row[k])
-                        for _, k in COLUMNS))
-    Console(width=None if sys.stdout.isatty() else 200).print(table)
+    rich_table(f"Memory per rank, MiB, fp32 ({r0['model']} GPT, seq {r0['seq_len']}, "
+               f"global batch {r0['global_batch']})",
+               COLUMNS, rows, digits=2, width=200)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -222,10 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from bench import common
 
-    if args.worker:
-        return common.save_rank_result(args.out, worker(args))
-    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
-    return common.report(run(**options), print_table, args.json)
+    return common.rank_bench_main(args, run, worker, print_table)
 
 
 if __name__ == "__main__":

@@ -194,20 +194,14 @@ SUMMARY_NOTE = ("2 ranks, fp32, CPU over MPI. MiB: the largest rank's held tenso
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from bench.common import rich_table
 
     r0 = rows[0]
-    table = Table(title=f"Planner vs trainer, 2 ranks, fp32 ({r0['model']} GPT, seq "
-                        f"{r0['seq_len']}, global batch {r0['global_batch']}; CPU: matmul "
-                        f"{r0['gflops']:.1f} GFLOP/s, serial step {r0['step_gflops']:.1f} "
-                        f"GFLOP/s, all-reduce {r0['busbw_gbps']:.2f} GB/s)")
-    for head, _ in COLUMNS:
-        table.add_column(head, justify="right")
-    for row in rows:
-        table.add_row(*(f"{row[k]:.3f}" if isinstance(row[k], float) else str(row[k])
-                        for _, k in COLUMNS))
-    Console(width=None if sys.stdout.isatty() else 220).print(table)
+    rich_table(f"Planner vs trainer, 2 ranks, fp32 ({r0['model']} GPT, seq "
+               f"{r0['seq_len']}, global batch {r0['global_batch']}; CPU: matmul "
+               f"{r0['gflops']:.1f} GFLOP/s, serial step {r0['step_gflops']:.1f} "
+               f"GFLOP/s, all-reduce {r0['busbw_gbps']:.2f} GB/s)",
+               COLUMNS, rows, digits=3, width=220)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -229,10 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     from bench import common
 
-    if args.worker:
-        return common.save_rank_result(args.out, worker(args))
-    options = {k: v for k, v in vars(args).items() if k not in ("json", "worker", "out")}
-    return common.report(run(**options), print_table, args.json)
+    return common.rank_bench_main(args, run, worker, print_table)
 
 
 if __name__ == "__main__":
