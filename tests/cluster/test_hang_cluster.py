@@ -28,7 +28,8 @@ from tests.support import (
     start_dtrain,
     wait_for_lines,
 )
-from trainer.comm.mesh import GROUPS as MESH_GROUPS
+from trainer.comm.mesh import splits
+from trainer.comm.topology import MeshShape
 
 WORKER = str(REPO / "tests" / "support" / "workers" / "hang_worker.py")
 HANG_TIMEOUT = 3.0
@@ -63,7 +64,7 @@ def test_a_rank_that_skips_an_all_reduce_is_named_and_the_job_is_aborted(cluster
         "cause: rank 2 (node2) never entered all_reduce #5 on dp[0] (float32, 1.0 KiB), which "
         "rank 0 (node1) waits in: it entered 4 operations on dp[0], in conflict with the counts "
         "of 3 other ranks (the same program cannot have brought them there); now it waits in "
-        f"barrier #{len(MESH_GROUPS) + 1} on world"), text
+        f"barrier #{len(splits(MeshShape(dp=2, tp=2))) + 1} on world"), text
     assert "rank 0 (node1) waits in all_reduce #5 on dp[0]" in text and "a consequence" in text
     assert "first failure: rank 2@node2: hung (rank 2 (node2) never entered" in res.stderr
     assert time.monotonic() - started < HANG_TIMEOUT + SLACK_S

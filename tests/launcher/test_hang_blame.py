@@ -14,7 +14,8 @@ import pytest
 from launcher.hang.diagnose import diagnose
 from launcher.hang.views import GroupView, RankView
 from tests.support.hangsim import Op, groups_of, run
-from trainer.comm.mesh import GROUPS as MESH_GROUPS
+from trainer.comm.mesh import splits
+from trainer.comm.topology import MeshShape
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "p2p")
 STEPS = 3
@@ -26,15 +27,19 @@ def step_ops() -> list[Op]:
             *(Op("world", k) for k in KINDS)]
 
 
+#: The splits of `Mesh.build` on the world, before the first step (hang_worker's dp 2 x tp 2).
+SPLITS = len(splits(MeshShape(dp=2, tp=2)))
+
+
 def program() -> list[Op]:
-    start = [Op("world", "split")] * len(MESH_GROUPS)  # the splits of `Mesh.build`
+    start = [Op("world", "split")] * SPLITS
     return [*start, *(step_ops() * STEPS), Op("world", "barrier")]
 
 
 def skipped(kind: str, family: str, step: int = STEPS) -> tuple[int, str]:
     """(index in `program`, seq on its group) of ``kind`` on ``family`` in ``step``."""
     ops = program()
-    index = len(MESH_GROUPS) + (step - 1) * len(step_ops()) + step_ops().index(Op(family, kind))
+    index = SPLITS + (step - 1) * len(step_ops()) + step_ops().index(Op(family, kind))
     seq = sum(1 for op in ops[:index + 1] if op.group == family)
     return index, seq
 

@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from trainer.comm.mesh import GROUPS, Mesh
+from trainer.comm.mesh import GROUPS, Mesh, splits
 from trainer.comm.topology import AXES, MeshShape
 from trainer.errors import TopologyError
 
@@ -145,6 +145,7 @@ def test_a_mesh_has_every_group_even_of_one_rank_and_answers_ranks_sizes_and_end
     # cp 1: the gradients' groups over dp and cp are dp's and edp's, not split again
     assert world.splits == ["tp", "cp", "ep", "zs", "zr", "pp", "edp", "dp"]
     assert ["+".join(g) for g in GROUPS] == [*world.splits, "dp_cp", "edp_cp"]
+    assert ["+".join(g) for g in splits(shape)] == world.splits
     assert mesh.group("dp_cp") is mesh.group("dp") and mesh.group("edp_cp") is mesh.group("edp")
     assert mesh.group() is world and mesh.group("tp", "cp", "dp", "pp") is world
     for axis in ("tp", "ep", "edp", "dp", "pp"):
@@ -163,3 +164,11 @@ def test_asking_a_mesh_for_a_group_it_does_not_split_names_the_ones_it_has():
                                             r"splits tp, cp, ep, zs, zr, pp, edp, dp, dp_cp, "
                                             r"edp_cp and the world"):
         mesh.group("tp", "pp")
+
+
+def test_at_cp_2_the_gradients_groups_over_dp_and_cp_are_split_of_their_own():
+    shape = MeshShape(dp=2, tp=1, pp=1, cp=2)
+    world = SplitRecorder(shape, 3)
+    mesh = Mesh.build(world, shape, torch.device("cpu"))
+    assert world.splits == ["+".join(g) for g in splits(shape)] == ["+".join(g) for g in GROUPS]
+    assert mesh.group("dp_cp").size == 4 and mesh.group("dp").size == 2

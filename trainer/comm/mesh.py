@@ -30,6 +30,21 @@ GROUPS: tuple[tuple[str, ...], ...] = (*((axis,) for axis in AXES),
 _NAMES: dict[tuple[str, ...], str] = {axes: span for span, axes in SPANS.items()}
 
 
+def splits(shape: MeshShape) -> list[tuple[str, ...]]:
+    """The groups `Mesh.build` splits the world into, in order: every one of `GROUPS` but, at
+    cp 1, the gradients' groups over dp and cp (dp_cp is dp, edp_cp is edp), so that a run
+    without context parallelism splits and times what it did before the axis existed."""
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for names in GROUPS:
+        axes = shape.axes(*names)
+        if shape.cp == 1 and "cp" in axes and tuple(a for a in axes if a != "cp") in seen:
+            continue
+        seen.add(axes)
+        out.append(names)
+    return out
+
+
 class Mesh:
     """This rank's place on the named axes of a run, and a communicator for each group."""
 
@@ -41,20 +56,19 @@ class Mesh:
 
     @classmethod
     def build(cls, world: Communicator, shape: MeshShape, device: torch.device) -> Mesh:
-        """Split ``world`` into the groups of ``shape`` (collective over ``world``)."""
+        """Split ``world`` into the groups of ``shape`` (collective over ``world``: one split
+        per group of `splits`, in that order)."""
         shape.check_world(world.size)
         rank = world.rank
         groups = {AXES: world}
+        split = splits(shape)
         for names in GROUPS:
             axes = shape.axes(*names)
-            same = tuple(a for a in axes if a != "cp")
-            if shape.cp == 1 and "cp" in axes and same in groups:
-                # cp 1 adds nobody: dp_cp is dp, edp_cp is edp (same communicator and name,
-                # so a run without context parallelism splits and times what it did before)
-                groups[axes] = groups[same]
-                continue
-            groups[axes] = world.split(shape.color(rank, *names), shape.coord(rank, *names),
-                                       name=_NAMES.get(axes, "+".join(axes)))
+            if names in split:
+                groups[axes] = world.split(shape.color(rank, *names), shape.coord(rank, *names),
+                                           name=_NAMES.get(axes, "+".join(axes)))
+            else:  # cp 1 adds nobody: the same communicator (and name) as without cp
+                groups[axes] = groups[tuple(a for a in axes if a != "cp")]
         return cls(shape, rank, device, groups)
 
     def group(self, *axes: str) -> Communicator:
