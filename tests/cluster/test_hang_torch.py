@@ -95,14 +95,16 @@ def test_a_gloo_rank_stalled_inside_a_send_is_named_first_with_its_peer(cluster,
 
 
 def test_a_healthy_all_reduce_longer_than_the_hang_timeout_is_no_hang(tmp_path):
-    """One all-reduce sized to take 4 hang timeouts on this machine: the ranks inside it use
-    their CPU (gloo moves and reduces the data), so the job ends normally."""
-    res = run_dtrain(["launch", "--nproc-per-node", "4", "--hang-timeout", "2",
+    """One all-reduce sized to take 6 hang timeouts on this machine: the ranks inside it use
+    their CPU (gloo moves and reduces the data), so the job ends normally. Its size is capped
+    (2 GiB a rank), so on a fast idle machine it may take fewer timeouts: 2 GiB took 3.6 s on
+    this one; it must outlast one."""
+    res = run_dtrain(["launch", "--nproc-per-node", "4", "--hang-timeout", "1",
                       "--hang-action", "abort", "--log-dir", str(tmp_path), "--", PYTHON, WORKER,
-                      "long", "8"], timeout=240)
+                      "long", "6"], timeout=240)
     assert res.returncode == 0, res.stderr[-3000:]
     took = [float(m) for m in re.findall(r"all_reduce ([\d.]+) s", res.stdout)]
-    assert len(took) == 4 and min(took) > 2, res.stdout  # it did outlast the timeout
+    assert len(took) == 4 and min(took) > 1, res.stdout  # it did outlast the timeout
     assert not list(tmp_path.rglob("hang-*.txt")) and "hang" not in res.stderr
 
 

@@ -78,11 +78,13 @@ def send_stall(ready: Path, go: Path) -> None:
 
 def long_all_reduce(seconds: float) -> None:
     """One healthy all-reduce sized to last about ``seconds`` on this machine (rank 0 times a
-    64 MiB one and scales, capped at 1 GiB); prints how long it took."""
+    64 MiB one, warm: the first moves pages in and is slower, and scales, capped at 2 GiB a
+    rank); prints how long it took."""
     probe = torch.ones(16 << 20)
+    dist.all_reduce(probe)
     started = time.monotonic()
     dist.all_reduce(probe)
-    numel = torch.tensor([min(1 << 28, int((16 << 20) * seconds / (time.monotonic() - started)))])
+    numel = torch.tensor([min(1 << 29, int((16 << 20) * seconds / (time.monotonic() - started)))])
     dist.broadcast(numel, 0)
     del probe
     t = torch.ones(int(numel.item()))
