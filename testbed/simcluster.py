@@ -230,7 +230,7 @@ def install(driver: FakeRanks) -> Callable[..., Any]:
     agent_main.start_rank = start_rank  # type: ignore[assignment]
     progress._SHM = tempfile.mkdtemp(prefix="dtrain-simshm-")
     leftovers.sweep = lambda base, ours: []  # type: ignore[assignment]
-    progress._stat = lambda pid: ("running", None)  # type: ignore[assignment]
+    progress._stat = lambda pid: ("running", None, False)  # type: ignore[assignment]
     agent_main.descendants = types.SimpleNamespace(  # type: ignore[assignment]
         kill_strays=lambda keep=frozenset(), rounds=5: None,
         signal_descendants=lambda sig, keep=frozenset(): [])
