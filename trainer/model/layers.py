@@ -154,7 +154,12 @@ class Attention(nn.Module):
         # From qkv's output: under sequence parallelism x is a sequence block, qkv's output the
         # whole sequence. The head count is taken from the weight, so a TP shard works as is.
         B, T, _ = qkv.shape
-        q, k, v = RotaryQKV.apply(qkv, cos, sin, self.head_dim)
+        if torch.compiler.is_compiling():  # traced once: RotaryQKV's in-place complex views
+            # are opaque to fake tensors, and the compiler fuses the plain ops anyway
+            q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        else:
+            q, k, v = RotaryQKV.apply(qkv, cos, sin, self.head_dim)
         y = self.core_runner(self.core, q, k, v)
         y_BTD = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y_BTD))
