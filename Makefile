@@ -43,7 +43,7 @@ NUMERICS_TESTS := $(addprefix tests/trainer/,test_kernel_variants.py test_moe_la
 	test_tp_training.py test_pp_training.py test_data_parallel.py test_zero.py \
 	test_resume_matrix.py test_llama_tp.py test_llama_training.py test_activations.py \
 	test_recsys_training.py test_zero2.py test_zero3.py test_padded_vocab_training.py \
-	test_context_parallel.py test_context_parallel_attention.py)
+	test_context_parallel.py test_context_parallel_attention.py test_context_parallel_training.py)
 # What a variant changes (torch 2.13's CPU wheel: MKL for BLAS, ATen's own vector kernels):
 # - MKL_CBWR=COMPATIBLE: MKL's SSE2 code path, other GEMM blocking and summation orders, on any
 #   x86-64 (MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD CPUs, but honours this);
