@@ -207,8 +207,11 @@ def test_a_several_minute_healthy_training_run_reports_no_hang_and_only_its_stra
     the run lasts as long on any machine), doing everything a healthy job does that stands
     still for a moment: start-up and data loading, a slow first step, evaluation and
     checkpoint saves (rank 0 writes while the others wait in the next step's all-reduce; old
-    checkpoints are pruned), and a straggler: rank 1 CPU-throttled by the test (stopped 60% of
-    the time in 0.25 s cycles), which the others wait for at every step. Nothing is reported
+    checkpoints are pruned), and a straggler: rank 1 CPU-throttled by the test (stopped 80% of
+    the time in 20 ms cycles, shorter than a step, so that every step's compute takes about 5
+    times as long: with 0.25 s cycles only the steps a stop happened to land in were slow, and
+    once the steps got fast, their average was not always past the straggler limit), which the
+    others wait for at every step. Nothing is reported
     as a hang, in the output or the log dir; rank 1 is named as the straggler, in the live
     view and at the end, and no other rank is; nothing of the job is left running."""
     run_dir, log_dir = tmp_path / "run", tmp_path / "logs"
@@ -259,9 +262,9 @@ def _throttle(head: int, run_dir: Path, done: threading.Event, seen: dict[str, o
     try:
         while not done.is_set() and rank1.is_running():
             rank1.send_signal(signal.SIGSTOP)
-            time.sleep(0.15)
+            time.sleep(0.016)
             rank1.send_signal(signal.SIGCONT)
-            time.sleep(0.1)
+            time.sleep(0.004)
     except psutil.NoSuchProcess:
         pass
     finally:
