@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.support import (
     alive,
     kill_recorded,
     run_dtrain,
+    run_with_link_cut,
     start_dtrain,
     wait_for_lines,
 )
@@ -121,20 +121,11 @@ def test_a_rank_stalled_inside_a_send_is_named_first_and_its_receiver_after_it(c
     ns, node1 = cluster.namespace("node2"), cluster.address("node1")
     # UCX_TLS=tcp: the namespace hosts share one kernel, and UCX would otherwise carry the
     # ranks' traffic through shared memory, past the network (`tests.cluster.test_restart_cluster`).
-    proc = start_dtrain([*_hang_args(cluster, "node1:2,node2:2", logs), "--env", "UCX_TLS=tcp",
-                         "--", PYTHON, WORKER, "sendstall", str(ready), str(go)])
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        subprocess.run(["ip", "-n", ns, "neigh", "replace", node1, "lladdr",
-                        "02:00:00:00:00:01", "dev", "eth0", "nud", "permanent"], check=True)
-        go.touch()
-        _, err = proc.communicate(timeout=120)
-    finally:
-        subprocess.run(["ip", "-n", ns, "neigh", "del", node1, "dev", "eth0"], check=False)
-        kill_recorded([proc.pid])
-    assert proc.returncode == 123, err[-3000:]
+    code, err = run_with_link_cut(
+        [*_hang_args(cluster, "node1:2,node2:2", logs), "--env", "UCX_TLS=tcp",
+         "--", PYTHON, WORKER, "sendstall", str(ready), str(go)],
+        ns=ns, peer=node1, ready=ready, go=go, timeout=120)
+    assert code == 123, err[-3000:]
     text = _diagnosis(logs)
     # World operations: a send or receive and an all-reduce per step for ranks 0 and 2, so the
     # third step's send is #5; ranks 1 and 3 wait in their third all-reduce.

@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import time
 
 import pytest
 
 from launcher.agent import flight
-from tests.support import PYTHON, REPO, kill_recorded, run_dtrain, start_dtrain
+from tests.support import PYTHON, REPO, run_dtrain, run_with_link_cut
 
 WORKER = str(REPO / "tests" / "support" / "workers" / "gloo_faults.py")
 HANG_TIMEOUT = 3.0
@@ -65,20 +63,10 @@ def test_a_gloo_rank_stalled_inside_a_send_is_named_first_with_its_peer(cluster,
     group's send and recv does."""
     ready, go, logs = tmp_path / "ready", tmp_path / "go", tmp_path / "logs"
     ns, node1 = cluster.namespace("node2"), cluster.address("node1")
-    proc = start_dtrain([*_args(cluster, logs), "--", PYTHON, WORKER, "send", str(ready),
-                         str(go)])
-    try:
-        deadline = time.monotonic() + 180
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        subprocess.run(["ip", "-n", ns, "neigh", "replace", node1, "lladdr",
-                        "02:00:00:00:00:01", "dev", "eth0", "nud", "permanent"], check=True)
-        go.touch()
-        _, err = proc.communicate(timeout=180)
-    finally:
-        subprocess.run(["ip", "-n", ns, "neigh", "del", node1, "dev", "eth0"], check=False)
-        kill_recorded([proc.pid])
-    assert proc.returncode == 123, err[-3000:]
+    code, err = run_with_link_cut([*_args(cluster, logs), "--", PYTHON, WORKER, "send",
+                                   str(ready), str(go)],
+                                  ns=ns, peer=node1, ready=ready, go=go, timeout=180)
+    assert code == 123, err[-3000:]
     (path,) = logs.glob("*/hang-1.txt")
     text = path.read_text()
     first = text.splitlines()[0]

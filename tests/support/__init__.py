@@ -116,3 +116,24 @@ def report_table(stderr: str) -> dict[int, str]:
                 rows[-1] = [f"{old} {new}".strip() for old, new in zip(rows[-1], cells,
                                                                         strict=True)]
     return {int(row[0]): row[-1] for row in rows}
+
+
+def run_with_link_cut(args: Sequence[str], *, ns: str, peer: str, ready: Path, go: Path,
+                      timeout: float) -> tuple[int, str]:
+    """Start ``dtrain args``; once a rank has written ``ready``, make every packet from the
+    namespace host ``ns`` to the address ``peer`` vanish (``peer`` resolves to a hardware address
+    nobody has) and write ``go``; then wait for the job. The link is restored and the job's
+    PIDs killed whatever happens. Returns (exit code, stderr)."""
+    proc = start_dtrain(args)
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        subprocess.run(["ip", "-n", ns, "neigh", "replace", peer, "lladdr",
+                        "02:00:00:00:00:01", "dev", "eth0", "nud", "permanent"], check=True)
+        go.touch()
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        subprocess.run(["ip", "-n", ns, "neigh", "del", peer, "dev", "eth0"], check=False)
+        kill_recorded([proc.pid])
+    return proc.returncode, err

@@ -77,15 +77,16 @@ def assert_within_order(got: torch.Tensor, want: torch.Tensor, *, n_terms: int,
             f"{float(bound.flatten()[at]):.3e} (magnitude {float(magnitude.flatten()[at]):.3e})")
 
 
-def adam_atol(*, steps: int, lr: float, n_terms: int, grad_scale: float = 1.0,
+def adam_atol(*, steps: int, lr: float, n_terms: int, grad_scale: float,
               unit: float = U64) -> float:
     """Parameter difference after ``steps`` AdamW steps whose gradient elements differ only by
     rounding: each a sum of at most ``n_terms`` terms whose magnitudes add up to at most
-    ``grad_scale`` (a per-token gradient element; the mean loss divides each token's part by n)."""
+    ``grad_scale``, measured by the reference run (`serial_reference.token_term_scale`: the
+    tokens' parts of a gradient element, the mean loss dividing each by n)."""
     return steps * lr / ADAM_EPS * reduction_rtol(n_terms, unit) * grad_scale
 
 
-def loss_atol(*, steps: int, lr: float, n_params: int, n_terms: int, grad_scale: float = 1.0,
+def loss_atol(*, steps: int, lr: float, n_params: int, n_terms: int, grad_scale: float,
               unit: float = U64) -> float:
     """Loss difference after ``steps`` AdamW steps, beyond the loss's own rounding.
 
@@ -93,6 +94,12 @@ def loss_atol(*, steps: int, lr: float, n_params: int, n_terms: int, grad_scale:
     difference δ_i is largest exactly where g_i is small: |g_i|·lr·δ_i/(|g_i| + eps) <= lr·δ_i.
     So the loss difference is at most lr·Σ δ_i per step, with no 1/eps in it."""
     return steps * lr * n_params * reduction_rtol(n_terms, unit) * grad_scale
+
+
+def norm_atol(*, n_params: int, n_terms: int, grad_scale: float, unit: float = U64) -> float:
+    """Difference of two gradient norms whose elements differ only by rounding (`adam_atol`'s
+    gradients): the 2-norm of a difference of at most reduction_rtol·grad_scale per element."""
+    return n_params**0.5 * reduction_rtol(n_terms, unit) * grad_scale
 
 
 def f64(values: list[float]) -> torch.Tensor:

@@ -17,6 +17,8 @@ that redrew other masks would compute gradients of another network: those runs m
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -33,35 +35,38 @@ from tests.support.activation_workers.cases import (
     Run,
 )
 from tests.support.mpi_runs import world_run
-from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.support.numerics import f64, reduction_rtol
+from tests.support.serial_reference import Bounds, bounds, train_serially
 from trainer.config.options import parse_args
 from trainer.construction.init_stream import PIECE
 from trainer.errors import ConfigError
-from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT as SerialGPT
 from trainer.parallel.tensor import shard_tensor
 
 TOKENS = GLOBAL_BATCH * GPT["seq_len"] + 4 * GPT["d_model"]  # the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
-PARAM_ATOL = adam_atol(steps=STEPS, lr=TRAIN["lr"], n_terms=TOKENS)
 COMPARED = [(world, run) for world, runs in RUNS.items() for run in runs if run.base]
 
 
-def loss_tolerance(run: Run) -> float:
-    n_params = SerialGPT(GPTConfig(**GPT, **run.gpt)).num_params()
-    return loss_atol(steps=STEPS, lr=TRAIN["lr"], n_params=n_params, n_terms=TOKENS)
+@functools.cache
+def tolerances(base: str) -> Bounds:
+    """The bounds of the run ``base``, its gradient scale measured by the serial reference of
+    the same model and data (with dropout: on masks of its own, the same rates)."""
+    run = next(r for runs in RUNS.values() for r in runs if r.name == base)
+    return bounds(train_serially(run.config("unused"), STEPS), steps=STEPS, lr=TRAIN["lr"],
+                  n_terms=TOKENS)
 
 
 @pytest.mark.parametrize(("world", "run"), COMPARED, ids=[r.name for _, r in COMPARED])
 def test_the_technique_gives_the_losses_and_parameters_of_the_run_without_it(world: int,
                                                                              run: Run) -> None:
     for rank in world_run(WORKER, world).ranks:
-        got, want = rank[run.name], rank[run.base]
+        got, want, tol = rank[run.name], rank[run.base], tolerances(run.base)
         torch.testing.assert_close(f64(got["losses"]), f64(want["losses"]), rtol=RTOL,
-                                   atol=loss_tolerance(run))
+                                   atol=tol.loss)
         assert got["params"].keys() == want["params"].keys()
         for name, value in want["params"].items():
-            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=PARAM_ATOL,
+            torch.testing.assert_close(got["params"][name], value, rtol=0, atol=tol.params,
                                        msg=f"{run.name}: {name}")
 
 

@@ -25,8 +25,8 @@ import torch
 
 from tests.support.dp_workers.cases import CASES, STEPS, case_config
 from tests.support.mpi_runs import run_ranks, world_run
-from tests.support.numerics import U32, adam_atol, f64, loss_atol, reduction_rtol
-from tests.support.serial_reference import train_serially
+from tests.support.numerics import U32, U64, f64, reduction_rtol
+from tests.support.serial_reference import Bounds, bounds, train_serially
 from trainer.parallel.data.buckets import plan_buckets
 from trainer.training.metrics import read_records
 
@@ -35,14 +35,9 @@ RTOL = reduction_rtol(TOKENS + 32)  # + d_model: the sums inside each matmul
 FP32_RTOL = reduction_rtol(TOKENS + 32, U32)
 
 
-def param_atol(case: str) -> float:
-    return adam_atol(steps=STEPS, lr=case_config(case).optimizer.lr, n_terms=TOKENS + 32)
-
-
-def losses_atol(case: str) -> float:
-    n_params = sum(p.numel() for p in reference(case)["params"].values())
-    return loss_atol(steps=STEPS, lr=case_config(case).optimizer.lr, n_params=n_params,
-                     n_terms=TOKENS + 32)
+def tolerances(case: str, fp64: bool = True) -> Bounds:
+    return bounds(reference(case, fp64), steps=STEPS, lr=case_config(case).optimizer.lr,
+                  n_terms=TOKENS + 32, unit=U64 if fp64 else U32)
 
 
 @pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"dp{n}")
@@ -62,7 +57,7 @@ def test_losses_match_the_single_process_model(ranks: list[dict], case: str) -> 
     expected = reference(case)["losses"]
     for rank in ranks:
         torch.testing.assert_close(f64(rank[case]["losses"]),
-                                   f64(expected), rtol=RTOL, atol=losses_atol(case))
+                                   f64(expected), rtol=RTOL, atol=tolerances(case).loss)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -71,7 +66,7 @@ def test_parameters_match_the_single_process_model(ranks: list[dict], case: str)
     got = ranks[0][case]["params"]
     assert got.keys() == expected.keys()
     for name in expected:
-        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=param_atol(case),
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=tolerances(case).params,
                                    msg=name)
 
 
@@ -164,9 +159,7 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
     losses = [r["loss"] for r in read_records(tmp_path / "metrics.jsonl")]
     # This run is fp32, as users run it: an fp32 reference (fp64 would draw other initial
     # weights from the same seed) and fp32 bounds.
-    n_params = sum(p.numel() for p in reference("one_bucket", fp64=False)["params"].values())
-    atol = loss_atol(steps=STEPS, lr=cfg.optimizer.lr, n_params=n_params, n_terms=TOKENS + 32,
-                     unit=U32)
+    atol = tolerances("one_bucket", fp64=False).loss
     expected = f64(reference("one_bucket", fp64=False)["losses"])
     torch.testing.assert_close(f64(losses), expected, rtol=FP32_RTOL, atol=atol)
     assert (tmp_path / "loss.png").stat().st_size > 0

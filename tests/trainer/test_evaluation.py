@@ -24,6 +24,7 @@ layouts is shown in fp64 by tests/trainer/test_tp_training.py and tests/trainer/
 
 from __future__ import annotations
 
+import functools
 import math
 import subprocess
 from pathlib import Path
@@ -33,14 +34,15 @@ import torch
 
 from tests.support import REPO, dtrain_env, run_dtrain
 from tests.support.mpi_runs import forked_python
-from tests.support.numerics import U32, loss_atol, reduction_rtol
+from tests.support.numerics import U32, reduction_rtol
+from tests.support.serial_reference import bounds, train_serially
 from trainer.checkpoint import latest
+from trainer.config.options import parse_args
 from trainer.data.batches import BatchPlan, ShardedBatches
 from trainer.data.corpus import load_corpus
 from trainer.inference.merge import load_serial
 from trainer.inference.sampling import sample
 from trainer.model.config import PRESETS
-from trainer.model.gpt import GPT
 from trainer.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -55,7 +57,6 @@ FLAGS = ["--model", "tiny", "--steps", str(STEPS), "--global-batch", "8", "--mic
 LAYOUTS = {"serial": (1, []), "tp2": (2, ["--tp", "2"]), "pp2": (2, ["--pp", "2"]),
            "dp2tp2pp2": (8, ["--tp", "2", "--pp", "2"])}
 TINY = PRESETS["tiny"]  # --model tiny
-N_PARAMS = sum(p.numel() for p in GPT(TINY).parameters())
 TOKENS_PER_STEP = 8 * TINY.seq_len
 FORWARD_RTOL = ((2 * TINY.n_layer + 2) * reduction_rtol(4 * TINY.d_model, U32)
                 + reduction_rtol(2 * TOKENS_PER_STEP, U32))  # + the mean over <= 2 batches
@@ -74,6 +75,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
         out[name] = run_dir
     return out
+
+
+@functools.cache
+def serial_reference() -> dict:
+    """The single-process fp32 run of FLAGS, for its measured gradient scale."""
+    return train_serially(parse_args(FLAGS, quiet=True), STEPS, fp64=False)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -97,8 +104,8 @@ def test_every_layout_has_the_serial_validation_and_training_losses(runs, layout
         b = [(r["step"], r[key]) for r in got if r[key] is not None]
         assert [s for s, _ in b] == [s for s, _ in a], (layout, key)
         for (step, x), (_, y) in zip(a, b, strict=True):
-            atol = loss_atol(steps=step, lr=LR, n_params=N_PARAMS,
-                             n_terms=TOKENS_PER_STEP + 4 * TINY.d_model, unit=U32)
+            atol = bounds(serial_reference(), steps=step, lr=LR,
+                          n_terms=TOKENS_PER_STEP + 4 * TINY.d_model, unit=U32).loss
             assert y == pytest.approx(x, rel=FORWARD_RTOL, abs=atol), (layout, key, step)
 
 

@@ -14,6 +14,8 @@ microbatch moves parameters by O(lr) = 3e-3.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -28,7 +30,8 @@ from tests.support.llama_workers.training import (
     Run,
 )
 from tests.support.mpi_runs import world_run
-from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.support.numerics import f64, reduction_rtol
+from tests.support.serial_reference import Bounds, bounds, train_serially
 from trainer.config.options import make_config
 from trainer.model.family import build_model
 from trainer.parallel.tensor import shard_tensor
@@ -36,8 +39,16 @@ from trainer.parallel.tensor import shard_tensor
 CFG = make_config(TRAIN, MODEL).gpt
 TOKENS = GLOBAL_BATCH * CFG.seq_len + CFG.hidden  # the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
-PARAM_ATOL = adam_atol(steps=STEPS, lr=TRAIN["lr"], n_terms=TOKENS)
 LAYOUTS = [(world, run) for world, runs in RUNS.items() if world > 1 for run in runs]
+
+
+@functools.cache
+def tolerances(serial: str) -> Bounds:
+    """The bounds of the single-process run ``serial`` (its gradient scale measured by the
+    serial reference of the same model and data)."""
+    run = next(r for r in RUNS[1] if r.name == serial)
+    ref = train_serially(run.config("unused", 1), STEPS)
+    return bounds(ref, steps=STEPS, lr=TRAIN["lr"], n_terms=TOKENS)
 
 
 @pytest.mark.parametrize(("world", "run"), LAYOUTS, ids=[run.name for _, run in LAYOUTS])
@@ -45,19 +56,18 @@ def test_the_layout_trains_to_the_single_process_losses_and_parameters(world: in
                                                                        run: Run) -> None:
     assert CFG.n_head == 8 and CFG.kv_heads == 2
     serial = world_run(WORKER, 1).ranks[0][run.serial]
-    n_params = build_model(make_config(TRAIN, {**MODEL, **run.model}).gpt).num_params()
-    loss_tol = loss_atol(steps=STEPS, lr=TRAIN["lr"], n_params=n_params, n_terms=TOKENS)
+    tol = tolerances(run.serial)
     name = run.name
     for rank in world_run(WORKER, world).ranks:
         got = rank[name]
         torch.testing.assert_close(f64(got["losses"]), f64(serial["losses"]), rtol=RTOL,
-                                   atol=loss_tol)
+                                   atol=tol.loss)
         for param, value in got["params"].items():
             want = serial["params"][param]
             spec = got["specs"][param]
             if spec is not None:
                 want = shard_tensor(want, got["tp_rank"], got["tp"], spec)
-            torch.testing.assert_close(value, want, rtol=0, atol=PARAM_ATOL,
+            torch.testing.assert_close(value, want, rtol=0, atol=tol.params,
                                        msg=f"{name}: {param}")
 
 

@@ -26,7 +26,8 @@ from tests.support.moe_workers.cases import (
     serial_reference,
 )
 from tests.support.mpi_runs import world_run
-from tests.support.numerics import adam_atol, assert_within_order, f64, loss_atol, reduction_rtol
+from tests.support.numerics import assert_within_order, f64, reduction_rtol
+from tests.support.serial_reference import Bounds, bounds
 from trainer.parallel.tensor.sharding import shard_tensor
 
 TOKENS = 8 * 16 + 4 * 16  # tokens of a step + the widest matmul (mlp hidden): longest sum
@@ -38,9 +39,8 @@ def ranks() -> list[dict]:
     return world_run(WORKER, WORLD).ranks
 
 
-def loss_tolerance(case: str) -> float:
-    n_params = sum(p.numel() for p in serial_reference(case)["params"].values())
-    return loss_atol(steps=STEPS, lr=LR, n_params=n_params, n_terms=TOKENS)
+def tolerances(case: str) -> Bounds:
+    return bounds(serial_reference(case), steps=STEPS, lr=LR, n_terms=TOKENS)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -49,14 +49,14 @@ def test_losses_equal_the_serial_plain_loop_moe(case: str, layout: str) -> None:
     want = f64(serial_reference(case)["losses"])
     for rank in ranks():
         got = f64(rank[f"{case}/{layout}"]["losses"])
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=loss_tolerance(case))
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=tolerances(case).loss)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_parameter_shard_equals_the_serial_plain_loop_moe(case: str, layout: str) -> None:
     want = serial_reference(case)["params"]
-    atol = adam_atol(steps=STEPS, lr=LR, n_terms=TOKENS)
+    atol = tolerances(case).params
     seen = set()
     for rank in ranks():
         got = rank[f"{case}/{layout}"]
@@ -73,11 +73,10 @@ def test_every_parameter_shard_equals_the_serial_plain_loop_moe(case: str, layou
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_the_first_gradient_norm_equals_the_serial_one(case: str) -> None:
-    want = serial_reference(case)["norms"][0]
-    n_params = sum(p.numel() for p in serial_reference(case)["params"].values())
+    want, atol = serial_reference(case)["norms"][0], tolerances(case).norm
     for layout in LAYOUTS:
         for rank in ranks():
-            assert abs(rank[f"{case}/{layout}"]["norms"][0] - want) <= n_params**0.5 * RTOL * want
+            assert abs(rank[f"{case}/{layout}"]["norms"][0] - want) <= RTOL * want + atol
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

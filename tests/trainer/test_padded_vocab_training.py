@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from tests.support.mpi_runs import world_run
-from tests.support.numerics import adam_atol, f64, float64, loss_atol, reduction_rtol
+from tests.support.numerics import f64, float64, reduction_rtol
 from tests.support.padded_vocab_workers.cases import (
     CASES,
     GLOBAL_BATCH,
@@ -43,6 +43,7 @@ from tests.support.padded_vocab_workers.cases import (
     serial_reference,
 )
 from tests.support.padded_vocab_workers.worker import eval_batch
+from tests.support.serial_reference import Bounds, bounds
 from trainer.model.family import build_model
 
 SEQ, WIDEST = 16, 4 * 32  # the cases' context and MLP width
@@ -51,7 +52,6 @@ SEQ, WIDEST = 16, 4 * 32  # the cases' context and MLP width
 N_TERMS = 1024 + GLOBAL_BATCH * SEQ + WIDEST
 RTOL = reduction_rtol(N_TERMS)
 LR = 3e-3  # the cases' lr: the size of one Adam step
-PARAM_ATOL = adam_atol(steps=STEPS, lr=LR, n_terms=N_TERMS)
 IDS = [c.name for c in CASES]
 VOCAB_WEIGHTS = ("tok_emb.weight", "head.weight")  # one row per vocabulary entry
 
@@ -73,6 +73,10 @@ def merged(c: Case, key: str) -> dict[str, torch.Tensor]:
 
 def unpadded(c: Case) -> dict:
     return serial_reference(c.family, 1)
+
+
+def tolerances(ref: dict) -> Bounds:
+    return bounds(ref, steps=STEPS, lr=LR, n_terms=N_TERMS)
 
 
 def assert_matches_the_unpadded(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
@@ -98,12 +102,10 @@ def test_the_padding_grows_with_tp_as_the_trainer_pads() -> None:
 def test_the_single_process_trains_the_same_model_with_and_without_the_padding(
         family: str) -> None:
     padded, plain = serial_reference(family, MULTIPLE), serial_reference(family, 1)
-    n_params = sum(p.numel() for p in plain["params"].values())
     torch.testing.assert_close(f64(padded["losses"]), f64(plain["losses"]), rtol=RTOL,
-                               atol=loss_atol(steps=STEPS, lr=LR, n_params=n_params,
-                                              n_terms=N_TERMS))
+                               atol=tolerances(plain).loss)
     assert_matches_the_unpadded(padded["params"], plain["params"], tied=False,
-                                atol=PARAM_ATOL)
+                                atol=tolerances(plain).params)
 
 
 @pytest.mark.parametrize("c", CASES, ids=IDS)
@@ -131,14 +133,12 @@ def test_every_layout_computes_the_unpadded_models_loss_of_a_batch(c: Case) -> N
 def test_every_layout_trains_the_losses_and_norms_of_the_unpadded_single_process(c: Case
                                                                                 ) -> None:
     ref = unpadded(c)
-    n_params = sum(p.numel() for p in ref["params"].values())
-    loss_tol = loss_atol(steps=STEPS, lr=LR, n_params=n_params, n_terms=N_TERMS)
+    tol = tolerances(ref)
     for r in ranks():
         got = r[c.name]
         torch.testing.assert_close(f64(got["losses"]), f64(ref["losses"]), rtol=RTOL,
-                                   atol=loss_tol, msg=f"{got['coords']}")
-        torch.testing.assert_close(got["norms"][0], ref["norms"][0], rtol=RTOL,
-                                   atol=n_params**0.5 * RTOL)
+                                   atol=tol.loss, msg=f"{got['coords']}")
+        torch.testing.assert_close(got["norms"][0], ref["norms"][0], rtol=RTOL, atol=tol.norm)
 
 
 @pytest.mark.parametrize("c", CASES, ids=IDS)
@@ -146,5 +146,5 @@ def test_every_layout_ends_with_the_single_process_weights_and_untrained_padded_
         c: Case) -> None:
     tied = config(c.family).gpt.tied and c.pp > 1
     assert_matches_the_unpadded(merged(c, "params"), unpadded(c)["params"], tied=tied,
-                                atol=PARAM_ATOL)
+                                atol=tolerances(unpadded(c)).params)
 

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from tests.support.mpi_runs import world_run
-from tests.support.numerics import adam_atol, loss_atol, reduction_rtol
+from tests.support.numerics import reduction_rtol
 from tests.support.resume_workers.cases import (
     GLOBAL_BATCH,
     LR,
@@ -42,13 +42,14 @@ from tests.support.resume_workers.cases import (
     PAIRS,
     SAVED_AT,
     SEQ,
+    TRAIN,
     WORKER,
     WORLD,
     Pair,
 )
 from tests.support.saved import saved_state, slice_of
+from tests.support.serial_reference import bounds, train_serially
 from trainer.config.options import make_config
-from trainer.model.gpt import GPT
 
 IDS = [p.name for p in PAIRS]
 U_BF16, LAMBDA = 2.0**-8, 5.0  # as tests/trainer/test_mixed_precision.py
@@ -97,18 +98,19 @@ def test_right_after_loading_every_rank_holds_its_slice_of_the_saved_state_bit_f
                 assert torch.equal(param.view(-1), want.to(param.dtype)), (role, placement)
 
 
-def n_params(pair: Pair) -> int:
-    return sum(p.numel() for p in GPT(make_config({"model": "tiny"}, MODELS[pair.model]).gpt
-                                      ).parameters())
+@functools.cache
+def serial(model: str) -> dict:
+    """The single-process fp64 run of ``model`` on the pairs' data, for its parameter count and
+    measured gradient scale (every step, the saved ones and those after the load)."""
+    return train_serially(make_config(TRAIN, MODELS[model]), SAVED_AT + MORE)
 
 
 def tolerances(pair: Pair) -> tuple[float, list[float], float]:
     """(loss rtol, loss atol of every step, parameter atol) between the two continuations."""
     tokens = GLOBAL_BATCH * SEQ + MODELS[pair.model]["d_model"]
     if pair.fp64:
-        return (reduction_rtol(tokens),
-                [loss_atol(steps=MORE, lr=LR, n_params=n_params(pair), n_terms=tokens)] * MORE,
-                adam_atol(steps=MORE, lr=LR, n_terms=tokens))
+        tol = bounds(serial(pair.model), steps=MORE, lr=LR, n_terms=tokens)
+        return reduction_rtol(tokens), [tol.loss] * MORE, tol.params
     # bf16 against fp32 (the side in fp32 gives the norms): tests/trainer/test_mixed_precision.py
     k = 19 * MODELS[pair.model]["n_layer"] + 4
     fp32 = runs(pair, "reference" if pair.saved.options.get("precision") != "bf16"

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 from tests.support.mpi_runs import run_ranks, world_run
-from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.support.numerics import f64, reduction_rtol
+from tests.support.serial_reference import Bounds, bounds
 from tests.support.tp_workers.cases import (
     CASES,
     CKPT_CASE,
@@ -44,18 +45,13 @@ from trainer.training.metrics import read_records
 
 TOKENS = 8 * 16 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
-PARAM_ATOL = adam_atol(steps=STEPS, lr=case_config("tied").optimizer.lr, n_terms=TOKENS)
 
 
-def loss_tolerance(case: str) -> float:
-    n_params = sum(p.numel() for p in serial_reference(case)["params"].values())
-    return loss_atol(steps=STEPS, lr=case_config(case).optimizer.lr, n_params=n_params,
-                     n_terms=TOKENS)
+def tolerances(case: str) -> Bounds:
+    return bounds(serial_reference(case), steps=STEPS, lr=case_config(case).optimizer.lr,
+                  n_terms=TOKENS)
 
 
-def norm_tolerance(case: str) -> float:
-    n_params = sum(p.numel() for p in serial_reference(case)["params"].values())
-    return n_params**0.5 * RTOL  # the 2-norm of a per-element difference of RTOL
 LAYOUTS = [(world, tp, dp) for world in (1, 2, 4) for tp, dp in layouts(world)]
 
 
@@ -76,7 +72,7 @@ def test_losses_match_the_single_process_model(layout: tuple, case: str) -> None
     for rank in ranks:
         torch.testing.assert_close(f64(rank[case]["losses"]),
                                    f64(serial_reference(case)["losses"]),
-                                   rtol=RTOL, atol=loss_tolerance(case))
+                                   rtol=RTOL, atol=tolerances(case).loss)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -85,7 +81,7 @@ def test_grad_norm_counts_replicated_parameters_once_and_equals_the_serial_norm(
     _, _, ranks = layout
     for rank in ranks:
         torch.testing.assert_close(rank[case]["norms"][0], serial_reference(case)["norms"][0],
-                                   rtol=RTOL, atol=norm_tolerance(case))
+                                   rtol=RTOL, atol=tolerances(case).norm)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -95,7 +91,8 @@ def test_reassembled_parameters_match_the_single_process_model(layout: tuple, ca
     got = ranks[0][case]["params"]
     assert got.keys() == expected.keys()
     for name, want in expected.items():
-        torch.testing.assert_close(got[name], want, rtol=0, atol=PARAM_ATOL, msg=name)
+        torch.testing.assert_close(got[name], want, rtol=0, atol=tolerances(case).params,
+                                   msg=name)
 
 
 @pytest.mark.parametrize("case", list(CASES))

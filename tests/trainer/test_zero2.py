@@ -27,9 +27,9 @@ from torch import nn
 
 from tests.support import run_dtrain
 from tests.support.mpi_runs import forked_python, world_run
-from tests.support.numerics import adam_atol, f64, loss_atol, reduction_rtol
+from tests.support.numerics import f64, reduction_rtol
 from tests.support.saved import same_states, saved_state
-from tests.support.serial_reference import train_serially
+from tests.support.serial_reference import Bounds, bounds, train_serially
 from tests.support.zero_workers.stage2 import PAIRS, STAGE2_CASES, STEPS, stage2_config
 from tests.trainer.test_guard import DIVERGING
 from trainer.comm.protocol import DoneHandle, Handle, ReduceOp
@@ -43,7 +43,6 @@ WORKER = "tests.support.zero_workers.stage2:run"
 TOKENS = 8 * 32 + 32  # global batch x seq_len, + d_model: the longest sum in any element
 RTOL = reduction_rtol(TOKENS)
 LR = 3e-3
-PARAM_ATOL = adam_atol(steps=STEPS, lr=LR, n_terms=TOKENS)
 NAMES = [name for name, *_ in STAGE2_CASES]
 
 
@@ -55,6 +54,10 @@ def ranks(world: int) -> list[dict]:
 @functools.cache
 def reference(name: str) -> dict:
     return train_serially(stage2_config(name), STEPS)
+
+
+def tolerances(name: str) -> Bounds:
+    return bounds(reference(name), steps=STEPS, lr=LR, n_terms=TOKENS)
 
 
 # -- the gradient shards, in one process (an in-memory mirror of a second rank) ----------------
@@ -173,9 +176,7 @@ def test_zero2_expected_bytes_shard_the_gradients_too(bf16: bool, per_param: flo
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero2_losses_match_the_single_process_model_for_5_steps(name: str) -> None:
-    ref = reference(name)
-    n_params = sum(p.numel() for p in ref["params"].values())
-    atol = loss_atol(steps=STEPS, lr=LR, n_params=n_params, n_terms=TOKENS)
+    ref, atol = reference(name), tolerances(name).loss
     assert len(ref["losses"]) == STEPS
     for rank in ranks(4):
         torch.testing.assert_close(f64(rank[name][2]["losses"]), f64(ref["losses"]),
@@ -184,11 +185,12 @@ def test_zero2_losses_match_the_single_process_model_for_5_steps(name: str) -> N
 
 @pytest.mark.parametrize("name", NAMES)
 def test_zero2_parameters_match_zero1_on_the_same_layout(name: str) -> None:
+    atol = tolerances(name).params  # the same model and data as the reference
     for rank in ranks(4):
         one, two = rank[name][1], rank[name][2]
         assert two["local"].keys() == one["local"].keys()
         for key, want in one["local"].items():
-            torch.testing.assert_close(two["local"][key], want, rtol=0, atol=PARAM_ATOL,
+            torch.testing.assert_close(two["local"][key], want, rtol=0, atol=atol,
                                        msg=f"rank {rank['rank']}: {key}")
 
 
@@ -197,7 +199,7 @@ def test_zero2_dp4_parameters_match_the_single_process_model() -> None:
     for rank in ranks(4):
         for key, want in ref["params"].items():
             torch.testing.assert_close(rank["dp4"][2]["local"][key], want, rtol=0,
-                                       atol=PARAM_ATOL, msg=key)
+                                       atol=tolerances("dp4").params, msg=key)
 
 
 @pytest.mark.parametrize("name", NAMES)

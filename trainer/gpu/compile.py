@@ -20,7 +20,7 @@ uses the same backend that passed the trial.
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,7 +30,19 @@ from trainer.comm.protocol import Communicator, ReduceOp
 _NONE = 2**62  # no rank failed
 
 
-def compile_blocks(model: nn.Module, batch: int, *, world: Communicator | None = None,
+class Compilable(Protocol):
+    """What `compile_blocks` uses of a model (`trainer.model.gpt.GPT` or a pipeline stage)."""
+
+    blocks: nn.ModuleDict
+    cfg: Any
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
+    def use_plain_ops(self, plain: bool) -> None:
+        """Trace-friendly plain ops in the blocks instead of fused autograd functions."""
+
+
+def compile_blocks(model: Compilable, batch: int, *, world: Communicator | None = None,
                    backend: Any = "inductor") -> bool:
     """Compile the blocks of ``model`` (a `trainer.model.gpt.GPT` or pipeline stage) for
     micro-batches of ``batch`` sequences; True when compiled, False when some rank of
@@ -39,6 +51,7 @@ def compile_blocks(model: nn.Module, batch: int, *, world: Communicator | None =
     (``--compile`` uses inductor)."""
     rank = world.rank if world is not None else 0
     blocks = list(model.blocks.values())
+    model.use_plain_ops(True)  # what the tracer sees (chosen here, once)
     for block in blocks:
         block.forward = torch.compile(block.forward, backend=backend)
     error = _trial(model, blocks[0], batch) if blocks else None
@@ -50,6 +63,7 @@ def compile_blocks(model: nn.Module, batch: int, *, world: Communicator | None =
         return True
     for block in blocks:
         del block.forward  # the class's eager forward again
+    model.use_plain_ops(False)
     if int(first_failed) == rank:
         name = backend if isinstance(backend, str) else getattr(backend, "__name__", "backend")
         print(f"dtrain: --compile failed [rank {rank}, torch.compile {name}]: {error}. "
@@ -59,7 +73,7 @@ def compile_blocks(model: nn.Module, batch: int, *, world: Communicator | None =
     return False
 
 
-def _trial(model: nn.Module, block: nn.Module, batch: int) -> str | None:
+def _trial(model: Compilable, block: nn.Module, batch: int) -> str | None:
     """Forward and backward of ``block`` once; the error text, or None when it compiled."""
     cfg = model.cfg
     weight = next(block.parameters())

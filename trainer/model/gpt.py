@@ -44,7 +44,15 @@ from torch import nn
 
 from trainer.gpu.vocab import mask_padded_vocab
 from trainer.model.config import GPTConfig
-from trainer.model.layers import MLP, Block, make_norm, rope_tables
+from trainer.model.layers import (
+    MLP,
+    Attention,
+    Block,
+    make_norm,
+    plain_qkv,
+    rope_tables,
+    rotary_qkv,
+)
 from trainer.model.precision import at_least_fp32
 
 
@@ -170,6 +178,13 @@ class GPT(nn.Module):
     def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross entropy over every position of the batch."""
         return self.head_loss(self.hidden(idx_BT), targets_BT)
+
+    def use_plain_ops(self, plain: bool) -> None:
+        """Split and rotate q, k, v in plain ops (True: for tracers such as torch.compile and
+        vmap, which cannot see into the fused `RotaryQKV`) or fused (False, the default)."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.split_qkv = plain_qkv if plain else rotary_qkv
 
     def num_params(self) -> int:
         """Parameter count, a tied weight counted once."""

@@ -127,6 +127,26 @@ class RotaryQKV(torch.autograd.Function):
         return grad.view(B, T, 3 * H * K), None, None, None
 
 
+SplitQKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
+                    tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v split from qkv's output and q, k rotated in one autograd pass (`RotaryQKV`)."""
+    q, k, v = RotaryQKV.apply(qkv, cos, sin, head_dim)
+    return q, k, v
+
+
+def plain_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rotary_qkv` in plain ops, for tracers: RotaryQKV's in-place complex views are opaque to
+    fake tensors and batching rules, and a compiler fuses the plain ops anyway."""
+    B, T, _ = qkv.shape
+    q, k, v = qkv.view(B, T, 3, -1, head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
 class Attention(nn.Module):
     """Causal multi-head self-attention with RoPE. TP splits qkv by columns, proj by rows."""
 
@@ -142,6 +162,9 @@ class Attention(nn.Module):
         stream of their own; the serial model uses the default generator."""
         self.core_runner: Runner = run_directly
         """How `core` runs (hook for selective recomputation)."""
+        self.split_qkv: SplitQKV = rotary_qkv
+        """qkv's output -> rotated q, k and v (B, H, T, K): one fused autograd pass, or the
+        plain ops (`plain_qkv`) where they must be traced (compiled blocks, vmap)."""
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(QKᵀ/√K) with dropout, times V: the part that holds O(T²) activations."""
@@ -154,12 +177,7 @@ class Attention(nn.Module):
         # From qkv's output: under sequence parallelism x is a sequence block, qkv's output the
         # whole sequence. The head count is taken from the weight, so a TP shard works as is.
         B, T, _ = qkv.shape
-        if torch.compiler.is_compiling():  # traced once: RotaryQKV's in-place complex views
-            # are opaque to fake tensors, and the compiler fuses the plain ops anyway
-            q, k, v = qkv.view(B, T, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        else:
-            q, k, v = RotaryQKV.apply(qkv, cos, sin, self.head_dim)
+        q, k, v = self.split_qkv(qkv, cos, sin, self.head_dim)
         y = self.core_runner(self.core, q, k, v)
         y_BTD = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y_BTD))
