@@ -52,11 +52,11 @@ VOUCH_S = 60.0  # how long, as the agent waits for its head's SPEC (agent.main.H
 class Relay:
     def __init__(self, body: dict[str, Any], up: Upward,
                  own_pmi: Callable[[dict[str, Any]], None],
-                 connect: Callable[[int], AgentStream] | None = None) -> None:
+                 connect: Callable[[dict[str, Any]], AgentStream] | None = None) -> None:
         """``up``: the agent's link to its parent; ``own_pmi``: a PMI message for this host's
-        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream by its index, or a
-        ConnectError (default: its agent over SSH, as the SUBTREE says; tests and the
-        simulator give their own)."""
+        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream from its SUBTREE
+        node (index, name, hop), or a ConnectError (default: its agent over SSH, as the hop
+        says; tests and the simulator give their own)."""
         self.own = int(body["index"])
         self._connect = connect
         self.up, self._own_pmi = up, own_pmi
@@ -187,10 +187,10 @@ class Relay:
                 self._lost(index, f"the relay could not start it: {exc}", connect=True)
             return
 
-        def over_ssh(index: int) -> AgentStream:
+        def over_ssh(node: dict[str, Any]) -> AgentStream:
             from launcher.transport.ssh import SSHConnection
 
-            conn = SSHConnection.open(hosts[index], opts)
+            conn = SSHConnection.open(hosts[int(node["index"])], opts)
             try:
                 return conn.exec_stream(command)
             except BaseException:
@@ -199,12 +199,12 @@ class Relay:
 
         self._start_children(over_ssh)
 
-    def _start_children(self, connect: Callable[[int], AgentStream]) -> None:
+    def _start_children(self, connect: Callable[[dict[str, Any]], AgentStream]) -> None:
         from launcher.errors import ConnectError
 
         def one(index: int) -> None:
             try:
-                stream = connect(index)
+                stream = connect(self._children[index])
             except ConnectError as exc:
                 self._lost(index, str(exc), connect=True, error=exc)
                 return
