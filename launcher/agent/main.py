@@ -138,10 +138,8 @@ class Agent:
                        float(body.get("grace", wire.Watch.grace)))
         elif kind is wire.Kind.STDIN:
             self._on_stdin(frame.payload)
-        elif kind is wire.Kind.PMI and self.relay is not None and "hosts" in frame.json():
-            self.relay.fence_out(frame.json())  # a fence this relay answered for its subtree
-        elif kind is wire.Kind.PMI and self.pmi is not None:
-            self.pmi.from_head(frame.json())
+        elif kind is wire.Kind.PMI:
+            self._pmi_from_head(frame.json())  # decoded once: a fence's answer holds every card
         elif kind is wire.Kind.PROBE and self.progress is not None:
             self.progress.probe(frame.json(), self._pids())
         elif kind is wire.Kind.QUERY:
@@ -200,6 +198,12 @@ class Agent:
             self.relay.own_barrier(msg)
         else:
             self.link.send_json(wire.Kind.PMI, msg)
+
+    def _pmi_from_head(self, msg: dict[str, Any]) -> None:
+        if self.relay is not None and "hosts" in msg:
+            self.relay.fence_out(msg)  # a fence this relay answered for its subtree
+        elif self.pmi is not None:
+            self.pmi.from_head(msg)
 
     def _pmi_down(self, msg: dict[str, Any]) -> None:
         if self.pmi is not None:

@@ -58,6 +58,7 @@ class ProgressMonitor:
         self.opts, self._probe, self._say, self.log_dir = opts, probe, say, log_dir
         self.views: dict[int, RankView] = {}
         self.received: dict[int, float] = {}  # rank -> when its view arrived (head's clock)
+        self._fresh: set[int] = set()  # ranks whose views arrived since the clock's last look
         # rank -> (steps, their compute seconds): the records' own average covers only the last
         # few steps, so the end-of-run verdict sums each view's average over the steps it saw.
         self._run_compute: dict[int, tuple[int, float]] = {}
@@ -75,6 +76,7 @@ class ProgressMonitor:
             self._count_steps(view)
             self.views[view.rank] = view
             self.received[view.rank] = now
+            self._fresh.add(view.rank)
         probing = self._probing
         if probing is not None and body.get("probe") == probing["id"]:
             probing["stacks"].update({int(r): s for r, s in (body.get("stacks") or {}).items()})
@@ -107,7 +109,7 @@ class ProgressMonitor:
             self.print_status()
         if self.clock is None:
             return None
-        self.clock.update(self.views, now)
+        self.clock.update(self.views, now, self._fresh)
         if self._probing is not None:
             if self._probing["pending"] & hosts and now < self._probing["until"]:
                 return None

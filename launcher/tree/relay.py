@@ -135,11 +135,13 @@ class Relay:
         """The parent's ``barrier_out`` for the hosts this relay covered."""
         with self._lock:
             pairs = self.fence.out(msg)
+        cards: bytes | None = None  # every child's answer carries the same cards: encoded once
         for hop, body in pairs:
             if hop == self.own:
                 self._own_pmi(body)
-            else:
-                self._send(hop, wire.encode_json(wire.Kind.PMI, body))
+                continue
+            cards = cards if cards is not None else wire.encode_value(body["kv"])
+            self._send(hop, wire.encode_json_shared(wire.Kind.PMI, body, "kv", cards))
 
     def linger(self, events: queue.Queue[Any], ended: Callable[[Any], bool]) -> None:
         """After the own agent is done: carry the children's streams until they end, or the
