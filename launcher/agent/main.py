@@ -124,9 +124,11 @@ class Agent:
         if kind is wire.Kind.ROUTED and self.relay is not None:
             self.relay.down(frame)
         elif kind is wire.Kind.SUBTREE and self.relay is None:
+            from launcher.agent.writer import FrameWriter
             from launcher.tree.relay import Relay
 
-            self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect)
+            self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect,
+                               writer=FrameWriter)
             self.relay.start()
         elif kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
