@@ -1,6 +1,6 @@
 """The head at 256-4,096 hosts x 8 ranks, on a simulated cluster (`testbed.simcluster`).
 
-    python -m bench.sim_scale [--sizes 256,1024,4096] [--per-host 8] [--fanout K]
+    python -m bench.sim_scale [--sizes 256,1024,4096] [--per-host 8] [--fanouts 0,32]
                               [--rendezvous 1024]
 
 The head is `dtrain launch` itself (its own process, `testbed.simhead`); each host is the real
@@ -26,8 +26,9 @@ ones aside) equal, and the head's CPU ratio (target within 20%).
 
 All of it runs on this machine: the agents' and fake ranks' CPU competes with the head's (2
 cores here), so times are upper bounds for a head with a machine of its own; the head's CPU
-seconds are its own. ``--fanout K`` passes the option to `dtrain launch` (the tree launch of
-issue 39) and labels the rows ``tree``; without it the launch is flat.
+seconds are its own. Each size runs flat (``--fanout 0``) and as a tree (``--fanout 32``, the
+automatic default above 64 hosts: relays are real agents reaching their hosts over the
+simulator's links), labelled ``flat`` and ``tree``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from typing import Any
 from bench import common
 
 SIZES = (256, 512, 1024, 4096)
+#: Flat (``--fanout 0``: left to its default, a launch above 64 hosts fans out) and the tree
+#: at the automatic fan-out (`launcher.tree.shape.AUTO_FANOUT`).
+FANOUTS = (0, 32)
 PER_HOST = 8
 FIDELITY_HOSTS = 8
 CLOCKED = {"HEARTBEAT", "PROGRESS"}
@@ -161,21 +165,23 @@ def _counted(result: dict[str, Any]) -> dict[str, dict[str, int]]:
             for d, kinds in result["frames"].items()}
 
 
-def run(sizes: Sequence[int] = SIZES, per_host: int = PER_HOST, *, fanout: int | None = None,
-        fidelity_hosts: int = FIDELITY_HOSTS, rendezvous: Sequence[int] = (1024,),
-        budget_s: float = 900.0,
+def run(sizes: Sequence[int] = SIZES, per_host: int = PER_HOST, *,
+        fanouts: Sequence[int] = FANOUTS, fidelity_hosts: int = FIDELITY_HOSTS,
+        rendezvous: Sequence[int] = (1024,), budget_s: float = 900.0,
         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Fidelity rows, one row per size, the fits, then rendezvous mode at ``rendezvous``
-    sizes (the head listens, every simulated host joins it: token handshake, roster; its
-    ``joined_s`` is when the last agent was admitted). A size whose wall time, extrapolated
-    from the size before, exceeds ``budget_s`` is skipped, with the reason."""
+    """Fidelity rows, then per fan-out in ``fanouts`` (0: flat, K: ``--fanout K``, the tree)
+    one row per size and the fits, then rendezvous mode at ``rendezvous`` sizes (the head
+    listens, every simulated host joins it: token handshake, roster; its ``joined_s`` is when
+    the last agent was admitted). A size whose wall time, extrapolated from the size before,
+    exceeds ``budget_s`` is skipped, with the reason."""
     say = progress or (lambda line: None)
-    extra = ("--fanout", str(fanout)) if fanout is not None else ()
-    mode = "tree" if fanout else "flat"
-    rows = fidelity(fidelity_hosts, per_host, extra) if fidelity_hosts else []
+    rows = fidelity(fidelity_hosts, per_host, ("--fanout", "0")) if fidelity_hosts else []
     say(f"fidelity at {fidelity_hosts} hosts: {rows[-1] if rows else 'skipped'}")
-    rows += _sizes(sizes, per_host, mode, extra, budget_s, say, rendezvous=False)
-    rows += _fit_rows(rows, mode)
+    for fanout in fanouts:
+        mode = "tree" if fanout else "flat"
+        rows += _sizes(sizes, per_host, mode, ("--fanout", str(fanout)), budget_s, say,
+                       rendezvous=False)
+        rows += _fit_rows(rows, mode)
     return rows + _sizes(rendezvous, per_host, "rendezvous", (), budget_s, say,
                          rendezvous=True)
 
@@ -230,12 +236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--per-host", type=int, default=PER_HOST)
-    ap.add_argument("--fanout", type=int, default=None)
+    ap.add_argument("--fanouts", default=",".join(map(str, FANOUTS)),
+                    help="0 flat, K the tree with --fanout K; comma-separated")
     ap.add_argument("--fidelity-hosts", type=int, default=FIDELITY_HOSTS)
     ap.add_argument("--rendezvous", default="1024", help="sizes in rendezvous mode ('' none)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
-    rows = run([int(s) for s in args.sizes.split(",")], args.per_host, fanout=args.fanout,
+    rows = run([int(s) for s in args.sizes.split(",")], args.per_host,
+               fanouts=[int(k) for k in args.fanouts.split(",") if k],
                fidelity_hosts=args.fidelity_hosts,
                rendezvous=[int(n) for n in args.rendezvous.split(",") if n],
                progress=lambda line: print(line, flush=True))

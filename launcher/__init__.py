@@ -67,6 +67,8 @@ launcher/ and trainer/ never import each other.
                  head_link     the agent's end of the stream to the head
                  writer        one thread writes every frame; rank output back-pressured
                  stdin         rank 0's stdin, written by a thread of its own
+                 host          the agent's hands on its host: start a rank, read /proc, the
+                               records' folder, strays (adapter; the simulator passes its own)
                  ranks         rank processes: own process group, parent-death signal (adapter)
                  descendants   subreaper; stray descendants (setsid) stopped with the job
                  pmi_sockets   PMI_FD / PMI_PORT sockets for the host's ranks (adapter)

@@ -135,7 +135,8 @@ def run_launch(req: LaunchRequest) -> int:
     if tree is not None:
         from launcher.tree.head import open_tree
 
-        streams = open_tree(active, tree, python=req.remote_python, ssh=req.ssh)
+        streams = open_tree(active, tree, python=req.remote_python, ssh=req.ssh,
+                            transport=transport)
     else:
         streams = open_streams(active, python=req.remote_python, ssh=req.ssh,
                                transport=transport, retry_for=req.supervise.launch_timeout)
@@ -148,19 +149,22 @@ def run_launch(req: LaunchRequest) -> int:
 
 def _tree(req: LaunchRequest, active: Sequence[selection.HostSlots],
           transport: table.Transport) -> Tree | None:
-    """The fan-out of an ssh launch (`launcher.tree`), None for a flat one. Left to its
-    default, a launch the tree cannot carry (a local host, the openssh client) is flat."""
+    """The fan-out of a launch whose transport has relays (`launcher.tree`), None for a flat
+    one. Left to its default, a launch the tree cannot carry (a local host, the openssh
+    client) is flat."""
     tree = Tree(len(active), choose_fanout(req.fanout, len(active)))
     if tree.flat:
         return None
     from launcher.tree.hops import RELAY_CLIENT
 
-    carried = (transport.name == table.DEFAULT_LAUNCHER and req.ssh.client == RELAY_CLIENT
-               and not any(h.entry.is_local for h in active))
+    carried = bool(transport.relays) and (
+        transport.name != table.DEFAULT_LAUNCHER
+        or req.ssh.client == RELAY_CLIENT and not any(h.entry.is_local for h in active))
     if req.fanout is None and not carried:
         return None
-    if transport.name != table.DEFAULT_LAUNCHER:
-        raise UsageError(f"--fanout is for --launcher {table.DEFAULT_LAUNCHER}", "--fanout",
+    if not transport.relays:
+        relaying = ", ".join(t.name for t in table.TRANSPORTS if t.relays)
+        raise UsageError(f"--fanout is for --launcher {relaying}", "--fanout",
                          f"--launcher {transport.name} starts its agents itself",
                          "drop --fanout")
     return tree

@@ -104,6 +104,20 @@ def encode_json(kind: Kind, obj: dict[str, Any] | None = None) -> bytes:
     return encode(kind, body)
 
 
+def encode_value(value: Any) -> bytes:
+    """``value`` as JSON, for `encode_json_shared`."""
+    return json.dumps(value, separators=(",", ":")).encode("utf-8")
+
+
+def encode_json_shared(kind: Kind, obj: dict[str, Any], key: str, encoded: bytes) -> bytes:
+    """`encode_json` of ``obj`` whose ``obj[key]`` is already encoded (`encode_value`): a
+    large value shared by many messages (a fence's cards, sent to every relay with its own
+    host list) is encoded once, not once per message."""
+    rest = encode_value({k: v for k, v in obj.items() if k != key})[:-1]
+    return encode(kind, b"".join((rest, b"," if len(rest) > 1 else b"", encode_value(key),
+                                  b":", encoded, b"}")))
+
+
 def encode_output(rank: int, stream: int, data: bytes) -> bytes:
     return encode(Kind.OUTPUT, _OUTPUT_HEADER.pack(rank, stream) + data)
 

@@ -3,28 +3,29 @@
 ``python -m testbed.simcluster --stats FILE`` listens on a loopback port (printed as its first
 line of stdout) and serves every TCP connection to it as one host: the connection's first line
 names the host, then it carries the head's frames exactly as an SSH channel would. Each host is
-the real agent (`launcher.agent.main.Agent` with its `HeadLink`, `FrameWriter`, `PmiSockets`
-and `PmiProxy`), unchanged. What is simulated is below the agent:
+the real agent (`launcher.agent.main.Agent` with its `HeadLink`, `FrameWriter`, `PmiSockets`,
+`PmiProxy` and, when the head sends it a SUBTREE, its `launcher.tree.relay.Relay`), run as
+`launcher.agent.serve.run` runs it. What is simulated is below the agent, in the host adapter
+it takes (`launcher.agent.host.Host`; here `SimHost`, one per simulated host):
 
-* ranks: the agent's subprocess adapter (`launcher.agent.main.start_rank`) is replaced in this
-  process by one that takes the rank's end of its PMI_FD socket pair, as a forked rank would
+* ranks: `start_rank` takes the rank's end of its PMI_FD socket pair, as a forked rank would
   inherit it, and hands it to one `FakeRanks` thread per process, which plays MPICH's PMI-1
   conversation (`testbed.simrank`) for every rank of every host here, then "exits" (the
   agent's queue gets `RankExited`, as from its reaper thread). A KILL or BYE ends a fake rank
   like a signal (exit 128+sig).
-* the ranks' /proc readings: the agent's progress records read each rank's CPU time from
-  /proc/<pid>/stat every second. A fake rank has no process of its own (its pid is this
+* the ranks' /proc readings (`stat`): a fake rank has no process of its own (its pid is this
   process's, shared by thousands), so the reading says "running, CPU unknown", as for a pid
   that cannot be read; the records themselves and their PROGRESS frames are unchanged.
-* the host's /dev/shm: each agent keeps its ranks' progress records in a folder there and
-  first sweeps away what dead agents of the host left. Simulated hosts would all share one
-  /dev/shm, so each sweep would read every other host's folder: O(hosts) per host, O(hosts^2)
-  here, for a handful of entries on a real host. Here the folders go to a private temporary
-  folder of this process (removed at its end) and the sweep finds nothing to judge.
-* the host's process tree: `descendants` walks /proc for processes the job left behind. Here
-  every simulated host shares one process, which has no children, so the walk finds nothing;
-  it is skipped (it would cost a /proc scan per host, serialised on this machine's two
-  cores, where real hosts scan in parallel).
+* the host's /dev/shm (`records_folder`): a real agent keeps its ranks' progress records in a
+  folder there and first sweeps away what dead agents of the host left. Simulated hosts would
+  all share one /dev/shm, so each sweep would read every other host's folder: O(hosts) per
+  host, O(hosts^2) here, for a handful of entries on a real host. Here the folders go to a
+  private temporary folder of this process (removed at its end), with no sweep.
+* the host's process tree (`kill_strays`, `signal_descendants`): every simulated host shares
+  one process, which has no children, so there is nothing to walk.
+* a relay's hops (`connect_child`): a relay reaches a host below it as the head reaches the
+  hosts it starts, a TCP connection to the simcluster port its SUBTREE hop names
+  (`testbed.simhead.describe_sim`), so a tree launch's relays are real agents too.
 
 The process exits when its stdin closes (the bench or test that started it is done or dead)
 and then writes, as JSON to ``--stats``, every fake rank's timestamps (CLOCK_MONOTONIC, which
@@ -44,9 +45,9 @@ import shutil
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,9 +55,9 @@ from typing import Any
 from testbed.simrank import PEER_GETS, Conversation
 
 #: A thread's stack here: 4 threads per simulated host (agent loop, head reader, frame
-#: writer, PMI selector) x 1,000 hosts would reserve 8 GiB of address space at the default.
+#: writer, PMI selector; a relay one more per child) x 1,000 hosts would reserve 8 GiB of
+#: address space at the default.
 STACK_BYTES = 512 * 1024
-FLUSH_S = 2.0  # as `launcher.agent.serve`: the last frames' time to reach the head
 
 
 @dataclass
@@ -192,7 +193,7 @@ def _fake_rank_class() -> type:
     return Fake
 
 
-FakeRank: Any = None  # set by `install` (the class needs the agent's modules)
+FakeRank: Any = None  # set by `sim_host_class` (the class needs the agent's modules)
 
 
 class _FakeProc:
@@ -204,38 +205,48 @@ class _FakeProc:
         self.stdin = stdin
 
 
-def install(driver: FakeRanks) -> Callable[..., Any]:
-    """Fake ranks for every agent of this process; returns the fake `start_rank`."""
+def sim_host_class() -> type:
+    """`SimHost`: the agent's `launcher.agent.host.Host` for one simulated host of this
+    process (imported lazily, as `FakeRank`): its ranks are conversations played by
+    ``driver``, its /proc reading says "running, CPU unknown", its records' folder is in this
+    process's private folder with nothing to sweep, and it has no stray processes."""
     global FakeRank
-    from launcher.agent import main as agent_main
+    from launcher.agent.host import Host
 
-    FakeRank = _fake_rank_class()
-    hosts = threading.local()  # the agent thread's host name, for the stamps
+    FakeRank = FakeRank or _fake_rank_class()
 
-    def start_rank(rank: int, argv: Sequence[str], env: Mapping[str, str], cwd: str,
-                   pass_fds: Sequence[int], stdin_pipe: bool = False) -> Any:
-        world = int(env.get("PMI_SIZE") or env.get("WORLD_SIZE") or 1)
-        # The rank's own copy of its socket end, as fork would give it: the agent closes its
-        # copy of the child end right after this returns (PmiSockets.started).
-        sock = socket.socket(fileno=os.dup(pass_fds[0]))
-        sock.setblocking(True)
-        stdin = open(os.devnull, "wb") if stdin_pipe else None  # noqa: SIM115 (rank 0's)
-        return FakeRank(rank, _FakeProc(stdin), host=getattr(hosts, "name", ""), sock=sock,
-                        talk=Conversation(rank, world, driver.gets), driver=driver)
+    class SimHost(Host):
+        def __init__(self, name: str, driver: FakeRanks, records: str) -> None:
+            self.name, self.driver, self.records = name, driver, records
 
-    import tempfile
+        def start_rank(self, rank: int, argv: Sequence[str], env: Mapping[str, str],
+                       cwd: str, pass_fds: Sequence[int], stdin_pipe: bool = False) -> Any:
+            world = int(env.get("PMI_SIZE") or env.get("WORLD_SIZE") or 1)
+            # The rank's own copy of its socket end, as fork would give it: the agent closes
+            # its copy of the child end right after this returns (PmiSockets.started).
+            sock = socket.socket(fileno=os.dup(pass_fds[0]))
+            sock.setblocking(True)
+            stdin = open(os.devnull, "wb") if stdin_pipe else None  # noqa: SIM115 (rank 0's)
+            return FakeRank(rank, _FakeProc(stdin), host=self.name, sock=sock,
+                            talk=Conversation(rank, world, self.driver.gets),
+                            driver=self.driver)
 
-    from launcher.agent import leftovers, progress
+        def stat(self, pid: int | None) -> tuple[str, float | None, bool]:
+            return "running", None, False
 
-    agent_main.start_rank = start_rank  # type: ignore[assignment]
-    progress._SHM = tempfile.mkdtemp(prefix="dtrain-simshm-")
-    leftovers.sweep = lambda base, ours: []  # type: ignore[assignment]
-    progress._stat = lambda pid: ("running", None, False)  # type: ignore[assignment]
-    agent_main.descendants = types.SimpleNamespace(  # type: ignore[assignment]
-        kill_strays=lambda keep=frozenset(), rounds=5: None,
-        signal_descendants=lambda sig, keep=frozenset(): [])
-    start_rank.hosts = hosts  # type: ignore[attr-defined]
-    return start_rank
+        def records_folder(self, job_id: str) -> str:
+            import tempfile
+
+            return tempfile.mkdtemp(prefix=f"{self.name}-{job_id}-", dir=self.records)
+
+        def kill_strays(self, keep: frozenset[int] = frozenset()) -> None:
+            pass
+
+        def signal_descendants(self, sig: int, keep: frozenset[int] = frozenset()
+                               ) -> list[Any]:
+            return []
+
+    return SimHost
 
 
 class _Conn:
@@ -257,10 +268,27 @@ class _Conn:
         return self.sock.send(data)
 
 
-def serve_host(sock: socket.socket, start_rank: Any, codes: dict[str, int]) -> None:
+def connect_child(node: dict[str, Any]) -> Any:
+    """A relay's stream to a host below it (`launcher.tree.relay.Relay`'s ``connect``): the
+    simcluster port its SUBTREE hop names (`testbed.simhead.describe_sim`), as the head
+    reaches the hosts it starts."""
+    from testbed.simhead import SimAgentStream
+
+    return SimAgentStream(str(node["name"]), int(node["hop"]["port"]))
+
+
+def run_agent(link: Callable[[Any], Any], host: Any) -> int:
+    """The real agent of one simulated host, run as `launcher.agent.serve` runs it (a relay
+    when the head says SUBTREE, its children reached by `connect_child`)."""
+    from launcher.agent import serve
+    from launcher.agent.main import Agent
+
+    return serve.run(Agent(link, relay_connect=connect_child, host=host))
+
+
+def serve_host(sock: socket.socket, hosts: Callable[[str], Any], codes: dict[str, int]) -> None:
     """One simulated host: its name, then the real agent over the connection."""
     from launcher.agent.head_link import HeadLink
-    from launcher.agent.main import Agent
 
     header = b""
     while b"\n" not in header:
@@ -271,24 +299,13 @@ def serve_host(sock: socket.socket, start_rank: Any, codes: dict[str, int]) -> N
         header += chunk
     name, _, rest = header.partition(b"\n")
     host = name.decode()
-    start_rank.hosts.name = host
     conn = _Conn(sock, rest)
-    agent = Agent(lambda events: HeadLink(events, conn.read, conn))
-    code = agent.run()
-    agent.link.flush(FLUSH_S)
-    codes[host] = code
+    codes[host] = run_agent(lambda events: HeadLink(events, conn.read, conn), hosts(host))
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     sock.close()
-
-
-def progress_folder() -> str:
-    """Where this process's agents keep their ranks' progress records (see `install`)."""
-    from launcher.agent import progress
-
-    return progress._SHM
 
 
 def raise_fd_limit() -> None:
@@ -310,7 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     threading.stack_size(STACK_BYTES)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides, as for a real agent
     driver = FakeRanks(args.gets)
-    start_rank = install(driver)
+    records = tempfile.mkdtemp(prefix="dtrain-simshm-")
+    sim_host = sim_host_class()
+
+    def hosts(name: str) -> Any:
+        return sim_host(name, driver, records)
+
     codes: dict[str, int] = {}
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -320,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         while True:
             sock, _ = listener.accept()
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=serve_host, args=(sock, start_rank, codes),
+            threading.Thread(target=serve_host, args=(sock, hosts, codes),
                              daemon=True).start()
 
     threading.Thread(target=accept, name="accept", daemon=True).start()
@@ -331,14 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         host, _, port = args.join.rpartition(":")
         for name in args.names.split(","):
             threading.Thread(target=join_host, args=(name, (host, int(port)), args.token_file,
-                                                     start_rank, codes, args.join_timeout),
+                                                     hosts, codes, args.join_timeout),
                              daemon=True).start()
     sys.stdout.write(f"{listener.getsockname()[1]}\n")
     sys.stdout.flush()
     sys.stdin.buffer.read()  # until whoever started us closes our stdin (or dies)
     stamps = [{"host": s.host, "rank": s.rank, "running": s.running, **s.marks, "exit": s.exit,
                "code": s.code} for s in list(driver.stamps)]
-    shutil.rmtree(progress_folder(), ignore_errors=True)
+    shutil.rmtree(records, ignore_errors=True)
     with open(args.stats, "w") as out:
         json.dump({"ranks": stamps, "agents": codes, "pid": os.getpid(),
                    "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),

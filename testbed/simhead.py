@@ -10,7 +10,8 @@ table row the launch finds its agents through (`transport.table` is the one plac
 asks; this process adds rows to it, nothing else of the launcher changes):
 
     sim          host i is a TCP connection on loopback to the i-th simcluster port (round
-                 robin), its first line the host's name; the agent there is the real one
+                 robin), its first line the host's name; the agent there is the real one;
+                 with --fanout, relays dial their hosts' ports the same way
     counted      the ssh launcher's own rows (local subprocess, paramiko, openssh), each
                  stream counted the same way (real agents, for the fidelity comparison)
     counted-local  every host a local agent subprocess whatever its name (real agents on
@@ -33,6 +34,7 @@ import struct
 import sys
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -49,17 +51,20 @@ class FrameCounter:
     """Frames and bytes per (direction, kind) on one stream; PMI frames by their ``op``.
 
     It reads only the frame headers (and a PMI frame's first bytes, where its ``op`` is),
-    never copies or decodes a payload: it runs inside the head's process, whose CPU is
-    measured (a barrier_out carries every card of the job to every host)."""
+    never copies or decodes a payload but a ROUTED frame's (a fan-out's: small frames of the
+    hosts below a relay, each counted under its own kind as well): it runs inside the head's
+    process, whose CPU is measured (a barrier_out carries every card of the job)."""
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
         self.bytes: Counter[tuple[str, str]] = Counter()
         self._scan = {"out": _Scanner(), "in": _Scanner()}
 
-    def feed(self, direction: str, data: bytes) -> None:
-        for kind, size, peek in self._scan[direction].feed(data):
+    def feed(self, direction: str, data: bytes, scanner: _Scanner | None = None) -> None:
+        for kind, size, peek in (scanner or self._scan[direction]).feed(data):
             name = wire.Kind(kind).name
+            if kind == wire.Kind.ROUTED:  # peek: the whole payload (`_Scanner`)
+                self.feed(direction, peek[_INDEX_BYTES:], _Scanner())
             if kind == wire.Kind.PMI:
                 found = _OP.search(peek)
                 name = f"PMI:{found.group(1).decode() if found else '?'}"
@@ -70,15 +75,18 @@ class FrameCounter:
 _OP = re.compile(rb'"op":\s*"([A-Za-z_]+)"')
 _HEADER = struct.Struct("!IB")  # launcher.wire's: length (kind + payload), kind
 _PEEK = 64
+_INDEX_BYTES = 4  # a ROUTED frame's host index (launcher.wire)
 
 
 class _Scanner:
-    """Whole frames' (kind, size, first payload bytes) from a stream fed in any pieces."""
+    """Whole frames' (kind, size, first payload bytes: all of a ROUTED frame's) from a stream
+    fed in any pieces."""
 
     def __init__(self) -> None:
         self._header = b""
         self._left = 0      # payload bytes of the current frame still to come
         self._kind = self._size = 0
+        self._want = _PEEK  # payload bytes to keep: a PMI frame's op, a ROUTED frame's all
         self._peek = b""
 
     def feed(self, data: bytes) -> list[tuple[int, int, bytes]]:
@@ -93,12 +101,13 @@ class _Scanner:
                     break
                 length, self._kind = _HEADER.unpack(self._header)
                 self._header, self._size, self._left, self._peek = b"", 4 + length, length - 1, b""
+                self._want = length if self._kind == wire.Kind.ROUTED else _PEEK
                 if not self._left:
                     done.append((self._kind, self._size, b""))
                     continue
             take = min(self._left, end - at)
-            if len(self._peek) < _PEEK:
-                self._peek += data[at:at + min(take, _PEEK - len(self._peek))]
+            if len(self._peek) < self._want:
+                self._peek += data[at:at + min(take, self._want - len(self._peek))]
             at += take
             self._left -= take
             if not self._left:
@@ -213,12 +222,26 @@ class SimAgentStream:
         return None
 
 
-def start_sim(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
-    """The `sim` row: host i on simcluster port i mod len(PORTS), every stream counted."""
+def port_for(name: str) -> int:
+    """The simcluster port of host ``name``: sim<i> on port i-1 mod len(PORTS) (round robin
+    in host order), other names by a checksum."""
     if not PORTS:
         raise RuntimeError("no simcluster ports: run through testbed.simhead.main")
-    return [CountingStream(SimAgentStream(h.entry.name, PORTS[i % len(PORTS)]))
-            for i, h in enumerate(selected)]
+    digits = name[3:] if name.startswith("sim") else ""
+    number = int(digits) - 1 if digits.isdigit() else zlib.crc32(name.encode())
+    return PORTS[number % len(PORTS)]
+
+
+def start_sim(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
+    """The `sim` row: each host on its simcluster port (`port_for`), every stream counted."""
+    return [CountingStream(SimAgentStream(h.entry.name, port_for(h.entry.name)))
+            for h in selected]
+
+
+def describe_sim(entries: Sequence[Any], ssh: Any) -> list[dict[str, Any]]:
+    """The `sim` row's relays: the hop to each host below a relay is its simcluster port
+    (`testbed.simcluster.connect_child` dials it)."""
+    return [{"hostname": "127.0.0.1", "port": port_for(e.name)} for e in entries]
 
 
 def start_counted(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
@@ -258,12 +281,14 @@ def install() -> None:
 
     from launcher.transport import table
 
-    rows = [table.Transport(name, table.Flow.DISPATCH, summary, f"testbed.simhead:{entry}")
-            for name, summary, entry in (
-                ("sim", "agents of simulated hosts (testbed.simcluster)", "start_sim"),
-                ("counted", "the ssh launcher, frames counted", "start_counted"),
+    rows = [table.Transport(name, table.Flow.DISPATCH, summary, f"testbed.simhead:{entry}",
+                            relays=relays)
+            for name, summary, entry, relays in (
+                ("sim", "agents of simulated hosts (testbed.simcluster)", "start_sim",
+                 "testbed.simhead:describe_sim"),
+                ("counted", "the ssh launcher, frames counted", "start_counted", ""),
                 ("counted-local", "local agents under any name, frames counted",
-                 "start_counted_local"))]
+                 "start_counted_local", ""))]
     known = {t.name for t in table.TRANSPORTS}
     table.TRANSPORTS = (*(dataclasses.replace(t, entry="testbed.simhead:join_counted")
                           if t.flow is table.Flow.JOIN else t for t in table.TRANSPORTS),

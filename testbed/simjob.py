@@ -192,6 +192,7 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         "head_maxrss_mib": round(head_stats["maxrss_kib"] / 1024, 1),
         "workers_cpu_s": round(worker_cpu, 3),
         "frames": head_stats["frames"],
+        "stderr_head": head.stderr.decode(errors="replace")[:2000],  # the first failure
         "stderr_tail": head.stderr.decode(errors="replace")[-2000:],
     }
 

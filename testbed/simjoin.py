@@ -12,20 +12,18 @@ import threading
 import types
 from typing import Any
 
-FLUSH_S = 2.0  # as `launcher.agent.serve`: the last frames' time to reach the head
 
-
-def join_host(name: str, where: tuple[str, int], token_file: str, start_rank: Any,
+def join_host(name: str, where: tuple[str, int], token_file: str, hosts: Any,
               codes: dict[str, int], timeout: float) -> None:
     """One simulated host in rendezvous mode: the real join (`launcher.rendezvous.join`:
     connect, token handshake, JOIN, ADMIT), then the real agent over the sealed channel, as
-    `dtrain agent --rendezvous` runs it. The host's name is the thread's (`_named_socket`)."""
+    `dtrain agent --rendezvous` runs it. The host's name is the thread's (`_named_socket`);
+    ``hosts(name)`` its `launcher.agent.host.Host` (`testbed.simcluster`)."""
     from launcher.agent.head_link import HeadLink
-    from launcher.agent.main import Agent
     from launcher.rendezvous import join
     from launcher.rendezvous.options import JoinOptions, read_token
 
-    _NAMES.name = start_rank.hosts.name = name
+    _NAMES.name = name
     number = int("".join(c for c in name if c.isdigit()) or 0)
     _NAMES.address = f"127.{1 + number // 62500}.{number // 250 % 250}.{1 + number % 250}"
     try:
@@ -35,9 +33,9 @@ def join_host(name: str, where: tuple[str, int], token_file: str, start_rank: An
         sys.stderr.write(f"simcluster: {name} did not join: {exc}\n")
         codes[name] = -1
         return
-    agent = Agent(lambda events: HeadLink(events, sealed.read, sealed))
-    codes[name] = agent.run()
-    agent.link.flush(FLUSH_S)
+    from testbed.simcluster import run_agent
+
+    codes[name] = run_agent(lambda events: HeadLink(events, sealed.read, sealed), hosts(name))
     try:  # as the agent process's exit closes its connection
         sealed.sock.shutdown(socket.SHUT_RDWR)
     except OSError:

@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import workerenv
 from launcher import netroute, wire
-from launcher.agent import descendants, facts
+from launcher.agent import facts
 from launcher.agent.head_link import Eof, HeadLink
+from launcher.agent.host import Host
 from launcher.agent.progress import ProgressReporter
-from launcher.agent.ranks import RankExited, RankProcess, check_job, start_rank
+from launcher.agent.ranks import RankExited, RankProcess, check_job
 from launcher.agent.stdin import RankStdin
 from launcher.plan.environment import rank_environment
 
@@ -41,11 +42,15 @@ SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 class Agent:
     def __init__(self, connect: Callable[[queue.Queue[Any]], HeadLink],
-                 relay_connect: Callable[[int], Any] | None = None) -> None:
+                 relay_connect: Callable[[dict[str, Any]], Any] | None = None,
+                 host: Host | None = None) -> None:
         """``connect`` makes the link to the head from the agent's event queue (stdin/stdout,
         a rendezvous socket; a pair of pipes in the core tests); ``relay_connect``, as a
-        relay, a child's stream by its index (default: over SSH; `launcher.tree.relay`)."""
+        relay, a child's stream from its SUBTREE node (default: over SSH;
+        `launcher.tree.relay`); ``host``, what starts ranks and reads and cleans the host
+        (`launcher.agent.host`; the simulated cluster gives its own)."""
         self.relay_connect = relay_connect
+        self.host = host or Host()
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
         self.ranks: dict[int, RankProcess] = {}
@@ -119,9 +124,11 @@ class Agent:
         if kind is wire.Kind.ROUTED and self.relay is not None:
             self.relay.down(frame)
         elif kind is wire.Kind.SUBTREE and self.relay is None:
+            from launcher.agent.writer import FrameWriter
             from launcher.tree.relay import Relay
 
-            self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect)
+            self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect,
+                               writer=FrameWriter)
             self.relay.start()
         elif kind is wire.Kind.SPEC:
             self._on_spec(frame.json())
@@ -133,10 +140,8 @@ class Agent:
                        float(body.get("grace", wire.Watch.grace)))
         elif kind is wire.Kind.STDIN:
             self._on_stdin(frame.payload)
-        elif kind is wire.Kind.PMI and self.relay is not None and "hosts" in frame.json():
-            self.relay.fence_out(frame.json())  # a fence this relay answered for its subtree
-        elif kind is wire.Kind.PMI and self.pmi is not None:
-            self.pmi.from_head(frame.json())
+        elif kind is wire.Kind.PMI:
+            self._pmi_from_head(frame.json())  # decoded once: a fence's answer holds every card
         elif kind is wire.Kind.PROBE and self.progress is not None:
             self.progress.probe(frame.json(), self._pids())
         elif kind is wire.Kind.QUERY:
@@ -175,7 +180,8 @@ class Agent:
                 spec.job_id, spec.ranks[0].env.get(workerenv.HOST, "") if ranks else "",
                 ranks, spec.progress_interval,
                 lambda body: self.link.send_json(wire.Kind.PROGRESS, body),
-                lambda: self.pmi.proxy.fenced if self.pmi is not None else frozenset())
+                lambda: self.pmi.proxy.fenced if self.pmi is not None else frozenset(),
+                self.host)
         if spec.pmi.mode != "off":
             from launcher.agent.pmi_sockets import PmiSockets
 
@@ -194,6 +200,12 @@ class Agent:
             self.relay.own_barrier(msg)
         else:
             self.link.send_json(wire.Kind.PMI, msg)
+
+    def _pmi_from_head(self, msg: dict[str, Any]) -> None:
+        if self.relay is not None and "hosts" in msg:
+            self.relay.fence_out(msg)  # a fence this relay answered for its subtree
+        elif self.pmi is not None:
+            self.pmi.from_head(msg)
 
     def _pmi_down(self, msg: dict[str, Any]) -> None:
         if self.pmi is not None:
@@ -243,8 +255,8 @@ class Agent:
             rank = rank_start.rank
             fds = self.pmi.rank_fds(rank) if self.pmi else []
             try:
-                rp = start_rank(rank, spec.argv, self._rank_env(rank_start), spec.cwd,
-                                fds, stdin_pipe=rank == 0)
+                rp = self.host.start_rank(rank, spec.argv, self._rank_env(rank_start),
+                                          spec.cwd, fds, stdin_pipe=rank == 0)
             except OSError as exc:
                 return started, f"rank {rank}: {exc}"
             if self.pmi:
@@ -274,7 +286,7 @@ class Agent:
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
         if not self.ranks:
-            descendants.kill_strays()  # setsid children and orphans outlive their groups
+            self.host.kill_strays()  # setsid children and orphans outlive their groups
             self.kill_at = None
             if self.progress is not None:
                 self.progress.final()
@@ -299,9 +311,9 @@ class Agent:
         # What left the ranks' process groups (setsid) is found as the agent's descendants.
         ranks = frozenset(rp.pid for rp in self.ranks.values())
         if sig == signal.SIGKILL:
-            descendants.kill_strays(keep=ranks)
+            self.host.kill_strays(keep=ranks)
         else:
-            descendants.signal_descendants(sig, keep=ranks)
+            self.host.signal_descendants(sig, keep=ranks)
 
     def _leave(self, code: int) -> int:
         """Leave for good: nothing of the job may outlive the agent."""

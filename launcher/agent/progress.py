@@ -4,13 +4,14 @@ Each rank gets ``DTRAIN_PROGRESS_FILE`` (and ``TORCHELASTIC_ERROR_FILE``: `launc
 in a folder of its own job made with ``mkdtemp`` (mode 0700) in /dev/shm (memory; the temp dir
 where it is missing) and removed when the agent leaves or the round ends;
 its name marks the agent, so that the next agent on the host removes it if this one is killed
-(`launcher.agent.leftovers`, run before the folder is made).
-The agent reads the records without the ranks' help (layout in `workerenv`), notes the share
-of a core each rank used since an earlier reading (/proc: a rank busy outside communication
-is working, not hung; `launcher.hang.watch`) and sends the head one PROGRESS frame per
-interval, one when the head asks (PROBE, with the Python stacks of the ranks it names when
-`py-spy` is installed), and a last one when every rank has exited (the end-of-run straggler
-report). Stacks are taken on a thread of their own: py-spy may take seconds and the agent's
+(`launcher.agent.leftovers`, run before the folder is made; both through the agent's
+`launcher.agent.host.Host`, which also reads /proc). The agent reads the records without the
+ranks' help (layout in `workerenv`), notes the share of a core each rank used since an
+earlier reading (/proc: a rank busy outside communication is working, not hung;
+`launcher.hang.watch`) and sends the head one PROGRESS frame per interval, one when the head
+asks (PROBE, with the Python stacks of the ranks it names when `py-spy` is installed), and a
+last one when every rank has exited (the end-of-run straggler report). Stacks are taken on a
+thread of their own: py-spy may take seconds and the agent's
 loop must keep its heartbeats.
 """
 
@@ -20,7 +21,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,7 +28,8 @@ from dataclasses import replace
 
 import workerenv
 from launcher import errorfile
-from launcher.agent import flight, leftovers
+from launcher.agent import flight
+from launcher.agent.host import Host
 from launcher.hang.views import RankView, view_of
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
@@ -39,19 +40,17 @@ if TYPE_CHECKING:
 
 STACK_TIMEOUT_S = 10.0
 CPU_WINDOW_S = 0.5
-_SHM = "/dev/shm"
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class ProgressReporter:
     def __init__(self, job_id: str, host: str, ranks: list[int], interval: float,
                  send: Callable[[dict[str, Any]], object],
-                 fenced: Callable[[], frozenset[int]] = frozenset) -> None:
-        """``fenced``: the ranks in a PMI barrier now (`PmiProxy.fenced`)."""
-        base = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK) else None
-        mark = leftovers.own_mark()
-        leftovers.sweep(base or tempfile.gettempdir(), mark)  # what dead agents left here
-        self.folder = tempfile.mkdtemp(prefix=leftovers.folder_prefix(job_id, mark), dir=base)
+                 fenced: Callable[[], frozenset[int]] = frozenset,
+                 machine: Host | None = None) -> None:
+        """``fenced``: the ranks in a PMI barrier now (`PmiProxy.fenced`); ``machine``: where
+        the records' folder is made and the ranks' /proc read (`launcher.agent.host`)."""
+        self._machine = machine or Host()
+        self.folder = self._machine.records_folder(job_id)
         self.host, self.ranks, self.interval, self._send = host, ranks, interval, send
         self._next = 0.0
         self._cpu: dict[int, tuple[float, float, float]] = {}  # rank: cpu s, at, last share
@@ -87,7 +86,7 @@ class ProgressReporter:
             pid = record.pid if record else pids.get(rank)
             returned = flight.left(flight.path(self.path(rank)))
             gone = rank not in pids or returned
-            state, cpu, runnable = ("exited", None, False) if gone else _stat(pid)
+            state, cpu, runnable = ("exited", None, False) if gone else self._machine.stat(pid)
             view = view_of(record, rank=rank, host=self.host, state=state, now=now)
             since = self._fenced_at.get(rank)
             out.append(replace(view, pid=pid or 0, cpu_share=self._share(rank, cpu, now),
@@ -153,23 +152,6 @@ def _reader(path: str) -> Callable[[], bytes]:
         with open(path, "rb") as f:
             return f.read()
     return read
-
-
-def _stat(pid: int | None) -> tuple[str, float | None, bool]:
-    """``stopped`` for a process in state T (SIGSTOP) or t (traced), else running; the CPU
-    seconds it has used (user + system, all threads), None when unknown; and whether it is
-    runnable or in uninterruptible I/O now (R, D: on a CPU, waiting for one, or for the disk,
-    as ranks importing on a loaded host are, using little CPU)."""
-    if not pid:
-        return "running", None, False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return "running", None, False
-    fields = stat.rpartition(")")[2].split()  # fields from the 3rd on: state, ppid, ...
-    cpu = (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime (14th and 15th)
-    return ("stopped" if fields[0] in ("T", "t") else "running"), cpu, fields[0] in ("R", "D")
 
 
 def py_spy() -> str | None:

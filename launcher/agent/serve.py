@@ -30,11 +30,18 @@ def serve(connect: Callable[[queue.Queue[Any]], HeadLink]) -> NoReturn:
     descendants.become_subreaper()  # orphans of the job stay findable (descendants.py)
     agent = Agent(connect)
     signal.signal(signal.SIGTERM, lambda *_: agent.events.put(Eof("the agent got SIGTERM")))
+    code = run(agent)
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(agent: Agent) -> int:
+    """The agent's loop to its end; then, as a relay, its subtree's streams carried to theirs;
+    then the last frames flushed. Its exit code (the simulated cluster runs its agents so)."""
     code = agent.run()
     if agent.relay is not None:  # a relay carries its subtree's streams to their end
         if not agent.head_gone:
             agent.relay.linger(agent.events, lambda event: isinstance(event, Eof))
         agent.relay.close()
     agent.link.flush(FLUSH_S)  # EXIT/DONE frames still queued; the head may still be reading
-    sys.stderr.flush()
-    os._exit(code)
+    return code

@@ -6,7 +6,7 @@ hosts never meet.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 
 import workerenv
 
@@ -94,13 +94,22 @@ class RankView:
         return self.step, tuple((g.label, g.seq, g.done) for g in self.groups)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """As ``dataclasses.asdict``, without its deep copy of every value: every agent sends
+        every rank's view once a second (its tuples are encoded as JSON arrays either way)."""
+        body = {name: getattr(self, name) for name in _VIEW_FIELDS}
+        body["groups"] = [{name: getattr(g, name) for name in _GROUP_FIELDS}
+                          for g in self.groups]
+        return body
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> RankView:
         groups = tuple(GroupView(**{**g, "history": tuple(map(tuple, g.get("history", ())))})
                        for g in body.get("groups", ()))
         return cls(**{**body, "groups": groups})
+
+
+_VIEW_FIELDS = tuple(f.name for f in fields(RankView))
+_GROUP_FIELDS = tuple(f.name for f in fields(GroupView))
 
 
 def view_of(record: workerenv.RankProgress | None, *, rank: int, host: str, state: str,

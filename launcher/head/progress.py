@@ -28,6 +28,11 @@ from launcher.head.options import SuperviseOptions
 HANG_CODE = 123          # exit code of a job ended by --hang-action abort
 PROBE_WAIT_S = 15.0      # how long the head waits for the agents' stacks
 MAX_STACKS = 8           # stacks asked for when no rank is to blame (every rank waits)
+#: How often the head looks for MPI ranks fenced too long (`mpi.suspects`: a pass over every
+#: rank's view). Each view's fence age is as old as the view (one a second), and the timeout
+#: is seconds to minutes; at every 0.1 s tick the pass was the head's largest cost at 1,024
+#: hosts x 8 ranks (bench.sim_scale's profile).
+SUSPECTS_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,7 @@ class ProgressMonitor:
         self.opts, self._probe, self._say, self.log_dir = opts, probe, say, log_dir
         self.views: dict[int, RankView] = {}
         self.received: dict[int, float] = {}  # rank -> when its view arrived (head's clock)
+        self._fresh: set[int] = set()  # ranks whose views arrived since the clock's last look
         # rank -> (steps, their compute seconds): the records' own average covers only the last
         # few steps, so the end-of-run verdict sums each view's average over the steps it saw.
         self._run_compute: dict[int, tuple[int, float]] = {}
@@ -65,6 +71,7 @@ class ProgressMonitor:
         self.diagnoses: list[Diagnosis] = []
         self._probing: dict[str, Any] | None = None
         self._mpi_next = 0.0                     # when MPI ranks' stacks may be looked at again
+        self._suspects_next = 0.0                # when to look for fenced ranks again
         self._mpi_told: tuple[int, ...] = ()     # the fenced ranks last diagnosed (told once)
         self._next_status = now + (opts.status_interval or 0.0)
 
@@ -75,6 +82,7 @@ class ProgressMonitor:
             self._count_steps(view)
             self.views[view.rank] = view
             self.received[view.rank] = now
+            self._fresh.add(view.rank)
         probing = self._probing
         if probing is not None and body.get("probe") == probing["id"]:
             probing["stacks"].update({int(r): s for r, s in (body.get("stacks") or {}).items()})
@@ -107,7 +115,7 @@ class ProgressMonitor:
             self.print_status()
         if self.clock is None:
             return None
-        self.clock.update(self.views, now)
+        self.clock.update(self.views, now, self._fresh)
         if self._probing is not None:
             if self._probing["pending"] & hosts and now < self._probing["until"]:
                 return None
@@ -118,8 +126,11 @@ class ProgressMonitor:
                 sorted(self.views))[:MAX_STACKS]
             self._start_probe(now, hosts, blamed, self.clock.stalled_for(now))
             return None
+        if now < max(self._mpi_next, self._suspects_next):
+            return None
+        self._suspects_next = now + SUSPECTS_EVERY_S
         fenced, others = mpi.suspects(self.views.values(), self.opts.hang_timeout)
-        if fenced and tuple(fenced) != self._mpi_told and now >= self._mpi_next:
+        if fenced and tuple(fenced) != self._mpi_told:
             # An MPI program: a rank in MPI_Finalize for the timeout while others run. Their
             # native stacks tell whether they wait in MPI (a hang) or compute (none yet).
             self._mpi_next = now + self.opts.hang_timeout

@@ -263,16 +263,21 @@ class Supervisor:
                 tree = {getattr(x.stream, "tree_index", x.index): p
                         for p, x in enumerate(self.links)}
                 msg = {**msg, "hosts": [tree[h] for h in msg["hosts"] if h in tree]}
-            fence: dict[int, bytes] = {}  # a fence's answer, the same keys for every host
+            # A fence's answer, the same keys for every host: (id of its cards, whole frame?)
+            fence: dict[tuple[int, bool], bytes] = {}
             for host, reply in self.pmi.handle(self._at[link.index], link.name, msg):
-                if "hosts" in reply:
+                if "hosts" in reply:  # the cards encoded once, each relay's hosts its own
                     reply["hosts"] = [getattr(self.links[p].stream, "tree_index", p)
                                       for p in reply["hosts"]]
-                    data = wire.encode_json(wire.Kind.PMI, reply)
+                    cards = (id(reply["kv"]), False)
+                    if cards not in fence:
+                        fence[cards] = wire.encode_value(reply["kv"])
+                    data = wire.encode_json_shared(wire.Kind.PMI, reply, "kv", fence[cards])
                 elif "kv" in reply:  # encoded once (it grows as hosts x ranks), sent N times
-                    if id(reply["kv"]) not in fence:
-                        fence[id(reply["kv"])] = wire.encode_json(wire.Kind.PMI, reply)
-                    data = fence[id(reply["kv"])]
+                    cards = (id(reply["kv"]), True)
+                    if cards not in fence:
+                        fence[cards] = wire.encode_json(wire.Kind.PMI, reply)
+                    data = fence[cards]
                 else:
                     data = wire.encode_json(wire.Kind.PMI, reply)
                 self.links[host].send(data)

@@ -58,10 +58,17 @@ class Transport:
     checks: bool = False      # `dtrain check` can reach hosts this way
     explain: str = ""         # "module:function" -> str | None: after a failed job, whether
                               # the transport's own system ended it (Slurm's scancel, limits)
+    relays: str = ""          # dispatch rows: "module:function" -> the hop a relay needs to
+                              # start each host below it (`launcher.tree`), as
+                              # ``(entries, ssh) -> list[dict]``; "" for a flat launch only
 
     def load(self) -> Callable[..., Any]:
         """The entry function, its module imported now."""
         return _function(self.entry)
+
+    def load_relays(self) -> Callable[..., Any]:
+        """The hop describer of a fan-out over this transport (`relays`)."""
+        return _function(self.relays)
 
     def explain_failure(self) -> str | None:
         """One line on why the job ended when the transport's own system ended it, else None."""
@@ -70,7 +77,8 @@ class Transport:
 
 TRANSPORTS: tuple[Transport, ...] = (
     Transport("ssh", Flow.DISPATCH, "dtrain's agents over SSH (localhost as a subprocess)",
-              "launcher.transport.connect:start_by_host", checks=True),
+              "launcher.transport.connect:start_by_host", checks=True,
+              relays="launcher.tree.hops:describe"),
     Transport("slurm", Flow.DISPATCH, "dtrain's agents as srun steps, in a Slurm allocation",
               "launcher.slurm.srun:start_agents", checks=True,
               explain="launcher.slurm.srun:slurm_ended_job"),

@@ -24,21 +24,26 @@ from launcher.errors import ConnectError, DtrainError
 from launcher.hosts.selection import HostSlots
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentConnection, AgentStream
+from launcher.transport.table import Transport
 from launcher.tree import hops
 from launcher.tree.shape import HEAD, Tree
 
 
-def start_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str,
-               ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+def start_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str, ssh: SSHOptions,
+               transport: Transport | None = None) -> list[AgentStream | ConnectError]:
     """An agent stream, or why there is none, per host in order: the head connects to the
-    hosts it starts; the others' streams run through their relays."""
-    from launcher.transport.connect import start_by_host
+    hosts it starts over ``transport`` (a dispatch row with relays; default ssh); the
+    others' streams run through their relays, which reach their hosts by the hops the row's
+    ``relays`` function describes."""
+    from launcher.transport import table
 
+    transport = transport or table.get(table.DEFAULT_LAUNCHER)
     entries = [h.entry for h in selected]
     top = list(tree.children(HEAD))
     below = [i for i in range(tree.hosts) if i not in set(top)]
-    described = dict(zip(below, hops.describe([entries[i] for i in below], ssh), strict=True))
-    started = start_by_host([selected[i] for i in top], python=python, ssh=ssh)
+    described = dict(zip(below, transport.load_relays()([entries[i] for i in below], ssh),
+                         strict=True))
+    started = transport.load()([selected[i] for i in top], python=python, ssh=ssh)
     out: dict[int, AgentStream | ConnectError] = {}
     for root, stream in zip(top, started, strict=True):
         subtree = tree.subtree(root)
@@ -58,12 +63,13 @@ def start_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str,
     return [out[i] for i in range(tree.hosts)]
 
 
-def open_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str,
-              ssh: SSHOptions) -> list[AgentStream]:
+def open_tree(selected: Sequence[HostSlots], tree: Tree, *, python: str, ssh: SSHOptions,
+              transport: Transport | None = None) -> list[AgentStream]:
     """`start_tree`, or the first ConnectError with nothing left running (`open_streams`)."""
     from launcher.transport.connect import close_streams, validate_remote_python
 
-    results = start_tree(selected, tree, python=validate_remote_python(python), ssh=ssh)
+    results = start_tree(selected, tree, python=validate_remote_python(python), ssh=ssh,
+                         transport=transport)
     streams = [r for r in results if not isinstance(r, ConnectError)]
     errors = [r for r in results if isinstance(r, ConnectError)]
     if errors:

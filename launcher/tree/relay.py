@@ -11,7 +11,10 @@ sends each child relay its SUBTREE, then what the head already sent for it. From
   ROUTED and GONE frames as they are), one frame per read, its rank output under the writer's
   back-pressure; a child's PMI ``barrier_in`` goes into the fence instead, and a ``get`` for a
   card the relay passed down is answered here;
-* a child whose stream ends is reported GONE, with every host below it.
+* a child whose stream ends is reported GONE, with every host below it;
+* what goes down to a child is queued for its own writer thread (the agent's `FrameWriter`):
+  a child slow to read (a fence's answer carries every card of the job) never stalls the
+  relay's agent, which forwards every frame down, nor its other children.
 
 The relay outlives its own agent's job while any child is connected (a host whose ranks
 finished still carries the others' streams) and ends with the stream from its parent: closing
@@ -44,19 +47,30 @@ if TYPE_CHECKING:
         def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool: ...
         def send_output_frame(self, frame: bytes) -> bool: ...
 
+    class Writer(Protocol):
+        """A child's writer thread (`launcher.agent.writer.FrameWriter`)."""
+
+        def send(self, frame: bytes) -> bool: ...
+        def flush(self, timeout: float) -> bool: ...
+
 LINGER_POLL_S = 1.0
 PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
+CLOSE_FLUSH_S = 2.0  # as the agent's own last frames (`launcher.agent.serve`)
 VOUCH_S = 60.0  # how long, as the agent waits for its head's SPEC (agent.main.HELLO_SILENCE_S)
 
 
 class Relay:
     def __init__(self, body: dict[str, Any], up: Upward,
                  own_pmi: Callable[[dict[str, Any]], None],
-                 connect: Callable[[int], AgentStream] | None = None) -> None:
+                 connect: Callable[[dict[str, Any]], AgentStream] | None = None, *,
+                 writer: Callable[[Any], Writer]) -> None:
         """``up``: the agent's link to its parent; ``own_pmi``: a PMI message for this host's
-        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream by its index, or a
-        ConnectError (default: its agent over SSH, as the SUBTREE says; tests and the
-        simulator give their own)."""
+        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream from its SUBTREE
+        node (index, name, hop), or a ConnectError (default: its agent over SSH, as the hop
+        says; tests and the simulator give their own); ``writer``: makes a child's writer
+        thread from its sink (`launcher.agent.writer.FrameWriter`, which the agent passes:
+        the tree does not import the agent)."""
+        self._writer = writer
         self.own = int(body["index"])
         self._connect = connect
         self.up, self._own_pmi = up, own_pmi
@@ -71,6 +85,7 @@ class Relay:
             route.update((int(n["index"]), index) for n in nodes)
         self.fence = SubtreeFence(self.own, route)
         self._streams: dict[int, AgentStream | None] = dict.fromkeys(self._children)
+        self._writers: dict[int, Writer] = {}  # per connected child: sends never block
         self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
         self._alive = set(self._children)
         self._spoke: set[int] = set()  # children whose agent sent its first frame
@@ -135,11 +150,18 @@ class Relay:
         """The parent's ``barrier_out`` for the hosts this relay covered."""
         with self._lock:
             pairs = self.fence.out(msg)
+        cards: bytes | None = None  # every child's answer carries the same cards: encoded once
+        plain: bytes | None = None  # and a leaf's answer is the same for every leaf
         for hop, body in pairs:
             if hop == self.own:
                 self._own_pmi(body)
+                continue
+            cards = cards if cards is not None else wire.encode_value(body["kv"])
+            if "hosts" in body:
+                self._send(hop, wire.encode_json_shared(wire.Kind.PMI, body, "kv", cards))
             else:
-                self._send(hop, wire.encode_json(wire.Kind.PMI, body))
+                plain = plain or wire.encode_json_shared(wire.Kind.PMI, body, "kv", cards)
+                self._send(hop, plain)
 
     def linger(self, events: queue.Queue[Any], ended: Callable[[Any], bool]) -> None:
         """After the own agent is done: carry the children's streams until they end, or the
@@ -155,10 +177,15 @@ class Relay:
                 self.down(event)
 
     def close(self) -> None:
-        """Close every child's stream: their agents stop their ranks and leave."""
+        """Close every child's stream: their agents stop their ranks and leave. What is still
+        queued for them (a BYE the head sent last) goes first, for `CLOSE_FLUSH_S` at most."""
         with self._lock:
             streams, self._streams = dict(self._streams), {}
+            writers, self._writers = list(self._writers.values()), {}
             self._alive.clear()
+        deadline = time.monotonic() + CLOSE_FLUSH_S
+        for writer in writers:
+            writer.flush(max(0.0, deadline - time.monotonic()))
         for stream in streams.values():
             if stream is not None:
                 with contextlib.suppress(OSError):
@@ -187,10 +214,10 @@ class Relay:
                 self._lost(index, f"the relay could not start it: {exc}", connect=True)
             return
 
-        def over_ssh(index: int) -> AgentStream:
+        def over_ssh(node: dict[str, Any]) -> AgentStream:
             from launcher.transport.ssh import SSHConnection
 
-            conn = SSHConnection.open(hosts[index], opts)
+            conn = SSHConnection.open(hosts[int(node["index"])], opts)
             try:
                 return conn.exec_stream(command)
             except BaseException:
@@ -199,12 +226,12 @@ class Relay:
 
         self._start_children(over_ssh)
 
-    def _start_children(self, connect: Callable[[int], AgentStream]) -> None:
+    def _start_children(self, connect: Callable[[dict[str, Any]], AgentStream]) -> None:
         from launcher.errors import ConnectError
 
         def one(index: int) -> None:
             try:
-                stream = connect(index)
+                stream = connect(self._children[index])
             except ConnectError as exc:
                 self._lost(index, str(exc), connect=True, error=exc)
                 return
@@ -225,11 +252,9 @@ class Relay:
                 return
             pending, self._waiting[index] = self._waiting[index], []
             self._streams[index] = stream
-            try:
-                if first or pending:
-                    stream.write(b"".join([*first, *pending]))
-            except OSError:
-                pass  # the reader sees the end and reports it
+            self._writers[index] = self._writer(_StreamSink(stream))
+            if first or pending:
+                self._writers[index].send(b"".join([*first, *pending]))
         threading.Thread(target=self._read, args=(index, stream), name=f"relay-{index}",
                          daemon=True).start()
 
@@ -286,16 +311,16 @@ class Relay:
             self.up.send_json(wire.Kind.PMI, aggregate)
 
     def _send(self, hop: int, data: bytes) -> None:
+        """Queue ``data`` for child ``hop``: never blocks (a child slow to read must not stall
+        the relay's own agent, which forwards every frame down, nor its other children); a
+        broken stream's reader reports the end."""
         with self._lock:
-            stream = self._streams.get(hop)
-            if stream is None:
+            writer = self._writers.get(hop)
+            if writer is None:
                 if hop in self._alive:
                     self._waiting[hop].append(data)
                 return
-            try:
-                stream.write(data)
-            except OSError:
-                pass  # its reader reports the end
+            writer.send(data)
 
     def _lost(self, index: int, why: str, *, connect: bool = False,
               error: Any = None) -> None:
@@ -305,6 +330,7 @@ class Relay:
                 return
             self._alive.discard(index)
             self._waiting.pop(index, None)
+            self._writers.pop(index, None)
             stream = self._streams.pop(index, None)
         if stream is not None:
             stream.abort()
@@ -319,6 +345,17 @@ class Relay:
             self.up.send_json(wire.Kind.GONE, {
                 "host": int(node["index"]),
                 "why": f"lost with its relay {name} (its subtree: {', '.join(below)}): {why}"})
+
+
+class _StreamSink:
+    """A child's stream as its `FrameWriter`'s sink (the stream writes all it is given)."""
+
+    def __init__(self, stream: AgentStream) -> None:
+        self.stream = stream
+
+    def write(self, data: memoryview) -> int:
+        self.stream.write(bytes(data))
+        return len(data)
 
 
 def _flatten(node: dict[str, Any]) -> list[dict[str, Any]]:

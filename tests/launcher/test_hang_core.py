@@ -220,6 +220,22 @@ def test_the_hang_clock_looks_at_most_every_scan_interval_but_never_fires_on_a_s
     assert clock.due(after, 20.6)           # 10.1 s without progress while it waits
 
 
+def test_the_hang_clock_looks_only_at_the_views_that_arrived_since_its_last_look():
+    """The head names the ranks whose views arrived (`fresh`): a look costs what arrived,
+    not every rank of the job; `due` still looks at all of them before it fires."""
+    before = {0: rank(0, "a", ar("dp[0]", 0, 3, 2)), 1: rank(1, "b", ar("dp[0]", 1, 3, 2))}
+    after = {**before, 1: rank(1, "b", ar("dp[0]", 1, 4, 3))}
+    clock = HangClock(10.0, now=0.0)
+    fresh = {0, 1}
+    clock.update(before, 0.0, fresh)
+    assert fresh == set()                   # the look took them
+    clock.update(after, 5.0, {0})           # rank 1's new view is not among those named
+    assert clock.last_change == 0.0
+    clock.update(after, 6.0, {1})
+    assert clock.last_change == 6.0
+    assert not clock.due(after, 15.0) and clock.due(after, 16.5)
+
+
 def test_a_rank_working_outside_communication_holds_the_clock_until_it_stops_working():
     """Rank 1 writes a checkpoint (or compiles) while rank 0 waits for it: no hang while it
     uses its core, however long; the timeout runs from when it stops."""

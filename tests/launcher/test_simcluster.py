@@ -1,8 +1,10 @@
 """The simulated cluster (`testbed.simcluster`): the real head and real agents, fake PMI-1 ranks.
 
 A job of 256 hosts x 8 ranks launches, fences twice, ends, and the head counts exactly the
-frames the protocol implies; at 8 hosts the simulator sends the head the same frames, kind by
-kind, as real agent processes with real rank processes playing the same PMI-1 conversation.
+frames the protocol implies, flat and through a tree of relays (`--fanout`: every host's frames
+relayed, each fence merged so the head answers only the hosts it started); at 8 hosts the
+simulator sends the head the same frames, kind by kind, as real agent processes with real rank
+processes playing the same PMI-1 conversation.
 Frames that follow the clock (heartbeats, periodic progress records) are compared as present,
 not counted: their number depends on how long each phase took.
 """
@@ -45,12 +47,34 @@ def _ended_well(result: dict[str, Any], hosts: int, ranks: int) -> None:
 def test_a_simulated_job_of_256_hosts_of_8_ranks_launches_fences_and_ends() -> None:
     # A long heartbeat interval: 256 hosts share this machine's cores with everything else,
     # and a starved simulator must not count as hosts lost (simjob.run_job).
-    result = simjob.run_job(256, 8, timeout=300, heartbeat=30.0)
+    # Flat: the head starts every host (left to its default, 256 hosts would fan out).
+    result = simjob.run_job(256, 8, timeout=300, heartbeat=30.0, extra=["--fanout", "0"])
     _ended_well(result, 256, 8)
     assert result["agents_seen"] == 256 and result["agent_codes"] == [0]
     assert _counted(result) == _expected(256, 8)
     # Every agent sends its ranks' last progress records when they have all exited.
     assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 256
+
+
+def test_a_simulated_tree_launch_of_256_hosts_relays_every_frame_and_merges_each_fence() -> None:
+    hosts, ranks, fanout = 256, 8, 16  # two levels: the head starts 16, each of them 15
+    result = simjob.run_job(hosts, ranks, timeout=300, heartbeat=30.0,
+                            extra=["--fanout", str(fanout)])
+    _ended_well(result, hosts, ranks)
+    assert result["agents_seen"] == hosts and result["agent_codes"] == [0]
+    counted = _counted(result)
+    # The head's K streams carry the frames of the hosts below their relays ROUTED (counted
+    # under their own kinds too): SPEC, START and BYE down, one write each; what comes up is
+    # batched as it arrives. A host's stream that ends after BYE may be reported GONE
+    # before the head stops reading.
+    assert counted["out"].pop("ROUTED") == 3 * (hosts - fanout)
+    assert counted["in"].pop("ROUTED") > 0
+    counted["in"].pop("GONE", None)
+    expected = _expected(hosts, ranks)
+    expected["out"]["SUBTREE"] = fanout  # one per relay the head starts, first
+    # Each fence: one merged barrier_in per relay the head started, one answer to each.
+    expected["out"]["PMI:barrier_out"] = expected["in"]["PMI:barrier_in"] = 2 * fanout
+    assert counted == expected
 
 
 def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:

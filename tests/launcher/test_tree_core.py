@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from launcher import wire
+from launcher.agent.writer import FrameWriter
 from launcher.errors import ConnectError, PmiError
 from launcher.pmi.kvs import KeyValueSpace
 from launcher.tree.fence import SubtreeFence
@@ -272,7 +273,8 @@ def test_a_relay_routes_both_ways_merges_its_fence_and_reports_a_lost_child():
         {"index": 2, "name": "node3", "hop": {}, "children": []}]}
     ends = {i: Pipe.pair(f"node{i + 1}") for i in (1, 2)}
     up, own = Upward(), []
-    relay = Relay(body, up, own.append, connect=lambda i: ends[i][0])
+    relay = Relay(body, up, own.append, connect=lambda node: ends[node["index"]][0],
+                  writer=FrameWriter)
     relay.start()
     spec = {"ranks": [{"rank": 0}], "pmi": {"mode": "fd", "kvsname": "k"}}
     relay.own_spec(spec)
