@@ -7,8 +7,8 @@ optimizer state: `trainer.parallel.zero.memory.held_bytes`) plus the peak of the
 saved during it (`SavedTensorMeter`). The largest rank's measured total (one MAX over the world,
 once) is compared with the plan's largest rank; more than `TOLERANCE` apart, rank 0 warns once.
 
-Layouts the planner does not model yet (ZeRO-3, context parallelism, a mixture of experts
-without a capacity) get a line saying so, and no check.
+Layouts the planner does not model (a mixture of experts without a capacity, whose dispatch
+sizes depend on the data) get a line saying so, and no check.
 """
 
 from __future__ import annotations
@@ -36,10 +36,6 @@ MIB = 2**20
 
 def not_modelled(cfg: TrainConfig) -> str:
     """Why the planner cannot describe ``cfg`` yet ("" when it can)."""
-    if cfg.optimizer.zero == 3:
-        return "ZeRO-3 is not modelled yet"
-    if cfg.parallel.cp > 1:
-        return "context parallelism is not modelled yet"
     if cfg.gpt.moe.experts and cfg.gpt.moe.capacity_factor <= 0:
         return ("a mixture of experts without --moe-capacity-factor is not modelled (its "
                 "dispatch sizes depend on the data)")
@@ -97,13 +93,20 @@ def warning(planned: int, measured: int) -> str:
 
 
 def measured_bytes(run: Run, saved_peak: int) -> int:
-    """What the rank holds after a step plus the peak saved for backward during it."""
+    """What the rank holds after a step, plus what it held only during the step (ZeRO-2/3's
+    staged gradient buckets and ZeRO-3's gathered units at their peaks, as `bench.memory`'s
+    ``grads peak`` and ``params peak``), plus the peak saved for backward during it. The
+    peaks are those since they were last reset (ZeRO-2's every step; ZeRO-3's gathered units
+    by `trainer.training.budget` or the caller)."""
     from trainer.parallel.zero.memory import held_bytes
 
     units = getattr(run.weights, "units", None)  # ZeRO-3: the shards are the parameters
     held = held_bytes(run.model.parameters() if units is None else units.shards,
                       run.dp.buffer, run.weights.optimizer)
-    return held.total + saved_peak
+    during = getattr(run.dp, "peak_staged_bytes", 0)
+    if units is not None:
+        during += units.peak_gathered_bytes
+    return held.total + during + saved_peak
 
 
 class PlanCheck:
