@@ -237,11 +237,19 @@ def test_the_planned_gradient_reduction_of_ep2_keeps_the_experts_out_of_the_dp_g
 
 
 @pytest.mark.timeout(900)
+def test_the_planned_memory_of_ep2_with_capacity_matches_the_run(
+        against_the_trainer: dict) -> None:
+    """The experts' gradients live in a buffer of their own (their DP group is not the dense
+    parameters'), counted with the rest."""
+    row = against_the_trainer["ep2 moe"]
+    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.xfail(reason="MoE routing depends on the data: at initialisation on text a "
-                          "capacity of 1.0 drops ~20% of the assignments the planner's "
-                          "balanced routing keeps (activations +8%, all-to-all +23%)")
-def test_the_planned_memory_and_all_to_all_bytes_of_ep2_with_capacity_match_the_run(
+                          "capacity of 1.0 drops assignments (identical characters route "
+                          "alike) that the planner's balanced routing keeps: all-to-all +30%")
+def test_the_planned_all_to_all_bytes_of_ep2_with_capacity_match_the_run(
         against_the_trainer: dict) -> None:
     row = against_the_trainer["ep2 moe"]
     assert row["ep_plan_mb"] == pytest.approx(row["ep_mb"], rel=0.05), row
-    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
