@@ -52,8 +52,8 @@ def test_a_layout_the_trainer_refuses_is_refused_with_the_trainers_reason() -> N
     done, refused = plan({"model": "tiny", "global_batch": 4, "seq_len": 64,
                           "precision": "fp32"}, make_cluster(hosts=1, gpus_per_host=8,
                                                              gpu="h100"))
-    assert done and all(e.config.parallel.dp * e.config.parallel.tp * e.config.parallel.pp == 8
-                        for e in done)
+    assert done and all(e.config.parallel.dp * e.config.parallel.tp * e.config.parallel.pp
+                        * e.config.parallel.cp == 8 for e in done)
     assert refused  # tp 8 does not divide tiny's 4 heads, nor dp 8 a batch of 4
     assert all(isinstance(r, ConfigError) and str(r) for r in refused)
 
@@ -88,7 +88,8 @@ def test_the_command_ranks_layouts_and_prints_json_for_scripts() -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     layouts = out["layouts"]
-    assert {(r["dp"], r["tp"], r["pp"]) for r in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert {(r["dp"], r["tp"], r["pp"], r["cp"]) for r in layouts} == {
+        (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
     steps = [r["step_s"] for r in layouts if r["fits"]]
     assert steps == sorted(steps)
     assert "ring algorithms" in out["assumptions"]

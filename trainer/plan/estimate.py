@@ -82,6 +82,8 @@ class Estimate:
     def layout(self) -> str:
         par = self.config.parallel
         parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"]
+        parts += [f"cp{par.cp}" + ("" if par.cp_comm == "allgather" else f" {par.cp_comm}")
+                  ] if par.cp > 1 else []
         parts += [f"ep{par.ep}"] if par.ep > 1 else []
         parts += [f"zero{self.config.optimizer.zero}"] if self.config.optimizer.zero else []
         parts += ["sp"] if par.sequence_parallel else []
@@ -257,10 +259,13 @@ def candidates(base: Mapping[str, Any], cluster: Cluster) -> Iterator[TrainConfi
     by flag name), or the trainer's error for one it refuses."""
     world = cluster.gpus
     experts = int(base.get("moe_experts", 0) or 0)
-    for tp, pp in itertools.product(_divisors(world), repeat=2):
-        if world % (tp * pp) or tp > cluster.gpus_per_host:
+    seq_len = int(base.get("seq_len", 0) or 0)
+    for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
+        # cp splits every sequence in 2 x cp chunks (`trainer.parallel.context.checks`)
+        if world % (tp * pp * cp) or tp * cp > cluster.gpus_per_host or (
+                cp > 1 and seq_len % (2 * cp)):
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         eps = [e for e in _divisors(dp) if experts and experts % e == 0] or [1]
         for ep, zero, recompute, sp in itertools.product(
                 eps, (0, 1, 2, 3), ("none", "selective", "full"), (False, True)):
@@ -269,7 +274,8 @@ def candidates(base: Mapping[str, Any], cluster: Cluster) -> Iterator[TrainConfi
             per_dp = int(base.get("global_batch", 32)) // dp
             m = max((d for d in _divisors(per_dp) if d <= 4 * pp), default=1) if pp > 1 else 1
             try:
-                cfg = make_config({**base, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": zero,
+                cfg = make_config({**base, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                                   "zero": zero,
                                    "recompute": recompute, "sequence_parallel": sp,
                                    "microbatches": m})
                 yield resolve_dp(cfg, world)
