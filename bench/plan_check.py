@@ -13,13 +13,14 @@ prices it). Measured per step and rank, the largest rank kept:
   gradients and gathered units at their peaks (`bench.memory`'s ``grads peak`` and ``params
   peak``), plus the peak bytes saved for backward during it (`SavedTensorMeter`;
   `trainer.training.plan_check.measured_bytes`);
-* bytes sent per step by kind (dp, tp, pp, ep), mean over the timed steps;
+* bytes sent per step by kind (dp, tp, pp, ep, cp), mean over the timed steps;
 * step time: the median over timed steps of the slowest rank's step.
 
 The planner (`trainer.plan.estimate`) is given this machine as its cluster: the model FLOP/s
 of the serial step measured here (each rank alone, both at once, so as loaded as the layouts)
-with efficiency 1, and the measured bus bandwidth of a 2-rank all-reduce of 4 MiB
-(`trainer.comm.bandwidth`), inside and between "hosts" alike; ``plan ms at matmul peak`` is the
+with efficiency 1 (shared by the ranks where a row runs more ranks than there are cores), and the
+measured bus bandwidth of a 2-rank all-reduce of 4 MiB (`trainer.comm.bandwidth`), inside and
+between "hosts" alike; ``plan ms at matmul peak`` is the
 same with the peak fp32 matmul FLOP/s of one core (`trainer.health.perf.matmul_gflops`).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -36,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+CORES = len(os.sched_getaffinity(0))
 WARMUP = 1
 MIB = 2**20
 KINDS = ("dp", "tp", "pp", "ep", "cp")
@@ -183,8 +186,10 @@ def run(**options: Any) -> list[dict[str, Any]]:
     for name, over in ROWS.items():
         world = WORLDS.get(name, 2)
         sides = [r["rows"][name] for r in (larger[world] if name in WORLDS else ranks)]
-        plan = planned(args, over, achieved, busbw, world)
-        raw = planned(args, over, gflops, busbw, world)
+        # The FLOP/s were measured with 2 ranks at once; more ranks than cores share them.
+        share = min(1.0, CORES / world) / min(1.0, CORES / 2)
+        plan = planned(args, over, achieved * share, busbw, world)
+        raw = planned(args, over, gflops * share, busbw, world)
         step = statistics.median(max(s) for s in zip(*(x["steps"] for x in sides), strict=True))
         row: dict[str, Any] = {
             "layout": name, "ranks": world, "model": args.model, "seq_len": args.seq_len,
