@@ -5,19 +5,22 @@ and step time, planned and measured, for each layout of `ROWS`.
                                [--json PATH]
 
 Every row is trained with the trainer's own ``build_run``/``train_step`` (fp32) on 2 ranks
-under the MPICH wheel's ``mpiexec``, the world communicator wrapped in
+(4 for the rows of `WORLDS`) under the MPICH wheel's ``mpiexec``, the world communicator wrapped in
 `trainer.plan.traffic.CountedCommunicator` (so every group counts what it sends, as the planner
 prices it). Measured per step and rank, the largest rank kept:
 
-* memory: the tensors held after the step (`held_bytes`, as `bench.memory`) plus the peak bytes
-  saved for backward during it (`SavedTensorMeter`);
-* bytes sent per step by kind (dp, tp, pp, ep), mean over the timed steps;
+* memory: the tensors held after the step (`held_bytes`, as `bench.memory`), ZeRO-2/3's staged
+  gradients and gathered units at their peaks (`bench.memory`'s ``grads peak`` and ``params
+  peak``), plus the peak bytes saved for backward during it (`SavedTensorMeter`;
+  `trainer.training.plan_check.measured_bytes`);
+* bytes sent per step by kind (dp, tp, pp, ep, cp), mean over the timed steps;
 * step time: the median over timed steps of the slowest rank's step.
 
 The planner (`trainer.plan.estimate`) is given this machine as its cluster: the model FLOP/s
 of the serial step measured here (each rank alone, both at once, so as loaded as the layouts)
-with efficiency 1, and the measured bus bandwidth of a 2-rank all-reduce of 4 MiB
-(`trainer.comm.bandwidth`), inside and between "hosts" alike; ``plan ms at matmul peak`` is the
+with efficiency 1 (shared by the ranks where a row runs more ranks than there are cores), and the
+measured bus bandwidth of a 2-rank all-reduce of 4 MiB (`trainer.comm.bandwidth`), inside and
+between "hosts" alike; ``plan ms at matmul peak`` is the
 same with the peak fp32 matmul FLOP/s of one core (`trainer.health.perf.matmul_gflops`).
 """
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -34,10 +38,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+CORES = len(os.sched_getaffinity(0))
 WARMUP = 1
 MIB = 2**20
-KINDS = ("dp", "tp", "pp", "ep")
-#: Row name -> TrainConfig overrides (2 ranks each).
+KINDS = ("dp", "tp", "pp", "ep", "cp")
+#: Row name -> TrainConfig overrides (2 ranks each, but those of `WORLDS`).
 ROWS: dict[str, dict[str, Any]] = {
     "dp2": {"dp": 2},
     "tp2": {"dp": 1, "tp": 2},
@@ -48,7 +53,17 @@ ROWS: dict[str, dict[str, Any]] = {
     "dp2+recompute selective": {"dp": 2, "recompute": "selective"},
     "ep2 moe": {"dp": 2, "ep": 2, "moe_experts": 4, "moe_topk": 2,
                 "moe_capacity_factor": 1.0},
+    "dp2+zero2": {"dp": 2, "zero": 2},
+    "dp2+zero3": {"dp": 2, "zero": 3},
+    "cp2": {"dp": 1, "cp": 2},
+    "cp2 ring+recompute selective": {"dp": 1, "cp": 2, "cp_comm": "ring",
+                                     "recompute": "selective"},
+    # 4 layers, so that ZeRO-3 gathers some of the blocks at a time, not all
+    "dp4+zero3": {"dp": 4, "zero": 3, "n_layer": 4},
+    "dp4+zero3 shard2": {"dp": 4, "zero": 3, "n_layer": 4, "zero_shard_size": 2},
 }
+WORLDS: dict[str, int] = {"dp4+zero3": 4, "dp4+zero3 shard2": 4}
+"""Rows of more than 2 ranks (their own mpiexec; the machine is measured on 2)."""
 
 
 def config(args: argparse.Namespace, over: dict[str, Any], run_dir: str = "",
@@ -76,9 +91,12 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
     cfg = config(args, over, run_dir, world.size)
     run = build_run(cfg, mesh_for(cfg, world))
     steps, memory, traffic = [], 0, []
+    units = getattr(run.weights, "units", None)  # ZeRO-3: its peak of gathered units
     for i in range(1, WARMUP + args.steps + 1):
         world.comm.barrier()  # every rank starts the step together
         sent.take()
+        if units is not None:
+            units.peak_gathered_bytes = units.gathered_bytes
         meter = SavedTensorMeter()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -101,6 +119,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     world = init(backend="mpi")
     sent = SentBytes()
     counted = replace(world, comm=CountedCommunicator(world.comm, sent))
+    if world.size != 2:  # the rows of a larger world only
+        with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-") as tmp:
+            return {"rank": world.rank, "rows": {
+                name: _side(args, counted, sent, over, f"{tmp}/{k}")
+                for k, (name, over) in enumerate(ROWS.items())
+                if WORLDS.get(name, 2) == world.size}}
     width = config(args, {}).gpt.d_model
     machine = {"gflops": matmul_gflops(world.device, n=max(64, width), seconds=0.5),
                "busbw_gbps": measure_allreduce(world.comm, 4 * 2**20, device=world.device,
@@ -114,33 +138,35 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         serial = _side(args, alone, SentBytes(), {"dp": 1}, f"{tmp}/serial")
         machine["serial_step_s"] = statistics.median(serial["steps"])
         for k, (name, over) in enumerate(ROWS.items()):
-            rows[name] = _side(args, counted, sent, over, f"{tmp}/{k}")
+            if name not in WORLDS:
+                rows[name] = _side(args, counted, sent, over, f"{tmp}/{k}")
     return {"rank": world.rank, "machine": machine, "rows": rows}
 
 
-def _ranks(args: argparse.Namespace) -> list[dict[str, Any]]:
+def _ranks(args: argparse.Namespace, n: int = 2) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
     from testbed.mpiexec import clean_env, run_mpiexec
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-plan-out-") as out:
         flags = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
                  if k in ("model", "seq_len", "global_batch", "steps")]
-        proc = run_mpiexec(2, [sys.executable, "-m", "bench.plan_check", "--worker", "--out",
+        proc = run_mpiexec(n, [sys.executable, "-m", "bench.plan_check", "--worker", "--out",
                                out, *flags], timeout=args.timeout, env=clean_env())
         files = sorted(Path(out).glob("rank*.json"))
-        if proc.returncode != 0 or len(files) != 2:
+        if proc.returncode != 0 or len(files) != n:
             raise RuntimeError(f"bench.plan_check failed:\n{proc.stdout[-3000:]}")
         return [json.loads(f.read_text()) for f in files]
 
 
 def planned(args: argparse.Namespace, over: dict[str, Any], gflops: float,
-            busbw_gbps: float) -> Any:
+            busbw_gbps: float, world: int = 2) -> Any:
     from trainer.plan.cluster import make_cluster
     from trainer.plan.estimate import estimate
 
-    cluster = make_cluster(hosts=1, gpus_per_host=2, memory_gib=1024, tflops=gflops / 1e3,
+    cluster = make_cluster(hosts=1, gpus_per_host=world, memory_gib=1024, tflops=gflops / 1e3,
                            intra_gbps=busbw_gbps, inter_gbps=busbw_gbps)
-    return estimate(config(args, over), replace(cluster, name="cpu"), efficiency=1.0)
+    return estimate(config(args, over, world=world), replace(cluster, name="cpu"),
+                    efficiency=1.0)
 
 
 def run(**options: Any) -> list[dict[str, Any]]:
@@ -149,6 +175,7 @@ def run(**options: Any) -> list[dict[str, Any]]:
     from trainer.model.flops import flops_per_token
 
     ranks = _ranks(args)
+    larger = {n: _ranks(args, n) for n in sorted(set(WORLDS.values()))}
     gflops = min(r["machine"]["gflops"] for r in ranks)
     busbw = min(r["machine"]["busbw_gbps"] for r in ranks)
     serial = config(args, {"dp": 1}, world=1)
@@ -157,12 +184,15 @@ def run(**options: Any) -> list[dict[str, Any]]:
         r["machine"]["serial_step_s"] for r in ranks) / 1e9
     rows = []
     for name, over in ROWS.items():
-        sides = [r["rows"][name] for r in ranks]
-        plan = planned(args, over, achieved, busbw)
-        raw = planned(args, over, gflops, busbw)
+        world = WORLDS.get(name, 2)
+        sides = [r["rows"][name] for r in (larger[world] if name in WORLDS else ranks)]
+        # The FLOP/s were measured with 2 ranks at once; more ranks than cores share them.
+        share = min(1.0, CORES / world) / min(1.0, CORES / 2)
+        plan = planned(args, over, achieved * share, busbw, world)
+        raw = planned(args, over, gflops * share, busbw, world)
         step = statistics.median(max(s) for s in zip(*(x["steps"] for x in sides), strict=True))
         row: dict[str, Any] = {
-            "layout": name, "model": args.model, "seq_len": args.seq_len,
+            "layout": name, "ranks": world, "model": args.model, "seq_len": args.seq_len,
             "global_batch": args.global_batch, "gflops": gflops, "busbw_gbps": busbw,
             "step_gflops": achieved, "step_peak_plan_ms": 1e3 * raw.step_s,
             "mem_mib": max(x["memory"] for x in sides) / MIB,
@@ -177,7 +207,8 @@ def run(**options: Any) -> list[dict[str, Any]]:
     return rows
 
 
-COLUMNS = [("layout", "layout"), ("MiB", "mem_mib"), ("plan MiB", "mem_plan_mib"),
+COLUMNS = [("layout", "layout"), ("ranks", "ranks"), ("MiB", "mem_mib"),
+           ("plan MiB", "mem_plan_mib"),
            *((f"{k} MB", f"{k}_mb") for k in KINDS),
            *((f"{k} plan", f"{k}_plan_mb") for k in KINDS),
            ("step ms", "step_ms"), ("plan ms", "step_plan_ms"), ("step err", "step_err"),
@@ -185,8 +216,9 @@ COLUMNS = [("layout", "layout"), ("MiB", "mem_mib"), ("plan MiB", "mem_plan_mib"
 
 
 SUMMARY_COLUMNS = COLUMNS
-SUMMARY_NOTE = ("2 ranks, fp32, CPU over MPI. MiB: the largest rank's held tensors after a step "
-                "plus the peak saved for backward (as bench.memory), against the planner's. MB: "
+SUMMARY_NOTE = ("2 ranks (dp4 rows: 4), fp32, CPU over MPI. MiB: the largest rank's held "
+                "tensors after a step, ZeRO-2/3's peaks during it and the peak saved for "
+                "backward (as bench.memory), against the planner's. MB: "
                 "bytes the busiest rank sends per step in each kind of group, counted on the "
                 "trainer's communicators as the planner prices them (ring algorithms). plan ms: "
                 "the planner's step time with this CPU's serial-step FLOP/s and its measured "
@@ -197,7 +229,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from bench.common import rich_table
 
     r0 = rows[0]
-    rich_table(f"Planner vs trainer, 2 ranks, fp32 ({r0['model']} GPT, seq "
+    rich_table(f"Planner vs trainer, 2 or 4 ranks, fp32 ({r0['model']} GPT, seq "
                f"{r0['seq_len']}, global batch {r0['global_batch']}; CPU: matmul "
                f"{r0['gflops']:.1f} GFLOP/s, serial step {r0['step_gflops']:.1f} "
                f"GFLOP/s, all-reduce {r0['busbw_gbps']:.2f} GB/s)",

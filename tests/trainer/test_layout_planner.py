@@ -52,8 +52,8 @@ def test_a_layout_the_trainer_refuses_is_refused_with_the_trainers_reason() -> N
     done, refused = plan({"model": "tiny", "global_batch": 4, "seq_len": 64,
                           "precision": "fp32"}, make_cluster(hosts=1, gpus_per_host=8,
                                                              gpu="h100"))
-    assert done and all(e.config.parallel.dp * e.config.parallel.tp * e.config.parallel.pp == 8
-                        for e in done)
+    assert done and all(e.config.parallel.dp * e.config.parallel.tp * e.config.parallel.pp
+                        * e.config.parallel.cp == 8 for e in done)
     assert refused  # tp 8 does not divide tiny's 4 heads, nor dp 8 a batch of 4
     assert all(isinstance(r, ConfigError) and str(r) for r in refused)
 
@@ -88,7 +88,8 @@ def test_the_command_ranks_layouts_and_prints_json_for_scripts() -> None:
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
     layouts = out["layouts"]
-    assert {(r["dp"], r["tp"], r["pp"]) for r in layouts} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+    assert {(r["dp"], r["tp"], r["pp"], r["cp"]) for r in layouts} == {
+        (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
     steps = [r["step_s"] for r in layouts if r["fits"]]
     assert steps == sorted(steps)
     assert "ring algorithms" in out["assumptions"]
@@ -100,7 +101,8 @@ MEASURED = {"serial": (1, {}), "dp2": (2, {"dp": 2}), "dp2+zero1": (2, {"dp": 2,
             "tp2": (2, {"dp": 1, "tp": 2}), "pp2": (2, {"dp": 1, "pp": 2, "microbatches": 4}),
             "tp2+sp": (2, {"dp": 1, "tp": 2, "sequence_parallel": True}),
             "tp2+recompute full": (2, {"dp": 1, "tp": 2, "recompute": "full"}),
-            "dp2+recompute selective": (2, {"dp": 2, "recompute": "selective"})}
+            "dp2+recompute selective": (2, {"dp": 2, "recompute": "selective"}),
+            "dp2+zero2": (2, {"dp": 2, "zero": 2}), "dp2+zero3": (2, {"dp": 2, "zero": 3})}
 
 
 @pytest.fixture(scope="module")
@@ -122,9 +124,13 @@ def test_the_planned_memory_per_rank_equals_what_the_trainer_holds(layout: str,
     mem = memory(cfg, CPU)
     row = measured[layout]
     mib = 2**20
-    for planned, held in ((mem.params, row["params_mib"]), (mem.grads, row["grads_mib"]),
+    # The planner's rank at its peak: ZeRO-2's staged gradient buckets, ZeRO-3's gathered
+    # units and their gradients during the step (bench.memory's "peak" columns) included.
+    params, grads = row["params_peak_mib"], row["grads_peak_mib"]
+    total = params + grads + row["optim_mib"] + row["act_mib"]
+    for planned, held in ((mem.params, params), (mem.grads, grads),
                           (mem.optimizer, row["optim_mib"]), (mem.activations, row["act_mib"]),
-                          (mem.total, row["total_mib"])):
+                          (mem.total, total)):
         assert planned / mib == pytest.approx(held, rel=0.05), (layout, planned / mib, held)
 
 
@@ -181,17 +187,21 @@ def test_layouts_the_planner_does_not_model_yet_are_said_so_without_a_check() ->
     from trainer.training.plan_check import line, not_modelled, plan_of, run_cluster, warning
 
     cluster = run_cluster(2, 2, torch.device("cpu"))
-    zero3 = resolve_dp(make_config({"model": "tiny", "dp": 2, "zero": 3, "global_batch": 8,
-                                    "precision": "fp32"}), 2)
-    assert not_modelled(zero3) == "ZeRO-3 is not modelled yet"
-    assert line(plan_of(zero3, cluster)) == \
-        "dtrain: plan: ZeRO-3 is not modelled yet; no memory check"
+    free = resolve_dp(make_config({"model": "tiny", "dp": 2, "ep": 2, "moe_experts": 4,
+                                   "global_batch": 8, "precision": "fp32"}), 2)
+    assert not_modelled(free).startswith("a mixture of experts without --moe-capacity-factor")
+    assert line(plan_of(free, cluster)).endswith("depend on the data); no memory check")
+    for modelled in ({"dp": 2, "zero": 3}, {"dp": 1, "cp": 2}):
+        cfg = resolve_dp(make_config({"model": "tiny", "global_batch": 8, "precision": "fp32",
+                                      **modelled}), 2)
+        assert not_modelled(cfg) == ""
     assert warning(100 * 2**20, 109 * 2**20) == ""
     assert "-20%" in warning(100 * 2**20, 80 * 2**20)
 
 
-# The planner against the trainer on 2 ranks (bench.plan_check: the trainer's own step, its
-# communicators counting what they send as the planner prices it, the same memory accounting).
+# The planner against the trainer on 2 ranks, 4 for the dp4 rows (bench.plan_check: the
+# trainer's own step, its communicators counting what they send as the planner prices it, the
+# same memory accounting: ZeRO-2/3's peaks during the step included).
 @pytest.fixture(scope="module")
 def against_the_trainer() -> dict[str, dict]:
     from bench import plan_check
@@ -201,7 +211,8 @@ def against_the_trainer() -> dict[str, dict]:
 
 
 DENSE = ("dp2", "tp2", "pp2 1f1b", "dp2+zero1", "tp2+sp", "tp2+recompute full",
-         "dp2+recompute selective")
+         "dp2+recompute selective", "dp2+zero2", "dp2+zero3", "dp4+zero3", "dp4+zero3 shard2",
+         "cp2", "cp2 ring+recompute selective")
 
 
 @pytest.mark.timeout(900)
@@ -210,7 +221,7 @@ def test_the_planned_bytes_per_step_equal_what_each_group_sends(layout: str,
                                                                 against_the_trainer: dict) -> None:
     row = against_the_trainer[layout]
     assert row[f"{layout[:2]}_mb"] > 0  # the layout's own group sent something
-    for kind in ("dp", "tp", "pp", "ep"):
+    for kind in ("dp", "tp", "pp", "ep", "cp"):
         assert row[f"{kind}_plan_mb"] == pytest.approx(row[f"{kind}_mb"], rel=0.05, abs=1e-6), \
             (layout, kind, row)
     assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
@@ -227,11 +238,19 @@ def test_the_planned_gradient_reduction_of_ep2_keeps_the_experts_out_of_the_dp_g
 
 
 @pytest.mark.timeout(900)
+def test_the_planned_memory_of_ep2_with_capacity_matches_the_run(
+        against_the_trainer: dict) -> None:
+    """The experts' gradients live in a buffer of their own (their DP group is not the dense
+    parameters'), counted with the rest."""
+    row = against_the_trainer["ep2 moe"]
+    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row
+
+
+@pytest.mark.timeout(900)
 @pytest.mark.xfail(reason="MoE routing depends on the data: at initialisation on text a "
-                          "capacity of 1.0 drops ~20% of the assignments the planner's "
-                          "balanced routing keeps (activations +8%, all-to-all +23%)")
-def test_the_planned_memory_and_all_to_all_bytes_of_ep2_with_capacity_match_the_run(
+                          "capacity of 1.0 drops assignments (identical characters route "
+                          "alike) that the planner's balanced routing keeps: all-to-all +30%")
+def test_the_planned_all_to_all_bytes_of_ep2_with_capacity_match_the_run(
         against_the_trainer: dict) -> None:
     row = against_the_trainer["ep2 moe"]
     assert row["ep_plan_mb"] == pytest.approx(row["ep_mb"], rel=0.05), row
-    assert row["mem_plan_mib"] == pytest.approx(row["mem_mib"], rel=0.05), row

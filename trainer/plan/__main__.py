@@ -7,8 +7,9 @@
 
 The model and the run are given with `python -m trainer.train`'s own flags (any of them: model
 preset and fields, --global-batch, --precision, --schedule, ...), or a Hugging Face Llama
-config.json; the layout options (--dp --tp --pp --ep --zero --recompute --sequence-parallel
---microbatches) are what the plan searches.
+config.json; the layout options (--dp --tp --pp --cp --ep --zero --recompute
+--sequence-parallel --microbatches) are what the plan searches (--cp-comm, --zero-shard-size
+and --zero-prefetch are taken as given).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-SEARCHED = ("dp", "tp", "pp", "ep", "zero", "recompute", "sequence_parallel", "microbatches")
+SEARCHED = ("dp", "tp", "pp", "cp", "ep", "zero", "recompute", "sequence_parallel",
+            "microbatches")
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -18,33 +18,37 @@ The cost model (`ASSUMPTIONS`, printed with every plan):
 * tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
   parallelism) of a block's activations per block and microbatch, exposed;
 * data parallelism: ring all-reduce (or reduce-scatter + all-gather under ZeRO-1/2) of the
-  gradients, hidden behind the backward pass (2/3 of the compute) except what is longer; ZeRO-3
-  gathers the parameters once more for the backward pass (3x the parameter bytes, ZeRO paper);
+  gradients over dp x cp, hidden behind the backward pass (2/3 of the compute) except what is
+  longer; ZeRO-2/3 reduce every microbatch, ZeRO-3 gathers the blocks once more for the
+  backward pass (about 3x the parameter bytes, ZeRO paper; `trainer.plan.sends`);
 * pipeline p2p: one activation and one gradient per microbatch and stage boundary, exposed;
 * experts: dispatch and combine all-to-all of the routed tokens, forward and backward, exposed;
+* context parallelism: the K/V exchange of every layer (`trainer.plan.sends`), exposed;
 * a group is inside a host while its members span at most one host's GPUs (mesh order
-  tp, dp, pp: tp fastest), else it runs at the bandwidth between hosts.
+  tp, cp, dp, pp: tp fastest), else it runs at the bandwidth between hosts.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from trainer.config.options import TrainConfig, make_config, resolve_dp
 from trainer.errors import ConfigError
 from trainer.model.flops import flops_per_token, matmul_params
 from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_top
+from trainer.plan import sends
 from trainer.plan.cluster import Cluster
+from trainer.plan.sends import Comm, unit_sizes
 from trainer.plan.shapes import activations, stage_params
 
 ASSUMPTIONS = (
     "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
-    "reduction hidden behind backward (2/3 of compute) except the excess; PP p2p and EP "
-    "all-to-all exposed; ring algorithms; a group inside a host while it spans <= one host's GPUs "
-    "(mesh order tp, dp, pp)")
+    "reduction hidden behind backward (2/3 of compute) except the excess; PP p2p, EP "
+    "all-to-all and CP K/V exchange exposed; ring algorithms; a group inside a host while it "
+    "spans <= one host's GPUs (mesh order tp, cp, dp, pp)")
 
 
 @dataclass(frozen=True)
@@ -59,16 +63,6 @@ class Memory:
     @property
     def total(self) -> int:
         return self.params + self.grads + self.optimizer + self.activations
-
-
-@dataclass(frozen=True)
-class Comm:
-    """Bytes one rank sends per optimizer step, by group."""
-
-    dp: float
-    tp: float
-    pp: float
-    ep: float
 
 
 @dataclass(frozen=True)
@@ -88,6 +82,8 @@ class Estimate:
     def layout(self) -> str:
         par = self.config.parallel
         parts = [f"dp{par.dp}", f"tp{par.tp}", f"pp{par.pp}"]
+        parts += [f"cp{par.cp}" + ("" if par.cp_comm == "allgather" else f" {par.cp_comm}")
+                  ] if par.cp > 1 else []
         parts += [f"ep{par.ep}"] if par.ep > 1 else []
         parts += [f"zero{self.config.optimizer.zero}"] if self.config.optimizer.zero else []
         parts += ["sp"] if par.sequence_parallel else []
@@ -138,13 +134,13 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     stages = stage_params(gpt, tp=par.tp, pp=par.pp, v=v)
     act = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
                       recompute=par.recompute, micro_batch=cfg.micro_batch,
-                      dtype="bf16" if bf16 else "fp32")
+                      dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
     # Backward re-runs one block (or attention core) at a time, which saves what it did not keep.
     recomputed = 0
     if par.recompute != "none":
         kept = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
                            recompute="none", micro_batch=cfg.micro_batch,
-                           dtype="bf16" if bf16 else "fp32")
+                           dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
         recomputed = kept.per_block - act.per_block
     counts = cfg.stage_layers
     flights = in_flight(cfg)
@@ -157,8 +153,7 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     best: Memory | None = None
     for rank, params in enumerate(stages):
         n = params.dense + params.expert // par.ep
-        table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
-        table = _in_flight_shards(cfg, table, bf16)
+        table = _in_flight_shards(cfg, _between_steps(cfg, n, bf16), bf16)
         held, rest = 0, 0
         for chunk, live in flights[rank].items():
             stage = chunk * par.pp + rank
@@ -182,8 +177,17 @@ def model_state(cfg: TrainConfig, *, bf16: bool) -> tuple[MemoryTable, MemoryTab
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     n = max(p.dense + p.expert // par.ep
             for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v))
-    table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
+    table = _between_steps(cfg, n, bf16)
     return table, _in_flight_shards(cfg, table, bf16)
+
+
+def _between_steps(cfg: TrainConfig, n: int, bf16: bool) -> MemoryTable:
+    """The bytes-per-parameter table of ``n`` parameters, sharded as the run shards them: over
+    the weight's copies, dp x cp (`trainer.training.run`), or under hybrid sharding over the
+    shard group."""
+    par, zero = cfg.parallel, cfg.optimizer.zero
+    over = par.zero_shard_size if zero == 3 and par.zero_shard_size else par.dp * par.cp
+    return expected_bytes(n, bf16=bf16, zero=zero, dp=over)
 
 
 def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:
@@ -194,9 +198,7 @@ def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> Memor
     zero, par = cfg.optimizer.zero, cfg.parallel
     if zero < 2:
         return table
-    one, two = (stage_params(replace(cfg.gpt, n_layer=k), tp=par.tp, pp=1)[0].dense
-                for k in (1, 2))
-    block, root = two - one, 2 * one - two
+    block, root = unit_sizes(cfg)
     if zero == 3:
         top = zero3_on_top(root=root, block=block, prefetch=cfg.optimizer.zero_prefetch,
                            bf16=bf16)
@@ -206,69 +208,9 @@ def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> Memor
     return MemoryTable(params=table.params, grads=grads, optimizer=table.optimizer)
 
 
-def _ring(size: int) -> float:
-    return (size - 1) / size if size > 1 else 0.0
-
-
-def _reduction(n: int, size: int, *, zero: int, grad_width: int, width: int) -> float:
-    """Bytes one rank sends to reduce the gradients of ``n`` parameters over ``size`` ranks:
-    a ring all-reduce, or under ZeRO a reduce-scatter plus the all-gather of the stepped
-    parameters (twice under ZeRO-3: forward and backward)."""
-    if zero:
-        return _ring(size) * (grad_width * n + width * n * (2 if zero == 3 else 1))
-    return 2 * _ring(size) * grad_width * n
-
-
-def _pp_sends(cfg: TrainConfig) -> int:
-    """The most stage boundaries one pipeline rank sends across per microbatch: an activation
-    forward from every chunk but the last stage, a gradient back from every chunk but the
-    first."""
-    par = cfg.parallel
-    if par.pp == 1:
-        return 0
-    stages = len(cfg.stage_layers)
-    v = stages // par.pp
-    return max(sum((c * par.pp + r < stages - 1) + (c * par.pp + r > 0) for c in range(v))
-               for r in range(par.pp))
-
-
 def comm(cfg: TrainConfig, cluster: Cluster) -> Comm:
-    """Bytes the busiest rank sends per step in each kind of group (ring algorithms, counted
-    as `trainer.plan.traffic` counts a run's)."""
-    par, gpt = cfg.parallel, cfg.gpt
-    width = 2 if _bf16(cfg, cluster) else 4
-    v = par.virtual_stages if par.schedule == "interleaved" else 1
-    stages = stage_params(gpt, tp=par.tp, pp=par.pp, v=v)
-    grad_width = 4 if par.grad_reduce_dtype == "fp32" else 2
-    zero = cfg.optimizer.zero
-    # Experts are replicated over dp / ep ranks only (`trainer.parallel.data.split`).
-    dp = max(_reduction(s.dense, par.dp, zero=zero, grad_width=grad_width, width=width)
-             + _reduction(s.expert // par.ep, par.dp // par.ep, zero=zero,
-                          grad_width=grad_width, width=width) for s in stages)
-    tokens = cfg.micro_batch * gpt.seq_len
-    act = tokens * gpt.d_model * width
-    layers = max(cfg.stage_layers) if par.pp > 1 else gpt.n_layer
-    # Per block and microbatch, two all-reduces of the activations forward (attention and MLP
-    # outputs) and two backward (their inputs' gradients), two more under full recomputation;
-    # the embedding's forward and the head's input gradient add one each.
-    per_block = 4 + (2 if par.recompute == "full" else 0)
-    # Under sequence parallelism the all-reduces are all-gathers and reduce-scatters (half the
-    # bytes each, as many again) and each column-parallel linear (two per block, the head)
-    # gathers its input once more in backward instead of keeping it (`parallel.tensor.mappings`).
-    regather = (2 * layers + 1) if par.sequence_parallel else 0
-    # The vocabulary-parallel loss: three all-reduces of one fp32 number per token.
-    loss = 3 * tokens * 4 * 2 if par.tp > 1 else 0
-    tp = par.microbatches * _ring(par.tp) * ((layers * per_block + 2) * 2 * act
-                                             + regather * act + loss)
-    pp = par.microbatches * _pp_sends(cfg) * act
-    if par.pp > 1 and gpt.tied:  # the tied embedding's gradient, summed over the end stages
-        pp += 2 * _ring(2) * grad_width * gpt.vocab_rows * gpt.d_model / par.tp
-    moe_layers = len(range(0, layers, gpt.moe.every)) if gpt.moe.experts else 0
-    # Dispatch and combine, forward and backward: the kept rows (at most the capacity)
-    # that go to the other members of ep, routing balanced.
-    kept = min(1.0, gpt.moe.capacity_factor) if gpt.moe.capacity_factor > 0 else 1.0
-    ep = par.microbatches * moe_layers * 4 * gpt.moe.topk * kept * _ring(par.ep) * act
-    return Comm(dp=dp, tp=tp, pp=pp, ep=ep)
+    """Bytes the busiest rank sends per step in each kind of group (`trainer.plan.sends`)."""
+    return sends.comm(cfg, bf16=_bf16(cfg, cluster))
 
 
 def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: float
@@ -288,11 +230,12 @@ def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: flo
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     bubble = (par.pp - 1) / (v * par.microbatches) if par.pp > 1 else 0.0
     tp_s = traffic.tp / cluster.bandwidth(par.tp)
-    dp_s = traffic.dp / cluster.bandwidth(par.tp * par.dp)
-    pp_s = traffic.pp / cluster.bandwidth(par.tp * par.dp * par.pp)
-    ep_s = traffic.ep / cluster.bandwidth(par.tp * par.ep)
+    cp_s = traffic.cp / cluster.bandwidth(par.tp * par.cp)
+    dp_s = traffic.dp / cluster.bandwidth(par.tp * par.cp * par.dp)
+    pp_s = traffic.pp / cluster.bandwidth(par.tp * par.cp * par.dp * par.pp)
+    ep_s = traffic.ep / cluster.bandwidth(par.tp * par.cp * par.ep)
     exposed_dp = max(0.0, dp_s - compute * 2 / 3)
-    step = compute * (1 + bubble) + tp_s + pp_s + ep_s + exposed_dp
+    step = compute * (1 + bubble) + tp_s + cp_s + pp_s + ep_s + exposed_dp
     return step, model_flops / (step * cluster.gpus * cluster.gpu.peak_flops)
 
 
@@ -316,10 +259,13 @@ def candidates(base: Mapping[str, Any], cluster: Cluster) -> Iterator[TrainConfi
     by flag name), or the trainer's error for one it refuses."""
     world = cluster.gpus
     experts = int(base.get("moe_experts", 0) or 0)
-    for tp, pp in itertools.product(_divisors(world), repeat=2):
-        if world % (tp * pp) or tp > cluster.gpus_per_host:
+    seq_len = int(base.get("seq_len", 0) or 0)
+    for tp, pp, cp in itertools.product(_divisors(world), repeat=3):
+        # cp splits every sequence in 2 x cp chunks (`trainer.parallel.context.checks`)
+        if world % (tp * pp * cp) or tp * cp > cluster.gpus_per_host or (
+                cp > 1 and seq_len % (2 * cp)):
             continue
-        dp = world // (tp * pp)
+        dp = world // (tp * pp * cp)
         eps = [e for e in _divisors(dp) if experts and experts % e == 0] or [1]
         for ep, zero, recompute, sp in itertools.product(
                 eps, (0, 1, 2, 3), ("none", "selective", "full"), (False, True)):
@@ -328,7 +274,8 @@ def candidates(base: Mapping[str, Any], cluster: Cluster) -> Iterator[TrainConfi
             per_dp = int(base.get("global_batch", 32)) // dp
             m = max((d for d in _divisors(per_dp) if d <= 4 * pp), default=1) if pp > 1 else 1
             try:
-                cfg = make_config({**base, "dp": dp, "tp": tp, "pp": pp, "ep": ep, "zero": zero,
+                cfg = make_config({**base, "dp": dp, "tp": tp, "pp": pp, "cp": cp, "ep": ep,
+                                   "zero": zero,
                                    "recompute": recompute, "sequence_parallel": sp,
                                    "microbatches": m})
                 yield resolve_dp(cfg, world)

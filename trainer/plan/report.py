@@ -18,7 +18,8 @@ GIB = 2**30
 def row(e: Estimate) -> dict[str, Any]:
     """One layout as data (the JSON rows)."""
     par = e.config.parallel
-    return {"layout": e.layout, "dp": par.dp, "tp": par.tp, "pp": par.pp, "ep": par.ep,
+    return {"layout": e.layout, "dp": par.dp, "tp": par.tp, "pp": par.pp, "cp": par.cp,
+            "ep": par.ep,
             "zero": e.config.optimizer.zero, "sequence_parallel": par.sequence_parallel,
             "recompute": par.recompute, "microbatches": par.microbatches,
             "micro_batch": e.config.micro_batch, "fits": e.fits, "why": e.why,
@@ -43,7 +44,7 @@ def as_table(done: list[Estimate], refused: list[ConfigError], cluster: Cluster,
              f"TFLOP/s each): {len(done)} layouts, {sum(e.fits for e in done)} fit", head]
     for i, e in enumerate(done[:top], 1):
         m = e.memory
-        gb = (e.comm.dp + e.comm.tp + e.comm.pp + e.comm.ep) / 1e9
+        gb = e.comm.total / 1e9
         lines.append(f"{i:>3}  {e.layout:<42} {m.total / size:>8.1f} {m.params / size:>7.1f} "
                      f"{m.grads / size:>7.1f} {m.optimizer / size:>7.1f} "
                      f"{m.activations / size:>7.1f} {gb:>8.2f} {e.step_s:>8.3f} "

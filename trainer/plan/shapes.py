@@ -151,9 +151,11 @@ def _to_bf16(model: torch.nn.Module) -> None:
 
 @cache
 def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: str,
-                micro_batch: int, dtype: str = "fp32") -> Activations:
+                micro_batch: int, dtype: str = "fp32", cp: int = 1,
+                exchange: str = "allgather") -> Activations:
     """One microbatch's saved bytes: the trainer's model of one and of two blocks, sharded and
-    set up as the run would, forward and loss on fake tensors under the meter."""
+    set up as the run would (on a cp rank's share of the sequence, its attention the
+    context-parallel ``exchange``), forward and loss on fake tensors under the meter."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
 
@@ -161,6 +163,7 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
         _check_moe_measurable(cfg)
     from trainer.activations import apply_recompute, apply_sequence_parallel
     from trainer.model.family import build_model
+    from trainer.parallel.context.model import context_parallel
     from trainer.parallel.tensor.parallelize import parallelize
     from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 
@@ -182,10 +185,12 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
             if sequence_parallel:
                 model = apply_sequence_parallel(model, comm, tracker)
             model = apply_recompute(model, recompute, tracker)
-            idx = (torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_len),
+            if cp > 1:
+                model = context_parallel(model, ShapeComm(cp, 0, "cp"), exchange)
+            tokens = cfg.seq_len // cp
+            idx = (torch.randint(0, cfg.vocab_size, (micro_batch, tokens),
                                  generator=torch.Generator().manual_seed(0))
-                   if cfg.moe.experts else torch.zeros(micro_batch, cfg.seq_len,
-                                                       dtype=torch.long))
+                   if cfg.moe.experts else torch.zeros(micro_batch, tokens, dtype=torch.long))
             meter = SavedTensorMeter(frozenset(p.untyped_storage()._cdata
                                                for p in model.parameters()))
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):

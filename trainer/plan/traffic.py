@@ -24,8 +24,10 @@ import torch
 
 from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
 
-KIND = {"dp": "dp", "edp": "dp", "tp": "tp", "pp": "pp", "embd": "pp", "ep": "ep"}
-"""Group name (`trainer.comm.mesh`, the pipeline's embedding group) -> the planner's kind."""
+KIND = {"dp": "dp", "edp": "dp", "dp_cp": "dp", "edp_cp": "dp", "zs": "dp", "zr": "dp",
+        "tp": "tp", "pp": "pp", "embd": "pp", "ep": "ep", "cp": "cp"}
+"""Group name (`trainer.comm.mesh`, the pipeline's embedding group) -> the planner's kind: the
+gradients' groups (over dp and cp, ZeRO-3's shard and replica groups) are all "dp"."""
 
 
 def _ring(size: int) -> float:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from trainer.comm.protocol import ReduceOp
-from trainer.parallel.zero.memory import MIB, held_bytes
+from trainer.parallel.zero.memory import MIB
 from trainer.plan.budget import budget_bytes, over_budget
 
 if TYPE_CHECKING:
@@ -41,14 +41,12 @@ class BudgetMeter:
 
     def measure(self) -> int:
         """This rank's bytes at the peak of the step just done (and reset that peak)."""
-        run, units = self.run, self.units
-        params = list(run.model.parameters()) if units is None else units.shards
-        held = held_bytes(params, run.dp.buffer, run.weights.optimizer).total
-        on_top = getattr(run.dp, "peak_staged_bytes", 0)
-        if units is not None:
-            on_top += units.peak_gathered_bytes
-            units.peak_gathered_bytes = units.gathered_bytes
-        return held + on_top
+        from trainer.training.plan_check import measured_bytes
+
+        held = measured_bytes(self.run, saved_peak=0)  # activations not counted
+        if self.units is not None:
+            self.units.peak_gathered_bytes = self.units.gathered_bytes
+        return held
 
     def after_step(self, step: int) -> None:
         """Agree on the largest rank's bytes; over the budget, every rank raises."""

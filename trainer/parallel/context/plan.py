@@ -63,3 +63,18 @@ def attention_flops(layout: SequenceLayout, rank: int, *, batch: int, heads: int
     recomputes the scores and forms dQ, dK, dV)."""
     blocks = sum(len(block_plan(layout, rank, kv_rank)) for kv_rank in range(layout.cp))
     return blocks * block_flops(layout, batch=batch, heads=heads, head_dim=head_dim)
+
+
+def exchange_sends(cp: int, exchange: str, *, kv_bytes: int, grad_bytes: int
+                   ) -> tuple[int, int]:
+    """Bytes one rank sends per layer and microbatch to give every rank the sequence's K/V:
+    (forward, backward). ``kv_bytes``: this rank's [K; V]; ``grad_bytes``: its [dK; dV] in
+    the accumulation dtype. Forward, both exchanges send cp - 1 blocks (the ring's hops; the
+    all-gather's ring share); backward sends them again, and the dK/dV sums: cp hops around
+    the ring (the last brings each sum home), or the reduce-scatter's cp - 1 blocks
+    (`trainer.parallel.context.ring`, `trainer.parallel.context.allgather`). Recomputation
+    runs the forward exchange once more in backward."""
+    if cp == 1:
+        return 0, 0
+    grads = (cp if exchange == "ring" else cp - 1) * grad_bytes
+    return (cp - 1) * kv_bytes, (cp - 1) * kv_bytes + grads
