@@ -141,7 +141,7 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
                                           cfg.parallel.microbatches),
                            dp_rank=mesh.rank("dp"), reporter=mesh.rank() == 0,
                            keep=keep_chunks(cfg.gpt.seq_len, mesh.group("cp"))
-                           if cfg.parallel.cp > 1 else None)
+                           if cfg.parallel.cp > 1 else None, documents=cfg.data.document_mask)
     if isinstance(batches, TokenBatches) and restored.samples is not None:
         batches.restore(restored.samples, restored.step + 1)  # continue the sample order
     opt = cfg.optimizer
