@@ -2,9 +2,13 @@
 cp 2 and cp 4, the GPT and the Llama (grouped-query attention, 8 query and 2 key/value heads),
 the ring and the all-gather exchange; and composed with tp 2 and sequence parallelism, pp 2
 (1F1B, and interleaved with 2 chunks), dp 2 with ZeRO-1, dp 2 with ep 2 and mixture-of-experts
-layers, selective and full recomputation. Five steps of the trainer's own
-``build_run``/``train_step`` in fp64 (the mesh, the loader's zig-zag chunks, the models'
-attention, the loss over dp x cp, the gradient norm and clipping) on the same global batches.
+layers, selective and full recomputation; and with document masking (``-docs``: packed short
+documents, ``--document-mask``) at cp 2 and 4 for both families and exchanges, with tp 2 and
+sequence parallelism, pp 2, and both recomputations, against the single-process masked model
+(which `tests.trainer.test_document_mask` shows equals each document run alone). Five steps of
+the trainer's own ``build_run``/``train_step`` in fp64 (the mesh, the loader's zig-zag chunks,
+the models' attention, the loss over dp x cp, the gradient norm and clipping) on the same global
+batches.
 
 A layout differs from the serial run in the order of its sums (the gradients over dp x cp, the
 split matmuls) and in attention split into blocks merged with the log-sum-exp rule. The
@@ -23,6 +27,7 @@ import torch
 
 from tests.support.cp_workers.training import (
     DENSE,
+    DOCS,
     FAMILIES,
     GLOBAL_BATCH,
     RUNS,
@@ -79,9 +84,23 @@ def test_the_context_parallel_layout_trains_to_the_single_process_model(world: i
         assert_same_run(rank[run.name], serial, run.name, tol)
 
 
-@pytest.mark.parametrize(("cp", "family"), [(cp, f) for cp in (2, 4) for f in DENSE])
-def test_the_ring_and_the_all_gather_train_the_same_model(cp: int, family: str) -> None:
+@pytest.mark.parametrize(("cp", "family", "docs"),
+                         [(cp, f, d) for cp in (2, 4) for f in DENSE for d in DOCS])
+def test_the_ring_and_the_all_gather_train_the_same_model(cp: int, family: str,
+                                                          docs: str) -> None:
     tol = loss_tolerance(family)
     for rank in world_run(WORKER, cp).ranks:
-        assert_same_run(rank[f"cp{cp}-{family}-allgather"], rank[f"cp{cp}-{family}-ring"],
-                        f"cp {cp} {family}: all-gather vs ring", tol)
+        assert_same_run(rank[f"cp{cp}-{family}-allgather{docs}"],
+                        rank[f"cp{cp}-{family}-ring{docs}"],
+                        f"cp {cp} {family}{docs}: all-gather vs ring", tol)
+
+
+def test_the_document_mask_changes_the_training_on_the_same_data() -> None:
+    """The single-process masked run and the same run causal over the whole window part from
+    the first step (by far more than rounding), so a layout that dropped the mask anywhere
+    could not match the masked reference."""
+    ranks = world_run(WORKER, 1).ranks[0]
+    for family in DENSE:
+        masked, causal = (f64(ranks[f"serial-{family}{d}"]["losses"]) for d in ("-docs",
+                                                                                 "-packed"))
+        assert float((masked - causal).abs().min()) > 1e3 * loss_tolerance(family), family
