@@ -3,6 +3,8 @@
 ``layout``     which tokens each rank holds (the zig-zag split), batch split and gather (pure)
 ``plan``       which attention blocks a rank computes under the causal mask, and their FLOPs
 ``blocks``     one block's attention and the log-sum-exp merge, forward and backward (torch)
+``documents``  document masking (``--document-mask``): each block's mask from the window's
+               global document ids, blocks no query of which sees a key left out
 ``ring``       ring attention: K/V, then dK/dV, passed around the group (autograd Function)
 ``allgather``  the same attention after one all-gather of K/V per layer (Llama 3's way)
 ``attention``  `ContextParallelAttention`, the one call both exchanges sit behind
