@@ -1,7 +1,7 @@
-"""Context parallelism trains to the single-process model (`tests.support.cp_workers.training`):
-cp 2 and cp 4, the GPT and the Llama (grouped-query attention, 8 query and 2 key/value heads),
-the ring and the all-gather exchange; and composed with tp 2 and sequence parallelism, pp 2
-(1F1B, and interleaved with 2 chunks), dp 2 with ZeRO-1, dp 2 with ep 2 and mixture-of-experts
+"""Context parallelism trains to the single-process model (`tests.support.cp_workers.training`): cp
+2 and cp 4, the GPT and the Llama (grouped-query attention, 8 query and 2 key/value heads), the
+ring and the all-gather exchange; and composed with tp 2 and sequence parallelism, pp 2 (1F1B,
+and interleaved with 2 chunks), dp 2 with ZeRO-1, 2 and 3, dp 2 with ep 2 and mixture-of-experts
 layers, selective and full recomputation; and with document masking (``-docs``: packed short
 documents, ``--document-mask``) at cp 2 and 4 for both families and exchanges, with tp 2 and
 sequence parallelism, pp 2, and both recomputations, against the single-process masked model

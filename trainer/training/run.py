@@ -204,8 +204,9 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
 
 
 def _shard_group(cfg: TrainConfig, mesh: Mesh) -> Communicator:
-    """The ranks ZeRO-3 shards a unit over: dp, or the hybrid shard group (the mesh's zs)."""
-    return mesh.group("zs") if cfg.parallel.zero_shard_size else mesh.group("dp")
+    """The ranks ZeRO-3 shards a unit over: dp x cp (cp ranks hold the same weights; the dp
+    group itself at cp 1), or the hybrid shard group (the mesh's zs; refused with cp)."""
+    return mesh.group("zs") if cfg.parallel.zero_shard_size else mesh.group("dp_cp")
 
 
 def _tied_names(cfg: TrainConfig, layout: StageLayout | None) -> set[str]:

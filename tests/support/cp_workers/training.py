@@ -12,9 +12,12 @@ with ``--document-mask``, world 1 being the single-process masked model.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from tests.support.documents import write_documents
 from tests.support.numerics import float64
@@ -22,6 +25,8 @@ from trainer.comm.bootstrap import init
 from trainer.config.options import TrainConfig, make_config
 from trainer.data.corpus import load_corpus
 from trainer.parallel.tensor import shard_spec
+from trainer.parallel.zero import Zero3Optimizer
+from trainer.training.run import Run as RunState
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
@@ -90,6 +95,8 @@ RUNS: dict[int, list[Run]] = {
         Run("cp2-pp2-interleaved-gpt4", "gpt4", {"cp": 2, "pp": 2, "schedule": "interleaved",
                                                  "virtual_stages": 2, **GATHER}),
         Run("cp2-dp2-zero1-llama", "llama", {"cp": 2, "zero": 1}),
+        Run("cp2-dp2-zero2-gpt", "gpt", {"cp": 2, "zero": 2}),
+        Run("cp2-dp2-zero3-llama", "llama", {"cp": 2, "zero": 3}),
         Run("cp2-dp2-selective-gpt", "gpt", {"cp": 2, "recompute": "selective"}),
         Run("cp2-dp2-full-llama", "llama", {"cp": 2, "recompute": "full", **GATHER}),
         Run("cp2-tp2-sp-llama-docs", "llama", {"cp": 2, "tp": 2, "sequence_parallel": True}),
@@ -97,6 +104,14 @@ RUNS: dict[int, list[Run]] = {
         Run("cp2-dp2-selective-gpt-docs", "gpt", {"cp": 2, "recompute": "selective"}),
         Run("cp2-dp2-full-llama-docs", "llama", {"cp": 2, "recompute": "full", **GATHER})],
 }
+
+
+def whole_parameters(state: RunState) -> dict[str, torch.Tensor]:
+    """This rank's parameters (its tensor-parallel shards), gathered whole under ZeRO-3."""
+    gathered = state.weights.units.whole() if isinstance(state.weights, Zero3Optimizer) \
+        else nullcontext()
+    with gathered:
+        return {n: p.detach().clone() for n, p in state.model.named_parameters()}
 
 
 def run(out: Path) -> dict[str, Any]:
@@ -115,6 +130,6 @@ def run(out: Path) -> dict[str, Any]:
                 "losses": [rec.loss for rec in records],
                 "norms": [rec.grad_norm for rec in records],
                 "tp_rank": mesh.rank("tp"), "tp": mesh.size("tp"),
-                "params": {n: p.detach().clone() for n, p in state.model.named_parameters()},
+                "params": whole_parameters(state),
                 "specs": {n: shard_spec(p) for n, p in state.model.named_parameters()}}
     return result

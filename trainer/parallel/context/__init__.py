@@ -12,13 +12,14 @@
                global positions, each block's attention core), and `keep_chunks`, the data
                loader's cut of each window (`trainer.data.batches.Keep`)
 ``checks``     what ``--cp`` refuses when the options are read (a sequence that does not split
-               into 2 x cp chunks, dropout, compiled blocks, ZeRO-2/3)
+               into 2 x cp chunks, dropout, compiled blocks, hybrid sharding)
 
 The run (`trainer.training.run.build_run`) turns it on once when ``--cp`` is above 1: cp is an
 axis of the mesh (`trainer.comm.topology`, right after tp), the parameters are replicated over
-it, so gradients are averaged over dp x cp (``dp_cp``; a rank's loss is the mean over its
-tokens, and every rank holds as many) and so is the logged loss; the gradient norm counts each
-parameter once (the first cp rank). Checkpoints do not depend on cp: a run resumes at any cp.
+it, so gradients are averaged over dp x cp (``dp_cp``, over which ZeRO-1, 2 and 3 shard; a
+rank's loss is the mean over its tokens, and every rank holds as many) and so is the logged
+loss; the gradient norm counts each parameter once (the first cp rank). Checkpoints do not
+depend on cp: a run resumes at any cp.
 
 Recomputation re-runs the exchange (chosen): under ``--recompute selective`` the attention
 core's forward, ring or all-gather included, runs again in backward, and ``full`` re-runs the
