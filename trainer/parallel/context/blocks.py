@@ -93,7 +93,7 @@ def _fused_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return o.unflatten(1, q.shape[1:3]).to(w), lse.unflatten(1, q.shape[1:3]).to(w)
 
 
-def _fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+def fused_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, scale: float, causal: bool,
                     mask: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,18 +114,25 @@ def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+def plain_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                   causal: bool, mask: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`block_forward`'s plain torch path (devices other than the CPU): the scores whole."""
+    s = _scores(q, k, scale, causal, mask)
+    lse = torch.logsumexp(s, -1)
+    p = torch.exp(s - lse[..., None])
+    return torch.einsum("bgrqs,bgsk->bgrqk", p.to(v.dtype), v).to(s.dtype), lse
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool, mask: torch.Tensor | None = None, *, fused: bool | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o_b (B, G, R, c, K), l_b (B, G, R, c)) of queries ``q`` against one key block; under
-    a document ``mask`` a row that sees no key of the block is (0, -inf)."""
-    if q.device.type == "cpu":
-        o, lse = _fused_forward(q, k, v, scale, causal, mask)
-    else:
-        s = _scores(q, k, scale, causal, mask)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse[..., None])
-        o = torch.einsum("bgrqs,bgsk->bgrqk", p.to(v.dtype), v).to(s.dtype)
+    a document ``mask`` a row that sees no key of the block is (0, -inf). ``fused``: the CPU
+    kernel or the plain path (None: the kernel on the CPU, the plain path elsewhere)."""
+    fused = q.device.type == "cpu" if fused is None else fused
+    forward = _fused_forward if fused else plain_forward
+    o, lse = forward(q, k, v, scale, causal, mask)
     if mask is not None:
         empty = ~mask.any(-1)[:, None, None]  # (B, 1, 1, c): rows that see nothing here
         o, lse = o.masked_fill(empty[..., None], 0.0), lse.masked_fill(empty, float("-inf"))
@@ -189,7 +196,7 @@ def backward_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
         rows, cols = slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c)
         causal = seen is Visibility.DIAGONAL
         if fused:
-            dq_b, dk_b, dv_b = _fused_backward(
+            dq_b, dk_b, dv_b = fused_backward(
                 _half(q, qi), _half(k, ki), _half(v, ki), _half(dout, qi), _half(out, qi),
                 lse[..., rows], scale, causal, mask)
         else:
