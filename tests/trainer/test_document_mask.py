@@ -11,16 +11,21 @@ means, and how the data loader hands it over.
 - The loader gives each microbatch its windows' document ids, counted on the whole window: a
   context-parallel rank's ``keep`` cuts tokens and targets, never the ids.
 - A blend whose datasets end documents with different ids is refused, naming them.
+- ``python -m trainer.train --document-mask`` trains and evaluates on a packed dataset as a
+  user runs it (the validation batches carry their document ids too).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.support import PYTHON, REPO, dtrain_env
 from tests.support.documents import EOS, write_documents
 from tests.support.numerics import float64, reduction_rtol
 from trainer.config.options import make_config
@@ -32,6 +37,7 @@ from trainer.model.documents import document_ids
 from trainer.model.family import build_model
 from trainer.model.gpt import GPT, cross_entropy
 from trainer.parallel.context import SequenceLayout
+from trainer.training.metrics import read_records
 
 B, T = 2, 32
 FAMILIES = {"gpt": {"model": "tiny", "seq_len": T}, "llama": {"model": "llama-tiny", "seq_len": T}}
@@ -137,3 +143,16 @@ def test_a_blend_that_ends_documents_with_different_ids_is_refused(packed: Path,
                      seed=1, dp_rank=0, model_vocab=256, documents=True)
     assert str(err.value).startswith("no single end-of-document token [--document-mask --data [")
     assert f"{other}: 7" in str(err.value)
+
+
+def test_a_run_with_document_masking_trains_and_evaluates(packed: Path, tmp_path: Path) -> None:
+    done = subprocess.run(
+        [PYTHON, "-m", "trainer.train", "--model", "llama-tiny", "--seq-len", str(T),
+         "--global-batch", "4", "--steps", "2", "--warmup-steps", "1", "--eval-every", "2",
+         "--eval-batches", "1", "--log-every", "1", "--data", str(packed), "--document-mask",
+         "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, cwd=REPO, env=dtrain_env(), timeout=300, check=False)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    records = read_records(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    assert math.isfinite(records[-1]["val_loss"])
