@@ -57,8 +57,8 @@ def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) 
         micro, loss = batches.microbatches(step), torch.zeros(())
         grad_scale = max(grad_scale, token_term_scale(model, micro))
         optimizer.zero_grad()
-        for x, y in micro:
-            part = model.loss(x, y) / len(micro)
+        for x, y, *docs in micro:  # docs: the document ids under --document-mask
+            part = model.loss(x, y, *docs) / len(micro)
             part.backward()
             loss += part.detach()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)))
@@ -68,15 +68,15 @@ def _train(cfg: TrainConfig, steps: int, prepare: Callable[[GPT], None] | None) 
     return {"losses": losses, "norms": norms, "params": params, "grad_scale": grad_scale}
 
 
-def token_term_scale(model: GPT, micro: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def token_term_scale(model: GPT, micro: list[tuple[torch.Tensor, ...]]) -> float:
     """max over gradient elements of Σ_t |∂ℓ_t/∂θ| / n for the n tokens of ``micro`` (a step's
     microbatches), each token's loss ℓ_t the model's own criterion on its logits alone. A
     backward pass per token (batching them with vmap is ~10x slower on these tiny models)."""
     params = [p for p in model.parameters() if p.requires_grad]
     total = [torch.zeros_like(p) for p in params]
     n_tokens = sum(y.numel() for _, y in micro)
-    for x, y in micro:
-        logits, targets = model(x).flatten(0, 1), y.flatten()
+    for x, y, *docs in micro:
+        logits, targets = model(x, *docs).flatten(0, 1), y.flatten()
         for t in range(targets.numel()):
             part = model.criterion(logits[t:t + 1], targets[t:t + 1])
             grads = torch.autograd.grad(part, params, retain_graph=True, allow_unused=True)

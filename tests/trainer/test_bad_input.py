@@ -77,7 +77,10 @@ def test_a_run_dir_on_a_read_only_file_system_is_refused_before_anything_is_buil
     (["--seed", str(2**64)], f"error: invalid option [--seed {2**64}]: must be below 2**64"),
     (["--cp", "2", "--seq-len", "30"], "error: sequence does not split over the context-"
      "parallel ranks [--seq-len 30 --cp 2]: the sequence is cut into 2 x cp = 4 equal chunks"),
-], ids=["data-cap-inf", "lr-inf", "lr-nan", "seed-2**64", "cp-seq-len"])
+    (["--document-mask"], "error: document masking needs an end-of-document token "
+     "[--document-mask --data (the default corpus)]: byte-level text has no token that ends a "
+     "document"),
+], ids=["data-cap-inf", "lr-inf", "lr-nan", "seed-2**64", "cp-seq-len", "document-mask-text"])
 def test_a_value_no_run_can_use_is_refused_where_the_options_are_checked(
         tmp_path: Path, flags: list[str], message: str) -> None:
     code, lines, out = launch("trainer.train", *TRAIN, *flags, "--run-dir", str(tmp_path / "r"))

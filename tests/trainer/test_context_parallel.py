@@ -28,6 +28,7 @@ from trainer.parallel.context import (
     block_plan,
     split_batch,
 )
+from trainer.parallel.context.blocks import block_backward, block_forward, fused_backward
 from trainer.parallel.context.plan import visibility
 
 MESSAGE = re.compile(r"^.+ \[.+\]: .+\. .+$", re.DOTALL)
@@ -183,3 +184,45 @@ def test_attention_refuses_a_group_of_another_size_an_unknown_exchange_and_bad_s
     assert "6 query heads" in refusal(lambda: attend(q, kv, kv))
     short = torch.zeros(1, 2, 6, 4)
     assert "8 tokens" in refusal(lambda: attend(short, short, short))
+
+
+def test_document_ids_that_are_not_the_whole_windows_are_refused():
+    attend = ContextParallelAttention(SoloGroup(), SequenceLayout(8, 1))
+    x = torch.zeros(1, 2, 8, 4)
+    assert "(1, 8)" in refusal(lambda: attend(x, x, x, torch.zeros(1, 4, dtype=torch.int64)))
+    assert "integer ids" in refusal(lambda: attend(x, x, x, torch.zeros(1, 8)))
+
+
+def test_a_masked_blocks_plain_path_equals_the_fused_kernel_and_empty_rows_are_neutral():
+    """The plain torch path (what other devices run) against the CPU kernel on one block with
+    a document mask in which a query row sees no key: both give that row (0, -inf), and the
+    same gradients from a final log-sum-exp (fp64, `attention_atol` of one block)."""
+    g = torch.Generator().manual_seed(3)
+    b, groups, r, c, k = 2, 2, 2, 4, 8
+    q, dout = (torch.randn(b, groups, r, c, k, generator=g, dtype=torch.float64)
+               for _ in range(2))
+    key, value = (torch.randn(b, groups, c, k, generator=g, dtype=torch.float64)
+                  for _ in range(2))
+    docs_q, docs_k = torch.tensor([[1, 1, 2, 2], [0, 0, 0, 0]]), torch.tensor([[0, 1, 1, 1],
+                                                                              [0, 0, 0, 0]])
+    mask = docs_q[:, :, None] == docs_k[:, None, :]
+    mask[1, 0] = False  # a row of the second sample that sees nothing either
+    plain = block_forward(q, key, value, SCALE, False, mask, fused=False)
+    fused = block_forward(q, key, value, SCALE, False, mask, fused=True)
+    tol = attention_atol(q.flatten(1, 2), key, value, dout.flatten(1, 2), blocks=1, scale=SCALE)
+    empty = ~mask.any(-1)[:, None, None]
+    for got in (plain, fused):
+        assert bool(got[1][empty.expand_as(got[1])].isneginf().all())
+        assert float(got[0][empty[..., None].expand_as(got[0])].abs().max()) == 0.0
+    torch.testing.assert_close(plain[0], fused[0], rtol=0, atol=tol["out"])
+    seen = ~empty.expand_as(plain[1])
+    torch.testing.assert_close(plain[1][seen], fused[1][seen], rtol=0, atol=tol["out"])
+    # backward from a final log-sum-exp that is finite on every row (as if merged with the
+    # row's other blocks: here all the block's keys) and the output it weights this block by
+    final = torch.logsumexp(torch.einsum("bgrqk,bgsk->bgrqs", q, key) * SCALE, -1)
+    out = plain[0] * torch.exp(plain[1] - final)[..., None]
+    delta = (dout * out).sum(-1)
+    want = block_backward(q, key, value, dout, final, delta, SCALE, False, mask)
+    got = fused_backward(q, key, value, dout, out, final, SCALE, False, mask)
+    for name, w, f in zip(("dq", "dk", "dv"), want, got, strict=True):
+        torch.testing.assert_close(f, w, rtol=0, atol=tol[name], msg=name)

@@ -1,16 +1,15 @@
 """Context-parallel attention equals one process's causal attention, with real MPI ranks.
 
 Every rank of ``mpiexec -n N python -m tests.support.mpi_worker
-tests.support.cp_workers.attention:run`` (cp 2
-and 4) runs ring and all-gather attention on its zig-zag share of the same fp64 q, k, v and
-output gradient (`tests.support.cp_workers.cases`), for multi-head (4/4 heads) and grouped-query
-(8/2)
-attention. Here the shares are joined and compared with torch's attention of the unsplit
-sequence: output and the gradients of q, k and v. Both sides are fp64 and differ only in the
-order of their sums and in the blocks the softmax is merged from, so they agree within
+tests.support.cp_workers.attention:run`` (cp 2 and 4) runs ring and all-gather attention on its
+zig-zag share of the same fp64 q, k, v and output gradient (`tests.support.cp_workers.cases`),
+for multi-head (4/4 heads) and grouped-query (8/2) attention, causal over the window and masked
+by documents (``-docs``: some blocks wholly masked, some rows of a block seeing none of its
+keys). Here the shares are joined and compared with torch's attention of the unsplit sequence:
+output and the gradients of q, k and v. Both sides are fp64 and differ only in the order of
+their sums and in the blocks the softmax is merged from, so they agree within
 `tests.support.numerics.attention_atol` (~1e-12 here, derived from the reduction counts; a wrong
-mask,
-a lost block or a misrouted gradient moves them by ~1e-1).
+mask, a lost block or a misrouted gradient moves them by ~1e-1).
 
 Also: the traffic each exchange sends (ring: cp - 1 K/V hops forward, cp - 1 K/V and cp dK/dV
 hops backward; all-gather: one gather forward, a gather and a reduce-scatter backward), each
@@ -22,7 +21,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.support.cp_workers.cases import HEADS, SCALE, WORKER, T, attention_tensors, serial
+from tests.support.cp_workers.cases import (
+    CASES,
+    HEADS,
+    SCALE,
+    WORKER,
+    T,
+    attention_tensors,
+    serial,
+)
 from tests.support.mpi_runs import world_run
 from tests.support.numerics import attention_atol
 from trainer.parallel.context import EXCHANGES, SequenceLayout
@@ -40,7 +47,7 @@ def joined(ranks: list[dict], key: str, name: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("exchange", EXCHANGES)
-@pytest.mark.parametrize("case", HEADS)
+@pytest.mark.parametrize("case", CASES)
 def test_output_and_gradients_equal_full_causal_attention_of_the_unsplit_sequence(
         ranks: list[dict], case: str, exchange: str) -> None:
     whole, want = attention_tensors(case), serial(case)
@@ -86,7 +93,7 @@ def test_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r_at_their_global_positi
 
 
 def test_gather_sequence_puts_the_whole_output_on_every_rank(ranks: list[dict]) -> None:
-    for case in HEADS:
+    for case in CASES:
         for exchange in EXCHANGES:
             whole = joined(ranks, f"{case}/{exchange}", "out")
             for rank in ranks:

@@ -56,15 +56,21 @@ def test_dp_is_what_remains_of_the_world_after_tp_pp_and_cp():
      r"sequence parallelism does not split a context-parallel rank's tokens \["),
     ({"cp": 2, "dropout": 0.1}, r"unsupported combination \[--cp 2 with --dropout 0\.1\]"),
     ({"cp": 2, "compile": True}, r"unsupported combination \[--cp 2 with --compile\]"),
-    ({"cp": 2, "zero": 2}, r"unsupported combination \[--cp 2 with --zero 2\]"),
+    ({"cp": 2, "zero": 3, "zero_shard_size": 2},
+     r"unsupported combination \[--cp 2 with --zero-shard-size 2\]"),
     ({"cp_comm": "alltoall"}, r"--cp-comm"),
-], ids=["seq-len-30", "seq-len-below-2cp", "sp-split", "dropout", "compile", "zero-2",
+], ids=["seq-len-30", "seq-len-below-2cp", "sp-split", "dropout", "compile", "hybrid-zero-3",
         "unknown-exchange"])
 def test_what_context_parallelism_cannot_run_is_refused_when_the_options_are_read(
         options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         make_config({**TINY, **options})
     assert MESSAGE.match(str(err.value))
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_shard_over_dp_times_cp(zero: int) -> None:
+    assert make_config({**TINY, "cp": 2, "zero": zero}).optimizer.zero == zero
 
 
 def test_cp_1_checks_nothing_of_the_sequence():

@@ -1,10 +1,10 @@
 """Resume at any layout: a checkpoint saved at layout A is resumed at layout B, for pairs that
-change every axis at least once (dp 2→4 and 4→1, tp 2→1 and 1→4, cp 2→1 and 1→4, pp 2→4
-with interleaved stages, the layers of the stages, ep 2→4 and 2→1, ZeRO-1 on and off, ZeRO-2
-from 2x2x2 to dp 4, ZeRO-3 to ZeRO-1 at dp 2 and back at dp 4, ZeRO-3 from dp2 x tp2 to dp 4 and
-from shard size 2 to 4, bf16 main weights and fp32 both ways, and 2x2x2 → 1x4x1;
-`tests.support.resume_workers.cases`),
-with real MPI ranks.
+change every axis at least once (dp 2→4 and 4→1, tp 2→1 and 1→4, cp 2→1 and 1→4, pp 2→4 with
+interleaved stages, the layers of the stages, ep 2→4 and 2→1, ZeRO-1 on and off, ZeRO-2 from
+2x2x2 to dp 4, ZeRO-3 to ZeRO-1 at dp 2 and back at dp 4, ZeRO-3 from dp2 x tp2 to dp 4 and from
+shard size 2 to 4, ZeRO-3 at cp 2 x dp 2 to dp 4 and dp 4 to ZeRO-2 at cp 2 x dp 2, bf16 main
+weights and fp32 both ways, and 2x2x2 → 1x4x1; `tests.support.resume_workers.cases`), with real
+MPI ranks.
 
 Right after the load every rank holds its slice of the saved state, bit for bit: its main
 weights and their AdamW moments, each cut from the whole saved tensor the way the trainer's TP

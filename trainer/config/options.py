@@ -117,7 +117,7 @@ class TrainConfig(Section):
                    compiled=self.compile)
         check_context(cp=par.cp, seq_len=gpt.seq_len, tp=par.tp,
                       sequence_parallel=par.sequence_parallel, dropout=gpt.dropout,
-                      compiled=self.compile, zero=self.optimizer.zero)
+                      compiled=self.compile, zero_shard_size=par.zero_shard_size)
         if self.logging.eval_every and not self.data.val_fraction:
             raise ConfigError("evaluation without a validation split",
                               f"--eval-every {self.logging.eval_every} --val-fraction 0",

@@ -208,6 +208,11 @@ class DataSection(Section):
                                "ranks", at_least=1)
     eval_batches: int = option(4, "validation batches (of --global-batch sequences) per "
                                "evaluation", at_least=1)
+    document_mask: bool = option(False, "attend within documents only: a token sees the "
+                                 "earlier tokens of its own document, never those of the "
+                                 "documents packed before it in the window (tokenized data, "
+                                 "whose EOS id ends each document; positions stay global; "
+                                 "trainer.model.documents)")
 
 
 @dataclass(frozen=True, kw_only=True)

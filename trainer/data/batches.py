@@ -20,6 +20,12 @@ from trainer.data.corpus import Corpus, DataError
 #: The random stream of validation windows (0 is the training data's).
 VAL_STREAM = 3
 
+Microbatch = tuple[torch.Tensor, ...]
+"""``(inputs, targets)`` (B, T) each, or ``(inputs, targets, documents)`` under
+``--document-mask``: the window's document ids (`trainer.model.documents`), the whole window's
+even where ``keep`` cuts inputs and targets, so that every rank masks by global ids. The model
+takes them as ``model.loss(*microbatch)``."""
+
 Keep = Callable[[torch.Tensor], torch.Tensor]
 """The tokens of a batch of whole windows (B, seq_len) this rank trains on: under context
 parallelism its zig-zag chunks (`trainer.parallel.context.SequenceLayout.split_tensor`), tokens

@@ -23,7 +23,12 @@ import torch
 
 from trainer.data.batches import BatchPlan, Keep, ShardedBatches
 from trainer.data.corpus import Corpus, DataError
-from trainer.data.token_batches import Source, TokenBatches, check_same_tokenizer
+from trainer.data.token_batches import (
+    Source,
+    TokenBatches,
+    check_document_ends,
+    check_same_tokenizer,
+)
 from trainer.data.token_files import MANIFEST, TOKENIZER, Manifest, TokenFiles
 
 
@@ -99,11 +104,14 @@ class TokenData:
 
 
 def load_token_data(sources: DataSources, *, model_vocab: int, seq_len: int,
-                    val_fraction: float) -> TokenData:
+                    val_fraction: float, documents: bool = False) -> TokenData:
     """Open and check the tokenized datasets of ``sources`` for a model of ``model_vocab``
-    ids: sizes, vocabulary, tokenizers, and splits large enough for one window each."""
+    ids: sizes, vocabulary, tokenizers, splits large enough for one window each, and with
+    ``documents`` (``--document-mask``) one EOS id that ends their documents."""
     files = [TokenFiles(path, model_vocab=model_vocab) for path, _ in sources.tokenized]
     check_same_tokenizer(files)
+    if documents:
+        check_document_ends(files)
     for data in files:
         Source(data, seq_len, val_fraction)  # refuses splits too small for a window
     digest = hashlib.sha256()
@@ -116,19 +124,34 @@ def load_token_data(sources: DataSources, *, model_vocab: int, seq_len: int,
 
 def make_batches(data: Corpus | TokenData, *, seq_len: int, plan: BatchPlan, seed: int,
                  dp_rank: int, device: torch.device, validation: bool = False,
-                 reporter: bool = True, keep: Keep | None = None
+                 reporter: bool = True, keep: Keep | None = None, documents: bool = False
                  ) -> ShardedBatches | TokenBatches:
     """The batches of one DP rank from either kind of data (both answer ``microbatches(step)``
     with the same plan, seed and device); ``reporter``: this rank prints an error every rank
     meets together (a damaged block of a tokenized dataset); ``keep``: the part of every
-    window this rank trains on (`trainer.data.batches.Keep`: a cp rank's chunks)."""
+    window this rank trains on (`trainer.data.batches.Keep`: a cp rank's chunks);
+    ``documents``: each microbatch carries its document ids (``--document-mask``: tokenized
+    data only, `check_document_mask`)."""
     if isinstance(data, TokenData):
         return TokenBatches(list(data.blend), seq_len=seq_len, plan=plan, seed=seed,
                             dp_rank=dp_rank, model_vocab=data.model_vocab,
                             val_fraction=data.val_fraction, device=device,
-                            validation=validation, reporter=reporter, keep=keep)
+                            validation=validation, reporter=reporter, keep=keep,
+                            documents=documents)
+    check_document_mask(documents, data.source)
     return ShardedBatches(data, seq_len=seq_len, plan=plan, seed=seed, dp_rank=dp_rank,
                           device=device, validation=validation, keep=keep)
+
+
+def check_document_mask(documents: bool, text: str) -> None:
+    """Refuse ``--document-mask`` on byte-level text: it has no end-of-document token."""
+    if documents:
+        raise DataError("document masking needs an end-of-document token",
+                        f"--document-mask --data {text}", "byte-level text has no token that "
+                        "ends a document, so the documents inside a window cannot be told apart",
+                        "Prepare the text with python -m trainer.data.prepare (it ends every "
+                        "document with the tokenizer's EOS id and --data takes the folder), or "
+                        "drop --document-mask")
 
 
 def data_vocab(sources: DataSources) -> int | None:

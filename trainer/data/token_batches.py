@@ -18,6 +18,10 @@ taken in all and per dataset (`Position`), is all the state there is: saved in a
 restored, the run continues with exactly the samples it would have seen, at any dp.
 Validation batch k is the same whatever the position: the held-out windows in order, blended
 by the same rule from sample 0.
+
+Documents. With ``documents`` (``--document-mask``) each microbatch carries a third tensor, the
+document ids of its windows (`trainer.model.documents.document_ids`, from the datasets' EOS id),
+computed on the whole window before ``keep`` cuts inputs and targets to this rank's part.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trainer.data.batches import BatchPlan, Keep, kept, step_seed
+from trainer.data.batches import BatchPlan, Keep, Microbatch, kept, step_seed
 from trainer.data.corpus import DataError
 from trainer.data.token_files import TOKENIZER, TokenFiles
+from trainer.model.documents import document_ids
 
 
 def _hash(x: np.ndarray, key: np.uint64) -> np.ndarray:
@@ -131,6 +136,21 @@ def check_same_tokenizer(datasets: list[TokenFiles]) -> None:
                             "Prepare every blended dataset with the same --tokenizer")
 
 
+def check_document_ends(datasets: list[TokenFiles]) -> int:
+    """The EOS id that ends every document of ``datasets`` (for ``--document-mask``), refused
+    when they disagree or it is not an id of their vocabulary."""
+    ids = {d.manifest.eos_id for d in datasets}
+    first = datasets[0]
+    if len(ids) > 1 or not 0 <= first.manifest.eos_id < first.manifest.vocab_size:
+        found = ", ".join(f"{d.folder}: {d.manifest.eos_id}" for d in datasets)
+        raise DataError("no single end-of-document token", f"--document-mask --data [{found}]",
+                        "document masking tells documents apart by one EOS id inside the "
+                        f"vocabulary of {first.manifest.vocab_size} ids",
+                        "Prepare every dataset with the same tokenizer and --eos, or drop "
+                        "--document-mask")
+    return first.manifest.eos_id
+
+
 @dataclass
 class Position:
     """Samples taken so far, in all and from each dataset: the loader's whole state."""
@@ -168,7 +188,8 @@ class TokenBatches:
     def __init__(self, blend: list[tuple[Path, float]], *, seq_len: int, plan: BatchPlan,
                  seed: int, dp_rank: int, model_vocab: int, val_fraction: float = 0.0,
                  device: torch.device | str = "cpu", validation: bool = False,
-                 reporter: bool = True, keep: Keep | None = None) -> None:
+                 reporter: bool = True, keep: Keep | None = None,
+                 documents: bool = False) -> None:
         self.keep = keep
         """The part of each window this rank trains on (`trainer.data.batches.Keep`)."""
         total = sum(w for _, w in blend)
@@ -176,6 +197,9 @@ class TokenBatches:
         self.sources = [Source(TokenFiles(path, model_vocab=model_vocab), seq_len, val_fraction)
                         for path, _ in blend]
         check_same_tokenizer([s.files for s in self.sources])
+        self.eos_id = check_document_ends([s.files for s in self.sources]) if documents \
+            else None
+        """The EOS id the windows' document ids are counted by (None: no document masking)."""
         self.seq_len, self.plan, self.seed, self.dp_rank = seq_len, plan, seed, dp_rank
         self.device, self.validation = torch.device(device), validation
         self.reporter = reporter
@@ -249,7 +273,7 @@ class TokenBatches:
             rows[at] = self.sources[d].windows(index[at])
         return rows
 
-    def microbatches(self, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def microbatches(self, step: int) -> list[Microbatch]:
         """This rank's microbatches of ``step``: training steps come in order (a step asked
         again gives the same batch); validation batch ``step`` from anywhere."""
         if not self.validation and step == self._step:
@@ -264,8 +288,12 @@ class TokenBatches:
         batch = torch.from_numpy(self._rows(position, self.plan.global_batch))
         if self.device.type != "cpu":
             batch = batch.to(self.device, non_blocking=True)
-        micro = [kept((rows[:, :-1], rows[:, 1:]), self.keep)
-                 for rows in batch.split(self.plan.micro_batch_size)]
+        micro: list[Microbatch] = [kept((rows[:, :-1], rows[:, 1:]), self.keep)
+                                   for rows in batch.split(self.plan.micro_batch_size)]
+        if self.eos_id is not None:  # on the whole windows, before keep cuts them
+            micro = [(*part, document_ids(rows[:, :-1], self.eos_id))
+                     for part, rows in zip(micro, batch.split(self.plan.micro_batch_size),
+                                           strict=True)]
         if not self.validation:
             self._step, self._cached = step, micro
         return micro

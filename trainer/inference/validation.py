@@ -53,7 +53,9 @@ class Validation:
         batches = make_batches(corpus, seq_len=train.seq_len, plan=train.plan, seed=train.seed,
                                dp_rank=train.dp_rank, device=train.device, validation=True,
                                reporter=not isinstance(train, TokenBatches) or train.reporter,
-                               keep=train.keep)
+                               keep=train.keep,
+                               documents=isinstance(train, TokenBatches) and
+                               train.eos_id is not None)
         return cls(batches, model, body, dp, pp)
 
     @torch.no_grad()
@@ -66,8 +68,8 @@ class Validation:
             total = torch.zeros((), device=self.batches.device)
             for k in range(num_batches):
                 micro = self.batches.microbatches(k)
-                for x, y in micro:
-                    part = self.body.eval_loss(x, y)
+                for batch in micro:
+                    part = self.body.eval_loss(*batch)
                     if part is not None:
                         total += part.float() / (len(micro) * num_batches)
         finally:
@@ -79,4 +81,5 @@ class Validation:
 
 
 class EvalForward(Protocol):
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None: ...
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, *docs: torch.Tensor
+                  ) -> torch.Tensor | None: ...

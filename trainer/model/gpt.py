@@ -148,16 +148,20 @@ class GPT(nn.Module):
             p[:rows].copy_(torch.randn((rows, *p.shape[1:]), generator=gen) * std)
             p[rows:].zero_()
 
-    def forward(self, idx_BT: torch.Tensor) -> torch.Tensor:
-        h = self.hidden(idx_BT)
+    def forward(self, idx_BT: torch.Tensor, docs_BT: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        h = self.hidden(idx_BT, docs_BT)
         return h if self.head is None else self.logits(h)
 
-    def hidden(self, idx_BT: torch.Tensor) -> torch.Tensor:
+    def hidden(self, idx_BT: torch.Tensor, docs_BT: torch.Tensor | None = None
+               ) -> torch.Tensor:
         """The last block's output (B, T, D) for token ids, or for a received activation when
-        this model (a pipeline stage) has no embedding."""
+        this model (a pipeline stage) has no embedding. ``docs_BT``: the window's document ids
+        under ``--document-mask`` (`trainer.model.documents`; the whole window's, also when
+        this rank holds a part of it), None for attention over the whole causal window."""
         h = self.embed(idx_BT) if self.tok_emb is not None else idx_BT
         for block in self.blocks.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, self.rope_cos, self.rope_sin, docs_BT)
         return h
 
     def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
@@ -175,9 +179,10 @@ class GPT(nn.Module):
         loss of every layout (`loss`, the last pipeline stage, validation)."""
         return self.criterion(self.logits(h_BTD).flatten(0, 1), targets_BT.flatten())
 
-    def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
+    def loss(self, idx_BT: torch.Tensor, targets_BT: torch.Tensor,
+             docs_BT: torch.Tensor | None = None) -> torch.Tensor:
         """Mean next-token cross entropy over every position of the batch."""
-        return self.head_loss(self.hidden(idx_BT), targets_BT)
+        return self.head_loss(self.hidden(idx_BT, docs_BT), targets_BT)
 
     def use_plain_ops(self, plain: bool) -> None:
         """Split and rotate q, k, v in plain ops (True: for tracers such as torch.compile and

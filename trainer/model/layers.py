@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.model.config import GPTConfig
+from trainer.model.documents import causal_document_mask
 
 Runner = Callable[..., torch.Tensor]
 """``runner(fn, *tensors)`` runs ``fn(*tensors)``; a recompute hook runs it without keeping
@@ -27,6 +28,13 @@ its activations."""
 def run_directly(fn: Callable[..., torch.Tensor], *args: torch.Tensor) -> torch.Tensor:
     """The default `Runner`: call ``fn``, keeping its activations for backward."""
     return fn(*args)
+
+
+def documents(docs: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """The trailing arguments of a block or attention core: the window's document ids under
+    ``--document-mask`` (`trainer.model.documents`), nothing otherwise, so that runs without it
+    call (and recompute) exactly what they called before."""
+    return () if docs is None else (docs,)
 
 
 class RMSNorm(nn.Module):
@@ -166,19 +174,25 @@ class Attention(nn.Module):
         """qkv's output -> rotated q, k and v (B, H, T, K): one fused autograd pass, or the
         plain ops (`plain_qkv`) where they must be traced (compiled blocks, vmap)."""
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QKᵀ/√K) with dropout, times V: the part that holds O(T²) activations."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             docs: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(QKᵀ/√K) with dropout, times V: the part that holds O(T²) activations;
+        causal, and within documents when given the window's document ids ``docs`` (B, T)."""
+        p = self.dropout if self.training else 0.0
         with self.probs_rng():
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+            if docs is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_document_mask(docs),
+                                                  dropout_p=p)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x_BTD)
         # From qkv's output: under sequence parallelism x is a sequence block, qkv's output the
         # whole sequence. The head count is taken from the weight, so a TP shard works as is.
         B, T, _ = qkv.shape
         q, k, v = self.split_qkv(qkv, cos, sin, self.head_dim)
-        y = self.core_runner(self.core, q, k, v)
+        y = self.core_runner(self.core, q, k, v, *documents(docs))
         y_BTD = y.transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y_BTD))
 
@@ -210,10 +224,13 @@ class Block(nn.Module):
         self.runner: Runner = run_directly
         """How `body` runs (hook for full recomputation)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.runner(self.body, x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        """``docs``: the window's document ids under ``--document-mask``, else None."""
+        return self.runner(self.body, x, cos, sin, *documents(docs))
 
-    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin)
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             docs: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin, docs)
         return x + self.mlp(self.ln2(x))
 

@@ -36,8 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.model.config import GPTConfig
+from trainer.model.documents import causal_document_mask
 from trainer.model.gpt import GPT
-from trainer.model.layers import RMSNorm, Runner, run_directly
+from trainer.model.layers import RMSNorm, Runner, documents, run_directly
 
 
 def inv_frequencies(cfg: GPTConfig) -> torch.Tensor:
@@ -92,14 +93,20 @@ class GQAttention(nn.Module):
         self.core_runner: Runner = run_directly
         """How `core` runs (hook for selective recomputation)."""
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(QKᵀ/√K) V, query head h reading key/value head h // (H/G)."""
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             docs: torch.Tensor | None = None) -> torch.Tensor:
+        """softmax(QKᵀ/√K) V, query head h reading key/value head h // (H/G); causal, and
+        within documents when given the window's document ids ``docs`` (B, T)."""
+        p, gqa = self.dropout if self.training else 0.0, q.shape[1] != k.shape[1]
         with self.probs_rng():
-            return F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-                enable_gqa=q.shape[1] != k.shape[1])
+            if docs is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p,
+                                                      enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_document_mask(docs),
+                                                  dropout_p=p, enable_gqa=gqa)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
         # Head counts come from the outputs, so a tensor-parallel shard (fewer heads) and a
         # sequence-parallel input (a sequence block; the outputs span the sequence) work as is.
         # Heads stay in (B, T, H, K) memory order and attention gets transposed views: the CPU
@@ -112,7 +119,7 @@ class GQAttention(nn.Module):
         q_BTHK = apply_rope_half(q.view(B, T, -1, self.head_dim), cos, sin)
         k_BTGK = apply_rope_half(k_BTGK, cos, sin)
         y = self.core_runner(self.core, q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2),
-                             v_BTGK.transpose(1, 2))
+                             v_BTGK.transpose(1, 2), *documents(docs))
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
 
 
@@ -143,11 +150,13 @@ class LlamaBlock(nn.Module):
         self.runner: Runner = run_directly
         """How `body` runs (hook for full recomputation)."""
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self.runner(self.body, x, cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                docs: torch.Tensor | None = None) -> torch.Tensor:
+        return self.runner(self.body, x, cos, sin, *documents(docs))
 
-    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin)
+    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             docs: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), cos, sin, docs)
         return x + self.mlp(self.ln2(x))
 
 

@@ -13,11 +13,12 @@ from typing import Protocol
 import torch
 
 from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.data.batches import Microbatch
 from trainer.model.gpt import GPT
 from trainer.optim.main_weights import MainWeights
 from trainer.parallel.data.split import GradSync
 
-Microbatches = Sequence[tuple[torch.Tensor, torch.Tensor]]
+Microbatches = Sequence[Microbatch]
 
 
 class StepBody(Protocol):
@@ -35,8 +36,10 @@ class StepBody(Protocol):
         """The global batch's loss on every rank (0-d, on the device)."""
         ...
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """A microbatch's mean loss in evaluation (None on ranks that compute no loss)."""
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, *docs: torch.Tensor
+                  ) -> torch.Tensor | None:
+        """A microbatch's mean loss in evaluation (None on ranks that compute no loss);
+        ``docs``: its document ids under ``--document-mask``."""
         ...
 
     def report(self, run_dir: Path, *, write: bool) -> str:
@@ -53,11 +56,11 @@ class Accumulation:
 
     def forward_backward(self, micro: Microbatches) -> torch.Tensor:
         loss_sum = torch.zeros((), device=self.dp.buffer.device)
-        for i, (x, y) in enumerate(micro):
+        for i, batch in enumerate(micro):
             last = i == len(micro) - 1
             with nullcontext() if last else self.dp.no_sync():
                 # Mean over the step's tokens = mean over microbatches of microbatch means.
-                loss = self.model.loss(x, y) / len(micro)
+                loss = self.model.loss(*batch) / len(micro)
                 loss.backward()
             loss_sum += loss.detach()
         return loss_sum
@@ -69,8 +72,9 @@ class Accumulation:
         self.dp_group.all_reduce(loss_sum, ReduceOp.AVG)  # the logged loss is the global batch's
         return loss_sum
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.model.loss(x, y)
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, *docs: torch.Tensor
+                  ) -> torch.Tensor:
+        return self.model.loss(x, y, *docs)
 
     def report(self, run_dir: Path, *, write: bool) -> str:
         return ""

@@ -130,7 +130,8 @@ class Pipeline:
         self.comm.broadcast(loss, self.comm.size - 1)
         return loss.reshape(())
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor, *docs: torch.Tensor
+                  ) -> torch.Tensor | None:
         """The microbatch's mean loss, forward only, stage after stage: the rank of stage s
         receives the activation from stage s-1, runs its layers and sends to stage s+1 (with
         virtual chunks, stage s is chunk s // p of rank s % p). The last stage returns the
@@ -146,7 +147,7 @@ class Pipeline:
                                 dtype=next(model.parameters()).dtype)
                 comm.recv(h, (stage - 1) % layout.p)
             for i in layout.layers(chunk):
-                h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin)
+                h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin, *docs)
             if layout.is_last(chunk):
                 return model.head_loss(h, y)
             comm.send(h.contiguous(), (stage + 1) % layout.p)

@@ -141,7 +141,7 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
                                           cfg.parallel.microbatches),
                            dp_rank=mesh.rank("dp"), reporter=mesh.rank() == 0,
                            keep=keep_chunks(cfg.gpt.seq_len, mesh.group("cp"))
-                           if cfg.parallel.cp > 1 else None)
+                           if cfg.parallel.cp > 1 else None, documents=cfg.data.document_mask)
     if isinstance(batches, TokenBatches) and restored.samples is not None:
         batches.restore(restored.samples, restored.step + 1)  # continue the sample order
     opt = cfg.optimizer
@@ -204,8 +204,9 @@ def _rank_model(cfg: TrainConfig, layout: StageLayout | None, tp: Communicator,
 
 
 def _shard_group(cfg: TrainConfig, mesh: Mesh) -> Communicator:
-    """The ranks ZeRO-3 shards a unit over: dp, or the hybrid shard group (the mesh's zs)."""
-    return mesh.group("zs") if cfg.parallel.zero_shard_size else mesh.group("dp")
+    """The ranks ZeRO-3 shards a unit over: dp x cp (cp ranks hold the same weights; the dp
+    group itself at cp 1), or the hybrid shard group (the mesh's zs; refused with cp)."""
+    return mesh.group("zs") if cfg.parallel.zero_shard_size else mesh.group("dp_cp")
 
 
 def _tied_names(cfg: TrainConfig, layout: StageLayout | None) -> set[str]:

@@ -36,7 +36,7 @@ from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.config.options import TrainConfig, parse_args, resolve_dp
 from trainer.data.batches import check_splits
 from trainer.data.corpus import Corpus, check_vocab, load_corpus
-from trainer.data.sources import TokenData, load_token_data, parse_data
+from trainer.data.sources import TokenData, check_document_mask, load_token_data, parse_data
 from trainer.errors import BootstrapError, TrainerError
 from trainer.training import restart
 from trainer.training.resume import check_run_dir
@@ -149,7 +149,9 @@ def training_data(cfg: TrainConfig) -> Corpus | TokenData:
     sources = parse_data(cfg.data.path)
     if sources.tokenized:
         return load_token_data(sources, model_vocab=cfg.gpt.vocab_size, seq_len=cfg.gpt.seq_len,
-                               val_fraction=cfg.data.val_fraction)
+                               val_fraction=cfg.data.val_fraction,
+                               documents=cfg.data.document_mask)
+    check_document_mask(cfg.data.document_mask, sources.text or "(the default corpus)")
     corpus = load_corpus(sources.text, cap_bytes=int(cfg.data.data_cap_mb * 2**20),
                          val_fraction=cfg.data.val_fraction)
     check_vocab(corpus, cfg.gpt.vocab_size)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tests.support.cp_workers.cases import HEADS, SCALE, T, attention_tensors
+from tests.support.cp_workers.cases import CASES, SCALE, T, attention_tensors, documents
 from trainer.comm.bootstrap import init
 from trainer.parallel.context import (
     EXCHANGES,
@@ -31,15 +31,15 @@ def run(out: Path) -> dict[str, Any]:
     cp = CountingCommunicator(world.comm.split(0, world.rank, name="cp"))
     layout = SequenceLayout(T, cp.size)
     result: dict[str, Any] = {"rank": cp.rank, "positions": layout.positions(cp.rank)}
-    for case in HEADS:
-        whole = attention_tensors(case)
+    for case in CASES:
+        whole, docs = attention_tensors(case), documents(case)
         for exchange in EXCHANGES:
             q, k, v = (layout.split_tensor(whole[name], cp.rank, 2).requires_grad_(True)
                        for name in "qkv")
             attend = ContextParallelAttention(cp, layout, exchange)
             cp.reset()
             cp.phase = "forward"
-            y = attend(q, k, v, scale=SCALE)
+            y = attend(q, k, v, docs, scale=SCALE)
             cp.phase = "backward"
             y.backward(layout.split_tensor(whole["dout"], cp.rank, 2))
             result[f"{case}/{exchange}"] = {

@@ -89,6 +89,11 @@ PAIRS = [
     Pair("dp4-zero1-to-dp4-zero3", "dense", DP4, DP4_ZERO3),
     Pair("dp2xtp2-zero3-to-dp4-zero3", "dense",
          Layout("dp2-tp2-zero3", {"dp": 2, "tp": 2, "zero": 3}), DP4_ZERO3),
+    # ZeRO-2/3 under cp shard over dp x cp: saved sharded over 4 ranks of which 2 are cp
+    Pair("cp2xdp2-zero3-to-dp4-zero1", "dense",
+         Layout("cp2-dp2-zero3", {"dp": 2, "cp": 2, "zero": 3}), DP4),
+    Pair("dp4-zero1-to-cp2xdp2-zero2", "dense", DP4,
+         Layout("cp2-dp2-zero2", {"dp": 2, "cp": 2, "zero": 2})),
     Pair("zero3-shard2-to-shard4", "dense",
          Layout("dp4-zero3-shard2", {"dp": 4, "zero": 3, "zero_shard_size": 2}),
          Layout("dp4-zero3-shard4", {"dp": 4, "zero": 3, "zero_shard_size": 4})),

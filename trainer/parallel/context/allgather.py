@@ -20,8 +20,8 @@ from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator
 from trainer.parallel.context.blocks import Accumulator, backward_blocks, delta_rows
+from trainer.parallel.context.documents import document_plan
 from trainer.parallel.context.layout import SequenceLayout
-from trainer.parallel.context.plan import block_plan
 
 
 def _gather_kv(comm: Communicator, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -37,20 +37,21 @@ class AllGatherAttention(Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                comm: Communicator, layout: SequenceLayout, scale: float) -> torch.Tensor:
+                comm: Communicator, layout: SequenceLayout, scale: float,
+                docs: torch.Tensor | None) -> torch.Tensor:
         q5 = q.unflatten(1, (k.shape[1], -1))
         acc = Accumulator(q5)
         for owner, kv in enumerate(_gather_kv(comm, k, v)):
-            acc.add(q5, kv[0], kv[1], block_plan(layout, comm.rank, owner), scale)
+            acc.add(q5, kv[0], kv[1], document_plan(layout, docs, comm.rank, owner), scale)
         out = acc.out.to(q.dtype).flatten(1, 2)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
+        ctx.comm, ctx.layout, ctx.scale, ctx.docs = comm, layout, scale, docs
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        comm, layout, scale = ctx.comm, ctx.layout, ctx.scale
+        comm, layout, scale, docs = ctx.comm, ctx.layout, ctx.scale, ctx.docs
         groups = k.shape[1]
         q5, dout5 = q.unflatten(1, (groups, -1)), dout.unflatten(1, (groups, -1))
         out5 = out.unflatten(1, (groups, -1))
@@ -58,9 +59,9 @@ class AllGatherAttention(Function):
         dq = torch.zeros(q5.shape, dtype=lse.dtype, device=q.device)
         dkv_all = torch.stack([
             backward_blocks(q5, kv[0], kv[1], dout5, out5, lse, delta,
-                            block_plan(layout, comm.rank, owner), scale, dq)
+                            document_plan(layout, docs, comm.rank, owner), scale, dq)
             for owner, kv in enumerate(_gather_kv(comm, k, v))])
         dkv = dkv_all.new_empty((2, *k.shape))
         comm.reduce_scatter(dkv, dkv_all.flatten(0, 1))
         return (dq.to(q.dtype).flatten(1, 2), dkv[0].to(k.dtype), dkv[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)

@@ -29,6 +29,7 @@ import torch
 
 from trainer.comm.protocol import Communicator
 from trainer.parallel.context.allgather import AllGatherAttention
+from trainer.parallel.context.documents import check_documents
 from trainer.parallel.context.layout import ContextParallelError, SequenceLayout
 from trainer.parallel.context.ring import RingAttention
 
@@ -68,14 +69,19 @@ class ContextParallelAttention:
                 f"the layout splits the sequence over cp = {self.layout.cp} ranks",
                 "Build the layout with cp equal to the size of the cp group")
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-                 dropout_p: float = 0.0, scale: float | None = None) -> torch.Tensor:
-        """This rank's attention output (B, H, T_local, K); ``scale`` defaults to 1/√K."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 docs: torch.Tensor | None = None, *, dropout_p: float = 0.0,
+                 scale: float | None = None) -> torch.Tensor:
+        """This rank's attention output (B, H, T_local, K); ``scale`` defaults to 1/√K.
+        ``docs``: the whole window's document ids (B, seq_len) under document masking
+        (`trainer.parallel.context.documents`), None for causal attention over the window."""
         check_dropout(dropout_p)
         self._check_shapes(q, k, v)
+        if docs is not None:
+            check_documents(docs, self.layout, q.shape[0], f"cp rank {self.comm.rank}")
         function = RingAttention if self.exchange == "ring" else AllGatherAttention
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out: torch.Tensor = function.apply(q, k, v, self.comm, self.layout, scale)
+        out: torch.Tensor = function.apply(q, k, v, self.comm, self.layout, scale, docs)
         return out
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

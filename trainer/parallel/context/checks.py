@@ -8,13 +8,16 @@ from trainer.errors import ConfigError
 
 
 def check_context(*, cp: int, seq_len: int, tp: int = 1, sequence_parallel: bool = False,
-                  dropout: float = 0.0, compiled: bool = False, zero: int = 0) -> None:
+                  dropout: float = 0.0, compiled: bool = False,
+                  zero_shard_size: int = 0) -> None:
     """Refuse a sequence that does not split over ``cp`` ranks, and what ``--cp`` does not run
     with yet. Each message names the flags.
 
     Mixture-of-experts layers run: routing is per token, and an expert's copies span cp
     (`trainer.parallel.expert.parallel.EXPERT_REPLICAS`). Their load-balancing loss and
-    capacity are taken over each rank's tokens, as under data parallelism."""
+    capacity are taken over each rank's tokens, as under data parallelism. ZeRO-1, 2 and 3
+    shard over dp x cp (the ``dp_cp`` group: cp ranks hold the same weights); hybrid sharding
+    (``--zero-shard-size``) is not combined with cp yet."""
     if cp == 1:
         return
     chunks = 2 * cp
@@ -37,11 +40,13 @@ def check_context(*, cp: int, seq_len: int, tp: int = 1, sequence_parallel: bool
             f"Choose a --seq-len that is a multiple of {chunks * tp}")
     refused = [flag for flag, on in ((f"--dropout {dropout}", dropout != 0.0),
                                      ("--compile", compiled),
-                                     (f"--zero {zero}", zero >= 2)) if on]
+                                     (f"--zero-shard-size {zero_shard_size}",
+                                      zero_shard_size > 0)) if on]
     if refused:
         raise ConfigError(
             "unsupported combination", f"--cp {cp} with {', '.join(refused)}",
             "context parallelism does not run with dropout (a rank draws its attention "
             "probabilities block by block, so a mask would depend on the layout), compiled "
-            "blocks (the K/V exchange is inside the attention) or ZeRO-2/3 yet",
-            f"Drop {', '.join(refused)} (--dropout 0, --zero 0 or 1), or train with --cp 1")
+            "blocks (the K/V exchange is inside the attention) or hybrid sharding yet",
+            f"Drop {', '.join(refused)} (--dropout 0; ZeRO-3 shards over dp x cp without "
+            "--zero-shard-size), or train with --cp 1")

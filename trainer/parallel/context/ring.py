@@ -27,8 +27,8 @@ from torch.autograd import Function
 
 from trainer.comm.protocol import Communicator, Handle, P2POp, wait_all
 from trainer.parallel.context.blocks import Accumulator, backward_blocks, delta_rows
+from trainer.parallel.context.documents import document_plan
 from trainer.parallel.context.layout import SequenceLayout
-from trainer.parallel.context.plan import block_plan
 
 
 def _hop(comm: Communicator, block: torch.Tensor) -> tuple[torch.Tensor, list[Handle]]:
@@ -45,25 +45,27 @@ class RingAttention(Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                comm: Communicator, layout: SequenceLayout, scale: float) -> torch.Tensor:
+                comm: Communicator, layout: SequenceLayout, scale: float,
+                docs: torch.Tensor | None) -> torch.Tensor:
         q5 = q.unflatten(1, (k.shape[1], -1))
         rank, cp = comm.rank, comm.size
         kv = torch.stack([k, v])
         acc = Accumulator(q5)
         for step in range(cp):
             incoming, handles = _hop(comm, kv) if step < cp - 1 else (kv, [])
-            acc.add(q5, kv[0], kv[1], block_plan(layout, rank, (rank - step) % cp), scale)
+            acc.add(q5, kv[0], kv[1], document_plan(layout, docs, rank, (rank - step) % cp),
+                    scale)
             wait_all(handles)
             kv = incoming
         out = acc.out.to(q.dtype).flatten(1, 2)
         ctx.save_for_backward(q, k, v, out, acc.lse)
-        ctx.comm, ctx.layout, ctx.scale = comm, layout, scale
+        ctx.comm, ctx.layout, ctx.scale, ctx.docs = comm, layout, scale, docs
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        comm, layout, scale = ctx.comm, ctx.layout, ctx.scale
+        comm, layout, scale, docs = ctx.comm, ctx.layout, ctx.scale, ctx.docs
         rank, cp = comm.rank, comm.size
         groups = k.shape[1]
         q5, dout5 = q.unflatten(1, (groups, -1)), dout.unflatten(1, (groups, -1))
@@ -76,11 +78,12 @@ class RingAttention(Function):
         for step in range(cp):
             incoming, kv_handles = _hop(comm, kv) if step < cp - 1 else (kv, [])
             part = backward_blocks(q5, kv[0], kv[1], dout5, out5, lse, delta,
-                                   block_plan(layout, rank, (rank - step) % cp), scale, dq)
+                                   document_plan(layout, docs, rank, (rank - step) % cp),
+                                   scale, dq)
             wait_all(dkv_handles)  # the sum of the ranks that held this block before
             dkv_in, dkv_handles = _hop(comm, dkv_in + part) if cp > 1 else (dkv_in + part, [])
             wait_all(kv_handles)
             kv = incoming
         wait_all(dkv_handles)
         return (dq.to(q.dtype).flatten(1, 2), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype),
-                None, None, None)
+                None, None, None, None)

@@ -41,7 +41,8 @@ from trainer.model.family import build_model
 from trainer.model.gpt import GPT
 from trainer.parallel.pipeline.partition import StageLayout
 
-Batch = Sequence[tuple[torch.Tensor, torch.Tensor]]
+Batch = Sequence[tuple[torch.Tensor, ...]]
+"""The step's microbatches: (inputs, targets[, document ids]) (`trainer.data.batches`)."""
 
 
 def build_stage_model(cfg: GPTConfig, seed: int, layout: StageLayout) -> GPT:
@@ -98,13 +99,14 @@ class GPTStage:
 
     def forward(self, microbatch: int, chunk: int, x: torch.Tensor | None) -> torch.Tensor:
         model, layout = self.model, self.layout
+        docs = self.batch[microbatch][2:]  # the window's document ids, every stage alike
         if layout.is_first(chunk):
             h = model.embed(self.batch[microbatch][0])
         else:
             x = x.detach().requires_grad_()
             h = x
         for i in layout.layers(chunk):
-            h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin)
+            h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin, *docs)
         if layout.is_last(chunk):  # the serial model's loss (padded rows masked), its part
             h = model.head_loss(h, self.batch[microbatch][1]) / len(self.batch)
         self.saved[(microbatch, chunk)] = (x, h)
