@@ -16,6 +16,8 @@ parameters (3) sharded over data parallelism (at 3, optionally inside groups of
                              when complete, in hook order
 * `trainer.parallel.zero.units`       ZeRO-3: parameter units (a block, the root) sharded,
                              gathered before forward and backward, freed after, prefetched
+* `trainer.parallel.zero.split`       ZeRO-3 of a mixture of experts: dense units sharded over
+                             dp, the experts' over their expert-data-parallel group
 * `trainer.parallel.zero.optimizer`   AdamW over this rank's shard, then the all-gather of
   parameters
 * `trainer.parallel.zero.memory`      expected and held bytes per rank, peak memory per step
