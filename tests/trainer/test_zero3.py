@@ -102,10 +102,10 @@ def test_a_shard_size_that_does_not_divide_dp_is_refused_before_anything_is_buil
         make_config({"zero": 3, "dp": 4, "zero_shard_size": 3}, {})
 
 
-def test_hybrid_sharding_below_zero_3_is_refused_naming_both_flags() -> None:
-    with pytest.raises(ConfigError, match=r"hybrid sharding needs ZeRO-3 \[--zero-shard-size 2 "
-                                          r"with --zero 1\]: .*Add --zero 3"):
-        make_config({"zero": 1, "dp": 4, "zero_shard_size": 2}, {})
+def test_hybrid_sharding_without_zero_is_refused_naming_both_flags() -> None:
+    with pytest.raises(ConfigError, match=r"hybrid sharding needs ZeRO \[--zero-shard-size 2 "
+                                          r"with --zero 0\]: .*Add --zero 1, 2 or 3"):
+        make_config({"zero": 0, "dp": 4, "zero_shard_size": 2}, {})
 
 
 def test_a_negative_prefetch_depth_is_refused_naming_the_flag() -> None:

@@ -157,7 +157,8 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     best: Memory | None = None
     for rank, params in enumerate(stages):
         n = params.dense + params.expert // par.ep
-        table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
+        table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero,
+                                   dp=par.zero_shard_size or par.dp)  # what it shards over
         table = _in_flight_shards(cfg, table, bf16)
         held, rest = 0, 0
         for chunk, live in flights[rank].items():
@@ -182,7 +183,8 @@ def model_state(cfg: TrainConfig, *, bf16: bool) -> tuple[MemoryTable, MemoryTab
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     n = max(p.dense + p.expert // par.ep
             for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v))
-    table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero, dp=par.dp)
+    table = expected_bytes(n, bf16=bf16, zero=cfg.optimizer.zero,
+                                   dp=par.zero_shard_size or par.dp)  # what it shards over
     return table, _in_flight_shards(cfg, table, bf16)
 
 

@@ -62,7 +62,8 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     hyperparameters and (restored) state the shards take. ``blocked``: marks the step's wait
     for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
     ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; under bf16 the units are
-    held in bf16 over fp32 main pieces); under hybrid sharding ``dp`` is the shard group,
+    held in bf16 over fp32 main pieces). Under hybrid sharding (every stage) ``dp`` is the
+    shard group,
     ``replicas`` the groups' same places and ``over`` the axes the pieces are sharded over.
     ``built``: the units as `trainer.construction.build_sharded_model` made them."""
     if stage == 3:
@@ -75,5 +76,5 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
                                      dtype, blocked, over=over)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,
-                alone=alone)
-    return sync, ZeroOptimizer(sync, optimizer, dtype, blocked)
+                alone=alone, replicas=replicas)
+    return sync, ZeroOptimizer(sync, optimizer, dtype, blocked, over=over)
