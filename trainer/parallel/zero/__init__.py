@@ -1,5 +1,5 @@
 """ZeRO-1, 2 and 3: the optimizer state and fp32 main weights (1), the gradients (2), and the
-parameters (3) sharded over data parallelism (at 3, optionally inside groups of
+parameters (3) sharded over data parallelism (optionally inside groups of
 ``--zero-shard-size`` ranks and replicated across them: hybrid sharding).
 
     python -m trainer.train --model small --dp 2 --zero 1 --run-dir runs/zero
