@@ -14,10 +14,13 @@ custom code:
 A run started with ``--init-from-hf`` exports the source folder's special ids and its
 ``max_position_embeddings`` (`trainer.hf.source`), whatever ``--seq-len`` it trained at.
 
-Each Hugging Face shard's parameters are put together from the checkpoint's slices, written
-and dropped (`trainer.checkpoint.pieces.assemble` of those names, `trainer.hf.weights`): an
-export holds one shard's worth of weights at a time, never the whole model. The folder appears
-only when complete (`trainer.hf.folder`).
+The checkpoint may be sharded any way (tp, pp, ZeRO-1/2/3 pieces over dp): its index and
+files are read and verified once, then each parameter is put together from its slices, its
+Hugging Face tensors written into the safetensors file being streamed, and the parameter
+dropped before the next is read (`trainer.checkpoint.pieces.Assembler`,
+`trainer.hf.weights.write_streamed`): an export holds one parameter at a time (plus one of its
+tensors converted to ``--dtype``), never the whole model nor a whole Hugging Face shard. The
+folder appears only when complete (`trainer.hf.folder`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from trainer import checkpoint
-from trainer.checkpoint.pieces import assemble
+from trainer.checkpoint.pieces import Assembler
 from trainer.checkpoint.run_dir import folder
 from trainer.data.prepare import EOS_NAMES
 from trainer.errors import ConfigError, TrainerError
@@ -79,7 +82,7 @@ def export(run_dir: Path, out: Path, *, dtype: str, max_shard_bytes: int) -> Pat
     if imported is not None:
         bos = imported.bos_token_id if imported.bos_token_id is not None else bos
         eos = imported.eos_token_id if imported.eos_token_id is not None else eos
-    write_folder(out, cfg, lambda names: assemble(path, names=names), dtype=dtype,
+    write_folder(out, cfg, Assembler(path), dtype=dtype,
                  tokenizer_dir=run_dir if tokenizer.is_file() else None, bos_token_id=bos,
                  eos_token_id=eos, max_shard_bytes=max_shard_bytes,
                  max_positions=imported.max_position_embeddings if imported else None)

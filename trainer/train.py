@@ -228,7 +228,7 @@ def _memory_line(run: Run) -> str:
     where = "rank 0" + (", its TP x PP shard" if par.tp * par.pp > 1 else "")
     return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.optimizer.zero,
                            bf16=_bf16(run),
-                           dp=par.dp, where=where)
+                           dp=par.zero_shard_size or par.dp, where=where)  # sharded over
 
 
 def _bf16(run: Run) -> bool:

@@ -3,6 +3,10 @@
 - A Llama trained at tp2 x pp2 (four ranks under ``mpiexec``) is exported with ``python -m
   trainer.export``; transformers' ``AutoModelForCausalLM.from_pretrained`` loads the folder
   and gives the logits of the checkpoint's model.
+- A Llama trained at dp 4 under ZeRO-3 (its checkpoint holds flat pieces of every parameter)
+  is exported holding at most one parameter at a time (measured by counting the tensor
+  storages the export makes, `tests.support.tensor_bytes`), and the export equals, bit for
+  bit, that of the same weights saved by one process at zero 0.
 - A folder saved by transformers' ``save_pretrained`` starts a tp2 run with ``--init-from-hf``
   (every rank reading its own slices); one step at learning rate 0 leaves the weights as they
   were, and the run's checkpoint gives transformers' logits.
@@ -17,13 +21,17 @@ import subprocess
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers import LlamaConfig as HFLlamaConfig
 
 from tests.support import PYTHON, REPO, dtrain_env
 from tests.support.mpi_runs import run_ranks
+from tests.support.tensor_bytes import TensorBytes
 from tests.trainer.test_llama_hf import assert_same_logits
 from trainer import checkpoint
+from trainer.checkpoint.pieces import Assembler
+from trainer.export import export
 from trainer.inference.merge import load_serial
 from trainer.training.metrics import read_records
 
@@ -49,6 +57,46 @@ def test_a_tp2_pp2_checkpoint_exported_loads_in_transformers_with_its_logits(
     ours, meta = load_serial(checkpoint.latest(tmp_path / "run" / "checkpoints"))
     assert meta["layout"]["tp"] == 2 and meta["layout"]["pp"] == 2
     assert_same_logits(ours, theirs)
+
+
+def exported(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an exported folder, read back by safetensors."""
+    out = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            out.update({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118
+    return out
+
+
+def test_a_zero3_dp4_run_exports_one_parameter_at_a_time_as_the_zero0_weights_do(
+        tmp_path: Path) -> None:
+    """The export streams: it holds the parameter it is writing and the one saved piece it is
+    reading at most, under twice the largest parameter, while the model is 9 times that (the
+    default 5 GB shard limit puts every tensor into one file, which the export used to put
+    together whole). One more step at learning rate 0 at zero 0 on one process (AdamW then
+    moves nothing) saves the same weights as whole tensors: both exports are bit-equal."""
+    run = tmp_path / "run"
+    shape = ("--n-layer", "4", "--microbatches", "1")
+    train(4, run, *shape, "--dp", "4", "--zero", "3", "--steps", "2")
+    step2 = checkpoint.latest(run / "checkpoints")
+    layout = checkpoint.read_meta(step2)[1]["layout"]
+    assert (layout["dp"], layout["zero"]) == (4, 3)
+    with TensorBytes() as meter:
+        export(run, tmp_path / "hf3", dtype="float32", max_shard_bytes=5 * 1000**3)
+    shapes = Assembler(step2).shapes
+    sizes = [math.prod(shape) * 4 for shape in shapes.values()]
+    assert meter.peak <= 2 * max(sizes) and 2 * max(sizes) < sum(sizes) / 4
+    assert meter.live == 0
+    train(1, run, *shape, "--zero", "0", "--steps", "3", "--resume", "--lr", "0", "--min-lr",
+          "0", "--warmup-steps", "0")
+    assert checkpoint.latest(run / "checkpoints").name == "step-3"
+    export(run, tmp_path / "hf0", dtype="float32", max_shard_bytes=5 * 1000**3)
+    three, zero = exported(tmp_path / "hf3"), exported(tmp_path / "hf0")
+    assert three.keys() == zero.keys() and len(three) == 2 + 1 + 4 * 9
+    for key, want in zero.items():
+        assert torch.equal(three[key], want), key
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf3", dtype=torch.float32).eval()
+    assert_same_logits(load_serial(step2)[0], theirs)
 
 
 def test_a_transformers_folder_imported_at_tp2_gives_transformers_logits(tmp_path: Path) -> None:

@@ -159,15 +159,18 @@ def read(plan: ReadPlan, targets: Sequence[torch.Tensor]) -> None:
     """Fill every target (flat, in `plan`'s order), one saved slice at a time, reading from
     each file (memory-mapped) only the range of each slice that holds what this rank needs."""
     for file, reads in plan.reads.items():
-        source = plan.opened[file]
         for r in reads:
-            lo = min(c.src_at for c in r.copies)
-            hi = max(c.src_end for c in r.copies)
-            data = source.read(r.key, lo, hi)
-            target = targets[r.slot]
-            for c in r.copies:
-                _move(target, data, c, lo)
-            del data
+            _fill(targets[r.slot], plan.opened[file], r)
+
+
+def _fill(target: torch.Tensor, source: TensorFile, r: Read) -> None:
+    """Do read ``r`` from ``source`` into ``target`` (flat): only the range of the saved slice
+    that holds what the target needs is read."""
+    lo = min(c.src_at for c in r.copies)
+    hi = max(c.src_end for c in r.copies)
+    data = source.read(r.key, lo, hi)
+    for c in r.copies:
+        _move(target, data, c, lo)
 
 
 def _move(dst: torch.Tensor, src: torch.Tensor, c: Copy, src_base: int) -> None:
@@ -201,25 +204,51 @@ def install(optimizer: torch.optim.Optimizer, tensors: Sequence[Held],
         group.update({k: tuple(v) if k == "betas" else v for k, v in hyper.items()})
 
 
+class Assembler:
+    """The whole global tensors of ``kind`` that checkpoint ``path`` holds (only ``names``,
+    when given), put together from their slices one tensor at a time: the index is read and
+    every file holding one of them opened and verified once, here; each call then reads only
+    the slices of the tensors it asks for (a merge for one process, or an export that streams
+    tensor by tensor, `trainer.export`)."""
+
+    def __init__(self, path: Path, kind: str = PARAM, names: Sequence[str] | None = None
+                 ) -> None:
+        record, _ = read_meta(path)
+        index = slices_index(path, record)
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        """Every tensor's global shape, by name."""
+        first: dict[str, tuple[str, str]] = {}
+        for file, entries in index["files"].items():
+            for e in entries or ():
+                if e["kind"] == kind and (names is None or e["name"] in names):
+                    self.shapes.setdefault(e["name"], tuple(e["shape"]))
+                    first.setdefault(e["name"], (file, e["key"]))
+        self._plan = plan(path, index, record,
+                          [(kind, Placement(n, s)) for n, s in self.shapes.items()])
+        self._reads: dict[int, list[tuple[str, Read]]] = {}
+        for file, reads in self._plan.reads.items():
+            for r in reads:
+                self._reads.setdefault(r.slot, []).append((file, r))
+        self._slot = {name: slot for slot, name in enumerate(self.shapes)}
+        # Allocated in the saved slices' dtype (the files are open and verified by now).
+        self.dtypes = {name: self._plan.opened[file].read(key, 0, 0).dtype
+                       for name, (file, key) in first.items()}
+
+    @torch.no_grad()
+    def __call__(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """The whole tensors ``names``, each read from the slices that hold it."""
+        out = {}
+        for name in names:
+            whole = out[name] = torch.empty(self.shapes[name], dtype=self.dtypes[name])
+            for file, r in self._reads.get(self._slot[name], []):
+                _fill(whole.view(-1), self._plan.opened[file], r)
+        return out
+
+
 def assemble(path: Path, kind: str = PARAM,
              names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
     """Every whole global tensor of ``kind`` the checkpoint ``path`` holds (only ``names``,
-    when given), by name, put together from its slices (a merge: reads every file that holds
-    one, each verified; for one process that wants them whole)."""
-    record, _ = read_meta(path)
-    index = slices_index(path, record)
-    shapes: dict[str, tuple[int, ...]] = {}
-    first: dict[str, tuple[str, str]] = {}
-    for file, entries in index["files"].items():
-        for e in entries or ():
-            if e["kind"] == kind and (names is None or e["name"] in names):
-                shapes.setdefault(e["name"], tuple(e["shape"]))
-                first.setdefault(e["name"], (file, e["key"]))
-    if not shapes:
-        return {}
-    how = plan(path, index, record, [(kind, Placement(n, s)) for n, s in shapes.items()])
-    # Allocated once the files are open (verified): in the saved slices' dtype.
-    out = {name: torch.empty(shape, dtype=how.opened[first[name][0]].read(
-        first[name][1], 0, 0).dtype) for name, shape in shapes.items()}
-    read(how, [t.view(-1) for t in out.values()])
-    return out
+    when given), by name (`Assembler`: a merge that reads every file that holds one, each
+    verified; for one process that wants them whole)."""
+    tensors = Assembler(path, kind, names)
+    return tensors(list(tensors.shapes))

@@ -1,7 +1,7 @@
 """The shape of a parallel job: named axes and their rank arithmetic (pure; no MPI, no torch).
 
 Five axes, fastest-varying first: ``tp``, ``cp``, ``ep``, ``edp``, ``pp`` (edp itself split in
-two, ``zs`` and ``zr``, for ZeRO-3's hybrid sharding, `AXES`). Data parallelism is the pair
+two, ``zs`` and ``zr``, for ZeRO's hybrid sharding, `AXES`). Data parallelism is the pair
 ``dp = (ep, edp)``: its ranks are cut into blocks of ``ep`` adjacent ranks (the expert-parallel
 groups of `trainer.parallel.expert`), and the ranks at the same place in every block form the
 expert-data-parallel group ``edp``. A dense model has ep = 1, so edp is all of dp.
@@ -37,7 +37,7 @@ from trainer.errors import TopologyError
 
 AXES: tuple[str, ...] = ("tp", "cp", "ep", "zs", "zr", "pp")
 """The primitive axes, fastest-varying first. ``edp`` is itself the pair ``(zs, zr)``:
-ZeRO-3's hybrid sharding (``--zero-shard-size N``) shards a unit over ``zs``, N adjacent edp
+hybrid sharding (``--zero-shard-size N``, any ZeRO stage) shards over ``zs``, N adjacent edp
 ranks (one host, say), and replicates it over ``zr``, the ranks at the same place in every
 such group; without it zs is all of edp and zr has size 1."""
 SPANS: dict[str, tuple[str, ...]] = {"edp": ("zs", "zr"), "dp": ("ep", "zs", "zr"),
@@ -57,7 +57,8 @@ class MeshShape:
     ep: int = 1
     """The expert-parallel sub-axis of dp (divides it)."""
     shard: int = 0
-    """ZeRO-3's shard group: this many adjacent edp ranks (divides dp / ep); 0: all of edp."""
+    """ZeRO's shard group (hybrid sharding): this many adjacent edp ranks (divides dp / ep);
+    0: all of edp."""
     cp: int = 1
     """Context parallelism: the ranks one sequence is split over."""
 

@@ -89,11 +89,12 @@ class ParallelSection(Section):
     recompute: str = option("none", "activation recomputation in backward: none, selective (the "
                             "attention core) or full (every transformer block)",
                             choices=RECOMPUTE_MODES)
-    zero_shard_size: int = option(0, "with --zero 3, hybrid sharding: shard the parameters "
-                                  "inside groups of this many adjacent data-parallel ranks (one "
-                                  "host, say) and replicate them across the groups; gradients "
-                                  "reduce-scattered inside a group, then all-reduced across "
-                                  "groups (0 = shard over all of dp)", at_least=0)
+    zero_shard_size: int = option(0, "with --zero 1, 2 or 3, hybrid sharding: shard what the "
+                                  "stage shards inside groups of this many adjacent data-"
+                                  "parallel ranks (one host, say) and replicate it across the "
+                                  "groups; gradients reduce-scattered inside a group, then "
+                                  "all-reduced across groups (0 = shard over all of dp)",
+                                  at_least=0)
     bucket_size: int = option(1_000_000, "DP gradient bucket size in elements", at_least=1)
     overlap: bool = option(True, "overlap DP gradient all-reduce with backward")
     grad_reduce_dtype: str = option("fp32", "dtype of the DP gradient all-reduce: fp32 (the main "

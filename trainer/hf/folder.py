@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from trainer.hf.config import HFError, from_hf_config, generation_config, to_hf_config
-from trainer.hf.names import hf_tensors, split_to_hf
+from trainer.hf.names import pieces, serial_names, split_to_hf
 from trainer.hf.weights import DEFAULT_SHARD_BYTES, HFWeights, write_weights
 from trainer.model.config import GPTConfig
 from trainer.parallel.tensor.sharding import shard_spec
@@ -70,8 +70,10 @@ def write_folder(out: Path, cfg: GPTConfig,
                  max_positions: int | None = None,
                  max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
     """Write ``cfg``'s model into the new folder ``out``; ``params(names)`` gives dtrain's
-    whole parameters of those names (`trainer.hf.names.serial_names`), asked once per written
-    shard for the parameters it holds, so an export holds one shard's worth at a time."""
+    whole parameters of those names (`trainer.hf.names.serial_names`), asked for one at a
+    time, each dropped before the next is asked for (and asked again only when its Hugging
+    Face tensors fall into two files), so an export holds one parameter, and one of its
+    Hugging Face tensors in the written dtype, at a time."""
     if cfg.arch != "llama":
         raise HFError("no Hugging Face architecture for this model", f"arch = {cfg.arch}",
                       "dtrain exports Llama models (LlamaForCausalLM) only; its GPT has no "
@@ -83,18 +85,20 @@ def write_folder(out: Path, cfg: GPTConfig,
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        tensors = hf_tensors(cfg)
-        owner = {hf: name for hf, name, _ in tensors}
-        sizes = [(hf, numel * torch_dtype.itemsize) for hf, _, numel in tensors]
+        entries = [(hf, shape) for name in serial_names(cfg) for hf, shape in pieces(name, cfg)]
+        owner = {hf: name for name in serial_names(cfg) for hf, _ in pieces(name, cfg)}
+        hand: dict[str, torch.Tensor] = {}
+        """The one dtrain parameter in hand (its Hugging Face tensors are written in turn)."""
 
-        def fetch(names: list[str]) -> dict[str, torch.Tensor]:
-            got: dict[str, torch.Tensor] = {}
-            wanted = list(dict.fromkeys(owner[hf] for hf in names))  # each parameter once
-            for name, value in params(wanted).items():
-                got.update(split_to_hf(name, value, cfg))
-            return {hf: got[hf].to(torch_dtype) for hf in names}
+        def fetch(hf: str) -> torch.Tensor:
+            name = owner[hf]
+            if name not in hand:
+                hand.clear()  # the previous parameter goes before the next is read
+                hand.update(params([name]))
+            return split_to_hf(name, hand[name], cfg)[hf].to(torch_dtype)
 
-        write_weights(tmp, sizes, fetch, max_shard_bytes)
+        write_weights(tmp, entries, torch_dtype, fetch, max_shard_bytes)
+        hand.clear()
         _write_json(tmp / "config.json", to_hf_config(
             cfg, dtype=dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
             max_positions=max_positions))

@@ -14,7 +14,6 @@ read exactly its rows from the files (`trainer.hf.weights`).
 
 from __future__ import annotations
 
-import math
 import re
 
 import torch
@@ -68,13 +67,6 @@ def serial_names(cfg: GPTConfig) -> list[str]:
     names = ["tok_emb.weight"]
     names += [f"blocks.{i}.{p}" for i in range(cfg.n_layer) for p in per_block]
     return names + ["ln_f.weight"] + ([] if cfg.tied else ["head.weight"])
-
-
-def hf_tensors(cfg: GPTConfig) -> list[tuple[str, str, int]]:
-    """(Hugging Face name, dtrain parameter, elements) of every tensor of ``cfg``'s model, in
-    dtrain's parameter order."""
-    return [(hf, name, math.prod(shape)) for name in serial_names(cfg)
-            for hf, shape in pieces(name, cfg)]
 
 
 def split_to_hf(name: str, full: torch.Tensor, cfg: GPTConfig) -> dict[str, torch.Tensor]:

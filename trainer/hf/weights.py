@@ -2,9 +2,15 @@
 
 Writing (`write_weights`): the tensors are planned into shards of at most ``max_shard_bytes``
 from their sizes alone (Hugging Face's rule: a tensor larger than the limit gets a shard of its
-own), then each shard's tensors are fetched, written and dropped, so an export holds one shard
-at a time. One shard is ``model.safetensors``; more are ``model-00001-of-0000N.safetensors``
-plus ``model.safetensors.index.json`` (``weight_map``: tensor -> file), what ``from_pretrained``
+own). Each file is then streamed one tensor at a time (`write_streamed`): its header is
+written from the shapes alone, then every tensor is fetched, its bytes written and the tensor
+dropped before the next is fetched, so an export holds one tensor at a time, whatever the
+shard size. safetensors' own writers (``save_file``, ``serialize``) take every tensor of a
+file at once; the format (an 8-byte little-endian header length, a JSON header of dtype,
+shape and byte range per tensor, then the raw little-endian bytes) is written here for that
+reason only, and read back by safetensors and transformers in the tests. One shard is
+``model.safetensors``; more are ``model-00001-of-0000N.safetensors`` plus
+``model.safetensors.index.json`` (``weight_map``: tensor -> file), what ``from_pretrained``
 reads.
 
 Reading (`HFWeights`): the index (or the single file's header) says which file holds each
@@ -16,14 +22,16 @@ so a tensor-parallel rank never holds a tensor it does not own beyond one piece.
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from trainer.hf.config import HFError
 from trainer.hf.names import pieces
@@ -32,6 +40,9 @@ from trainer.model.config import GPTConfig
 SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
 DEFAULT_SHARD_BYTES = 5 * 1000**3
 """Hugging Face's default ``max_shard_size`` of ``save_pretrained`` (5 GB)."""
+_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+          torch.float64: "F64"}
+"""safetensors' names of the dtypes an export writes."""
 
 
 def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -47,24 +58,55 @@ def plan_shards(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]
     return shards
 
 
-def write_weights(out: Path, sizes: list[tuple[str, int]],
-                  fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+def write_weights(out: Path, entries: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                  fetch: Callable[[str], torch.Tensor],
                   max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[str]:
-    """Write the tensors named in ``sizes`` (name, bytes) into ``out``; ``fetch(names)`` gives
-    one shard's tensors. Returns the files written."""
-    plan = plan_shards(sizes, max_shard_bytes)
+    """Write the tensors of ``entries`` (name, shape; all of ``dtype``) into ``out``;
+    ``fetch(name)`` gives one tensor, asked for once, in the order of ``entries``. Returns
+    the files written."""
+    shape_of = dict(entries)
+    plan = plan_shards([(name, math.prod(shape) * dtype.itemsize) for name, shape in entries],
+                       max_shard_bytes)
     files = [SINGLE] if len(plan) == 1 else [
         f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
     weight_map: dict[str, str] = {}
     for names, file in zip(plan, files, strict=True):
-        tensors = {name: t.contiguous() for name, t in fetch(names).items()}
-        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        write_streamed(out / file, [(name, shape_of[name]) for name in names], dtype, fetch)
         weight_map.update(dict.fromkeys(names, file))
     if len(plan) > 1:
-        index = {"metadata": {"total_size": sum(size for _, size in sizes)},
-                 "weight_map": weight_map}
+        total = sum(math.prod(shape) for _, shape in entries) * dtype.itemsize
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (out / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return files
+
+
+def write_streamed(path: Path, entries: list[tuple[str, tuple[int, ...]]],
+                   dtype: torch.dtype, fetch: Callable[[str], torch.Tensor]) -> None:
+    """One safetensors file of ``entries`` (name, shape), the header first, then each tensor
+    fetched, written and dropped in turn (module docstring)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for name, shape in entries:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _CODES[dtype], "shape": list(shape),
+                        "data_offsets": [at, at + size]}
+        at += size
+    if sys.byteorder != "little":
+        raise HFError("cannot write safetensors here", f"{sys.byteorder}-endian host",
+                      "safetensors holds little-endian bytes and tensors are written as held",
+                      "Export on a little-endian machine (x86-64, ARM)")
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for name, shape in entries:
+            tensor = fetch(name)
+            if tuple(tensor.shape) != shape or tensor.dtype != dtype:
+                raise RuntimeError(f"{name}: fetched {tuple(tensor.shape)} {tensor.dtype}, "
+                                   f"planned {shape} {dtype}")  # a wiring bug
+            f.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del tensor
 
 
 class HFWeights:

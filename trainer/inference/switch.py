@@ -51,6 +51,10 @@ def check_layout(tp: int, dp: int) -> None:
 def check_switch(model: GPT, units: ParamUnits, tp: int) -> None:
     """Refuse a generation layout the ranks or the model cannot form, before anything is
     built."""
+    if not isinstance(units, ParamUnits):  # a mixture of experts' units (zero/split.py)
+        raise ConfigError("unsupported combination", "the generation switch with a mixture-"
+                          "of-experts model", "the switch splits dense blocks only",
+                          "Sample it on one process (trainer.generate without --from-run)")
     check_layout(tp, units.comm.size)
     if units.held or units.pending:
         raise ConfigError("generation switch inside a step", f"{len(units.held)} unit(s) "

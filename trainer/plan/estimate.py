@@ -186,7 +186,7 @@ def _between_steps(cfg: TrainConfig, n: int, bf16: bool) -> MemoryTable:
     the weight's copies, dp x cp (`trainer.training.run`), or under hybrid sharding over the
     shard group."""
     par, zero = cfg.parallel, cfg.optimizer.zero
-    over = par.zero_shard_size if zero == 3 and par.zero_shard_size else par.dp * par.cp
+    over = par.zero_shard_size or par.dp * par.cp  # hybrid sharding at any stage
     return expected_bytes(n, bf16=bf16, zero=zero, dp=over)
 
 

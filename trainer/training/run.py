@@ -43,6 +43,7 @@ from trainer.parallel.pipeline.stages import build_stage_model, tied_weight
 from trainer.parallel.tensor.parallelize import parallelize
 from trainer.parallel.tensor.random import DropoutSeeds, RNGStatesTracker
 from trainer.parallel.zero import build_zero
+from trainer.parallel.zero.split import build_split_zero3
 from trainer.parallel.zero.units import UnitShards
 from trainer.placement import dp_axes, leads, place_parameters, placement_of
 from trainer.placement.parameters import DP_AXES
@@ -230,6 +231,12 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
     dp_comm = mesh.group("dp_cp")  # cp ranks hold the same weights: ZeRO shards over both
     if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
+        if cfg.optimizer.zero == 3 and cfg.gpt.moe.experts:  # experts shard over edp
+            return build_split_zero3(
+                model, optimizer, lambda p: dp_axes(placement_of(p)), mesh.group, dtype,
+                prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked,
+                alone=[tied] if tied is not None else [], bucket_size=par.bucket_size,
+                overlap=par.overlap, reduce_dtype=reduce_dtype)
         hybrid: dict[str, Any] = {"built": built}
         if par.zero_shard_size:  # shard over the mesh's zs axis, replicate over zr
             dp_comm = _shard_group(cfg, mesh)

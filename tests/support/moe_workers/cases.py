@@ -43,13 +43,16 @@ LAYOUTS: dict[str, dict] = {
 }
 
 
-def case_config(case: str, layout: str | None = None) -> TrainConfig:
-    """The case at ``layout`` (None: the serial reference's single process)."""
-    train = {**_COMMON, **(LAYOUTS[layout] if layout else {"microbatches": FORWARDS})}
-    return make_config(train, {**_MODEL, **CASES[case]})
+def case_config(case: str, layout: str | dict | None = None, *, model: dict | None = None,
+                **train: object) -> TrainConfig:
+    """The case at ``layout`` (a name of `LAYOUTS` or its options; None: the serial
+    reference's single process), with ``model`` and ``train`` overriding the defaults."""
+    where = LAYOUTS[layout] if isinstance(layout, str) else layout
+    options = {**_COMMON, **(where if where else {"microbatches": FORWARDS}), **train}
+    return make_config(options, {**_MODEL, **CASES[case], **(model or {})})
 
 
-def _plain_loop(microbatches: int):  # noqa: ANN202 - a train_serially hook
+def plain_loop(microbatches: int):  # noqa: ANN201 - a train_serially hook
     def prepare(model: GPT) -> None:
         set_aux_scale(model, microbatches)
         use_reference(model)
@@ -59,4 +62,4 @@ def _plain_loop(microbatches: int):  # noqa: ANN202 - a train_serially hook
 @functools.cache
 def serial_reference(case: str) -> dict:
     """Losses, gradient norms and final parameters of the plain-loop model in fp64."""
-    return train_serially(case_config(case), STEPS, prepare=_plain_loop(FORWARDS))
+    return train_serially(case_config(case), STEPS, prepare=plain_loop(FORWARDS))

@@ -35,7 +35,8 @@ STAGE2_CASES = [("dp4", 4, 1, 1, {}),
                 ("dp2-tp2-sp-recompute", 2, 2, 1, {"sequence_parallel": True,
                                                    "recompute": "full"}),
                 ("dp2-pp2", 2, 1, 2, {"schedule": "1f1b"}),
-                ("dp2-pp2-gpipe", 2, 1, 2, {"schedule": "gpipe", "tied": False})]
+                ("dp2-pp2-gpipe", 2, 1, 2, {"schedule": "gpipe", "tied": False}),
+                ("dp4-shard-2", 4, 1, 1, {"zero_shard_size": 2})]
 #: The 2-rank comparisons: one microbatch, so zero 1 and zero 2 reduce the same sums.
 PAIRS = {"fp32": {}, "bf16": {"precision": "bf16"}, "bf16-wire": {"grad_reduce_dtype": "bf16"}}
 

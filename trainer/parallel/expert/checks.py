@@ -20,13 +20,16 @@ class Layout(Protocol):
     def sequence_parallel(self) -> bool: ...
     @property
     def recompute(self) -> str: ...
+    @property
+    def zero_shard_size(self) -> int: ...
 
 
 def check_moe(moe: MoEConfig, layout: Layout, *, zero: int) -> None:
     """Both checks below, on the run's sections."""
     check_layout(experts=moe.experts, ep=layout.ep)
     check_combinations(experts=moe.experts, zero=zero,
-                       sequence_parallel=layout.sequence_parallel, recompute=layout.recompute)
+                       sequence_parallel=layout.sequence_parallel, recompute=layout.recompute,
+                       shard_size=layout.zero_shard_size)
 
 
 def check_layout(*, experts: int, ep: int) -> None:
@@ -47,18 +50,22 @@ def check_layout(*, experts: int, ep: int) -> None:
 
 
 def check_combinations(*, experts: int, zero: int, sequence_parallel: bool,
-                       recompute: str) -> None:
-    """Refuse what MoE models do not run with yet, before any rank starts: ZeRO (expert
-    gradients reduce over their own expert-DP group, which the sharded optimizer does not know)
-    and the activation techniques (MoE models are built whole, not per rank)."""
+                       recompute: str, shard_size: int = 0) -> None:
+    """Refuse what MoE models do not run with yet, before any rank starts: ZeRO-1 and 2 (their
+    one sharded gradient buffer spans one DP group, and the experts' gradients reduce over
+    their own expert-DP group; ZeRO-3 gives each group its own units,
+    `trainer.parallel.zero.split`), hybrid sharding, and the activation techniques (MoE
+    models are built whole, not per rank)."""
     if not experts:
         return
-    refused = [flag for flag, on in ((f"--zero {zero}", zero), ("--sequence-parallel",
-                                                          sequence_parallel),
+    refused = [flag for flag, on in ((f"--zero {zero}", zero in (1, 2)),
+                                     (f"--zero-shard-size {shard_size}", shard_size),
+                                     ("--sequence-parallel", sequence_parallel),
                                      (f"--recompute {recompute}", recompute != "none")) if on]
     if refused:
         raise ConfigError(
             "unsupported combination", f"--moe-experts {experts} with {', '.join(refused)}",
-            "mixture-of-experts models do not run with ZeRO, sequence parallelism or "
-            "recomputation yet",
-            f"Drop {', '.join(refused)}, or train a dense model (--moe-experts 0)")
+            "mixture-of-experts models run with --zero 0 or 3 only, and not with hybrid "
+            "sharding, sequence parallelism or recomputation yet",
+            f"Drop {', '.join(refused)} (--zero 3 shards the experts over their expert-data-"
+            "parallel group), or train a dense model (--moe-experts 0)")

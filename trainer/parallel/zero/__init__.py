@@ -1,5 +1,5 @@
 """ZeRO-1, 2 and 3: the optimizer state and fp32 main weights (1), the gradients (2), and the
-parameters (3) sharded over data parallelism (at 3, optionally inside groups of
+parameters (3) sharded over data parallelism (optionally inside groups of
 ``--zero-shard-size`` ranks and replicated across them: hybrid sharding).
 
     python -m trainer.train --model small --dp 2 --zero 1 --run-dir runs/zero
@@ -16,6 +16,8 @@ parameters (3) sharded over data parallelism (at 3, optionally inside groups of
                              when complete, in hook order
 * `trainer.parallel.zero.units`       ZeRO-3: parameter units (a block, the root) sharded,
                              gathered before forward and backward, freed after, prefetched
+* `trainer.parallel.zero.split`       ZeRO-3 of a mixture of experts: dense units sharded over
+                             dp, the experts' over their expert-data-parallel group
 * `trainer.parallel.zero.optimizer`   AdamW over this rank's shard, then the all-gather of
   parameters
 * `trainer.parallel.zero.memory`      expected and held bytes per rank, peak memory per step
@@ -60,7 +62,8 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
     hyperparameters and (restored) state the shards take. ``blocked``: marks the step's wait
     for the parameters' all-gather. Stage 3 shards the parameters too, in units gathered
     ``prefetch`` blocks ahead (`trainer.parallel.zero.units`; under bf16 the units are
-    held in bf16 over fp32 main pieces); under hybrid sharding ``dp`` is the shard group,
+    held in bf16 over fp32 main pieces). Under hybrid sharding (every stage) ``dp`` is the
+    shard group,
     ``replicas`` the groups' same places and ``over`` the axes the pieces are sharded over.
     ``built``: the units as `trainer.construction.build_sharded_model` made them."""
     if stage == 3:
@@ -73,5 +76,5 @@ def build_zero(model: nn.Module, optimizer: torch.optim.Optimizer, dp: Communica
                                      dtype, blocked, over=over)
     kind = ShardedGradients if stage == 2 else ShardedGradSync
     sync = kind(model, dp, bucket_size=bucket_size, overlap=overlap, reduce_dtype=reduce_dtype,
-                alone=alone)
-    return sync, ZeroOptimizer(sync, optimizer, dtype, blocked)
+                alone=alone, replicas=replicas)
+    return sync, ZeroOptimizer(sync, optimizer, dtype, blocked, over=over)

@@ -46,12 +46,13 @@ def check_zero(zero: int, layout: Layout, *, precision: str = "fp32",
             "interleaved schedule covers only one of a rank's model chunks",
             "Use --schedule 1f1b or gpipe with --zero 2, or --zero 1 with the interleaved "
             "schedule")
+    if not zero and layout.zero_shard_size:
+        raise ConfigError(
+            "hybrid sharding needs ZeRO", f"--zero-shard-size {layout.zero_shard_size} with "
+            "--zero 0", "the shard groups shard the optimizer state (and at --zero 2 and 3 "
+            "the gradients and parameters), which --zero 0 keeps whole on every rank",
+            "Add --zero 1, 2 or 3, or drop --zero-shard-size")
     if zero != 3:
-        if layout.zero_shard_size:
-            raise ConfigError(
-                "hybrid sharding needs ZeRO-3", f"--zero-shard-size {layout.zero_shard_size} "
-                f"with --zero {zero}", "the shard groups shard the parameters, which only "
-                "ZeRO-3 does", "Add --zero 3, or drop --zero-shard-size")
         return
     if compiled:
         raise ConfigError(

@@ -98,9 +98,14 @@ class ShardedGradients(DataParallel):
     ``alone``: parameters that get a bucket of their own (the tied embedding under PP)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
-                 alone: Collection[nn.Parameter] = (), **kwargs: Any) -> None:
+                 alone: Collection[nn.Parameter] = (), replicas: Communicator | None = None,
+                 **kwargs: Any) -> None:
+        """``comm``: the ranks the gradients are sharded over; ``replicas``: under hybrid
+        sharding (``--zero-shard-size``), the same shard's holders in the other shard groups,
+        over which the reduced shards are then averaged, once per step."""
         self._bucket_size = bucket_size
         self._alone = {id(p) for p in alone}
+        self.replicas = replicas
         self.layout: ShardLayout
         self._in_flight: deque[InFlight] = deque()
         self.staged_bytes = 0
@@ -180,6 +185,13 @@ class ShardedGradients(DataParallel):
                 self._launch(self.buckets[self._next])
         self._retire(until=len(self._in_flight))
         self._hurry.clear()
+        self._average_replicas()
+
+    def _average_replicas(self) -> None:
+        """Hybrid sharding: the reduce-scatters averaged over the shard group; averaging the
+        shards over the groups makes it the mean over all of dp (HSDP's order)."""
+        if self.replicas is not None and self.replicas.size > 1:
+            self.replicas.all_reduce(self.buffer, ReduceOp.AVG)
 
     # -- hooks, launching, retiring ----------------------------------------------------------
 

@@ -32,9 +32,13 @@ class ShardedGradSync(DataParallel):
     shard must cover the same elements on the first and the last stage)."""
 
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
-                 alone: Collection[nn.Parameter] = (), **kwargs: Any) -> None:
+                 alone: Collection[nn.Parameter] = (), replicas: Communicator | None = None,
+                 **kwargs: Any) -> None:
+        """``replicas``: under hybrid sharding (``--zero-shard-size``), the same shard's
+        holders in the other shard groups (``comm`` is this rank's group)."""
         self._bucket_size = bucket_size
         self._alone = {id(p) for p in alone}
+        self.replicas = replicas
         self.layout: ShardLayout
         super().__init__(model, comm, bucket_size=bucket_size, grads_to_params=False, **kwargs)
 
@@ -74,3 +78,11 @@ class ShardedGradSync(DataParallel):
     def _unwire(self, bucket: Bucket) -> None:
         if bucket.wire is not None:
             self._own(bucket, bucket.view).copy_(self._own(bucket, bucket.wire))
+
+    def finish_grad_sync(self) -> None:
+        """Every bucket reduce-scattered over the shard group; under hybrid sharding this
+        rank's shard of each is then averaged over the groups (the mean over all of dp)."""
+        super().finish_grad_sync()
+        if self.replicas is not None and self.replicas.size > 1:
+            for k in range(len(self.buckets)):
+                self.replicas.all_reduce(self.shard_grad(k), ReduceOp.AVG)

@@ -30,7 +30,7 @@ from typing import Any
 
 from torch import nn
 
-from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.protocol import Communicator
 from trainer.parallel.data.grad_sync import GradSyncError
 from trainer.parallel.zero.grad_shards import ShardedGradients, StagedBucket
 from trainer.parallel.zero.layout import ShardLayout, unit_layout
@@ -67,13 +67,13 @@ class UnitGradients(ShardedGradients):
         then averaged. ``built``: the model was built straight into shards
         (`trainer.construction.shards`): its parameters hold no values to broadcast, and
         every rank drew the same serial initialisation from the same seed."""
-        self.replicas, self._built = replicas, built
+        self._built = built
         self.release: Callable[[int], None] = lambda k: None
         """Called with a unit's index once its reduce-scatter is posted (`ParamUnits`)."""
         self.launches: list[int] = []
         """Reduce-scatters of each unit since the last `zero_grad`."""
         # Every collective from the main thread, in hook order (module docstring).
-        super().__init__(model, comm, comm_thread=False, **kwargs)
+        super().__init__(model, comm, comm_thread=False, replicas=replicas, **kwargs)
         self.launches = [0] * len(self.buckets)
 
     def _make_layout(self) -> ShardLayout:
@@ -138,7 +138,4 @@ class UnitGradients(ShardedGradients):
             self._launch(bucket)
         self._retire(until=len(self._in_flight))
         self._hurry.clear()
-        if self.replicas is not None and self.replicas.size > 1:
-            # Hybrid sharding: the reduce-scatters averaged over the shard group; averaging
-            # the shards over the groups makes it the mean over all of dp (HSDP's order).
-            self.replicas.all_reduce(self.buffer, ReduceOp.AVG)
+        self._average_replicas()

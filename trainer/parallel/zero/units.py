@@ -63,8 +63,12 @@ How it composes (each shown equal to the single-process model, tests/trainer/tes
   the tied embedding is a unit of its own on the first and last stage, summed over the
   embedding group like ZeRO-1's.
 
-Compiled blocks (their graphs would bypass the hooks) and MoE are refused before anything
-is built (`trainer.parallel.zero.checks`, `trainer.parallel.expert.checks`).
+* mixture of experts: a MoE block's experts are a unit of their own, sharded over their
+  expert-data-parallel group (`trainer.parallel.zero.split`: one `ParamUnits` per kind of
+  parameter, each hooking the blocks it has units in).
+
+Compiled blocks (their graphs would bypass the hooks) are refused before anything is built
+(`trainer.parallel.zero.checks`).
 """
 
 from __future__ import annotations
@@ -124,10 +128,16 @@ class ParamUnits:
             else:
                 self.root.append(k)
         keys = list(getattr(model, "blocks", {}))
-        self.order = [block_of[f"blocks.{key}"] for key in keys]
+        # A run of consecutive layers (a pipeline chunk) has one value of layer - position.
+        runs = [(int(key) if key.isdigit() else n) - n for n, key in enumerate(keys)]
+        mine = [n for n, key in enumerate(keys) if f"blocks.{key}" in block_of]
+        self.blocks = [keys[n] for n in mine]
+        """The blocks with a unit here, in forward order (all of them, but for the experts'
+        units of a mixture of experts, `trainer.parallel.zero.split`)."""
+        self.order = [block_of[f"blocks.{keys[n]}"] for n in mine]
         """The blocks' units in forward order."""
-        self.layers = [int(key) if key.isdigit() else n for n, key in enumerate(keys)]
-        """The layer each block is: prefetch stays within a run of consecutive layers (a
+        self.runs = [runs[n] for n in mine]
+        """The run of consecutive layers each block is in: prefetch stays within one (a
         pipeline chunk; the next chunk of an interleaved stage runs after other stages')."""
         self.pending: dict[int, tuple[torch.Tensor, Handle | None]] = {}
         """Units whose all-gather is in flight (into their buffer), and its handle."""
@@ -240,13 +250,17 @@ class ParamUnits:
         unit_of_param = {id(self.params[i]): k for k, b in enumerate(self.layout.buckets)
                          for i in b.params}
         for part in parts:
+            mine = sorted({unit_of_param[id(p)] for p in part.parameters()
+                           if id(p) in unit_of_param})
+            if not mine:  # none of its parameters are in these units (the experts' units)
+                continue
             part.register_forward_pre_hook(self._before_model)
-            mine = sorted({unit_of_param[id(p)] for p in part.parameters()})
             part.register_forward_hook(lambda _m, _i, out, mine=mine: self._after_root(mine, out))
         last = getattr(model, "head", None) or (parts[-1] if parts else None)
-        if last is not None:
+        if last is not None and self.root:
             last.register_forward_hook(self._after_model)
-        blocks = list(getattr(model, "blocks", {}).values())
+        every = getattr(model, "blocks", {})
+        blocks = [every[key] for key in self.blocks]
         for n, block in enumerate(blocks):
             block.register_forward_pre_hook(lambda *_, n=n: self._before(n, +1))
             block.register_forward_hook(lambda _m, _i, out, n=n: self._after(n, out))
@@ -255,7 +269,7 @@ class ParamUnits:
         """Block ``n`` gathered; the next ``prefetch`` blocks (in this pass's order) posted."""
         self._ensure(self.order[n])
         for m in range(n + direction, n + direction * (self.prefetch + 1), direction):
-            if not (0 <= m < len(self.order) and self.layers[m] - self.layers[n] == m - n):
+            if not (0 <= m < len(self.order) and self.runs[m] == self.runs[n]):
                 break
             self._post(self.order[m])
 
