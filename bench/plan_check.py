@@ -165,8 +165,10 @@ def planned(args: argparse.Namespace, over: dict[str, Any], gflops: float,
 
     cluster = make_cluster(hosts=1, gpus_per_host=world, memory_gib=1024, tflops=gflops / 1e3,
                            intra_gbps=busbw_gbps, inter_gbps=busbw_gbps)
+    # The traffic of the steps measured (the timed ones): the experts' all-to-all depends on
+    # each step's data (`trainer.plan.routing`).
     return estimate(config(args, over, world=world), replace(cluster, name="cpu"),
-                    efficiency=1.0)
+                    efficiency=1.0, steps=tuple(range(WARMUP + 1, WARMUP + args.steps + 1)))
 
 
 def run(**options: Any) -> list[dict[str, Any]]:

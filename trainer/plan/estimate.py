@@ -208,9 +208,10 @@ def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> Memor
     return MemoryTable(params=table.params, grads=grads, optimizer=table.optimizer)
 
 
-def comm(cfg: TrainConfig, cluster: Cluster) -> Comm:
-    """Bytes the busiest rank sends per step in each kind of group (`trainer.plan.sends`)."""
-    return sends.comm(cfg, bf16=_bf16(cfg, cluster))
+def comm(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -> Comm:
+    """Bytes the busiest rank sends per step in each kind of group (`trainer.plan.sends`),
+    mean over the run's ``steps`` (the experts' all-to-all depends on the step's data)."""
+    return sends.comm(cfg, bf16=_bf16(cfg, cluster), steps=steps)
 
 
 def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: float
@@ -239,10 +240,11 @@ def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: flo
     return step, model_flops / (step * cluster.gpus * cluster.gpu.peak_flops)
 
 
-def estimate(cfg: TrainConfig, cluster: Cluster, *, efficiency: float = 0.5) -> Estimate:
-    """Memory, traffic and time of ``cfg`` on ``cluster``."""
+def estimate(cfg: TrainConfig, cluster: Cluster, *, efficiency: float = 0.5,
+             steps: tuple[int, ...] = (1,)) -> Estimate:
+    """Memory, traffic and time of ``cfg`` on ``cluster`` (traffic: mean over ``steps``)."""
     mem = memory(cfg, cluster)
-    traffic = comm(cfg, cluster)
+    traffic = comm(cfg, cluster, steps=steps)
     step, mfu = step_time(cfg, cluster, traffic, efficiency)
     fits = mem.total <= cluster.gpu.memory_bytes
     why = "" if fits else (f"needs {mem.total / 2**30:.1f} GiB per GPU, "

@@ -11,7 +11,8 @@ communication, counted as `trainer.plan.traffic` counts a run's: ring algorithms
     tp   the tensor-parallel regions' all-reduces (all-gathers and reduce-scatters under
          sequence parallelism) and the vocabulary-parallel loss
     pp   activations forward and gradients back across stage boundaries; the tied embedding
-    ep   the experts' dispatch and combine all-to-all
+    ep   the experts' dispatch and combine all-to-all of the rows the run's first step
+         routes to the other members (`trainer.plan.routing`)
     cp   the K/V exchange of context-parallel attention, per layer
          (`trainer.parallel.context.plan.exchange_sends`)
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, replace
 
 from trainer.config.options import TrainConfig
 from trainer.parallel.context.plan import exchange_sends
+from trainer.plan.routing import sent_share
 from trainer.plan.shapes import stage_params
 
 
@@ -83,8 +85,9 @@ def pp_sends(cfg: TrainConfig) -> int:
                for r in range(par.pp))
 
 
-def comm(cfg: TrainConfig, *, bf16: bool) -> Comm:
-    """Bytes the busiest rank sends per step in each kind of group (module docstring)."""
+def comm(cfg: TrainConfig, *, bf16: bool, steps: tuple[int, ...] = (1,)) -> Comm:
+    """Bytes the busiest rank sends per step in each kind of group (module docstring), mean
+    over the run's ``steps`` (the experts' all-to-all routes each step's data)."""
     par, gpt = cfg.parallel, cfg.gpt
     width = 2 if bf16 else 4
     v = par.virtual_stages if par.schedule == "interleaved" else 1
@@ -117,9 +120,10 @@ def comm(cfg: TrainConfig, *, bf16: bool) -> Comm:
         pp += 2 * ring(2) * grad_width * gpt.vocab_rows * gpt.d_model / par.tp
     moe_layers = len(range(0, layers, gpt.moe.every)) if gpt.moe.experts else 0
     # Dispatch and combine, forward and backward: the kept rows (at most the capacity)
-    # that go to the other members of ep, routing balanced.
-    kept = min(1.0, gpt.moe.capacity_factor) if gpt.moe.capacity_factor > 0 else 1.0
-    ep = par.microbatches * moe_layers * 4 * gpt.moe.topk * kept * ring(par.ep) * act
+    # that go to the other members of ep and come back from them, as the run's ``steps``
+    # route them (`trainer.plan.routing`: balanced where that cannot be measured).
+    share = sent_share(cfg, steps) if moe_layers and par.ep > 1 else 0.0
+    ep = par.microbatches * moe_layers * 4 * share * act
     # This rank's [K; V] (its tp share of the key/value heads), and their gradients in fp32.
     kv = 2 * tokens * max(1, gpt.kv_heads // par.tp) * gpt.head_dim
     forward, backward = exchange_sends(par.cp, par.cp_comm, kv_bytes=kv * width,

@@ -1,0 +1,140 @@
+"""How many rows the experts' all-to-all moves for a rank per token and MoE layer: measured by
+routing the run's own batches through the run's own model, or, when that cannot be done here,
+the balanced routing's share.
+
+A mixture of experts with a capacity routes by the data: how many assignments an expert drops,
+and how many of the kept ones belong to experts on another member, depend on the tokens (text
+repeats characters, which route alike and overflow their expert's capacity), and differ from
+step to step. Random tokens, or a balanced router, overcount them. So when the run's data can be
+read (`trainer.training.startup.training_data`, as the run reads it), the planner builds the
+run's model whole with the run's seed (`trainer.model.family.build_model`, the weights every
+rank's shard is cut from), runs each data-parallel rank's microbatches of the step
+(`trainer.data.sources.make_batches`: the run's batch plan and seed; step 1, the first, unless
+asked for others) forward, and at every MoE layer asks the layer's own router (`MoE.route`:
+top-k and capacity over the microbatch's tokens, as the run routes them) which member of the
+rank's ep group holds each kept assignment's expert (dp rank d is member ``d % ep``; member p
+holds experts ``p*L .. p*L+L-1``: `trainer.comm.topology`, `trainer.parallel.expert.dispatch`).
+A rank sends its rows for the other members (dispatch) and the outputs of the rows it got from
+them (combine), and backward the same again; the busiest rank's rows per token, halved (one way
+of the pair, as the balanced share counts), is the answer.
+
+Fallback, the balanced routing's ``topk * min(1, capacity_factor) * (ep - 1) / ep``, when:
+the data cannot be read here (the planner run away from the run's data), the whole model would
+take more than `trainer.plan.shapes.MOE_REAL_BYTES`, or under context parallelism (a cp rank
+routes its share of each sequence, whose capacity the whole-sequence forward does not have).
+The routing is the initial weights' (the run's first step; later steps' routers move a
+little), without dropout and in fp32 (bf16 activations may route a little differently).
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import TYPE_CHECKING
+
+import torch
+
+from trainer.config.options import TrainConfig
+from trainer.errors import TrainerError
+
+if TYPE_CHECKING:
+    from trainer.data.batches import ShardedBatches
+    from trainer.data.token_batches import TokenBatches
+    from trainer.parallel.expert.layer import MoE
+
+
+def balanced_share(cfg: TrainConfig) -> float:
+    """Rows sent to other ep members per token and MoE layer, routing balanced."""
+    moe, ep = cfg.gpt.moe, cfg.parallel.ep
+    kept = min(1.0, moe.capacity_factor) if moe.capacity_factor > 0 else 1.0
+    return moe.topk * kept * (ep - 1) / ep if ep > 1 else 0.0
+
+
+def sent_share(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float:
+    """The busiest rank's all-to-all rows per token and MoE layer, one way (module docstring):
+    measured on the run's ``steps`` (the first, by default), or the balanced share."""
+    measured = measured_share(cfg, steps)
+    return balanced_share(cfg) if measured is None else measured
+
+
+@cache
+def measured_share(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float | None:
+    """The routed share measured on the run's ``steps``, None where it is not measured
+    (module docstring). Dispatch sends a rank's rows for the other members' experts, the
+    combine sends back the rows it got from them, and backward does both again: per rank the
+    rows it sends plus the rows it receives, twice; the share is half of that per token."""
+    from trainer.plan.shapes import MOE_REAL_BYTES, stage_params
+
+    par, gpt = cfg.parallel, cfg.gpt
+    if par.ep <= 1 or not gpt.moe.experts:
+        return 0.0
+    if par.cp > 1:
+        return None
+    params = sum(s.dense + s.expert for s in stage_params(gpt, tp=1, pp=1))
+    if 4 * params > MOE_REAL_BYTES:
+        return None
+    try:
+        data = training_batches(cfg)
+    except (TrainerError, OSError):
+        return None  # no data here: the balanced share
+    ep, shares = par.ep, []
+    for step in steps:
+        # rows[d][p]: rows dp rank d sends to member p of its ep group; tokens routed per rank
+        rows, routed = zip(*(_rows_to_members(cfg, d, [m[0] for m in b.microbatches(step)])
+                             for d, b in enumerate(data)), strict=True)
+        moved = [sum(rows[d]) - rows[d][d % ep]  # sent to the others
+                 + sum(rows[q][d % ep] for q in range(d - d % ep, d - d % ep + ep) if q != d)
+                 for d in range(par.dp)]
+        shares.append([m / (2 * routed[d]) if routed[d] else 0.0 for d, m in enumerate(moved)])
+    return max(sum(per_step[d] for per_step in shares) / len(steps) for d in range(par.dp))
+
+
+def training_batches(cfg: TrainConfig) -> list[ShardedBatches | TokenBatches]:
+    """Each data-parallel rank's batches, as the run makes them."""
+    from trainer.data.batches import BatchPlan
+    from trainer.data.sources import make_batches
+    from trainer.training.startup import training_data
+
+    data = training_data(cfg)
+    plan = BatchPlan(cfg.data.global_batch, cfg.parallel.dp, cfg.parallel.microbatches)
+    return [make_batches(data, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
+                         dp_rank=dp_rank, device=torch.device("cpu"), reporter=False)
+            for dp_rank in range(cfg.parallel.dp)]
+
+
+def _rows_to_members(cfg: TrainConfig, dp_rank: int, microbatches: list[torch.Tensor]
+                     ) -> tuple[list[int], int]:
+    """The kept rows ``dp_rank``'s microbatches route to each member of its ep group, summed
+    over the MoE layers, and the tokens they routed (summed alike)."""
+    from trainer.parallel.expert.layer import moe_layers
+
+    model = _model(cfg)
+    ep, local = cfg.parallel.ep, cfg.gpt.moe.experts // cfg.parallel.ep
+    to_member, routed = [0] * ep, 0
+
+    def count(module: MoE, args: tuple[torch.Tensor, ...]) -> None:
+        nonlocal routed
+        x_BTD = args[0]
+        routing = module.route(x_BTD.reshape(-1, x_BTD.shape[-1]))
+        member = routing.experts[routing.kept] // local
+        for p, n in enumerate(torch.bincount(member, minlength=ep).tolist()):
+            to_member[p] += n
+        routed += routing.experts.shape[0]
+
+    hooks = [layer.register_forward_pre_hook(count) for _, layer in moe_layers(model)]
+    try:
+        with torch.no_grad():
+            for idx in microbatches:
+                model(idx)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return to_member, routed
+
+
+@cache
+def _model(cfg: TrainConfig) -> torch.nn.Module:
+    """The run's model, whole, with the run's seed, in eval mode (no dropout)."""
+    from trainer.model.family import build_model
+
+    model: torch.nn.Module = build_model(cfg.gpt, seed=cfg.seed).eval()
+    return model
