@@ -146,7 +146,7 @@ EP_NAME = re.compile(r"(^|_)(ep|edp)($|_)|expert_?parallel", re.IGNORECASE)
 EP_TEXT = re.compile(r"\b(ep|edp)\b|expert.parallel", re.IGNORECASE)
 EP_KNOWERS = ["trainer/comm/topology.py", "trainer/config/sections.py",
               "trainer/plan/__main__.py", "trainer/plan/estimate.py", "trainer/plan/report.py",
-              "trainer/plan/sends.py", "trainer/plan/traffic.py",
+              "trainer/plan/routing.py", "trainer/plan/sends.py", "trainer/plan/traffic.py",
               "trainer/training/plan_check.py"]
 """The files outside trainer/parallel/expert whose code names expert parallelism: the mesh's axes,
 the ``--ep`` option (docs/design.md §4, "A feature stays in its folder"), and the layout planner,

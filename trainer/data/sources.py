@@ -21,8 +21,8 @@ from typing import ClassVar
 
 import torch
 
-from trainer.data.batches import BatchPlan, Keep, ShardedBatches
-from trainer.data.corpus import Corpus, DataError
+from trainer.data.batches import BatchPlan, Keep, ShardedBatches, check_splits
+from trainer.data.corpus import Corpus, DataError, check_vocab, load_corpus
 from trainer.data.token_batches import (
     Source,
     TokenBatches,
@@ -120,6 +120,22 @@ def load_token_data(sources: DataSources, *, model_vocab: int, seq_len: int,
     tokens = sum(s.tokens for data in files for s in data.manifest.shards)
     return TokenData(sources.tokenized, val_fraction, model_vocab, tokens,
                      digest.hexdigest()[:16])
+
+
+def read_data(path: str | None, *, vocab_size: int, seq_len: int, val_fraction: float,
+              documents: bool, cap_mb: float, validation: bool) -> Corpus | TokenData:
+    """A run's data (``--data`` ``path``: text, or tokenized datasets), refused when the model
+    (``vocab_size``, ``seq_len``) or the splits cannot use it (``validation``: the run
+    evaluates). `trainer.training.startup.training_data` reads the run's with it."""
+    sources = parse_data(path)
+    if sources.tokenized:
+        return load_token_data(sources, model_vocab=vocab_size, seq_len=seq_len,
+                               val_fraction=val_fraction, documents=documents)
+    check_document_mask(documents, sources.text or "(the default corpus)")
+    corpus = load_corpus(sources.text, cap_bytes=int(cap_mb * 2**20), val_fraction=val_fraction)
+    check_vocab(corpus, vocab_size)
+    check_splits(corpus, seq_len, validation=validation)
+    return corpus
 
 
 def make_batches(data: Corpus | TokenData, *, seq_len: int, plan: BatchPlan, seed: int,

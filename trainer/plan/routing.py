@@ -5,10 +5,10 @@ the balanced routing's share.
 A mixture of experts with a capacity routes by the data: how many assignments an expert drops,
 and how many of the kept ones belong to experts on another member, depend on the tokens (text
 repeats characters, which route alike and overflow their expert's capacity), and differ from
-step to step. Random tokens, or a balanced router, overcount them. So when the run's data can be
-read (`trainer.training.startup.training_data`, as the run reads it), the planner builds the
-run's model whole with the run's seed (`trainer.model.family.build_model`, the weights every
-rank's shard is cut from), runs each data-parallel rank's microbatches of the step
+step to step. Random tokens, or a balanced router, overcount them. So when the run's data can
+be read (`trainer.data.sources.read_data`, as `trainer.training.startup` reads it), the planner
+builds the run's model whole with the run's seed (`trainer.model.family.build_model`, the
+weights every rank's shard is cut from), runs each data-parallel rank's microbatches of the step
 (`trainer.data.sources.make_batches`: the run's batch plan and seed; step 1, the first, unless
 asked for others) forward, and at every MoE layer asks the layer's own router (`MoE.route`:
 top-k and capacity over the microbatch's tokens, as the run routes them) which member of the
@@ -91,10 +91,13 @@ def measured_share(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float | N
 def training_batches(cfg: TrainConfig) -> list[ShardedBatches | TokenBatches]:
     """Each data-parallel rank's batches, as the run makes them."""
     from trainer.data.batches import BatchPlan
-    from trainer.data.sources import make_batches
-    from trainer.training.startup import training_data
+    from trainer.data.sources import make_batches, read_data
 
-    data = training_data(cfg)
+    # as `trainer.training.startup.training_data` reads the run's (which trainer.plan, imported
+    # by trainer.training, cannot import)
+    data = read_data(cfg.data.path, vocab_size=cfg.gpt.vocab_size, seq_len=cfg.gpt.seq_len,
+                     val_fraction=cfg.data.val_fraction, documents=cfg.data.document_mask,
+                     cap_mb=cfg.data.data_cap_mb, validation=cfg.logging.eval_every > 0)
     plan = BatchPlan(cfg.data.global_batch, cfg.parallel.dp, cfg.parallel.microbatches)
     return [make_batches(data, seq_len=cfg.gpt.seq_len, plan=plan, seed=cfg.seed,
                          dp_rank=dp_rank, device=torch.device("cpu"), reporter=False)

@@ -34,9 +34,8 @@ import torch
 from trainer.comm.bootstrap import World, import_mpi, init
 from trainer.comm.protocol import Communicator, ReduceOp
 from trainer.config.options import TrainConfig, parse_args, resolve_dp
-from trainer.data.batches import check_splits
-from trainer.data.corpus import Corpus, check_vocab, load_corpus
-from trainer.data.sources import TokenData, check_document_mask, load_token_data, parse_data
+from trainer.data.corpus import Corpus
+from trainer.data.sources import TokenData, read_data
 from trainer.errors import BootstrapError, TrainerError
 from trainer.training import restart
 from trainer.training.resume import check_run_dir
@@ -146,17 +145,9 @@ def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:
 def training_data(cfg: TrainConfig) -> Corpus | TokenData:
     """The run's data (text, or tokenized datasets: `trainer.data.sources`), refused when the
     model or the splits cannot use it."""
-    sources = parse_data(cfg.data.path)
-    if sources.tokenized:
-        return load_token_data(sources, model_vocab=cfg.gpt.vocab_size, seq_len=cfg.gpt.seq_len,
-                               val_fraction=cfg.data.val_fraction,
-                               documents=cfg.data.document_mask)
-    check_document_mask(cfg.data.document_mask, sources.text or "(the default corpus)")
-    corpus = load_corpus(sources.text, cap_bytes=int(cfg.data.data_cap_mb * 2**20),
-                         val_fraction=cfg.data.val_fraction)
-    check_vocab(corpus, cfg.gpt.vocab_size)
-    check_splits(corpus, cfg.gpt.seq_len, validation=cfg.logging.eval_every > 0)
-    return corpus
+    return read_data(cfg.data.path, vocab_size=cfg.gpt.vocab_size, seq_len=cfg.gpt.seq_len,
+                     val_fraction=cfg.data.val_fraction, documents=cfg.data.document_mask,
+                     cap_mb=cfg.data.data_cap_mb, validation=cfg.logging.eval_every > 0)
 
 
 def require_same(comm: Communicator, value: int, device: torch.device, what: str,
