@@ -76,11 +76,16 @@ def measured_share(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float | N
         data = training_batches(cfg)
     except (TrainerError, OSError):
         return None  # no data here: the balanced share
+    from trainer.model.family import build_model
+
+    # The run's model, whole, with the run's seed, without dropout; dropped when done (not
+    # cached: the trainer plans its own run with it before training).
+    model = build_model(gpt, seed=cfg.seed).eval()
     ep, shares = par.ep, []
     for step in steps:
         # rows[d][p]: rows dp rank d sends to member p of its ep group; tokens routed per rank
-        rows, routed = zip(*(_rows_to_members(cfg, d, [m[0] for m in b.microbatches(step)])
-                             for d, b in enumerate(data)), strict=True)
+        rows, routed = zip(*(_rows_to_members(model, cfg, [m[0] for m in b.microbatches(step)])
+                             for b in data), strict=True)
         moved = [sum(rows[d]) - rows[d][d % ep]  # sent to the others
                  + sum(rows[q][d % ep] for q in range(d - d % ep, d - d % ep + ep) if q != d)
                  for d in range(par.dp)]
@@ -104,13 +109,12 @@ def training_batches(cfg: TrainConfig) -> list[ShardedBatches | TokenBatches]:
             for dp_rank in range(cfg.parallel.dp)]
 
 
-def _rows_to_members(cfg: TrainConfig, dp_rank: int, microbatches: list[torch.Tensor]
-                     ) -> tuple[list[int], int]:
-    """The kept rows ``dp_rank``'s microbatches route to each member of its ep group, summed
+def _rows_to_members(model: torch.nn.Module, cfg: TrainConfig,
+                     microbatches: list[torch.Tensor]) -> tuple[list[int], int]:
+    """The kept rows a dp rank's ``microbatches`` route to each member of its ep group, summed
     over the MoE layers, and the tokens they routed (summed alike)."""
     from trainer.parallel.expert.layer import moe_layers
 
-    model = _model(cfg)
     ep, local = cfg.parallel.ep, cfg.gpt.moe.experts // cfg.parallel.ep
     to_member, routed = [0] * ep, 0
 
@@ -133,11 +137,3 @@ def _rows_to_members(cfg: TrainConfig, dp_rank: int, microbatches: list[torch.Te
             hook.remove()
     return to_member, routed
 
-
-@cache
-def _model(cfg: TrainConfig) -> torch.nn.Module:
-    """The run's model, whole, with the run's seed, in eval mode (no dropout)."""
-    from trainer.model.family import build_model
-
-    model: torch.nn.Module = build_model(cfg.gpt, seed=cfg.seed).eval()
-    return model
