@@ -8,6 +8,7 @@ any GPU is booked (`python -m trainer.plan`).
                (the cost model), the layouts of a cluster and their ranking
     report     the table and the JSON the command prints
     routing    the rows the experts' all-to-all sends, routed as the run's first step routes
+    sends      the bytes one rank sends per step in each kind of group (dp, tp, pp, ep, cp)
     traffic    the bytes a run's communicators send, counted as the planner prices them
     budget     --memory-budget: a layout whose model state does not fit refused before building
 """
