@@ -86,9 +86,11 @@ class DirectFile:
             os.ftruncate(self.fd, self.size)
 
     def close(self) -> None:
+        """Close the file. The bounce buffer is let go, not closed: an error raised while it
+        was written (ENOSPC) still holds a view of it in its traceback, and closing a mapped
+        buffer with views raises a BufferError that would hide that error."""
         os.close(self.fd)
-        if self._bounce is not None:
-            self._bounce.close()
+        self._bounce = None
 
     def _aligned(self, piece: memoryview) -> bool:
         return _address(piece) % ALIGN == 0
