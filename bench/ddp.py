@@ -55,6 +55,14 @@ from typing import Any
 from bench import common, rankjobs
 
 SIDES = ("ours", "ours-sync", "torch-ddp", "no-comm")
+SUMMARY_NOTE = ("step_ms: median over the timed steps of the slowest rank's wall time, the sides "
+                "interleaved; cpu_ms: CPU time per step of the process, comm and gloo threads "
+                "included; vs_ddp, cpu_vs_ddp: against torch-ddp in the same run. no-comm is "
+                "the step with no gradient exchange at all: its vs_ddp is the best any data "
+                "parallelism could reach on this model and host. exposed_ms: from the last "
+                "rank's end of backward to the last rank's reduced gradients (ours only; "
+                "exposed_of_total: with overlap on / off). Shared, loaded 2-core machine: "
+                "the load average is the one at the start.")
 WARMUP = 2
 
 
