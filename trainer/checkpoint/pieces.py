@@ -61,6 +61,18 @@ def stage(tensors: Sequence[Held], writes: Sequence[bool],
     is one copy, with no allocation or page faults (the background writer's). Host copies of a
     CPU state are allocated as one page-aligned block, in the order the file holds them, so the
     writer sends them to the disk from where they lie (`trainer.checkpoint.direct`)."""
+    pairs, contents = staging(tensors, writes, pool)
+    out = {key: host.copy_(flat, non_blocking=flat.is_cuda) for key, (host, flat) in pairs.items()}
+    if any(h.tensor.is_cuda for h in tensors):
+        torch.cuda.synchronize()  # the pinned copies are complete before anyone reads them
+    return out, contents
+
+
+def staging(tensors: Sequence[Held], writes: Sequence[bool],
+            pool: dict[str, torch.Tensor] | None = None
+            ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[Any]]:
+    """`stage` without the copy: for every key, the host tensor and what is to be copied
+    into it, and the index entries (a background writer copies, `trainer.checkpoint.save`)."""
     sources: dict[str, torch.Tensor] = {}
     contents: list[Any] = []
     for h, mine in zip(tensors, writes, strict=True):
@@ -76,11 +88,7 @@ def stage(tensors: Sequence[Held], writes: Sequence[bool],
         hosts |= _allocate(sources)
         if pool is not None:
             pool.update(hosts)
-    out = {key: hosts[key].copy_(flat, non_blocking=flat.is_cuda)
-           for key, flat in sources.items()}
-    if any(h.tensor.is_cuda for h in tensors):
-        torch.cuda.synchronize()  # the pinned copies are complete before anyone reads them
-    return out, contents
+    return {key: (hosts[key], flat) for key, flat in sources.items()}, contents
 
 
 def _allocate(sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
