@@ -4,10 +4,12 @@ At a save step every rank first checks (collectively) that no weight is NaN or i
 stages a copy on the CPU of the slices it is the writer of (one writer per slice, spread over
 the ranks that hold it: `trainer.checkpoint.pieces`), into host tensors allocated once at
 start-up and reused, with the step's metadata and random state
-(`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on at once
-and `trainer.checkpoint.writer` writes, fsyncs and commits in the background; the training only
-mutates the parameters, never the staged copy, so the checkpoint holds the state of the step
-it names. Without it the loop waits for the commit.
+(`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on at once:
+a CPU state is copied by a helper thread while the next step's forward and backward run (they
+read the weights, never change them; AdamW's step, which does, waits for the copy), and
+`trainer.checkpoint.writer` writes, fsyncs and commits in the background; the training never
+touches the staged copy, so the checkpoint holds the state of the step it names. Without it the
+loop waits for the commit.
 
 What each save measured (MB and MB/s in all and per rank, seconds until committed, seconds the
 loop was blocked, of which waiting for the save before it) goes into the ``checkpoint`` field
