@@ -6,10 +6,11 @@ file itself rather than through ``safetensors.torch.save_file``, which has no st
 that one builds every tensor's bytes, writes them, and the checksum then had to read the file
 again (a profile of an 85M-parameter save: half its time in each). Here each tensor's memory is
 hashed and written chunk by chunk straight from the staged tensor (one pass, the hash reading
-what the write then copies from the cache), after a header padded to a page so every chunk is
-a whole number of pages in the file; a helper thread starts the disk's writeback while the
-next chunks are hashed, so the closing fsync has little left. The header is the documented
-format (safetensors' own reader parses and checks it on load).
+what the disk then reads), after a header padded to a page so every chunk is a whole number of
+pages in the file, with direct I/O (`trainer.checkpoint.direct`: no copy into the page cache;
+where the filesystem refuses it, buffered, with a helper thread starting the disk's writeback
+while the next chunks are hashed, so the closing fsync has little left). The header is the
+documented format (safetensors' own reader parses and checks it on load).
 
 Every file is fsynced and checksummed (`trainer.checkpoint.checksum`); its `FileRecord` (size,
 checksum) goes into the commit record. A reader checks the size (a truncated or emptied file
@@ -36,6 +37,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from trainer.checkpoint import checksum
+from trainer.checkpoint.direct import DirectFile
 from trainer.checkpoint.layout import (
     FALLBACK_HINT,
     PLAIN_NAME,
@@ -72,24 +74,23 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
     the write and the fsync (a fault point)."""
     views = {key: _bytes_of(t) for key, t in tensors.items()}
     header = _header(tensors, views)
-    digest, size = checksum.new(), len(header)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    digest, out = checksum.new(), DirectFile(path)
     try:
-        with _writeback(fd) as wrote:
+        with _writeback(out) as wrote:
             digest.update(header)
-            _write_all(fd, memoryview(header))
+            out.write(memoryview(header))
             for view in views.values():
                 for at in range(0, len(view), checksum.CHUNK):
                     piece = view[at:at + checksum.CHUNK]
                     digest.update(piece)
-                    _write_all(fd, piece)
+                    out.write(piece)
                     wrote(len(piece))
-                size += len(view)
+            out.finish()
             before_sync()
-        os.fsync(fd)
+        os.fsync(out.fd)
     finally:
-        os.close(fd)
-    return FileRecord(size, digest.hexdigest())
+        out.close()
+    return FileRecord(out.size, digest.hexdigest())
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -113,25 +114,23 @@ def _header(tensors: dict[str, torch.Tensor], views: dict[str, memoryview]) -> b
     return len(body).to_bytes(8, "little") + body
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
 @contextmanager
-def _writeback(fd: int) -> Iterator[Callable[[int], None]]:
-    """A callback told the bytes written; every `_FLUSH` bytes it starts an fdatasync in a
-    helper thread (unless one still runs), so the disk writes while the next chunks are hashed
-    and copied. Every flush's error (EIO, ENOSPC) is raised on leaving: the kernel reports a
-    writeback error once per open file, possibly to the early flush rather than the last fsync."""
+def _writeback(out: DirectFile) -> Iterator[Callable[[int], None]]:
+    """A callback told the bytes written; when the file is written buffered (the filesystem
+    refused direct I/O), every `_FLUSH` bytes it starts an fdatasync in a helper thread (unless
+    one still runs), so the disk writes while the next chunks are hashed and copied. Every
+    flush's error (EIO, ENOSPC) is raised on leaving: the kernel reports a writeback error once
+    per open file, possibly to the early flush rather than the last fsync."""
     flushes: list[Future[None]] = []
     pending = 0
 
     def wrote(n: int) -> None:
         nonlocal pending
         pending += n
+        if out.direct:  # nothing waits in the page cache
+            return
         if pending >= _FLUSH and (not flushes or flushes[-1].done()):
-            flushes.append(pool.submit(os.fdatasync, fd))
+            flushes.append(pool.submit(os.fdatasync, out.fd))
             pending = 0
 
     with ThreadPoolExecutor(1, thread_name_prefix="checkpoint-flush") as pool:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import bounds
+from trainer.checkpoint.direct import ALIGN
 from trainer.checkpoint.files import FileRecord, TensorFile
 from trainer.checkpoint.layout import FALLBACK_HINT, CheckpointDamaged
 from trainer.checkpoint.load import read_index, read_meta
@@ -57,24 +58,54 @@ def stage(tensors: Sequence[Held], writes: Sequence[bool],
     `trainer.placement.writers`), and the index entries that describe them: (tensors by key,
     contents). ``pool``: host tensors kept from the previous save (written already), copied
     into instead of allocating, pinned when the state is on CUDA: after the first save, staging
-    is one copy, with no allocation or page faults (the background writer's)."""
-    out: dict[str, torch.Tensor] = {}
+    is one copy, with no allocation or page faults (the background writer's). Host copies of a
+    CPU state are allocated as one page-aligned block, in the order the file holds them, so the
+    writer sends them to the disk from where they lie (`trainer.checkpoint.direct`)."""
+    pairs, contents = staging(tensors, writes, pool)
+    out = {key: host.copy_(flat, non_blocking=flat.is_cuda) for key, (host, flat) in pairs.items()}
+    if any(h.tensor.is_cuda for h in tensors):
+        torch.cuda.synchronize()  # the pinned copies are complete before anyone reads them
+    return out, contents
+
+
+def staging(tensors: Sequence[Held], writes: Sequence[bool],
+            pool: dict[str, torch.Tensor] | None = None
+            ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[Any]]:
+    """`stage` without the copy: for every key, the host tensor and what is to be copied
+    into it, and the index entries (a background writer copies, `trainer.checkpoint.save`)."""
+    sources: dict[str, torch.Tensor] = {}
     contents: list[Any] = []
     for h, mine in zip(tensors, writes, strict=True):
         if not mine:
             continue
         for kind, value in ((PARAM, h.tensor), *sorted(h.moments.items())):
-            key, flat = f"{kind}/{h.placement.name}", value.detach().reshape(-1)
-            host = pool.get(key) if pool is not None else None
-            if host is None or host.shape != flat.shape or host.dtype != flat.dtype:
-                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda)
-                if pool is not None:
-                    pool[key] = host
-            out[key] = host.copy_(flat, non_blocking=flat.is_cuda)
+            key = f"{kind}/{h.placement.name}"
+            sources[key] = value.detach().reshape(-1)
             contents.append({"kind": kind, "key": key, **h.placement.to_json()})
-    if any(h.tensor.is_cuda for h in tensors):
-        torch.cuda.synchronize()  # the pinned copies are complete before anyone reads them
-    return out, contents
+    hosts = dict(pool) if pool is not None else {}
+    if any(key not in hosts or hosts[key].shape != flat.shape or hosts[key].dtype != flat.dtype
+           for key, flat in sources.items()):
+        hosts |= _allocate(sources)
+        if pool is not None:
+            pool.update(hosts)
+    return {key: (hosts[key], flat) for key, flat in sources.items()}, contents
+
+
+def _allocate(sources: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Empty host tensors shaped as ``sources``: pinned, one each, for a CUDA state; else
+    views of one page-aligned block, back to back in this order (each at an offset its dtype
+    can start at: the block is cut as the file's data is only while they all line up)."""
+    if any(flat.is_cuda for flat in sources.values()):
+        return {key: torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                for key, flat in sources.items()}
+    sizes = [flat.numel() * flat.element_size() for flat in sources.values()]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if any(at % flat.element_size() for at, flat in zip(starts, sources.values(), strict=True)):
+        return {key: torch.empty_like(flat) for key, flat in sources.items()}
+    raw = torch.empty(sum(sizes) + ALIGN, dtype=torch.uint8)
+    block = raw[-raw.data_ptr() % ALIGN:][:sum(sizes)]
+    return {key: block[at:at + n].view(flat.dtype)
+            for (key, flat), at, n in zip(sources.items(), starts, sizes, strict=True)}
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -165,7 +166,21 @@ class Save:
     meta: dict[str, Any]
     rng: RandomState
     """The leader's random state at `start` (empty on the others)."""
+
+    def __post_init__(self) -> None:
+        self.staged.set()  # staged by the caller, unless it hands `copies` over (`later`)
+
+    def later(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The tensors are still to be copied, by `copy`: `write` waits for that."""
+        self.copies = copies
+        self.staged.clear()
     started: float = field(default_factory=time.perf_counter)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    """(host, source) pairs `write` copies first, when the caller left staging to the writer
+    (`trainer.checkpoint.pieces.staging`); the training must not change a source before
+    `staged` is set."""
+    staged: threading.Event = field(default_factory=threading.Event)
+    copy_error: Exception | None = None
     written: Records = field(default_factory=dict)
     write_s: float = 0.0
     gathered: list[Any] = field(default_factory=list)
@@ -189,9 +204,25 @@ class Save:
                                    "Save only tensors and plain Python values")
         return None
 
+    def copy(self) -> None:
+        """The staging the caller left for later (`copies`; any thread, before `write`, which
+        waits for it); `staged` is set after it, even when it failed: `write` raises its
+        error, which stops every rank at `settle`."""
+        try:
+            for host, source in self.copies:
+                host.copy_(source)
+        except Exception as exc:  # noqa: BLE001 - raised by write, on the writer's thread
+            self.copy_error = exc
+        finally:
+            self.copies = []
+            self.staged.set()
+
     def write(self) -> None:
         """This rank's tensor file, hashed as written, fsynced; then the staged copy is let
         go."""
+        self.staged.wait()
+        if self.copy_error is not None:
+            raise self.copy_error
         fault("save_after_stage", self.step)
         began = time.perf_counter()
         if self.tensors:

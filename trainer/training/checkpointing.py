@@ -4,10 +4,12 @@ At a save step every rank first checks (collectively) that no weight is NaN or i
 stages a copy on the CPU of the slices it is the writer of (one writer per slice, spread over
 the ranks that hold it: `trainer.checkpoint.pieces`), into host tensors allocated once at
 start-up and reused, with the step's metadata and random state
-(`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on at once
-and `trainer.checkpoint.writer` writes, fsyncs and commits in the background; the training only
-mutates the parameters, never the staged copy, so the checkpoint holds the state of the step
-it names. Without it the loop waits for the commit.
+(`trainer.checkpoint.save.start`). With ``--async-save`` (the default) the loop goes on at once:
+a CPU state is copied by a helper thread while the next step's forward and backward run (they
+read the weights, never change them; AdamW's step, which does, waits for the copy), and
+`trainer.checkpoint.writer` writes, fsyncs and commits in the background; the training never
+touches the staged copy, so the checkpoint holds the state of the step it names. Without it the
+loop waits for the commit.
 
 What each save measured (MB and MB/s in all and per rank, seconds until committed, seconds the
 loop was blocked, of which waiting for the save before it) goes into the ``checkpoint`` field
@@ -17,12 +19,13 @@ of the first ``metrics.jsonl`` record logged after the save was seen committed.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from trainer.checkpoint.pieces import MOMENTS, Held, adam_step, held, stage
+from trainer.checkpoint.pieces import MOMENTS, Held, adam_step, held, stage, staging
 from trainer.checkpoint.run_dir import folder
 from trainer.checkpoint.save import NOT_LEADER, Save, claim, opened, release
 from trainer.checkpoint.writer import Writer
@@ -35,7 +38,8 @@ from trainer.training.resume import meta_of
 from trainer.training.run import Run
 
 
-def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> Save | None:
+def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
+          defer: bool = False) -> Save | None:
     """Collective: check the weights, stage this rank's slices (into ``pool``'s host tensors,
     `trainer.checkpoint.pieces.stage`), create the save's folder (None: ``step`` is already
     committed).
@@ -45,12 +49,19 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> S
     token (`trainer.checkpoint.save.claim`). A collective costs a scheduling round over every
     rank, the larger part of the time a background save blocks the loop (profiled at dp 2 x
     tp 2 x pp 2: three collectives, 56 of the 70 samples in the save); the leader removes the
-    folder again when a weight is not finite."""
+    folder again when a weight is not finite. ``defer``: a CPU state is not copied here but
+    by the save's writer (`Save.copies`), while the next step's forward and backward run; the
+    caller waits for `Save.staged` before anything changes the weights (`Checkpoints`)."""
     weights, mesh = run.weights, run.mesh
     group, root = mesh.group(), folder(Path(run.cfg.run_dir))
     bad = nonfinite(weights.values())
     mine = held(weights.values(), weights.optimizer)
-    staged, contents = stage(mine, writers([h.placement for h in mine], mesh), pool)
+    owners = writers([h.placement for h in mine], mesh)
+    later = defer and not any(h.tensor.is_cuda for h in mine)
+    pairs, contents = staging(mine, owners, pool) if later else ({}, [])
+    staged = {key: host for key, (host, _) in pairs.items()} if later else {}
+    if not later:
+        staged, contents = stage(mine, owners, pool)
     token, error = claim(root, step) if group.rank == 0 else (NOT_LEADER, None)
     agreed = torch.tensor([bad, adam_step(weights.optimizer), token], dtype=torch.int64,
                           device=mesh.device)
@@ -65,8 +76,11 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None) -> S
     samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
     meta = meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
                    optimizer={"step": count, "groups": groups}, samples=samples)
-    return opened(root, step, token, error, tensors=staged, contents=contents, meta=meta,
-                  keep=run.cfg.checkpoint.keep, group=group, device=mesh.device)
+    job = opened(root, step, token, error, tensors=staged, contents=contents, meta=meta,
+                 keep=run.cfg.checkpoint.keep, group=group, device=mesh.device)
+    if job is not None and pairs:
+        job.later(list(pairs.values()))
+    return job
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
@@ -97,6 +111,20 @@ class Checkpoints:
         self.reports: list[dict[str, Any]] = []  # finished saves not logged yet
         self.pool: dict[str, torch.Tensor] = {}  # the host copies, reused save after save
         self._allocate()
+        # The writer copies the state while the next step computes; AdamW's step is the one
+        # thing that changes it, so it first waits for that copy.
+        run.weights.optimizer.register_step_pre_hook(lambda *_: self._staged())
+        self._copier = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-stage")
+
+    def _staged(self) -> None:
+        """Before the optimizer steps: the save in flight holds its copy of the state (the
+        wait counts as time the loop was blocked by that save)."""
+        save = self.writer.save
+        if save is not None and not save.staged.is_set():
+            began = time.perf_counter()
+            save.staged.wait()
+            self.blocked[save.step] = self.blocked.get(save.step, 0.0) + \
+                time.perf_counter() - began
 
     def _allocate(self) -> None:
         """Allocate and touch the host copies now (each moment shaped as its parameter: the
@@ -126,8 +154,11 @@ class Checkpoints:
         began = time.perf_counter()
         previous, done = self.writer.wait(), None
         self.waited[step] = time.perf_counter() - began
-        job = begin(self.run, step, self.pool)  # the previous save is written: reuse its copies
+        # The previous save is written: reuse its copies.
+        job = begin(self.run, step, self.pool, defer=True)
         if job is not None:
+            if not job.staged.is_set():
+                self._copier.submit(job.copy)
             self.writer.submit(job)
             done = self.writer.wait() if wait else None
         self.blocked[step] = time.perf_counter() - began
@@ -149,6 +180,7 @@ class Checkpoints:
         """``clean``: training ended alike on every rank, or with an error every rank raised
         together (a NaN stop): the save in flight is finished (collective, as is freeing the
         vote's communicator); else only this rank's thread finishes its file."""
+        self._copier.shutdown(wait=True)  # a copy is short and never blocks
         if not clean:
             self.writer.abandon()
             return
