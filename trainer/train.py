@@ -89,7 +89,7 @@ from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.parallel.zero import memory
 from trainer.parallel.zero.memory import PeakMemory
-from trainer.placement import placement_of
+from trainer.placement import dp_axes, placement_of
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
@@ -228,11 +228,14 @@ def memory_line(run: Run) -> str:
     group, the rest over dp (`trainer.config.sections.ParallelSection.zero_over`)."""
     par = run.cfg.parallel
     where = "rank 0" + (", its TP x PP shard" if par.tp * par.pp > 1 else "")
-    # An expert's copies do not span ep (`trainer.parallel.expert`).
-    experts = sum(p.numel() for p in run.dp.params if "ep" not in placement_of(p).replicated)
+    # The experts are the parameters whose copies span fewer DP axes than the rest
+    # (`trainer.placement.dp_axes`; one kind of them: `trainer.parallel.zero.split`).
+    spans = [len(dp_axes(placement_of(p))) for p in run.dp.params]
+    experts = sum(p.numel() for p, n in zip(run.dp.params, spans, strict=True)
+                  if n < max(spans, default=0))
     return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.optimizer.zero,
                            bf16=_bf16(run), dp=par.zero_over, where=where, experts=experts,
-                           edp=par.expert_zero_over)
+                           experts_over=par.expert_zero_over)
 
 
 def _bf16(run: Run) -> bool:

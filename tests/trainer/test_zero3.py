@@ -230,10 +230,10 @@ def test_zero3_expected_bytes_shard_everything() -> None:
 
 def test_zero3_expected_bytes_shard_the_experts_over_edp_and_the_rest_over_dp() -> None:
     """600 dense parameters over dp 4, 400 experts' over edp 2 (dp 4 / ep 2)."""
-    table = expected_bytes(1000, bf16=False, zero=3, dp=4, experts=400, edp=2)
+    table = expected_bytes(1000, bf16=False, zero=3, dp=4, experts=400, experts_over=2)
     per = 600 / 4 + 400 / 2
     assert (table.params, table.grads, table.optimizer) == (4 * per, 4 * per, 8 * per)
-    line = describe(1000, bf16=False, zero=3, dp=4, where="", experts=400, edp=2)
+    line = describe(1000, bf16=False, zero=3, dp=4, where="", experts=400, experts_over=2)
     assert "16/4; the 400 experts' 16/2 bytes per parameter" in line
 
 

@@ -188,7 +188,7 @@ def _between_steps(cfg: TrainConfig, params: StageParams, bf16: bool) -> MemoryT
     par = cfg.parallel
     experts = params.expert // par.ep
     return expected_bytes(params.dense + experts, bf16=bf16, zero=cfg.optimizer.zero,
-                          dp=par.zero_over, experts=experts, edp=par.expert_zero_over)
+                          dp=par.zero_over, experts=experts, experts_over=par.expert_zero_over)
 
 
 def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:

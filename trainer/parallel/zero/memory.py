@@ -53,12 +53,13 @@ class MemoryTable:
 
 
 def expected_bytes(n_params: int, *, bf16: bool, zero: int, dp: int, experts: int = 0,
-                   edp: int = 0) -> MemoryTable:
+                   experts_over: int = 0) -> MemoryTable:
     """The table above for ``n_params`` parameters on one rank. ``experts`` of them (a mixture
-    of experts' on this rank) have copies on their expert-data-parallel group only, ``edp`` =
-    dp / ep ranks, and are sharded over those (`trainer.parallel.zero.split`): d = edp."""
+    of experts' on this rank) have copies on their expert-data-parallel group only,
+    ``experts_over`` = dp / ep ranks, and are sharded over those (`trainer.parallel.zero.split`):
+    d = ``experts_over`` for them."""
     return (_sharded(n_params - experts, bf16=bf16, zero=zero, d=dp)
-            + _sharded(experts, bf16=bf16, zero=zero, d=edp or dp))
+            + _sharded(experts, bf16=bf16, zero=zero, d=experts_over or dp))
 
 
 def _sharded(n: int, *, bf16: bool, zero: int, d: int) -> MemoryTable:
@@ -102,13 +103,14 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 
 def describe(n_params: int, *, bf16: bool, zero: int, dp: int, where: str, experts: int = 0,
-             edp: int = 0) -> str:
+             experts_over: int = 0) -> str:
     """The start-up line: the expected bytes per rank and the rule they come from
-    (``experts`` and ``edp`` as in `expected_bytes`)."""
-    t = expected_bytes(n_params, bf16=bf16, zero=zero, dp=dp, experts=experts, edp=edp)
+    (``experts`` and ``experts_over`` as in `expected_bytes`)."""
+    t = expected_bytes(n_params, bf16=bf16, zero=zero, dp=dp, experts=experts,
+                       experts_over=experts_over)
     rule = _rule(bf16=bf16, zero=zero, d=dp)
     if experts:
-        rule += f"; the {experts:,} experts' {_rule(bf16=bf16, zero=zero, d=edp or dp)}"
+        rule += f"; the {experts:,} experts' {_rule(bf16=bf16, zero=zero, d=experts_over or dp)}"
     # KiB below a MiB, so a small model's line still tells the rules apart.
     unit, size = ("MiB", MIB) if t.total >= MIB else ("KiB", 1024)
     return (f"dtrain: memory per rank ({where}, {n_params:,} parameters, "
