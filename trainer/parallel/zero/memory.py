@@ -8,7 +8,8 @@ ZeRO paper §3) for the parameters a rank holds (its TP x PP shard), d = dp:
     fp32       4           4          8  (Adam m, v)                 16      8 + 8/d   4 + 12/d
     bf16       2           4          12 (fp32 main weights + m, v)  18      6 + 12/d  2 + 16/d
 
-and ``--zero 3`` (fp32 only so far) 16/d: everything sharded; during a step the gathered
+and ``--zero 3`` (fp32 only so far) 16/d: everything sharded (a mixture of experts' experts
+over their expert-data-parallel group, d = dp / ep for them); during a step the gathered
 units and their staged gradients come on top (`zero3_on_top`: the root and prefetch + 1
 blocks; `trainer.parallel.zero.units` ``peak_gathered_bytes``, held to it by
 tests/trainer/test_zero3_memory.py).
