@@ -89,6 +89,7 @@ from trainer.model.config import FAMILY_NAMES
 from trainer.model.flops import flops_per_token, mfu, peak_tflops
 from trainer.parallel.zero import memory
 from trainer.parallel.zero.memory import PeakMemory
+from trainer.placement import dp_axes, placement_of
 from trainer.stopping import sigterm
 from trainer.stopping.time_limit import TimeLimit
 from trainer.training import readout, restart, startup
@@ -133,7 +134,7 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
     log.info(run.restored.warning)
     log.info(startup.binary_warning(run.corpus))
     log.info(skipped_warning(run.corpus))
-    log.info(_memory_line(run))
+    log.info(memory_line(run))
     plan = PlanCheck(run, world)  # the planner's line; its memory checked after the first step
     log.info(plan.line)
     if cfg.checkpoint.init_from_hf and run.is_writer:  # its tokenizer: the run's ids
@@ -221,14 +222,20 @@ def _log_steps(log: MetricsLog, dash: Dashboards, result: TrainResult,
         result.losses.append(rec.loss)
 
 
-def _memory_line(run: Run) -> str:
+def memory_line(run: Run) -> str:
     """Rank 0's expected parameter, gradient and optimizer bytes
-    (`trainer.parallel.zero.memory`)."""
+    (`trainer.parallel.zero.memory`): its experts sharded over their expert-data-parallel
+    group, the rest over dp (`trainer.config.sections.ParallelSection.zero_over`)."""
     par = run.cfg.parallel
     where = "rank 0" + (", its TP x PP shard" if par.tp * par.pp > 1 else "")
+    # The experts are the parameters whose copies span fewer DP axes than the rest
+    # (`trainer.placement.dp_axes`; one kind of them: `trainer.parallel.zero.split`).
+    spans = [len(dp_axes(placement_of(p))) for p in run.dp.params]
+    experts = sum(p.numel() for p, n in zip(run.dp.params, spans, strict=True)
+                  if n < max(spans, default=0))
     return memory.describe(sum(p.numel() for p in run.dp.params), zero=run.cfg.optimizer.zero,
-                           bf16=_bf16(run),
-                           dp=par.zero_shard_size or par.dp, where=where)  # sharded over
+                           bf16=_bf16(run), dp=par.zero_over, where=where, experts=experts,
+                           experts_over=par.expert_zero_over)
 
 
 def _bf16(run: Run) -> bool:

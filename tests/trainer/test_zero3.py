@@ -228,6 +228,15 @@ def test_zero3_expected_bytes_shard_everything() -> None:
     assert "16/4 bytes per parameter" in describe(1000, bf16=False, zero=3, dp=4, where="")
 
 
+def test_zero3_expected_bytes_shard_the_experts_over_edp_and_the_rest_over_dp() -> None:
+    """600 dense parameters over dp 4, 400 experts' over edp 2 (dp 4 / ep 2)."""
+    table = expected_bytes(1000, bf16=False, zero=3, dp=4, experts=400, experts_over=2)
+    per = 600 / 4 + 400 / 2
+    assert (table.params, table.grads, table.optimizer) == (4 * per, 4 * per, 8 * per)
+    line = describe(1000, bf16=False, zero=3, dp=4, where="", experts=400, experts_over=2)
+    assert "16/4; the 400 experts' 16/2 bytes per parameter" in line
+
+
 # -- mixture of experts: dp 4 = ep 2 x edp 2 (MPI, 4 ranks, fp64) ----------------------------
 
 MOE_WORKER = "tests.support.zero_workers.stage3_moe:run"
@@ -286,3 +295,31 @@ def test_zero3_shards_the_dense_units_over_dp_and_the_experts_over_edp() -> None
         assert rank["pieces"] == {"('tp',)"}
         assert [now for now, _ in rank["gathered"]] == [0] * MOE_STEPS
         assert all(peak > 0 for _, peak in rank["gathered"])
+
+
+KIB = 1024
+LINE = re.compile(r"parameters ([\d.]+) KiB \+ gradients ([\d.]+) KiB \+ optimizer ([\d.]+) KiB = "
+                  r"([\d.]+) KiB \((.*) bytes per parameter\)")
+"""The start-up line of a model under a MiB per rank."""
+
+
+def test_zero3_with_experts_holds_the_dense_part_over_dp_and_the_experts_over_edp() -> None:
+    """Between steps a rank holds 1/dp of its dense parameters and 1/edp of its experts, as
+    parameter, gradient (every group's shards) and AdamW state (2x) in fp64, as the
+    ``--memory-budget`` meter measures it and as the trainer's start-up line says (fp32's
+    4 bytes an element there); dividing the experts by dp would show them at half."""
+    for rank in moe_ranks():
+        experts = rank["n_experts"]
+        dense = rank["n_params"] - experts
+        assert dense and experts
+        per = dense / 4 + experts / 2  # elements: dense/dp + experts/edp
+        held = rank["held"]
+        assert held["params"] == pytest.approx(8 * per, rel=0.02)
+        assert held["grads"] == pytest.approx(8 * per, rel=0.02)  # both groups' shards
+        assert held["optimizer"] == pytest.approx(16 * per, rel=0.02)
+        assert rank["measured"] - rank["staged_peak"] == sum(held.values())
+        got = LINE.search(rank["line"])
+        assert got, rank["line"]
+        assert got[5] == f"16/4; the {experts:,} experts' 16/2"
+        for shown, bytes_per in zip(got.groups()[:4], (4, 4, 8, 16), strict=True):
+            assert float(shown) == pytest.approx(bytes_per * per / KIB, abs=0.05)

@@ -151,6 +151,18 @@ class ParallelSection(Section):
         return sep.join((dp, f"tp{eq}{self.tp}", f"pp{eq}{self.pp}", *cp))
 
     @property
+    def zero_over(self) -> int:
+        """The ranks ZeRO shards a dense parameter's state over: the parameter's copies, dp x cp
+        (cp ranks hold the same weights), or under hybrid sharding the shard group."""
+        return self.zero_shard_size or self.dp * self.cp
+
+    @property
+    def expert_zero_over(self) -> int:
+        """The ranks ZeRO shards an expert's state over: its copies, the expert-data-parallel
+        group (dp / ep) x cp (`trainer.parallel.zero.split`; MoE has no hybrid sharding)."""
+        return self.dp // self.ep * self.cp
+
+    @property
     def chunks(self) -> int:
         """Model chunks per pipeline rank (v): the virtual stages of the interleaved schedule."""
         return chunks_of(self.schedule, self.virtual_stages)

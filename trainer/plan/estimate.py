@@ -42,7 +42,7 @@ from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_t
 from trainer.plan import sends
 from trainer.plan.cluster import Cluster
 from trainer.plan.sends import Comm, unit_sizes
-from trainer.plan.shapes import activations, stage_params
+from trainer.plan.shapes import StageParams, activations, stage_params
 
 ASSUMPTIONS = (
     "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
@@ -152,8 +152,7 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
               if moe_layers else 0)
     best: Memory | None = None
     for rank, params in enumerate(stages):
-        n = params.dense + params.expert // par.ep
-        table = _in_flight_shards(cfg, _between_steps(cfg, n, bf16), bf16)
+        table = _in_flight_shards(cfg, _between_steps(cfg, params, bf16), bf16)
         held, rest = 0, 0
         for chunk, live in flights[rank].items():
             stage = chunk * par.pp + rank
@@ -175,19 +174,21 @@ def model_state(cfg: TrainConfig, *, bf16: bool) -> tuple[MemoryTable, MemoryTab
     bytes-per-parameter table) and at the peak of a step (`_in_flight_shards` added)."""
     par = cfg.parallel
     v = par.virtual_stages if par.schedule == "interleaved" else 1
-    n = max(p.dense + p.expert // par.ep
-            for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v))
-    table = _between_steps(cfg, n, bf16)
+    table = max((_between_steps(cfg, p, bf16)
+                 for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v)),
+                key=lambda t: t.total)
     return table, _in_flight_shards(cfg, table, bf16)
 
 
-def _between_steps(cfg: TrainConfig, n: int, bf16: bool) -> MemoryTable:
-    """The bytes-per-parameter table of ``n`` parameters, sharded as the run shards them: over
-    the weight's copies, dp x cp (`trainer.training.run`), or under hybrid sharding over the
-    shard group."""
-    par, zero = cfg.parallel, cfg.optimizer.zero
-    over = par.zero_shard_size or par.dp * par.cp  # hybrid sharding at any stage
-    return expected_bytes(n, bf16=bf16, zero=zero, dp=over)
+def _between_steps(cfg: TrainConfig, params: StageParams, bf16: bool) -> MemoryTable:
+    """The bytes-per-parameter table of a stage's parameters on one rank (its 1/ep of the
+    experts), sharded as the run shards them (`trainer.config.sections.ParallelSection`):
+    the dense ones over their copies, dp x cp, or under hybrid sharding over the shard
+    group; the experts over their expert-data-parallel group."""
+    par = cfg.parallel
+    experts = params.expert // par.ep
+    return expected_bytes(params.dense + experts, bf16=bf16, zero=cfg.optimizer.zero,
+                          dp=par.zero_over, experts=experts, experts_over=par.expert_zero_over)
 
 
 def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:

@@ -102,16 +102,14 @@ def measured_bytes(run: Run, saved_peak: int) -> int:
     from trainer.parallel.zero.memory import held_bytes
 
     units = getattr(run.weights, "units", None)  # ZeRO-3: the shards are the parameters
+    # Every group's gradients: a mixture of experts' reduce over their own groups
+    # (`trainer.parallel.data.split`, `trainer.parallel.zero.split`).
     held = held_bytes(run.model.parameters() if units is None else units.shards,
-                      run.dp.buffer, run.weights.optimizer)
-    # Experts reduce over their own groups (`trainer.parallel.data.split`): their gradient
-    # buffers are the other parts' (``run.dp.buffer`` is the dense parameters' alone).
-    parts = getattr(run.dp, "parts", ())
-    held_grads = sum(part.buffer.nbytes for part in parts[1:])
+                      run.dp.buffers, run.weights.optimizer)
     during = getattr(run.dp, "peak_staged_bytes", 0)
     if units is not None:
         during += units.peak_gathered_bytes
-    return held.total + held_grads + during + saved_peak
+    return held.total + during + saved_peak
 
 
 class PlanCheck:

@@ -6,12 +6,15 @@ A 4-layer MoE model (layers 0 and 2 MoE, 4 experts, top-2) is trained at dp 4 (d
 over 2 EP blocks of 2: ep 2, edp 2) with ``--zero 3`` in fp64 for 5 steps with the trainer's
 own ``build_run``/``train_step``: the dense units sharded over the 4 DP ranks, the experts'
 units over their 2 expert-data-parallel ranks (`trainer.parallel.zero.split`). After each
-step the rank records the gathered bytes it holds (none between steps); at the end its
-parameters, gathered once, and how its units are split.
+step the rank records the gathered bytes it holds (none between steps); at the end the bytes
+it holds (`held_bytes` of every group's gradient shards) and those the ``--memory-budget``
+meter measures (`measured_bytes`), the trainer's start-up memory line, its parameters,
+gathered once, and how its units are split.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +22,11 @@ from tests.support.moe_workers.cases import FORWARDS, case_config
 from tests.support.numerics import float64
 from trainer.comm.bootstrap import init
 from trainer.config.options import TrainConfig
+from trainer.parallel.zero.memory import held_bytes
 from trainer.parallel.zero.split import SplitUnits
 from trainer.placement import placement_of
+from trainer.train import memory_line
+from trainer.training.plan_check import measured_bytes
 from trainer.training.run import build_run, mesh_for
 from trainer.training.step import train_step
 
@@ -50,6 +56,10 @@ def run(out: Path) -> dict[str, Any]:
             units.peak_gathered_bytes = 0
             losses.append(train_step(r, step).loss)
             gathered.append((units.gathered_bytes, units.peak_gathered_bytes))
+        units.peak_gathered_bytes = 0  # between steps: nothing gathered since the last
+        held = held_bytes(units.shards, r.dp.buffers, r.weights.optimizer)
+        measured = measured_bytes(r, saved_peak=0)  # what --memory-budget meters
+        experts = [p for p in r.model.parameters() if "ep" not in placement_of(p).replicated]
         with units.whole():
             params = {n: p.detach().clone() for n, p in r.model.named_parameters()}
         return {
@@ -60,4 +70,8 @@ def run(out: Path) -> dict[str, Any]:
                        "params": sum(p.numel() for p in part.params),
                        "shard_elements": sum(s.numel() for s in part.shards)}
                       for part in units.parts],
-            "pieces": {str(placement_of(t).replicated) for t in r.weights.values()}}
+            "pieces": {str(placement_of(t).replicated) for t in r.weights.values()},
+            "n_params": sum(p.numel() for p in r.model.parameters()),
+            "n_experts": sum(p.numel() for p in experts), "line": memory_line(r),
+            "held": asdict(held), "measured": measured,
+            "staged_peak": getattr(r.dp, "peak_staged_bytes", 0)}

@@ -91,6 +91,11 @@ class DataParallel:
         self.zero_grad()
 
     @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every gradient buffer this sync holds (one; a split sync's parts' together)."""
+        return [self.buffer]
+
+    @property
     def uses_comm_thread(self) -> bool:
         return self._thread is not None
 

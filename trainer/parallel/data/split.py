@@ -33,6 +33,8 @@ class GradSync(Protocol):
     @property
     def buffer(self) -> torch.Tensor: ...
     @property
+    def buffers(self) -> list[torch.Tensor]: ...
+    @property
     def params(self) -> list[nn.Parameter]: ...
     @property
     def buckets(self) -> list: ...
@@ -72,6 +74,11 @@ class SplitDataParallel:
     @property
     def buffer(self) -> torch.Tensor:
         return self.parts[0].buffer
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        """Every part's gradient buffer (or ZeRO-2/3's shards): what the rank holds."""
+        return [b for part in self.parts for b in part.buffers]
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -8,7 +8,8 @@ ZeRO paper §3) for the parameters a rank holds (its TP x PP shard), d = dp:
     fp32       4           4          8  (Adam m, v)                 16      8 + 8/d   4 + 12/d
     bf16       2           4          12 (fp32 main weights + m, v)  18      6 + 12/d  2 + 16/d
 
-and ``--zero 3`` (fp32 only so far) 16/d: everything sharded; during a step the gathered
+and ``--zero 3`` (fp32 only so far) 16/d: everything sharded (a mixture of experts' experts
+over their expert-data-parallel group, d = dp / ep for them); during a step the gathered
 units and their staged gradients come on top (`zero3_on_top`: the root and prefetch + 1
 blocks; `trainer.parallel.zero.units` ``peak_gathered_bytes``, held to it by
 tests/trainer/test_zero3_memory.py).
@@ -47,15 +48,26 @@ class MemoryTable:
     def total(self) -> int:
         return self.params + self.grads + self.optimizer
 
+    def __add__(self, other: MemoryTable) -> MemoryTable:
+        return MemoryTable(self.params + other.params, self.grads + other.grads,
+                           self.optimizer + other.optimizer)
 
-def expected_bytes(n_params: int, *, bf16: bool, zero: int, dp: int) -> MemoryTable:
-    """The table above for ``n_params`` parameters on one rank."""
-    shard = dp if zero else 1
-    optimizer = (12 if bf16 else 8) * n_params / shard
-    grads = 4 * n_params / (dp if zero >= 2 else 1)
-    params = (2 if bf16 else 4) * n_params / (dp if zero >= 3 else 1)
-    return MemoryTable(params=round(params), grads=round(grads),
-                       optimizer=round(optimizer))
+
+def expected_bytes(n_params: int, *, bf16: bool, zero: int, dp: int, experts: int = 0,
+                   experts_over: int = 0) -> MemoryTable:
+    """The table above for ``n_params`` parameters on one rank. ``experts`` of them (a mixture
+    of experts' on this rank) have copies on their expert-data-parallel group only,
+    ``experts_over`` = dp / ep ranks, and are sharded over those (`trainer.parallel.zero.split`):
+    d = ``experts_over`` for them."""
+    return (_sharded(n_params - experts, bf16=bf16, zero=zero, d=dp)
+            + _sharded(experts, bf16=bf16, zero=zero, d=experts_over or dp))
+
+
+def _sharded(n: int, *, bf16: bool, zero: int, d: int) -> MemoryTable:
+    optimizer = (12 if bf16 else 8) * n / (d if zero else 1)
+    grads = 4 * n / (d if zero >= 2 else 1)
+    params = (2 if bf16 else 4) * n / (d if zero >= 3 else 1)
+    return MemoryTable(params=round(params), grads=round(grads), optimizer=round(optimizer))
 
 
 def zero3_on_top(*, root: int, block: int, prefetch: int, bf16: bool) -> MemoryTable:
@@ -68,17 +80,19 @@ def zero3_on_top(*, root: int, block: int, prefetch: int, bf16: bool) -> MemoryT
                        grads=4 * (prefetch + 1) * block, optimizer=0)
 
 
-def held_bytes(params: Iterable[torch.Tensor], grads: torch.Tensor,
+def held_bytes(params: Iterable[torch.Tensor], grads: torch.Tensor | Iterable[torch.Tensor],
                optimizer: torch.optim.Optimizer) -> MemoryTable:
-    """What a rank holds: its parameters, its gradient buffer, and the optimizer's main
-    parameters (those not sharing the model parameters' memory) and state tensors."""
+    """What a rank holds: its parameters, its gradient buffer (or every group's buffers, a
+    gradient sync's ``buffers``), and the optimizer's main parameters (those not sharing the
+    model parameters' memory) and state tensors."""
     params = list(params)
+    grads = [grads] if isinstance(grads, torch.Tensor) else list(grads)
     model = {p.untyped_storage().data_ptr() for p in params}
     stepped = [p for g in optimizer.param_groups for p in g["params"]]
     mains = [p for p in stepped if p.untyped_storage().data_ptr() not in model]
     states = [t for s in optimizer.state.values() for t in s.values()
               if isinstance(t, torch.Tensor) and t.numel() > 1]
-    return MemoryTable(params=_bytes(params), grads=_bytes([grads]),
+    return MemoryTable(params=_bytes(params), grads=_bytes(grads),
                        optimizer=_bytes(mains) + _bytes(states))
 
 
@@ -89,15 +103,27 @@ def _bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def describe(n_params: int, *, bf16: bool, zero: int, dp: int, where: str) -> str:
-    """The start-up line: the expected bytes per rank and the rule they come from."""
-    t = expected_bytes(n_params, bf16=bf16, zero=zero, dp=dp)
-    per = {0: "18" if bf16 else "16", 1: f"6 + 12/{dp}" if bf16 else f"8 + 8/{dp}",
-           2: f"2 + 16/{dp}" if bf16 else f"4 + 12/{dp}", 3: f"16/{dp}"}[zero]
+def describe(n_params: int, *, bf16: bool, zero: int, dp: int, where: str, experts: int = 0,
+             experts_over: int = 0) -> str:
+    """The start-up line: the expected bytes per rank and the rule they come from
+    (``experts`` and ``experts_over`` as in `expected_bytes`)."""
+    t = expected_bytes(n_params, bf16=bf16, zero=zero, dp=dp, experts=experts,
+                       experts_over=experts_over)
+    rule = _rule(bf16=bf16, zero=zero, d=dp)
+    if experts:
+        rule += f"; the {experts:,} experts' {_rule(bf16=bf16, zero=zero, d=experts_over or dp)}"
+    # KiB below a MiB, so a small model's line still tells the rules apart.
+    unit, size = ("MiB", MIB) if t.total >= MIB else ("KiB", 1024)
     return (f"dtrain: memory per rank ({where}, {n_params:,} parameters, "
             f"{'bf16' if bf16 else 'fp32'}, zero {zero}, dp {dp}): parameters "
-            f"{t.params / MIB:.1f} MiB + gradients {t.grads / MIB:.1f} MiB + optimizer "
-            f"{t.optimizer / MIB:.1f} MiB = {t.total / MIB:.1f} MiB ({per} bytes per parameter)")
+            f"{t.params / size:.1f} {unit} + gradients {t.grads / size:.1f} {unit} + optimizer "
+            f"{t.optimizer / size:.1f} {unit} = {t.total / size:.1f} {unit} ({rule} bytes per "
+            "parameter)")
+
+
+def _rule(*, bf16: bool, zero: int, d: int) -> str:
+    return {0: "18" if bf16 else "16", 1: f"6 + 12/{d}" if bf16 else f"8 + 8/{d}",
+            2: f"2 + 16/{d}" if bf16 else f"4 + 12/{d}", 3: f"16/{d}"}[zero]
 
 
 class PeakMemory:
