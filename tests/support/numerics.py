@@ -35,6 +35,8 @@ import torch
 
 U64 = 2.0**-53  # fp64 unit roundoff
 U32 = 2.0**-24  # fp32 unit roundoff
+U_BF16 = 2.0**-8  # bf16 unit roundoff
+BF16_LAMBDA = 5.0  # standard deviations of a random-walk rounding sum (test_mixed_precision.py)
 ADAM_EPS = 1e-8  # torch.optim.AdamW's default, which trainer/optim/optimizer.py keeps
 
 
@@ -100,6 +102,20 @@ def norm_atol(*, n_params: int, n_terms: int, grad_scale: float, unit: float = U
     """Difference of two gradient norms whose elements differ only by rounding (`adam_atol`'s
     gradients): the 2-norm of a difference of at most reduction_rtol·grad_scale per element."""
     return n_params**0.5 * reduction_rtol(n_terms, unit) * grad_scale
+
+
+def bf16_tracking(fp32: dict, *, k: int, extra_grad: int = 0) -> tuple[list[float], float]:
+    """How far a bf16 run with ``k`` roundings per forward (``extra_grad`` more in backward) can
+    be from the exact run: (the loss tolerance of every step, the weights' drift after the
+    last), from the fp32 run's "losses", "norms" and "lrs" (derived in
+    tests/trainer/test_mixed_precision.py's docstring: rounding as a random walk of λ = 5
+    standard deviations, Adam's update at most lr per element)."""
+    r = BF16_LAMBDA * math.sqrt(2 * k + extra_grad) * U_BF16
+    out, drift = [], 0.0
+    for loss, norm, lr in zip(fp32["losses"], fp32["norms"], fp32["lrs"], strict=True):
+        out.append(BF16_LAMBDA * math.sqrt(k) * U_BF16 * loss + BF16_LAMBDA * norm * drift)
+        drift += 2 * r * lr
+    return out, drift
 
 
 def f64(values: list[float]) -> torch.Tensor:

@@ -20,15 +20,12 @@ leaves it.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from tests.support.cp_workers.bf16 import GPT, RUNS, STEPS, WORKER
 from tests.support.mpi_runs import world_run
+from tests.support.numerics import bf16_tracking
 
-U = 2.0**-8
-LAMBDA = 5.0
 K_CP1 = 17 * GPT["n_layer"] + 4
 K_CP2 = K_CP1 + GPT["n_layer"]
 """Forward roundings of the longest path; cp 2 adds one per layer (each block's output)."""
@@ -40,13 +37,7 @@ def ranks() -> list[dict]:
 
 def bound(k: int, extra_grad: int) -> list[float]:
     """How far a bf16 run with ``k`` forward roundings can be from the exact run, per step."""
-    ref = ranks()[0]["fp32"]
-    r = LAMBDA * math.sqrt(2 * k + extra_grad) * U
-    out, drift = [], 0.0
-    for loss, norm, lr in zip(ref["losses"], ref["norms"], ref["lrs"], strict=True):
-        out.append(LAMBDA * math.sqrt(k) * U * loss + LAMBDA * norm * drift)
-        drift += 2 * r * lr
-    return out
+    return bf16_tracking(ranks()[0]["fp32"], k=k, extra_grad=extra_grad)[0]
 
 
 def tolerance() -> list[float]:

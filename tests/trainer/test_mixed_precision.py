@@ -39,6 +39,7 @@ import torch
 from tests.support.bf16_worker import GPT as MODEL
 from tests.support.bf16_worker import HALF, STEPS
 from tests.support.mpi_runs import world_run
+from tests.support.numerics import bf16_tracking
 from tests.support.saved import same_states, saved_state, slice_of
 from trainer.checkpoint.pieces import assemble
 from trainer.config.options import parse_args
@@ -49,8 +50,6 @@ from trainer.optim.mixed_precision import MainParams, model_dtype
 from trainer.optim.optimizer import build_optimizer
 
 WORKER = "tests.support.bf16_worker:run"
-U = 2.0**-8
-LAMBDA = 5.0
 K = 19 * MODEL["n_layer"] + 4
 
 
@@ -60,13 +59,7 @@ def ranks() -> list[dict]:
 
 def tolerance(extra_grad_roundings: int = 0) -> list[float]:
     """The tracking tolerance of every step (see the module docstring)."""
-    ref = ranks()[0]["fp32"]
-    r = LAMBDA * math.sqrt(2 * K + extra_grad_roundings) * U
-    out, drift = [], 0.0
-    for loss, norm, lr in zip(ref["losses"], ref["norms"], ref["lrs"], strict=True):
-        out.append(LAMBDA * math.sqrt(K) * U * loss + LAMBDA * norm * drift)
-        drift += 2 * r * lr
-    return out
+    return bf16_tracking(ranks()[0]["fp32"], k=K, extra_grad=extra_grad_roundings)[0]
 
 
 @pytest.mark.parametrize("run,extra", [("bf16", 0), ("bf16_reduce", 2)])

@@ -25,7 +25,6 @@ tests/trainer/test_mixed_precision.py (losses) and its weight drift bound (param
 from __future__ import annotations
 
 import functools
-import math
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import pytest
 import torch
 
 from tests.support.mpi_runs import world_run
-from tests.support.numerics import reduction_rtol
+from tests.support.numerics import bf16_tracking, reduction_rtol
 from tests.support.resume_workers.cases import (
     GLOBAL_BATCH,
     LR,
@@ -52,7 +51,6 @@ from tests.support.serial_reference import bounds, train_serially
 from trainer.config.options import make_config
 
 IDS = [p.name for p in PAIRS]
-U_BF16, LAMBDA = 2.0**-8, 5.0  # as tests/trainer/test_mixed_precision.py
 
 
 @functools.cache
@@ -115,11 +113,7 @@ def tolerances(pair: Pair) -> tuple[float, list[float], float]:
     k = 19 * MODELS[pair.model]["n_layer"] + 4
     fp32 = runs(pair, "reference" if pair.saved.options.get("precision") != "bf16"
                 else "resumed")[0]
-    r = LAMBDA * math.sqrt(2 * k) * U_BF16
-    atol, drift = [], 0.0
-    for loss, norm, lr in zip(fp32["losses"], fp32["norms"], fp32["lrs"], strict=True):
-        atol.append(LAMBDA * math.sqrt(k) * U_BF16 * loss + LAMBDA * norm * drift)
-        drift += 2 * r * lr
+    atol, drift = bf16_tracking(fp32, k=k)
     return 0.0, atol, drift
 
 
