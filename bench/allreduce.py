@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -77,19 +76,15 @@ def worker(transport: str, sizes: Sequence[int], out: Path) -> None:
         comm._dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _side(ranks: int, transport: str, sizes: str, timeout: float) -> list[dict[str, Any]]:
     sys.path.insert(0, str(REPO))
     from testbed.mpiexec import clean_env, run_mpiexec
+    from testbed.sshd import free_port
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-") as tmp:
         out = Path(tmp, "samples.json")
-        env = clean_env({"BENCH_PORT": str(_free_port())})
+        env = clean_env({"BENCH_PORT": str(free_port())})
         proc = run_mpiexec(ranks, [sys.executable, "-m", "bench.allreduce", "--worker", transport,
                                    "--sizes", sizes, "--out", str(out)], timeout=timeout, env=env)
         if proc.returncode != 0 or not out.exists():

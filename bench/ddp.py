@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import time
@@ -195,11 +194,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     from testbed.mpiexec import clean_env
+    from testbed.sshd import free_port
 
     passed = ("model", "seq_len", "global_batch", "microbatches", "bucket_size", "steps",
               "d_model", "n_layer")
     return rankjobs.rank_results("bench.ddp", ranks, args, passed,
-                                 env=clean_env({"BENCH_PORT": str(_free_port())}))
+                                 env=clean_env({"BENCH_PORT": str(free_port())}))
 
 
 def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
@@ -273,11 +273,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     rankjobs.add_worker_options(ap, timeout=300)
     return ap.parse_args(argv)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

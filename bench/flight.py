@@ -94,24 +94,33 @@ def cost_worker(out: Path) -> None:
     dist.destroy_process_group()
 
 
-def cost_run(recorded: bool, port: int) -> tuple[float, float]:
-    """(fastest block, mean of blocks): seconds per all-reduce of one run."""
+def cost_run(recorded: bool) -> tuple[float, float]:
+    """(fastest block, mean of blocks): seconds per all-reduce of one run (on a free port: a
+    fixed one is taken by whatever else runs here, a second bench or test run among them)."""
     from launcher.agent import flight
+    from testbed.sshd import free_port
 
     with tempfile.TemporaryDirectory(prefix="dtrain-bench-fr-") as tmp:
-        out = Path(tmp, "took")
-        procs = []
-        for rank in range(2):
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
-            for name in (*flight.BUFFER_NAMES, flight.FILE):
-                env.pop(name, None)
-            if recorded:
-                env.update(flight.rank_env(env, str(Path(tmp, f"rank-{rank}.progress")), 1.0))
-            procs.append(subprocess.Popen([sys.executable, "-m", "bench.flight",
-                                           "--cost-worker", str(out)], cwd=REPO, env=env))
-        for p in procs:
-            p.wait(timeout=600)
+        out, port = Path(tmp, "took"), free_port()
+        procs: list[subprocess.Popen[bytes]] = []
+        try:
+            for rank in range(2):
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": "2"}
+                for name in (*flight.BUFFER_NAMES, flight.FILE):
+                    env.pop(name, None)
+                if recorded:
+                    env.update(flight.rank_env(env, str(Path(tmp, f"rank-{rank}.progress")),
+                                               1.0))
+                procs.append(subprocess.Popen([sys.executable, "-m", "bench.flight",
+                                               "--cost-worker", str(out)], cwd=REPO, env=env))
+            for p in procs:
+                p.wait(timeout=600)
+        finally:  # a rank that failed leaves its peer waiting: nothing stays behind
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
         if any(p.returncode for p in procs) or not out.exists():
             raise RuntimeError(f"cost run failed (recorded={recorded})")
         fastest, mean = json.loads(out.read_text())
@@ -122,7 +131,7 @@ def recorder_cost(rounds: int) -> dict[str, Any]:
     sides: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for r in range(rounds):
         for recorded in ((True, False) if r % 2 == 0 else (False, True)):
-            sides[recorded].append(cost_run(recorded, 29600 + 2 * r + int(recorded)))
+            sides[recorded].append(cost_run(recorded))
     bare = statistics.median(f for f, _ in sides[False])
     rec = statistics.median(f for f, _ in sides[True])
     mean_bare = statistics.median(m for _, m in sides[False])

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from testbed.simrank import FENCED, FINALIZED, PEER_GETS, WIRED
+from testbed.sshd import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).resolve().parent / "simrank.py"
@@ -74,7 +74,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         head_args = ["--hostfile", str(hostfile)]
         join_args: list[list[str]] = [[] for _ in range(count)]
         if rendezvous:
-            token, port = folder / "token", _free_port()
+            token, port = folder / "token", free_port()
             token.write_text(_token() + "\n")
             token.chmod(0o600)
             head_args = ["--rendezvous-port", str(port), "--nnodes", str(hosts),
@@ -151,12 +151,6 @@ def _start_head(spy: list[str], folder: Path, ports: list[str], launcher: str,
     return subprocess.Popen(command, cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _token() -> str:
