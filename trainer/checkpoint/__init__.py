@@ -29,6 +29,10 @@ background thread while training goes on (``--async-save``), at most one save in
 ranks moving it on together by a late vote at step ends; `failure` makes a failed phase one
 error on every rank and removes what it left.
 
+Writing (`files`, `direct`): a tensor file is written with direct I/O from a page-aligned
+staging block laid out as the file, or buffered where the filesystem refuses direct I/O; the
+bytes and checksums are the same either way.
+
 Crash safety (`save`): files are written into ``step-<N>.tmp-<random>/`` and fsynced, the
 folder is renamed to ``step-<N>/`` and the parent fsynced, then ``COMMITTED`` is written and
 fsynced. `latest` only returns folders with the marker, so a kill at any point leaves the
