@@ -219,10 +219,14 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln1, self.attn = make_norm(cfg), Attention(cfg)
-        self.ln2, self.mlp = make_norm(cfg), MLP(cfg)
+        (self.ln1, self.attn), (self.ln2, self.mlp) = self.parts(cfg)
         self.runner: Runner = run_directly
         """How `body` runs (hook for full recomputation)."""
+
+    @staticmethod
+    def parts(cfg: GPTConfig) -> tuple[tuple[nn.Module, nn.Module], tuple[nn.Module, nn.Module]]:
+        """(ln1, attn), (ln2, mlp): the GPT's; a model family's block overrides only this."""
+        return (make_norm(cfg), Attention(cfg)), (make_norm(cfg), MLP(cfg))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 docs: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch import nn
 from trainer.model.config import GPTConfig
 from trainer.model.documents import causal_document_mask
 from trainer.model.gpt import GPT
-from trainer.model.layers import RMSNorm, Runner, documents, run_directly
+from trainer.model.layers import Block, RMSNorm, Runner, documents, run_directly
 
 
 def inv_frequencies(cfg: GPTConfig) -> torch.Tensor:
@@ -140,24 +140,14 @@ class SwiGLU(nn.Module):
         return self.drop(self.proj(F.silu(gate) * up))
 
 
-class LlamaBlock(nn.Module):
-    """Pre-norm Llama block (`trainer.model.layers.Block`'s interface and hooks)."""
+class LlamaBlock(Block):
+    """Pre-norm Llama block: `trainer.model.layers.Block` with RMSNorm, grouped-query attention
+    and the SwiGLU MLP (its forward, body and hooks)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.ln1, self.attn = RMSNorm(cfg.d_model, cfg.norm_eps), GQAttention(cfg)
-        self.ln2, self.mlp = RMSNorm(cfg.d_model, cfg.norm_eps), SwiGLU(cfg)
-        self.runner: Runner = run_directly
-        """How `body` runs (hook for full recomputation)."""
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                docs: torch.Tensor | None = None) -> torch.Tensor:
-        return self.runner(self.body, x, cos, sin, *documents(docs))
-
-    def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             docs: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), cos, sin, docs)
-        return x + self.mlp(self.ln2(x))
+    @staticmethod
+    def parts(cfg: GPTConfig) -> tuple[tuple[nn.Module, nn.Module], tuple[nn.Module, nn.Module]]:
+        return ((RMSNorm(cfg.d_model, cfg.norm_eps), GQAttention(cfg)),
+                (RMSNorm(cfg.d_model, cfg.norm_eps), SwiGLU(cfg)))
 
 
 class Llama(GPT):
