@@ -8,6 +8,7 @@ ranks."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import threading
@@ -21,7 +22,7 @@ from tests.support.mpi_runs import forked_python
 from tests.support.saved import saved_state
 from tests.trainer.test_checkpoint_safety import small_disk  # noqa: F401 - a fixture
 from trainer.checkpoint.layout import CheckpointError
-from trainer.checkpoint.writer import Writer
+from trainer.checkpoint.writer import WRITER_NICE, Writer
 from trainer.training.metrics import read_records
 
 FLAGS = ["--model", "tiny", "--n-layer", "1", "--d-model", "32", "--seq-len", "32",
@@ -195,3 +196,28 @@ def test_a_write_that_failed_on_one_rank_is_settled_on_every_rank_at_the_same_st
     assert all(same_on_every_rank(state) for state in states), states
     assert saves[0].settled is None  # the collective settle fails every rank (save.agree)
     assert isinstance(saves[1].settled, CheckpointError) and "a full disk" in str(saves[1].settled)
+
+
+class NiceRecordingSave(FakeSave):
+    """A save whose write notes the nice value of the thread that writes it."""
+
+    def __init__(self) -> None:
+        done = threading.Event()
+        done.set()
+        super().__init__(done)
+        self.nice: int | None = None
+
+    def write(self) -> None:
+        self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def test_the_background_writer_yields_the_cpu_to_training_and_an_in_place_save_does_not() -> None:
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    background, in_place = NiceRecordingSave(), NiceRecordingSave()
+    writer = Writer(None, background=True)
+    writer.submit(background)  # type: ignore[arg-type]
+    writer._thread.join()  # type: ignore[union-attr]
+    Writer(None, background=False).submit(in_place)  # type: ignore[arg-type]
+    assert background.nice == min(own + WRITER_NICE, 19)
+    assert in_place.nice == own  # written on the training thread, which keeps its priority
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
