@@ -160,7 +160,7 @@ whose name starts with a dash; it is always safe."""
 @click.option("--fanout", type=click.IntRange(min=0), metavar="K",
               help="Start agents through a tree of hosts: the head starts K, each of those "
               "up to K more, and so on; 0: the head starts every host (flat). Default: flat "
-              "up to 64 hosts, else 32 (--ssh-client paramiko; docs: Launching).")
+              "up to 64 hosts, else 32 (docs: Launching).")
 @click.option("--no-prefix", is_flag=True, help="Do not prefix output lines with [rank@host].")
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",

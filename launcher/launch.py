@@ -150,16 +150,12 @@ def run_launch(req: LaunchRequest) -> int:
 def _tree(req: LaunchRequest, active: Sequence[selection.HostSlots],
           transport: table.Transport) -> Tree | None:
     """The fan-out of a launch whose transport has relays (`launcher.tree`), None for a flat
-    one. Left to its default, a launch the tree cannot carry (a local host, the openssh
-    client) is flat."""
+    one. Left to its default, a launch the tree cannot carry (a local host) is flat."""
     tree = Tree(len(active), choose_fanout(req.fanout, len(active)))
     if tree.flat:
         return None
-    from launcher.tree.hops import RELAY_CLIENT
-
     carried = bool(transport.relays) and (
-        transport.name != table.DEFAULT_LAUNCHER
-        or req.ssh.client == RELAY_CLIENT and not any(h.entry.is_local for h in active))
+        transport.name != table.DEFAULT_LAUNCHER or not any(h.entry.is_local for h in active))
     if req.fanout is None and not carried:
         return None
     if not transport.relays:

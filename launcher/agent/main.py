@@ -286,7 +286,8 @@ class Agent:
         if rp is not None:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
         if not self.ranks:
-            self.host.kill_strays()  # setsid children and orphans outlive their groups
+            # setsid children and orphans outlive their groups; a relay's links stay
+            self.host.kill_strays(keep=self._links())
             self.kill_at = None
             if self.progress is not None:
                 self.progress.final()
@@ -309,11 +310,15 @@ class Agent:
         if not self.started:
             return  # no job ever ran here: none of this process's descendants belongs to one
         # What left the ranks' process groups (setsid) is found as the agent's descendants.
-        ranks = frozenset(rp.pid for rp in self.ranks.values())
+        keep = frozenset(rp.pid for rp in self.ranks.values()) | self._links()
         if sig == signal.SIGKILL:
-            self.host.kill_strays(keep=ranks)
+            self.host.kill_strays(keep=keep)
         else:
-            self.host.signal_descendants(sig, keep=ranks)
+            self.host.signal_descendants(sig, keep=keep)
+
+    def _links(self) -> frozenset[int]:
+        """A relay's `ssh` processes to the hosts below it: never a job's leftovers."""
+        return self.relay.transport_pids() if self.relay is not None else frozenset()
 
     def _leave(self, code: int) -> int:
         """Leave for good: nothing of the job may outlive the agent."""

@@ -9,12 +9,18 @@ against those lines (no trust on first use below the head: the head never saw th
 a private file of its own, and does not read its host's ssh config: the head's reading is the
 one that was checked. A host the head has no key for is refused before anything connects.
 
+A relay connects with the head's --ssh-client: dtrain's own (paramiko), or the system's `ssh`
+run as ``ssh -F /dev/null`` with every resolved value on its command line (a list, no shell),
+the private known_hosts file, ``StrictHostKeyChecking=yes`` and ``BatchMode=yes``: the same
+checks as the head's, from the head's reading of the config.
+
 Hosts reached through ProxyJump or ProxyCommand are not relayed (the hop would run through a
 third host the relay knows nothing about): the launch says so and asks for --fanout 0.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -26,8 +32,6 @@ from launcher.errors import HostKeyError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.transport.options import SSHOptions
 
-#: The --ssh-client a relay connects with (dtrain's own: its config reading is forwarded).
-RELAY_CLIENT = "paramiko"
 #: The SSHOptions fields a relay uses as the head does (timeouts, parallel handshakes).
 FORWARDED_OPTIONS = ("connect_timeout", "banner_timeout", "auth_timeout", "keepalive",
                      "max_parallel", "handshake_timeout", "channel_timeout")
@@ -35,12 +39,8 @@ FORWARDED_OPTIONS = ("connect_timeout", "banner_timeout", "auth_timeout", "keepa
 
 def describe(entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, Any]]:
     """Each host's hop, as the head resolved and verified it; raises before anything
-    connects when a host cannot be relayed."""
-    if opts.client != RELAY_CLIENT:
-        raise UsageError("fan-out needs --ssh-client paramiko", "--fanout",
-                         "relays start their subtree with dtrain's own SSH client, and the "
-                         "system ssh client's configuration is not forwarded to them yet",
-                         "use --ssh-client paramiko, or --fanout 0 for a flat launch")
+    connects when a host cannot be relayed. Each hop names the client the relay connects
+    with (the head's --ssh-client)."""
     from launcher.transport import host_keys
     from launcher.transport.ssh import resolve_host
 
@@ -64,7 +64,8 @@ def describe(entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, A
                 f"({host.known_hosts}), which has no entry for it",
                 f"Verify the key, then run `ssh-keyscan -p {host.port} {host.hostname} >> "
                 f"{host.known_hosts}`, or launch once with --fanout 0 --ssh-accept-new")
-        hops.append({"hostname": host.hostname, "port": host.port, "user": host.user,
+        hops.append({"client": opts.client, "hostname": host.hostname, "port": host.port,
+                     "user": host.user,
                      "identity_files": list(host.identity_files),
                      "identities_only": host.identities_only,
                      "connect_timeout": host.connect_timeout, "known_hosts": lines})
@@ -91,18 +92,46 @@ class RelayKeys:
         self.file = self.folder / "known_hosts"
         os.close(os.open(self.file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
 
+    def _record(self, hop: Mapping[str, Any]) -> None:
+        with open(self.file, "a") as out:
+            out.writelines(f"{line}\n" for line in hop["known_hosts"] if "\n" not in line)
+
     def resolved(self, name: str, hop: Mapping[str, Any]) -> Any:
         """The ResolvedHost to connect to ``name`` (its known_hosts lines recorded)."""
         from launcher.transport.ssh_config import ResolvedHost
 
-        with open(self.file, "a") as out:
-            out.writelines(f"{line}\n" for line in hop["known_hosts"] if "\n" not in line)
+        self._record(hop)
         return ResolvedHost(alias=name, hostname=str(hop["hostname"]), port=int(hop["port"]),
                             user=str(hop["user"]),
                             identity_files=tuple(str(f) for f in hop["identity_files"]),
                             known_hosts=self.file, read_known_hosts=(self.file,),
                             identities_only=bool(hop["identities_only"]),
                             connect_timeout=float(hop["connect_timeout"]))
+
+    def openssh_stream(self, ssh: str, name: str, hop: Mapping[str, Any], opts: SSHOptions,
+                       command: str) -> Any:
+        """The system `ssh` running the agent on ``name`` as ``hop`` says (its known_hosts lines
+        recorded): an `OpenSSHAgentStream`, whose process is the relay's child."""
+        from launcher.transport.openssh.config import ssh_value
+        from launcher.transport.openssh.session import (
+            OpenSSHAgentStream,
+            OpenSSHHost,
+            session_options,
+        )
+
+        self._record(hop)
+        user, port, timeout = str(hop["user"]), int(hop["port"]), float(hop["connect_timeout"])
+        host = OpenSSHHost(HostEntry(name, 1, user=user, port=port), None)
+        host.learn({"hostname": str(hop["hostname"]), "port": str(port), "user": user,
+                    "userknownhostsfile": str(self.file)})
+        identities = [word for path in hop["identity_files"] for word in ("-i", str(path))]
+        argv = [ssh, "-F", os.devnull, *session_options(opts, {"connecttimeout": "set"}),
+                "-o", f"ConnectTimeout={max(1, math.ceil(timeout))}",
+                "-o", f"UserKnownHostsFile={ssh_value(self.file)}",
+                "-o", f"GlobalKnownHostsFile={os.devnull}",
+                "-o", f"IdentitiesOnly={'yes' if hop['identities_only'] else 'no'}",
+                *identities, "-l", user, "-p", str(port), "--", str(hop["hostname"]), command]
+        return OpenSSHAgentStream(host, argv)
 
     def options(self, forwarded: Mapping[str, Any]) -> SSHOptions:
         """The head's timeouts; never trust on first use, never the relay's ssh config."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import shlex
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -92,16 +93,33 @@ class Relay:
         self._lock = threading.Lock()
         self._keys: Any = None
 
+    def _client(self) -> str:
+        """The --ssh-client the head chose, which its hops carry (`launcher.tree.hops`)."""
+        first: dict[str, Any] = next(iter(self._children.values()), {})
+        return str((first.get("hop") or {}).get("client", "paramiko"))
+
+    def transport_pids(self) -> frozenset[int]:
+        """The processes that carry the children's streams (the system `ssh`'s, one per
+        child; none over paramiko): the agent keeps them when it kills what its own ranks
+        left, since they are the subtree's links, not the job's leftovers."""
+        with self._lock:
+            streams = list(self._streams.values())
+        return frozenset(pid for stream in streams
+                         if isinstance(pid := getattr(stream, "pid", None), int))
+
     def start(self) -> None:
         """Connect the children from a thread. What that needs is imported here first, on the
         agent's own thread: modules imported by two threads at once can be seen half-made
         (dataclasses reads `typing` from sys.modules while paramiko's import makes it)."""
         if self._connect is None:
-            from launcher.transport.connect import import_paramiko
+            if self._client() == "openssh":
+                import launcher.transport.openssh.session
+            else:
+                from launcher.transport.connect import import_paramiko
 
-            import_paramiko(allow_config_exec=False)
+                import_paramiko(allow_config_exec=False)
+                import launcher.transport.ssh
             import launcher.transport.local
-            import launcher.transport.ssh
             import launcher.tree.hops  # noqa: F401
         threading.Thread(target=self._connect_all, name="relay-connect", daemon=True).start()
         threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
@@ -206,8 +224,9 @@ class Relay:
 
             self._keys = RelayKeys()
             opts = self._keys.options(self._ssh)
-            hosts = {i: self._keys.resolved(str(c["name"]), c["hop"])
-                     for i, c in self._children.items()}
+            ssh = shutil.which("ssh") if self._client() == "openssh" else None
+            hosts = {} if self._client() == "openssh" else {
+                i: self._keys.resolved(str(c["name"]), c["hop"]) for i, c in self._children.items()}
             command = shlex.join(agent_command(self._python))
         except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
             for index in self._children:
@@ -224,6 +243,22 @@ class Relay:
                 conn.close()
                 raise
 
+        def over_openssh(node: dict[str, Any]) -> AgentStream:
+            from launcher.errors import ConnectError
+
+            name = str(node["name"])
+            if ssh is None:
+                raise ConnectError(f"cannot start ssh for {name}", f"host {name}",
+                                   "the relay above it has no `ssh` command on its PATH",
+                                   "install the OpenSSH client there, or use --ssh-client "
+                                   "paramiko")
+            stream: AgentStream = self._keys.openssh_stream(ssh, name, node["hop"], opts,
+                                                            command)
+            return stream
+
+        if self._client() == "openssh":
+            self._start_children(over_openssh)
+            return
         self._start_children(over_ssh)
 
     def _start_children(self, connect: Callable[[dict[str, Any]], AgentStream]) -> None:

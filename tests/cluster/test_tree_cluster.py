@@ -85,6 +85,29 @@ def test_a_tree_launch_forms_one_mpi_world_of_every_rank_with_flat_outputs_and_c
     assert "rank 14@node15: exited with code 3" in failed.stderr
 
 
+EARLY_RELAYS = ("import os, time\n"
+                "rank = int(os.environ['RANK'])\n"
+                "time.sleep(0 if rank < 2 else 3)  # node1 and node2 relay: their ranks end first\n"
+                "print('done', rank)\n")
+
+
+def test_relays_over_the_system_ssh_client_form_the_world_and_outlive_their_own_ranks(
+        tree, tmp_path):
+    res = run_dtrain(_launch(tree, tmp_path, "--ssh-client", "openssh", "--", PYTHON, "-c",
+                             MPI_WORLD, "0", "0"), timeout=180)
+    assert res.returncode == 0, res.stderr[-3000:]
+    world = _worlds(res.stdout)
+    assert sorted(world) == list(range(HOSTS))
+    assert {(size, total) for _, size, total, _ in world.values()} == {(HOSTS, 136)}
+
+    # The relays' own ranks end first: their `ssh` links to the hosts below are not leftovers.
+    early = run_dtrain(_launch(tree, tmp_path, "--ssh-client", "openssh", "--", PYTHON, "-c",
+                               EARLY_RELAYS), timeout=180)
+    assert early.returncode == 0, early.stderr[-3000:]
+    assert sorted(int(line.split()[-1]) for line in early.stdout.splitlines()
+                  if " done " in line) == list(range(HOSTS))
+
+
 def test_dry_run_shows_the_tree_and_starts_nothing(tree, tmp_path):
     res = run_dtrain(_launch(tree, tmp_path, "--dry-run", "--", PYTHON, "-c", "pass"))
     assert res.returncode == 0, res.stderr

@@ -4,6 +4,7 @@ cannot be relayed; the relay's private known_hosts file."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path
 
@@ -28,7 +29,7 @@ def test_a_hop_carries_the_resolved_address_and_the_heads_known_hosts_lines(tmp_
                  "  IdentityFile /keys/id_ed25519\n  ConnectTimeout 7\n",
                  f"[10.0.0.5]:2222 ssh-ed25519 {KEY}\n10.0.0.9 ssh-ed25519 {KEY}\n")
     [hop] = hops.describe([HostEntry("node5", 1)], opts)
-    assert hop == {"hostname": "10.0.0.5", "port": 2222, "user": "alice",
+    assert hop == {"client": "paramiko", "hostname": "10.0.0.5", "port": 2222, "user": "alice",
                    "identity_files": ["/keys/id_ed25519"], "identities_only": False,
                    "connect_timeout": 7.0,
                    "known_hosts": [f"[10.0.0.5]:2222 ssh-ed25519 {KEY}"]}
@@ -59,12 +60,35 @@ def test_a_revoked_key_is_not_handed_to_a_relay(tmp_path):
         hops.describe([HostEntry("node5", 1)], opts)
 
 
-@pytest.mark.parametrize("config, client, why", [
-    ("Host node5\n  HostName 10.0.0.5\n  ProxyJump bastion\n", "paramiko", "ProxyJump"),
-    ("Host node5\n  HostName 10.0.0.5\n", "openssh", "--ssh-client paramiko"),
-])
-def test_hosts_a_relay_cannot_reach_as_the_head_would_are_refused(tmp_path, config, client,
-                                                                   why):
-    opts = _opts(tmp_path, config, f"10.0.0.5 ssh-ed25519 {KEY}\n")
-    with pytest.raises(UsageError, match=why):
+@pytest.mark.parametrize("client", ["paramiko", "openssh"])
+def test_hosts_behind_a_jump_host_are_not_relayed_with_either_client(tmp_path, client):
+    opts = _opts(tmp_path, "Host node5\n  HostName 10.0.0.5\n  ProxyJump bastion\n",
+                 f"10.0.0.5 ssh-ed25519 {KEY}\n")
+    with pytest.raises(UsageError, match="ProxyJump"):
         hops.describe([HostEntry("node5", 1)], SSHOptions(**{**opts.__dict__, "client": client}))
+
+
+def test_an_openssh_hop_is_one_argv_with_the_heads_reading_and_strict_keys(tmp_path):
+    opts = _opts(tmp_path, "Host node5\n  HostName 10.0.0.5\n  User alice\n  Port 2222\n"
+                 "  IdentityFile /keys/id_ed25519\n  IdentitiesOnly yes\n",
+                 f"[10.0.0.5]:2222 ssh-ed25519 {KEY}\n")
+    opts = SSHOptions(**{**opts.__dict__, "client": "openssh"})
+    [hop] = hops.describe([HostEntry("node5", 1)], opts)
+    assert hop["client"] == "openssh"
+    keys = hops.RelayKeys()
+    try:
+        stream = keys.openssh_stream("/bin/true", "node5", hop,
+                                     keys.options(hops.forwarded_options(opts)), "agent; rm -rf /")
+        argv = stream._proc.args
+        stream.wait(5)
+        assert argv[:3] == ["/bin/true", "-F", os.devnull]  # the relay's own config unread
+        assert argv[-3:] == ["--", "10.0.0.5", "agent; rm -rf /"]  # one word, no shell here
+        pairs = {argv[i + 1] for i, word in enumerate(argv) if word == "-o"}
+        assert {"BatchMode=yes", "StrictHostKeyChecking=yes", "IdentitiesOnly=yes",
+                f'UserKnownHostsFile="{keys.file}"'} <= pairs
+        assert argv[argv.index("-i") + 1] == "/keys/id_ed25519"
+        assert (argv[argv.index("-l") + 1], argv[argv.index("-p") + 1]) == ("alice", "2222")
+        assert keys.file.read_text() == f"[10.0.0.5]:2222 ssh-ed25519 {KEY}\n"
+        assert stream.node.where == "alice@10.0.0.5:2222"  # what its errors name
+    finally:
+        keys.remove()

@@ -144,7 +144,7 @@ def host_options(entry: HostEntry, opts: SSHOptions) -> list[str]:
     """What `ssh -G` and the session share: the config file, known_hosts, user and port."""
     argv = ["-F", str(opts.config_file)] if opts.config_file is not None else []
     if opts.known_hosts is not None:
-        argv += ["-o", f"UserKnownHostsFile={_ssh_path(opts.known_hosts)}"]
+        argv += ["-o", f"UserKnownHostsFile={ssh_value(opts.known_hosts)}"]
     if entry.user:
         argv += ["-l", entry.user]
     if entry.port:
@@ -152,7 +152,7 @@ def host_options(entry: HostEntry, opts: SSHOptions) -> list[str]:
     return argv
 
 
-def _ssh_path(path: Path) -> str:
+def ssh_value(path: Path) -> str:
     """A path as one ssh_config value: double-quoted, `%` tokens escaped."""
     text = str(path).replace("%", "%%").replace("\\", "\\\\").replace('"', '\\"')
     return f'"{text}"'

@@ -52,7 +52,9 @@ class OpenSSHHost:
     config may be refused, else when rank 0's route or an error message needs it (each `ssh`
     process costs CPU that the agents and ranks starting beside it would use)."""
 
-    def __init__(self, entry: HostEntry, reader: ConfigReader) -> None:
+    def __init__(self, entry: HostEntry, reader: ConfigReader | None) -> None:
+        """``reader``: None for a host whose config was resolved elsewhere (a relay's hop,
+        `launcher.tree.hops`), `learn`ed before use."""
         self.entry, self.alias, self._reader = entry, entry.name, reader
         self._found: dict[str, str] | None = None
         self.latency_ms = 0.0
@@ -65,7 +67,7 @@ class OpenSSHHost:
     def config(self) -> dict[str, str]:
         """`ssh -G` for this host ({} without a config file); ConnectError when it fails."""
         if self._found is None:
-            self._found = self._reader.read([self.entry])[0]
+            self._found = self._reader.read([self.entry])[0] if self._reader is not None else {}
         return self._found
 
     @property
@@ -170,11 +172,11 @@ def _private_file(path: Path) -> None:
 def session_argv(ssh: str, entry: HostEntry, opts: SSHOptions, found: dict[str, str],
                  python: str) -> list[str]:
     """The `ssh` command for one host: options, `--`, the host, the quoted agent command."""
-    return [ssh, *_session_options(opts, found), *host_options(entry, opts), "--", entry.name,
+    return [ssh, *session_options(opts, found), *host_options(entry, opts), "--", entry.name,
             shlex.join(agent_command(python))]
 
 
-def _session_options(opts: SSHOptions, found: dict[str, str]) -> list[str]:
+def session_options(opts: SSHOptions, found: dict[str, str]) -> list[str]:
     """No tty, no escape character (binary frames), no forwarding, no prompt, keys checked."""
     policy = "accept-new" if opts.accept_new else "yes"
     argv = ["-T", "-e", "none", "-x", "-a", "-o", "BatchMode=yes",
