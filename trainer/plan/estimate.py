@@ -42,7 +42,7 @@ from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_t
 from trainer.plan import sends
 from trainer.plan.cluster import Cluster
 from trainer.plan.sends import Comm, unit_sizes
-from trainer.plan.shapes import StageParams, activations, stage_params
+from trainer.plan.shapes import StageParams, activations, rank_params, stage_params
 
 ASSUMPTIONS = (
     "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
@@ -135,13 +135,6 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     act = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
                       recompute=par.recompute, micro_batch=cfg.micro_batch,
                       dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
-    # Backward re-runs one block (or attention core) at a time, which saves what it did not keep.
-    recomputed = 0
-    if par.recompute != "none":
-        kept = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                           recompute="none", micro_batch=cfg.micro_batch,
-                           dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
-        recomputed = kept.per_block - act.per_block
     counts = cfg.stage_layers
     flights = in_flight(cfg)
     # The experts' matrix products save their weights; the activations were measured with
@@ -150,18 +143,29 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     width = 2 if bf16 else 4
     remote = (width * stages[0].expert * par.pp // moe_layers * (par.ep - 1) // par.ep
               if moe_layers else 0)
+    # Backward re-runs one block (or attention core) at a time, which saves what it did not
+    # keep: its activations, and under full recomputation its weights again (a forward under
+    # recomputation saves none; measured, tests/trainer/test_layout_planner.py).
+    recomputed = 0
+    if par.recompute != "none":
+        kept = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                           recompute="none", micro_batch=cfg.micro_batch,
+                           dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
+        again = kept.weights_per_block - act.weights_per_block
+        recomputed = kept.per_block - act.per_block + (again - remote if again else 0)
     best: Memory | None = None
     for rank, params in enumerate(stages):
-        table = _in_flight_shards(cfg, _between_steps(cfg, params, bf16), bf16)
+        table = _in_flight_shards(cfg, _between_steps(cfg, params, bf16), bf16, rank)
         held, rest = 0, 0
         for chunk, live in flights[rank].items():
             stage = chunk * par.pp + rank
             layers = counts[stage] if par.pp > 1 else gpt.n_layer
             last = stage == len(counts) - 1 or par.pp == 1
             held += live * layers * act.per_block
-            held += layers * (act.weights_per_block - remote) + (act.weights_rest if last else 0)
-            rest = max(rest, act.rest if last else 0)
-        # The head's and loss's tensors are freed before the first block is re-run.
+            held += layers * max(0, act.weights_per_block - remote)
+            rest = max(rest, act.rest + act.weights_rest if last else 0)
+        # The head's and loss's tensors (its weight too) are freed before the first block is
+        # re-run.
         mem = Memory(table.params, table.grads, table.optimizer, held + max(rest, recomputed))
         if best is None or mem.total > best.total:
             best = mem
@@ -174,10 +178,10 @@ def model_state(cfg: TrainConfig, *, bf16: bool) -> tuple[MemoryTable, MemoryTab
     bytes-per-parameter table) and at the peak of a step (`_in_flight_shards` added)."""
     par = cfg.parallel
     v = par.virtual_stages if par.schedule == "interleaved" else 1
-    table = max((_between_steps(cfg, p, bf16)
-                 for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v)),
-                key=lambda t: t.total)
-    return table, _in_flight_shards(cfg, table, bf16)
+    tables = [_between_steps(cfg, p, bf16)
+              for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v)]
+    peaks = [_in_flight_shards(cfg, t, bf16, rank) for rank, t in enumerate(tables)]
+    return max(tables, key=lambda t: t.total), max(peaks, key=lambda t: t.total)
 
 
 def _between_steps(cfg: TrainConfig, params: StageParams, bf16: bool) -> MemoryTable:
@@ -191,22 +195,35 @@ def _between_steps(cfg: TrainConfig, params: StageParams, bf16: bool) -> MemoryT
                           dp=par.zero_over, experts=experts, experts_over=par.expert_zero_over)
 
 
-def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:
-    """ZeRO-2/3's peak in a step on top of the shards: ZeRO-2 stages at most two gradient
-    buckets while they reduce (`trainer.parallel.zero.grad_shards`); ZeRO-3 gathers the root and
-    prefetch + 1 blocks and stages as many blocks' gradients (`zero3_on_top`, measured by
-    tests/trainer/test_zero3_memory.py)."""
+def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool, rank: int = 0
+                      ) -> MemoryTable:
+    """ZeRO-2/3's peak in a step on top of the shards of pipeline rank ``rank``: ZeRO-2's
+    staged gradient buckets, the trainer's own buckets of the rank's gradient buffer
+    (`trainer.parallel.zero.layout.shard_layout`) replayed through its staging accounting
+    (`trainer.parallel.zero.grad_shards.peak_staged_bytes`: the bucket being filled and
+    `IN_FLIGHT` reducing); ZeRO-3 gathers the root and prefetch + 1 blocks and stages as many
+    blocks' gradients (`zero3_on_top`, measured by tests/trainer/test_zero3_memory.py)."""
     zero, par = cfg.optimizer.zero, cfg.parallel
     if zero < 2:
         return table
-    block, root = unit_sizes(cfg)
     if zero == 3:
+        block, root = unit_sizes(cfg)
         top = zero3_on_top(root=root, block=block, prefetch=cfg.optimizer.zero_prefetch,
                            bf16=bf16)
         return MemoryTable(params=table.params + top.params, grads=table.grads + top.grads,
                            optimizer=table.optimizer)
-    grads = table.grads + 4 * min(2 * par.bucket_size, block * cfg.gpt.n_layer + root)
-    return MemoryTable(params=table.params, grads=grads, optimizer=table.optimizer)
+    from trainer.parallel.zero.grad_shards import IN_FLIGHT, peak_staged_bytes
+    from trainer.parallel.zero.layout import shard_layout
+
+    params = rank_params(cfg.gpt, tp=par.tp, pp=par.pp)[rank]
+    shards = par.zero_over
+    layout = shard_layout(params.numels, par.bucket_size, shards, 0, params.alone)
+    wire = 2 if par.grad_reduce_dtype != "fp32" and shards > 1 else 4  # staging: fp32
+    staged = peak_staged_bytes([b.end - b.start for b in layout.buckets],
+                               in_flight=IN_FLIGHT if par.overlap and shards > 1 else 0,
+                               rounds=par.microbatches, main_bytes=4, wire_bytes=wire)
+    return MemoryTable(params=table.params, grads=table.grads + staged,
+                       optimizer=table.optimizer)
 
 
 def comm(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -> Comm:

@@ -100,25 +100,47 @@ def _counts(cfg: GPTConfig, pp: int, v: int) -> tuple[int, ...]:
     return stage_counts(cfg.n_layer, pp, v)
 
 
+@dataclass(frozen=True)
+class RankParams:
+    """One pipeline rank's parameters at tp rank 0, as the trainer's gradient sync lists them."""
+
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    """In the gradient buffer's order (`trainer.parallel.data.grad_sync`: reverse order of
+    ``named_parameters``, each shared parameter once)."""
+    alone: tuple[int, ...]
+    """Indices (buffer order) of the parameters ZeRO gives a bucket of their own: the tied
+    embedding under PP (`trainer.parallel.pipeline.stages.tied_weight`)."""
+
+
 @cache
-def stage_params(cfg: GPTConfig, *, tp: int, pp: int, v: int = 1) -> tuple[StageParams, ...]:
+def rank_params(cfg: GPTConfig, *, tp: int, pp: int, v: int = 1) -> tuple[RankParams, ...]:
     """Each pipeline rank's parameters: the trainer's stage model on the meta device, sharded
     over a tp group of ``tp``."""
     from trainer.construction.meta import meta_gpt
     from trainer.parallel.pipeline.partition import StageLayout
+    from trainer.parallel.pipeline.stages import tied_weight
     from trainer.parallel.tensor.parallelize import parallelize
 
-    out: list[StageParams] = []
+    out: list[RankParams] = []
     for rank in range(pp):
         layout = StageLayout(pp, v, rank, _counts(cfg, pp, v)) if pp > 1 else None
-        model = meta_gpt(cfg, 0, layout)
-        model = parallelize(model, ShapeComm(tp))
-        seen: dict[int, tuple[str, int]] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            seen.setdefault(id(p), (name, p.numel()))
-        expert = sum(n for name, n in seen.values() if ".experts." in name)
-        dense = sum(n for _, n in seen.values()) - expert
-        out.append(StageParams(dense, expert))
+        model = parallelize(meta_gpt(cfg, 0, layout), ShapeComm(tp))
+        tied = tied_weight(model, layout) if layout else None
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+        out.append(RankParams(tuple(n for n, _ in named), tuple(p.numel() for _, p in named),
+                              tuple(i for i, (_, p) in enumerate(named) if p is tied)))
+    return tuple(out)
+
+
+@cache
+def stage_params(cfg: GPTConfig, *, tp: int, pp: int, v: int = 1) -> tuple[StageParams, ...]:
+    """Each pipeline rank's parameters (`rank_params`), dense and experts apart."""
+    out: list[StageParams] = []
+    for rank in rank_params(cfg, tp=tp, pp=pp, v=v):
+        expert = sum(n for name, n in zip(rank.names, rank.numels, strict=True)
+                     if ".experts." in name)
+        out.append(StageParams(sum(rank.numels) - expert, expert))
     return tuple(out)
 
 
