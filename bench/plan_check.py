@@ -14,7 +14,10 @@ prices it). Measured per step and rank, the largest rank kept:
   peak``), plus the peak bytes saved for backward during it (`SavedTensorMeter`;
   `trainer.training.plan_check.measured_bytes`);
 * bytes sent per step by kind (dp, tp, pp, ep, cp), mean over the timed steps;
-* step time: the median over timed steps of the slowest rank's step.
+* step time: the median over timed steps of the slowest rank's step;
+* the first (warmup) step's memory and ep bytes apart, against the plan of step 1: a mixture
+  of experts' plan routes the run's batches through its initial router, which the timed steps
+  have trained a step or more (``mem_first``, ``ep_first``).
 
 The planner (`trainer.plan.estimate`) is given this machine as its cluster: the model FLOP/s
 of the serial step measured here (each rank alone, both at once, so as loaded as the layouts)
@@ -90,7 +93,7 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
 
     cfg = config(args, over, run_dir, world.size)
     run = build_run(cfg, mesh_for(cfg, world))
-    steps, memory, traffic = [], 0, []
+    steps, memory, traffic, first = [], 0, [], {}
     units = getattr(run.weights, "units", None)  # ZeRO-3: its peak of gathered units
     for i in range(1, WARMUP + args.steps + 1):
         world.comm.barrier()  # every rank starts the step together
@@ -106,7 +109,10 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
             steps.append(elapsed)
             traffic.append(sent.take())
             memory = max(memory, measured_bytes(run, meter.peak))
-    return {"steps": steps, "memory": memory,
+        else:  # the run's first step: the one a mixture of experts' plan routes by default
+            first = {"memory": measured_bytes(run, meter.peak),
+                     "sent": {k: sent.take().get(k, 0.0) for k in KINDS}}
+    return {"steps": steps, "memory": memory, "first": first,
             "sent": {k: statistics.mean(t.get(k, 0.0) for t in traffic) for k in KINDS}}
 
 
@@ -159,7 +165,7 @@ def _ranks(args: argparse.Namespace, n: int = 2) -> list[dict[str, Any]]:
 
 
 def planned(args: argparse.Namespace, over: dict[str, Any], gflops: float,
-            busbw_gbps: float, world: int = 2) -> Any:
+            busbw_gbps: float, world: int = 2, steps: tuple[int, ...] = ()) -> Any:
     from trainer.plan.cluster import make_cluster
     from trainer.plan.estimate import estimate
 
@@ -168,7 +174,8 @@ def planned(args: argparse.Namespace, over: dict[str, Any], gflops: float,
     # The traffic of the steps measured (the timed ones): the experts' all-to-all depends on
     # each step's data (`trainer.plan.routing`).
     return estimate(config(args, over, world=world), replace(cluster, name="cpu"),
-                    efficiency=1.0, steps=tuple(range(WARMUP + 1, WARMUP + args.steps + 1)))
+                    efficiency=1.0,
+                    steps=steps or tuple(range(WARMUP + 1, WARMUP + args.steps + 1)))
 
 
 def run(**options: Any) -> list[dict[str, Any]]:
@@ -200,6 +207,13 @@ def run(**options: Any) -> list[dict[str, Any]]:
             "mem_mib": max(x["memory"] for x in sides) / MIB,
             "mem_plan_mib": plan.memory.total / MIB,
             "step_ms": 1e3 * step, "step_plan_ms": 1e3 * plan.step_s}
+        # The first step against the plan of step 1 (a mixture of experts routes by the
+        # initial router; the timed steps' routers have trained a step or more).
+        at_first = planned(args, over, achieved * share, busbw, world, steps=(1,))
+        row["mem_first_mib"] = max(x["first"]["memory"] for x in sides) / MIB
+        row["mem_first_plan_mib"] = at_first.memory.total / MIB
+        row["ep_first_mb"] = max(x["first"]["sent"]["ep"] for x in sides) / 1e6
+        row["ep_first_plan_mb"] = at_first.comm.ep / 1e6
         for kind in KINDS:
             row[f"{kind}_mb"] = max(x["sent"][kind] for x in sides) / 1e6
             row[f"{kind}_plan_mb"] = getattr(plan.comm, kind) / 1e6

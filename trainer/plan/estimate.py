@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.config.options import TrainConfig, make_config, resolve_dp
@@ -41,6 +41,7 @@ from trainer.model.flops import flops_per_token, matmul_params
 from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_top
 from trainer.plan import sends
 from trainer.plan.cluster import Cluster
+from trainer.plan.routing import measured_rows
 from trainer.plan.sends import Comm, unit_sizes
 from trainer.plan.shapes import StageParams, activations, rank_params, stage_params
 
@@ -125,8 +126,9 @@ def in_flight(cfg: TrainConfig) -> list[dict[int, int]]:
     return out
 
 
-def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
-    """The largest rank's bytes: parameters, gradients, optimizer state and activations."""
+def memory(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -> Memory:
+    """The largest rank's bytes: parameters, gradients, optimizer state and activations (a
+    mixture of experts': the busiest of the run's ``steps``)."""
 
     par, gpt = cfg.parallel, cfg.gpt
     bf16 = _bf16(cfg, cluster)
@@ -143,6 +145,12 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     width = 2 if bf16 else 4
     remote = (width * stages[0].expert * par.pp // moe_layers * (par.ep - 1) // par.ep
               if moe_layers else 0)
+    # The rows a rank's experts run follow the run's routing (`trainer.plan.routing`), not the
+    # random tokens the activations were measured with.
+    rows = measured_rows(cfg, steps) if moe_layers else None
+    if rows is not None:
+        act = replace(act, per_block=act.per_block + round(
+            act.expert_row_bytes * (rows - act.expert_rows)))
     # Backward re-runs one block (or attention core) at a time, which saves what it did not
     # keep: its activations, and under full recomputation its weights again (a forward under
     # recomputation saves none; measured, tests/trainer/test_layout_planner.py).
@@ -260,8 +268,9 @@ def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: flo
 
 def estimate(cfg: TrainConfig, cluster: Cluster, *, efficiency: float = 0.5,
              steps: tuple[int, ...] = (1,)) -> Estimate:
-    """Memory, traffic and time of ``cfg`` on ``cluster`` (traffic: mean over ``steps``)."""
-    mem = memory(cfg, cluster)
+    """Memory, traffic and time of ``cfg`` on ``cluster`` (a mixture of experts' routing:
+    that of the run's ``steps``)."""
+    mem = memory(cfg, cluster, steps=steps)
     traffic = comm(cfg, cluster, steps=steps)
     step, mfu = step_time(cfg, cluster, traffic, efficiency)
     fits = mem.total <= cluster.gpu.memory_bytes

@@ -158,6 +158,13 @@ class Activations:
     """The parameter bytes one block saves (once per rank)."""
     weights_rest: int
     """The parameter bytes the rest saves (once per rank)."""
+    expert_row_bytes: float = 0.0
+    """A mixture of experts: the bytes saved per row an expert runs (its MLP's activations,
+    the combine's), measured from the rows two capacities keep (`activations`)."""
+    expert_rows: float = 0.0
+    """The rows the experts of one MoE block ran in the measurement (random tokens, the
+    initial router): ``per_block`` holds them, a run's routing moves it by
+    ``expert_row_bytes`` per row (`trainer.plan.routing.measured_rows`)."""
 
 
 def _to_bf16(model: torch.nn.Module) -> None:
@@ -189,9 +196,8 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
     from trainer.parallel.tensor.parallelize import parallelize
     from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 
-    peaks, weights = [], []
-    for layers in (1, 2):
-        small = replace(cfg, n_layer=layers)
+    def measure(small: GPTConfig) -> tuple[int, int, int]:
+        """(activation bytes, weight bytes, expert rows) saved by ``small``'s forward."""
         tracker = RNGStatesTracker("cpu")
         tracker.seed(TP_RNG, 0)  # the stream a step seeds; outside the fake mode: real state
         # A mixture of experts routes by the data, which fake tensors do not have: its small
@@ -215,13 +221,36 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
                    if cfg.moe.experts else torch.zeros(micro_batch, tokens, dtype=torch.long))
             meter = SavedTensorMeter(frozenset(p.untyped_storage()._cdata
                                                for p in model.parameters()))
+            rows = _expert_rows(model)
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
                 model.loss(idx, idx)
-            peaks.append(meter.peak - meter.weight_bytes)
-            weights.append(meter.weight_bytes)
-    block, weight = peaks[1] - peaks[0], weights[1] - weights[0]
-    return Activations(per_block=block, rest=peaks[0] - block, weights_per_block=weight,
-                       weights_rest=weights[0] - weight)
+            return meter.peak - meter.weight_bytes, meter.weight_bytes, sum(rows)
+
+    (one, w_one, rows_one), (two, w_two, rows_two) = (
+        measure(replace(cfg, n_layer=layers)) for layers in (1, 2))
+    block, weight = two - one, w_two - w_one
+    slope, rows = 0.0, float(rows_two - rows_one)
+    if cfg.moe.experts:  # half the capacity: fewer rows, the rest alike
+        fewer = replace(cfg, n_layer=1, moe=replace(cfg.moe,
+                                                    capacity_factor=cfg.moe.capacity_factor / 2))
+        half, _, rows_half = measure(fewer)
+        slope = (one - half) / (rows_one - rows_half) if rows_one != rows_half else 0.0
+    # What is not a block holds no expert rows: the 1-block model's rows are its block's.
+    rest = one - block - round(slope * (rows_one - rows))
+    return Activations(per_block=block, rest=rest, weights_per_block=weight,
+                       weights_rest=w_one - weight, expert_row_bytes=slope, expert_rows=rows)
+
+
+def _expert_rows(model: torch.nn.Module) -> list[int]:
+    """Counts (appended as forward runs) of the rows every expert of ``model`` runs."""
+    from trainer.parallel.expert.layer import moe_layers
+
+    counts: list[int] = []
+    for _, layer in moe_layers(model):
+        for expert in layer.experts.values():
+            expert.register_forward_pre_hook(
+                lambda _m, args: counts.append(int(args[0].shape[0])))
+    return counts
 
 
 MOE_REAL_BYTES = 4 * 2**30
