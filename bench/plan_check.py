@@ -110,8 +110,9 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
             traffic.append(sent.take())
             memory = max(memory, measured_bytes(run, meter.peak))
         else:  # the run's first step: the one a mixture of experts' plan routes by default
+            took = sent.take()
             first = {"memory": measured_bytes(run, meter.peak),
-                     "sent": {k: sent.take().get(k, 0.0) for k in KINDS}}
+                     "sent": {k: took.get(k, 0.0) for k in KINDS}}
     return {"steps": steps, "memory": memory, "first": first,
             "sent": {k: statistics.mean(t.get(k, 0.0) for t in traffic) for k in KINDS}}
 

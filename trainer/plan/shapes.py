@@ -11,8 +11,8 @@ the bytes of a block and of what is not a block (embedding, final norm, head and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -30,6 +30,9 @@ class ShapeComm:
 
     def __init__(self, size: int, rank: int = 0, name: str = "tp") -> None:
         self._size, self._rank, self._name = size, rank, name
+        self.steps = 0
+        """Message steps its calls took under ring algorithms (`trainer.plan.operations`):
+        2(n-1) an all-reduce, n-1 an all-gather, reduce-scatter or all-to-all, 1 a send."""
 
     @property
     def rank(self) -> int:
@@ -47,35 +50,40 @@ class ShapeComm:
     def backend(self) -> str:
         return "shape"
 
+    def _ring(self, steps: int, async_op: bool) -> Handle | None:
+        self.steps += steps
+        return DoneHandle() if async_op else None
+
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> Handle | None:
-        return DoneHandle() if async_op else None
+        return self._ring(2 * (self._size - 1), async_op)
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *,
                    async_op: bool = False) -> Handle | None:
-        return DoneHandle() if async_op else None
+        return self._ring(self._size - 1, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op: ReduceOp = ReduceOp.SUM,
                        *, async_op: bool = False) -> Handle | None:
-        return DoneHandle() if async_op else None
+        return self._ring(self._size - 1, async_op)
 
     def broadcast(self, t: torch.Tensor, src: int, *, async_op: bool = False) -> Handle | None:
-        return DoneHandle() if async_op else None
+        return self._ring(self._size - 1, async_op)
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        return None
+        self.steps += 1
 
     def recv(self, t: torch.Tensor, src: int) -> None:
         return None
 
     def batch_p2p(self, ops: Sequence[P2POp]) -> list[Handle]:
+        self.steps += len(ops)
         return [DoneHandle() for _ in ops]
 
     def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, *,
                    in_splits: Sequence[int] | None = None,
                    out_splits: Sequence[int] | None = None,
                    async_op: bool = False) -> Handle | None:
-        return DoneHandle() if async_op else None
+        return self._ring(self._size - 1, async_op)
 
     def barrier(self) -> None:
         return None
@@ -178,47 +186,82 @@ def _to_bf16(model: torch.nn.Module) -> None:
             setattr(module, name, done[id(p)])
 
 
-@cache
-def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: str,
-                micro_batch: int, dtype: str = "fp32", cp: int = 1,
-                exchange: str = "allgather") -> Activations:
-    """One microbatch's saved bytes: the trainer's model of one and of two blocks, sharded and
-    set up as the run would (on a cp rank's share of the sequence, its attention the
-    context-parallel ``exchange``), forward and loss on fake tensors under the meter."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+@dataclass(frozen=True)
+class RankModel:
+    """How one rank's model is set up (`rank_model`): the run's options that shape it."""
+
+    tp: int
+    sequence_parallel: bool
+    recompute: str
+    micro_batch: int
+    dtype: str = "fp32"
+    cp: int = 1
+    exchange: str = "allgather"
 
 
-    if cfg.moe.experts:
-        _check_moe_measurable(cfg)
+@contextmanager
+def rank_model(cfg: GPTConfig, how: RankModel
+               ) -> Iterator[tuple[torch.nn.Module, torch.Tensor, list[ShapeComm]]]:
+    """The trainer's model of ``cfg``, sharded and set up as a rank of the run ``how`` (on a cp
+    rank's share of the sequence, its attention the context-parallel exchange), and one
+    microbatch of tokens: on fake tensors, or for a mixture of experts, which routes by the
+    data, on real ones (random weights and tokens: routing as at initialisation). Also the tp
+    and cp communicators it was given (they count the collectives it calls)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
     from trainer.activations import apply_recompute, apply_sequence_parallel
     from trainer.model.family import build_model
     from trainer.parallel.context.model import context_parallel
     from trainer.parallel.tensor.parallelize import parallelize
     from trainer.parallel.tensor.random import TP_RNG, RNGStatesTracker
 
+    class RealStates(RNGStatesTracker):
+        """Random states kept real under the fake mode, so that recomputation in backward can
+        put them back (a generator takes no fake state)."""
+
+        def get_states(self) -> dict[str, torch.Tensor]:
+            with unset_fake_temporarily():
+                return super().get_states()
+
+        def set_states(self, states: dict[str, torch.Tensor]) -> None:
+            with unset_fake_temporarily():
+                super().set_states(states)
+
+    tracker = RealStates("cpu")
+    tracker.seed(TP_RNG, 0)  # the stream a step seeds; outside the fake mode: real state
+    mode: AbstractContextManager[object] = (
+        nullcontext() if cfg.moe.experts else FakeTensorMode(allow_non_fake_inputs=True))
+    with mode:
+        model = build_model(cfg, seed=0)
+        if how.dtype == "bf16":
+            _to_bf16(model)
+        comms = [ShapeComm(how.tp), ShapeComm(how.cp, 0, "cp")]
+        model = parallelize(model, comms[0], tracker=tracker)
+        if how.sequence_parallel:
+            model = apply_sequence_parallel(model, comms[0], tracker)
+        model = apply_recompute(model, how.recompute, tracker)
+        if how.cp > 1:
+            model = context_parallel(model, comms[1], how.exchange)
+        tokens = cfg.seq_len // how.cp
+        idx = (torch.randint(0, cfg.vocab_size, (how.micro_batch, tokens),
+                             generator=torch.Generator().manual_seed(0))
+               if cfg.moe.experts else torch.zeros(how.micro_batch, tokens, dtype=torch.long))
+        yield model, idx, comms
+
+
+@cache
+def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: str,
+                micro_batch: int, dtype: str = "fp32", cp: int = 1,
+                exchange: str = "allgather") -> Activations:
+    """One microbatch's saved bytes: the trainer's model of one and of two blocks
+    (`rank_model`), forward and loss under the meter."""
+    if cfg.moe.experts:
+        _check_moe_measurable(cfg)
+    how = RankModel(tp, sequence_parallel, recompute, micro_batch, dtype, cp, exchange)
+
     def measure(small: GPTConfig) -> tuple[int, int, int]:
         """(activation bytes, weight bytes, expert rows) saved by ``small``'s forward."""
-        tracker = RNGStatesTracker("cpu")
-        tracker.seed(TP_RNG, 0)  # the stream a step seeds; outside the fake mode: real state
-        # A mixture of experts routes by the data, which fake tensors do not have: its small
-        # blocks run on real tensors (random weights and tokens: routing as at initialisation).
-        mode: AbstractContextManager[object] = (
-            nullcontext() if cfg.moe.experts else FakeTensorMode(allow_non_fake_inputs=True))
-        with mode:
-            model = build_model(small, seed=0)
-            if dtype == "bf16":
-                _to_bf16(model)
-            comm = ShapeComm(tp)
-            model = parallelize(model, comm, tracker=tracker)
-            if sequence_parallel:
-                model = apply_sequence_parallel(model, comm, tracker)
-            model = apply_recompute(model, recompute, tracker)
-            if cp > 1:
-                model = context_parallel(model, ShapeComm(cp, 0, "cp"), exchange)
-            tokens = cfg.seq_len // cp
-            idx = (torch.randint(0, cfg.vocab_size, (micro_batch, tokens),
-                                 generator=torch.Generator().manual_seed(0))
-                   if cfg.moe.experts else torch.zeros(micro_batch, tokens, dtype=torch.long))
+        with rank_model(small, how) as (model, idx, _):
             meter = SavedTensorMeter(frozenset(p.untyped_storage()._cdata
                                                for p in model.parameters()))
             rows = _expert_rows(model)
