@@ -10,10 +10,12 @@ times the microbatches the pipeline schedule keeps in flight (`trainer.parallel.
 
 The cost model (`ASSUMPTIONS`, printed with every plan):
 
-* compute: model FLOPs (`trainer.model.flops`: 6N + 12·L·D·T per token; plus one forward of
-  the blocks, attention cores included, under full recomputation, of the attention cores
-  under selective) at
-  ``efficiency`` x peak;
+* compute: the busiest rank's own work in a step, counted on the trainer's model
+  (`trainer.plan.operations`: recomputation's second forward, sequence parallelism's gathers
+  as the run executes them): the FLOPs of its matrix products and attention at ``efficiency``
+  x peak, plus the bytes its other operations read and write at the device's memory
+  bandwidth; and the host's time to issue its operations, operations x seconds per operation
+  (a GPU: the longer of device and host time, as its host issues ahead; a CPU: their sum);
 * pipeline bubble: (pp - 1) / (v · m) of the compute added;
 * tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
   parallelism) of a block's activations per block and microbatch, exposed;
@@ -24,6 +26,9 @@ The cost model (`ASSUMPTIONS`, printed with every plan):
 * pipeline p2p: one activation and one gradient per microbatch and stage boundary, exposed;
 * experts: dispatch and combine all-to-all of the routed tokens, forward and backward, exposed;
 * context parallelism: the K/V exchange of every layer (`trainer.plan.sends`), exposed;
+* every collective: its bytes at the group's bandwidth plus its message steps (ring: 2(n-1)
+  an all-reduce, n-1 an all-gather, reduce-scatter or all-to-all, 1 a send) at the link's
+  latency per step;
 * a group is inside a host while its members span at most one host's GPUs (mesh order
   tp, cp, dp, pp: tp fastest), else it runs at the bandwidth between hosts.
 """
@@ -37,7 +42,7 @@ from typing import Any
 
 from trainer.config.options import TrainConfig, make_config, resolve_dp
 from trainer.errors import ConfigError
-from trainer.model.flops import flops_per_token, matmul_params
+from trainer.model.flops import flops_per_token
 from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_top
 from trainer.plan import sends
 from trainer.plan.cluster import Cluster
@@ -46,7 +51,10 @@ from trainer.plan.sends import Comm, unit_sizes
 from trainer.plan.shapes import StageParams, activations, rank_params, stage_params
 
 ASSUMPTIONS = (
-    "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
+    "compute: the rank's counted matmul FLOPs at efficiency x peak + the other operations' "
+    "bytes at memory bandwidth, and operations x host seconds per operation (GPU: the longer "
+    "of the two; CPU: their sum); collectives: bytes / bandwidth + ring message steps x "
+    "latency; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
     "reduction hidden behind backward (2/3 of compute) except the excess; PP p2p, EP "
     "all-to-all and CP K/V exchange exposed; ring algorithms; a group inside a host while it "
     "spans <= one host's GPUs (mesh order tp, cp, dp, pp)")
@@ -243,27 +251,39 @@ def comm(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -
 def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: float
               ) -> tuple[float, float]:
     """(seconds per step, MFU) under `ASSUMPTIONS`."""
-    par, gpt = cfg.parallel, cfg.gpt
-    tokens = cfg.data.global_batch * gpt.seq_len
-    model_flops = flops_per_token(gpt) * tokens
-    hardware = model_flops
-    attention_core = 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens  # its forward
-    if par.recompute == "full":  # one more forward of every block, attention core included
-        hardware += 2 * (matmul_params(gpt) - gpt.vocab_rows * gpt.d_model) * tokens
-        hardware += attention_core
-    elif par.recompute == "selective":  # one more forward of every attention core
-        hardware += attention_core
-    compute = hardware / cluster.gpus / (cluster.gpu.peak_flops * efficiency)
+    from trainer.parallel.data.buckets import plan_buckets
+    from trainer.plan.operations import rank_step
+
+    par, gpt, gpu = cfg.parallel, cfg.gpt, cluster.gpu
+    model_flops = flops_per_token(gpt) * cfg.data.global_batch * gpt.seq_len
+    work = rank_step(cfg, bf16=_bf16(cfg, cluster))
+    device = work.flops / (gpu.peak_flops * efficiency)
+    device += work.bytes / gpu.memory_bw if gpu.memory_bw > 0 else 0.0
+    host = work.ops * gpu.op_s
+    compute = max(device, host) if gpu.host_overlaps else device + host
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     bubble = (par.pp - 1) / (v * par.microbatches) if par.pp > 1 else 0.0
-    tp_s = traffic.tp / cluster.bandwidth(par.tp)
-    cp_s = traffic.cp / cluster.bandwidth(par.tp * par.cp)
-    dp_s = traffic.dp / cluster.bandwidth(par.tp * par.cp * par.dp)
-    pp_s = traffic.pp / cluster.bandwidth(par.tp * par.cp * par.dp * par.pp)
-    ep_s = traffic.ep / cluster.bandwidth(par.tp * par.cp * par.ep)
-    exposed_dp = max(0.0, dp_s - compute * 2 / 3)
-    step = compute * (1 + bubble) + tp_s + cp_s + pp_s + ep_s + exposed_dp
-    return step, model_flops / (step * cluster.gpus * cluster.gpu.peak_flops)
+    spans = {"tp": par.tp, "cp": par.tp * par.cp, "dp": par.tp * par.cp * par.dp,
+             "pp": par.tp * par.cp * par.dp * par.pp, "ep": par.tp * par.cp * par.ep}
+    # Message steps: the model's tp and cp collectives as counted; dp's per bucket of the
+    # trainer's (ZeRO-3: per unit) and collective; one per pipeline send; five all-to-alls
+    # (counts, dispatch and combine forward and back) per MoE layer and microbatch.
+    dp_group, m = par.dp * par.cp, par.microbatches
+    if cfg.optimizer.zero == 3:
+        dp_steps = m * 3 * (gpt.n_layer // par.pp + 1) * (dp_group - 1)
+    else:
+        numels = max((r.numels for r in rank_params(gpt, tp=par.tp, pp=par.pp)), key=sum)
+        per_bucket = {0: 2, 1: 2, 2: m + 1}[cfg.optimizer.zero] * (dp_group - 1)
+        dp_steps = len(plan_buckets(numels, par.bucket_size)) * per_bucket
+    moe_layers = len(range(0, gpt.n_layer, gpt.moe.every)) if gpt.moe.experts else 0
+    steps = {"tp": work.tp_steps, "cp": work.cp_steps, "dp": dp_steps,
+             "pp": m * sends.pp_sends(cfg), "ep": m * moe_layers * 5 * (par.ep - 1)}
+    comm_s = {k: getattr(traffic, k) / cluster.bandwidth(span)
+              + steps[k] * cluster.latency(span) for k, span in spans.items()}
+    exposed_dp = max(0.0, comm_s["dp"] - compute * 2 / 3)
+    step = (compute * (1 + bubble) + comm_s["tp"] + comm_s["cp"] + comm_s["pp"]
+            + comm_s["ep"] + exposed_dp)
+    return step, model_flops / (step * cluster.gpus * gpu.peak_flops)
 
 
 def estimate(cfg: TrainConfig, cluster: Cluster, *, efficiency: float = 0.5,

@@ -8,7 +8,8 @@ ATen operation autograd and the model issue: recomputation's second forward, seq
 parallelism's gathers and the attention core as the run executes them. A block's count is the
 difference of the two, the rest (embedding, final norm, head, loss) what is left of one.
 
-* operations: every ATen call (views too: each costs the host a dispatch);
+* operations: every ATen call (views too: each costs the host a dispatch; counted alike on
+  fake and real tensors: tiny's forward and backward, 266 both);
 * FLOPs: of the matrix products and attention, by torch's own per-operation formulas
   (`torch.utils.flop_counter`'s registry);
 * bytes: inputs read plus outputs written by every other operation that is not a view (the
@@ -30,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from trainer.config.options import TrainConfig
 from trainer.model.config import GPTConfig
 from trainer.plan.shapes import RankModel, rank_model
 
@@ -42,19 +44,21 @@ class Work:
     flops: float
     bytes: float
     """Bytes read and written by the operations that are not matrix products or views."""
-    steps: int
-    """Message steps of the tp and cp collectives."""
+    tp_steps: int
+    """Message steps of the tensor-parallel collectives."""
+    cp_steps: int
+    """Message steps of the context-parallel exchange."""
 
     def __add__(self, other: Work) -> Work:
         return Work(self.ops + other.ops, self.flops + other.flops, self.bytes + other.bytes,
-                    self.steps + other.steps)
+                    self.tp_steps + other.tp_steps, self.cp_steps + other.cp_steps)
 
     def __sub__(self, other: Work) -> Work:
-        return Work(self.ops - other.ops, self.flops - other.flops, self.bytes - other.bytes,
-                    self.steps - other.steps)
+        return self + other.times(-1)
 
     def times(self, k: float) -> Work:
-        return Work(round(self.ops * k), self.flops * k, self.bytes * k, round(self.steps * k))
+        return Work(round(self.ops * k), self.flops * k, self.bytes * k,
+                    round(self.tp_steps * k), round(self.cp_steps * k))
 
 
 class _Counter(TorchDispatchMode):
@@ -70,10 +74,18 @@ class _Counter(TorchDispatchMode):
 
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is torch.ops.prim.device.default:  # the fake mode's own query, not the run's
+            return out
         self.ops += 1
         formula = flop_registry.get(func.overloadpacket)
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
+        elif "scaled_dot_product" in func.__name__:  # the CPU's fused attention, not listed
+            backward = "backward" in func.__name__  # (grad_out, query, key, ...)
+            tensors = [t for t in tree_flatten(args)[0] if isinstance(t, torch.Tensor)]
+            q, k = tensors[int(backward):int(backward) + 2]
+            # QK^T and PV: 4 q.numel() x key length forward, twice that backward
+            self.flops += (8 if backward else 4) * q.numel() * k.shape[-2]
         elif not func.is_view:
             self.bytes += sum(t.nbytes for t in tree_flatten((args, kwargs, out))[0]
                               if isinstance(t, torch.Tensor))
@@ -85,7 +97,7 @@ def _count(cfg: GPTConfig, how: RankModel) -> Work:
         counter = _Counter()
         with counter:
             model.loss(idx, idx).backward()
-        return Work(counter.ops, counter.flops, counter.bytes, sum(c.steps for c in comms))
+        return Work(counter.ops, counter.flops, counter.bytes, comms[0].steps, comms[1].steps)
 
 
 @dataclass(frozen=True)
@@ -102,3 +114,43 @@ def operations(cfg: GPTConfig, how: RankModel) -> Operations:
     docstring)."""
     one, two = (_count(replace(cfg, n_layer=layers), how) for layers in (1, 2))
     return Operations(per_block=two - one, rest=one - (two - one))
+
+
+def rank_step(cfg: TrainConfig, *, bf16: bool) -> Work:
+    """The busiest rank's work in one step: every microbatch's forward and backward of the
+    layers it holds (its pipeline stages' together), and of the rest."""
+    from trainer.plan.shapes import check_measurable
+
+    par, gpt = cfg.parallel, cfg.gpt
+    check_measurable(gpt)
+    how = RankModel(par.tp, par.sequence_parallel, par.recompute, cfg.micro_batch,
+                    "bf16" if bf16 else "fp32", par.cp, par.cp_comm)
+    work = operations(gpt, how)
+    counts = cfg.stage_layers
+    layers = max(sum(counts[r::par.pp]) for r in range(par.pp)) if par.pp > 1 else gpt.n_layer
+    return (work.per_block.times(layers) + work.rest).times(par.microbatches)
+
+
+def op_seconds(chain: int = 2000, repeats: int = 5) -> float:
+    """Host seconds per tensor operation on this CPU, measured: a chain of ``chain``
+    multiplications of one-element tensors, forward and backward under autograd (the best of
+    ``repeats``), over the ATen operations it issues (counted as `operations` counts)."""
+    import time
+
+    x = torch.ones(1, requires_grad=True)
+
+    def run() -> None:
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        y.sum().backward()
+
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    counter = _Counter()
+    with counter:
+        run()
+    return best / counter.ops

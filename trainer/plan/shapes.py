@@ -255,8 +255,7 @@ def activations(cfg: GPTConfig, *, tp: int, sequence_parallel: bool, recompute: 
                 exchange: str = "allgather") -> Activations:
     """One microbatch's saved bytes: the trainer's model of one and of two blocks
     (`rank_model`), forward and loss under the meter."""
-    if cfg.moe.experts:
-        _check_moe_measurable(cfg)
+    check_measurable(cfg)
     how = RankModel(tp, sequence_parallel, recompute, micro_batch, dtype, cp, exchange)
 
     def measure(small: GPTConfig) -> tuple[int, int, int]:
@@ -300,11 +299,13 @@ MOE_REAL_BYTES = 4 * 2**30
 """The most parameter bytes the real 2-block model of an MoE plan may take on this machine."""
 
 
-def _check_moe_measurable(cfg: GPTConfig) -> None:
+def check_measurable(cfg: GPTConfig) -> None:
     """Refuse an MoE model whose 2-block model (run for real to measure) is too large, and one
     without a capacity, whose rows per expert have no bound."""
     from trainer.errors import ConfigError
 
+    if not cfg.moe.experts:
+        return
     if cfg.moe.capacity_factor <= 0:
         raise ConfigError("cannot plan a mixture of experts without a capacity",
                           f"--moe-experts {cfg.moe.experts}", "without --moe-capacity-factor "
