@@ -313,3 +313,63 @@ def test_the_all_to_all_falls_back_to_balanced_routing_where_the_run_cannot_be_r
     assert sent_share(away) == balanced_share(away)
     cp = resolve_dp(make_config({**moe, "dp": 2, "ep": 2, "cp": 2}, {"seq_len": 64}), 4)
     assert sent_share(cp) == balanced_share(cp)
+
+
+def test_the_counted_operations_are_those_the_model_runs_on_real_tensors() -> None:
+    """The planner counts a step's operations on fake tensors; the same model's forward and
+    backward on real tensors issue as many (tiny: 266), and full recomputation adds each
+    block's forward again."""
+    from trainer.model.family import build_model
+    from trainer.plan.operations import _Counter, operations
+    from trainer.plan.shapes import RankModel
+
+    cfg = make_config({"model": "tiny", "global_batch": 8, "precision": "fp32"},
+                      {"seq_len": 64})
+    counted = operations(cfg.gpt, RankModel(1, False, "none", 8))
+    model = build_model(cfg.gpt, seed=0)
+    idx = torch.zeros(8, 64, dtype=torch.long)
+    real = _Counter()
+    with real:
+        model.loss(idx, idx).backward()
+    assert 2 * counted.per_block.ops + counted.rest.ops == real.ops
+    assert 2 * counted.per_block.flops + counted.rest.flops == real.flops
+    full = operations(cfg.gpt, RankModel(1, False, "full", 8))
+    assert full.per_block.ops > counted.per_block.ops
+    assert full.per_block.flops == pytest.approx(4 / 3 * counted.per_block.flops, rel=0.05)
+    assert full.rest == counted.rest
+
+
+def test_a_gpus_host_time_overlaps_its_compute_and_a_cpus_adds_to_it() -> None:
+    """The same layout on a device whose host issues operations ahead (a GPU: the step's
+    compute is the longer of the two) and on one that is its own host (a CPU: the sum)."""
+    from dataclasses import replace
+
+    from trainer.plan.estimate import comm, step_time
+
+    cfg = resolve_dp(make_config({"model": "tiny", "global_batch": 8, "precision": "fp32",
+                                  "dp": 1, "tp": 2}, {"seq_len": 64}), 2)
+    gpu = make_cluster(hosts=1, gpus_per_host=2, memory_gib=16, tflops=1e-3, intra_gbps=1e6,
+                       inter_gbps=1e6, memory_gbps=1e6, op_us=0, intra_latency_us=0)
+    traffic = comm(cfg, gpu)
+    device, _ = step_time(cfg, gpu, traffic, 1.0)
+    busy = replace(gpu, gpu=replace(gpu.gpu, op_s=device / 1e4))  # hosts 1e4 ops ~ device
+    from trainer.plan.operations import rank_step
+
+    host = rank_step(cfg, bf16=False).ops * busy.gpu.op_s
+    assert step_time(cfg, busy, traffic, 1.0)[0] == pytest.approx(max(device, host), rel=1e-3)
+    cpu = replace(busy, gpu=replace(busy.gpu, host_overlaps=False))
+    assert step_time(cfg, cpu, traffic, 1.0)[0] == pytest.approx(device + host, rel=1e-3)
+    slow = replace(gpu, intra_latency_s=1e-3)  # tp's all-reduces: 2 message steps each
+    steps = rank_step(cfg, bf16=False).tp_steps
+    assert steps > 0
+    assert step_time(cfg, slow, traffic, 1.0)[0] == pytest.approx(device + steps * 1e-3,
+                                                                  rel=1e-3)
+
+
+def test_the_gpus_by_name_carry_their_memory_bandwidth_op_time_and_latencies() -> None:
+    h100 = make_cluster(hosts=2, gpus_per_host=8, gpu="h100")
+    assert (h100.gpu.memory_bw, h100.gpu.op_s, h100.gpu.host_overlaps) == (3.35e12, 10e-6, True)
+    assert (h100.latency(8), h100.latency(16)) == (3.4e-6, 14e-6)
+    custom = make_cluster(hosts=1, gpus_per_host=2, memory_gib=16, tflops=1, intra_gbps=5,
+                          inter_gbps=1)
+    assert (custom.gpu.memory_bw, custom.gpu.op_s, custom.intra_latency_s) == (0.0, 0.0, 0.0)
