@@ -82,7 +82,7 @@ def config(args: argparse.Namespace, over: dict[str, Any], run_dir: str = "",
     cfg = make_config({"model": args.model, "global_batch": args.global_batch,
                        "steps": WARMUP + args.steps, "lr": 1e-4, "warmup_steps": 1,
                        "data_cap_mb": 1.0, "run_dir": run_dir or "unused", "seed": 0,
-                       "precision": "fp32", "eval_every": 0, **over},
+                       "precision": "fp32", "eval_every": 0, "plan_routing": True, **over},
                       {"seq_len": args.seq_len})
     return resolve_dp(cfg, world)
 

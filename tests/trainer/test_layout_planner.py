@@ -298,20 +298,30 @@ def test_the_planned_all_to_all_bytes_of_ep2_with_capacity_match_the_first_step(
     assert row["ep_first_plan_mb"] == pytest.approx(row["ep_first_mb"], rel=0.05), (model, row)
 
 
-def test_the_all_to_all_falls_back_to_balanced_routing_where_the_run_cannot_be_routed(
+def test_the_all_to_all_falls_back_to_balanced_routing_where_the_run_is_not_routed(
         tmp_path: Path) -> None:
-    """Without the run's data here, or under cp (a cp rank routes its share of each sequence),
-    the planner counts balanced routing: topk x min(1, capacity) x (ep - 1)/ep rows per token
-    and MoE layer, one way."""
-    from trainer.plan.routing import balanced_share, sent_share
+    """Without --plan-routing (the default: a run's start-up builds no second model), without
+    the run's data here, or under cp (a cp rank routes its share of each sequence), the planner
+    counts balanced routing: topk x min(1, capacity) x (ep - 1)/ep rows per token and MoE
+    layer, one way."""
+    from trainer.plan.routing import balanced_share, measured_rows, sent_share
 
     moe = {"model": "tiny", "global_batch": 8, "precision": "fp32", "moe_experts": 4,
-           "moe_topk": 2, "moe_capacity_factor": 0.75}
-    away = resolve_dp(make_config({**moe, "dp": 2, "ep": 2,
+           "moe_topk": 2, "moe_capacity_factor": 0.75, "eval_every": 0}
+    off = resolve_dp(make_config({**moe, "dp": 2, "ep": 2}, {"seq_len": 64}), 2)
+    assert not off.logging.plan_routing
+    assert balanced_share(off) == 2 * 0.75 * 0.5
+    assert sent_share(off) == balanced_share(off) and measured_rows(off) is None
+    routed = resolve_dp(make_config({**moe, "dp": 2, "ep": 2, "plan_routing": True,
+                                     "moe_capacity_factor": 1.0, "data_cap_mb": 1.0},
+                                    {"seq_len": 64}), 2)
+    assert sent_share(routed) < balanced_share(routed)  # text overflows its experts
+    assert measured_rows(routed) is not None
+    away = resolve_dp(make_config({**moe, "dp": 2, "ep": 2, "plan_routing": True,
                                    "data": str(tmp_path / "absent.txt")}, {"seq_len": 64}), 2)
-    assert balanced_share(away) == 2 * 0.75 * 0.5
     assert sent_share(away) == balanced_share(away)
-    cp = resolve_dp(make_config({**moe, "dp": 2, "ep": 2, "cp": 2}, {"seq_len": 64}), 4)
+    cp = resolve_dp(make_config({**moe, "dp": 2, "ep": 2, "cp": 2, "plan_routing": True},
+                                {"seq_len": 64}), 4)
     assert sent_share(cp) == balanced_share(cp)
 
 

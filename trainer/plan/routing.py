@@ -18,8 +18,10 @@ A rank sends its rows for the other members (dispatch) and the outputs of the ro
 them (combine), and backward the same again; the busiest rank's rows per token, halved (one way
 of the pair, as the balanced share counts), is the answer.
 
-Fallback, the balanced routing's ``topk * min(1, capacity_factor) * (ep - 1) / ep``, when:
-the data cannot be read here (the planner run away from the run's data), the whole model would
+Only with ``--plan-routing`` (it builds the whole model once more, on rank 0 at a run's
+start-up: seconds of CPU and the model's memory for a large one). Fallback, the balanced
+routing's ``topk * min(1, capacity_factor) * (ep - 1) / ep``, when: it is off, the data cannot
+be read here (the planner run away from the run's data), the whole model would
 take more than `trainer.plan.shapes.MOE_REAL_BYTES`, or under context parallelism (a cp rank
 routes its share of each sequence, whose capacity the whole-sequence forward does not have).
 The routing is the initial weights' (the run's first step; later steps' routers move a
@@ -102,7 +104,7 @@ def _routed(cfg: TrainConfig, steps: tuple[int, ...]
     from trainer.plan.shapes import MOE_REAL_BYTES, stage_params
 
     par, gpt = cfg.parallel, cfg.gpt
-    if par.cp > 1:
+    if par.cp > 1 or not cfg.logging.plan_routing:
         return None
     params = sum(s.dense + s.expert for s in stage_params(gpt, tp=1, pp=1))
     if 4 * params > MOE_REAL_BYTES:
