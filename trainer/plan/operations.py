@@ -123,12 +123,17 @@ def rank_step(cfg: TrainConfig, *, bf16: bool) -> Work:
 
     par, gpt = cfg.parallel, cfg.gpt
     check_measurable(gpt)
-    how = RankModel(par.tp, par.sequence_parallel, par.recompute, cfg.micro_batch,
+    # Counted on one sequence (the layouts of a plan share it whatever their microbatch): as
+    # many operations and message steps per microbatch, FLOPs and bytes times its sequences
+    # (the FLOPs exactly; the bytes but for the weights' share, which does not grow).
+    how = RankModel(par.tp, par.sequence_parallel, par.recompute, 1,
                     "bf16" if bf16 else "fp32", par.cp, par.cp_comm)
     work = operations(gpt, how)
     counts = cfg.stage_layers
     layers = max(sum(counts[r::par.pp]) for r in range(par.pp)) if par.pp > 1 else gpt.n_layer
-    return (work.per_block.times(layers) + work.rest).times(par.microbatches)
+    one = work.per_block.times(layers) + work.rest
+    mb = cfg.micro_batch
+    return replace(one, flops=one.flops * mb, bytes=one.bytes * mb).times(par.microbatches)
 
 
 def op_seconds(chain: int = 2000, repeats: int = 5) -> float:
