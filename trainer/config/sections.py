@@ -264,6 +264,12 @@ class TrainLoggingSection(LoggingSection):
     wandb: str = option("", "also log the metrics to Weights & Biases: offline (written under "
                         "<run-dir>/wandb for `wandb sync`) or online; needs the wandb package",
                         choices=("", "offline", "online"))
+    plan_routing: bool = option(False, "plan a mixture of experts by routing the run's own "
+                                "first step through its whole model (rank 0's plan line at "
+                                "start-up, python -m trainer.plan): its all-to-all bytes and "
+                                "experts' activations as the data routes them, at the cost of "
+                                "building the model once more; off, the balanced routing's "
+                                "share (trainer.plan.routing)")
 
     def check(self) -> None:
         super().check()

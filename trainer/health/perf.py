@@ -43,6 +43,21 @@ def matmul_gflops(device: torch.device, n: int = 256, seconds: float = 0.3) -> f
     return best
 
 
+def copy_gbps(device: torch.device, mib: int = 64, seconds: float = 0.3) -> float:
+    """Memory bandwidth: copies of a ``mib`` MiB fp32 tensor for about ``seconds``, bytes read
+    and written per second (the best of a few timed copies), GB/s."""
+    a = torch.ones(mib * 2**18, device=device)
+    b = torch.empty_like(a)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline or best == 0.0:
+        start = time.perf_counter()
+        b.copy_(a)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 2 * a.nbytes / (time.perf_counter() - start) / 1e9)
+    return best
+
+
 def host_pairs(count: int) -> list[tuple[int, int]]:
     if count <= ALL_PAIRS_MAX:
         return [(a, b) for a in range(count) for b in range(a + 1, count)]

@@ -4,6 +4,8 @@ any GPU is booked (`python -m trainer.plan`).
     cluster    the GPUs (by name or by numbers) and the links between them
     shapes     a rank's parameters and activations, measured on the trainer's own model built
                without memory (meta and fake tensors), never a second copy of the formulas
+    operations a rank's operations, FLOPs, bytes and message steps per step, counted on the
+               trainer's own model on fake tensors (the step time's work)
     estimate   memory per GPU, communication per step and link, step time and MFU of a layout
                (the cost model), the layouts of a cluster and their ranking
     report     the table and the JSON the command prints

@@ -40,6 +40,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="GB/s one GPU sends to another of its host")
     c.add_argument("--inter-gbps", type=float, default=0.0,
                    help="GB/s one GPU sends to a GPU of another host")
+    c.add_argument("--gpu-memory-gbps", type=float, default=0.0,
+                   help="GB/s between a GPU and its memory (overrides --gpu's)")
+    c.add_argument("--op-us", type=float, default=-1.0,
+                   help="host microseconds per tensor operation (default: --gpu's, 10)")
+    c.add_argument("--intra-latency-us", type=float, default=-1.0,
+                   help="microseconds per message step inside a host (default: --gpu's)")
+    c.add_argument("--inter-latency-us", type=float, default=-1.0,
+                   help="microseconds per message step between hosts (default: --gpu's)")
     p = ap.add_argument_group("plan")
     p.add_argument("--hf-config", default="", help="a Hugging Face Llama config.json as the model")
     p.add_argument("--efficiency", type=float, default=0.5,
@@ -91,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         cluster = make_cluster(hosts=args.hosts, gpus_per_host=args.gpus_per_host,
                                gpu=args.gpu, memory_gib=args.gpu_memory_gib,
                                tflops=args.gpu_tflops, intra_gbps=args.intra_gbps,
-                               inter_gbps=args.inter_gbps)
+                               inter_gbps=args.inter_gbps, memory_gbps=args.gpu_memory_gbps,
+                               op_us=args.op_us, intra_latency_us=args.intra_latency_us,
+                               inter_latency_us=args.inter_latency_us)
         done, refused = plan(base, cluster, efficiency=args.efficiency)
     except TrainerError as exc:
         print(f"dtrain plan: {exc}", file=sys.stderr)

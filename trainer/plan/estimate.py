@@ -10,10 +10,12 @@ times the microbatches the pipeline schedule keeps in flight (`trainer.parallel.
 
 The cost model (`ASSUMPTIONS`, printed with every plan):
 
-* compute: model FLOPs (`trainer.model.flops`: 6N + 12·L·D·T per token; plus one forward of
-  the blocks, attention cores included, under full recomputation, of the attention cores
-  under selective) at
-  ``efficiency`` x peak;
+* compute: the busiest rank's own work in a step, counted on the trainer's model
+  (`trainer.plan.operations`: recomputation's second forward, sequence parallelism's gathers
+  as the run executes them): the FLOPs of its matrix products and attention at ``efficiency``
+  x peak, plus the bytes its other operations read and write at the device's memory
+  bandwidth; and the host's time to issue its operations, operations x seconds per operation
+  (a GPU: the longer of device and host time, as its host issues ahead; a CPU: their sum);
 * pipeline bubble: (pp - 1) / (v · m) of the compute added;
 * tensor parallelism: four all-reduces (or all-gather + reduce-scatter pairs under sequence
   parallelism) of a block's activations per block and microbatch, exposed;
@@ -24,6 +26,9 @@ The cost model (`ASSUMPTIONS`, printed with every plan):
 * pipeline p2p: one activation and one gradient per microbatch and stage boundary, exposed;
 * experts: dispatch and combine all-to-all of the routed tokens, forward and backward, exposed;
 * context parallelism: the K/V exchange of every layer (`trainer.plan.sends`), exposed;
+* every collective: its bytes at the group's bandwidth plus its message steps (ring: 2(n-1)
+  an all-reduce, n-1 an all-gather, reduce-scatter or all-to-all, 1 a send) at the link's
+  latency per step;
 * a group is inside a host while its members span at most one host's GPUs (mesh order
   tp, cp, dp, pp: tp fastest), else it runs at the bandwidth between hosts.
 """
@@ -32,20 +37,24 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from trainer.config.options import TrainConfig, make_config, resolve_dp
 from trainer.errors import ConfigError
-from trainer.model.flops import flops_per_token, matmul_params
+from trainer.model.flops import flops_per_token
 from trainer.parallel.zero.memory import MemoryTable, expected_bytes, zero3_on_top
 from trainer.plan import sends
 from trainer.plan.cluster import Cluster
+from trainer.plan.routing import measured_rows
 from trainer.plan.sends import Comm, unit_sizes
-from trainer.plan.shapes import StageParams, activations, stage_params
+from trainer.plan.shapes import StageParams, activations, rank_params, stage_params
 
 ASSUMPTIONS = (
-    "compute at efficiency x peak; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
+    "compute: the rank's counted matmul FLOPs at efficiency x peak + the other operations' "
+    "bytes at memory bandwidth, and operations x host seconds per operation (GPU: the longer "
+    "of the two; CPU: their sum); collectives: bytes / bandwidth + ring message steps x "
+    "latency; bubble (pp-1)/(v*m); TP collectives exposed; DP gradient "
     "reduction hidden behind backward (2/3 of compute) except the excess; PP p2p, EP "
     "all-to-all and CP K/V exchange exposed; ring algorithms; a group inside a host while it "
     "spans <= one host's GPUs (mesh order tp, cp, dp, pp)")
@@ -125,8 +134,9 @@ def in_flight(cfg: TrainConfig) -> list[dict[int, int]]:
     return out
 
 
-def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
-    """The largest rank's bytes: parameters, gradients, optimizer state and activations."""
+def memory(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -> Memory:
+    """The largest rank's bytes: parameters, gradients, optimizer state and activations (a
+    mixture of experts': the busiest of the run's ``steps``)."""
 
     par, gpt = cfg.parallel, cfg.gpt
     bf16 = _bf16(cfg, cluster)
@@ -135,13 +145,6 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     act = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
                       recompute=par.recompute, micro_batch=cfg.micro_batch,
                       dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
-    # Backward re-runs one block (or attention core) at a time, which saves what it did not keep.
-    recomputed = 0
-    if par.recompute != "none":
-        kept = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
-                           recompute="none", micro_batch=cfg.micro_batch,
-                           dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
-        recomputed = kept.per_block - act.per_block
     counts = cfg.stage_layers
     flights = in_flight(cfg)
     # The experts' matrix products save their weights; the activations were measured with
@@ -150,18 +153,35 @@ def memory(cfg: TrainConfig, cluster: Cluster) -> Memory:
     width = 2 if bf16 else 4
     remote = (width * stages[0].expert * par.pp // moe_layers * (par.ep - 1) // par.ep
               if moe_layers else 0)
+    # The rows a rank's experts run follow the run's routing (`trainer.plan.routing`), not the
+    # random tokens the activations were measured with.
+    rows = measured_rows(cfg, steps) if moe_layers else None
+    if rows is not None:
+        act = replace(act, per_block=act.per_block + round(
+            act.expert_row_bytes * (rows - act.expert_rows)))
+    # Backward re-runs one block (or attention core) at a time, which saves what it did not
+    # keep: its activations, and under full recomputation its weights again (a forward under
+    # recomputation saves none; measured, tests/trainer/test_layout_planner.py).
+    recomputed = 0
+    if par.recompute != "none":
+        kept = activations(gpt, tp=par.tp, sequence_parallel=par.sequence_parallel,
+                           recompute="none", micro_batch=cfg.micro_batch,
+                           dtype="bf16" if bf16 else "fp32", cp=par.cp, exchange=par.cp_comm)
+        again = kept.weights_per_block - act.weights_per_block
+        recomputed = kept.per_block - act.per_block + (again - remote if again else 0)
     best: Memory | None = None
     for rank, params in enumerate(stages):
-        table = _in_flight_shards(cfg, _between_steps(cfg, params, bf16), bf16)
+        table = _in_flight_shards(cfg, _between_steps(cfg, params, bf16), bf16, rank)
         held, rest = 0, 0
         for chunk, live in flights[rank].items():
             stage = chunk * par.pp + rank
             layers = counts[stage] if par.pp > 1 else gpt.n_layer
             last = stage == len(counts) - 1 or par.pp == 1
             held += live * layers * act.per_block
-            held += layers * (act.weights_per_block - remote) + (act.weights_rest if last else 0)
-            rest = max(rest, act.rest if last else 0)
-        # The head's and loss's tensors are freed before the first block is re-run.
+            held += layers * max(0, act.weights_per_block - remote)
+            rest = max(rest, act.rest + act.weights_rest if last else 0)
+        # The head's and loss's tensors (its weight too) are freed before the first block is
+        # re-run.
         mem = Memory(table.params, table.grads, table.optimizer, held + max(rest, recomputed))
         if best is None or mem.total > best.total:
             best = mem
@@ -174,10 +194,10 @@ def model_state(cfg: TrainConfig, *, bf16: bool) -> tuple[MemoryTable, MemoryTab
     bytes-per-parameter table) and at the peak of a step (`_in_flight_shards` added)."""
     par = cfg.parallel
     v = par.virtual_stages if par.schedule == "interleaved" else 1
-    table = max((_between_steps(cfg, p, bf16)
-                 for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v)),
-                key=lambda t: t.total)
-    return table, _in_flight_shards(cfg, table, bf16)
+    tables = [_between_steps(cfg, p, bf16)
+              for p in stage_params(cfg.gpt, tp=par.tp, pp=par.pp, v=v)]
+    peaks = [_in_flight_shards(cfg, t, bf16, rank) for rank, t in enumerate(tables)]
+    return max(tables, key=lambda t: t.total), max(peaks, key=lambda t: t.total)
 
 
 def _between_steps(cfg: TrainConfig, params: StageParams, bf16: bool) -> MemoryTable:
@@ -191,22 +211,35 @@ def _between_steps(cfg: TrainConfig, params: StageParams, bf16: bool) -> MemoryT
                           dp=par.zero_over, experts=experts, experts_over=par.expert_zero_over)
 
 
-def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool) -> MemoryTable:
-    """ZeRO-2/3's peak in a step on top of the shards: ZeRO-2 stages at most two gradient
-    buckets while they reduce (`trainer.parallel.zero.grad_shards`); ZeRO-3 gathers the root and
-    prefetch + 1 blocks and stages as many blocks' gradients (`zero3_on_top`, measured by
-    tests/trainer/test_zero3_memory.py)."""
+def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool, rank: int = 0
+                      ) -> MemoryTable:
+    """ZeRO-2/3's peak in a step on top of the shards of pipeline rank ``rank``: ZeRO-2's
+    staged gradient buckets, the trainer's own buckets of the rank's gradient buffer
+    (`trainer.parallel.zero.layout.shard_layout`) replayed through its staging accounting
+    (`trainer.parallel.zero.grad_shards.peak_staged_bytes`: the bucket being filled and
+    `IN_FLIGHT` reducing); ZeRO-3 gathers the root and prefetch + 1 blocks and stages as many
+    blocks' gradients (`zero3_on_top`, measured by tests/trainer/test_zero3_memory.py)."""
     zero, par = cfg.optimizer.zero, cfg.parallel
     if zero < 2:
         return table
-    block, root = unit_sizes(cfg)
     if zero == 3:
+        block, root = unit_sizes(cfg)
         top = zero3_on_top(root=root, block=block, prefetch=cfg.optimizer.zero_prefetch,
                            bf16=bf16)
         return MemoryTable(params=table.params + top.params, grads=table.grads + top.grads,
                            optimizer=table.optimizer)
-    grads = table.grads + 4 * min(2 * par.bucket_size, block * cfg.gpt.n_layer + root)
-    return MemoryTable(params=table.params, grads=grads, optimizer=table.optimizer)
+    from trainer.parallel.zero.grad_shards import IN_FLIGHT, peak_staged_bytes
+    from trainer.parallel.zero.layout import shard_layout
+
+    params = rank_params(cfg.gpt, tp=par.tp, pp=par.pp)[rank]
+    shards = par.zero_over
+    layout = shard_layout(params.numels, par.bucket_size, shards, 0, params.alone)
+    wire = 2 if par.grad_reduce_dtype != "fp32" and shards > 1 else 4  # staging: fp32
+    staged = peak_staged_bytes([b.end - b.start for b in layout.buckets],
+                               in_flight=IN_FLIGHT if par.overlap and shards > 1 else 0,
+                               rounds=par.microbatches, main_bytes=4, wire_bytes=wire)
+    return MemoryTable(params=table.params, grads=table.grads + staged,
+                       optimizer=table.optimizer)
 
 
 def comm(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -> Comm:
@@ -218,33 +251,46 @@ def comm(cfg: TrainConfig, cluster: Cluster, *, steps: tuple[int, ...] = (1,)) -
 def step_time(cfg: TrainConfig, cluster: Cluster, traffic: Comm, efficiency: float
               ) -> tuple[float, float]:
     """(seconds per step, MFU) under `ASSUMPTIONS`."""
-    par, gpt = cfg.parallel, cfg.gpt
-    tokens = cfg.data.global_batch * gpt.seq_len
-    model_flops = flops_per_token(gpt) * tokens
-    hardware = model_flops
-    attention_core = 4 * gpt.n_layer * gpt.d_model * gpt.seq_len * tokens  # its forward
-    if par.recompute == "full":  # one more forward of every block, attention core included
-        hardware += 2 * (matmul_params(gpt) - gpt.vocab_rows * gpt.d_model) * tokens
-        hardware += attention_core
-    elif par.recompute == "selective":  # one more forward of every attention core
-        hardware += attention_core
-    compute = hardware / cluster.gpus / (cluster.gpu.peak_flops * efficiency)
+    from trainer.parallel.data.buckets import plan_buckets
+    from trainer.plan.operations import rank_step
+
+    par, gpt, gpu = cfg.parallel, cfg.gpt, cluster.gpu
+    model_flops = flops_per_token(gpt) * cfg.data.global_batch * gpt.seq_len
+    work = rank_step(cfg, bf16=_bf16(cfg, cluster))
+    device = work.flops / (gpu.peak_flops * efficiency)
+    device += work.bytes / gpu.memory_bw if gpu.memory_bw > 0 else 0.0
+    host = work.ops * gpu.op_s
+    compute = max(device, host) if gpu.host_overlaps else device + host
     v = par.virtual_stages if par.schedule == "interleaved" else 1
     bubble = (par.pp - 1) / (v * par.microbatches) if par.pp > 1 else 0.0
-    tp_s = traffic.tp / cluster.bandwidth(par.tp)
-    cp_s = traffic.cp / cluster.bandwidth(par.tp * par.cp)
-    dp_s = traffic.dp / cluster.bandwidth(par.tp * par.cp * par.dp)
-    pp_s = traffic.pp / cluster.bandwidth(par.tp * par.cp * par.dp * par.pp)
-    ep_s = traffic.ep / cluster.bandwidth(par.tp * par.cp * par.ep)
-    exposed_dp = max(0.0, dp_s - compute * 2 / 3)
-    step = compute * (1 + bubble) + tp_s + cp_s + pp_s + ep_s + exposed_dp
-    return step, model_flops / (step * cluster.gpus * cluster.gpu.peak_flops)
+    spans = {"tp": par.tp, "cp": par.tp * par.cp, "dp": par.tp * par.cp * par.dp,
+             "pp": par.tp * par.cp * par.dp * par.pp, "ep": par.tp * par.cp * par.ep}
+    # Message steps: the model's tp and cp collectives as counted; dp's per bucket of the
+    # trainer's (ZeRO-3: per unit) and collective; one per pipeline send; five all-to-alls
+    # (counts, dispatch and combine forward and back) per MoE layer and microbatch.
+    dp_group, m = par.dp * par.cp, par.microbatches
+    if cfg.optimizer.zero == 3:
+        dp_steps = m * 3 * (gpt.n_layer // par.pp + 1) * (dp_group - 1)
+    else:
+        numels = max((r.numels for r in rank_params(gpt, tp=par.tp, pp=par.pp)), key=sum)
+        per_bucket = {0: 2, 1: 2, 2: m + 1}[cfg.optimizer.zero] * (dp_group - 1)
+        dp_steps = len(plan_buckets(numels, par.bucket_size)) * per_bucket
+    moe_layers = len(range(0, gpt.n_layer, gpt.moe.every)) if gpt.moe.experts else 0
+    steps = {"tp": work.tp_steps, "cp": work.cp_steps, "dp": dp_steps,
+             "pp": m * sends.pp_sends(cfg), "ep": m * moe_layers * 5 * (par.ep - 1)}
+    comm_s = {k: getattr(traffic, k) / cluster.bandwidth(span)
+              + steps[k] * cluster.latency(span) for k, span in spans.items()}
+    exposed_dp = max(0.0, comm_s["dp"] - compute * 2 / 3)
+    step = (compute * (1 + bubble) + comm_s["tp"] + comm_s["cp"] + comm_s["pp"]
+            + comm_s["ep"] + exposed_dp)
+    return step, model_flops / (step * cluster.gpus * gpu.peak_flops)
 
 
 def estimate(cfg: TrainConfig, cluster: Cluster, *, efficiency: float = 0.5,
              steps: tuple[int, ...] = (1,)) -> Estimate:
-    """Memory, traffic and time of ``cfg`` on ``cluster`` (traffic: mean over ``steps``)."""
-    mem = memory(cfg, cluster)
+    """Memory, traffic and time of ``cfg`` on ``cluster`` (a mixture of experts' routing:
+    that of the run's ``steps``)."""
+    mem = memory(cfg, cluster, steps=steps)
     traffic = comm(cfg, cluster, steps=steps)
     step, mfu = step_time(cfg, cluster, traffic, efficiency)
     fits = mem.total <= cluster.gpu.memory_bytes

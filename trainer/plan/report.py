@@ -50,6 +50,13 @@ def as_table(done: list[Estimate], refused: list[ConfigError], cluster: Cluster,
                      f"{m.activations / size:>7.1f} {gb:>8.2f} {e.step_s:>8.3f} "
                      f"{100 * e.mfu:>5.1f}%  {'yes' if e.fits else 'no: ' + e.why}")
     lines.append(f"cost model: {ASSUMPTIONS}")
+    gpu = cluster.gpu
+    lines.append(f"cluster numbers: memory bandwidth {gpu.memory_bw / 1e9:.0f} GB/s, "
+                 f"{1e6 * gpu.op_s:.1f} us per operation (host "
+                 f"{'overlapped' if gpu.host_overlaps else 'added'}), links "
+                 f"{cluster.intra_bw / 1e9:.1f} / {cluster.inter_bw / 1e9:.1f} GB/s and "
+                 f"{1e6 * cluster.intra_latency_s:.1f} / {1e6 * cluster.inter_latency_s:.1f} us "
+                 "per message step inside / between hosts")
     reasons = Counter(f"{r.what}: {r.why}" for r in refused)
     for reason, count in reasons.most_common(5):
         lines.append(f"refused by the trainer ({count} layouts): {reason}")

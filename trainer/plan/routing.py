@@ -18,8 +18,10 @@ A rank sends its rows for the other members (dispatch) and the outputs of the ro
 them (combine), and backward the same again; the busiest rank's rows per token, halved (one way
 of the pair, as the balanced share counts), is the answer.
 
-Fallback, the balanced routing's ``topk * min(1, capacity_factor) * (ep - 1) / ep``, when:
-the data cannot be read here (the planner run away from the run's data), the whole model would
+Only with ``--plan-routing`` (it builds the whole model once more, on rank 0 at a run's
+start-up: seconds of CPU and the model's memory for a large one). Fallback, the balanced
+routing's ``topk * min(1, capacity_factor) * (ep - 1) / ep``, when: it is off, the data cannot
+be read here (the planner run away from the run's data), the whole model would
 take more than `trainer.plan.shapes.MOE_REAL_BYTES`, or under context parallelism (a cp rank
 routes its share of each sequence, whose capacity the whole-sequence forward does not have).
 The routing is the initial weights' (the run's first step; later steps' routers move a
@@ -62,12 +64,47 @@ def measured_share(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float | N
     (module docstring). Dispatch sends a rank's rows for the other members' experts, the
     combine sends back the rows it got from them, and backward does both again: per rank the
     rows it sends plus the rows it receives, twice; the share is half of that per token."""
+    if cfg.parallel.ep <= 1 or not cfg.gpt.moe.experts:
+        return 0.0
+    routed = _routed(cfg, steps)
+    if routed is None:
+        return None
+    ep, dp, shares = cfg.parallel.ep, cfg.parallel.dp, []
+    for rows, tokens in routed:
+        moved = [sum(rows[d]) - rows[d][d % ep]  # sent to the others
+                 + sum(rows[q][d % ep] for q in range(d - d % ep, d - d % ep + ep) if q != d)
+                 for d in range(dp)]
+        shares.append([m / (2 * tokens[d]) if tokens[d] else 0.0 for d, m in enumerate(moved)])
+    return max(sum(per_step[d] for per_step in shares) / len(steps) for d in range(dp))
+
+
+@cache
+def measured_rows(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float | None:
+    """The most rows one rank's experts run per MoE layer and microbatch in the run's
+    ``steps`` (the rows its ep group's members route to its experts; mean over the layers and
+    microbatches of a step, the busiest rank and step kept), None where it is not measured
+    (module docstring): what the experts' activations grow with."""
+    if not cfg.gpt.moe.experts:
+        return 0.0
+    routed = _routed(cfg, steps)
+    if routed is None:
+        return None
+    par, gpt = cfg.parallel, cfg.gpt
+    ep, per_rank = par.ep, par.microbatches * len(range(0, gpt.n_layer, gpt.moe.every))
+    return max(sum(rows[q][d % ep] for q in range(d - d % ep, d - d % ep + ep)) / per_rank
+               for rows, _ in routed for d in range(par.dp))
+
+
+@cache
+def _routed(cfg: TrainConfig, steps: tuple[int, ...]
+            ) -> tuple[tuple[tuple[tuple[int, ...], ...], tuple[int, ...]], ...] | None:
+    """Per step of ``steps``: rows[d][p], the kept rows dp rank d routes to member p of its
+    ep group, and the tokens each dp rank routed (summed over its microbatches and the MoE
+    layers); None where the run cannot be routed here (module docstring)."""
     from trainer.plan.shapes import MOE_REAL_BYTES, stage_params
 
     par, gpt = cfg.parallel, cfg.gpt
-    if par.ep <= 1 or not gpt.moe.experts:
-        return 0.0
-    if par.cp > 1:
+    if par.cp > 1 or not cfg.logging.plan_routing:
         return None
     params = sum(s.dense + s.expert for s in stage_params(gpt, tp=1, pp=1))
     if 4 * params > MOE_REAL_BYTES:
@@ -81,16 +118,12 @@ def measured_share(cfg: TrainConfig, steps: tuple[int, ...] = (1,)) -> float | N
     # The run's model, whole, with the run's seed, without dropout; dropped when done (not
     # cached: the trainer plans its own run with it before training).
     model = build_model(gpt, seed=cfg.seed).eval()
-    ep, shares = par.ep, []
+    out = []
     for step in steps:
-        # rows[d][p]: rows dp rank d sends to member p of its ep group; tokens routed per rank
         rows, routed = zip(*(_rows_to_members(model, cfg, [m[0] for m in b.microbatches(step)])
                              for b in data), strict=True)
-        moved = [sum(rows[d]) - rows[d][d % ep]  # sent to the others
-                 + sum(rows[q][d % ep] for q in range(d - d % ep, d - d % ep + ep) if q != d)
-                 for d in range(par.dp)]
-        shares.append([m / (2 * routed[d]) if routed[d] else 0.0 for d, m in enumerate(moved)])
-    return max(sum(per_step[d] for per_step in shares) / len(steps) for d in range(par.dp))
+        out.append((tuple(tuple(r) for r in rows), tuple(routed)))
+    return tuple(out)
 
 
 def training_batches(cfg: TrainConfig) -> list[ShardedBatches | TokenBatches]:

@@ -120,7 +120,9 @@ class PlanCheck:
         # Only rank 0 plans: 0.1-0.2 s of CPU for a tiny or small model (measured, 2026-11-28).
         # Its fake tensors import torch._dynamo (~1.5 s), but AdamW's add_param_group
         # (torch._disable_dynamo) has imported it in build_run already, in every run. Every rank
-        # of a modelled layout takes part in the one MAX after the first step.
+        # of a modelled layout takes part in the one MAX after the first step. A mixture of
+        # experts is routed by the run's own data only with --plan-routing (it builds the
+        # whole model once more); else its plan counts balanced routing.
         why = not_modelled(run.cfg)
         self.plan: Estimate | str = why or (
             plan_of(run.cfg, run_cluster(world.size, world.local_size, world.device))

@@ -49,7 +49,7 @@ held: between steps the staged bytes are 0 and the gradient memory is the shards
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +65,35 @@ from trainer.parallel.zero.layout import ShardLayout, shard_layout
 IN_FLIGHT = 2
 """Buckets reducing at once: one being waited for while the next is already posted, as in
 `trainer.parallel.zero.optimizer.ZeroOptimizer.publish` (DeepSpeed's overlap_comm double buffer)."""
+
+
+def peak_staged_bytes(sizes: Sequence[int], *, in_flight: int, rounds: int, main_bytes: int,
+                      wire_bytes: int) -> int:
+    """The most bytes `ShardedGradients` stages in a step whose reductions finish only when it
+    must wait for them (a network slower than backward: the worst case the `IN_FLIGHT` cap
+    bounds), replayed from its own accounting for buckets of ``sizes`` elements (padded, in
+    index order, as `trainer.parallel.zero.layout.shard_layout` cuts them): the staging of the
+    bucket being filled (``main_bytes`` per element) besides the ``in_flight`` launched before
+    it (their wires, ``wire_bytes`` per element; across a round's end when a step runs
+    ``rounds`` backwards), plus, when the wire is narrower, a launch's staging and wire at once.
+    ``in_flight`` 0: each reduction waited for at launch (overlap off, or one rank)."""
+    staged = peak = 0
+    flight: deque[int] = deque()
+    for _ in range(rounds):
+        for size in sizes:
+            staged += size * main_bytes  # its first gradient allocates the staging
+            peak = max(peak, staged)
+            while flight and len(flight) >= max(in_flight, 1):  # `_reduce` waits the oldest
+                staged -= flight.popleft()
+            wire = size * wire_bytes
+            if wire_bytes != main_bytes:  # the narrower copy is made, then the staging freed
+                staged += wire
+                peak = max(peak, staged)
+                staged -= size * main_bytes
+            flight.append(wire)
+            if not in_flight:
+                staged -= flight.popleft()
+    return peak
 
 
 @dataclass
