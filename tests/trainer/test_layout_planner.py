@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -138,9 +139,18 @@ def test_the_planned_memory_per_rank_equals_what_the_trainer_holds(
     # units and their gradients during the step (bench.memory's "peak" columns) included.
     params, grads = row["params_peak_mib"], row["grads_peak_mib"]
     total = params + grads + row["optim_mib"] + row["act_mib"]
-    for planned, held in ((mem.params, params), (mem.grads, grads),
-                          (mem.optimizer, row["optim_mib"]), (mem.activations, row["act_mib"]),
-                          (mem.total, total)):
+    components = [(mem.params, params), (mem.optimizer, row["optim_mib"]),
+                  (mem.activations, row["act_mib"]), (mem.total, total)]
+    if cfg.optimizer.zero == 2:
+        # A bucket's staging is freed when its reduction is seen finished, at the next hook:
+        # how many are held at once depends on how fast the reductions run, from one (each
+        # done before the next fills, as with overlap off) to the planner's worst case, the
+        # one being filled and IN_FLIGHT reducing. The total holds within 5% either way.
+        least = memory(replace(cfg, parallel=replace(cfg.parallel, overlap=False)), CPU).grads
+        assert least / mib * 0.95 <= grads <= mem.grads / mib * 1.05, (model, layout, grads)
+    else:
+        components.append((mem.grads, grads))
+    for planned, held in components:
         assert planned / mib == pytest.approx(held, rel=0.05), (model, layout, planned / mib,
                                                                 held)
 
