@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
+import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from launcher.errors import HostKeyError, UsageError
+from launcher.errors import ConnectError, HostKeyError, UsageError
 from launcher.hosts.hostfile import HostEntry
 from launcher.transport.options import SSHOptions
 
@@ -70,6 +72,12 @@ def describe(entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, A
                      "identities_only": host.identities_only,
                      "connect_timeout": host.connect_timeout, "known_hosts": lines})
     return hops
+
+
+def client_of(children: Mapping[int, Mapping[str, Any]]) -> str:
+    """The --ssh-client the head chose, which every hop it describes carries."""
+    first: Mapping[str, Any] = next(iter(children.values()), {})
+    return str((first.get("hop") or {}).get("client", "paramiko"))
 
 
 def _revoked(name: str, kind: str, b64: str, paths: Sequence[Path]) -> bool:
@@ -132,6 +140,41 @@ class RelayKeys:
                 "-o", f"IdentitiesOnly={'yes' if hop['identities_only'] else 'no'}",
                 *identities, "-l", user, "-p", str(port), "--", str(hop["hostname"]), command]
         return OpenSSHAgentStream(host, argv)
+
+    def connector(self, children: Mapping[int, Mapping[str, Any]], python: str,
+                  forwarded: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], Any]:
+        """How the relay starts each child's agent (its SUBTREE node: index, name, hop): over
+        the head's --ssh-client, with the head's resolved values and timeouts; the stream."""
+        from launcher.transport.local import agent_command
+
+        opts = self.options(forwarded)
+        command = shlex.join(agent_command(python))
+        if client_of(children) == "openssh":
+            ssh = shutil.which("ssh")
+
+            def over_openssh(node: Mapping[str, Any]) -> Any:
+                name = str(node["name"])
+                if ssh is None:
+                    raise ConnectError(f"cannot start ssh for {name}", f"host {name}",
+                                       "the relay above it has no `ssh` command on its PATH",
+                                       "install the OpenSSH client there, or use --ssh-client "
+                                       "paramiko")
+                return self.openssh_stream(ssh, name, node["hop"], opts, command)
+
+            return over_openssh
+        hosts = {int(i): self.resolved(str(c["name"]), c["hop"]) for i, c in children.items()}
+
+        def over_paramiko(node: Mapping[str, Any]) -> Any:
+            from launcher.transport.ssh import SSHConnection
+
+            conn = SSHConnection.open(hosts[int(node["index"])], opts)
+            try:
+                return conn.exec_stream(command)
+            except BaseException:
+                conn.close()
+                raise
+
+        return over_paramiko
 
     def options(self, forwarded: Mapping[str, Any]) -> SSHOptions:
         """The head's timeouts; never trust on first use, never the relay's ssh config."""

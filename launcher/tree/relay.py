@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import queue
-import shlex
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -93,11 +91,6 @@ class Relay:
         self._lock = threading.Lock()
         self._keys: Any = None
 
-    def _client(self) -> str:
-        """The --ssh-client the head chose, which its hops carry (`launcher.tree.hops`)."""
-        first: dict[str, Any] = next(iter(self._children.values()), {})
-        return str((first.get("hop") or {}).get("client", "paramiko"))
-
     def transport_pids(self) -> frozenset[int]:
         """The processes that carry the children's streams (the system `ssh`'s, one per
         child; none over paramiko): the agent keeps them when it kills what its own ranks
@@ -112,7 +105,9 @@ class Relay:
         agent's own thread: modules imported by two threads at once can be seen half-made
         (dataclasses reads `typing` from sys.modules while paramiko's import makes it)."""
         if self._connect is None:
-            if self._client() == "openssh":
+            from launcher.tree.hops import client_of
+
+            if client_of(self._children) == "openssh":
                 import launcher.transport.openssh.session
             else:
                 from launcher.transport.connect import import_paramiko
@@ -219,47 +214,15 @@ class Relay:
             self._start_children(self._connect)
             return
         try:
-            from launcher.transport.local import agent_command
             from launcher.tree.hops import RelayKeys
 
             self._keys = RelayKeys()
-            opts = self._keys.options(self._ssh)
-            ssh = shutil.which("ssh") if self._client() == "openssh" else None
-            hosts = {} if self._client() == "openssh" else {
-                i: self._keys.resolved(str(c["name"]), c["hop"]) for i, c in self._children.items()}
-            command = shlex.join(agent_command(self._python))
+            connect = self._keys.connector(self._children, self._python, self._ssh)
         except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
             for index in self._children:
                 self._lost(index, f"the relay could not start it: {exc}", connect=True)
             return
-
-        def over_ssh(node: dict[str, Any]) -> AgentStream:
-            from launcher.transport.ssh import SSHConnection
-
-            conn = SSHConnection.open(hosts[int(node["index"])], opts)
-            try:
-                return conn.exec_stream(command)
-            except BaseException:
-                conn.close()
-                raise
-
-        def over_openssh(node: dict[str, Any]) -> AgentStream:
-            from launcher.errors import ConnectError
-
-            name = str(node["name"])
-            if ssh is None:
-                raise ConnectError(f"cannot start ssh for {name}", f"host {name}",
-                                   "the relay above it has no `ssh` command on its PATH",
-                                   "install the OpenSSH client there, or use --ssh-client "
-                                   "paramiko")
-            stream: AgentStream = self._keys.openssh_stream(ssh, name, node["hop"], opts,
-                                                            command)
-            return stream
-
-        if self._client() == "openssh":
-            self._start_children(over_openssh)
-            return
-        self._start_children(over_ssh)
+        self._start_children(connect)
 
     def _start_children(self, connect: Callable[[dict[str, Any]], AgentStream]) -> None:
         from launcher.errors import ConnectError
