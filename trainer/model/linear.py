@@ -50,10 +50,21 @@ def _product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return _LINEAR(x, weight, bias, "none", [], "")
 
 
+def _weight_grad(g: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``g.T @ x`` (out, in) for ``g`` (rows, out) and ``x`` (rows, in). The sum runs over the
+    rows, the leading dimension of both, so one operand enters transposed, and oneDNN's linear
+    copies a transposed *input* into rows (its weight it reads at any strides): the narrower
+    operand is made the input, which copies rows x min(in, out) elements instead of rows x
+    out (the ``small`` model's qkv: 2 MB, not 6, per layer)."""
+    if g.shape[1] > x.shape[1]:
+        return _product(x.t(), g.t(), None).t().contiguous()  # (in, out) -> (out, in): small
+    return _product(g.t(), x.t(), None)
+
+
 class OneDNNLinear(torch.autograd.Function):
     """``F.linear`` with oneDNN's products forward and backward: the input gradient is
-    ``grad @ weight`` and the weight gradient ``grad.T @ x``, each one oneDNN linear on
-    transposed views (no copies); the bias gradient is ``grad``'s column sum, as torch's."""
+    ``grad @ weight`` and the weight gradient ``grad.T @ x`` (`_weight_grad`), each one oneDNN
+    linear on transposed views; the bias gradient is ``grad``'s column sum, as torch's."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,  # type: ignore[override]
@@ -71,7 +82,7 @@ class OneDNNLinear(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad  # type: ignore[attr-defined]
         g = grad.reshape(-1, grad.shape[-1])
         dx = _product(g, weight.t(), None).view(x.shape) if need_x else None
-        dw = _product(g.t(), x.reshape(-1, x.shape[-1]).t(), None) if need_w else None
+        dw = _weight_grad(g, x.reshape(-1, x.shape[-1])) if need_w else None
         db = g.sum(0) if need_b and ctx.has_bias else None  # type: ignore[attr-defined]
         return dx, dw, db
 
