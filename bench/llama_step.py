@@ -16,8 +16,9 @@ do too), in the same process and thread count:
 After one warm-up step each, the sides take ``reps`` runs of ``steps`` timed steps in turn, one
 step each, their order rotated every round, so drifting load on a shared machine hits them alike;
 each run is its own rows (``run`` 1..reps) with its median step times and ratios, dtrain's tokens/s
-over each peer's (target, issue 40: >= 1.0 at every size, in every run). A side whose package is
-missing is a row saying so.
+over each peer's (target, issue 40: >= 1.0 at every size, in every run), by wall time and by the
+CPU time of the step's thread (``dtrain_over_this_cpu``: the peer's CPU time over dtrain's). A
+side whose package is missing is a row saying so.
 
 dtrain's fp32 linears on a CPU multiply through oneDNN (`trainer.model.linear`), the peers'
 through torch's ``aten::mm`` (MKL); ``--same-kernels`` gives the peers' ``nn.Linear`` layers
@@ -188,19 +189,24 @@ def measure(size: str, *, steps: int, reps: int, same_kernels: bool = False) -> 
     rows: list[Row] = []
     for run_no in range(1, reps + 1):
         times: dict[str, list[float]] = {name: [] for name in built}
+        cpu: dict[str, list[float]] = {name: [] for name in built}
         for k in range(steps):  # one step of each side in turn: drifting load hits all
             for name in order[k % len(order):] + order[:k % len(order)]:
-                start = time.perf_counter()
+                start, thread = time.perf_counter(), time.thread_time()
                 built[name](x, y)
                 times[name].append(time.perf_counter() - start)
-        rows += _run_rows(size, spec, run_no, times, params, missing, same_kernels)
+                cpu[name].append(time.thread_time() - thread)
+        rows += _run_rows(size, spec, run_no, (times, cpu), params, missing, same_kernels)
     return rows
 
 
-def _run_rows(size: str, spec: Size, run_no: int, times: dict[str, list[float]],
+def _run_rows(size: str, spec: Size, run_no: int,
+              timed: tuple[dict[str, list[float]], dict[str, list[float]]],
               params: dict[str, int], missing: dict[str, str], same_kernels: bool
               ) -> list[Row]:
-    """One run's rows: each side's median step, and dtrain's tokens/s over each peer's."""
+    """One run's rows: each side's median step (wall, and CPU time of the step's thread,
+    which a loaded machine inflates far less), and dtrain's tokens/s over each peer's."""
+    times, cpu = timed
     tokens = spec.batch * spec.cfg.seq_len
     rows: list[Row] = []
     for name in SIDES:
@@ -210,14 +216,16 @@ def _run_rows(size: str, spec: Size, run_no: int, times: dict[str, list[float]],
         step_s = statistics.median(times[name])
         rows.append({"size": size, "run": run_no, "side": name, "batch": spec.batch,
                      "seq_len": spec.cfg.seq_len, "step_ms": round(step_s * 1e3, 1),
+                     "cpu_ms": round(statistics.median(cpu[name]) * 1e3, 1),
                      "tokens_per_s": round(tokens / step_s), "steps": len(times[name]),
                      "threads": torch.get_num_threads(), "params": params[name],
                      "peer_kernels": "dtrain's" if same_kernels and name != "dtrain"
                      else "own"})
-    ours = rows[0].get("tokens_per_s")
+    ours, ours_cpu = rows[0].get("tokens_per_s"), rows[0].get("cpu_ms")
     for row in rows[1:]:
         if ours and row.get("tokens_per_s"):
             row["dtrain_over_this"] = round(ours / row["tokens_per_s"], 3)
+            row["dtrain_over_this_cpu"] = round(row["cpu_ms"] / ours_cpu, 3)
     return rows
 
 

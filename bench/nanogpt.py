@@ -61,9 +61,19 @@ NANOGPT_URL = f"https://raw.githubusercontent.com/karpathy/nanoGPT/{NANOGPT_COMM
 NANOGPT_SHA256 = "7c01703240dbec5d554527dc666e35b3df8391d0b117fddc07afcf325a21d11c"
 SIDES = ("nanogpt", "nanogpt-onednn", "dtrain-model", "dtrain")
 WARMUP = 3
+SUMMARY_NOTE = (
+    "Ratios are to nanoGPT's step in the same run (median of the timed steps; CPU: median CPU "
+    "time of the step's thread, steadier than wall time on a loaded machine). "
+    "`nanogpt-onednn` is nanoGPT's model and loop with its linears on dtrain's kernel "
+    "(`trainer.model.linear`: oneDNN for fp32 on a CPU, where torch's `aten::mm` runs MKL); "
+    "the `vs nanoGPT-oneDNN` columns compare at equal matrix-product kernels. Parts: ms per "
+    "step, each timed alone, with nanoGPT's counterpart.")
 SUMMARY_COLUMNS = [("side", "side"), ("step ms", "step_ms"), ("vs nanoGPT", "ratio"),
-                   ("min ms", "min_ms"), ("min vs nanoGPT", "min_ratio"), ("threads", "threads"),
-                   ("batch", "batch"), ("seq", "seq_len")]
+                   ("min ms", "min_ms"), ("min vs nanoGPT", "min_ratio"), ("CPU ms", "cpu_ms"),
+                   ("CPU vs nanoGPT", "cpu_ratio"), ("vs nanoGPT-oneDNN", "same_kernel_ratio"),
+                   ("CPU vs nanoGPT-oneDNN", "same_kernel_cpu_ratio"),
+                   ("nanoGPT part ms", "nanogpt_ms"), ("threads", "threads"), ("batch", "batch"),
+                   ("seq", "seq_len")]
 
 
 def nanogpt_source(given: str | None, tmp: Path) -> Path:
@@ -245,11 +255,7 @@ def run(model: str = "small", batch: int = 8, threads: int = 1, steps: int = 30,
 def print_table(rows: list[dict[str, Any]]) -> None:
     common.print_rows("One-process step: dtrain vs karpathy/nanoGPT model.py (fp32, CPU); "
                       "parts: ms per step, nanoGPT's counterpart where it has one", rows,
-                      [*SUMMARY_COLUMNS[:5], ("CPU ms", "cpu_ms"), ("CPU vs nanoGPT", "cpu_ratio"),
-                       ("vs nanoGPT-oneDNN", "same_kernel_ratio"),
-                       ("CPU vs nanoGPT-oneDNN", "same_kernel_cpu_ratio"),
-                       ("nanoGPT part ms", "nanogpt_ms"),
-                       *SUMMARY_COLUMNS[5:]])
+                      SUMMARY_COLUMNS)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
