@@ -351,3 +351,15 @@ def save_rank_result(out: str, result: dict[str, Any]) -> int:
     """A bench worker rank's ending: its result as ``<out>/rank<r>.json``; exit code 0."""
     Path(out, f"rank{result['rank']}.json").write_text(json.dumps(result))
     return 0
+
+
+def with_dtrain_linears(model: Any) -> Any:
+    """``model`` with every ``nn.Linear`` computing through dtrain's kernel (same weights)."""
+    import torch
+
+    from trainer.model.linear import linear
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = lambda x, m=module: linear(x, m.weight, m.bias)
+    return model

@@ -13,10 +13,16 @@ do too), in the same process and thread count:
 * ``torchtitan``: its Llama 3 model (``torchtitan.models.llama3``, model code only; setup.cfg's
   ``bench`` extra, installed by ``make bench``), tokens -> logits -> cross entropy -> clip.
 
-After one warm-up step each, the sides take ``steps`` x ``reps`` timed steps in turn, one step
-each, their order rotated every round, so drifting load on a shared machine hits them alike;
-the row keeps the median step time. Ratios are dtrain's tokens/s over each peer's (target >= 1.0).
-A side whose package is missing is a row saying so.
+After one warm-up step each, the sides take ``reps`` runs of ``steps`` timed steps in turn, one
+step each, their order rotated every round, so drifting load on a shared machine hits them alike;
+each run is its own rows (``run`` 1..reps) with its median step times and ratios, dtrain's tokens/s
+over each peer's (target, issue 40: >= 1.0 at every size, in every run), by wall time and by the
+CPU time of the step's thread (``dtrain_over_this_cpu``: the peer's CPU time over dtrain's). A
+side whose package is missing is a row saying so.
+
+dtrain's fp32 linears on a CPU multiply through oneDNN (`trainer.model.linear`), the peers'
+through torch's ``aten::mm`` (MKL); ``--same-kernels`` gives the peers' ``nn.Linear`` layers
+dtrain's kernel too, for the comparison at equal matrix-product kernels.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from bench.common import with_dtrain_linears
 from trainer.config.sections import OptimizerSection
 from trainer.model.config import GPTConfig
 from trainer.model.llama_config import LlamaShape
@@ -103,7 +110,7 @@ def dtrain_side(cfg: GPTConfig) -> Side:
     return (lambda x, y: run_step(run, next(steps))), run.model.num_params()
 
 
-def transformers_side(cfg: GPTConfig) -> Side:
+def transformers_side(cfg: GPTConfig, same_kernels: bool = False) -> Side:
     from transformers import LlamaConfig as HFConfig
     from transformers import LlamaForCausalLM
 
@@ -114,10 +121,12 @@ def transformers_side(cfg: GPTConfig) -> Side:
                   tie_word_embeddings=False, rope_theta=cfg.rope_theta,
                   attn_implementation="sdpa")
     model = LlamaForCausalLM(hf).train()
+    if same_kernels:
+        with_dtrain_linears(model)
     return _trainer(model, lambda x: model(input_ids=x, use_cache=False).logits)
 
 
-def torchtitan_side(cfg: GPTConfig) -> Side:
+def torchtitan_side(cfg: GPTConfig, same_kernels: bool = False) -> Side:
     # torchtitan's own builders with its SDPA attention class: its language-model presets now
     # pick flex or varlen attention, which need compilation or CUDA; SDPA is its eager path.
     from torchtitan.models import llama3 as tt
@@ -150,14 +159,16 @@ def torchtitan_side(cfg: GPTConfig) -> Side:
     model = spec.build()
     model.init_states(buffer_device=torch.device("cpu"))
     model.train()
+    if same_kernels:
+        with_dtrain_linears(model)
     return _trainer(model, model)
 
 
-SIDES: dict[str, Callable[[GPTConfig], Side]] = {
+SIDES: dict[str, Callable[..., Side]] = {
     "dtrain": dtrain_side, "transformers": transformers_side, "torchtitan": torchtitan_side}
 
 
-def measure(size: str, *, steps: int, reps: int) -> list[Row]:
+def measure(size: str, *, steps: int, reps: int, same_kernels: bool = False) -> list[Row]:
     spec = SIZES[size]
     cfg, batch = spec.cfg, spec.batch
     gen = torch.Generator().manual_seed(0)
@@ -169,45 +180,70 @@ def measure(size: str, *, steps: int, reps: int) -> list[Row]:
     for name, make in SIDES.items():
         torch.manual_seed(0)
         try:
-            built[name], params[name] = make(cfg)
+            built[name], params[name] = make(cfg, same_kernels) if name != "dtrain" else \
+                make(cfg)
         except ImportError as err:
             missing[name] = f"not installed ({err.name})"
         built.get(name, lambda *_: None)(x, y)  # warm-up step
-    times: dict[str, list[float]] = {name: [] for name in built}
     order = list(built)
-    for k in range(steps * reps):  # one step of each side in turn: drifting load hits all
-        for name in order[k % len(order):] + order[:k % len(order)]:
-            start = time.perf_counter()
-            built[name](x, y)
-            times[name].append(time.perf_counter() - start)
-    tokens = batch * cfg.seq_len
     rows: list[Row] = []
-    for name in SIDES:
-        if name in missing:
-            rows.append({"size": size, "side": name, "note": missing[name]})
-            continue
-        step_s = statistics.median(times[name])
-        rows.append({"size": size, "side": name, "batch": batch, "seq_len": cfg.seq_len,
-                     "step_ms": round(step_s * 1e3, 1), "tokens_per_s": round(tokens / step_s),
-                     "threads": torch.get_num_threads(), "params": params[name]})
-    ours = rows[0].get("tokens_per_s")
-    for row in rows[1:]:
-        if ours and row.get("tokens_per_s"):
-            row["dtrain_over_this"] = round(ours / row["tokens_per_s"], 3)
+    for run_no in range(1, reps + 1):
+        times: dict[str, list[float]] = {name: [] for name in built}
+        cpu: dict[str, list[float]] = {name: [] for name in built}
+        for k in range(steps):  # one step of each side in turn: drifting load hits all
+            for name in order[k % len(order):] + order[:k % len(order)]:
+                start, thread = time.perf_counter(), time.thread_time()
+                built[name](x, y)
+                times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.thread_time() - thread)
+        rows += _run_rows(size, spec, run_no, (times, cpu), params, missing, same_kernels)
     return rows
 
 
-def run(sizes: tuple[str, ...] = ("tiny", "100m"), steps: int = 3, reps: int = 3) -> list[Row]:
-    return [row for size in sizes for row in measure(size, steps=steps, reps=reps)]
+def _run_rows(size: str, spec: Size, run_no: int,
+              timed: tuple[dict[str, list[float]], dict[str, list[float]]],
+              params: dict[str, int], missing: dict[str, str], same_kernels: bool
+              ) -> list[Row]:
+    """One run's rows: each side's median step (wall, and CPU time of the step's thread,
+    which a loaded machine inflates far less), and dtrain's tokens/s over each peer's."""
+    times, cpu = timed
+    tokens = spec.batch * spec.cfg.seq_len
+    rows: list[Row] = []
+    for name in SIDES:
+        if name in missing:
+            rows.append({"size": size, "run": run_no, "side": name, "note": missing[name]})
+            continue
+        step_s = statistics.median(times[name])
+        rows.append({"size": size, "run": run_no, "side": name, "batch": spec.batch,
+                     "seq_len": spec.cfg.seq_len, "step_ms": round(step_s * 1e3, 1),
+                     "cpu_ms": round(statistics.median(cpu[name]) * 1e3, 1),
+                     "tokens_per_s": round(tokens / step_s), "steps": len(times[name]),
+                     "threads": torch.get_num_threads(), "params": params[name],
+                     "peer_kernels": "dtrain's" if same_kernels and name != "dtrain"
+                     else "own"})
+    ours, ours_cpu = rows[0].get("tokens_per_s"), rows[0].get("cpu_ms")
+    for row in rows[1:]:
+        if ours and row.get("tokens_per_s"):
+            row["dtrain_over_this"] = round(ours / row["tokens_per_s"], 3)
+            row["dtrain_over_this_cpu"] = round(row["cpu_ms"] / ours_cpu, 3)
+    return rows
+
+
+def run(sizes: tuple[str, ...] = ("tiny", "100m"), steps: int = 3, reps: int = 3,
+        same_kernels: bool = False) -> list[Row]:
+    return [row for size in sizes
+            for row in measure(size, steps=steps, reps=reps, same_kernels=same_kernels)]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="tiny,100m")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps of each side a run")
+    parser.add_argument("--reps", type=int, default=3, help="runs of each size, each reported")
+    parser.add_argument("--same-kernels", action="store_true",
+                        help="the peers' nn.Linear layers multiply through dtrain's kernel")
     args = parser.parse_args()
-    for row in run(tuple(args.sizes.split(",")), args.steps, args.reps):
+    for row in run(tuple(args.sizes.split(",")), args.steps, args.reps, args.same_kernels):
         print(json.dumps(row))
 
 

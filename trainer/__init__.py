@@ -23,7 +23,7 @@ over 400 lines).
                  checkpointing: what a save step stages, written in the background)
     stopping/    time_limit, agreement, sigterm: stopping before --steps, every rank after the
                  same step (SIGTERM: checkpoint, exit 143)
-    model/       config, layers, gpt, precision, flops: the plain single-device GPT;
+    model/       config, layers, linear, gpt, precision, flops: the plain single-device GPT;
                  llama_config, llama, family: the Llama family on the same decoder
     hf/          config, names, weights, folder: Hugging Face Llama folders both ways
     dashboards/  names, tb_sink, wandb_sink, hub: TensorBoard and W&B views of the metrics

@@ -2,6 +2,7 @@
 
 * `trainer.model.config`     `GPTConfig` (size and shape) and the ``--model`` presets
 * `trainer.model.layers`     norms, rotary embeddings, attention, MLP, the pre-norm block
+* `trainer.model.linear`     the linears' kernel: fp32 products on a CPU through oneDNN
 * `trainer.model.documents`  document masking of packed windows: document ids, the mask
 * `trainer.model.gpt`        `GPT`: embedding, blocks, head, deterministic init, the loss
 * `trainer.model.precision`  losses, norms and main gradients in at least fp32 (shared with

@@ -53,6 +53,7 @@ from trainer.model.layers import (
     rope_tables,
     rotary_qkv,
 )
+from trainer.model.linear import Linear, use_plain_linears
 from trainer.model.precision import at_least_fp32
 
 
@@ -102,7 +103,7 @@ class GPT(nn.Module):
 
                 install_moe(self.blocks, cfg, self.make_mlp)
             self.ln_f: nn.Module | None = self.make_norm(cfg)
-            self.head: nn.Linear | None = nn.Linear(cfg.d_model, cfg.vocab_rows, bias=False)
+            self.head: nn.Linear | None = Linear(cfg.d_model, cfg.vocab_rows, bias=False)
         self.emb_drop = nn.Dropout(cfg.dropout)
         self.criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
         """(logits (N, V), targets (N,)) -> mean loss. Hook for tensor parallelism, whose
@@ -185,11 +186,13 @@ class GPT(nn.Module):
         return self.head_loss(self.hidden(idx_BT, docs_BT), targets_BT)
 
     def use_plain_ops(self, plain: bool) -> None:
-        """Split and rotate q, k, v in plain ops (True: for tracers such as torch.compile and
-        vmap, which cannot see into the fused `RotaryQKV`) or fused (False, the default)."""
+        """Split and rotate q, k, v and multiply the linears in plain torch ops (True: for
+        tracers such as torch.compile and vmap, which cannot see into the fused `RotaryQKV` or
+        the oneDNN linears of `trainer.model.linear`) or fused (False, the default)."""
         for module in self.modules():
             if isinstance(module, Attention):
                 module.split_qkv = plain_qkv if plain else rotary_qkv
+        use_plain_linears(self, plain)
 
     def num_params(self) -> int:
         """Parameter count, a tied weight counted once."""

@@ -19,6 +19,7 @@ from torch import nn
 
 from trainer.model.config import GPTConfig
 from trainer.model.documents import causal_document_mask
+from trainer.model.linear import Linear
 
 Runner = Callable[..., torch.Tensor]
 """``runner(fn, *tensors)`` runs ``fn(*tensors)``; a recompute hook runs it without keeping
@@ -161,8 +162,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_head, self.head_dim, self.dropout = cfg.n_head, cfg.head_dim, cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.probs_rng: Callable[[], AbstractContextManager] = nullcontext
         """Context the attention-probability dropout draws its mask under. Hook for tensor
@@ -206,8 +207,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         hidden = cfg.mlp_ratio * cfg.d_model
-        self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
-        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+        self.fc = Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.proj = Linear(hidden, cfg.d_model, bias=cfg.bias)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:

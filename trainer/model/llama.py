@@ -39,6 +39,7 @@ from trainer.model.config import GPTConfig
 from trainer.model.documents import causal_document_mask
 from trainer.model.gpt import GPT
 from trainer.model.layers import Block, RMSNorm, Runner, documents, run_directly
+from trainer.model.linear import Linear
 
 
 def inv_frequencies(cfg: GPTConfig) -> torch.Tensor:
@@ -83,9 +84,9 @@ class GQAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.head_dim, self.dropout = cfg.head_dim, cfg.dropout
-        self.q = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
-        self.kv = nn.Linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias=False)
-        self.proj = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        self.q = Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.kv = Linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias=False)
+        self.proj = Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
         self.probs_rng: Callable[[], AbstractContextManager] = nullcontext
         """Context of the attention-probability dropout (hook for tensor parallelism, as in
@@ -131,8 +132,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
-        self.proj = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+        self.fc = Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
+        self.proj = Linear(cfg.hidden, cfg.d_model, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
