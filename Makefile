@@ -43,17 +43,20 @@ NUMERICS_TESTS := $(addprefix tests/trainer/,test_kernel_variants.py test_moe_la
 	test_tp_training.py test_pp_training.py test_data_parallel.py test_zero.py \
 	test_resume_matrix.py test_llama_tp.py test_llama_training.py test_activations.py \
 	test_recsys_training.py test_zero2.py test_zero3.py test_padded_vocab_training.py \
-	test_context_parallel.py test_context_parallel_attention.py test_context_parallel_training.py)
+	test_context_parallel.py test_context_parallel_attention.py test_context_parallel_training.py \
+	test_linear.py)
 # What a variant changes (torch 2.13's CPU wheel: MKL for BLAS, ATen's own vector kernels):
 # - MKL_CBWR=COMPATIBLE: MKL's SSE2 code path, other GEMM blocking and summation orders, on any
 #   x86-64 (MKL ignores MKL_ENABLE_INSTRUCTIONS on AMD CPUs, but honours this);
 # - ATEN_CPU_CAPABILITY=default: ATen's scalar kernels (sums, softmax, norms) instead of the
 #   CPU's best (torch.backends.cpu.get_cpu_capability() shows the choice);
+# - ONEDNN_MAX_CPU_ISA=SSE41: oneDNN's SSE4.1 kernels for the models' fp32 CPU linears
+#   (trainer/model/linear.py), other blocking and summation orders than the CPU's best;
 # - MKL_ENABLE_INSTRUCTIONS=AVX2 (or SSE4_2): MKL's AVX2 kernels on an Intel CPU with AVX-512.
-# `make test` runs the first two together: another kernel set than the default on every CPU, at
-# the cost of one more pass over NUMERICS_TESTS. More: make test-kernels KERNEL_VARIANTS='"A=1"
+# `make test` runs the first three together: another kernel set than the default on every CPU,
+# at the cost of one more pass over NUMERICS_TESTS. More: make test-kernels KERNEL_VARIANTS='"A=1"
 # "B=2 C=3"' (with MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 they pass too).
-KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default"
+KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default ONEDNN_MAX_CPU_ISA=SSE41"
 # Two workers, a file per worker: a file's MPI run is shared by its tests
 # (tests/support/mpi_runs.py).
 NUMERICS_WORKERS ?= 2

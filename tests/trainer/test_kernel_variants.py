@@ -3,8 +3,9 @@
 torch's CPU wheel does its matrix products in MKL and its reductions in ATen's own vector
 kernels. ``ATEN_CPU_CAPABILITY`` picks ATen's (default = scalar, avx2, avx512); MKL picks its code
 path by the CPU and ``MKL_ENABLE_INSTRUCTIONS`` (Intel CPUs only) or ``MKL_CBWR=COMPATIBLE`` (its
-SSE2 path, on any x86-64). If torch stopped honouring them, the variant runs would repeat the
-default one and prove nothing: these tests say so.
+SSE2 path, on any x86-64). The models' fp32 linears run in oneDNN (`trainer.model.linear`), which
+picks its code path by the CPU up to ``ONEDNN_MAX_CPU_ISA``. If torch stopped honouring them, the
+variant runs would repeat the default one and prove nothing: these tests say so.
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from tests.support import PYTHON
 
 PROBE = """
 import json, torch
+from trainer.model.linear import linear
 g = torch.Generator().manual_seed(0)
 a = torch.randn(64, 257, dtype=torch.float64, generator=g)
 b = torch.randn(257, 64, dtype=torch.float64, generator=g)
 v = torch.randn(100_003, dtype=torch.float32, generator=g)
+x = torch.randn(64, 768, generator=g)
+w = torch.randn(256, 768, generator=g)
 print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
-                  "matmul": (a @ b).flatten().tolist(), "sum": v.sum().item()}))
+                  "matmul": (a @ b).flatten().tolist(), "sum": v.sum().item(),
+                  "linear": linear(x, w).flatten().tolist()}))
 """
 
 
@@ -38,7 +43,7 @@ def probe(**env: str) -> dict:
 def _probe(env: tuple[tuple[str, str], ...]) -> dict:
     """What PROBE computes in a fresh interpreter with only ``env``'s kernel choices."""
     clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("MKL_", "ATEN_CPU_CAPABILITY"))}
+             if not k.startswith(("MKL_", "ATEN_CPU_CAPABILITY", "ONEDNN_"))}
     out = subprocess.run([PYTHON, "-c", PROBE], capture_output=True, text=True, timeout=120,
                          env={**clean, "OMP_NUM_THREADS": "1", **dict(env)}, check=True).stdout
     return json.loads(out.splitlines()[-1])
@@ -60,3 +65,10 @@ def test_atens_scalar_kernels_sum_in_another_order() -> None:
     if best["capability"] == "DEFAULT":
         pytest.skip("this CPU has no vector kernels for ATen")
     assert default["capability"] == "DEFAULT" and default["sum"] != best["sum"]
+
+
+def test_onednns_sse41_kernels_compute_another_linear() -> None:
+    if "avx2" not in torch.backends.cpu.get_cpu_capability().lower() and \
+            "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
+        pytest.skip("this CPU has no vector ISA above SSE4.1 for oneDNN to leave")
+    assert probe(ONEDNN_MAX_CPU_ISA="SSE41")["linear"] != probe()["linear"]
