@@ -107,6 +107,26 @@ def test_a_simulated_tree_launch_of_256_hosts_relays_every_frame_and_merges_each
     assert counted == _lazy(expected, sum(gets.values()))
 
 
+@pytest.mark.parametrize("fanout", [0, 4])
+def test_hosts_whose_ranks_read_many_cards_fetch_them_all_once(fanout: int) -> None:
+    """MPICH's default address exchange reads every card: 64 peers a rank here. Past the
+    ski-rental point each host fetches every card at once (`launcher.pmi.proxy`); in a tree
+    each relay sends one fetch up and answers the rest of its children itself. Every card a
+    fake rank reads is checked against the one its peer put."""
+    hosts, ranks = 64, 8
+    result = simjob.run_job(hosts, ranks, gets=64, timeout=300, heartbeat=30.0,
+                            extra=["--fanout", str(fanout)])
+    _ended_well(result, hosts, ranks)
+    counted = _counted(result)
+    fetches = counted["in"]["PMI:fetch"]
+    assert counted["out"]["PMI:cards"] == fetches
+    assert counted["in"]["PMI:get"] == counted["out"]["PMI:get_result"]
+    if fanout:  # at most one per relay, and one per host the relays do not carry
+        assert fetches <= len(Tree(hosts, fanout).relays()) + fanout
+    else:
+        assert fetches == hosts
+
+
 def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:
     real = simjob.run_job(8, 2, real=True, timeout=120)
     simulated = simjob.run_job(8, 2, timeout=120)
