@@ -13,8 +13,8 @@ fence, finalize) and exits. Per size, one job (t0 = just before the head's proce
 * ``exit tail``: the head's launch returned minus the last rank's exit;
 * head CPU seconds and peak RSS (getrusage of the head's process), head CPU per host;
 * frames through the head, both ways (every job with --heartbeat-interval 30: see
-  `HEARTBEAT_S`), and the PMI bytes it sent (barrier_out carries every
-  card to every host: hosts x ranks x card bytes per fence).
+  `HEARTBEAT_S`), and the PMI bytes it sent (above 64 KiB of cards a fence's answer carries
+  none: each get goes to the nearest level that holds the card, `launcher.pmi.kvs`).
 
 Then each measure's growth with N (hosts) fitted by least squares as ``a + b N`` and as
 ``a + b N log2 N`` (residual RMS of each), and the targets at 1,024 x 8: launch + wire-up

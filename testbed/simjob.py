@@ -107,9 +107,13 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
                                    heartbeat, env, real=real)
             try:
                 out, err = head.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                head.kill()
-                out, err = head.communicate()
+            except subprocess.TimeoutExpired:  # stopped as a user would: it says where it was
+                head.terminate()
+                try:
+                    out, err = head.communicate(timeout=30)
+                except subprocess.TimeoutExpired:
+                    head.kill()
+                    out, err = head.communicate()
             head_exit = time.monotonic()
             head = subprocess.CompletedProcess(head.args, head.returncode, out, err)
         finally:
@@ -120,7 +124,11 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
                 assert proc.stdin is not None
                 proc.stdin.close()
             for proc in procs:
-                proc.wait(timeout=60)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:  # starved past its minute: ours to end
+                    proc.kill()
+                    proc.wait()
         if not (folder / "head.json").exists():
             raise RuntimeError(f"the head left no stats (exit {head.returncode}): "
                                f"{head.stderr.decode(errors='replace')[-2000:]}")
@@ -129,6 +137,10 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         agents: dict[str, int] = {}
         worker_cpu = 0.0
         for w in range(len(procs)):
+            if not (folder / f"worker{w}.json").exists():
+                raise RuntimeError(f"simcluster worker {w} left no stats (killed after the head "
+                                   f"ended, exit {head.returncode}): "
+                                   f"{head.stderr.decode(errors='replace')[-2000:]}")
             stats = json.loads((folder / f"worker{w}.json").read_text())
             stamps += stats["ranks"]
             agents.update(stats["agents"])

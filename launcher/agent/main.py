@@ -195,9 +195,12 @@ class Agent:
                                                "check_s": round(time.monotonic() - t0, 4)})
 
     def _pmi_up(self, msg: dict[str, Any]) -> None:
-        """The PMI proxy's message to the head; a relay's own barrier joins its subtree's."""
+        """The PMI proxy's message to the head; a relay's own barrier joins its subtree's,
+        and its own get is answered by it when it holds the card."""
         if self.relay is not None and msg.get("op") == "barrier_in":
             self.relay.own_barrier(msg)
+        elif self.relay is not None and msg.get("op") == "get" and self.relay.own_get(msg):
+            pass  # a card of the relay's subtree, answered by the relay
         else:
             self.link.send_json(wire.Kind.PMI, msg)
 

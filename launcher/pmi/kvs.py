@@ -4,9 +4,21 @@ Pure: the supervisor passes each PMI relay message from host ``h`` to ``handle(h
 sends the returned ``(host, reply)`` pairs. The messages are those of ``launcher.pmi.proxy``.
 
 A barrier is complete when every host sent ``barrier_in`` (each proxy sends one only after all
-of its ranks entered); the head then sends every host one ``barrier_out`` carrying all keys put
-in that epoch, so a barrier costs 2 x hosts messages whatever the number of ranks, and each
-proxy can answer the gets that follow from its own cache.
+of its ranks entered); the head then sends every host one ``barrier_out``, so a barrier costs
+2 x hosts messages whatever the number of ranks. What the answer carries depends on the size
+of the epoch's cards:
+
+* up to ``push_bytes`` (`PUSH_BYTES`): every key put in that epoch (``kv``), and each proxy
+  answers the gets that follow from its own cache;
+* above it, none (``"kv": {}``) but their size (``"held": bytes``): pushing every card to
+  every host is hosts x cards, N^2 bytes in all, while a rank asks for the cards of the peers
+  it wires up to. A host's get then travels up to the nearest level that has the key (its own
+  cache, each relay's subtree, this space) - PMIx's "direct modex" - and a host whose ranks
+  ask for much of it fetches the whole store in one ``fetch`` (`launcher.pmi.proxy`), as
+  MPICH's default address exchange does (every host reads every card once).
+
+Keys stay committed for the job: a ``get`` or ``fetch`` is answered from every completed
+epoch.
 
 Under fan-out (`launcher.tree.fence`) one ``barrier_in`` may cover many hosts (``hosts``, the
 host indices it stands for): it is answered with one ``barrier_out`` naming the same hosts, so
@@ -23,6 +35,11 @@ from collections.abc import Mapping
 
 from launcher.errors import PmiError
 
+#: The most bytes of an epoch's cards (keys and values) a fence's answer carries to every host.
+#: 64 KiB is about 300 MPICH cards (up to ~40 hosts x 8 ranks): less than a millisecond on any
+#: link, and fewer bytes than the round trips of the gets it saves would weigh.
+PUSH_BYTES = 64 * 1024
+
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
@@ -33,10 +50,10 @@ if TYPE_CHECKING:
 class KeyValueSpace:
     """The job's committed keys plus the epoch being gathered; see the module docstring."""
 
-    def __init__(self, *, hosts: int, kvsname: str) -> None:
+    def __init__(self, *, hosts: int, kvsname: str, push_bytes: int = PUSH_BYTES) -> None:
         if hosts < 1:
             raise ValueError("a key-value space needs at least one host")
-        self.hosts, self.kvsname = hosts, kvsname
+        self.hosts, self.kvsname, self.push_bytes = hosts, kvsname, push_bytes
         self.epoch = 0                          # completed barriers
         self.conflicts: list[str] = []          # keys put twice with different values
         self._store: dict[str, str] = {}        # committed by completed barriers
@@ -59,6 +76,8 @@ class KeyValueSpace:
             return self._barrier_in(host, msg.get("puts"), msg.get("hosts", [host]))
         if op == "get":
             return [(host, self._get(msg))]
+        if op == "fetch":  # every committed card, for a host whose ranks read much of them
+            return [(host, {"op": "cards", "req": msg.get("req"), "kv": self._store})]
         if op == "abort":
             self._abort(msg)
             return []
@@ -93,8 +112,11 @@ class KeyValueSpace:
         self._entered.clear()
         self.epoch += 1
         reporters, self._reporters = self._reporters, {}
-        return [(h, {"op": "barrier_out", "kv": kv} if covered == [h] else
-                 {"op": "barrier_out", "kv": kv, "hosts": covered})
+        size = sum(len(k) + len(v) for k, v in kv.items())
+        answer: dict[str, Any] = {"op": "barrier_out", "kv": kv}
+        if size > self.push_bytes:  # announced, not sent: gets find the keys (module doc)
+            answer = {"op": "barrier_out", "kv": {}, "held": size}
+        return [(h, answer if covered == [h] else {**answer, "hosts": covered})
                 for h, covered in sorted(reporters.items())]
 
     def _merge(self, puts: Mapping[str, str]) -> None:

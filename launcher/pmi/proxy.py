@@ -8,6 +8,13 @@ puts, gets of keys it has cached) and talks to the head only to combine barriers
 per host per barrier carrying every put of this host since the previous barrier, which keeps
 the head at O(hosts) messages instead of O(ranks).
 
+A fence whose cards were too many to push (``"held"``: their bytes, `launcher.pmi.kvs`)
+leaves them above: each get this host cannot answer goes up, until the gets sent for that
+epoch would have cost as much as all of its cards (`GET_COST_BYTES` each); the next miss
+fetches every card in one ``fetch`` and the gets that arrive meanwhile wait for it. That is
+the ski-rental rule: a rank that wires up to a few peers sends a few gets, MPICH's default
+address exchange (every host reads every card) costs at most twice what the push did.
+
 Failure rules (Hydra's): a rank whose connection closes after it spoke PMI but before
 ``finalize`` has failed; a connection that never sent a byte (a non-MPI program) has not.
 A line that is not PMI, a request out of order or a second request while one is pending closes
@@ -32,6 +39,11 @@ from launcher.pmi.codec import (
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
+
+#: What one get answered from above costs, in bytes of cards moved instead: a round trip
+#: through every level up to the key (a frame, its JSON and a thread hop at each) costs about
+#: what 4 KiB of cards does to send and decode.
+GET_COST_BYTES = 4096
 
 
 class PmiProxy:
@@ -66,6 +78,10 @@ class PmiProxy:
         self._gets: dict[int, tuple[int, str]] = {}  # req -> (conn, key)
         self._next_req = 0
         self._epoch = 0
+        self._held = 0           # bytes of cards the last fence left above (0: pushed or none)
+        self._asked = 0          # gets sent up since that fence
+        self._fetch: int | None = None  # the fetch under way (its req), gets waiting on it:
+        self._after_fetch: list[tuple[int, str]] = []  # (conn, key)
         self._fixed = actions.fixed_replies(world_size=world_size, kvsname=kvsname, appnum=appnum)
         # (connection, its rank, its state, the request) -> what to do
         self._handlers: dict[str, Callable[[int, int, Conn, PmiCommand], list[Action]]] = {
@@ -127,9 +143,11 @@ class PmiProxy:
         """A message from the head."""
         op = msg.get("op")
         if op == "barrier_out":
-            return self._barrier_out(msg.get("kv"))
+            return self._barrier_out(msg.get("kv"), msg.get("held", 0))
         if op == "get_result":
             return self._get_result(msg)
+        if op == "cards":
+            return self._cards(msg)
         raise actions.relay_error(f"unknown op {op!r}")
 
     def exited(self, rank: int) -> None:
@@ -236,6 +254,14 @@ class PmiProxy:
         if key in self._attrs or key.startswith("PMI_"):
             return [Reply(conn, format_reply("get_result", rc=1, msg="not_available"))]
         c.pending, self._next_req = "get", self._next_req + 1
+        if self._fetch is not None:
+            self._after_fetch.append((conn, key))
+            return []
+        if self._held and self._asked * GET_COST_BYTES >= self._held:
+            self._fetch, self._held = self._next_req, 0  # once per fence
+            self._after_fetch.append((conn, key))
+            return [Send({"op": "fetch", "req": self._next_req})]
+        self._asked += 1
         self._gets[self._next_req] = (conn, key)
         return [Send({"op": "get", "key": key, "req": self._next_req})]
 
@@ -266,12 +292,13 @@ class PmiProxy:
 
     # ----- head messages -----------------------------------------------------------------------
 
-    def _barrier_out(self, kv: object) -> list[Action]:
+    def _barrier_out(self, kv: object, held: object = 0) -> list[Action]:
         if not isinstance(kv, dict):
             raise actions.relay_error("barrier_out without a kv object")
         if len(self._barrier) < len(self._ranks):
             raise actions.relay_error("barrier_out before every local rank entered the barrier")
         self._cache.update(kv)
+        self._held, self._asked = (held if isinstance(held, int) else 0), 0
         self._epoch += 1
         out: list[Action] = []
         for rank in sorted(self._barrier):
@@ -298,3 +325,21 @@ class PmiProxy:
             return [Reply(conn, format_reply("get_result", rc=0, value=value))]
         return [Reply(conn, format_reply("get_result", rc=1, msg="key_not_found"))]
 
+    def _cards(self, msg: Mapping[str, Any]) -> list[Action]:
+        """The fetch's answer: every committed card; the gets that waited on it answered."""
+        kv = msg.get("kv")
+        if msg.get("req") != self._fetch or not isinstance(kv, dict):
+            raise actions.relay_error(f"cards for unknown request {msg.get('req')!r}")
+        self._cache.update(kv)
+        self._fetch, waiting, self._after_fetch = None, self._after_fetch, []
+        out: list[Action] = []
+        for conn, key in waiting:
+            c = self._conns.get(conn)
+            if c is None:
+                continue  # the asker is gone
+            c.pending = None
+            if value := self._cache.get(key):
+                out.append(Reply(conn, format_reply("get_result", rc=0, value=value)))
+            else:  # not committed: what the head answers a get for it
+                out.append(Reply(conn, format_reply("get_result", rc=1, msg="key_not_found")))
+        return out

@@ -11,8 +11,11 @@ subtree), and once every host of its subtree that takes part has entered, sends 
 The head answers each such message once (`launcher.pmi.kvs`), and the relay hands the answer
 down: its own agent gets a plain ``barrier_out``, a child one for the hosts below it (plain when
 that is the child alone). So the head sends one message per host it started, K, per fence.
-Each relay keeps the cards it passed down and answers a ``get`` from below that it holds: a
-get is served by the nearest level that has the key.
+Each relay keeps the cards it passed down, and once the fence is answered its subtree's own
+(those it merged on the way up, whether or not the answer carried them back), and answers a
+``get`` from below that it holds: a get is served by the nearest level that has the key.
+A ``fetch`` (every card, `launcher.pmi.proxy`) goes up once per relay and fence: the first one
+from below goes on, later ones wait, and all are answered when the cards pass down.
 
 Which hosts take part is read from the SPECs the relay passes down (a host with ranks and PMI
 on, per key-value space name: a later round is a new name, and a fresh fence).
@@ -36,7 +39,12 @@ class SubtreeFence:
         self._spec: dict[int, tuple[str, bool]] = {}    # host -> (kvsname, takes part)
         self._entered: dict[str, set[int]] = {}
         self._puts: dict[str, dict[str, str]] = {}
-        self._cards: dict[str, dict[str, str]] = {}     # kvsname -> cards passed down
+        self._cards: dict[str, dict[str, str]] = {}     # kvsname -> cards it can serve
+        self._merged: dict[str, dict[str, str]] = {}    # the subtree's puts, sent up
+        self._fences: dict[str, int] = {}               # kvsname -> fences answered
+        self._whole: dict[str, int] = {}                # ... when every card last passed
+        # kvsname -> (the fetch sent up, those waiting for its cards), as (host, req)
+        self._fetching: dict[str, tuple[tuple[int, object], list[tuple[int, object]]]] = {}
 
     def spec(self, host: int, body: Mapping[str, Any]) -> None:
         """A SPEC for ``host`` passed through (or the relay's own)."""
@@ -57,6 +65,7 @@ class SubtreeFence:
             return None
         puts = self._puts.pop(kvsname)
         self._entered.pop(kvsname)
+        self._merged.setdefault(kvsname, {}).update(puts)
         return {"op": "barrier_in", "puts": puts, "hosts": sorted(entered)}
 
     def out(self, msg: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
@@ -65,19 +74,60 @@ class SubtreeFence:
         hosts = [int(h) for h in msg.get("hosts", [self.own])]
         kv = dict(msg.get("kv") or {})
         if hosts:
-            self._cards.setdefault(self._spec.get(hosts[0], ("", False))[0], {}).update(kv)
+            kvsname = self._kvsname(hosts[0])
+            cards = self._cards.setdefault(kvsname, {})
+            cards.update(self._merged.pop(kvsname, {}))
+            cards.update(kv)
+            self._fences[kvsname] = self._fences.get(kvsname, 0) + 1
         groups: dict[int, list[int]] = {}
         for h in hosts:
             groups.setdefault(self.route.get(h, h), []).append(h)
         out = []
         for hop, group in groups.items():
             body: dict[str, Any] = {"op": "barrier_out", "kv": kv}
+            if msg.get("held"):  # the cards were left above (`launcher.pmi.kvs`)
+                body["held"] = msg["held"]
             if group != [hop]:
                 body["hosts"] = group
             out.append((hop, body))
         return out
 
     def get(self, host: int, key: object) -> str | None:
-        """A card this relay passed down, for a ``get`` from ``host``; None: ask upwards."""
-        cards = self._cards.get(self._spec.get(host, ("", False))[0], {})
+        """A card this relay holds, for a ``get`` from ``host``; None: ask upwards."""
+        cards = self._cards.get(self._kvsname(host), {})
         return cards.get(key) if isinstance(key, str) else None
+
+    def fetch(self, host: int, req: object) -> dict[str, Any] | None:
+        """A ``fetch`` from ``host``: the answer when this relay holds every card of the
+        fences so far; else None (then `fetch_waits`)."""
+        kvsname = self._kvsname(host)
+        if self._whole.get(kvsname, -1) == self._fences.get(kvsname, 0):
+            return {"op": "cards", "req": req, "kv": dict(self._cards.get(kvsname, {}))}
+        return None
+
+    def fetch_waits(self, host: int, req: object) -> bool:
+        """After `fetch` said None: True if a fetch from below is already on its way up (this
+        one waits for its cards), False if this one is the first (it goes up)."""
+        kvsname = self._kvsname(host)
+        if kvsname in self._fetching:
+            self._fetching[kvsname][1].append((host, req))
+            return True
+        self._fetching[kvsname] = ((host, req), [])
+        return False
+
+    def cards(self, host: int, msg: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+        """Every card, passing down to ``host``: kept; when it answers the fetch this relay
+        sent up, the fetches that waited for it are answered too (``(host, message)``)."""
+        kvsname = self._kvsname(host)
+        cards = self._cards.setdefault(kvsname, {})
+        cards.update(msg.get("kv") or {})
+        self._whole[kvsname] = self._fences.get(kvsname, 0)
+        first, waiting = self._fetching.get(kvsname, (None, []))
+        if first != (host, msg.get("req")):
+            return []
+        del self._fetching[kvsname]
+        copy = dict(cards)  # encoded outside the relay's lock
+        return [(h, {"op": "cards", "req": req, "kv": copy}) for h, req in waiting]
+
+    def _kvsname(self, host: int) -> str:
+        return self._spec.get(host, ("", False))[0]

@@ -52,6 +52,7 @@ if TYPE_CHECKING:
         def send(self, frame: bytes) -> bool: ...
         def flush(self, timeout: float) -> bool: ...
 
+_CARDS = b'{"op":"cards"'  # how a fetch's answer begins (`launcher.wire.encode_json`)
 LINGER_POLL_S = 1.0
 PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
 CLOSE_FLUSH_S = 2.0  # as the agent's own last frames (`launcher.agent.serve`)
@@ -149,7 +150,30 @@ class Relay:
                     if spec.kind is wire.Kind.SPEC:
                         with self._lock:
                             self.fence.spec(target, spec.json())
+        elif len(inner) > 4 and inner[4] == wire.Kind.PMI and inner[5:18] == _CARDS:
+            self._cards_down(target, inner)
         self._send(hop, inner if hop == target else wire.encode(frame.kind, frame.payload))
+
+    def _cards_down(self, target: int, inner: bytes) -> None:
+        """Every card passing down (a fetch's answer): kept, and the fetches from below that
+        waited for it answered (`launcher.tree.fence`)."""
+        with contextlib.suppress(wire.WireError):
+            for found in wire.Decoder().feed(inner):
+                with self._lock:
+                    answers = self.fence.cards(target, found.json())
+                shared: bytes | None = None
+                for host, body in answers:
+                    shared = shared or wire.encode_value(body["kv"])
+                    self._send(host, wire.encode_json_shared(wire.Kind.PMI, body, "kv", shared))
+
+    def own_get(self, msg: dict[str, Any]) -> bool:
+        """The own agent's ``get``: answered here (True) when the relay holds the card."""
+        with self._lock:
+            value = self.fence.get(self.own, msg.get("key"))
+        if value:
+            self._own_pmi({"op": "get_result", "req": msg.get("req"), "found": True,
+                           "value": value})
+        return bool(value)
 
     def own_spec(self, body: dict[str, Any]) -> None:
         with self._lock:
@@ -300,6 +324,13 @@ class Relay:
                 self._send(index, wire.encode_json(wire.Kind.PMI, {
                     "op": "get_result", "req": msg.get("req"), "found": True, "value": value}))
                 return True
+        if msg.get("op") == "fetch":  # every card: answered here, or once per relay up
+            with self._lock:
+                answer = self.fence.fetch(index, msg.get("req"))
+                waits = answer is None and self.fence.fetch_waits(index, msg.get("req"))
+            if answer is not None:
+                self._send(index, wire.encode_json(wire.Kind.PMI, answer))
+            return answer is not None or waits
         return False
 
     def _enter(self, host: int, msg: dict[str, Any]) -> None:

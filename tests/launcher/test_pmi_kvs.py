@@ -87,3 +87,17 @@ def test_a_barrier_costs_two_head_messages_per_host_whatever_the_rank_count(driv
     assert (row["ranks"], row["hosts"], row["barriers"]) == (64, 8, 2)
     assert row["head_msgs_per_barrier"] == 2 * 8
     assert row["upstream_gets"] == 0  # every get after a barrier is served by the proxy
+
+
+def test_a_fence_whose_cards_exceed_the_push_limit_announces_them_and_serves_gets_and_fetches():
+    kvs = KeyValueSpace(hosts=2, kvsname="k", push_bytes=4)
+    barrier(kvs, 0, a="1")
+    out = barrier(kvs, 1, bb="22")  # 2 + 4 bytes of keys and values: over the limit
+    assert out == [(h, {"op": "barrier_out", "kv": {}, "held": 6}) for h in range(2)]
+    assert kvs.handle(0, {"op": "get", "key": "bb", "req": 3}) == [
+        (0, {"op": "get_result", "req": 3, "found": True, "value": "22"})]
+    assert kvs.handle(1, {"op": "fetch", "req": 9}) == [
+        (1, {"op": "cards", "req": 9, "kv": {"a": "1", "bb": "22"}})]
+    # A fence without puts (MPI_Finalize's) carries nothing either way.
+    barrier(kvs, 0)
+    assert barrier(kvs, 1) == [(h, {"op": "barrier_out", "kv": {}}) for h in range(2)]

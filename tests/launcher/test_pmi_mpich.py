@@ -73,6 +73,7 @@ class Job:
 
     hosts: list[list[int]]
     port_mode: bool = False
+    push_bytes: int = KeyValueSpace(hosts=1, kvsname="k").push_bytes
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     events: list = field(default_factory=list)
     sel: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
@@ -84,7 +85,9 @@ class Job:
         mapping = process_mapping([len(r) for r in self.hosts])
         # A fresh kvsname per job: MPICH names its shared memory after it.
         self.kvsname = f"kvs_test_{secrets.token_hex(6)}"
-        self.kvs = KeyValueSpace(hosts=len(self.hosts), kvsname=self.kvsname)
+        self.kvs = KeyValueSpace(hosts=len(self.hosts), kvsname=self.kvsname,
+                                 push_bytes=self.push_bytes)
+        self.sent: list[tuple[int, str]] = []  # (host, op) of each relay message
         self.tokens = [{str(secrets.randbelow(2**31 - 2) + 1): r for r in ranks}
                        for ranks in self.hosts]
         self.proxies = [PmiProxy(ranks=ranks, world_size=world, kvsname=self.kvsname,
@@ -189,6 +192,7 @@ class Job:
                 self.kill()
 
     def _relay(self, host: int, msg: dict) -> None:
+        self.sent.append((host, msg["op"]))
         for dest, reply in self.kvs.handle(host, json.loads(json.dumps(msg))):
             self.run(dest, self.proxies[dest].upstream(json.loads(json.dumps(reply))))
 
@@ -223,8 +227,10 @@ class Job:
                     os.unlink(os.path.join(SHM_DIR, name))
 
 
-def run_job(hosts: list[list[int]], code: str, port_mode: bool = False, forged: bytes = b""):
-    job = Job(hosts, port_mode=port_mode)
+def run_job(hosts: list[list[int]], code: str, port_mode: bool = False, forged: bytes = b"",
+            push_bytes: int | None = None):
+    job = Job(hosts, port_mode=port_mode) if push_bytes is None else \
+        Job(hosts, port_mode=port_mode, push_bytes=push_bytes)
     try:
         job.start(code)
         if forged:
@@ -251,6 +257,19 @@ def test_two_hosts_of_two_ranks_form_one_world_over_inherited_fds():
     job, codes, outputs = run_job([[0, 1], [2, 3]], COLLECTIVES)
     assert_world_formed(codes, outputs, 4)
     assert job.events == [] and job.kvs.epoch >= 1 and job.kvs.conflicts == []
+
+
+def test_a_world_forms_when_the_fence_leaves_every_card_at_the_head():
+    """Above `launcher.pmi.kvs.PUSH_BYTES` a fence's answer carries no cards: MPICH's address
+    exchange (every host reads every card) then gets a first card from the head and fetches
+    the rest at once, one fetch per host and fence."""
+    job, codes, outputs = run_job([[0, 1], [2, 3], [4, 5]], COLLECTIVES, push_bytes=0)
+    assert_world_formed(codes, outputs, 6)
+    assert job.events == [] and job.kvs.conflicts == []
+    for host in range(3):
+        ops = [op for h, op in job.sent if h == host]
+        assert "get" in ops and ops.count("fetch") == 1, ops
+        assert ops.index("get") < ops.index("fetch") < ops.index("barrier_in", 1)
 
 
 def test_two_hosts_form_one_world_over_the_pmi_port_despite_a_forged_client():

@@ -6,7 +6,7 @@ import pytest
 
 from launcher.errors import PmiError
 from launcher.pmi.actions import Abort, Close, RankFailed, Reply, Send, shm_segment_prefixes
-from launcher.pmi.proxy import PmiProxy
+from launcher.pmi.proxy import GET_COST_BYTES, PmiProxy
 
 MAPPING = "(vector,(0,2,2))"
 
@@ -365,3 +365,46 @@ def test_anything_but_initack_on_an_unidentified_connection_closes_it_alone():
 def test_shm_segment_prefixes_follow_mpichs_hash_of_the_kvsname():
     # Observed with the mpich 5.0.2 wheel: kvsname "kvs_test_1" -> /dev/shm/mpich_shm_7bd7e2ae_0
     assert shm_segment_prefixes("kvs_test_1") == ("mpich_shm_7bd7e2ae_", "mpich_vci_7bd7e2ae_")
+
+
+# ----- cards left above by the fence ---------------------------------------------------------
+
+def _fenced(proxy: PmiProxy, held: int) -> None:
+    """Ranks 2 and 3 (conns 1, 2) through a fence whose cards (``held`` bytes) stayed above."""
+    for conn, rank in ((1, 2), (2, 3)):
+        started(proxy, conn, rank)
+    assert ask(proxy, 1, "cmd=barrier_in") == []
+    assert isinstance(ask(proxy, 2, "cmd=barrier_in")[0], Send)
+    actions = proxy.upstream({"op": "barrier_out", "kv": {}, "held": held})
+    assert [a.data for a in actions] == [b"cmd=barrier_out rc=0\n"] * 2
+
+
+def test_gets_go_up_one_by_one_while_they_cost_less_than_fetching_every_card():
+    proxy = make_proxy()
+    _fenced(proxy, held=2 * GET_COST_BYTES)
+    sent = []
+    for conn, key in ((1, "bc-0"), (2, "bc-1")):
+        (send,) = ask(proxy, conn, f"cmd=get kvsname=kvs_7 key={key}")
+        sent.append(send.msg)
+        assert reply_of(proxy.upstream({"op": "get_result", "req": send.msg["req"],
+                                        "found": True, "value": key.upper()})) == \
+            f"cmd=get_result rc=0 value={key.upper()}\n"
+    assert [m["op"] for m in sent] == ["get", "get"]
+    # Two gets cost as much as every card: the next miss fetches them all, the one after
+    # waits for the same answer, and both are answered from it (a key never put: not found).
+    (fetch,) = ask(proxy, 1, "cmd=get kvsname=kvs_7 key=bc-5")
+    assert fetch.msg == {"op": "fetch", "req": fetch.msg["req"]}
+    assert ask(proxy, 2, "cmd=get kvsname=kvs_7 key=nope") == []
+    replies = proxy.upstream({"op": "cards", "req": fetch.msg["req"],
+                              "kv": {"bc-5": "five", "bc-0": "BC-0"}})
+    assert [(r.conn, r.data) for r in replies] == [
+        (1, b"cmd=get_result rc=0 value=five\n"), (2, b"cmd=get_result rc=1 msg=key_not_found\n")]
+    # Fetched once per fence: a later miss goes up on its own.
+    assert ask(proxy, 1, "cmd=get kvsname=kvs_7 key=bc-6")[0].msg["op"] == "get"
+
+
+def test_cards_for_a_fetch_never_asked_are_a_relay_error():
+    proxy = make_proxy()
+    _fenced(proxy, held=10)
+    with pytest.raises(PmiError, match="cards for unknown request"):
+        proxy.upstream({"op": "cards", "req": 4, "kv": {}})

@@ -2,7 +2,8 @@
 
 A job of 256 hosts x 8 ranks launches, fences twice, ends, and the head counts exactly the
 frames the protocol implies, flat and through a tree of relays (`--fanout`: every host's frames
-relayed, each fence merged so the head answers only the hosts it started); at 8 hosts the
+relayed, each fence merged so the head answers only the hosts it started, each get answered by
+the nearest level that has the card); at 8 hosts the
 simulator sends the head the same frames, kind by kind, as real agent processes with real rank
 processes playing the same PMI-1 conversation.
 Frames that follow the clock (heartbeats, periodic progress records) are compared as present,
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from launcher.pmi import KeyValueSpace, PmiProxy, Reply, Send
+from launcher.tree.shape import HEAD, Tree
 from testbed import simjob
 from testbed.simrank import FENCED, WIRED, Conversation, card, peers
 
@@ -37,6 +39,29 @@ def _expected(hosts: int, ranks: int) -> dict[str, dict[str, int]]:
                    "PMI:barrier_in": 2 * hosts, "READY": hosts, "STARTED": hosts * ranks}}
 
 
+def _gets_at_head(hosts: int, ranks: int, fanout: int = 0) -> dict[int, int]:
+    """Per host, the gets of peers' cards the head answers when a fence leaves the cards
+    above (`launcher.pmi.kvs.PUSH_BYTES`): each is served by the nearest level that has the
+    key - the rank's own host, then each relay from the host itself up (a relay holds its
+    subtree's cards once the fence is answered) - and only the rest by the head."""
+    tree = Tree(hosts, fanout)
+    at_head = dict.fromkeys(range(hosts), 0)
+    for rank in range(hosts * ranks):
+        host = rank // ranks
+        for peer in peers(rank, hosts * ranks):
+            owner, level = peer // ranks, host if tree.children(host) else tree.parent(host)
+            while owner != host and level != HEAD and owner not in tree.subtree(level):
+                level = tree.parent(level)
+            at_head[host] += owner != host and level == HEAD
+    return at_head
+
+
+def _lazy(expected: dict[str, dict[str, int]], gets: int) -> dict[str, dict[str, int]]:
+    """``expected`` when MPI_Init's fence left the cards above and ``gets`` reached the head."""
+    expected["in"]["PMI:get"] = expected["out"]["PMI:get_result"] = gets
+    return expected
+
+
 def _ended_well(result: dict[str, Any], hosts: int, ranks: int) -> None:
     assert result["code"] == 0, result["stderr_tail"]
     assert result["ranks_seen"] == hosts * ranks
@@ -51,7 +76,8 @@ def test_a_simulated_job_of_256_hosts_of_8_ranks_launches_fences_and_ends() -> N
     result = simjob.run_job(256, 8, timeout=300, heartbeat=30.0, extra=["--fanout", "0"])
     _ended_well(result, 256, 8)
     assert result["agents_seen"] == 256 and result["agent_codes"] == [0]
-    assert _counted(result) == _expected(256, 8)
+    # 2,048 cards are more than a fence pushes: each peer's card is read where it is.
+    assert _counted(result) == _lazy(_expected(256, 8), sum(_gets_at_head(256, 8).values()))
     # Every agent sends its ranks' last progress records when they have all exited.
     assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 256
 
@@ -64,17 +90,41 @@ def test_a_simulated_tree_launch_of_256_hosts_relays_every_frame_and_merges_each
     assert result["agents_seen"] == hosts and result["agent_codes"] == [0]
     counted = _counted(result)
     # The head's K streams carry the frames of the hosts below their relays ROUTED (counted
-    # under their own kinds too): SPEC, START and BYE down, one write each; what comes up is
-    # batched as it arrives. A host's stream that ends after BYE may be reported GONE
-    # before the head stops reading.
-    assert counted["out"].pop("ROUTED") == 3 * (hosts - fanout)
+    # under their own kinds too): SPEC, START and BYE down, one write each, and the answers
+    # to their gets that reached the head; what comes up is batched as it arrives. A host's
+    # stream that ends after BYE may be reported GONE before the head stops reading.
+    gets = _gets_at_head(hosts, ranks, fanout)
+    routed_answers = sum(n for host, n in gets.items() if host >= fanout)
+    assert counted["out"].pop("ROUTED") == 3 * (hosts - fanout) + routed_answers
     assert counted["in"].pop("ROUTED") > 0
     counted["in"].pop("GONE", None)
     expected = _expected(hosts, ranks)
     expected["out"]["SUBTREE"] = fanout  # one per relay the head starts, first
-    # Each fence: one merged barrier_in per relay the head started, one answer to each.
+    # Each fence: one merged barrier_in per relay the head started, one answer to each; a
+    # get reaches the head only when no relay on its way holds the card.
     expected["out"]["PMI:barrier_out"] = expected["in"]["PMI:barrier_in"] = 2 * fanout
-    assert counted == expected
+    assert 0 < sum(gets.values()) < sum(_gets_at_head(hosts, ranks).values())
+    assert counted == _lazy(expected, sum(gets.values()))
+
+
+@pytest.mark.parametrize("fanout", [0, 4])
+def test_hosts_whose_ranks_read_many_cards_fetch_them_all_once(fanout: int) -> None:
+    """MPICH's default address exchange reads every card: 64 peers a rank here. Past the
+    ski-rental point each host fetches every card at once (`launcher.pmi.proxy`); in a tree
+    each relay sends one fetch up and answers the rest of its children itself. Every card a
+    fake rank reads is checked against the one its peer put."""
+    hosts, ranks = 64, 8
+    result = simjob.run_job(hosts, ranks, gets=64, timeout=300, heartbeat=30.0,
+                            extra=["--fanout", str(fanout)])
+    _ended_well(result, hosts, ranks)
+    counted = _counted(result)
+    fetches = counted["in"]["PMI:fetch"]
+    assert counted["out"]["PMI:cards"] == fetches
+    assert counted["in"]["PMI:get"] == counted["out"]["PMI:get_result"]
+    if fanout:  # at most one per relay, and one per host the relays do not carry
+        assert fetches <= len(Tree(hosts, fanout).relays()) + fanout
+    else:
+        assert fetches == hosts
 
 
 def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:

@@ -316,3 +316,39 @@ def test_a_relay_routes_both_ways_merges_its_fence_and_reports_a_lost_child():
     assert "stream closed" in gone[1] and "lost with its relay node2" in gone[3]
     relay.close()
     assert child2.inbox.get(timeout=5) == b""  # the remaining child sees its stream end
+
+
+def test_a_fence_that_leaves_the_cards_above_lets_each_relay_serve_its_own_subtrees_cards():
+    tree = Tree(16, 2)
+    kvs = KeyValueSpace(hosts=16, kvsname="job-0", push_bytes=0)
+    fences = _fences(tree)
+    at_head: list[tuple] = []
+    for host in range(16):
+        at_head += _up(tree, fences, host, {"op": "barrier_in", "puts": {f"card{host}": "x"}})
+    got: dict[int, list] = {}
+    for hop, answer in (r for sender, msg in at_head for r in kvs.handle(sender, msg)):
+        _down(tree, fences, hop, answer, got)
+    held = len("card0x") * 10 + len("card10x") * 6
+    assert got == {h: [{"op": "barrier_out", "kv": {}, "held": held}] for h in range(16)}
+    for relay, fence in fences.items():
+        child = tree.children(relay)[0]
+        for host in range(16):
+            expected = "x" if host in tree.subtree(relay) else None
+            assert fence.get(child, f"card{host}") == expected
+
+
+def test_a_relay_sends_one_fetch_up_and_answers_the_others_when_its_cards_pass_down():
+    fence = SubtreeFence(0, {0: 0, 1: 1, 2: 2})
+    for host in range(3):
+        fence.spec(host, {"ranks": [{"rank": host}], "pmi": {"mode": "fd", "kvsname": "k"}})
+    assert fence.fetch(1, 5) is None and fence.fetch_waits(1, 5) is False  # goes up
+    assert fence.fetch(2, 7) is None and fence.fetch_waits(2, 7) is True   # waits
+    # Cards passing to another host (a fetch sent up by a relay further down) are kept but
+    # answer nobody here; those for the fetch this relay sent up answer the one waiting.
+    assert fence.cards(2, {"op": "cards", "req": 1, "kv": {"a": "1"}}) == []
+    assert fence.cards(1, {"op": "cards", "req": 5, "kv": {"b": "2"}}) == [
+        (2, {"op": "cards", "req": 7, "kv": {"a": "1", "b": "2"}})]
+    # Until the next fence, every card is here: a fetch is answered at once.
+    assert fence.fetch(2, 8) == {"op": "cards", "req": 8, "kv": {"a": "1", "b": "2"}}
+    fence.out({"op": "barrier_out", "kv": {}, "held": 9, "hosts": [0, 1, 2]})
+    assert fence.fetch(2, 9) is None
