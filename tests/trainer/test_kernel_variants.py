@@ -68,7 +68,7 @@ def test_atens_scalar_kernels_sum_in_another_order() -> None:
 
 
 def test_onednns_sse41_kernels_compute_another_linear() -> None:
-    if "avx2" not in torch.backends.cpu.get_cpu_capability().lower() and \
-            "avx512" not in torch.backends.cpu.get_cpu_capability().lower():
-        pytest.skip("this CPU has no vector ISA above SSE4.1 for oneDNN to leave")
-    assert probe(ONEDNN_MAX_CPU_ISA="SSE41")["linear"] != probe()["linear"]
+    best = probe()  # this CPU's own choices, whatever this run's environment asks for
+    if best["capability"] == "DEFAULT":
+        pytest.skip("this CPU has no AVX2: oneDNN has no vector ISA above SSE4.1 to leave")
+    assert probe(ONEDNN_MAX_CPU_ISA="SSE41")["linear"] != best["linear"]
