@@ -95,7 +95,12 @@ class OutputSink:
         return max(0.0, min(waits)) if waits else None
 
     def flush_quiet(self, now: float) -> None:
-        """Raw mode: write the partial lines of ranks quiet for `RAW_QUIET_S` (progress bars)."""
+        """Raw mode: write the partial lines of ranks quiet for `RAW_QUIET_S` (progress bars).
+        Otherwise a partial line waits for its end or its rank's exit: a rank descheduled
+        between writing a line and its newline (Python's ``print`` under ``-u`` writes them
+        apart) would have it cut in two, the second half prefixed as a line of its own."""
+        if not self._raw:
+            return
         for (rank, stream), splitter in self._splitters.items():
             if splitter.pending and now >= self._last_data[rank, stream] + RAW_QUIET_S:
                 self._add(rank, stream, splitter.rest(newline=False))

@@ -95,6 +95,11 @@ def test_prefix_goes_before_every_line_and_never_inside_a_crlf():
     assert prefix_lines(b"a\\1\n", b"[\\1] ") == b"[\\1] a\\1\n"
 
 
+def test_a_last_line_without_its_end_is_prefixed_whole():
+    assert prefix_lines(b'{"host": "node4"}', b"[3@node4] ") == b'[3@node4] {"host": "node4"}'
+    assert prefix_lines(b"a\nb", b"[0@h] ") == b"[0@h] a\n[0@h] b"
+
+
 # -- the sink -------------------------------------------------------------------------------
 def _sink(**kw) -> tuple[OutputSink, io.BytesIO, io.BytesIO]:
     out, err = io.BytesIO(), io.BytesIO()
@@ -111,6 +116,19 @@ def test_each_batch_is_whole_prefixed_lines_and_ranks_never_mix_inside_a_line():
     sink.flush_rank(1)
     sink.commit()
     assert out.getvalue().endswith(b"[1@h1] do\n")
+
+
+def test_a_prefixed_line_whose_end_comes_late_is_still_one_line():
+    # print() under python -u writes the text and its newline apart; a loaded host can
+    # deschedule the rank between the two for longer than the raw mode's quiet time.
+    sink, out, _ = _sink()
+    sink.write(0, 1, b'{"round": 1, "host": "node4"}', now=100.0)
+    sink.flush_quiet(100.0 + 10 * RAW_QUIET_S)
+    sink.commit()
+    sink.write(1, 1, b"other\n", now=101.0)
+    sink.write(0, 1, b"\n", now=101.0)
+    sink.commit()
+    assert out.getvalue() == b'[1@h1] other\n[0@h0] {"round": 1, "host": "node4"}\n'
 
 
 def test_raw_mode_writes_a_partial_line_once_its_rank_is_quiet():
