@@ -10,7 +10,10 @@ the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket si
 
 * ``ours``       `trainer.parallel.data.grad_sync.DataParallel` over MPI, overlap on (async bucket
                  all-reduce launched from the grad hooks; driven by a comm thread when the host
-                 has a core per rank, else by MPI's own nonblocking calls: the table says which);
+                 has a core per rank, else by MPI's own nonblocking calls: the default the
+                 trainer chooses, marked ``*`` in the table);
+* ``ours-other`` the same with the other way of driving the overlap (the choice measured, not
+                 assumed);
 * ``ours-sync``  the same with overlap off (every bucket reduced after backward);
 * ``torch-ddp``  ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group
                  (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours);
@@ -53,7 +56,7 @@ from typing import Any
 
 from bench import common, rankjobs
 
-SIDES = ("ours", "ours-sync", "torch-ddp", "no-comm")
+SIDES = ("ours", "ours-other", "ours-sync", "torch-ddp", "no-comm")
 SUMMARY_NOTE = ("step_ms: median over the timed steps of the slowest rank's wall time, the sides "
                 "interleaved; cpu_ms: CPU time per step of the process, comm and gloo threads "
                 "included; vs_ddp, cpu_vs_ddp: against torch-ddp in the same run. no-comm is "
@@ -91,12 +94,13 @@ def _build(args: argparse.Namespace, dp_rank: int, dp: int) -> tuple[Any, Any, A
 class OursSide:
     """dtrain's DataParallel over the MPI world communicator."""
 
-    def __init__(self, args: argparse.Namespace, world: Any, *, overlap: bool) -> None:
+    def __init__(self, args: argparse.Namespace, world: Any, *, overlap: bool,
+                 comm_thread: bool | None = None) -> None:
         from trainer.parallel.data.grad_sync import DataParallel
 
         self.model, self.optimizer, self.batches = _build(args, world.rank, world.size)
         self.dp = DataParallel(self.model, world.comm, bucket_size=args.bucket_size,
-                               overlap=overlap)
+                               overlap=overlap, comm_thread=comm_thread)
 
     def step(self, i: int) -> dict[str, float]:
         """One training step; the wait and the (host-wide monotonic) end of backward and sync."""
@@ -172,7 +176,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     world = init(backend="mpi")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}",
                             rank=world.rank, world_size=world.size)
-    sides = {"ours": OursSide(args, world, overlap=True),
+    ours = OursSide(args, world, overlap=True)
+    sides = {"ours": ours, "ours-other": OursSide(args, world, overlap=True,
+                                                  comm_thread=not ours.dp.uses_comm_thread),
              "ours-sync": OursSide(args, world, overlap=False), "torch-ddp": DdpSide(args, world),
              "no-comm": NoCommSide(args, world)}
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in SIDES}
@@ -206,8 +212,9 @@ def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str
     """Medians over the timed steps of the slowest rank's step time, the mean wait and the
     skew-free exposed time."""
     steps = list(zip(*(r["sides"][side] for r in per_rank), strict=True))  # [step][rank]
-    how = " (comm thread)" if per_rank[0]["comm_thread"] else " (MPI async)"
-    row = {"side": side + (how if side == "ours" else ""), "ranks": ranks,
+    thread = per_rank[0]["comm_thread"] != (side == "ours-other")
+    how = (" (comm thread)" if thread else " (MPI async)") + ("*" if side == "ours" else "")
+    row = {"side": "ours" + how if side in ("ours", "ours-other") else side, "ranks": ranks,
            "buckets": per_rank[0]["buckets"],
            "params": per_rank[0]["params"],
            "step_ms": 1e3 * statistics.median(max(r["step_s"] for r in s) for s in steps),
@@ -228,12 +235,13 @@ def run(ranks: Sequence[int] = (2, 4), **options: Any) -> list[dict[str, Any]]:
     rows = []
     for n in ranks:
         per_rank = _ranks(n, args)
-        ours, sync, ddp, floor = (summarize(side, n, per_rank) for side in SIDES)
-        for row in (ours, sync, floor):
+        ours, other, sync, ddp, floor = (summarize(side, n, per_rank) for side in SIDES)
+        for row in (ours, other, sync, floor):
             row["vs_ddp"] = row["step_ms"] / ddp["step_ms"]
             row["cpu_vs_ddp"] = row["cpu_ms"] / ddp["cpu_ms"]
-        ours["exposed_of_total"] = ours["exposed_ms"] / max(sync["exposed_ms"], 1e-9)
-        rows += [ours, sync, ddp, floor]
+        for row in (ours, other):
+            row["exposed_of_total"] = row["exposed_ms"] / max(sync["exposed_ms"], 1e-9)
+        rows += [ours, other, sync, ddp, floor]
     return rows
 
 
