@@ -109,14 +109,22 @@ def data_parallel(model: nn.Module, axes_of: Callable[[nn.Parameter], tuple[str,
     """The gradient sync of ``model``: its parameters grouped by the axes their copies span
     (``axes_of``), each group synchronised over ``group(*axes)``; ``options`` go to every
     `DataParallel`."""
+    parts = parts_by_axes(model, axes_of)
+    if len(parts) == 1:
+        [(axes, _)] = parts
+        return DataParallel(model, group(*axes), **options)
+    return SplitDataParallel([DataParallel(subset, group(*axes), **options)
+                              for axes, subset in parts])
+
+
+def parts_by_axes(model: nn.Module, axes_of: Callable[[nn.Parameter], tuple[str, ...]]
+                  ) -> list[tuple[tuple[str, ...], ParamSubset]]:
+    """``model``'s parameters grouped by the axes their copies span, widest group first (the
+    same order on every rank, since each part's construction is collective over its group);
+    the first part also carries the model's buffers, so they are broadcast once."""
     kinds: dict[tuple[str, ...], list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
         kinds.setdefault(axes_of(p), []).append((name, p))
-    if len(kinds) == 1:
-        [axes] = kinds
-        return DataParallel(model, group(*axes), **options)
     order = sorted(kinds, key=lambda axes: (-len(axes), axes))
-    return SplitDataParallel([
-        DataParallel(ParamSubset(kinds[axes], list(model.buffers()) if i == 0 else []),
-                     group(*axes), **options)
-        for i, axes in enumerate(order)])
+    return [(axes, ParamSubset(kinds[axes], list(model.buffers()) if i == 0 else []))
+            for i, axes in enumerate(order)]

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
-from trainer.parallel.data.split import ParamSubset, SplitDataParallel
+from trainer.parallel.data.split import SplitDataParallel, parts_by_axes
 from trainer.parallel.zero.layout import Piece, ShardedBucket, ShardLayout
 from trainer.parallel.zero.unit_grads import UnitGradients
 from trainer.parallel.zero.units import ParamUnits, Zero3Optimizer
@@ -157,14 +157,9 @@ def build_split_zero3(model: nn.Module, optimizer: torch.optim.Optimizer,
     """ZeRO-3 of ``model`` whose parameters span different DP axes (``axes_of``), each kind
     sharded over ``group(*axes)``, widest first; ``options`` go to every `UnitGradients`
     (bucket size, overlap, reduce dtype)."""
-    kinds: dict[tuple[str, ...], list[tuple[str, nn.Parameter]]] = {}
-    for name, p in model.named_parameters():
-        kinds.setdefault(axes_of(p), []).append((name, p))
-    order = sorted(kinds, key=lambda axes: (-len(axes), axes))
     grads, units = [], []
-    for i, axes in enumerate(order):
-        subset = ParamSubset(kinds[axes], list(model.buffers()) if i == 0 else [])
-        mine = {id(p) for _, p in kinds[axes]}
+    for axes, subset in parts_by_axes(model, axes_of):
+        mine = {id(p) for p in subset.parameters()}
         part = UnitGradients(subset,  # type: ignore[arg-type]  # reads what a module has
                              group(*axes), alone=[p for p in alone if id(p) in mine], **options)
         part.in_flight = prefetch
