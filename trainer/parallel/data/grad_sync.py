@@ -22,9 +22,9 @@ call on this communicator until ``finish_grad_sync`` has joined them), as torch'
 does with its worker threads. The thread tests for completion every ``poll_interval`` seconds
 instead of blocking: MPICH busy-polls inside a blocking call, which would take the core that
 backward runs on (measured on 2 and 4 ranks of a 2-core host: 10-20% slower steps when it
-spins). The thread needs CPU time of its own, so by default (`wants_comm_thread`) it is not used
-on a host with more ranks than cores, where it only slows backward down; ``comm_thread``
-overrides the choice.
+spins). The thread needs CPU time of its own, so by default (`wants_comm_thread`) it is used
+only on a host with a core to spare beyond one per rank; elsewhere its polls only slow the
+backward down; ``comm_thread`` overrides the choice.
 
 Gradient accumulation: run every microbatch but the last inside ``no_sync()``; hooks then only
 accumulate and the reduction happens once, on the last microbatch's backward (Megatron's
