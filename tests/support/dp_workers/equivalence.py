@@ -61,8 +61,8 @@ def probe_no_sync(world: World, mesh: Mesh, out: Path) -> dict[str, Any]:
 
 def probe_async_paths(world: World, dp_comm: Communicator) -> dict[str, Any]:
     """The same backward reduced by every launch path: comm thread (the MPI default with a core
-    to spare per rank), the
-    backend's own async ops (what NCCL uses), and synchronously after backward."""
+    to spare per rank), the backend's own async ops (what NCCL uses), and synchronously after
+    backward."""
     cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, seq_len=8)
     x = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(world.rank))
     grads = {}
