@@ -21,9 +21,12 @@ import types
 import typing
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from trainer.errors import ConfigError
+
+#: A config class (a frozen dataclass of sections).
+C = TypeVar("C")
 
 SCALARS = (int, float, str, bool)
 
@@ -180,14 +183,15 @@ def flatten(config: Any, options: Mapping[str, Option]) -> dict[str, Any]:
     return out
 
 
-def replaced(config: Any, changes: Mapping[str, Any], options: Mapping[str, Option]) -> Any:
+def replaced(config: C, changes: Mapping[str, Any], options: Mapping[str, Option]) -> C:
     """``config`` with the options named by flag in ``changes`` set (every section on the way
     checked again)."""
     unknown = sorted(set(changes) - set(options))
     if unknown:
         raise ConfigError("unknown option", ", ".join(unknown), "not an option of this program",
                           "Use the names of the flags, with _ for -")
-    return _replace_at(config, nest(changes, options))
+    changed: C = _replace_at(config, nest(changes, options))
+    return changed
 
 
 def _replace_at(obj: Any, changes: Mapping[str, Any]) -> Any:

@@ -120,7 +120,8 @@ class TrainResult:
     """The step every rank stopped after on SIGTERM (`trainer.stopping.sigterm`), else None."""
 
 
-def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> TrainResult:
+def train(cfg: TrainConfig, world: World, corpus: Corpus | TokenData | None = None
+          ) -> TrainResult:
     """Run training on this rank of ``world`` (on ``corpus``, the checked data, if given)."""
     cfg = resolve_dp(cfg, world.size)
     keep_freed_memory(world.device)  # a process setting, so here and not in build_run
@@ -180,7 +181,8 @@ def train(cfg: TrainConfig, world: World, corpus: Corpus | None = None) -> Train
             every = cfg.checkpoint.save_every
             save = every > 0 and step % every == 0 and not last
             if evaluate or save or step % cfg.logging.log_every == 0 or last:
-                val = validation.loss(cfg.data.eval_batches) if evaluate else None
+                val = validation.loss(cfg.data.eval_batches) \
+                    if evaluate and validation is not None else None
                 if last:  # logged after the last save, with what it measured
                     break
                 _log_steps(log, dash, result, pending, val, saves.take_reports())

@@ -14,6 +14,7 @@ a block runs: a plain step, and every pipeline schedule's forward and backward a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -22,7 +23,8 @@ from trainer.model.gpt import GPT
 from trainer.parallel.tensor.random import RNGStatesTracker, checkpoint
 
 
-def _recomputed(tracker: RNGStatesTracker, fn: object, *args: torch.Tensor) -> torch.Tensor:
+def _recomputed(tracker: RNGStatesTracker, fn: Callable[..., torch.Tensor], *args: torch.Tensor
+                ) -> torch.Tensor:
     return checkpoint(fn, tracker, *args)
 
 
@@ -34,5 +36,5 @@ def apply_recompute(model: GPT, mode: str, tracker: RNGStatesTracker) -> GPT:
         if mode == "full":
             block.runner = runner
         elif mode == "selective":
-            block.attn.core_runner = runner
+            block.attn.core_runner = runner  # type: ignore[assignment]  # Attention's hook
     return model

@@ -25,6 +25,8 @@ With dropout off the results equal those of plain TP up to the order of sums.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,9 +44,9 @@ class SequenceParallelNorm(nn.Module):
 
     def __init__(self, norm: nn.Module, comm: Communicator) -> None:
         super().__init__()
-        self.comm, self.eps = comm, norm.eps
+        self.comm, self.eps = comm, cast(float, norm.eps)
         self.rms = isinstance(norm, RMSNorm)
-        self.weight = norm.weight
+        self.weight = cast(nn.Parameter, norm.weight)
         self.bias = getattr(norm, "bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,14 +84,14 @@ def apply_sequence_parallel(model: GPT, tp: Communicator, tracker: RNGStatesTrac
         block.ln2 = SequenceParallelNorm(block.ln2, tp)
         for layer in (*block.attn.children(), *block.mlp.children()):
             if hasattr(layer, "sequence_parallel"):  # the tensor-parallel linears of any family
-                layer.sequence_parallel = True
+                layer.sequence_parallel = True  # type: ignore[assignment]  # its own flag
         block.attn.resid_drop = TrackedDropout(p, tracker)
         block.mlp.drop = TrackedDropout(p, tracker)
     if model.tok_emb is not None:
-        model.tok_emb.sequence_parallel = True
+        model.tok_emb.sequence_parallel = True  # type: ignore[assignment]  # its own flag
         model.emb_drop = TrackedDropout(p, tracker)
     if model.ln_f is not None:
         model.ln_f = SequenceParallelNorm(model.ln_f, tp)
     if model.head is not None:
-        model.head.sequence_parallel = True
+        model.head.sequence_parallel = True  # type: ignore[assignment]  # its own flag
     return model

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from trainer.config.toml_file import load_toml
 from trainer.schema import Option, build, nest, options_of
+
+#: A config class (a frozen dataclass of sections).
+C = TypeVar("C")
 
 
 class QuietParser(argparse.ArgumentParser):
@@ -54,8 +57,8 @@ def build_parser(cls: type, *, prog: str, description: str,
     return parser
 
 
-def parse(cls: type, argv: Sequence[str] | None, *, prog: str, description: str,
-          quiet: bool = False) -> Any:
+def parse(cls: type[C], argv: Sequence[str] | None, *, prog: str, description: str,
+          quiet: bool = False) -> C:
     """``cls`` from the flags (and the file named by ``--config``), checked."""
     given = vars(build_parser(cls, prog=prog, description=description,
                               quiet=quiet).parse_args(argv))
@@ -63,4 +66,5 @@ def parse(cls: type, argv: Sequence[str] | None, *, prog: str, description: str,
     table = option_table(cls)
     values = load_toml(path, table) if path else {}
     values.update(given)
-    return build(cls, nest(values, table))
+    config: C = build(cls, nest(values, table))
+    return config

@@ -20,8 +20,9 @@ from trainer.config.common import CheckpointSection, LoggingSection
 from trainer.data.corpus import DEFAULT_VAL_FRACTION
 from trainer.errors import ConfigError
 from trainer.model.config import PRESETS, GPTConfig
+from trainer.parallel.pipeline.actions import ScheduleError
 from trainer.parallel.pipeline.partition import parse_counts, stage_counts
-from trainer.parallel.pipeline.schedule import ScheduleError, check_interleaving, chunks_of
+from trainer.parallel.pipeline.schedule import check_interleaving, chunks_of
 from trainer.schema import Section, option, section
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")

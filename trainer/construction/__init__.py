@@ -18,6 +18,7 @@ time, O(shard) memory.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
+from typing import cast
 
 import torch
 
@@ -73,6 +74,6 @@ def meta_rank_model(gpt: GPTConfig, seed: int, *, device: torch.device,
     model = meta_gpt(gpt, seed, layout)
     if tp is not None:
         model = parallelize(model, tp, tracker=tracker)
-    if sequence_parallel:
-        model = apply_sequence_parallel(model, tp, tracker)
+    if sequence_parallel:  # only with TP (checked with the config)
+        model = apply_sequence_parallel(model, cast(Communicator, tp), tracker)
     return apply_recompute(model, recompute, tracker)

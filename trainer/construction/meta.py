@@ -19,8 +19,8 @@ class _SkipInitOnMeta(TorchFunctionMode):
     data, and on meta they run Python reference kernels that import ``torch._dynamo`` (seconds
     of CPU per rank)."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         target = args[0] if args else kwargs.get("tensor")
         if (getattr(func, "__module__", "") == "torch.nn.init"

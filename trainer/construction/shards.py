@@ -85,9 +85,9 @@ def materialise_shards(model: GPT, seed: int, *, tp_rank: int, tp_size: int,
                                                .to(dtype))
             del value
     for module in model.modules():
-        for key, old in list(module._parameters.items()):
-            if old is not None and id(old) in made:
-                module._parameters[key] = made[id(old)]
+        for key, current in list(module._parameters.items()):
+            if current is not None and id(current) in made:
+                module._parameters[key] = made[id(current)]
     cos, sin = model.rope_tables(model.cfg)
     model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]

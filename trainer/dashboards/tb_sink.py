@@ -22,7 +22,7 @@ class TensorBoardSink:
 
     def __init__(self, run_dir: Path) -> None:
         try:
-            from tensorboard.summary import Writer
+            from tensorboard.summary import Writer  # type: ignore[import-untyped]  # no stubs
         except ImportError as err:
             raise ConfigError("--tensorboard needs the tensorboard package", "--tensorboard",
                               str(err), "pip install tensorboard (dtrain installs it)") from None

@@ -25,7 +25,7 @@ class WandbSink:
     def __init__(self, run_dir: Path, mode: str, config: dict[str, Any],
                  project: str = "dtrain") -> None:
         try:
-            import wandb
+            import wandb  # type: ignore[import-not-found,unused-ignore]  # optional extra
         except ImportError:
             raise ConfigError("--wandb needs the wandb package", f"--wandb {mode}",
                               "it is not installed in this environment",

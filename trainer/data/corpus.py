@@ -31,11 +31,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from trainer.errors import TrainerError
+
+if TYPE_CHECKING:  # it builds on this module
+    from trainer.data.sources import TokenData
 
 DEFAULT_CAP_BYTES = 8 * 1024 * 1024
 DEFAULT_VAL_FRACTION = 0.05
@@ -191,7 +194,7 @@ def _listed(items: list[str] | tuple[str, ...], shown: int = 5) -> str:
     return ", ".join(items[:shown]) + more
 
 
-def skipped_warning(corpus: Corpus) -> str:
+def skipped_warning(corpus: Corpus | TokenData) -> str:
     """The warning about what ``--data`` held but was not read ("" when nothing was)."""
     if not corpus.skipped:
         return ""

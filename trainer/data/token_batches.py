@@ -43,7 +43,8 @@ def _hash(x: np.ndarray, key: np.uint64) -> np.ndarray:
     """A splitmix64-style mix of uint64 values with ``key`` (wrapping multiplication)."""
     x = (x ^ key) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(31))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(29))
+    mixed: np.ndarray = x ^ (x >> np.uint64(29))
+    return mixed
 
 
 def permute(index: np.ndarray, n: int, key: int, rounds: int = 4) -> np.ndarray:
@@ -206,7 +207,7 @@ class TokenBatches:
         """Whether this rank prints a damaged block's error (every rank raises it)."""
         self.position = Position(0, [0] * len(blend))
         self._step: int | None = None
-        self._cached: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._cached: list[Microbatch] = []
         self._chunks: dict[int, tuple[int, np.ndarray]] = {}
         """Per dataset, the last chunk of permuted window numbers (`_chunk`)."""
 

@@ -30,7 +30,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -137,7 +137,8 @@ class TokenFiles:
 
     def window(self, shard: int, start: int, length: int) -> np.ndarray:
         """Tokens ``start .. start+length`` of ``shard``, verified."""
-        return self.gather(shard, np.array([start]), length)[0]
+        rows: np.ndarray = self.gather(shard, np.array([start]), length)
+        return cast(np.ndarray, rows[0])
 
     def gather(self, shard: int, starts: np.ndarray, length: int) -> np.ndarray:
         """Rows ``starts[i] .. starts[i]+length`` of ``shard`` as one (n, length) array,

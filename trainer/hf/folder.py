@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,9 +105,10 @@ def write_folder(out: Path, cfg: GPTConfig,
             max_positions=max_positions))
         _write_json(tmp / "generation_config.json",
                     generation_config(bos_token_id=bos_token_id, eos_token_id=eos_token_id))
-        for file in TOKENIZER_FILES if tokenizer_dir else ():
-            if (tokenizer_dir / file).is_file():
-                shutil.copyfile(tokenizer_dir / file, tmp / file)
+        if tokenizer_dir is not None:
+            for file in TOKENIZER_FILES:
+                if (tokenizer_dir / file).is_file():
+                    shutil.copyfile(tokenizer_dir / file, tmp / file)
         os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the export from other users
         os.rename(tmp, out)
     except BaseException:
@@ -114,7 +116,7 @@ def write_folder(out: Path, cfg: GPTConfig,
         raise
 
 
-def _write_json(path: Path, data: dict) -> None:
+def _write_json(path: Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 

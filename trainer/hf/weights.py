@@ -168,7 +168,8 @@ class HFWeights:
     def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
         """Tensor ``name``, or its part ``index`` (slices), read lazily."""
         part = self._handle(name).get_slice(name)
-        return part[index] if index else part[:]
+        tensor: torch.Tensor = part[index] if index else part[:]
+        return tensor
 
     def rows(self, param: str, cfg: GPTConfig, dim: int,
              ranges: list[tuple[int, int]]) -> torch.Tensor:

@@ -102,7 +102,7 @@ def _regather(model: GPT, units: ParamUnits, group: Communicator) -> GPT:
         for name, buf in model.named_buffers():  # the RoPE tables: derived, not trained
             gen.get_buffer(name).copy_(buf)
     if gen.head is not None and group.size > 1:  # every rank of the group samples alike
-        gen.head.gather_output, gen.vocab_start = True, 0
+        gen.head.gather_output, gen.vocab_start = True, 0  # type: ignore[assignment]  # ours
     wanted = dict(gen.named_parameters())
     unit_of = {f.untyped_storage()._cdata: k for k, f in enumerate(units.full)}
     by_unit: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,10 @@ def drawn_rows(name: str, rows: int, cfg: GPTConfig) -> int:
 class GPT(nn.Module):
     """Token ids (B, T) -> logits (B, T, V). Initialised deterministically from ``seed``."""
 
+    rope_cos: torch.Tensor
+    """The rotary tables (T, K/2): buffers, registered in ``__init__``."""
+    rope_sin: torch.Tensor
+
     def __init__(self, cfg: GPTConfig, *, seed: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
@@ -123,7 +128,7 @@ class GPT(nn.Module):
     # The family's parts: `trainer.model.llama.Llama` overrides these four.
     make_block = staticmethod(Block)
     """The block of one layer."""
-    make_mlp = staticmethod(MLP)
+    make_mlp: Callable[[GPTConfig], nn.Module] = staticmethod(MLP)
     """The dense MLP (each expert of a mixture-of-experts layer is one)."""
     make_norm = staticmethod(make_norm)
     """The final norm."""
@@ -167,12 +172,14 @@ class GPT(nn.Module):
 
     def embed(self, idx_BT: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> the first block's input (B, T, D)."""
-        return self.emb_drop(self.tok_emb(idx_BT))
+        h: torch.Tensor = self.emb_drop(cast(nn.Embedding, self.tok_emb)(idx_BT))
+        return h
 
     def logits(self, h_BTD: torch.Tensor) -> torch.Tensor:
         """The last block's output -> logits (B, T, V; this shard's rows under TP), the padded
         vocabulary rows at -inf so that they are never predicted and get no gradient."""
-        return mask_padded_vocab(self.head(self.ln_f(h_BTD)), self.cfg.vocab_size,
+        head, ln_f = cast(nn.Linear, self.head), cast(nn.Module, self.ln_f)  # a last stage's
+        return mask_padded_vocab(head(ln_f(h_BTD)), self.cfg.vocab_size,
                                  self.vocab_start)
 
     def head_loss(self, h_BTD: torch.Tensor, targets_BT: torch.Tensor) -> torch.Tensor:
@@ -201,4 +208,4 @@ class GPT(nn.Module):
     def layers(self) -> Iterator[tuple[int, Block]]:
         """(global layer index, block) pairs of the layers this model (or stage) holds."""
         for key, block in self.blocks.items():
-            yield int(key), block
+            yield int(key), cast(Block, block)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,7 +60,7 @@ def make_norm(cfg: GPTConfig) -> nn.Module:
 def rope_tables(seq_len: int, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (T, K/2) for rotary position embeddings (Su et al. 2021)."""
     # On the CPU even inside a meta-device block: small, and needed with real values.
-    f64 = {"dtype": torch.float64, "device": "cpu"}
+    f64: dict[str, Any] = {"dtype": torch.float64, "device": "cpu"}
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, **f64) / head_dim))
     angles = torch.outer(torch.arange(seq_len, **f64), inv_freq)
     return angles.cos().float(), angles.sin().float()
@@ -108,7 +109,7 @@ class RotaryQKV(torch.autograd.Function):
     complex loop, which rounds 1 ulp apart from its vector loop."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, qkv_BTD: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, qkv_BTD: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, head_dim: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         B, T, _ = qkv_BTD.shape
@@ -123,7 +124,7 @@ class RotaryQKV(torch.autograd.Function):
                 qkv[:, :, 2].transpose(1, 2))
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx,
                  dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor
                  ) -> tuple[torch.Tensor, None, None, None]:
         (turn,) = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -143,7 +144,7 @@ SplitQKV = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int],
 def rotary_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v split from qkv's output and q, k rotated in one autograd pass (`RotaryQKV`)."""
-    q, k, v = RotaryQKV.apply(qkv, cos, sin, head_dim)
+    q, k, v = RotaryQKV.apply(qkv, cos, sin, head_dim)  # type: ignore[no-untyped-call]  # torch's Function.apply
     return q, k, v
 
 
@@ -165,7 +166,7 @@ class Attention(nn.Module):
         self.qkv = Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.probs_rng: Callable[[], AbstractContextManager] = nullcontext
+        self.probs_rng: Callable[[], AbstractContextManager[Any]] = nullcontext
         """Context the attention-probability dropout draws its mask under. Hook for tensor
         parallelism, where those probabilities are per rank (split heads) and need a random
         stream of their own; the serial model uses the default generator."""
@@ -195,7 +196,8 @@ class Attention(nn.Module):
         q, k, v = self.split_qkv(qkv, cos, sin, self.head_dim)
         y = self.core_runner(self.core, q, k, v, *documents(docs))
         y_BTD = y.transpose(1, 2).reshape(B, T, -1)
-        return self.resid_drop(self.proj(y_BTD))
+        out: torch.Tensor = self.resid_drop(self.proj(y_BTD))
+        return out
 
 
 class MLP(nn.Module):
@@ -212,7 +214,8 @@ class MLP(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
-        return self.drop(self.proj(F.gelu(self.fc(x_BTD))))
+        out: torch.Tensor = self.drop(self.proj(F.gelu(self.fc(x_BTD))))
+        return out
 
 
 class Block(nn.Module):
@@ -237,5 +240,6 @@ class Block(nn.Module):
     def body(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
              docs: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.ln1(x), cos, sin, docs)
-        return x + self.mlp(self.ln2(x))
+        out: torch.Tensor = x + self.mlp(self.ln2(x))
+        return out
 

@@ -67,7 +67,7 @@ class OneDNNLinear(torch.autograd.Function):
     linear on transposed views; the bias gradient is ``grad``'s column sum, as torch's."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor,
                 weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None  # type: ignore[attr-defined]
@@ -75,7 +75,7 @@ class OneDNNLinear(torch.autograd.Function):
         return _product(flat, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx,  # type: ignore[override]
+    def backward(ctx: torch.autograd.function.FunctionCtx,
                  grad: torch.Tensor
                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         x, weight = ctx.saved_tensors  # type: ignore[attr-defined]
@@ -90,7 +90,8 @@ class OneDNNLinear(torch.autograd.Function):
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
                   ) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed by oneDNN (fp32 CPU tensors)."""
-    return OneDNNLinear.apply(x, weight, bias)
+    out: torch.Tensor = OneDNNLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]  # torch's Function.apply
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
@@ -99,14 +100,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     the module's note), when this torch has it; ``F.linear`` otherwise."""
     if (_LINEAR is not None and x.dtype == torch.float32 and weight.dtype == torch.float32
             and x.device.type == "cpu" and weight.device.type == "cpu"):
-        return OneDNNLinear.apply(x, weight, bias)
+        out: torch.Tensor = OneDNNLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]  # torch's Function.apply
+        return out
     return F.linear(x, weight, bias)
 
 
 class Linear(nn.Linear):
     """``nn.Linear`` (same parameters, names and init) whose product is `kernel`."""
 
-    kernel: LinearKernel = staticmethod(linear)  # type: ignore[assignment]
+    kernel: LinearKernel = staticmethod(linear)
     """The product: `linear` (oneDNN for fp32 on a CPU), or ``F.linear`` where a tracer must
     see torch's own op (the models' ``use_plain_ops``)."""
 
@@ -118,4 +120,4 @@ def use_plain_linears(model: nn.Module, plain: bool) -> None:
     """Every `Linear` of ``model`` on ``F.linear`` (True: for tracers) or on `linear`."""
     for module in model.modules():
         if isinstance(module, Linear):
-            module.kernel = F.linear if plain else linear  # type: ignore[assignment,method-assign]
+            module.kernel = F.linear if plain else linear

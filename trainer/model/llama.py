@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,8 @@ from trainer.model.linear import Linear
 def inv_frequencies(cfg: GPTConfig) -> torch.Tensor:
     """The K/2 rotary frequencies (fp64), with Llama 3's scaling when ``cfg`` asks for it."""
     k = cfg.head_dim
-    cpu64 = {"dtype": torch.float64, "device": "cpu"}  # real values even on the meta device
+    # Real values even on the meta device.
+    cpu64: dict[str, Any] = {"dtype": torch.float64, "device": "cpu"}
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, k, 2, **cpu64) / k))
     if cfg.llama.rope_scaling == "none":
         return inv
@@ -88,7 +90,7 @@ class GQAttention(nn.Module):
         self.kv = Linear(cfg.d_model, 2 * cfg.kv_heads * cfg.head_dim, bias=False)
         self.proj = Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
         self.resid_drop = nn.Dropout(cfg.dropout)
-        self.probs_rng: Callable[[], AbstractContextManager] = nullcontext
+        self.probs_rng: Callable[[], AbstractContextManager[Any]] = nullcontext
         """Context of the attention-probability dropout (hook for tensor parallelism, as in
         `trainer.model.layers.Attention`)."""
         self.core_runner: Runner = run_directly
@@ -121,7 +123,8 @@ class GQAttention(nn.Module):
         k_BTGK = apply_rope_half(k_BTGK, cos, sin)
         y = self.core_runner(self.core, q_BTHK.transpose(1, 2), k_BTGK.transpose(1, 2),
                              v_BTGK.transpose(1, 2), *documents(docs))
-        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+        out: torch.Tensor = self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, -1)))
+        return out
 
 
 class SwiGLU(nn.Module):
@@ -138,7 +141,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x_BTD: torch.Tensor) -> torch.Tensor:
         gate, up = self.fc(x_BTD).chunk(2, dim=-1)
-        return self.drop(self.proj(F.silu(gate) * up))
+        out: torch.Tensor = self.drop(self.proj(F.silu(gate) * up))
+        return out
 
 
 class LlamaBlock(Block):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -51,13 +52,16 @@ def global_grad_norm(params: Iterable[nn.Parameter], scope: NormScope = NormScop
     """The L2 norm of every gradient of the whole (unsplit) model, as a 0-d fp32 tensor;
     collective over ``scope``'s groups."""
     params = [p for p in params if p.grad is not None]
-    device = params[0].grad.device if params else torch.device("cpu")
-    counted = [p.grad.detach() for p in params if scope.counts(p)]
+    grads = [cast(torch.Tensor, p.grad) for p in params]  # none is None here
+    device = grads[0].device if grads else torch.device("cpu")
+    counted = [g.detach() for p, g in zip(params, grads, strict=True) if scope.counts(p)]
     norms = torch._foreach_norm(counted, 2) if counted else []
     if not scope.groups:  # exactly torch.nn.utils.clip_grad_norm_'s arithmetic
         if not norms:
             return torch.zeros((), device=device)
-        return torch.linalg.vector_norm(torch.stack([at_least_fp32(n) for n in norms]))
+        norm: torch.Tensor = torch.linalg.vector_norm(
+            torch.stack([at_least_fp32(n) for n in norms]))
+        return norm
     squares = torch.stack([at_least_fp32(n) for n in norms]).square().sum() if norms else \
         torch.zeros((), device=device)
     squares = squares.reshape(1).contiguous()
@@ -76,5 +80,6 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float,
     if max_norm > 0 and params:
         # The coefficient in fp32 tensors, as torch computes it, so TP = 1 matches it exactly.
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coef.to(params[0].grad.device))
+        grads = [cast(torch.Tensor, p.grad) for p in params]  # none is None here
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
     return norm

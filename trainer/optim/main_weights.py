@@ -16,7 +16,7 @@ model's parameters to the restored weights).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -83,7 +83,7 @@ class PlainWeights:
 def sum_main_grad(param: nn.Parameter, group: Communicator) -> None:
     """All-reduce ``param``'s main gradient (the DP buffer's view) over ``group``; a parameter
     whose ``.grad`` is a separate copy gets the sum too."""
-    grad = getattr(param, "main_grad", param.grad)
+    grad = cast(torch.Tensor, getattr(param, "main_grad", param.grad))  # DP gave it one
     group.all_reduce(grad, ReduceOp.SUM)
     if param.grad is not None and param.grad.data_ptr() != grad.data_ptr():
         param.grad.copy_(grad)

@@ -61,7 +61,7 @@ class MainParams:
         params = [p for p in model.parameters() if p.requires_grad]
         main = [nn.Parameter(p.detach().clone().float()) for p in params]
         for m, p in zip(main, params, strict=True):  # where it lies: its parameter's place
-            m.placement = getattr(p, "placement", None)
+            m.placement = getattr(p, "placement", None)  # type: ignore[attr-defined]  # ours
         stepper = build(main)
         # Index-based, so the state (empty, or the checkpoint's) lands on the same parameters.
         stepper.load_state_dict(optimizer.state_dict())
@@ -73,7 +73,7 @@ class MainParams:
     def grads(self) -> list[nn.Parameter]:
         """The main parameters, each with its fp32 main gradient (averaged by DP) as .grad."""
         for m, p in zip(self.main, self.params, strict=True):
-            m.grad = p.main_grad
+            m.grad = p.main_grad  # type: ignore[attr-defined]  # set by the DP sync
         return self.main
 
     def step(self, lr: float) -> None:

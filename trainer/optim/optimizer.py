@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,9 +39,11 @@ class LRSchedule:
         return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def param_groups(params: Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
+def param_groups(params: Iterable[nn.Parameter], weight_decay: float
+                 ) -> list[dict[str, Any]]:
     """Two AdamW groups: decayed (>= 2-D tensors) and not decayed (norm weights, biases)."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for p in params:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)

@@ -64,7 +64,8 @@ def place_parameters(model: nn.Module, mesh: Mesh, *, copies: dict[str, str] | N
             shape[split.dim] *= tp_size
         replicated = (*mesh.shape.axes(*getattr(p, "dp_replicas", DP_AXES)),
                       *(("tp",) if split is None else ()))
-        p.placement = Placement(copies.get(name, name), tuple(shape), split, None, replicated,
+        p.placement = Placement(  # type: ignore[attr-defined]  # a parameter's own placement
+copies.get(name, name), tuple(shape), split, None, replicated,
                                 copy=name in copies)
 
 

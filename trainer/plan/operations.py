@@ -65,11 +65,11 @@ class _Counter(TorchDispatchMode):
     """Counts every ATen call beneath it, and what `Work` counts of it."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # torch's
         self.ops, self.flops, self.bytes = 0, 0.0, 0.0
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
-                           kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         from torch.utils.flop_counter import flop_registry
 
         kwargs = kwargs or {}

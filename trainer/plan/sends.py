@@ -115,7 +115,7 @@ def comm(cfg: TrainConfig, *, bf16: bool, steps: tuple[int, ...] = (1,)) -> Comm
     loss = 3 * tokens * 4 * 2 if par.tp > 1 else 0
     tp = par.microbatches * ring(par.tp) * ((layers * per_block + 2) * 2 * act
                                             + regather * act + loss)
-    pp = par.microbatches * pp_sends(cfg) * act
+    pp: float = par.microbatches * pp_sends(cfg) * act
     if par.pp > 1 and gpt.tied:  # the tied embedding's gradient, summed over the end stages
         pp += 2 * ring(2) * grad_width * gpt.vocab_rows * gpt.d_model / par.tp
     moe_layers = len(range(0, layers, gpt.moe.every)) if gpt.moe.experts else 0

@@ -15,11 +15,16 @@ from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from functools import cache
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from trainer.comm.protocol import DoneHandle, Handle, P2POp, ReduceOp
 from trainer.model.config import GPTConfig
+
+if TYPE_CHECKING:  # imported where used: `dtrain plan` starts without the model's imports
+    from trainer.model.gpt import GPT
+    from trainer.parallel.context.attention import Exchange
 from trainer.parallel.zero.memory import SavedTensorMeter
 
 
@@ -201,7 +206,7 @@ class RankModel:
 
 @contextmanager
 def rank_model(cfg: GPTConfig, how: RankModel
-               ) -> Iterator[tuple[torch.nn.Module, torch.Tensor, list[ShapeComm]]]:
+               ) -> Iterator[tuple[GPT, torch.Tensor, list[ShapeComm]]]:
     """The trainer's model of ``cfg``, sharded and set up as a rank of the run ``how`` (on a cp
     rank's share of the sequence, its attention the context-parallel exchange), and one
     microbatch of tokens: on fake tensors, or for a mixture of experts, which routes by the
@@ -241,7 +246,7 @@ def rank_model(cfg: GPTConfig, how: RankModel
             model = apply_sequence_parallel(model, comms[0], tracker)
         model = apply_recompute(model, how.recompute, tracker)
         if how.cp > 1:
-            model = context_parallel(model, comms[1], how.exchange)
+            model = context_parallel(model, comms[1], cast("Exchange", how.exchange))
         tokens = cfg.seq_len // how.cp
         idx = (torch.randint(0, cfg.vocab_size, (how.micro_batch, tokens),
                              generator=torch.Generator().manual_seed(0))

@@ -124,7 +124,9 @@ def read_criteo(path: Path, vocab: tuple[int, ...], *, limit: int = 0) -> ClickL
         raise ConfigError("wrong number of vocabulary sizes for Criteo data", str(path),
                           f"{len(vocab)} given, Criteo rows have {CRITEO_SPARSE} categoricals",
                           f"Give {CRITEO_SPARSE} sizes in --vocab (or one, used for all)")
-    labels, dense, sparse = [], [], []
+    labels: list[float] = []
+    dense: list[list[float]] = []
+    sparse: list[list[int]] = []
     try:
         with open(path, encoding="ascii") as fh:
             for number, line in enumerate(fh, 1):

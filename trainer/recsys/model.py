@@ -12,6 +12,7 @@ every embedding), strictly below the diagonal, concatenated with the bottom outp
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -64,8 +65,10 @@ class DenseTower(nn.Module):
         """Logits (B,) from dense features (B, 13) and embeddings (B, F, dim)."""
         x = self.bottom(dense)
         vectors = torch.cat([x.unsqueeze(1), embedded], dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
-        return self.top(torch.cat([x, dots], dim=1)).squeeze(1)
+        pairs = cast(torch.Tensor, self.pair_rows), cast(torch.Tensor, self.pair_cols)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, pairs[0], pairs[1]]
+        logits: torch.Tensor = self.top(torch.cat([x, dots], dim=1))
+        return logits.squeeze(1)
 
 
 def global_keys(cfg: DLRMConfig, sparse: torch.Tensor) -> torch.Tensor:
@@ -94,7 +97,8 @@ class DLRM:
         keys = global_keys(self.cfg, sparse)
         embedded = self.table(keys.reshape(-1, 1))  # one bag per (row, feature)
         embedded = embedded.view(len(sparse), self.cfg.features, self.cfg.dim)
-        return self.dense(dense, embedded)
+        logits: torch.Tensor = self.dense(dense, embedded)
+        return logits
 
     def train(self, mode: bool = True) -> None:
         self.dense.train(mode)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -64,6 +64,7 @@ def resume(cfg: RecsysConfig, model: DLRM, dense_opt: torch.optim.Optimizer,
     worst, reporter = verdict.agree(error, comm, comm_device(comm))
     if worst != verdict.OK:
         raise (error or verdict.quiet(path)).everywhere(report=reporter)
+    state = cast(dict[str, Any], state)  # read, or the agreement above raised
     model.dense.load_state_dict(_part(state["model"], "dense."))
     table = _part(state["model"], "table.")
     if model.table.hashed:
@@ -84,7 +85,9 @@ def _read(path: Path, cfg: RecsysConfig, comm: Communicator) -> dict[str, Any]:
         raise CheckpointDamaged(f"checkpoint {path} is damaged", f"file {name}",
                                 "the index does not list this rank's file", FALLBACK_HINT)
     saved = checkpoint.TensorFile(path, name, record)
-    return tree.unflatten(index["files"][name], {k: saved.read(k) for k in saved.keys()})
+    state: dict[str, Any] = tree.unflatten(index["files"][name],
+                                           {k: saved.read(k) for k in saved.keys()})
+    return state
 
 
 def _flat(model: DLRM) -> dict[str, torch.Tensor]:

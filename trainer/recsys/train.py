@@ -26,6 +26,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.nn import functional
@@ -187,11 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg, failed = startup.attempt(lambda: parse_args(argv, quiet=quiet))
         failed = startup.agree(startup.world_comm(), failed)
         if failed is None:
-            world, failed = startup.attempt(lambda: _join(cfg))
+            world, failed = startup.attempt(lambda: _join(cast(RecsysConfig, cfg)))
             failed = startup.agree(startup.world_comm(), failed)
         if failed is not None:
             return failed.code
-        train(cfg, world)
+        train(cast(RecsysConfig, cfg), cast(World, world))
         return 0
     except TrainerError as exc:
         return startup.fail_alone(world, f"error: {exc}", 2, exc)

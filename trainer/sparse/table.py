@@ -21,7 +21,7 @@ trainer wants. The rows are a plain tensor, never an ``nn.Parameter``: nothing d
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -98,7 +98,9 @@ class ShardedEmbedding:
     def lookup(self, keys: torch.Tensor) -> torch.Tensor:
         """The row of every key, in the keys' order, shape ``(len(keys), dim)``; collective."""
         self._check(keys)
-        return _Lookup.apply(self._anchor, self, keys)
+        rows: torch.Tensor = _Lookup.apply(  # type: ignore[no-untyped-call]  # torch's
+            self._anchor, self, keys)
+        return rows
 
     def local_rows(self, owned: torch.Tensor) -> torch.Tensor:
         """Local rows of keys this rank owns (-1: absent in get-only hash mode)."""
@@ -113,9 +115,9 @@ class ShardedEmbedding:
 
     def accumulate(self, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """Add gradients of local ``rows`` (duplicates summed) to this step's sparse gradient."""
-        if self.grad_rows is not None:
+        if self.grad_rows is not None:  # and so are its values
             rows = torch.cat([self.grad_rows, rows])
-            grads = torch.cat([self.grad_values, grads])
+            grads = torch.cat([cast(torch.Tensor, self.grad_values), grads])
         uniq, inverse = torch.unique(rows, return_inverse=True)
         self.grad_rows = uniq
         self.grad_values = grads.new_zeros((len(uniq), self.dim)).index_add(0, inverse, grads)

@@ -121,7 +121,7 @@ def truncate_after(path: Path, step: int) -> str:
             "the file was rewritten without them")
 
 
-def draw(plot: Callable[[Path], None], png: Path) -> str:
+def draw(plot: Callable[[Path], object], png: Path) -> str:
     """Run ``plot`` into a temporary file, then rename it to ``png``: a failed plot (a full
     disk) leaves the previous picture, never an empty one, and is only the returned warning
     ("" when drawn), never an error that would hide the one that ended the run."""

@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -172,7 +172,8 @@ def build_pipeline(cfg: TrainConfig, model: GPT, layout: StageLayout, pp: Commun
     spec = P2PSpec((micro_batch, seq, cfg.gpt.d_model), dtype, str(device))
     agree_on_spec(pp, spec)
 
-    def grad_sync(final: bool):  # DP reduces on the last backward of each chunk only
+    def grad_sync(final: bool) -> AbstractContextManager[None]:
+        # DP reduces on the last backward of each chunk only
         return nullcontext() if final else dp.no_sync()
 
     stage = GPTStage(model, layout, grad_sync=grad_sync)

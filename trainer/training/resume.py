@@ -148,7 +148,7 @@ def restore(cfg: TrainConfig, mesh: Mesh, weights: MainWeights) -> Restored:
             return _apply(cfg, path, chosen, weights, skipped, mesh)
         if worst != DAMAGED or not cfg.checkpoint.resume_fallback:
             raise (error if error is not None else quiet(path)).everywhere(report=reporter)
-        if reporter:
+        if reporter and error is not None:  # the reporter is a rank that failed
             print(f"dtrain: --resume-fallback skips {path.name}: {error.what} [{error.where}]: "
                   f"{error.why}", file=sys.stderr, flush=True)
         skipped.append(_set_aside(path) if leader else path.name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,6 +35,7 @@ from trainer.optim.grad_clip import NormScope
 from trainer.optim.main_weights import MainWeights, PlainWeights
 from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
+from trainer.parallel.context.attention import Exchange
 from trainer.parallel.context.model import context_parallel, keep_chunks
 from trainer.parallel.data.split import GradSync, data_parallel
 from trainer.parallel.expert.layer import set_aux_scale
@@ -131,7 +132,8 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
                            built=built)
     if cfg.parallel.cp > 1:  # its share of every sequence (trainer.parallel.context); after
         # DP's broadcast of rank 0's buffers, as the rotary rows differ between cp ranks
-        model = context_parallel(model, mesh.group("cp"), cfg.parallel.cp_comm)
+        model = context_parallel(model, mesh.group("cp"),
+                                 cast(Exchange, cfg.parallel.cp_comm))  # one of its choices
     restored = restore(cfg, mesh, weights) if cfg.checkpoint.resume else \
         start_anew(cfg, leader=mesh.rank() == 0)
     notes = [configure_matmul(device, "fp32" if dtype is None else "bf16")]

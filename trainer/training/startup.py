@@ -27,7 +27,7 @@ import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -92,7 +92,8 @@ def agree(comm: Any, failure: Failure | None) -> Failure | None:
             print(failure.message, file=sys.stderr, flush=True)
         return failure
     failures = comm.allgather(failure)
-    failed = [(rank, f) for rank, f in enumerate(failures) if f is not None]
+    failed: list[tuple[int, Failure]] = [(rank, f) for rank, f in enumerate(failures)
+                                         if f is not None]
     if not failed:
         return None
     first_rank, first = failed[0]
@@ -104,7 +105,8 @@ def agree(comm: Any, failure: Failure | None) -> Failure | None:
     return first
 
 
-def start(argv: Sequence[str] | None) -> tuple[World, TrainConfig, Corpus] | int:
+def start(argv: Sequence[str] | None
+          ) -> tuple[World, TrainConfig, Corpus | TokenData] | int:
     """Both phases with their agreements: what to train with, or the exit code of bad input."""
     quiet = env_rank() != 0
     restarted = restart.of_environ(os.environ)  # a restarted round resumes by itself
@@ -112,14 +114,15 @@ def start(argv: Sequence[str] | None) -> tuple[World, TrainConfig, Corpus] | int
                                                                  restarted)))
     failed = agree(world_comm(), failed)
     if failed is None:
-        ready, failed = attempt(lambda: prepare(cfg))
+        ready, failed = attempt(lambda: prepare(cast(TrainConfig, cfg)))
         failed = agree(world_comm(), failed)
     if failed is None:
-        failed = agree(world_comm(), same_data(world_comm(), ready[2]))
-    return ready if failed is None else failed.code
+        failed = agree(world_comm(), same_data(world_comm(), cast(tuple[Any, ...], ready)[2]))
+    return cast(tuple[World, TrainConfig, Corpus | TokenData], ready) if failed is None \
+        else failed.code
 
 
-def same_data(comm: Any, corpus: Corpus) -> Failure | None:
+def same_data(comm: Any, corpus: Corpus | TokenData) -> Failure | None:
     """Collective over ``comm``: a failure on every rank when the ranks read different bytes
     (e.g. a --data folder that differs between hosts), naming the ranks of each version."""
     if comm is None:
@@ -135,7 +138,7 @@ def same_data(comm: Any, corpus: Corpus) -> Failure | None:
                    "Python for the default corpus)", 2)
 
 
-def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus]:
+def prepare(cfg: TrainConfig) -> tuple[World, TrainConfig, Corpus | TokenData]:
     """Phase 2 on this rank: join the world, fit the layout to it, read and check the data."""
     world = init(backend=cfg.backend)
     cfg = resolve_dp(*restart.fit_world(cfg, world.size, restart.of_environ(os.environ)))
@@ -159,7 +162,7 @@ def require_same(comm: Communicator, value: int, device: torch.device, what: str
         raise TrainerError(what, where, "the value differs between ranks", fix)
 
 
-def binary_warning(corpus: Corpus) -> str:
+def binary_warning(corpus: Corpus | TokenData) -> str:
     """The warning about files that look binary ("" when there are none)."""
     files = corpus.binary_files
     if not files:
