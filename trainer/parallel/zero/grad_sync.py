@@ -52,7 +52,7 @@ class ShardedGradSync(DataParallel):
                                    self.comm.size, self.comm.rank, alone)
         buffer = torch.zeros(self.layout.size, dtype=dtype, device=device)
         for p, offset in zip(self.params, self.layout.offsets, strict=True):
-            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]  # ours
+            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]  # DataParallel's own
         return buffer
 
     def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[Bucket]:

@@ -107,7 +107,7 @@ class UnitGradients(ShardedGradients):
             self._launch(bucket)
         self._retire(until=0)
 
-    def _launch(self, bucket: StagedBucket) -> None:  # type: ignore[override]  # ZeRO-2's
+    def _launch(self, bucket: StagedBucket) -> None:  # type: ignore[override]  # as ShardedGradients'
         self._reduce(bucket)
         bucket.ready.clear()
         self.launches[bucket.index] += 1
