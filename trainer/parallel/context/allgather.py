@@ -29,7 +29,8 @@ def _gather_kv(comm: Communicator, k: torch.Tensor, v: torch.Tensor) -> torch.Te
     kv = torch.stack([k, v])
     everyone = kv.new_empty((comm.size * 2, *k.shape))
     comm.all_gather(everyone, kv)
-    return everyone.unflatten(0, (comm.size, 2))
+    out: torch.Tensor = everyone.unflatten(0, (comm.size, 2))  # torch leaves it unannotated
+    return out
 
 
 class AllGatherAttention(Function):

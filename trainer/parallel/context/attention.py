@@ -81,7 +81,7 @@ class ContextParallelAttention:
             check_documents(docs, self.layout, q.shape[0], f"cp rank {self.comm.rank}")
         function = RingAttention if self.exchange == "ring" else AllGatherAttention
         scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-        out: torch.Tensor = function.apply(q, k, v, self.comm, self.layout, scale, docs)
+        out: torch.Tensor = function.apply(q, k, v, self.comm, self.layout, scale, docs)  # type: ignore[no-untyped-call]  # torch's Function.apply
         return out
 
     def _check_shapes(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

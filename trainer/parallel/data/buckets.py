@@ -8,6 +8,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -49,7 +50,7 @@ def wants_comm_thread(backend: str, local_ranks: int | None = None,
 class FutureHandle:
     """A `Handle` for an all-reduce running on the comm thread."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future[None]) -> None:
         self._future = future
 
     def wait(self) -> None:
@@ -57,6 +58,20 @@ class FutureHandle:
 
     def is_completed(self) -> bool:
         return self._future.done()
+
+
+class BucketState(Protocol):
+    """What every gradient sync's buckets have: DP's `Bucket` and ZeRO-2/3's
+    `trainer.parallel.zero.grad_shards.StagedBucket`."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def params(self) -> list[nn.Parameter]: ...
+    @property
+    def ready(self) -> set[int]: ...
+    @property
+    def launched(self) -> bool: ...
 
 
 @dataclass

@@ -45,6 +45,7 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -59,10 +60,19 @@ class GradSyncError(TrainerError):
     """Data-parallel gradient synchronisation cannot proceed safely."""
 
 
+class ParamSource(Protocol):
+    """What `DataParallel` reads of its model: an `nn.Module`, or part of one
+    (`trainer.parallel.data.split.ParamSubset`)."""
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def parameters(self) -> Iterator[nn.Parameter]: ...
+    def buffers(self) -> Iterator[torch.Tensor]: ...
+
+
 class DataParallel:
     """Gradient synchronisation for ``model`` across the DP communicator ``comm``."""
 
-    def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
+    def __init__(self, model: ParamSource, comm: Communicator, *, bucket_size: int = 1_000_000,
                  overlap: bool = True, allow_unused: bool = False,
                  comm_thread: bool | None = None, poll_interval: float = 2e-4,
                  reduce_dtype: torch.dtype | None = None, grads_to_params: bool = True) -> None:
@@ -106,8 +116,10 @@ class DataParallel:
         dtype = main_grad_dtype({p.dtype for p in self.params})
         buffer = torch.zeros(sum(p.numel() for p in self.params), dtype=dtype, device=device)
         offset = 0
+        # main_grad is this sync's own attribute on the parameters, which torch's stubs do
+        # not know: its every use here is an ignore[attr-defined].
         for p in self.params:
-            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
+            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]
             offset += p.numel()
         return buffer
 
@@ -160,7 +172,7 @@ class DataParallel:
         """Zero the buffer; each parameter of the buffer's dtype gets its view as ``.grad``."""
         self.buffer.zero_()
         for p in self.params:
-            p.grad = p.main_grad if p.dtype == self.buffer.dtype else None
+            p.grad = p.main_grad if p.dtype == self.buffer.dtype else None  # type: ignore[attr-defined]
         self._reset_buckets()
         self.launch_order = []
 
@@ -180,7 +192,7 @@ class DataParallel:
             self._unwire(bucket)
         for p in self.params:  # unless a MainParams steps on main_grad itself
             if p.dtype != self.buffer.dtype and self.grads_to_params:
-                p.grad = p.main_grad.to(p.dtype)
+                p.grad = p.main_grad.to(p.dtype)  # type: ignore[attr-defined]
         self._reset_buckets()
 
     # -- hooks and launching -----------------------------------------------------------------
@@ -188,9 +200,9 @@ class DataParallel:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         # Autograd accumulated into p.grad; if that is not our view (non-fp32 parameter, or
         # someone set .grad to None), move it into the buffer.
-        if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():
-            p.main_grad.add_(p.grad)
-            p.grad = p.main_grad if p.dtype == self.buffer.dtype else None
+        if p.grad is not None and p.grad.data_ptr() != p.main_grad.data_ptr():  # type: ignore[attr-defined]
+            p.main_grad.add_(p.grad)  # type: ignore[attr-defined]
+            p.grad = p.main_grad if p.dtype == self.buffer.dtype else None  # type: ignore[attr-defined]
         if not self._sync:
             return
         bucket = self._bucket_of[id(p)]

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from trainer.comm.protocol import Communicator
+from trainer.parallel.data.buckets import BucketState
 from trainer.parallel.data.grad_sync import DataParallel
 
 
@@ -37,7 +38,7 @@ class GradSync(Protocol):
     @property
     def params(self) -> list[nn.Parameter]: ...
     @property
-    def buckets(self) -> list: ...
+    def buckets(self) -> Sequence[BucketState]: ...
     def no_sync(self) -> AbstractContextManager[None]: ...
     def zero_grad(self) -> None: ...
     def finish_grad_sync(self) -> None: ...
@@ -85,7 +86,7 @@ class SplitDataParallel:
         return [p for part in self.parts for p in part.params]
 
     @property
-    def buckets(self) -> list:
+    def buckets(self) -> list[BucketState]:
         return [b for part in self.parts for b in part.buckets]
 
     @contextmanager

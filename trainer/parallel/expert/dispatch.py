@@ -22,6 +22,7 @@ sizes swapped. With P = 1 (or no EP group) steps 2-4 vanish and the rows stay on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import Function
@@ -99,18 +100,19 @@ def _expert_major(received_PL: torch.Tensor) -> torch.Tensor:
 def all_to_all(x: torch.Tensor, comm: Communicator, in_splits: list[int],
                out_splits: list[int]) -> torch.Tensor:
     """Differentiable variable all-to-all along dim 0; its backward swaps the splits."""
-    return _AllToAll.apply(x, comm, in_splits, out_splits)
+    out: torch.Tensor = _AllToAll.apply(x, comm, in_splits, out_splits)  # type: ignore[no-untyped-call]  # torch's Function.apply
+    return out
 
 
 class _AllToAll(Function):
     @staticmethod
-    def forward(ctx: object, x: torch.Tensor, comm: Communicator, in_splits: list[int],
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, in_splits: list[int],
                 out_splits: list[int]) -> torch.Tensor:
         ctx.comm, ctx.splits = comm, (in_splits, out_splits)
         return _exchange(x, comm, in_splits, out_splits)
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         in_splits, out_splits = ctx.splits
         return _exchange(grad, ctx.comm, out_splits, in_splits), None, None, None
 

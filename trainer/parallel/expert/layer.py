@@ -20,6 +20,7 @@ the language-model loss is divided by), so it needs no path of its own through a
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,7 +65,7 @@ class MoE(nn.Module):
                 routing.aux_loss.detach().double().reshape(1), self.load.new_ones(1)])
         y_BTD = y_ND.view_as(x_BTD)
         if torch.is_grad_enabled() and routing.aux_loss.requires_grad:
-            y_BTD = _AuxLoss.apply(y_BTD, routing.aux_loss * self.aux_scale)
+            y_BTD = _AuxLoss.apply(y_BTD, routing.aux_loss * self.aux_scale)  # type: ignore[no-untyped-call]  # torch's Function.apply
         return y_BTD
 
     def place_on(self, name: str, mesh: Mesh) -> None:
@@ -93,13 +94,13 @@ class _AuxLoss(Function):
     """Identity on the output; backward also gives the auxiliary loss a gradient of 1."""
 
     @staticmethod
-    def forward(ctx: object, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
         ctx.aux_shape = aux.shape
         ctx.aux_dtype = aux.dtype
         return out.view_as(out)
 
     @staticmethod
-    def backward(ctx: object, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return grad, torch.ones(ctx.aux_shape, dtype=ctx.aux_dtype, device=grad.device)
 
 

@@ -27,6 +27,8 @@ The router is replicated over TP like the norms.
 
 from __future__ import annotations
 
+from typing import cast
+
 from torch import nn
 
 from trainer.comm.protocol import Communicator
@@ -48,12 +50,14 @@ def shard_layer(name: str, experts: nn.ModuleDict, ep: Communicator,
     for key in [k for k in experts if int(k) not in mine]:
         del experts[key]
     if tp is not None and tp.size > 1:
-        for key, mlp in experts.items():
+        for key, mlp in experts.items():  # dense MLPs (`trainer.model.family.DENSE_MLPS`)
             where = f"{name}.experts.{key}"
-            mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, stride=mlp.fc_stride,
+            mlp.fc = ColumnParallelLinear.from_linear(cast(nn.Linear, mlp.fc), tp,
+                                                      stride=cast(int, mlp.fc_stride),
                                                       name=f"{where}.fc")
-            mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.proj")
+            mlp.proj = RowParallelLinear.from_linear(cast(nn.Linear, mlp.proj), tp,
+                                                     name=f"{where}.proj")
     for p in experts.parameters():
-        p.dp_replicas = EXPERT_REPLICAS
+        p.dp_replicas = EXPERT_REPLICAS  # type: ignore[attr-defined]  # read by data.split
         if ep.size > 1:
             p.register_hook(lambda g, s=1.0 / ep.size: g * s)

@@ -100,7 +100,8 @@ def rank_resolution(dtype: torch.dtype) -> float:
     """The grid capacity ranks scores on: 2^-(mantissa bits // 2), a power of two so that
     ``floor(score / resolution)`` is exact, and wide enough that rounding noise (a few ulps)
     moves a score across a cell boundary with a probability of about 1e-7 in fp64."""
-    return 2.0 ** (math.log2(torch.finfo(dtype).eps) // 2)
+    resolution: float = 2.0 ** (math.log2(torch.finfo(dtype).eps) // 2)
+    return resolution
 
 
 def capacity_mask(experts_NK: torch.Tensor, weights_NK: torch.Tensor, n_experts: int,

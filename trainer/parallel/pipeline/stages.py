@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from typing import cast
 
 import torch
 from torch import nn
@@ -54,7 +55,8 @@ def build_stage_model(cfg: GPTConfig, seed: int, layout: StageLayout) -> GPT:
     if cfg.tied and layout.holds_last and not layout.holds_first:
         # The head's weight *is* the embedding's in the serial model; here it becomes a copy
         # of equal value, kept equal by the embedding-group gradient sum.
-        model.head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+        head, emb = cast(nn.Linear, model.head), cast(nn.Embedding, model.tok_emb)  # built whole
+        head.weight = nn.Parameter(emb.weight.detach().clone())
     if not layout.holds_first:
         model.tok_emb = None
     if not layout.holds_last:
@@ -70,10 +72,12 @@ def tied_weight(model: GPT, layout: StageLayout) -> nn.Parameter | None:
     shard."""
     if not model.cfg.tied:
         return None
+    # The embedding and the head (or their TP shards) hold their weights as Parameters, which
+    # torch's stubs type as Tensors.
     if layout.holds_first:
-        return model.tok_emb.weight
+        return cast(nn.Parameter, cast(nn.Module, model.tok_emb).weight)
     if layout.holds_last:
-        return model.head.weight
+        return cast(nn.Parameter, cast(nn.Module, model.head).weight)
     return None
 
 
@@ -82,7 +86,8 @@ class GPTStage:
     microbatch."""
 
     def __init__(self, model: GPT, layout: StageLayout, *,
-                 grad_sync: Callable[[bool], AbstractContextManager] | None = None) -> None:
+                 grad_sync: Callable[[bool], AbstractContextManager[None]] | None = None
+                 ) -> None:
         self.model, self.layout = model, layout
         self.grad_sync = grad_sync or (lambda _final: nullcontext())
         self.batch: Batch = ()
@@ -103,7 +108,7 @@ class GPTStage:
         if layout.is_first(chunk):
             h = model.embed(self.batch[microbatch][0])
         else:
-            x = x.detach().requires_grad_()
+            x = cast(torch.Tensor, x).detach().requires_grad_()  # from the previous stage
             h = x
         for i in layout.layers(chunk):
             h = model.blocks[str(i)](h, model.rope_cos, model.rope_sin, *docs)

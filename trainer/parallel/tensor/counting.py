@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import torch
 
 from trainer.comm.protocol import Communicator, Handle, P2POp, ReduceOp
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -60,7 +62,7 @@ class CountingCommunicator:
                 out.seconds += c.seconds
         return out
 
-    def _timed(self, op: str, t: torch.Tensor, call: Any) -> Any:
+    def _timed(self, op: str, t: torch.Tensor, call: Callable[[], R]) -> R:
         start = time.perf_counter()
         result = call()
         entry = self.counts[(self.phase, op)]

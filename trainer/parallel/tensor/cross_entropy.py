@@ -15,6 +15,8 @@ O(tokens * V/tp) and O(tokens) respectively, never O(tokens * V).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
@@ -25,7 +27,7 @@ from trainer.model.precision import at_least_fp32
 
 class _VocabParallelCrossEntropy(Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, target: torch.Tensor, comm: Communicator
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, comm: Communicator
                 ) -> torch.Tensor:
         logits = at_least_fp32(logits)  # as the serial loss
         per_rank = logits.shape[-1]
@@ -48,7 +50,7 @@ class _VocabParallelCrossEntropy(Function):
         return sum_exp.log() - picked
 
     @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         softmax, local_target, outside = ctx.saved_tensors
         grad = softmax.clone()
         hit = (~outside).to(grad.dtype).unsqueeze(-1)
@@ -62,7 +64,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     (global token ids). Every TP rank gets the same losses."""
     if comm.size == 1:
         return F.cross_entropy(at_least_fp32(logits), target, reduction="none")
-    return _VocabParallelCrossEntropy.apply(logits, target, comm)
+    out: torch.Tensor = _VocabParallelCrossEntropy.apply(logits, target, comm)  # type: ignore[no-untyped-call]  # torch's Function.apply
+    return out
 
 
 def mean_vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,

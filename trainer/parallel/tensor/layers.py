@@ -30,6 +30,8 @@ master weight of a serial layer, so a TP model starts exactly where the serial o
 
 from __future__ import annotations
 
+from typing import TypedDict, Unpack
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -54,6 +56,30 @@ def _sharded_param(full: torch.Tensor, comm: Communicator, spec: ShardSpec) -> n
     return mark_sharded(nn.Parameter(shard), spec.dim, spec.stride)
 
 
+class ColumnOptions(TypedDict, total=False):
+    """`ColumnParallelLinear`'s keyword arguments (what `from_linear` passes on)."""
+
+    stride: int
+    gather_output: bool
+    sequence_parallel: bool
+    name: str
+
+
+class RowOptions(TypedDict, total=False):
+    """`RowParallelLinear`'s keyword arguments (what `from_linear` passes on)."""
+
+    input_is_parallel: bool
+    sequence_parallel: bool
+    name: str
+
+
+class EmbeddingOptions(TypedDict, total=False):
+    """`VocabParallelEmbedding`'s keyword arguments (what `from_embedding` passes on)."""
+
+    sequence_parallel: bool
+    name: str
+
+
 class ColumnParallelLinear(nn.Module):
     """Linear layer whose output features are split over the TP ranks (weight ``(out/tp, in)``)."""
 
@@ -72,8 +98,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _sharded_param(bias, comm, spec) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Communicator, **kwargs: object
-                    ) -> ColumnParallelLinear:
+    def from_linear(cls, linear: nn.Linear, comm: Communicator,
+                    **kwargs: Unpack[ColumnOptions]) -> ColumnParallelLinear:
         return cls(linear.weight, linear.bias, comm, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,8 +130,8 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, comm: Communicator, **kwargs: object
-                    ) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, comm: Communicator,
+                    **kwargs: Unpack[RowOptions]) -> RowParallelLinear:
         return cls(linear.weight, linear.bias, comm, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,8 +165,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = _sharded_param(weight, comm, ShardSpec(0))
 
     @classmethod
-    def from_embedding(cls, emb: nn.Embedding, comm: Communicator, **kwargs: object
-                       ) -> VocabParallelEmbedding:
+    def from_embedding(cls, emb: nn.Embedding, comm: Communicator,
+                       **kwargs: Unpack[EmbeddingOptions]) -> VocabParallelEmbedding:
         return cls(emb.weight, comm, **kwargs)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

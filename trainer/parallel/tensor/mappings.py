@@ -29,6 +29,8 @@ incoming gradient (autograd may hand the same gradient tensor to several consume
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch.autograd import Function
@@ -65,22 +67,22 @@ def reduce_scatter(x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tenso
 
 class _CopyToRegion(Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         ctx.comm = comm
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return all_reduce(grad, ctx.comm), None
 
 
 class _ReduceFromRegion(Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
         return all_reduce(x, comm)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
@@ -88,12 +90,12 @@ class _Scatter(Function):
     """Forward keeps this rank's block along ``dim``; backward all-gathers along it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
         ctx.comm, ctx.dim = comm, dim
         return split(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return all_gather(grad, ctx.comm, ctx.dim), None, None
 
 
@@ -101,25 +103,26 @@ class _Gather(Function):
     """Forward all-gathers along ``dim``; backward keeps this rank's block."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
         ctx.comm, ctx.dim = comm, dim
         return all_gather(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return split(grad, ctx.comm, ctx.dim), None, None
 
 
 class _LinearOnGatheredSequence(Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 comm: Communicator, dim: int) -> torch.Tensor:
         ctx.comm, ctx.dim, ctx.has_bias = comm, dim, bias is not None
         ctx.save_for_backward(x, weight)  # the sequence block, not the gathered input
         return F.linear(all_gather(x, comm, dim), weight, bias)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, None, None]:
         x, weight = ctx.saved_tensors
         full = all_gather(x, ctx.comm, ctx.dim)
         grad_x = reduce_scatter(grad.matmul(weight), ctx.comm, ctx.dim)
@@ -131,39 +134,39 @@ class _LinearOnGatheredSequence(Function):
 
 class _ReduceScatter(Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, comm: Communicator, dim: int) -> torch.Tensor:
         ctx.comm, ctx.dim = comm, dim
         return reduce_scatter(x, comm, dim)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return all_gather(grad, ctx.comm, ctx.dim), None, None
 
 
 def copy_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """f: enter a TP region with a replicated input (backward sums the ranks' input grads)."""
-    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)  # type: ignore[no-untyped-call]  # torch's Function.apply
 
 
 def reduce_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """g: leave a TP region by summing the ranks' partial outputs."""
-    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)  # type: ignore[no-untyped-call]  # torch's Function.apply
 
 
 def scatter_to_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Keep this rank's block of the last dimension."""
-    return x if comm.size == 1 else _Scatter.apply(x, comm, -1)
+    return x if comm.size == 1 else _Scatter.apply(x, comm, -1)  # type: ignore[no-untyped-call]  # torch's Function.apply
 
 
 def gather_from_region(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """All-gather the last dimension (backward keeps this rank's block)."""
-    return x if comm.size == 1 else _Gather.apply(x, comm, -1)
+    return x if comm.size == 1 else _Gather.apply(x, comm, -1)  # type: ignore[no-untyped-call]  # torch's Function.apply
 
 
 def scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1
                                ) -> torch.Tensor:
     """Sequence parallelism: keep this rank's block of the sequence."""
-    return x if comm.size == 1 else _Scatter.apply(x, comm, dim)
+    return x if comm.size == 1 else _Scatter.apply(x, comm, dim)  # type: ignore[no-untyped-call]  # torch's Function.apply
 
 
 def linear_on_gathered_sequence(x: torch.Tensor, weight: torch.Tensor,
@@ -173,10 +176,11 @@ def linear_on_gathered_sequence(x: torch.Tensor, weight: torch.Tensor,
     sequence, keeping only this rank's block for backward."""
     if comm.size == 1:
         return F.linear(x, weight, bias)
-    return _LinearOnGatheredSequence.apply(x, weight, bias, comm, dim)
+    out: torch.Tensor = _LinearOnGatheredSequence.apply(x, weight, bias, comm, dim)  # type: ignore[no-untyped-call]  # torch's Function.apply
+    return out
 
 
 def reduce_scatter_to_sequence_region(x: torch.Tensor, comm: Communicator, dim: int = 1
                                       ) -> torch.Tensor:
     """Sequence parallelism: sum a row-parallel layer's partial outputs, keep own sequence."""
-    return x if comm.size == 1 else _ReduceScatter.apply(x, comm, dim)
+    return x if comm.size == 1 else _ReduceScatter.apply(x, comm, dim)  # type: ignore[no-untyped-call]  # torch's Function.apply

@@ -27,11 +27,15 @@ group) after this call, since they capture the parameters.
 from __future__ import annotations
 
 from functools import partial
+from typing import cast
+
+from torch import nn
 
 from trainer.comm.protocol import Communicator
 from trainer.model.config import GPTConfig
 from trainer.model.gpt import GPT
-from trainer.model.layers import MLP, Block
+from trainer.model.layers import MLP, Attention, Block
+from trainer.model.llama import GQAttention
 from trainer.parallel.tensor.cross_entropy import mean_vocab_parallel_cross_entropy
 from trainer.parallel.tensor.gqa import check_heads, shard_llama_block
 from trainer.parallel.tensor.layers import (
@@ -61,13 +65,15 @@ def check_divisible(cfg: GPTConfig, tp: int) -> None:
 
 def shard_gpt_block(block: Block, cfg: GPTConfig, tp: Communicator, where: str) -> None:
     """Split one GPT block's attention and (dense) MLP over ``tp``, in place."""
-    attn, mlp = block.attn, block.mlp
-    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, tp, stride=3, name=f"{where}.attn.qkv")
-    attn.proj = RowParallelLinear.from_linear(attn.proj, tp, name=f"{where}.attn.proj")
+    # The model declares nn.Linear (nn.Embedding) for what TP swaps for a sharded layer of the
+    # same call signature: each swap is an ignore[assignment], here and in `parallelize`.
+    attn, mlp = cast(Attention, block.attn), block.mlp
+    attn.qkv = ColumnParallelLinear.from_linear(attn.qkv, tp, stride=3, name=f"{where}.attn.qkv")  # type: ignore[assignment]  # sharded swap
+    attn.proj = RowParallelLinear.from_linear(attn.proj, tp, name=f"{where}.attn.proj")  # type: ignore[assignment]  # sharded swap
     attn.n_head //= tp.size
     if isinstance(mlp, MLP):  # MoE layers split their experts themselves (trainer.parallel.expert)
-        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.mlp.fc")
-        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.mlp.proj")
+        mlp.fc = ColumnParallelLinear.from_linear(mlp.fc, tp, name=f"{where}.mlp.fc")  # type: ignore[assignment]  # sharded swap
+        mlp.proj = RowParallelLinear.from_linear(mlp.proj, tp, name=f"{where}.mlp.proj")  # type: ignore[assignment]  # sharded swap
 
 
 def parallelize(model: GPT, tp: Communicator, *,
@@ -86,14 +92,14 @@ def parallelize(model: GPT, tp: Communicator, *,
     for index, block in model.layers():
         shard_block(block, model.cfg, tp, f"blocks.{index}")
         if tracker is not None:
-            block.attn.probs_rng = partial(tracker.fork, TP_RNG)
+            cast("Attention | GQAttention", block.attn).probs_rng = partial(tracker.fork, TP_RNG)
     if model.tok_emb is not None:
-        model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, tp, name="tok_emb")
+        model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, tp, name="tok_emb")  # type: ignore[assignment]  # sharded swap
     if model.head is not None:
         head = ColumnParallelLinear.from_linear(model.head, tp, name="head")
-        if model.cfg.tied and model.tok_emb is not None:
-            head.weight = model.tok_emb.weight  # the same vocabulary slice: share it
-        model.head = head
+        if model.cfg.tied and model.tok_emb is not None:  # the same vocabulary slice: share it
+            head.weight = cast(nn.Parameter, model.tok_emb.weight)  # torch's stub: a Tensor
+        model.head = head  # type: ignore[assignment]  # sharded swap
         model.vocab_start = tp.rank * (model.cfg.vocab_rows // tp.size)  # masks padded rows
     model.criterion = partial(mean_vocab_parallel_cross_entropy, comm=tp)
     return model

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import Function
@@ -98,7 +99,7 @@ class RNGStatesTracker:
 
 class _Checkpoint(Function):
     @staticmethod
-    def forward(ctx, fn: Callable[..., torch.Tensor], tracker: RNGStatesTracker,
+    def forward(ctx: Any, fn: Callable[..., torch.Tensor], tracker: RNGStatesTracker,
                 *inputs: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.tracker = fn, tracker
         ctx.rng = (_get_state(tracker.device), tracker.get_states())
@@ -107,7 +108,7 @@ class _Checkpoint(Function):
             return fn(*inputs)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         inputs = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
         tracker: RNGStatesTracker = ctx.tracker
         now = (_get_state(tracker.device), tracker.get_states())
@@ -127,7 +128,8 @@ def checkpoint(fn: Callable[..., torch.Tensor], tracker: RNGStatesTracker,
                *inputs: torch.Tensor) -> torch.Tensor:
     """``fn(*inputs)`` without keeping its activations: recomputed in backward under the same
     default and tracked random states, so dropout masks (and results) are unchanged."""
-    return _Checkpoint.apply(fn, tracker, *inputs)
+    out: torch.Tensor = _Checkpoint.apply(fn, tracker, *inputs)  # type: ignore[no-untyped-call]  # torch's Function.apply
+    return out
 
 
 _DROPOUT_STREAM = 1

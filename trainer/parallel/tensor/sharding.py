@@ -42,7 +42,7 @@ class ShardSpec:
 
 
 def mark_sharded(param: nn.Parameter, dim: int, stride: int = 1) -> nn.Parameter:
-    param.tp_shard = ShardSpec(dim, stride)
+    param.tp_shard = ShardSpec(dim, stride)  # type: ignore[attr-defined]  # read by shard_spec
     return param
 
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -126,6 +126,14 @@ class ShardedGradients(DataParallel):
 
     ``alone``: parameters that get a bucket of their own (the tied embedding under PP)."""
 
+    # ZeRO-2's buckets hold a shard and a staging instead of a view of a whole buffer, and are
+    # launched without ``async_op``: every `DataParallel` method that reads a `Bucket` (its hooks,
+    # _launch_ready, _post, _wire, _unwire, _poll, _reset_buckets) is overridden or never reached
+    # here, so the narrower bucket type and _launch are ignore[assignment]/ignore[override].
+    buckets: list[StagedBucket]  # type: ignore[assignment]
+    _bucket_of: dict[int, StagedBucket]  # type: ignore[assignment]
+    model: nn.Module  # what __init__ takes: the optimizer casts it (`ShardedSync`)
+
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
                  alone: Collection[nn.Parameter] = (), replicas: Communicator | None = None,
                  **kwargs: Any) -> None:
@@ -161,7 +169,8 @@ class ShardedGradients(DataParallel):
         return shard_layout([p.numel() for p in self.params], self._bucket_size,
                             self.comm.size, self.comm.rank, alone)
 
-    def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[StagedBucket]:
+    def _make_buckets(self, bucket_size: int,  # type: ignore[override]
+                      reduce_dtype: torch.dtype) -> list[StagedBucket]:
         self._reduce_dtype = reduce_dtype
         self._where: dict[int, tuple[int, int]] = {}
         """Where a parameter's gradient lies in its bucket's staging: (offset, numel)."""
@@ -234,7 +243,8 @@ class ShardedGradients(DataParallel):
                 "Run each microbatch's backward over the whole model (the interleaved "
                 "pipeline schedule is not supported with --zero 2)")
         offset, n = self._where[id(p)]
-        self._staging(bucket)[offset:offset + n].add_(p.grad.detach().reshape(-1))
+        grad = cast(torch.Tensor, p.grad)  # the hook runs once autograd has set it
+        self._staging(bucket)[offset:offset + n].add_(grad.detach().reshape(-1))
         p.grad = None  # autograd's tensor is freed: the staging holds it now
         bucket.ready.add(id(p))
         while self._complete(self.buckets[self._next]):  # in index order, as far as ready
@@ -251,7 +261,7 @@ class ShardedGradients(DataParallel):
             self._account(bucket.staging, +1)
         return bucket.staging
 
-    def _launch(self, bucket: StagedBucket) -> None:
+    def _launch(self, bucket: StagedBucket) -> None:  # type: ignore[override]
         """Start bucket ``bucket``'s reduce-scatter (the next in index order)."""
         self._reduce(bucket)
         self._next = (self._next + 1) % len(self.buckets)

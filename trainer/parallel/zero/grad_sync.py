@@ -31,6 +31,8 @@ class ShardedGradSync(DataParallel):
     ``alone``: parameters that get a bucket of their own (the tied embedding under PP, whose
     shard must cover the same elements on the first and the last stage)."""
 
+    model: nn.Module  # what __init__ takes: the optimizer casts it (`ShardedSync`)
+
     def __init__(self, model: nn.Module, comm: Communicator, *, bucket_size: int = 1_000_000,
                  alone: Collection[nn.Parameter] = (), replicas: Communicator | None = None,
                  **kwargs: Any) -> None:
@@ -50,7 +52,7 @@ class ShardedGradSync(DataParallel):
                                    self.comm.size, self.comm.rank, alone)
         buffer = torch.zeros(self.layout.size, dtype=dtype, device=device)
         for p, offset in zip(self.params, self.layout.offsets, strict=True):
-            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)
+            p.main_grad = buffer[offset:offset + p.numel()].view_as(p)  # type: ignore[attr-defined]  # DataParallel's own
         return buffer
 
     def _make_buckets(self, bucket_size: int, reduce_dtype: torch.dtype) -> list[Bucket]:

@@ -75,8 +75,8 @@ class ZeroOptimizer:
         for piece in self.pieces:
             part = self._part(piece)
             main = nn.Parameter(part.clone().float() if dtype is not None else part)
-            main.placement = self.params[piece.param].placement.piece(piece.lo, piece.hi,
-                                                                     over=over)
+            main.placement = self.params[piece.param].placement.piece(  # type: ignore[attr-defined]
+                piece.lo, piece.hi, over=over)
             self.main.append(main)
             groups[group_of[id(self.params[piece.param])]].append(main)
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in full.param_groups]

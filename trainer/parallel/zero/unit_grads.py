@@ -26,9 +26,9 @@ all-reduce of 1/N of the gradients, not one per unit and microbatch).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from trainer.comm.protocol import Communicator
 from trainer.parallel.data.grad_sync import GradSyncError
@@ -99,14 +99,15 @@ class UnitGradients(ShardedGradients):
                 "each of its parameters' gradients",
                 "Use each parameter once per backward (or give it a unit of its own)")
         offset, n = self._where[id(p)]
-        self._staging(bucket)[offset:offset + n].add_(p.grad.detach().reshape(-1))
+        grad = cast(Tensor, p.grad)  # the hook runs once autograd has set it
+        self._staging(bucket)[offset:offset + n].add_(grad.detach().reshape(-1))
         p.grad = None  # autograd's tensor is freed: the staging holds it now
         bucket.ready.add(id(p))
         if len(bucket.ready) == len(bucket.params):
             self._launch(bucket)
         self._retire(until=0)
 
-    def _launch(self, bucket: StagedBucket) -> None:
+    def _launch(self, bucket: StagedBucket) -> None:  # type: ignore[override]  # as ShardedGradients'
         self._reduce(bucket)
         bucket.ready.clear()
         self.launches[bucket.index] += 1
