@@ -96,7 +96,7 @@ docs: install
 	$(PY) docs/generate.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# ruff everywhere; mypy on what pyproject.toml's [tool.mypy] lists (strict on launcher/).
+# ruff everywhere; mypy (strict) on what pyproject.toml's [tool.mypy] lists: launcher, trainer, workerenv.
 lint: install
 	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py docs
 	$(VENV)/bin/mypy
