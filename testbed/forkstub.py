@@ -19,6 +19,21 @@ import signal
 import socket
 import struct
 import sys
+from collections.abc import Callable
+
+
+def forwarder(child: int) -> Callable[[int, object], None]:
+    """The stub's handler of a signal: the same signal to the rank. A signal that comes after
+    the rank ended (the launcher stopping the job while the rank's status is on its way) is
+    not an error: the stub exits with that status as usual."""
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            os.kill(child, signum)
+        except ProcessLookupError:
+            pass
+
+    return forward
 
 
 def main(path: str, argv: list[str]) -> None:
@@ -34,7 +49,7 @@ def main(path: str, argv: list[str]) -> None:
     replies = sock.makefile("r")
     child = int(replies.readline().split()[1])  # "pid N"
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, lambda s, _f: os.kill(child, s))
+        signal.signal(sig, forwarder(child))
     line = replies.readline()  # "status S" (os.waitpid's status), or EOF if the server died
     if not line:
         sys.exit("forkstub: the fork server closed the connection before the rank ended")
