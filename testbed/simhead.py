@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import socket
@@ -261,6 +262,38 @@ def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any) -> li
 
 #: When the rendezvous head had every agent joined (CLOCK_MONOTONIC), for `--stats`.
 JOINED_AT: list[float] = []
+#: Where the head's end went (CLOCK_MONOTONIC per step, `--stats`' ``phases``): when the
+#: supervisor's loop saw every host done, the agents dismissed, the streams closed, the
+#: report printed; the exit tail is these steps after the last rank's exit.
+PHASES: dict[str, float] = {}
+
+
+def _stamped(owner: Any, name: str, begin: str, end: str) -> None:
+    """Wrap ``owner.name`` so that its call's start and end are stamped in `PHASES` (the
+    first call's start, the last call's end)."""
+    inner = getattr(owner, name)
+
+    def stamped(*args: Any, **kw: Any) -> Any:
+        PHASES.setdefault(begin, time.monotonic())
+        try:
+            return inner(*args, **kw)
+        finally:
+            PHASES[end] = time.monotonic()
+
+    setattr(owner, name, stamped)
+
+
+def trace_phases() -> None:
+    """Stamp the head's end-of-job steps (`PHASES`): the supervisor's loop, dismissing the
+    agents, closing their streams, the report. Imports those modules now (before the launch
+    begins, so no launch phase pays for it twice)."""
+    from launcher import launch
+    from launcher.head import agent_link, supervisor
+
+    _stamped(supervisor.Supervisor, "_loop", "loop", "loop_end")
+    _stamped(agent_link.Fleet, "dismiss", "dismiss", "dismissed")
+    _stamped(launch, "close_streams", "close", "closed")
+    _stamped(launch, "_print_end", "report", "reported")
 
 
 def join_counted(opts: Any, **kw: Any) -> Any:
@@ -306,6 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch_args = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
     began = time.monotonic()
     install()
+    if os.environ.get("DTRAIN_SIM_PHASES"):
+        trace_phases()
     from launcher.cli import main as cli
 
     code: int | str | None = 0
@@ -317,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(args.stats, "w") as out:
         json.dump({"frames": totals(), "began": began, "returned": returned,
-                   "joined": JOINED_AT[0] if JOINED_AT else None,
+                   "joined": JOINED_AT[0] if JOINED_AT else None, "phases": PHASES,
                    "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss,
                    "code": code}, out)
     return code if isinstance(code, int) else 1

@@ -194,6 +194,8 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         "finalized": last(FINALIZED), "last_exit": last_exit, "returned": round(returned, 4),
         "head_exit": round(head_exit - t0, 4),
         "exit_tail": round(returned - last_exit, 4) if last_exit is not None else None,
+        # With DTRAIN_SIM_PHASES set: the head's end-of-job steps (`testbed.simhead.PHASES`).
+        "phases": {k: round(v - t0, 4) for k, v in (head_stats.get("phases") or {}).items()},
         "head_cpu_s": round(head_stats["cpu_s"], 3),
         "head_maxrss_mib": round(head_stats["maxrss_kib"] / 1024, 1),
         "workers_cpu_s": round(worker_cpu, 3),

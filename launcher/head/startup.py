@@ -206,7 +206,8 @@ def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: SuperviseOptions,
         watch=opts.watch, rounds=opts.rounds,
         pmi=wire.PmiSpec(opts.pmi if host_plan is not None else "off", plan.kvsname,
                          plan.world_size, plan.process_mapping, opts.pmi_stall),
-        progress_interval=sample_interval(opts) if host_plan is not None else None,
+        progress_interval=sample_interval(opts, len(plan.hosts))
+        if host_plan is not None else None,
         probe=probe, check_env=program_env(plan.base_env))
 
 
