@@ -285,27 +285,45 @@ def _stamped(owner: Any, name: str, begin: str, end: str) -> None:
 
 def trace_phases() -> None:
     """Stamp the head's end-of-job steps (`PHASES`): the supervisor's loop, dismissing the
-    agents, closing their streams, the report. Imports those modules now (before the launch
-    begins, so no launch phase pays for it twice)."""
+    agents, closing their streams, the report. Each module is patched as it is imported, where
+    the launch imports it (the supervisor's while the agents boot), not before."""
     from launcher import launch
-    from launcher.head import agent_link, supervisor
 
-    _stamped(supervisor.Supervisor, "_loop", "loop", "loop_end")
-    _stamped(agent_link.Fleet, "dismiss", "dismiss", "dismissed")
     _stamped(launch, "close_streams", "close", "closed")
     _stamped(launch, "_print_end", "report", "reported")
+    sys.meta_path.insert(0, _AfterImport({
+        "launcher.head.supervisor": lambda m: _stamped(m.Supervisor, "_loop", "loop", "loop_end"),
+        "launcher.head.agent_link": lambda m: _stamped(m.Fleet, "dismiss", "dismiss",
+                                                       "dismissed")}))
 
 
-def join_counted(opts: Any, **kw: Any) -> Any:
-    """The `rendezvous` row, its joined agents' streams counted: the head's real listener,
-    handshakes and roster (`launcher.rendezvous.head.join_agents`)."""
-    import dataclasses
+class _AfterImport:
+    """A meta path finder that runs ``patches[name](module)`` once module ``name`` is made."""
 
-    from launcher.rendezvous.head import join_agents
+    def __init__(self, patches: dict[str, Any]) -> None:
+        self.patches = patches
 
-    joined = join_agents(opts, **kw)
-    JOINED_AT.append(time.monotonic())
-    return dataclasses.replace(joined, streams=[CountingStream(s) for s in joined.streams])
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        patch = self.patches.pop(name, None)
+        if patch is None:
+            return None
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)  # the other finders' (ours has none for it now)
+        if spec is None or spec.loader is None:
+            return spec
+        inner = spec.loader
+
+        class Loader:
+            def create_module(self, spec: Any) -> Any:
+                return inner.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                inner.exec_module(module)
+                patch(module)
+
+        spec.loader = Loader()
+        return spec
 
 
 def install() -> None:

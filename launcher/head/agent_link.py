@@ -39,6 +39,28 @@ class Closed:
     reason: str
 
 
+class EventQueue(queue.Queue[Any]):
+    """The supervisor's events: a queue that takes a read's frames at once (`put_all`)."""
+
+    def put_all(self, items: list[Any]) -> None:
+        with self.not_full:  # unbounded: never waits for room
+            self.queue.extend(items)
+            self.unfinished_tasks += len(items)
+            self.not_empty.notify()
+
+
+def _put_all(events: queue.Queue[Any], batch: list[Any]) -> None:
+    """Queue ``batch`` (emptied) in one step where ``events`` can (`EventQueue`)."""
+    if not batch:
+        return
+    if isinstance(events, EventQueue):
+        events.put_all(batch)
+    else:
+        for item in batch:
+            events.put(item)
+    batch.clear()
+
+
 class AgentLink:
     """One host's agent as the supervisor sees it."""
 
@@ -129,12 +151,17 @@ class AgentLink:
             self._end(f"the agent's stream broke: {exc}")
 
     def _received(self, data: bytes) -> None:
+        """The frames of one read: output to the writer, the rest queued together (one
+        wake-up of the supervisor per read, not per frame), in stream order."""
         self.last_heard = time.monotonic()
+        batch: list[Received] = []
         for frame in self._decoder.feed(data):
             if frame.kind is wire.Kind.OUTPUT:
+                _put_all(self._events, batch)
                 self._output(wire.decode_output(frame))
             else:
-                self._events.put(Received(self.index, frame))
+                batch.append(Received(self.index, frame))
+        _put_all(self._events, batch)
 
     def _end(self, reason: str = "the agent's stream closed") -> None:
         if not self._ended:
@@ -162,7 +189,7 @@ class Fleet:
     """
 
     def __init__(self) -> None:
-        self.events: queue.Queue[Any] = queue.Queue()
+        self.events: queue.Queue[Any] = EventQueue()
         self.links: list[AgentLink] = []
         self.output: Callable[[wire.Output], None] = lambda out: None
         self.on_lost: Callable[[AgentLink, str], None] = lambda link, why: None
