@@ -326,6 +326,18 @@ class _AfterImport:
         return spec
 
 
+def join_counted(opts: Any, **kw: Any) -> Any:
+    """The `rendezvous` row, its joined agents' streams counted: the head's real listener,
+    handshakes and roster (`launcher.rendezvous.head.join_agents`)."""
+    import dataclasses
+
+    from launcher.rendezvous.head import join_agents
+
+    joined = join_agents(opts, **kw)
+    JOINED_AT.append(time.monotonic())
+    return dataclasses.replace(joined, streams=[CountingStream(s) for s in joined.streams])
+
+
 def install() -> None:
     """Add the rows to the transport table (before the CLI builds its --launcher choices)."""
     import dataclasses
