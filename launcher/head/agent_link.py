@@ -85,6 +85,7 @@ class AgentLink:
         self._decoder = wire.Decoder()
         self._ended = False
         listen = getattr(stream, "listen", None)
+        self._delivers = listen is not None  # looked up once: `held` is read per link often
         if listen is not None:  # it delivers: no thread of our own (see the module)
             listen(self._delivered, self._end)
         else:
@@ -93,7 +94,7 @@ class AgentLink:
     @property
     def held(self) -> bool:
         """Our own full output queue holds up its reading (the agent is not silent)."""
-        return self._held or bool(getattr(self.stream, "held", False))
+        return self._held or (self._delivers and bool(getattr(self.stream, "held", False)))
 
     def send(self, data: bytes) -> bool:
         """Send one frame; False when the stream is gone (the caller treats the host as lost)."""
