@@ -10,7 +10,10 @@ fence, finalize) and exits. Per size, one job (t0 = just before the head's proce
 
 * ``running``: every rank running; ``wired``: every rank past the fence and its gets (launch +
   wire-up); ``fence``: the last rank past the fence minus the last rank running;
-* ``exit tail``: the head's launch returned minus the last rank's exit;
+* ``exit tail``: the head's launch returned minus the last rank's exit; ``tail_parts`` splits
+  it (`testbed.simjob`): ``loop`` until the head saw every host done, ``dismiss`` the agents
+  leaving after their BYE (the simulator's work on these shared cores, in parallel on real
+  hosts), ``after`` closing the streams and the report;
 * head CPU seconds and peak RSS (getrusage of the head's process), head CPU per host;
 * frames through the head, both ways (every job with --heartbeat-interval 30: see
   `HEARTBEAT_S`), and the PMI bytes it sent (above 64 KiB of cards a fence's answer carries
@@ -89,7 +92,8 @@ def _row(result: dict[str, Any], mode: str, wall: float) -> dict[str, Any]:
         "ok": "yes" if ok else "no",
         "joined_s": result.get("joined"), "running_s": running, "wired_s": result["wired"],
         "fence_s": round(fenced - running, 3) if fenced is not None and running else None,
-        "exit_tail_s": result["exit_tail"], "head_cpu_s": result["head_cpu_s"],
+        "exit_tail_s": result["exit_tail"], "tail_parts": result.get("tail_parts"),
+        "head_cpu_s": result["head_cpu_s"],
         "cpu_ms_per_host": round(1000 * result["head_cpu_s"] / hosts, 2),
         "head_mib": result["head_maxrss_mib"], "frames_in": _frames(result, "in"),
         "frames_out": _frames(result, "out"), "pmi_mib_out": round(pmi_out / 2**20, 2),

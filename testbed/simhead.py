@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import resource
 import socket
@@ -261,6 +262,68 @@ def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any) -> li
 
 #: When the rendezvous head had every agent joined (CLOCK_MONOTONIC), for `--stats`.
 JOINED_AT: list[float] = []
+#: Where the head's end went (CLOCK_MONOTONIC per step, `--stats`' ``phases``): when the
+#: supervisor's loop saw every host done, the agents dismissed, the streams closed, the
+#: report printed; the exit tail is these steps after the last rank's exit.
+PHASES: dict[str, float] = {}
+
+
+def _stamped(owner: Any, name: str, begin: str, end: str) -> None:
+    """Wrap ``owner.name`` so that its call's start and end are stamped in `PHASES` (the
+    first call's start, the last call's end)."""
+    inner = getattr(owner, name)
+
+    def stamped(*args: Any, **kw: Any) -> Any:
+        PHASES.setdefault(begin, time.monotonic())
+        try:
+            return inner(*args, **kw)
+        finally:
+            PHASES[end] = time.monotonic()
+
+    setattr(owner, name, stamped)
+
+
+def trace_phases() -> None:
+    """Stamp the head's end-of-job steps (`PHASES`): the supervisor's loop, dismissing the
+    agents, closing their streams, the report. Each module is patched as it is imported, where
+    the launch imports it (the supervisor's while the agents boot), not before."""
+    from launcher import launch
+
+    _stamped(launch, "close_streams", "close", "closed")
+    _stamped(launch, "_print_end", "report", "reported")
+    sys.meta_path.insert(0, _AfterImport({
+        "launcher.head.supervisor": lambda m: _stamped(m.Supervisor, "_loop", "loop", "loop_end"),
+        "launcher.head.agent_link": lambda m: _stamped(m.Fleet, "dismiss", "dismiss",
+                                                       "dismissed")}))
+
+
+class _AfterImport:
+    """A meta path finder that runs ``patches[name](module)`` once module ``name`` is made."""
+
+    def __init__(self, patches: dict[str, Any]) -> None:
+        self.patches = patches
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        patch = self.patches.pop(name, None)
+        if patch is None:
+            return None
+        import importlib.util
+
+        spec = importlib.util.find_spec(name)  # the other finders' (ours has none for it now)
+        if spec is None or spec.loader is None:
+            return spec
+        inner = spec.loader
+
+        class Loader:
+            def create_module(self, spec: Any) -> Any:
+                return inner.create_module(spec)
+
+            def exec_module(self, module: Any) -> None:
+                inner.exec_module(module)
+                patch(module)
+
+        spec.loader = Loader()
+        return spec
 
 
 def join_counted(opts: Any, **kw: Any) -> Any:
@@ -306,6 +369,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     launch_args = args.launch[1:] if args.launch[:1] == ["--"] else args.launch
     began = time.monotonic()
     install()
+    if os.environ.get("DTRAIN_SIM_PHASES"):
+        trace_phases()
     from launcher.cli import main as cli
 
     code: int | str | None = 0
@@ -317,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     with open(args.stats, "w") as out:
         json.dump({"frames": totals(), "began": began, "returned": returned,
-                   "joined": JOINED_AT[0] if JOINED_AT else None,
+                   "joined": JOINED_AT[0] if JOINED_AT else None, "phases": PHASES,
                    "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss,
                    "code": code}, out)
     return code if isinstance(code, int) else 1

@@ -64,7 +64,8 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         folder = Path(tmp)
         (folder / "stamps").mkdir()
         env = {**os.environ, "DTRAIN_SIM_GETS": str(gets), "OMP_NUM_THREADS": "1",
-               "PYTHONPATH": str(REPO), "DTRAIN_SIM_STAMPS": str(folder / "stamps")}
+               "PYTHONPATH": str(REPO), "DTRAIN_SIM_STAMPS": str(folder / "stamps"),
+               "DTRAIN_SIM_PHASES": "1"}
         hostfile = folder / "hosts"
         hostfile.write_text("".join(f"sim{i + 1} slots={ranks}\n" for i in range(hosts)))
         procs: list[subprocess.Popen[bytes]] = []
@@ -180,6 +181,9 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         return round(max(values) - t0, 4) if values and len(values) == len(stamps) else None
 
     returned = head_stats["returned"] - t0
+    phases: dict[str, float] = head_stats.get("phases") or {}
+    exits = [s["exit"] for s in stamps if "exit" in s]
+    last_exit_at = max(exits) if exits and len(exits) == len(stamps) else None
     joined = head_stats.get("joined")
     last_exit = last("exit")
     return {
@@ -194,6 +198,16 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         "finalized": last(FINALIZED), "last_exit": last_exit, "returned": round(returned, 4),
         "head_exit": round(head_exit - t0, 4),
         "exit_tail": round(returned - last_exit, 4) if last_exit is not None else None,
+        # The head's end-of-job steps (`testbed.simhead.PHASES`) and the exit tail split by
+        # them: the supervisor's loop seeing every host done after the last rank's exit, the
+        # agents' leaving after their BYE (on shared cores here: the simulator's), the rest
+        # (closing the streams, the report).
+        "phases": {k: round(v - t0, 4) for k, v in phases.items()},
+        "tail_parts": {"loop": round(phases["loop_end"] - last_exit_at, 4),
+                       "dismiss": round(phases["dismissed"] - phases["dismiss"], 4),
+                       "after": round(phases["reported"] - phases["dismissed"], 4)}
+        if last_exit_at is not None and {"loop_end", "dismiss", "dismissed", "reported"}
+        <= phases.keys() else None,
         "head_cpu_s": round(head_stats["cpu_s"], 3),
         "head_maxrss_mib": round(head_stats["maxrss_kib"] / 1024, 1),
         "workers_cpu_s": round(worker_cpu, 3),

@@ -59,6 +59,10 @@ class PmiSockets:
     ) -> None:
         self.mode = mode
         self._stall = StallClock(stall_after)
+        # How often the loop asks which ranks hold a barrier up: a tenth of the interval (a
+        # report comes at most that late), not at every PMI line: per line it was half of a
+        # simulated relay's work in a slow fence (bench.sim_scale's profile, 512 hosts).
+        self._stall_every, self._stall_next = min(1.0, stall_after / 10), 0.0
         self._send_head = send_head
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, socket.socket] = {}
@@ -195,8 +199,12 @@ class PmiSockets:
     def _report_stall(self) -> None:
         """Some local ranks are in a barrier (or MPI_Init) and others are not: every
         --pmi-stall seconds, tell the head which (launcher.pmi.stall)."""
+        now = time.monotonic()
+        if now < self._stall_next:
+            return
+        self._stall_next = now + self._stall_every
         missing, gone = self.proxy.holding_up()
-        waited = self._stall.due(time.monotonic(), self.proxy.epoch if missing else None)
+        waited = self._stall.due(now, self.proxy.epoch if missing else None)
         if waited is not None:
             self._send_head({"op": "stall", "ranks": missing, "gone": gone,
                              "seconds": round(waited)})

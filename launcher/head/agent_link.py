@@ -5,6 +5,13 @@ while its queue is full, and queues every other frame for the supervisor, in str
 a rank's EXIT is seen only after all of its output was queued. Liveness is judged on what
 arrives: the reader stamps ``last_heard`` on every read, and sets ``held`` while it is blocked
 on our own full output queue (then the agent is not silent: we stopped listening).
+
+A stream that delivers its bytes itself (``listen``: a host behind a relay, whose bytes a
+`launcher.tree.head.RelayLine` thread already reads off the relay's stream) gets no thread of
+its own: the same handling runs on the delivering thread. A tree of 1,024 hosts had 1,024
+reader threads at the head, each bytes passing two threads and two queues, and twice the
+flat launch's head CPU (`bench.sim_scale`); a stream that is held up there holds up its
+relay's whole line, which its ``held`` says (`RelayedStream.held`).
 """
 
 from __future__ import annotations
@@ -32,6 +39,28 @@ class Closed:
     reason: str
 
 
+class EventQueue(queue.Queue[Any]):
+    """The supervisor's events: a queue that takes a read's frames at once (`put_all`)."""
+
+    def put_all(self, items: list[Any]) -> None:
+        with self.not_full:  # unbounded: never waits for room
+            self.queue.extend(items)
+            self.unfinished_tasks += len(items)
+            self.not_empty.notify()
+
+
+def _put_all(events: queue.Queue[Any], batch: list[Any]) -> None:
+    """Queue ``batch`` (emptied) in one step where ``events`` can (`EventQueue`)."""
+    if not batch:
+        return
+    if isinstance(events, EventQueue):
+        events.put_all(batch)
+    else:
+        for item in batch:
+            events.put(item)
+    batch.clear()
+
+
 class AgentLink:
     """One host's agent as the supervisor sees it."""
 
@@ -41,7 +70,7 @@ class AgentLink:
         self.stream = stream
         self.name = stream.host
         self.last_heard = time.monotonic()
-        self.held = False  # the reader waits for room in our output queue
+        self._held = False  # the reader waits for room in our output queue
         self.alive = True
         # Its agent answered a SPEC (READY): it beats at the job's interval from then on, so the
         # job's silence limit applies; before, it boots and beats at the default interval.
@@ -53,7 +82,19 @@ class AgentLink:
         self._events = events
         self._on_output = on_output
         self._lock = threading.Lock()
-        threading.Thread(target=self._read_loop, name=f"agent-{index}", daemon=True).start()
+        self._decoder = wire.Decoder()
+        self._ended = False
+        listen = getattr(stream, "listen", None)
+        self._delivers = listen is not None  # looked up once: `held` is read per link often
+        if listen is not None:  # it delivers: no thread of our own (see the module)
+            listen(self._delivered, self._end)
+        else:
+            threading.Thread(target=self._read_loop, name=f"agent-{index}", daemon=True).start()
+
+    @property
+    def held(self) -> bool:
+        """Our own full output queue holds up its reading (the agent is not silent)."""
+        return self._held or (self._delivers and bool(getattr(self.stream, "held", False)))
 
     def send(self, data: bytes) -> bool:
         """Send one frame; False when the stream is gone (the caller treats the host as lost)."""
@@ -89,30 +130,52 @@ class AgentLink:
             pass
 
     def _read_loop(self) -> None:
-        decoder = wire.Decoder()
         reason = "the agent's stream closed"
         try:
             while True:
                 data = self.stream.read(65536)
                 if not data:
                     break
-                self.last_heard = time.monotonic()
-                for frame in decoder.feed(data):
-                    if frame.kind is wire.Kind.OUTPUT:
-                        self._output(wire.decode_output(frame))
-                    else:
-                        self._events.put(Received(self.index, frame))
+                self._received(data)
         except (OSError, EOFError, ValueError) as exc:
             reason = f"the agent's stream broke: {exc}"
-        self._events.put(Closed(self.index, reason))
+        self._end(reason)
+
+    def _delivered(self, data: bytes) -> None:
+        """Bytes a listened stream delivers (on its thread); a broken frame ends this host's
+        stream only, never the thread that delivers every host of a relay."""
+        if self._ended:
+            return
+        try:
+            self._received(data)
+        except (OSError, EOFError, ValueError) as exc:
+            self._end(f"the agent's stream broke: {exc}")
+
+    def _received(self, data: bytes) -> None:
+        """The frames of one read: output to the writer, the rest queued together (one
+        wake-up of the supervisor per read, not per frame), in stream order."""
+        self.last_heard = time.monotonic()
+        batch: list[Received] = []
+        for frame in self._decoder.feed(data):
+            if frame.kind is wire.Kind.OUTPUT:
+                _put_all(self._events, batch)
+                self._output(wire.decode_output(frame))
+            else:
+                batch.append(Received(self.index, frame))
+        _put_all(self._events, batch)
+
+    def _end(self, reason: str = "the agent's stream closed") -> None:
+        if not self._ended:
+            self._ended = True
+            self._events.put(Closed(self.index, reason))
 
     def _output(self, out: wire.Output) -> None:
-        self.held = True
+        self._held = True
         try:
             self._on_output(out)  # blocks while the output queue is full
         finally:
             self.last_heard = time.monotonic()  # before `held` drops: never seen stale
-            self.held = False
+            self._held = False
 
 
 class Fleet:
@@ -127,7 +190,7 @@ class Fleet:
     """
 
     def __init__(self) -> None:
-        self.events: queue.Queue[Any] = queue.Queue()
+        self.events: queue.Queue[Any] = EventQueue()
         self.links: list[AgentLink] = []
         self.output: Callable[[wire.Output], None] = lambda out: None
         self.on_lost: Callable[[AgentLink, str], None] = lambda link, why: None

@@ -29,10 +29,14 @@ HANG_CODE = 123          # exit code of a job ended by --hang-action abort
 PROBE_WAIT_S = 15.0      # how long the head waits for the agents' stacks
 MAX_STACKS = 8           # stacks asked for when no rank is to blame (every rank waits)
 #: How often the head looks for MPI ranks fenced too long (`mpi.suspects`: a pass over every
-#: rank's view). Each view's fence age is as old as the view (one a second), and the timeout
+#: rank's view). Each view's fence age is as old as the view (`sample_interval`), and the timeout
 #: is seconds to minutes; at every 0.1 s tick the pass was the head's largest cost at 1,024
 #: hosts x 8 ranks (bench.sim_scale's profile).
 SUSPECTS_EVERY_S = 1.0
+#: PROGRESS frames a second the head takes by default (`sample_interval`): 256 hosts at one a
+#: second each; a larger job's agents sample less often, unless --hang-timeout or
+#: --status-interval asks for more.
+PROGRESS_PER_S = 256.0
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,14 @@ class RoundSteps:
     last_step_at: float | None = None
 
 
-def sample_interval(opts: SuperviseOptions) -> float:
+def sample_interval(opts: SuperviseOptions, hosts: int = 1) -> float:
     """How often agents read the records: often enough to see a hang a fraction of its timeout
-    after it starts, and the live view each time it is printed."""
-    wanted = [1.0]
+    after it starts, and the live view each time it is printed; otherwise once a second, or
+    as often as keeps the head's share at `PROGRESS_PER_S` frames a second over ``hosts``
+    hosts (each PROGRESS carries its host's every rank: decoding them was a fifth of the
+    head's work at 1,024 hosts x 8 ranks, and the agents' own reading of the records a third
+    of the simulated hosts', bench.sim_scale's profile)."""
+    wanted = [max(1.0, hosts / PROGRESS_PER_S)]
     if opts.hang_timeout:
         wanted.append(opts.hang_timeout / 5)
     if opts.status_interval:

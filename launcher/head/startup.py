@@ -38,6 +38,11 @@ from launcher.plan.job import HostPlan, JobPlan, Rendezvous
 #: pipe (64 KiB on Linux) and SSH channel window, so the write cannot block on an agent that has
 #: not booted yet. A larger one (many ranks, a big environment) waits for its agent's HELLO.
 EARLY_SPEC_MAX = 60 * 1024
+#: How often the head looks at every link (heartbeats, silence; the supervisor's loop too):
+#: at most this often, never once per event. Per event, a start-up of 1,024 hosts x 8 ranks
+#: walked every link (and every rank) for each of its ~20,000 frames: seconds of the head's
+#: CPU, tens of seconds on a loaded machine (`bench.sim_scale`).
+CHECK_EVERY_S = 0.1
 #: What each agent reports of its own start-up: its imports until HELLO, checking its SPEC,
 #: starting its ranks after START.
 PHASES = ("boot", "check", "spawn")
@@ -61,6 +66,7 @@ class Startup:
         self.events = fleet.events
         self.opts = opts
         self._beat_at = time.monotonic()
+        self._checked_at = 0.0  # when the links were last looked at (`_checks_due`)
         self.deadline = time.monotonic() + opts.launch_timeout
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
@@ -109,17 +115,33 @@ class Startup:
         feed events to the supervisor until every rank has started."""
         for link in self.links:
             link.send_json(wire.Kind.START, {"env": rendezvous.env(), "base": dict(plan.base_env)})
-        while any(r.state == "pending" for r in outcome.ranks.values()):
+        ranks = list(outcome.ranks.values())
+        started = 0  # ranks[:started] have left "pending" (a rank never goes back to it)
+        while True:
+            while started < len(ranks) and ranks[started].state != "pending":
+                started += 1
+            if started == len(ranks):
+                return
             if time.monotonic() > self.deadline or outcome.failures:
                 return
             try:
                 handle(self.events.get(timeout=0.2))
             except queue.Empty:
                 pass
+            if not self._checks_due():
+                continue
             self._beat()
             silent = self._silent()
             if silent is not None:
                 handle(Closed(silent.index, "no heartbeat while starting its ranks"))
+
+    def _checks_due(self) -> bool:
+        """True at most every `CHECK_EVERY_S`: time to look at every link."""
+        now = time.monotonic()
+        if now - self._checked_at < CHECK_EVERY_S:
+            return False
+        self._checked_at = now
+        return True
 
     def _next_host(self) -> str:
         """An address of host 1 as seen from host 0, for rank 0's host to route towards."""
@@ -147,7 +169,9 @@ class Startup:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 event = None
-            self._beat()
+            checks = self._checks_due()
+            if checks:
+                self._beat()
             if isinstance(event, Received | Closed) and event.host not in self._at:
                 self.fleet.idle_event(event)
             elif isinstance(event, Closed):
@@ -163,7 +187,7 @@ class Startup:
                     raise AgentError(str(body.get("what")), f"host {link.name}",
                                      str(body.get("why")), str(body.get("fix", "")))
                 on_frame(link, event.frame)
-            silent = self._silent()
+            silent = self._silent() if checks else None
             if silent is not None:
                 raise AgentError(f"agent did not {doing}", f"host {silent.name}",
                                  "no heartbeat (host down or network cut?)",
@@ -206,7 +230,8 @@ def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: SuperviseOptions,
         watch=opts.watch, rounds=opts.rounds,
         pmi=wire.PmiSpec(opts.pmi if host_plan is not None else "off", plan.kvsname,
                          plan.world_size, plan.process_mapping, opts.pmi_stall),
-        progress_interval=sample_interval(opts) if host_plan is not None else None,
+        progress_interval=sample_interval(opts, len(plan.hosts))
+        if host_plan is not None else None,
         probe=probe, check_env=program_env(plan.base_env))
 
 

@@ -30,7 +30,7 @@ from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome
 from launcher.head.pmi_notes import PmiRelay
 from launcher.head.progress import HANG_CODE, ProgressMonitor
-from launcher.head.startup import Signalled, Startup, note_phase
+from launcher.head.startup import CHECK_EVERY_S, Signalled, Startup, note_phase
 from launcher.head.stdin import StdinForwarder
 from launcher.output.sink import OutputSink
 from launcher.output.writer import OutputWriter
@@ -39,7 +39,6 @@ from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
 KILLED_DRAIN_S = 2.0  # after a second Ctrl-C, how long output still queued may take
-CHECK_EVERY_S = 0.1  # how often the loop looks at every link (heartbeats, silence, progress)
 
 
 class Supervisor:

@@ -49,6 +49,9 @@ def _open_socket(host: ResolvedHost, opts: SSHOptions,
 class SSHConnection:
     """An authenticated connection to one host; channels are opened on it."""
 
+    #: Its close waits for paramiko's transport thread: `close_streams` closes many at once.
+    slow_close = True
+
     def __init__(self, host: ResolvedHost, client: paramiko.SSHClient, latency_ms: float,
                  opts: SSHOptions, jump: SSHConnection | None = None,
                  sock: ssh_sockets.Carrier | None = None) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from launcher import wire
@@ -98,6 +98,7 @@ class RelayLine:
                  addresses: dict[int, str]) -> None:
         self.real, self.own = real, own
         self._lock = threading.Lock()
+        self.delivering = False  # the reading thread is inside a host's handling (`held`)
         self._open = set(names)
         self.streams = {i: RelayedStream(self, i, name, addresses.get(i))
                         for i, name in names.items()}
@@ -122,6 +123,7 @@ class RelayLine:
         why = "the relay's stream closed"
         try:
             while data := self.real.read(65536):
+                self.delivering = True
                 for frame in decoder.feed(data):
                     if frame.kind is wire.Kind.ROUTED:
                         index, inner = wire.decode_routed(frame)
@@ -134,8 +136,10 @@ class RelayLine:
                             stream.end(str(body.get("why")), body.get("connect"))
                     else:
                         self.streams[self.own].feed(wire.encode(frame.kind, frame.payload))
+                self.delivering = False
         except (OSError, EOFError, ValueError) as exc:
             why = f"the relay's stream broke: {exc}"
+        self.delivering = False
         relay = self.streams[self.own].host
         others = [s for i, s in sorted(self.streams.items()) if i != self.own]
         names = ", ".join(s.host for s in others)
@@ -167,7 +171,10 @@ class RelayedStream:
     def __init__(self, line: RelayLine, index: int, host: str, address: str | None) -> None:
         self.line, self.tree_index, self.host = line, index, host
         self._own = index == line.own
-        self._incoming: queue.Queue[bytes] = queue.Queue()
+        self._incoming: queue.Queue[bytes] = queue.Queue()  # until someone `listen`s
+        self._deliver: Callable[[bytes], None] | None = None
+        self._on_end: Callable[[], None] | None = None
+        self._gate = threading.Lock()  # the line's thread feeds; `listen` takes over the queue
         self._ended = threading.Event()
         self._closed = False
         self._why = ""
@@ -178,15 +185,45 @@ class RelayedStream:
     def connection(self) -> AgentConnection | None:
         return self.line.real.connection if self._own else self._connection
 
+    @property
+    def held(self) -> bool:
+        """The line's thread is busy delivering (maybe blocked on the head's full output
+        queue): no host of the line is read meanwhile, so none of them is silent."""
+        return self.line.delivering
+
+    def listen(self, deliver: Callable[[bytes], None], on_end: Callable[[], None]) -> None:
+        """From now on the line's thread hands this host's bytes to ``deliver`` and its end to
+        ``on_end`` (`launcher.head.agent_link.AgentLink`: no reader thread per host); what
+        arrived before goes first."""
+        with self._gate:
+            while not self._incoming.empty():
+                data = self._incoming.get()
+                if data:
+                    deliver(data)
+            self._deliver, self._on_end = deliver, on_end
+            if self._ended.is_set():
+                on_end()
+
     def feed(self, data: bytes) -> None:
-        if not self._ended.is_set():
-            self._incoming.put(data)
+        with self._gate:
+            if self._ended.is_set():
+                return
+            if self._deliver is None:
+                self._incoming.put(data)
+                return
+        self._deliver(data)  # only the line's thread feeds: in order without the gate
 
     def end(self, why: str, connect: dict[str, Any] | None) -> None:
-        if not self._ended.is_set():
+        with self._gate:
+            if self._ended.is_set():
+                return
             self._why, self._connect = why, connect
             self._ended.set()
-            self._incoming.put(b"")
+            on_end = self._on_end
+            if on_end is None:
+                self._incoming.put(b"")
+        if on_end is not None:
+            on_end()
 
     def write(self, data: bytes) -> None:
         if self._closed or self._ended.is_set():

@@ -374,3 +374,15 @@ def test_a_program_without_any_record_is_told_by_each_ranks_innermost_frame():
     assert found.headline.endswith("every rank sleeps or blocks: rank 0 (a) is in wait_for "
                                    "(w.py:9); rank 1 (b) is in accept (socket.py:294)")
     assert "        wait_for (w.py:9)" in found.lines and "stack of rank 1 (pid 11):" in found.text
+
+
+def test_the_head_takes_as_many_progress_frames_a_second_at_1024_hosts_as_at_256():
+    from launcher.head.progress import PROGRESS_PER_S, sample_interval
+
+    opts = SuperviseOptions()
+    assert sample_interval(opts, 1) == sample_interval(opts, 256) == 1.0
+    assert 1024 / sample_interval(opts, 1024) == 4096 / sample_interval(opts, 4096) \
+        == PROGRESS_PER_S
+    # What the user asks for wins: a fifth of --hang-timeout, the live table's interval.
+    assert sample_interval(replace(opts, hang_timeout=10.0), 4096) == 2.0
+    assert sample_interval(replace(opts, status_interval=0.5), 4096) == 0.5

@@ -88,3 +88,19 @@ def test_the_listener_closes_once_every_rank_has_connected_and_strangers_are_dro
     assert wait_until(lambda: closed_by_the_agent(stranger))
     for s in (stranger, first, second):
         s.close()
+
+
+def test_the_proxy_is_asked_who_holds_a_barrier_up_once_per_tenth_of_the_stall_interval():
+    sent: list[dict] = []
+    sockets = PmiSockets(mode="fd", ranks=[0, 1], world_size=2, kvsname="kvs_1",
+                         process_mapping="", send_head=sent.append, stall_after=30.0)
+    try:
+        asked: list[float] = []
+        held = sockets.proxy.holding_up
+        sockets.proxy.holding_up = lambda host_waited=False: (  # type: ignore[method-assign]
+            asked.append(time.monotonic()) or held(host_waited))
+        for _ in range(1000):  # as many PMI lines as a host's ranks send in MPI_Init, at once
+            sockets._report_stall()
+        assert len(asked) <= 2  # ours, and maybe one of the loop's: not one per line
+    finally:
+        sockets.close()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import inspect
 import sys
+import threading
 
 import click
 import pytest
@@ -130,3 +131,36 @@ def test_a_host_still_unreachable_at_the_launch_timeout_is_the_error(
     with pytest.raises(UnreachableError, match="name not resolved"):
         connect.open_streams(_hosts("late"), python=sys.executable, ssh=SSHOptions(),
                              transport=FLAKY, retry_for=0)
+
+
+class _ClosingConnection:
+    """An AgentConnection whose close says which thread ran it; a slow one (paramiko's
+    kind) waits in its close until ``meet`` has all its parties."""
+
+    def __init__(self, closers: list[str], meet: threading.Barrier | None = None) -> None:
+        self.closers, self.meet, self.slow_close = closers, meet, meet is not None
+
+    def close(self) -> None:
+        self.closers.append(threading.current_thread().name)
+        if self.meet is not None:
+            self.meet.wait(timeout=10)
+
+
+class _ClosingStream:
+    def __init__(self, connection: _ClosingConnection) -> None:
+        self.connection, self.closed = connection, False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_connections_that_close_at_once_close_inline_and_slow_ones_together() -> None:
+    quick: list[str] = []
+    slow: list[str] = []
+    meet = threading.Barrier(3)  # every slow close waits for the other two: never serial
+    streams = [_ClosingStream(_ClosingConnection(quick)) for _ in range(100)]
+    streams += [_ClosingStream(_ClosingConnection(slow, meet)) for _ in range(3)]
+    connect.close_streams(streams)  # type: ignore[arg-type]
+    assert all(s.closed for s in streams)
+    assert quick == [threading.current_thread().name] * 100
+    assert len(slow) == 3 and not meet.broken

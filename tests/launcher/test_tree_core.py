@@ -224,6 +224,32 @@ def test_the_head_sorts_a_relay_line_into_one_stream_per_host_and_names_a_lost_s
     assert "its subtree is lost with it: node3, node6" in s[0].stderr_text()
 
 
+def test_the_heads_links_to_hosts_behind_a_relay_have_no_reader_threads_of_their_own():
+    from launcher.head.agent_link import Fleet, Received
+
+    head_end, relay_end = Pipe.pair("node1")
+    line = RelayLine(head_end, 0, {0: "node1", 1: "node2", 2: "node3"},
+                     {1: "10.0.0.2", 2: "10.0.0.3"})
+    line.start()
+    relay_end.write(wire.encode(K.HELLO, b"{}"))  # before the head listens: kept, then first
+    before = threading.active_count()
+    fleet = Fleet()
+    links = [fleet.add(line.streams[i]) for i in range(3)]
+    assert threading.active_count() == before
+    relay_end.write(wire.encode(K.READY, b"{}") + wire.encode_routed(
+        1, wire.encode(K.HELLO, b"{}") + wire.encode(K.READY, b"{}")))
+    relay_end.write(wire.encode_routed(2, b"\x00\x00\x00\x00\x07"))  # length 0: broken
+    relay_end.write(wire.encode_routed(1, wire.encode(K.DONE)))
+    events = [fleet.events.get(timeout=5) for _ in range(6)]
+    got = [(e.host, e.frame.kind if isinstance(e, Received) else "closed") for e in events]
+    assert [g for g in got if g[0] == 0] == [(0, K.HELLO), (0, K.READY)]
+    assert [g for g in got if g[0] == 1] == [(1, K.HELLO), (1, K.READY), (1, K.DONE)]
+    assert [g for g in got if g[0] == 2] == [(2, "closed")]  # that host's stream only
+    relay_end.close()
+    ends = sorted(fleet.events.get(timeout=5).host for _ in range(2))
+    assert ends == [0, 1] and links[2].stream.wait(1) == 0  # every end once, 2's already
+
+
 def test_the_head_closes_a_relay_line_when_its_last_host_is_closed():
     head_end, relay_end = Pipe.pair("node1")
     line = RelayLine(head_end, 0, {0: "node1", 1: "node2"}, {1: "10.0.0.2"})
