@@ -123,6 +123,7 @@ class FakeSave:
         self.step, self.release, self.fails = 7, release, fails
         self.settled: CheckpointError | None | str = "not yet"
         self.finished = False
+        self.told: list[bool | None] = []  # what the vote told settle and finish
 
     def attempt(self, phase: Any) -> CheckpointError | None:
         try:
@@ -136,21 +137,29 @@ class FakeSave:
         if self.fails:
             raise CheckpointError("checkpoint save failed", "here", "a full disk", "Free it")
 
-    def settle(self, error: CheckpointError | None) -> None:
+    def settle(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         self.settled = error
+        self.told.append(failed)
 
     def commit(self) -> None:
         pass
 
-    def finish(self, error: CheckpointError | None) -> None:
+    def finish(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         self.finished = True
+        self.told.append(failed)
 
 
-def drive(writers: list[Writer], saves: list[FakeSave], steps: int) -> list[tuple[Any, ...]]:
+def drive(writers: list[Writer], saves: list[FakeSave], steps: int, *,
+          joined: bool = False) -> list[tuple[Any, ...]]:
     """``steps`` step ends on every rank; after each, what every rank's save has been through
-    (its settle's outcome, finished or not) and what its poll returned or raised."""
+    (its settle's outcome, finished or not) and what its poll returned or raised. ``joined``:
+    each step lasts until every rank's local phase is over (these steps take no time; real
+    ones take long enough for the writer's thread to get the interpreter)."""
     states = []
     for _ in range(steps):
+        if joined:
+            for writer in writers:
+                writer.join()
         polled = []
         for writer in writers:
             try:
@@ -177,11 +186,12 @@ def test_the_ranks_move_a_save_on_together_and_only_once_every_rank_has_written(
     drive(writers, saves, 4)
     assert [s.settled for s in saves] == ["not yet", "not yet"]  # rank 1 is still writing
     slow.set()
-    writers[1]._thread.join()  # type: ignore[union-attr]
-    states = drive(writers, saves, 6)
+    states = drive(writers, saves, 6, joined=True)
     assert all(same_on_every_rank(state) for state in states), states
     assert [s.settled for s in saves] == [None, None] and all(s.finished for s in saves)
     assert sum(state[0][2] for state in states) == 1  # each rank returned its save once
+    # Every rank voted that its write, then the commit, succeeded: no phase asks again.
+    assert [s.told for s in saves] == [[False, False], [False, False]]
 
 
 def test_a_write_that_failed_on_one_rank_is_settled_on_every_rank_at_the_same_step() -> None:
@@ -191,11 +201,12 @@ def test_a_write_that_failed_on_one_rank_is_settled_on_every_rank_at_the_same_st
     writers = [Writer(votes.of(rank), background=True) for rank in range(2)]
     for writer, save in zip(writers, saves, strict=True):
         writer.submit(save)  # type: ignore[arg-type]
-        writer._thread.join()  # type: ignore[union-attr]
-    states = drive(writers, saves, 4)
+    states = drive(writers, saves, 4, joined=True)
     assert all(same_on_every_rank(state) for state in states), states
     assert saves[0].settled is None  # the collective settle fails every rank (save.agree)
     assert isinstance(saves[1].settled, CheckpointError) and "a full disk" in str(saves[1].settled)
+    # The vote said a rank failed: every rank's settle agrees on the error collectively.
+    assert [s.told[0] for s in saves] == [True, True]
 
 
 class NiceRecordingSave(FakeSave):
@@ -216,7 +227,7 @@ def test_the_background_writer_yields_the_cpu_to_training_and_an_in_place_save_d
     background, in_place = NiceRecordingSave(), NiceRecordingSave()
     writer = Writer(None, background=True)
     writer.submit(background)  # type: ignore[arg-type]
-    writer._thread.join()  # type: ignore[union-attr]
+    writer.join()
     Writer(None, background=False).submit(in_place)  # type: ignore[arg-type]
     assert background.nice == min(own + WRITER_NICE, 19)
     assert in_place.nice == own  # written on the training thread, which keeps its priority

@@ -6,14 +6,19 @@ Every rank of the group (``world``) runs the phases together, in this order:
     start    collective (one all-reduce): the leader (rank 0 of the group) draws the temporary
              folder's name and creates it (`claim`), and takes its random state now (the
              step's); a caller may fold its own agreement into that collective (`opened`)
-    write    local I/O, any thread: this rank's tensor file (``rank-RRRRR.safetensors``, the
-             slices it is the writer of; none when it writes nothing), fsynced and hashed
+    write    local I/O, any thread: the folder (when it does not exist yet: a save named by
+             a token agreed earlier, `trainer.training.checkpointing`), this rank's tensor
+             file (``rank-RRRRR.safetensors``, the slices it is the writer of; none when it
+             writes nothing), fsynced and hashed
     settle   collective: the ranks agree that every write succeeded, and the leader gathers
-             each file's record and what it holds (``contents``, JSON)
+             each file's record and what it holds (``contents``, JSON); after a late vote
+             that said every write succeeded (`voted`), nothing: each rank left its record
+             in the folder (``rank-RRRRR.json``), which the leader reads and removes
     commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``,
              ``rng.safetensors``, the rename into place, the commit record (the ``COMMITTED``
              marker, last: size and checksum of every file), then pruning
-    finish   collective: the ranks agree that the commit succeeded
+    finish   collective: the ranks agree that the commit succeeded (after such a vote:
+             nothing)
 
 `save` runs them in a row; `trainer.checkpoint.writer` runs write and commit in a background
 thread while training goes on. Every collective phase ends with an agreement, so a failure on
@@ -23,6 +28,7 @@ one rank fails every rank, without a hang, and the partial save is removed.
 from __future__ import annotations
 
 import json
+import os
 import random
 import secrets
 import threading
@@ -35,7 +41,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import checksum
-from trainer.checkpoint.failure import agree, save_errors
+from trainer.checkpoint.failure import agree, discard, save_errors
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_tensors
 from trainer.checkpoint.layout import (
@@ -146,6 +152,20 @@ def opened(root: Path, step: int, token: int, error: CheckpointError | None, *,
                 contents, meta, rng_state() if leader else ({}, []))
 
 
+def _record_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _read_record(tmp: Path, rank: int) -> Any:
+    """The record ``rank`` left in the folder (`Save.write`), removed once read: a regular
+    file, never through a link."""
+    path = tmp / _record_file(rank)
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
+        record = json.loads(fh.read())
+    path.unlink()
+    return record
+
+
 def _tmp(root: Path, step: int, token: int) -> Path:
     return root / f"step-{step}.tmp-{token:08x}"
 
@@ -186,6 +206,9 @@ class Save:
     gathered: list[Any] = field(default_factory=list)
     commit_s: float = 0.0
     """Seconds from `start` to the end of the commit (the leader's)."""
+    voted: bool = False
+    """Moved on by a late vote (`trainer.checkpoint.writer`): `write` leaves this rank's record
+    in the folder, the leader's `commit` reads the records from there."""
 
     @property
     def leader(self) -> bool:
@@ -223,6 +246,7 @@ class Save:
         self.staged.wait()
         if self.copy_error is not None:
             raise self.copy_error
+        self.tmp.mkdir(parents=True, exist_ok=True)
         fault("save_after_stage", self.step)
         began = time.perf_counter()
         if self.tensors:
@@ -231,20 +255,34 @@ class Save:
                                                lambda: fault("save_after_write", self.step))
         self.tensors = {}
         self.write_s = time.perf_counter() - began
+        if self.voted:  # read once the vote says every rank wrote (no fsync: the commit
+            # record, fsynced, holds what the leader read)
+            (self.tmp / _record_file(self.group.rank)).write_bytes(json.dumps(
+                self._record()).encode())
         fault("save_after_tensors", self.step)
 
-    def settle(self, error: CheckpointError | None) -> None:
+    def _record(self) -> dict[str, Any]:
+        """What the leader needs of this rank's write: its files' records and contents."""
+        return {"files": {n: r.to_json() for n, r in self.written.items()},
+                "contents": self.contents if self.written else None, "write_s": self.write_s}
+
+    def settle(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         """Collective: every rank's `write` succeeded (else every rank raises), and the
-        leader has every file's record and contents."""
+        leader has every file's record and contents. ``failed``: what a late vote said of
+        every rank's write (False: all succeeded, nothing to agree, the records are in the
+        folder; None: no vote)."""
+        if failed is False:
+            return
         agree(self.group, error, self.tmp, self.final, self.device, "write its tensor file")
-        self.gathered = _gather_json(self.group, {
-            "files": {n: r.to_json() for n, r in self.written.items()},
-            "contents": self.contents if self.written else None, "write_s": self.write_s},
-            self.device)
+        self.gathered = _gather_json(self.group, self._record(), self.device)
 
     def commit(self) -> None:
         """On the leader: index, RNG, meta, rename, commit record, prune."""
-        if self.leader:
+        if self.leader and self.voted and not self.gathered:
+            self.gathered = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
+        if self.leader and committed(self.final):  # a save named by an earlier token: the
+            discard(self.tmp, self.final)  # committed checkpoint stays, as `claim` keeps it
+        elif self.leader:
             records = {n: FileRecord(r["size"], r[checksum.WRITTEN]) for g in self.gathered
                        for n, r in g["files"].items()}
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
@@ -253,9 +291,11 @@ class Save:
             prune(self.root, keep=self.keep, current=self.step)
         self.commit_s = time.perf_counter() - self.started
 
-    def finish(self, error: CheckpointError | None) -> Path:
-        """Collective: the commit succeeded (else every rank raises); the folder."""
-        agree(self.group, error, self.tmp, self.final, self.device, "commit")
+    def finish(self, error: CheckpointError | None, failed: bool | None = None) -> Path:
+        """Collective: the commit succeeded (else every rank raises); the folder. ``failed``:
+        what a late vote said of it (False: nothing to agree; None: no vote)."""
+        if failed is not False:
+            agree(self.group, error, self.tmp, self.final, self.device, "commit")
         return self.final
 
     def report(self) -> dict[str, Any]:

@@ -87,6 +87,17 @@ class Vote(Protocol):
     def result(self) -> int: ...
 
 
+class Agreement(Protocol):
+    """A `Vote` of several integers (`trainer.comm.mpi.vote.LateMax` of a ``width``): every
+    value's MAX, posted now and read later."""
+
+    def post(self, value: int, *more: int) -> None: ...
+
+    def results(self) -> list[int]: ...
+
+    def close(self) -> None: ...
+
+
 @runtime_checkable
 class Communicator(Protocol):
     """A group of ranks and the operations they run together.
