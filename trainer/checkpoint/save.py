@@ -9,14 +9,14 @@ Every rank of the group (``world``) runs the phases together, in this order:
     write    local I/O, any thread: the folder (when it does not exist yet: a save named by
              a token agreed earlier, `trainer.training.checkpointing`), this rank's tensor
              file (``rank-RRRRR.safetensors``, the slices it is the writer of; none when it
-             writes nothing), fsynced and hashed
+             writes nothing), fsynced and hashed; the leader's also ``rng.safetensors``
     settle   collective: the ranks agree that every write succeeded, and the leader gathers
              each file's record and what it holds (``contents``, JSON); after a late vote
              that said every write succeeded (`voted`), nothing: each rank left its record
              in the folder (``rank-RRRRR.json``), which the leader reads and removes
-    commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``,
-             ``rng.safetensors``, the rename into place, the commit record (the ``COMMITTED``
-             marker, last: size and checksum of every file), then pruning
+    commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``, the rename
+             into place, the commit record (the ``COMMITTED`` marker, last: size and checksum
+             of every file), then pruning (after the save's clock, `Save.report`)
     finish   collective: the ranks agree that the commit succeeded (after such a vote:
              nothing)
 
@@ -56,7 +56,7 @@ from trainer.checkpoint.layout import (
     rank_file,
 )
 from trainer.checkpoint.prune import prune, remove
-from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.protocol import Communicator, ReduceOp, wait_quietly
 
 Records = dict[str, FileRecord]
 RandomState = tuple[dict[str, torch.Tensor], list[Any]]
@@ -203,9 +203,13 @@ class Save:
     copy_error: Exception | None = None
     written: Records = field(default_factory=dict)
     write_s: float = 0.0
+    rng_record: FileRecord | None = None
+    """The leader's ``rng.safetensors``, written by `write`."""
     gathered: list[Any] = field(default_factory=list)
     commit_s: float = 0.0
-    """Seconds from `start` to the end of the commit (the leader's)."""
+    """Seconds from `start` to the end of the commit (the leader's; pruning after it)."""
+    prune_s: float = 0.0
+    """Seconds the leader's pruning took after the commit."""
     voted: bool = False
     """Moved on by a late vote (`trainer.checkpoint.writer`): `write` leaves this rank's record
     in the folder, the leader's `commit` reads the records from there."""
@@ -254,6 +258,9 @@ class Save:
             self.written[name] = write_tensors(self.tmp / name, self.tensors,
                                                lambda: fault("save_after_write", self.step))
         self.tensors = {}
+        if self.leader:  # known since `start`: written now, alongside the other ranks' files,
+            # rather than in the commit, which every rank waits for
+            self.rng_record = write_tensors(self.tmp / RNG, self.rng[0])
         self.write_s = time.perf_counter() - began
         if self.voted:  # read once the vote says every rank wrote (no fsync: the commit
             # record, fsynced, holds what the leader read)
@@ -280,16 +287,21 @@ class Save:
         """On the leader: index, RNG, meta, rename, commit record, prune."""
         if self.leader and self.voted and not self.gathered:
             self.gathered = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
-        if self.leader and committed(self.final):  # a save named by an earlier token: the
-            discard(self.tmp, self.final)  # committed checkpoint stays, as `claim` keeps it
+        wrote = self.leader and not committed(self.final)
+        if self.leader and not wrote:  # a save named by an earlier token: the committed
+            discard(self.tmp, self.final)  # checkpoint stays, as `claim` keeps it
         elif self.leader:
             records = {n: FileRecord(r["size"], r[checksum.WRITTEN]) for g in self.gathered
                        for n, r in g["files"].items()}
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
+            if self.rng_record is not None:
+                records[RNG] = self.rng_record
             _commit(self.root, self.tmp, self.final, self.step, self.meta, self.rng, index,
                     records)
-            prune(self.root, keep=self.keep, current=self.step)
         self.commit_s = time.perf_counter() - self.started
+        if wrote:  # after the save's clock: deleting an old checkpoint writes nothing
+            prune(self.root, keep=self.keep, current=self.step)
+            self.prune_s = time.perf_counter() - self.started - self.commit_s
 
     def finish(self, error: CheckpointError | None, failed: bool | None = None) -> Path:
         """Collective: the commit succeeded (else every rank raises); the folder. ``failed``:
@@ -300,13 +312,14 @@ class Save:
 
     def report(self) -> dict[str, Any]:
         """What the save wrote and how fast (meaningful on the leader): MB (10^6 bytes) in
-        all and per rank, MB/s in all (from `start` to the commit) and per rank (its write)."""
+        all and per rank, MB/s in all (from `start` to the commit record) and per rank (its
+        write), and the seconds pruning took after the commit."""
         sizes = [sum(r["size"] for r in g["files"].values()) / _MB for g in self.gathered]
         rates = [mb / g["write_s"] if g["write_s"] > 0 else 0.0
                  for mb, g in zip(sizes, self.gathered, strict=True)]
         return {"step": self.step, "mb": round(sum(sizes), 3), "seconds": round(self.commit_s, 4),
                 "mb_s": round(sum(sizes) / self.commit_s, 1) if self.commit_s > 0 else 0.0,
-                "rank_mb": [round(mb, 3) for mb in sizes],
+                "prune_s": round(self.prune_s, 4), "rank_mb": [round(mb, 3) for mb in sizes],
                 "rank_mb_s": [round(rate, 1) for rate in rates]}
 
 
@@ -318,10 +331,12 @@ class _Alone:
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         pass
 
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                   async_op: bool = False) -> None:
         pass
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   async_op: bool = False) -> None:
         out.copy_(inp)
 
 
@@ -330,12 +345,12 @@ def _gather_json(group: Any, obj: Any, device: torch.device) -> list[Any]:
     that any backend's all-gather carries them, each rank padded to the longest."""
     raw = json.dumps(obj).encode()
     words = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    group.all_reduce(words, ReduceOp.MAX)
+    wait_quietly(group.all_reduce(words, ReduceOp.MAX, async_op=True))
     width = (int(words) + 7) // 8
     mine = torch.zeros(width, dtype=torch.int64)
     mine.view(torch.uint8)[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out = torch.empty(group.size * width, dtype=torch.int64, device=device)
-    group.all_gather(out, mine.to(device))
+    wait_quietly(group.all_gather(out, mine.to(device), async_op=True))
     return [json.loads(bytes(row.view(torch.uint8).tolist()).rstrip(b"\0"))
             for row in out.cpu().view(group.size, width)]
 
@@ -346,7 +361,8 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
     files = dict(written)
     files[INDEX] = write_bytes(tmp / INDEX, json.dumps(index).encode())
     rng, python = random_state
-    files[RNG] = write_tensors(tmp / RNG, rng)
+    if RNG not in files:  # the leader's `Save.write` wrote it already
+        files[RNG] = write_tensors(tmp / RNG, rng)
     fault("save_after_rng", step)
     body = {"format": FORMAT_VERSION, "step": step, **meta, "python_rng": python}
     files[META] = write_bytes(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode())

@@ -49,7 +49,7 @@ from trainer.checkpoint.run_dir import folder
 from trainer.checkpoint.save import NOT_LEADER, Save, claim, opened, release
 from trainer.checkpoint.writer import Writer
 from trainer.comm.bootstrap import World
-from trainer.comm.protocol import Agreement, ReduceOp
+from trainer.comm.protocol import Agreement, ReduceOp, wait_quietly
 from trainer.data.token_batches import TokenBatches
 from trainer.placement import writers
 from trainer.training.guard import diverged, nonfinite
@@ -93,6 +93,7 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     ``late``: the check and the step count are posted to ``late.agreement`` instead, for the
     caller to read later (`Checkpoints`; the meta's step count is this rank's until then), and
     the folder is named by ``late.token``: no collective, never None."""
+    began = time.perf_counter()  # the save's clock (`Save.report`) covers staging too
     weights, mesh = run.weights, run.mesh
     group, root = mesh.group(), folder(Path(run.cfg.run_dir))
     bad = nonfinite(weights.values())
@@ -110,7 +111,7 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     else:
         token, error = claim(root, step) if group.rank == 0 else (NOT_LEADER, None)
         agreed = torch.tensor([bad, count, token], dtype=torch.int64, device=mesh.device)
-        group.all_reduce(agreed, ReduceOp.MAX)
+        wait_quietly(group.all_reduce(agreed, ReduceOp.MAX, async_op=True))
         bad, count, token = (int(v) for v in agreed.tolist())
         if bad:
             if group.rank == 0:
@@ -123,8 +124,10 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
                    optimizer={"step": count, "groups": groups}, samples=samples)
     job = opened(root, step, token, error, tensors=staged, contents=contents, meta=meta,
                  keep=run.cfg.checkpoint.keep, group=group, device=mesh.device)
-    if job is not None and pairs:
-        job.later(list(pairs.values()))
+    if job is not None:
+        job.started = began
+        if pairs:
+            job.later(list(pairs.values()))
     return job
 
 
@@ -206,7 +209,8 @@ class Checkpoints:
         self.waited[step] = time.perf_counter() - began
         # The previous save is written: reuse its copies.
         late = None if wait else self._late
-        job = begin(self.run, step, self.pool, defer=True, late=late)
+        # In place the loop waits anyway: copied here, not handed to a thread and waited for.
+        job = begin(self.run, step, self.pool, defer=not wait, late=late)
         if late is not None:
             self._unread = job
         if job is not None:
