@@ -8,7 +8,8 @@ agreement at the next step's end.
 After one step, rank 1 makes one of its parameters infinite and both ranks save step 1: the
 save returns on both (nothing is agreed yet); the next step end's poll raises the divergence on
 both, and the save's folder is gone. Then, the parameter restored and rank 1's AdamW step
-count raised to 5, step 1 is saved again and committed with the count every rank agreed.
+count raised to 5, step 1 is saved again and committed with the count every rank agreed
+(each rank's record, left in the folder for the leader, removed).
 """
 
 from __future__ import annotations
@@ -64,4 +65,5 @@ def run(out: Path) -> dict[str, Any]:
     meta = json.loads((root / "step-1" / "meta.json").read_text()) if world.rank == 0 else {}
     return {"returned": returned, "refused": refused, "left": left,
             "committed": committed(root / "step-1"),
+            "files": sorted(p.name for p in (root / "step-1").iterdir()),
             "adam_step": meta.get("optimizer", {}).get("step")}

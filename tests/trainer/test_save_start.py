@@ -38,3 +38,6 @@ def test_a_background_save_commits_with_the_step_count_agreed_late() -> None:
     ranks = world_run("tests.support.late_save_worker:run", 2).ranks
     assert all(got["committed"] for got in ranks)
     assert ranks[0]["adam_step"] == 5  # rank 1's count, the MAX, in the leader's meta
+    # The records the ranks left for the leader are gone: the folder holds what it always did.
+    assert ranks[0]["files"] == ["COMMITTED", "index.json", "meta.json", "rank-00000.safetensors",
+                                 "rank-00001.safetensors", "rng.safetensors"], ranks[0]["files"]

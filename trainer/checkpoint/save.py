@@ -285,8 +285,10 @@ class Save:
 
     def commit(self) -> None:
         """On the leader: index, RNG, meta, rename, commit record, prune."""
-        if self.leader and self.voted and not self.gathered:
-            self.gathered = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
+        if self.leader and self.voted:  # every rank left its record, read and removed here
+            # (`wait` may have settled collectively, and gathered them already)
+            left = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
+            self.gathered = self.gathered or left
         wrote = self.leader and not committed(self.final)
         if self.leader and not wrote:  # a save named by an earlier token: the committed
             discard(self.tmp, self.final)  # checkpoint stays, as `claim` keeps it
