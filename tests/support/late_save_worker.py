@@ -9,7 +9,8 @@ After one step, rank 1 makes one of its parameters infinite and both ranks save 
 save returns on both (nothing is agreed yet); the next step end's poll raises the divergence on
 both, and the save's folder is gone. Then, the parameter restored and rank 1's AdamW step
 count raised to 5, step 1 is saved again and committed with the count every rank agreed
-(each rank's record, left in the folder for the leader, removed).
+(each rank's record, left in the folder for the leader, removed), moved on by the votes alone;
+step 2 is saved and finished by ``close`` (settled collectively), its records removed too.
 """
 
 from __future__ import annotations
@@ -53,17 +54,25 @@ def run(out: Path) -> dict[str, Any]:
     except DivergedError as exc:
         refused = str(exc)
     root = out / "run" / "checkpoints"
+    world.mpi_comm.Barrier()  # looked at before any rank saves again
     left = sorted(p.name for p in root.iterdir()) if world.rank == 0 and root.exists() else []
+    world.mpi_comm.Barrier()
     with torch.no_grad():
         param.copy_(kept)
     if world.rank == 1:
         for state in built.weights.optimizer.state.values():
             state["step"] = torch.tensor(5.0)
     saves.save(1)
+    polls = 0
+    while saves.writer.save is not None:  # moved on by the votes alone, step end by step end
+        saves.writer.join()
+        saves.poll()
+        polls += 1
+    saves.save(2)  # this one is finished by close, which settles it collectively
     saves.poll()
     saves.close(clean=True)
     meta = json.loads((root / "step-1" / "meta.json").read_text()) if world.rank == 0 else {}
-    return {"returned": returned, "refused": refused, "left": left,
-            "committed": committed(root / "step-1"),
-            "files": sorted(p.name for p in (root / "step-1").iterdir()),
+    return {"returned": returned, "refused": refused, "left": left, "polls": polls,
+            "committed": [committed(root / "step-1"), committed(root / "step-2")],
+            "files": [sorted(p.name for p in (root / f"step-{n}").iterdir()) for n in (1, 2)],
             "adam_step": meta.get("optimizer", {}).get("step")}

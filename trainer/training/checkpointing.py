@@ -21,8 +21,9 @@ save only after a later vote, read a step later still). The folder's name is agr
 start-up (`Late.token`: one random 62-bit token per run, so a resumed or restarted run never
 writes into a dead save's folder), and each writer creates the folder it writes into. When the
 late agreement finds a weight not finite on any rank, every rank drops the save: each lets its
-thread finish, the ranks meet once (so nobody writes any more), the leader removes the folder,
-and every rank raises the divergence, one step after the save's. The file is never committed:
+thread finish, the ranks meet (so nobody writes any more), the leader removes the folder, the
+ranks meet again (so nobody writes into a folder of that name before it is gone), and every
+rank raises the divergence, one step after the save's. The file is never committed:
 the commit comes after the settle, which comes after that read.
 
 What each save measured (MB and MB/s in all and per rank, seconds until committed, seconds the
@@ -253,9 +254,12 @@ class Checkpoints:
             job.meta["optimizer"]["step"] = count
             return
         self.writer.abandon()  # this rank's thread writes no more
-        job.group.all_reduce(torch.zeros(1, dtype=torch.int64, device=job.device))  # nor any
+        meet = torch.zeros(1, dtype=torch.int64, device=job.device)
+        job.group.all_reduce(meet)  # nor any rank's
         if job.leader:
             discard(job.tmp, job.final)
+        job.group.all_reduce(meet)  # gone before any rank goes on (a later save of this step
+        # writes into a folder of the same name)
         self.blocked.pop(job.step, None)
         if not stopping:
             raise diverged(job.step, report=self.run.is_writer)
