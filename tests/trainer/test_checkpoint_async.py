@@ -76,22 +76,25 @@ def test_a_resume_unpickles_nothing_even_when_torch_is_told_to_unpickle_anything
 def test_a_background_save_that_fails_stops_every_rank_at_a_later_step_with_one_error(
         small_disk: Path) -> None:  # noqa: F811 - the fixture
     run_dir = small_disk / "run"
-    # Leave 64 KiB: the metrics fit, the two ranks' tensor files (126 KB each) do not.
+    # Leave 64 KiB: the metrics fit, the two ranks' tensor files (126 KB each) do not. The
+    # first save is at step 2, after step 1's record took the metrics file's first page: a
+    # background save does not hold the ranks together at its step, so rank 1 could fill the
+    # disk with a save at step 1 before the leader wrote its first record.
     (small_disk / "filler").write_bytes(b"x" * (256 - 64) * 1024)
     done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
-                       "trainer.train", *FLAGS, "--tp", "2", "--steps", "8", "--save-every", "1",
+                       "trainer.train", *FLAGS, "--tp", "2", "--steps", "8", "--save-every", "2",
                        "--run-dir", str(run_dir)], timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 2, out[-3000:]
     said = [line for line in out.splitlines() if re.match(r"\[\d+@", line) and "error" in line]
     assert len(said) == 1, said  # by one rank (the launcher's summary quotes it once more)
     assert said[0].startswith(f"[0@localhost] [rank 0] error: checkpoint save failed "
-                              f"[{run_dir / 'checkpoints' / 'step-1'}]: no space left on "
+                              f"[{run_dir / 'checkpoints' / 'step-2'}]: no space left on "
                               "device"), said[0]
     assert "Traceback" not in out
     assert list((run_dir / "checkpoints").iterdir()) == []  # the partial save is removed
     steps = [r["step"] for r in read_records(run_dir / "metrics.jsonl")]
-    assert 1 < steps[-1] < 8, steps  # trained on while step 1 was written, stopped after
+    assert 2 < steps[-1] < 8, steps  # trained on while step 2 was written, stopped after
 
 
 class Votes:
