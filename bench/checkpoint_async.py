@@ -7,13 +7,18 @@ For each configuration (the ``125m`` preset, ~85M parameters, at dp 2; the ``sma
 dp 2 x tp 2 x pp 2), in one run and on one disk (``--dir``, default the temporary folder: the
 run dirs and dd's file):
 
-* ``dd`` writes 1 GiB with ``conv=fsync`` right before each in-place run: the disk's own
-  sequential write speed at that moment (the disk is shared with whatever else runs).
+* ``dd`` writes as many bytes as the in-place run's checkpoint (``bs=1M``, ``conv=fsync``) right
+  after each in-place run: the disk's own sequential write speed for that amount at that
+  moment (the disk is shared with whatever else runs). A fixed 1 GiB, as before, measured
+  the small configuration's 39 MB save against a write 26 times its size.
 * ``python -m trainer.train`` runs ``steps`` steps three ways through ``dtrain launch`` (``reps``
   times each, the order rotated; ratios are taken within a repetition, medians reported): no save
   but the last (``--save-every 0``), a save every ``every`` steps in place
   (``--no-async-save``), and in the background (``--async-save``). From ``metrics.jsonl``: the
-  seconds the loop was blocked per save (the median of the saves before the last), the save's
+  seconds the loop was blocked per save (the median of the saves before the last; in the
+  background: at the save's step, reading its late agreement at the next step's end, and any
+  wait for its copy before the optimizer's step), the seconds later step ends spent moving a
+  background save on (its votes, and the collectives that settle and finish it), the save's
   MB/s (MB of every rank / seconds from staging to commit; the in-place saves, whose write has
   the machine to itself, and the last background save, which the end of training waits for),
   and the loop's time per step (steps 2..N plus the blocked seconds of the saves before the
@@ -53,17 +58,18 @@ CONFIGS = {
                               "--tp", "2", "--pp", "2", "--microbatches", "2"]),
 }
 COMMON = ["--warmup-steps", "1", "--data-cap-mb", "1", "--eval-every", "0", "--keep", "1"]
-DD_MB = 1024.0  # dd's file: the size of the 125m checkpoint of dp 2 (1,022 MB)
 MODES = {"none": ["--save-every", "0"], "sync": ["--no-async-save"], "async": ["--async-save"]}
 SUMMARY_COLUMNS = [("config", "config"), ("load avg", "loadavg"), ("ckpt MB", "mb"),
                    ("dd MB/s", "dd_mb_s"), ("sync MB/s", "sync_mb_s"),
                    ("sync/dd", "sync_vs_dd"), ("async last MB/s", "async_mb_s"),
                    ("blocked sync s", "blocked_sync_s"), ("blocked async s", "blocked_async_s"),
-                   ("blocked ratio", "blocked_ratio"), ("step none s", "step_none_s"),
+                   ("blocked ratio", "blocked_ratio"), ("async step-end s", "step_end_async_s"),
+                   ("step none s", "step_none_s"),
                    ("step sync/none", "step_sync_ratio"), ("step async/none", "step_async_ratio"),
                    ("load sync-saved s", "load_sync_s"), ("load async-saved s", "load_async_s")]
 SUMMARY_NOTE = ("dd: conv=fsync, as many bytes as one checkpoint. Blocked: median seconds the "
-                "training loop waited per save (not the last). MB/s: all ranks' MB / seconds "
+                "training loop waited per save (not the last). Step-end: median seconds "
+                "later step ends spent moving a background save on. MB/s: all ranks' MB / seconds "
                 "from staging to commit. Step ratios: loop seconds per step (steps 2..N, "
                 "blocked seconds included) against the run without saves. Shared machine: "
                 "the load average is the one at the configuration's start.")
@@ -71,13 +77,13 @@ SUMMARY_NOTE = ("dd: conv=fsync, as many bytes as one checkpoint. Blocked: media
 
 def dd_mb_s(folder: Path, mb: float) -> float:
     """MB/s (10^6 bytes) of one sequential write of ``mb`` MB, fsynced, as dd does it."""
-    out, count = folder / "dd.bin", max(1, round(mb / 4.194304))
+    out, count = folder / "dd.bin", max(1, round(mb / 1.048576))
     began = time.perf_counter()
-    subprocess.run(["dd", "if=/dev/zero", f"of={out}", "bs=4M", f"count={count}", "conv=fsync",
+    subprocess.run(["dd", "if=/dev/zero", f"of={out}", "bs=1M", f"count={count}", "conv=fsync",
                     "status=none"], check=True)
     seconds = time.perf_counter() - began
     out.unlink()
-    return count * 4.194304 / seconds
+    return count * 1.048576 / seconds
 
 
 def train(ranks: int, run_dir: Path, args: list[str]) -> list[dict[str, Any]]:
@@ -110,6 +116,8 @@ def measure(records: list[dict[str, Any]], last: int) -> dict[str, Any]:
     steps = [r["step_s"] for r in records if r["step"] >= 2]
     loop = sum(steps) + sum(s["blocked_s"] for s in before)
     return {"blocked_s": statistics.median(s["blocked_s"] for s in before) if before else 0.0,
+            "step_end_s": statistics.median(s.get("step_end_s", 0.0) for s in before)
+            if before else 0.0,
             "mb": saves[-1]["mb"], "mb_s_all": [s["mb_s"] for s in saves],
             "last_mb_s": saves[-1]["mb_s"], "step_s": loop / len(steps)}
 
@@ -118,7 +126,8 @@ def run(configs: Sequence[str] = tuple(CONFIGS), steps: int = 30, every: int = 1
         reps: int = 3, where: str | None = None, progress: Any = print) -> list[common.Row]:
     """Rows per configuration; the run dirs and dd's file under ``where`` (None: the system's
     temporary folder): the disk measured. Each ratio is taken within one repetition (dd right
-    before the in-place run), the row holds the medians over the repetitions."""
+    after the in-place run, as many bytes as its checkpoint), the row holds the medians over
+    the repetitions."""
     rows = []
     for name in configs:
         ranks, model = CONFIGS[name]
@@ -134,9 +143,9 @@ def run(configs: Sequence[str] = tuple(CONFIGS), steps: int = 30, every: int = 1
                     args = [*model, *COMMON, "--steps", str(steps), "--log-every", str(every),
                             *(flags if mode == "none" else ["--save-every", str(every), *flags])]
                     shutil.rmtree(folder / mode, ignore_errors=True)
-                    if mode == "sync":
-                        seen["dd"] = {"mb_s": dd_mb_s(folder, DD_MB)}
                     seen[mode] = measure(train(ranks, folder / mode, args), steps)
+                    if mode == "sync":  # the same bytes, right after
+                        seen["dd"] = {"mb_s": dd_mb_s(folder, seen[mode]["mb"])}
                     progress(f"{name} rep {rep} {mode}: {seen[mode]}")
                 reps_seen.append(seen)
             row |= summary(reps_seen)
@@ -165,6 +174,7 @@ def summary(reps: list[dict[str, dict[str, Any]]]) -> common.Row:
         "blocked_async_s": med([r["async"]["blocked_s"] for r in reps]),
         "blocked_ratio": med([r["sync"]["blocked_s"] / max(r["async"]["blocked_s"], 1e-6)
                               for r in reps], 1),
+        "step_end_async_s": med([r["async"]["step_end_s"] for r in reps], 4),
         "step_none_s": med([r["none"]["step_s"] for r in reps], 4),
         "step_sync_ratio": med([r["sync"]["step_s"] / r["none"]["step_s"] for r in reps]),
         "step_async_ratio": med([r["async"]["step_s"] / r["none"]["step_s"] for r in reps]),

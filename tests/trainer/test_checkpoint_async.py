@@ -76,22 +76,25 @@ def test_a_resume_unpickles_nothing_even_when_torch_is_told_to_unpickle_anything
 def test_a_background_save_that_fails_stops_every_rank_at_a_later_step_with_one_error(
         small_disk: Path) -> None:  # noqa: F811 - the fixture
     run_dir = small_disk / "run"
-    # Leave 64 KiB: the metrics fit, the two ranks' tensor files (126 KB each) do not.
+    # Leave 64 KiB: the metrics fit, the two ranks' tensor files (126 KB each) do not. The
+    # first save is at step 2, after step 1's record took the metrics file's first page: a
+    # background save does not hold the ranks together at its step, so rank 1 could fill the
+    # disk with a save at step 1 before the leader wrote its first record.
     (small_disk / "filler").write_bytes(b"x" * (256 - 64) * 1024)
     done = run_dtrain(["launch", "--nproc-per-node", "2", "--", *forked_python(), "-m",
-                       "trainer.train", *FLAGS, "--tp", "2", "--steps", "8", "--save-every", "1",
+                       "trainer.train", *FLAGS, "--tp", "2", "--steps", "8", "--save-every", "2",
                        "--run-dir", str(run_dir)], timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 2, out[-3000:]
     said = [line for line in out.splitlines() if re.match(r"\[\d+@", line) and "error" in line]
     assert len(said) == 1, said  # by one rank (the launcher's summary quotes it once more)
     assert said[0].startswith(f"[0@localhost] [rank 0] error: checkpoint save failed "
-                              f"[{run_dir / 'checkpoints' / 'step-1'}]: no space left on "
+                              f"[{run_dir / 'checkpoints' / 'step-2'}]: no space left on "
                               "device"), said[0]
     assert "Traceback" not in out
     assert list((run_dir / "checkpoints").iterdir()) == []  # the partial save is removed
     steps = [r["step"] for r in read_records(run_dir / "metrics.jsonl")]
-    assert 1 < steps[-1] < 8, steps  # trained on while step 1 was written, stopped after
+    assert 2 < steps[-1] < 8, steps  # trained on while step 2 was written, stopped after
 
 
 class Votes:
@@ -123,6 +126,7 @@ class FakeSave:
         self.step, self.release, self.fails = 7, release, fails
         self.settled: CheckpointError | None | str = "not yet"
         self.finished = False
+        self.told: list[bool | None] = []  # what the vote told settle and finish
 
     def attempt(self, phase: Any) -> CheckpointError | None:
         try:
@@ -136,21 +140,29 @@ class FakeSave:
         if self.fails:
             raise CheckpointError("checkpoint save failed", "here", "a full disk", "Free it")
 
-    def settle(self, error: CheckpointError | None) -> None:
+    def settle(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         self.settled = error
+        self.told.append(failed)
 
     def commit(self) -> None:
         pass
 
-    def finish(self, error: CheckpointError | None) -> None:
+    def finish(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         self.finished = True
+        self.told.append(failed)
 
 
-def drive(writers: list[Writer], saves: list[FakeSave], steps: int) -> list[tuple[Any, ...]]:
+def drive(writers: list[Writer], saves: list[FakeSave], steps: int, *,
+          joined: bool = False) -> list[tuple[Any, ...]]:
     """``steps`` step ends on every rank; after each, what every rank's save has been through
-    (its settle's outcome, finished or not) and what its poll returned or raised."""
+    (its settle's outcome, finished or not) and what its poll returned or raised. ``joined``:
+    each step lasts until every rank's local phase is over (these steps take no time; real
+    ones take long enough for the writer's thread to get the interpreter)."""
     states = []
     for _ in range(steps):
+        if joined:
+            for writer in writers:
+                writer.join()
         polled = []
         for writer in writers:
             try:
@@ -177,11 +189,12 @@ def test_the_ranks_move_a_save_on_together_and_only_once_every_rank_has_written(
     drive(writers, saves, 4)
     assert [s.settled for s in saves] == ["not yet", "not yet"]  # rank 1 is still writing
     slow.set()
-    writers[1]._thread.join()  # type: ignore[union-attr]
-    states = drive(writers, saves, 6)
+    states = drive(writers, saves, 6, joined=True)
     assert all(same_on_every_rank(state) for state in states), states
     assert [s.settled for s in saves] == [None, None] and all(s.finished for s in saves)
     assert sum(state[0][2] for state in states) == 1  # each rank returned its save once
+    # Every rank voted that its write, then the commit, succeeded: no phase asks again.
+    assert [s.told for s in saves] == [[False, False], [False, False]]
 
 
 def test_a_write_that_failed_on_one_rank_is_settled_on_every_rank_at_the_same_step() -> None:
@@ -191,11 +204,12 @@ def test_a_write_that_failed_on_one_rank_is_settled_on_every_rank_at_the_same_st
     writers = [Writer(votes.of(rank), background=True) for rank in range(2)]
     for writer, save in zip(writers, saves, strict=True):
         writer.submit(save)  # type: ignore[arg-type]
-        writer._thread.join()  # type: ignore[union-attr]
-    states = drive(writers, saves, 4)
+    states = drive(writers, saves, 4, joined=True)
     assert all(same_on_every_rank(state) for state in states), states
     assert saves[0].settled is None  # the collective settle fails every rank (save.agree)
     assert isinstance(saves[1].settled, CheckpointError) and "a full disk" in str(saves[1].settled)
+    # The vote said a rank failed: every rank's settle agrees on the error collectively.
+    assert [s.told[0] for s in saves] == [True, True]
 
 
 class NiceRecordingSave(FakeSave):
@@ -216,7 +230,7 @@ def test_the_background_writer_yields_the_cpu_to_training_and_an_in_place_save_d
     background, in_place = NiceRecordingSave(), NiceRecordingSave()
     writer = Writer(None, background=True)
     writer.submit(background)  # type: ignore[arg-type]
-    writer._thread.join()  # type: ignore[union-attr]
+    writer.join()
     Writer(None, background=False).submit(in_place)  # type: ignore[arg-type]
     assert background.nice == min(own + WRITER_NICE, 19)
     assert in_place.nice == own  # written on the training thread, which keeps its priority

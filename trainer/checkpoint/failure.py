@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from trainer.checkpoint.layout import CheckpointError, committed, latest, real_folder
-from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.protocol import Communicator, ReduceOp, wait_quietly
 
 
 def agree(writers: Communicator, error: CheckpointError | None, tmp: Path, final: Path,
@@ -30,7 +30,7 @@ def agree(writers: Communicator, error: CheckpointError | None, tmp: Path, final
     # One MAX: whether any failed, and minus the lowest failing rank.
     seen = torch.tensor([int(error is not None), -rank if error else -writers.size],
                         dtype=torch.int64, device=device)
-    writers.all_reduce(seen, ReduceOp.MAX)
+    wait_quietly(writers.all_reduce(seen, ReduceOp.MAX, async_op=True))
     failed, lowest = int(seen[0]), -int(seen[1])
     if not failed:
         return

@@ -26,8 +26,8 @@ DAMAGED_SUFFIX = ".damaged-"
 DAMAGED_DIR = re.compile(r"^step-(\d+)\.damaged-[0-9a-f]+$")
 #: Every name a save writes into a checkpoint folder: a folder named like a step that holds
 #: anything else is not a dead save, and nothing in it but these files is ever deleted.
-OWN_FILE = re.compile(r"^(rank-\d{5,}\.safetensors|index\.json|meta\.json|rng\.safetensors"
-                      r"|COMMITTED|\.COMMITTED\.tmp)$")
+OWN_FILE = re.compile(r"^(rank-\d{5,}\.safetensors|rank-\d{5,}\.json|index\.json|meta\.json"
+                      r"|rng\.safetensors|COMMITTED|\.COMMITTED\.tmp)$")
 #: What a file name in a commit record or an index may be: a plain name in the checkpoint
 #: folder (no separator, no ``..``, not hidden), so a reader never leaves the folder.
 PLAIN_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,254}$")

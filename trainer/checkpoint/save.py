@@ -6,14 +6,19 @@ Every rank of the group (``world``) runs the phases together, in this order:
     start    collective (one all-reduce): the leader (rank 0 of the group) draws the temporary
              folder's name and creates it (`claim`), and takes its random state now (the
              step's); a caller may fold its own agreement into that collective (`opened`)
-    write    local I/O, any thread: this rank's tensor file (``rank-RRRRR.safetensors``, the
-             slices it is the writer of; none when it writes nothing), fsynced and hashed
+    write    local I/O, any thread: the folder (when it does not exist yet: a save named by
+             a token agreed earlier, `trainer.training.checkpointing`), this rank's tensor
+             file (``rank-RRRRR.safetensors``, the slices it is the writer of; none when it
+             writes nothing), fsynced and hashed; the leader's also ``rng.safetensors``
     settle   collective: the ranks agree that every write succeeded, and the leader gathers
-             each file's record and what it holds (``contents``, JSON)
-    commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``,
-             ``rng.safetensors``, the rename into place, the commit record (the ``COMMITTED``
-             marker, last: size and checksum of every file), then pruning
-    finish   collective: the ranks agree that the commit succeeded
+             each file's record and what it holds (``contents``, JSON); after a late vote
+             that said every write succeeded (`voted`), nothing: each rank left its record
+             in the folder (``rank-RRRRR.json``), which the leader reads and removes
+    commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``, the rename
+             into place, the commit record (the ``COMMITTED`` marker, last: size and checksum
+             of every file), then pruning (after the save's clock, `Save.report`)
+    finish   collective: the ranks agree that the commit succeeded (after such a vote:
+             nothing)
 
 `save` runs them in a row; `trainer.checkpoint.writer` runs write and commit in a background
 thread while training goes on. Every collective phase ends with an agreement, so a failure on
@@ -23,6 +28,7 @@ one rank fails every rank, without a hang, and the partial save is removed.
 from __future__ import annotations
 
 import json
+import os
 import random
 import secrets
 import threading
@@ -35,7 +41,7 @@ from typing import Any
 import torch
 
 from trainer.checkpoint import checksum
-from trainer.checkpoint.failure import agree, save_errors
+from trainer.checkpoint.failure import agree, discard, save_errors
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, fsync_dir, write_bytes, write_tensors
 from trainer.checkpoint.layout import (
@@ -50,7 +56,7 @@ from trainer.checkpoint.layout import (
     rank_file,
 )
 from trainer.checkpoint.prune import prune, remove
-from trainer.comm.protocol import Communicator, ReduceOp
+from trainer.comm.protocol import Communicator, ReduceOp, wait_quietly
 
 Records = dict[str, FileRecord]
 RandomState = tuple[dict[str, torch.Tensor], list[Any]]
@@ -146,6 +152,20 @@ def opened(root: Path, step: int, token: int, error: CheckpointError | None, *,
                 contents, meta, rng_state() if leader else ({}, []))
 
 
+def _record_file(rank: int) -> str:
+    return f"rank-{rank:05d}.json"
+
+
+def _read_record(tmp: Path, rank: int) -> Any:
+    """The record ``rank`` left in the folder (`Save.write`), removed once read: a regular
+    file, never through a link."""
+    path = tmp / _record_file(rank)
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
+        record = json.loads(fh.read())
+    path.unlink()
+    return record
+
+
 def _tmp(root: Path, step: int, token: int) -> Path:
     return root / f"step-{step}.tmp-{token:08x}"
 
@@ -183,9 +203,16 @@ class Save:
     copy_error: Exception | None = None
     written: Records = field(default_factory=dict)
     write_s: float = 0.0
+    rng_record: FileRecord | None = None
+    """The leader's ``rng.safetensors``, written by `write`."""
     gathered: list[Any] = field(default_factory=list)
     commit_s: float = 0.0
-    """Seconds from `start` to the end of the commit (the leader's)."""
+    """Seconds from `start` to the end of the commit (the leader's; pruning after it)."""
+    prune_s: float = 0.0
+    """Seconds the leader's pruning took after the commit."""
+    voted: bool = False
+    """Moved on by a late vote (`trainer.checkpoint.writer`): `write` leaves this rank's record
+    in the folder, the leader's `commit` reads the records from there."""
 
     @property
     def leader(self) -> bool:
@@ -223,6 +250,7 @@ class Save:
         self.staged.wait()
         if self.copy_error is not None:
             raise self.copy_error
+        self.tmp.mkdir(parents=True, exist_ok=True)
         fault("save_after_stage", self.step)
         began = time.perf_counter()
         if self.tensors:
@@ -230,43 +258,70 @@ class Save:
             self.written[name] = write_tensors(self.tmp / name, self.tensors,
                                                lambda: fault("save_after_write", self.step))
         self.tensors = {}
+        if self.leader:  # known since `start`: written now, alongside the other ranks' files,
+            # rather than in the commit, which every rank waits for
+            self.rng_record = write_tensors(self.tmp / RNG, self.rng[0])
         self.write_s = time.perf_counter() - began
+        if self.voted:  # read once the vote says every rank wrote (no fsync: the commit
+            # record, fsynced, holds what the leader read)
+            (self.tmp / _record_file(self.group.rank)).write_bytes(json.dumps(
+                self._record()).encode())
         fault("save_after_tensors", self.step)
 
-    def settle(self, error: CheckpointError | None) -> None:
+    def _record(self) -> dict[str, Any]:
+        """What the leader needs of this rank's write: its files' records and contents."""
+        return {"files": {n: r.to_json() for n, r in self.written.items()},
+                "contents": self.contents if self.written else None, "write_s": self.write_s}
+
+    def settle(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         """Collective: every rank's `write` succeeded (else every rank raises), and the
-        leader has every file's record and contents."""
+        leader has every file's record and contents. ``failed``: what a late vote said of
+        every rank's write (False: all succeeded, nothing to agree, the records are in the
+        folder; None: no vote)."""
+        if failed is False:
+            return
         agree(self.group, error, self.tmp, self.final, self.device, "write its tensor file")
-        self.gathered = _gather_json(self.group, {
-            "files": {n: r.to_json() for n, r in self.written.items()},
-            "contents": self.contents if self.written else None, "write_s": self.write_s},
-            self.device)
+        self.gathered = _gather_json(self.group, self._record(), self.device)
 
     def commit(self) -> None:
         """On the leader: index, RNG, meta, rename, commit record, prune."""
-        if self.leader:
+        if self.leader and self.voted:  # every rank left its record, read and removed here
+            # (`wait` may have settled collectively, and gathered them already)
+            left = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
+            self.gathered = self.gathered or left
+        wrote = self.leader and not committed(self.final)
+        if self.leader and not wrote:  # a save named by an earlier token: the committed
+            discard(self.tmp, self.final)  # checkpoint stays, as `claim` keeps it
+        elif self.leader:
             records = {n: FileRecord(r["size"], r[checksum.WRITTEN]) for g in self.gathered
                        for n, r in g["files"].items()}
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
+            if self.rng_record is not None:
+                records[RNG] = self.rng_record
             _commit(self.root, self.tmp, self.final, self.step, self.meta, self.rng, index,
                     records)
-            prune(self.root, keep=self.keep, current=self.step)
         self.commit_s = time.perf_counter() - self.started
+        if wrote:  # after the save's clock: deleting an old checkpoint writes nothing
+            prune(self.root, keep=self.keep, current=self.step)
+            self.prune_s = time.perf_counter() - self.started - self.commit_s
 
-    def finish(self, error: CheckpointError | None) -> Path:
-        """Collective: the commit succeeded (else every rank raises); the folder."""
-        agree(self.group, error, self.tmp, self.final, self.device, "commit")
+    def finish(self, error: CheckpointError | None, failed: bool | None = None) -> Path:
+        """Collective: the commit succeeded (else every rank raises); the folder. ``failed``:
+        what a late vote said of it (False: nothing to agree; None: no vote)."""
+        if failed is not False:
+            agree(self.group, error, self.tmp, self.final, self.device, "commit")
         return self.final
 
     def report(self) -> dict[str, Any]:
         """What the save wrote and how fast (meaningful on the leader): MB (10^6 bytes) in
-        all and per rank, MB/s in all (from `start` to the commit) and per rank (its write)."""
+        all and per rank, MB/s in all (from `start` to the commit record) and per rank (its
+        write), and the seconds pruning took after the commit."""
         sizes = [sum(r["size"] for r in g["files"].values()) / _MB for g in self.gathered]
         rates = [mb / g["write_s"] if g["write_s"] > 0 else 0.0
                  for mb, g in zip(sizes, self.gathered, strict=True)]
         return {"step": self.step, "mb": round(sum(sizes), 3), "seconds": round(self.commit_s, 4),
                 "mb_s": round(sum(sizes) / self.commit_s, 1) if self.commit_s > 0 else 0.0,
-                "rank_mb": [round(mb, 3) for mb in sizes],
+                "prune_s": round(self.prune_s, 4), "rank_mb": [round(mb, 3) for mb in sizes],
                 "rank_mb_s": [round(rate, 1) for rate in rates]}
 
 
@@ -278,10 +333,12 @@ class _Alone:
     def broadcast(self, t: torch.Tensor, root: int) -> None:
         pass
 
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> None:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
+                   async_op: bool = False) -> None:
         pass
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, *,
+                   async_op: bool = False) -> None:
         out.copy_(inp)
 
 
@@ -290,12 +347,12 @@ def _gather_json(group: Any, obj: Any, device: torch.device) -> list[Any]:
     that any backend's all-gather carries them, each rank padded to the longest."""
     raw = json.dumps(obj).encode()
     words = torch.tensor([len(raw)], dtype=torch.int64, device=device)
-    group.all_reduce(words, ReduceOp.MAX)
+    wait_quietly(group.all_reduce(words, ReduceOp.MAX, async_op=True))
     width = (int(words) + 7) // 8
     mine = torch.zeros(width, dtype=torch.int64)
     mine.view(torch.uint8)[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
     out = torch.empty(group.size * width, dtype=torch.int64, device=device)
-    group.all_gather(out, mine.to(device))
+    wait_quietly(group.all_gather(out, mine.to(device), async_op=True))
     return [json.loads(bytes(row.view(torch.uint8).tolist()).rstrip(b"\0"))
             for row in out.cpu().view(group.size, width)]
 
@@ -306,7 +363,8 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
     files = dict(written)
     files[INDEX] = write_bytes(tmp / INDEX, json.dumps(index).encode())
     rng, python = random_state
-    files[RNG] = write_tensors(tmp / RNG, rng)
+    if RNG not in files:  # the leader's `Save.write` wrote it already
+        files[RNG] = write_tensors(tmp / RNG, rng)
     fault("save_after_rng", step)
     body = {"format": FORMAT_VERSION, "step": step, **meta, "python_rng": python}
     files[META] = write_bytes(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode())
