@@ -23,9 +23,10 @@ the files hold (`trainer.checkpoint.files`).
 from __future__ import annotations
 
 import hashlib
+import io
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Protocol
 
 import xxhash
 
@@ -60,7 +61,7 @@ def of_file(path: Path, algorithm: str) -> str:
         return of_stream(fh, algorithm)
 
 
-def of_stream(fh: BinaryIO, algorithm: str) -> str:
+def of_stream(fh: io.BufferedIOBase, algorithm: str) -> str:
     """The hex checksum of an open file from its position on: read in `CHUNK`s into one
     reused buffer."""
     digest, buffer = new(algorithm), bytearray(CHUNK)

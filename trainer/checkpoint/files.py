@@ -98,7 +98,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     if t.dtype not in _DTYPES:
         raise TypeError(f"a checkpoint cannot hold dtype {t.dtype}")
     flat = t.detach().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    if not flat.numel():
+        return memoryview(b"")
+    data = flat.view(torch.uint8).numpy()
+    return memoryview(data)  # type: ignore[arg-type]  # numpy exports the buffer protocol
 
 
 def _header(tensors: dict[str, torch.Tensor], views: dict[str, memoryview]) -> bytes:
@@ -221,5 +224,7 @@ class TensorFile:
     def read(self, key: str, lo: int | None = None, hi: int | None = None) -> torch.Tensor:
         """Tensor ``key`` (its elements [lo, hi) when given: a flat tensor's range)."""
         if lo is None:
-            return self._file.get_tensor(key)
-        return self._file.get_slice(key)[lo:hi]
+            whole: torch.Tensor = self._file.get_tensor(key)
+            return whole
+        part: torch.Tensor = self._file.get_slice(key)[lo:hi]
+        return part

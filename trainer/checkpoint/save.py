@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -97,7 +97,8 @@ def start(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: 
     change; empty: none), ``contents``: what the index says about it, ``meta``: what
     ``meta.json`` holds besides the format, the step and Python's random state; ``device``:
     where the agreements' tensors live (the communicator's device)."""
-    group = _Alone() if world is None else world
+    # `_Alone` answers every call a save makes of its group.
+    group = cast(Communicator, _Alone()) if world is None else world
     device = device or torch.device("cpu")
     token, error = claim(root, step) if group.rank == 0 else (NOT_LEADER, None)
     agreed = torch.tensor([token], dtype=torch.int64, device=device)
