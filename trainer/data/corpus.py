@@ -31,14 +31,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
 from trainer.errors import TrainerError
-
-if TYPE_CHECKING:  # it builds on this module
-    from trainer.data.sources import TokenData
 
 DEFAULT_CAP_BYTES = 8 * 1024 * 1024
 DEFAULT_VAL_FRACTION = 0.05
@@ -194,7 +191,14 @@ def _listed(items: list[str] | tuple[str, ...], shown: int = 5) -> str:
     return ", ".join(items[:shown]) + more
 
 
-def skipped_warning(corpus: Corpus | TokenData) -> str:
+class Listed(Protocol):
+    """What `skipped_warning` reads of a `Corpus` (or of tokenized data, which skips nothing)."""
+
+    @property
+    def skipped(self) -> tuple[str, ...]: ...
+
+
+def skipped_warning(corpus: Listed) -> str:
     """The warning about what ``--data`` held but was not read ("" when nothing was)."""
     if not corpus.skipped:
         return ""
