@@ -50,7 +50,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
+from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_quietly
 from trainer.errors import TrainerError
 from trainer.model.precision import main_grad_dtype
 from trainer.parallel.data.buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
@@ -260,11 +260,7 @@ class DataParallel:
         """The comm thread's reduction: post it, then drive MPI progress with short sleeps
         rather than a blocking call, which would spin a core the backward needs; once
         finish_grad_sync is waiting (``_hurry``) there is no compute left, so block."""
-        handle = self._post(bucket, async_op=True)
-        if handle is not None and self.poll_interval > 0:
-            while not handle.is_completed() and not self._hurry.wait(self.poll_interval):
-                pass
-        wait_all([handle])
+        wait_quietly(self._post(bucket, async_op=True), self.poll_interval, hurry=self._hurry)
 
     def _poll(self) -> None:
         """Let backends that progress only inside library calls (MPI) advance in-flight

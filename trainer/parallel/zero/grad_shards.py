@@ -56,7 +56,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_all
+from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_quietly
 from trainer.model.precision import main_grad_dtype
 from trainer.parallel.data.buckets import FutureHandle
 from trainer.parallel.data.grad_sync import DataParallel, GradSyncError
@@ -300,11 +300,8 @@ class ShardedGradients(DataParallel):
 
     def _scatter_polled(self, own: torch.Tensor, wire: torch.Tensor) -> None:
         """The comm thread's reduce-scatter, polled with short sleeps (`DataParallel`)."""
-        handle = self.comm.reduce_scatter(own, wire, ReduceOp.SUM, async_op=True)
-        if handle is not None and self.poll_interval > 0:
-            while not handle.is_completed() and not self._hurry.wait(self.poll_interval):
-                pass
-        wait_all([handle])
+        wait_quietly(self.comm.reduce_scatter(own, wire, ReduceOp.SUM, async_op=True),
+                     self.poll_interval, hurry=self._hurry)
 
     def _retire(self, *, until: int) -> None:
         """Add finished reductions into the shards, oldest first: the first ``until`` waiting
