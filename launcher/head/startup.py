@@ -48,6 +48,21 @@ CHECK_EVERY_S = 0.1
 PHASES = ("boot", "check", "spawn")
 
 
+class Every:
+    """Says "due" at most once per ``period`` seconds: the head's periodic walk over every
+    link, shared by the start-up and the supervisor's loop."""
+
+    def __init__(self, period: float = CHECK_EVERY_S) -> None:
+        self.period = period
+        self._last = -period  # the first ask is due
+
+    def due(self, now: float) -> bool:
+        if now - self._last < self.period:
+            return False
+        self._last = now
+        return True
+
+
 @dataclass(frozen=True)
 class Signalled:
     """The head got a signal (SIGINT, SIGTERM, SIGHUP): an event like a frame."""
@@ -66,7 +81,7 @@ class Startup:
         self.events = fleet.events
         self.opts = opts
         self._beat_at = time.monotonic()
-        self._checked_at = 0.0  # when the links were last looked at (`_checks_due`)
+        self._checks = Every()  # when to look at every link again
         self.deadline = time.monotonic() + opts.launch_timeout
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
 
@@ -128,20 +143,12 @@ class Startup:
                 handle(self.events.get(timeout=0.2))
             except queue.Empty:
                 pass
-            if not self._checks_due():
+            if not self._checks.due(time.monotonic()):
                 continue
             self._beat()
             silent = self._silent()
             if silent is not None:
                 handle(Closed(silent.index, "no heartbeat while starting its ranks"))
-
-    def _checks_due(self) -> bool:
-        """True at most every `CHECK_EVERY_S`: time to look at every link."""
-        now = time.monotonic()
-        if now - self._checked_at < CHECK_EVERY_S:
-            return False
-        self._checked_at = now
-        return True
 
     def _next_host(self) -> str:
         """An address of host 1 as seen from host 0, for rank 0's host to route towards."""
@@ -169,7 +176,7 @@ class Startup:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 event = None
-            checks = self._checks_due()
+            checks = self._checks.due(time.monotonic())
             if checks:
                 self._beat()
             if isinstance(event, Received | Closed) and event.host not in self._at:

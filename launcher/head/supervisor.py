@@ -30,7 +30,7 @@ from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome
 from launcher.head.pmi_notes import PmiRelay
 from launcher.head.progress import HANG_CODE, ProgressMonitor
-from launcher.head.startup import CHECK_EVERY_S, Signalled, Startup, note_phase
+from launcher.head.startup import CHECK_EVERY_S, Every, Signalled, Startup, note_phase
 from launcher.head.stdin import StdinForwarder
 from launcher.output.sink import OutputSink
 from launcher.output.writer import OutputWriter
@@ -124,13 +124,12 @@ class Supervisor:
     def _loop(self, t0: float) -> None:
         deadline = t0 + self.opts.timeout if self.opts.timeout else None
         last_beat = time.monotonic()
-        next_checks = 0.0
+        checks = Every()
         while len(self.done_hosts) < len(self.links):
             now = time.monotonic()
             # The periodic checks walk every link: at most every CHECK_EVERY_S, not once per
             # event (a fence of 1,000 hosts is 1,000 events in a burst).
-            if now >= next_checks:
-                next_checks = now + CHECK_EVERY_S
+            if checks.due(now):
                 beat = now - last_beat >= self.opts.heartbeat
                 if beat:
                     for link in self.fleet.heartbeat(self._running()):

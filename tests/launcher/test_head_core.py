@@ -237,3 +237,13 @@ def test_an_oversized_frame_is_a_wire_error_not_an_allocation() -> None:
     header = (wire.MAX_FRAME + 1).to_bytes(4, "big") + bytes([K.OUTPUT])
     with pytest.raises(wire.WireError):
         list(wire.Decoder().feed(header))
+
+
+def test_the_heads_periodic_checks_are_due_at_once_then_at_most_once_per_period():
+    from launcher.head.startup import Every
+
+    checks = Every(0.25)  # binary fractions: the sums below are exact
+    assert checks.due(100.0)
+    assert not checks.due(100.125)
+    assert checks.due(100.25)
+    assert [checks.due(100.25 + t) for t in (0.0625, 0.125, 0.375)] == [False, False, True]
