@@ -1,7 +1,7 @@
 """Data-parallel step time: dtrain's Megatron-style DP against torch DDP (gloo), same everything.
 
     python -m bench.ddp [--ranks 2,4] [--model small] [--seq-len 128] [--global-batch 8]
-                        [--bucket-size 1000000] [--steps 8] [--json PATH]
+                        [--bucket-size 1000000] [--steps 16] [--json PATH]
     python -m bench.ddp --d-model 512 --n-layer 8 --seq-len 32 --global-batch 4   # comm-bound
 
 Three sides run one after the other in one invocation, each as N ranks under the MPICH wheel's
@@ -277,7 +277,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=1)
     ap.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per bucket")
-    ap.add_argument("--steps", type=int, default=8, help="timed steps (after 2 warmup steps)")
+    ap.add_argument("--steps", type=int, default=16,
+                    help="timed steps (after 2 warmup steps); 16 steady the medians on a busy host")
     rankjobs.add_worker_options(ap, timeout=300)
     return ap.parse_args(argv)
 
