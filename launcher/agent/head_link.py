@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from launcher import wire
@@ -42,6 +43,10 @@ class HeadLink:
         self._writer = FrameWriter(out)
         self._read = read
         self._events = events
+        # When bytes from the head last arrived (monotonic), stamped by the reader thread: the
+        # agent's silence check must not count frames that wait in its queue while its loop is
+        # busy or starved (64 agents and their ranks starting on two cores) as silence.
+        self.heard_at = time.monotonic()
         threading.Thread(target=self._read_loop, name="head-reader", daemon=True).start()
 
     @classmethod
@@ -82,6 +87,7 @@ class HeadLink:
                 data = self._read(65536)
                 if not data:
                     break
+                self.heard_at = time.monotonic()
                 for frame in decoder.feed(data):
                     self._events.put(frame)
         except (OSError, wire.WireError) as exc:

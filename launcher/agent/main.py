@@ -62,7 +62,7 @@ class Agent:
         self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
         self.interval = wire.Watch.heartbeat  # until the SPEC sets the job's
         self.silence_limit = HELLO_SILENCE_S
-        self.last_heard = self.last_sent = time.monotonic()
+        self.last_sent = time.monotonic()
         self.kill_at: float | None = None
         self.leave_at: float | None = None
         self.exit_code = 0
@@ -83,7 +83,6 @@ class Agent:
             except queue.Empty:
                 continue
             if isinstance(event, wire.Frame):
-                self.last_heard = time.monotonic()
                 if self._on_frame(event):
                     return self.exit_code
             elif isinstance(event, RankExited):
@@ -105,8 +104,14 @@ class Agent:
         if self.kill_at is not None and now >= self.kill_at:
             self._signal_all(signal.SIGKILL)
             self.kill_at = None
-        if now - self.last_heard > self.silence_limit:
-            # The head is gone or cut off: nobody will ever collect these ranks.
+        silent = now - self.link.heard_at  # stamped on arrival (`HeadLink`)
+        if silent > self.silence_limit:
+            # The head is gone or cut off: nobody will ever collect these ranks. Said first, in
+            # case only our way back still works: the head then names this, not their SIGTERM.
+            self.link.send_json(wire.Kind.ERROR, {
+                "what": "the agent heard nothing from the head",
+                "why": f"silent for {silent:.1f}s (limit {self.silence_limit:g}s); its ranks "
+                       "were stopped"})
             self.head_gone = True
             self._stop(signal.SIGTERM, EOF_GRACE_S)
             self._leave(1)

@@ -383,7 +383,8 @@ def test_partitioned_host_is_detected_by_keepalive_and_leaves_nothing(netns_clus
     finally:
         netns_cluster.link_up("node1")
         conn.close()
-    # sshd's ClientAliveInterval gave up on us too, so cat lost its stdin and exited.
+    # node1's sshd gave up on us too (the fixture's FAST_CLIENT_ALIVE: 3 s, well inside the
+    # 15 s waited), so cat lost its stdin and exited.
     assert netns_cluster.wait_no_job_pids(timeout=15) == {}
 
 
