@@ -347,6 +347,18 @@ def test_agent_stream_round_trip_with_cat(sshd):
         conn.close()
 
 
+def test_an_idle_connection_polls_once_a_second_and_still_closes_at_once(sshd):
+    conn = _connect("loopback", config_file=sshd.ssh_config)
+    transport = conn.transport
+    assert transport.sock.gettimeout() == ssh_sockets.IDLE_POLL_S >= 1.0
+    time.sleep(0.3)  # its thread is blocked reading, for up to a second
+    start = time.monotonic()
+    conn.close()
+    transport.join(5)
+    assert not transport.is_alive()
+    assert time.monotonic() - start < ssh_sockets.IDLE_POLL_S / 2  # not a poll's wait
+
+
 def test_stream_collects_stderr_and_exit_code(sshd):
     conn = _connect("loopback", config_file=sshd.ssh_config)
     try:
