@@ -53,6 +53,7 @@ class Agent:
         self.host = host or Host()
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
+        self.link.take_on_arrival(self._pmi_on_arrival)
         self.ranks: dict[int, RankProcess] = {}
         self.spec: wire.AgentSpec | None = None
         self.job_env: dict[str, str] = {}  # what START adds to every rank (MASTER_ADDR/PORT)
@@ -208,6 +209,16 @@ class Agent:
             pass  # a card of the relay's subtree, answered by the relay
         else:
             self.link.send_json(wire.Kind.PMI, msg)
+
+    def _pmi_on_arrival(self, frame: wire.Frame) -> bool:
+        """On the link's reader thread: a PMI answer goes straight to the PMI thread (its
+        inbox is thread-safe), not through this loop (`HeadLink.take_on_arrival`). A relay's
+        go through the loop, which owns the relay."""
+        pmi = self.pmi
+        if frame.kind is not wire.Kind.PMI or pmi is None or self.relay is not None:
+            return False
+        pmi.from_head(frame.json())
+        return True
 
     def _pmi_from_head(self, msg: dict[str, Any]) -> None:
         if self.relay is not None and "hosts" in msg:

@@ -161,6 +161,31 @@ def test_heartbeats_that_arrive_while_the_agents_loop_is_busy_are_not_silence(
     assert head.result.get(timeout=5) == 0
 
 
+def test_a_pmi_message_reaches_the_pmi_thread_while_the_agents_loop_is_busy(
+        head: Head, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ranks waiting in a fence spin: its answer goes from the reader to the PMI thread
+    # without waiting for the loop (here held by a slow query).
+    from launcher.agent import facts
+
+    def slow_answer(query: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(2.0)
+        return {"op": "busy"}
+
+    head.next_frame()
+    body = spec()
+    body["pmi"] = {**body["pmi"], "mode": "fd", "kvsname": "job", "world_size": 1}
+    head.send(K.SPEC, body)
+    assert head.next_frame().kind is K.READY
+    monkeypatch.setattr(facts, "answer", slow_answer)
+    head.send(K.QUERY, {"op": "busy"})
+    head.send(K.PMI, {"op": "stall_query"})  # which ranks hold the barrier up?
+    first = head.next_frame()
+    assert first.kind is K.PMI and first.json()["op"] == "stall_state"  # before the REPLY
+    assert head.next_frame().kind is K.REPLY
+    head.send(K.BYE)
+    assert head.result.get(timeout=5) == 0
+
+
 def test_a_query_is_answered_and_an_unknown_one_gets_an_error_reply(head: Head) -> None:
     head.next_frame()
     head.send(K.QUERY, {"op": "free_port"})
