@@ -66,9 +66,10 @@ class HeadLink:
     def take_on_arrival(self, take: Callable[[wire.Frame], bool]) -> None:
         """Let ``take`` handle frames on the reader thread as they arrive (it returns False
         for those the agent's loop is to handle, queued in order). For PMI answers: a rank
-        waiting in a fence spins (MPICH polls with sched_yield), so on a loaded host every
-        thread a fence's answer passes costs every waiting rank's CPU; set before any frame
-        it would take can arrive (the order with the queued ones is then kept)."""
+        waits for each (MPICH's gets are serial; on 64 namespace hosts ranks in MPI_Init
+        were seen spinning in sched_yield meanwhile), and on a loaded host each thread an
+        answer passes adds a wake-up's delay; set before any frame it would take can arrive
+        (the order with the queued ones is then kept)."""
         self._on_arrival = take
 
     def send(self, data: bytes) -> bool:
