@@ -32,7 +32,9 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from testbed.sshd import (
+    REALISTIC_CLIENT_ALIVE,
     SSHD,
+    ClientAlive,
     ensure_privsep_dir,
     keygen,
     kill_pids,
@@ -124,7 +126,9 @@ def reap_stale(state_dir: Path = STATE_DIR) -> None:
 class NetnsCluster:
     """``n_hosts`` SSH hosts named node1..nodeN, reachable from the root namespace (the head)."""
 
-    def __init__(self, n_hosts: int = 3, *, sshd: bool = True) -> None:
+    def __init__(self, n_hosts: int = 3, *, sshd: bool = True,
+                 client_alive: ClientAlive = REALISTIC_CLIENT_ALIVE) -> None:
+        """``client_alive``: how soon each host's sshd drops a silent head (`ClientAlive`)."""
         ensure_privsep_dir()
         STATE_DIR.mkdir(mode=0o700, exist_ok=True)
         reap_stale()
@@ -137,6 +141,7 @@ class NetnsCluster:
         self._links = [*self._veth.values(), self.bridge]
         self._procs: dict[str, subprocess.Popen | None] = {}
         self._closed = False
+        self.client_alive = client_alive
         self._state = STATE_DIR / f"netns-{self.suffix}.json"
         atexit.register(self.close)
         self.client_key = self.dir / "id_ed25519"
@@ -186,7 +191,8 @@ class NetnsCluster:
             (self.dir / f"{host}_sshd_config").write_text(sshd_config_text(
                 listen=self.address(host), port=22,
                 host_key=self.dir / f"{host}_host_ed25519",
-                pid_file=self.dir / f"{host}_sshd.pid", authorized_keys=authorized))
+                pid_file=self.dir / f"{host}_sshd.pid", authorized_keys=authorized,
+                client_alive=self.client_alive))
         self.known_hosts.write_text("".join(known))
         self.ssh_config.write_text("\n".join(blocks))
 

@@ -16,11 +16,32 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from testbed.procfs import descendants
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+
+@dataclass(frozen=True)
+class ClientAlive:
+    """How sshd probes a client that has gone quiet (``ClientAliveInterval`` seconds between
+    probes, dropped after ``ClientAliveCountMax`` unanswered ones): ``interval x count_max``
+    seconds after its last answer, sshd ends the session and everything it runs."""
+
+    interval: int
+    count_max: int
+
+
+#: What a cluster's sshd does: OpenSSH's default is off (a dead client's session stays until
+#: TCP gives up), clusters that set it use tens of seconds. A head that answers its probes a
+#: few seconds late, as any process may on a loaded machine (64 namespace hosts' agents and
+#: ranks start on this machine's 2 cores at once), keeps its sessions.
+REALISTIC_CLIENT_ALIVE = ClientAlive(interval=15, count_max=3)
+#: Only for tests that cut a host's cable and then check that nothing is left on it within
+#: seconds (the head is gone for that host's sshd, which must give up on it quickly): 3 s.
+FAST_CLIENT_ALIVE = ClientAlive(interval=1, count_max=3)
 
 
 def sshd_available() -> bool:
@@ -40,8 +61,10 @@ def public_key_fields(pub_line: str) -> str:
 
 
 def sshd_config_text(*, listen: str, port: int, host_key: Path, pid_file: Path,
-                     authorized_keys: Path, extra: str = "") -> str:
-    """A self-contained sshd_config: key auth only, fast dead-client detection, quiet logs."""
+                     authorized_keys: Path, extra: str = "",
+                     client_alive: ClientAlive = REALISTIC_CLIENT_ALIVE) -> str:
+    """A self-contained sshd_config: key auth only, ``client_alive``'s dead-client detection,
+    quiet logs."""
     return f"""\
 {extra}
 ListenAddress {listen}
@@ -55,8 +78,8 @@ PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 PermitRootLogin prohibit-password
-ClientAliveInterval 1
-ClientAliveCountMax 3
+ClientAliveInterval {client_alive.interval}
+ClientAliveCountMax {client_alive.count_max}
 MaxStartups 64
 LogLevel ERROR
 UseDNS no

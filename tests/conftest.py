@@ -16,7 +16,7 @@ import pytest
 
 from testbed.netns import NetnsCluster, netns_available
 from testbed.slurm import SlurmCluster, slurm_available
-from testbed.sshd import SshdServer, sshd_available
+from testbed.sshd import FAST_CLIENT_ALIVE, SshdServer, sshd_available
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -36,11 +36,17 @@ def sshd() -> Iterator[SshdServer]:
 @pytest.fixture(scope="session")
 def netns_cluster() -> Iterator[NetnsCluster]:
     """Hosts node1..node4 in network namespaces behind a bridge, each with its own sshd (most
-    tests use three; restarts need a fourth: a spare, or a host to lose)."""
+    tests use three; restarts need a fourth: a spare, or a host to lose).
+
+    Its sshds drop a silent head after 3 s (`FAST_CLIENT_ALIVE`, not a cluster's tens of
+    seconds): tests cut a host's cable and then check within seconds that nothing is left on
+    it, and on the cut host only sshd's own probes end the session of the head it can no
+    longer reach (test_ssh's keepalive test, the lost-host tests of test_launch_cluster and
+    test_restart_cluster)."""
     usable, reason = netns_available()
     if not usable:
         pytest.skip(f"netns cluster: {reason}")
-    cluster = NetnsCluster(4)
+    cluster = NetnsCluster(4, client_alive=FAST_CLIENT_ALIVE)
     yield cluster
     cluster.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 from launcher import wire
@@ -42,6 +43,13 @@ class HeadLink:
         self._writer = FrameWriter(out)
         self._read = read
         self._events = events
+        # When bytes from the head last arrived (monotonic), stamped by the reader thread: the
+        # agent's silence check must not count frames that wait in its queue while its loop is
+        # busy or starved (64 agents and their ranks starting on two cores) as silence.
+        self.heard_at = time.monotonic()
+        # Takes a frame on the reader thread instead of queueing it, when it returns True
+        # (`take_on_arrival`).
+        self._on_arrival: Callable[[wire.Frame], bool] | None = None
         threading.Thread(target=self._read_loop, name="head-reader", daemon=True).start()
 
     @classmethod
@@ -54,6 +62,15 @@ class HeadLink:
         os.close(devnull)
         os.dup2(2, 1)
         return cls(events, lambda size: os.read(in_fd, size), out)
+
+    def take_on_arrival(self, take: Callable[[wire.Frame], bool]) -> None:
+        """Let ``take`` handle frames on the reader thread as they arrive (it returns False
+        for those the agent's loop is to handle, queued in order). For PMI answers: a rank
+        waits for each (MPICH's gets are serial; on 64 namespace hosts ranks in MPI_Init
+        were seen spinning in sched_yield meanwhile), and on a loaded host each thread an
+        answer passes adds a wake-up's delay; set before any frame it would take can arrive
+        (the order with the queued ones is then kept)."""
+        self._on_arrival = take
 
     def send(self, data: bytes) -> bool:
         """Queue one encoded control frame; never blocks. False once the stream is broken."""
@@ -82,8 +99,11 @@ class HeadLink:
                 data = self._read(65536)
                 if not data:
                     break
+                self.heard_at = time.monotonic()
+                take = self._on_arrival
                 for frame in decoder.feed(data):
-                    self._events.put(frame)
+                    if take is None or not take(frame):
+                        self._events.put(frame)
         except (OSError, wire.WireError) as exc:
             reason = f"the stream from the head broke: {exc}"
         self._events.put(Eof(reason))

@@ -53,6 +53,7 @@ class Agent:
         self.host = host or Host()
         self.events: queue.Queue[Any] = queue.Queue()
         self.link = connect(self.events)
+        self.link.take_on_arrival(self._pmi_on_arrival)
         self.ranks: dict[int, RankProcess] = {}
         self.spec: wire.AgentSpec | None = None
         self.job_env: dict[str, str] = {}  # what START adds to every rank (MASTER_ADDR/PORT)
@@ -62,7 +63,7 @@ class Agent:
         self.stdin: RankStdin | None = None  # rank 0's stdin, on rank 0's host
         self.interval = wire.Watch.heartbeat  # until the SPEC sets the job's
         self.silence_limit = HELLO_SILENCE_S
-        self.last_heard = self.last_sent = time.monotonic()
+        self.last_sent = time.monotonic()
         self.kill_at: float | None = None
         self.leave_at: float | None = None
         self.exit_code = 0
@@ -83,7 +84,6 @@ class Agent:
             except queue.Empty:
                 continue
             if isinstance(event, wire.Frame):
-                self.last_heard = time.monotonic()
                 if self._on_frame(event):
                     return self.exit_code
             elif isinstance(event, RankExited):
@@ -105,8 +105,14 @@ class Agent:
         if self.kill_at is not None and now >= self.kill_at:
             self._signal_all(signal.SIGKILL)
             self.kill_at = None
-        if now - self.last_heard > self.silence_limit:
-            # The head is gone or cut off: nobody will ever collect these ranks.
+        silent = now - self.link.heard_at  # stamped on arrival (`HeadLink`)
+        if silent > self.silence_limit:
+            # The head is gone or cut off: nobody will ever collect these ranks. Said first, in
+            # case only our way back still works: the head then names this, not their SIGTERM.
+            self.link.send_json(wire.Kind.ERROR, {
+                "what": "the agent heard nothing from the head",
+                "why": f"silent for {silent:.1f}s (limit {self.silence_limit:g}s); its ranks "
+                       "were stopped"})
             self.head_gone = True
             self._stop(signal.SIGTERM, EOF_GRACE_S)
             self._leave(1)
@@ -203,6 +209,16 @@ class Agent:
             pass  # a card of the relay's subtree, answered by the relay
         else:
             self.link.send_json(wire.Kind.PMI, msg)
+
+    def _pmi_on_arrival(self, frame: wire.Frame) -> bool:
+        """On the link's reader thread: a PMI answer goes straight to the PMI thread (its
+        inbox is thread-safe), not through this loop (`HeadLink.take_on_arrival`). A relay's
+        go through the loop, which owns the relay."""
+        pmi = self.pmi
+        if frame.kind is not wire.Kind.PMI or pmi is None or self.relay is not None:
+            return False
+        pmi.from_head(frame.json())
+        return True
 
     def _pmi_from_head(self, msg: dict[str, Any]) -> None:
         if self.relay is not None and "hosts" in msg:

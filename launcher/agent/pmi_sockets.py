@@ -296,12 +296,23 @@ class PmiSockets:
             # pmi_actions.Abort needs nothing here: the proxy also Sends the abort to the head.
 
     def _reply(self, conn: int, sock: socket.socket, data: bytes) -> None:
-        # Replies are short and the rank is waiting for them; a rank that stopped reading
-        # has failed anyway, so a bounded blocking send is enough.
+        # Replies are short and the rank is waiting for them: one non-blocking send nearly
+        # always takes all of it (MPICH's exchange is ~650 gets a rank, each answered here,
+        # so no mode switches around it). A rank that stopped reading has failed anyway, so
+        # for the rest a bounded blocking send is enough.
         try:
-            sock.setblocking(True)
+            sent = sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._run(self.proxy.closed(conn))
+            self._drop(conn)
+            return
+        if sent == len(data):
+            return
+        try:
             sock.settimeout(10.0)
-            sock.sendall(data)
+            sock.sendall(data[sent:])
             sock.setblocking(False)
         except OSError:
             self._run(self.proxy.closed(conn))

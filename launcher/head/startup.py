@@ -168,10 +168,14 @@ class Startup:
         while not done():
             remaining = self.deadline - time.monotonic()
             if remaining <= 0:
+                booting = [link.name for link in self.links if not link.hello]
                 raise AgentError(f"agents did not {doing} in time", "launch",
                                  f"no answer within the launch timeout "
-                                 f"({self.opts.launch_timeout}s)",
-                                 "check the hosts with `dtrain check`")
+                                 f"({self.opts.launch_timeout}s)" + (
+                                     f"; not started yet: {_names(booting)}" if booting
+                                     else ""),
+                                 "check the hosts with `dtrain check`, or raise "
+                                 "--launch-timeout on a loaded cluster")
             try:
                 event = self.events.get(timeout=min(remaining, 0.5))
             except queue.Empty:
@@ -220,6 +224,11 @@ class Startup:
         for link in self.links:
             if link.held:
                 continue  # its reader waits for our full output queue: not the agent's silence
+            if not link.hello:
+                # Still booting (its shell, Python, its imports: 15 s and more when 64 agents
+                # and their ranks start on two cores): it cannot beat before HELLO. The launch
+                # timeout bounds it, and the transport's keepalives a host that went away.
+                continue
             if now - link.last_heard > limit:
                 return link
         return None
@@ -286,3 +295,9 @@ def _agent_failed(link: AgentLink, what: str, why: str) -> None:
     raise AgentError(f"agent {what}", f"host {link.name}", why,
                      "check that dtrain is installed in the same Python on that host, not "
                      "only on PYTHONPATH, which its agent ignores (`dtrain check`)")
+
+
+def _names(hosts: Sequence[str], shown: int = 8) -> str:
+    """``a, b, c`` or ``a, b, ... (N more)``: an error line stays one line at 1,000 hosts."""
+    more = f", ... ({len(hosts) - shown} more)" if len(hosts) > shown else ""
+    return ", ".join(hosts[:shown]) + more

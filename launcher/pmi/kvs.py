@@ -36,8 +36,10 @@ from collections.abc import Mapping
 from launcher.errors import PmiError
 
 #: The most bytes of an epoch's cards (keys and values) a fence's answer carries to every host.
-#: 64 KiB is about 300 MPICH cards (up to ~40 hosts x 8 ranks): less than a millisecond on any
-#: link, and fewer bytes than the round trips of the gets it saves would weigh.
+#: 64 KiB is less than a millisecond on any link, and fewer bytes than the round trips of the
+#: gets it saves would weigh. It holds about 300 small cards (~200 bytes), but only ~10 ranks of
+#: the MPICH the benches run (10 keys, 6.6 KB a rank): above that, hosts fetch after a few gets
+#: (`launcher.pmi.proxy.GET_COST_BYTES`).
 PUSH_BYTES = 64 * 1024
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True

@@ -103,6 +103,8 @@ class SSHConnection:
             raise error from None
         connection = cls(host, client, (time.monotonic() - start) * 1000.0, opts, jump, sock)
         connection.transport.set_keepalive(max(1, int(opts.keepalive)))
+        if isinstance(sock, socket.socket):  # paramiko's thread polls its socket this often
+            sock.settimeout(ssh_sockets.IDLE_POLL_S)
         return connection
 
     @property

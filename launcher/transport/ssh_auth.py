@@ -191,10 +191,13 @@ def shutdown(client: paramiko.SSHClient, sock: ssh_sockets.Carrier | None) -> No
 
     The order matters for ProxyCommand: paramiko's thread closes it by ``kill(pid)``, so the
     process may be reaped (its PID freed) only after that thread is gone. Over a plain socket
-    or a jump host's channel nothing waits on that thread (its socket poll takes up to 0.1 s,
-    which every launch would add to its exit).
+    or a jump host's channel nothing waits on that thread (its socket poll takes up to
+    `ssh_sockets.IDLE_POLL_S`, which every launch would add to its exit); a TCP socket is shut
+    first, so that thread's read ends at once.
     """
     transport = client.get_transport()
+    if sock is not None:
+        ssh_sockets.shut(sock)
     client.close()
     if transport is not None and isinstance(sock, paramiko.ProxyCommand):
         transport.join(5)

@@ -347,6 +347,18 @@ def test_agent_stream_round_trip_with_cat(sshd):
         conn.close()
 
 
+def test_an_idle_connection_polls_once_a_second_and_still_closes_at_once(sshd):
+    conn = _connect("loopback", config_file=sshd.ssh_config)
+    transport = conn.transport
+    assert transport.sock.gettimeout() == ssh_sockets.IDLE_POLL_S >= 1.0
+    time.sleep(0.3)  # its thread is blocked reading, for up to a second
+    start = time.monotonic()
+    conn.close()
+    transport.join(5)
+    assert not transport.is_alive()
+    assert time.monotonic() - start < ssh_sockets.IDLE_POLL_S / 2  # not a poll's wait
+
+
 def test_stream_collects_stderr_and_exit_code(sshd):
     conn = _connect("loopback", config_file=sshd.ssh_config)
     try:
@@ -383,7 +395,8 @@ def test_partitioned_host_is_detected_by_keepalive_and_leaves_nothing(netns_clus
     finally:
         netns_cluster.link_up("node1")
         conn.close()
-    # sshd's ClientAliveInterval gave up on us too, so cat lost its stdin and exited.
+    # node1's sshd gave up on us too (the fixture's FAST_CLIENT_ALIVE: 3 s, well inside the
+    # 15 s waited), so cat lost its stdin and exited.
     assert netns_cluster.wait_no_job_pids(timeout=15) == {}
 
 

@@ -13,6 +13,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,73 @@ def test_an_agent_whose_head_falls_silent_leaves_with_1(head: Head) -> None:
     head.send(K.SPEC, spec(beat=0.05))  # silent for 2 x 0.05 s: the head is gone
     assert head.next_frame().kind is K.READY
     assert head.result.get(timeout=5) == 1
+
+
+def test_an_agent_whose_head_falls_silent_says_so_before_it_leaves(head: Head) -> None:
+    head.next_frame()
+    head.send(K.SPEC, spec(beat=0.05))
+    assert head.next_frame().kind is K.READY
+    said = head.next_frame()
+    assert said.kind is K.ERROR and said.json()["what"] == "the agent heard nothing from the head"
+    assert "(limit 0.1s)" in said.json()["why"]
+    assert head.result.get(timeout=5) == 1
+
+
+def test_heartbeats_that_arrive_while_the_agents_loop_is_busy_are_not_silence(
+        head: Head, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A starved agent's loop may come back to its frames late (64 agents and their ranks
+    # starting on two cores): what arrived meanwhile was heard when it arrived.
+    from launcher.agent import facts
+
+    def slow_answer(query: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(2.5)  # the loop is held for 2.5 times the silence limit
+        return {"op": "busy"}
+
+    head.next_frame()
+    head.send(K.SPEC, spec(beat=0.5))  # silent for 2 x 0.5 s: the head is gone
+    assert head.next_frame().kind is K.READY
+    monkeypatch.setattr(facts, "answer", slow_answer)
+    stop = threading.Event()
+
+    def beat() -> None:  # the head goes on beating meanwhile
+        while not stop.wait(0.1):
+            head.send(K.HEARTBEAT)
+
+    beater = threading.Thread(target=beat)
+    beater.start()
+    try:
+        head.send(K.QUERY, {"op": "busy"})
+        assert head.next_frame().kind is K.REPLY  # not ERROR: the head was heard all along
+    finally:
+        stop.set()
+        beater.join()
+    head.send(K.BYE)
+    assert head.result.get(timeout=5) == 0
+
+
+def test_a_pmi_message_reaches_the_pmi_thread_while_the_agents_loop_is_busy(
+        head: Head, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ranks waiting in a fence spin: its answer goes from the reader to the PMI thread
+    # without waiting for the loop (here held by a slow query).
+    from launcher.agent import facts
+
+    def slow_answer(query: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(2.0)
+        return {"op": "busy"}
+
+    head.next_frame()
+    body = spec()
+    body["pmi"] = {**body["pmi"], "mode": "fd", "kvsname": "job", "world_size": 1}
+    head.send(K.SPEC, body)
+    assert head.next_frame().kind is K.READY
+    monkeypatch.setattr(facts, "answer", slow_answer)
+    head.send(K.QUERY, {"op": "busy"})
+    head.send(K.PMI, {"op": "stall_query"})  # which ranks hold the barrier up?
+    first = head.next_frame()
+    assert first.kind is K.PMI and first.json()["op"] == "stall_state"  # before the REPLY
+    assert head.next_frame().kind is K.REPLY
+    head.send(K.BYE)
+    assert head.result.get(timeout=5) == 0
 
 
 def test_a_query_is_answered_and_an_unknown_one_gets_an_error_reply(head: Head) -> None:

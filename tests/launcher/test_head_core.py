@@ -68,7 +68,8 @@ def _frames_to_an_agent_that_never_starts(base_env: dict[str, str]) -> list[wire
     stream = MemoryAgentStream("node0")
     stream.finished.set()  # nothing to wait for once the head gives up
     sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
-    with pytest.raises(AgentError, match=r"did not check the job in time"):
+    with pytest.raises(AgentError, match=r"did not check the job in time .*"
+                                         r"not started yet: node0\. .*--launch-timeout"):
         Supervisor.over([stream], plan, sink, dataclasses.replace(OPTS, launch_timeout=0.5)).run(
             ("10.0.0.1", 29500))
     decoder, kinds = wire.Decoder(), []
@@ -93,6 +94,20 @@ def test_a_job_whose_specs_are_too_large_for_a_pipe_starts_once_its_agents_say_h
     assert outcome.exit_code == 0
     assert all([k for k in a.received if k is not K.HEARTBEAT][:2] == [K.SPEC, K.START]
                for a in agents)
+
+
+def test_an_agent_that_boots_for_longer_than_the_silence_limit_still_starts_its_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # An agent cannot beat before its HELLO (its shell, Python and imports: 15 s and more
+    # when 64 agents and their ranks start on two cores); the launch timeout bounds it.
+    @dataclasses.dataclass(frozen=True)
+    class QuickWatch(wire.Watch):  # the agents' default before their SPEC: 1 s of silence
+        heartbeat: float = BEAT
+        misses: int = 20
+
+    monkeypatch.setattr(wire, "Watch", QuickWatch)
+    outcome, _ = run_job([Script({0: 0, 1: 0}), Script({2: 0, 3: 0}, boot_s=1.5)])
+    assert outcome.exit_code == 0, outcome.failures
 
 
 def test_a_host_that_starts_no_ranks_because_another_refused_never_gets_the_secrets() -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from launcher.errors import PmiError
 from launcher.pmi.actions import Abort, Close, RankFailed, Reply, Send, shm_segment_prefixes
-from launcher.pmi.proxy import GET_COST_BYTES, PmiProxy
+from launcher.pmi.proxy import DENSE_GETS, GET_COST_BYTES, PmiProxy
 
 MAPPING = "(vector,(0,2,2))"
 
@@ -401,6 +401,30 @@ def test_gets_go_up_one_by_one_while_they_cost_less_than_fetching_every_card():
         (1, b"cmd=get_result rc=0 value=five\n"), (2, b"cmd=get_result rc=1 msg=key_not_found\n")]
     # Fetched once per fence: a later miss goes up on its own.
     assert ask(proxy, 1, "cmd=get kvsname=kvs_7 key=bc-6")[0].msg["op"] == "get"
+
+
+def test_a_rank_that_reads_card_after_card_has_its_host_fetch_them_all_long_before_the_bytes_say():
+    # MPICH's default exchange: one rank reads every card, each get waiting for the one
+    # before. Bytes alone would allow 1,000 gets here; that rank's gets are the cost.
+    proxy = make_proxy()
+    _fenced(proxy, held=1000 * GET_COST_BYTES)
+    for i in range(DENSE_GETS):
+        (send,) = ask(proxy, 1, f"cmd=get kvsname=kvs_7 key=bc-{i}")
+        assert send.msg["op"] == "get"
+        proxy.upstream({"op": "get_result", "req": send.msg["req"], "found": True, "value": "v"})
+    (fetch,) = ask(proxy, 1, f"cmd=get kvsname=kvs_7 key=bc-{DENSE_GETS}")
+    assert fetch.msg["op"] == "fetch"
+
+
+def test_ranks_that_each_read_a_few_cards_keep_getting_them_one_by_one():
+    proxy = make_proxy()  # two ranks: together more than one rank's DENSE_GETS, each fewer
+    _fenced(proxy, held=1000 * GET_COST_BYTES)
+    for i in range(DENSE_GETS - 1):
+        for conn in (1, 2):
+            (send,) = ask(proxy, conn, f"cmd=get kvsname=kvs_7 key=bc-{conn}-{i}")
+            assert send.msg["op"] == "get"
+            proxy.upstream({"op": "get_result", "req": send.msg["req"], "found": True,
+                            "value": "v"})
 
 
 def test_cards_for_a_fetch_never_asked_are_a_relay_error():

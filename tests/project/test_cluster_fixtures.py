@@ -11,6 +11,7 @@ import pytest
 
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from testbed.netns import NetnsCluster, netns_available, reap_stale
+from testbed.sshd import FAST_CLIENT_ALIVE, REALISTIC_CLIENT_ALIVE, sshd_config_text
 from testbed.stale import STATE_DIR
 from tests.support import alive, wait_gone
 
@@ -30,6 +31,19 @@ def test_each_host_reports_its_own_hostname_and_address_over_ssh(netns_cluster):
         name, addresses = out.decode().split("\n", 1)
         assert (code, name) == (0, host)
         assert f" {netns_cluster.address(host)}/24 " in addresses
+
+
+def test_sshd_drops_a_silent_head_after_45_s_and_only_the_cut_cable_fixture_after_3(
+        netns_cluster):
+    # A head on a loaded machine may answer sshd's probes seconds late (64 hosts' agents and
+    # ranks starting on two cores); only tests that cut cables need sshd to give up quickly.
+    default = sshd_config_text(listen="10.0.0.2", port=22, host_key=Path("key"),
+                               pid_file=Path("pid"), authorized_keys=Path("keys"))
+    assert "ClientAliveInterval 15\nClientAliveCountMax 3\n" in default
+    assert REALISTIC_CLIENT_ALIVE.interval * REALISTIC_CLIENT_ALIVE.count_max == 45
+    written = (netns_cluster.dir / "node1_sshd_config").read_text()
+    assert netns_cluster.client_alive == FAST_CLIENT_ALIVE
+    assert "ClientAliveInterval 1\nClientAliveCountMax 3\n" in written
 
 
 def test_job_pids_is_empty_when_idle(netns_cluster):
