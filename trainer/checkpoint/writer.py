@@ -83,7 +83,6 @@ class Writer:
         if self.save is not None:
             raise RuntimeError("a checkpoint is still in flight: wait() for it first")
         self.save, self._committing = save, False
-        save.voted = self.vote is not None  # the leader reads the records from the folder
         self._run(save, save.write)
 
     def poll(self) -> Save | None:
