@@ -5,7 +5,9 @@ Every rank of the group (``world``) runs the phases together, in this order:
 
     start    collective (one all-reduce): the leader (rank 0 of the group) draws the temporary
              folder's name and creates it (`claim`), and takes its random state now (the
-             step's); a caller may fold its own agreement into that collective (`opened`)
+             step's); a caller may fold its own agreement into that collective (`opened`),
+             or name the folder by a token agreed earlier and need no collective here
+             (`trainer.training.checkpointing`)
     write    local I/O, any thread: the folder (when it does not exist yet: a save named by
              a token agreed earlier, `trainer.training.checkpointing`), this rank's tensor
              file (``rank-RRRRR.safetensors``, the slices it is the writer of; none when it
@@ -18,7 +20,8 @@ Every rank of the group (``world``) runs the phases together, in this order:
              39 MB save at dp 2 x tp 2 x pp 2 on 2 cores)
     commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``, the rename
              into place, the commit record (the ``COMMITTED`` marker, last: size and checksum
-             of every file), then pruning (after the save's clock, `Save.report`)
+             of every file; the order of what becomes durable: `trainer.checkpoint.commit`),
+             then pruning (after the save's clock, `Save.report`)
     finish   collective: the ranks agree that the commit succeeded (after such a vote:
              nothing)
 
@@ -43,25 +46,19 @@ from typing import Any, cast
 import torch
 
 from trainer.checkpoint import checksum
+from trainer.checkpoint.commit import RandomState, Records, commit_folder
 from trainer.checkpoint.failure import agree, discard, save_errors
 from trainer.checkpoint.fault import fault
-from trainer.checkpoint.files import FileRecord, fsync_all, write_bytes, write_tensors
+from trainer.checkpoint.files import FileRecord, write_tensors
 from trainer.checkpoint.layout import (
-    FORMAT_VERSION,
-    INDEX,
-    MARKER,
-    META,
     RNG,
     CheckpointError,
     committed,
-    foreign,
     rank_file,
 )
-from trainer.checkpoint.prune import prune, remove
+from trainer.checkpoint.prune import prune
 from trainer.comm.protocol import Communicator, ReduceOp
 
-Records = dict[str, FileRecord]
-RandomState = tuple[dict[str, torch.Tensor], list[Any]]
 _COMMITTED, _FAILED = -1, -2  # what the leader broadcasts instead of a folder token
 _MB = 1e6  # the unit of the reported sizes and rates (dd's)
 
@@ -314,8 +311,8 @@ class Save:
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
             if self.rng_record is not None:
                 records[RNG] = self.rng_record
-            _commit(self.root, self.tmp, self.final, self.step, self.meta, self.rng, index,
-                    records)
+            commit_folder(self.root, self.tmp, self.final, self.step, self.meta, self.rng,
+                          index, records)
         first = min((g.get("started_at", self.started_at) for g in self.gathered),
                     default=self.started_at)
         self.commit_s = max(time.perf_counter() - self.started, time.time() - first)
@@ -355,51 +352,3 @@ class _Alone:
     def all_reduce(self, t: torch.Tensor, op: ReduceOp = ReduceOp.SUM, *,
                    async_op: bool = False) -> None:
         pass
-
-
-def _commit(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
-            random_state: RandomState, index: dict[str, Any], written: Records) -> None:
-    """Index, meta and the commit record into ``tmp``, rename it to ``final``, then the
-    commit record to its name: two waits for the disk (`fsync_all`), not one per file.
-
-    What a crash (of the machine: what is durable) leaves at each point; a resume reads only
-    ``step-<N>`` folders holding ``COMMITTED``, and prunes older checkpoints only after the
-    second wait, so the previous checkpoint is whole until this one is:
-
-    1. index, meta and the record (still ``.COMMITTED.tmp``) written, then fsynced with the
-       temporary folder (the tensor files' names; each writer fsynced its file's bytes):
-       before this returns, a temporary folder, never read, pruned by a later save;
-    2. the folder renamed to ``step-<N>``: a folder without ``COMMITTED`` (or, where the
-       rename is not durable yet, the temporary one): never read, pruned later;
-    3. the record renamed to ``COMMITTED``, then both folders fsynced: either no ``step-<N>``
-       or one without ``COMMITTED`` (as 2), or, since every file it names was durable
-       before either rename, a whole checkpoint. The record is renamed into place, not
-       written there: it is whole or absent, never torn by a full disk or a crash.
-    """
-    files = dict(written)
-    files[INDEX] = write_bytes(tmp / INDEX, json.dumps(index).encode(), sync=False)
-    rng, python = random_state
-    if RNG not in files:  # the leader's `Save.write` wrote it already
-        files[RNG] = write_tensors(tmp / RNG, rng)
-    fault("save_after_rng", step)
-    body = {"format": FORMAT_VERSION, "step": step, **meta, "python_rng": python}
-    files[META] = write_bytes(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode(),
-                              sync=False)
-    record = {"format": FORMAT_VERSION, "step": step,
-              "files": {name: rec.to_json() for name, rec in sorted(files.items())}}
-    aside = f".{MARKER}.tmp"
-    write_bytes(tmp / aside, json.dumps(record, indent=1).encode(), sync=False)
-    fsync_all([tmp / INDEX, tmp / META, tmp / aside, tmp])
-    fault("save_after_meta", step)
-    if foreign(final):
-        raise CheckpointError("refusing to replace a folder that is not a checkpoint",
-                              str(final), f"it holds {', '.join(foreign(final))}, which no "
-                              "save writes", f"Move it out of {root}")
-    if final.exists() or final.is_symlink():
-        remove(final, step)  # an uncommitted leftover of a save that died after its rename
-        # (a link there is refused, not followed)
-    tmp.rename(final)
-    fault("save_after_rename", step)
-    (final / aside).rename(final / MARKER)
-    fsync_all([final, root])
-    fault("save_after_marker", step)
