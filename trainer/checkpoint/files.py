@@ -193,7 +193,7 @@ def fsync_dir(path: Path) -> None:
 
 
 def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)  # a file or a folder: fsync needs no write
+    fd = os.open(path, os.O_RDONLY)  # a file or a folder (as `fsync_dir`): fsync needs no write
     try:
         os.fsync(fd)
     finally:
