@@ -19,10 +19,15 @@ run dirs and dd's file):
   background: at the save's step, reading its late agreement at the next step's end, and any
   wait for its copy before the optimizer's step), the seconds later step ends spent moving a
   background save on (its votes, and the collectives that settle and finish it), the save's
-  MB/s (MB of every rank / seconds from staging to commit; the in-place saves, whose write has
+  MB/s (MB of every rank / seconds from the first rank's staging to the commit: ranks reach a
+  save apart, and the save's clock starts at the first; the in-place saves, whose write has
   the machine to itself, and the last background save, which the end of training waits for),
   and the loop's time per step (steps 2..N plus the blocked seconds of the saves before the
-  last) against the run without saves.
+  last) against the run without saves; within each run, the median of the 3 steps after each
+  save (a background save copies, writes and commits during them) against the median of the
+  steps from the 5th after a save on: what a step pays while a save is in flight, free of the
+  load's drift from launch to launch (the run without saves gives the same ratio for steps
+  that follow no save: the noise floor).
 * The load: a rank-0 clock around building the run, with ``--resume`` from the last checkpoint
   minus without it (`bench/workers/checkpoint_load.py`), for the checkpoints both modes wrote
   (twice each, alternated, the faster kept: the page cache warm for both).
@@ -66,12 +71,16 @@ SUMMARY_COLUMNS = [("config", "config"), ("load avg", "loadavg"), ("ckpt MB", "m
                    ("blocked ratio", "blocked_ratio"), ("async step-end s", "step_end_async_s"),
                    ("step none s", "step_none_s"),
                    ("step sync/none", "step_sync_ratio"), ("step async/none", "step_async_ratio"),
+                   ("async steps after/quiet", "async_after_ratio"),
+                   ("none steps after/quiet", "none_after_ratio"),
                    ("load sync-saved s", "load_sync_s"), ("load async-saved s", "load_async_s")]
 SUMMARY_NOTE = ("dd: conv=fsync, as many bytes as one checkpoint. Blocked: median seconds the "
                 "training loop waited per save (not the last). Step-end: median seconds "
                 "later step ends spent moving a background save on. MB/s: all ranks' MB / seconds "
                 "from staging to commit. Step ratios: loop seconds per step (steps 2..N, "
-                "blocked seconds included) against the run without saves. Shared machine: "
+                "blocked seconds included) against the run without saves. Steps after/quiet: "
+                "median step of the 3 after each save / of those from the 5th on, in one run "
+                "(none: the same steps without saves). Shared machine: "
                 "the load average is the one at the configuration's start.")
 
 
@@ -109,17 +118,24 @@ def load_seconds(ranks: int, run_dir: Path, args: list[str]) -> float:
     return float(json.loads(lines[-1].split("] ", 1)[-1])["load_s"])
 
 
-def measure(records: list[dict[str, Any]], last: int) -> dict[str, Any]:
-    """Blocked seconds per save, MB/s of the saves, loop seconds per step."""
+def measure(records: list[dict[str, Any]], last: int, every: int) -> dict[str, Any]:
+    """Blocked seconds per save, MB/s of the saves, loop seconds per step, and the median
+    step of the 3 after each save (the background save's copy, write and commit run during
+    them) against the median of the steps from the 5th after a save to the next save, in the
+    same run (launch to launch, the machine's load moves more than a save costs)."""
     saves = [s for r in records for s in r.get("checkpoint") or []]
     before = [s for s in saves if s["step"] != last]
     steps = [r["step_s"] for r in records if r["step"] >= 2]
     loop = sum(steps) + sum(s["blocked_s"] for s in before)
+    after = [r["step_s"] for r in records if r["step"] > every and 1 <= r["step"] % every <= 3]
+    quiet = [r["step_s"] for r in records if r["step"] > every and r["step"] % every >= 5]
     return {"blocked_s": statistics.median(s["blocked_s"] for s in before) if before else 0.0,
             "step_end_s": statistics.median(s.get("step_end_s", 0.0) for s in before)
             if before else 0.0,
             "mb": saves[-1]["mb"], "mb_s_all": [s["mb_s"] for s in saves],
-            "last_mb_s": saves[-1]["mb_s"], "step_s": loop / len(steps)}
+            "last_mb_s": saves[-1]["mb_s"], "step_s": loop / len(steps),
+            "after_vs_quiet": statistics.median(after) / statistics.median(quiet)
+            if after and quiet else 0.0}
 
 
 def run(configs: Sequence[str] = tuple(CONFIGS), steps: int = 30, every: int = 10,
@@ -143,7 +159,7 @@ def run(configs: Sequence[str] = tuple(CONFIGS), steps: int = 30, every: int = 1
                     args = [*model, *COMMON, "--steps", str(steps), "--log-every", str(every),
                             *(flags if mode == "none" else ["--save-every", str(every), *flags])]
                     shutil.rmtree(folder / mode, ignore_errors=True)
-                    seen[mode] = measure(train(ranks, folder / mode, args), steps)
+                    seen[mode] = measure(train(ranks, folder / mode, args), steps, every)
                     if mode == "sync":  # the same bytes, right after
                         seen["dd"] = {"mb_s": dd_mb_s(folder, seen[mode]["mb"])}
                     progress(f"{name} rep {rep} {mode}: {seen[mode]}")
@@ -178,6 +194,8 @@ def summary(reps: list[dict[str, dict[str, Any]]]) -> common.Row:
         "step_none_s": med([r["none"]["step_s"] for r in reps], 4),
         "step_sync_ratio": med([r["sync"]["step_s"] / r["none"]["step_s"] for r in reps]),
         "step_async_ratio": med([r["async"]["step_s"] / r["none"]["step_s"] for r in reps]),
+        "async_after_ratio": med([r["async"]["after_vs_quiet"] for r in reps]),
+        "none_after_ratio": med([r["none"]["after_vs_quiet"] for r in reps]),
         "raw": reps}
 
 

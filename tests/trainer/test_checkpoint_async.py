@@ -124,6 +124,7 @@ class FakeSave:
 
     def __init__(self, release: threading.Event, fails: bool = False) -> None:
         self.step, self.release, self.fails = 7, release, fails
+        self.leader = True  # commits in the writer's thread
         self.settled: CheckpointError | None | str = "not yet"
         self.finished = False
         self.told: list[bool | None] = []  # what the vote told settle and finish

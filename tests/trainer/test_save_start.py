@@ -3,7 +3,10 @@ step count, the leader's folder): a non-finite weight on any rank still stops ev
 before anything is written, and leaves no folder behind (`tests.support.save_start_worker`).
 A background save posts that agreement without waiting and reads it at the next step's end
 (the folder named by a token agreed at start-up): a non-finite weight on any rank still stops
-every rank, before the commit, and leaves no folder (`tests.support.late_save_worker`)."""
+every rank, before the commit, and leaves no folder (`tests.support.late_save_worker`). A save
+in place (and the last save) agrees on them in the one collective after the writes instead:
+a non-finite weight on any rank stops every rank before the commit and leaves no folder
+(`tests.support.in_place_save_worker`)."""
 
 from __future__ import annotations
 
@@ -45,3 +48,24 @@ def test_a_background_save_commits_with_the_step_count_agreed_late_and_no_record
     for files in ranks[0]["files"]:
         assert files == ["COMMITTED", "index.json", "meta.json", "rank-00000.safetensors",
                          "rank-00001.safetensors", "rng.safetensors"], files
+
+
+def test_a_save_in_place_agrees_with_its_writes_and_a_bad_rank_still_stops_it_before_the_commit(
+) -> None:
+    ranks = world_run("tests.support.in_place_save_worker:run", 2).ranks
+    for got in ranks:
+        assert got["refused"].startswith("training diverged [step 1]: a parameter is NaN or "
+                                         "infinite after the update"), got["refused"]
+    assert ranks[0]["left"] == [], ranks[0]["left"]  # written, then removed: nothing committed
+
+
+def test_a_save_in_place_commits_with_the_step_count_agreed_and_no_record_left_behind() -> None:
+    ranks = world_run("tests.support.in_place_save_worker:run", 2).ranks
+    assert all(got["committed"] for got in ranks)
+    assert ranks[0]["adam_step"] == 5  # rank 1's count, the MAX, in the leader's meta
+    for got in ranks:
+        assert got["files"] == ["COMMITTED", "index.json", "meta.json", "rank-00000.safetensors",
+                                "rank-00001.safetensors", "rng.safetensors"], got["files"]
+    [report] = ranks[0]["reports"]  # the leader's: every rank's bytes, over the save's seconds
+    assert report["step"] == 1 and len(report["rank_mb"]) == 2
+    assert report["mb"] == round(sum(report["rank_mb"]), 3) > 0 and report["seconds"] > 0

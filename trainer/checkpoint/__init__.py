@@ -22,9 +22,10 @@ refused with what to do. A resume reads at any layout: each rank plans which sav
 overlap its own, opens only the files that hold them and reads only those ranges
 (`pieces`). The trainer of recommenders saves its per-rank state the same way (`tree`).
 
-Phases (`save`): ``start`` (collective: folder, the leader's random state), ``write`` (each
-rank's tensor file), ``settle`` (collective: every write succeeded; the records gathered),
-``commit`` (the leader), ``finish`` (collective). `writer` runs the two local phases in a
+Phases (`save`): ``start`` (collective, or none with a folder token agreed earlier: folder,
+the leader's random state), ``write`` (each rank's tensor file, and its record left in the
+folder), ``settle`` (collective: every write succeeded, the caller's checks agreed),
+``commit`` (the leader, `commit`), ``finish`` (collective). `writer` runs the two local phases in a
 background thread while training goes on (``--async-save``), at most one save in flight, the
 ranks moving it on together by a late vote at step ends; `failure` makes a failed phase one
 error on every rank and removes what it left.
@@ -33,9 +34,10 @@ Writing (`files`, `direct`): a tensor file is written with direct I/O from a pag
 staging block laid out as the file, or buffered where the filesystem refuses direct I/O; the
 bytes and checksums are the same either way.
 
-Crash safety (`save`): files are written into ``step-<N>.tmp-<random>/`` and fsynced, the
-folder is renamed to ``step-<N>/`` and the parent fsynced, then ``COMMITTED`` is written and
-fsynced. `latest` only returns folders with the marker, so a kill at any point leaves the
+Crash safety (`commit`): files are written into ``step-<N>.tmp-<random>/`` and fsynced with
+the commit record (still ``.COMMITTED.tmp``) and the folder, the folder is renamed to
+``step-<N>/``, the record renamed to ``COMMITTED``, then both folders fsynced before anything
+is pruned. `latest` only returns folders with the marker, so a kill at any point leaves the
 previous checkpoint as the resume point. `prune` deletes a folder's marker before its files,
 and deletes leftovers of dead saves (temporaries, folders without a marker). Every point is
 exercised by the kill hook of `trainer.checkpoint.fault`.

@@ -102,8 +102,9 @@ class DirectFile:
         bounce = self._buffer()
         take = min(len(piece), BOUNCE - self._fill)
         to_block = -self._fill % ALIGN
-        if 0 < to_block < take and self._aligned(piece[to_block:]):
-            take = to_block
+        if to_block < take and len(piece) - to_block >= ALIGN and \
+                self._aligned(piece[to_block:]):
+            take = to_block  # (0: the buffer ends on a block, the piece goes straight)
         bounce[self._fill:self._fill + take] = piece[:take]
         self._fill += take
         rest = piece[take:]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import errno
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,18 +22,20 @@ from trainer.comm.protocol import Communicator, ReduceOp, wait_quietly
 
 
 def agree(writers: Communicator, error: CheckpointError | None, tmp: Path, final: Path,
-          device: torch.device, what: str) -> None:
+          device: torch.device, what: str, extra: Sequence[int] = ()) -> list[int]:
     """Every writer's ``error`` of a phase (None: it succeeded); if any failed, rank 0 removes
     what the save left (once nobody writes any more) and every writer raises, together: the
-    lowest failing rank's message is the one printed (`TrainerError.everywhere`)."""
+    lowest failing rank's message is the one printed (`TrainerError.everywhere`). ``extra``:
+    the caller's own values, MAXed over the writers in the same collective (returned)."""
     rank = writers.rank
-    # One MAX: whether any failed, and minus the lowest failing rank.
-    seen = torch.tensor([int(error is not None), -rank if error else -writers.size],
+    # One MAX: whether any failed, minus the lowest failing rank, and the caller's values.
+    seen = torch.tensor([int(error is not None), -rank if error else -writers.size, *extra],
                         dtype=torch.int64, device=device)
     wait_quietly(writers.all_reduce(seen, ReduceOp.MAX, async_op=True))
-    failed, lowest = int(seen[0]), -int(seen[1])
+    values = [int(v) for v in seen.tolist()]
+    failed, lowest = values[0], -values[1]
     if not failed:
-        return
+        return values[2:]
     if rank == 0:
         discard(tmp, final)
     if error is None:

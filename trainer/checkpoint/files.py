@@ -79,7 +79,7 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
         with _writeback(out) as wrote:
             digest.update(header)
             out.write(memoryview(header))
-            for view in views.values():
+            for view in _runs(tensors, views):
                 for at in range(0, len(view), checksum.CHUNK):
                     piece = view[at:at + checksum.CHUNK]
                     digest.update(piece)
@@ -102,6 +102,31 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     data = flat.view(torch.uint8).numpy()
     return memoryview(data)  # type: ignore[arg-type]  # numpy exports the buffer protocol
+
+
+def _runs(tensors: dict[str, torch.Tensor], views: dict[str, memoryview]) -> list[memoryview]:
+    """``views`` in order, with each run of them that lies back to back in one storage (the
+    staged block, `trainer.checkpoint.pieces.stage`) as one view: a direct write is a round
+    trip to the disk, and one per tensor cost more than the bytes (at 5 MB in 20 tensors: two
+    writes each, one for its unaligned edge, 7 ms against 3.5 for one write of the block)."""
+    runs: list[tuple[torch.Tensor, int, int]] = []  # (a tensor of the storage, start, end)
+    for key, t in tensors.items():
+        n = len(views[key])
+        if not n:
+            continue
+        at = t.data_ptr()
+        if runs and runs[-1][2] == at and \
+                runs[-1][0].untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+            runs[-1] = (runs[-1][0], runs[-1][1], at + n)
+        else:
+            runs.append((t, at, at + n))
+    out = []
+    for t, start, end in runs:
+        storage = t.untyped_storage()
+        flat = torch.empty(0, dtype=torch.uint8).set_(storage, start - storage.data_ptr(),
+                                                      (end - start,), (1,))
+        out.append(memoryview(flat.numpy()))  # type: ignore[arg-type]  # a buffer
+    return out
 
 
 def _header(tensors: dict[str, torch.Tensor], views: dict[str, memoryview]) -> bytes:
@@ -142,10 +167,13 @@ def _writeback(out: DirectFile) -> Iterator[Callable[[int], None]]:
         flush.result()
 
 
-def write_bytes(path: Path, data: bytes) -> FileRecord:
+def write_bytes(path: Path, data: bytes, *, sync: bool = True) -> FileRecord:
+    """``data`` as the file ``path``, fsynced (``sync``; else the caller fsyncs it, `fsync_all`)
+    and checksummed."""
     with open(path, "wb") as fh:
         fh.write(data)
-        _sync(fh)
+        if sync:
+            _sync(fh)
     digest = checksum.new()
     digest.update(data)
     return FileRecord(len(data), digest.hexdigest())
@@ -162,6 +190,33 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)  # a file or a folder (as `fsync_dir`): fsync needs no write
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_SYNCERS = 4
+"""Threads of `fsync_all` (the most a commit fsyncs at once)."""
+_syncers: ThreadPoolExecutor | None = None
+
+
+def fsync_all(paths: list[Path]) -> None:
+    """fsync every file or folder of ``paths`` at once, in a pool of threads kept for the
+    process (started at the first call: starting a thread waits a scheduling round, several
+    ms where the ranks use every core), and return once all are durable (the first error
+    raised). A journaling file system commits concurrent fsyncs together, so a commit waits
+    for the disk about once rather than once per file (each fsync a journal commit, 1-5 ms
+    on the development VM)."""
+    global _syncers
+    if _syncers is None:
+        _syncers = ThreadPoolExecutor(_SYNCERS, thread_name_prefix="checkpoint-fsync")
+    for done in [_syncers.submit(_fsync_path, path) for path in paths]:
+        done.result()
 
 
 def verify_file(folder: Path, name: str, record: dict[str, FileRecord]) -> Path:

@@ -83,7 +83,6 @@ class Writer:
         if self.save is not None:
             raise RuntimeError("a checkpoint is still in flight: wait() for it first")
         self.save, self._committing = save, False
-        save.voted = self.vote is not None  # the leader reads the records from the folder
         self._run(save, save.write)
 
     def poll(self) -> Save | None:
@@ -134,14 +133,16 @@ class Writer:
     def _busy(self) -> bool:
         return self._phase is not None and not self._phase.done()
 
-    def _run(self, save: Save, phase: Callable[[], Any]) -> None:
-        """Run a local phase of ``save`` (in a thread, or here); its error is kept."""
+    def _run(self, save: Save, phase: Callable[[], Any], *, here: bool = False) -> None:
+        """Run a local phase of ``save`` (in a thread, or here: in place, or ``here``); its
+        error is kept."""
 
         def body() -> None:
             self._error = save.attempt(phase)
 
         self._error, self._phase = None, None
-        if self._thread is not None:  # in place, the training thread keeps its priority
+        if self._thread is not None and not here:  # in place, the training thread keeps its
+            # priority
             self._phase = self._thread.submit(body)
         else:
             body()
@@ -158,7 +159,9 @@ class Writer:
             if not self._committing:
                 save.settle(error, failed)
                 self._committing = True
-                self._run(save, save.commit)
+                # Only the leader commits: elsewhere the phase does nothing worth waking
+                # the thread for (a scheduling round where the ranks hold every core).
+                self._run(save, save.commit, here=not save.leader)
                 return None
             save.finish(error, failed)
         except BaseException:
