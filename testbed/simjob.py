@@ -10,7 +10,8 @@ conversation (`testbed/simrank.py`), which is the fidelity reference.
 Times are seconds from ``t0``, taken just before the head's process starts (as
 `bench.launch_time` does): ``running`` every rank running, ``fenced`` every rank past MPI_Init's
 fence, ``wired`` every rank past its gets, ``last_exit`` the last rank's exit, ``returned`` the
-head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit.
+head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit;
+``agents_left`` the last simulated agent's connection closed (`testbed.simcluster.LEFT`).
 """
 
 from __future__ import annotations
