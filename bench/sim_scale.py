@@ -11,9 +11,11 @@ fence, finalize) and exits. Per size, one job (t0 = just before the head's proce
 * ``running``: every rank running; ``wired``: every rank past the fence and its gets (launch +
   wire-up); ``fence``: the last rank past the fence minus the last rank running;
 * ``exit tail``: the head's launch returned minus the last rank's exit; ``tail_parts`` splits
-  it (`testbed.simjob`): ``loop`` until the head saw every host done, ``dismiss`` the agents
-  leaving after their BYE (the simulator's work on these shared cores, in parallel on real
-  hosts), ``after`` closing the streams and the report;
+  it (`testbed.simjob`): ``loop`` until the head saw every host done (of which ``reported``
+  until the head read the last DONE off its stream: the simulated agents' work on these
+  shared cores, in parallel on real hosts; ``seen`` until the head's loop had handled it),
+  ``dismiss`` waiting for the agents not yet gone (each leaves at its DONE: BYE and EOF then),
+  ``after`` closing the streams and the report;
 * head CPU seconds and peak RSS (getrusage of the head's process), head CPU per host;
 * frames through the head, both ways (every job with --heartbeat-interval 30: see
   `HEARTBEAT_S`), and the PMI bytes it sent (above 64 KiB of cards a fence's answer carries

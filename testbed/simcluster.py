@@ -187,7 +187,11 @@ def _fake_rank_class() -> type:
             if sig == signal.SIGCONT:
                 return
             self.sent.append((sig, time.monotonic()))
-            if self.driver is not None and self.events is not None:
+            # A group already gone takes no signal (`killpg`'s ESRCH): the agent's SIGKILL of
+            # each exited rank's leftovers costs the fake ranks' thread nothing, as the kernel
+            # nothing. Its code is set before the agent hears of its exit (`FakeRanks._end`).
+            ended = self.stamps is not None and self.stamps.code is not None
+            if self.driver is not None and self.events is not None and not ended:
                 self.driver.kill(self, sig)
 
     return Fake
@@ -286,6 +290,11 @@ def run_agent(link: Callable[[Any], Any], host: Any) -> int:
     return serve.run(Agent(link, relay_connect=connect_child, host=host))
 
 
+#: host -> when its agent's run returned and when its connection was closed
+#: (CLOCK_MONOTONIC): the exit tail's "agents leaving" part, host by host.
+LEFT: dict[str, tuple[float, float]] = {}
+
+
 def serve_host(sock: socket.socket, hosts: Callable[[str], Any], codes: dict[str, int]) -> None:
     """One simulated host: its name, then the real agent over the connection."""
     from launcher.agent.head_link import HeadLink
@@ -301,11 +310,13 @@ def serve_host(sock: socket.socket, hosts: Callable[[str], Any], codes: dict[str
     host = name.decode()
     conn = _Conn(sock, rest)
     codes[host] = run_agent(lambda events: HeadLink(events, conn.read, conn), hosts(host))
+    returned = time.monotonic()
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     sock.close()
+    LEFT[host] = (returned, time.monotonic(), time.process_time())
 
 
 def raise_fd_limit() -> None:
@@ -362,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "code": s.code} for s in list(driver.stamps)]
     shutil.rmtree(records, ignore_errors=True)
     with open(args.stats, "w") as out:
-        json.dump({"ranks": stamps, "agents": codes, "pid": os.getpid(),
+        json.dump({"ranks": stamps, "agents": codes, "left": LEFT, "pid": os.getpid(),
                    "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2]),
                    "maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}, out)
     os._exit(0)

@@ -46,6 +46,9 @@ from launcher import wire
 PORTS: list[int] = []
 #: Every counted stream's counter, merged at the end.
 COUNTERS: list[FrameCounter] = []
+#: When each DONE frame came off a stream at the head (CLOCK_MONOTONIC): the exit tail's
+#: split between the agents reporting and the head's loop seeing their reports.
+DONE_AT: list[float] = []
 
 
 class FrameCounter:
@@ -66,6 +69,8 @@ class FrameCounter:
             name = wire.Kind(kind).name
             if kind == wire.Kind.ROUTED:  # peek: the whole payload (`_Scanner`)
                 self.feed(direction, peek[_INDEX_BYTES:], _Scanner())
+            if kind == wire.Kind.DONE:  # when the head's reader got it (the tail's split)
+                DONE_AT.append(time.monotonic())
             if kind == wire.Kind.PMI:
                 found = _OP.search(peek)
                 name = f"PMI:{found.group(1).decode() if found else '?'}"
@@ -383,6 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with open(args.stats, "w") as out:
         json.dump({"frames": totals(), "began": began, "returned": returned,
                    "joined": JOINED_AT[0] if JOINED_AT else None, "phases": PHASES,
+                   "last_done": max(DONE_AT, default=None),
                    "cpu_s": usage.ru_utime + usage.ru_stime, "maxrss_kib": usage.ru_maxrss,
                    "code": code}, out)
     return code if isinstance(code, int) else 1

@@ -10,7 +10,8 @@ conversation (`testbed/simrank.py`), which is the fidelity reference.
 Times are seconds from ``t0``, taken just before the head's process starts (as
 `bench.launch_time` does): ``running`` every rank running, ``fenced`` every rank past MPI_Init's
 fence, ``wired`` every rank past its gets, ``last_exit`` the last rank's exit, ``returned`` the
-head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit.
+head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit;
+``agents_left`` the last simulated agent's connection closed (`testbed.simcluster.LEFT`).
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         head_stats = json.loads((folder / "head.json").read_text())
         stamps: list[dict[str, Any]] = []
         agents: dict[str, int] = {}
+        left: dict[str, list[float]] = {}
         worker_cpu = 0.0
         for w in range(len(procs)):
             if not (folder / f"worker{w}.json").exists():
@@ -145,11 +147,12 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
             stats = json.loads((folder / f"worker{w}.json").read_text())
             stamps += stats["ranks"]
             agents.update(stats["agents"])
+            left.update(stats.get("left") or {})
             worker_cpu += stats["cpu_s"]
         for path in sorted((folder / "stamps").iterdir()):  # real ranks' own
             stamps.append(json.loads(path.read_text()))
     return _summary(hosts, ranks, t0, head_exit, head, head_stats, stamps, agents, worker_cpu,
-                    real=real)
+                    real=real, left=left)
 
 
 def _start_head(spy: list[str], folder: Path, ports: list[str], launcher: str,
@@ -175,7 +178,7 @@ def _token() -> str:
 def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
              head: subprocess.CompletedProcess[bytes], head_stats: dict[str, Any],
              stamps: list[dict[str, Any]], agents: dict[str, int], worker_cpu: float, *,
-             real: bool) -> dict[str, Any]:
+             real: bool, left: dict[str, list[float]] | None = None) -> dict[str, Any]:
     def last(key: str) -> float | None:
         values = [s[key] for s in stamps if key in s]
         return round(max(values) - t0, 4) if values and len(values) == len(stamps) else None
@@ -186,6 +189,8 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
     last_exit_at = max(exits) if exits and len(exits) == len(stamps) else None
     joined = head_stats.get("joined")
     last_exit = last("exit")
+    last_done = head_stats.get("last_done")
+    gone = [times[1] for times in (left or {}).values()]
     return {
         "hosts": hosts, "ranks_per_host": ranks, "mode": "real" if real else "sim",
         # The head's own exit code (under py-spy the process's code is py-spy's).
@@ -204,10 +209,17 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         # (closing the streams, the report).
         "phases": {k: round(v - t0, 4) for k, v in phases.items()},
         "tail_parts": {"loop": round(phases["loop_end"] - last_exit_at, 4),
+                       # of the loop: until the head read the last DONE (the agents' reports
+                       # on these shared cores), then until its loop had seen it
+                       **({"reported": round(last_done - last_exit_at, 4),
+                           "seen": round(phases["loop_end"] - last_done, 4)}
+                          if last_done is not None else {}),
                        "dismiss": round(phases["dismissed"] - phases["dismiss"], 4),
                        "after": round(phases["reported"] - phases["dismissed"], 4)}
         if last_exit_at is not None and {"loop_end", "dismiss", "dismissed", "reported"}
         <= phases.keys() else None,
+        # when the last simulated agent left (its connection closed), from t0
+        "agents_left": round(max(gone) - t0, 4) if gone else None,
         "head_cpu_s": round(head_stats["cpu_s"], 3),
         "head_maxrss_mib": round(head_stats["maxrss_kib"] / 1024, 1),
         "workers_cpu_s": round(worker_cpu, 3),

@@ -42,6 +42,8 @@ UNAUTHENTICATED_S = 30.0
 MAX_UNAUTHENTICATED = 32
 #: How long the listener rests when an accept fails with nothing to make room (out of files).
 ACCEPT_PAUSE_S = 0.5
+#: A reply the rank's socket cannot take at once may wait this long for room.
+REPLY_TIMEOUT_S = 10.0
 _EXITED = "_rank_exited"  # the agent's own note through the inbox, never from the head
 
 
@@ -297,23 +299,17 @@ class PmiSockets:
 
     def _reply(self, conn: int, sock: socket.socket, data: bytes) -> None:
         # Replies are short and the rank is waiting for them: one non-blocking send nearly
-        # always takes all of it (MPICH's exchange is ~650 gets a rank, each answered here,
-        # so no mode switches around it). A rank that stopped reading has failed anyway, so
-        # for the rest a bounded blocking send is enough.
+        # always takes it all (one system call, not four per reply); else, a rank that
+        # stopped reading has failed anyway, so a bounded blocking send is enough.
         try:
-            sent = sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._run(self.proxy.closed(conn))
-            self._drop(conn)
-            return
-        if sent == len(data):
-            return
-        try:
-            sock.settimeout(10.0)
-            sock.sendall(data[sent:])
-            sock.setblocking(False)
+            try:
+                sent = sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent < len(data):
+                sock.settimeout(REPLY_TIMEOUT_S)
+                sock.sendall(data[sent:])
+                sock.setblocking(False)
         except OSError:
             self._run(self.proxy.closed(conn))
             self._drop(conn)

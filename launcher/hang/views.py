@@ -113,15 +113,19 @@ _GROUP_FIELDS = tuple(f.name for f in fields(GroupView))
 
 
 def view_of(record: workerenv.RankProgress | None, *, rank: int, host: str, state: str,
-            now: float) -> RankView:
-    """A rank's view from its decoded record (None: the rank has not written one yet)."""
+            now: float, **agent: Any) -> RankView:
+    """A rank's view from its decoded record (None: the rank has not written one yet);
+    ``agent``: the fields the agent adds from its own readings (pid, cpu_share, fence_age,
+    code, returned, runnable, recorder), set here rather than by a copy of the view."""
     if record is None:
-        return RankView(rank, host, state="no-record" if state == "running" else state)
+        return RankView(rank, host, state="no-record" if state == "running" else state, **agent)
     groups = tuple(GroupView(g.label, g.group_rank, g.group_size, g.seq, g.done, g.op, g.dtype,
                              g.p2p, g.peer, g.nbytes, max(0.0, now - g.entered_at), g.history)
                    for g in record.groups)
-    return RankView(rank, host, record.pid, state, record.step,
-                    max(0.0, now - record.step_at) if record.step_at else None,
-                    record.compute_s, record.compute_avg_s, groups, first_step=record.first_step,
+    fields = {"pid": record.pid, **agent}  # the agent's pid, when it gives one, is the same
+    return RankView(rank, host, state=state, step=record.step,
+                    step_age=max(0.0, now - record.step_at) if record.step_at else None,
+                    compute_s=record.compute_s, compute_avg_s=record.compute_avg_s,
+                    groups=groups, first_step=record.first_step,
                     first_step_age=max(0.0, now - record.first_step_at)
-                    if record.first_step_at else None)
+                    if record.first_step_at else None, **fields)

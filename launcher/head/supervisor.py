@@ -223,8 +223,15 @@ class Supervisor:
             self.progress.on_progress(link.index, frame.json())
         elif kind is wire.Kind.DONE:
             self.done_hosts.add(link.index)
-            if not self.keep_agents:
-                link.send_json(wire.Kind.BYE)
+            if getattr(link.stream, "relays", False):  # its subtree's streams run through it
+                if not self.keep_agents:
+                    link.send_json(wire.Kind.BYE)
+            elif not self.keep_agents or not self.opts.rounds:
+                # No round follows: it leaves now, while the others finish (the head waited
+                # for every host's DONE before the first BYE: 1,024 agents then left at once
+                # at the end, `bench.sim_scale`'s exit tail); its end is waited for with the
+                # rest (`Fleet.dismiss`).
+                self.fleet.release(link)
         elif kind is wire.Kind.ERROR:
             body = frame.json()
             self._fail(Failure(LOST_CODE, f"host {link.name}",

@@ -186,6 +186,12 @@ class RelayedStream:
         return self.line.real.connection if self._own else self._connection
 
     @property
+    def relays(self) -> bool:
+        """The relay's own stream of a line that carries other hosts: closing it early would
+        end theirs (`launcher.head.supervisor` lets a done host leave only when it is not)."""
+        return self._own and len(self.line.streams) > 1
+
+    @property
     def held(self) -> bool:
         """The line's thread is busy delivering (maybe blocked on the head's full output
         queue): no host of the line is read meanwhile, so none of them is silent."""

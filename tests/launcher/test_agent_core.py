@@ -226,3 +226,33 @@ def test_the_agent_starts_without_typing_pathlib_or_secrets() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60, check=True)
     assert done.stdout.strip() == "[]"
+
+
+class RecordingLink:
+    """The agent's link to its head, recorded (no threads)."""
+
+    def __init__(self, events: Any) -> None:
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> bool:
+        self.sent.append(data)
+        return True
+
+    def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool:
+        return self.send(wire.encode_json(kind, obj))
+
+
+def test_each_ranks_environment_is_composed_from_one_copy_of_the_hosts_taken_at_the_spec(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`os.environ` decodes every variable on each walk: the agent copies it once a round
+    (at the SPEC) and composes every rank's environment from the copy, scrubbed of other
+    launchers' variables, with the planned ones on top."""
+    monkeypatch.setenv("DTRAIN_TEST_HOST_VAR", "from-the-host")
+    monkeypatch.setenv("PMI_RANK", "9")  # another launcher's: never a rank's
+    agent = Agent(RecordingLink)  # type: ignore[arg-type]
+    agent._on_spec(spec())
+    assert wire.Decoder().feed(agent.link.sent[-1])[0].kind is K.READY  # type: ignore[attr-defined]
+    monkeypatch.setattr(os, "environ", {})  # not read again for the ranks
+    env = agent._rank_env(wire.RankStart(0, {"RANK": "0"}))
+    assert env["DTRAIN_TEST_HOST_VAR"] == "from-the-host" and env["RANK"] == "0"
+    assert "PMI_RANK" not in env

@@ -262,3 +262,47 @@ def test_the_heads_periodic_checks_are_due_at_once_then_at_most_once_per_period(
     assert not checks.due(100.125)
     assert checks.due(100.25)
     assert [checks.due(100.25 + t) for t in (0.0625, 0.125, 0.375)] == [False, False, True]
+@pytest.mark.parametrize("rounds", [False, True])
+def test_a_host_done_leaves_at_once_while_others_run_unless_a_round_may_follow(
+        rounds: bool) -> None:
+    """As `launcher.restart.rounds` runs a job (``keep_agents``: the caller dismisses the
+    agents at the end): a host whose ranks are all done gets BYE and its stream's end at once
+    when no round can follow, so the agents leave while the others finish, not all together
+    after the last; with rounds it stays, its agent kept for the next."""
+    from launcher.head.agent_link import Fleet
+
+    names = ["node0", "node1"]
+    selected = select_hosts(parse_host_list(",".join(f"{n}:2" for n in names)))
+    plan = make_plan(selected, argv=["train"], cwd="/", job_id="job", base_env={})
+    streams = [MemoryAgentStream(n) for n in names]
+    # node1's rank 3 runs on until the job's --timeout stops it.
+    agents = [ScriptedAgent(s, script, beat=BEAT)
+              for s, script in zip(streams, [Script({0: 0, 1: 0}), Script({2: 0})],
+                                   strict=True)]
+    fleet = Fleet()
+    links = [fleet.add(s) for s in streams]
+    sink = OutputSink({r.rank: r.host for r in plan.ranks}, io.BytesIO(), io.BytesIO())
+    opts = dataclasses.replace(OPTS, timeout=1.0, rounds=rounds)
+    seen: list[bool] = []  # when node0's agent left: was node1 stopped yet?
+
+    def watch() -> None:
+        if streams[0].finished.wait(5.0):
+            seen.append(bool(agents[1].kills))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    outcome = Supervisor(fleet, links, plan, sink, opts, keep_agents=True).run(
+        ("10.0.0.1", 29500))
+    assert outcome.timed_out
+    done, running = agents
+    assert done.kills == [] and running.kills
+    if rounds:  # both kept for the next round: the caller dismisses them
+        assert K.BYE not in done.received and K.BYE not in running.received
+        assert links[0].alive and links[1].alive
+    else:  # each left at its DONE, node0 long before node1 was stopped
+        assert K.BYE in done.received and K.BYE in running.received
+        assert not links[0].alive and not links[1].alive  # EOF after BYE
+    fleet.dismiss(fleet.links, wait=1.0)
+    watcher.join()
+    assert seen == [rounds]  # without rounds node0 left before node1 was stopped
+    assert done.received.count(K.BYE) == running.received.count(K.BYE) == 1

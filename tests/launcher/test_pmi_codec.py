@@ -38,6 +38,21 @@ def test_a_backslash_escapes_a_space_inside_a_value():
     assert parse_line(rb"cmd=put kvsname=k key=a value=x\ y\\z").get("value") == "x y\\z"
 
 
+def test_values_read_the_same_with_and_without_escapes_anywhere_in_the_line():
+    # Without a backslash a value is one scan to its space; with one before that space, the
+    # escapes are undone; a backslash further on belongs to a later value only.
+    cmd = parse_line(rb"cmd=put key=a value=plain,=#$ other=x\ y last=\\ tail=end")
+    assert dict(cmd.attrs) == {"key": "a", "value": "plain,=#$", "other": "x y",
+                               "last": "\\", "tail": "end"}
+    assert parse_line(b"cmd=abort message=a \\b c").get("message") == "a b c"  # to the end
+
+
+@pytest.mark.parametrize("line", ["cmd=put k\u00e9y=1", "cmd=put k\u0661=1", "cmd=put \u00e9=1"])
+def test_a_key_with_a_letter_or_digit_outside_ascii_is_rejected(line):
+    with pytest.raises(PmiProtocolError):
+        parse_line(line.encode())
+
+
 def test_abort_message_takes_the_rest_of_the_line_spaces_included():
     cmd = parse_line(b"cmd=abort exitcode=42 message=rank 3 ran out of memory")
     assert cmd.get("exitcode") == "42"

@@ -104,3 +104,41 @@ def test_the_proxy_is_asked_who_holds_a_barrier_up_once_per_tenth_of_the_stall_i
         assert len(asked) <= 2  # ours, and maybe one of the loop's: not one per line
     finally:
         sockets.close()
+
+
+class RankEnd:
+    """A rank's socket as the agent writes to it: ``room`` bytes fit at once."""
+
+    def __init__(self, room: int) -> None:
+        self.room, self.calls, self.got = room, [], b""
+
+    def send(self, data: bytes) -> int:
+        self.calls.append("send")
+        if not self.room:
+            raise BlockingIOError
+        taken = data[:self.room]
+        self.got += taken
+        return len(taken)
+
+    def settimeout(self, seconds: float) -> None:
+        self.calls.append(f"timeout {seconds:g}")
+
+    def sendall(self, data: bytes) -> None:
+        self.calls.append("sendall")
+        self.got += data
+
+    def setblocking(self, flag: bool) -> None:
+        self.calls.append(f"blocking {flag}")
+
+
+@pytest.mark.parametrize("room, calls", [
+    (1000, ["send"]),  # room for all of it: one system call
+    (5, ["send", "timeout 10", "sendall", "blocking False"]),  # the rest waits for room
+    (0, ["send", "timeout 10", "sendall", "blocking False"]),
+])
+def test_a_reply_is_one_send_when_the_rank_has_room_else_the_rest_waits_for_room(
+        agent_port, room, calls):
+    rank = RankEnd(room)
+    agent_port._reply(0, rank, b"cmd=maxes rc=0 kvsname_max=256\n")  # type: ignore[arg-type]
+    assert rank.got == b"cmd=maxes rc=0 kvsname_max=256\n"
+    assert rank.calls == calls

@@ -80,6 +80,11 @@ def test_a_simulated_job_of_256_hosts_of_8_ranks_launches_fences_and_ends() -> N
     assert _counted(result) == _lazy(_expected(256, 8), sum(_gets_at_head(256, 8).values()))
     # Every agent sends its ranks' last progress records when they have all exited.
     assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 256
+    # The exit tail's parts are measured (`bench.sim_scale` reports them; never timed here):
+    # the head read every DONE, and every simulated agent left before the head returned.
+    parts = result["tail_parts"]
+    assert parts is not None and {"loop", "reported", "seen", "dismiss", "after"} <= set(parts)
+    assert result["agents_left"] is not None and result["agents_left"] <= result["head_exit"]
 
 
 def test_a_simulated_tree_launch_of_256_hosts_relays_every_frame_and_merges_each_fence() -> None:

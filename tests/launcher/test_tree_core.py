@@ -259,6 +259,15 @@ def test_the_head_closes_a_relay_line_when_its_last_host_is_closed():
     assert head_end.closed
 
 
+def test_only_a_relays_own_stream_of_a_line_with_hosts_below_says_it_relays():
+    """The supervisor lets a done host leave at once, but not a relay that still carries
+    its subtree's streams (`launcher.head.supervisor`)."""
+    line = RelayLine(Pipe.pair("node1")[0], 0, {0: "node1", 1: "node2"}, {1: "10.0.0.2"})
+    alone = RelayLine(Pipe.pair("node3")[0], 2, {2: "node3"}, {})
+    assert line.streams[0].relays and not line.streams[1].relays
+    assert not alone.streams[2].relays
+
+
 class Upward:
     """The relay's link to its parent, recorded."""
 
