@@ -37,7 +37,7 @@ RandomState = tuple[dict[str, torch.Tensor], list[Any]]
 
 
 def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
-            random_state: RandomState, index: dict[str, Any], written: Records) -> None:
+                  random_state: RandomState, index: dict[str, Any], written: Records) -> None:
     """Index, meta and the commit record into ``tmp``, rename it to ``final``, then the
     commit record to its name: two waits for the disk (`fsync_all`), not one per file.
 
