@@ -8,8 +8,9 @@ of its ranks entered); the head then sends every host one ``barrier_out``, so a 
 2 x hosts messages whatever the number of ranks. What the answer carries depends on the size
 of the epoch's cards:
 
-* up to ``push_bytes`` (`PUSH_BYTES`): every key put in that epoch (``kv``), and each proxy
-  answers the gets that follow from its own cache;
+* when the cards times the hosts they would go to weigh at most ``push_bytes``
+  (`PUSH_BYTES`): every key put in that epoch (``kv``), and each proxy answers the gets that
+  follow from its own cache;
 * above it, none (``"kv": {}``) but their size (``"held": bytes``): pushing every card to
   every host is hosts x cards, N^2 bytes in all, while a rank asks for the cards of the peers
   it wires up to. A host's get then travels up to the nearest level that has the key (its own
@@ -35,12 +36,15 @@ from collections.abc import Mapping
 
 from launcher.errors import PmiError
 
-#: The most bytes of an epoch's cards (keys and values) a fence's answer carries to every host.
-#: 64 KiB is less than a millisecond on any link, and fewer bytes than the round trips of the
-#: gets it saves would weigh. It holds about 300 small cards (~200 bytes), but only ~10 ranks of
-#: the MPICH the benches run (10 keys, 6.6 KB a rank): above that, hosts fetch after a few gets
-#: (`launcher.pmi.proxy.GET_COST_BYTES`).
-PUSH_BYTES = 64 * 1024
+#: The most bytes a fence's answer may carry in all: an epoch's cards (keys and values) times the
+#: hosts it goes to. MPICH's default address exchange reads every card (10 keys, 6.6 KB a rank
+#: of the MPICH the benches run), so its hosts fetch the whole store after a few gets anyway
+#: (`launcher.pmi.proxy`): pushing it spares them those serial round trips for the same bytes,
+#: and wastes at most this much where ranks wire up lazily. 32 MiB is 64 hosts of that MPICH
+#: (27 MB; a quarter of a second on a 1 Gb/s link, the head's own share of the fence), but only
+#: 32 KiB of cards at 1,024 hosts, whose N^2 bytes no link could carry (`bench.hosts_scale`
+#: at 64 namespace hosts: 16 serial gets a host before its fetch without the push).
+PUSH_BYTES = 32 * 1024 * 1024
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -116,7 +120,7 @@ class KeyValueSpace:
         reporters, self._reporters = self._reporters, {}
         size = sum(len(k) + len(v) for k, v in kv.items())
         answer: dict[str, Any] = {"op": "barrier_out", "kv": kv}
-        if size > self.push_bytes:  # announced, not sent: gets find the keys (module doc)
+        if size * self.hosts > self.push_bytes:  # announced, not sent: gets find the keys
             answer = {"op": "barrier_out", "kv": {}, "held": size}
         return [(h, answer if covered == [h] else {**answer, "hosts": covered})
                 for h, covered in sorted(reporters.items())]

@@ -101,3 +101,15 @@ def test_a_fence_whose_cards_exceed_the_push_limit_announces_them_and_serves_get
     # A fence without puts (MPI_Finalize's) carries nothing either way.
     barrier(kvs, 0)
     assert barrier(kvs, 1) == [(h, {"op": "barrier_out", "kv": {}}) for h in range(2)]
+
+
+def test_a_fences_cards_go_to_every_host_while_cards_times_hosts_stay_within_the_push_budget():
+    kvs = KeyValueSpace(hosts=4, kvsname="k", push_bytes=24)
+    for h in range(3):
+        barrier(kvs, h)
+    out = barrier(kvs, 3, abc="def")  # 6 bytes to each of 4 hosts: 24, within the budget
+    assert out == [(h, {"op": "barrier_out", "kv": {"abc": "def"}}) for h in range(4)]
+    for h in range(3):
+        barrier(kvs, h)
+    out = barrier(kvs, 3, abcd="def")  # 7 bytes x 4 hosts: 28, over it
+    assert out == [(h, {"op": "barrier_out", "kv": {}, "held": 7}) for h in range(4)]
