@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from testbed.simrank import FENCED, FINALIZED, PEER_GETS, WIRED
+from testbed.simrank import CARD_CHARS, FENCED, FINALIZED, PEER_GETS, WIRED
 from testbed.sshd import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def workers_for(hosts: int) -> int:
 def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = PEER_GETS,
             real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
             heartbeat: float | None = None, rendezvous: bool = False,
-            profile: Path | None = None) -> dict[str, Any]:
+            profile: Path | None = None, card_chars: int = CARD_CHARS) -> dict[str, Any]:
     """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
     ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``).
     ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
@@ -52,7 +52,8 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
     ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
     their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format). With
     ``rendezvous``, the head listens (`--launcher rendezvous`) and the simulated hosts join it
-    (token handshake, roster) instead of being dialled."""
+    (token handshake, roster) instead of being dialled. ``card_chars`` is each rank's
+    business card's length."""
 
     def spied(name: str) -> list[str]:
         if profile is None:
@@ -65,6 +66,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         folder = Path(tmp)
         (folder / "stamps").mkdir()
         env = {**os.environ, "DTRAIN_SIM_GETS": str(gets), "OMP_NUM_THREADS": "1",
+               "DTRAIN_SIM_CARD_CHARS": str(card_chars),
                "PYTHONPATH": str(REPO), "DTRAIN_SIM_STAMPS": str(folder / "stamps"),
                "DTRAIN_SIM_PHASES": "1"}
         hostfile = folder / "hosts"

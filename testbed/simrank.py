@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import socket
 
-CARD_CHARS = 200   # a business card's length (MPICH ch4 over TCP: ~100-200 hex characters)
+#: A business card's length (MPICH ch4 over TCP: ~100-200 hex characters); a job may set it
+#: (up to PMI's 1,024) with DTRAIN_SIM_CARD_CHARS, read by the fake and the real ranks alike.
+CARD_CHARS = int(os.environ.get("DTRAIN_SIM_CARD_CHARS", "200"))
 PEER_GETS = 4      # peers' cards each rank reads after the fence (bench.pmi_scaling's choice)
 #: Step names the timestamps are taken at (`Conversation.marks`): past MPI_Init's fence,
 #: past the gets (wired up), past finalize.

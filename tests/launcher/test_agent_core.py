@@ -241,6 +241,9 @@ class RecordingLink:
     def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool:
         return self.send(wire.encode_json(kind, obj))
 
+    def take_on_arrival(self, take: Any) -> None:
+        """Nothing arrives on a recorded link: no frame for ``take``."""
+
 
 def test_each_ranks_environment_is_composed_from_one_copy_of_the_hosts_taken_at_the_spec(
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from launcher.pmi import KeyValueSpace, PmiProxy, Reply, Send
+from launcher.pmi.kvs import PUSH_BYTES
 from launcher.tree.shape import HEAD, Tree
 from testbed import simjob
 from testbed.simrank import FENCED, WIRED, Conversation, card, peers
@@ -114,13 +115,16 @@ def test_a_simulated_tree_launch_of_256_hosts_relays_every_frame_and_merges_each
 
 @pytest.mark.parametrize("fanout", [0, 4])
 def test_hosts_whose_ranks_read_many_cards_fetch_them_all_once(fanout: int) -> None:
-    """MPICH's default address exchange reads every card: 64 peers a rank here. Past the
-    ski-rental point each host fetches every card at once (`launcher.pmi.proxy`); in a tree
-    each relay sends one fetch up and answers the rest of its children itself. Every card a
-    fake rank reads is checked against the one its peer put."""
-    hosts, ranks = 64, 8
+    """MPICH's default address exchange reads every card: 64 peers a rank here. Where the
+    fence does not push the cards (72 hosts x 8 cards of 1,000 characters: 42 MB to send in
+    all, over `launcher.pmi.kvs.PUSH_BYTES`), each host past the ski-rental point fetches
+    every card at once (`launcher.pmi.proxy`); in a tree each relay sends one fetch up and
+    answers the rest of its children itself. Every card a fake rank reads is checked against
+    the one its peer put."""
+    hosts, ranks, chars = 72, 8, 1000
+    assert hosts * ranks * chars * hosts > PUSH_BYTES
     result = simjob.run_job(hosts, ranks, gets=64, timeout=300, heartbeat=30.0,
-                            extra=["--fanout", str(fanout)])
+                            extra=["--fanout", str(fanout)], card_chars=chars)
     _ended_well(result, hosts, ranks)
     counted = _counted(result)
     fetches = counted["in"]["PMI:fetch"]
