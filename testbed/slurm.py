@@ -181,14 +181,22 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         return dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
 
     def wait_idle(self, hosts: list[str], timeout: float) -> None:
-        """Wait until every host is an idle node (a restarted slurmd has registered)."""
+        """Wait until every host is an idle node (a restarted slurmd has registered). When
+        they are not, the error carries the controller's log too: slurmd only says it could
+        not reach it (seen once in a full run, 2026-11-29, the controller's log gone with the
+        session), and a controller that exited is reported at once."""
         deadline = time.monotonic() + timeout
         while True:
             states = self.node_states()
             if all(states.get(h) == "idle" for h in hosts):
                 return
-            if time.monotonic() > deadline:
-                logs = "\n".join(self._log(f"slurmd-{h}") for h in hosts if states.get(h) != "idle")
+            controller = self._daemons.get("slurmctld")
+            ended = controller is not None and controller.poll() is not None
+            if ended or time.monotonic() > deadline:
+                logs = "\n".join([f"slurmctld (exit {controller.poll() if controller else None}):",
+                                  self._log("slurmctld"),
+                                  *(self._log(f"slurmd-{h}") for h in hosts
+                                    if states.get(h) != "idle")])
                 raise RuntimeError(f"Slurm nodes not idle: {states}\n{logs}")
             time.sleep(0.2)
 
