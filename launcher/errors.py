@@ -9,6 +9,17 @@ from __future__ import annotations
 # The base is shared with the trainer (one message shape), re-exported for the launcher.
 from workerenv import DtrainError as DtrainError
 
+TYPE_CHECKING = False  # `typing` is not worth its import to every launch; mypy reads True
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+
+def listed(names: Sequence[str], most: int) -> str:
+    """``a, b, c``, or past ``most`` names ``a, b and 7 more``: a message naming hosts or
+    addresses stays one line at any number of them."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
 
 class UsageError(DtrainError):
     """A command-line option or combination of options is wrong."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from launcher import STARTED, wire
-from launcher.errors import ConnectError, UsageError
+from launcher.errors import ConnectError, UsageError, listed
 from launcher.head.options import SuperviseOptions
 from launcher.hosts import hostfile, selection
 from launcher.plan import environment
@@ -100,8 +100,7 @@ def _warn_slots_differ(entries: Sequence[hostfile.HostEntry], nproc: int) -> Non
     differ. A host with fewer slots than N is an error of its own (selection), not a warning."""
     more = [e for e in entries if e.slots > nproc]
     if more and all(e.slots >= nproc for e in entries):
-        shown = ", ".join(f"{e.name} slots={e.slots}" for e in more[:3])
-        shown += f" and {len(more) - 3} more" if len(more) > 3 else ""
+        shown = listed([f"{e.name} slots={e.slots}" for e in more], 3)
         sys.stderr.write(f"dtrain: warning: --nproc-per-node {nproc} differs from the host "
                          f"list ({shown}) [{more[0].source or 'host list'}]: "
                          f"--nproc-per-node wins, using the first {nproc} slot(s) of every "

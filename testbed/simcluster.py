@@ -290,9 +290,9 @@ def run_agent(link: Callable[[Any], Any], host: Any) -> int:
     return serve.run(Agent(link, relay_connect=connect_child, host=host))
 
 
-#: host -> when its agent's run returned and when its connection was closed
-#: (CLOCK_MONOTONIC): the exit tail's "agents leaving" part, host by host.
-LEFT: dict[str, tuple[float, float]] = {}
+#: host -> when its connection was closed after its agent's run returned (CLOCK_MONOTONIC):
+#: the exit tail's "agents leaving" part, host by host.
+LEFT: dict[str, float] = {}
 
 
 def serve_host(sock: socket.socket, hosts: Callable[[str], Any], codes: dict[str, int]) -> None:
@@ -310,13 +310,12 @@ def serve_host(sock: socket.socket, hosts: Callable[[str], Any], codes: dict[str
     host = name.decode()
     conn = _Conn(sock, rest)
     codes[host] = run_agent(lambda events: HeadLink(events, conn.read, conn), hosts(host))
-    returned = time.monotonic()
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
         pass
     sock.close()
-    LEFT[host] = (returned, time.monotonic(), time.process_time())
+    LEFT[host] = time.monotonic()
 
 
 def raise_fd_limit() -> None:

@@ -139,7 +139,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         head_stats = json.loads((folder / "head.json").read_text())
         stamps: list[dict[str, Any]] = []
         agents: dict[str, int] = {}
-        left: dict[str, list[float]] = {}
+        left: dict[str, float] = {}
         worker_cpu = 0.0
         for w in range(len(procs)):
             if not (folder / f"worker{w}.json").exists():
@@ -180,7 +180,7 @@ def _token() -> str:
 def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
              head: subprocess.CompletedProcess[bytes], head_stats: dict[str, Any],
              stamps: list[dict[str, Any]], agents: dict[str, int], worker_cpu: float, *,
-             real: bool, left: dict[str, list[float]] | None = None) -> dict[str, Any]:
+             real: bool, left: dict[str, float] | None = None) -> dict[str, Any]:
     def last(key: str) -> float | None:
         values = [s[key] for s in stamps if key in s]
         return round(max(values) - t0, 4) if values and len(values) == len(stamps) else None
@@ -192,7 +192,7 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
     joined = head_stats.get("joined")
     last_exit = last("exit")
     last_done = head_stats.get("last_done")
-    gone = [times[1] for times in (left or {}).values()]
+    gone = list((left or {}).values())
     return {
         "hosts": hosts, "ranks_per_host": ranks, "mode": "real" if real else "sim",
         # The head's own exit code (under py-spy the process's code is py-spy's).

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher import netroute, wire
-from launcher.errors import AgentError
+from launcher.errors import AgentError, listed
 from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import JobOutcome
@@ -172,7 +172,7 @@ class Startup:
                 raise AgentError(f"agents did not {doing} in time", "launch",
                                  f"no answer within the launch timeout "
                                  f"({self.opts.launch_timeout}s)" + (
-                                     f"; not started yet: {_names(booting)}" if booting
+                                     f"; not started yet: {listed(booting, 8)}" if booting
                                      else ""),
                                  "check the hosts with `dtrain check`, or raise "
                                  "--launch-timeout on a loaded cluster")
@@ -296,8 +296,3 @@ def _agent_failed(link: AgentLink, what: str, why: str) -> None:
                      "check that dtrain is installed in the same Python on that host, not "
                      "only on PYTHONPATH, which its agent ignores (`dtrain check`)")
 
-
-def _names(hosts: Sequence[str], shown: int = 8) -> str:
-    """``a, b, c`` or ``a, b, ... (N more)``: an error line stays one line at 1,000 hosts."""
-    more = f", ... ({len(hosts) - shown} more)" if len(hosts) > shown else ""
-    return ", ".join(hosts[:shown]) + more

@@ -23,7 +23,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
-from launcher.errors import UsageError
+from launcher.errors import UsageError, listed
 from launcher.hosts.hostfile import HostEntry
 
 _DIGITS_RE = re.compile(r"[0-9]+\Z")
@@ -201,6 +201,4 @@ def _first_slots(pool: list[HostSlots], nproc: int) -> list[HostSlots]:
 
 
 def _known(entries: list[HostEntry]) -> str:
-    names = [e.name for e in entries[:_MAX_LISTED]]
-    more = len(entries) - len(names)
-    return ", ".join(names) + (f" (and {more} more)" if more > 0 else "")
+    return listed([e.name for e in entries], _MAX_LISTED)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from launcher.errors import listed
+
 INTERVAL_S = 60.0
 LINES_PER_INTERVAL = 10
 ADDRESSES_MAX = 4096     # addresses told apart; beyond, they are counted as one
@@ -66,6 +68,4 @@ class Strangers:
         """The addresses where an agent failed the token, most attempts first ("" if none)."""
         failed = sorted(((s.agents, a) for a, s in self._seen.items() if s.agents),
                         key=lambda pair: (-pair[0], pair[1]))
-        named = ", ".join(f"{a} ({n}x)" for n, a in failed[:most])
-        more = f" and {len(failed) - most} more" if len(failed) > most else ""
-        return named + more
+        return listed([f"{a} ({n}x)" for n, a in failed], most)

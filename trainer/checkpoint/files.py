@@ -184,16 +184,9 @@ def _sync(fh: BinaryIO) -> None:
     os.fsync(fh.fileno())
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)  # a file or a folder (as `fsync_dir`): fsync needs no write
+def fsync_path(path: Path) -> None:
+    """Make a file's bytes, or a folder's names, durable."""
+    fd = os.open(path, os.O_RDONLY)  # a file or a folder: fsync needs no write access
     try:
         os.fsync(fd)
     finally:
@@ -215,7 +208,7 @@ def fsync_all(paths: list[Path]) -> None:
     global _syncers
     if _syncers is None:
         _syncers = ThreadPoolExecutor(_SYNCERS, thread_name_prefix="checkpoint-fsync")
-    for done in [_syncers.submit(_fsync_path, path) for path in paths]:
+    for done in [_syncers.submit(fsync_path, path) for path in paths]:
         done.result()
 
 

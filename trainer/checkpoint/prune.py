@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from trainer.checkpoint.fault import fault
-from trainer.checkpoint.files import fsync_dir
+from trainer.checkpoint.files import fsync_path
 from trainer.checkpoint.layout import (
     MARKER,
     OWN_FILE,
@@ -76,7 +76,7 @@ def remove(path: Path, current: int) -> None:
     marker = path / MARKER
     if marker.exists() or marker.is_symlink():
         marker.unlink()
-        fsync_dir(path)
+        fsync_path(path)
         fault("remove_after_marker", current)
     kept = False
     for i, child in enumerate(sorted(path.iterdir())):
