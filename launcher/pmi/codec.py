@@ -197,6 +197,27 @@ def format_reply(cmd: str, **attrs: object) -> bytes:
     return (" ".join(parts) + "\n").encode("utf-8")
 
 
+def found_reply(value: str) -> bytes:
+    """``format_reply("get_result", rc=0, value=value)``, the reply to nearly every get of a
+    wire-up, without the generic formatting (`launcher.pmi.proxy`'s fast path)."""
+    return b"cmd=get_result rc=0 value=" + _escape(value).encode("utf-8") + b"\n"
+
+
+def get_line_pattern(kvsname: str, keylen_max: int) -> re.Pattern[bytes] | None:
+    """The exact bytes of a plain get of this job as MPICH writes it, ``cmd=get
+    kvsname=<kvsname> key=<key>`` and its newline, nothing else; group 1 is the key (1 to
+    ``keylen_max`` characters of the key alphabet). A line that matches parses to exactly that
+    get, so the proxy may serve it without `parse_line`. None when the kvsname would be
+    escaped on the wire or makes the line too long: every get then takes the generic path."""
+    if not kvsname or _ESCAPED_OR_CONTROL.search(kvsname) or len(kvsname) > MAX_LINE // 2:
+        return None
+    return re.compile(b"cmd=get kvsname=" + re.escape(kvsname.encode("ascii"))
+                      + rb" key=([A-Za-z0-9_/-]{1,%d})\n" % keylen_max)
+
+
+_ESCAPED_OR_CONTROL = re.compile(r"[^\x21-\x7e]|\\")  # not printable ASCII, or a backslash
+
+
 class LineBuffer:
     """Split one connection's byte stream into lines, refusing any line over ``max_line``.
 

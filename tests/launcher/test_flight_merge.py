@@ -58,3 +58,36 @@ def test_a_collective_not_completed_is_in_flight_in_the_recorders_own_count():
     assert (merged["seq"], merged["done"], merged["op"], merged["nbytes"]) == \
         (2, 1, "all_reduce", 1024)
     assert shim._merged([], 0, "op_id", [], 0) is None
+
+
+_THREADS = """
+import sys, threading
+print(sorted(t.name for t in threading.enumerate()), flush=True)
+if sys.argv[1] == "torch":
+    import torch.distributed
+    print(sorted(t.name for t in threading.enumerate()), flush=True)
+"""
+
+
+def _rank_threads(tmp_path: Any, then: str) -> list[str]:
+    """The thread names a Python rank of a dtrain job has at start and, if ``then`` is
+    "torch", after it imports torch.distributed (the real shim, in a real interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **flight.rank_env({}, str(tmp_path / "rank-0.progress"), 1.0),
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _THREADS, then], env=env, check=True,
+                         capture_output=True, text=True, timeout=120)
+    return out.stdout.splitlines()
+
+
+def test_a_rank_that_never_imports_torch_distributed_has_no_reader_thread(tmp_path):
+    # An MPI program's MPI_Init holds the GIL in C: a waiting thread would wake every 5 ms.
+    assert _rank_threads(tmp_path, "mpi") == ["['MainThread']"]
+
+
+def test_importing_torch_distributed_starts_the_reader_thread(tmp_path):
+    assert _rank_threads(tmp_path, "torch") == ["['MainThread']",
+                                                "['MainThread', 'dtrain-flight']"]

@@ -1,12 +1,12 @@
 """dtrain's reader of torch's Flight Recorder, loaded into each rank by Python's ``site``.
 
 The agent puts this folder first on the ranks' PYTHONPATH (`launcher.agent.flight`). In a
-process of a dtrain job (``DTRAIN_FLIGHT_FILE`` set) it starts one daemon thread that sleeps
-until the program has initialised torch.distributed, then every ``DTRAIN_FLIGHT_INTERVAL``
-seconds reads the Flight Recorder (``_dump_fr_trace_json``: every process group's collectives
-with their sequence numbers, states and sizes; on by ``TORCH_FR_BUFFER_SIZE``) and writes what
-the hang diagnosis needs, per group, as JSON in `workerenv.GroupProgress`'s fields, to that
-file (atomically).
+process of a dtrain job (``DTRAIN_FLIGHT_FILE`` set) that imports torch.distributed it starts
+one daemon thread that sleeps until the program has initialised it, then every
+``DTRAIN_FLIGHT_INTERVAL`` seconds reads the Flight Recorder (``_dump_fr_trace_json``: every
+process group's collectives with their sequence numbers, states and sizes; on by
+``TORCH_FR_BUFFER_SIZE``) and writes what the hang diagnosis needs, per group, as JSON in
+`workerenv.GroupProgress`'s fields, to that file (atomically).
 
 Point-to-point operations: gloo's recorder holds none (NCCL's does, but only NCCL's), so when
 the program imports torch.distributed the shim wraps ``ProcessGroup.send`` and ``.recv``, which
@@ -21,8 +21,12 @@ numbers count every operation as dtrain's trainer does and the collectives keep 
 The program is not changed and never waits for the reader: the thread reads while the
 program's own thread blocks in a collective (the GIL is released there), and any error of its
 own stops it silently. Processes that never initialise torch.distributed (data-loader
-workers, tools) only sleep. Afterwards Python's own ``sitecustomize`` lookup goes on to the
-next one on the path, so a user's is still run.
+workers, tools) only sleep; those that never import it have no thread at all. A sleeping
+thread is not free: while the program's thread holds the GIL in C code, such as MPI_Init in
+mpi4py's import, a thread due to wake waits for the GIL and wakes every 5 ms (the switch
+interval), 200 wake-ups a second per rank on the cores the ranks and their agents share while
+MPICH reads every peer's card (`bench.hosts_scale`). Afterwards Python's own
+``sitecustomize`` lookup goes on to the next one on the path, so a user's is still run.
 
 Standard library only, and nothing heavy at start-up: every Python process of the rank pays it.
 """
@@ -43,15 +47,24 @@ def _main() -> None:
         import threading
 
         interval = float(os.environ.get("DTRAIN_FLIGHT_INTERVAL", "1"))
-        sys.meta_path.insert(0, _AfterImport("torch.distributed", _wrap_p2p))
-        threading.Thread(target=_run, args=(path, interval), name="dtrain-flight",
-                         daemon=True).start()
+        sys.meta_path.insert(0, _AfterImport(
+            "torch.distributed", lambda module: _distributed(module, path, interval)))
         # When the main thread is done (before the interpreter's atexit handlers): the program
         # left its main while torch.distributed is up. A marker file, then `_linger`.
         hook = getattr(threading, "_register_atexit", None)
         if hook is not None:
             hook(_left, path)
     _next_sitecustomize()
+
+
+def _distributed(module: Any, path: str, interval: float) -> None:
+    """The program imported torch.distributed: the reader starts, and point-to-point
+    operations are noted from now on."""
+    import threading
+
+    threading.Thread(target=_run, args=(path, interval), name="dtrain-flight",
+                     daemon=True).start()
+    _wrap_p2p(module)
 
 
 def _run(path: str, interval: float) -> None:
