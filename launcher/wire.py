@@ -4,6 +4,11 @@ The stream is the agent's stdin/stdout: an SSH channel for a remote host, a pipe
 A frame is ``length (u32, big-endian) | kind (u8) | payload``, where ``length`` counts the kind
 byte and the payload. Control frames carry UTF-8 JSON objects; OUTPUT carries raw bytes so the
 ranks' output is relayed unchanged (progress bars, partial lines, non-UTF-8 all survive).
+A JSON object of `COMPRESS_FROM` bytes or more travels zlib-compressed (its first byte is then
+``x``, never ``{``): a fence's business cards, pushed to every host, are hex text that
+compresses 4-5x (MPICH's, 64 hosts: 290 KB a host), and through SSH every byte costs the head's
+CPU (paramiko encrypts in Python's thread), each host's sshd and its agent, on cores the
+ranks wiring up share (`bench.hosts_scale`).
 
 The SPEC (what one host runs) is typed: `AgentSpec` with its `RankStart` and `PmiSpec` parts,
 built by the head and read by the agent, and `Watch`, the liveness settings both sides use.
@@ -23,14 +28,22 @@ TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy r
 if TYPE_CHECKING:
     from typing import Any
 
-PROTOCOL_VERSION = 6  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
+PROTOCOL_VERSION = 7  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
 #                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare);
 #                     5: the ranks' forwarded environment comes with START, not in the SPEC;
 #                     6: fan-out (SUBTREE, ROUTED, GONE; a fence of many hosts in one message)
+#                     7: large JSON objects compressed (COMPRESS_FROM)
 MAX_FRAME = 16 * 1024 * 1024
+#: A JSON object this long or longer is sent compressed (zlib's fastest level: ~2 ms for a
+#: 290 KB fence once at the head, well under a millisecond to inflate at each host).
+COMPRESS_FROM = 64 * 1024
+#: The most a compressed JSON object may inflate to (a frame is refused beyond it).
+MAX_JSON = 4 * MAX_FRAME
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
 _INDEX = struct.Struct("!I")
+#: The first byte of a compressed JSON payload: zlib's header at every level (32 KiB window).
+COMPRESSED = b"x"
 
 
 class Kind(enum.IntEnum):
@@ -77,8 +90,11 @@ class Frame:
     payload: bytes
 
     def json(self) -> dict[str, Any]:
+        payload = self.payload
+        if payload[:1] == COMPRESSED:
+            payload = _inflate(self.kind, payload)
         try:
-            value = json.loads(self.payload.decode("utf-8")) if self.payload else {}
+            value = json.loads(payload.decode("utf-8")) if payload else {}
         except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
             raise WireError(f"{self.kind.name} frame is not JSON: {exc}") from None
         if not isinstance(value, dict):
@@ -101,7 +117,30 @@ def encode(kind: Kind, payload: bytes = b"") -> bytes:
 
 def encode_json(kind: Kind, obj: dict[str, Any] | None = None) -> bytes:
     body = b"" if obj is None else json.dumps(obj, separators=(",", ":")).encode("utf-8")
-    return encode(kind, body)
+    return encode(kind, _deflate(body))
+
+
+def _deflate(body: bytes) -> bytes:
+    if len(body) < COMPRESS_FROM:
+        return body
+    import zlib  # only here: most agents never send or read an object this large
+
+    return zlib.compress(body, 1)  # its header's first byte is COMPRESSED
+
+
+def _inflate(kind: Kind, payload: bytes) -> bytes:
+    import zlib
+
+    inflater = zlib.decompressobj()
+    try:
+        body = inflater.decompress(payload, MAX_JSON)
+    except zlib.error as exc:
+        raise WireError(f"{kind.name} frame is not valid compressed JSON: {exc}") from None
+    if inflater.unconsumed_tail:
+        raise WireError(f"{kind.name} frame inflates beyond {MAX_JSON} bytes")
+    if not inflater.eof:
+        raise WireError(f"{kind.name} frame's compressed JSON is cut short")
+    return body
 
 
 def encode_value(value: Any) -> bytes:
@@ -114,8 +153,8 @@ def encode_json_shared(kind: Kind, obj: dict[str, Any], key: str, encoded: bytes
     large value shared by many messages (a fence's cards, sent to every relay with its own
     host list) is encoded once, not once per message."""
     rest = encode_value({k: v for k, v in obj.items() if k != key})[:-1]
-    return encode(kind, b"".join((rest, b"," if len(rest) > 1 else b"", encode_value(key),
-                                  b":", encoded, b"}")))
+    return encode(kind, _deflate(b"".join((rest, b"," if len(rest) > 1 else b"",
+                                           encode_value(key), b":", encoded, b"}"))))
 
 
 def encode_output(rank: int, stream: int, data: bytes) -> bytes:

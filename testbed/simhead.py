@@ -54,10 +54,9 @@ DONE_AT: list[float] = []
 class FrameCounter:
     """Frames and bytes per (direction, kind) on one stream; PMI frames by their ``op``.
 
-    It reads only the frame headers (and a PMI frame's first bytes, where its ``op`` is),
-    never copies or decodes a payload but a ROUTED frame's (a fan-out's: small frames of the
-    hosts below a relay, each counted under its own kind as well): it runs inside the head's
-    process, whose CPU is measured (a barrier_out carries every card of the job)."""
+    It reads frame headers and first bytes (a PMI frame's ``op``, inflated when compressed),
+    never copies or decodes a payload but a ROUTED frame's (its hosts' small frames, each
+    counted under its own kind too): it runs in the head's process, whose CPU is measured."""
 
     def __init__(self) -> None:
         self.counts: Counter[tuple[str, str]] = Counter()
@@ -71,8 +70,9 @@ class FrameCounter:
                 self.feed(direction, peek[_INDEX_BYTES:], _Scanner())
             if kind == wire.Kind.DONE:  # when the head's reader got it (the tail's split)
                 DONE_AT.append(time.monotonic())
-            if kind == wire.Kind.PMI:
-                found = _OP.search(peek)
+            if kind == wire.Kind.PMI:  # a compressed one (launcher.wire.COMPRESSED) inflated
+                head = zlib.decompressobj().decompress(peek, 64) if peek[:1] == b"x" else peek
+                found = _OP.search(head)
                 name = f"PMI:{found.group(1).decode() if found else '?'}"
             self.counts[direction, name] += 1
             self.bytes[direction, name] += size
@@ -80,7 +80,7 @@ class FrameCounter:
 
 _OP = re.compile(rb'"op":\s*"([A-Za-z_]+)"')
 _HEADER = struct.Struct("!IB")  # launcher.wire's: length (kind + payload), kind
-_PEEK = 64
+_PEEK = 1024  # enough of a compressed PMI frame to inflate where its op is
 _INDEX_BYTES = 4  # a ROUTED frame's host index (launcher.wire)
 
 

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
         def send(self, frame: bytes) -> bool: ...
         def flush(self, timeout: float) -> bool: ...
 
-_CARDS = b'{"op":"cards"'  # how a fetch's answer begins (`launcher.wire.encode_json`)
+_CARDS = (b'{"op":"cards"', wire.COMPRESSED)  # how a fetch's answer begins (or compressed)
 LINGER_POLL_S = 1.0
 PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
 CLOSE_FLUSH_S = 2.0  # as the agent's own last frames (`launcher.agent.serve`)
@@ -150,7 +150,7 @@ class Relay:
                     if spec.kind is wire.Kind.SPEC:
                         with self._lock:
                             self.fence.spec(target, spec.json())
-        elif len(inner) > 4 and inner[4] == wire.Kind.PMI and inner[5:18] == _CARDS:
+        elif len(inner) > 5 and inner[4] == wire.Kind.PMI and inner[5:18].startswith(_CARDS):
             self._cards_down(target, inner)
         self._send(hop, inner if hop == target else wire.encode(frame.kind, frame.payload))
 
@@ -159,8 +159,10 @@ class Relay:
         waited for it answered (`launcher.tree.fence`)."""
         with contextlib.suppress(wire.WireError):
             for found in wire.Decoder().feed(inner):
+                if (msg := found.json()).get("op") != "cards":
+                    continue  # a large PMI message, compressed, but not a fetch's answer
                 with self._lock:
-                    answers = self.fence.cards(target, found.json())
+                    answers = self.fence.cards(target, msg)
                 shared: bytes | None = None
                 for host, body in answers:
                     shared = shared or wire.encode_value(body["kv"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import random
 import signal
 import threading
 import time
@@ -31,6 +32,8 @@ from tests.support.scripted_agents import MemoryAgentStream, Script, ScriptedAge
 BEAT = 0.05  # seconds between heartbeats; a host silent for 20 of them (1 s) is lost
 OPTS = SuperviseOptions(heartbeat=BEAT, misses=20, grace=0.2, launch_timeout=10.0, pmi="off")
 K = wire.Kind
+# A PATH too large for a pipe even compressed (`launcher.wire.COMPRESS_FROM`): random text.
+LARGE_PATH = random.Random(7).randbytes(60_000).hex()
 
 
 def run_job(scripts: Sequence[Script], base_env: dict[str, str] | None = None,
@@ -84,13 +87,13 @@ def test_the_spec_is_waiting_in_the_stream_before_the_agent_says_hello() -> None
 
 def test_a_spec_too_large_for_a_pipe_waits_for_the_agents_hello() -> None:
     # Written at once it could block the head on a pipe nobody reads yet (a SPEC holds the
-    # PATH its agent checks the program with).
-    assert _frames_to_an_agent_that_never_starts({"PATH": "x" * 70_000}) == [K.BYE]
+    # PATH its agent checks the program with; random, so that it stays large compressed).
+    assert _frames_to_an_agent_that_never_starts({"PATH": LARGE_PATH}) == [K.BYE]
 
 
 def test_a_job_whose_specs_are_too_large_for_a_pipe_starts_once_its_agents_say_hello() -> None:
     outcome, agents = run_job([Script({0: 0, 1: 0}), Script({2: 0, 3: 0})],
-                              base_env={"PATH": "x" * 70_000})
+                              base_env={"PATH": LARGE_PATH})
     assert outcome.exit_code == 0
     assert all([k for k in a.received if k is not K.HEARTBEAT][:2] == [K.SPEC, K.START]
                for a in agents)

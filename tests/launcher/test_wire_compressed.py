@@ -1,0 +1,54 @@
+"""Large JSON objects travel compressed (`launcher.wire.COMPRESS_FROM`): a fence's business
+cards, pushed to every host, are hex text that compresses several times over."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+
+from launcher import wire
+
+# Cards as MPICH writes them: hex of its addresses, runs of zeros written as [n]
+CARDS = {f"-allgather-1-{r}-seg-{s}/10": f"{r:04X}2E0A[7]{s:02X}D05D8E7255[2]" * 24
+         for r in range(64) for s in range(10)}
+
+
+def _frame(data: bytes) -> wire.Frame:
+    frames = wire.Decoder().feed(data)
+    assert len(frames) == 1
+    return frames[0]
+
+
+def test_a_fence_of_cards_is_sent_compressed_and_read_back_unchanged():
+    msg = {"op": "barrier_out", "kv": CARDS}
+    data = wire.encode_json(wire.Kind.PMI, msg)
+    plain = len(json.dumps(msg, separators=(",", ":")))
+    assert plain >= wire.COMPRESS_FROM and len(data) < plain / 3
+    frame = _frame(data)
+    assert frame.payload[:1] == wire.COMPRESSED
+    assert frame.json() == msg
+
+
+def test_a_shared_encoding_of_many_cards_is_compressed_too():
+    msg = {"op": "barrier_out", "hosts": [1, 2], "kv": CARDS}
+    data = wire.encode_json_shared(wire.Kind.PMI, msg, "kv", wire.encode_value(CARDS))
+    frame = _frame(data)
+    assert frame.payload[:1] == wire.COMPRESSED and frame.json() == msg
+
+
+def test_a_small_object_travels_as_plain_json():
+    msg = {"op": "get_result", "req": 3, "found": True, "value": "x" * 1000}
+    frame = _frame(wire.encode_json(wire.Kind.PMI, msg))
+    assert frame.payload.startswith(b"{") and frame.json() == msg
+
+
+@pytest.mark.parametrize("payload, why", [
+    (b"x\x9c not zlib at all", "not valid compressed JSON"),
+    (zlib.compress(b'{"op": "cards"}' * 100, 1)[:-9], "cut short"),
+    (zlib.compress(b" " * (wire.MAX_JSON + 1), 1), f"inflates beyond {wire.MAX_JSON}"),
+])
+def test_a_bad_compressed_frame_is_one_wire_error(payload, why):
+    with pytest.raises(wire.WireError, match=why):
+        wire.Frame(wire.Kind.PMI, payload).json()
