@@ -268,23 +268,36 @@ class Supervisor:
                 tree = {getattr(x.stream, "tree_index", x.index): p
                         for p, x in enumerate(self.links)}
                 msg = {**msg, "hosts": [tree[h] for h in msg["hosts"] if h in tree]}
-            # A fence's answer, the same keys for every host: (id of its cards, whole frame?)
-            fence: dict[tuple[int, bool], bytes] = {}
+            # A fence's answer, the same keys for every host: (id of its cards, what) -> bytes
+            fence: dict[tuple[int, str], bytes] = {}
+            released: list[tuple[int, bytes]] = []
             for host, reply in self.pmi.handle(self._at[link.index], link.name, msg):
                 if "hosts" in reply:  # the cards encoded once, each relay's hosts its own
                     reply["hosts"] = [getattr(self.links[p].stream, "tree_index", p)
                                       for p in reply["hosts"]]
-                    cards = (id(reply["kv"]), False)
-                    if cards not in fence:
+                    if (cards := (id(reply["kv"]), "value")) not in fence:
                         fence[cards] = wire.encode_value(reply["kv"])
                     data = wire.encode_json_shared(wire.Kind.PMI, reply, "kv", fence[cards])
+                elif reply.get("op") == "barrier_out" and reply.get("kv"):
+                    # Pushed cards go to every host first, each host's release after them all:
+                    # sent with the releases, the last of 64 namespace hosts got its cards
+                    # ~1 s after the first, while the first hosts' ranks, through with their
+                    # gets, spun in MPI_Init on the cores it shared (`bench.hosts_scale`).
+                    if (cards := (id(reply["kv"]), "push")) not in fence:  # encoded once
+                        fence[cards] = wire.encode_json(wire.Kind.PMI,
+                                                        {"op": "push", "kv": reply["kv"]})
+                        fence[cards[0], "out"] = wire.encode_json(wire.Kind.PMI,
+                                                                  {**reply, "kv": {}})
+                    data = fence[cards]
+                    released.append((host, fence[cards[0], "out"]))
                 elif "kv" in reply:  # encoded once (it grows as hosts x ranks), sent N times
-                    cards = (id(reply["kv"]), True)
-                    if cards not in fence:
+                    if (cards := (id(reply["kv"]), "frame")) not in fence:
                         fence[cards] = wire.encode_json(wire.Kind.PMI, reply)
                     data = fence[cards]
                 else:
                     data = wire.encode_json(wire.Kind.PMI, reply)
+                self.links[host].send(data)
+            for host, data in released:
                 self.links[host].send(data)
 
     def _on_signal(self, signum: int) -> None:

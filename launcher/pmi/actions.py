@@ -11,6 +11,9 @@ takes; the head side is ``launcher.pmi.kvs``):
     -> {"op": "barrier_in", "puts": {key: value}}     every local rank entered the barrier
     <- {"op": "barrier_out", "kv": {key: value}}      all puts of all hosts in that epoch
     <- {"op": "barrier_out", "kv": {}, "held": b}     the same, b bytes of them left above
+    <- {"op": "push", "kv": {key: value}}             cards for the cache, nobody released:
+                                                      the head sends a fence's cards so to
+                                                      every host, then each barrier_out
     -> {"op": "get", "key": k, "req": n}              a key this host has not seen
     <- {"op": "get_result", "req": n, "found": bool, "value": str}
     -> {"op": "fetch", "req": n}                      every committed key, at once

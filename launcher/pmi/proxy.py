@@ -163,6 +163,11 @@ class PmiProxy:
             return self._get_result(msg)
         if op == "cards":
             return self._cards(msg)
+        if op == "push":  # a fence's cards ahead of its barrier_out: kept, nobody released
+            if not isinstance(kv := msg.get("kv"), dict):
+                raise actions.relay_error("push without a kv object")
+            self._cache.update(kv)
+            return []
         raise actions.relay_error(f"unknown op {op!r}")
 
     def exited(self, rank: int) -> None:

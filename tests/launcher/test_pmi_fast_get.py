@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.errors import PmiError
 from launcher.pmi import proxy as proxy_module
 from launcher.pmi.actions import Close, RankFailed, Reply, Send
 from launcher.pmi.codec import format_reply, found_reply, get_line_pattern
@@ -145,3 +146,22 @@ def test_a_get_line_inside_a_spawn_block_is_part_of_the_block(pair):
         assert proxy.feed(1, b"cmd=get kvsname=kvs_7 key=bc-0\n") == []
         out = proxy.feed(1, b"totspawns=1\nendcmd\n")
         assert [type(a) for a in out] == [Reply, Send] and b"rc=-1" in out[0].data
+
+
+def test_cards_pushed_ahead_of_the_release_release_nobody_and_are_served_after_it():
+    proxy = PmiProxy(ranks=(2, 3), world_size=4, kvsname=KVS, process_mapping="")
+    for conn, rank in ((1, 2), (2, 3)):
+        proxy.open(conn, rank)
+        proxy.feed(conn, b"cmd=init pmi_version=1 pmi_subversion=1\n")
+        proxy.feed(conn, b"cmd=barrier_in\n")
+    assert proxy.upstream({"op": "push", "kv": dict(CARDS)}) == []
+    assert proxy.epoch == 0 and proxy.fenced == frozenset({2, 3})  # still in the barrier
+    assert proxy.upstream({"op": "barrier_out", "kv": {}}) == [
+        Reply(1, b"cmd=barrier_out rc=0\n"), Reply(2, b"cmd=barrier_out rc=0\n")]
+    assert proxy.feed(2, b"cmd=get kvsname=kvs_7 key=bc-0\n") == [
+        Reply(2, b"cmd=get_result rc=0 value=addr=1\n")]
+
+
+def test_a_push_without_cards_is_a_relay_error():
+    with pytest.raises(PmiError, match="push without a kv object"):
+        fenced().upstream({"op": "push"})

@@ -30,12 +30,14 @@ def _counted(result: dict[str, Any]) -> dict[str, dict[str, int]]:
             for d, kinds in simjob.frame_counts(result).items()}
 
 
-def _expected(hosts: int, ranks: int) -> dict[str, dict[str, int]]:
+def _expected(hosts: int, ranks: int, pushed: bool = False) -> dict[str, dict[str, int]]:
     """Per host: SPEC, START and BYE out, HELLO, READY and DONE in; per rank STARTED and EXIT;
     two fences (MPI_Init's and MPI_Finalize's), each one barrier_in per host up and one
-    barrier_out per host down; STDIN: rank 0's EOF (the head's stdin is not a terminal)."""
+    barrier_out per host down, and where the head ``pushed`` MPI_Init's cards to the hosts, one
+    push per host ahead of its barrier_out; STDIN: rank 0's EOF (the head's stdin is not a
+    terminal)."""
     return {"out": {"BYE": hosts, "PMI:barrier_out": 2 * hosts, "SPEC": hosts, "START": hosts,
-                    "STDIN": 1},
+                    "STDIN": 1, **({"PMI:push": hosts} if pushed else {})},
             "in": {"DONE": hosts, "EXIT": hosts * ranks, "HELLO": hosts,
                    "PMI:barrier_in": 2 * hosts, "READY": hosts, "STARTED": hosts * ranks}}
 
@@ -141,7 +143,7 @@ def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -
     simulated = simjob.run_job(8, 2, timeout=120)
     _ended_well(real, 8, 2)
     _ended_well(simulated, 8, 2)
-    assert _counted(simulated) == _counted(real) == _expected(8, 2)
+    assert _counted(simulated) == _counted(real) == _expected(8, 2, pushed=True)
     for result in (real, simulated):
         assert simjob.frame_counts(result)["in"]["PROGRESS"] >= 8
 
@@ -153,7 +155,7 @@ def test_simulated_hosts_join_a_rendezvous_head_with_the_token_and_run_the_same_
     _ended_well(result, 32, 2)
     assert result["agents_seen"] == 32 and result["agent_codes"] == [0]
     assert result["joined"] is not None and result["joined"] < result["running"]
-    assert _counted(result) == _expected(32, 2)
+    assert _counted(result) == _expected(32, 2, pushed=True)
 
 
 @pytest.mark.parametrize("gets", [0, 4])
