@@ -69,8 +69,9 @@ class SubtreeFence:
         return {"op": "barrier_in", "puts": puts, "hosts": sorted(entered)}
 
     def out(self, msg: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
-        """The head's answer for the hosts this relay covered: ``(next hop, message)`` pairs,
-        one per hop; the hop is ``own`` for the relay's own agent."""
+        """The head's answer for the hosts this relay covered: ``(next hop, message)`` pairs in
+        the order to send them, one per relay below and a push and a release per host (the hop
+        is ``own`` for the relay's own agent)."""
         hosts = [int(h) for h in msg.get("hosts", [self.own])]
         kv = dict(msg.get("kv") or {})
         if hosts:
@@ -82,15 +83,20 @@ class SubtreeFence:
         groups: dict[int, list[int]] = {}
         for h in hosts:
             groups.setdefault(self.route.get(h, h), []).append(h)
-        out = []
+        out, releases = [], []
         for hop, group in groups.items():
             body: dict[str, Any] = {"op": "barrier_out", "kv": kv}
             if msg.get("held"):  # the cards were left above (`launcher.pmi.kvs`)
                 body["held"] = msg["held"]
             if group != [hop]:
                 body["hosts"] = group
-            out.append((hop, body))
-        return out
+                out.append((hop, body))
+            elif kv:  # a host's cards first, its release once every host has them (the head's
+                out.append((hop, {"op": "push", "kv": kv}))  # order, `launcher.head.supervisor`)
+                releases.append((hop, {**body, "kv": {}}))
+            else:
+                releases.append((hop, body))
+        return out + releases
 
     def get(self, host: int, key: object) -> str | None:
         """A card this relay holds, for a ``get`` from ``host``; None: ask upwards."""

@@ -189,18 +189,18 @@ class Relay:
         """The parent's ``barrier_out`` for the hosts this relay covered."""
         with self._lock:
             pairs = self.fence.out(msg)
-        cards: bytes | None = None  # every child's answer carries the same cards: encoded once
-        plain: bytes | None = None  # and a leaf's answer is the same for every leaf
+        cards: bytes | None = None  # every relay below gets the same cards: encoded once
+        leaf: dict[str, bytes] = {}  # and every host its same push and release, by op
         for hop, body in pairs:
             if hop == self.own:
                 self._own_pmi(body)
-                continue
-            cards = cards if cards is not None else wire.encode_value(body["kv"])
-            if "hosts" in body:
+            elif "hosts" in body:
+                cards = cards if cards is not None else wire.encode_value(body["kv"])
                 self._send(hop, wire.encode_json_shared(wire.Kind.PMI, body, "kv", cards))
             else:
-                plain = plain or wire.encode_json_shared(wire.Kind.PMI, body, "kv", cards)
-                self._send(hop, plain)
+                if body["op"] not in leaf:
+                    leaf[body["op"]] = wire.encode_json(wire.Kind.PMI, body)
+                self._send(hop, leaf[body["op"]])
 
     def linger(self, events: queue.Queue[Any], ended: Callable[[Any], bool]) -> None:
         """After the own agent is done: carry the children's streams until they end, or the

@@ -108,7 +108,8 @@ def test_a_fence_through_the_tree_costs_the_head_one_message_per_host_it_started
     for hop, msg in replies:
         _down(tree, fences, hop, msg, got)
     cards = {f"card{h}": "x" for h in range(hosts)}
-    assert got == {h: [{"op": "barrier_out", "kv": cards}] for h in range(hosts)}
+    assert got == {h: [{"op": "push", "kv": cards}, {"op": "barrier_out", "kv": {}}]
+                   for h in range(hosts)}  # each host its cards, then its release
     # A get from below is answered by the relay that passed the cards down.
     relay = tree.relays()[-1]
     child = tree.children(relay)[0]
@@ -337,9 +338,10 @@ def test_a_relay_routes_both_ways_merges_its_fence_and_reports_a_lost_child():
     assert aggregate["hosts"] == [0, 1, 2, 3] and len(aggregate["puts"]) == 4
     kv = {"c0": "0", "c1": "1", "c2": "2", "c3": "3"}
     relay.fence_out({"op": "barrier_out", "kv": kv, "hosts": [0, 1, 2, 3]})
-    assert own == [{"op": "barrier_out", "kv": kv}]
+    assert own == [{"op": "push", "kv": kv}, {"op": "barrier_out", "kv": {}}]
     assert _frames(child1, 1)[0].json() == {"op": "barrier_out", "kv": kv, "hosts": [1, 3]}
-    assert _frames(child2, 1)[0].json() == {"op": "barrier_out", "kv": kv}
+    assert [f.json() for f in _frames(child2, 2)] == [{"op": "push", "kv": kv},
+                                                      {"op": "barrier_out", "kv": {}}]
     # A get for a card the relay passed down is answered here.
     child2.write(wire.encode_json(K.PMI, {"op": "get", "key": "c3", "req": 4}))
     assert _frames(child2, 1)[0].json() == {"op": "get_result", "req": 4, "found": True,
@@ -387,3 +389,12 @@ def test_a_relay_sends_one_fetch_up_and_answers_the_others_when_its_cards_pass_d
     assert fence.fetch(2, 8) == {"op": "cards", "req": 8, "kv": {"a": "1", "b": "2"}}
     fence.out({"op": "barrier_out", "kv": {}, "held": 9, "hosts": [0, 1, 2]})
     assert fence.fetch(2, 9) is None
+
+
+def test_a_relay_sends_every_host_its_cards_before_any_release():
+    fence = SubtreeFence(0, {0: 0, 1: 1, 2: 2, 3: 3})
+    for host in range(4):
+        fence.spec(host, {"ranks": [host], "pmi": {"mode": "fd", "kvsname": "k"}})
+    out = fence.out({"op": "barrier_out", "kv": {"a": "1"}, "hosts": [0, 1, 2, 3]})
+    assert [(h, b["op"]) for h, b in out] == [(h, op) for op in ("push", "barrier_out")
+                                              for h in range(4)]
