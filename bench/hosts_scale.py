@@ -14,11 +14,13 @@ first N hosts, one rank per host, in the same run (tool order rotated every repe
 
 The MPI tools run ``bench/workers/mpi_stamp.py`` (``from mpi4py import MPI``: MPI_Init over
 the launcher's PMI, then a barrier). Per run, from t0 just before the launcher starts:
-``running`` every rank's first stamp, ``world`` every rank past MPI_Init, ``exit`` the
-launcher returned, ``tail`` = exit minus the last rank's last stamp (MPI_Finalize, the
-process's end and the launcher's teardown), and ``head CPU``: the CPU seconds of the launcher
-and every process it started on this side (getrusage of the bench's children: dtrain's head,
-mpiexec and its ssh clients, pdsh and its ssh clients; not the remote sides).
+``running`` every rank's first stamp, ``world`` every rank past MPI_Init, ``wired`` = world
+minus running (the MPI wire-up: mpi4py's import and MPI_Init, the PMI fence and every rank's
+gets of its peers' cards, without the launch before it), ``exit`` the launcher returned,
+``tail`` = exit minus the last rank's last stamp (MPI_Finalize, the process's end and the
+launcher's teardown), and ``head CPU``: the CPU seconds of the launcher and every process it
+started on this side (getrusage of the bench's children: dtrain's head, mpiexec and its ssh
+clients, pdsh and its ssh clients; not the remote sides).
 Medians over the repetitions; ratios to Hydra (target <= 1.0 from 16 hosts; the tree no
 slower than flat at 64).
 """
@@ -39,13 +41,14 @@ HOSTS = (8, 16, 32, 64)
 TOOLS = ("dtrain", "dtrain-tree", "hydra", "pdsh")
 PER_HOST = 1
 FANOUT = 4
-KEYS = ("running", "world", "exit", "tail", "cpu")
+KEYS = ("running", "world", "wired", "exit", "tail", "cpu")
 MPI_SCRIPT = common.WORKERS / "mpi_stamp.py"
 PLAIN_SCRIPT = common.WORKERS / "stamp.py"
 COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ok", "ok"), ("running s", "running_s"),
-           ("world s", "world_s"), ("exit s", "exit_s"), ("tail s", "tail_s"),
-           ("head CPU s", "cpu_s"), ("world/Hydra", "world_s_vs_hydra"),
-           ("exit/Hydra", "exit_s_vs_hydra"), ("CPU/Hydra", "cpu_s_vs_hydra")]
+           ("world s", "world_s"), ("wired s", "wired_s"), ("exit s", "exit_s"),
+           ("tail s", "tail_s"), ("head CPU s", "cpu_s"), ("world/Hydra", "world_s_vs_hydra"),
+           ("wired/Hydra", "wired_s_vs_hydra"), ("exit/Hydra", "exit_s_vs_hydra"),
+           ("CPU/Hydra", "cpu_s_vs_hydra")]
 SUMMARY_COLUMNS = COLUMNS
 SUMMARY_NOTE = (
     "Namespace hosts share this machine's CPUs: N hosts start N sshd sessions and N Python "
@@ -77,8 +80,9 @@ def _launch(cluster: Any, tool: str, n: int, per_host: int, out: str,
 def _metrics(t0: float, t_exit: float, stamps: list[dict]) -> dict[str, float]:
     last = max(s.get("barrier", s["start"]) for s in stamps)
     inits = [s["init"] for s in stamps if "init" in s]
-    return {"running": max(s["start"] for s in stamps) - t0,
-            "world": (max(inits) - t0) if len(inits) == len(stamps) else float("nan"),
+    running = max(s["start"] for s in stamps)
+    world = max(inits) if len(inits) == len(stamps) else float("nan")
+    return {"running": running - t0, "world": world - t0, "wired": world - running,
             "exit": t_exit - t0, "tail": t_exit - last}
 
 
@@ -120,15 +124,16 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 3, *, tools: Sequence[str] = T
                                  warmup, progress)
     rows = common.summarize("hosts_scale", results, per_host, KEYS)
     for row in rows:  # pdsh forms no MPI world
-        if row["world_s"] is not None and row["world_s"] != row["world_s"]:
-            row["world_s"] = row["world_min_s"] = None
+        for key in ("world", "wired"):
+            if row[f"{key}_s"] is not None and row[f"{key}_s"] != row[f"{key}_s"]:
+                row[f"{key}_s"] = row[f"{key}_min_s"] = None
     if "dtrain-tree" not in chosen and "dtrain-tree" in tools:
         rows += [{"bench": "hosts_scale", "tool": "dtrain-tree", "hosts": n, "ok": 0, "reps": 0,
                   "error": "this dtrain has no --fanout (the tree launch is not merged)"}
                  for n in hosts]
     rows.sort(key=lambda r: (list(tools).index(r["tool"]), r["hosts"]))
     if "hydra" in chosen:
-        for key in ("world_s", "exit_s", "cpu_s"):
+        for key in ("world_s", "wired_s", "exit_s", "cpu_s"):
             common.add_ratios(rows, key)
     return rows
 

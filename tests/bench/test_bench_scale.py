@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from bench import common, hosts_scale, sim_scale
 
 
@@ -26,9 +28,10 @@ def test_hosts_scale_times_every_tool_with_its_head_cpu_on_one_host(netns_cluste
         assert 0 < row["running_s"] <= row["exit_s"]
         assert row["cpu_s"] > 0 and row["tail_s"] >= 0
         if row["tool"] == "pdsh":
-            assert row["world_s"] is None  # no PMI: no MPI world to time
+            assert row["world_s"] is None and row["wired_s"] is None  # no PMI: no MPI world
         else:
             assert row["running_s"] <= row["world_s"] <= row["exit_s"]
+            assert row["wired_s"] == pytest.approx(row["world_s"] - row["running_s"])
     json.dumps(rows)
     assert netns_cluster.wait_no_job_pids(5) == {}
 
