@@ -49,7 +49,7 @@ from trainer.checkpoint import checksum
 from trainer.checkpoint.commit import RandomState, Records, commit_folder
 from trainer.checkpoint.failure import agree, discard, save_errors
 from trainer.checkpoint.fault import fault
-from trainer.checkpoint.files import FileRecord, write_tensors
+from trainer.checkpoint.files import FileRecord, Images, write_tensors
 from trainer.checkpoint.layout import (
     RNG,
     CheckpointError,
@@ -204,6 +204,8 @@ class Save:
     (`trainer.checkpoint.pieces.staging`); the training must not change a source before
     `staged` is set."""
     staged: threading.Event = field(default_factory=threading.Event)
+    images: Images | None = None
+    """Where the caller keeps its tensor file's layout from save to save (`files.Images`)."""
     copy_error: Exception | None = None
     written: Records = field(default_factory=dict)
     write_s: float = 0.0
@@ -247,9 +249,9 @@ class Save:
         """The staging the caller left for later (`copies`; any thread, before `write`, which
         waits for it); `staged` is set after it, even when it failed: `write` raises its
         error, which stops every rank at `settle`."""
-        try:
-            for host, source in self.copies:
-                host.copy_(source)
+        try:  # one call: no Python per tensor, holding the interpreter's lock
+            if self.copies:
+                torch._foreach_copy_([h for h, _ in self.copies], [s for _, s in self.copies])
         except Exception as exc:  # noqa: BLE001 - raised by write, on the writer's thread
             self.copy_error = exc
         finally:
@@ -268,7 +270,8 @@ class Save:
         if self.tensors:
             name = rank_file(self.group.rank)
             self.written[name] = write_tensors(self.tmp / name, self.tensors,
-                                               lambda: fault("save_after_write", self.step))
+                                               lambda: fault("save_after_write", self.step),
+                                               self.images)
         self.tensors = {}
         if self.leader:  # known since `start`: written now, alongside the other ranks' files,
             # rather than in the commit, which every rank waits for
