@@ -62,7 +62,7 @@ from trainer.comm.protocol import Agreement, ReduceOp, wait_quietly
 from trainer.data.token_batches import TokenBatches
 from trainer.placement import writers
 from trainer.training.guard import diverged, nonfinite
-from trainer.training.resume import meta_of
+from trainer.training.resume import meta_of, run_meta
 from trainer.training.run import Run
 
 
@@ -87,7 +87,8 @@ def run_token(run: Run) -> int:
 
 def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
           defer: bool = False, late: Late | None = None, token: int | None = None,
-          owners: list[bool] | None = None) -> Save | None:
+          owners: list[bool] | None = None, run_part: dict[str, Any] | None = None
+          ) -> Save | None:
     """Collective: check the weights, stage this rank's slices (into ``pool``'s host tensors,
     `trainer.checkpoint.pieces.stage`), create the save's folder (None: ``step`` is already
     committed).
@@ -108,7 +109,7 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     never None; a weight not finite on any rank drops the written save before its commit
     (the leader removes the folder) and raises the divergence on every rank. ``owners``:
     `trainer.placement.writers` of this rank's slices, when the caller kept it (it never
-    changes during a run)."""
+    changes during a run); ``run_part``: `trainer.training.resume.run_meta`, kept likewise."""
     began, began_at = time.perf_counter(), time.time()  # the save's clock (`Save.report`)
     # covers staging too
     weights, mesh = run.weights, run.mesh
@@ -136,7 +137,8 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
             if group.rank == 0:
                 release(root, step, token)
             raise diverged(step, report=run.is_writer)
-    meta = _meta(run, step, count) if group.rank == 0 else {}  # only the leader writes it
+    meta = _meta(run, step, count, run_part) if group.rank == 0 else {}  # only the leader
+    # writes it
     job = opened(root, step, token, error, tensors=staged, contents=contents, meta=meta,
                  keep=run.cfg.checkpoint.keep, group=group, device=mesh.device)
     if job is not None:
@@ -148,14 +150,15 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     return job
 
 
-def _meta(run: Run, step: int, count: int) -> dict[str, Any]:
+def _meta(run: Run, step: int, count: int, run_part: dict[str, Any] | None) -> dict[str, Any]:
     """What the leader's ``meta.json`` of save ``step`` holds besides the format and the
     random state (``count``: AdamW's step count, this rank's until agreed)."""
     groups = [{k: g[k] for k in ("lr", "betas", "eps", "weight_decay")}
               for g in run.weights.optimizer.param_groups]
     samples = run.batches.position.to_dict() if isinstance(run.batches, TokenBatches) else None
     return meta_of(run.cfg, step, source=run.corpus.source, fingerprint=run.corpus.fingerprint,
-                   optimizer={"step": count, "groups": groups}, samples=samples)
+                   optimizer={"step": count, "groups": groups}, samples=samples,
+                   run_part=run_part)
 
 
 def _accepted(run: Run) -> Callable[[Save], None]:
@@ -210,6 +213,7 @@ class Checkpoints:
         self.pool: dict[str, torch.Tensor] = {}  # the host copies, reused save after save
         self.images = Images()  # and the layout of their file
         self.owners: list[bool] = []  # which slices this rank writes (`_allocate`)
+        self._run_part = run_meta(run.cfg) if run.mesh.group().rank == 0 else None
         self._allocate()
         # The writer copies the state while the next step computes; AdamW's step is the one
         # thing that changes it, so it first waits for that copy.
@@ -261,7 +265,8 @@ class Checkpoints:
         late = None if wait else self._late
         # In place the loop waits anyway: copied here, not handed to a thread and waited for.
         job = begin(self.run, step, self.pool, defer=not wait, late=late,
-                    token=self._token if wait else None, owners=self.owners)
+                    token=self._token if wait else None, owners=self.owners,
+                    run_part=self._run_part)
         if late is not None:
             self._unread = job
         if job is not None:
