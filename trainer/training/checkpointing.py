@@ -98,9 +98,12 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     token (`trainer.checkpoint.save.claim`). A collective costs a scheduling round over every
     rank, the larger part of the time a background save blocks the loop (profiled at dp 2 x
     tp 2 x pp 2: three collectives, 56 of the 70 samples in the save); the leader removes the
-    folder again when a weight is not finite. ``defer``: a CPU state is not copied here but
-    by the save's writer (`Save.copies`), while the next step's forward and backward run; the
-    caller waits for `Save.staged` before anything changes the weights (`Checkpoints`).
+    folder again when a weight is not finite. ``defer``: a CPU state is neither staged nor
+    copied here but in a helper thread (`Save.later`: which slices and where to, read from
+    the optimizer's state, then the copy: 0.16 ms of the training thread's CPU per save
+    at dp 2 x tp 2 x pp 2 on 2 cores), while the next step's forward and backward run; the
+    caller waits for `Save.staged` before anything changes the weights or the optimizer's
+    state (`Checkpoints`).
     ``late``: the check and the step count are posted to ``late.agreement`` instead, for the
     caller to read later (`Checkpoints`; the meta's step count is this rank's until then), and
     the folder is named by ``late.token``: no collective, never None. ``token`` (a save
@@ -115,14 +118,13 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     weights, mesh = run.weights, run.mesh
     group, root = mesh.group(), folder(Path(run.cfg.run_dir))
     bad = nonfinite(weights.values())
-    mine = held(weights.values(), weights.optimizer)
-    if owners is None:
-        owners = writers([h.placement for h in mine], mesh)
-    later = defer and not any(h.tensor.is_cuda for h in mine)
-    pairs, contents = staging(mine, owners, pool) if later else ({}, [])
-    staged = {key: host for key, (host, _) in pairs.items()} if later else {}
-    if not later:
-        staged, contents = stage(mine, owners, pool)
+
+    def mine() -> list[Held]:
+        return held(weights.values(), weights.optimizer)
+
+    writes = owners if owners is not None else writers([h.placement for h in mine()], mesh)
+    later = defer and not any(t.is_cuda for t in weights.values())
+    staged, contents = ({}, []) if later else stage(mine(), writes, pool)
     count = adam_step(weights.optimizer)
     error = None
     if late is not None:
@@ -143,8 +145,8 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
                  keep=run.cfg.checkpoint.keep, group=group, device=mesh.device)
     if job is not None:
         job.started, job.started_at = began, began_at
-        if pairs:
-            job.later(list(pairs.values()))
+        if later:  # what is staged, and the copy, worked out in the copier's thread
+            job.later(lambda: staging(mine(), writes, pool))
         if late is None and token is not None:
             job.checks, job.accept = (int(bad), count), _accepted(run)
     return job
