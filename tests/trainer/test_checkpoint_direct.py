@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from trainer.checkpoint import checksum
 from trainer.checkpoint.direct import ALIGN, BOUNCE, DirectFile
-from trainer.checkpoint.files import write_tensors
+from trainer.checkpoint.files import Images, write_tensors
 from trainer.checkpoint.pieces import Held, stage
 from trainer.placement import Placement
 
@@ -97,8 +97,9 @@ def test_a_staged_tensor_file_reads_back_and_its_record_matches_its_bytes(
 def test_a_staged_block_goes_to_the_disk_in_one_write_after_the_header(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A direct write is a round trip to the disk: the staged tensors, back to back in one
-    block, are written as one run (the header, the block's whole pages, its last page), not
-    one or two writes per tensor; the bytes are the same."""
+    block, are written as one run (the header, the block's whole pages, the rest of its last
+    page through the page cache), not one or two writes per tensor, and the file is never cut
+    back (cutting inside a block reads it back from the disk); the bytes are the same."""
     held = _held([(3, 5), (1000,), (7,), (300, 70), (1,), (64, 64)])
     staged, _ = stage(held, [True] * len(held), {})
     sizes: list[int] = []
@@ -109,12 +110,53 @@ def test_a_staged_block_goes_to_the_disk_in_one_write_after_the_header(
         return write(fd, data)
 
     monkeypatch.setattr(os, "write", counted)
+    cuts: list[int] = []
+    monkeypatch.setattr(os, "ftruncate", lambda fd, size: cuts.append(size))
     record = write_tensors(tmp_path / "r.safetensors", staged)
     monkeypatch.undo()
     back = load_file(tmp_path / "r.safetensors")
     assert all(torch.equal(back[key], tensor) for key, tensor in staged.items())
     assert record.digest == checksum.of_file(tmp_path / "r.safetensors", checksum.WRITTEN)
     data = sum(t.numel() * t.element_size() for t in staged.values())
+    assert data % ALIGN  # the file's end is not a whole block
+    assert cuts == []
     if len(sizes) > 1:  # direct I/O (a filesystem that refuses it writes buffered, as given)
         assert len(sizes) == 3, sizes
         assert sizes[1] == data - data % ALIGN
+        assert sizes[2] == data % ALIGN
+
+
+def test_a_save_into_the_same_staged_tensors_keeps_their_layout_and_writes_its_new_values(
+        tmp_path: Path) -> None:
+    """A run stages every save into the same host tensors: the file's header and runs are
+    worked out once (`files.Images`), and each file still holds that save's values."""
+    held = _held([(3, 5), (1000,), (7,), (300, 70)])
+    pool: dict[str, torch.Tensor] = {}
+    images = Images()
+    staged, _ = stage(held, [True] * len(held), pool)
+    first = images(staged)
+    write_tensors(tmp_path / "a.safetensors", staged, images=images)
+    for h in held:  # the next save's values, into the same host tensors
+        h.tensor.mul_(-2.0)
+    again, _ = stage(held, [True] * len(held), pool)
+    assert images(again) is first
+    record = write_tensors(tmp_path / "b.safetensors", again, images=images)
+    back = load_file(tmp_path / "b.safetensors")
+    assert all(torch.equal(back[f"param/w{i}"], h.tensor.reshape(-1))
+               for i, h in enumerate(held))
+    assert record.digest == checksum.of_file(tmp_path / "b.safetensors", checksum.WRITTEN)
+    assert (tmp_path / "b.safetensors").read_bytes()[:len(first.header)] == first.header
+
+
+def test_a_kept_layout_is_worked_out_anew_for_other_tensors(tmp_path: Path) -> None:
+    images = Images()
+    small, _ = stage(_held([(3, 5), (7,)]), [True, True], {})
+    other, _ = stage(_held([(3, 5), (9,)]), [True, True], {})
+    kept = images(small)
+    assert images(other) is not kept
+    record = write_tensors(tmp_path / "o.safetensors", other, images=images)
+    back = load_file(tmp_path / "o.safetensors")
+    assert all(torch.equal(back[key], t) for key, t in other.items())
+    assert record.size == (tmp_path / "o.safetensors").stat().st_size
+    renamed = {f"{key}x": t for key, t in other.items()}  # the same tensors, other names
+    assert images(renamed).header != images(other).header

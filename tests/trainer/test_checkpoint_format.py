@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +18,8 @@ from trainer import checkpoint
 from trainer.checkpoint import CheckpointDamaged, checksum
 from trainer.checkpoint.files import write_tensors
 from trainer.checkpoint.pieces import assemble
+from trainer.config.options import parse_args
+from trainer.training.resume import meta_of, run_meta
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "checkpoint-format3" / "step-4"
 
@@ -84,3 +87,16 @@ def test_a_dtype_safetensors_cannot_name_is_refused_before_anything_is_written(
     with pytest.raises(TypeError, match="a checkpoint cannot hold dtype torch.complex64"):
         write_tensors(tmp_path / "c.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
     assert not (tmp_path / "c.safetensors").exists()
+
+
+def test_a_meta_built_with_the_run_part_kept_is_the_meta_built_anew() -> None:
+    """A run keeps the part of meta.json that is the same at every save (`run_meta`); the
+    body written is the same as without it."""
+    cfg = parse_args(["--model", "small", "--tp", "2", "--pp", "2", "--dp", "2",
+                      "--global-batch", "4", "--microbatches", "2"], quiet=True)
+    args: dict[str, Any] = {"source": "corpus", "fingerprint": "f00d",
+                            "optimizer": {"step": 7, "groups": [{"lr": 1e-3}]},
+                            "samples": {"epoch": 1}}
+    kept = run_meta(cfg)
+    assert meta_of(cfg, 7, run_part=kept, **args) == meta_of(cfg, 7, **args)
+    assert set(kept) < set(meta_of(cfg, 7, **args))

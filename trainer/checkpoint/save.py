@@ -49,7 +49,7 @@ from trainer.checkpoint import checksum
 from trainer.checkpoint.commit import RandomState, Records, commit_folder
 from trainer.checkpoint.failure import agree, discard, save_errors
 from trainer.checkpoint.fault import fault
-from trainer.checkpoint.files import FileRecord, write_tensors
+from trainer.checkpoint.files import FileRecord, Images, write_tensors
 from trainer.checkpoint.layout import (
     RNG,
     CheckpointError,
@@ -188,22 +188,28 @@ class Save:
     """The leader's random state at `start` (empty on the others)."""
 
     def __post_init__(self) -> None:
-        self.staged.set()  # staged by the caller, unless it hands `copies` over (`later`)
+        self.staged.set()  # staged by the caller, unless it leaves staging to `copy` (`later`)
 
-    def later(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """The tensors are still to be copied, by `copy`: `write` waits for that."""
-        self.copies = copies
+    def later(self, prepare: Callable[[], tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                                 list[Any]]]) -> None:
+        """The staging is still to be done, by `copy`: ``prepare`` says, for every key of the
+        tensor file, the host tensor and what to copy into it, and the index entries
+        (`trainer.checkpoint.pieces.staging`); `write` waits for that."""
+        self.prepare = prepare
         self.staged.clear()
     started: float = field(default_factory=time.perf_counter)
     started_at: float = field(default_factory=time.time)
     """The wall clock at `started`: each rank's record carries it, so the save's seconds
     start at the first rank's (ranks reach a save at different times and write at once; on
     several hosts, as far as their clocks agree)."""
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    """(host, source) pairs `write` copies first, when the caller left staging to the writer
-    (`trainer.checkpoint.pieces.staging`); the training must not change a source before
-    `staged` is set."""
+    prepare: Callable[[], tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
+                                list[Any]]] | None = None
+    """The staging `copy` does, when the caller left it for later (`later`): the training
+    must not change a source (nor the optimizer's state, which it reads) before `staged` is
+    set."""
     staged: threading.Event = field(default_factory=threading.Event)
+    images: Images | None = None
+    """Where the caller keeps its tensor file's layout from save to save (`files.Images`)."""
     copy_error: Exception | None = None
     written: Records = field(default_factory=dict)
     write_s: float = 0.0
@@ -244,16 +250,22 @@ class Save:
         return None
 
     def copy(self) -> None:
-        """The staging the caller left for later (`copies`; any thread, before `write`, which
-        waits for it); `staged` is set after it, even when it failed: `write` raises its
-        error, which stops every rank at `settle`."""
+        """The staging the caller left for later (`later`; any thread, before `write`, which
+        waits for it): ``tensors`` and ``contents`` are set here, off the training thread,
+        and the state copied in one call (no Python per tensor, holding the interpreter's
+        lock). `staged` is set after it, even when it failed: `write` raises its error, which
+        stops every rank at `settle`."""
         try:
-            for host, source in self.copies:
-                host.copy_(source)
+            if self.prepare is not None:
+                pairs, self.contents = self.prepare()
+                self.tensors = {key: host for key, (host, _) in pairs.items()}
+                if pairs:
+                    torch._foreach_copy_([h for h, _ in pairs.values()],
+                                         [s for _, s in pairs.values()])
         except Exception as exc:  # noqa: BLE001 - raised by write, on the writer's thread
             self.copy_error = exc
         finally:
-            self.copies = []
+            self.prepare = None
             self.staged.set()
 
     def write(self) -> None:
@@ -268,7 +280,8 @@ class Save:
         if self.tensors:
             name = rank_file(self.group.rank)
             self.written[name] = write_tensors(self.tmp / name, self.tensors,
-                                               lambda: fault("save_after_write", self.step))
+                                               lambda: fault("save_after_write", self.step),
+                                               self.images)
         self.tensors = {}
         if self.leader:  # known since `start`: written now, alongside the other ranks' files,
             # rather than in the commit, which every rank waits for

@@ -36,7 +36,12 @@ The background thread runs at a lower priority than the training threads (`WRITE
 where the ranks use every core, a write that competes with them for the CPU (its checksums and
 the copy into aligned buffers) would stretch every step it overlaps; at a lower priority it
 takes the cycles the step leaves (waits on memory, on I/O, between collectives) and still gets
-a share when the step holds every core, so it never starves.
+a share when the step holds every core, so it never starves. What it runs in Python, holding
+the interpreter's lock, is kept short: a training thread that wants the lock while this thread
+holds it waits until this low-priority thread is scheduled again. The staged copy is one call
+(`Save.copy`), and a file's header and runs are worked out once per run, not per save
+(`trainer.checkpoint.files.Images`); the rest is system calls and hashing, which let the lock
+go (profiled at dp 2 x tp 2 x pp 2, 2026-11-29: 1.7 ms of CPU per rank and save, from 2.2).
 """
 
 from __future__ import annotations

@@ -161,13 +161,16 @@ class Communicator(Protocol):
 
 
 def wait_quietly(handle: Handle | None, interval: float = 2e-4, *,
-                 hurry: threading.Event | None = None) -> None:
+                 hurry: threading.Event | None = None, longest: float = 0.0) -> None:
     """Wait for ``handle`` by polling it with short sleeps (each poll advances it on MPI): a
     blocking wait on MPI spins a core, which ranks sharing the cores need while this one waits
     for them (a checkpoint's agreements: measured at dp 2 x tp 2 x pp 2 on 2 cores, ranks done
     writing spun while the others wrote, and 7 ranks spun while the leader committed; DP's comm
     thread while backward computes). Once ``hurry`` is set (nothing is left to compute) or with
-    ``interval`` 0 it blocks instead."""
+    ``interval`` 0 it blocks instead. ``longest`` (above ``interval``): each sleep doubles up
+    to it, for a wait that may be long and whose end nothing urgent follows (polling every
+    0.2 ms costs 5.5 ms of a core per 100 ms waited, measured on the development VM; every
+    1 ms, 1.4)."""
     if handle is None:
         return
     while interval > 0 and not handle.is_completed():
@@ -175,6 +178,7 @@ def wait_quietly(handle: Handle | None, interval: float = 2e-4, *,
             time.sleep(interval)
         elif hurry.wait(interval):
             break
+        interval = min(interval * 2, max(interval, longest))
     handle.wait()
 
 

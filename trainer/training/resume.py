@@ -265,11 +265,21 @@ def _set_aside(path: Path) -> str:
 
 
 def meta_of(cfg: TrainConfig, step: int, *, source: str, fingerprint: str,
-            optimizer: dict[str, Any], samples: dict[str, Any] | None = None) -> dict[str, Any]:
+            optimizer: dict[str, Any], samples: dict[str, Any] | None = None,
+            run_part: dict[str, Any] | None = None) -> dict[str, Any]:
     """The meta.json body of a save at ``step`` (``optimizer``: AdamW's step count and the
     hyperparameters of its groups; ``samples``: the tokenized data's position,
-    `trainer.data.token_batches.Position`, where byte-level data's is the step itself)."""
+    `trainer.data.token_batches.Position`, where byte-level data's is the step itself;
+    ``run_part``: `run_meta`'s, when the caller kept it)."""
     data = {"position": step, "source": source, "fingerprint": fingerprint}
-    return {"config": cfg.to_dict(), "model": cfg.gpt.to_dict(), "layout": layout_of(cfg),
+    return {**(run_part or run_meta(cfg)),
             "data": data if samples is None else {**data, "samples": samples},
             "optimizer": optimizer}
+
+
+def run_meta(cfg: TrainConfig) -> dict[str, Any]:
+    """The part of meta.json that is the same at every save of a run (its configuration):
+    a caller may keep it and pass it to `meta_of` (it is nearly all of `meta_of`'s time: 0.04
+    ms alone, 0.2 ms on the leader at a save of 8 ranks on 2 cores, while the training loop
+    waits; the kept dict is only read after)."""
+    return {"config": cfg.to_dict(), "model": cfg.gpt.to_dict(), "layout": layout_of(cfg)}
