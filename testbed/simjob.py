@@ -54,15 +54,16 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
     ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
     cores with everything else on it, and a starved process's agents may miss the default's
     15 s silence limit, which real hosts with cores of their own would not. With
-    ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
-    their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format). With
+    ``profile`` (a folder), the head and the first worker run under ``py-spy record`` and leave
+    their sampled stacks there (`head.txt`, `worker0.txt`, py-spy's raw format; the other
+    workers serve the same share of hosts, and a sampler per process would load the machine). With
     ``rendezvous``, the head listens (`--launcher rendezvous`) and the simulated hosts join it
     (token handshake, roster) instead of being dialled. ``card_chars`` is each rank's
     business card's length."""
 
     def spied(name: str) -> list[str]:
-        if profile is None:
-            return []
+        if profile is None or name not in ("head", "worker0"):
+            return []  # one simulator process stands for the others (same share of hosts)
         spy = Path(sys.executable).parent / "py-spy"
         return [str(spy), "record", "--format", "raw", "--rate", "100", "--gil",
                 "--nonblocking", "-o", str(profile / f"{name}.txt"), "--"]
