@@ -1,4 +1,4 @@
-"""A simulated cluster: hundreds of hosts' agents in one process, fake ranks that speak PMI-1.
+"""A simulated cluster: tens of hosts' agents in one process, fake ranks that speak PMI-1.
 
 ``python -m testbed.simcluster --stats FILE`` listens on a loopback port (printed as its first
 line of stdout) and serves every TCP connection to it as one host: the connection's first line
@@ -30,7 +30,8 @@ it takes (`launcher.agent.host.Host`; here `SimHost`, one per simulated host):
 The process exits when its stdin closes (the bench or test that started it is done or dead)
 and then writes, as JSON to ``--stats``, every fake rank's timestamps (CLOCK_MONOTONIC, which
 every process of the machine shares): running, fenced (past MPI_Init's fence), wired (past its
-gets), finalized, exit, and its exit code, and every agent's exit code.
+gets), finalized, exit, and its exit code, and every agent's exit code, and the process's
+CPU (user and system) and context switches (`usage`).
 """
 
 from __future__ import annotations

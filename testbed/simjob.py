@@ -11,7 +11,8 @@ Times are seconds from ``t0``, taken just before the head's process starts (as
 `bench.launch_time` does): ``running`` every rank running, ``fenced`` every rank past MPI_Init's
 fence, ``wired`` every rank past its gets, ``last_exit`` the last rank's exit, ``returned`` the
 head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit;
-``agents_left`` the last simulated agent's connection closed (`testbed.simcluster.LEFT`).
+``agents_left`` the last simulated agent's connection closed (`testbed.simcluster.LEFT`);
+``workers_use`` the simcluster processes' user and system CPU and context switches, summed.
 """
 
 from __future__ import annotations
