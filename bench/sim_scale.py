@@ -4,7 +4,8 @@
                               [--rendezvous 1024]
 
 The head is `dtrain launch` itself (its own process, `testbed.simhead`); each host is the real
-agent, hundreds to a process, reached over loopback TCP; each rank a fake that plays MPICH's
+agent, 64 to a process (`testbed.simjob.HOSTS_PER_WORKER`), reached over loopback TCP; each
+rank a fake that plays MPICH's
 PMI-1 conversation in MPI_Init and MPI_Finalize (put its card, fence, get 4 peers' cards,
 fence, finalize) and exits. Per size, one job (t0 = just before the head's process starts):
 
@@ -16,7 +17,9 @@ fence, finalize) and exits. Per size, one job (t0 = just before the head's proce
   shared cores, in parallel on real hosts; ``seen`` until the head's loop had handled it),
   ``dismiss`` waiting for the agents not yet gone (each leaves at its DONE: BYE and EOF then),
   ``after`` closing the streams and the report;
-* head CPU seconds and peak RSS (getrusage of the head's process), head CPU per host;
+* head CPU seconds and peak RSS (getrusage of the head's process), head CPU per host; the
+  simulator processes' CPU, its system part and their context switches (``workers_use``:
+  what the simulated agents' threads cost this machine, beside the head's own);
 * frames through the head, both ways (every job with --heartbeat-interval 30: see
   `HEARTBEAT_S`), and the PMI bytes it sent (above 64 KiB of cards a fence's answer carries
   none: each get goes to the nearest level that holds the card, `launcher.pmi.kvs`).
@@ -101,6 +104,7 @@ def _row(result: dict[str, Any], mode: str, wall: float) -> dict[str, Any]:
         "frames_out": _frames(result, "out"), "pmi_mib_out": round(pmi_out / 2**20, 2),
         "frames": result["frames"], "load": round(os.getloadavg()[0], 1),
         "wall_s": round(wall, 1), "workers_cpu_s": result["workers_cpu_s"],
+        "workers_use": result.get("workers_use"),
         **({} if ok else {"error": result["stderr_tail"][-400:]}),
     }
 

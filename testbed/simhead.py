@@ -240,8 +240,11 @@ def port_for(name: str) -> int:
 
 def start_sim(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
     """The `sim` row: each host on its simcluster port (`port_for`), every stream counted."""
-    return [CountingStream(SimAgentStream(h.entry.name, port_for(h.entry.name)))
-            for h in selected]
+    PHASES.setdefault("connect", time.monotonic())
+    streams = [CountingStream(SimAgentStream(h.entry.name, port_for(h.entry.name)))
+               for h in selected]
+    PHASES["connected"] = time.monotonic()
+    return streams
 
 
 def describe_sim(entries: Sequence[Any], ssh: Any) -> list[dict[str, Any]]:
@@ -267,9 +270,11 @@ def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any) -> li
 
 #: When the rendezvous head had every agent joined (CLOCK_MONOTONIC), for `--stats`.
 JOINED_AT: list[float] = []
-#: Where the head's end went (CLOCK_MONOTONIC per step, `--stats`' ``phases``): when the
-#: supervisor's loop saw every host done, the agents dismissed, the streams closed, the
-#: report printed; the exit tail is these steps after the last rank's exit.
+#: Where the head's time went (CLOCK_MONOTONIC per step, `--stats`' ``phases``): its start
+#: (the `sim` row's connections, the links adopted, the SPECs sent and every READY back: an
+#: agent hears nothing from the head until its SPEC) and its end: when the supervisor's loop
+#: saw every host done, the agents dismissed, the streams closed, the report printed; the exit
+#: tail is these steps after the last rank's exit.
 PHASES: dict[str, float] = {}
 
 
@@ -289,14 +294,18 @@ def _stamped(owner: Any, name: str, begin: str, end: str) -> None:
 
 
 def trace_phases() -> None:
-    """Stamp the head's end-of-job steps (`PHASES`): the supervisor's loop, dismissing the
-    agents, closing their streams, the report. Each module is patched as it is imported, where
-    the launch imports it (the supervisor's while the agents boot), not before."""
+    """Stamp the head's start-up and end-of-job steps (`PHASES`): the links adopted, the
+    SPECs out and READYs back, the supervisor's loop, dismissing the agents, closing their
+    streams, the report. Each module is patched as it is imported, where the launch imports
+    it (the supervisor's while the agents boot), not before."""
     from launcher import launch
 
     _stamped(launch, "close_streams", "close", "closed")
     _stamped(launch, "_print_end", "report", "reported")
     sys.meta_path.insert(0, _AfterImport({
+        "launcher.restart.rounds": lambda m: _stamped(m.Rounds, "adopt", "adopt", "adopted"),
+        "launcher.head.startup": lambda m: _stamped(m.Startup, "prepare", "prepare",
+                                                    "prepared"),
         "launcher.head.supervisor": lambda m: _stamped(m.Supervisor, "_loop", "loop", "loop_end"),
         "launcher.head.agent_link": lambda m: _stamped(m.Fleet, "dismiss", "dismiss",
                                                        "dismissed")}))

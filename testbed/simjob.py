@@ -11,7 +11,8 @@ Times are seconds from ``t0``, taken just before the head's process starts (as
 `bench.launch_time` does): ``running`` every rank running, ``fenced`` every rank past MPI_Init's
 fence, ``wired`` every rank past its gets, ``last_exit`` the last rank's exit, ``returned`` the
 head's launch returned, ``head_exit`` its process ended; ``exit_tail`` = returned - last_exit;
-``agents_left`` the last simulated agent's connection closed (`testbed.simcluster.LEFT`).
+``agents_left`` the last simulated agent's connection closed (`testbed.simcluster.LEFT`);
+``workers_use`` the simcluster processes' user and system CPU and context switches, summed.
 """
 
 from __future__ import annotations
@@ -32,8 +33,13 @@ from testbed.sshd import free_port
 REPO = Path(__file__).resolve().parent.parent
 RANK_SCRIPT = Path(__file__).resolve().parent / "simrank.py"
 #: Hosts per simcluster process: each host costs the process ~20 files (its PMI socket pairs,
-#: the connection, the selector) and 4 threads.
-HOSTS_PER_WORKER = 256
+#: the connection, the selector) and 4 threads, which share the process's one GIL. A real
+#: agent's 4 threads have their process to themselves; hundreds of agents' threads queueing
+#: for one GIL cost the simulator, not the agent: 256 simulated hosts in one process took 5.7 s
+#: of CPU (3.9 s of it system time) and 525,000 context switches, in 4 processes 3.2 s and
+#: 147,000, in 8 3.2 s and 84,000 (`bench.sim_scale`, 2026-11-29, loaded machine). More
+#: processes cost their start-up (imports, ~40 MiB each): 16 of 16 hosts took 4.3 s.
+HOSTS_PER_WORKER = 64
 
 
 def workers_for(hosts: int) -> int:
@@ -49,15 +55,16 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
     ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
     cores with everything else on it, and a starved process's agents may miss the default's
     15 s silence limit, which real hosts with cores of their own would not. With
-    ``profile`` (a folder), the head and each worker run under ``py-spy record`` and leave
-    their sampled stacks there (`head.txt`, `worker<i>.txt`, py-spy's raw format). With
+    ``profile`` (a folder), the head and the first worker run under ``py-spy record`` and leave
+    their sampled stacks there (`head.txt`, `worker0.txt`, py-spy's raw format; the other
+    workers serve the same share of hosts, and a sampler per process would load the machine). With
     ``rendezvous``, the head listens (`--launcher rendezvous`) and the simulated hosts join it
     (token handshake, roster) instead of being dialled. ``card_chars`` is each rank's
     business card's length."""
 
     def spied(name: str) -> list[str]:
-        if profile is None:
-            return []
+        if profile is None or name not in ("head", "worker0"):
+            return []  # one simulator process stands for the others (same share of hosts)
         spy = Path(sys.executable).parent / "py-spy"
         return [str(spy), "record", "--format", "raw", "--rate", "100", "--gil",
                 "--nonblocking", "-o", str(profile / f"{name}.txt"), "--"]
@@ -91,12 +98,12 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
                 head = _start_head(spied("head"), folder, ports, "rendezvous", head_args,
                                    ranks, extra, heartbeat, env, real=False)
                 t0 = time.monotonic()
-            for w in range(count):
-                proc = subprocess.Popen(
+            for w in range(count):  # all started first: their imports overlap
+                procs.append(subprocess.Popen(
                     [*spied(f"worker{w}"), sys.executable, "-m", "testbed.simcluster", "--stats",
                      str(folder / f"worker{w}.json"), "--gets", str(gets), *join_args[w]],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env)
-                procs.append(proc)
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, env=env))
+            for proc in procs:
                 assert proc.stdout is not None
                 line = b""
                 while not line.strip().isdigit():  # py-spy, when profiling, speaks first
@@ -141,6 +148,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         agents: dict[str, int] = {}
         left: dict[str, float] = {}
         worker_cpu = 0.0
+        worker_use: dict[str, float] = {}
         for w in range(len(procs)):
             if not (folder / f"worker{w}.json").exists():
                 raise RuntimeError(f"simcluster worker {w} left no stats (killed after the head "
@@ -151,10 +159,13 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
             agents.update(stats["agents"])
             left.update(stats.get("left") or {})
             worker_cpu += stats["cpu_s"]
+            for key in ("user_s", "sys_s", "switches", "forced_switches"):
+                worker_use[key] = worker_use.get(key, 0) + stats.get(key, 0)
         for path in sorted((folder / "stamps").iterdir()):  # real ranks' own
             stamps.append(json.loads(path.read_text()))
-    return _summary(hosts, ranks, t0, head_exit, head, head_stats, stamps, agents, worker_cpu,
-                    real=real, left=left)
+    return {**_summary(hosts, ranks, t0, head_exit, head, head_stats, stamps, agents,
+                       worker_cpu, real=real, left=left),
+            "workers_use": {k: round(v, 3) for k, v in worker_use.items()}}
 
 
 def _start_head(spy: list[str], folder: Path, ports: list[str], launcher: str,

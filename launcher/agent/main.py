@@ -95,8 +95,19 @@ class Agent:
                 return self._leave(1)  # the head went away without BYE: nobody said done
 
     def _wait_time(self, now: float) -> float:
-        kill = 1.0 if self.kill_at is None else self.kill_at - now
-        return max(0.01, min(self.interval - (now - self.last_sent), 1.0, kill))
+        """Until the next of `_deadlines`' timers is due: the heartbeat, the head's silence
+        limit (counted from what the reader thread last stamped), the SIGKILL after a grace,
+        leaving, the progress records' reading. Anything else wakes the loop through its
+        queue. Not a poll every second: thousands of simulated agents sharing a process
+        spent most of their CPU on such wake-ups (`bench.sim_scale`), and a real host's
+        agent sleeps through its ranks' run but for its heartbeats."""
+        due = [self.last_sent + self.interval, self.link.heard_at + self.silence_limit]
+        for at in (self.kill_at, self.leave_at):
+            if at is not None:
+                due.append(at)
+        if self.progress is not None and self.ranks:
+            due.append(self.progress.next_due)
+        return max(0.01, min(due) - now)
 
     def _deadlines(self, now: float) -> bool:
         """Heartbeats and timers; True when the agent must leave now."""

@@ -132,6 +132,12 @@ class ProgressReporter:
         self._cpu[rank] = (base_cpu, base_at, share)
         return share
 
+    @property
+    def next_due(self) -> float:
+        """When `tick` next reads and sends the records (monotonic; never, without an
+        interval)."""
+        return self._next if self.interval > 0 else float("inf")
+
     def tick(self, now: float, pids: Mapping[int, int]) -> None:
         if self.interval > 0 and now >= self._next:
             self._next = now + self.interval

@@ -259,3 +259,27 @@ def test_each_ranks_environment_is_composed_from_one_copy_of_the_hosts_taken_at_
     env = agent._rank_env(wire.RankStart(0, {"RANK": "0"}))
     assert env["DTRAIN_TEST_HOST_VAR"] == "from-the-host" and env["RANK"] == "0"
     assert "PMI_RANK" not in env
+
+
+def test_an_idle_agent_sleeps_until_its_next_timer_not_a_second_at_most() -> None:
+    to_agent_r, to_agent_w = os.pipe()
+    from_agent_r, from_agent_w = os.pipe()
+    try:
+        agent = Agent(lambda events: HeadLink(events, lambda size: os.read(to_agent_r, size),
+                                              os.fdopen(from_agent_w, "wb", buffering=0)))
+        now = time.monotonic()
+        agent.interval, agent.silence_limit = 30.0, 90.0
+        agent.last_sent = agent.link.heard_at = now
+        assert agent._wait_time(now) == pytest.approx(30.0)  # the next heartbeat
+        agent.link.heard_at = now - 85.0
+        assert agent._wait_time(now) == pytest.approx(5.0)  # the head's silence limit
+        agent.kill_at = now + 2.0
+        assert agent._wait_time(now) == pytest.approx(2.0)  # SIGKILL after the grace
+        agent.leave_at = now + 0.5
+        assert agent._wait_time(now) == pytest.approx(0.5)  # leaving after DONE
+        agent.kill_at = agent.leave_at = None
+        agent.link.heard_at = now - 100.0
+        assert agent._wait_time(now) == 0.01  # overdue: the loop acts at once
+    finally:
+        os.close(to_agent_w)
+        os.close(from_agent_r)

@@ -88,6 +88,14 @@ def test_a_simulated_job_of_256_hosts_of_8_ranks_launches_fences_and_ends() -> N
     parts = result["tail_parts"]
     assert parts is not None and {"loop", "reported", "seen", "dismiss", "after"} <= set(parts)
     assert result["agents_left"] is not None and result["agents_left"] <= result["head_exit"]
+    # The head's start-up steps are stamped in order (connected, links adopted, SPECs out and
+    # every READY back), and the simulator's own cost is reported beside the head's: its 4
+    # processes' (64 hosts each) user and system CPU and their context switches.
+    at = result["phases"]
+    assert at["connect"] <= at["connected"] <= at["adopt"] <= at["adopted"] <= at["prepare"] \
+        <= at["prepared"] <= at["loop"]
+    use = result["workers_use"]
+    assert use["user_s"] > 0 and use["sys_s"] > 0 and use["switches"] > 0
 
 
 def test_a_simulated_tree_launch_of_256_hosts_relays_every_frame_and_merges_each_fence() -> None:
