@@ -154,6 +154,14 @@ class CountingStream:
         self.counter.feed("in", data)
         return data
 
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        """The inner stream's (`launcher.head.pump`, which asks for it only when the inner
+        stream has a `reader_fd`), counted."""
+        data: bytes | None = self._inner.read_ready(max_bytes)
+        if data:
+            self.counter.feed("in", data)
+        return data
+
 
 class _Loopback:
     """The AgentConnection of a simulated host: reached at 127.0.0.1."""
@@ -190,6 +198,22 @@ class SimAgentStream:
             return b""
         try:
             data = self._sock.recv(max_bytes)
+        except OSError:
+            data = b""
+        if not data:
+            self._ended.set()
+        return data
+
+    def reader_fd(self) -> int:
+        return self._sock.fileno()
+
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        if self._aborted:
+            return b""
+        try:
+            data = self._sock.recv(max_bytes, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
         except OSError:
             data = b""
         if not data:

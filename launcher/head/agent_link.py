@@ -1,17 +1,23 @@
-"""The head's end of one agent stream: a reader thread that routes frames, and a sender.
+"""The head's end of one agent stream: what is read off it is routed, and a sender.
 
-The reader thread hands OUTPUT frames to the output writer (`launcher.output.writer`), blocking
-while its queue is full, and queues every other frame for the supervisor, in stream order, so
-a rank's EXIT is seen only after all of its output was queued. Liveness is judged on what
-arrives: the reader stamps ``last_heard`` on every read, and sets ``held`` while it is blocked
-on our own full output queue (then the agent is not silent: we stopped listening).
+Each read's frames are handled on the thread that read them: OUTPUT frames go to the output
+writer (`launcher.output.writer`), blocking while its queue is full, and every other frame is
+queued for the supervisor, in stream order, so a rank's EXIT is seen only after all of its
+output was queued. Liveness is judged on what arrives: each read stamps ``last_heard``, and
+``held`` is set while the reading is blocked on our own full output queue (then the agent is
+not silent: we stopped listening).
 
-A stream that delivers its bytes itself (``listen``: a host behind a relay, whose bytes a
-`launcher.tree.head.RelayLine` thread already reads off the relay's stream) gets no thread of
-its own: the same handling runs on the delivering thread. A tree of 1,024 hosts had 1,024
-reader threads at the head, each bytes passing two threads and two queues, and twice the
-flat launch's head CPU (`bench.sim_scale`); a stream that is held up there holds up its
-relay's whole line, which its ``held`` says (`RelayedStream.held`).
+Who reads a stream is chosen once, when its link is built, by what the stream offers:
+
+* one that can be polled (``reader_fd``: pipes, SSH channels, sockets) is read by the fleet's
+  one `launcher.head.pump.ReadPump` thread with every other such stream. A thread per stream
+  made the flat head's CPU grow faster than its hosts (`bench.sim_scale`). A held-up read
+  holds up every stream of the pump, which their ``held`` says;
+* one that delivers its bytes itself (``listen``: a host behind a relay, whose bytes a
+  `launcher.tree.head.RelayLine` thread already reads off the relay's stream) runs the same
+  handling on the delivering thread; held up there, it holds up its relay's whole line
+  (`RelayedStream.held`);
+* any other (a stream with only a blocking ``read``) gets a reader thread of its own.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher import wire
+from launcher.head.pump import Hold, ReadPump
 from launcher.transport.stream import AgentStream
 
 
@@ -65,12 +72,13 @@ class AgentLink:
     """One host's agent as the supervisor sees it."""
 
     def __init__(self, index: int, stream: AgentStream, events: queue.Queue[Any],
-                 on_output: Callable[[wire.Output], None]) -> None:
+                 on_output: Callable[[wire.Output], None], pump: ReadPump | None = None) -> None:
+        """``pump`` reads the stream when it can be polled (see the module)."""
         self.index = index
         self.stream = stream
         self.name = stream.host
         self.last_heard = time.monotonic()
-        self._held = False  # the reader waits for room in our output queue
+        self._hold = Hold()  # set while the reading waits for room in our output queue
         self.alive = True
         # Its agent answered a SPEC (READY): it beats at the job's interval from then on, so the
         # job's silence limit applies; before, it boots and beats at the default interval.
@@ -88,13 +96,16 @@ class AgentLink:
         self._delivers = listen is not None  # looked up once: `held` is read per link often
         if listen is not None:  # it delivers: no thread of our own (see the module)
             listen(self._delivered, self._end)
+        elif pump is not None and hasattr(stream, "reader_fd"):
+            self._hold = pump.hold  # the pump's one thread reads every stream
+            pump.add(stream, self._pumped, self._end)  # type: ignore[arg-type]
         else:
             threading.Thread(target=self._read_loop, name=f"agent-{index}", daemon=True).start()
 
     @property
     def held(self) -> bool:
         """Our own full output queue holds up its reading (the agent is not silent)."""
-        return self._held or (self._delivers and bool(getattr(self.stream, "held", False)))
+        return self._hold.held or (self._delivers and bool(getattr(self.stream, "held", False)))
 
     def send(self, data: bytes) -> bool:
         """Send one frame; False when the stream is gone (the caller treats the host as lost)."""
@@ -151,6 +162,12 @@ class AgentLink:
         except (OSError, EOFError, ValueError) as exc:
             self._end(f"the agent's stream broke: {exc}")
 
+    def _pumped(self, data: bytes) -> bool:
+        """A read the pump hands over; False once this stream is given up (a broken frame
+        ends this host only, never the pump)."""
+        self._delivered(data)
+        return not self._ended
+
     def _received(self, data: bytes) -> None:
         """The frames of one read: output to the writer, the rest queued together (one
         wake-up of the supervisor per read, not per frame), in stream order."""
@@ -170,12 +187,12 @@ class AgentLink:
             self._events.put(Closed(self.index, reason))
 
     def _output(self, out: wire.Output) -> None:
-        self._held = True
+        self._hold.held = True
         try:
             self._on_output(out)  # blocks while the output queue is full
         finally:
             self.last_heard = time.monotonic()  # before `held` drops: never seen stale
-            self._held = False
+            self._hold.held = False
 
 
 class Fleet:
@@ -197,9 +214,11 @@ class Fleet:
         self.checked: dict[int, str] = {}  # link index -> "" (READY) or what its agent refused
         self.replies: dict[int, dict[str, Any]] = {}  # link index -> its last REPLY
         self.dropped: set[int] = set()  # links given up (lost hosts): never waited for
+        self.pump = ReadPump()  # reads every link's stream that can be polled
 
     def add(self, stream: AgentStream) -> AgentLink:
-        link = AgentLink(len(self.links), stream, self.events, lambda out: self.output(out))
+        link = AgentLink(len(self.links), stream, self.events, lambda out: self.output(out),
+                         self.pump)
         self.links.append(link)
         return link
 

@@ -84,6 +84,21 @@ class SealedSocket:
         del self._plain[:max_bytes]
         return data
 
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        """Without blocking: what is open already, else what one receive opens; b"" once the
+        peer closed; None when nothing (or half a record) came."""
+        if not self._plain:
+            try:
+                if not self._receive(socket.MSG_DONTWAIT):
+                    return b""
+            except BlockingIOError:
+                return None
+            if not self._plain:
+                return None
+        data = bytes(self._plain[:max_bytes])
+        del self._plain[:max_bytes]
+        return data
+
     def frame(self, deadline: float) -> wire.Frame:
         """The next whole frame (the handshake's sealed part); what follows it stays queued."""
         while True:
@@ -115,9 +130,9 @@ class SealedSocket:
                 return False
         return True
 
-    def _receive(self) -> bool:
+    def _receive(self, flags: int = 0) -> bool:
         try:
-            data = self.sock.recv(65536)
+            data = self.sock.recv(65536, flags)
         except ConnectionResetError:
             data = b""
         if not data:
@@ -144,6 +159,10 @@ class JoinedPeer:
         return self.address
 
     def close(self) -> None:
+        """Shut down, then close: the head's pump reads a duplicate of the descriptor
+        (`launcher.head.pump`), which a close alone would leave connected."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self._sock.close()
 
@@ -163,6 +182,12 @@ class RendezvousStream:
 
     def read(self, max_bytes: int = 65536) -> bytes:
         return self.sealed.read(max_bytes)
+
+    def reader_fd(self) -> int:
+        return self.sealed.sock.fileno()
+
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        return self.sealed.read_ready(max_bytes)
 
     def close(self) -> None:
         """Our end only: the agent reads EOF (and stops its ranks), we may still read."""

@@ -66,10 +66,8 @@ class SrunAgentStream(LocalAgentStream):
         self.connection = self.node
         super().__init__(host, command=argv, env=env)
 
-    def read(self, max_bytes: int = 65536) -> bytes:
-        data = super().read(max_bytes)
+    def _arrived(self, data: bytes) -> None:
         self.node.first_byte()
-        return data
 
 
 def srun_command(host: str, job_id: str, python: str, srun: str = "srun") -> list[str]:

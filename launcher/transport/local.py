@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import subprocess
 import sys
 import threading
@@ -75,6 +76,7 @@ class LocalAgentStream:
         )
         self._stderr: collections.deque[str] = collections.deque(maxlen=200)
         self._aborted = False
+        self._fd = -1  # stdout's descriptor once the pump reads it (`reader_fd`)
         self._stderr_reader = threading.Thread(target=self._collect_stderr, daemon=True)
         self._stderr_reader.start()
 
@@ -94,7 +96,34 @@ class LocalAgentStream:
         # has arrived instead of waiting for max_bytes (typeshed only says IO[bytes]).
         if self._aborted or not isinstance(stdout, io.BufferedReader):
             return b""
-        return stdout.read1(max_bytes)
+        data = stdout.read1(max_bytes)
+        self._arrived(data)
+        return data
+
+    def reader_fd(self) -> int:
+        """The agent's stdout, read without blocking from now on (`read_ready`): only the
+        head's pump reads it then (`launcher.head.pump`)."""
+        if self._proc.stdout is None:
+            raise OSError(f"the stream to the agent on {self.host} has no stdout")
+        fd = self._proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        self._fd = fd
+        return fd
+
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        """What the pipe holds now (`transport.stream.Selectable`)."""
+        if self._aborted:
+            return b""
+        try:
+            data = os.read(self._fd, max_bytes)
+        except BlockingIOError:
+            return None
+        self._arrived(data)
+        return data
+
+    def _arrived(self, data: bytes) -> None:
+        """Bytes came off the stream (the first says the connection works: `transport.openssh`,
+        `launcher.slurm`)."""
 
     def close(self) -> None:
         try:

@@ -234,6 +234,19 @@ class SSHAgentStream:
         except (OSError, EOFError, paramiko.SSHException):
             return b""
 
+    def reader_fd(self) -> int:
+        """paramiko's pipe for the channel: readable while stdout (or stderr, which the
+        drain thread empties) holds bytes, and for good once the channel ended."""
+        return int(self._channel.fileno())
+
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        """What stdout holds now (`transport.stream.Selectable`); None while only stderr
+        woke the pipe."""
+        channel = self._channel
+        if channel.recv_ready() or channel.eof_received or channel.closed:
+            return self.read(max_bytes)
+        return None
+
     def read_until(self, deadline: float, max_bytes: int = 65536) -> bytes:
         """`read` that raises socket.timeout at ``deadline`` (monotonic clock)."""
         self._channel.settimeout(max(0.001, deadline - time.monotonic()))

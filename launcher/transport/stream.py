@@ -64,3 +64,16 @@ class AgentStream(Protocol):
     def transport_error(self) -> DtrainError | None:
         """Why the stream closed before the agent spoke when the transport itself failed
         (an `ssh` process's own error); None otherwise (the agent's stderr tells)."""
+
+
+class Selectable(Protocol):
+    """A stream the head reads with one thread for all (`launcher.head.pump`), not a thread
+    of its own: a descriptor to poll, and a read that never blocks."""
+
+    def reader_fd(self) -> int:
+        """A descriptor that polls readable when `read_ready` has bytes or the stream ended.
+        From this call on only `read_ready` reads the stream."""
+
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        """Without blocking: what arrived, ``b""`` once the stream ended, None when there
+        is nothing yet."""

@@ -115,11 +115,9 @@ class OpenSSHAgentStream(LocalAgentStream):
         self.connection = host
         super().__init__(host.alias, command=argv)
 
-    def read(self, max_bytes: int = 65536) -> bytes:
-        data = super().read(max_bytes)
+    def _arrived(self, data: bytes) -> None:
         if data:
             self.node.first_byte()
-        return data
 
     def transport_error(self) -> ConnectError | None:
         """ssh's own failure, once the stream closed: None when ssh did not fail (the agent
