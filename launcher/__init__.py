@@ -31,10 +31,12 @@ launcher/ and trainer/ never import each other.
                  allocation    hosts, slots and GPU ids from SLURM_* with their source (pure)
                  srun          --launcher slurm: each agent as one srun step (adapter)
     head/        startup       SPEC to all at once, HELLO + READY back, START on all or none
+                 early         each SPEC as its stream opens, heartbeats while others open
                  supervisor    one job or round: fail-fast, Ctrl-C, timeout, heartbeats, PMI
                  pmi_notes     the PMI relay; refused MPI features and stalled barriers
-                 agent_link    the head's end of one agent stream: reader thread and sender;
+                 agent_link    the head's end of one agent stream: frame routing and sender;
                                the Fleet of a job's links across its rounds
+                 pump          one reader thread for every pollable agent stream (adapter)
                  options       heartbeats, grace, timeouts, PMI: how the head supervises
                  stdin         the head's stdin to rank 0, credit flow control
                  outcome       per-rank states and the exit-code rule

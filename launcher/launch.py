@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -131,19 +131,35 @@ def run_launch(req: LaunchRequest) -> int:
         return 0
     log_dir = _log_dir(req.log_dir, plan.job_id)
     t0 = time.monotonic()
+    early: set[int] = set()
     if tree is not None:
         from launcher.tree.head import open_tree
 
         streams = open_tree(active, tree, python=req.remote_python, ssh=req.ssh,
                             transport=transport)
     else:
-        streams = open_streams(active, python=req.remote_python, ssh=req.ssh,
-                               transport=transport, retry_for=req.supervise.launch_timeout)
+        from launcher.head.early import EarlySpecs
+        from launcher.head.startup import early_spec_for
+
+        specs = EarlySpecs(len(active), early_spec_for(plan, _supervised(req),
+                                                       (req.master_addr, req.master_port)),
+                           req.supervise.heartbeat)
+        try:
+            streams = open_streams(active, python=req.remote_python, ssh=req.ssh,
+                                   transport=transport, retry_for=req.supervise.launch_timeout,
+                                   opened=specs.opened)
+        finally:
+            early = set(specs.stop())
     # Spares boot while the first round starts; one that cannot be reached is left out.
     extra = start_agents(spares, python=req.remote_python, ssh=req.ssh,
                          transport=transport) if spares else []
     return _supervise(req, transport, plan, [*active, *spares], [*streams, *extra], log_dir,
-                      started=t0)
+                      started=t0, early=early)
+
+
+def _supervised(req: LaunchRequest) -> SuperviseOptions:
+    """How the head supervises this launch's rounds (what their SPECs carry)."""
+    return replace(req.supervise, rounds=req.restart.enabled)
 
 
 def _tree(req: LaunchRequest, active: Sequence[selection.HostSlots],
@@ -230,9 +246,9 @@ def _split(req: LaunchRequest, selected: list[selection.HostSlots], transport: t
 def _supervise(req: LaunchRequest, transport: table.Transport, plan: planning.JobPlan,
                hosts: Sequence[selection.HostSlots],
                started_agents: Sequence[AgentStream | ConnectError], log_dir: Path | None, *,
-               started: float) -> int:
+               started: float, early: Collection[int] = ()) -> int:
     """The job over the agents started on ``hosts`` (spares last), to its report and exit
-    code."""
+    code; the hosts numbered in ``early`` were sent their SPEC as their streams opened."""
     connected = time.monotonic()
     # Imported while the agents boot on their hosts: off the critical path of a launch.
     from launcher.output.sink import OutputSink
@@ -251,10 +267,10 @@ def _supervise(req: LaunchRequest, transport: table.Transport, plan: planning.Jo
 
     rounds = Rounds(RoundsSetup(
         argv=req.argv, cwd=req.cwd, job_id=plan.job_id, base_env=plan.base_env,
-        supervise=replace(req.supervise, rounds=req.restart.enabled), restart=req.restart,
+        supervise=_supervised(req), restart=req.restart,
         master=(req.master_addr, req.master_port), log_dir=log_dir, sink_for=sink_for,
         connect=connect), hosts[:len(plan.hosts)], hosts[len(plan.hosts):])
-    rounds.adopt(hosts, started_agents)
+    rounds.adopt(hosts, started_agents, early)
     previous = {s: signal.signal(s, rounds.on_signal)
                 for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:

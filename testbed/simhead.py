@@ -262,11 +262,16 @@ def port_for(name: str) -> int:
     return PORTS[number % len(PORTS)]
 
 
-def start_sim(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
-    """The `sim` row: each host on its simcluster port (`port_for`), every stream counted."""
+def start_sim(selected: Sequence[Any], *, python: str, ssh: Any,
+              opened: Any = None) -> list[Any]:
+    """The `sim` row: each host on its simcluster port (`port_for`), every stream counted,
+    each told to ``opened`` as it connects (`launcher.head.early`)."""
     PHASES.setdefault("connect", time.monotonic())
-    streams = [CountingStream(SimAgentStream(h.entry.name, port_for(h.entry.name)))
-               for h in selected]
+    streams = []
+    for index, h in enumerate(selected):
+        streams.append(CountingStream(SimAgentStream(h.entry.name, port_for(h.entry.name))))
+        if opened is not None:
+            opened(index, streams[-1])
     PHASES["connected"] = time.monotonic()
     return streams
 
@@ -277,19 +282,38 @@ def describe_sim(entries: Sequence[Any], ssh: Any) -> list[dict[str, Any]]:
     return [{"hostname": "127.0.0.1", "port": port_for(e.name)} for e in entries]
 
 
-def start_counted(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
-    """The `counted` row: the ssh launcher's own streams (real agents), counted."""
+def start_counted(selected: Sequence[Any], *, python: str, ssh: Any,
+                  opened: Any = None) -> list[Any]:
+    """The `counted` row: the ssh launcher's own streams (real agents), counted (what goes
+    as each opens too: ``opened`` hears the counted stream)."""
     from launcher.transport.connect import start_by_host
 
-    return [r if isinstance(r, Exception) else CountingStream(r)
-            for r in start_by_host(selected, python=python, ssh=ssh)]
+    counted: dict[int, CountingStream] = {}
+    lock = threading.Lock()
+
+    def count(index: int, stream: Any) -> CountingStream:
+        with lock:
+            return counted.setdefault(index, CountingStream(stream))
+
+    def told(index: int, stream: Any) -> None:
+        if opened is not None:
+            opened(index, count(index, stream))
+
+    results = start_by_host(selected, python=python, ssh=ssh, opened=told)
+    return [r if isinstance(r, Exception) else count(i, r) for i, r in enumerate(results)]
 
 
-def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any) -> list[Any]:
+def start_counted_local(selected: Sequence[Any], *, python: str, ssh: Any,
+                        opened: Any = None) -> list[Any]:
     """The `counted-local` row: a real local agent subprocess per host, whatever its name."""
     from launcher.transport.local import LocalAgentStream
 
-    return [CountingStream(LocalAgentStream(h.entry.name, python=python)) for h in selected]
+    streams = []
+    for index, h in enumerate(selected):
+        streams.append(CountingStream(LocalAgentStream(h.entry.name, python=python)))
+        if opened is not None:
+            opened(index, streams[-1])
+    return streams
 
 
 #: When the rendezvous head had every agent joined (CLOCK_MONOTONIC), for `--stats`.

@@ -84,6 +84,8 @@ class AgentLink:
         # job's silence limit applies; before, it boots and beats at the default interval.
         self.watched = False
         self.hello: dict[str, Any] = {}
+        # Its SPEC went as its stream opened (`launcher.head.early`): the start-up skips it.
+        self.early_spec = False
         # The agent's own start-up phases in seconds (`dtrain launch --timings`): boot (its
         # imports, from HELLO), check (the SPEC, from READY), spawn (its ranks, from STARTED).
         self.phases: dict[str, float] = {}

@@ -1,8 +1,9 @@
 """Job start-up over connected agents: SPEC to every host at once, HELLO and READY from each,
 then START everywhere.
 
-Every SPEC is sent as soon as the streams are open, before any agent has booted: it waits in
-the stream until the agent reads it, so an agent answers HELLO and READY back to back without
+Every SPEC is sent before its agent has booted: as its stream opens (`launcher.head.early`, the
+first round of a flat launch), else as soon as the streams are open. It waits in the stream
+until the agent reads it, so an agent answers HELLO and READY back to back without
 waiting for the head (the head answering each HELLO cost 30-60 ms on a loaded machine). Only a
 SPEC too large for a pipe's buffer waits for its agent's HELLO (`EARLY_SPEC_MAX`). The HELLO
 still comes first on each stream, so a different protocol version is refused before its READY
@@ -33,6 +34,7 @@ from launcher.head.outcome import JobOutcome
 from launcher.head.progress import sample_interval
 from launcher.plan.environment import program_env
 from launcher.plan.job import HostPlan, JobPlan, Rendezvous
+from launcher.transport.stream import AgentStream
 
 #: A SPEC up to this size is written as soon as the streams are open: it fits the buffer of any
 #: pipe (64 KiB on Linux) and SSH channel window, so the write cannot block on an agent that has
@@ -92,14 +94,17 @@ class Startup:
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
         user_addr, user_port = master
-        probe = wire.Probe(None if user_addr or len(self.links) == 1 else self._next_host(),
-                           free_port=user_port is None)
         ready: dict[int, dict[str, Any]] = {}
-        specs = {link.index: self._spec_frame(plan, self._at[link.index], probe)
-                 for link in self.links}
+        # Those sent as their streams opened (`launcher.head.early`) go no second time.
+        early = {link.index for link in self.links if link.early_spec}
+        for link in self.links:
+            link.early_spec = False  # a later round's start-up sends its own
+        specs = {link.index: spec_frame(plan, self._at[link.index], self.opts,
+                                        [x.stream for x in self.links[:2]], master)
+                 for link in self.links if link.index not in early}
         unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
         for link in self.links:
-            if link.index not in unsent:
+            if link.index not in unsent and link.index not in early:
                 link.send(specs[link.index])  # a gone stream shows as Closed below
 
         def on_frame(link: AgentLink, frame: wire.Frame) -> None:
@@ -149,18 +154,6 @@ class Startup:
             silent = self._silent()
             if silent is not None:
                 handle(Closed(silent.index, "no heartbeat while starting its ranks"))
-
-    def _next_host(self) -> str:
-        """An address of host 1 as seen from host 0, for rank 0's host to route towards."""
-        first, second = self.links[0], self.links[1]
-        if second.stream.is_local:
-            # Host 1 is the head itself: its address on the route towards host 0.
-            return netroute.route_source(_address_of(first))
-        return _address_of(second)
-
-    def _spec_frame(self, plan: JobPlan, index: int, probe: wire.Probe) -> bytes:
-        spec = spec_of(plan, plan.hosts[index], self.opts, probe if index == 0 else None)
-        return wire.encode_json(wire.Kind.SPEC, spec.to_json())
 
     def _until(self, done: Callable[[], bool], doing: str,
                on_frame: Callable[[AgentLink, wire.Frame], None]) -> None:
@@ -234,6 +227,40 @@ class Startup:
         return None
 
 
+def spec_frame(plan: JobPlan, index: int, opts: SuperviseOptions,
+               first: Sequence[AgentStream], master: tuple[str | None, int | None]) -> bytes:
+    """Host ``index``'s SPEC frame for the start-up of ``plan``; ``first`` holds the streams
+    of hosts 0 and 1 (host 0's probe asks its route towards host 1: `launcher.head.early`
+    sends each SPEC as soon as these are open)."""
+    probe = None
+    if index == 0:
+        user_addr, user_port = master
+        probe = wire.Probe(None if user_addr or len(first) == 1 else _next_host(*first[:2]),
+                           free_port=user_port is None)
+    spec = spec_of(plan, plan.hosts[index], opts, probe)
+    return wire.encode_json(wire.Kind.SPEC, spec.to_json())
+
+
+def early_spec_for(plan: JobPlan, opts: SuperviseOptions, master: tuple[str | None, int | None]
+                   ) -> Callable[[int, Sequence[AgentStream]], bytes | None]:
+    """`launcher.head.early`'s SPEC of host i as its stream opens: the frame the start-up
+    would send (`spec_frame`), None when it is too large to go before its agent reads."""
+
+    def spec_for(index: int, first: Sequence[AgentStream]) -> bytes | None:
+        frame = spec_frame(plan, index, opts, first, master)
+        return frame if len(frame) <= EARLY_SPEC_MAX else None
+
+    return spec_for
+
+
+def _next_host(first: AgentStream, second: AgentStream) -> str:
+    """An address of host 1 as seen from host 0, for rank 0's host to route towards."""
+    if second.is_local:
+        # Host 1 is the head itself: its address on the route towards host 0.
+        return netroute.route_source(_address_of(first))
+    return _address_of(second)
+
+
 def spec_of(plan: JobPlan, host_plan: HostPlan | None, opts: SuperviseOptions,
             probe: wire.Probe | None = None) -> wire.AgentSpec:
     """What one host runs, as its SPEC frame carries it; with no ``host_plan`` no ranks (a
@@ -277,13 +304,13 @@ def slowest_phases(links: Sequence[AgentLink]) -> str:
     return ", ".join(parts)
 
 
-def _address_of(link: AgentLink) -> str:
+def _address_of(stream: AgentStream) -> str:
     """The address the head reached this host at (the SSH peer), else its name resolved."""
-    if link.stream.is_local:
+    if stream.is_local:
         return "127.0.0.1"
-    if link.stream.connection is not None:
-        return link.stream.connection.peer_address()
-    return str(socket.getaddrinfo(link.name, None, type=socket.SOCK_STREAM)[0][4][0])
+    if stream.connection is not None:
+        return stream.connection.peer_address()
+    return str(socket.getaddrinfo(stream.host, None, type=socket.SOCK_STREAM)[0][4][0])
 
 
 def _agent_failed(link: AgentLink, what: str, why: str) -> None:

@@ -19,7 +19,7 @@ import queue
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -112,11 +112,12 @@ class Rounds:
         else:
             self.fleet.events.put(Signalled(signum))
 
-    def adopt(self, hosts: Sequence[HostSlots],
-              results: Sequence[AgentStream | ConnectError]) -> None:
+    def adopt(self, hosts: Sequence[HostSlots], results: Sequence[AgentStream | ConnectError],
+              early: Collection[int] = ()) -> None:
         """Take the agents started on ``hosts`` (every host, then the spares): a host that
         could not be reached ends the launch as without restarts (nothing was started
-        anywhere); a spare that could not is left out, said once. Spares check the job."""
+        anywhere); a spare that could not is left out, said once. Spares check the job. The
+        hosts numbered in ``early`` have their first round's SPEC (`launcher.head.early`)."""
         errors = [r for h, r in zip(hosts, results, strict=True)
                   if isinstance(r, ConnectError) and h in self.pool.active]
         if errors:
@@ -131,7 +132,7 @@ class Rounds:
         plan = self._plan(self.pool.active, RoundInfo())
         check = wire.encode_json(wire.Kind.SPEC,
                                  spec_of(plan, None, self.setup.supervise).to_json())
-        for host, result in zip(hosts, results, strict=True):
+        for number, (host, result) in enumerate(zip(hosts, results, strict=True)):
             name = host.entry.name
             if isinstance(result, ConnectError):
                 self.pool.lose_spare(name)
@@ -139,6 +140,7 @@ class Rounds:
                          "gives up for want of a spare")
                 continue
             self.links[name] = self.fleet.add(result)
+            self.links[name].early_spec = number in early
             if host not in self.pool.active:
                 self.links[name].send(check)
 

@@ -35,6 +35,7 @@ from launcher.slurm.allocation import JOB_ID
 from launcher.transport.local import LocalAgentStream, agent_command
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
+from launcher.transport.table import Opened
 
 
 class SrunNode:
@@ -84,9 +85,11 @@ def srun_environment(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions | None = None,
-                 environ: Mapping[str, str] = os.environ) -> list[AgentStream | ConnectError]:
+                 environ: Mapping[str, str] = os.environ,
+                 opened: Opened | None = None) -> list[AgentStream | ConnectError]:
     """One srun step per host, all started before any is waited on (``ssh`` is not used:
-    Slurm carries the streams; the table's dispatch entries all take it)."""
+    Slurm carries the streams; the table's dispatch entries all take it). ``opened`` hears
+    them once the nodes' addresses are known (rank 0's probe needs host 1's)."""
     job_id = environ.get(JOB_ID)
     srun = shutil.which("srun", path=environ.get("PATH"))
     if not job_id or srun is None:
@@ -107,6 +110,9 @@ def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions 
     for stream in results:
         if isinstance(stream, SrunAgentStream):
             stream.node.address = addresses.get(stream.host, stream.host)
+    for index, stream in enumerate(results):
+        if opened is not None and isinstance(stream, SrunAgentStream):
+            opened(index, stream)
     return results
 
 

@@ -25,6 +25,7 @@ from launcher.transport import table
 from launcher.transport.local import agent_command
 from launcher.transport.options import SSHOptions
 from launcher.transport.stream import AgentStream
+from launcher.transport.table import Opened
 
 #: Pauses between rounds of connecting to hosts not reachable yet: the first, the longest.
 RETRY_PAUSE_S = (0.5, 5.0)
@@ -40,15 +41,19 @@ def validate_remote_python(path: str) -> str:
 
 
 def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 transport: table.Transport, retry_for: float = 0.0) -> list[AgentStream]:
+                 transport: table.Transport, retry_for: float = 0.0,
+                 opened: Opened | None = None) -> list[AgentStream]:
     """Agent streams in host order; ConnectError (nothing left running) if any host fails.
+    ``opened`` hears each stream as it opens (`launcher.head.early`, which then keeps them
+    alive: no heartbeats of ours meanwhile).
 
     Hosts that do not resolve or accept connections yet (UnreachableError: a Kubernetes
     worker whose pod or DNS record is not up when the launcher starts) are tried again with
     back-off for up to ``retry_for`` seconds, one line per round naming them, while the agents
     already started hear heartbeats (they would leave after a minute of silence)."""
     deadline = time.monotonic() + retry_for
-    results = start_agents(selected, python=python, ssh=ssh, transport=transport)
+    results = start_agents(selected, python=python, ssh=ssh, transport=transport,
+                           opened=opened)
     pause = RETRY_PAUSE_S[0]
     while True:
         waiting = [i for i, r in enumerate(results) if isinstance(r, UnreachableError)]
@@ -59,9 +64,11 @@ def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
         names = ", ".join(f"{selected[i].entry.name} ({_cause(results[i])})" for i in waiting)
         sys.stderr.write(f"dtrain: {len(waiting)} host(s) not reachable yet: {names}; trying "
                          f"again for {left:.0f}s more (--launch-timeout)\n")
-        _keep_alive([r for r in results if not isinstance(r, ConnectError)], min(pause, left))
+        _keep_alive([r for r in results if not isinstance(r, ConnectError)
+                     and opened is None], min(pause, left))
         again = start_agents([selected[i] for i in waiting], python=python, ssh=ssh,
-                             transport=transport)
+                             transport=transport, opened=None if opened is None else
+                             _renumbered(opened, waiting))
         for i, result in zip(waiting, again, strict=True):
             results[i] = result
         pause = min(2 * pause, RETRY_PAUSE_S[1])
@@ -73,6 +80,11 @@ def open_streams(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
             f"{len(errors)} hosts could not be reached", "",
             "; ".join(str(e) for e in errors), "nothing was started anywhere")
     return streams
+
+
+def _renumbered(opened: Opened, indices: Sequence[int]) -> Opened:
+    """``opened`` for a start of some hosts: its i-th is host ``indices[i]``."""
+    return lambda i, stream: opened(indices[i], stream)
 
 
 def _cause(error: AgentStream | ConnectError) -> str:
@@ -90,18 +102,19 @@ def _keep_alive(streams: Sequence[AgentStream], seconds: float) -> None:
 
 
 def start_agents(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
-                 transport: table.Transport) -> list[AgentStream | ConnectError]:
+                 transport: table.Transport,
+                 opened: Opened | None = None) -> list[AgentStream | ConnectError]:
     """An agent stream, or why there is none, for every host, in host order, started by a
-    dispatching ``transport``; an ssh config that cannot be used (a refused directive, a bad
-    name) raises before anything connects."""
+    dispatching ``transport``, which tells ``opened`` each as it opens; an ssh config that
+    cannot be used (a refused directive, a bad name) raises before anything connects."""
     python = validate_remote_python(python)
-    results: list[AgentStream | ConnectError] = transport.load()(selected, python=python,
-                                                                 ssh=ssh)
+    results: list[AgentStream | ConnectError] = transport.load()(
+        selected, python=python, ssh=ssh, opened=opened or table.not_told)
     return results
 
 
-def start_by_host(selected: Sequence[HostSlots], *, python: str,
-                  ssh: SSHOptions) -> list[AgentStream | ConnectError]:
+def start_by_host(selected: Sequence[HostSlots], *, python: str, ssh: SSHOptions,
+                  opened: Opened = table.not_told) -> list[AgentStream | ConnectError]:
     """The ssh launcher: every host by its own row of the table (a loopback name locally, the
     others over the --ssh-client), each kind of host started together, in host order."""
     groups: dict[table.Transport, list[int]] = {}
@@ -110,13 +123,13 @@ def start_by_host(selected: Sequence[HostSlots], *, python: str,
     results: dict[int, AgentStream | ConnectError] = {}
     for transport, indices in groups.items():
         started = transport.load()([selected[i].entry for i in indices], python=python,
-                                   opts=ssh)
+                                   opts=ssh, opened=_renumbered(opened, indices))
         results.update(zip(indices, started, strict=True))
     return [results[i] for i in range(len(selected))]
 
 
-def start_paramiko(entries: Sequence[HostEntry], *, python: str,
-                   opts: SSHOptions) -> list[AgentStream | ConnectError]:
+def start_paramiko(entries: Sequence[HostEntry], *, python: str, opts: SSHOptions,
+                   opened: Opened = table.not_told) -> list[AgentStream | ConnectError]:
     """One paramiko connection and agent channel per host, ``max_parallel`` at a time."""
     import_paramiko(allow_config_exec=opts.allow_config_exec)
     # the thread pool and the SSH modules only when a remote host needs them
@@ -130,7 +143,7 @@ def start_paramiko(entries: Sequence[HostEntry], *, python: str,
     resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=opts)
                 for e in entries}
 
-    def start(entry: HostEntry) -> AgentStream | ConnectError:
+    def start(index: int, entry: HostEntry) -> AgentStream | ConnectError:
         try:
             conn = SSHConnection.open(resolved[entry.name], opts)
         except ConnectError as exc:
@@ -140,11 +153,12 @@ def start_paramiko(entries: Sequence[HostEntry], *, python: str,
         except ConnectError as exc:
             conn.close()
             return exc
+        opened(index, stream)
         return stream
 
     workers = max(1, min(opts.max_parallel, len(entries)))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="connect") as pool:
-        return list(pool.map(start, entries))
+        return list(pool.map(start, range(len(entries)), entries))
 
 
 def import_paramiko(*, allow_config_exec: bool) -> None:

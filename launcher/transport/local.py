@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from launcher.hosts.hostfile import HostEntry
     from launcher.transport.options import SSHOptions
     from launcher.transport.stream import AgentStream
+    from launcher.transport.table import Opened
 
 AGENT_MODULE = "launcher.agent"
 
@@ -47,10 +48,17 @@ def agent_command(python: str) -> list[str]:
     return python_module(python, AGENT_MODULE, "-u")
 
 
-def start_agents(entries: Sequence[HostEntry], *, python: str,
-                 opts: SSHOptions) -> list[AgentStream | ConnectError]:
-    """The table's `local` row: one agent subprocess per loopback host (``opts`` unused)."""
-    return [LocalAgentStream(entry.name, python=python) for entry in entries]
+def start_agents(entries: Sequence[HostEntry], *, python: str, opts: SSHOptions,
+                 opened: Opened | None = None) -> list[AgentStream | ConnectError]:
+    """The table's `local` row: one agent subprocess per loopback host (``opts`` unused),
+    each told to ``opened`` as it starts."""
+    streams: list[AgentStream | ConnectError] = []
+    for index, entry in enumerate(entries):
+        stream = LocalAgentStream(entry.name, python=python)
+        if opened is not None:
+            opened(index, stream)
+        streams.append(stream)
+    return streams
 
 
 class LocalAgentStream:

@@ -28,13 +28,23 @@ from launcher.errors import UsageError
 if TYPE_CHECKING:
     from launcher.hosts.hostfile import HostEntry
     from launcher.transport.options import SSHOptions
+    from launcher.transport.stream import AgentStream
+
+#: What a dispatch or host entry tells as each host's stream opens: (its index among the hosts
+#: it was given, the stream), from whichever thread opened it.
+Opened = Callable[[int, "AgentStream"], None]
+
+
+def not_told(index: int, stream: AgentStream) -> None:
+    """The `Opened` of a start nobody listens to."""
 
 
 class Flow(enum.Enum):
     """How a launch goes with a transport, and so what its entry is."""
 
-    #: The head starts an agent on every host it was given:
-    #: ``(selected: Sequence[HostSlots], *, python, ssh) -> list[AgentStream | ConnectError]``.
+    #: The head starts an agent on every host it was given, telling ``opened`` each stream as
+    #: it opens (`launcher.head.early`): ``(selected: Sequence[HostSlots], *, python, ssh,
+    #: opened) -> list[AgentStream | ConnectError]``.
     DISPATCH = "dispatch"
     #: Agents started by something else connect to the head; the hosts are whoever joined:
     #: ``(opts, *, include, exclude, nproc_per_node, heartbeat) -> rendezvous.head.Joined``.
@@ -42,8 +52,8 @@ class Flow(enum.Enum):
     #: Another launcher runs the ranks, with no agents:
     #: ``(req: LaunchRequest, plan: JobPlan, selected) -> exit code``.
     COMMAND = "command"
-    #: How the ssh launcher reaches one kind of host:
-    #: ``(entries: Sequence[HostEntry], *, python, opts) -> Sequence[AgentStream | ConnectError]``.
+    #: How the ssh launcher reaches one kind of host: ``(entries: Sequence[HostEntry], *,
+    #: python, opts, opened) -> Sequence[AgentStream | ConnectError]``.
     HOST = "host"
 
 

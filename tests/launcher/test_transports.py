@@ -84,13 +84,18 @@ class _Stream:
         """Nothing to close."""
 
 
-def start_flaky(selected, *, python, ssh):
-    """`late` does not resolve for the first two rounds; `bad` refuses authentication."""
+def start_flaky(selected, *, python, ssh, opened):
+    """`late` does not resolve for the first two rounds; `bad` refuses authentication; each
+    stream is told to ``opened``, numbered as in ``selected``."""
     _calls.append([h.entry.name for h in selected])
-    return [UnreachableError("cannot resolve host name", h.entry.name, "name not resolved")
+    results = [UnreachableError("cannot resolve host name", h.entry.name, "name not resolved")
             if h.entry.name == "late" and len(_calls) < 3 else
             ConnectError("cannot connect", h.entry.name, "authentication failed")
             if h.entry.name == "bad" else _Stream(h.entry.name) for h in selected]
+    for index, result in enumerate(results):
+        if isinstance(result, _Stream):
+            opened(index, result)
+    return results
 
 
 FLAKY = table.Transport("flaky", table.Flow.DISPATCH, "", f"{__name__}:start_flaky")
@@ -109,9 +114,12 @@ def _hosts(*names: str) -> list[HostSlots]:
 
 def test_a_host_not_reachable_yet_is_tried_again_with_a_line_per_round_naming_it(
         quick_retries: list[list[str]], capsys: pytest.CaptureFixture[str]) -> None:
+    told: list[tuple[int, str]] = []
     streams = connect.open_streams(_hosts("early", "late"), python=sys.executable,
-                                   ssh=SSHOptions(), transport=FLAKY, retry_for=10)
+                                   ssh=SSHOptions(), transport=FLAKY, retry_for=10,
+                                   opened=lambda i, stream: told.append((i, stream.host)))
     assert [s.host for s in streams] == ["early", "late"]
+    assert told == [(0, "early"), (1, "late")]  # as each opened, numbered among all hosts
     assert quick_retries == [["early", "late"], ["late"], ["late"]]  # only it, again
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and all("1 host(s) not reachable yet: late (name not resolved)" in

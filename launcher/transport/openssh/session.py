@@ -40,6 +40,7 @@ from launcher.hosts.hostfile import HostEntry
 from launcher.transport.local import LocalAgentStream, agent_command
 from launcher.transport.openssh.config import ConfigReader, host_options, last_line
 from launcher.transport.options import SSHOptions
+from launcher.transport.table import Opened
 
 #: ssh's exit code for its own errors (connect, host key, authentication).
 SSH_FAILED = 255
@@ -128,11 +129,12 @@ class OpenSSHAgentStream(LocalAgentStream):
         return ssh_failure(self.node, self.stderr_text())
 
 
-def start_agents(entries: Sequence[HostEntry], *, python: str,
-                 opts: SSHOptions) -> list[OpenSSHAgentStream | ConnectError]:
-    """One `ssh` per host, all started before any is waited on. A config that may be refused
-    is read first (a refused directive raises, nothing connects); one that cannot be is read
-    for a host only when its address is needed (`OpenSSHHost.config`)."""
+def start_agents(entries: Sequence[HostEntry], *, python: str, opts: SSHOptions,
+                 opened: Opened | None = None) -> list[OpenSSHAgentStream | ConnectError]:
+    """One `ssh` per host, all started before any is waited on, each told to ``opened`` as
+    it starts. A config that may be refused is read first (a refused directive raises,
+    nothing connects); one that cannot be is read for a host only when its address is needed
+    (`OpenSSHHost.config`)."""
     ssh = shutil.which("ssh")
     if ssh is None:
         raise UsageError("no ssh client", "--ssh-client openssh", "no `ssh` command on PATH",
@@ -147,12 +149,14 @@ def start_agents(entries: Sequence[HostEntry], *, python: str,
         for path in {Path(os.path.expanduser(host.known_hosts)) for host in hosts}:
             _private_file(path)
     streams: list[OpenSSHAgentStream | ConnectError] = []
-    for host in hosts:
+    for index, host in enumerate(hosts):
         try:
             # Without a first reading, the config sets no ConnectTimeout: {} is exact here.
             found = host.config if first else {}
-            streams.append(OpenSSHAgentStream(host, session_argv(ssh, host.entry, opts, found,
-                                                                 python)))
+            stream = OpenSSHAgentStream(host, session_argv(ssh, host.entry, opts, found, python))
+            if opened is not None:
+                opened(index, stream)
+            streams.append(stream)
         except OSError as exc:
             streams.append(ConnectError(f"cannot start ssh for {host.alias}",
                                         f"host {host.alias}", str(exc),
