@@ -55,8 +55,8 @@ class EarlySpecs:
             for host in ready:
                 if host in self.sent:
                     continue
-                first = [self._open[0], self._open[1]] if self._hosts > 1 else [self._open[0]]
-                frame = self._spec_for(host, first if host == 0 else [self._open[host]])
+                frame = self._spec_for(host, [self._open[i] for i in range(min(2, self._hosts))]
+                                       if host == 0 else [self._open[host]])
                 if frame is None:
                     continue  # too large to send before its agent reads: the start-up's
                 try:
