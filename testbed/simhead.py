@@ -155,7 +155,7 @@ class CountingStream:
         return data
 
     def read_ready(self, max_bytes: int = 65536) -> bytes | None:
-        """The inner stream's (`launcher.head.pump`, which asks for it only when the inner
+        """The inner stream's (`launcher.transport.pump`, which asks for it only when the inner
         stream has a `reader_fd`), counted."""
         data: bytes | None = self._inner.read_ready(max_bytes)
         if data:

@@ -10,7 +10,7 @@ not silent: we stopped listening).
 Who reads a stream is chosen once, when its link is built, by what the stream offers:
 
 * one that can be polled (``reader_fd``: pipes, SSH channels, sockets) is read by the fleet's
-  one `launcher.head.pump.ReadPump` thread with every other such stream. A thread per stream
+  one `launcher.transport.pump.ReadPump` thread with every other such stream. A thread per stream
   made the flat head's CPU grow faster than its hosts (`bench.sim_scale`). A held-up read
   holds up every stream of the pump, which their ``held`` says;
 * one that delivers its bytes itself (``listen``: a host behind a relay, whose bytes a
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from launcher import wire
-from launcher.head.pump import Hold, ReadPump
+from launcher.transport.pump import Hold, ReadPump
 from launcher.transport.stream import AgentStream
 
 
@@ -100,7 +100,7 @@ class AgentLink:
             listen(self._delivered, self._end)
         elif pump is not None and hasattr(stream, "reader_fd"):
             self._hold = pump.hold  # the pump's one thread reads every stream
-            pump.add(stream, self._pumped, self._end)  # type: ignore[arg-type]
+            pump.add(stream, self._received, self._pump_end)  # type: ignore[arg-type]
         else:
             threading.Thread(target=self._read_loop, name=f"agent-{index}", daemon=True).start()
 
@@ -164,11 +164,9 @@ class AgentLink:
         except (OSError, EOFError, ValueError) as exc:
             self._end(f"the agent's stream broke: {exc}")
 
-    def _pumped(self, data: bytes) -> bool:
-        """A read the pump hands over; False once this stream is given up (a broken frame
-        ends this host only, never the pump)."""
-        self._delivered(data)
-        return not self._ended
+    def _pump_end(self, error: BaseException | None) -> None:
+        self._end("the agent's stream closed" if error is None
+                  else f"the agent's stream broke: {error}")
 
     def _received(self, data: bytes) -> None:
         """The frames of one read: output to the writer, the rest queued together (one

@@ -160,7 +160,7 @@ class JoinedPeer:
 
     def close(self) -> None:
         """Shut down, then close: the head's pump reads a duplicate of the descriptor
-        (`launcher.head.pump`), which a close alone would leave connected."""
+        (`launcher.transport.pump`), which a close alone would leave connected."""
         with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):

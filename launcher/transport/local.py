@@ -110,7 +110,7 @@ class LocalAgentStream:
 
     def reader_fd(self) -> int:
         """The agent's stdout, read without blocking from now on (`read_ready`): only the
-        head's pump reads it then (`launcher.head.pump`)."""
+        head's pump reads it then (`launcher.transport.pump`)."""
         if self._proc.stdout is None:
             raise OSError(f"the stream to the agent on {self.host} has no stdout")
         fd = self._proc.stdout.fileno()

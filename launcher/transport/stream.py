@@ -67,7 +67,7 @@ class AgentStream(Protocol):
 
 
 class Selectable(Protocol):
-    """A stream the head reads with one thread for all (`launcher.head.pump`), not a thread
+    """A stream the head reads with one thread for all (`launcher.transport.pump`), not a thread
     of its own: a descriptor to poll, and a read that never blocks."""
 
     def reader_fd(self) -> int:

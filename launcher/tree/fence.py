@@ -137,3 +137,14 @@ class SubtreeFence:
 
     def _kvsname(self, host: int) -> str:
         return self._spec.get(host, ("", False))[0]
+
+
+def flatten(node: dict[str, Any]) -> list[dict[str, Any]]:
+    """A SUBTREE body's ``node`` and every node below it, depth first in order (the hosts a
+    relay's fence routes to through that child)."""
+    out, stack = [], [node]
+    while stack:
+        n = stack.pop()
+        out.append(n)
+        stack.extend(reversed(n["children"]))
+    return out

@@ -10,15 +10,15 @@ sends each child relay its SUBTREE, then what the head already sent for it. From
 * up: what a child sends goes up wrapped (ROUTED with the child's index; a child relay's
   ROUTED and GONE frames as they are), one frame per read, its rank output under the writer's
   back-pressure; a child's PMI ``barrier_in`` goes into the fence instead, and a ``get`` for a
-  card the relay passed down is answered here;
+  card the relay passed down is answered here. One thread reads every child's stream that
+  can be polled (`launcher.transport.pump`), the others a thread each;
 * a child whose stream ends is reported GONE, with every host below it;
 * what goes down to a child is queued for its own writer thread (the agent's `FrameWriter`):
   a child slow to read (a fence's answer carries every card of the job) never stalls the
   relay's agent, which forwards every frame down, nor its other children.
 
-The relay outlives its own agent's job while any child is connected (a host whose ranks
-finished still carries the others' streams) and ends with the stream from its parent: closing
-the children's streams, whose agents then stop their ranks as when the head is gone.
+The relay outlives its own agent's job while any child is connected and ends with the stream
+from its parent: closing the children's streams, whose agents then stop their ranks.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from launcher import wire
-from launcher.tree.fence import SubtreeFence
+from launcher.tree.fence import SubtreeFence, flatten
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Relay:
         route = {self.own: self.own}
         self._below: dict[int, list[dict[str, Any]]] = {}  # child -> every node below it
         for index, child in self._children.items():
-            nodes = _flatten(child)
+            nodes = flatten(child)
             self._below[index] = nodes[1:]
             route.update((int(n["index"]), index) for n in nodes)
         self.fence = SubtreeFence(self.own, route)
@@ -91,11 +91,11 @@ class Relay:
         self._spoke: set[int] = set()  # children whose agent sent its first frame
         self._lock = threading.Lock()
         self._keys: Any = None
+        self._pump: Any = None  # reads the children's streams, made in `start`
 
     def transport_pids(self) -> frozenset[int]:
-        """The processes that carry the children's streams (the system `ssh`'s, one per
-        child; none over paramiko): the agent keeps them when it kills what its own ranks
-        left, since they are the subtree's links, not the job's leftovers."""
+        """The processes that carry the children's streams (`ssh`'s; none over paramiko): the
+        agent keeps them when it kills what its own ranks left (the subtree's links)."""
         with self._lock:
             streams = list(self._streams.values())
         return frozenset(pid for stream in streams
@@ -117,14 +117,16 @@ class Relay:
                 import launcher.transport.ssh
             import launcher.transport.local
             import launcher.tree.hops  # noqa: F401
+        from launcher.transport.pump import ReadPump
+
+        self._pump = ReadPump()
         threading.Thread(target=self._connect_all, name="relay-connect", daemon=True).start()
         threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
 
     def _beat_pending(self) -> None:
-        """Until a child's agent first speaks, a heartbeat for it and every host below it:
-        the head hears them from the moment it hands them over, and a deep host's start-up
-        (the hops above it, its login) is not its silence. For VOUCH_S at most: an agent that
-        never speaks is then silent to the head as a flat launch's would be."""
+        """Until a child's agent first speaks, a heartbeat for it and every host below it: a
+        deep host's start-up (the hops above it, its login) is not its silence. For VOUCH_S at
+        most: an agent that never speaks is then silent as a flat launch's would be."""
         beat = wire.encode(wire.Kind.HEARTBEAT)
         until = time.monotonic() + VOUCH_S
         while time.monotonic() < until:
@@ -181,8 +183,7 @@ class Relay:
         with self._lock:
             self.fence.spec(self.own, body)
 
-    def own_barrier(self, msg: dict[str, Any]) -> None:
-        """The own agent's ``barrier_in``: into the fence, not to the parent."""
+    def own_barrier(self, msg: dict[str, Any]) -> None:  # into the fence, not to the parent
         self._enter(self.own, msg)
 
     def fence_out(self, msg: dict[str, Any]) -> None:
@@ -204,7 +205,7 @@ class Relay:
 
     def linger(self, events: queue.Queue[Any], ended: Callable[[Any], bool]) -> None:
         """After the own agent is done: carry the children's streams until they end, or the
-        parent's does (an event that is ``ended``)."""
+        parent's does (an ``ended`` event)."""
         while self._alive:
             try:
                 event = events.get(timeout=LINGER_POLL_S)
@@ -279,32 +280,43 @@ class Relay:
             self._writers[index] = self._writer(_StreamSink(stream))
             if first or pending:
                 self._writers[index].send(b"".join([*first, *pending]))
-        threading.Thread(target=self._read, args=(index, stream), name=f"relay-{index}",
-                         daemon=True).start()
+        if hasattr(stream, "reader_fd"):  # chosen once: the pump reads every such child
+            self._pump.add(stream, lambda data, d=wire.Decoder(): self._from_child(index, d, data),
+                           lambda error: self._child_ended(index, stream, error))
+        else:
+            threading.Thread(target=self._read, args=(index, stream), name=f"relay-{index}",
+                             daemon=True).start()
 
     # -- up ------------------------------------------------------------------------------------
-    def _read(self, index: int, stream: AgentStream) -> None:
-        decoder = wire.Decoder()
-        reason = "its agent's stream closed"
+    def _read(self, index: int, stream: AgentStream) -> None:  # a stream the pump cannot poll
+        decoder, error = wire.Decoder(), None
         try:
             while data := stream.read(65536):
-                self._spoke.add(index)
-                batch: list[bytes] = []
-                for frame in decoder.feed(data):
-                    if frame.kind in (wire.Kind.ROUTED, wire.Kind.GONE):
-                        self._flush(index, batch)
-                        self.up.send(wire.encode(frame.kind, frame.payload))
-                    elif frame.kind is wire.Kind.OUTPUT:
-                        self._flush(index, batch)
-                        self.up.send_output_frame(wire.encode_routed(
-                            index, wire.encode(frame.kind, frame.payload)))
-                    elif frame.kind is wire.Kind.PMI and self._pmi_up(index, frame):
-                        self._flush(index, batch)
-                    else:
-                        batch.append(wire.encode(frame.kind, frame.payload))
-                self._flush(index, batch)
+                self._from_child(index, decoder, data)
         except (OSError, EOFError, ValueError) as exc:
-            reason = f"its agent's stream broke: {exc}"
+            error = exc
+        self._child_ended(index, stream, error)
+
+    def _from_child(self, index: int, decoder: wire.Decoder, data: bytes) -> None:
+        """One read of child ``index``'s stream, its frames up or handled here."""
+        self._spoke.add(index)
+        batch: list[bytes] = []
+        for frame in decoder.feed(data):
+            if frame.kind in (wire.Kind.ROUTED, wire.Kind.GONE):
+                self._flush(index, batch)
+                self.up.send(wire.encode(frame.kind, frame.payload))
+            elif frame.kind is wire.Kind.OUTPUT:
+                self._flush(index, batch)
+                self.up.send_output_frame(wire.encode_routed(
+                    index, wire.encode(frame.kind, frame.payload)))
+            elif frame.kind is wire.Kind.PMI and self._pmi_up(index, frame):
+                self._flush(index, batch)
+            else:
+                batch.append(wire.encode(frame.kind, frame.payload))
+        self._flush(index, batch)
+
+    def _child_ended(self, index: int, stream: AgentStream, error: BaseException | None) -> None:
+        reason = f"its agent's stream {'closed' if error is None else f'broke: {error}'}"
         stderr = stream.stderr_text().strip().splitlines()[-3:]
         self._lost(index, reason + (f" (agent stderr: {' | '.join(stderr)})" if stderr else ""))
 
@@ -343,8 +355,7 @@ class Relay:
 
     def _send(self, hop: int, data: bytes) -> None:
         """Queue ``data`` for child ``hop``: never blocks (a child slow to read must not stall
-        the relay's own agent, which forwards every frame down, nor its other children); a
-        broken stream's reader reports the end."""
+        the relay's agent, which forwards every frame down, nor its other children)."""
         with self._lock:
             writer = self._writers.get(hop)
             if writer is None:
@@ -387,13 +398,3 @@ class _StreamSink:
     def write(self, data: memoryview) -> int:
         self.stream.write(bytes(data))
         return len(data)
-
-
-def _flatten(node: dict[str, Any]) -> list[dict[str, Any]]:
-    """``node`` and every node below it."""
-    out, stack = [], [node]
-    while stack:
-        n = stack.pop()
-        out.append(n)
-        stack.extend(reversed(n["children"]))
-    return out

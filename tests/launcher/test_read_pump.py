@@ -1,6 +1,6 @@
-"""The head's one reader thread for every agent stream (`launcher.head.pump`), on socketpairs:
-it serves many streams at once, keeps each stream's bytes in order, says each end once, and
-leaves when the last stream ended; an `AgentLink` on a pollable stream is read by it."""
+"""One reader thread for many agent streams (`launcher.transport.pump`), on socketpairs: it
+serves many streams at once, keeps each stream's bytes in order, says each end once, and leaves
+when the last stream ended; the head's `AgentLink`s on pollable streams share one."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 from launcher import wire
 from launcher.head.agent_link import Closed, Fleet, Received
-from launcher.head.pump import ReadPump
+from launcher.transport.pump import ReadPump
 
 K = wire.Kind
 
@@ -52,17 +52,18 @@ class Collected:
         self.all_ended = threading.Event()
         self.expected = 0
 
-    def deliver(self, i: int, keep: bool = True):
-        def deliver(data: bytes) -> bool:
+    def deliver(self, i: int, refuse: bytes = b"\xff"):
+        def deliver(data: bytes) -> None:
             with self.lock:
                 self.data.setdefault(i, bytearray()).extend(data)
-            return keep
+            if refuse in data:
+                raise ValueError("a bad frame")
         return deliver
 
     def end(self, i: int):
-        def end(why: str) -> None:
+        def end(error: BaseException | None) -> None:
             with self.lock:
-                self.ends.setdefault(i, []).append(why)
+                self.ends.setdefault(i, []).append("closed" if error is None else str(error))
                 if len(self.ends) == self.expected:
                     self.all_ended.set()
         return end
@@ -95,7 +96,7 @@ def test_one_thread_serves_many_streams_each_in_order_and_says_each_end_once():
         stream.far.close()
     assert got.all_ended.wait(10)
     assert {i: bytes(d) for i, d in got.data.items()} == {i: bytes(d) for i, d in want.items()}
-    assert got.ends == {i: ["the agent's stream closed"] for i in range(len(streams))}
+    assert got.ends == {i: ["closed"] for i in range(len(streams))}
     assert wait_for(lambda: pump.streams == 0 and pump._thread is None)  # it left
 
 
@@ -118,20 +119,21 @@ def test_bytes_held_before_a_stream_came_are_delivered_without_waiting_for_more(
     stream.far.close()
 
 
-def test_a_stream_given_up_by_its_handler_is_read_no_more_and_the_others_go_on():
+def test_a_stream_whose_handler_refused_a_read_ends_with_why_and_the_others_go_on():
     pump, got = ReadPump(), Collected()
     quitter, other = PairStream(), PairStream()
     got.expected = 1
-    pump.add(quitter, got.deliver(0, keep=False), got.end(0))
+    pump.add(quitter, got.deliver(0), got.end(0))
     pump.add(other, got.deliver(1), got.end(1))
-    quitter.far.sendall(b"bad")
-    assert wait_for(lambda: 0 in got.data)
-    quitter.far.sendall(b"more")  # not read: the handler gave the stream up
+    quitter.far.sendall(b"bad\xff")
+    assert got.all_ended.wait(5) and got.ends == {0: ["a bad frame"]}
+    quitter.far.sendall(b"more")  # not read: that stream ended
     other.far.sendall(b"fine")
     assert wait_for(lambda: bytes(got.data.get(1, b"")) == b"fine")
-    assert bytes(got.data[0]) == b"bad" and 0 not in got.ends  # its handler said it ended
+    assert bytes(got.data[0]) == b"bad\xff"
     other.far.close()
-    assert got.all_ended.wait(5) and got.ends == {1: ["the agent's stream closed"]}
+    assert wait_for(lambda: got.ends.get(1) == ["closed"])
+    assert got.ends[0] == ["a bad frame"]
 
 
 class SignalledStream:
@@ -172,7 +174,7 @@ def test_a_stream_whose_owner_closed_its_descriptor_still_ends_on_the_pumps_copy
     stream.close()  # the pump polls its duplicate: readable at the end, never reused
     assert got.all_ended.wait(5)
     assert bytes(got.data[0]) == b"last words"
-    assert got.ends == {0: ["the agent's stream closed"]}
+    assert got.ends == {0: ["closed"]}
 
 
 def test_a_broken_read_ends_that_stream_with_why():
@@ -186,7 +188,7 @@ def test_a_broken_read_ends_that_stream_with_why():
     pump.add(stream, got.deliver(0), got.end(0))
     stream.far.sendall(b"x")
     assert got.all_ended.wait(5)
-    assert got.ends == {0: ["the agent's stream broke: reset by peer"]}
+    assert got.ends == {0: ["reset by peer"]}
 
 
 def test_agent_links_on_pollable_streams_share_the_fleets_pump_and_keep_frame_order():

@@ -4,7 +4,9 @@ with fake children (`launcher.tree`)."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import socket
 import threading
 
 import pytest
@@ -398,3 +400,71 @@ def test_a_relay_sends_every_host_its_cards_before_any_release():
     out = fence.out({"op": "barrier_out", "kv": {"a": "1"}, "hosts": [0, 1, 2, 3]})
     assert [(h, b["op"]) for h, b in out] == [(h, op) for op in ("push", "barrier_out")
                                               for h in range(4)]
+
+
+class SocketChild:
+    """A relay's pollable stream to a child (a socketpair): ``far`` is the child agent's end."""
+
+    is_local = False
+    connection = None
+
+    def __init__(self, host: str) -> None:
+        self.host = host
+        self.near, self.far = socket.socketpair()
+
+    def reader_fd(self) -> int:
+        return self.near.fileno()
+
+    def read_ready(self, max_bytes: int = 65536) -> bytes | None:
+        try:
+            return self.near.recv(max_bytes, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return None
+
+    def write(self, data: bytes) -> None:
+        self.near.sendall(data)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.near.shutdown(socket.SHUT_WR)
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.near.shutdown(socket.SHUT_RDWR)
+
+    def stderr_text(self) -> str:
+        return ""
+
+
+def test_a_relay_reads_every_pollable_child_on_one_thread_in_order_and_reports_each_end():
+    children = 24
+    body = {"index": 0, "python": "/usr/bin/python3", "children": [
+        {"index": i, "name": f"node{i + 1}", "hop": {}, "children": []}
+        for i in range(1, children + 1)]}
+    ends = {i: SocketChild(f"node{i + 1}") for i in range(1, children + 1)}
+    up = Upward()
+    relay = Relay(body, up, [].append, connect=lambda node: ends[node["index"]],
+                  writer=FrameWriter)
+    before = set(threading.enumerate())
+    relay.start()
+    _wait(lambda: len(relay._writers) == children)
+    names = [t.name for t in threading.enumerate() if t not in before]
+    assert not any(n.startswith("relay-") and n[6:].isdigit() for n in names)  # no reader each
+    assert names.count("agent-streams") == 1  # one reads them all (a writer each stays)
+    for turn in range(5):
+        for i, child in ends.items():
+            child.far.sendall(wire.encode_json(K.PROGRESS, {"host": i, "turn": turn}))
+    _wait(lambda: sum(f.kind is K.ROUTED for f in up.frames()) >= 5 * children // 2)
+    for child in ends.values():
+        child.far.close()
+    _wait(lambda: sum(f.kind is K.GONE for f in up.frames()) == children)
+    seen: dict[int, list[int]] = {}
+    for frame in up.frames():
+        if frame.kind is K.ROUTED:
+            host, inner = wire.decode_routed(frame)
+            seen.setdefault(host, []).extend(f.json()["turn"] for f in wire.Decoder().feed(inner))
+    assert seen == {i: [0, 1, 2, 3, 4] for i in ends}  # each child's frames in its order
+    gone = [f.json() for f in up.frames() if f.kind is K.GONE]
+    assert sorted(g["host"] for g in gone) == list(ends)
+    assert all(g["why"] == "its agent's stream closed" for g in gone)
+    relay.close()

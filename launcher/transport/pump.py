@@ -1,11 +1,13 @@
-"""One thread that reads every agent stream the head can poll (`launcher.head.agent_link`).
+"""One thread that reads many agent streams: every stream the head can poll
+(`launcher.head.agent_link`), and a relay's streams to its children (`launcher.tree.relay`).
 
 A thread per stream made the flat head's CPU grow faster than its hosts: at 2,048 simulated
 hosts 7.2 s, at 4,096 50 s on a loaded machine (`bench.sim_scale`), most of it the interpreter
 lock passed between thousands of threads that each woke for a few bytes. Here one thread waits
 on every stream's descriptor at once (epoll where there is one) and hands each read's bytes to
 that stream's handler, on this thread, in the order they came: what a stream delivers is in
-stream order, and each stream's end is said once.
+stream order, and each stream's end is said once: None when it closed, else the error that
+broke it (a read's, or its handler's: a bad frame ends that stream only, never the thread).
 
 A stream is polled through two methods (`launcher.transport.stream.Selectable`):
 ``reader_fd()``, a descriptor that polls readable when there is something to read or the
@@ -17,8 +19,8 @@ leaves the pump's open, readable at its end, never reused for another stream.
 
 A handler that blocks (rank output into the head's full output queue) holds up every stream:
 their frames wait in their transports' buffers, as one relay line's hosts do
-(`launcher.tree.head.RelayLine`). ``held`` says so, so that no host is taken for silent while
-the head stopped reading (`AgentLink.held`).
+(`launcher.tree.head.RelayLine`). ``hold`` is there to say so, so that no host is taken for
+silent while the head stopped reading (`AgentLink.held`).
 
 The thread runs while it has streams: it leaves when the last one ended, and the next `add`
 starts another (a job's last stream ends after its last round; tests run many jobs).
@@ -30,27 +32,32 @@ import contextlib
 import os
 import selectors
 import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from launcher.transport.stream import Selectable
+TYPE_CHECKING = False  # `typing` costs a relay's start-up (an agent's); mypy reads True
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from launcher.transport.stream import Selectable
+
+    Deliver = Callable[[bytes], None]
+    End = Callable[[BaseException | None], None]
 
 READ_BYTES = 65536
+#: What ends a stream when a read or its handler raises it (as a reader thread's loop ends).
+BROKEN = (OSError, EOFError, ValueError)
 
 
-@dataclass
 class Hold:
     """Set while a handler waits for room in the head's output queue."""
 
-    held: bool = False
+    def __init__(self) -> None:
+        self.held = False
 
 
-@dataclass
 class _Entry:
-    source: Selectable
-    deliver: Callable[[bytes], bool]  # False: the handler gave the stream up (a bad frame)
-    end: Callable[[str], None]
-    fd: int = -1
+    def __init__(self, source: Selectable, deliver: Deliver, end: End) -> None:
+        self.source, self.deliver, self.end = source, deliver, end
+        self.fd = -1
 
 
 class ReadPump:
@@ -69,16 +76,15 @@ class ReadPump:
         """Streams being read now (not ended yet)."""
         return self._count
 
-    def add(self, source: Selectable, deliver: Callable[[bytes], bool],
-            end: Callable[[str], None]) -> None:
-        """Read ``source`` from now on: each read's bytes to ``deliver`` (which returns False
-        to stop reading it), and its end, once, to ``end`` with why. What ``source`` holds
-        already (bytes read before it was added) is delivered first."""
+    def add(self, source: Selectable, deliver: Deliver, end: End) -> None:
+        """Read ``source`` from now on: each read's bytes to ``deliver``, and its end, once,
+        to ``end`` (None, or the error that broke it). What ``source`` holds already (bytes
+        read before it was added) is delivered first."""
         entry = _Entry(source, deliver, end)
         try:  # now, on the caller's thread: the owner may close its descriptor any time
             entry.fd = os.dup(source.reader_fd())
-        except (OSError, ValueError, EOFError) as exc:
-            end(f"the agent's stream broke: {exc}")
+        except BROKEN as exc:
+            end(exc)
             return
         with self._lock:
             self._pending.append(entry)
@@ -128,22 +134,18 @@ class ReadPump:
         """One read of ``entry``'s stream, handed over; its end said and unregistered."""
         try:
             data = entry.source.read_ready(READ_BYTES)
-        except (OSError, EOFError, ValueError) as exc:
-            self._finish(selector, entry, f"the agent's stream broke: {exc}")
+            if data:
+                entry.deliver(data)
+        except BROKEN as exc:
+            self._finish(selector, entry, exc)
             return
-        if data is None:
-            return
-        if not data:
-            self._finish(selector, entry, "the agent's stream closed")
-        elif not entry.deliver(data):
-            self._finish(selector, entry, "")
+        if data is not None and not data:
+            self._finish(selector, entry, None)
 
-    def _finish(self, selector: selectors.BaseSelector, entry: _Entry, why: str) -> None:
-        if entry.fd >= 0:
-            selector.unregister(entry.fd)
-            os.close(entry.fd)
-            entry.fd = -1
+    def _finish(self, selector: selectors.BaseSelector, entry: _Entry,
+                error: BaseException | None) -> None:
+        selector.unregister(entry.fd)
+        os.close(entry.fd)
         with self._lock:
             self._count -= 1
-        if why:
-            entry.end(why)
+        entry.end(error)
