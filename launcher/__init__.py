@@ -15,6 +15,8 @@ launcher/ and trainer/ never import each other.
     transport/   table         every transport in one table: --launcher and --ssh-client rows,
                                the entry each starts with (imported only when used)
                  stream        the AgentStream protocol every transport implements
+                 pump          one reader thread for many pollable streams: the head's, a
+                               relay's to its children (adapter)
                  connect       open one agent stream per host by its row, in parallel
                  options       SSHOptions, built by the CLI without importing paramiko
                  local         the agent as a local subprocess (adapter)
@@ -36,7 +38,6 @@ launcher/ and trainer/ never import each other.
                  pmi_notes     the PMI relay; refused MPI features and stalled barriers
                  agent_link    the head's end of one agent stream: frame routing and sender;
                                the Fleet of a job's links across its rounds
-                 pump          one reader thread for every pollable agent stream (adapter)
                  options       heartbeats, grace, timeouts, PMI: how the head supervises
                  stdin         the head's stdin to rank 0, credit flow control
                  outcome       per-rank states and the exit-code rule
