@@ -136,8 +136,8 @@ class ReadPump:
             data = entry.source.read_ready(READ_BYTES)
             if data:
                 entry.deliver(data)
-        except BROKEN as exc:
-            self._finish(selector, entry, exc)
+        except Exception as exc:  # noqa: BLE001 (a broken stream, or its handler's bug: that
+            self._finish(selector, entry, exc)  # stream ends, never the others' reading)
             return
         if data is not None and not data:
             self._finish(selector, entry, None)
