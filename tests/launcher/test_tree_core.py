@@ -447,17 +447,16 @@ def test_a_relay_reads_every_pollable_child_on_one_thread_in_order_and_reports_e
                   writer=FrameWriter)
     before = set(threading.enumerate())
     relay.start()
-    _wait(lambda: len(relay._writers) == children)
+    _wait(lambda: len(relay._writers) == children, timeout=30)
     names = [t.name for t in threading.enumerate() if t not in before]
     assert not any(n.startswith("relay-") and n[6:].isdigit() for n in names)  # no reader each
     assert names.count("agent-streams") == 1  # one reads them all (a writer each stays)
     for turn in range(5):
         for i, child in ends.items():
             child.far.sendall(wire.encode_json(K.PROGRESS, {"host": i, "turn": turn}))
-    _wait(lambda: sum(f.kind is K.ROUTED for f in up.frames()) >= 5 * children // 2)
     for child in ends.values():
         child.far.close()
-    _wait(lambda: sum(f.kind is K.GONE for f in up.frames()) == children)
+    _wait(lambda: sum(f.kind is K.GONE for f in up.frames()) == children, timeout=30)
     seen: dict[int, list[int]] = {}
     for frame in up.frames():
         if frame.kind is K.ROUTED:
