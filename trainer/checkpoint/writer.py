@@ -77,6 +77,7 @@ class Writer:
         self._error: CheckpointError | None = None
         self._posted = False  # a vote posted and not read yet
         self._thread: ThreadPoolExecutor | None = None
+        self._prune_error: CheckpointError | None = None  # of a pruning after a commit
         if background:  # started now (it lowers its own priority), not at the first save
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-writer",
                                               initializer=_lower_priority)
@@ -87,6 +88,7 @@ class Writer:
         one save at a time."""
         if self.save is not None:
             raise RuntimeError("a checkpoint is still in flight: wait() for it first")
+        save.prune_later = save.prune_later and self._thread is not None
         self.save, self._committing = save, False
         self._run(save, save.write)
 
@@ -143,7 +145,12 @@ class Writer:
         error is kept."""
 
         def body() -> None:
-            self._error = save.attempt(phase)
+            self._error = self._pruned() or save.attempt(phase)
+            if save.prunable and save.prune_later and self._thread is not None:
+                # After the commit, in this thread but not in its phase: the ranks see the
+                # save finished without waiting for the deletes (`Save.prune_later`); the next
+                # phase queued here (the next save's write) runs after them.
+                self._thread.submit(self._prune, save)
 
         self._error, self._phase = None, None
         if self._thread is not None and not here:  # in place, the training thread keeps its
@@ -151,6 +158,18 @@ class Writer:
             self._phase = self._thread.submit(body)
         else:
             body()
+
+    def _prune(self, save: Save) -> None:
+        """The pruning after ``save``'s commit (the background thread, the leader); its error
+        is the error of this rank's next phase (`_pruned`), which every rank then raises."""
+        error = save.attempt(save.prune)
+        if error is not None:
+            self._prune_error = error
+
+    def _pruned(self) -> CheckpointError | None:
+        """The error of the last pruning, once (the background thread)."""
+        error, self._prune_error = self._prune_error, None
+        return error
 
     def _advance(self, failed: bool | None = None) -> Save | None:
         """Every rank's local phase is over: the collective phase after it (raises the
