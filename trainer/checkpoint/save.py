@@ -21,7 +21,8 @@ Every rank of the group (``world``) runs the phases together, in this order:
     commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``, the rename
              into place, the commit record (the ``COMMITTED`` marker, last: size and checksum
              of every file; the order of what becomes durable: `trainer.checkpoint.commit`),
-             then pruning (after the save's clock, `Save.report`)
+             then pruning (after the save's clock, `Save.report`; or left to the caller,
+             `Save.prune_later`: the background writer prunes after the save finished)
     finish   collective: the ranks agree that the commit succeeded (after such a vote:
              nothing)
 
