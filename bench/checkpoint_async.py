@@ -19,9 +19,15 @@ run dirs and dd's file):
   background: at the save's step, reading its late agreement at the next step's end, and any
   wait for its copy before the optimizer's step), the seconds later step ends spent moving a
   background save on (its votes, and the collectives that settle and finish it), the save's
-  MB/s (MB of every rank / seconds from the first rank's staging to the commit: ranks reach a
-  save apart, and the save's clock starts at the first; the in-place saves, whose write has
-  the machine to itself, and the last background save, which the end of training waits for),
+  MB/s (the in-place saves, whose write has the machine to itself, and the last background
+  save, which the end of training waits for): MB of every rank over the seconds the save was
+  writing (`trainer.checkpoint.rate.busy`: every moment some rank wrote its file, and all
+  from the last write to the end of the commit, the agreement and the commit's fsyncs
+  included), the time dd's MB/s is over too. Until 2026-11-29 the seconds ran from the first
+  rank's staging to the commit (still reported: ``span``); but the ranks reach a save 10-30 ms
+  apart (the pipeline's stages end a step at different times, 8 ranks on 2 cores), and while
+  the late ones still compute their step and the early ones have written, nobody writes:
+  that wait is the training's, not the disk's, and dd has none,
   and the loop's time per step (steps 2..N plus the blocked seconds of the saves before the
   last) against the run without saves; within each run, the median of the 3 steps after each
   save (a background save copies, writes and commits during them) against the median of the
@@ -66,7 +72,8 @@ COMMON = ["--warmup-steps", "1", "--data-cap-mb", "1", "--eval-every", "0", "--k
 MODES = {"none": ["--save-every", "0"], "sync": ["--no-async-save"], "async": ["--async-save"]}
 SUMMARY_COLUMNS = [("config", "config"), ("load avg", "loadavg"), ("ckpt MB", "mb"),
                    ("dd MB/s", "dd_mb_s"), ("sync MB/s", "sync_mb_s"),
-                   ("sync/dd", "sync_vs_dd"), ("async last MB/s", "async_mb_s"),
+                   ("sync/dd", "sync_vs_dd"), ("sync span MB/s", "sync_span_mb_s"),
+                   ("span/dd", "span_vs_dd"), ("async last MB/s", "async_mb_s"),
                    ("blocked sync s", "blocked_sync_s"), ("blocked async s", "blocked_async_s"),
                    ("blocked ratio", "blocked_ratio"), ("async step-end s", "step_end_async_s"),
                    ("step none s", "step_none_s"),
@@ -77,7 +84,8 @@ SUMMARY_COLUMNS = [("config", "config"), ("load avg", "loadavg"), ("ckpt MB", "m
 SUMMARY_NOTE = ("dd: conv=fsync, as many bytes as one checkpoint. Blocked: median seconds the "
                 "training loop waited per save (not the last). Step-end: median seconds "
                 "later step ends spent moving a background save on. MB/s: all ranks' MB / seconds "
-                "from staging to commit. Step ratios: loop seconds per step (steps 2..N, "
+                "some rank was writing, then to the commit's end; span: from the first rank's "
+                "staging to the commit. Step ratios: loop seconds per step (steps 2..N, "
                 "blocked seconds included) against the run without saves. Steps after/quiet: "
                 "median step of the 3 after each save / of those from the 5th on, in one run "
                 "(none: the same steps without saves). Shared machine: "
@@ -130,6 +138,7 @@ def measure(records: list[dict[str, Any]], last: int, every: int) -> dict[str, A
     after = [r["step_s"] for r in records if r["step"] > every and 1 <= r["step"] % every <= 3]
     quiet = [r["step_s"] for r in records if r["step"] > every and r["step"] % every >= 5]
     return {"blocked_s": statistics.median(s["blocked_s"] for s in before) if before else 0.0,
+            "span_mb_s_all": [s.get("span_mb_s", 0.0) for s in saves],
             "step_end_s": statistics.median(s.get("step_end_s", 0.0) for s in before)
             if before else 0.0,
             "mb": saves[-1]["mb"], "mb_s_all": [s["mb_s"] for s in saves],
@@ -181,10 +190,13 @@ def summary(reps: list[dict[str, dict[str, Any]]]) -> common.Row:
         return round(statistics.median(values), digits)
 
     sync_mb_s = [statistics.median(r["sync"]["mb_s_all"]) for r in reps]
+    span_mb_s = [statistics.median(r["sync"]["span_mb_s_all"]) for r in reps]
     return {
         "mb": reps[0]["sync"]["mb"], "dd_mb_s": med([r["dd"]["mb_s"] for r in reps], 1),
         "sync_mb_s": med(sync_mb_s, 1),
         "sync_vs_dd": med([m / r["dd"]["mb_s"] for m, r in zip(sync_mb_s, reps, strict=True)]),
+        "sync_span_mb_s": med(span_mb_s, 1),
+        "span_vs_dd": med([m / r["dd"]["mb_s"] for m, r in zip(span_mb_s, reps, strict=True)]),
         "async_mb_s": med([r["async"]["last_mb_s"] for r in reps], 1),
         "blocked_sync_s": med([r["sync"]["blocked_s"] for r in reps]),
         "blocked_async_s": med([r["async"]["blocked_s"] for r in reps]),

@@ -128,6 +128,7 @@ class FakeSave:
         self.settled: CheckpointError | None | str = "not yet"
         self.finished = False
         self.told: list[bool | None] = []  # what the vote told settle and finish
+        self.prune_later, self.prunable = False, False
 
     def attempt(self, phase: Any) -> CheckpointError | None:
         try:
@@ -146,6 +147,9 @@ class FakeSave:
         self.told.append(failed)
 
     def commit(self) -> None:
+        pass
+
+    def prune(self) -> None:
         pass
 
     def finish(self, error: CheckpointError | None, failed: bool | None = None) -> None:
@@ -236,3 +240,68 @@ def test_the_background_writer_yields_the_cpu_to_training_and_an_in_place_save_d
     assert background.nice == min(own + WRITER_NICE, 19)
     assert in_place.nice == own  # written on the training thread, which keeps its priority
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own
+
+
+class PruningSave(FakeSave):
+    """A save whose commit leaves a pruning to do, which waits for ``deleting`` and then
+    fails when told to (a folder it may not delete)."""
+
+    def __init__(self, deleting: threading.Event, events: list[str], *, fails: bool) -> None:
+        done = threading.Event()
+        done.set()
+        super().__init__(done)
+        self.deleting, self.events, self.prune_fails = deleting, events, fails
+        self.prune_later = True
+
+    def write(self) -> None:
+        self.events.append(f"write {id(self)}")
+
+    def commit(self) -> None:
+        self.prunable = True
+        self.events.append("commit")
+
+    def prune(self) -> None:
+        self.deleting.wait(30)
+        self.events.append("pruned")
+        if self.prune_fails:
+            raise CheckpointError("checkpoint save failed", "here", "cannot delete", "Fix it")
+
+
+def test_a_background_save_finishes_before_its_pruning_which_runs_before_the_next_write(
+) -> None:
+    events: list[str] = []
+    deleting = threading.Event()
+    first = PruningSave(deleting, events, fails=False)
+    writer = Writer(None, background=True)
+    writer.submit(first)  # type: ignore[arg-type]
+    finished = writer.wait()  # write, then commit; the pruning is still waiting
+    assert finished is first and first.finished and events[-1] == "commit", events
+    second = PruningSave(threading.Event(), events, fails=False)
+    second.prune_later = False
+    writer.submit(second)  # type: ignore[arg-type]  # queued behind the pruning
+    assert f"write {id(second)}" not in events
+    deleting.set()
+    writer.wait()
+    assert events[-3:] == ["pruned", f"write {id(second)}", "commit"], events
+    writer.close()
+
+
+def test_a_pruning_that_failed_in_the_background_fails_the_next_save_on_every_rank() -> None:
+    events: list[str] = []
+    deleting = threading.Event()
+    deleting.set()
+    writer = Writer(None, background=True)
+    writer.submit(PruningSave(deleting, events, fails=True))  # type: ignore[arg-type]
+    writer.wait()
+    after = FakeSave(deleting)
+    writer.submit(after)  # type: ignore[arg-type]
+    writer.join()
+    assert writer.poll() is None  # its write phase carries the pruning's error, settled as one
+    assert isinstance(after.settled, CheckpointError) and "cannot delete" in str(after.settled)
+    writer.close()
+
+
+def test_an_in_place_writer_prunes_in_the_commit_even_when_asked_to_prune_later() -> None:
+    saved = PruningSave(threading.Event(), [], fails=False)
+    Writer(None, background=False).submit(saved)  # type: ignore[arg-type]
+    assert saved.prune_later is False  # no thread to prune in: the save's commit prunes

@@ -45,6 +45,11 @@ ON_DISK = {
 }
 
 MODES = ("--no-async-save", "--async-save")
+PRUNING = ("remove_after_marker", "remove_mid_files", "prune_after_remove")
+"""Points of the pruning, which a background save runs after it finished
+(`trainer.checkpoint.writer`): by the time the leader's thread reaches one, the other rank may
+have begun writing the next save (step 4), whose temporary folder the kill then leaves too (a
+dead save's leftover, never read, pruned by the resumed run)."""
 
 
 def launch(run_dir: Path, *extra: str, fault: str = "") -> subprocess.CompletedProcess[str]:
@@ -87,7 +92,10 @@ def test_a_run_killed_at_this_point_resumes_saves_again_and_matches_an_uninterru
     out = killed.stdout + killed.stderr
     assert killed.returncode != 0 and "killed by SIGKILL" in out, out[-3000:]
     ckpts = tmp_path / "checkpoints"
-    assert on_disk(ckpts) == ON_DISK[point]
+    left = on_disk(ckpts)
+    if mode == "--async-save" and point in PRUNING and "step-4.tmp" in left:
+        left.remove("step-4.tmp")
+    assert left == ON_DISK[point]
     resume_at = KILLED_AT if "step-3" in ON_DISK[point] else KILLED_AT - 1
     assert checkpoint.latest(ckpts) == ckpts / f"step-{resume_at}"
 

@@ -45,8 +45,9 @@ def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str,
     ``step-<N>`` folders holding ``COMMITTED``, and prunes older checkpoints only after the
     second wait, so the previous checkpoint is whole until this one is:
 
-    1. index, meta and the record (still ``.COMMITTED.tmp``) written, then fsynced with the
-       temporary folder (the tensor files' names; each writer fsynced its file's bytes):
+    1. index, meta, the RNG file and the record (still ``.COMMITTED.tmp``) written, then
+       fsynced with the temporary folder (the tensor files' names; each writer fsynced its
+       file's bytes, the leader's RNG file is fsynced here, with the others):
        before this returns, a temporary folder, never read, pruned by a later save;
     2. the folder renamed to ``step-<N>``: a folder without ``COMMITTED`` (or, where the
        rename is not durable yet, the temporary one): never read, pruned later;
@@ -58,8 +59,8 @@ def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str,
     files = dict(written)
     files[INDEX] = write_bytes(tmp / INDEX, json.dumps(index).encode(), sync=False)
     rng, python = random_state
-    if RNG not in files:  # the leader's `Save.write` wrote it already
-        files[RNG] = write_tensors(tmp / RNG, rng)
+    if RNG not in files:  # the leader's `Save.write` wrote it already (not fsynced: below)
+        files[RNG] = write_tensors(tmp / RNG, rng, sync=False)
     fault("save_after_rng", step)
     body = {"format": FORMAT_VERSION, "step": step, **meta, "python_rng": python}
     files[META] = write_bytes(tmp / META, json.dumps(body, indent=2, sort_keys=True).encode(),
@@ -68,7 +69,7 @@ def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str,
               "files": {name: rec.to_json() for name, rec in sorted(files.items())}}
     aside = f".{MARKER}.tmp"
     write_bytes(tmp / aside, json.dumps(record, indent=1).encode(), sync=False)
-    fsync_all([tmp / INDEX, tmp / META, tmp / aside, tmp])
+    fsync_all([tmp / INDEX, tmp / META, tmp / RNG, tmp / aside, tmp])
     fault("save_after_meta", step)
     if foreign(final):
         raise CheckpointError("refusing to replace a folder that is not a checkpoint",

@@ -111,11 +111,12 @@ class Images:
 
 def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
                   before_sync: Callable[[], None] = lambda: None,
-                  images: Images | None = None) -> FileRecord:
+                  images: Images | None = None, *, sync: bool = True) -> FileRecord:
     """``tensors`` (contiguous, on the CPU) as one safetensors file, checksummed as written,
-    fsynced. A failed write raises its OSError (e.g. a full disk). ``before_sync`` runs between
-    the write and the fsync (a fault point); ``images``: where the file's `Image` is kept
-    from one save to the next (None: worked out for this write)."""
+    fsynced (``sync``; else the caller fsyncs it, `fsync_all`). A failed write raises its
+    OSError (e.g. a full disk). ``before_sync`` runs between the write and the fsync (a fault
+    point); ``images``: where the file's `Image` is kept from one save to the next (None:
+    worked out for this write)."""
     layout = images(tensors) if images is not None else image(tensors)
     digest, out = checksum.new(), DirectFile(path)
     try:
@@ -130,7 +131,8 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
                     wrote(len(piece))
             out.finish()
             before_sync()
-        os.fsync(out.fd)
+        if sync:
+            os.fsync(out.fd)
     finally:
         out.close()
     return FileRecord(out.size, digest.hexdigest())
@@ -236,7 +238,7 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-_SYNCERS = 4
+_SYNCERS = 5
 """Threads of `fsync_all` (the most a commit fsyncs at once)."""
 _syncers: ThreadPoolExecutor | None = None
 

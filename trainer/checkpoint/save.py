@@ -21,7 +21,8 @@ Every rank of the group (``world``) runs the phases together, in this order:
     commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``, the rename
              into place, the commit record (the ``COMMITTED`` marker, last: size and checksum
              of every file; the order of what becomes durable: `trainer.checkpoint.commit`),
-             then pruning (after the save's clock, `Save.report`)
+             then pruning (after the save's clock, `Save.report`; or left to the caller,
+             `Save.prune_later`: the background writer prunes after the save finished)
     finish   collective: the ranks agree that the commit succeeded (after such a vote:
              nothing)
 
@@ -57,6 +58,7 @@ from trainer.checkpoint.layout import (
     rank_file,
 )
 from trainer.checkpoint.prune import prune
+from trainer.checkpoint.rate import busy
 from trainer.comm.protocol import Communicator, ReduceOp
 
 _COMMITTED, _FAILED = -1, -2  # what the leader broadcasts instead of a folder token
@@ -213,6 +215,8 @@ class Save:
     copy_error: Exception | None = None
     written: Records = field(default_factory=dict)
     write_s: float = 0.0
+    write_at: float = 0.0
+    """The wall clock when this rank's `write` began (`busy`)."""
     rng_record: FileRecord | None = None
     """The leader's ``rng.safetensors``, written by `write`."""
     gathered: list[Any] = field(default_factory=list)
@@ -220,8 +224,16 @@ class Save:
     commit_s: float = 0.0
     """Seconds from the first rank's `start` to the end of the commit (the leader's; pruning
     after it)."""
-    prune_s: float = 0.0
-    """Seconds the leader's pruning took after the commit."""
+    busy_s: float = 0.0
+    """Seconds the save was writing (`busy`): what its MB/s is measured over."""
+    prune_later: bool = False
+    """Pruning is left to the caller (`prune`, after the commit: `trainer.checkpoint.writer`
+    runs it in its thread once the save is finished) instead of ending the commit."""
+    prunable: bool = False
+    """The leader committed this save: `prune` has something to do."""
+    prune_s: float | None = None
+    """Seconds the leader's pruning took after the commit (None: not done yet when the save
+    was reported, `prune_later`)."""
     checks: tuple[int, ...] = ()
     """The caller's own values, MAXed over every rank in `settle`'s collective (`agreed`):
     a save in place agrees on its weights' check with its writes rather than in a collective
@@ -276,7 +288,7 @@ class Save:
             raise self.copy_error
         self.tmp.mkdir(parents=True, exist_ok=True)
         fault("save_after_stage", self.step)
-        began = time.perf_counter()
+        began, self.write_at = time.perf_counter(), time.time()
         if self.tensors:
             name = rank_file(self.group.rank)
             self.written[name] = write_tensors(self.tmp / name, self.tensors,
@@ -284,8 +296,9 @@ class Save:
                                                self.images)
         self.tensors = {}
         if self.leader:  # known since `start`: written now, alongside the other ranks' files,
-            # rather than in the commit, which every rank waits for
-            self.rng_record = write_tensors(self.tmp / RNG, self.rng[0])
+            # rather than in the commit, which every rank waits for; fsynced by the commit
+            # with its own files (`commit_folder`), one wait for the disk fewer
+            self.rng_record = write_tensors(self.tmp / RNG, self.rng[0], sync=False)
         self.write_s = time.perf_counter() - began
         # Read by the leader once every rank agreed that it wrote (no fsync: the commit
         # record, fsynced, holds what the leader read)
@@ -297,7 +310,7 @@ class Save:
         """What the leader needs of this rank's write: its files' records and contents."""
         return {"files": {n: r.to_json() for n, r in self.written.items()},
                 "contents": self.contents if self.written else None, "write_s": self.write_s,
-                "started_at": self.started_at}
+                "started_at": self.started_at, "write_at": self.write_at}
 
     def settle(self, error: CheckpointError | None, failed: bool | None = None) -> None:
         """Collective: every rank's `write` succeeded (else every rank raises), with
@@ -312,7 +325,8 @@ class Save:
             self.accept(self)
 
     def commit(self) -> None:
-        """On the leader: index, RNG, meta, rename, commit record, prune."""
+        """On the leader: index, RNG, meta, rename, commit record; then `prune`, unless
+        `prune_later`."""
         if self.leader:  # every rank left its record, read and removed here
             self.gathered = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
         wrote = self.leader and not committed(self.final)
@@ -329,8 +343,18 @@ class Save:
         first = min((g.get("started_at", self.started_at) for g in self.gathered),
                     default=self.started_at)
         self.commit_s = max(time.perf_counter() - self.started, time.time() - first)
-        if wrote:  # after the save's clock: deleting an old checkpoint writes nothing
-            pruning = time.perf_counter()
+        self.busy_s = busy([(g["write_at"], g["write_at"] + g["write_s"])
+                            for g in self.gathered if "write_at" in g], time.time())
+        self.prunable = wrote
+        if not self.prune_later:
+            self.prune()
+
+    def prune(self) -> None:
+        """On the leader, after the commit (which it follows in any thread, never
+        before): delete the checkpoints beyond ``keep`` and the leftovers of dead saves
+        (`trainer.checkpoint.prune`). After the save's clock: deleting writes nothing."""
+        if self.prunable:
+            self.prunable, pruning = False, time.perf_counter()
             prune(self.root, keep=self.keep, current=self.step)
             self.prune_s = time.perf_counter() - pruning
 
@@ -343,14 +367,20 @@ class Save:
 
     def report(self) -> dict[str, Any]:
         """What the save wrote and how fast (meaningful on the leader): MB (10^6 bytes) in
-        all and per rank, MB/s in all (from the first rank's `start` to the commit record)
-        and per rank (its write), and the seconds pruning took after the commit."""
+        all and per rank; ``seconds``: from the first rank's `start` (its staging) to the
+        commit record, and ``span_mb_s`` over them; ``write_s``: the seconds it was writing
+        (`busy`), and ``mb_s`` over them; MB/s per rank (its write); the seconds pruning
+        took after the commit (None: still pruning, `prune_later`)."""
         sizes = [sum(r["size"] for r in g["files"].values()) / _MB for g in self.gathered]
         rates = [mb / g["write_s"] if g["write_s"] > 0 else 0.0
                  for mb, g in zip(sizes, self.gathered, strict=True)]
-        return {"step": self.step, "mb": round(sum(sizes), 3), "seconds": round(self.commit_s, 4),
-                "mb_s": round(sum(sizes) / self.commit_s, 1) if self.commit_s > 0 else 0.0,
-                "prune_s": round(self.prune_s, 4), "rank_mb": [round(mb, 3) for mb in sizes],
+        mb = sum(sizes)
+        return {"step": self.step, "mb": round(mb, 3), "seconds": round(self.commit_s, 4),
+                "span_mb_s": round(mb / self.commit_s, 1) if self.commit_s > 0 else 0.0,
+                "write_s": round(self.busy_s, 4),
+                "mb_s": round(mb / self.busy_s, 1) if self.busy_s > 0 else 0.0,
+                "prune_s": None if self.prune_s is None else round(self.prune_s, 4),
+                "rank_mb": [round(mb, 3) for mb in sizes],
                 "rank_mb_s": [round(rate, 1) for rate in rates]}
 
 

@@ -87,8 +87,8 @@ def run_token(run: Run) -> int:
 
 def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
           defer: bool = False, late: Late | None = None, token: int | None = None,
-          owners: list[bool] | None = None, run_part: dict[str, Any] | None = None
-          ) -> Save | None:
+          owners: list[bool] | None = None, run_part: dict[str, Any] | None = None,
+          root: Path | None = None) -> Save | None:
     """Collective: check the weights, stage this rank's slices (into ``pool``'s host tensors,
     `trainer.checkpoint.pieces.stage`), create the save's folder (None: ``step`` is already
     committed).
@@ -112,11 +112,14 @@ def begin(run: Run, step: int, pool: dict[str, torch.Tensor] | None = None, *,
     never None; a weight not finite on any rank drops the written save before its commit
     (the leader removes the folder) and raises the divergence on every rank. ``owners``:
     `trainer.placement.writers` of this rank's slices, when the caller kept it (it never
-    changes during a run); ``run_part``: `trainer.training.resume.run_meta`, kept likewise."""
+    changes during a run); ``run_part``: `trainer.training.resume.run_meta`, kept likewise;
+    ``root``: the checkpoint folder (`trainer.checkpoint.run_dir.folder`), kept likewise: a
+    system call on the training thread lets the writer's threads take the interpreter's
+    lock, and the training thread then waits for them to let it go."""
     began, began_at = time.perf_counter(), time.time()  # the save's clock (`Save.report`)
     # covers staging too
     weights, mesh = run.weights, run.mesh
-    group, root = mesh.group(), folder(Path(run.cfg.run_dir))
+    group, root = mesh.group(), root or folder(Path(run.cfg.run_dir))
     bad = nonfinite(weights.values())
 
     def mine() -> list[Held]:
@@ -216,6 +219,7 @@ class Checkpoints:
         self.images = Images()  # and the layout of their file
         self.owners: list[bool] = []  # which slices this rank writes (`_allocate`)
         self._run_part = run_meta(run.cfg) if run.mesh.group().rank == 0 else None
+        self.root = folder(Path(run.cfg.run_dir))  # resolved once (`begin`'s ``root``)
         self._allocate()
         # The writer copies the state while the next step computes; AdamW's step is the one
         # thing that changes it, so it first waits for that copy.
@@ -268,11 +272,11 @@ class Checkpoints:
         # In place the loop waits anyway: copied here, not handed to a thread and waited for.
         job = begin(self.run, step, self.pool, defer=not wait, late=late,
                     token=self._token if wait else None, owners=self.owners,
-                    run_part=self._run_part)
+                    run_part=self._run_part, root=self.root)
         if late is not None:
             self._unread = job
         if job is not None:
-            job.images = self.images
+            job.images, job.prune_later = self.images, not wait
             if not job.staged.is_set():
                 self._copier.submit(job.copy)
             self.writer.submit(job)
@@ -280,7 +284,7 @@ class Checkpoints:
         self.blocked[step] = time.perf_counter() - began
         self._finished(previous)
         self._finished(done)
-        return folder(Path(self.run.cfg.run_dir)) / f"step-{step}"
+        return self.root / f"step-{step}"
 
     def poll(self) -> None:
         """At the end of every step: let the save in flight move on (its error raises here;
