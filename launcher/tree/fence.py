@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from launcher.pmi.actions import push_and_release
+
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
@@ -91,11 +93,11 @@ class SubtreeFence:
             if group != [hop]:
                 body["hosts"] = group
                 out.append((hop, body))
-            elif kv:  # a host's cards first, its release once every host has them (the head's
-                out.append((hop, {"op": "push", "kv": kv}))  # order, `launcher.head.supervisor`)
-                releases.append((hop, {**body, "kv": {}}))
-            else:
-                releases.append((hop, body))
+            else:  # every host's cards before any host's release, as at the head
+                push, release = push_and_release(body)
+                if push is not None:
+                    out.append((hop, push))
+                releases.append((hop, release))
         return out + releases
 
     def get(self, host: int, key: object) -> str | None:
