@@ -45,6 +45,7 @@ class SubtreeFence:
         self._merged: dict[str, dict[str, str]] = {}    # the subtree's puts, sent up
         self._fences: dict[str, int] = {}               # kvsname -> fences answered
         self._whole: dict[str, int] = {}                # ... when every card last passed
+        self._snapshot: dict[str, dict[str, str]] = {}  # ... and those cards, as they were
         # kvsname -> (the fetch sent up, those waiting for its cards), as (host, req)
         self._fetching: dict[str, tuple[tuple[int, object], list[tuple[int, object]]]] = {}
 
@@ -110,7 +111,8 @@ class SubtreeFence:
         fences so far; else None (then `fetch_waits`)."""
         kvsname = self._kvsname(host)
         if self._whole.get(kvsname, -1) == self._fences.get(kvsname, 0):
-            return {"op": "cards", "req": req, "kv": dict(self._cards.get(kvsname, {}))}
+            # The same object to every fetch until the next fence: the relay encodes it once.
+            return {"op": "cards", "req": req, "kv": self._snapshot[kvsname]}
         return None
 
     def fetch_waits(self, host: int, req: object) -> bool:
@@ -130,11 +132,11 @@ class SubtreeFence:
         cards = self._cards.setdefault(kvsname, {})
         cards.update(msg.get("kv") or {})
         self._whole[kvsname] = self._fences.get(kvsname, 0)
+        copy = self._snapshot[kvsname] = dict(cards)  # encoded outside the relay's lock
         first, waiting = self._fetching.get(kvsname, (None, []))
         if first != (host, msg.get("req")):
             return []
         del self._fetching[kvsname]
-        copy = dict(cards)  # encoded outside the relay's lock
         return [(h, {"op": "cards", "req": req, "kv": copy}) for h, req in waiting]
 
     def _kvsname(self, host: int) -> str:

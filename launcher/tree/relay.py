@@ -12,9 +12,7 @@ sends each child relay its SUBTREE, then what the head already sent for it. From
   back-pressure; a child's PMI ``barrier_in`` goes into the fence instead, and a ``get`` for a
   card the relay passed down is answered here;
 * a child whose stream ends is reported GONE, with every host below it;
-* what goes down to a child is queued for its own writer thread (the agent's `FrameWriter`):
-  a child slow to read (a fence's answer carries every card of the job) never stalls the
-  relay's agent, which forwards every frame down, nor its other children.
+* what goes down to a child is queued for its own writer thread (`_send`).
 
 The relay outlives its own agent's job while any child is connected (a host whose ranks
 finished still carries the others' streams) and ends with the stream from its parent: closing
@@ -84,6 +82,7 @@ class Relay:
             self._below[index] = nodes[1:]
             route.update((int(n["index"]), index) for n in nodes)
         self.fence = SubtreeFence(self.own, route)
+        self._cards: tuple[dict[str, str], wire.Shared] | None = None  # `_cards_frame`'s
         self._streams: dict[int, AgentStream | None] = dict.fromkeys(self._children)
         self._writers: dict[int, Writer] = {}  # per connected child: sends never block
         self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
@@ -102,9 +101,8 @@ class Relay:
                          if isinstance(pid := getattr(stream, "pid", None), int))
 
     def start(self) -> None:
-        """Connect the children from a thread. What that needs is imported here first, on the
-        agent's own thread: modules imported by two threads at once can be seen half-made
-        (dataclasses reads `typing` from sys.modules while paramiko's import makes it)."""
+        """Connect the children from a thread, importing what that needs here first: a module
+        imported by two threads at once can be seen half-made (`typing`, as paramiko loads it)."""
         if self._connect is None:
             from launcher.tree.hops import client_of
 
@@ -155,18 +153,22 @@ class Relay:
         self._send(hop, inner if hop == target else wire.encode(frame.kind, frame.payload))
 
     def _cards_down(self, target: int, inner: bytes) -> None:
-        """Every card passing down (a fetch's answer): kept, and the fetches from below that
-        waited for it answered (`launcher.tree.fence`)."""
+        """Every card passing down (a fetch's answer): kept, and the waiting fetches answered."""
         with contextlib.suppress(wire.WireError):
             for found in wire.Decoder().feed(inner):
                 if (msg := found.json()).get("op") != "cards":
                     continue  # a large PMI message, compressed, but not a fetch's answer
                 with self._lock:
                     answers = self.fence.cards(target, msg)
-                shared: bytes | None = None
                 for host, body in answers:
-                    shared = shared or wire.encode_value(body["kv"])
-                    self._send(host, wire.encode_json_shared(wire.Kind.PMI, body, "kv", shared))
+                    self._send(host, self._cards_frame(body))
+
+    def _cards_frame(self, body: dict[str, Any]) -> bytes:
+        """A fetch's answer: the same cards until the next fence (`SubtreeFence.fetch`)."""
+        kv = body["kv"]
+        if self._cards is None or self._cards[0] is not kv:
+            self._cards = kv, wire.Shared(wire.Kind.PMI, {"op": "cards", "kv": kv})
+        return self._cards[1].frame("req", body.get("req"))
 
     def own_get(self, msg: dict[str, Any]) -> bool:
         """The own agent's ``get``: answered here (True) when the relay holds the card."""
@@ -331,7 +333,7 @@ class Relay:
                 answer = self.fence.fetch(index, msg.get("req"))
                 waits = answer is None and self.fence.fetch_waits(index, msg.get("req"))
             if answer is not None:
-                self._send(index, wire.encode_json(wire.Kind.PMI, answer))
+                self._send(index, self._cards_frame(answer))
             return answer is not None or waits
         return False
 
@@ -342,9 +344,8 @@ class Relay:
             self.up.send_json(wire.Kind.PMI, aggregate)
 
     def _send(self, hop: int, data: bytes) -> None:
-        """Queue ``data`` for child ``hop``: never blocks (a child slow to read must not stall
-        the relay's own agent, which forwards every frame down, nor its other children); a
-        broken stream's reader reports the end."""
+        """Queue ``data`` for child ``hop`` (its writer thread): never blocks, so a child slow to
+        read stalls neither the relay's agent nor its other children. A broken one is GONE."""
         with self._lock:
             writer = self._writers.get(hop)
             if writer is None:
