@@ -18,6 +18,7 @@ import pytest
 
 from launcher.pmi import KeyValueSpace, PmiProxy, Reply, Send
 from launcher.pmi.kvs import PUSH_BYTES
+from launcher.pmi.proxy import DENSE_GETS
 from launcher.tree.shape import HEAD, Tree
 from testbed import simjob
 from testbed.simrank import (
@@ -154,6 +155,29 @@ def test_hosts_whose_ranks_read_many_cards_fetch_them_all_once(fanout: int) -> N
         assert fetches <= len(Tree(hosts, fanout).relays()) + fanout
     else:
         assert fetches == hosts
+
+
+@pytest.mark.parametrize("fanout", [0, 8])
+def test_in_mpichs_exchange_each_host_sends_16_gets_up_then_fetches_every_card(
+        fanout: int) -> None:
+    """MPICH's default exchange at 96 hosts x 2: 96 cards of 5 KB to 96 hosts are more than a
+    fence pushes, so each host's first rank sends its first 16 misses up (`DENSE_GETS`), then
+    fetches every card at once and reads the rest from its cache; in a tree the relays answer
+    what they hold. Every card read is checked against the one its host put."""
+    hosts, ranks = 96, 2
+    assert hosts * sum(len(k) + len(v) for k, v in host_card(0)) * hosts > PUSH_BYTES
+    result = simjob.run_job(hosts, ranks, gets=4, timeout=300, heartbeat=30.0,
+                            extra=["--fanout", str(fanout)], exchange="mpich")
+    _ended_well(result, hosts, ranks)
+    counted = _counted(result)
+    assert counted["out"]["PMI:cards"] == counted["in"]["PMI:fetch"]
+    assert counted["in"]["PMI:get"] == counted["out"]["PMI:get_result"]
+    if fanout:
+        assert counted["in"]["PMI:fetch"] <= len(Tree(hosts, fanout).relays()) + fanout
+        assert counted["in"]["PMI:get"] < DENSE_GETS * hosts
+    else:
+        assert counted["in"]["PMI:fetch"] == hosts
+        assert counted["in"]["PMI:get"] == DENSE_GETS * hosts
 
 
 def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:
