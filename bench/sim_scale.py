@@ -1,7 +1,7 @@
 """The head at 256-4,096 hosts x 8 ranks, on a simulated cluster (`testbed.simcluster`).
 
     python -m bench.sim_scale [--sizes 256,1024,4096] [--per-host 8] [--fanouts 0,32]
-                              [--rendezvous 1024]
+                              [--exchanges light,mpich] [--rendezvous 1024]
 
 The head is `dtrain launch` itself (its own process, `testbed.simhead`); each host is the real
 agent, 64 to a process (`testbed.simjob.HOSTS_PER_WORKER`), reached over loopback TCP; each
@@ -37,6 +37,16 @@ cores here), so times are upper bounds for a head with a machine of its own; the
 seconds are its own. Each size runs flat (``--fanout 0``) and as a tree (``--fanout 32``, the
 automatic default above 64 hosts: relays are real agents reaching their hosts over the
 simulator's links), labelled ``flat`` and ``tree``.
+
+Each in two address exchanges (`testbed.simrank`): ``light``, every rank puts a 200-character
+card and reads 4 peers' (a program that wires up lazily); and ``mpich`` (rows ``... mpich``),
+MPICH's default: each host's first rank puts its host's card (10 keys, 5 KB) and reads every
+host's. Past the fence's push limit (`launcher.pmi.kvs.PUSH_BYTES`, 64 such hosts) a host's
+first 16 misses go up and then it fetches every card at once (5.5 MB at 1,024 hosts, 1.3 MB
+compressed): N fetches of N cards, the exchange's N^2 bytes, through the head flat and through
+the relays in the tree. Its rows read `MPICH_READS` hosts' cards (40 gets, 16 of them up),
+not all N: the rest are answered from the host's own cache, the same work on every host in
+parallel, and simulating them (N^2 gets in all) would take this machine's simulator minutes.
 """
 
 from __future__ import annotations
@@ -50,11 +60,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bench import common
+from testbed.simrank import EXCHANGES
 
 SIZES = (256, 512, 1024, 4096)
 #: Flat (``--fanout 0``: left to its default, a launch above 64 hosts fans out) and the tree
 #: at the automatic fan-out (`launcher.tree.shape.AUTO_FANOUT`).
 FANOUTS = (0, 32)
+#: In MPICH's exchange, the hosts whose cards each host's first rank reads (see the module).
+MPICH_READS = 4
 PER_HOST = 8
 FIDELITY_HOSTS = 8
 CLOCKED = {"HEARTBEAT", "PROGRESS"}
@@ -176,29 +189,31 @@ def _counted(result: dict[str, Any]) -> dict[str, dict[str, int]]:
 
 
 def run(sizes: Sequence[int] = SIZES, per_host: int = PER_HOST, *,
-        fanouts: Sequence[int] = FANOUTS, fidelity_hosts: int = FIDELITY_HOSTS,
-        rendezvous: Sequence[int] = (1024,), budget_s: float = 900.0,
+        fanouts: Sequence[int] = FANOUTS, exchanges: Sequence[str] = EXCHANGES,
+        fidelity_hosts: int = FIDELITY_HOSTS, rendezvous: Sequence[int] = (1024,),
+        budget_s: float = 900.0,
         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Fidelity rows, then per fan-out in ``fanouts`` (0: flat, K: ``--fanout K``, the tree)
-    one row per size and the fits, then rendezvous mode at ``rendezvous`` sizes (the head
-    listens, every simulated host joins it: token handshake, roster; its ``joined_s`` is when
-    the last agent was admitted). A size whose wall time, extrapolated from the size before,
-    exceeds ``budget_s`` is skipped, with the reason."""
+    """Fidelity rows, then per exchange and fan-out in ``fanouts`` (0: flat, K: ``--fanout
+    K``, the tree) one row per size and the fits, then rendezvous mode at ``rendezvous``
+    sizes (the head listens, every simulated host joins it: token handshake, roster; its
+    ``joined_s`` is when the last agent was admitted). A size whose wall time, extrapolated
+    from the size before, exceeds ``budget_s`` is skipped, with the reason."""
     say = progress or (lambda line: None)
     rows = fidelity(fidelity_hosts, per_host, ("--fanout", "0")) if fidelity_hosts else []
     say(f"fidelity at {fidelity_hosts} hosts: {rows[-1] if rows else 'skipped'}")
-    for fanout in fanouts:
-        mode = "tree" if fanout else "flat"
-        rows += _sizes(sizes, per_host, mode, ("--fanout", str(fanout)), budget_s, say,
-                       rendezvous=False)
-        rows += _fit_rows(rows, mode)
+    for exchange in exchanges:
+        for fanout in fanouts:
+            mode = ("tree" if fanout else "flat") + ("" if exchange == "light" else f" {exchange}")
+            rows += _sizes(sizes, per_host, mode, ("--fanout", str(fanout)), budget_s, say,
+                           rendezvous=False, exchange=exchange)
+            rows += _fit_rows(rows, mode)
     return rows + _sizes(rendezvous, per_host, "rendezvous", (), budget_s, say,
                          rendezvous=True)
 
 
 def _sizes(sizes: Sequence[int], per_host: int, mode: str, extra: Sequence[str],
            budget_s: float, say: Callable[[str], None], *,
-           rendezvous: bool) -> list[dict[str, Any]]:
+           rendezvous: bool, exchange: str = "light") -> list[dict[str, Any]]:
     from testbed import simjob
 
     rows: list[dict[str, Any]] = []
@@ -213,8 +228,10 @@ def _sizes(sizes: Sequence[int], per_host: int, mode: str, extra: Sequence[str],
             continue
         t0 = time.monotonic()
         try:
+            reads = {"gets": MPICH_READS} if exchange == "mpich" else {}
             result = simjob.run_job(hosts, per_host, timeout=budget_s, extra=extra,
-                                    heartbeat=HEARTBEAT_S, rendezvous=rendezvous)
+                                    heartbeat=HEARTBEAT_S, rendezvous=rendezvous,
+                                    exchange=exchange, **reads)
         except Exception as exc:  # noqa: BLE001 - a size that fails is a row, not the end
             rows.append({"mode": mode, "tool": f"dtrain {mode}", "hosts": hosts, "reps": 1,
                          "ranks": hosts * per_host, "ok": "no",
@@ -248,12 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--per-host", type=int, default=PER_HOST)
     ap.add_argument("--fanouts", default=",".join(map(str, FANOUTS)),
                     help="0 flat, K the tree with --fanout K; comma-separated")
+    ap.add_argument("--exchanges", default=",".join(EXCHANGES),
+                    help="address exchanges the ranks play: light, mpich; comma-separated")
     ap.add_argument("--fidelity-hosts", type=int, default=FIDELITY_HOSTS)
     ap.add_argument("--rendezvous", default="1024", help="sizes in rendezvous mode ('' none)")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args(argv)
     rows = run([int(s) for s in args.sizes.split(",")], args.per_host,
                fanouts=[int(k) for k in args.fanouts.split(",") if k],
+               exchanges=[e for e in args.exchanges.split(",") if e],
                fidelity_hosts=args.fidelity_hosts,
                rendezvous=[int(n) for n in args.rendezvous.split(",") if n],
                progress=lambda line: print(line, flush=True))

@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from testbed.simrank import PEER_GETS, Conversation
+from testbed.simrank import PEER_GETS, Conversation, exchange_hosts
 
 #: A thread's stack here: 4 threads per simulated host (agent loop, head reader, frame
 #: writer, PMI selector; a relay one more per child) x 1,000 hosts would reserve 8 GiB of
@@ -74,8 +74,8 @@ class RankStamps:
 class FakeRanks:
     """One thread plays every fake rank of this process over its PMI socket."""
 
-    def __init__(self, gets: int = PEER_GETS) -> None:
-        self.gets = gets
+    def __init__(self, gets: int = PEER_GETS, exchange: str | None = None) -> None:
+        self.gets, self.exchange = gets, exchange  # what every fake rank here plays
         self.stamps: list[RankStamps] = []
         self._sel = selectors.DefaultSelector()
         self._todo: queue.Queue[tuple[str, Any, int]] = queue.Queue()
@@ -233,7 +233,8 @@ def sim_host_class() -> type:
             sock.setblocking(True)
             stdin = open(os.devnull, "wb") if stdin_pipe else None  # noqa: SIM115 (rank 0's)
             return FakeRank(rank, _FakeProc(stdin), host=self.name, sock=sock,
-                            talk=Conversation(rank, world, self.driver.gets),
+                            talk=Conversation(rank, world, self.driver.gets,
+                                              hosts=exchange_hosts(env, self.driver.exchange)),
                             driver=self.driver)
 
         def stat(self, pid: int | None) -> tuple[str, float | None, bool]:
@@ -372,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     yield_to_head()
     threading.stack_size(STACK_BYTES)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides, as for a real agent
-    driver = FakeRanks(args.gets)
+    driver = FakeRanks(args.gets, os.environ.get("DTRAIN_SIM_EXCHANGE"))
     records = tempfile.mkdtemp(prefix="dtrain-simshm-")
     sim_host = sim_host_class()
     preload()

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from testbed.simrank import CARD_CHARS, FENCED, FINALIZED, PEER_GETS, WIRED
+from testbed.simrank import CARD_CHARS, EXCHANGES, FENCED, FINALIZED, PEER_GETS, WIRED
 from testbed.sshd import free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -49,7 +49,8 @@ def workers_for(hosts: int) -> int:
 def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = PEER_GETS,
             real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
             heartbeat: float | None = None, rendezvous: bool = False,
-            profile: Path | None = None, card_chars: int = CARD_CHARS) -> dict[str, Any]:
+            profile: Path | None = None, card_chars: int = CARD_CHARS,
+            exchange: str = EXCHANGES[0]) -> dict[str, Any]:
     """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
     ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``).
     ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
@@ -60,7 +61,9 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
     workers serve the same share of hosts, and a sampler per process would load the machine). With
     ``rendezvous``, the head listens (`--launcher rendezvous`) and the simulated hosts join it
     (token handshake, roster) instead of being dialled. ``card_chars`` is each rank's
-    business card's length."""
+    business card's length in the light exchange; ``exchange`` the address exchange the ranks
+    play (`testbed.simrank.EXCHANGES`; with "mpich", ``gets`` is the hosts whose cards each
+    host's first rank reads)."""
 
     def spied(name: str) -> list[str]:
         if profile is None or name not in ("head", "worker0"):
@@ -73,7 +76,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         folder = Path(tmp)
         (folder / "stamps").mkdir()
         env = {**os.environ, "DTRAIN_SIM_GETS": str(gets), "OMP_NUM_THREADS": "1",
-               "DTRAIN_SIM_CARD_CHARS": str(card_chars),
+               "DTRAIN_SIM_CARD_CHARS": str(card_chars), "DTRAIN_SIM_EXCHANGE": exchange,
                "PYTHONPATH": str(REPO), "DTRAIN_SIM_STAMPS": str(folder / "stamps"),
                "DTRAIN_SIM_PHASES": "1"}
         hostfile = folder / "hosts"
@@ -192,8 +195,8 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
              head: subprocess.CompletedProcess[bytes], head_stats: dict[str, Any],
              stamps: list[dict[str, Any]], agents: dict[str, int], worker_cpu: float, *,
              real: bool, left: dict[str, float] | None = None) -> dict[str, Any]:
-    def last(key: str) -> float | None:
-        values = [s[key] for s in stamps if key in s]
+    def last(key: str, otherwise: str = "") -> float | None:
+        values = [s.get(key, s.get(otherwise)) for s in stamps if key in s or otherwise in s]
         return round(max(values) - t0, 4) if values and len(values) == len(stamps) else None
 
     returned = head_stats["returned"] - t0
@@ -212,7 +215,10 @@ def _summary(hosts: int, ranks: int, t0: float, head_exit: float,
         "ranks_seen": len(stamps), "agent_codes": sorted(set(agents.values())),
         "agents_seen": len(agents),
         "joined": None if joined is None else round(joined - t0, 4),
-        "running": last("running"), "fenced": last(FENCED), "wired": last(WIRED),
+        # A rank that reads no card (MPICH's exchange: all but each host's first) is wired up
+        # at its fence.
+        "running": last("running"), "fenced": last(FENCED),
+        "wired": last(WIRED, FENCED),
         "finalized": last(FINALIZED), "last_exit": last_exit, "returned": round(returned, 4),
         "head_exit": round(head_exit - t0, 4),
         "exit_tail": round(returned - last_exit, 4) if last_exit is not None else None,

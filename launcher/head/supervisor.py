@@ -35,6 +35,7 @@ from launcher.head.stdin import StdinForwarder
 from launcher.output.sink import OutputSink
 from launcher.output.writer import OutputWriter
 from launcher.plan.job import JobPlan
+from launcher.pmi.actions import push_and_release
 from launcher.transport.stream import AgentStream
 
 LOST_CODE = 255
@@ -62,6 +63,9 @@ class Supervisor:
         self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
                                    for hp in plan.hosts for r in hp.ranks})
         self.pmi: PmiRelay | None = None  # made in `run`, while the agents boot
+        # Every card, as each host that fetches them gets it: built once per epoch of the
+        # key-value space (its store changes only when a fence completes).
+        self._cards: tuple[int, wire.Shared] | None = None
         self.stopping = False
         self.killed_hard = False
         self.done_hosts: set[int] = set()
@@ -279,17 +283,18 @@ class Supervisor:
                         fence[cards] = wire.encode_value(reply["kv"])
                     data = wire.encode_json_shared(wire.Kind.PMI, reply, "kv", fence[cards])
                 elif reply.get("op") == "barrier_out" and reply.get("kv"):
-                    # Pushed cards go to every host first, each host's release after them all:
-                    # sent with the releases, the last of 64 namespace hosts got its cards
-                    # ~1 s after the first, while the first hosts' ranks, through with their
-                    # gets, spun in MPI_Init on the cores it shared (`bench.hosts_scale`).
                     if (cards := (id(reply["kv"]), "push")) not in fence:  # encoded once
-                        fence[cards] = wire.encode_json(wire.Kind.PMI,
-                                                        {"op": "push", "kv": reply["kv"]})
-                        fence[cards[0], "out"] = wire.encode_json(wire.Kind.PMI,
-                                                                  {**reply, "kv": {}})
+                        push, release = push_and_release(reply)
+                        fence[cards] = wire.encode_json(wire.Kind.PMI, push)
+                        fence[cards[0], "out"] = wire.encode_json(wire.Kind.PMI, release)
                     data = fence[cards]
                     released.append((host, fence[cards[0], "out"]))
+                elif reply.get("op") == "cards":  # one fetch at a time, from every host
+                    epoch = self.pmi.kvs.epoch
+                    if self._cards is None or self._cards[0] != epoch:
+                        common = {k: v for k, v in reply.items() if k != "req"}
+                        self._cards = epoch, wire.Shared(wire.Kind.PMI, common)
+                    data = self._cards[1].frame("req", reply.get("req"))
                 elif "kv" in reply:  # encoded once (it grows as hosts x ranks), sent N times
                     if (cards := (id(reply["kv"]), "frame")) not in fence:
                         fence[cards] = wire.encode_json(wire.Kind.PMI, reply)

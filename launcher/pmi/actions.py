@@ -29,7 +29,7 @@ shared-memory segments MPICH leaves behind.
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
 from launcher.errors import PmiError
@@ -175,6 +175,18 @@ def abort_actions(rank: int, cmd: PmiCommand) -> list[Action]:
     message = cmd.value("message", cmd.value("error_msg"))
     return [Abort(rank, code, message),
             Send({"op": "abort", "rank": rank, "code": code, "message": message})]
+
+
+def push_and_release(out: Mapping[str, Any]) -> tuple[Message | None, Message]:
+    """A host's ``barrier_out``, split: the ``push`` that carries its cards (None when it has
+    none) and its release, without them. Whoever sends a fence's answer (the head, and each
+    relay for its own hosts) sends every host its push before any host's release: sent with
+    the releases, the last of 64 namespace hosts got its cards ~1 s after the first, while
+    the first hosts' ranks, through with their gets, spun in MPI_Init on the cores it shared
+    (`bench.hosts_scale`)."""
+    if not out.get("kv"):
+        return None, dict(out)
+    return {"op": "push", "kv": out["kv"]}, {**out, "kv": {}}
 
 
 def relay_error(why: str) -> PmiError:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from launcher.pmi.actions import push_and_release
+
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
     from typing import Any
@@ -43,6 +45,7 @@ class SubtreeFence:
         self._merged: dict[str, dict[str, str]] = {}    # the subtree's puts, sent up
         self._fences: dict[str, int] = {}               # kvsname -> fences answered
         self._whole: dict[str, int] = {}                # ... when every card last passed
+        self._snapshot: dict[str, dict[str, str]] = {}  # ... and those cards, as they were
         # kvsname -> (the fetch sent up, those waiting for its cards), as (host, req)
         self._fetching: dict[str, tuple[tuple[int, object], list[tuple[int, object]]]] = {}
 
@@ -91,11 +94,11 @@ class SubtreeFence:
             if group != [hop]:
                 body["hosts"] = group
                 out.append((hop, body))
-            elif kv:  # a host's cards first, its release once every host has them (the head's
-                out.append((hop, {"op": "push", "kv": kv}))  # order, `launcher.head.supervisor`)
-                releases.append((hop, {**body, "kv": {}}))
-            else:
-                releases.append((hop, body))
+            else:  # every host's cards before any host's release, as at the head
+                push, release = push_and_release(body)
+                if push is not None:
+                    out.append((hop, push))
+                releases.append((hop, release))
         return out + releases
 
     def get(self, host: int, key: object) -> str | None:
@@ -108,7 +111,8 @@ class SubtreeFence:
         fences so far; else None (then `fetch_waits`)."""
         kvsname = self._kvsname(host)
         if self._whole.get(kvsname, -1) == self._fences.get(kvsname, 0):
-            return {"op": "cards", "req": req, "kv": dict(self._cards.get(kvsname, {}))}
+            # The same object to every fetch until the next fence: the relay encodes it once.
+            return {"op": "cards", "req": req, "kv": self._snapshot[kvsname]}
         return None
 
     def fetch_waits(self, host: int, req: object) -> bool:
@@ -128,11 +132,11 @@ class SubtreeFence:
         cards = self._cards.setdefault(kvsname, {})
         cards.update(msg.get("kv") or {})
         self._whole[kvsname] = self._fences.get(kvsname, 0)
+        copy = self._snapshot[kvsname] = dict(cards)  # encoded outside the relay's lock
         first, waiting = self._fetching.get(kvsname, (None, []))
         if first != (host, msg.get("req")):
             return []
         del self._fetching[kvsname]
-        copy = dict(cards)  # encoded outside the relay's lock
         return [(h, {"op": "cards", "req": req, "kv": copy}) for h, req in waiting]
 
     def _kvsname(self, host: int) -> str:

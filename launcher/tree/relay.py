@@ -12,10 +12,7 @@ sends each child relay its SUBTREE, then what the head already sent for it. From
   back-pressure; a child's PMI ``barrier_in`` goes into the fence instead, and a ``get`` for a
   card the relay passed down is answered here. One thread reads every child's stream that
   can be polled (`launcher.transport.pump`), the others a thread each;
-* a child whose stream ends is reported GONE, with every host below it;
-* what goes down to a child is queued for its own writer thread (the agent's `FrameWriter`):
-  a child slow to read (a fence's answer carries every card of the job) never stalls the
-  relay's agent, which forwards every frame down, nor its other children.
+* a child whose stream ends is GONE, with every host below it; what goes down is queued (`_send`).
 
 The relay outlives its own agent's job while any child is connected and ends with the stream
 from its parent: closing the children's streams, whose agents then stop their ranks.
@@ -84,6 +81,8 @@ class Relay:
             self._below[index] = nodes[1:]
             route.update((int(n["index"]), index) for n in nodes)
         self.fence = SubtreeFence(self.own, route)
+        # A fetch's answer: the same cards until the next fence (`SubtreeFence.fetch`), built once
+        self._cards: tuple[dict[str, str], wire.Shared] | None = None
         self._streams: dict[int, AgentStream | None] = dict.fromkeys(self._children)
         self._writers: dict[int, Writer] = {}  # per connected child: sends never block
         self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
@@ -102,9 +101,8 @@ class Relay:
                          if isinstance(pid := getattr(stream, "pid", None), int))
 
     def start(self) -> None:
-        """Connect the children from a thread. What that needs is imported here first, on the
-        agent's own thread: modules imported by two threads at once can be seen half-made
-        (dataclasses reads `typing` from sys.modules while paramiko's import makes it)."""
+        """Connect the children from a thread, importing what that needs here first: a module
+        imported by two threads at once can be seen half-made (`typing`, as paramiko loads it)."""
         if self._connect is None:
             from launcher.tree.hops import client_of
 
@@ -157,18 +155,20 @@ class Relay:
         self._send(hop, inner if hop == target else wire.encode(frame.kind, frame.payload))
 
     def _cards_down(self, target: int, inner: bytes) -> None:
-        """Every card passing down (a fetch's answer): kept, and the fetches from below that
-        waited for it answered (`launcher.tree.fence`)."""
+        """Every card passing down (a fetch's answer): kept, and the waiting fetches answered."""
         with contextlib.suppress(wire.WireError):
             for found in wire.Decoder().feed(inner):
                 if (msg := found.json()).get("op") != "cards":
                     continue  # a large PMI message, compressed, but not a fetch's answer
                 with self._lock:
                     answers = self.fence.cards(target, msg)
-                shared: bytes | None = None
                 for host, body in answers:
-                    shared = shared or wire.encode_value(body["kv"])
-                    self._send(host, wire.encode_json_shared(wire.Kind.PMI, body, "kv", shared))
+                    self._send(host, self._cards_frame(body))
+
+    def _cards_frame(self, body: dict[str, Any]) -> bytes:
+        if self._cards is None or self._cards[0] is not body["kv"]:
+            self._cards = body["kv"], wire.Shared(wire.Kind.PMI, {"op": "cards", "kv": body["kv"]})
+        return self._cards[1].frame("req", body.get("req"))
 
     def own_get(self, msg: dict[str, Any]) -> bool:
         """The own agent's ``get``: answered here (True) when the relay holds the card."""
@@ -343,7 +343,7 @@ class Relay:
                 answer = self.fence.fetch(index, msg.get("req"))
                 waits = answer is None and self.fence.fetch_waits(index, msg.get("req"))
             if answer is not None:
-                self._send(index, wire.encode_json(wire.Kind.PMI, answer))
+                self._send(index, self._cards_frame(answer))
             return answer is not None or waits
         return False
 

@@ -18,9 +18,20 @@ import pytest
 
 from launcher.pmi import KeyValueSpace, PmiProxy, Reply, Send
 from launcher.pmi.kvs import PUSH_BYTES
+from launcher.pmi.proxy import DENSE_GETS
 from launcher.tree.shape import HEAD, Tree
 from testbed import simjob
-from testbed.simrank import FENCED, WIRED, Conversation, card, peers
+from testbed.simrank import (
+    FENCED,
+    SEGMENT_CHARS,
+    SEGMENTS,
+    WIRED,
+    Conversation,
+    card,
+    host_card,
+    peers,
+    segment,
+)
 
 CLOCKED = {"HEARTBEAT", "PROGRESS"}
 
@@ -146,6 +157,29 @@ def test_hosts_whose_ranks_read_many_cards_fetch_them_all_once(fanout: int) -> N
         assert fetches == hosts
 
 
+@pytest.mark.parametrize("fanout", [0, 8])
+def test_in_mpichs_exchange_each_host_sends_16_gets_up_then_fetches_every_card(
+        fanout: int) -> None:
+    """MPICH's default exchange at 96 hosts x 2: 96 cards of 5 KB to 96 hosts are more than a
+    fence pushes, so each host's first rank sends its first 16 misses up (`DENSE_GETS`), then
+    fetches every card at once and reads the rest from its cache; in a tree the relays answer
+    what they hold. Every card read is checked against the one its host put."""
+    hosts, ranks = 96, 2
+    assert hosts * sum(len(k) + len(v) for k, v in host_card(0)) * hosts > PUSH_BYTES
+    result = simjob.run_job(hosts, ranks, gets=4, timeout=300, heartbeat=30.0,
+                            extra=["--fanout", str(fanout)], exchange="mpich")
+    _ended_well(result, hosts, ranks)
+    counted = _counted(result)
+    assert counted["out"]["PMI:cards"] == counted["in"]["PMI:fetch"]
+    assert counted["in"]["PMI:get"] == counted["out"]["PMI:get_result"]
+    if fanout:
+        assert counted["in"]["PMI:fetch"] <= len(Tree(hosts, fanout).relays()) + fanout
+        assert counted["in"]["PMI:get"] < DENSE_GETS * hosts
+    else:
+        assert counted["in"]["PMI:fetch"] == hosts
+        assert counted["in"]["PMI:get"] == DENSE_GETS * hosts
+
+
 def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:
     real = simjob.run_job(8, 2, real=True, timeout=120)
     simulated = simjob.run_job(8, 2, timeout=120)
@@ -166,19 +200,21 @@ def test_simulated_hosts_join_a_rendezvous_head_with_the_token_and_run_the_same_
     assert _counted(result) == _expected(32, 2, pushed=True)
 
 
-@pytest.mark.parametrize("gets", [0, 4])
-def test_the_conversation_is_what_the_pmi_cores_answer_for_a_whole_world(gets: int) -> None:
-    """Every rank of 3 hosts x 2 plays its conversation against the agents' proxies and the
-    head's key-value space (the pure cores), to the end, reading the right cards."""
-    hosts, per_host, world = 3, 2, 6
+def _play(talks: dict[int, Conversation], hosts: int, per_host: int,
+          push_bytes: int = PUSH_BYTES) -> tuple[dict[int, list[str]], list[str], list[str]]:
+    """Every rank's conversation played to its end against the agents' proxies and the head's
+    key-value space (the pure cores): the marks each rank saw, the requests of every rank (in
+    order) and the ops sent to the head."""
+    world = hosts * per_host
     mapping = f"(vector,(0,{hosts},{per_host}))"
     proxies = [PmiProxy(ranks=[h * per_host + i for i in range(per_host)], world_size=world,
                         kvsname="kvs_t", process_mapping=mapping) for h in range(hosts)]
-    kvs = KeyValueSpace(hosts=hosts, kvsname="kvs_t")
-    talks = {r: Conversation(r, world, gets) for r in range(world)}
+    kvs = KeyValueSpace(hosts=hosts, kvsname="kvs_t", push_bytes=push_bytes)
     for r in range(world):
         proxies[r // per_host].open(r, r)
     marks: dict[int, list[str]] = {r: [] for r in range(world)}
+    sent: list[str] = []
+    asked: list[str] = []
     waiting = list(range(world))
 
     def apply(host: int, actions: list[Any]) -> None:
@@ -191,18 +227,53 @@ def test_the_conversation_is_what_the_pmi_cores_answer_for_a_whole_world(gets: i
                     waiting.append(action.conn)
             else:
                 assert isinstance(action, Send), action
+                sent.append(action.msg["op"])
                 for dest, msg in kvs.handle(host, action.msg):
                     apply(dest, proxies[dest].upstream(msg))
 
     while waiting:
         rank = waiting.pop(0)
+        asked.append(f"{rank} {talks[rank].request().decode()}")
         apply(rank // per_host, proxies[rank // per_host].feed(rank, talks[rank].request()))
     assert all(t.done for t in talks.values())
+    return marks, asked, sent
+
+
+@pytest.mark.parametrize("gets", [0, 4])
+def test_the_conversation_is_what_the_pmi_cores_answer_for_a_whole_world(gets: int) -> None:
+    """Every rank of 3 hosts x 2 plays its conversation to the end, reading the right cards."""
+    talks = {r: Conversation(r, 6, gets) for r in range(6)}
+    marks, _, _ = _play(talks, 3, 2)
     for rank, seen in marks.items():
         assert FENCED in seen and (WIRED in seen) == (gets > 0)
-        chosen = peers(rank, world, gets)
+        chosen = peers(rank, 6, gets)
         assert rank not in chosen and len(set(chosen)) == len(chosen) == gets
     assert card(3) != card(4)
+
+
+@pytest.mark.parametrize("push_bytes", [PUSH_BYTES, 0])
+def test_in_mpichs_exchange_each_hosts_first_rank_puts_its_card_and_reads_every_hosts(
+        push_bytes: int) -> None:
+    """MPICH's default exchange on 4 hosts x 3: the first rank of each host puts its host's
+    10 keys and reads all 40, the others only fence; whether the fence pushes the cards or
+    leaves them above (then the host's first misses go up and it fetches the rest at once)."""
+    hosts, per_host = 4, 3
+    talks = {r: Conversation(r, hosts * per_host, hosts, hosts=hosts)
+             for r in range(hosts * per_host)}
+    marks, asked, sent = _play(talks, hosts, per_host, push_bytes)
+    for rank, seen in marks.items():
+        first = rank % per_host == 0
+        mine = [line.split()[1:] for line in asked if line.startswith(f"{rank} ")]
+        puts = [words[2] for words in mine if words[0] == "cmd=put"]
+        gets = [words[2] for words in mine if words[0] == "cmd=get" and "allgather" in words[2]]
+        assert FENCED in seen and (WIRED in seen) == first
+        assert puts == ([f"key={key}" for key, _ in host_card(rank // per_host)] if first else [])
+        assert len(gets) == (10 * hosts if first else 0) and len(set(gets)) == len(gets)
+    assert sent.count("barrier_in") == 2 * hosts
+    assert sent.count("fetch") == (hosts if push_bytes == 0 else 0)
+    # The segments are as compressible as MPICH's cards, and each host's are its own.
+    assert host_card(1)[0] == ("-allgather-1-1", f"segments={SEGMENTS}")
+    assert segment(1, 1) != segment(2, 1) and len(segment(3, 9)) == SEGMENT_CHARS
 
 
 def test_the_head_counts_frames_by_kind_and_pmi_op_however_the_stream_splits_them() -> None:
