@@ -245,7 +245,8 @@ def sim_host_class() -> type:
 
             return tempfile.mkdtemp(prefix=f"{self.name}-{job_id}-", dir=self.records)
 
-        def kill_strays(self, keep: frozenset[int] = frozenset()) -> None:
+        def kill_strays(self, keep: frozenset[int] = frozenset(), *,
+                        reaping: bool = True) -> None:
             pass
 
         def signal_descendants(self, sig: int, keep: frozenset[int] = frozenset()

@@ -433,8 +433,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     install()
     if os.environ.get("DTRAIN_SIM_PHASES"):
         trace_phases()
+    from launcher import cli as cli_module
     from launcher.cli import main as cli
 
+    # The real head ends with os._exit once the job is over (`launcher.cli._leave`); this one
+    # returns here, to write its stats, and ends as the ordinary exit would.
+    cli_module._leave = sys.exit
     code: int | str | None = 0
     try:
         cli.main(["launch", "--launcher", args.launcher, *launch_args], prog_name="dtrain")

@@ -64,8 +64,10 @@ class Host:
         leftovers.sweep(base or tempfile.gettempdir(), mark)
         return tempfile.mkdtemp(prefix=leftovers.folder_prefix(job_id, mark), dir=base)
 
-    def kill_strays(self, keep: frozenset[int] = frozenset()) -> None:
-        descendants.kill_strays(keep=keep)
+    def kill_strays(self, keep: frozenset[int] = frozenset(), *, reaping: bool = True) -> None:
+        """SIGKILL the job's processes but ``keep``; ``reaping``: a rank may be reaped
+        meanwhile (`descendants.kill_strays`)."""
+        descendants.kill_strays(keep=keep, reaping=reaping)
 
     def signal_descendants(self, sig: int, keep: frozenset[int] = frozenset()
                            ) -> list[psutil.Process]:

@@ -323,7 +323,7 @@ class Agent:
             rp.signal_group(signal.SIGKILL)  # leftovers of the rank (it is done, they are not)
         if not self.ranks:
             # setsid children and orphans outlive their groups; a relay's links stay
-            self.host.kill_strays(keep=self._links())
+            self.host.kill_strays(keep=self._links(), reaping=self._reaping())
             self.kill_at = None
             if self.progress is not None:
                 self.progress.final()
@@ -348,9 +348,14 @@ class Agent:
         # What left the ranks' process groups (setsid) is found as the agent's descendants.
         keep = frozenset(rp.pid for rp in self.ranks.values()) | self._links()
         if sig == signal.SIGKILL:
-            self.host.kill_strays(keep=keep)
+            self.host.kill_strays(keep=keep, reaping=self._reaping())
         else:
             self.host.signal_descendants(sig, keep=keep)
+
+    def _reaping(self) -> bool:
+        """Whether another thread may reap a child of the agent now: a rank's reaper, a relay's
+        link's (`Host.kill_strays` reads the machine's whole process table then)."""
+        return bool(self.ranks) or self.relay is not None
 
     def _links(self) -> frozenset[int]:
         """A relay's `ssh` processes to the hosts below it: never a job's leftovers."""

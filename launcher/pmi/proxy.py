@@ -142,6 +142,15 @@ class PmiProxy:
             out += self._reject(conn, error.why)
         return out
 
+    def fast_get(self, conn: int, data: bytes) -> bytes | None:
+        """The reply to ``data`` read from ``conn`` when it is one plain get `_cached_get`
+        answers, as bytes to send (what `feed` would return in a `Reply`); None for anything
+        else, which goes to `feed`. The adapter's hot path: 640 gets a rank at 64 ranks."""
+        c = self._conns.get(conn)
+        if c is None or not c.initialized:
+            return None
+        return self._cached_get(c, data)
+
     def closed(self, conn: int) -> list[Action]:
         """``conn`` reached EOF (or broke)."""
         c = self._conns.pop(conn, None)

@@ -86,3 +86,25 @@ def test_an_agent_without_the_heads_address_is_one_usage_error_naming_its_variab
                      env={"DTRAIN_RDZV_ENDPOINT": "head-0"})
     assert bad.returncode == 2
     assert "bad rendezvous address [--rendezvous]: 'head-0' is not HOST:PORT" in bad.stderr
+
+
+LEAVE = """
+import atexit, sys, threading
+from launcher.cli import _leave
+atexit.register(lambda: print("finalized"))
+sys.stdout.write("report")  # buffered: a pipe
+if sys.argv[1] == "thread":
+    done = threading.Event()
+    threading.Thread(target=done.wait, args=(0.5,)).start()  # not a daemon
+_leave(5)
+"""
+
+
+@pytest.mark.parametrize("case", ["alone", "thread"])
+def test_the_head_leaves_with_its_code_and_output_and_skips_finalization_only_when_alone(case):
+    import subprocess
+
+    out = subprocess.run([PYTHON, "-c", LEAVE, case], capture_output=True, text=True,
+                         cwd=REPO, timeout=60)
+    assert out.returncode == 5, out.stderr
+    assert out.stdout == ("report" if case == "alone" else "reportfinalized\n")

@@ -165,3 +165,22 @@ def test_cards_pushed_ahead_of_the_release_release_nobody_and_are_served_after_i
 def test_a_push_without_cards_is_a_relay_error():
     with pytest.raises(PmiError, match="push without a kv object"):
         fenced().upstream({"op": "push"})
+
+
+@pytest.mark.parametrize("line", LINES)
+def test_the_adapters_fast_get_is_the_reply_feed_gives_or_nothing_where_feed_does_more(line):
+    fast, generic = fenced(), fenced()
+    reply = fast.fast_get(1, line)
+    if reply is None:  # the adapter hands it to feed, which must then do the same
+        assert fast.feed(1, line) == generic.feed(1, line)
+    else:
+        assert generic.feed(1, line) == [Reply(1, reply)]
+    follow = b"cmd=get kvsname=kvs_7 key=bc-1\n"
+    assert fast.feed(1, follow) == generic.feed(1, follow)
+
+
+def test_the_fast_get_answers_nothing_on_an_unknown_or_uninitialised_connection():
+    proxy = fenced()
+    assert proxy.fast_get(9, b"cmd=get kvsname=kvs_7 key=bc-0\n") is None
+    proxy.open(3, None)
+    assert proxy.fast_get(3, b"cmd=get kvsname=kvs_7 key=bc-0\n") is None
