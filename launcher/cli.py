@@ -236,6 +236,14 @@ def _leave(code: int) -> None:
             stream.flush()
         except (OSError, ValueError):  # a reader gone, or closed: nothing more can be said
             pass
+    # Children that ended unwaited (an agent killed under us) are reaped here, as finalizing
+    # their Popen objects would: else each stays a zombie wherever PID 1 does not reap, and
+    # looks alive to the next agent judging what it left (`launcher.agent.leftovers`).
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:  # no child left
+        pass
     os._exit(code)
 
 

@@ -32,7 +32,8 @@ error on every rank and removes what it left.
 
 Writing (`files`, `direct`): a tensor file is written with direct I/O from a page-aligned
 staging block laid out as the file, or buffered where the filesystem refuses direct I/O; the
-bytes and checksums are the same either way.
+bytes and checksums are the same either way. A save's MB/s (`rate`) is over the seconds some
+rank was writing, not from the first rank's start.
 
 Crash safety (`commit`): files are written into ``step-<N>.tmp-<random>/`` and fsynced with
 the commit record (still ``.COMMITTED.tmp``) and the folder, the folder is renamed to
