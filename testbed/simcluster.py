@@ -410,9 +410,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     stamps = [{"host": s.host, "rank": s.rank, "running": s.running, **s.marks, "exit": s.exit,
                "code": s.code} for s in list(driver.stamps)]
     shutil.rmtree(records, ignore_errors=True)
+    # Copies taken at once (a dict's copy holds the interpreter lock): agents still leaving
+    # change theirs meanwhile, and json.dump lets other threads run between its pieces.
     with open(args.stats, "w") as out:
-        json.dump({"ranks": stamps, "agents": codes, "left": LEFT, "pid": os.getpid(),
-                   **usage()}, out)
+        json.dump({"ranks": stamps, "agents": dict(codes), "left": dict(LEFT),
+                   "pid": os.getpid(), **usage()}, out)
     os._exit(0)
 
 
