@@ -100,7 +100,7 @@ class AgentLink:
             listen(self._delivered, self._end)
         elif pump is not None and hasattr(stream, "reader_fd"):
             self._hold = pump.hold  # the pump's one thread reads every stream
-            pump.add(stream, self._received, self._pump_end)  # type: ignore[arg-type]
+            pump.add(stream, self._received, self._stream_ended)  # type: ignore[arg-type]
         else:
             threading.Thread(target=self._read_loop, name=f"agent-{index}", daemon=True).start()
 
@@ -143,16 +143,13 @@ class AgentLink:
             pass
 
     def _read_loop(self) -> None:
-        reason = "the agent's stream closed"
+        error: BaseException | None = None
         try:
-            while True:
-                data = self.stream.read(65536)
-                if not data:
-                    break
+            while data := self.stream.read(65536):
                 self._received(data)
         except (OSError, EOFError, ValueError) as exc:
-            reason = f"the agent's stream broke: {exc}"
-        self._end(reason)
+            error = exc
+        self._stream_ended(error)
 
     def _delivered(self, data: bytes) -> None:
         """Bytes a listened stream delivers (on its thread); a broken frame ends this host's
@@ -164,7 +161,9 @@ class AgentLink:
         except (OSError, EOFError, ValueError) as exc:
             self._end(f"the agent's stream broke: {exc}")
 
-    def _pump_end(self, error: BaseException | None) -> None:
+    def _stream_ended(self, error: BaseException | None) -> None:
+        """Its reader (a thread of its own, or the pump) says the stream ended: closed (None)
+        or broken by ``error``."""
         self._end("the agent's stream closed" if error is None
                   else f"the agent's stream broke: {error}")
 
