@@ -123,7 +123,15 @@ def run_with_link_cut(args: Sequence[str], *, ns: str, peer: str, ready: Path, g
     """Start ``dtrain args``; once a rank has written ``ready``, make every packet from the
     namespace host ``ns`` to the address ``peer`` vanish (``peer`` resolves to a hardware address
     nobody has) and write ``go``; then wait for the job. The link is restored and the job's
-    PIDs killed whatever happens. Returns (exit code, stderr)."""
+    PIDs killed whatever happens. Returns (exit code, stderr).
+
+    While the job runs, ``ns``'s TCP send buffers may grow to SEND_BUFFER_CAP only: a send
+    returns once the kernel has taken all its bytes, and at the default cap (4 MiB) a 4 MiB
+    message sometimes fits whole, so the send the test means to stall returned at once now
+    and then."""
+    before = _tcp_wmem(ns)
+    low, initial, _ = before.split()
+    _tcp_wmem(ns, f"{low} {initial} {SEND_BUFFER_CAP}")
     proc = start_dtrain(args)
     try:
         deadline = time.monotonic() + timeout
@@ -136,4 +144,19 @@ def run_with_link_cut(args: Sequence[str], *, ns: str, peer: str, ready: Path, g
     finally:
         subprocess.run(["ip", "-n", ns, "neigh", "del", peer, "dev", "eth0"], check=False)
         kill_recorded([proc.pid])
+        _tcp_wmem(ns, before)
     return proc.returncode, err
+
+
+# A quarter of the messages that `run_with_link_cut`'s tests stall (4 MiB).
+SEND_BUFFER_CAP = 1 << 20
+
+
+def _tcp_wmem(ns: str, value: str | None = None) -> str:
+    """The namespace's TCP send-buffer sizes (min, default, max bytes); sets them first when
+    ``value`` is given."""
+    if value is not None:
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                        f"net.ipv4.tcp_wmem={value}"], check=True)
+    return subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-n", "net.ipv4.tcp_wmem"],
+                          check=True, capture_output=True, text=True).stdout.strip()
