@@ -20,6 +20,11 @@ next miss fetches: 64 namespace hosts x 1 MPICH rank (10 keys of 6.6 KB a rank, 
 sent 104 gets a host one after another before fetching, 9.4 of the 13.7 s from the last
 rank's start to all wired (traced at the head and agents).
 
+MPICH says so itself: its all-gathers name their keys (`actions.ALLGATHER_KEY`) and every host
+reads every key of one, so a miss on one fetches at once (no get goes up). Without that, 16
+serial gets a host went up first: 16,000 round trips through the head at 1,024 hosts, most of
+its CPU in MPICH's exchange (`bench.sim_scale`). The ski-rental rule stays for other keys.
+
 Failure rules (Hydra's): a rank whose connection closes after it spoke PMI but before
 ``finalize`` has failed; a connection that never sent a byte (a non-MPI program) has not.
 A line that is not PMI, a request out of order or a second request while one is pending closes
@@ -303,7 +308,8 @@ class PmiProxy:
         if self._fetch is not None:
             self._after_fetch.append((conn, key))
             return []
-        if self._held and (self._asked * GET_COST_BYTES >= self._held
+        if self._held and (actions.is_allgather_key(key)
+                           or self._asked * GET_COST_BYTES >= self._held
                            or self._asked_by.get(rank, 0) >= DENSE_GETS):
             self._fetch, self._held = self._next_req, 0  # once per fence
             self._after_fetch.append((conn, key))
