@@ -16,8 +16,8 @@ takes; the head side is ``launcher.pmi.kvs``):
                                                       every host, then each barrier_out
     -> {"op": "get", "key": k, "req": n}              a key this host has not seen
     <- {"op": "get_result", "req": n, "found": bool, "value": str}
-    -> {"op": "fetch", "req": n}                      every committed key, at once
-    <- {"op": "cards", "req": n, "kv": {key: value}}
+    -> {"op": "fetch"}                                every committed key, at once
+    <- {"op": "cards", "kv": {key: value}}            its answer (one fetch under way at most)
     -> {"op": "abort", "rank": r, "code": n, "message": s}
     -> {"op": "unsupported", "rank": r, "feature": f}  a rank asked for what dtrain refuses
 

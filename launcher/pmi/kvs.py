@@ -19,7 +19,8 @@ of the epoch's cards:
   MPICH's default address exchange does (every host reads every card once).
 
 Keys stay committed for the job: a ``get`` or ``fetch`` is answered from every completed
-epoch.
+epoch. A fetch's answer names no request (a host has one fetch under way at most): between two
+fences it is the same for every host, so it is encoded once and the same bytes go to each.
 
 Under fan-out (`launcher.tree.fence`) one ``barrier_in`` may cover many hosts (``hosts``, the
 host indices it stands for): it is answered with one ``barrier_out`` naming the same hosts, so
@@ -83,7 +84,7 @@ class KeyValueSpace:
         if op == "get":
             return [(host, self._get(msg))]
         if op == "fetch":  # every committed card, for a host whose ranks read much of them
-            return [(host, {"op": "cards", "req": msg.get("req"), "kv": self._store})]
+            return [(host, {"op": "cards", "kv": self._store})]
         if op == "abort":
             self._abort(msg)
             return []

@@ -404,10 +404,9 @@ def test_gets_go_up_one_by_one_while_they_cost_less_than_fetching_every_card():
     # Two gets cost as much as every card: the next miss fetches them all, the one after
     # waits for the same answer, and both are answered from it (a key never put: not found).
     (fetch,) = ask(proxy, 1, "cmd=get kvsname=kvs_7 key=bc-5")
-    assert fetch.msg == {"op": "fetch", "req": fetch.msg["req"]}
+    assert fetch.msg == {"op": "fetch"}
     assert ask(proxy, 2, "cmd=get kvsname=kvs_7 key=nope") == []
-    replies = proxy.upstream({"op": "cards", "req": fetch.msg["req"],
-                              "kv": {"bc-5": "five", "bc-0": "BC-0"}})
+    replies = proxy.upstream({"op": "cards", "kv": {"bc-5": "five", "bc-0": "BC-0"}})
     assert [(r.conn, r.data) for r in replies] == [
         (1, b"cmd=get_result rc=0 value=five\n"), (2, b"cmd=get_result rc=1 msg=key_not_found\n")]
     # Fetched once per fence: a later miss goes up on its own.
@@ -444,9 +443,9 @@ def test_a_miss_on_an_mpich_allgather_key_fetches_every_card_at_once():
     proxy = make_proxy()
     _fenced(proxy, held=1000 * GET_COST_BYTES)
     (fetch,) = ask(proxy, 1, "cmd=get kvsname=kvs_7 key=-allgather-1-0")
-    assert fetch.msg == {"op": "fetch", "req": fetch.msg["req"]}
+    assert fetch.msg == {"op": "fetch"}
     assert ask(proxy, 2, "cmd=get kvsname=kvs_7 key=-allgather-shm-2-1-seg-3/9") == []
-    replies = proxy.upstream({"op": "cards", "req": fetch.msg["req"], "kv": {
+    replies = proxy.upstream({"op": "cards", "kv": {
         "-allgather-1-0": "segments=9", "-allgather-shm-2-1-seg-3/9": "abc"}})
     assert [(r.conn, r.data) for r in replies] == [
         (1, b"cmd=get_result rc=0 value=segments=9\n"), (2, b"cmd=get_result rc=0 value=abc\n")]
@@ -496,5 +495,5 @@ def _libmpi() -> bytes:
 def test_cards_for_a_fetch_never_asked_are_a_relay_error():
     proxy = make_proxy()
     _fenced(proxy, held=10)
-    with pytest.raises(PmiError, match="cards for unknown request"):
-        proxy.upstream({"op": "cards", "req": 4, "kv": {}})
+    with pytest.raises(PmiError, match="cards without a fetch under way"):
+        proxy.upstream({"op": "cards", "kv": {}})

@@ -380,20 +380,19 @@ def test_a_relay_sends_one_fetch_up_and_answers_the_others_when_its_cards_pass_d
     fence = SubtreeFence(0, {0: 0, 1: 1, 2: 2})
     for host in range(3):
         fence.spec(host, {"ranks": [{"rank": host}], "pmi": {"mode": "fd", "kvsname": "k"}})
-    assert fence.fetch(1, 5) is None and fence.fetch_waits(1, 5) is False  # goes up
-    assert fence.fetch(2, 7) is None and fence.fetch_waits(2, 7) is True   # waits
+    assert fence.fetch(1) is None and fence.fetch_waits(1) is False  # goes up
+    assert fence.fetch(2) is None and fence.fetch_waits(2) is True   # waits
     # Cards passing to another host (a fetch sent up by a relay further down) are kept but
-    # answer nobody here; those for the fetch this relay sent up answer the one waiting.
-    assert fence.cards(2, {"op": "cards", "req": 1, "kv": {"a": "1"}}) == []
-    assert fence.cards(1, {"op": "cards", "req": 5, "kv": {"b": "2"}}) == [
-        (2, {"op": "cards", "req": 7, "kv": {"a": "1", "b": "2"}})]
-    # Until the next fence, every card is here: a fetch is answered at once, with the same
-    # cards each time (the relay encodes them once).
-    answer = fence.fetch(2, 8)
-    assert answer == {"op": "cards", "req": 8, "kv": {"a": "1", "b": "2"}}
-    assert (again := fence.fetch(1, 10)) is not None and again["kv"] is answer["kv"]
+    # answer nobody here; those for the fetch this relay sent up answer the one waiting,
+    # with the frame that carried them, as it came.
+    assert fence.cards_passing(2, b"frame-a") == []
+    assert fence.cards_passing(1, b"frame-b") == [2]
+    fence.cards(1, {"b": "2"})
+    assert fence.get(0, "b") == "2"
+    # Until the next fence, every card is here: a fetch is answered at once, with that frame.
+    assert fence.fetch(2) == fence.fetch(1) == b"frame-b"
     fence.out({"op": "barrier_out", "kv": {}, "held": 9, "hosts": [0, 1, 2]})
-    assert fence.fetch(2, 9) is None
+    assert fence.fetch(2) is None
 
 
 def test_a_relay_sends_every_host_its_cards_before_any_release():
