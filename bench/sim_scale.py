@@ -42,11 +42,12 @@ Each in two address exchanges (`testbed.simrank`): ``light``, every rank puts a 
 card and reads 4 peers' (a program that wires up lazily); and ``mpich`` (rows ``... mpich``),
 MPICH's default: each host's first rank puts its host's card (10 keys, 5 KB) and reads every
 host's. Past the fence's push limit (`launcher.pmi.kvs.PUSH_BYTES`, 64 such hosts) a host's
-first 16 misses go up and then it fetches every card at once (5.5 MB at 1,024 hosts, 1.3 MB
-compressed): N fetches of N cards, the exchange's N^2 bytes, through the head flat and through
-the relays in the tree. Its rows read `MPICH_READS` hosts' cards (40 gets, 16 of them up),
-not all N: the rest are answered from the host's own cache, the same work on every host in
-parallel, and simulating them (N^2 gets in all) would take this machine's simulator minutes.
+first miss, a key of MPICH's all-gather, fetches every card at once (5.5 MB at 1,024 hosts,
+1.3 MB compressed; no get goes up): N fetches of N cards, the exchange's N^2 bytes, through
+the head flat (the same frame to every host) and through the relays in the tree. Its rows
+read `MPICH_READS` hosts' cards (40 gets, all from the host's cache after its fetch), not all
+N: the rest are the same work on every host in parallel, and simulating them (N^2 gets in
+all) would take this machine's simulator minutes.
 """
 
 from __future__ import annotations

@@ -95,8 +95,8 @@ class Conversation:
     ``gets``: in the light exchange the peers whose cards the rank reads; in MPICH's
     (``hosts`` > 0, ranks placed host by host) the hosts whose cards a host's first rank reads,
     spread over the job (every host's when ``gets`` >= ``hosts``; the benches read fewer where
-    simulating every read would take the simulator minutes: a host's first misses go up, then
-    it fetches every card at once and reads the rest from its own cache, `launcher.pmi.proxy`).
+    simulating every read would take the simulator minutes: a host's first miss fetches every
+    card at once and it reads the rest from its own cache, `launcher.pmi.proxy`).
     """
 
     def __init__(self, rank: int, world: int, gets: int = PEER_GETS, *, hosts: int = 0) -> None:

@@ -63,9 +63,9 @@ class Supervisor:
         self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
                                    for hp in plan.hosts for r in hp.ranks})
         self.pmi: PmiRelay | None = None  # made in `run`, while the agents boot
-        # Every card, as each host that fetches them gets it: built once per epoch of the
-        # key-value space (its store changes only when a fence completes).
-        self._cards: tuple[int, wire.Shared] | None = None
+        # A fetch's answer, every card, as one frame: encoded once per epoch of the key-value
+        # space (its store changes only when a fence completes), the same bytes to every host.
+        self._cards: tuple[int, bytes] | None = None
         self.stopping = False
         self.killed_hard = False
         self.done_hosts: set[int] = set()
@@ -289,12 +289,11 @@ class Supervisor:
                         fence[cards[0], "out"] = wire.encode_json(wire.Kind.PMI, release)
                     data = fence[cards]
                     released.append((host, fence[cards[0], "out"]))
-                elif reply.get("op") == "cards":  # one fetch at a time, from every host
+                elif reply.get("op") == "cards":  # the same bytes to every host's fetch
                     epoch = self.pmi.kvs.epoch
                     if self._cards is None or self._cards[0] != epoch:
-                        common = {k: v for k, v in reply.items() if k != "req"}
-                        self._cards = epoch, wire.Shared(wire.Kind.PMI, common)
-                    data = self._cards[1].frame("req", reply.get("req"))
+                        self._cards = epoch, wire.encode_json(wire.Kind.PMI, reply)
+                    data = self._cards[1]
                 elif "kv" in reply:  # encoded once (it grows as hosts x ranks), sent N times
                     if (cards := (id(reply["kv"]), "frame")) not in fence:
                         fence[cards] = wire.encode_json(wire.Kind.PMI, reply)

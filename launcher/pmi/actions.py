@@ -16,19 +16,20 @@ takes; the head side is ``launcher.pmi.kvs``):
                                                       every host, then each barrier_out
     -> {"op": "get", "key": k, "req": n}              a key this host has not seen
     <- {"op": "get_result", "req": n, "found": bool, "value": str}
-    -> {"op": "fetch", "req": n}                      every committed key, at once
-    <- {"op": "cards", "req": n, "kv": {key: value}}
+    -> {"op": "fetch"}                                every committed key, at once
+    <- {"op": "cards", "kv": {key: value}}            its answer (one fetch under way at most)
     -> {"op": "abort", "rank": r, "code": n, "message": s}
     -> {"op": "unsupported", "rank": r, "feature": f}  a rank asked for what dtrain refuses
 
 The rest are the PMI-1 rules that need no proxy state: the limits, the order requests may come
 in, the replies that never change during a job, refusals of what dtrain does not serve (spawn,
-the name service), checks on keys and values, reading an abort request, and the names of the
-shared-memory segments MPICH leaves behind.
+the name service), checks on keys and values, MPICH's all-gather keys, reading an abort
+request, and the names of the shared-memory segments MPICH leaves behind.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 
@@ -187,6 +188,23 @@ def push_and_release(out: Mapping[str, Any]) -> tuple[Message | None, Message]:
     if not out.get("kv"):
         return None, dict(out)
     return {"op": "push", "kv": out["kv"]}, {**out, "kv": {}}
+
+
+#: The keys of MPICH's all-gathers over PMI (``mpir_pmi.c`` of MPICH 4-5; the format strings
+#: are in this machine's ``libmpi.so``): ``-allgather-<seq>-<rank>`` (``MPIR_pmi_allgather``:
+#: every rank of its domain, all ranks or each host's first, reads every key) and
+#: ``-allgather-shm-<seq>-<rank>`` (``MPIR_pmi_allgather_shm``: a host's ranks split the keys
+#: and read them all into shared memory), a value longer than one PMI value put as
+#: ``segments=<n>`` under the key and its parts under ``<key>-seg-<i>/<n>``. ch4's address
+#: exchange is one of these (``-allgather-1-<host>``, traced under Hydra). Not its group
+#: all-gather (``-allgather-group-<seq>``...: a group's members read only the group's keys).
+ALLGATHER_KEY = re.compile(r"-allgather-(?:shm-)?[0-9]+-[0-9]+(?:-seg-[0-9]+/[0-9]+)?")
+
+
+def is_allgather_key(key: str) -> bool:
+    """A key of one of MPICH's all-gathers (`ALLGATHER_KEY`): after the fence that committed
+    it, this host reads every card of that fence, so its first miss fetches them all."""
+    return ALLGATHER_KEY.fullmatch(key) is not None
 
 
 def relay_error(why: str) -> PmiError:

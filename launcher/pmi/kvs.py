@@ -19,7 +19,8 @@ of the epoch's cards:
   MPICH's default address exchange does (every host reads every card once).
 
 Keys stay committed for the job: a ``get`` or ``fetch`` is answered from every completed
-epoch.
+epoch. A fetch's answer names no request (a host has one fetch under way at most): between two
+fences it is the same for every host, so it is encoded once and the same bytes go to each.
 
 Under fan-out (`launcher.tree.fence`) one ``barrier_in`` may cover many hosts (``hosts``, the
 host indices it stands for): it is answered with one ``barrier_out`` naming the same hosts, so
@@ -38,12 +39,11 @@ from launcher.errors import PmiError
 
 #: The most bytes a fence's answer may carry in all: an epoch's cards (keys and values) times the
 #: hosts it goes to. MPICH's default address exchange reads every card (10 keys, 6.6 KB a rank
-#: of the MPICH the benches run), so its hosts fetch the whole store after a few gets anyway
-#: (`launcher.pmi.proxy`): pushing it spares them those serial round trips for the same bytes,
-#: and wastes at most this much where ranks wire up lazily. 32 MiB is 64 hosts of that MPICH
+#: of the MPICH the benches run), so its hosts fetch the whole store at their first miss anyway
+#: (`launcher.pmi.proxy`): pushing it spares them that round trip for the same bytes, and
+#: wastes at most this much where ranks wire up lazily. 32 MiB is 64 hosts of that MPICH
 #: (27 MB; a quarter of a second on a 1 Gb/s link, the head's own share of the fence), but only
-#: 32 KiB of cards at 1,024 hosts, whose N^2 bytes no link could carry (`bench.hosts_scale`
-#: at 64 namespace hosts: 16 serial gets a host before its fetch without the push).
+#: 32 KiB of cards at 1,024 hosts, whose N^2 bytes no link could carry.
 PUSH_BYTES = 32 * 1024 * 1024
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
@@ -83,7 +83,7 @@ class KeyValueSpace:
         if op == "get":
             return [(host, self._get(msg))]
         if op == "fetch":  # every committed card, for a host whose ranks read much of them
-            return [(host, {"op": "cards", "req": msg.get("req"), "kv": self._store})]
+            return [(host, {"op": "cards", "kv": self._store})]
         if op == "abort":
             self._abort(msg)
             return []

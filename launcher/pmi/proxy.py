@@ -20,6 +20,11 @@ next miss fetches: 64 namespace hosts x 1 MPICH rank (10 keys of 6.6 KB a rank, 
 sent 104 gets a host one after another before fetching, 9.4 of the 13.7 s from the last
 rank's start to all wired (traced at the head and agents).
 
+MPICH says so itself: its all-gathers name their keys (`actions.ALLGATHER_KEY`) and every host
+reads every key of one, so a miss on one fetches at once (no get goes up). Without that, 16
+serial gets a host went up first: 16,000 round trips through the head at 1,024 hosts, most of
+its CPU in MPICH's exchange (`bench.sim_scale`). The ski-rental rule stays for other keys.
+
 Failure rules (Hydra's): a rank whose connection closes after it spoke PMI but before
 ``finalize`` has failed; a connection that never sent a byte (a non-MPI program) has not.
 A line that is not PMI, a request out of order or a second request while one is pending closes
@@ -92,7 +97,7 @@ class PmiProxy:
         self._held = 0           # bytes of cards the last fence left above (0: pushed or none)
         self._asked = 0          # gets sent up since that fence
         self._asked_by: dict[int, int] = {}  # rank -> of those, its own
-        self._fetch: int | None = None  # the fetch under way (its req), gets waiting on it:
+        self._fetch = False      # a fetch under way, and the gets waiting on it:
         self._after_fetch: list[tuple[int, str]] = []  # (conn, key)
         self._get_line = get_line_pattern(kvsname, actions.KEYLEN_MAX)
         self._fixed = actions.fixed_replies(world_size=world_size, kvsname=kvsname, appnum=appnum)
@@ -300,14 +305,15 @@ class PmiProxy:
         if key in self._attrs or key.startswith("PMI_"):
             return [Reply(conn, format_reply("get_result", rc=1, msg="not_available"))]
         c.pending, self._next_req = "get", self._next_req + 1
-        if self._fetch is not None:
+        if self._fetch:
             self._after_fetch.append((conn, key))
             return []
-        if self._held and (self._asked * GET_COST_BYTES >= self._held
+        if self._held and (actions.is_allgather_key(key)
+                           or self._asked * GET_COST_BYTES >= self._held
                            or self._asked_by.get(rank, 0) >= DENSE_GETS):
-            self._fetch, self._held = self._next_req, 0  # once per fence
+            self._fetch, self._held = True, 0  # once per fence
             self._after_fetch.append((conn, key))
-            return [Send({"op": "fetch", "req": self._next_req})]
+            return [Send({"op": "fetch"})]
         self._asked += 1
         self._asked_by[rank] = self._asked_by.get(rank, 0) + 1
         self._gets[self._next_req] = (conn, key)
@@ -377,10 +383,10 @@ class PmiProxy:
     def _cards(self, msg: Mapping[str, Any]) -> list[Action]:
         """The fetch's answer: every committed card; the gets that waited on it answered."""
         kv = msg.get("kv")
-        if msg.get("req") != self._fetch or not isinstance(kv, dict):
-            raise actions.relay_error(f"cards for unknown request {msg.get('req')!r}")
+        if not self._fetch or not isinstance(kv, dict):
+            raise actions.relay_error("cards without a fetch under way")
         self._cache.update(kv)
-        self._fetch, waiting, self._after_fetch = None, self._after_fetch, []
+        self._fetch, waiting, self._after_fetch = False, self._after_fetch, []
         out: list[Action] = []
         for conn, key in waiting:
             c = self._conns.get(conn)

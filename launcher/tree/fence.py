@@ -15,7 +15,9 @@ Each relay keeps the cards it passed down, and once the fence is answered its su
 (those it merged on the way up, whether or not the answer carried them back), and answers a
 ``get`` from below that it holds: a get is served by the nearest level that has the key.
 A ``fetch`` (every card, `launcher.pmi.proxy`) goes up once per relay and fence: the first one
-from below goes on, later ones wait, and all are answered when the cards pass down.
+from below goes on, later ones wait, and all are answered when the cards pass down, with the
+frame that carries them as it came (a fetch's answer names no request: `launcher.pmi.kvs`);
+until the next fence, that same frame answers every fetch at once.
 
 Which hosts take part is read from the SPECs the relay passes down (a host with ranks and PMI
 on, per key-value space name: a later round is a new name, and a fresh fence).
@@ -45,9 +47,9 @@ class SubtreeFence:
         self._merged: dict[str, dict[str, str]] = {}    # the subtree's puts, sent up
         self._fences: dict[str, int] = {}               # kvsname -> fences answered
         self._whole: dict[str, int] = {}                # ... when every card last passed
-        self._snapshot: dict[str, dict[str, str]] = {}  # ... and those cards, as they were
-        # kvsname -> (the fetch sent up, those waiting for its cards), as (host, req)
-        self._fetching: dict[str, tuple[tuple[int, object], list[tuple[int, object]]]] = {}
+        self._frame: dict[str, bytes] = {}              # ... and the frame that carried them
+        # kvsname -> (the host whose fetch went up, the hosts waiting for its cards)
+        self._fetching: dict[str, tuple[int, list[int]]] = {}
 
     def spec(self, host: int, body: Mapping[str, Any]) -> None:
         """A SPEC for ``host`` passed through (or the relay's own)."""
@@ -106,38 +108,40 @@ class SubtreeFence:
         cards = self._cards.get(self._kvsname(host), {})
         return cards.get(key) if isinstance(key, str) else None
 
-    def fetch(self, host: int, req: object) -> dict[str, Any] | None:
-        """A ``fetch`` from ``host``: the answer when this relay holds every card of the
-        fences so far; else None (then `fetch_waits`)."""
+    def fetch(self, host: int) -> bytes | None:
+        """A ``fetch`` from ``host``: the frame of every card when this relay passed it down
+        since the last fence; else None (then `fetch_waits`)."""
         kvsname = self._kvsname(host)
         if self._whole.get(kvsname, -1) == self._fences.get(kvsname, 0):
-            # The same object to every fetch until the next fence: the relay encodes it once.
-            return {"op": "cards", "req": req, "kv": self._snapshot[kvsname]}
+            return self._frame[kvsname]
         return None
 
-    def fetch_waits(self, host: int, req: object) -> bool:
+    def fetch_waits(self, host: int) -> bool:
         """After `fetch` said None: True if a fetch from below is already on its way up (this
         one waits for its cards), False if this one is the first (it goes up)."""
         kvsname = self._kvsname(host)
         if kvsname in self._fetching:
-            self._fetching[kvsname][1].append((host, req))
+            self._fetching[kvsname][1].append(host)
             return True
-        self._fetching[kvsname] = ((host, req), [])
+        self._fetching[kvsname] = (host, [])
         return False
 
-    def cards(self, host: int, msg: Mapping[str, Any]) -> list[tuple[int, dict[str, Any]]]:
-        """Every card, passing down to ``host``: kept; when it answers the fetch this relay
-        sent up, the fetches that waited for it are answered too (``(host, message)``)."""
+    def cards_passing(self, host: int, frame: bytes) -> list[int]:
+        """The ``frame`` of every card, passing down to ``host``: kept to answer later
+        fetches; when it answers the fetch this relay sent up (that host's: a host has one
+        under way at most), the hosts whose fetches waited for it, to send it to as well."""
         kvsname = self._kvsname(host)
-        cards = self._cards.setdefault(kvsname, {})
-        cards.update(msg.get("kv") or {})
         self._whole[kvsname] = self._fences.get(kvsname, 0)
-        copy = self._snapshot[kvsname] = dict(cards)  # encoded outside the relay's lock
+        self._frame[kvsname] = frame
         first, waiting = self._fetching.get(kvsname, (None, []))
-        if first != (host, msg.get("req")):
+        if first != host:
             return []
         del self._fetching[kvsname]
-        return [(h, {"op": "cards", "req": req, "kv": copy}) for h, req in waiting]
+        return waiting
+
+    def cards(self, host: int, kv: Mapping[str, str]) -> None:
+        """The cards of that frame, decoded: kept for the gets from below."""
+        self._cards.setdefault(self._kvsname(host), {}).update(kv)
 
     def _kvsname(self, host: int) -> str:
         return self._spec.get(host, ("", False))[0]

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from launcher.errors import PmiError
-from launcher.pmi.actions import Abort, Close, RankFailed, Reply, Send, shm_segment_prefixes
+from launcher.pmi.actions import (
+    Abort,
+    Close,
+    RankFailed,
+    Reply,
+    Send,
+    is_allgather_key,
+    shm_segment_prefixes,
+)
 from launcher.pmi.proxy import DENSE_GETS, GET_COST_BYTES, PmiProxy
 
 MAPPING = "(vector,(0,2,2))"
@@ -393,10 +404,9 @@ def test_gets_go_up_one_by_one_while_they_cost_less_than_fetching_every_card():
     # Two gets cost as much as every card: the next miss fetches them all, the one after
     # waits for the same answer, and both are answered from it (a key never put: not found).
     (fetch,) = ask(proxy, 1, "cmd=get kvsname=kvs_7 key=bc-5")
-    assert fetch.msg == {"op": "fetch", "req": fetch.msg["req"]}
+    assert fetch.msg == {"op": "fetch"}
     assert ask(proxy, 2, "cmd=get kvsname=kvs_7 key=nope") == []
-    replies = proxy.upstream({"op": "cards", "req": fetch.msg["req"],
-                              "kv": {"bc-5": "five", "bc-0": "BC-0"}})
+    replies = proxy.upstream({"op": "cards", "kv": {"bc-5": "five", "bc-0": "BC-0"}})
     assert [(r.conn, r.data) for r in replies] == [
         (1, b"cmd=get_result rc=0 value=five\n"), (2, b"cmd=get_result rc=1 msg=key_not_found\n")]
     # Fetched once per fence: a later miss goes up on its own.
@@ -427,8 +437,63 @@ def test_ranks_that_each_read_a_few_cards_keep_getting_them_one_by_one():
                             "value": "v"})
 
 
+def test_a_miss_on_an_mpich_allgather_key_fetches_every_card_at_once():
+    # MPICH's address exchange: after the fence every host reads every host's card, so the
+    # first key it misses already says so; the other rank's miss waits for the same answer.
+    proxy = make_proxy()
+    _fenced(proxy, held=1000 * GET_COST_BYTES)
+    (fetch,) = ask(proxy, 1, "cmd=get kvsname=kvs_7 key=-allgather-1-0")
+    assert fetch.msg == {"op": "fetch"}
+    assert ask(proxy, 2, "cmd=get kvsname=kvs_7 key=-allgather-shm-2-1-seg-3/9") == []
+    replies = proxy.upstream({"op": "cards", "kv": {
+        "-allgather-1-0": "segments=9", "-allgather-shm-2-1-seg-3/9": "abc"}})
+    assert [(r.conn, r.data) for r in replies] == [
+        (1, b"cmd=get_result rc=0 value=segments=9\n"), (2, b"cmd=get_result rc=0 value=abc\n")]
+
+
+@pytest.mark.parametrize("key", ["-bcast-1-0", "-allgather-group-1-3", "-allgather-1-x",
+                                 "app-allgather-1-0", "-allgather-1-0-seg-1"])
+def test_keys_that_are_not_an_mpich_allgathers_go_up_one_by_one(key):
+    # A broadcast is one card; a group's all-gather reads only the group's; the rest only
+    # look like MPICH's names.
+    proxy = make_proxy()
+    _fenced(proxy, held=1000 * GET_COST_BYTES)
+    (send,) = ask(proxy, 1, f"cmd=get kvsname=kvs_7 key={key}")
+    assert send.msg == {"op": "get", "key": key, "req": send.msg["req"]}
+
+
+def test_an_allgather_key_missed_after_a_fence_that_pushed_its_cards_is_asked_for_alone():
+    # Every card came with the fence: a key not among them is not committed, nothing to fetch.
+    proxy = make_proxy()
+    _fenced(proxy, held=0)
+    (send,) = ask(proxy, 1, "cmd=get kvsname=kvs_7 key=-allgather-1-9")
+    assert send.msg["op"] == "get"
+
+
+def test_the_allgather_rule_names_the_keys_the_installed_mpich_formats():
+    # The format strings in this machine's libmpi (MPICH's mpir_pmi.c), formatted as its
+    # sprintf does: an all-gather's key, its shared-memory variant and their segments' names
+    # match; its broadcast's and its group all-gather's do not.
+    lib = _libmpi()
+    seg = b"%s-seg-%d/%d"
+    cases = [(b"-allgather-%d-%d", (1, 8), True), (b"-allgather-shm-%d-%d", (3, 17), True),
+             (seg, (b"-allgather-1-8", 9, 9), True), (seg, (b"-allgather-shm-2-0", 1, 4), True),
+             (b"-bcast-%d-%d", (1, 0), False), (b"-allgather-group-%d", (2,), False)]
+    for fmt, args, allgather in cases:
+        assert b"\0" + fmt + b"\0" in lib, fmt
+        key = (fmt % args).decode()  # C's printf format: Python's bytes % reads it alike
+        assert is_allgather_key(key) == allgather, key
+
+
+def _libmpi() -> bytes:
+    """The MPICH wheel's libmpi beside this interpreter's environment (`make install`)."""
+    found = sorted(Path(sys.prefix, "lib").glob("libmpi.so.*"))
+    assert found, f"no libmpi.so.* under {sys.prefix}/lib; run `make install`"
+    return found[0].read_bytes()
+
+
 def test_cards_for_a_fetch_never_asked_are_a_relay_error():
     proxy = make_proxy()
     _fenced(proxy, held=10)
-    with pytest.raises(PmiError, match="cards for unknown request"):
-        proxy.upstream({"op": "cards", "req": 4, "kv": {}})
+    with pytest.raises(PmiError, match="cards without a fetch under way"):
+        proxy.upstream({"op": "cards", "kv": {}})

@@ -18,7 +18,6 @@ import pytest
 
 from launcher.pmi import KeyValueSpace, PmiProxy, Reply, Send
 from launcher.pmi.kvs import PUSH_BYTES
-from launcher.pmi.proxy import DENSE_GETS
 from launcher.tree.shape import HEAD, Tree
 from testbed import simjob
 from testbed.simrank import (
@@ -158,12 +157,13 @@ def test_hosts_whose_ranks_read_many_cards_fetch_them_all_once(fanout: int) -> N
 
 
 @pytest.mark.parametrize("fanout", [0, 8])
-def test_in_mpichs_exchange_each_host_sends_16_gets_up_then_fetches_every_card(
-        fanout: int) -> None:
+def test_in_mpichs_exchange_each_host_fetches_every_card_at_its_first_miss(fanout: int) -> None:
     """MPICH's default exchange at 96 hosts x 2: 96 cards of 5 KB to 96 hosts are more than a
-    fence pushes, so each host's first rank sends its first 16 misses up (`DENSE_GETS`), then
-    fetches every card at once and reads the rest from its cache; in a tree the relays answer
-    what they hold. Every card read is checked against the one its host put."""
+    fence pushes, so each host's first rank misses a key of MPICH's all-gather first
+    (`launcher.pmi.actions.ALLGATHER_KEY`), fetches every card at once and reads the rest
+    from its cache: no get goes up. Flat, the head answers every host's fetch; in a tree each
+    relay sends one fetch up and answers its children's. Every card read is checked against
+    the one its host put."""
     hosts, ranks = 96, 2
     assert hosts * sum(len(k) + len(v) for k, v in host_card(0)) * hosts > PUSH_BYTES
     result = simjob.run_job(hosts, ranks, gets=4, timeout=300, heartbeat=30.0,
@@ -171,13 +171,11 @@ def test_in_mpichs_exchange_each_host_sends_16_gets_up_then_fetches_every_card(
     _ended_well(result, hosts, ranks)
     counted = _counted(result)
     assert counted["out"]["PMI:cards"] == counted["in"]["PMI:fetch"]
-    assert counted["in"]["PMI:get"] == counted["out"]["PMI:get_result"]
+    assert "PMI:get" not in counted["in"] and "PMI:get_result" not in counted["out"]
     if fanout:
         assert counted["in"]["PMI:fetch"] <= len(Tree(hosts, fanout).relays()) + fanout
-        assert counted["in"]["PMI:get"] < DENSE_GETS * hosts
     else:
         assert counted["in"]["PMI:fetch"] == hosts
-        assert counted["in"]["PMI:get"] == DENSE_GETS * hosts
 
 
 def test_the_simulator_sends_the_head_the_frames_real_agents_send_at_8_hosts() -> None:
@@ -256,7 +254,7 @@ def test_in_mpichs_exchange_each_hosts_first_rank_puts_its_card_and_reads_every_
         push_bytes: int) -> None:
     """MPICH's default exchange on 4 hosts x 3: the first rank of each host puts its host's
     10 keys and reads all 40, the others only fence; whether the fence pushes the cards or
-    leaves them above (then the host's first misses go up and it fetches the rest at once)."""
+    leaves them above (then the host's first miss fetches them all, and no get goes up)."""
     hosts, per_host = 4, 3
     talks = {r: Conversation(r, hosts * per_host, hosts, hosts=hosts)
              for r in range(hosts * per_host)}
@@ -271,6 +269,7 @@ def test_in_mpichs_exchange_each_hosts_first_rank_puts_its_card_and_reads_every_
         assert len(gets) == (10 * hosts if first else 0) and len(set(gets)) == len(gets)
     assert sent.count("barrier_in") == 2 * hosts
     assert sent.count("fetch") == (hosts if push_bytes == 0 else 0)
+    assert sent.count("get") == 0
     # The segments are as compressible as MPICH's cards, and each host's are its own.
     assert host_card(1)[0] == ("-allgather-1-1", f"segments={SEGMENTS}")
     assert segment(1, 1) != segment(2, 1) and len(segment(3, 9)) == SEGMENT_CHARS

@@ -357,6 +357,47 @@ def test_a_relay_routes_both_ways_merges_its_fence_and_reports_a_lost_child():
     assert child2.inbox.get(timeout=5) == b""  # the remaining child sees its stream end
 
 
+def test_a_relay_forwards_every_card_as_it_came_to_the_fetches_that_waited_for_it():
+    # Relay 0 starts leaves 1 and 2; a fence left the cards above, and both fetch them.
+    body = {"index": 0, "python": "/usr/bin/python3", "children": [
+        {"index": i, "name": f"node{i + 1}", "hop": {}, "children": []} for i in (1, 2)]}
+    ends = {i: Pipe.pair(f"node{i + 1}") for i in (1, 2)}
+    up = Upward()
+    relay = Relay(body, up, [].append, connect=lambda node: ends[node["index"]][0],
+                  writer=FrameWriter)
+    relay.start()
+    spec = {"ranks": [{"rank": 0}], "pmi": {"mode": "fd", "kvsname": "k"}}
+    relay.own_spec(spec)
+    for host in (1, 2):
+        relay.down(wire.Frame(K.ROUTED, wire.encode_routed(host, wire.encode_json(
+            K.SPEC, spec))[5:]))
+    child1, child2 = ends[1][1], ends[2][1]
+    assert [f.kind for c in (child1, child2) for f in _frames(c, 1)] == [K.SPEC, K.SPEC]
+    child1.write(wire.encode_json(K.PMI, {"op": "fetch"}))
+    _wait(lambda: any(f.kind is K.ROUTED for f in up.frames()))
+    child2.write(wire.encode_json(K.PMI, {"op": "fetch"}))  # waits for the first one's cards
+    # The head's answer to host 1: every card, compressed, passing down through the relay.
+    cards = {f"-allgather-1-{h}-seg-{s}/9": f"{h:04x}{s:02x}" * 90 for h in range(64)
+             for s in range(1, 10)}
+    answer = wire.encode_json(K.PMI, {"op": "cards", "kv": cards})
+    assert answer[5:6] == wire.COMPRESSED
+    relay.down(wire.Frame(K.ROUTED, wire.encode_routed(1, answer)[5:]))
+    for child in (child1, child2):  # the same bytes, neither decoded nor encoded again
+        (frame,) = _frames(child, 1)
+        assert wire.encode(frame.kind, frame.payload) == answer
+    # Only host 1's fetch went up; the relay then serves gets and fetches from those cards.
+    fetches = [f for f in up.frames() if f.kind is K.ROUTED
+               and wire.Decoder().feed(wire.decode_routed(f)[1])[0].kind is K.PMI]
+    assert [wire.decode_routed(f)[0] for f in fetches] == [1]
+    child2.write(wire.encode_json(K.PMI, {"op": "get", "key": "-allgather-1-5-seg-2/9",
+                                          "req": 4}))
+    assert _frames(child2, 1)[0].json()["value"] == cards["-allgather-1-5-seg-2/9"]
+    child1.write(wire.encode_json(K.PMI, {"op": "fetch"}))
+    (again,) = _frames(child1, 1)
+    assert wire.encode(again.kind, again.payload) == answer
+    relay.close()
+
+
 def test_a_fence_that_leaves_the_cards_above_lets_each_relay_serve_its_own_subtrees_cards():
     tree = Tree(16, 2)
     kvs = KeyValueSpace(hosts=16, kvsname="job-0", push_bytes=0)
@@ -380,20 +421,19 @@ def test_a_relay_sends_one_fetch_up_and_answers_the_others_when_its_cards_pass_d
     fence = SubtreeFence(0, {0: 0, 1: 1, 2: 2})
     for host in range(3):
         fence.spec(host, {"ranks": [{"rank": host}], "pmi": {"mode": "fd", "kvsname": "k"}})
-    assert fence.fetch(1, 5) is None and fence.fetch_waits(1, 5) is False  # goes up
-    assert fence.fetch(2, 7) is None and fence.fetch_waits(2, 7) is True   # waits
+    assert fence.fetch(1) is None and fence.fetch_waits(1) is False  # goes up
+    assert fence.fetch(2) is None and fence.fetch_waits(2) is True   # waits
     # Cards passing to another host (a fetch sent up by a relay further down) are kept but
-    # answer nobody here; those for the fetch this relay sent up answer the one waiting.
-    assert fence.cards(2, {"op": "cards", "req": 1, "kv": {"a": "1"}}) == []
-    assert fence.cards(1, {"op": "cards", "req": 5, "kv": {"b": "2"}}) == [
-        (2, {"op": "cards", "req": 7, "kv": {"a": "1", "b": "2"}})]
-    # Until the next fence, every card is here: a fetch is answered at once, with the same
-    # cards each time (the relay encodes them once).
-    answer = fence.fetch(2, 8)
-    assert answer == {"op": "cards", "req": 8, "kv": {"a": "1", "b": "2"}}
-    assert (again := fence.fetch(1, 10)) is not None and again["kv"] is answer["kv"]
+    # answer nobody here; those for the fetch this relay sent up answer the one waiting,
+    # with the frame that carried them, as it came.
+    assert fence.cards_passing(2, b"frame-a") == []
+    assert fence.cards_passing(1, b"frame-b") == [2]
+    fence.cards(1, {"b": "2"})
+    assert fence.get(0, "b") == "2"
+    # Until the next fence, every card is here: a fetch is answered at once, with that frame.
+    assert fence.fetch(2) == fence.fetch(1) == b"frame-b"
     fence.out({"op": "barrier_out", "kv": {}, "held": 9, "hosts": [0, 1, 2]})
-    assert fence.fetch(2, 9) is None
+    assert fence.fetch(2) is None
 
 
 def test_a_relay_sends_every_host_its_cards_before_any_release():
