@@ -288,3 +288,28 @@ def test_the_head_counts_frames_by_kind_and_pmi_op_however_the_stream_splits_the
     assert whole.counts == bytewise.counts == {
         ("in", "PMI:barrier_out"): 1, ("in", "HEARTBEAT"): 1, ("in", "EXIT"): 1}
     assert sum(whole.bytes.values()) == sum(bytewise.bytes.values()) == len(data)
+
+
+def test_one_decode_of_a_large_pmi_frame_serves_every_simulated_host_of_a_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from launcher import wire
+    from testbed.simcluster import SHARED_DECODE_BYTES, share_decodes
+
+    monkeypatch.setattr(wire.Frame, "json", wire.Frame.json)  # undone after the test
+    share_decodes()
+
+    def frame(kind: wire.Kind, obj: dict[str, Any]) -> wire.Frame:
+        (decoded,) = wire.Decoder().feed(wire.encode_json(kind, obj))
+        return decoded
+
+    # Cards as MPICH's are: hex, which compresses to about half.
+    cards = {"op": "cards", "kv": {f"-allgather-1-{h}": os.urandom(300).hex() for h in range(512)}}
+    first, second = frame(wire.Kind.PMI, cards), frame(wire.Kind.PMI, cards)
+    assert len(first.payload) >= SHARED_DECODE_BYTES
+    assert first.json() == cards and first.json() is second.json()
+    small = {"op": "get_result", "value": "v"}
+    assert frame(wire.Kind.PMI, small).json() is not frame(wire.Kind.PMI, small).json()
+    spec = {"hosts": cards["kv"]}
+    assert frame(wire.Kind.SPEC, spec).json() is not frame(wire.Kind.SPEC, spec).json()
