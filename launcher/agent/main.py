@@ -353,9 +353,11 @@ class Agent:
             self.host.signal_descendants(sig, keep=keep)
 
     def _reaping(self) -> bool:
-        """Whether another thread may reap a child of the agent now: a rank's reaper, a relay's
-        link's (`Host.kill_strays` reads the machine's whole process table then)."""
-        return bool(self.ranks) or self.relay is not None
+        """Whether another thread may reap a child of the agent now: a rank's reaper, the
+        reaper of a relay's link that is a process (`ssh`; a paramiko channel is none).
+        `Host.kill_strays` reads the machine's whole process table then: 0.2-0.4 s at each
+        relay's end on 64 namespace hosts, twice, on the tree's exit tail (`bench.hosts_scale`)."""
+        return bool(self.ranks) or (self.relay is not None and self.relay.spawns)
 
     def _links(self) -> frozenset[int]:
         """A relay's `ssh` processes to the hosts below it: never a job's leftovers."""

@@ -135,13 +135,14 @@ def start_paramiko(entries: Sequence[HostEntry], *, python: str, opts: SSHOption
     # the thread pool and the SSH modules only when a remote host needs them
     from concurrent.futures import ThreadPoolExecutor
 
-    from launcher.transport.ssh import SSHConnection, resolve_host
+    from launcher.transport.ssh import SSHConnection, resolve_hosts
 
     command = shlex.join(agent_command(python))
     # Every host's ssh config is decided before any connection, so a refused directive is
     # one error (raised here), not one per host, and nothing connects.
-    resolved = {e.name: resolve_host(e.name, user=e.user, port=e.port, opts=opts)
-                for e in entries}
+    resolved = dict(zip([e.name for e in entries],
+                        resolve_hosts([(e.name, e.user, e.port) for e in entries], opts),
+                        strict=True))
 
     def start(index: int, entry: HostEntry) -> AgentStream | ConnectError:
         try:

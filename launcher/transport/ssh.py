@@ -8,7 +8,7 @@ with public keys only (`ssh_auth`), and runs the constant agent command in one s
 Layers, each importing only the ones before it: ``ssh_config`` (what to connect to) <-
 ``ssh_sockets`` (TCP, tunnels) <- ``ssh_auth`` (host keys, authentication) <- ``ssh``
 (connections and channels). The names callers use (`SSHOptions` from ``options``,
-`ResolvedHost`, `resolve_host`) are re-exported here.
+`ResolvedHost`, `resolve_host`, `resolve_hosts`) are re-exported here.
 
 Every failure is a `ConnectError` (exit code 255) whose ``where`` is ``user@host:port``.
 """
@@ -28,10 +28,10 @@ import paramiko
 from launcher.errors import ConnectError
 from launcher.transport import host_keys, ssh_auth, ssh_sockets
 from launcher.transport.options import SSHOptions
-from launcher.transport.ssh_config import ResolvedHost, resolve_host
+from launcher.transport.ssh_config import ResolvedHost, resolve_host, resolve_hosts
 
 __all__ = ["ResolvedHost", "SSHAgentStream", "SSHConnection", "SSHOptions", "open_all",
-           "resolve_host"]
+           "resolve_host", "resolve_hosts"]
 
 _STDERR_KEEP = 64 * 1024
 

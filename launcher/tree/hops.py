@@ -44,14 +44,15 @@ def describe(entries: Sequence[HostEntry], opts: SSHOptions) -> list[dict[str, A
     connects when a host cannot be relayed. Each hop names the client the relay connects
     with (the head's --ssh-client)."""
     from launcher.transport import host_keys
-    from launcher.transport.ssh import resolve_host
+    from launcher.transport.ssh import resolve_hosts
 
-    hops = []
     for entry in entries:
         if entry.is_local:
             raise UsageError("a local host cannot be relayed", f"host {entry.name}",
                              "it is the head's own host", "use --fanout 0 (flat)")
-        host = resolve_host(entry.name, user=entry.user, port=entry.port, opts=opts)
+    hops = []
+    for entry, host in zip(entries, resolve_hosts([(e.name, e.user, e.port) for e in entries],
+                                                  opts), strict=True):
         if host.jump is not None or host.proxy_command:
             raise UsageError("a host behind ProxyJump/ProxyCommand cannot be relayed",
                              f"host {entry.name}", "its hop runs through a third host",

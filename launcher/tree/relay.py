@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 
 _CARDS_OPEN = b'{"op":"cards"'  # how a fetch's answer begins
 _CARDS = (_CARDS_OPEN, wire.COMPRESSED)  # ... or any compressed PMI message
-LINGER_POLL_S = 1.0
 PENDING_BEAT_S = 1.0  # heartbeats for hosts still being connected (the default's fifth)
 CLOSE_FLUSH_S = 2.0  # as the agent's own last frames (`launcher.agent.serve`)
 VOUCH_S = 60.0  # how long, as the agent waits for its head's SPEC (agent.main.HELLO_SILENCE_S)
@@ -87,6 +86,8 @@ class Relay:
         self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
         self._alive = set(self._children)
         self._spoke: set[int] = set()  # children whose agent sent its first frame
+        self.spawns = False  # a child's stream ran in a process of this agent's (`ssh`)
+        self._lingering: queue.Queue[Any] | None = None  # woken when the last child is lost
         self._lock = threading.Lock()
         self._keys: Any = None
         self._pump: Any = None  # reads the children's streams, made in `start`
@@ -106,6 +107,7 @@ class Relay:
             from launcher.tree.hops import client_of
 
             if client_of(self._children) == "openssh":
+                self.spawns = True  # from its first `ssh` on, not once a stream is attached
                 import launcher.transport.openssh.session
             else:
                 from launcher.transport.connect import import_paramiko
@@ -204,13 +206,11 @@ class Relay:
                 self._send(hop, leaf[body["op"]])
 
     def linger(self, events: queue.Queue[Any], ended: Callable[[Any], bool]) -> None:
-        """After the own agent is done: carry the children's streams until they end, or the
-        parent's does (an ``ended`` event)."""
+        """After the own agent is done: carry the children's streams until they end (the
+        last one's loss wakes it: `_lost`), or the parent's does (an ``ended`` event)."""
+        self._lingering = events
         while self._alive:
-            try:
-                event = events.get(timeout=LINGER_POLL_S)
-            except queue.Empty:
-                continue
+            event = events.get()
             if ended(event):
                 return
             if isinstance(event, wire.Frame) and event.kind is wire.Kind.ROUTED:
@@ -226,12 +226,9 @@ class Relay:
         deadline = time.monotonic() + CLOSE_FLUSH_S
         for writer in writers:
             writer.flush(max(0.0, deadline - time.monotonic()))
-        for stream in streams.values():
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
-                if stream.connection is not None:
-                    stream.connection.close()
+        from launcher.transport.connect import close_streams
+
+        close_streams([s for s in streams.values() if s is not None])  # together, not in turn
         if self._keys is not None:
             self._keys.remove()
 
@@ -277,6 +274,7 @@ class Relay:
                 return
             pending, self._waiting[index] = self._waiting[index], []
             self._streams[index] = stream
+            self.spawns = self.spawns or isinstance(getattr(stream, "pid", None), int)
             self._writers[index] = self._writer(_StreamSink(stream))
             if first or pending:
                 self._writers[index].send(b"".join([*first, *pending]))
@@ -374,6 +372,8 @@ class Relay:
             self._waiting.pop(index, None)
             self._writers.pop(index, None)
             stream = self._streams.pop(index, None)
+            if not self._alive and self._lingering is not None:
+                self._lingering.put(None)  # `linger` waits for nothing else
         if stream is not None:
             stream.abort()
         name = str(self._children[index]["name"])

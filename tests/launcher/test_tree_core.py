@@ -510,3 +510,42 @@ def test_a_relay_reads_every_pollable_child_on_one_thread_in_order_and_reports_e
     assert sorted(g["host"] for g in gone) == list(ends)
     assert all(g["why"] == "its agent's stream closed" for g in gone)
     relay.close()
+
+
+def _relay_of(ends: dict[int, SocketChild]) -> Relay:
+    body = {"index": 0, "python": "/usr/bin/python3", "children": [
+        {"index": i, "name": child.host, "hop": {}, "children": []}
+        for i, child in ends.items()]}
+    relay = Relay(body, Upward(), [].append, connect=lambda node: ends[node["index"]],
+                  writer=FrameWriter)
+    relay.start()
+    _wait(lambda: len(relay._writers) == len(ends), timeout=30)
+    return relay
+
+
+def test_a_lingering_relay_leaves_when_its_last_child_is_lost_though_nothing_else_arrives():
+    ends = {i: SocketChild(f"node{i + 1}") for i in (1, 2)}
+    relay = _relay_of(ends)
+    events: queue.Queue = queue.Queue()  # the agent's events: nothing more comes from above
+    lingering = threading.Thread(target=relay.linger, args=(events, lambda event: False))
+    lingering.start()
+    for child in ends.values():
+        child.far.close()
+    lingering.join(timeout=30)  # it waits for no poll: a missed wake-up would never end
+    assert not lingering.is_alive()
+    relay.close()
+
+
+class ProcessChild(SocketChild):
+    """A child whose stream runs in a process of the relay's agent (an `ssh`)."""
+
+    pid = 4321
+
+
+def test_a_relay_spawns_only_when_its_childrens_streams_are_processes_of_its_own():
+    channels = _relay_of({1: SocketChild("node2")})  # paramiko: channels, no process
+    processes = _relay_of({1: ProcessChild("node2")})
+    assert not channels.spawns and channels.transport_pids() == frozenset()
+    assert processes.spawns and processes.transport_pids() == {4321}
+    for relay in (channels, processes):
+        relay.close()
