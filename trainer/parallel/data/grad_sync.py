@@ -9,13 +9,14 @@ The buffer is never zeroed. `zero_grad` leaves every ``param.grad`` None; a post
 hook on each parameter writes the first gradient autograd produces into the buffer, multiplied by
 1/dp on the synchronised backward (Megatron's gradient_scaling_factor, so the all-reduce's SUM is
 the mean): one pass over the gradient's bytes where zeroing the buffer, accumulating into it and
-scaling each bucket took three (`bench.ddp`). From then on a fp32 parameter's ``.grad`` *is* its
-view, so later microbatches accumulate straight into the buffer (torch DDP's
-``gradient_as_bucket_view``). The hook then marks the parameter ready; when every parameter of
-a bucket is ready its all-reduce is started asynchronously, so it runs while backward computes
-the next buckets. Buckets are launched strictly in index order (bucket k only after buckets
-< k), so every rank issues the same collectives in the same order whatever order its hooks fire
-in. ``finish_grad_sync()`` waits for them all before the optimizer step.
+scaling each bucket took three (a ``zero_`` and a ``mul_`` of the `small` preset's 12.8 MB buffer
+took 0.6-0.7 ms each on the 2-core development VM, against a 2.2 ms all-reduce). From then on a
+fp32 parameter's ``.grad`` *is* its view, so later microbatches accumulate straight into the buffer
+(torch DDP's ``gradient_as_bucket_view``). The hook then marks the parameter ready; when every
+parameter of a bucket is ready its all-reduce is started asynchronously, so it runs while backward
+computes the next buckets. Buckets are launched strictly in index order (bucket k only after
+buckets < k), so every rank issues the same collectives in the same order whatever order its hooks
+fire in. ``finish_grad_sync()`` waits for them all before the optimizer step.
 
 How "asynchronously" is done depends on the backend. NCCL runs the all-reduce on the GPU by
 itself, so the communicator's ``async_op=True`` is used as is. MPI progresses a nonblocking
@@ -233,12 +234,11 @@ class DataParallel:
 
     def _take(self, p: nn.Parameter, *, scale: bool) -> None:
         """Move autograd's gradient of ``p`` into its view of the buffer: written there if it
-        is the first since `zero_grad` (one pass, where zeroing the buffer and accumulating
-        into it took three), else added (or, for a parameter of the buffer's dtype, already
-        accumulated there by autograd). ``scale``: the synchronised backward's last gradient,
-        multiplied by 1/dp so that the reduction's SUM is the mean (Megatron's
-        gradient_scaling_factor); (0 + g) / dp elementwise, as when the whole buffer was
-        zeroed and each bucket scaled at its launch."""
+        is the first since `zero_grad`, else added (or, for a parameter of the buffer's dtype,
+        already accumulated there by autograd); on the synchronised backward (``scale``) then
+        multiplied by 1/dp. Each element gets the value that zeroing, accumulating and scaling
+        gave, (0 + g1 + ... + gk) / dp, but for a zero's sign (-0 stays -0, where 0 + -0 was
+        +0)."""
         main, grad = p.main_grad, cast(torch.Tensor, p.grad)  # type: ignore[attr-defined]
         if id(p) in self._fresh:
             self._fresh.discard(id(p))
