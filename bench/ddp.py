@@ -16,10 +16,14 @@ the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket si
                  assumed);
 * ``ours-sync``  the same with overlap off (every bucket reduced after backward);
 * ``torch-ddp``  ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group
-                 (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours);
+                 (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours;
+                 gradients set to None between steps, torch's default, so that DDP's reducer
+                 copies each into its bucket with the 1/dp fused, as ours does, rather than
+                 zeroing the buckets and dividing them after);
 * ``no-comm``    the same step with no data parallelism at all (each rank its own model, no
-                 gradient exchange): the floor no DP can go below, so ``no-comm``'s ``vs DDP``
-                 is the best ratio any DP could reach on this model and host.
+                 gradient exchange, autograd's gradients kept as they come, never zeroed or
+                 copied): the floor no DP can go below, so ``no-comm``'s ``vs DDP`` is the best
+                 ratio any DP could reach on this model and host.
 
 Per step the slowest rank's wall time counts (a step ends when the last rank ends); the table
 shows medians over the timed steps, whose order rotates between the sides every round. ``cpu``
@@ -136,7 +140,7 @@ class DdpSide:
         self.loss = lambda x, y: F.cross_entropy(self.ddp(x).flatten(0, 1), y.flatten())
 
     def step(self, i: int) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=True)
         _micro_loop(self.loss, self.batches, i, self.ddp.no_sync)
         self.optimizer.step()
         return {}
@@ -149,7 +153,7 @@ class NoCommSide:
         self.model, self.optimizer, self.batches = _build(args, world.rank, world.size)
 
     def step(self, i: int) -> dict[str, float]:
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad(set_to_none=True)
         _micro_loop(self.model.loss, self.batches, i, contextlib.nullcontext)
         self.optimizer.step()
         return {}

@@ -118,6 +118,17 @@ def test_parameter_without_gradient_is_named_instead_of_hanging(ranks: list[dict
         assert "allow_unused=True" in rank["unused"]
 
 
+def test_allowed_unused_parameters_reduce_what_earlier_microbatches_left_or_zero(
+        ranks: list[dict]) -> None:
+    mean = (len(ranks) + 1) / 2  # of rank + 1 over the ranks
+    for rank in ranks:
+        late, idle = rank["allow_unused"]["late"], rank["allow_unused"]["idle"]
+        assert torch.equal(late["weight"], torch.full((4, 4), mean))
+        assert torch.equal(late["bias"], torch.ones(4))
+        assert torch.equal(idle["weight"], torch.zeros(4, 4))
+        assert torch.equal(idle["bias"], torch.zeros(4))
+
+
 def test_second_backward_outside_no_sync_is_refused(ranks: list[dict]) -> None:
     for rank in ranks:
         assert "gradient arrived twice" in rank["second_backward"]

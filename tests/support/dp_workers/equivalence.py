@@ -5,8 +5,9 @@
 For every case of `tests.support.dp_workers.cases` it trains with the trainer's own step function
 (``trainer.training.run.build_run`` + ``train_step``, the code users run) and records the losses,
 the bucket launch order of every step and the final parameters. Then it probes the gradient-sync
-rules: no reduction inside ``no_sync()``, a parameter without gradient, a second backward outside
-``no_sync()``, and (dp > 1) ranks holding different models. Any unexpected exception aborts
+rules: no reduction inside ``no_sync()``, a parameter without gradient (refused, or with
+``allow_unused`` reduced as it stands), a second backward outside ``no_sync()``, and (dp > 1)
+ranks holding different models. Any unexpected exception aborts
 every rank, so the test sees a failure instead of a hang.
 """
 
@@ -90,6 +91,27 @@ def probe_unused(dp_comm: Communicator) -> str:
     return "no error"
 
 
+def probe_allow_unused(world: World, dp_comm: Communicator) -> dict[str, Any]:
+    """``allow_unused``: a layer used only in the first microbatch (inside no_sync), then, the
+    next step, in none. Its input is rank + 1, so its weight's gradient is rank + 1 in every
+    element and the mean over ranks (n + 1) / 2, exact in binary for n in {1, 2, 4}."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=1)
+    model.spare = nn.Linear(4, 4)  # outside the model's forward: used only where told
+    dp = DataParallel(model, dp_comm, bucket_size=500, allow_unused=True)
+    x = torch.randint(0, 256, (2, 8))
+    z = torch.full((1, 4), float(world.rank + 1))
+    with dp.no_sync():
+        (model.loss(x, x) + model.spare(z).sum()).backward()
+    model.loss(x, x).backward()
+    dp.finish_grad_sync()
+    late = {n: p.grad.clone() for n, p in model.spare.named_parameters()}
+    dp.zero_grad()  # the buffer still holds the reduced gradients of the step before
+    model.loss(x, x).backward()
+    dp.finish_grad_sync()
+    idle = {n: p.grad.clone() for n, p in model.spare.named_parameters()}
+    return {"late": late, "idle": idle}
+
+
 def probe_second_backward(dp_comm: Communicator) -> str:
     model = GPT(GPTConfig(n_layer=1, n_head=2, d_model=16, seq_len=8), seed=1)
     dp = DataParallel(model, dp_comm, bucket_size=10**9)
@@ -124,6 +146,7 @@ def run(out: Path) -> dict[str, Any]:
     result["no_sync"] = probe_no_sync(world, mesh, out)
     result["async_paths"] = probe_async_paths(world, dp_comm)
     result["unused"] = probe_unused(dp_comm)
+    result["allow_unused"] = probe_allow_unused(world, dp_comm)
     result["second_backward"] = probe_second_backward(dp_comm)
     if world.size > 1:
         result["mismatch"] = probe_mismatch(world, dp_comm)
