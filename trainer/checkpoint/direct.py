@@ -14,8 +14,9 @@ multiples of the device's block size (`ALIGN`, a page: enough for every block si
 disks use). `DirectFile` takes any sequence of byte pieces and keeps the file offset aligned:
 a piece that starts at an aligned address while the offset is aligned is written from where it
 lies (no copy: the staged host copies of `trainer.checkpoint.pieces.stage` are one page-aligned
-block laid out as the file, so all of their bytes but the edges go this way); the rest passes
-through one page-aligned bounce buffer. The file's end, when it is not a whole block, goes
+block laid out as the file, so all of their bytes but the edges go this way), in the same
+system call as the whole blocks the bounce buffer holds before it (a file's header); the rest
+passes through that page-aligned buffer. The file's end, when it is not a whole block, goes
 through the page cache (`DirectFile.finish`). Where the filesystem refuses ``O_DIRECT``
 (tmpfs, some network filesystems: ``EINVAL``) the file is written buffered, as before; the
 bytes in the file are the same either way.
