@@ -35,13 +35,14 @@ staging block laid out as the file, or buffered where the filesystem refuses dir
 bytes and checksums are the same either way. A save's MB/s (`rate`) is over the seconds some
 rank was writing, not from the first rank's start.
 
-Crash safety (`commit`): files are written into ``step-<N>.tmp-<random>/`` and fsynced with
-the commit record (still ``.COMMITTED.tmp``) and the folder, the folder is renamed to
-``step-<N>/``, the record renamed to ``COMMITTED``, then both folders fsynced before anything
-is pruned. `latest` only returns folders with the marker, so a kill at any point leaves the
-previous checkpoint as the resume point. `prune` deletes a folder's marker before its files,
-and deletes leftovers of dead saves (temporaries, folders without a marker). Every point is
-exercised by the kill hook of `trainer.checkpoint.fault`.
+Crash safety (`commit`): files are written into ``step-<N>.tmp-<random>/`` and fsynced (those
+of the leader's host by the leader, all at once) with the commit record (still
+``.COMMITTED.tmp``) and the folder, the folder is renamed to ``step-<N>/``, the record renamed
+to ``COMMITTED``, then both folders fsynced before anything is pruned. `latest` only returns
+folders with the marker, so a kill at any point leaves the previous checkpoint as the resume
+point. `prune` deletes a folder's marker before its files, and deletes leftovers of dead
+saves (temporaries, folders without a marker). Every point is exercised by the kill hook of
+`trainer.checkpoint.fault`.
 
 The run dir (`run_dir`): checked before a run is built; a new run never mixes with the
 checkpoints of another (refused, or with ``--overwrite`` moved aside first).

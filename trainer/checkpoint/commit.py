@@ -1,19 +1,26 @@
 """The leader's commit of a checkpoint: index, meta and the commit record into the temporary
-folder, the folder renamed into place, then the record, with two waits for the disk.
+folder, every file made durable, the folder renamed into place, then the record, with two
+waits for the disk.
 
-Every tensor file is written and fsynced by its writer before the commit begins (the ranks
-agreed on it, `trainer.checkpoint.save`); what the commit adds, and in which order it becomes
-durable, is what keeps a crash at any point from leaving a checkpoint that is named as
-committed but lacks a file (`commit_folder`). Each fsync is a journal commit (1-5 ms on the
-development VM); the files and folders that may become durable in any order among themselves
-are fsynced at once (`trainer.checkpoint.files.fsync_all`): two rounds instead of six, one
-file or folder at a time (profiled at dp 2 x tp 2 x pp 2 on 2 cores: 8-14 ms of a 39 MB save
-before, about 4 after).
+Every tensor file is written by its writer before the commit begins (the ranks agreed on it,
+`trainer.checkpoint.save`); those of the leader's host are not fsynced yet, the commit fsyncs
+them with its own (`trainer.checkpoint.save.Save.leader_syncs`). What the commit adds, and in
+which order it becomes durable, is what keeps a crash at any point from leaving a checkpoint
+that is named as committed but lacks a file (`commit_folder`). Each fsync is a journal commit
+(1-5 ms on the development VM when idle, 1-50 ms with other programs writing); the files and
+folders that may become durable in any order among themselves are fsynced at once
+(`trainer.checkpoint.files.fsync_all`), and the journal commits concurrent fsyncs together:
+two rounds instead of six, one file or folder at a time (profiled at dp 2 x tp 2 x pp 2 on
+2 cores: 8-14 ms of a 39 MB save before, about 4 after), and instead of three where each rank
+fsynced its own file at the end of its write (the ranks finish apart, so their fsyncs were
+rounds of their own before the commit could begin, 2026-11-29).
 """
 
 from __future__ import annotations
 
 import json
+import random
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -36,19 +43,30 @@ Records = dict[str, FileRecord]
 RandomState = tuple[dict[str, torch.Tensor], list[Any]]
 
 
+def rng_state() -> RandomState:
+    """This process's random states: torch's (CPU, and CUDA's) as tensors, Python's as JSON."""
+    tensors = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
+    version, internal, gauss = random.getstate()
+    return tensors, [version, list(internal), gauss]
+
+
 def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
-                  random_state: RandomState, index: dict[str, Any], written: Records) -> None:
+                  random_state: RandomState, index: dict[str, Any], written: Records,
+                  unsynced: Collection[str] = ()) -> None:
     """Index, meta and the commit record into ``tmp``, rename it to ``final``, then the
     commit record to its name: two waits for the disk (`fsync_all`), not one per file.
+    ``unsynced``: the files of ``written`` their writers left for this commit to fsync.
 
     What a crash (of the machine: what is durable) leaves at each point; a resume reads only
     ``step-<N>`` folders holding ``COMMITTED``, and prunes older checkpoints only after the
     second wait, so the previous checkpoint is whole until this one is:
 
     1. index, meta, the RNG file and the record (still ``.COMMITTED.tmp``) written, then
-       fsynced with the temporary folder (the tensor files' names; each writer fsynced its
-       file's bytes, the leader's RNG file is fsynced here, with the others):
-       before this returns, a temporary folder, never read, pruned by a later save;
+       fsynced with the tensor files left unsynced and the temporary folder (every file's
+       name; the other writers fsynced their own files): before this returns, a temporary
+       folder, never read, pruned by a later save;
     2. the folder renamed to ``step-<N>``: a folder without ``COMMITTED`` (or, where the
        rename is not durable yet, the temporary one): never read, pruned later;
     3. the record renamed to ``COMMITTED``, then both folders fsynced: either no ``step-<N>``
@@ -69,7 +87,8 @@ def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str,
               "files": {name: rec.to_json() for name, rec in sorted(files.items())}}
     aside = f".{MARKER}.tmp"
     write_bytes(tmp / aside, json.dumps(record, indent=1).encode(), sync=False)
-    fsync_all([tmp / INDEX, tmp / META, tmp / RNG, tmp / aside, tmp])
+    fsync_all([*(tmp / name for name in sorted(unsynced)), tmp / INDEX, tmp / META, tmp / RNG,
+               tmp / aside, tmp])
     fault("save_after_meta", step)
     if foreign(final):
         raise CheckpointError("refusing to replace a folder that is not a checkpoint",

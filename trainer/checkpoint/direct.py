@@ -14,8 +14,9 @@ multiples of the device's block size (`ALIGN`, a page: enough for every block si
 disks use). `DirectFile` takes any sequence of byte pieces and keeps the file offset aligned:
 a piece that starts at an aligned address while the offset is aligned is written from where it
 lies (no copy: the staged host copies of `trainer.checkpoint.pieces.stage` are one page-aligned
-block laid out as the file, so all of their bytes but the edges go this way); the rest passes
-through one page-aligned bounce buffer. The file's end, when it is not a whole block, goes
+block laid out as the file, so all of their bytes but the edges go this way), in the same
+system call as the whole blocks the bounce buffer holds before it (a file's header); the rest
+passes through that page-aligned buffer. The file's end, when it is not a whole block, goes
 through the page cache (`DirectFile.finish`). Where the filesystem refuses ``O_DIRECT``
 (tmpfs, some network filesystems: ``EINVAL``) the file is written buffered, as before; the
 bytes in the file are the same either way.
@@ -63,14 +64,15 @@ class DirectFile:
         self.size += len(piece)
         while len(piece):
             if not self.direct:
-                self._flush()  # what the bounce buffer holds goes first
-                self._write_all(piece)
+                self._write_all(self._held(), piece)  # what the bounce buffer holds first
+                self._fill = 0
                 return
-            if self._fill == 0 and self._aligned(piece):
+            if self._fill % ALIGN == 0 and self._aligned(piece):
                 whole = len(piece) - len(piece) % ALIGN
-                if whole:  # straight from the caller's memory
-                    self._write_all(piece[:whole])
-                    piece = piece[whole:]
+                if whole:  # straight from the caller's memory, after what the bounce buffer
+                    # holds (whole blocks: a file's header) in the same system call
+                    self._write_all(self._held(), piece[:whole])
+                    self._fill, piece = 0, piece[whole:]
                     continue
             piece = self._to_bounce(piece)
 
@@ -104,9 +106,9 @@ class DirectFile:
         return _address(piece) % ALIGN == 0
 
     def _to_bounce(self, piece: memoryview) -> memoryview:
-        """Copy the head of ``piece`` into the bounce buffer, flushing it when full, or when
-        it ends on a block and the rest of ``piece`` is aligned (so the rest goes straight);
-        what is left of ``piece``."""
+        """Copy the head of ``piece`` into the bounce buffer, flushing it when full, up to a
+        block's end when the rest of ``piece`` is aligned (so the rest goes straight, with
+        the buffer, `write`); what is left of ``piece``."""
         bounce = self._buffer()
         take = min(len(piece), BOUNCE - self._fill)
         to_block = -self._fill % ALIGN
@@ -115,30 +117,41 @@ class DirectFile:
             take = to_block  # (0: the buffer ends on a block, the piece goes straight)
         bounce[self._fill:self._fill + take] = piece[:take]
         self._fill += take
-        rest = piece[take:]
-        if self._fill == BOUNCE or (self._fill % ALIGN == 0 and len(rest)
-                                    and self._aligned(rest)):
+        if self._fill == BOUNCE:
             self._flush()
-        return rest
+        return piece[take:]
 
     def _flush(self) -> None:
-        if self._fill and self._bounce is not None:
-            self._write_all(memoryview(self._bounce)[:self._fill])
+        self._write_all(self._held())
         self._fill = 0
+
+    def _held(self) -> memoryview:
+        """What waits in the bounce buffer."""
+        return memoryview(self._bounce or b"")[:self._fill]
 
     def _buffer(self) -> mmap.mmap:
         if self._bounce is None:
             self._bounce = mmap.mmap(-1, BOUNCE)  # anonymous: page-aligned
         return self._bounce
 
-    def _write_all(self, data: memoryview) -> None:
-        while len(data):
+    def _write_all(self, *parts: memoryview) -> None:
+        """Write ``parts`` in order, in one system call where the kernel takes them whole:
+        a direct write returns once the disk has the bytes, so each call is a wait for the
+        disk (a file's header written on its own cost one: 0.25 ms before its body's 12 ms
+        at 6 MB, on the development VM, 2026-11-29)."""
+        left = [part for part in parts if len(part)]
+        while left:
             try:
-                data = data[os.write(self.fd, data):]
+                wrote = os.writev(self.fd, left)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
                 self._buffered()  # the filesystem took the open but refuses the write
+                continue
+            while left and wrote >= len(left[0]):
+                wrote -= len(left.pop(0))
+            if wrote:
+                left[0] = left[0][wrote:]
 
     def _buffered(self) -> None:
         """Go on without direct I/O (when the bounce buffer was being written, the caller's

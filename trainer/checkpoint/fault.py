@@ -8,7 +8,8 @@ from there while the training thread runs a later step):
     save_after_stage     the state is staged (copied off the training's tensors) and the
                          temporary folder exists; nothing is written (every rank)
     save_after_write     this writer's tensor file is written, not yet fsynced
-    save_after_tensors   this writer's tensor file is in the temporary folder, fsynced
+    save_after_tensors   this writer's tensor file is in the temporary folder, fsynced (or
+                         left for the leader's commit to fsync) and its record beside it
     save_after_rng       the leader wrote index.json and rng.safetensors
     save_after_meta      meta.json written and the folder fsynced, before the rename
     save_after_rename    renamed to step-<N>/, before the marker

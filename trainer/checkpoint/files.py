@@ -238,8 +238,10 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-_SYNCERS = 5
-"""Threads of `fsync_all` (the most a commit fsyncs at once)."""
+_SYNCERS = 16
+"""Threads of `fsync_all`, started as a commit needs them: the most paths fsynced at once (a
+commit's first round: every tensor file of the leader's host, the leader's four files and the
+folder)."""
 _syncers: ThreadPoolExecutor | None = None
 
 

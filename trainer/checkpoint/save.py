@@ -11,7 +11,8 @@ Every rank of the group (``world``) runs the phases together, in this order:
     write    local I/O, any thread: the folder (when it does not exist yet: a save named by
              a token agreed earlier, `trainer.training.checkpointing`), this rank's tensor
              file (``rank-RRRRR.safetensors``, the slices it is the writer of; none when it
-             writes nothing), fsynced and hashed; the leader's also ``rng.safetensors``
+             writes nothing), hashed, fsynced (or left to the leader's commit,
+             `Save.leader_syncs`); the leader's also ``rng.safetensors``
     settle   collective (one all-reduce): the ranks agree that every write succeeded, with
              the caller's own values folded in (`Save.checks`); after a late vote that said
              every write succeeded, nothing. Each rank left its file's record and what it
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import threading
 import time
@@ -47,7 +47,7 @@ from typing import Any, cast
 import torch
 
 from trainer.checkpoint import checksum
-from trainer.checkpoint.commit import RandomState, Records, commit_folder
+from trainer.checkpoint.commit import RandomState, Records, commit_folder, rng_state
 from trainer.checkpoint.failure import agree, discard, save_errors
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, Images, write_tensors
@@ -63,15 +63,6 @@ from trainer.comm.protocol import Communicator, ReduceOp
 
 _COMMITTED, _FAILED = -1, -2  # what the leader broadcasts instead of a folder token
 _MB = 1e6  # the unit of the reported sizes and rates (dd's)
-
-
-def rng_state() -> RandomState:
-    """This process's random states: torch's (CPU, and CUDA's) as tensors, Python's as JSON."""
-    tensors = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors |= {f"cuda{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())}
-    version, internal, gauss = random.getstate()
-    return tensors, [version, list(internal), gauss]
 
 
 def save(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: Any,
@@ -226,6 +217,11 @@ class Save:
     after it)."""
     busy_s: float = 0.0
     """Seconds the save was writing (`busy`): what its MB/s is measured over."""
+    leader_syncs: bool = False
+    """This rank's tensor file is fsynced by the leader's commit, with its own files at once
+    (`trainer.checkpoint.commit`), not at the end of its write: only where the leader's
+    kernel holds what this rank wrote (its host; the file's last page waits in the page
+    cache); elsewhere (a shared filesystem) the leader's fsync would not reach it."""
     prune_later: bool = False
     """Pruning is left to the caller (`prune`, after the commit: `trainer.checkpoint.writer`
     runs it in its thread once the save is finished) instead of ending the commit."""
@@ -247,6 +243,11 @@ class Save:
     @property
     def leader(self) -> bool:
         return self.group.rank == 0
+
+    @property
+    def syncs(self) -> bool:
+        """This rank fsyncs its own tensor file (`leader_syncs`)."""
+        return not (self.leader or self.leader_syncs)
 
     def attempt(self, phase: Callable[[], Any]) -> CheckpointError | None:
         """Run a local phase (`write`, `commit`; any thread); its error as users see it."""
@@ -281,8 +282,8 @@ class Save:
             self.staged.set()
 
     def write(self) -> None:
-        """This rank's tensor file, hashed as written, fsynced; then the staged copy is let
-        go."""
+        """This rank's tensor file, hashed as written, fsynced here unless the leader's
+        commit fsyncs it (`leader_syncs`); then the staged copy is let go."""
         self.staged.wait()
         if self.copy_error is not None:
             raise self.copy_error
@@ -293,11 +294,11 @@ class Save:
             name = rank_file(self.group.rank)
             self.written[name] = write_tensors(self.tmp / name, self.tensors,
                                                lambda: fault("save_after_write", self.step),
-                                               self.images)
+                                               self.images, sync=self.syncs)
         self.tensors = {}
         if self.leader:  # known since `start`: written now, alongside the other ranks' files,
             # rather than in the commit, which every rank waits for; fsynced by the commit
-            # with its own files (`commit_folder`), one wait for the disk fewer
+            # with every other file (`commit_folder`)
             self.rng_record = write_tensors(self.tmp / RNG, self.rng[0], sync=False)
         self.write_s = time.perf_counter() - began
         # Read by the leader once every rank agreed that it wrote (no fsync: the commit
@@ -309,6 +310,7 @@ class Save:
     def _record(self) -> dict[str, Any]:
         """What the leader needs of this rank's write: its files' records and contents."""
         return {"files": {n: r.to_json() for n, r in self.written.items()},
+                "synced": self.syncs,
                 "contents": self.contents if self.written else None, "write_s": self.write_s,
                 "started_at": self.started_at, "write_at": self.write_at}
 
@@ -338,8 +340,9 @@ class Save:
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
             if self.rng_record is not None:
                 records[RNG] = self.rng_record
+            unsynced = [n for g in self.gathered if not g["synced"] for n in g["files"]]
             commit_folder(self.root, self.tmp, self.final, self.step, self.meta, self.rng,
-                          index, records)
+                          index, records, unsynced)
         first = min((g.get("started_at", self.started_at) for g in self.gathered),
                     default=self.started_at)
         self.commit_s = max(time.perf_counter() - self.started, time.time() - first)

@@ -220,6 +220,11 @@ class Checkpoints:
         self.owners: list[bool] = []  # which slices this rank writes (`_allocate`)
         self._run_part = run_meta(run.cfg) if run.mesh.group().rank == 0 else None
         self.root = folder(Path(run.cfg.run_dir))  # resolved once (`begin`'s ``root``)
+        # On rank 0's host (the leader's kernel holds what this rank writes), the leader's
+        # commit fsyncs this rank's file (`Save.leader_syncs`): ranks are numbered host by
+        # host (`workerenv`; plain mpiexec: among a host's ranks in rank order), so a rank is
+        # its own local rank only there.
+        self._beside_leader = world.rank == world.local_rank
         self._allocate()
         # The writer copies the state while the next step computes; AdamW's step is the one
         # thing that changes it, so it first waits for that copy.
@@ -277,6 +282,7 @@ class Checkpoints:
             self._unread = job
         if job is not None:
             job.images, job.prune_later = self.images, not wait
+            job.leader_syncs = self._beside_leader
             if not job.staged.is_set():
                 self._copier.submit(job.copy)
             self.writer.submit(job)
