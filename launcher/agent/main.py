@@ -146,7 +146,8 @@ class Agent:
             from launcher.tree.relay import Relay
 
             self.relay = Relay(frame.json(), self.link, self._pmi_down, self.relay_connect,
-                               writer=FrameWriter)
+                               writer=FrameWriter,
+                               keys_folder=lambda: self.host.records_folder("relay"))
             self.relay.start()
         elif kind is wire.Kind.SPEC:
             self._on_spec(frame.json())

@@ -94,10 +94,12 @@ def forwarded_options(opts: SSHOptions) -> dict[str, Any]:
 
 
 class RelayKeys:
-    """The relay's side: a private folder with one known_hosts file for its hops."""
+    """The relay's side: a private folder with one known_hosts file for its hops: ``folder``
+    (new, 0700: the agent's, named so that the next agent on the host removes it if this one
+    is SIGKILLed, `launcher.agent.leftovers`), else a new one in the temp dir."""
 
-    def __init__(self) -> None:
-        self.folder = Path(tempfile.mkdtemp(prefix="dtrain-relay-"))  # 0700
+    def __init__(self, folder: str | None = None) -> None:
+        self.folder = Path(folder or tempfile.mkdtemp(prefix="dtrain-relay-"))  # 0700
         self.file = self.folder / "known_hosts"
         os.close(os.open(self.file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
 

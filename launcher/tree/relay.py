@@ -60,16 +60,16 @@ class Relay:
     def __init__(self, body: dict[str, Any], up: Upward,
                  own_pmi: Callable[[dict[str, Any]], None],
                  connect: Callable[[dict[str, Any]], AgentStream] | None = None, *,
-                 writer: Callable[[Any], Writer]) -> None:
+                 writer: Callable[[Any], Writer], keys_folder: Callable[[], str] | None = None,
+                 ) -> None:
         """``up``: the agent's link to its parent; ``own_pmi``: a PMI message for this host's
-        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream from its SUBTREE
-        node (index, name, hop), or a ConnectError (default: its agent over SSH, as the hop
-        says; tests and the simulator give their own); ``writer``: makes a child's writer
-        thread from its sink (`launcher.agent.writer.FrameWriter`, which the agent passes:
-        the tree does not import the agent)."""
-        self._writer = writer
-        self.own = int(body["index"])
-        self._connect = connect
+        own ranks (`PmiSockets.from_head`); ``connect``: a child's stream from its SUBTREE node
+        (index, name, hop), or a ConnectError (default: its agent over SSH as the hop says, its
+        known_hosts lines in a folder from ``keys_folder``, the agent's, which the next agent
+        removes if this one is SIGKILLed; else the temp dir's); ``writer``: makes a child's
+        writer thread from its sink (`launcher.agent.writer.FrameWriter`: no agent import)."""
+        self._writer, self.own = writer, int(body["index"])
+        self._connect, self._keys_folder = connect, keys_folder
         self.up, self._own_pmi = up, own_pmi
         self._python = str(body["python"])
         self._ssh = dict(body.get("ssh") or {})
@@ -240,7 +240,7 @@ class Relay:
         try:
             from launcher.tree.hops import RelayKeys
 
-            self._keys = RelayKeys()
+            self._keys = RelayKeys(self._keys_folder and self._keys_folder())
             connect = self._keys.connector(self._children, self._python, self._ssh)
         except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
             for index in self._children:

@@ -136,3 +136,31 @@ def test_the_next_agent_removes_what_a_sigkilled_agent_left_and_nothing_else(tmp
     assert not folder.exists() and shm_of(job) == []
     assert others.is_dir() and link.is_symlink() and alive.is_dir() and elsewhere.is_dir()
     assert (outside / "keep").read_text() == "mine"
+
+
+def test_a_sigkilled_relays_known_hosts_folder_is_named_as_its_agents_and_swept_after_it(
+        tmp_path):
+    """A relay keeps its hops' known_hosts in a folder the agent makes as its records folder
+    (`launcher.agent.main` hands `Host.records_folder` to the relay): named with the agent's
+    mark, so the next agent on the host removes it when the relay's agent was SIGKILLed."""
+    import tempfile
+
+    from launcher.agent.host import Host
+    from launcher.agent.leftovers import sweep
+    from launcher.tree.hops import RelayKeys
+
+    ours = own_mark()
+    assert ours is not None
+    made = Path(Host().records_folder("relay"))
+    try:
+        assert parse(made.name) == ("relay", ours)
+    finally:
+        made.rmdir()
+    gone = AgentMark(dead_pid(), 1, ours.pidns)
+    keys = RelayKeys(tempfile.mkdtemp(prefix=folder_prefix("relay", gone), dir=tmp_path))
+    keys.resolved("node5", {"hostname": "10.0.0.5", "port": 22, "user": "alice",
+                            "identity_files": [], "identities_only": False,
+                            "connect_timeout": 5.0, "known_hosts": ["10.0.0.5 ssh-ed25519 AAAA"]})
+    assert keys.file.read_text() == "10.0.0.5 ssh-ed25519 AAAA\n"
+    assert sweep(str(tmp_path), ours) == [keys.folder.name]
+    assert not keys.folder.exists()
