@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 from launcher.transport.local import LocalAgentStream
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
@@ -36,6 +37,13 @@ def test_an_ssh_agent_stream_knows_its_connection_and_kill_ends_the_command(sshd
         stream = conn.exec_stream("echo starting >&2; exec cat")
         assert not stream.is_local and stream.connection is conn
         assert conn.peer_address() == sshd.host and conn.latency_ms > 0
+        # sshd reads the command's stdout and stderr from two pipes and may forward cat's
+        # echo before the earlier stderr line; a killed channel drops what arrives after it,
+        # so the stderr line is awaited first.
+        deadline = time.monotonic() + 30
+        while "starting" not in stream.stderr_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "starting" in stream.stderr_text()
         stream.write(b"ping\n")
         assert stream.read() == b"ping\n"
         stream.kill()
