@@ -64,6 +64,15 @@ from testbed.simrank import PEER_GETS, Conversation, exchange_hosts
 #: writer, PMI selector; a relay one more per child) x 1,000 hosts would reserve 8 GiB of
 #: address space at the default.
 STACK_BYTES = 512 * 1024
+#: The interpreter's switch interval here (Python's default: 5 ms). A real agent is a process
+#: of a few threads on its own host; here 64 hosts' few hundred threads share one interpreter
+#: lock, and whenever many have work at once (a fence's answer, MPICH's cards arriving at every
+#: host) each waiter woke every 5 ms to ask the holder to let go: at 1,024 hosts in MPICH's
+#: exchange 8.7 million context switches and 89 s of the simulator's CPU (58 s in the kernel)
+#: for the cards' 1.3 GB, against 0.43 million and 23 s at 0.2 s, and the hosts wired in 15 s
+#: instead of 51 (`bench.sim_scale`, 2026-11-29). Forcing turns between simulated hosts only
+#: costs: each would run on cores of its own.
+SWITCH_INTERVAL_S = 0.2
 
 
 @dataclass
@@ -406,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     raise_fd_limit()
     yield_to_head()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     threading.stack_size(STACK_BYTES)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the head decides, as for a real agent
     driver = FakeRanks(args.gets, os.environ.get("DTRAIN_SIM_EXCHANGE"))
