@@ -214,7 +214,8 @@ class Decoder:
                 k = Kind(kind)
             except ValueError:
                 raise WireError(f"unknown frame kind {kind}") from None
-            frames.append(Frame(k, bytes(self._buf[5:4 + length])))
+            with memoryview(self._buf) as view:  # one copy of the payload, not two
+                frames.append(Frame(k, bytes(view[5:4 + length])))
             del self._buf[:4 + length]
         return frames
 
