@@ -162,8 +162,9 @@ class Relay:
 
     def _cards_down(self, target: int, inner: bytes) -> None:
         """Every card passing down (a fetch's answer): the fetches that waited for it answered
-        with its frame as it came (its bytes, not decoded and encoded again: 1,024 hosts of
-        MPICH's cards took ~0.5 s a relay so), then its cards kept for the gets that follow."""
+        with the frame's own bytes (`wire.split`: not a copy made by decoding and encoding it
+        again, 1.3 MB at 1,024 hosts), then its cards decoded and kept for the gets that
+        follow."""
         for frame in wire.split(inner):
             payload = frame[5:]
             if frame[4] != wire.Kind.PMI or not wire.opens(payload, _CARDS_OPEN):
