@@ -7,7 +7,8 @@ first N hosts, one rank per host, in the same run (tool order rotated every repe
 
 * ``dtrain``       `dtrain launch` flat (the head holds one SSH connection per host);
 * ``dtrain-tree``  the same with ``--fanout K`` (relays start their subtree's agents); left
-                   out with the reason when this dtrain has no --fanout;
+                   out with the reason when this dtrain has no --fanout; ``dtrain-tree:K``
+                   with that K instead of ``fanout`` (``dtrain-tree:8`` is two levels at 64);
 * ``hydra``        ``mpiexec.hydra -launcher ssh``;
 * ``pdsh``         one remote shell per host (no PMI: it cannot form an MPI world, so it runs
                    the plain stamp program and has no world time).
@@ -70,9 +71,10 @@ def _launch(cluster: Any, tool: str, n: int, per_host: int, out: str,
         return common.pdsh_launch(cluster, n, per_host, PLAIN_SCRIPT, out)
     base = "dtrain" if tool.startswith("dtrain") else tool
     launch: common.Launch = common.TOOLS[base](cluster, n, per_host, MPI_SCRIPT, out)
-    if tool == "dtrain-tree":
+    if tool.startswith("dtrain-tree"):
         at = launch.argv.index("--")
-        argv = [*launch.argv[:at], "--fanout", str(fanout), *launch.argv[at:]]
+        k = tool.partition(":")[2] or str(fanout)
+        argv = [*launch.argv[:at], "--fanout", k, *launch.argv[at:]]
         return common.Launch(argv, launch.env)
     return launch
 
@@ -117,7 +119,8 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 3, *, tools: Sequence[str] = T
         per_host: int = PER_HOST, fanout: int = FANOUT, warmup: bool = True, cluster: Any = None,
         progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Rows {tool, hosts, running_s, world_s, exit_s, tail_s, cpu_s (medians), ratios}."""
-    chosen = [t for t in tools if t != "dtrain-tree" or has_fanout()]
+    tree = any(t.startswith("dtrain-tree") for t in tools) and has_fanout()
+    chosen = [t for t in tools if not t.startswith("dtrain-tree") or tree]
     with common.bench_cluster(max(hosts), cluster) as used:
         results = common.collect(used, chosen, list(hosts), reps,
                                  lambda tool, n: run_one(used, tool, n, per_host, fanout),
@@ -127,10 +130,9 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 3, *, tools: Sequence[str] = T
         for key in ("world", "wired"):
             if row[f"{key}_s"] is not None and row[f"{key}_s"] != row[f"{key}_s"]:
                 row[f"{key}_s"] = row[f"{key}_min_s"] = None
-    if "dtrain-tree" not in chosen and "dtrain-tree" in tools:
-        rows += [{"bench": "hosts_scale", "tool": "dtrain-tree", "hosts": n, "ok": 0, "reps": 0,
-                  "error": "this dtrain has no --fanout (the tree launch is not merged)"}
-                 for n in hosts]
+    rows += [{"bench": "hosts_scale", "tool": tool, "hosts": n, "ok": 0, "reps": 0,
+              "error": "this dtrain has no --fanout (the tree launch is not merged)"}
+             for tool in tools if tool not in chosen for n in hosts]
     rows.sort(key=lambda r: (list(tools).index(r["tool"]), r["hosts"]))
     if "hydra" in chosen:
         for key in ("world_s", "wired_s", "exit_s", "cpu_s"):

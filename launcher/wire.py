@@ -195,6 +195,20 @@ def decode_output(frame: Frame) -> Output:
     return Output(rank, stream, frame.payload[_OUTPUT_HEADER.size:])
 
 
+def split(data: bytes) -> list[bytes]:
+    """The whole frames in ``data`` (a ROUTED frame's), each as it came: a relay forwards one
+    unchanged (``data`` itself when it is the one frame: no copy of a large one)."""
+    frames, at = [], 0
+    while at + _HEADER.size <= len(data):
+        length = _HEADER.unpack_from(data, at)[0]
+        end = at + 4 + length
+        if length < 1 or end > len(data):  # not whole frames: the rest is left
+            break
+        frames.append(data[at:end])
+        at = end
+    return frames
+
+
 class Decoder:
     """Incremental decoder: feed it whatever the stream gave, get back the whole frames."""
 

@@ -76,6 +76,11 @@ class HeadLink:
         """Queue one encoded control frame; never blocks. False once the stream is broken."""
         return self._writer.send(data)
 
+    def forward(self, data: bytes) -> bool:
+        """Whole frames a relay carries up, written by the calling thread while nothing else
+        is queued (`FrameWriter.forward`: may block; never from the agent's loop)."""
+        return self._writer.forward(data)
+
     def send_output(self, rank: int, stream: int, data: bytes) -> bool:
         """Queue a rank's output; blocks while the output queue is full (back-pressure)."""
         return self._writer.send_output(wire.encode_output(rank, stream, data))

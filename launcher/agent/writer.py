@@ -1,13 +1,16 @@
-"""The agent's frame writer: one thread owns the stream to the head.
+"""The agent's frame writer: one thread writes the stream to the head, one write at a time.
 
 Everything the agent sends goes through one FIFO queue, so frames keep their order (a rank's
-EXIT after all of its OUTPUT, DONE after every EXIT). Two kinds of callers:
+EXIT after all of its OUTPUT, DONE after every EXIT). Three kinds of callers:
 
 * control frames (`send`: heartbeats, PMI, STARTED, EXIT, DONE) never block: the agent's main
   loop must stay free to act on KILL and to stop ranks whatever the stream does;
 * rank output (`send_output`) blocks while `limit` bytes of output are queued. The rank's pump
   thread then stops reading the rank's pipe, the pipe fills and the rank blocks in `write`:
-  back-pressure from a slow head (its stdout reader) to the ranks, with bounded memory.
+  back-pressure from a slow head (its stdout reader) to the ranks, with bounded memory;
+* a relay's reading thread (`forward`: its children's frames) writes them itself while the
+  queue is empty and nothing is being written (the thread waits meanwhile), else queues them:
+  a frame crossing a relay wakes no writer thread (`launcher.tree.upstream`).
 
 The thread batches whatever is queued into one write. When the stream breaks (the head is
 gone) everything queued is dropped and blocked pumps are released; the reader thread's EOF
@@ -48,6 +51,29 @@ class FrameWriter:
         """Queue a control frame; never blocks. False once the stream is broken."""
         return self._queue(frame, output=False)
 
+    def forward(self, data: bytes) -> bool:
+        """Write ``data`` (whole frames) on the caller's thread when nothing is queued or being
+        written, else queue it behind what is; may block while the stream is full (a relay's
+        reading thread: its wait is back-pressure on the children it reads). False once
+        broken."""
+        with self._cond:
+            if self.broken:
+                return False
+            if self._frames or self._busy:
+                self._frames.append((data, False))
+                self._cond.notify_all()
+                return True
+            self._busy = True  # the writer thread waits meanwhile: the frames' order holds
+        try:
+            self._write_all(data)
+        except (OSError, ValueError):
+            self._broke()
+            return False
+        with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+        return True
+
     def send_output(self, frame: bytes) -> bool:
         """Queue an OUTPUT frame; blocks while the output queue is full. False once broken."""
         return self._queue(frame, output=True)
@@ -78,23 +104,28 @@ class FrameWriter:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._frames:
+                while (not self._frames or self._busy) and not self.broken:
                     self._cond.wait()
+                if self.broken:
+                    return
                 batch = list(self._frames)
                 self._frames.clear()
                 self._busy = True
             try:
                 self._write_all(b"".join(frame for frame, _ in batch))
             except (OSError, ValueError):
-                with self._cond:
-                    self.broken, self._busy = True, False
-                    self._frames.clear()
-                    self._cond.notify_all()
+                self._broke()
                 return
             with self._cond:
                 self._busy = False
                 self._output_bytes -= sum(len(f) for f, output in batch if output)
                 self._cond.notify_all()
+
+    def _broke(self) -> None:
+        with self._cond:
+            self.broken, self._busy = True, False
+            self._frames.clear()
+            self._cond.notify_all()
 
     def _write_all(self, data: bytes) -> None:
         view = memoryview(data)

@@ -24,7 +24,6 @@ import math
 import os
 import shlex
 import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -96,10 +95,10 @@ def forwarded_options(opts: SSHOptions) -> dict[str, Any]:
 class RelayKeys:
     """The relay's side: a private folder with one known_hosts file for its hops: ``folder``
     (new, 0700: the agent's, named so that the next agent on the host removes it if this one
-    is SIGKILLed, `launcher.agent.leftovers`), else a new one in the temp dir."""
+    is SIGKILLed, `launcher.agent.leftovers`)."""
 
-    def __init__(self, folder: str | None = None) -> None:
-        self.folder = Path(folder or tempfile.mkdtemp(prefix="dtrain-relay-"))  # 0700
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
         self.file = self.folder / "known_hosts"
         os.close(os.open(self.file, os.O_CREAT | os.O_WRONLY | os.O_EXCL, 0o600))
 

@@ -7,11 +7,9 @@ sends each child relay its SUBTREE, then what the head already sent for it. From
 
 * down: a ROUTED frame for a host below goes to the child on the way, unwrapped for the child
   itself; a SPEC passing by tells the fence (`launcher.tree.fence`) which hosts take part;
-* up: what a child sends goes up wrapped (ROUTED with the child's index; a child relay's
-  ROUTED and GONE frames as they are), one frame per read, its rank output under the writer's
-  back-pressure; a child's PMI ``barrier_in`` goes into the fence instead, and a ``get`` for a
-  card the relay passed down is answered here. One thread reads every child's stream that
-  can be polled (`launcher.transport.pump`), the others a thread each;
+* up: what a child sends goes up (`launcher.tree.upstream` reads it), but for its PMI
+  ``barrier_in``, which goes into the fence, and a ``get`` for a card the relay passed down,
+  answered here;
 * a child whose stream ends is GONE, with every host below it; what goes down is queued (`_send`).
 
 The relay outlives its own agent's job while any child is connected and ends with the stream
@@ -35,13 +33,13 @@ if TYPE_CHECKING:
     from typing import Any, Protocol
 
     from launcher.transport.stream import AgentStream
+    from launcher.tree import upstream
 
-    class Upward(Protocol):
+    class Upward(upstream.Upward, Protocol):
         """The link to the relay's parent (the agent's `HeadLink`)."""
 
         def send(self, data: bytes) -> bool: ...
         def send_json(self, kind: wire.Kind, obj: dict[str, Any] | None = None) -> bool: ...
-        def send_output_frame(self, frame: bytes) -> bool: ...
 
     class Writer(Protocol):
         """A child's writer thread (`launcher.agent.writer.FrameWriter`)."""
@@ -66,10 +64,18 @@ class Relay:
         own ranks (`PmiSockets.from_head`); ``connect``: a child's stream from its SUBTREE node
         (index, name, hop), or a ConnectError (default: its agent over SSH as the hop says, its
         known_hosts lines in a folder from ``keys_folder``, the agent's, which the next agent
-        removes if this one is SIGKILLed; else the temp dir's); ``writer``: makes a child's
-        writer thread from its sink (`launcher.agent.writer.FrameWriter`: no agent import)."""
-        self._writer, self.own = writer, int(body["index"])
-        self._connect, self._keys_folder = connect, keys_folder
+        removes if this one is SIGKILLed: needed when ``connect`` is None); ``writer``: makes a
+        child's writer thread from its sink (`launcher.agent.writer.FrameWriter`: no agent
+        import)."""
+        self._connector: Callable[[], Callable[[dict[str, Any]], AgentStream]]
+        if connect is not None:
+            self._connector = lambda: connect
+        elif keys_folder is not None:
+            self._connector = lambda: self._over_ssh(keys_folder())
+        else:
+            raise ValueError("a relay that starts its children over SSH needs a folder for "
+                             "their known_hosts lines")
+        self._writer, self.own, self._ssh_client = writer, int(body["index"]), connect is None
         self.up, self._own_pmi = up, own_pmi
         self._python = str(body["python"])
         self._ssh = dict(body.get("ssh") or {})
@@ -85,12 +91,11 @@ class Relay:
         self._writers: dict[int, Writer] = {}  # per connected child: sends never block
         self._waiting: dict[int, list[bytes]] = {c: [] for c in self._children}
         self._alive = set(self._children)
-        self._spoke: set[int] = set()  # children whose agent sent its first frame
         self.spawns = False  # a child's stream ran in a process of this agent's (`ssh`)
         self._lingering: queue.Queue[Any] | None = None  # woken when the last child is lost
         self._lock = threading.Lock()
         self._keys: Any = None
-        self._pump: Any = None  # reads the children's streams, made in `start`
+        self._upstream: Any = None  # reads the children's streams, made in `start`
 
     def transport_pids(self) -> frozenset[int]:
         """The processes that carry the children's streams (`ssh`'s; none over paramiko): the
@@ -103,7 +108,7 @@ class Relay:
     def start(self) -> None:
         """Connect the children from a thread, importing what that needs here first: a module
         imported by two threads at once can be seen half-made (`typing`, as paramiko loads it)."""
-        if self._connect is None:
+        if self._ssh_client:
             from launcher.tree.hops import client_of
 
             if client_of(self._children) == "openssh":
@@ -116,9 +121,9 @@ class Relay:
                 import launcher.transport.ssh
             import launcher.transport.local
             import launcher.tree.hops  # noqa: F401
-        from launcher.transport.pump import ReadPump
+        from launcher.tree.upstream import Upstream
 
-        self._pump = ReadPump()
+        self._upstream = Upstream(self.up, self._pmi_up, self._child_ended)
         threading.Thread(target=self._connect_all, name="relay-connect", daemon=True).start()
         threading.Thread(target=self._beat_pending, name="relay-beat", daemon=True).start()
 
@@ -131,7 +136,7 @@ class Relay:
         while time.monotonic() < until:
             time.sleep(PENDING_BEAT_S)
             with self._lock:
-                pending = [c for c in self._alive if c not in self._spoke]
+                pending = [c for c in self._alive if c not in self._upstream.spoke]
             if not pending:
                 return
             for child in pending:
@@ -157,18 +162,19 @@ class Relay:
 
     def _cards_down(self, target: int, inner: bytes) -> None:
         """Every card passing down (a fetch's answer): the fetches that waited for it answered
-        with its frame as it came (decoded and encoded again, 1,024 hosts of MPICH's cards took
-        ~0.5 s a relay first), then its cards kept for the gets that follow."""
-        with contextlib.suppress(wire.WireError):
-            for found in wire.Decoder().feed(inner):
-                if found.kind is not wire.Kind.PMI or not wire.opens(found.payload, _CARDS_OPEN):
-                    continue
-                frame = wire.encode(found.kind, found.payload)
-                with self._lock:
-                    waiting = self.fence.cards_passing(target, frame)
-                for host in waiting:
-                    self._send(host, frame)
-                kv = found.json().get("kv")
+        with the frame's own bytes (`wire.split`: not a copy made by decoding and encoding it
+        again, 1.3 MB at 1,024 hosts), then its cards decoded and kept for the gets that
+        follow."""
+        for frame in wire.split(inner):
+            payload = frame[5:]
+            if frame[4] != wire.Kind.PMI or not wire.opens(payload, _CARDS_OPEN):
+                continue
+            with self._lock:
+                waiting = self.fence.cards_passing(target, frame)
+            for host in waiting:
+                self._send(host, frame)
+            with contextlib.suppress(wire.WireError):
+                kv = wire.Frame(wire.Kind.PMI, payload).json().get("kv")
                 with self._lock:
                     self.fence.cards(target, kv if isinstance(kv, dict) else {})
 
@@ -234,19 +240,22 @@ class Relay:
 
     # -- connecting ----------------------------------------------------------------------------
     def _connect_all(self) -> None:
-        if self._connect is not None:
-            self._start_children(self._connect)
-            return
         try:
-            from launcher.tree.hops import RelayKeys
-
-            self._keys = RelayKeys(self._keys_folder and self._keys_folder())
-            connect = self._keys.connector(self._children, self._python, self._ssh)
+            connect = self._connector()
         except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
             for index in self._children:
                 self._lost(index, f"the relay could not start it: {exc}", connect=True)
             return
         self._start_children(connect)
+
+    def _over_ssh(self, folder: str) -> Callable[[dict[str, Any]], AgentStream]:
+        """Each child's agent over SSH, as its hop says, its keys in ``folder``."""
+        from launcher.tree.hops import RelayKeys
+
+        self._keys = RelayKeys(folder)
+        connect: Callable[[dict[str, Any]], AgentStream] = self._keys.connector(
+            self._children, self._python, self._ssh)
+        return connect
 
     def _start_children(self, connect: Callable[[dict[str, Any]], AgentStream]) -> None:
         from launcher.errors import ConnectError
@@ -278,50 +287,13 @@ class Relay:
             self._writers[index] = self._writer(_StreamSink(stream))
             if first or pending:
                 self._writers[index].send(b"".join([*first, *pending]))
-        if hasattr(stream, "reader_fd"):  # chosen once: the pump reads every such child
-            self._pump.add(stream, lambda data, d=wire.Decoder(): self._from_child(index, d, data),
-                           lambda error: self._child_ended(index, stream, error))
-        else:
-            threading.Thread(target=self._read, args=(index, stream), name=f"relay-{index}",
-                             daemon=True).start()
+        self._upstream.read(index, stream)
 
     # -- up ------------------------------------------------------------------------------------
-    def _read(self, index: int, stream: AgentStream) -> None:  # a stream the pump cannot poll
-        decoder, error = wire.Decoder(), None
-        try:
-            while data := stream.read(65536):
-                self._from_child(index, decoder, data)
-        except (OSError, EOFError, ValueError) as exc:
-            error = exc
-        self._child_ended(index, stream, error)
-
-    def _from_child(self, index: int, decoder: wire.Decoder, data: bytes) -> None:
-        """One read of child ``index``'s stream, its frames up or handled here."""
-        self._spoke.add(index)
-        batch: list[bytes] = []
-        for frame in decoder.feed(data):
-            if frame.kind in (wire.Kind.ROUTED, wire.Kind.GONE):
-                self._flush(index, batch)
-                self.up.send(wire.encode(frame.kind, frame.payload))
-            elif frame.kind is wire.Kind.OUTPUT:
-                self._flush(index, batch)
-                self.up.send_output_frame(wire.encode_routed(
-                    index, wire.encode(frame.kind, frame.payload)))
-            elif frame.kind is wire.Kind.PMI and self._pmi_up(index, frame):
-                self._flush(index, batch)
-            else:
-                batch.append(wire.encode(frame.kind, frame.payload))
-        self._flush(index, batch)
-
     def _child_ended(self, index: int, stream: AgentStream, error: BaseException | None) -> None:
         reason = f"its agent's stream {'closed' if error is None else f'broke: {error}'}"
         stderr = stream.stderr_text().strip().splitlines()[-3:]
         self._lost(index, reason + (f" (agent stderr: {' | '.join(stderr)})" if stderr else ""))
-
-    def _flush(self, index: int, batch: list[bytes]) -> None:
-        if batch:
-            self.up.send(wire.encode_routed(index, b"".join(batch)))
-            batch.clear()
 
     def _pmi_up(self, index: int, frame: wire.Frame) -> bool:
         """A child's PMI message handled here (True), or to go up as it is (False)."""

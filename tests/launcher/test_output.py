@@ -248,6 +248,36 @@ def test_control_frames_never_block_while_rank_output_waits_for_a_slow_head():
     os.close(r)
 
 
+class _Sink:
+    """A stream that records which thread wrote each piece, and can hold a write up."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, bytes]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def write(self, data: memoryview) -> int:
+        self.gate.wait()
+        self.writes.append((threading.current_thread().name, bytes(data)))
+        return len(data)
+
+
+def test_forwarded_frames_are_written_by_the_caller_when_nothing_waits_else_after_what_does():
+    sink = _Sink()
+    writer = FrameWriter(sink)
+    first = wire.encode_json(wire.Kind.STARTED, {"rank": 1})
+    assert writer.forward(first)
+    assert sink.writes == [(threading.current_thread().name, first)]  # no writer thread's turn
+    sink.gate.clear()  # the parent stops reading: the writer thread's next write is held
+    beat = wire.encode(wire.Kind.HEARTBEAT)
+    writer.send(beat)
+    done = wire.encode_json(wire.Kind.DONE, {"code": 0})
+    assert writer.forward(done)  # queued behind the heartbeat, not written past it
+    sink.gate.set()
+    assert writer.flush(5)
+    assert b"".join(data for _, data in sink.writes) == first + beat + done
+
+
 def test_a_broken_stream_releases_blocked_pumps_and_reports_false():
     r, w = os.pipe()
     writer = FrameWriter(os.fdopen(w, "wb", buffering=0), limit=1024)

@@ -286,7 +286,7 @@ class Upward:
     def send_json(self, kind, obj=None) -> bool:
         return self.send(wire.encode_json(kind, obj))
 
-    send_output_frame = send
+    send_output_frame = forward = send
 
     def frames(self) -> list[wire.Frame]:
         return wire.Decoder().feed(b"".join(self.sent))

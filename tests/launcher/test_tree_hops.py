@@ -24,6 +24,13 @@ def _opts(tmp_path: Path, config: str, known: str) -> SSHOptions:
     return SSHOptions(config_file=tmp_path / "config", known_hosts=tmp_path / "known_hosts")
 
 
+def _folder(tmp_path: Path) -> str:
+    """A relay's known_hosts folder as its agent makes it (new, 0700)."""
+    folder = tmp_path / "relay"
+    folder.mkdir(mode=0o700)
+    return str(folder)
+
+
 def test_a_hop_carries_the_resolved_address_and_the_heads_known_hosts_lines(tmp_path):
     opts = _opts(tmp_path, "Host node5\n  HostName 10.0.0.5\n  User alice\n  Port 2222\n"
                  "  IdentityFile /keys/id_ed25519\n  ConnectTimeout 7\n",
@@ -33,7 +40,7 @@ def test_a_hop_carries_the_resolved_address_and_the_heads_known_hosts_lines(tmp_
                    "identity_files": ["/keys/id_ed25519"], "identities_only": False,
                    "connect_timeout": 7.0,
                    "known_hosts": [f"[10.0.0.5]:2222 ssh-ed25519 {KEY}"]}
-    keys = hops.RelayKeys()
+    keys = hops.RelayKeys(_folder(tmp_path))
     try:
         host = keys.resolved("node5", hop)
         assert (host.hostname, host.port, host.user) == ("10.0.0.5", 2222, "alice")
@@ -75,7 +82,7 @@ def test_an_openssh_hop_is_one_argv_with_the_heads_reading_and_strict_keys(tmp_p
     opts = SSHOptions(**{**opts.__dict__, "client": "openssh"})
     [hop] = hops.describe([HostEntry("node5", 1)], opts)
     assert hop["client"] == "openssh"
-    keys = hops.RelayKeys()
+    keys = hops.RelayKeys(_folder(tmp_path))
     try:
         stream = keys.openssh_stream("/bin/true", "node5", hop,
                                      keys.options(hops.forwarded_options(opts)), "agent; rm -rf /")

@@ -65,3 +65,10 @@ def test_a_small_object_travels_as_plain_json():
 def test_a_bad_compressed_frame_is_one_wire_error(payload, why):
     with pytest.raises(wire.WireError, match=why):
         wire.Frame(wire.Kind.PMI, payload).json()
+
+
+def test_a_relay_splits_a_routed_payload_into_its_frames_as_they_came():
+    cards = wire.encode_json(wire.Kind.PMI, {"op": "cards", "kv": CARDS})
+    beat = wire.encode(wire.Kind.HEARTBEAT)
+    assert wire.split(cards) == [cards] and wire.split(cards)[0] is cards  # no copy
+    assert wire.split(beat + cards + beat[:3]) == [beat, cards]  # a cut frame is left
