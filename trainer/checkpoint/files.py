@@ -26,7 +26,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -245,18 +245,24 @@ folder)."""
 _syncers: ThreadPoolExecutor | None = None
 
 
-def fsync_all(paths: list[Path]) -> None:
+def fsync_all(paths: list[Path], started: Sequence[Future[None]] = ()) -> None:
     """fsync every file or folder of ``paths`` at once, in a pool of threads kept for the
     process (started at the first call: starting a thread waits a scheduling round, several
-    ms where the ranks use every core), and return once all are durable (the first error
-    raised). A journaling file system commits concurrent fsyncs together, so a commit waits
-    for the disk about once rather than once per file (each fsync a journal commit, 1-5 ms
-    on the development VM)."""
+    ms where the ranks use every core), and return once all are durable, and those of
+    ``started`` (`fsync_soon`'s; the first error raised). A journaling file system commits
+    concurrent fsyncs together, so a commit waits for the disk about once rather than once
+    per file (each fsync a journal commit, 1-5 ms on the development VM)."""
+    for done in [*started, *fsync_soon(paths)]:
+        done.result()
+
+
+def fsync_soon(paths: list[Path]) -> list[Future[None]]:
+    """Start fsyncing ``paths`` in `fsync_all`'s threads, without waiting; for its
+    ``started``."""
     global _syncers
     if _syncers is None:
         _syncers = ThreadPoolExecutor(_SYNCERS, thread_name_prefix="checkpoint-fsync")
-    for done in [_syncers.submit(fsync_path, path) for path in paths]:
-        done.result()
+    return [_syncers.submit(fsync_path, path) for path in paths]
 
 
 def verify_file(folder: Path, name: str, record: dict[str, FileRecord]) -> Path:
