@@ -25,7 +25,8 @@ overlap its own, opens only the files that hold them and reads only those ranges
 Phases (`save`): ``start`` (collective, or none with a folder token agreed earlier: folder,
 the leader's random state), ``write`` (each rank's tensor file, and its record left in the
 folder), ``settle`` (collective: every write succeeded, the caller's checks agreed),
-``commit`` (the leader, `commit`), ``finish`` (collective). `writer` runs the two local phases in a
+``commit`` (the leader, `commit`, once it has read every rank's record of its write:
+`records`), ``finish`` (collective). `writer` runs the two local phases in a
 background thread while training goes on (``--async-save``), at most one save in flight, the
 ranks moving it on together by a late vote at step ends; `failure` makes a failed phase one
 error on every rank and removes what it left.

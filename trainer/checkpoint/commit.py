@@ -2,9 +2,10 @@
 folder, every file made durable, the folder renamed into place, then the record, with two
 waits for the disk.
 
-Every tensor file is written by its writer before the commit begins (the ranks agreed on it,
-`trainer.checkpoint.save`); those of the leader's host are not fsynced yet, the commit fsyncs
-them with its own (`trainer.checkpoint.save.Save.leader_syncs`). What the commit adds, and in
+Every tensor file is written by its writer before the commit begins (the leader read every
+writer's record, `trainer.checkpoint.records`); those of the leader's host are fsynced by the
+leader, each as its record arrived, and waited for with its own files
+(`trainer.checkpoint.save.Save.leader_syncs`). What the commit adds, and in
 which order it becomes durable, is what keeps a crash at any point from leaving a checkpoint
 that is named as committed but lacks a file (`commit_folder`). Each fsync is a journal commit
 (1-5 ms on the development VM when idle, 1-50 ms with other programs writing); the files and
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Collection
+from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -54,10 +56,11 @@ def rng_state() -> RandomState:
 
 def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str, Any],
                   random_state: RandomState, index: dict[str, Any], written: Records,
-                  unsynced: Collection[str] = ()) -> None:
+                  started: Sequence[Future[None]] = ()) -> None:
     """Index, meta and the commit record into ``tmp``, rename it to ``final``, then the
     commit record to its name: two waits for the disk (`fsync_all`), not one per file.
-    ``unsynced``: the files of ``written`` their writers left for this commit to fsync.
+    ``started``: the fsyncs of the files of ``written`` their writers left to the leader,
+    started as each was written (`fsync_soon`), waited for with the first wait.
 
     What a crash (of the machine: what is durable) leaves at each point; a resume reads only
     ``step-<N>`` folders holding ``COMMITTED``, and prunes older checkpoints only after the
@@ -87,8 +90,7 @@ def commit_folder(root: Path, tmp: Path, final: Path, step: int, meta: dict[str,
               "files": {name: rec.to_json() for name, rec in sorted(files.items())}}
     aside = f".{MARKER}.tmp"
     write_bytes(tmp / aside, json.dumps(record, indent=1).encode(), sync=False)
-    fsync_all([*(tmp / name for name in sorted(unsynced)), tmp / INDEX, tmp / META, tmp / RNG,
-               tmp / aside, tmp])
+    fsync_all([tmp / INDEX, tmp / META, tmp / RNG, tmp / aside, tmp], started)
     fault("save_after_meta", step)
     if foreign(final):
         raise CheckpointError("refusing to replace a folder that is not a checkpoint",

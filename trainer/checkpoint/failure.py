@@ -13,12 +13,13 @@ import errno
 import shutil
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from trainer.checkpoint.layout import CheckpointError, committed, latest, real_folder
-from trainer.comm.protocol import Communicator, ReduceOp, wait_quietly
+from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_quietly
 
 LONGEST_POLL = 1e-3
 """The longest sleep between two polls of an agreement by a rank other than the leader: polls
@@ -27,23 +28,47 @@ from the ranks that write and the leader that commits; a wait then ends at most 
 a rank whose next step waits for the slowest rank anyway."""
 
 
+@dataclass(frozen=True)
+class Posted:
+    """An agreement posted and not read yet (`post`)."""
+
+    seen: torch.Tensor
+    """What every writer posted, MAXed once ``handle`` is complete."""
+    handle: Handle | None
+    error: CheckpointError | None
+    """This writer's error of the phase (None: it succeeded)."""
+    what: str
+
+
 def agree(writers: Communicator, error: CheckpointError | None, tmp: Path, final: Path,
           device: torch.device, what: str, extra: Sequence[int] = ()) -> list[int]:
     """Every writer's ``error`` of a phase (None: it succeeded); if any failed, rank 0 removes
     what the save left (once nobody writes any more) and every writer raises, together: the
     lowest failing rank's message is the one printed (`TrainerError.everywhere`). ``extra``:
     the caller's own values, MAXed over the writers in the same collective (returned)."""
+    return conclude(writers, post(writers, error, device, what, extra), tmp, final)
+
+
+def post(writers: Communicator, error: CheckpointError | None, device: torch.device,
+         what: str, extra: Sequence[int] = ()) -> Posted:
+    """The first half of `agree`: this writer's part posted, not waited for."""
     rank = writers.rank
     # One MAX: whether any failed, minus the lowest failing rank, and the caller's values.
     seen = torch.tensor([int(error is not None), -rank if error else -writers.size, *extra],
                         dtype=torch.int64, device=device)
+    return Posted(seen, writers.all_reduce(seen, ReduceOp.MAX, async_op=True), error, what)
+
+
+def conclude(writers: Communicator, posted: Posted, tmp: Path, final: Path) -> list[int]:
+    """The second half of `agree`: wait for ``posted``, raise if any writer failed, else the
+    caller's values."""
+    rank, error = writers.rank, posted.error
     # The leader polls often: the commit follows its wait (or nothing: every rank but it has
     # posted by then). The others wait longer (for the slowest writer, then for the commit,
     # several ms), and their polls' CPU is taken from the ranks still writing and the leader
     # (`LONGEST_POLL`).
-    wait_quietly(writers.all_reduce(seen, ReduceOp.MAX, async_op=True),
-                 longest=0.0 if rank == 0 else LONGEST_POLL)
-    values = [int(v) for v in seen.tolist()]
+    wait_quietly(posted.handle, longest=0.0 if rank == 0 else LONGEST_POLL)
+    values = [int(v) for v in posted.seen.tolist()]
     failed, lowest = values[0], -values[1]
     if not failed:
         return values[2:]
@@ -51,7 +76,7 @@ def agree(writers: Communicator, error: CheckpointError | None, tmp: Path, final
         discard(tmp, final)
     if error is None:
         error = CheckpointError("checkpoint save failed", str(final),
-                                f"another writer (rank {lowest}) failed to {what}",
+                                f"another writer (rank {lowest}) failed to {posted.what}",
                                 "See its message; check free space and permissions of "
                                 "--run-dir")
     raise error.everywhere(report=rank == lowest)

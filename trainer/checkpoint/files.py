@@ -5,12 +5,13 @@ bytes): reading one back runs no code, whatever the file holds. `write_tensors` 
 file itself rather than through ``safetensors.torch.save_file``, which has no streaming writer:
 that one builds every tensor's bytes, writes them, and the checksum then had to read the file
 again (a profile of an 85M-parameter save: half its time in each). Here each tensor's memory is
-hashed and written chunk by chunk straight from the staged tensor (one pass, the hash reading
-what the disk then reads), after a header padded to a page so every chunk is a whole number of
-pages in the file, with direct I/O (`trainer.checkpoint.direct`: no copy into the page cache;
-where the filesystem refuses it, buffered, with a helper thread starting the disk's writeback
-while the next chunks are hashed, so the closing fsync has little left). The header is the
-documented format (safetensors' own reader parses and checks it on load).
+written and hashed chunk by chunk straight from the staged tensor (one pass, the hash reading
+what the disk read, which nothing changes meanwhile), after a header padded to a page so every
+chunk is a whole number of pages in the file, with direct I/O (`trainer.checkpoint.direct`: no
+copy into the page cache; where the filesystem refuses it, buffered, with a helper thread
+starting the disk's writeback while the next chunks are hashed, so the closing fsync has little
+left). The header is the documented format (safetensors' own reader parses and checks it on
+load).
 
 Every file is fsynced and checksummed (`trainer.checkpoint.checksum`); its `FileRecord` (size,
 checksum) goes into the commit record. A reader checks the size (a truncated or emptied file
@@ -26,7 +27,7 @@ import errno
 import json
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -126,8 +127,10 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor],
             for view in layout.runs:
                 for at in range(0, len(view), checksum.CHUNK):
                     piece = view[at:at + checksum.CHUNK]
+                    out.write(piece)  # then hashed: the disk starts on it without waiting
+                    # for the hash, which may wait for a core (8 ranks on 2 cores: 4-13 ms
+                    # between a file's open and its write, 2026-11-29)
                     digest.update(piece)
-                    out.write(piece)
                     wrote(len(piece))
             out.finish()
             before_sync()
@@ -245,18 +248,24 @@ folder)."""
 _syncers: ThreadPoolExecutor | None = None
 
 
-def fsync_all(paths: list[Path]) -> None:
+def fsync_all(paths: list[Path], started: Sequence[Future[None]] = ()) -> None:
     """fsync every file or folder of ``paths`` at once, in a pool of threads kept for the
     process (started at the first call: starting a thread waits a scheduling round, several
-    ms where the ranks use every core), and return once all are durable (the first error
-    raised). A journaling file system commits concurrent fsyncs together, so a commit waits
-    for the disk about once rather than once per file (each fsync a journal commit, 1-5 ms
-    on the development VM)."""
+    ms where the ranks use every core), and return once all are durable, and those of
+    ``started`` (`fsync_soon`'s; the first error raised). A journaling file system commits
+    concurrent fsyncs together, so a commit waits for the disk about once rather than once
+    per file (each fsync a journal commit, 1-5 ms on the development VM)."""
+    for done in [*started, *fsync_soon(paths)]:
+        done.result()
+
+
+def fsync_soon(paths: list[Path]) -> list[Future[None]]:
+    """Start fsyncing ``paths`` in `fsync_all`'s threads, without waiting; for its
+    ``started``."""
     global _syncers
     if _syncers is None:
         _syncers = ThreadPoolExecutor(_SYNCERS, thread_name_prefix="checkpoint-fsync")
-    for done in [_syncers.submit(fsync_path, path) for path in paths]:
-        done.result()
+    return [_syncers.submit(fsync_path, path) for path in paths]
 
 
 def verify_file(folder: Path, name: str, record: dict[str, FileRecord]) -> Path:

@@ -15,10 +15,9 @@ Every rank of the group (``world``) runs the phases together, in this order:
              `Save.leader_syncs`); the leader's also ``rng.safetensors``
     settle   collective (one all-reduce): the ranks agree that every write succeeded, with
              the caller's own values folded in (`Save.checks`); after a late vote that said
-             every write succeeded, nothing. Each rank left its file's record and what it
-             holds (``contents``) in the folder (``rank-RRRRR.json``), which the leader
-             reads and removes at the commit: no gather (two more collectives, 8-20 ms of a
-             39 MB save at dp 2 x tp 2 x pp 2 on 2 cores)
+             every write succeeded, nothing. Each rank left its record in the folder
+             (`trainer.checkpoint.records`: no gather), and the leader goes on to commit
+             once it has read them all, reading the agreement at `finish`
     commit   local I/O on the leader, any thread: ``index.json``, ``meta.json``, the rename
              into place, the commit record (the ``COMMITTED`` marker, last: size and checksum
              of every file; the order of what becomes durable: `trainer.checkpoint.commit`),
@@ -34,8 +33,6 @@ one rank fails every rank, without a hang, and the partial save is removed.
 
 from __future__ import annotations
 
-import json
-import os
 import secrets
 import threading
 import time
@@ -48,7 +45,7 @@ import torch
 
 from trainer.checkpoint import checksum
 from trainer.checkpoint.commit import RandomState, Records, commit_folder, rng_state
-from trainer.checkpoint.failure import agree, discard, save_errors
+from trainer.checkpoint.failure import Posted, agree, conclude, discard, post, save_errors
 from trainer.checkpoint.fault import fault
 from trainer.checkpoint.files import FileRecord, Images, write_tensors
 from trainer.checkpoint.layout import (
@@ -58,11 +55,11 @@ from trainer.checkpoint.layout import (
     rank_file,
 )
 from trainer.checkpoint.prune import prune
-from trainer.checkpoint.rate import busy
+from trainer.checkpoint.rate import busy, report
+from trainer.checkpoint.records import Gathering, leave
 from trainer.comm.protocol import Communicator, ReduceOp
 
 _COMMITTED, _FAILED = -1, -2  # what the leader broadcasts instead of a folder token
-_MB = 1e6  # the unit of the reported sizes and rates (dd's)
 
 
 def save(root: Path, step: int, *, tensors: dict[str, torch.Tensor], contents: Any,
@@ -145,20 +142,6 @@ def opened(root: Path, step: int, token: int, error: CheckpointError | None, *,
                 contents, meta, rng_state() if leader else ({}, []))
 
 
-def _record_file(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
-
-
-def _read_record(tmp: Path, rank: int) -> Any:
-    """The record ``rank`` left in the folder (`Save.write`), removed once read: a regular
-    file, never through a link."""
-    path = tmp / _record_file(rank)
-    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as fh:
-        record = json.loads(fh.read())
-    path.unlink()
-    return record
-
-
 def _tmp(root: Path, step: int, token: int) -> Path:
     return root / f"step-{step}.tmp-{token:08x}"
 
@@ -182,6 +165,7 @@ class Save:
 
     def __post_init__(self) -> None:
         self.staged.set()  # staged by the caller, unless it leaves staging to `copy` (`later`)
+        self.gathering = Gathering(self.tmp, self.group.size)
 
     def later(self, prepare: Callable[[], tuple[dict[str, tuple[torch.Tensor, torch.Tensor]],
                                                  list[Any]]]) -> None:
@@ -212,6 +196,10 @@ class Save:
     """The leader's ``rng.safetensors``, written by `write`."""
     gathered: list[Any] = field(default_factory=list)
     """Every rank's record (`_record`), read by the leader at the commit."""
+    gathering: Gathering = field(init=False)
+    """The leader's reading of every rank's record (`settle`, `commit`)."""
+    _posted: Posted | None = None
+    """The agreement on the writes, when the leader went on before reading it (`settle`)."""
     commit_s: float = 0.0
     """Seconds from the first rank's `start` to the end of the commit (the leader's; pruning
     after it)."""
@@ -289,6 +277,8 @@ class Save:
             raise self.copy_error
         self.tmp.mkdir(parents=True, exist_ok=True)
         fault("save_after_stage", self.step)
+        if self.leader and self.checks and self.group.size > 1:  # a settle in a collective:
+            self.gathering.start()  # the commit begins once every record is read
         began, self.write_at = time.perf_counter(), time.time()
         if self.tensors:
             name = rank_file(self.group.rank)
@@ -301,16 +291,16 @@ class Save:
             # with every other file (`commit_folder`)
             self.rng_record = write_tensors(self.tmp / RNG, self.rng[0], sync=False)
         self.write_s = time.perf_counter() - began
-        # Read by the leader once every rank agreed that it wrote (no fsync: the commit
-        # record, fsynced, holds what the leader read)
-        (self.tmp / _record_file(self.group.rank)).write_bytes(json.dumps(
-            self._record()).encode())
+        if self.leader:
+            self.gathering.own(self._record())
+        else:
+            leave(self.tmp, self.group.rank, self._record())  # last: what the leader reads
         fault("save_after_tensors", self.step)
 
     def _record(self) -> dict[str, Any]:
         """What the leader needs of this rank's write: its files' records and contents."""
         return {"files": {n: r.to_json() for n, r in self.written.items()},
-                "synced": self.syncs,
+                "synced": self.syncs, "checks": list(self.checks),
                 "contents": self.contents if self.written else None, "write_s": self.write_s,
                 "started_at": self.started_at, "write_at": self.write_at}
 
@@ -318,19 +308,36 @@ class Save:
         """Collective: every rank's `write` succeeded (else every rank raises), with
         `checks` agreed (`accept` called). ``failed``: what a late vote said of every rank's
         write (False: all succeeded, nothing to agree unless there are `checks`; None: no
-        vote)."""
+        vote). The leader goes on to its commit as soon as every rank's record is in the
+        folder (`trainer.checkpoint.records`), its agreement read by `finish`."""
         if failed is False and not self.checks:
             return
-        self.agreed = agree(self.group, error, self.tmp, self.final, self.device,
-                            "write its tensor file", self.checks)
+        posted = post(self.group, error, self.device, "write its tensor file", self.checks)
+        if self.leader and error is None and not failed and self.gathering.until(posted.handle):
+            self._posted = posted
+            checks = [r["checks"] for r in self.gathering.rest()]
+            self.agreed = [max(values) for values in zip(*checks, strict=True)]
+        else:
+            self.gathering.stop()
+            self.agreed = conclude(self.group, posted, self.tmp, self.final)
         if self.accept is not None:
-            self.accept(self)
+            try:
+                self.accept(self)
+            except BaseException:
+                self._concluded()  # the others wait for the leader's part
+                raise
+
+    def _concluded(self) -> None:
+        """The agreement on the writes the leader did not wait for (`settle`), read."""
+        posted, self._posted = self._posted, None
+        if posted is not None:
+            conclude(self.group, posted, self.tmp, self.final)
 
     def commit(self) -> None:
         """On the leader: index, RNG, meta, rename, commit record; then `prune`, unless
         `prune_later`."""
         if self.leader:  # every rank left its record, read and removed here
-            self.gathered = [_read_record(self.tmp, rank) for rank in range(self.group.size)]
+            self.gathered = self.gathering.rest()
         wrote = self.leader and not committed(self.final)
         if self.leader and not wrote:  # a save named by an earlier token: the committed
             discard(self.tmp, self.final)  # checkpoint stays, as `claim` keeps it
@@ -340,9 +347,8 @@ class Save:
             index = {"files": {n: g["contents"] for g in self.gathered for n in g["files"]}}
             if self.rng_record is not None:
                 records[RNG] = self.rng_record
-            unsynced = [n for g in self.gathered if not g["synced"] for n in g["files"]]
             commit_folder(self.root, self.tmp, self.final, self.step, self.meta, self.rng,
-                          index, records, unsynced)
+                          index, records, started=self.gathering.syncing)
         first = min((g.get("started_at", self.started_at) for g in self.gathered),
                     default=self.started_at)
         self.commit_s = max(time.perf_counter() - self.started, time.time() - first)
@@ -364,27 +370,14 @@ class Save:
     def finish(self, error: CheckpointError | None, failed: bool | None = None) -> Path:
         """Collective: the commit succeeded (else every rank raises); the folder. ``failed``:
         what a late vote said of it (False: nothing to agree; None: no vote)."""
+        self._concluded()
         if failed is not False:
             agree(self.group, error, self.tmp, self.final, self.device, "commit")
         return self.final
 
     def report(self) -> dict[str, Any]:
-        """What the save wrote and how fast (meaningful on the leader): MB (10^6 bytes) in
-        all and per rank; ``seconds``: from the first rank's `start` (its staging) to the
-        commit record, and ``span_mb_s`` over them; ``write_s``: the seconds it was writing
-        (`busy`), and ``mb_s`` over them; MB/s per rank (its write); the seconds pruning
-        took after the commit (None: still pruning, `prune_later`)."""
-        sizes = [sum(r["size"] for r in g["files"].values()) / _MB for g in self.gathered]
-        rates = [mb / g["write_s"] if g["write_s"] > 0 else 0.0
-                 for mb, g in zip(sizes, self.gathered, strict=True)]
-        mb = sum(sizes)
-        return {"step": self.step, "mb": round(mb, 3), "seconds": round(self.commit_s, 4),
-                "span_mb_s": round(mb / self.commit_s, 1) if self.commit_s > 0 else 0.0,
-                "write_s": round(self.busy_s, 4),
-                "mb_s": round(mb / self.busy_s, 1) if self.busy_s > 0 else 0.0,
-                "prune_s": None if self.prune_s is None else round(self.prune_s, 4),
-                "rank_mb": [round(mb, 3) for mb in sizes],
-                "rank_mb_s": [round(rate, 1) for rate in rates]}
+        """What the save wrote and how fast (meaningful on the leader: `rate.report`)."""
+        return report(self.step, self.gathered, self.commit_s, self.busy_s, self.prune_s)
 
 
 class _Alone:
