@@ -9,6 +9,8 @@ first N hosts, one rank per host, in the same run (tool order rotated every repe
 * ``dtrain-tree``  the same with ``--fanout K`` (relays start their subtree's agents); left
                    out with the reason when this dtrain has no --fanout; ``dtrain-tree:K``
                    with that K instead of ``fanout`` (``dtrain-tree:8`` is two levels at 64);
+* ``dtrain-openssh`` flat with ``--ssh-client openssh`` (an ``ssh`` process per host, no
+                   paramiko: not in the default tools);
 * ``hydra``        ``mpiexec.hydra -launcher ssh``;
 * ``pdsh``         one remote shell per host (no PMI: it cannot form an MPI world, so it runs
                    the plain stamp program and has no world time).
@@ -69,7 +71,7 @@ def _launch(cluster: Any, tool: str, n: int, per_host: int, out: str,
             fanout: int) -> common.Launch:
     if tool == "pdsh":
         return common.pdsh_launch(cluster, n, per_host, PLAIN_SCRIPT, out)
-    base = "dtrain" if tool.startswith("dtrain") else tool
+    base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K]: dtrain's launch
     launch: common.Launch = common.TOOLS[base](cluster, n, per_host, MPI_SCRIPT, out)
     if tool.startswith("dtrain-tree"):
         at = launch.argv.index("--")
@@ -94,7 +96,7 @@ def _children_cpu() -> float:
 
 
 def run_one(cluster: Any, tool: str, n: int, per_host: int, fanout: int) -> common.Sample:
-    base = "dtrain" if tool.startswith("dtrain") else tool
+    base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K]: dtrain's launch
     missing = common.tool_missing(base)
     if missing:
         return common.Sample(None, missing)
