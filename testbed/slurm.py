@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -77,11 +78,7 @@ class SlurmCluster:
         atexit.register(self.close)
         try:
             self._start_munge()
-            self.port = free_port(netns.head_address)
-            self.conf.write_text(self._config(slurmd_timeout))
-            self._start("slurmctld", [], ["unshare", "--uts", "--", "sh", "-c",
-                                          f"hostname {self.controller} && exec "
-                                          f"{_tool('slurmctld')} -D -i -f {self.conf}"])
+            self._start_controller(slurmd_timeout)
             for host in self.hosts:
                 self.start_slurmd(host)
             self.wait_idle(self.hosts, timeout=30)
@@ -105,6 +102,33 @@ class SlurmCluster:
             if time.monotonic() > deadline or self._daemons["munged"].poll() is not None:
                 raise RuntimeError(f"munged did not start: {self._log('munged')}")
             time.sleep(0.05)
+
+    def _start_controller(self, slurmd_timeout: int, tries: int = 5) -> None:
+        """Start slurmctld on a free port of the bridge address, and wait until it listens.
+        The port is free when picked but not reserved: a parallel test's connection from the
+        same address can take it before slurmctld binds (CI, 2026-11-30: "Address already in
+        use"), so a controller that exits on that is started again on another port."""
+        for _ in range(tries):
+            self.port = free_port(self.netns.head_address)
+            self.conf.write_text(self._config(slurmd_timeout))
+            self._start("slurmctld", [], ["unshare", "--uts", "--", "sh", "-c",
+                                          f"hostname {self.controller} && exec "
+                                          f"{_tool('slurmctld')} -D -i -f {self.conf}"])
+            controller = self._daemons["slurmctld"]
+            deadline = time.monotonic() + 30
+            while controller.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection((self.netns.head_address, self.port),
+                                             timeout=0.5).close()
+                    return
+                except OSError:
+                    time.sleep(0.05)
+            if controller.poll() is None or "Address already in use" not in self._log("slurmctld"):
+                raise RuntimeError(f"slurmctld did not start listening on port {self.port}:\n"
+                                   f"{self._log('slurmctld')}")
+            for stale in ("slurmctld.out", "slurmctld.log"):
+                (self.dir / stale).unlink(missing_ok=True)
+        raise RuntimeError(f"slurmctld found no free port in {tries} tries")
 
     def _config(self, slurmd_timeout: int) -> str:
         d = self.dir

@@ -136,3 +136,32 @@ def test_a_killed_session_with_a_slurm_cluster_is_reaped_by_the_next_one(venv_py
     assert namespace not in _namespaces()
     assert not [d for d in scratch if Path(d).exists()]
     assert not list(STATE_DIR.glob(f"*-{suffix}.json"))
+
+
+def test_a_slurm_controller_whose_port_was_taken_meanwhile_starts_on_another(monkeypatch):
+    """The controller's port is picked free but not reserved, and a parallel test may take it
+    first (CI, 2026-11-30): the cluster starts its controller again on another port."""
+    import socket
+
+    from testbed import slurm
+    from testbed.sshd import free_port
+
+    usable, reason = slurm.slurm_available()
+    if not usable:
+        pytest.skip(f"slurm cluster: {reason}")
+    netns = NetnsCluster(1, sshd=False)
+    try:
+        with socket.socket() as taker:
+            taker.bind((netns.head_address, 0))
+            taken = taker.getsockname()[1]
+            picks = iter([taken])
+            monkeypatch.setattr(slurm, "free_port",
+                                lambda host: next(picks, None) or free_port(host))
+            cluster = slurm.SlurmCluster(netns)
+            try:
+                assert cluster.port != taken
+                assert cluster.node_states() == {"node1": "idle"}
+            finally:
+                cluster.close()
+    finally:
+        netns.close()
