@@ -10,6 +10,7 @@ loopback``. The helpers (`keygen`, `sshd_config_text`, `stop_process`, ...) are 
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -93,10 +94,27 @@ def ensure_privsep_dir() -> None:
     os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
 
 
+#: Where `free_port` picks: below the kernel's ephemeral range (32768-60999 by default), which
+#: the outgoing connections of tests running in parallel draw their local ports from.
+PICKED_PORTS = (20000, 32768)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    """A port nothing on ``host`` is bound to now, for a daemon or test to listen on soon.
+    Not reserved: the kernel's pick (port 0) comes from the ephemeral range, where any
+    connection made from ``host`` in the meantime (a parallel test's ssh to a namespace host)
+    may take it first, which failed CI once (2026-11-30, a Slurm controller: "Address already
+    in use"); a random port below that range is only ever taken by another such pick."""
+    low, high = PICKED_PORTS
+    for _ in range(100):
+        port = random.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in {low}-{high - 1} after 100 tries")
 
 
 def wait_for_port(host: str, port: int, proc: subprocess.Popen, log: Path,
