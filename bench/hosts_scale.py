@@ -23,13 +23,19 @@ gets of its peers' cards, without the launch before it), ``exit`` the launcher r
 ``tail`` = exit minus the last rank's last stamp (MPI_Finalize, the process's end and the
 launcher's teardown), and ``head CPU``: the CPU seconds of the launcher and every process it
 started on this side (getrusage of the bench's children: dtrain's head, mpiexec and its ssh
-clients, pdsh and its ssh clients; not the remote sides).
+clients, pdsh and its ssh clients; not the remote sides), and ``machine CPU``: every
+process's CPU seconds on this machine over the run (/proc/stat), both sides of every host,
+since namespace hosts share its cores: agents or proxies, sshd, the ranks. On 2 cores a run
+this size is CPU-bound from start to end, so the world time follows this total (world ~
+machine CPU / cores), and the difference between two tools' totals is what their
+wire-up times differ by, in CPU.
 Medians over the repetitions; ratios to Hydra (target <= 1.0 from 16 hosts; the tree no
 slower than flat at 64).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import shutil
 import subprocess
@@ -44,14 +50,15 @@ HOSTS = (8, 16, 32, 64)
 TOOLS = ("dtrain", "dtrain-tree", "hydra", "pdsh")
 PER_HOST = 1
 FANOUT = 4
-KEYS = ("running", "world", "wired", "exit", "tail", "cpu")
+KEYS = ("running", "world", "wired", "exit", "tail", "cpu", "machine")
 MPI_SCRIPT = common.WORKERS / "mpi_stamp.py"
 PLAIN_SCRIPT = common.WORKERS / "stamp.py"
 COLUMNS = [("tool", "tool"), ("hosts", "hosts"), ("ok", "ok"), ("running s", "running_s"),
            ("world s", "world_s"), ("wired s", "wired_s"), ("exit s", "exit_s"),
-           ("tail s", "tail_s"), ("head CPU s", "cpu_s"), ("world/Hydra", "world_s_vs_hydra"),
+           ("tail s", "tail_s"), ("head CPU s", "cpu_s"), ("machine CPU s", "machine_s"),
+           ("world/Hydra", "world_s_vs_hydra"),
            ("wired/Hydra", "wired_s_vs_hydra"), ("exit/Hydra", "exit_s_vs_hydra"),
-           ("CPU/Hydra", "cpu_s_vs_hydra")]
+           ("CPU/Hydra", "cpu_s_vs_hydra"), ("machine/Hydra", "machine_s_vs_hydra")]
 SUMMARY_COLUMNS = COLUMNS
 SUMMARY_NOTE = (
     "Namespace hosts share this machine's CPUs: N hosts start N sshd sessions and N Python "
@@ -95,6 +102,14 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _machine_cpu() -> float:
+    """CPU seconds every process on this machine has used since boot (/proc/stat's first line:
+    every state but idle and iowait; guest time is already counted in user)."""
+    with open("/proc/stat") as stat:
+        ticks = [int(t) for t in stat.readline().split()[1:9]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def run_one(cluster: Any, tool: str, n: int, per_host: int, fanout: int) -> common.Sample:
     base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K]: dtrain's launch
     missing = common.tool_missing(base)
@@ -102,16 +117,16 @@ def run_one(cluster: Any, tool: str, n: int, per_host: int, fanout: int) -> comm
         return common.Sample(None, missing)
     out_dir = tempfile.mkdtemp(prefix="dtrain-bench-stamps-")
     try:
-        cpu0 = _children_cpu()
+        cpu0, machine0 = _children_cpu(), _machine_cpu()
         sample = common.time_launch(_launch(cluster, tool, n, per_host, out_dir, fanout),
                                     out_dir, n * per_host, _metrics, common.count_check, 180)
-        cpu = _children_cpu() - cpu0
+        cpu, machine = _children_cpu() - cpu0, _machine_cpu() - machine0
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     left = common.settle(cluster)
     if sample.metrics is None:
         return sample
-    metrics = {**sample.metrics, "cpu": cpu}
+    metrics = {**sample.metrics, "cpu": cpu, "machine": machine}
     if left:
         return common.Sample(metrics, f"processes left on hosts after exit: {left}")
     return common.Sample(metrics)
@@ -137,7 +152,7 @@ def run(hosts: Sequence[int] = HOSTS, reps: int = 3, *, tools: Sequence[str] = T
              for tool in tools if tool not in chosen for n in hosts]
     rows.sort(key=lambda r: (list(tools).index(r["tool"]), r["hosts"]))
     if "hydra" in chosen:
-        for key in ("world_s", "wired_s", "exit_s", "cpu_s"):
+        for key in ("world_s", "wired_s", "exit_s", "cpu_s", "machine_s"):
             common.add_ratios(rows, key)
     return rows
 

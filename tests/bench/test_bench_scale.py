@@ -27,6 +27,7 @@ def test_hosts_scale_times_every_tool_with_its_head_cpu_on_one_host(netns_cluste
         assert row["ok"] == row["reps"] == 1, row.get("error")
         assert 0 < row["running_s"] <= row["exit_s"]
         assert row["cpu_s"] > 0 and row["tail_s"] >= 0
+        assert row["machine_s"] > 0  # both sides of the host: /proc/stat's ticks, sampled
         if row["tool"] == "pdsh":
             assert row["world_s"] is None and row["wired_s"] is None  # no PMI: no MPI world
         else:
