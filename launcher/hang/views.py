@@ -6,7 +6,7 @@ hosts never meet.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import workerenv
 
@@ -95,10 +95,12 @@ class RankView:
 
     def to_json(self) -> dict[str, Any]:
         """As ``dataclasses.asdict``, without its deep copy of every value: every agent sends
-        every rank's view once a second (its tuples are encoded as JSON arrays either way)."""
-        body = {name: getattr(self, name) for name in _VIEW_FIELDS}
-        body["groups"] = [{name: getattr(g, name) for name in _GROUP_FIELDS}
-                          for g in self.groups]
+        every rank's view once a second (its tuples are encoded as JSON arrays either way).
+        The instances' own dicts hold exactly their fields, in order (no slots, nothing
+        cached), and copying them takes half the time of reading each field by name, which
+        was 3% of the simulated cluster's CPU at 1,024 hosts (yappi, 2026-11-30)."""
+        body = dict(vars(self))
+        body["groups"] = [dict(vars(g)) for g in self.groups]
         return body
 
     @classmethod
@@ -106,10 +108,6 @@ class RankView:
         groups = tuple(GroupView(**{**g, "history": tuple(map(tuple, g.get("history", ())))})
                        for g in body.get("groups", ()))
         return cls(**{**body, "groups": groups})
-
-
-_VIEW_FIELDS = tuple(f.name for f in fields(RankView))
-_GROUP_FIELDS = tuple(f.name for f in fields(GroupView))
 
 
 def view_of(record: workerenv.RankProgress | None, *, rank: int, host: str, state: str,

@@ -330,6 +330,16 @@ def test_views_survive_the_json_of_a_progress_frame():
     assert RankView.from_json(v.to_json()) == v
 
 
+def test_a_views_json_holds_its_fields_in_order_and_nothing_else():
+    import dataclasses
+
+    v = skipped_all_reduce()[1]
+    assert v.groups
+    assert v.to_json() == dataclasses.asdict(v) | {"groups": [dataclasses.asdict(g)
+                                                               for g in v.groups]}
+    assert list(v.to_json()) == [f.name for f in dataclasses.fields(RankView)]
+
+
 def test_perf_check_flags_the_slow_host_and_the_slow_link_only():
     report = judge({"hosts": {"a": 100.0, "b": 96.0, "c": 40.0},
                     "links": [["a", "b", 1.0], ["a", "c", 0.9], ["b", "c", 0.2]]})
