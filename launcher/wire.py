@@ -26,7 +26,10 @@ from dataclasses import dataclass, field
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
-    from typing import Any
+    from collections.abc import Callable
+    from typing import Any, TypeVar
+
+    T = TypeVar("T")
 
 PROTOCOL_VERSION = 8  # 2: STDIN and STDIN_ACK frames; 3: PROGRESS and PROBE; 4: rounds (a
 #                     SPEC after DONE starts the next round; a SPEC without ranks checks a spare);
@@ -209,6 +212,9 @@ def split(data: bytes) -> list[bytes]:
     return frames
 
 
+_KINDS = {int(kind): kind for kind in Kind}
+
+
 class Decoder:
     """Incremental decoder: feed it whatever the stream gave, get back the whole frames."""
 
@@ -216,20 +222,27 @@ class Decoder:
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Frame]:
+        return self._whole(data, lambda kind, frame: Frame(kind, bytes(frame[5:])))
+
+    def feed_raw(self, data: bytes) -> list[bytes]:
+        """The whole frames, each as the bytes that came (checked as `feed` checks them; the
+        kind is byte 4): a relay forwards them without decoding and encoding them again."""
+        return self._whole(data, lambda kind, frame: bytes(frame))
+
+    def _whole(self, data: bytes, take: Callable[[Kind, memoryview], T]) -> list[T]:
+        """``take(kind, the frame's bytes in the buffer)`` of each whole frame, in order."""
         self._buf += data
-        frames: list[Frame] = []
+        frames: list[T] = []
         while len(self._buf) >= _HEADER.size:
             length, kind = _HEADER.unpack_from(self._buf)
             if length < 1 or length > MAX_FRAME:
                 raise WireError(f"frame length {length} out of range")
             if len(self._buf) < 4 + length:
                 break
-            try:
-                k = Kind(kind)
-            except ValueError:
-                raise WireError(f"unknown frame kind {kind}") from None
-            with memoryview(self._buf) as view:  # one copy of the payload, not two
-                frames.append(Frame(k, bytes(view[5:4 + length])))
+            if (k := _KINDS.get(kind)) is None:  # not `Kind(kind)`: 0.43 µs a frame, not 0.03
+                raise WireError(f"unknown frame kind {kind}")
+            with memoryview(self._buf) as view:  # one copy out of the buffer, not two
+                frames.append(take(k, view[:4 + length]))
             del self._buf[:4 + length]
         return frames
 

@@ -67,15 +67,11 @@ class Relay:
         removes if this one is SIGKILLed: needed when ``connect`` is None); ``writer``: makes a
         child's writer thread from its sink (`launcher.agent.writer.FrameWriter`: no agent
         import)."""
-        self._connector: Callable[[], Callable[[dict[str, Any]], AgentStream]]
-        if connect is not None:
-            self._connector = lambda: connect
-        elif keys_folder is not None:
-            self._connector = lambda: self._over_ssh(keys_folder())
-        else:
+        if connect is None and keys_folder is None:
             raise ValueError("a relay that starts its children over SSH needs a folder for "
                              "their known_hosts lines")
-        self._writer, self.own, self._ssh_client = writer, int(body["index"]), connect is None
+        self._connect, self._keys_folder = connect, keys_folder  # None: over SSH
+        self._writer, self.own = writer, int(body["index"])
         self.up, self._own_pmi = up, own_pmi
         self._python = str(body["python"])
         self._ssh = dict(body.get("ssh") or {})
@@ -108,7 +104,7 @@ class Relay:
     def start(self) -> None:
         """Connect the children from a thread, importing what that needs here first: a module
         imported by two threads at once can be seen half-made (`typing`, as paramiko loads it)."""
-        if self._ssh_client:
+        if self._connect is None:
             from launcher.tree.hops import client_of
 
             if client_of(self._children) == "openssh":
@@ -240,22 +236,19 @@ class Relay:
 
     # -- connecting ----------------------------------------------------------------------------
     def _connect_all(self) -> None:
-        try:
-            connect = self._connector()
-        except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
-            for index in self._children:
-                self._lost(index, f"the relay could not start it: {exc}", connect=True)
-            return
+        connect = self._connect
+        if connect is None:  # each child's agent over SSH, as its hop says: its keys first
+            from launcher.tree.hops import RelayKeys
+
+            assert self._keys_folder is not None  # required with no `connect` (`__init__`)
+            try:
+                self._keys = RelayKeys(self._keys_folder())
+                connect = self._keys.connector(self._children, self._python, self._ssh)
+            except Exception as exc:  # noqa: BLE001 (every child is lost, and says why)
+                for index in self._children:
+                    self._lost(index, f"the relay could not start it: {exc}", connect=True)
+                return
         self._start_children(connect)
-
-    def _over_ssh(self, folder: str) -> Callable[[dict[str, Any]], AgentStream]:
-        """Each child's agent over SSH, as its hop says, its keys in ``folder``."""
-        from launcher.tree.hops import RelayKeys
-
-        self._keys = RelayKeys(folder)
-        connect: Callable[[dict[str, Any]], AgentStream] = self._keys.connector(
-            self._children, self._python, self._ssh)
-        return connect
 
     def _start_children(self, connect: Callable[[dict[str, Any]], AgentStream]) -> None:
         from launcher.errors import ConnectError

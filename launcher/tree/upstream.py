@@ -67,24 +67,24 @@ class Upstream:
         """One read of child ``index``'s stream: its frames up, in one write where they can
         be, or taken here."""
         self.spoke.add(index)
-        out: list[bytes] = []  # encoded frames for the parent, in order
+        out: list[bytes] = []  # frames for the parent, in order
         own: list[bytes] = []  # the child's own frames not yet wrapped
-        for frame in decoder.feed(data):
-            if frame.kind in (wire.Kind.ROUTED, wire.Kind.GONE):
+        for frame in decoder.feed_raw(data):  # each as it came: forwarded, not encoded again
+            kind = frame[4]
+            if kind in (wire.Kind.ROUTED, wire.Kind.GONE):
                 _wrap(index, own, out)
-                out.append(wire.encode(frame.kind, frame.payload))
-            elif frame.kind is wire.Kind.OUTPUT:
+                out.append(frame)
+            elif kind == wire.Kind.OUTPUT:
                 _wrap(index, own, out)
                 self._forward(out)
-                self.up.send_output_frame(wire.encode_routed(
-                    index, wire.encode(frame.kind, frame.payload)))
-            elif frame.kind is wire.Kind.PMI:
+                self.up.send_output_frame(wire.encode_routed(index, frame))
+            elif kind == wire.Kind.PMI:
                 _wrap(index, own, out)
                 self._forward(out)  # what came before goes first: what it sends may go up
-                if not self._take_pmi(index, frame):
-                    own.append(wire.encode(frame.kind, frame.payload))
+                if not self._take_pmi(index, wire.Frame(wire.Kind.PMI, frame[5:])):
+                    own.append(frame)
             else:
-                own.append(wire.encode(frame.kind, frame.payload))
+                own.append(frame)
         _wrap(index, own, out)
         self._forward(out)
 

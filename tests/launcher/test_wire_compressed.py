@@ -72,3 +72,14 @@ def test_a_relay_splits_a_routed_payload_into_its_frames_as_they_came():
     beat = wire.encode(wire.Kind.HEARTBEAT)
     assert wire.split(cards) == [cards] and wire.split(cards)[0] is cards  # no copy
     assert wire.split(beat + cards + beat[:3]) == [beat, cards]  # a cut frame is left
+
+
+def test_a_relay_reads_a_childs_frames_as_they_came_whatever_the_chunking():
+    frames = [wire.encode(wire.Kind.HEARTBEAT), wire.encode_output(3, 1, b"x\r\ny"),
+              wire.encode_json(wire.Kind.PMI, {"op": "cards", "kv": CARDS})]
+    data, decoder, got = b"".join(frames), wire.Decoder(), []
+    for at in range(0, len(data), 1000):  # the cards arrive in many reads
+        got += decoder.feed_raw(data[at:at + 1000])
+    assert got == frames and decoder.pending == 0
+    with pytest.raises(wire.WireError, match="unknown frame kind 255"):
+        wire.Decoder().feed_raw(b"\0\0\0\1\xff")  # checked as `feed` checks it

@@ -8,13 +8,17 @@ their agreement completes only when the test says so."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
+import inotify_simple
 import pytest
 import torch
 
 from trainer.checkpoint import CheckpointError, rank_file
 from trainer.checkpoint.layout import committed
+from trainer.checkpoint.records import Gathering, leave
 from trainer.checkpoint.save import Save, claim, opened
 from trainer.comm.protocol import ReduceOp
 
@@ -94,3 +98,32 @@ def test_a_rank_that_left_no_record_is_heard_of_through_the_agreement(tmp_path: 
     with pytest.raises(CheckpointError, match="another writer \\(rank 1\\) failed"):
         leader.settle(None)
     assert not leader.tmp.exists()  # the leader removed what the save left
+
+
+class _Deaf:
+    """inotify where a record is renamed by another host (NFS, Lustre): nothing is told."""
+
+    waiting = threading.Event()
+
+    def add_watch(self, path: Path, mask: int) -> int:
+        return 1
+
+    def read(self, timeout: int) -> list[object]:
+        _Deaf.waiting.set()
+        time.sleep(timeout / 1000)
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_record_inotify_never_tells_of_is_read_at_the_leaders_next_look(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(inotify_simple, "INotify", _Deaf)
+    gathering = Gathering(tmp_path, 2)
+    gathering.own({"files": {}, "synced": True, "checks": [0]})
+    gathering.start()
+    assert _Deaf.waiting.wait(60)  # the leader looked, found no record, and waits
+    leave(tmp_path, 1, {"files": {}, "synced": True, "checks": [3]})
+    assert gathering.until(_Pending(torch.zeros(1)))  # the agreement never completes
+    assert [record["checks"] for record in gathering.rest()] == [[0], [3]]

@@ -25,9 +25,13 @@ from typing import Any
 from trainer.checkpoint.files import fsync_soon
 from trainer.comm.protocol import Handle
 
-POLL_S = 2e-4
-"""Seconds between two looks of the leader for records (as between its polls of an
-agreement, `trainer.comm.protocol.wait_quietly`)."""
+POLL_S = 0.05
+"""Seconds between two looks of the leader for records when nothing woke it, and between its
+looks at the agreement while it waits (`Gathering.until`). The reader wakes as a record
+arrives (inotify: the rename that makes it whole), so this bounds only what inotify does not
+see: a record renamed by another host on a network filesystem (NFS, Lustre) gives no event
+here, and a failed save, told by the agreement. Waiting for 7 records left 50 ms apart cost
+the leader 47 ms of CPU looking every 0.2 ms, 3.3 ms woken by inotify (2026-11-30)."""
 _NAME = re.compile(r"rank-(\d{5})\.json")
 
 
@@ -66,17 +70,17 @@ class Gathering:
         self.records: dict[int, Any] = {}
         self.syncing: list[Future[None]] = []
         self._stop = threading.Event()
+        self._done = threading.Event()  # the reader took its last record, or failed
         self._reader: threading.Thread | None = None
         self._failed = False
 
-    def start(self) -> threading.Thread:
+    def start(self) -> None:
         """Read the records as they appear, from now on, in a thread (a daemon: a save
-        abandoned before every record came never holds the process); the thread."""
+        abandoned before every record came never holds the process)."""
         if self._reader is None:
             self._reader = threading.Thread(target=self._read, daemon=True,
                                             name="checkpoint-records")
             self._reader.start()
-        return self._reader
 
     def own(self, record: dict[str, Any]) -> None:
         """The leader's own record: taken as is, never through the folder."""
@@ -86,18 +90,19 @@ class Gathering:
         """True once every record is read; False when ``handle`` (the agreement that every
         write succeeded) completed first, or a record could not be read (`rest` raises it
         again, in the commit)."""
-        reader = self.start()
-        while reader.is_alive():
-            reader.join(POLL_S)
-            if reader.is_alive() and (handle is None or handle.is_completed()):
+        self.start()
+        while not self._done.wait(POLL_S):
+            if handle is None or handle.is_completed():
                 self.stop()
         return len(self.records) == self.size and not self._failed
 
     def stop(self) -> None:
-        """Stop reading in the thread (and wait for it)."""
+        """Stop reading in the thread, and wait until it is done: up to `POLL_S`, where it
+        waits for a record (a failed save, or an agreement that completed before the last
+        record was read)."""
         self._stop.set()
         if self._reader is not None:
-            self._reader.join()
+            self._done.wait()
 
     def rest(self) -> list[Any]:
         """Every rank's record, in rank order (each rank has left its record: the ranks
@@ -109,14 +114,31 @@ class Gathering:
         return [self.records[rank] for rank in range(self.size)]
 
     def _read(self) -> None:
+        """Look in the folder, then wait for a record's rename into it (watched before the
+        first look: none is missed), or `POLL_S`. A reader that fails (the user's inotify
+        instances used up, a record unreadable) leaves the leader to commit after the
+        agreement, reading the records itself (`rest`, which raises a record's error)."""
+        arrivals = None
         try:
-            while not self._stop.is_set() and len(self.records) < self.size:
-                for name in os.listdir(self.tmp):
-                    if (found := _NAME.fullmatch(name)) and int(found[1]) not in self.records:
-                        self._take(int(found[1]))
-                self._stop.wait(POLL_S)
+            from inotify_simple import INotify, flags
+
+            arrivals = INotify()
+            arrivals.add_watch(self.tmp, flags.MOVED_TO | flags.ONLYDIR)
+            while self._look():
+                arrivals.read(timeout=int(POLL_S * 1000))
         except Exception:  # noqa: BLE001 - read again by `rest`, which raises it
             self._failed = True
+        finally:
+            self._done.set()  # before the close, which waits for the kernel to drop the
+            if arrivals is not None:  # watch: 13-20 ms, measured on the development VM
+                arrivals.close()
+
+    def _look(self) -> bool:
+        """Take the records in the folder; True while one is missing (and not stopped)."""
+        for name in os.listdir(self.tmp):
+            if (found := _NAME.fullmatch(name)) and int(found[1]) not in self.records:
+                self._take(int(found[1]))
+        return not self._stop.is_set() and len(self.records) < self.size
 
     def _take(self, rank: int) -> None:
         self._took(rank, read(self.tmp, rank))
