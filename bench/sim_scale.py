@@ -171,7 +171,7 @@ def fidelity(hosts: int = FIDELITY_HOSTS, per_host: int = PER_HOST,
     for mode, real in (("real", True), ("sim", False)):
         t0 = time.monotonic()
         results[mode] = simjob.run_job(hosts, per_host, real=real, timeout=300, extra=extra,
-                                       heartbeat=HEARTBEAT_S)
+                                       heartbeat=HEARTBEAT_S, idle=True)
         rows.append(_row(results[mode], f"fidelity {mode}", time.monotonic() - t0))
     real_c, sim_c = (_counted(results[m]) for m in ("real", "sim"))
     ratio = rows[1]["head_cpu_s"] / rows[0]["head_cpu_s"] if rows[0]["head_cpu_s"] else None
@@ -232,7 +232,7 @@ def _sizes(sizes: Sequence[int], per_host: int, mode: str, extra: Sequence[str],
             reads = {"gets": MPICH_READS} if exchange == "mpich" else {}
             result = simjob.run_job(hosts, per_host, timeout=budget_s, extra=extra,
                                     heartbeat=HEARTBEAT_S, rendezvous=rendezvous,
-                                    exchange=exchange, **reads)
+                                    exchange=exchange, idle=True, **reads)
         except Exception as exc:  # noqa: BLE001 - a size that fails is a row, not the end
             rows.append({"mode": mode, "tool": f"dtrain {mode}", "hosts": hosts, "reps": 1,
                          "ranks": hosts * per_host, "ok": "no",

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from testbed.simcluster import IDLE_VARIABLE
 from testbed.simrank import CARD_CHARS, EXCHANGES, FENCED, FINALIZED, PEER_GETS, WIRED
 from testbed.sshd import free_port
 
@@ -50,7 +51,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
             real: bool = False, timeout: float = 600.0, extra: Sequence[str] = (),
             heartbeat: float | None = None, rendezvous: bool = False,
             profile: Path | None = None, card_chars: int = CARD_CHARS,
-            exchange: str = EXCHANGES[0]) -> dict[str, Any]:
+            exchange: str = EXCHANGES[0], idle: bool = False) -> dict[str, Any]:
     """Launch, fence and end one job of ``hosts`` x ``ranks``; its measurements (see module).
     ``extra`` goes to `dtrain launch` before the program (e.g. ``--fanout 4``).
     ``heartbeat`` sets --heartbeat-interval: hundreds of simulated hosts share this machine's
@@ -63,7 +64,8 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
     (token handshake, roster) instead of being dialled. ``card_chars`` is each rank's
     business card's length in the light exchange; ``exchange`` the address exchange the ranks
     play (`testbed.simrank.EXCHANGES`; with "mpich", ``gets`` is the hosts whose cards each
-    host's first rank reads)."""
+    host's first rank reads). ``idle``: the simulation runs at SCHED_IDLE, below the head
+    (`testbed.simcluster.yield_to_head`: a bench measuring the head)."""
 
     def spied(name: str) -> list[str]:
         if profile is None or name not in ("head", "worker0"):
@@ -78,7 +80,7 @@ def run_job(hosts: int, ranks: int, *, workers: int | None = None, gets: int = P
         env = {**os.environ, "DTRAIN_SIM_GETS": str(gets), "OMP_NUM_THREADS": "1",
                "DTRAIN_SIM_CARD_CHARS": str(card_chars), "DTRAIN_SIM_EXCHANGE": exchange,
                "PYTHONPATH": str(REPO), "DTRAIN_SIM_STAMPS": str(folder / "stamps"),
-               "DTRAIN_SIM_PHASES": "1"}
+               "DTRAIN_SIM_PHASES": "1", **({IDLE_VARIABLE: "1"} if idle else {})}
         hostfile = folder / "hosts"
         hostfile.write_text("".join(f"sim{i + 1} slots={ranks}\n" for i in range(hosts)))
         procs: list[subprocess.Popen[bytes]] = []

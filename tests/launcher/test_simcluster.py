@@ -6,8 +6,9 @@ relayed, each fence merged so the head answers only the hosts it started, each g
 the nearest level that has the card); at 8 hosts the
 simulator sends the head the same frames, kind by kind, as real agent processes with real rank
 processes playing the same PMI-1 conversation.
-Frames that follow the clock (heartbeats, periodic progress records) are compared as present,
-not counted: their number depends on how long each phase took.
+Frames that follow the clock (heartbeats, periodic progress records, a barrier's stall reports
+once it outlasts --pmi-stall on a loaded machine) are compared as present, not counted: their
+number depends on how long each phase took.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from testbed.simrank import (
     segment,
 )
 
-CLOCKED = {"HEARTBEAT", "PROGRESS"}
+CLOCKED = {"HEARTBEAT", "PROGRESS", "PMI:stall", "PMI:stall_query", "PMI:stall_state"}
 
 
 def _counted(result: dict[str, Any]) -> dict[str, dict[str, int]]:
