@@ -27,7 +27,7 @@ from tests.support.dp_workers.cases import CASES, STEPS, case_config
 from tests.support.mpi_runs import run_ranks, world_run
 from tests.support.numerics import U32, U64, f64, reduction_rtol
 from tests.support.serial_reference import Bounds, bounds, train_serially
-from trainer.parallel.data.buckets import plan_buckets, wants_comm_thread
+from trainer.parallel.data.buckets import plan_buckets, wants_comm_thread, wants_quiet_waits
 from trainer.training.metrics import read_records
 
 TOKENS = 8 * 32  # global batch x seq_len of every case: the longest sum in a gradient element
@@ -155,6 +155,14 @@ def test_the_comm_thread_drives_mpi_only_where_a_core_is_left_beyond_one_per_ran
     assert not wants_comm_thread("mpi", local_ranks=2, cores=2)
     assert not wants_comm_thread("mpi", local_ranks=4, cores=2)
     assert not wants_comm_thread("nccl", local_ranks=1, cores=64)
+
+
+def test_mpi_waits_are_polled_with_sleeps_only_where_ranks_share_cores() -> None:
+    assert wants_quiet_waits("mpi", local_ranks=4, cores=2)
+    assert wants_quiet_waits("mpi", local_ranks=3, cores=2)
+    assert not wants_quiet_waits("mpi", local_ranks=2, cores=2)
+    assert not wants_quiet_waits("mpi", local_ranks=1, cores=8)
+    assert not wants_quiet_waits("nccl", local_ranks=8, cores=2)
 
 
 def test_one_huge_bucket_size_gives_a_single_bucket() -> None:

@@ -58,7 +58,13 @@ from torch import nn
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_quietly
 from trainer.errors import TrainerError
 from trainer.model.precision import main_grad_dtype
-from trainer.parallel.data.buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
+from trainer.parallel.data.buckets import (
+    Bucket,
+    FutureHandle,
+    plan_buckets,
+    wants_comm_thread,
+    wants_quiet_waits,
+)
 
 
 class GradSyncError(TrainerError):
@@ -103,6 +109,7 @@ class DataParallel:
             comm_thread = wants_comm_thread(comm.backend)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dp-grad-sync") \
             if comm_thread and overlap and comm.size > 1 else None
+        self._quiet_waits = self._thread is None and wants_quiet_waits(comm.backend)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.zero_grad()
@@ -295,13 +302,10 @@ class DataParallel:
         return bucket.view if bucket.wire is None else bucket.wire.copy_(bucket.view)
 
     def _wait(self, handle: Handle | None) -> None:
-        """Wait for one bucket's reduction at the end of the step. MPI's blocking wait spins
-        its core until the peers are done, and ranks that share the cores need it meanwhile
-        (measured with `bench.ddp`, CPU per step and rank: dp 4 on 2 cores 105 ms spinning,
-        97 polling; dp 2 on a loaded host 166 against 148), so on MPI without a comm thread
-        the handle is polled with short sleeps; a comm thread's handle, or another backend's,
-        is waited on as is."""
-        if handle is not None and self._thread is None and self.comm.backend == "mpi":
+        """Wait for one bucket's reduction: polled with short sleeps where ranks share cores
+        on MPI (`wants_quiet_waits`), else (a core per rank, a comm thread's handle, NCCL)
+        waited on as is."""
+        if handle is not None and self._quiet_waits:
             wait_quietly(handle, self.poll_interval)
         elif handle is not None:
             handle.wait()
