@@ -58,9 +58,9 @@ def wants_quiet_waits(backend: str, local_ranks: int | None = None,
     """Whether DP should wait for its reductions by polling them with short sleeps rather than
     MPI's blocking wait, which spins its core until the peers are done: only where ranks share
     cores (`spare_cores` < 0), whose peers need that core meanwhile (`bench.ddp`, CPU per step
-    and rank, dp 4 on 2 cores: 105 ms spinning, 97 polling). With a core per rank the spin
-    costs no one, and the sleeps would delay each step of the reduction (2026-11-30, dp 2 on
-    2 cores: exposed communication 2.2-2.5 ms polling against 0.2 spinning)."""
+    and rank, dp 4 on 2 cores, 3 runs under load: 98-114 ms spinning, 93-104 polling). With a
+    core per rank the spin costs no one, and the sleeps would delay each step of the reduction
+    (2026-11-30, dp 2 on 2 cores: exposed communication 2.2-2.5 ms polling, 0.2 spinning)."""
     return backend == "mpi" and spare_cores(local_ranks, cores) < 0
 
 
