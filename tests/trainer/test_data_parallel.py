@@ -27,7 +27,7 @@ from tests.support.dp_workers.cases import CASES, STEPS, case_config
 from tests.support.mpi_runs import run_ranks, world_run
 from tests.support.numerics import U32, U64, f64, reduction_rtol
 from tests.support.serial_reference import Bounds, bounds, train_serially
-from trainer.parallel.data.buckets import plan_buckets, wants_comm_thread
+from trainer.parallel.data.buckets import plan_buckets, wants_comm_thread, wants_quiet_waits
 from trainer.training.metrics import read_records
 
 TOKENS = 8 * 32  # global batch x seq_len of every case: the longest sum in a gradient element
@@ -149,12 +149,14 @@ def test_buckets_follow_reverse_parameter_order_and_never_split_a_parameter() ->
         (0, 8, [0, 1]), (8, 16, [2]), (16, 20, [3, 4, 5])]
 
 
-def test_the_comm_thread_drives_mpi_only_where_a_core_is_left_beyond_one_per_rank() -> None:
-    assert wants_comm_thread("mpi", local_ranks=1, cores=2)
-    assert wants_comm_thread("mpi", local_ranks=7, cores=8)
-    assert not wants_comm_thread("mpi", local_ranks=2, cores=2)
-    assert not wants_comm_thread("mpi", local_ranks=4, cores=2)
-    assert not wants_comm_thread("nccl", local_ranks=1, cores=64)
+@pytest.mark.parametrize(("backend", "local_ranks", "cores", "thread", "quiet"), [
+    ("mpi", 1, 2, True, False), ("mpi", 7, 8, True, False), ("mpi", 2, 2, False, False),
+    ("mpi", 3, 2, False, True), ("mpi", 4, 2, False, True), ("nccl", 1, 64, False, False),
+    ("nccl", 8, 2, False, False)])
+def test_mpi_has_a_comm_thread_given_a_spare_core_and_polls_waits_where_ranks_share_cores(
+        backend: str, local_ranks: int, cores: int, thread: bool, quiet: bool) -> None:
+    assert wants_comm_thread(backend, local_ranks=local_ranks, cores=cores) is thread
+    assert wants_quiet_waits(backend, local_ranks=local_ranks, cores=cores) is quiet
 
 
 def test_one_huge_bucket_size_gives_a_single_bucket() -> None:

@@ -30,21 +30,38 @@ def plan_buckets(numels: Sequence[int], bucket_size: int) -> list[tuple[int, int
     return buckets
 
 
-def wants_comm_thread(backend: str, local_ranks: int | None = None,
-                      cores: int | None = None) -> bool:
-    """Whether DP should drive its reductions from a host thread: only MPI needs one, and only a
-    host with a core to spare beyond one per local rank has the CPU time for it. With exactly a
-    core per rank the thread's polls preempt the backward on that core: `bench.ddp` measured
-    dp 2 on 2 cores at 1-8% more CPU per step than MPI's own nonblocking calls driven from the
-    gradient hooks (2026-11-29, 7 runs), and no shorter step. ``local_ranks`` defaults to the
-    launcher's count: LOCAL_WORLD_SIZE (dtrain launch, torchrun) or MPI_LOCALNRANKS (MPICH's
-    mpiexec), else 1; ``cores`` to the cores this process may run on."""
+def spare_cores(local_ranks: int | None = None, cores: int | None = None) -> int:
+    """Cores of this host beyond one per local rank (negative: ranks share cores).
+    ``local_ranks`` defaults to the launcher's count: LOCAL_WORLD_SIZE (dtrain launch,
+    torchrun) or MPI_LOCALNRANKS (MPICH's mpiexec), else 1; ``cores`` to the cores this
+    process may run on."""
     if local_ranks is None:
         raw = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("MPI_LOCALNRANKS") or "1"
         local_ranks = int(raw) if raw.isdigit() else 1
     if cores is None:
         cores = len(os.sched_getaffinity(0))
-    return backend == "mpi" and local_ranks < cores
+    return cores - local_ranks
+
+
+def wants_comm_thread(backend: str, local_ranks: int | None = None,
+                      cores: int | None = None) -> bool:
+    """Whether DP should drive its reductions from a host thread: only MPI needs one, and only a
+    host with a core to spare beyond one per local rank (`spare_cores`) has the CPU time for
+    it. With exactly a core per rank the thread's polls preempt the backward on that core:
+    `bench.ddp` measured dp 2 on 2 cores at 1-8% more CPU per step than MPI's own nonblocking
+    calls driven from the gradient hooks (2026-11-29, 7 runs), and no shorter step."""
+    return backend == "mpi" and spare_cores(local_ranks, cores) > 0
+
+
+def wants_quiet_waits(backend: str, local_ranks: int | None = None,
+                      cores: int | None = None) -> bool:
+    """Whether DP should wait for its reductions by polling them with short sleeps rather than
+    MPI's blocking wait, which spins its core until the peers are done: only where ranks share
+    cores (`spare_cores` < 0), whose peers need that core meanwhile (`bench.ddp`, CPU per step
+    and rank, dp 4 on 2 cores, 3 runs under load: 98-114 ms spinning, 93-104 polling). With a
+    core per rank the spin costs no one, and the sleeps would delay each step of the reduction
+    (2026-11-30, dp 2 on 2 cores: exposed communication 2.2-2.5 ms polling, 0.2 spinning)."""
+    return backend == "mpi" and spare_cores(local_ranks, cores) < 0
 
 
 class FutureHandle:

@@ -58,7 +58,13 @@ from torch import nn
 from trainer.comm.protocol import Communicator, Handle, ReduceOp, wait_quietly
 from trainer.errors import TrainerError
 from trainer.model.precision import main_grad_dtype
-from trainer.parallel.data.buckets import Bucket, FutureHandle, plan_buckets, wants_comm_thread
+from trainer.parallel.data.buckets import (
+    Bucket,
+    FutureHandle,
+    plan_buckets,
+    wants_comm_thread,
+    wants_quiet_waits,
+)
 
 
 class GradSyncError(TrainerError):
@@ -103,6 +109,7 @@ class DataParallel:
             comm_thread = wants_comm_thread(comm.backend)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dp-grad-sync") \
             if comm_thread and overlap and comm.size > 1 else None
+        self._quiet_waits = self._thread is None and wants_quiet_waits(comm.backend)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self.zero_grad()
@@ -195,8 +202,7 @@ class DataParallel:
         self._hurry.set()
         self._launch_ready(final=True)
         for bucket in self.buckets:
-            if bucket.handle is not None:
-                bucket.handle.wait()
+            self._wait(bucket.handle)
             self._unwire(bucket)
         for p in self.params:  # unless a MainParams steps on main_grad itself
             if p.dtype != self.buffer.dtype and self.grads_to_params:
@@ -294,6 +300,15 @@ class DataParallel:
         """The bucket (its gradients already scaled by 1/dp in the hooks, `_take`), rounded to
         the reduce dtype when that is narrower (`finish_grad_sync` copies the result back)."""
         return bucket.view if bucket.wire is None else bucket.wire.copy_(bucket.view)
+
+    def _wait(self, handle: Handle | None) -> None:
+        """Wait for one bucket's reduction: polled with short sleeps where ranks share cores
+        on MPI (`wants_quiet_waits`), else (a core per rank, a comm thread's handle, NCCL)
+        waited on as is."""
+        if handle is not None and self._quiet_waits:
+            wait_quietly(handle, self.poll_interval)
+        elif handle is not None:
+            handle.wait()
 
     def _reduce_polled(self, bucket: Bucket) -> None:
         """The comm thread's reduction: post it, then drive MPI progress with short sleeps

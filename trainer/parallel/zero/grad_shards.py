@@ -310,8 +310,7 @@ class ShardedGradients(DataParallel):
             head = self._in_flight[0]
             if until <= 0 and head.handle is not None and not head.handle.is_completed():
                 return
-            if head.handle is not None:
-                head.handle.wait()
+            self._wait(head.handle)  # polled on MPI (`DataParallel._wait`)
             head.shard.add_(head.own.to(head.shard.dtype))
             self._account(head.wire, -1)
             self._in_flight.popleft()
