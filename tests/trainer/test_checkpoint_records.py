@@ -127,3 +127,19 @@ def test_a_record_inotify_never_tells_of_is_read_at_the_leaders_next_look(
     leave(tmp_path, 1, {"files": {}, "synced": True, "checks": [3]})
     assert gathering.until(_Pending(torch.zeros(1)))  # the agreement never completes
     assert [record["checks"] for record in gathering.rest()] == [[0], [3]]
+
+
+def test_the_reader_is_done_with_the_other_ranks_records_before_the_leader_gives_its_own(
+        tmp_path: Path) -> None:
+    """No rename announces the leader's own record: a reader that waited for it as well
+    slept a whole slow look after the last record whenever the leader wrote last."""
+    gathering = Gathering(tmp_path, 3)
+    gathering.start()
+    for rank in (1, 2):
+        leave(tmp_path, rank, {"files": {}, "synced": True, "checks": [rank]})
+    assert gathering._reader is not None
+    gathering._reader.join(60)
+    assert not gathering._reader.is_alive()  # finished without the leader's record
+    gathering.own({"files": {}, "synced": True, "checks": [0]})
+    assert gathering.until(_Pending(torch.zeros(1)))  # the agreement never completes
+    assert [record["checks"] for record in gathering.rest()] == [[0], [1], [2]]
