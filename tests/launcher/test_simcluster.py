@@ -318,3 +318,41 @@ def test_one_decode_of_a_large_pmi_frame_serves_every_simulated_host_of_a_proces
     assert frame(wire.Kind.PMI, small).json() is not frame(wire.Kind.PMI, small).json()
     spec = {"hosts": cards["kv"]}
     assert frame(wire.Kind.SPEC, spec).json() is not frame(wire.Kind.SPEC, spec).json()
+
+
+def test_hosts_that_get_the_same_large_frame_at_once_wait_for_one_decode(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import threading
+    import time
+
+    from launcher import wire
+    from testbed.simcluster import share_decodes
+
+    decodes = []
+    plain = wire.Frame.json
+
+    def slow_decode(frame: wire.Frame) -> dict[str, Any]:
+        decodes.append(frame)
+        time.sleep(0.05)  # long enough that every host's thread arrives during it
+        return plain(frame)
+
+    monkeypatch.setattr(wire.Frame, "json", slow_decode)  # undone after the test
+    share_decodes()
+    cards = {"op": "cards", "kv": {f"-allgather-1-{h}": os.urandom(300).hex() for h in range(512)}}
+    data = wire.encode_json(wire.Kind.PMI, cards)
+    copies = [wire.Decoder().feed(data)[0] for _ in range(8)]  # each host's own bytes
+    start = threading.Barrier(len(copies))
+    got: list[dict[str, Any]] = []
+
+    def host(frame: wire.Frame) -> None:
+        start.wait()
+        got.append(frame.json())
+
+    threads = [threading.Thread(target=host, args=(frame,)) for frame in copies]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(decodes) == 1
+    assert len(got) == 8 and all(value is got[0] for value in got) and got[0] == cards
