@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType
 
 import workerenv as we
@@ -132,9 +133,10 @@ class JobPlan:
         """Every rank in global-rank order."""
         return tuple(spec for host in self.hosts for spec in host.ranks)
 
-    @property
+    @cached_property
     def process_mapping(self) -> str:
-        """The PMI_process_mapping value MPICH asks the PMI server for."""
+        """The PMI_process_mapping value MPICH asks the PMI server for (made once: every
+        host's SPEC carries it, and making it walks every host)."""
         return process_mapping([len(host.ranks) for host in self.hosts])
 
 
