@@ -62,9 +62,18 @@ def _hex(seed: int, chars: int) -> str:
     return "".join(out)[:chars]
 
 
+def _shared(index: int) -> str:
+    """What segment ``index`` of every host's card has in common (made once a process)."""
+    made = _SHARED.get(index)
+    if made is None:
+        made = _SHARED[index] = _hex(index, SEGMENT_CHARS)
+    return made
+
+
 #: Segments made so far: a simulator process's ranks read the same hosts' cards, and making
 #: them again was ~6% of its CPU in MPICH's exchange at 1,024 hosts (yappi, 2026-11-30).
 _SEGMENTS: dict[tuple[int, int], str] = {}
+_SHARED: dict[int, str] = {}
 
 
 def segment(host: int, index: int) -> str:
@@ -75,7 +84,7 @@ def segment(host: int, index: int) -> str:
     (4.1x over 256 hosts' cards)."""
     made = _SEGMENTS.get((host, index))
     if made is None:
-        shared = _hex(index, SEGMENT_CHARS)
+        shared = _shared(index)
         own = _hex((host + 1) << 8 | index, SEGMENT_CHARS // 4)
         made = _SEGMENTS[host, index] = "".join(shared[i:i + 30] + own[i // 4:i // 4 + 10]
                                                 for i in range(0, SEGMENT_CHARS, 40))
