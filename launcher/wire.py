@@ -94,16 +94,21 @@ class Frame:
     payload: bytes
 
     def json(self) -> dict[str, Any]:
-        payload = self.payload
-        if payload[:1] == COMPRESSED:
-            payload = _inflate(self.kind, payload)
-        try:
-            value = json.loads(payload.decode("utf-8")) if payload else {}
-        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
-            raise WireError(f"{self.kind.name} frame is not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise WireError(f"{self.kind.name} frame is not a JSON object")
-        return value
+        return decode_json(self.kind, self.payload)
+
+
+def decode_json(kind: Kind, payload: bytes | memoryview) -> dict[str, Any]:
+    """The JSON object of a ``kind`` frame's payload: its own bytes, or a view of them in the
+    whole frame as it came (a relay reads a child's PMI message so, without copying it out)."""
+    if payload[:1] == COMPRESSED:
+        payload = _inflate(kind, payload)
+    try:
+        value = json.loads(str(payload, "utf-8")) if payload else {}
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise WireError(f"{kind.name} frame is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise WireError(f"{kind.name} frame is not a JSON object")
+    return value
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ def _deflate(body: bytes) -> bytes:
     return zlib.compress(body, 1)  # its header's first byte is COMPRESSED
 
 
-def _inflate(kind: Kind, payload: bytes) -> bytes:
+def _inflate(kind: Kind, payload: bytes | memoryview) -> bytes:
     import zlib
 
     inflater = zlib.decompressobj()
@@ -161,7 +166,7 @@ def encode_json_shared(kind: Kind, obj: dict[str, Any], key: str, encoded: bytes
                                            encode_value(key), b":", encoded, b"}"))))
 
 
-def opens(payload: bytes, opening: bytes) -> bool:
+def opens(payload: bytes | memoryview, opening: bytes) -> bool:
     """A JSON frame's ``payload`` begins with ``opening`` (a relay picks a fetch's answer out of
     what passes down so), read from its first bytes, inflated when compressed, the rest left."""
     head = payload[:len(opening)]

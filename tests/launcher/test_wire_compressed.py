@@ -51,6 +51,16 @@ def test_a_relay_reads_how_a_frame_opens_without_decoding_the_rest(cards):
     assert not wire.opens(b"x\x9c not zlib at all", b'{"op":"cards"')
 
 
+@pytest.mark.parametrize("cards", [CARDS, {"bc-0": "x" * 100}])
+def test_a_relay_reads_a_message_through_a_view_into_the_frame_as_it_came(cards):
+    """What a relay reads of a PMI frame passing by (a child's message, a fetch's answer) it
+    reads in place, compressed or not: the frame goes on as it came."""
+    msg = {"op": "cards", "kv": cards}
+    payload = memoryview(wire.encode_json(wire.Kind.PMI, msg))[5:]
+    assert wire.opens(payload, b'{"op":"cards"') and not wire.opens(payload, b'{"op":"push"')
+    assert wire.decode_json(wire.Kind.PMI, payload) == msg
+
+
 def test_a_small_object_travels_as_plain_json():
     msg = {"op": "get_result", "req": 3, "found": True, "value": "x" * 1000}
     frame = _frame(wire.encode_json(wire.Kind.PMI, msg))
