@@ -46,6 +46,7 @@ MAX_JSON = 4 * MAX_FRAME
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
 _INDEX = struct.Struct("!I")
+_ROUTED_HEADER = struct.Struct("!IBI")  # _HEADER, then _INDEX
 #: The first byte of a compressed JSON payload: zlib's header at every level (32 KiB window).
 COMPRESSED = b"x"
 
@@ -119,9 +120,14 @@ class Output:
 
 
 def encode(kind: Kind, payload: bytes = b"") -> bytes:
-    if len(payload) + 1 > MAX_FRAME:
-        raise WireError(f"{kind.name} frame of {len(payload)} bytes exceeds {MAX_FRAME}")
-    return _HEADER.pack(len(payload) + 1, int(kind)) + payload
+    return _HEADER.pack(_length(kind, len(payload)), int(kind)) + payload
+
+
+def _length(kind: Kind, payload: int) -> int:
+    """The length field of a ``kind`` frame with ``payload`` bytes (refused beyond MAX_FRAME)."""
+    if payload + 1 > MAX_FRAME:
+        raise WireError(f"{kind.name} frame of {payload} bytes exceeds {MAX_FRAME}")
+    return payload + 1
 
 
 def encode_json(kind: Kind, obj: dict[str, Any] | None = None) -> bytes:
@@ -185,8 +191,10 @@ def encode_output(rank: int, stream: int, data: bytes) -> bytes:
 
 
 def encode_routed(host: int, frames: bytes) -> bytes:
-    """Whole frames of host ``host``'s stream, carried by the relays between it and the head."""
-    return encode(Kind.ROUTED, _INDEX.pack(host) + frames)
+    """Whole frames of host ``host``'s stream, carried by the relays between it and the head
+    (the header and index packed together: the frames are copied once, not twice)."""
+    length = _length(Kind.ROUTED, _INDEX.size + len(frames))
+    return _ROUTED_HEADER.pack(length, Kind.ROUTED, host) + frames
 
 
 def decode_routed(frame: Frame) -> tuple[int, bytes]:

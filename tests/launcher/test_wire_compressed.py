@@ -84,6 +84,25 @@ def test_a_relay_splits_a_routed_payload_into_its_frames_as_they_came():
     assert wire.split(beat + cards + beat[:3]) == [beat, cards]  # a cut frame is left
 
 
+@pytest.mark.parametrize("frames", [
+    b"", wire.encode(wire.Kind.HEARTBEAT),
+    wire.encode(wire.Kind.HEARTBEAT) + wire.encode_json(wire.Kind.PMI, {"kv": CARDS})])
+def test_a_routed_frame_is_a_frame_of_the_hosts_index_and_its_frames(frames):
+    """One header for the index and the frames, as `encode` writes any frame."""
+    routed = wire.encode_routed(70000, frames)
+    assert routed == wire.encode(wire.Kind.ROUTED, (70000).to_bytes(4, "big") + frames)
+    assert wire.decode_routed(_frame(routed)) == (70000, frames)
+
+
+def test_a_routed_frame_is_refused_where_the_frame_it_is_would_be():
+    fits = bytes(wire.MAX_FRAME - 5)  # with the index and the kind byte: MAX_FRAME
+    assert len(wire.encode_routed(1, fits)) == 4 + wire.MAX_FRAME
+    for encode in (lambda f: wire.encode_routed(1, f),
+                   lambda f: wire.encode(wire.Kind.ROUTED, bytes(4) + f)):
+        with pytest.raises(wire.WireError, match=f"ROUTED frame of {wire.MAX_FRAME} bytes"):
+            encode(fits + b"\0")
+
+
 def test_a_relay_reads_a_childs_frames_as_they_came_whatever_the_chunking():
     frames = [wire.encode(wire.Kind.HEARTBEAT), wire.encode_output(3, 1, b"x\r\ny"),
               wire.encode_json(wire.Kind.PMI, {"op": "cards", "kv": CARDS})]
