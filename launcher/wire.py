@@ -46,7 +46,8 @@ MAX_JSON = 4 * MAX_FRAME
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
 _INDEX = struct.Struct("!I")
-_ROUTED_HEADER = struct.Struct("!IBI")  # _HEADER, then _INDEX
+_ROUTED_HEADERS = struct.Struct("!IBI")  # _HEADER, then _INDEX
+_OUTPUT_HEADERS = struct.Struct("!IBIB")  # _HEADER, then _OUTPUT_HEADER
 #: The first byte of a compressed JSON payload: zlib's header at every level (32 KiB window).
 COMPRESSED = b"x"
 
@@ -187,14 +188,16 @@ def opens(payload: bytes | memoryview, opening: bytes) -> bool:
 
 
 def encode_output(rank: int, stream: int, data: bytes) -> bytes:
-    return encode(Kind.OUTPUT, _OUTPUT_HEADER.pack(rank, stream) + data)
+    """Rank output as an OUTPUT frame, its two headers packed together (as `encode_routed`)."""
+    length = _length(Kind.OUTPUT, _OUTPUT_HEADER.size + len(data))
+    return _OUTPUT_HEADERS.pack(length, Kind.OUTPUT, rank, stream) + data
 
 
 def encode_routed(host: int, frames: bytes) -> bytes:
     """Whole frames of host ``host``'s stream, carried by the relays between it and the head
     (the header and index packed together: the frames are copied once, not twice)."""
     length = _length(Kind.ROUTED, _INDEX.size + len(frames))
-    return _ROUTED_HEADER.pack(length, Kind.ROUTED, host) + frames
+    return _ROUTED_HEADERS.pack(length, Kind.ROUTED, host) + frames
 
 
 def decode_routed(frame: Frame) -> tuple[int, bytes]:

@@ -94,6 +94,13 @@ def test_a_routed_frame_is_a_frame_of_the_hosts_index_and_its_frames(frames):
     assert wire.decode_routed(_frame(routed)) == (70000, frames)
 
 
+def test_an_output_frame_is_a_frame_of_the_rank_the_stream_and_the_bytes():
+    data = b"50%\r\xff\n" * 1000  # raw: a progress bar, not UTF-8
+    output = wire.encode_output(70000, 2, data)
+    assert output == wire.encode(wire.Kind.OUTPUT, (70000).to_bytes(4, "big") + b"\2" + data)
+    assert wire.decode_output(_frame(output)) == wire.Output(70000, 2, data)
+
+
 def test_a_routed_frame_is_refused_where_the_frame_it_is_would_be():
     fits = bytes(wire.MAX_FRAME - 5)  # with the index and the kind byte: MAX_FRAME
     assert len(wire.encode_routed(1, fits)) == 4 + wire.MAX_FRAME
