@@ -46,6 +46,8 @@ MAX_JSON = 4 * MAX_FRAME
 _HEADER = struct.Struct("!IB")
 _OUTPUT_HEADER = struct.Struct("!IB")
 _INDEX = struct.Struct("!I")
+_ROUTED_HEADERS = struct.Struct("!IBI")  # _HEADER, then _INDEX
+_OUTPUT_HEADERS = struct.Struct("!IBIB")  # _HEADER, then _OUTPUT_HEADER
 #: The first byte of a compressed JSON payload: zlib's header at every level (32 KiB window).
 COMPRESSED = b"x"
 
@@ -94,16 +96,21 @@ class Frame:
     payload: bytes
 
     def json(self) -> dict[str, Any]:
-        payload = self.payload
-        if payload[:1] == COMPRESSED:
-            payload = _inflate(self.kind, payload)
-        try:
-            value = json.loads(payload.decode("utf-8")) if payload else {}
-        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
-            raise WireError(f"{self.kind.name} frame is not JSON: {exc}") from None
-        if not isinstance(value, dict):
-            raise WireError(f"{self.kind.name} frame is not a JSON object")
-        return value
+        return decode_json(self.kind, self.payload)
+
+
+def decode_json(kind: Kind, payload: bytes | memoryview) -> dict[str, Any]:
+    """The JSON object of a ``kind`` frame's payload: its own bytes, or a view of them in the
+    whole frame as it came (a relay reads a child's PMI message so, without copying it out)."""
+    if payload[:1] == COMPRESSED:
+        payload = _inflate(kind, payload)
+    try:
+        value = json.loads(str(payload, "utf-8")) if payload else {}
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
+        raise WireError(f"{kind.name} frame is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise WireError(f"{kind.name} frame is not a JSON object")
+    return value
 
 
 @dataclass(frozen=True)
@@ -114,9 +121,14 @@ class Output:
 
 
 def encode(kind: Kind, payload: bytes = b"") -> bytes:
-    if len(payload) + 1 > MAX_FRAME:
-        raise WireError(f"{kind.name} frame of {len(payload)} bytes exceeds {MAX_FRAME}")
-    return _HEADER.pack(len(payload) + 1, int(kind)) + payload
+    return _HEADER.pack(_length(kind, len(payload)), int(kind)) + payload
+
+
+def _length(kind: Kind, payload: int) -> int:
+    """The length field of a ``kind`` frame with ``payload`` bytes (refused beyond MAX_FRAME)."""
+    if payload + 1 > MAX_FRAME:
+        raise WireError(f"{kind.name} frame of {payload} bytes exceeds {MAX_FRAME}")
+    return payload + 1
 
 
 def encode_json(kind: Kind, obj: dict[str, Any] | None = None) -> bytes:
@@ -132,7 +144,7 @@ def _deflate(body: bytes) -> bytes:
     return zlib.compress(body, 1)  # its header's first byte is COMPRESSED
 
 
-def _inflate(kind: Kind, payload: bytes) -> bytes:
+def _inflate(kind: Kind, payload: bytes | memoryview) -> bytes:
     import zlib
 
     inflater = zlib.decompressobj()
@@ -161,7 +173,7 @@ def encode_json_shared(kind: Kind, obj: dict[str, Any], key: str, encoded: bytes
                                            encode_value(key), b":", encoded, b"}"))))
 
 
-def opens(payload: bytes, opening: bytes) -> bool:
+def opens(payload: bytes | memoryview, opening: bytes) -> bool:
     """A JSON frame's ``payload`` begins with ``opening`` (a relay picks a fetch's answer out of
     what passes down so), read from its first bytes, inflated when compressed, the rest left."""
     head = payload[:len(opening)]
@@ -176,12 +188,16 @@ def opens(payload: bytes, opening: bytes) -> bool:
 
 
 def encode_output(rank: int, stream: int, data: bytes) -> bytes:
-    return encode(Kind.OUTPUT, _OUTPUT_HEADER.pack(rank, stream) + data)
+    """Rank output as an OUTPUT frame, its two headers packed together (as `encode_routed`)."""
+    length = _length(Kind.OUTPUT, _OUTPUT_HEADER.size + len(data))
+    return _OUTPUT_HEADERS.pack(length, Kind.OUTPUT, rank, stream) + data
 
 
 def encode_routed(host: int, frames: bytes) -> bytes:
-    """Whole frames of host ``host``'s stream, carried by the relays between it and the head."""
-    return encode(Kind.ROUTED, _INDEX.pack(host) + frames)
+    """Whole frames of host ``host``'s stream, carried by the relays between it and the head
+    (the header and index packed together: the frames are copied once, not twice)."""
+    length = _length(Kind.ROUTED, _INDEX.size + len(frames))
+    return _ROUTED_HEADERS.pack(length, Kind.ROUTED, host) + frames
 
 
 def decode_routed(frame: Frame) -> tuple[int, bytes]:

@@ -247,7 +247,7 @@ class NetnsCluster:
                 stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True)
         self._procs[host] = proc
-        wait_for_port(self.address(host), 22, proc, log)
+        wait_for_port(self.address(host), 22, proc, log, name="sshd")
 
     def kill_sshd(self, host: str) -> None:
         """SIGKILL the host's sshd daemon (its open sessions survive, as on a real host)."""

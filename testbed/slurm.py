@@ -18,14 +18,13 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 from testbed.netns import NetnsCluster, wait_no_pids
-from testbed.sshd import free_port, kill_pids, stop_process
+from testbed.sshd import DaemonExited, free_port, kill_pids, log_tail, stop_process, wait_for_port
 from testbed.stale import (
     STATE_DIR,
     abandoned,
@@ -114,20 +113,15 @@ class SlurmCluster:
             self._start("slurmctld", [], ["unshare", "--uts", "--", "sh", "-c",
                                           f"hostname {self.controller} && exec "
                                           f"{_tool('slurmctld')} -D -i -f {self.conf}"])
-            controller = self._daemons["slurmctld"]
-            deadline = time.monotonic() + 30
-            while controller.poll() is None and time.monotonic() < deadline:
-                try:
-                    socket.create_connection((self.netns.head_address, self.port),
-                                             timeout=0.5).close()
-                    return
-                except OSError:
-                    time.sleep(0.05)
-            if controller.poll() is None or "Address already in use" not in self._log("slurmctld"):
-                raise RuntimeError(f"slurmctld did not start listening on port {self.port}:\n"
-                                   f"{self._log('slurmctld')}")
-            for stale in ("slurmctld.out", "slurmctld.log"):
-                (self.dir / stale).unlink(missing_ok=True)
+            try:
+                wait_for_port(self.netns.head_address, self.port, self._daemons["slurmctld"],
+                              *self._logs("slurmctld"), name="slurmctld", timeout=30)
+                return
+            except DaemonExited as exited:
+                if "Address already in use" not in str(exited):
+                    raise
+            for stale in self._logs("slurmctld"):
+                stale.unlink(missing_ok=True)
         raise RuntimeError(f"slurmctld found no free port in {tries} tries")
 
     def _config(self, slurmd_timeout: int) -> str:
@@ -182,12 +176,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         keys = [process_key(p.pid) for p in self._daemons.values() if p.poll() is None]
         record(self._state, pids=[key for key in keys if key is not None], dir=str(self.dir))
 
+    def _logs(self, name: str) -> tuple[Path, Path]:
+        """The daemon's output (until it opens its log file) and its log file."""
+        return self.dir / f"{name}.out", self.dir / f"{name}.log"
+
     def _log(self, name: str) -> str:
-        text = ""
-        for path in (self.dir / f"{name}.out", self.dir / f"{name}.log"):
-            if path.exists():
-                text += path.read_text(errors="replace")[-1500:]
-        return text
+        return log_tail(*self._logs(name))
 
     # ------------------------------------------------------------ queries
     def env(self) -> dict[str, str]:

@@ -117,19 +117,34 @@ def free_port(host: str = "127.0.0.1") -> int:
     raise RuntimeError(f"no free port on {host} in {low}-{high - 1} after 100 tries")
 
 
-def wait_for_port(host: str, port: int, proc: subprocess.Popen, log: Path,
+class DaemonExited(RuntimeError):
+    """A daemon exited before it accepted a connection (`wait_for_port`); the message ends with
+    its log, which says why (a caller may start it again on another port when that is the port
+    being taken)."""
+
+
+def log_tail(*logs: Path) -> str:
+    """The last 2,000 characters of each log that exists, in order."""
+    return "".join(log.read_text(errors="replace")[-2000:] for log in logs if log.exists())
+
+
+def wait_for_port(host: str, port: int, proc: subprocess.Popen, *logs: Path, name: str,
                   timeout: float = 10.0) -> None:
-    """Block until ``host:port`` accepts; fail with the daemon's log if it died."""
+    """Block until ``host:port`` accepts; raise `DaemonExited` if the daemon ``name`` (``proc``)
+    exits first, RuntimeError if it is still not accepting after ``timeout`` seconds, both with
+    the tail of its ``logs``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"sshd exited with {proc.returncode}: {log.read_text()[-2000:]}")
+            raise DaemonExited(f"{name} did not start [{host}:{port}]: it exited with "
+                               f"{proc.returncode}. Its log:\n{log_tail(*logs)}")
         try:
             socket.create_connection((host, port), timeout=0.5).close()
             return
         except OSError:
             time.sleep(0.05)
-    raise RuntimeError(f"sshd on {host}:{port} not accepting after {timeout} s")
+    raise RuntimeError(f"{name} did not start [{host}:{port}]: not accepting after {timeout} s. "
+                       f"Its log:\n{log_tail(*logs)}")
 
 
 def kill_pids(pids: set[int]) -> None:
@@ -202,7 +217,7 @@ class SshdServer:
                                               stdin=subprocess.DEVNULL, stdout=log,
                                               stderr=subprocess.STDOUT, start_new_session=True)
             try:
-                wait_for_port(self.host, port, self._proc, self.log)
+                wait_for_port(self.host, port, self._proc, self.log, name="sshd")
             except RuntimeError:
                 stop_process(self._proc)
                 if fixed:
@@ -211,7 +226,7 @@ class SshdServer:
             self.port = port
             self._write_client_files()
             return
-        raise RuntimeError(f"sshd did not start: {self.log.read_text()[-2000:]}")
+        raise RuntimeError(f"sshd did not start: {log_tail(self.log)}")
 
     def _write_client_files(self) -> None:
         if not self.known_hosts.exists():

@@ -162,7 +162,7 @@ class Relay:
         again, 1.3 MB at 1,024 hosts), then its cards decoded and kept for the gets that
         follow."""
         for frame in wire.split(inner):
-            payload = frame[5:]
+            payload = memoryview(frame)[5:]  # read, not kept: not a copy of the cards
             if frame[4] != wire.Kind.PMI or not wire.opens(payload, _CARDS_OPEN):
                 continue
             with self._lock:
@@ -170,7 +170,7 @@ class Relay:
             for host in waiting:
                 self._send(host, frame)
             with contextlib.suppress(wire.WireError):
-                kv = wire.Frame(wire.Kind.PMI, payload).json().get("kv")
+                kv = wire.decode_json(wire.Kind.PMI, payload).get("kv")
                 with self._lock:
                     self.fence.cards(target, kv if isinstance(kv, dict) else {})
 
@@ -288,9 +288,9 @@ class Relay:
         stderr = stream.stderr_text().strip().splitlines()[-3:]
         self._lost(index, reason + (f" (agent stderr: {' | '.join(stderr)})" if stderr else ""))
 
-    def _pmi_up(self, index: int, frame: wire.Frame) -> bool:
+    def _pmi_up(self, index: int, payload: memoryview) -> bool:
         """A child's PMI message handled here (True), or to go up as it is (False)."""
-        msg = frame.json()
+        msg = wire.decode_json(wire.Kind.PMI, payload)
         if msg.get("op") == "barrier_in":
             self._enter(index, msg)
             return True

@@ -34,10 +34,11 @@ if TYPE_CHECKING:
 
 
 class Upstream:
-    def __init__(self, up: Upward, take_pmi: Callable[[int, wire.Frame], bool],
+    def __init__(self, up: Upward, take_pmi: Callable[[int, memoryview], bool],
                  ended: Callable[[int, AgentStream, BaseException | None], None]) -> None:
-        """``take_pmi(child, frame)``: True when the relay took a child's PMI message (it is
-        not to go up); ``ended(child, stream, error)``: a child's stream ended (None: closed)."""
+        """``take_pmi(child, payload)``: True when the relay took a child's PMI message (it is
+        not to go up; ``payload``, a view into the frame, is not kept); ``ended(child, stream,
+        error)``: a child's stream ended (None: closed)."""
         from launcher.transport.pump import ReadPump
 
         self.up, self._take_pmi, self._ended = up, take_pmi, ended
@@ -81,7 +82,7 @@ class Upstream:
             elif kind == wire.Kind.PMI:
                 _wrap(index, own, out)
                 self._forward(out)  # what came before goes first: what it sends may go up
-                if not self._take_pmi(index, wire.Frame(wire.Kind.PMI, frame[5:])):
+                if not self._take_pmi(index, memoryview(frame)[5:]):  # its payload, not a copy
                     own.append(frame)
             else:
                 own.append(frame)

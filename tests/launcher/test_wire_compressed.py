@@ -51,6 +51,16 @@ def test_a_relay_reads_how_a_frame_opens_without_decoding_the_rest(cards):
     assert not wire.opens(b"x\x9c not zlib at all", b'{"op":"cards"')
 
 
+@pytest.mark.parametrize("cards", [CARDS, {"bc-0": "x" * 100}])
+def test_a_relay_reads_a_message_through_a_view_into_the_frame_as_it_came(cards):
+    """What a relay reads of a PMI frame passing by (a child's message, a fetch's answer) it
+    reads in place, compressed or not: the frame goes on as it came."""
+    msg = {"op": "cards", "kv": cards}
+    payload = memoryview(wire.encode_json(wire.Kind.PMI, msg))[5:]
+    assert wire.opens(payload, b'{"op":"cards"') and not wire.opens(payload, b'{"op":"push"')
+    assert wire.decode_json(wire.Kind.PMI, payload) == msg
+
+
 def test_a_small_object_travels_as_plain_json():
     msg = {"op": "get_result", "req": 3, "found": True, "value": "x" * 1000}
     frame = _frame(wire.encode_json(wire.Kind.PMI, msg))
@@ -72,6 +82,32 @@ def test_a_relay_splits_a_routed_payload_into_its_frames_as_they_came():
     beat = wire.encode(wire.Kind.HEARTBEAT)
     assert wire.split(cards) == [cards] and wire.split(cards)[0] is cards  # no copy
     assert wire.split(beat + cards + beat[:3]) == [beat, cards]  # a cut frame is left
+
+
+@pytest.mark.parametrize("frames", [
+    b"", wire.encode(wire.Kind.HEARTBEAT),
+    wire.encode(wire.Kind.HEARTBEAT) + wire.encode_json(wire.Kind.PMI, {"kv": CARDS})])
+def test_a_routed_frame_is_a_frame_of_the_hosts_index_and_its_frames(frames):
+    """One header for the index and the frames, as `encode` writes any frame."""
+    routed = wire.encode_routed(70000, frames)
+    assert routed == wire.encode(wire.Kind.ROUTED, (70000).to_bytes(4, "big") + frames)
+    assert wire.decode_routed(_frame(routed)) == (70000, frames)
+
+
+def test_an_output_frame_is_a_frame_of_the_rank_the_stream_and_the_bytes():
+    data = b"50%\r\xff\n" * 1000  # raw: a progress bar, not UTF-8
+    output = wire.encode_output(70000, 2, data)
+    assert output == wire.encode(wire.Kind.OUTPUT, (70000).to_bytes(4, "big") + b"\2" + data)
+    assert wire.decode_output(_frame(output)) == wire.Output(70000, 2, data)
+
+
+def test_a_routed_frame_is_refused_where_the_frame_it_is_would_be():
+    fits = bytes(wire.MAX_FRAME - 5)  # with the index and the kind byte: MAX_FRAME
+    assert len(wire.encode_routed(1, fits)) == 4 + wire.MAX_FRAME
+    for encode in (lambda f: wire.encode_routed(1, f),
+                   lambda f: wire.encode(wire.Kind.ROUTED, bytes(4) + f)):
+        with pytest.raises(wire.WireError, match=f"ROUTED frame of {wire.MAX_FRAME} bytes"):
+            encode(fits + b"\0")
 
 
 def test_a_relay_reads_a_childs_frames_as_they_came_whatever_the_chunking():

@@ -11,7 +11,15 @@ import pytest
 
 from launcher.transport.ssh import SSHConnection, SSHOptions, resolve_host
 from testbed.netns import NetnsCluster, netns_available, reap_stale
-from testbed.sshd import FAST_CLIENT_ALIVE, REALISTIC_CLIENT_ALIVE, sshd_config_text
+from testbed.sshd import (
+    FAST_CLIENT_ALIVE,
+    REALISTIC_CLIENT_ALIVE,
+    DaemonExited,
+    free_port,
+    sshd_config_text,
+    stop_process,
+    wait_for_port,
+)
 from testbed.stale import STATE_DIR
 from tests.support import alive, wait_gone
 
@@ -44,6 +52,22 @@ def test_sshd_drops_a_silent_head_after_45_s_and_only_the_cut_cable_fixture_afte
     written = (netns_cluster.dir / "node1_sshd_config").read_text()
     assert netns_cluster.client_alive == FAST_CLIENT_ALIVE
     assert "ClientAliveInterval 1\nClientAliveCountMax 3\n" in written
+
+
+def test_waiting_for_a_port_tells_a_daemon_that_exited_from_one_that_never_listened(tmp_path):
+    # Slurm's controller is started again on another port only when it exited on a taken one.
+    log = tmp_path / "daemon.log"
+    log.write_text("bind: Address already in use\n")
+    exited = subprocess.Popen(["sh", "-c", "exit 3"])
+    with pytest.raises(DaemonExited, match="(?s)daemon did not start.*exited with 3.*in use"):
+        wait_for_port("127.0.0.1", free_port(), exited, log, name="daemon")
+    silent = subprocess.Popen(["sleep", "60"])
+    try:
+        with pytest.raises(RuntimeError, match="(?s)not accepting.*in use") as raised:
+            wait_for_port("127.0.0.1", free_port(), silent, log, name="daemon", timeout=0.5)
+        assert not isinstance(raised.value, DaemonExited)
+    finally:
+        stop_process(silent)
 
 
 def test_job_pids_is_empty_when_idle(netns_cluster):

@@ -310,7 +310,10 @@ class ShardedGradients(DataParallel):
             head = self._in_flight[0]
             if until <= 0 and head.handle is not None and not head.handle.is_completed():
                 return
-            self._wait(head.handle)  # polled on MPI (`DataParallel._wait`)
+            # `DataParallel._wait`: polled with short sleeps only where ranks share cores on MPI
+            # (their peers need the core a blocking MPI wait would spin); elsewhere (a core
+            # per rank, the comm thread's handle, NCCL) the handle's own blocking wait
+            self._wait(head.handle)
             head.shard.add_(head.own.to(head.shard.dtype))
             self._account(head.wire, -1)
             self._in_flight.popleft()
