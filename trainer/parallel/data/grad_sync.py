@@ -305,9 +305,11 @@ class DataParallel:
         """Wait for one bucket's reduction: polled with short sleeps where ranks share cores
         on MPI (`wants_quiet_waits`), else (a core per rank, a comm thread's handle, NCCL)
         waited on as is."""
-        if handle is not None and self._quiet_waits:
+        if handle is None:
+            return
+        if self._quiet_waits:
             wait_quietly(handle, self.poll_interval)
-        elif handle is not None:
+        else:
             handle.wait()
 
     def _reduce_polled(self, bucket: Bucket) -> None:

@@ -310,10 +310,7 @@ class ShardedGradients(DataParallel):
             head = self._in_flight[0]
             if until <= 0 and head.handle is not None and not head.handle.is_completed():
                 return
-            # `DataParallel._wait`: polled with short sleeps only where ranks share cores on MPI
-            # (their peers need the core a blocking MPI wait would spin); elsewhere (a core
-            # per rank, the comm thread's handle, NCCL) the handle's own blocking wait
-            self._wait(head.handle)
+            self._wait(head.handle)  # as DP's own buckets are waited for (`DataParallel._wait`)
             head.shard.add_(head.own.to(head.shard.dtype))
             self._account(head.wire, -1)
             self._in_flight.popleft()
