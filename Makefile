@@ -28,7 +28,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 # PYTHONDONTWRITEBYTECODE is set that writes nothing, so every process compiled every module again
 # (~20 ms of a launch's head, ~0.15 s of each rank's start). Up-to-date files are skipped.
 bytecode: install
-	@$(PY) -m compileall -q launcher trainer bench testbed workerenv.py
+	@$(PY) -m compileall -q launcher trainer bench testbed workerenv.py records.py
 
 # The tests start real sshd and network namespaces; as root we install what they need.
 sysdeps:
@@ -96,9 +96,10 @@ docs: install
 	$(PY) docs/generate.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# ruff everywhere; mypy (strict) on what pyproject.toml's [tool.mypy] lists: launcher, trainer, workerenv.
+# ruff everywhere; mypy (strict) on what pyproject.toml's [tool.mypy] lists: launcher, trainer,
+# workerenv, records.
 lint: install
-	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py docs
+	$(VENV)/bin/ruff check launcher trainer tests bench testbed workerenv.py records.py docs
 	$(VENV)/bin/mypy
 
 clean:

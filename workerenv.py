@@ -116,7 +116,8 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+
+from records import Record
 
 RANK = "RANK"
 WORLD_SIZE = "WORLD_SIZE"
@@ -195,8 +196,7 @@ class ContractError(RuntimeError):
     """The environment does not hold the worker contract (the process was not started by dtrain)."""
 
 
-@dataclass(frozen=True)
-class WorkerEnv:
+class WorkerEnv(Record, frozen=True):
     """The contract as one rank sees it."""
 
     rank: int
@@ -295,8 +295,7 @@ PROGRESS_DTYPES = ("", "float32", "float64", "float16", "bfloat16", "int64", "in
 PROGRESS_P2P_OPS = frozenset({"send", "recv", "batch_p2p"})
 
 
-@dataclass(frozen=True)
-class GroupProgress:
+class GroupProgress(Record, frozen=True):
     """One communicator of a rank, as its progress record holds it."""
 
     label: str
@@ -315,8 +314,7 @@ class GroupProgress:
     history: tuple[tuple[int, str, int, int], ...] = ()
 
 
-@dataclass(frozen=True)
-class RankProgress:
+class RankProgress(Record, frozen=True):
     pid: int
     rank: int
     step: int

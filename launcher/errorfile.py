@@ -15,7 +15,7 @@ through a link, parsed as JSON only, and its text is shown with control characte
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from records import Record
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -26,8 +26,7 @@ MAX_BYTES = 1 << 20        # a deep traceback is tens of KiB; more is not a reco
 MAX_TRACEBACK_LINES = 60   # the last ones: where it was raised
 
 
-@dataclass(frozen=True)
-class RootCause:
+class RootCause(Record, frozen=True):
     """What a rank's error file says: the exception and where it was raised."""
 
     #: ``ValueError: text``, as torch writes it (type name, colon, message).

@@ -22,7 +22,8 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass, field
+
+from records import Record, asdict, field
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -90,8 +91,7 @@ class WireError(ValueError):
     """The byte stream does not hold well-formed frames."""
 
 
-@dataclass(frozen=True)
-class Frame:
+class Frame(Record, frozen=True):
     kind: Kind
     payload: bytes
 
@@ -113,8 +113,7 @@ def decode_json(kind: Kind, payload: bytes | memoryview) -> dict[str, Any]:
     return value
 
 
-@dataclass(frozen=True)
-class Output:
+class Output(Record, frozen=True):
     rank: int
     stream: int  # 1 = stdout, 2 = stderr
     data: bytes
@@ -269,8 +268,7 @@ class Decoder:
 
 
 # -- the SPEC ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Watch:
+class Watch(Record, frozen=True):
     """How the head and an agent watch each other (the agent uses these before any SPEC)."""
 
     heartbeat: float = 5.0   # seconds between heartbeats, both directions
@@ -283,8 +281,7 @@ class Watch:
         return self.heartbeat * self.misses
 
 
-@dataclass(frozen=True)
-class PmiSpec:
+class PmiSpec(Record, frozen=True):
     """The PMI-1 server an agent runs for its ranks (docs/design.md §3)."""
 
     mode: str = "fd"             # fd (PMI_FD), port (PMI_PORT + PMI_ID) or off
@@ -294,8 +291,7 @@ class PmiSpec:
     stall: float = 30.0          # seconds before a waiting barrier names the missing ranks
 
 
-@dataclass(frozen=True)
-class RankStart:
+class RankStart(Record, frozen=True):
     """One rank of the host: its global rank and the variables the head planned for it."""
 
     rank: int
@@ -303,16 +299,14 @@ class RankStart:
     #                              MASTER_*: nothing else reaches a host before it starts ranks)
 
 
-@dataclass(frozen=True)
-class Probe:
+class Probe(Record, frozen=True):
     """What rank 0's host is asked to find out and answer in its READY."""
 
     route_to: str | None = None  # its source address towards this address is MASTER_ADDR
     free_port: bool = False      # pick a free port for MASTER_PORT
 
 
-@dataclass(frozen=True)
-class AgentSpec:
+class AgentSpec(Record, frozen=True):
     """The SPEC frame: everything one host's agent needs to check and start its ranks."""
 
     job_id: str
@@ -332,7 +326,7 @@ class AgentSpec:
             "job_id": self.job_id, "argv": list(self.argv), "cwd": self.cwd,
             "ranks": [{"rank": r.rank, "env": r.env} for r in self.ranks],
             "heartbeat": self.watch.heartbeat, "misses": self.watch.misses,
-            "grace": self.watch.grace, "pmi": _fields(self.pmi),
+            "grace": self.watch.grace, "pmi": asdict(self.pmi),
         }
         if self.rounds:
             body["rounds"] = True
@@ -341,7 +335,7 @@ class AgentSpec:
         if self.progress_interval is not None:
             body["progress"] = {"interval": self.progress_interval}
         if self.probe is not None:
-            body["probe"] = _fields(self.probe)
+            body["probe"] = asdict(self.probe)
         return body
 
     @classmethod
@@ -376,8 +370,3 @@ def _typed(value: Any, kind: type, name: str) -> Any:
     if not isinstance(value, kind):
         raise TypeError(f"{name} is {type(value).__name__}, not {kind.__name__}")
     return value
-
-
-def _fields(obj: Any) -> dict[str, Any]:
-    """A flat dataclass as a JSON object (`dataclasses.asdict` deep-copies; not needed)."""
-    return {name: getattr(obj, name) for name in obj.__dataclass_fields__}

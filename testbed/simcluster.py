@@ -185,12 +185,12 @@ def _fake_rank_class() -> type:
     """`FakeRank`: a `RankProcess` whose process is a conversation (imported lazily, so this
     module's import does not pull the agent into the head's process)."""
     from launcher.agent.ranks import RankProcess
+    from records import field as record_field
 
-    @dataclass
-    class Fake(RankProcess):
+    class Fake(RankProcess):  # a record, as the agent's RankProcess
         host: str = ""
-        sock: socket.socket = field(default_factory=socket.socket)
-        talk: Conversation = field(default_factory=lambda: Conversation(0, 1))
+        sock: socket.socket = record_field(default_factory=socket.socket)
+        talk: Conversation = record_field(default_factory=lambda: Conversation(0, 1))
         driver: FakeRanks | None = None
         events: queue.Queue[Any] | None = None
         stamps: RankStamps | None = None

@@ -19,7 +19,6 @@ torch.distributed (these get the stack-only diagnosis).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import workerenv
 
@@ -61,8 +60,7 @@ def left(file: str) -> bool:
     return os.path.exists(file + ".left")
 
 
-@dataclass(frozen=True)
-class FlightProgress(workerenv.RankProgress):
+class FlightProgress(workerenv.RankProgress, frozen=True):
     """A rank's record read from the shim's file; ``spins``: a group's backend waits by
     spinning (NCCL's host side in CUDA's synchronisation), so CPU use is no sign of progress."""
 

@@ -13,10 +13,10 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
 from launcher import wire
 from launcher.agent.writer import FrameWriter
+from records import Record
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -26,8 +26,7 @@ if TYPE_CHECKING:
     from launcher.agent.writer import ByteSink
 
 
-@dataclass(frozen=True)
-class Eof:
+class Eof(Record, frozen=True):
     """The head's stream closed: the head is gone or told us to go."""
 
     reason: str

@@ -26,15 +26,15 @@ import re
 import shutil
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from records import Record
 
 SHM = "/dev/shm"
 #: Compiled at its first use (re's cache), not during the agent's start-up.
 _FOLDER = r"dtrain-(?P<job>.+)-agent(?P<pid>\d+)_(?P<start>\d+)_(?P<ns>\d+)-\w+\Z"
 
 
-@dataclass(frozen=True)
-class AgentMark:
+class AgentMark(Record, frozen=True):
     """Which agent made a folder: enough to tell, later, that it is gone."""
 
     #: Its process id.

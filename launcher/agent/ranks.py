@@ -24,7 +24,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+
+from records import Record, field
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -48,8 +49,7 @@ def _child_setup() -> None:
         _libc.signal(signal.SIGHUP, 0)
 
 
-@dataclass(frozen=True)
-class RankExited:
+class RankExited(Record, frozen=True):
     """Queued when a rank's process has exited and all of its output has been relayed."""
 
     rank: int
@@ -82,8 +82,7 @@ class _Pump(threading.Thread):
             self.pipe.close()
 
 
-@dataclass
-class RankProcess:
+class RankProcess(Record):
     rank: int
     proc: subprocess.Popen[bytes]
     pumps: list[_Pump] = field(default_factory=list)

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import replace
 
 from launcher.hang.views import GroupView, RankView
+from records import replace
 
 # py-spy prints C frames as ``PMPI_Allreduce_c (libmpi.so.12)``; ``_c`` is MPI 4's large-count
 # variant. MPICH's internals (MPIR_, MPID_, MPIDI_) are not the API a program called.

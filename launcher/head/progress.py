@@ -15,7 +15,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ from launcher.hang.diagnose import Diagnosis, diagnose
 from launcher.hang.views import RankView
 from launcher.hang.watch import HangClock, stragglers
 from launcher.head.options import SuperviseOptions
+from records import replace
 
 HANG_CODE = 123          # exit code of a job ended by --hang-action abort
 PROBE_WAIT_S = 15.0      # how long the head waits for the agents' stacks

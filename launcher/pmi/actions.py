@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Container, Mapping
-from dataclasses import dataclass, field
 
 from launcher.errors import PmiError
 from launcher.pmi.codec import LineBuffer, PmiCommand, SpawnBlock, format_reply
+from records import Record, field
 
 TYPE_CHECKING = False  # importing `typing` costs every agent's start-up; mypy reads True
 if TYPE_CHECKING:
@@ -52,31 +52,26 @@ UNSUPPORTED = {  # request -> (reply, what to tell the user); no MPI_Comm_spawn,
 }
 
 
-@dataclass(frozen=True)
-class Reply:
+class Reply(Record, frozen=True):
     conn: int
     data: bytes
 
 
-@dataclass(frozen=True)
-class Close:
+class Close(Record, frozen=True):
     conn: int
     reason: str
 
 
-@dataclass(frozen=True)
-class Send:
+class Send(Record, frozen=True):
     msg: Message
 
 
-@dataclass(frozen=True)
-class RankFailed:
+class RankFailed(Record, frozen=True):
     rank: int
     reason: str
 
 
-@dataclass(frozen=True)
-class Abort:
+class Abort(Record, frozen=True):
     rank: int
     code: int
     message: str
@@ -85,8 +80,7 @@ class Abort:
 Action = Reply | Close | Send | RankFailed | Abort
 
 
-@dataclass
-class Conn:
+class Conn(Record):
     """One PMI connection of the proxy: its rank once bound, where it is in the protocol."""
 
     rank: int | None

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from launcher.errors import PmiError
+from records import Record, field
 
 MAX_LINE = 4096
 # Scanned by the regular-expression engine, not character by character in Python: every
@@ -49,8 +49,7 @@ class PmiProtocolError(PmiError):
         self.lines = lines
 
 
-@dataclass(frozen=True)
-class PmiCommand:
+class PmiCommand(Record, frozen=True):
     """One parsed request: ``cmd`` without the ``cmd=`` and the other attributes in order."""
 
     cmd: str

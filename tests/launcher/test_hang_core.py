@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 from pathlib import Path
 
 from launcher.hang.diagnose import diagnose, who
@@ -15,6 +15,7 @@ from launcher.head.progress import ProgressMonitor
 from launcher.launch import HostRequest
 from launcher.perf import judge, launch_argv
 from launcher.transport.options import SSHOptions
+from records import asdict, fields, replace
 
 
 def rank(r: int, host: str, *groups: GroupView, state: str = "running", step: int = 5,
@@ -331,13 +332,10 @@ def test_views_survive_the_json_of_a_progress_frame():
 
 
 def test_a_views_json_holds_its_fields_in_order_and_nothing_else():
-    import dataclasses
-
     v = skipped_all_reduce()[1]
     assert v.groups
-    assert v.to_json() == dataclasses.asdict(v) | {"groups": [dataclasses.asdict(g)
-                                                               for g in v.groups]}
-    assert list(v.to_json()) == [f.name for f in dataclasses.fields(RankView)]
+    assert v.to_json() == asdict(v) | {"groups": [asdict(g) for g in v.groups]}
+    assert list(v.to_json()) == list(fields(RankView))
 
 
 def test_perf_check_flags_the_slow_host_and_the_slow_link_only():
@@ -394,5 +392,5 @@ def test_the_head_takes_as_many_progress_frames_a_second_at_1024_hosts_as_at_256
     assert 1024 / sample_interval(opts, 1024) == 4096 / sample_interval(opts, 4096) \
         == PROGRESS_PER_S
     # What the user asks for wins: a fifth of --hang-timeout, the live table's interval.
-    assert sample_interval(replace(opts, hang_timeout=10.0), 4096) == 2.0
-    assert sample_interval(replace(opts, status_interval=0.5), 4096) == 0.5
+    assert sample_interval(dataclasses.replace(opts, hang_timeout=10.0), 4096) == 2.0
+    assert sample_interval(dataclasses.replace(opts, status_interval=0.5), 4096) == 0.5

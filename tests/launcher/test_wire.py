@@ -1,9 +1,7 @@
 """The typed SPEC: what the head sends is what the agent reads, and every default the head,
-the agent and the command line use is written once, in the SPEC's dataclasses."""
+the agent and the command line use is written once, in the SPEC's records."""
 
 from __future__ import annotations
-
-import dataclasses
 
 import click
 import pytest
@@ -11,6 +9,7 @@ import pytest
 from launcher import wire
 from launcher.cli import launch
 from launcher.head.options import SuperviseOptions
+from records import replace
 
 
 def _spec(**changes: object) -> wire.AgentSpec:
@@ -19,7 +18,7 @@ def _spec(**changes: object) -> wire.AgentSpec:
                           watch=wire.Watch(0.5, 4, 2.0),
                           pmi=wire.PmiSpec("port", "job-1", 8, "(vector,(0,4,2))", 12.0),
                           progress_interval=0.25, probe=wire.Probe("10.0.0.2", free_port=True))
-    return dataclasses.replace(base, **changes)
+    return replace(base, **changes)
 
 
 @pytest.mark.parametrize("probe", [wire.Probe("10.0.0.2", free_port=True), None])
@@ -62,7 +61,7 @@ def test_the_heads_options_take_their_defaults_from_the_spec() -> None:
     assert (opts.pmi, opts.pmi_stall) == (wire.PmiSpec().mode, wire.PmiSpec().stall)
 
 
-def test_the_command_line_shows_the_defaults_of_the_dataclasses() -> None:
+def test_the_command_line_shows_the_defaults_of_the_records() -> None:
     defaults = {p.name: p.default for p in launch.params if isinstance(p, click.Option)}
     opts = SuperviseOptions()
     assert (defaults["heartbeat_interval"], defaults["grace"], defaults["pmi"],

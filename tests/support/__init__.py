@@ -87,12 +87,14 @@ def wait_for_lines(path: Path, count: int, timeout: float = 30.0) -> list[str]:
 DTRAIN_SCRIPT = str(Path(PYTHON).parent / "dtrain")
 
 #: Files that `plant_imposters` leaves in a folder; each writes one marker when imported.
-IMPOSTERS = {"launcher/__init__.py": "launcher", "workerenv.py": "workerenv"}
+IMPOSTERS = {"launcher/__init__.py": "launcher", "workerenv.py": "workerenv",
+             "records.py": "records"}
 
 
 def plant_imposters(folder: Path) -> Path:
-    """A `launcher/` package and a `workerenv.py` in ``folder``, as a shared directory or a
-    user's project may hold them; importing either writes ``folder/IMPORTED-<name>``."""
+    """A `launcher/` package, a `workerenv.py` and a `records.py` in ``folder``, as a shared
+    directory or a user's project may hold them; importing any writes
+    ``folder/IMPORTED-<name>``."""
     for rel, name in IMPOSTERS.items():
         path = folder / rel
         path.parent.mkdir(parents=True, exist_ok=True)
