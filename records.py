@@ -21,8 +21,8 @@ parameters, their types and defaults are checked as for ``@dataclass``. At run t
   ``vars(record)`` is its fields.
 * `replace`, `fields` and `asdict` (shallow) stand for their `dataclasses` namesakes.
 
-`launcher/` and `trainer/` share this module as they share `workerenv.py`, whose records it
-defines; it imports nothing.
+`launcher/` and `trainer/` share this module as they share `workerenv.py`, whose records are
+made of it; it imports nothing.
 """
 
 from __future__ import annotations

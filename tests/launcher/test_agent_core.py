@@ -224,7 +224,6 @@ def test_the_agent_starts_without_typing_pathlib_secrets_or_dataclasses() -> Non
     # messages and the contract's records are `records.Record`s.
     code = ("import sys\n"
             "import launcher.agent.serve, launcher.agent.pmi_sockets, launcher.agent.progress\n"
-            "import launcher.pmi\n"
             "print(sorted({'typing', 'pathlib', 'secrets', 'dataclasses', 'inspect'}\n"
             "             & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -103,8 +103,8 @@ def test_an_agent_that_boots_for_longer_than_the_silence_limit_still_starts_its_
         monkeypatch: pytest.MonkeyPatch) -> None:
     # An agent cannot beat before its HELLO (its shell, Python and imports: 15 s and more
     # when 64 agents and their ranks start on two cores); the launch timeout bounds it.
-    class QuickWatch(wire.Watch, frozen=True):  # the agents' default before their SPEC:
-        # 1 s of silence
+    # The agents' default before their SPEC: 1 s of silence.
+    class QuickWatch(wire.Watch, frozen=True):
         heartbeat: float = BEAT
         misses: int = 20
 
