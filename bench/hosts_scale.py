@@ -11,6 +11,9 @@ first N hosts, one rank per host, in the same run (tool order rotated every repe
                    with that K instead of ``fanout`` (``dtrain-tree:8`` is two levels at 64);
 * ``dtrain-openssh`` flat with ``--ssh-client openssh`` (an ``ssh`` process per host, no
                    paramiko: not in the default tools);
+* ``+eager``       after any dtrain tool: with ``--start eager`` (each host starts its ranks
+                   once it and rank 0's host have checked the job, as Hydra's proxies start
+                   theirs; ``dtrain+eager`` is in the default tools);
 * ``hydra``        ``mpiexec.hydra -launcher ssh``;
 * ``pdsh``         one remote shell per host (no PMI: it cannot form an MPI world, so it runs
                    the plain stamp program and has no world time).
@@ -47,7 +50,7 @@ from typing import Any
 from bench import common, grid
 
 HOSTS = (8, 16, 32, 64)
-TOOLS = ("dtrain", "dtrain-tree", "hydra", "pdsh")
+TOOLS = ("dtrain", "dtrain+eager", "dtrain-tree", "hydra", "pdsh")
 PER_HOST = 1
 FANOUT = 4
 KEYS = ("running", "world", "wired", "exit", "tail", "cpu", "machine")
@@ -78,14 +81,16 @@ def _launch(cluster: Any, tool: str, n: int, per_host: int, out: str,
             fanout: int) -> common.Launch:
     if tool == "pdsh":
         return common.pdsh_launch(cluster, n, per_host, PLAIN_SCRIPT, out)
+    tool, eager, _ = tool.partition("+eager")
     base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K]: dtrain's launch
     launch: common.Launch = common.TOOLS[base](cluster, n, per_host, MPI_SCRIPT, out)
+    extra = ["--start", "eager"] if eager else []
     if tool.startswith("dtrain-tree"):
-        at = launch.argv.index("--")
-        k = tool.partition(":")[2] or str(fanout)
-        argv = [*launch.argv[:at], "--fanout", k, *launch.argv[at:]]
-        return common.Launch(argv, launch.env)
-    return launch
+        extra += ["--fanout", tool.partition(":")[2] or str(fanout)]
+    if not extra:
+        return launch
+    at = launch.argv.index("--")  # dtrain's options go before its program
+    return common.Launch([*launch.argv[:at], *extra, *launch.argv[at:]], launch.env)
 
 
 def _metrics(t0: float, t_exit: float, stamps: list[dict]) -> dict[str, float]:
@@ -111,7 +116,7 @@ def _machine_cpu() -> float:
 
 
 def run_one(cluster: Any, tool: str, n: int, per_host: int, fanout: int) -> common.Sample:
-    base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K]: dtrain's launch
+    base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K], +eager: dtrain's
     missing = common.tool_missing(base)
     if missing:
         return common.Sample(None, missing)

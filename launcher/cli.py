@@ -35,7 +35,7 @@ HELP_SECTIONS: dict[str, tuple[str, ...]] = {
             "ssh_allow_config_exec", "ssh_client", "remote_python", "fanout"),
     "Environment": ("env", "master_addr", "master_port", "chdir"),
     "Output": ("no_prefix", "raw", "log_dir", "timings", "dry_run", "status_interval"),
-    "Failure handling": ("timeout", "grace", "heartbeat_interval", "launch_timeout",
+    "Failure handling": ("start", "timeout", "grace", "heartbeat_interval", "launch_timeout",
                          "hang_timeout", "hang_action"),
     "Restarts": restart_flags.NAMES,
     "MPI": ("pmi", "pmi_stall", "launcher_kind", "mpirun_path", "mpi_flavour"),
@@ -165,6 +165,12 @@ whose name starts with a dash; it is always safe."""
 @click.option("--raw", is_flag=True, help="Pass output through unchanged (progress bars).")
 @click.option("--log-dir", type=click.Path(file_okay=False), metavar="DIR",
               help="Also write DIR/<job id>/rank-N.log files (a new folder per run).")
+@click.option("--start", type=click.Choice(["together", "eager"]), default=SUPERVISE.start,
+              show_default=True,
+              help="together: no rank starts until every host has checked the job, so a bad "
+              "host starts nothing anywhere; eager: each host starts its ranks as soon as it "
+              "and rank 0's host have checked it (sooner on large clusters; a host that "
+              "refuses then stops the ranks already running) (docs: Launching).")
 @click.option("--timeout", type=float, help="Stop the job after this many seconds (exit 124).")
 @click.option("--grace", type=float, default=SUPERVISE.grace, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping ranks.")
@@ -264,7 +270,8 @@ def _launch_request(program: tuple[str, ...], kw: dict[str, Any]) -> LaunchReque
                                    pmi=kw["pmi"], pmi_stall=kw["pmi_stall"],
                                    hang_timeout=kw["hang_timeout"],
                                    hang_action=kw["hang_action"],
-                                   status_interval=kw["status_interval"]),
+                                   status_interval=kw["status_interval"],
+                                   start=kw["start"]),
         launcher=kind, mpirun=kw["mpirun_path"], mpi_flavour=kw["mpi_flavour"],
         rendezvous=joining,
         restart=restart_flags.restart_options(kw),

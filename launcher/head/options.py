@@ -23,6 +23,8 @@ class SuperviseOptions:
     hang_action: str = "report"         # report (and keep waiting) or abort (exit 123)
     status_interval: float = 0.0        # print the live progress table this often (0: never)
     rounds: bool = False                # agents stay after their ranks: a round may follow
+    start: str = "together"             # together: ranks start once every host is READY;
+                                        # eager: each host once it and rank 0's are READY
 
     @property
     def watch(self) -> Watch:

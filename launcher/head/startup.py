@@ -9,7 +9,12 @@ SPEC too large for a pipe's buffer waits for its agent's HELLO (`EARLY_SPEC_MAX`
 still comes first on each stream, so a different protocol version is refused before its READY
 counts. Rank 0's host answers a probe in its READY (its address towards the next host, a
 free port), and START carries MASTER_ADDR/MASTER_PORT to every rank: no extra round trips.
-Nothing starts anywhere until every agent has answered READY.
+Nothing starts anywhere until every agent has answered READY (`--start together`, the
+default), so a bad host starts nothing anywhere. With `--start eager` a host starts its ranks as
+soon as it and rank 0's host (the rendezvous) have answered READY, as Hydra's proxies do: on a
+large cluster, where hosts come up over seconds, the first hosts' ranks import their libraries
+while the last ones still connect. A host that refuses the job then stops the ranks already
+running elsewhere, as a failing rank would; hosts that did not answer start nothing.
 
 A SPEC holds the ranks' contract variables and only those planned variables that decide which
 program they run (`environment.program_env`: PATH, VIRTUAL_ENV...); the rest of the planned
@@ -86,6 +91,14 @@ class Startup:
         self._checks = Every()  # when to look at every link again
         self.deadline = time.monotonic() + opts.launch_timeout
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
+        self.ready: dict[int, dict[str, Any]] = {}  # link index -> its READY
+        self._unsent: dict[int, bytes] = {}  # SPECs that wait for their agent's HELLO
+        self._start: bytes | None = None  # the START frame, once the rendezvous is known
+        self.started: set[int] = set()  # links sent START
+
+    @property
+    def eager(self) -> bool:
+        return self.opts.start == "eager"
 
     def prepare(self, plan: JobPlan, master: tuple[str | None, int | None]) -> Rendezvous:
         """SPEC to every host now; HELLO then READY from all; returns the rendezvous START sends.
@@ -94,7 +107,6 @@ class Startup:
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
         user_addr, user_port = master
-        ready: dict[int, dict[str, Any]] = {}
         # Those sent as their streams opened (`launcher.head.early`) go no second time.
         early = {link.index for link in self.links if link.early_spec}
         for link in self.links:
@@ -102,39 +114,72 @@ class Startup:
         specs = {link.index: spec_frame(plan, self._at[link.index], self.opts,
                                         [x.stream for x in self.links[:2]], master)
                  for link in self.links if link.index not in early}
-        unsent = {i for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
+        self._unsent = {i: frame for i, frame in specs.items() if len(frame) > EARLY_SPEC_MAX}
         for link in self.links:
-            if link.index not in unsent and link.index not in early:
+            if link.index not in self._unsent and link.index not in early:
                 link.send(specs[link.index])  # a gone stream shows as Closed below
-
-        def on_frame(link: AgentLink, frame: wire.Frame) -> None:
-            if frame.kind is wire.Kind.HELLO:
-                _check_protocol(link, frame.json())
-                note_phase(link, "boot", link.hello)
-                self.hello_at = time.monotonic()
-                if link.index in unsent:  # its agent runs and reads now: the write will end
-                    unsent.discard(link.index)
-                    link.send(specs[link.index])
-            elif frame.kind is wire.Kind.READY:
-                ready[link.index] = frame.json()
-                link.watched = True  # idle after its round, it is held to the job's interval
-                note_phase(link, "check", ready[link.index])
-
-        self._until(lambda: len(ready) == len(self.links), "check the job", on_frame)
-        self.ready_at = time.monotonic()
-        answer = ready[self.links[0].index]
+        first = self.links[0].index
+        self._until((lambda: first in self.ready) if self.eager else
+                    (lambda: len(self.ready) == len(self.links)), "check the job",
+                    self.on_frame)
+        answer = self.ready[first]
         if "probe_error" in answer:
             raise AgentError("rendezvous address not found", f"host {self.links[0].name}",
                              answer["probe_error"], "pass --master-addr and --master-port")
         return Rendezvous(user_addr or answer.get("address") or "127.0.0.1",
                           user_port or int(answer["port"]))
 
+    def on_frame(self, link: AgentLink, frame: wire.Frame) -> None:
+        """A HELLO (its protocol checked: AgentError) or a READY from ``link``."""
+        if frame.kind is wire.Kind.HELLO:
+            _check_protocol(link, frame.json())
+            note_phase(link, "boot", link.hello)
+            self.hello_at = time.monotonic()
+            if (spec := self._unsent.pop(link.index, None)) is not None:
+                link.send(spec)  # its agent runs and reads now: the write will end
+        elif frame.kind is wire.Kind.READY and link.index not in self.ready:
+            self.ready[link.index] = frame.json()
+            self.ready_at = time.monotonic()
+            link.watched = True  # idle after its round, it is held to the job's interval
+            note_phase(link, "check", self.ready[link.index])
+
+    def checked(self, link: AgentLink, frame: wire.Frame, stopping: bool) -> bool:
+        """A HELLO or READY that came after START went out (`--start eager`): a READY starts
+        that host's ranks unless the job is ``stopping``. True when the host's start-up is
+        over without ranks (a READY while stopping)."""
+        self.on_frame(link, frame)
+        if frame.kind is not wire.Kind.READY or link.index in self.started:
+            return False
+        if stopping:
+            return True
+        self._send_start(link)
+        return False
+
+    def waiting(self) -> list[AgentLink]:
+        """The links whose agents have not answered READY yet (only under `--start eager`
+        once START went out)."""
+        return [link for link in self.links if link.index not in self.ready]
+
+    def overdue(self, now: float) -> list[AgentLink]:
+        """The links still waiting for READY past the launch timeout."""
+        return self.waiting() if now > self.deadline else []
+
+    def _send_start(self, link: AgentLink) -> None:
+        assert self._start is not None  # set by `start` before any START goes out
+        self.started.add(link.index)
+        link.send(self._start)
+
     def start(self, plan: JobPlan, rendezvous: Rendezvous, outcome: JobOutcome,
               handle: Callable[[Any], None]) -> None:
-        """START (carrying the rendezvous and the plan's forwarded variables) everywhere, then
-        feed events to the supervisor until every rank has started."""
+        """START (carrying the rendezvous and the plan's forwarded variables) to every host
+        that answered READY (every host, but under `--start eager`), then feed events to the
+        supervisor until every rank has started (the supervisor hands the other hosts' READY
+        back to `checked`)."""
+        self._start = wire.encode_json(wire.Kind.START, {"env": rendezvous.env(),
+                                                         "base": dict(plan.base_env)})
         for link in self.links:
-            link.send_json(wire.Kind.START, {"env": rendezvous.env(), "base": dict(plan.base_env)})
+            if link.index in self.ready:
+                self._send_start(link)
         ranks = list(outcome.ranks.values())
         started = 0  # ranks[:started] have left "pending" (a rank never goes back to it)
         while True:

@@ -2,7 +2,8 @@
 supervise to the end.
 
 Start-up is two-phase: every agent checks the SPEC (working directory, program) and answers
-READY; only when all hosts are READY does any rank start, so a bad host starts nothing anywhere.
+READY; only when all hosts are READY does any rank start, so a bad host starts nothing anywhere
+(under `--start eager` a host starts once it and rank 0's host are READY: `launcher.head.startup`).
 Then the supervisor serves PMI from the head's key-value space, and stops the whole job on the
 first failure, on Ctrl-C/SIGTERM, on --timeout, or when a host falls silent.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 from launcher import wire
 from launcher.errorfile import RootCause
+from launcher.errors import AgentError
 from launcher.head.agent_link import AgentLink, Closed, Fleet, Received
 from launcher.head.options import SuperviseOptions
 from launcher.head.outcome import Failure, JobOutcome, RankOutcome
@@ -63,6 +65,7 @@ class Supervisor:
         self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
                                    for hp in plan.hosts for r in hp.ranks})
         self.pmi: PmiRelay | None = None  # made in `run`, while the agents boot
+        self.startup = Startup(self.links, fleet, opts)  # made again in `run`: its deadline
         # A fetch's answer, every card, as one frame: encoded once per epoch of the key-value
         # space (its store changes only when a fence completes), the same bytes to every host.
         self._cards: tuple[int, bytes] | None = None
@@ -102,7 +105,7 @@ class Supervisor:
         t0 = time.monotonic() if started is None else started
         self.pmi = PmiRelay(hosts=len(self.links), kvsname=self.plan.kvsname, mode=self.opts.pmi,
                             stall_after=self.opts.pmi_stall, say=self._say)
-        startup = Startup(self.links, self.fleet, self.opts)
+        startup = self.startup = Startup(self.links, self.fleet, self.opts)
         try:
             rendezvous = startup.prepare(self.plan, master)
         except BaseException:
@@ -136,20 +139,27 @@ class Supervisor:
             if checks.due(now):
                 beat = now - last_beat >= self.opts.heartbeat
                 if beat:
-                    for link in self.fleet.heartbeat(self._running()):
+                    # Not ahead of a SPEC that waits for a booting agent's HELLO (`--start eager`)
+                    booted = [link for link in self._running() if link.hello]
+                    for link in self.fleet.heartbeat(booted):
                         self._host_lost(link, "the stream to its agent broke")
                     last_beat = now
                 self.fleet.tend_idle(self._at, now, beat=beat,
                                      limit=self.opts.heartbeat * self.opts.misses)
                 self._check_silence(now)
+                for link in self.startup.overdue(now):  # `--start eager`: never answered READY
+                    self._host_lost(link, "its agent did not check the job within the launch "
+                                          f"timeout ({self.opts.launch_timeout}s)")
                 self._check_pmi_stall(now)
                 self._check_progress(now)
                 if deadline is not None and now >= deadline and not self.stopping:
                     self.outcome.timed_out = True
                     self._stop(signal.SIGTERM, self.opts.grace)
                 if self.stopping and now >= self._give_up_at and not self._output_holds():
+                    waiting = self.startup.waiting()  # started nothing: `overdue` bounds them
                     for link in self.links:  # its ranks' fate is unknown: the host is lost
-                        self._host_lost(link, "did not report its ranks stopped in time")
+                        if link not in waiting:
+                            self._host_lost(link, "did not report its ranks stopped in time")
                     break
             try:
                 event = self.events.get(timeout=CHECK_EVERY_S)
@@ -168,8 +178,9 @@ class Supervisor:
 
     def _check_silence(self, now: float) -> None:
         # A held link: we stopped reading it (our stdout is slow), not the agent's silence.
-        for link in self.fleet.silent(self._running(), self.opts.heartbeat * self.opts.misses,
-                                      now):
+        # An agent still booting cannot beat (`--start eager`): the launch timeout bounds it.
+        booted = [link for link in self._running() if link.hello]
+        for link in self.fleet.silent(booted, self.opts.heartbeat * self.opts.misses, now):
             self._host_lost(link, f"no heartbeat for {now - link.last_heard:.1f}s "
                                   "(host down or network cut?)", at=link.last_heard)
 
@@ -236,10 +247,25 @@ class Supervisor:
                 # at the end, `bench.sim_scale`'s exit tail); its end is waited for with the
                 # rest (`Fleet.dismiss`).
                 self.fleet.release(link)
+        elif kind in (wire.Kind.HELLO, wire.Kind.READY):
+            self._checked(link, frame)
         elif kind is wire.Kind.ERROR:
             body = frame.json()
+            if link in self.startup.waiting():  # it refused the job (`--start eager`)
+                self.done_hosts.add(link.index)
+            fix = f". {body['fix']}" if body.get("fix") else ""
             self._fail(Failure(LOST_CODE, f"host {link.name}",
-                               f"{body.get('what')}: {body.get('why')}"))
+                               f"{body.get('what')}: {body.get('why')}{fix}"))
+
+    def _checked(self, link: AgentLink, frame: wire.Frame) -> None:
+        """`--start eager`: a host's HELLO or READY after the first hosts' ranks started."""
+        try:
+            over = self.startup.checked(link, frame, self.stopping)
+        except AgentError as exc:  # it speaks another protocol: it starts nothing
+            self._fail(Failure(LOST_CODE, exc.where, f"{exc.what}: {exc.why}. {exc.fix}"))
+            over = True
+        if over:
+            self.done_hosts.add(link.index)
 
     def _on_exit(self, body: dict[str, Any]) -> None:
         rank = int(body["rank"])
@@ -345,6 +371,10 @@ class Supervisor:
         self.stopping = True
         # The agents SIGKILL after `grace`; give them a little longer to report back.
         self._give_up_at = time.monotonic() + grace + max(5.0, 2 * self.opts.heartbeat)
+        if not self.keep_agents:  # hosts still checking start nothing now; BYE ends them
+            # (a round that may be followed waits for their answer: a late READY must not
+            # count for the next round's SPEC)
+            self.done_hosts.update(link.index for link in self.startup.waiting())
         for link in self._running():
             link.send_json(wire.Kind.KILL, {"signal": int(sig), "grace": grace})
 

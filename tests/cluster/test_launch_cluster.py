@@ -247,14 +247,16 @@ def test_a_host_whose_link_goes_down_is_detected_within_the_heartbeat_budget(clu
         head.kill()
 
 
-def test_mpi_world_across_two_hosts_broadcasts_a_128_byte_id(cluster):
+@pytest.mark.parametrize("start", ["together", "eager"])
+def test_mpi_world_across_two_hosts_broadcasts_a_128_byte_id(cluster, start):
     code = ("from mpi4py import MPI; import hashlib, os\n"
             "c = MPI.COMM_WORLD\n"
             "uid = bytearray(os.urandom(128)) if c.rank == 0 else bytearray(128)\n"
             "c.Bcast(uid, root=0)\n"
             "import json; print(json.dumps([c.size, c.allreduce(c.rank + 1), "
             "hashlib.sha256(uid).hexdigest(), MPI.Get_processor_name()]))\n")
-    res = run_dtrain(["launch", "-H", "node1:2,node2:2", *_ssh(cluster), "--", PYTHON, "-c", code])
+    res = run_dtrain(["launch", "-H", "node1:2,node2:2", *_ssh(cluster), "--start", start, "--",
+                      PYTHON, "-c", code])
     assert res.returncode == 0, res.stderr
     got = _rank_json(res.stdout)
     assert sorted(got) == [0, 1, 2, 3]

@@ -103,6 +103,8 @@ class ScriptedAgent:
         self.scripts, self.specs = (script, *later), []  # every SPEC received, in order
         self.received: list[wire.Kind] = []  # every frame kind the head sent, in order
         self.frames: list[wire.Frame] = []  # every frame the head sent, in order
+        self.received_at: list[float] = []  # when each of them came (time.monotonic)
+        self.hello_at = 0.0  # when this agent said HELLO
         self.kills: list[dict[str, Any]] = []
         self.ranks: list[int] = []
         self._running: set[int] = set()
@@ -130,6 +132,7 @@ class ScriptedAgent:
 
     def _run(self) -> None:
         time.sleep(self.script.boot_s)
+        self.hello_at = time.monotonic()
         self.send(wire.Kind.HELLO, {"protocol": wire.PROTOCOL_VERSION, "dtrain": "test"})
         threading.Thread(target=self._heartbeats, daemon=True).start()
         decoder = wire.Decoder()
@@ -137,6 +140,7 @@ class ScriptedAgent:
             while data := self.stream.to_agent.read(65536):
                 for frame in decoder.feed(data):
                     self.received.append(frame.kind)
+                    self.received_at.append(time.monotonic())
                     self.frames.append(frame)
                     if self._on(frame):
                         return
