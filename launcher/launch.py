@@ -117,6 +117,11 @@ def run_launch(req: LaunchRequest) -> int:
     active, spares = _split(req, select(req.hosts), transport)
     plan = _plan(req, active, _base_env(req))
     if transport.flow is table.Flow.COMMAND:
+        if req.supervise.start == "eager":
+            raise UsageError(f"--start eager is not supported with --launcher {transport.name}",
+                             "--start", "the MPI launcher starts the ranks, not dtrain's agents "
+                             "(Hydra's proxies start each host's ranks as they come up)",
+                             "drop --start eager")
         code: int = transport.load()(req, plan, active)
         return code
     tree = _tree(req, active, transport)

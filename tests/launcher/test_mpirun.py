@@ -35,6 +35,13 @@ def _plan(hosts: str, **select):
 RDV = Rendezvous("node1", 29500)
 
 
+def test_an_eager_start_under_mpirun_is_refused_once_before_anything_starts():
+    res = run_dtrain(["launch", "--launcher", "mpirun", "--start", "eager", "--", PYTHON, "-c",
+                      "pass"])
+    assert res.returncode == 2 and res.stderr.count("error:") == 1
+    assert "--start eager is not supported with --launcher mpirun [--start]" in res.stderr
+
+
 def test_hydra_command_carries_hosts_counts_and_the_shared_environment():
     cmd = mpirun.build_command(_plan("node1:2,node2:2"), RDV, mpirun="mpiexec", flavour="hydra",
                                python="/venv/bin/python")
