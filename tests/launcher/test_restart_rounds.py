@@ -8,6 +8,7 @@ ends. A fraction of a second per test.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import signal
 import threading
@@ -76,12 +77,12 @@ class Cluster:
 
 
 def run_job(hostfile: str, scripts: dict[str, Sequence[Script]], restart: RestartOptions,
-            on_start: object = None) -> tuple[JobEnd, Cluster]:
+            on_start: object = None, opts: SuperviseOptions = OPTS) -> tuple[JobEnd, Cluster]:
     cluster = Cluster(scripts)
     active, spares = split_spares(select_hosts(parse_hostfile_text(hostfile, "hf")),
                                   restart.spares)
     setup = RoundsSetup(
-        argv=("train",), cwd="/", job_id="job", base_env=BASE_ENV, supervise=OPTS,
+        argv=("train",), cwd="/", job_id="job", base_env=BASE_ENV, supervise=opts,
         restart=restart,
         master=("10.0.0.1", 29500), log_dir=None, connect=cluster.connect,  # type: ignore
         sink_for=cluster.sink_for)
@@ -110,6 +111,26 @@ def test_a_crashed_rank_restarts_the_job_on_the_same_hosts_over_the_same_streams
     assert (env["DTRAIN_RESTART_COUNT"], env["TORCHELASTIC_RESTART_COUNT"],
             env["TORCHELASTIC_MAX_RESTARTS"], env["DTRAIN_RESTART_CAUSE"]) == (
         "1", "1", "2", "rank exited 137: node2")
+
+
+@pytest.mark.parametrize("second", [OK, Script(refuse_spec=True)], ids=["ready", "refused"])
+def test_an_eager_round_that_fails_while_a_host_boots_waits_for_its_answer_before_the_next(
+        second: Script) -> None:
+    # node1's rank fails at once; node2 is still booting with the first round's SPEC waiting.
+    # Its READY to that SPEC must end its part of the first round, not count for the second:
+    # node2 starts in the second round only once it has checked that round's SPEC.
+    end, cluster = run_job("node1\nnode2\n", {"node1": [Script({0: 137}), OK],
+                                              "node2": [Script(boot_s=0.5), second]},
+                           RestartOptions(max_restarts=1, backoff=0),
+                           opts=dataclasses.replace(OPTS, start="eager"))
+    assert end.records[0].exit_code == 137
+    got = [k for k in cluster.received("node2") if k is not K.KILL]
+    if second.refuse_spec:
+        assert end.outcome.exit_code == 255 and K.START not in got
+    else:
+        assert end.outcome.exit_code == 0 and end.records[1].exit_code == 0
+        assert got[:3] == [K.SPEC, K.SPEC, K.START] and got.count(K.START) == 1
+    assert cluster.received("node2")[-1] is K.BYE
 
 
 def test_a_lost_host_is_replaced_by_the_spare_in_its_place():
