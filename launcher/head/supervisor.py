@@ -156,11 +156,14 @@ class Supervisor:
                     self.outcome.timed_out = True
                     self._stop(signal.SIGTERM, self.opts.grace)
                 if self.stopping and now >= self._give_up_at and not self._output_holds():
-                    waiting = self.startup.waiting()  # started nothing: `overdue` bounds them
-                    for link in self.links:  # its ranks' fate is unknown: the host is lost
+                    # Hosts still checking (a round may follow) started nothing: they answer,
+                    # or `overdue` ends them; the others' ranks' fate is unknown: lost.
+                    waiting = self.startup.waiting()
+                    for link in self.links:
                         if link not in waiting:
                             self._host_lost(link, "did not report its ranks stopped in time")
-                    break
+                    if len(self.done_hosts) == len(self.links):
+                        break
             try:
                 event = self.events.get(timeout=CHECK_EVERY_S)
             except queue.Empty:

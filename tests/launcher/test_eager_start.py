@@ -101,3 +101,14 @@ def test_a_host_that_never_answers_is_lost_at_the_launch_timeout_and_stops_the_o
     assert "did not check the job within the launch timeout (0.5s)" in outcome.failures[0].why
     assert agents[0].kills and outcome.ranks[0].state == "stopped"
     assert K.START not in agents[1].received
+
+
+def test_a_host_still_booting_when_the_job_gives_up_on_a_stuck_host_is_not_called_lost() -> None:
+    # node0's rank 0 fails; its rank 1 takes 30 s to stop (past the head's patience, about
+    # 5 s): node0 is lost. node1, still booting then, started nothing and is not lost.
+    outcome, agents = run_job([Script({0: 7}, save_s=30.0), Script({2: 0, 3: 0}, boot_s=1.0)])
+    assert outcome.exit_code == 7
+    assert [f.where for f in outcome.failures] == ["rank 0@node0", "host node0"]
+    assert "did not report its ranks stopped in time" in outcome.failures[1].why
+    assert outcome.ranks[2].state == outcome.ranks[3].state == "pending"
+    assert K.START not in agents[1].received and K.BYE in agents[1].received
