@@ -116,7 +116,7 @@ def _machine_cpu() -> float:
 
 
 def run_one(cluster: Any, tool: str, n: int, per_host: int, fanout: int) -> common.Sample:
-    base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K], +eager: dtrain's
+    base = tool if tool in common.TOOLS else "dtrain"  # dtrain-tree[:K], ...+eager: dtrain
     missing = common.tool_missing(base)
     if missing:
         return common.Sample(None, missing)

@@ -157,7 +157,9 @@ class Startup:
 
     def waiting(self) -> list[AgentLink]:
         """The links whose agents have not answered READY yet (only under `--start eager`
-        once START went out)."""
+        once START went out); none without a walk once all have (the supervisor asks often)."""
+        if len(self.ready) == len(self.links):
+            return []
         return [link for link in self.links if link.index not in self.ready]
 
     def overdue(self, now: float) -> list[AgentLink]:

@@ -139,9 +139,7 @@ class Supervisor:
             if checks.due(now):
                 beat = now - last_beat >= self.opts.heartbeat
                 if beat:
-                    # Not ahead of a SPEC that waits for a booting agent's HELLO (`--start eager`)
-                    booted = [link for link in self._running() if link.hello]
-                    for link in self.fleet.heartbeat(booted):
+                    for link in self.fleet.heartbeat(self._booted()):
                         self._host_lost(link, "the stream to its agent broke")
                     last_beat = now
                 self.fleet.tend_idle(self._at, now, beat=beat,
@@ -175,15 +173,20 @@ class Supervisor:
     def _running(self) -> list[AgentLink]:
         return [link for link in self.links if link.index not in self.done_hosts]
 
+    def _booted(self) -> list[AgentLink]:
+        """The running links whose agents said HELLO. One still booting (`--start eager`)
+        cannot beat, so it is not held to the silence limit (the launch timeout bounds it),
+        and no heartbeat goes ahead of a SPEC that waits for its HELLO."""
+        return [link for link in self._running() if link.hello]
+
     def _output_holds(self) -> bool:
         """Stopping waits for ranks whose output we are still writing (not after a 2nd Ctrl-C)."""
         return not self.killed_hard and any(link.held for link in self._running())
 
     def _check_silence(self, now: float) -> None:
         # A held link: we stopped reading it (our stdout is slow), not the agent's silence.
-        # An agent still booting cannot beat (`--start eager`): the launch timeout bounds it.
-        booted = [link for link in self._running() if link.hello]
-        for link in self.fleet.silent(booted, self.opts.heartbeat * self.opts.misses, now):
+        for link in self.fleet.silent(self._booted(), self.opts.heartbeat * self.opts.misses,
+                                      now):
             self._host_lost(link, f"no heartbeat for {now - link.last_heard:.1f}s "
                                   "(host down or network cut?)", at=link.last_heard)
 
