@@ -1,29 +1,33 @@
 """Data-parallel step time: dtrain's Megatron-style DP against torch DDP (gloo), same everything.
 
-    python -m bench.ddp [--ranks 2,4] [--model small] [--seq-len 128] [--global-batch 8]
-                        [--bucket-size 1000000] [--steps 16] [--json PATH]
-    python -m bench.ddp --d-model 512 --n-layer 8 --seq-len 32 --global-batch 4   # comm-bound
+    python -m bench.ddp [--ranks 2,4] [--shapes compute,comm] [--model small] [--seq-len 128]
+                        [--global-batch 8] [--bucket-size 1000000] [--steps 16] [--json PATH]
 
-Three sides run one after the other in one invocation, each as N ranks under the MPICH wheel's
-``mpiexec``, on the same model (GPT preset, seed 0), the same global batch split the same way,
-the same AdamW and the same bucket size (DDP's ``bucket_cap_mb`` = our bucket size x 4 bytes):
+Two shapes by default: ``compute`` (the GPT preset, 3.2M parameters for `small`, at --seq-len
+and --global-batch: the step is nearly all compute on a CPU) and ``comm`` (25M parameters, d_model
+512 x 8 layers, seq 32, global batch 4: 100 MB of gradients a step, as on a GPU, where compute is
+fast and the reduction is what data parallelism adds). The sides run one after the other in one
+invocation, each as N ranks under the MPICH wheel's ``mpiexec``, on the same model (GPT, seed 0),
+the same global batch split the same way, the same AdamW and the same bucket size (DDP's
+``bucket_cap_mb`` = our bucket size x 4 bytes):
 
-* ``ours``       `trainer.parallel.data.grad_sync.DataParallel` over MPI, overlap on (async bucket
-                 all-reduce launched from the grad hooks; driven by a comm thread when the host
-                 has a core per rank, else by MPI's own nonblocking calls: the default the
-                 trainer chooses, marked ``*`` in the table);
-* ``ours-other`` the same with the other way of driving the overlap (the choice measured, not
-                 assumed);
-* ``ours-sync``  the same with overlap off (every bucket reduced after backward);
-* ``torch-ddp``  ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group
-                 (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours;
-                 gradients set to None between steps, torch's default, so that DDP's reducer
-                 copies each into its bucket with the 1/dp fused, as ours does, rather than
-                 zeroing the buckets and dividing them after);
-* ``no-comm``    the same step with no data parallelism at all (each rank its own model, no
-                 gradient exchange, autograd's gradients kept as they come, never zeroed or
-                 copied): the floor no DP can go below, so ``no-comm``'s ``vs DDP`` is the best
-                 ratio any DP could reach on this model and host.
+* ``ours-hooks``  `trainer.parallel.data.grad_sync.DataParallel` over MPI, overlap on, each
+                  bucket's nonblocking all-reduce posted and progressed from the gradient hooks;
+* ``ours-thread`` overlap on, the all-reduces driven by a comm thread;
+* ``ours-sync``   overlap off: every bucket reduced after backward with blocking all-reduces;
+* ``torch-ddp``   ``torch.nn.parallel.DistributedDataParallel`` on a gloo process group
+                  (``gradient_as_bucket_view=True``, ``broadcast_buffers=False``, like ours;
+                  gradients set to None between steps, torch's default, so that DDP's reducer
+                  copies each into its bucket with the 1/dp fused, as ours does, rather than
+                  zeroing the buckets and dividing them after);
+* ``no-comm``     the same step with no data parallelism at all (each rank its own model, no
+                  gradient exchange, autograd's gradients kept as they come, never zeroed or
+                  copied): the floor no DP can go below, so ``no-comm``'s ``vs DDP`` is the best
+                  ratio any DP could reach on this model and host.
+
+The side a training run uses on this host (`trainer.parallel.data.buckets.wants_overlap` and
+`wants_comm_thread`, as `trainer.training.run` chooses) is marked ``*``: its ``vs DDP`` is
+dtrain's.
 
 Per step the slowest rank's wall time counts (a step ends when the last rank ends); the table
 shows medians over the timed steps, whose order rotates between the sides every round. ``cpu``
@@ -44,7 +48,7 @@ Communication columns (ours only; DDP does its waiting inside ``backward()``):
   of the step's communication is exposed), i.e. the share of the in-step communication that
   overlap failed to hide.
 
-Targets (issue 40): ours <= 0.85x torch DDP step time at dp 2 and 4; exposed <= 30% of total comm.
+Target (issue 40): dtrain's step <= 0.85x torch DDP's at dp 2 and 4.
 """
 
 from __future__ import annotations
@@ -56,13 +60,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from bench import common, rankjobs
 
-SIDES = ("ours", "ours-other", "ours-sync", "torch-ddp", "no-comm")
+SIDES = ("ours-hooks", "ours-thread", "ours-sync", "torch-ddp", "no-comm")
+#: The shapes `--shapes` names: options over the preset (``compute``: none).
+SHAPES: dict[str, dict[str, int]] = {
+    "compute": {},
+    "comm": {"d_model": 512, "n_layer": 8, "seq_len": 32, "global_batch": 4},
+}
 SUMMARY_NOTE = ("step_ms: median over the timed steps of the slowest rank's wall time, the sides "
-                "interleaved; cpu_ms: CPU time per step of the process, comm and gloo threads "
+                "interleaved; the side marked * (default) is the one a training run uses on "
+                "this host; cpu_ms: CPU time per step of the process, comm and gloo threads "
                 "included; vs_ddp, cpu_vs_ddp: against torch-ddp in the same run. no-comm is "
                 "the step with no gradient exchange at all: its vs_ddp is the best any data "
                 "parallelism could reach on this model and host. exposed_ms: from the last "
@@ -180,9 +190,8 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     world = init(backend="mpi")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{os.environ['BENCH_PORT']}",
                             rank=world.rank, world_size=world.size)
-    ours = OursSide(args, world, overlap=True)
-    sides = {"ours": ours, "ours-other": OursSide(args, world, overlap=True,
-                                                  comm_thread=not ours.dp.uses_comm_thread),
+    sides = {"ours-hooks": OursSide(args, world, overlap=True, comm_thread=False),
+             "ours-thread": OursSide(args, world, overlap=True, comm_thread=True),
              "ours-sync": OursSide(args, world, overlap=False), "torch-ddp": DdpSide(args, world),
              "no-comm": NoCommSide(args, world)}
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in SIDES}
@@ -195,11 +204,21 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             if i > WARMUP:
                 rows[name].append({"step_s": time.perf_counter() - start,
                                    "cpu_s": time.process_time() - cpu, **times})
-    alone = statistics.median(sides["ours"].comm_alone() for _ in range(args.steps))
+    sync = cast(OursSide, sides["ours-sync"])
+    alone = statistics.median(sync.comm_alone() for _ in range(args.steps))
     dist.destroy_process_group()
     return {"rank": world.rank, "sides": rows, "comm_alone_s": alone,
-            "buckets": len(sides["ours"].dp.buckets), "params": sides["ours"].model.num_params(),
-            "comm_thread": sides["ours"].dp.uses_comm_thread}
+            "buckets": len(sync.dp.buckets), "params": sync.model.num_params(),
+            "default": default_side(world.comm.backend)}
+
+
+def default_side(backend: str) -> str:
+    """The side a training run uses on this host: `trainer.training.run`'s choice."""
+    from trainer.parallel.data.buckets import wants_comm_thread, wants_overlap
+
+    if not wants_overlap(backend):
+        return "ours-sync"
+    return "ours-thread" if wants_comm_thread(backend) else "ours-hooks"
 
 
 def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -212,15 +231,13 @@ def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:
                                  env=clean_env({"BENCH_PORT": str(free_port())}))
 
 
-def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]],
+              shape: str) -> dict[str, Any]:
     """Medians over the timed steps of the slowest rank's step time, the mean wait and the
     skew-free exposed time."""
     steps = list(zip(*(r["sides"][side] for r in per_rank), strict=True))  # [step][rank]
-    thread = per_rank[0]["comm_thread"] != (side == "ours-other")
-    how = (" (comm thread)" if thread else " (MPI async)") + ("*" if side == "ours" else "")
-    row = {"side": "ours" + how if side in ("ours", "ours-other") else side, "ranks": ranks,
-           "buckets": per_rank[0]["buckets"],
-           "params": per_rank[0]["params"],
+    row = {"shape": shape, "side": side, "default": side == per_rank[0]["default"],
+           "ranks": ranks, "buckets": per_rank[0]["buckets"], "params": per_rank[0]["params"],
            "step_ms": 1e3 * statistics.median(max(r["step_s"] for r in s) for s in steps),
            "cpu_ms": 1e3 * statistics.median(
                statistics.mean(r["cpu_s"] for r in s) for s in steps)}
@@ -233,19 +250,23 @@ def summarize(side: str, ranks: int, per_rank: list[dict[str, Any]]) -> dict[str
     return row
 
 
-def run(ranks: Sequence[int] = (2, 4), **options: Any) -> list[dict[str, Any]]:
-    """Every side at every rank count; one row per (ranks, side), plus derived ratios."""
-    args = parse_args(rankjobs.as_argv(options))
+def run(ranks: Sequence[int] = (2, 4), shapes: Sequence[str] = tuple(SHAPES),
+        **options: Any) -> list[dict[str, Any]]:
+    """Every side at every rank count of every shape; one row per (shape, ranks, side), plus
+    derived ratios."""
     rows = []
-    for n in ranks:
-        per_rank = _ranks(n, args)
-        ours, other, sync, ddp, floor = (summarize(side, n, per_rank) for side in SIDES)
-        for row in (ours, other, sync, floor):
-            row["vs_ddp"] = row["step_ms"] / ddp["step_ms"]
-            row["cpu_vs_ddp"] = row["cpu_ms"] / ddp["cpu_ms"]
-        for row in (ours, other):
-            row["exposed_of_total"] = row["exposed_ms"] / max(sync["exposed_ms"], 1e-9)
-        rows += [ours, other, sync, ddp, floor]
+    for shape in shapes:
+        args = parse_args(rankjobs.as_argv({**options, **SHAPES[shape]}))
+        for n in ranks:
+            per_rank = _ranks(n, args)
+            hooks, thread, sync, ddp, floor = (summarize(side, n, per_rank, shape)
+                                               for side in SIDES)
+            for row in (hooks, thread, sync, floor):
+                row["vs_ddp"] = row["step_ms"] / ddp["step_ms"]
+                row["cpu_vs_ddp"] = row["cpu_ms"] / ddp["cpu_ms"]
+            for row in (hooks, thread):
+                row["exposed_of_total"] = row["exposed_ms"] / max(sync["exposed_ms"], 1e-9)
+            rows += [hooks, thread, sync, ddp, floor]
     return rows
 
 
@@ -253,13 +274,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="DP step time on CPU: dtrain DataParallel (MPI) vs torch DDP (gloo)")
-    for col in ("ranks", "side", "step ms", "vs DDP", "cpu ms", "cpu vs DDP", "wait ms",
-                "exposed ms", "comm alone ms", "exposed / total", "buckets"):
+    table = Table(title="DP step time on CPU: dtrain DataParallel (MPI) vs torch DDP (gloo); "
+                  "* the side a training run uses here")
+    for col in ("shape", "params", "ranks", "side", "step ms", "vs DDP", "cpu ms", "cpu vs DDP",
+                "wait ms", "exposed ms", "comm alone ms", "exposed / total", "buckets"):
         table.add_column(col, justify="right")
     for r in rows:
         ours = r["side"].startswith("ours")
-        table.add_row(str(r["ranks"]), r["side"], f"{r['step_ms']:.1f}",
+        table.add_row(r["shape"], f"{r['params'] / 1e6:.1f}M", str(r["ranks"]),
+                      r["side"] + ("*" if r["default"] else ""), f"{r['step_ms']:.1f}",
                       f"{r['vs_ddp']:.2f}x" if "vs_ddp" in r else "", f"{r['cpu_ms']:.1f}",
                       f"{r['cpu_vs_ddp']:.2f}x" if "cpu_vs_ddp" in r else "",
                       f"{r['wait_ms']:.2f}" if ours else "",
@@ -267,13 +290,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
                       f"{r['comm_alone_ms']:.2f}" if ours else "",
                       f"{r['exposed_of_total']:.0%}" if "exposed_of_total" in r else "",
                       str(r["buckets"]) if ours else "")
-    Console(width=None if sys.stdout.isatty() else 140).print(table)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.ddp", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", default="2,4", help="DP sizes, e.g. 2,4")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"model shapes, of {', '.join(SHAPES)} (see above)")
     ap.add_argument("--model", default="small", help="GPT preset")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--d-model", type=int, default=0, help="override the preset's width")
@@ -292,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
         return common.save_rank_result(args.out, worker(args))
-    rows = run([int(n) for n in args.ranks.split(",")], **rankjobs.options(args, drop=("ranks",)))
+    rows = run([int(n) for n in args.ranks.split(",")], args.shapes.split(","),
+               **rankjobs.options(args, drop=("ranks", "shapes")))
     return common.report(rows, print_table, args.json)
 
 

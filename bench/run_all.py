@@ -70,7 +70,7 @@ BENCHES = (
     Bench("allreduce", "CPU all-reduce: dtrain MPI vs torch gloo",
           quick={"ranks": (2,), "sizes": "1K,64K,1M"}),
     Bench("ddp", "Data-parallel step: dtrain DataParallel vs torch DDP",
-          quick={"ranks": (2,), "model": "tiny", "steps": 3}),
+          quick={"ranks": (2,), "shapes": ("compute",), "model": "tiny", "steps": 3}),
     Bench("tp", "Tensor parallelism: TP=2 traffic vs analytic, step time vs DP=2 and serial",
           quick={"model": "tiny", "steps": 3}),
     Bench("pipeline", "Pipeline schedules: bubble vs theory, activation memory, step time",

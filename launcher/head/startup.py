@@ -89,7 +89,7 @@ class Startup:
         self.opts = opts
         self._beat_at = time.monotonic()
         self._checks = Every()  # when to look at every link again
-        self.deadline = time.monotonic() + opts.launch_timeout
+        self.deadline = float("inf")  # --launch-timeout counts from `prepare`'s SPECs
         self.hello_at = self.ready_at = 0.0  # when the last HELLO / READY arrived
         self.ready: dict[int, dict[str, Any]] = {}  # link index -> its READY
         self._unsent: dict[int, bytes] = {}  # SPECs that wait for their agent's HELLO
@@ -107,6 +107,7 @@ class Startup:
         host (its route towards the next host, 127.0.0.1 for a single host; a free port).
         """
         user_addr, user_port = master
+        self.deadline = time.monotonic() + self.opts.launch_timeout
         # Those sent as their streams opened (`launcher.head.early`) go no second time.
         early = {link.index for link in self.links if link.early_spec}
         for link in self.links:

@@ -65,7 +65,7 @@ class Supervisor:
         self.outcome = JobOutcome({r.rank: RankOutcome(r.rank, hp.entry.name)
                                    for hp in plan.hosts for r in hp.ranks})
         self.pmi: PmiRelay | None = None  # made in `run`, while the agents boot
-        self.startup = Startup(self.links, fleet, opts)  # made again in `run`: its deadline
+        self.startup = Startup(self.links, fleet, opts)
         # A fetch's answer, every card, as one frame: encoded once per epoch of the key-value
         # space (its store changes only when a fence completes), the same bytes to every host.
         self._cards: tuple[int, bytes] | None = None
@@ -105,7 +105,7 @@ class Supervisor:
         t0 = time.monotonic() if started is None else started
         self.pmi = PmiRelay(hosts=len(self.links), kvsname=self.plan.kvsname, mode=self.opts.pmi,
                             stall_after=self.opts.pmi_stall, say=self._say)
-        startup = self.startup = Startup(self.links, self.fleet, self.opts)
+        startup = self.startup
         try:
             rendezvous = startup.prepare(self.plan, master)
         except BaseException:

@@ -235,8 +235,9 @@ def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool, rank: in
     shards = par.zero_over
     layout = shard_layout(params.numels, par.bucket_size, shards, 0, params.alone)
     wire = 2 if par.grad_reduce_dtype != "fp32" and shards > 1 else 4  # staging: fp32
+    overlap = par.overlap is not False  # ZeRO's default (`build_run`): overlapped
     staged = peak_staged_bytes([b.end - b.start for b in layout.buckets],
-                               in_flight=IN_FLIGHT if par.overlap and shards > 1 else 0,
+                               in_flight=IN_FLIGHT if overlap and shards > 1 else 0,
                                rounds=par.microbatches, main_bytes=4, wire_bytes=wire)
     return MemoryTable(params=table.params, grads=table.grads + staged,
                        optimizer=table.optimizer)

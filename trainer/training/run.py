@@ -37,6 +37,7 @@ from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.parallel.context.attention import Exchange
 from trainer.parallel.context.model import context_parallel, keep_chunks
+from trainer.parallel.data.buckets import wants_overlap
 from trainer.parallel.data.split import GradSync, data_parallel
 from trainer.parallel.expert.layer import set_aux_scale
 from trainer.parallel.pipeline.partition import StageLayout
@@ -103,6 +104,10 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     checkpoint on --resume. ``corpus`` is the checked data (read here when not given). Every
     group is timed on the run's clock. The steps run in one order on every rank: several of
     them are collective."""
+    if cfg.parallel.overlap is None:  # the all-reduce's choice was measured (`wants_overlap`);
+        # ZeRO's reduce-scatters keep overlapping, as the planner's memory counts them
+        cfg = cfg.with_options(overlap=bool(cfg.optimizer.zero)
+                               or wants_overlap(mesh.group("dp_cp").backend))
     clock = CommClock()
     mesh = timed_mesh(mesh, clock)
     device = mesh.device
@@ -231,6 +236,7 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
     par = cfg.parallel
     reduce_dtype = DTYPES[par.grad_reduce_dtype] if par.grad_reduce_dtype != "fp32" else None
     dp_comm = mesh.group("dp_cp")  # cp ranks hold the same weights: ZeRO shards over both
+    overlap = bool(par.overlap)  # chosen by `build_run` where not given
     if cfg.optimizer.zero:  # the tied embedding's own bucket: its shards match across stages
         tied = tied_weight(model, layout) if layout else None
         if cfg.optimizer.zero == 3 and cfg.gpt.moe.experts:  # experts shard over edp
@@ -238,19 +244,19 @@ def _weights(cfg: TrainConfig, model: GPT, optimizer: torch.optim.Optimizer,
                 model, optimizer, lambda p: dp_axes(placement_of(p)), mesh.group, dtype,
                 prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked,
                 alone=[tied] if tied is not None else [], bucket_size=par.bucket_size,
-                overlap=par.overlap, reduce_dtype=reduce_dtype)
+                overlap=overlap, reduce_dtype=reduce_dtype)
         hybrid: dict[str, Any] = {"built": built}
         if par.zero_shard_size:  # shard over the mesh's zs axis, replicate over zr
             dp_comm = _shard_group(cfg, mesh)
             hybrid.update(replicas=mesh.group("zr"),
                           over=tuple(axis for axis in DP_AXES if axis != "zr"))
         sync, zero = build_zero(model, optimizer, dp_comm, dtype, stage=cfg.optimizer.zero,
-                                bucket_size=par.bucket_size, overlap=par.overlap,
+                                bucket_size=par.bucket_size, overlap=overlap,
                                 reduce_dtype=reduce_dtype, alone=[tied] if tied is not None else [],
                                 prefetch=cfg.optimizer.zero_prefetch, blocked=clock.blocked,
                                 **hybrid)
         return sync, zero
-    dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=par.overlap,
+    dp_options: dict[str, Any] = dict(bucket_size=par.bucket_size, overlap=overlap,
                                       reduce_dtype=reduce_dtype, grads_to_params=dtype is None)
     dp = data_parallel(model, lambda p: dp_axes(placement_of(p)), mesh.group, **dp_options)
     if dtype is None:

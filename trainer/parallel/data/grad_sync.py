@@ -29,7 +29,10 @@ instead of blocking: MPICH busy-polls inside a blocking call, which would take t
 backward runs on (measured on 2 and 4 ranks of a 2-core host: 10-20% slower steps when it
 spins). The thread needs CPU time of its own, so by default (`wants_comm_thread`) it is used
 only on a host with a core to spare beyond one per rank; elsewhere its polls only slow the
-backward down; ``comm_thread`` overrides the choice.
+backward down; ``comm_thread`` overrides the choice. Without that spare core nothing can run
+beside the backward at all, and a training run reduces after backward unless told otherwise
+(`wants_overlap`, chosen where the run is built): MPICH's blocking all-reduce costs a third to
+a half of the CPU of its nonblocking one.
 
 Gradient accumulation: run every microbatch but the last inside ``no_sync()``; hooks then only
 accumulate and the reduction happens once, on the last microbatch's backward (Megatron's
