@@ -203,6 +203,10 @@ class DataParallel:
                                 "Run the last microbatch's backward outside no_sync()")
         self._check_all_ready()
         self._hurry.set()
+        if not self.overlap and self._quiet_waits and self.comm.size > 1:
+            # Ranks sharing cores: wait for the last one's backward with sleeps, not inside
+            # the first blocking all-reduce, which would spin on a core that rank computes on.
+            self._wait(self.comm.all_reduce(torch.zeros(1), async_op=True))
         self._launch_ready(final=True)
         for bucket in self.buckets:
             self._wait(bucket.handle)
