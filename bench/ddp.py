@@ -25,8 +25,8 @@ the same global batch split the same way, the same AdamW and the same bucket siz
                   copied): the floor no DP can go below, so ``no-comm``'s ``vs DDP`` is the best
                   ratio any DP could reach on this model and host.
 
-The side a training run uses on this host (`trainer.parallel.data.buckets.wants_overlap` and
-`wants_comm_thread`, as `trainer.training.run` chooses) is marked ``*``: its ``vs DDP`` is
+The side a training run uses on this host (`trainer.parallel.data.buckets.reduction_schedule`,
+the default `trainer.training.run` and `DataParallel` take) is marked ``*``: its ``vs DDP`` is
 dtrain's.
 
 Per step the slowest rank's wall time counts (a step ends when the last rank ends); the table
@@ -213,12 +213,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def default_side(backend: str) -> str:
-    """The side a training run uses on this host: `trainer.training.run`'s choice."""
-    from trainer.parallel.data.buckets import wants_comm_thread, wants_overlap
+    """The side a training run uses on this host: the default reduction schedule's."""
+    from trainer.parallel.data.buckets import reduction_schedule
 
-    if not wants_overlap(backend):
-        return "ours-sync"
-    return "ours-thread" if wants_comm_thread(backend) else "ours-hooks"
+    return f"ours-{reduction_schedule(backend)}"
 
 
 def _ranks(ranks: int, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -24,7 +24,10 @@ the same machine load. Measured per rank (the largest rank), in MiB:
 Time: ``step ms`` is the median over timed steps of the slowest rank's step; ``vs dp2`` its
 ratio to plain dp2 (the ZeRO-1 target is <= 1.05); ``exposed ms`` the DP communication the step
 waited for (`trainer.comm.timing`: the reduce-scatter or all-reduce not hidden behind backward,
-plus ZeRO-1's all-gather after the step), next to the same with ``overlap off``.
+plus ZeRO-1's all-gather after the step), next to the same with ``overlap on``. The rows
+without it take the trainer's default (`trainer.parallel.data.buckets.reduction_schedule`: on
+MPI without a core to spare per rank, the reductions run after backward); each row records the
+``overlap`` it ran with.
 
 More rows: add an entry to `ROWS` (config overrides; rows of one world size share processes).
 """
@@ -50,9 +53,9 @@ ROWS: dict[str, tuple[int, dict[str, Any]]] = {
     "dp2+zero1": (2, {"dp": 2, "zero": 1}),
     "dp2+zero2": (2, {"dp": 2, "zero": 2}),
     "dp2+zero3": (2, {"dp": 2, "zero": 3}),
-    "dp2 overlap off": (2, {"dp": 2, "overlap": False}),
-    "dp2+zero1 overlap off": (2, {"dp": 2, "zero": 1, "overlap": False}),
-    "dp2+zero2 overlap off": (2, {"dp": 2, "zero": 2, "overlap": False}),
+    "dp2 overlap on": (2, {"dp": 2, "overlap": True}),
+    "dp2+zero1 overlap on": (2, {"dp": 2, "zero": 1, "overlap": True}),
+    "dp2+zero2 overlap on": (2, {"dp": 2, "zero": 2, "overlap": True}),
     "tp2": (2, {"dp": 1, "tp": 2}),
     "pp2": (2, {"dp": 1, "pp": 2, "microbatches": 4}),
     "tp2+sp": (2, {"dp": 1, "tp": 2, "sequence_parallel": True}),
@@ -121,7 +124,8 @@ class Side:
         params = held.params
         n = sum(p.numel() for p in run.dp.params)
         calc = expected_bytes(n, bf16=False, zero=self.cfg.optimizer.zero, dp=self.cfg.parallel.dp)
-        return {"layout": self.name, "steps": self.steps, "params": params,
+        return {"layout": self.name, "overlap": run.cfg.parallel.overlap,
+                "steps": self.steps, "params": params,
                 "params_peak": params + self.gathered, "grads": held.grads,
                 "grads_peak": held.grads + self.staged,
                 "grads_calc": calc.grads, "optim": held.optimizer,
@@ -163,7 +167,8 @@ def summarize(per_rank: list[dict[str, Any]], index: int) -> dict[str, Any]:
     sides = [r["sides"][index] for r in per_rank]
     steps = list(zip(*(s["steps"] for s in sides), strict=True))  # [step][rank]
     med = statistics.median
-    row: dict[str, Any] = {"layout": sides[0]["layout"], "ranks": len(per_rank)}
+    row: dict[str, Any] = {"layout": sides[0]["layout"], "ranks": len(per_rank),
+                           "overlap": sides[0]["overlap"]}
     for key in ("params", "params_peak", "grads", "grads_peak", "grads_calc", "optim",
                 "optim_calc", "act"):
         row[f"{key}_mib"] = max(s[key] for s in sides) / MIB

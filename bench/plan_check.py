@@ -120,6 +120,7 @@ def _side(args: argparse.Namespace, world: Any, sent: Any, over: dict[str, Any],
             first = {"memory": measured_bytes(run, meter.peak),
                      "sent": {k: took.get(k, 0.0) for k in KINDS}}
     return {"steps": steps, "memory": memory, "first": first,
+            "overlap": run.cfg.parallel.overlap,  # as the run chose it on this host
             "sent": {k: statistics.mean(t.get(k, 0.0) for t in traffic) for k in KINDS}}
 
 
@@ -231,6 +232,7 @@ def _run_model(args: argparse.Namespace) -> list[dict[str, Any]]:
     for name, over in ROWS.items():
         world = WORLDS.get(name, 2)
         sides = [r["rows"][name] for r in (larger[world] if name in WORLDS else ranks)]
+        over = {**over, "overlap": sides[0]["overlap"]}  # planned as it ran
         plan = planned(args, over, machine, world)
         fitted = planned(args, over, {**machine, "gflops": serial_gflops}, world)
         step = statistics.median(max(s) for s in zip(*(x["steps"] for x in sides), strict=True))

@@ -29,8 +29,7 @@ from tests.support.numerics import U32, U64, f64, reduction_rtol
 from tests.support.serial_reference import Bounds, bounds, train_serially
 from trainer.parallel.data.buckets import (
     plan_buckets,
-    wants_comm_thread,
-    wants_overlap,
+    reduction_schedule,
     wants_quiet_waits,
 )
 from trainer.training.metrics import read_records
@@ -154,16 +153,13 @@ def test_buckets_follow_reverse_parameter_order_and_never_split_a_parameter() ->
         (0, 8, [0, 1]), (8, 16, [2]), (16, 20, [3, 4, 5])]
 
 
-@pytest.mark.parametrize(("backend", "local_ranks", "cores", "thread", "quiet", "overlap"), [
-    ("mpi", 1, 2, True, False, True), ("mpi", 7, 8, True, False, True),
-    ("mpi", 2, 2, False, False, False), ("mpi", 3, 2, False, True, False),
-    ("mpi", 4, 2, False, True, False), ("nccl", 1, 64, False, False, True),
-    ("nccl", 8, 2, False, False, True)])
+@pytest.mark.parametrize(("backend", "local_ranks", "cores", "schedule", "quiet"), [
+    ("mpi", 1, 2, "thread", False), ("mpi", 7, 8, "thread", False),
+    ("mpi", 2, 2, "sync", False), ("mpi", 3, 2, "sync", True), ("mpi", 4, 2, "sync", True),
+    ("nccl", 1, 64, "hooks", False), ("nccl", 8, 2, "hooks", False)])
 def test_mpi_overlaps_on_a_comm_thread_given_a_spare_core_else_reduces_after_backward(
-        backend: str, local_ranks: int, cores: int, thread: bool, quiet: bool,
-        overlap: bool) -> None:
-    assert wants_overlap(backend, local_ranks=local_ranks, cores=cores) is overlap
-    assert wants_comm_thread(backend, local_ranks=local_ranks, cores=cores) is thread
+        backend: str, local_ranks: int, cores: int, schedule: str, quiet: bool) -> None:
+    assert reduction_schedule(backend, local_ranks=local_ranks, cores=cores) == schedule
     assert wants_quiet_waits(backend, local_ranks=local_ranks, cores=cores) is quiet
 
 
@@ -183,7 +179,8 @@ def test_dp2_run_resumes_on_one_process_and_matches_the_reference(tmp_path: Path
     first = run_ranks(2, [*flags, "--stop-at", "2"])
     assert first.returncode == 0, first.stdout[-3000:]
     # The run reduces during backward only where this host has a core to spare for it.
-    assert f"overlap {'on' if wants_overlap('mpi', local_ranks=2) else 'off'}" in first.stdout
+    overlaps = reduction_schedule("mpi", local_ranks=2) != "sync"
+    assert f"overlap {'on' if overlaps else 'off'}" in first.stdout
     second = run_ranks(1, [*flags, "--resume"])
     assert second.returncode == 0, second.stdout[-3000:]
     assert "resumed at step 2" in second.stdout

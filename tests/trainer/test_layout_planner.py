@@ -129,11 +129,12 @@ def test_the_planned_memory_per_rank_equals_what_the_trainer_holds(
         layout: str, measured: tuple[str, dict[str, dict]]) -> None:
     model, rows = measured
     world, over = MEASURED[layout]
-    cfg = resolve_dp(make_config({"model": model, "global_batch": 8, "precision": "fp32",
-                                  "bucket_size": BUCKET, **over}, {"seq_len": MODELS[model]}),
-                     world)
-    mem = memory(cfg, CPU)
     row = rows[layout]
+    # Planned for the overlap the run chose on this host (`reduction_schedule`).
+    cfg = resolve_dp(make_config({"model": model, "global_batch": 8, "precision": "fp32",
+                                  "bucket_size": BUCKET, **over, "overlap": row["overlap"]},
+                                 {"seq_len": MODELS[model]}), world)
+    mem = memory(cfg, CPU)
     mib = 2**20
     # The planner's rank at its peak: ZeRO-2's staged gradient buckets, ZeRO-3's gathered
     # units and their gradients during the step (bench.memory's "peak" columns) included.

@@ -98,9 +98,9 @@ class ParallelSection(Section):
                                   at_least=0)
     bucket_size: int = option(1_000_000, "DP gradient bucket size in elements", at_least=1)
     overlap: bool | None = option(None, "overlap the DP gradient reductions with backward "
-                                  "(default: on, but for plain DP on MPI without a core to "
-                                  "spare beyond one per rank, where reducing after backward "
-                                  "costs less CPU)")
+                                  "(default: on, but on MPI without a core to spare beyond "
+                                  "one per rank, where reducing after backward costs less "
+                                  "CPU)")
     grad_reduce_dtype: str = option("fp32", "dtype of the DP gradient all-reduce: fp32 (the main "
                                     "gradients as they are) or bf16 (half the bytes; each "
                                     "bucket rounded first)", choices=("fp32", "bf16"))

@@ -218,14 +218,19 @@ def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool, rank: in
     (`trainer.parallel.zero.layout.shard_layout`) replayed through its staging accounting
     (`trainer.parallel.zero.grad_shards.peak_staged_bytes`: the bucket being filled and
     `IN_FLIGHT` reducing); ZeRO-3 gathers the root and prefetch + 1 blocks and stages as many
-    blocks' gradients (`zero3_on_top`, measured by tests/trainer/test_zero3_memory.py)."""
+    blocks' gradients where the reductions overlap backward, else one (`zero3_on_top`,
+    measured by tests/trainer/test_zero3_memory.py)."""
     zero, par = cfg.optimizer.zero, cfg.parallel
     if zero < 2:
         return table
+    # Unset: overlapped, as on the GPUs (NCCL) plans are for (`reduction_schedule`); off, each
+    # reduction is waited for at its launch, so none is in flight beside the one filling.
+    overlap = par.overlap is not False and par.zero_over > 1
     if zero == 3:
         block, root = unit_sizes(cfg)
-        top = zero3_on_top(root=root, block=block, prefetch=cfg.optimizer.zero_prefetch,
-                           bf16=bf16)
+        prefetch = cfg.optimizer.zero_prefetch
+        top = zero3_on_top(root=root, block=block, prefetch=prefetch,
+                           in_flight=prefetch if overlap else 0, bf16=bf16)
         return MemoryTable(params=table.params + top.params, grads=table.grads + top.grads,
                            optimizer=table.optimizer)
     from trainer.parallel.zero.grad_shards import IN_FLIGHT, peak_staged_bytes
@@ -235,9 +240,8 @@ def _in_flight_shards(cfg: TrainConfig, table: MemoryTable, bf16: bool, rank: in
     shards = par.zero_over
     layout = shard_layout(params.numels, par.bucket_size, shards, 0, params.alone)
     wire = 2 if par.grad_reduce_dtype != "fp32" and shards > 1 else 4  # staging: fp32
-    overlap = par.overlap is not False  # ZeRO's default (`build_run`): overlapped
     staged = peak_staged_bytes([b.end - b.start for b in layout.buckets],
-                               in_flight=IN_FLIGHT if overlap and shards > 1 else 0,
+                               in_flight=IN_FLIGHT if overlap else 0,
                                rounds=par.microbatches, main_bytes=4, wire_bytes=wire)
     return MemoryTable(params=table.params, grads=table.grads + staged,
                        optimizer=table.optimizer)

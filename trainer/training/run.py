@@ -37,7 +37,7 @@ from trainer.optim.mixed_precision import DTYPES, MainParams, model_dtype
 from trainer.optim.optimizer import LRSchedule, build_optimizer
 from trainer.parallel.context.attention import Exchange
 from trainer.parallel.context.model import context_parallel, keep_chunks
-from trainer.parallel.data.buckets import wants_overlap
+from trainer.parallel.data.buckets import reduction_schedule
 from trainer.parallel.data.split import GradSync, data_parallel
 from trainer.parallel.expert.layer import set_aux_scale
 from trainer.parallel.pipeline.partition import StageLayout
@@ -104,10 +104,9 @@ def build_run(cfg: TrainConfig, mesh: Mesh, corpus: Corpus | TokenData | None = 
     checkpoint on --resume. ``corpus`` is the checked data (read here when not given). Every
     group is timed on the run's clock. The steps run in one order on every rank: several of
     them are collective."""
-    if cfg.parallel.overlap is None:  # the all-reduce's choice was measured (`wants_overlap`);
-        # ZeRO's reduce-scatters keep overlapping, as the planner's memory counts them
-        cfg = cfg.with_options(overlap=bool(cfg.optimizer.zero)
-                               or wants_overlap(mesh.group("dp_cp").backend))
+    if cfg.parallel.overlap is None:  # chosen once, for the banner, the budget and every sync
+        cfg = cfg.with_options(
+            overlap=reduction_schedule(mesh.group("dp_cp").backend) != "sync")
     clock = CommClock()
     mesh = timed_mesh(mesh, clock)
     device = mesh.device

@@ -8,7 +8,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 from torch import nn
@@ -43,28 +43,31 @@ def spare_cores(local_ranks: int | None = None, cores: int | None = None) -> int
     return cores - local_ranks
 
 
-def wants_overlap(backend: str, local_ranks: int | None = None,
-                  cores: int | None = None) -> bool:
-    """Whether DP should overlap its reductions with backward by default: always on NCCL (the
-    GPU reduces beside the compute), on MPI only where a host has a core to spare beyond one
-    per local rank (`spare_cores`), for the comm thread. Elsewhere nothing runs beside the
-    backward: MPI reduces only on the ranks' own cores, and MPICH's nonblocking all-reduce,
-    progressed from the gradient hooks, costs 2-3x the CPU of its blocking one (25 buckets of
+Schedule = Literal["hooks", "thread", "sync"]
+"""When DP reduces its buckets: ``hooks``, each bucket's nonblocking reduction posted from the
+gradient hooks during backward; ``thread``, the same driven by a comm thread; ``sync``, every
+bucket reduced after backward with blocking calls."""
+
+
+def reduction_schedule(backend: str, local_ranks: int | None = None,
+                       cores: int | None = None) -> Schedule:
+    """DP's default `Schedule` on this host, the one rule `trainer.training.run`,
+    `trainer.parallel.data.grad_sync.DataParallel` and `bench.ddp` follow.
+
+    NCCL: ``hooks`` (the GPU reduces beside the compute). MPI with a core to spare beyond one
+    per local rank (`spare_cores`): ``thread``, on that core. MPI without: ``sync``. There
+    nothing runs beside the backward, as MPI reduces only on the ranks' own cores, in its
+    calls; MPICH's nonblocking all-reduce costs 2-3x the CPU of its blocking one (25 buckets of
     4 MB at dp 2: 40-50 ms against 13-24 ms; the blocking one runs MPICH's shared-memory
-    algorithms, the nonblocking one a generic schedule), so the buckets are reduced after
-    backward, blocking (`bench.ddp`, 2026-11-30, 25M parameters: dp 2 0.84x DDP's step against
-    0.89x overlapped, dp 4 on 2 cores 0.80x against 0.94x)."""
-    return backend != "mpi" or spare_cores(local_ranks, cores) > 0
-
-
-def wants_comm_thread(backend: str, local_ranks: int | None = None,
-                      cores: int | None = None) -> bool:
-    """Whether DP should drive its reductions from a host thread: only MPI needs one, and only a
-    host with a core to spare beyond one per local rank (`spare_cores`) has the CPU time for
-    it. With exactly a core per rank the thread's polls preempt the backward on that core:
-    `bench.ddp` measured dp 2 on 2 cores at 1-8% more CPU per step than MPI's own nonblocking
-    calls driven from the gradient hooks (2026-11-29, 7 runs), and no shorter step."""
-    return backend == "mpi" and spare_cores(local_ranks, cores) > 0
+    algorithms, the nonblocking one a generic schedule), and driving it from a thread on a
+    rank's own core preempts the backward (`bench.ddp`, 2026-11-29, dp 2 on 2 cores: 1-8% more
+    CPU per step than from the hooks, no shorter step). Measured on 2 cores, 25M parameters,
+    2026-11-30: `bench.ddp` 0.73-0.80x DDP's step after backward against 0.87-0.92x from the
+    hooks; whole training runs (median of 30 steps) 3-7% faster at dp 4, within the runs'
+    spread at dp 2 and ZeRO-1, 2-3% at ZeRO-2 and ZeRO-3 (dp 2)."""
+    if backend != "mpi":
+        return "hooks"
+    return "thread" if spare_cores(local_ranks, cores) > 0 else "sync"
 
 
 def wants_quiet_waits(backend: str, local_ranks: int | None = None,

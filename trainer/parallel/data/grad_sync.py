@@ -27,18 +27,17 @@ call on this communicator until ``finish_grad_sync`` has joined them), as torch'
 does with its worker threads. The thread tests for completion every ``poll_interval`` seconds
 instead of blocking: MPICH busy-polls inside a blocking call, which would take the core that
 backward runs on (measured on 2 and 4 ranks of a 2-core host: 10-20% slower steps when it
-spins). The thread needs CPU time of its own, so by default (`wants_comm_thread`) it is used
-only on a host with a core to spare beyond one per rank; elsewhere its polls only slow the
-backward down; ``comm_thread`` overrides the choice. Without that spare core nothing can run
-beside the backward at all, and a training run reduces after backward unless told otherwise
-(`wants_overlap`, chosen where the run is built): MPICH's blocking all-reduce costs a third to
-a half of the CPU of its nonblocking one.
+spins). Which of these runs by default is `reduction_schedule`'s one rule, chosen here for
+``overlap`` and ``comm_thread`` left None: the thread only on a host with a core to spare
+beyond one per rank (elsewhere its polls only slow the backward down); without that spare core
+nothing can run beside the backward at all, and the buckets are reduced after backward, as
+MPICH's blocking all-reduce costs a third to a half of the CPU of its nonblocking one.
 
 Gradient accumulation: run every microbatch but the last inside ``no_sync()``; hooks then only
 accumulate and the reduction happens once, on the last microbatch's backward (Megatron's
 ``is_last_microbatch``; the karpathy/build-nanogpt#30 and FunASR#3472 bugs were syncing on the
-wrong micro-step). With ``overlap=False`` the buckets are reduced synchronously in
-``finish_grad_sync()`` instead (the baseline of the overlap benchmark).
+wrong micro-step). With ``overlap=False`` (the ``sync`` schedule) the buckets are reduced with
+blocking calls in ``finish_grad_sync()`` instead.
 
 Failure modes turned into errors instead of hangs: a parameter that got no gradient (its bucket
 would never complete, pytorch#43259) is named by ``finish_grad_sync()``; ranks whose models differ
@@ -65,7 +64,7 @@ from trainer.parallel.data.buckets import (
     Bucket,
     FutureHandle,
     plan_buckets,
-    wants_comm_thread,
+    reduction_schedule,
     wants_quiet_waits,
 )
 
@@ -87,10 +86,12 @@ class DataParallel:
     """Gradient synchronisation for ``model`` across the DP communicator ``comm``."""
 
     def __init__(self, model: ParamSource, comm: Communicator, *, bucket_size: int = 1_000_000,
-                 overlap: bool = True, allow_unused: bool = False,
+                 overlap: bool | None = None, allow_unused: bool = False,
                  comm_thread: bool | None = None, poll_interval: float = 2e-4,
                  reduce_dtype: torch.dtype | None = None, grads_to_params: bool = True) -> None:
-        self.model, self.comm, self.overlap = model, comm, overlap
+        schedule = reduction_schedule(comm.backend)
+        self.model, self.comm = model, comm
+        self.overlap = schedule != "sync" if overlap is None else overlap
         self.grads_to_params = grads_to_params
         self.poll_interval = poll_interval
         self._hurry = threading.Event()
@@ -109,9 +110,9 @@ class DataParallel:
         self._fresh: set[int] = set()
         """Parameters (ids) with no gradient in the buffer since `zero_grad`."""
         if comm_thread is None:
-            comm_thread = wants_comm_thread(comm.backend)
+            comm_thread = schedule == "thread"
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="dp-grad-sync") \
-            if comm_thread and overlap and comm.size > 1 else None
+            if comm_thread and self.overlap and comm.size > 1 else None
         self._quiet_waits = self._thread is None and wants_quiet_waits(comm.backend)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)

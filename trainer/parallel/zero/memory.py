@@ -70,14 +70,16 @@ def _sharded(n: int, *, bf16: bool, zero: int, d: int) -> MemoryTable:
     return MemoryTable(params=round(params), grads=round(grads), optimizer=round(optimizer))
 
 
-def zero3_on_top(*, root: int, block: int, prefetch: int, bf16: bool) -> MemoryTable:
+def zero3_on_top(*, root: int, block: int, prefetch: int, in_flight: int, bf16: bool
+                 ) -> MemoryTable:
     """What a ZeRO-3 rank holds at most during a step on top of its shards, for units of
     ``root`` and ``block`` parameters: the root (gathered through forward and backward) and
     ``prefetch`` + 1 blocks gathered (the one computing and those fetched ahead), and the
-    gradients of ``prefetch`` + 1 blocks staged (the one filling and the reduce-scatters in
-    flight, capped at the prefetch depth: `trainer.parallel.zero.units`)."""
+    gradients of ``in_flight`` + 1 blocks staged (the one filling and the reduce-scatters in
+    flight: the prefetch depth when they overlap backward, `trainer.parallel.zero.units`, else
+    0, each waited for at its launch)."""
     return MemoryTable(params=(2 if bf16 else 4) * (root + (prefetch + 1) * block),
-                       grads=4 * (prefetch + 1) * block, optimizer=0)
+                       grads=4 * (in_flight + 1) * block, optimizer=0)
 
 
 def held_bytes(params: Iterable[torch.Tensor], grads: torch.Tensor | Iterable[torch.Tensor],
