@@ -61,8 +61,14 @@ KERNEL_VARIANTS := "MKL_CBWR=COMPATIBLE ATEN_CPU_CAPABILITY=default ONEDNN_MAX_C
 # (tests/support/mpi_runs.py).
 NUMERICS_WORKERS ?= 2
 
+# Two passes: the tests that time real processes against each other (marked `alone`,
+# tests/conftest.py) with the machine to themselves, the rest on TEST_WORKERS workers, a file per
+# worker, as the numerics tests.
+TEST_WORKERS ?= 2
+
 test: install sysdeps bytecode
-	$(PY) -m pytest -q -ra --durations=15 tests
+	$(PY) -m pytest -q -ra --durations=10 -n $(TEST_WORKERS) --dist loadfile -m "not alone" tests
+	$(PY) -m pytest -q -ra --durations=10 -p no:cacheprovider -m alone tests
 	$(MAKE) --no-print-directory test-kernels
 
 test-kernels: install

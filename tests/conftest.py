@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +20,7 @@ from testbed.slurm import SlurmCluster, slurm_available
 from testbed.sshd import FAST_CLIENT_ALIVE, SshdServer, sshd_available
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -97,10 +99,19 @@ def venv_python() -> str:
     return sys.executable
 
 
+ALONE = {"launcher", "cluster", "project"}
+"""Test folders whose tests time real processes against each other (heartbeats, stalls, hang
+deadlines, launch races): ``make test`` runs them, and every test of an sshd or namespace host,
+with the machine to itself (marked ``alone``); the rest share its cores (pytest-xdist)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        names = getattr(item, "fixturenames", ())
+        names = set(getattr(item, "fixturenames", ()))
         if "sshd" in names:
             item.add_marker(pytest.mark.sshd)
-        if {"netns_cluster", "slurm_cluster", "bare_cluster"} & set(names):
+        if {"netns_cluster", "slurm_cluster", "bare_cluster"} & names:
             item.add_marker(pytest.mark.netns)
+        folder = item.path.relative_to(TESTS).parts[0]
+        if folder in ALONE or {"sshd", "netns_cluster", "slurm_cluster", "bare_cluster"} & names:
+            item.add_marker(pytest.mark.alone)
