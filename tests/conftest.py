@@ -99,10 +99,11 @@ def venv_python() -> str:
     return sys.executable
 
 
-ALONE = {"launcher", "cluster", "project"}
+ALONE = {"launcher", "cluster"}
 """Test folders whose tests time real processes against each other (heartbeats, stalls, hang
-deadlines, launch races): ``make test`` runs them, and every test of an sshd or namespace host,
-with the machine to itself (marked ``alone``); the rest share its cores (pytest-xdist)."""
+deadlines, launch races): ``make test`` runs them, every test of an sshd or namespace host and
+the modules marked ``alone`` themselves with the machine to itself; the rest share its cores
+(pytest-xdist)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -23,6 +23,10 @@ from testbed.sshd import (
 from testbed.stale import STATE_DIR
 from tests.support import alive, wait_gone
 
+# Namespace hosts and sshds of its own, timed against sshd's keepalives: with the machine to
+# itself in make test (tests/conftest.py).
+pytestmark = pytest.mark.alone
+
 
 def _open(cluster: NetnsCluster, host: str) -> SSHConnection:
     opts = SSHOptions(config_file=cluster.ssh_config)

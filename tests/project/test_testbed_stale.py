@@ -8,8 +8,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from testbed import netns, slurm
 from testbed.stale import abandoned, process_key, record, remove_scratch, running
+
+# Reaps state and kills recorded daemons as a new test session does: with no other session
+# running beside it in make test (tests/conftest.py).
+pytestmark = pytest.mark.alone
 
 GONE = [os.getpid(), 0]  # this pid with another start time: a creator whose pid was reused
 
