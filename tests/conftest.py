@@ -101,9 +101,9 @@ def venv_python() -> str:
 
 ALONE = {"launcher", "cluster"}
 """Test folders whose tests time real processes against each other (heartbeats, stalls, hang
-deadlines, launch races): ``make test`` runs them, every test of an sshd or namespace host and
-the modules marked ``alone`` themselves with the machine to itself; the rest share its cores
-(pytest-xdist)."""
+deadlines, launch races). ``make test`` runs them with the machine to itself, together with
+every test of an sshd or namespace host and the modules that mark themselves ``alone``; the
+rest share its cores (pytest-xdist)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
