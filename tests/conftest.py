@@ -105,14 +105,17 @@ deadlines, launch races). ``make test`` runs them with the machine to itself, to
 every test of an sshd or namespace host and the modules that mark themselves ``alone``; the
 rest share its cores (pytest-xdist)."""
 
+NAMESPACE_HOSTS = {"netns_cluster", "slurm_cluster", "bare_cluster"}
+"""The fixtures that bring up network-namespace hosts."""
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         if "sshd" in names:
             item.add_marker(pytest.mark.sshd)
-        if {"netns_cluster", "slurm_cluster", "bare_cluster"} & names:
+        if NAMESPACE_HOSTS & names:
             item.add_marker(pytest.mark.netns)
         folder = item.path.relative_to(TESTS).parts[0]
-        if folder in ALONE or {"sshd", "netns_cluster", "slurm_cluster", "bare_cluster"} & names:
+        if folder in ALONE or "sshd" in names or NAMESPACE_HOSTS & names:
             item.add_marker(pytest.mark.alone)
